@@ -1,0 +1,25 @@
+# `make run`: set up .venv and train tiny-qwen3 on the built-in corpus (CPU).
+# `make test`: set up .venv and run the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0" || $(BIN)/python -m pip install -q "torch>=2.10"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+.PHONY: setup run test lint
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lrmoe train --preset tiny-qwen3 --out runs/tiny-qwen3 --steps 300
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests

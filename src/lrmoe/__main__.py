@@ -1,0 +1,5 @@
+import sys
+
+from lrmoe.cli import main
+
+sys.exit(main())

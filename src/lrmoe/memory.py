@@ -1,0 +1,308 @@
+"""The memory ledger: bytes each rank needs for the MoE layers' experts, against a budget.
+
+Legend: G ranks, E experts, S slots per rank, H hidden size, F expert (moe) intermediate
+size, k experts per token, L MoE layers. "Pairs" are token-expert pairs.
+
+Every formula the planners and the runtime agree on lives here (SYSTEM.md §5):
+
+===================  ===========================================  =========================
+term                 bytes per rank                               counted
+===================  ===========================================  =========================
+owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer × L
+instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
+instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
+buffers              (2·P_home·H + R·(2H + 3F)) · bytes_act       once (transient)
+retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer × L
+===================  ===========================================  =========================
+
+* SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters.
+* Owned state: expert e's fp32 master weights, fp32 gradient and AdamW's two fp32
+  moments live on its owner rank ``e // (E/G)``, for every policy, so the term is the
+  same on every rank (SYSTEM.md's "equal totals"). AdamW's scalar ``step`` counters
+  are ignored (4 bytes per tensor).
+* Instances: every occupied slot materialises its expert's weights and a gradient
+  buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.
+* Buffers (:meth:`Ledger.buffer_bytes`): a rank with ``P_home`` home pairs and ``R``
+  received pairs holds the send buffer ``P_home·H``, the received rows ``R·H``, the
+  gate_up output ``R·2F``, the activation ``R·F``, the expert output ``R·H`` and the
+  combined rows back home ``P_home·H``. They are freed before the next layer runs, so
+  they count once, not per layer. Backward's transients carry at most the same rows
+  (select <= assign), so the forward size bounds them.
+* Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
+  and the gate_up pre-activation the expert saves), on the rank that processes it.
+
+Plans are per layer; the budget is for all MoE layers together, so the check assumes
+every layer's plan looks like the one checked: per-layer terms × L, buffers once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError, require
+
+TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"40GiB"``, ``"1.5GB"``, ``"123456"``, ``"512 MiB"`` -> bytes.
+
+    KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB and the bare K/M/G/T are powers
+    of 1024. Case-insensitive. Fractions round to the nearest byte.
+    """
+    if isinstance(text, bool):
+        raise LrmoeError(f"memory size {text!r} is not a size; write e.g. 40GiB or 123456")
+    if isinstance(text, int):
+        require(text > 0, f"memory size {text} must be a positive number of bytes")
+        return text
+    m = _BYTES_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise LrmoeError(
+            f"memory size {text!r} is not understood; write a number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 40GiB or 123456")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise LrmoeError(f"memory size {text!r} must be at least 1 byte")
+    return int(round(value))
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as a short human string in binary units: ``41.2 GiB``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def actual_param_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes held by the given tensors (each counted once), for checking the ledger."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass
+class Ledger:
+    """Per-rank bytes of the MoE layers' experts (see the module docstring).
+
+    Attributes:
+        model_cfg: the model's shapes.
+        G: ranks in the EP group.
+        budget_bytes: bytes per rank for all MoE layers' expert memory; ``None`` means
+            unbounded (every check passes).
+        bytes_w: bytes per element of the compute-dtype instance weights and grads.
+        bytes_act: bytes per element of activations and dispatch buffers.
+        num_moe_layers: L; ``None`` takes ``len(model_cfg.moe_layers)``.
+    """
+
+    model_cfg: ModelConfig
+    G: int
+    budget_bytes: int | None = None
+    bytes_w: int = 4
+    bytes_act: int = 4
+    num_moe_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        E = self.model_cfg.num_experts
+        require(isinstance(self.G, int) and self.G > 0, f"EP size G={self.G!r} must be >= 1")
+        require(E % self.G == 0,
+                f"number of experts {E} is not divisible by the EP size {self.G}; "
+                f"use an EP size that divides {E}")
+        if self.num_moe_layers is None:
+            self.num_moe_layers = len(self.model_cfg.moe_layers)
+        require(self.num_moe_layers >= 1, f"num_moe_layers={self.num_moe_layers} must be >= 1")
+        for name in ("bytes_w", "bytes_act"):
+            v = getattr(self, name)
+            require(v in (1, 2, 4, 8), f"{name}={v!r} must be 1, 2, 4 or 8")
+        if self.budget_bytes is not None:
+            require(self.budget_bytes > 0, f"mem_budget={self.budget_bytes} must be > 0 bytes")
+
+    @classmethod
+    def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
+                  dtype: str = "bf16", num_moe_layers: int | None = None) -> Ledger:
+        """A ledger whose weights and activations are both in ``dtype``."""
+        if dtype not in DTYPE_BYTES:
+            raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
+                             f"{', '.join(DTYPE_BYTES)}")
+        b = DTYPE_BYTES[dtype]
+        return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def L(self) -> int:
+        return int(self.num_moe_layers)
+
+    @property
+    def H(self) -> int:
+        return self.model_cfg.hidden_size
+
+    @property
+    def F(self) -> int:
+        return self.model_cfg.moe_intermediate_size
+
+    @property
+    def E(self) -> int:
+        return self.model_cfg.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.model_cfg.num_experts_per_tok
+
+    @property
+    def P_params(self) -> int:
+        """Parameters per expert: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]``."""
+        return 3 * self.H * self.F
+
+    @property
+    def P(self) -> int:
+        """Bytes per occupied slot per layer: compute-dtype weights + gradient buffer."""
+        return 2 * self.P_params * self.bytes_w
+
+    @property
+    def A(self) -> int:
+        """Bytes per retained pair per layer: the saved input row and gate_up output."""
+        return (self.H + 2 * self.F) * self.bytes_act
+
+    def owner_bytes_per_layer(self) -> int:
+        """fp32 master + fp32 grad + AdamW's 2 fp32 moments of the E/G owned experts."""
+        return (self.E // self.G) * self.P_params * (4 + 4 + 8)
+
+    def owner_bytes(self) -> int:
+        """:meth:`owner_bytes_per_layer` × L: the same on every rank, for every policy."""
+        return self.L * self.owner_bytes_per_layer()
+
+    def buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
+        """Dispatch/combine transients of one layer on one rank (counted once).
+
+        ``home_pairs·H`` send buffer + ``R·H`` received rows + ``R·2F`` gate_up output
+        + ``R·F`` activation + ``R·H`` expert output + ``home_pairs·H`` combined back.
+        """
+        R, Ph, H, F = int(received_pairs), int(home_pairs), self.H, self.F
+        return (Ph * H + R * H + R * 2 * F + R * F + R * H + Ph * H) * self.bytes_act
+
+    # ------------------------------------------------------------------ per rank
+    def terms(self, n_instances: int, received_pairs: int, home_pairs: int,
+              retained_pairs: int) -> dict[str, int]:
+        """All ledger terms of one rank from its per-layer counts (see module docstring)."""
+        inst = self.L * int(n_instances) * self.P_params * self.bytes_w
+        t = {
+            "owned_state": self.owner_bytes(),
+            "instance_weights": inst,
+            "instance_grads": inst,
+            "buffers": self.buffer_bytes(received_pairs, home_pairs),
+            "retained_acts": self.L * int(retained_pairs) * self.A,
+        }
+        t["total"] = sum(t[k] for k in TERMS)
+        return t
+
+    def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int) -> int:
+        """Most retained pairs per layer a rank can afford; negative if even 0 does not fit.
+
+        Unbounded ledgers return ``received_pairs`` (everything fits).
+        """
+        if self.budget_bytes is None:
+            return int(received_pairs)
+        fixed = self.terms(n_instances, received_pairs, home_pairs, 0)["total"]
+        room = self.budget_bytes - fixed
+        if room < 0:
+            return -1
+        return room // (self.L * self.A)
+
+    @staticmethod
+    def _home_pairs(plan, home_pairs: int | None) -> Tensor:
+        if home_pairs is not None:
+            return torch.full((plan.G,), int(home_pairs), dtype=torch.long)
+        home = plan.assign_GGS.sum(dim=(1, 2))
+        if plan.dropped_GE is not None:
+            home = home + plan.dropped_GE.long().sum(1)
+        return home
+
+    def rank_terms(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+        """Ledger terms of every rank for ``plan`` (one layer's plan, repeated over L).
+
+        Args:
+            plan: a :class:`lrmoe.policy.plan.Plan`.
+            tokens_per_rank_home: tokens per home rank; its pairs ``tokens · top_k`` size
+                the send/combine buffers. ``None`` takes each home's routed pairs from
+                the plan (assigned + dropped).
+        """
+        home = self._home_pairs(
+            plan, None if tokens_per_rank_home is None else tokens_per_rank_home * self.top_k)
+        n_inst = (plan.inst_expert_GS >= 0).sum(1)
+        recv = plan.assign_GGS.sum(dim=(0, 2))
+        kept = plan.retain_GGS.sum(dim=(0, 2))
+        return [self.terms(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
+                for r in range(plan.G)]
+
+    def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+        """Raise :class:`LrmoeError` if a rank exceeds the budget; return the terms."""
+        terms = self.rank_terms(plan, tokens_per_rank_home)
+        self.raise_if_over(terms, "the plan")
+        return terms
+
+    def feasible_minimum(self, counts_GE: Tensor | None = None,
+                         tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+        """Terms of the smallest plan a memory-aware planner could make, per rank.
+
+        The native experts only (E/G slots) with one retained pair per instance; the
+        buffers carry the native placement's received pairs for ``counts_GE`` (zero when
+        no counts are given).
+        """
+        n = self.E // self.G
+        if counts_GE is None:
+            recv = home = torch.zeros(self.G, dtype=torch.long)
+        else:
+            c = counts_GE.long()
+            require(tuple(c.shape) == (self.G, self.E),
+                    f"counts have shape {tuple(c.shape)}, the ledger wants {(self.G, self.E)}")
+            recv = c.sum(0).reshape(self.G, n).sum(1)
+            home = c.sum(1)
+        if tokens_per_rank_home is not None:
+            home = torch.full((self.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
+        return [self.terms(n, int(recv[r]), int(home[r]), min(n, int(recv[r])))
+                for r in range(self.G)]
+
+    def raise_if_over(self, terms: list[dict[str, int]], what: str) -> None:
+        """Raise naming the worst rank, its largest terms and the shortfall."""
+        if self.budget_bytes is None:
+            return
+        over = [(t["total"] - self.budget_bytes, r) for r, t in enumerate(terms)]
+        short, r = max(over)
+        if short <= 0:
+            return
+        raise LrmoeError(f"{what} does not fit mem_budget: {self.describe(r, terms[r])}")
+
+    def describe(self, r: int, t: dict[str, int]) -> str:
+        """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...``."""
+        parts = ", ".join(f"{k} {fmt_bytes(t[k])}"
+                          for k in sorted(TERMS, key=lambda k: -t[k]))
+        budget = "unbounded" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
+        msg = f"rank {r} needs {fmt_bytes(t['total'])} > budget {budget}: {parts}"
+        if self.budget_bytes is not None:
+            msg += f"; short by {fmt_bytes(t['total'] - self.budget_bytes)}"
+        return msg

@@ -1,0 +1,122 @@
+"""SwiGLU experts as variable-size grouped GEMMs (stage ``experts``), with a loop reference.
+
+Legend: R rows (pairs, grouped into contiguous per-instance segments), I instances,
+H hidden, F expert width. Weights follow HF transformers >= 5's fused layout:
+``w13_IFH`` is ``gate_up_proj`` ``[I, 2F, H]`` (gate rows first, then up) and
+``w2_IHF`` is ``down_proj`` ``[I, H, F]``. ``counts_I`` are the segment sizes (zeros
+allowed); ``offs_I`` their inclusive cumulative sums (int32), as grouped_mm expects.
+
+The forward and the backward are written as plain functions (not autograd) because the
+runtime's backward only sees a compacted subset of the rows (LRMoE selection): the
+exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_backward`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_BROKEN: set[tuple] = set()
+
+
+def _grouped_ok(a: Tensor, b: Tensor) -> bool:
+    """Whether torch's grouped GEMM accepts these operands (else we take the loop)."""
+    if _grouped_mm is None or a.dtype != b.dtype:
+        return False
+    if a.dtype not in (torch.float32, torch.bfloat16) or (a.is_cuda and a.dtype != torch.bfloat16):
+        return False
+    if (a.device.type, a.dtype) in _GROUPED_BROKEN:
+        return False
+    # grouped_mm needs 16-byte aligned strides on every operand.
+    es = a.element_size()
+    return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * es % 16 == 0 for s in t.stride())
+               for t in (a, b))
+
+
+def _gmm(a: Tensor, b: Tensor, offs: Tensor, counts: list[int]) -> Tensor:
+    """Grouped matmul: ``a [R, K] x b [I, K, N] -> [R, N]`` or ``a [K, R] x b [R, N] -> [I, K, N]``.
+
+    Falls back to the per-instance loop when grouped_mm is unavailable for the operands.
+    """
+    if _grouped_ok(a, b):
+        try:
+            return _grouped_mm(a, b, offs=offs)
+        except RuntimeError as e:  # unsupported on this build/device: remember, then loop
+            _GROUPED_BROKEN.add((a.device.type, a.dtype))
+            warnings.warn(f"grouped_mm unavailable ({e}); using the per-expert loop", stacklevel=2)
+    return _loop_mm(a, b, counts)
+
+
+def _loop_mm(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
+    if b.dim() == 3:  # [R, K] x [I, K, N]
+        outs, start = [], 0
+        for i, n in enumerate(counts):
+            outs.append(a[start:start + n] @ b[i])
+            start += n
+        return torch.cat(outs) if outs else a.new_zeros(0, b.shape[-1])
+    # [K, R] x [R, N] -> [I, K, N]
+    out = a.new_zeros(len(counts), a.shape[0], b.shape[1])
+    start = 0
+    for i, n in enumerate(counts):
+        if n:
+            out[i] = a[:, start:start + n] @ b[start:start + n]
+        start += n
+    return out
+
+
+def offsets(counts: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(counts, dtype=torch.long).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int],
+                   offs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Returns ``(y_RH, gu_R2F)``; ``gu`` is the gate/up pre-activation saved for backward."""
+    if offs is None:
+        offs = offsets(counts, x_RH.device)
+    gu = _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
+    Fd = w2_IHF.shape[-1]
+    act = F.silu(gu[:, :Fd]) * gu[:, Fd:]
+    y = _gmm(act, w2_IHF.transpose(1, 2), offs, counts)
+    return y, gu
+
+
+def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
+                    w2_IHF: Tensor, counts: list[int], offs: Tensor | None = None,
+                    need_dx: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Gradients for rows ``x`` with saved ``gu`` and output gradient ``dy``.
+
+    Returns ``(dx_RH, dw13_IFH, dw2_IHF)``. Only the given rows contribute: with a
+    compacted subset, dropped pairs add nothing to ``dx`` or the weight gradients.
+    """
+    if offs is None:
+        offs = offsets(counts, x_RH.device)
+    Fd = w2_IHF.shape[-1]
+    g, u = gu_R2F[:, :Fd], gu_R2F[:, Fd:]
+    sg = torch.sigmoid(g)
+    silu_g = g * sg
+    act = silu_g * u
+    dw2 = _gmm(dy_RH.t(), act, offs, counts)               # [I, H, F]
+    dact = _gmm(dy_RH, w2_IHF, offs, counts)              # [R, F]
+    dg = dact * u * (sg * (1 + g * (1 - sg)))
+    du = dact * silu_g
+    dgu = torch.cat((dg, du), dim=1)                        # [R, 2F]
+    dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
+    dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
+    return dx, dw13, dw2
+
+
+def swiglu_loop_reference(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor,
+                          counts: list[int]) -> Tensor:
+    """Plain per-instance loop with autograd: the reference for tests (STYLE rule 5)."""
+    outs, start = [], 0
+    Fd = w2_IHF.shape[-1]
+    for i, n in enumerate(counts):
+        xi = x_RH[start:start + n]
+        gu = xi @ w13_IFH[i].t()
+        outs.append((F.silu(gu[:, :Fd]) * gu[:, Fd:]) @ w2_IHF[i].t())
+        start += n
+    return torch.cat(outs) if outs else x_RH.new_zeros(0, w2_IHF.shape[1])

@@ -1,0 +1,153 @@
+"""The MoE layer as SYSTEM.md's named stages: route -> count -> plan -> dispatch ->
+experts -> combine. On one process dispatch and combine are local permutations and the
+plan is trivial, but the code path is the same one the expert-parallel runtime runs.
+
+Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lrmoe.config import ModelConfig
+from lrmoe.model.layers import MLP
+from lrmoe.model.router import make_router
+from lrmoe.parallel.comm import EPComm
+from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
+from lrmoe.parallel.layout import home_layout, recv_layout
+from lrmoe.parallel.weights import instance_weights
+from lrmoe.policy.base import PlanInputs, Policy
+from lrmoe.policy.static import StaticPolicy
+
+
+@dataclass
+class MoERuntime:
+    """What every MoE layer of a model shares: the EP group, the policy, the knobs.
+
+    Attributes:
+        comm: the expert-parallel group (``EPComm(None)`` on one process).
+        policy: the planner; the runtime executes whatever plan it returns.
+        backward: LRMoE backward options (inert for exact plans).
+        ledger: memory ledger handed to the planner (``None``: no budget).
+        step: the optimizer step, set by the trainer.
+        stats: per MoE layer, the last step's counters (filled in forward and backward).
+        check_plans: validate each plan against the counts (cheap; on by default).
+    """
+
+    comm: EPComm = field(default_factory=EPComm)
+    policy: Policy = field(default_factory=StaticPolicy)
+    backward: BackwardOptions = field(default_factory=BackwardOptions)
+    ledger: Any = None
+    step: int = 0
+    stats: dict[int, dict] = field(default_factory=dict)
+    check_plans: bool = True
+    generator: torch.Generator | None = None
+
+
+class Experts(nn.Module):
+    """The experts this rank owns, stacked: ``gate_up_proj [E_own, 2F, H]``, ``down_proj [E_own, H, F]``.
+
+    On one process every expert is owned. Under EP, rank r owns experts
+    ``r*E/G .. (r+1)*E/G - 1`` (their master weights, gradients and optimizer state).
+    """
+
+    def __init__(self, cfg: ModelConfig, first: int = 0, count: int | None = None):
+        super().__init__()
+        count = cfg.num_experts if count is None else count
+        H, Fd = cfg.hidden_size, cfg.moe_intermediate_size
+        self.first, self.count, self.num_experts = first, count, cfg.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * Fd, H))
+        self.down_proj = nn.Parameter(torch.empty(count, H, Fd))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_index: int):
+        super().__init__()
+        self.cfg, self.moe_index = cfg, moe_index
+        self.router = make_router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+        self.runtime = MoERuntime()
+        self.prev_counts_E: Tensor | None = None  # global counts of the previous step
+        self.step_counts_E: Tensor | None = None  # global counts accumulated this step
+        self.last_aux_loss: Tensor | None = None
+
+    def forward(self, x_BTH: Tensor) -> Tensor:
+        B, T, H = x_BTH.shape
+        x_TH = x_BTH.reshape(-1, H)
+        rt = self.runtime
+        # route
+        r = self.router(x_TH)
+        self.last_aux_loss = r.aux_loss
+        idx_P, gate_P = r.idx_TK.reshape(-1), r.gate_TK.reshape(-1)
+        # count
+        E = self.cfg.num_experts
+        counts_E = torch.bincount(idx_P, minlength=E)
+        counts_GE = rt.comm.all_gather_counts(counts_E)
+        if self.training:
+            glob = counts_GE.sum(0)
+            self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
+        # plan
+        plan = rt.policy.plan(counts_GE, PlanInputs(self.moe_index, rt.step, self.prev_counts_E,
+                                                    rt.ledger))
+        if rt.check_plans:
+            plan.check(counts_GE)
+        # dispatch -> experts -> combine
+        dtype = torch.get_autocast_dtype(x_TH.device.type) if torch.is_autocast_enabled(
+            x_TH.device.type) else x_TH.dtype
+        w13 = instance_weights(self.experts.gate_up_proj.to(dtype), plan, rt.comm, E)
+        w2 = instance_weights(self.experts.down_proj.to(dtype), plan, rt.comm, E)
+        stats = {"plan_replicas": plan.num_replicas(),
+                 "rank_load": plan.rank_load().tolist(),
+                 "rank_backward_load": plan.rank_backward_load().tolist(),
+                 "counts_E": counts_GE.sum(0).tolist()}
+        rt.stats[self.moe_index] = stats
+        me = rt.comm.rank
+        st = ExchangeState(
+            comm=rt.comm, plan=plan, home=home_layout(plan, me, idx_P, gate_P, E),
+            recv=recv_layout(plan.assign_GGS[:, me, :]), top_k=self.cfg.num_experts_per_tok,
+            num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
+            generator=rt.generator)
+        y_PH = ExpertExchange.apply(x_TH.to(dtype), w13, w2, st)
+        K = self.cfg.num_experts_per_tok
+        out = (y_PH.view(-1, K, H) * gate_P.view(-1, K, 1).to(y_PH.dtype)).sum(1)
+        out = out.view(B, T, H).to(x_BTH.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_BTH)
+        return out
+
+    def end_step(self) -> Tensor | None:
+        """Close the step's counting: returns this step's global counts and keeps them
+        as the next step's popularity (SYMI's input)."""
+        c = self.step_counts_E
+        if c is not None:
+            self.prev_counts_E = c
+        self.step_counts_E = None
+        return c
+
+
+def moe_layer_reference(layer: MoELayer, x_BTH: Tensor) -> Tensor:
+    """Straightforward dense-dispatch reference (one process, all experts local)."""
+    B, T, H = x_BTH.shape
+    x = x_BTH.reshape(-1, H)
+    r = layer.router(x)
+    Fd = layer.cfg.moe_intermediate_size
+    out = torch.zeros_like(x)
+    for e in range(layer.cfg.num_experts):
+        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = x[tok] @ layer.experts.gate_up_proj[e].t()
+        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
+        out = out.index_add(0, tok, y * r.gate_TK[tok, k, None].to(y.dtype))
+    out = out.view(B, T, H)
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(x_BTH)
+    return out

@@ -1,0 +1,96 @@
+"""The causal LM: embedding -> decoder layers (attention + dense MLP or MoE) -> head.
+
+One class serves Qwen3-MoE and GLM-4.5-MoE; the config decides which layers are MoE,
+which router they use, and whether a shared expert is added. Legend: B batch, T seq,
+H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lrmoe.config import ModelConfig
+from lrmoe.model.layers import MLP, Attention, RMSNorm, Rotary
+from lrmoe.model.moe import MoELayer, MoERuntime
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_index: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (MoELayer(cfg, moe_index) if moe_index is not None
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEForCausalLM(nn.Module):
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``.
+
+    The router load-balancing loss of the last forward is available as
+    :meth:`aux_loss` (sum over MoE layers; zero for GLM, which balances by bias).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        moe_ids = {layer: k for k, layer in enumerate(cfg.moe_layers)}
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, moe_ids.get(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+
+    def set_runtime(self, runtime: MoERuntime) -> None:
+        for m in self.moe_layers:
+            m.runtime = runtime
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(input_ids.shape[1], x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> Tensor:
+        losses = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def loss(self, input_ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lm_loss, lm_loss + aux)``: cross entropy in fp32 and the training objective."""
+        logits = self(input_ids)
+        lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return lm, lm + self.aux_loss().to(lm.device)
+
+    @torch.no_grad()
+    def end_step(self) -> list[Tensor | None]:
+        """After the optimizer step: close per-layer counting, update GLM router biases."""
+        counts = [m.end_step() for m in self.moe_layers]
+        rate = self.config.bias_update_rate
+        for m, c in zip(self.moe_layers, counts):
+            if c is not None and hasattr(m.router, "update_bias") and rate > 0:
+                m.router.update_bias(c, rate)
+        return counts

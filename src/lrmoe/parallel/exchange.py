@@ -1,0 +1,303 @@
+"""Dispatch -> experts -> combine as one autograd Function, with an explicit backward.
+
+Forward: every pair is computed (the output is exact); activations are saved only for
+retained pairs. Backward (LRMoE stages): combine^-1 happens in autograd outside (the
+pair output gradient arrives here as ``dy_P``); then **select** (recalibration metric
+and per-block backward quota), **compact** (only selected rows and their positions
+travel), **experts^-1** over the compacted segments, and the reverse exchange of the
+input gradients. Exact plans (select = retain = assign) skip the metric entirely.
+
+Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.parallel.comm import EPComm
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, excl_cumsum, ranges, recv_layout
+from lrmoe.policy.plan import Plan
+
+
+# ----------------------------------------------------------------------------- metric
+def metric_grad_norm(dy_NH: Tensor, gate_N: Tensor) -> Tensor:
+    """``g[t,e]*||dy[t]||``: the norm of the pair's output gradient (dy already carries g)."""
+    return dy_NH.float().norm(dim=1)
+
+
+def metric_gate(dy_NH: Tensor, gate_N: Tensor) -> Tensor:
+    """Gate weight alone (ignores the gradient): a cheap, gradient-blind baseline."""
+    return gate_N.float()
+
+
+METRICS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "grad_norm": metric_grad_norm,
+    "gate": metric_gate,
+}
+
+
+@dataclass
+class BackwardOptions:
+    """How the backward selects and ships pairs (LRMoE knobs; inert for exact plans)."""
+
+    metric: str = "grad_norm"
+    estimator: str = "topk"  # or "sampled"
+    compaction: bool = True
+    fidelity: bool = False  # also compute the exact weight gradient and compare
+
+
+# -------------------------------------------------------------------------- selection
+def segment_sum(x: Tensor, seg: Tensor, n: int) -> Tensor:
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, x)
+
+
+def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
+    """Keep the ``quota[b]`` highest-metric rows of each block. Returns a bool mask."""
+    n = metric_N.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=metric_N.device)
+    o1 = torch.argsort(metric_N, descending=True, stable=True)
+    o2 = torch.argsort(block_N[o1], stable=True)
+    order = o1[o2]
+    b_sorted = block_N[order]
+    rank = torch.arange(n, device=metric_N.device) - torch.searchsorted(b_sorted, b_sorted)
+    keep = torch.empty(n, dtype=torch.bool, device=metric_N.device)
+    keep[order] = rank < quota_B.to(metric_N.device)[b_sorted]
+    return keep
+
+
+def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
+    """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
+
+    Water-filling: rows whose share would exceed 1 are fixed at 1 and the rest of the
+    quota is re-spread over the others. A block with zero metric mass spreads uniformly.
+    """
+    dev = metric_N.device
+    B = quota_B.numel()
+    m = metric_N.double().clamp(min=0)
+    q = quota_B.to(dev).double()
+    n_B = segment_sum(torch.ones_like(m), block_N, B)
+    capped = torch.zeros_like(m, dtype=torch.bool)
+    pi = torch.zeros_like(m)
+    for _ in range(64):
+        free = ~capped
+        rem = (q - segment_sum(capped.double(), block_N, B)).clamp(min=0)
+        mass = segment_sum(m * free, block_N, B)
+        nfree = (n_B - segment_sum(capped.double(), block_N, B)).clamp(min=1)
+        share = torch.where(mass[block_N] > 0, rem[block_N] * m / mass[block_N].clamp(min=1e-300),
+                            rem[block_N] / nfree[block_N])
+        pi = torch.where(capped, torch.ones_like(m), share)
+        new = free & (share >= 1)
+        if not bool(new.any()):
+            break
+        capped |= new
+    return pi.clamp(max=1.0)
+
+
+def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
+                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Poisson sampling with ``pi`` from :func:`inclusion_probs`; kept rows weigh ``1/pi``.
+
+    The expected weighted sum of any per-row quantity equals the full sum (Horvitz-
+    Thompson), so the expected expert weight gradient is the exact one.
+    """
+    pi = inclusion_probs(metric_N, block_N, quota_B)
+    u = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator)
+    keep = (u < pi) & (pi > 0)
+    w = torch.where(keep, 1.0 / pi.clamp(min=1e-12), torch.zeros_like(pi))
+    return keep, w
+
+
+# --------------------------------------------------------------------------- exchange
+@dataclass
+class ExchangeState:
+    """Everything one layer's exchange needs for one step (plain Python, not autograd)."""
+
+    comm: EPComm
+    plan: Plan
+    home: HomeLayout
+    recv: RecvLayout
+    top_k: int
+    num_tokens: int
+    opts: BackwardOptions
+    gate_P: Tensor
+    stats: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+
+def _timed(stats: dict, key: str, device: torch.device):
+    class _T:
+        def __enter__(self):
+            if device.type == "cuda":
+                self.a = torch.cuda.Event(enable_timing=True)
+                self.b = torch.cuda.Event(enable_timing=True)
+                self.a.record()
+            else:
+                self.t = time.perf_counter()
+
+        def __exit__(self, *exc):
+            if device.type == "cuda":
+                self.b.record()
+                stats.setdefault("_events", []).append((key, self.a, self.b))
+            else:
+                stats[key] = stats.get(key, 0.0) + (time.perf_counter() - self.t) * 1e3
+    return _T()
+
+
+class ExpertExchange(torch.autograd.Function):
+    """``(x_TH, w13_S, w2_S) -> y_PH``: every pair's expert output back at its home rank."""
+
+    @staticmethod
+    def forward(ctx, x_TH: Tensor, w13_S: Tensor, w2_S: Tensor, st: ExchangeState) -> Tensor:
+        home, recv, comm, plan = st.home, st.recv, st.comm, st.plan
+        me, K, H = comm.rank, st.top_k, x_TH.shape[1]
+        es = x_TH.element_size()
+        x_send = x_TH[home.src_pair // K]
+        x_recv = comm.all_to_all(x_send, home.splits, recv.splits)
+        to_inst = recv.to_inst.to(x_TH.device)
+        x_inst = x_recv[to_inst]
+        with _timed(st.stats, "expert_fwd_ms", x_TH.device):
+            y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, recv.counts)
+
+        # Retention: keep activations of retained rows only, in (s, g, j) order.
+        ret_GS = plan.retain_GGS[:, me, :]
+        all_retained = torch.equal(ret_GS, plan.assign_GGS[:, me, :])
+        if all_retained:
+            saved_x, saved_gu = x_inst, gu_inst
+        else:
+            inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
+            keep_rows = ranges(inst_start, ret_GS.t().reshape(-1)).to(x_TH.device)
+            saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows]
+        del gu_inst
+
+        y_recv = torch.empty_like(y_inst)
+        y_recv[to_inst] = y_inst
+        y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
+        y_P = x_TH.new_zeros(st.home.send_pos_P.numel(), H)
+        y_P[home.src_pair] = y_send
+
+        n_send, n_recv = x_send.shape[0], x_recv.shape[0]
+        st.stats.update(
+            fwd_rows=n_recv, retained_rows=int(ret_GS.sum()),
+            fwd_dispatch_bytes_sent=n_send * H * es, fwd_dispatch_bytes_recv=n_recv * H * es,
+            fwd_combine_bytes_sent=n_recv * H * es, fwd_combine_bytes_recv=n_send * H * es,
+            saved_act_bytes=saved_x.numel() * saved_x.element_size()
+            + saved_gu.numel() * saved_gu.element_size())
+        ctx.st = st
+        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S)
+        return y_P
+
+    @staticmethod
+    def backward(ctx, dy_PH: Tensor):
+        st: ExchangeState = ctx.st
+        saved_x, saved_gu, w13_S, w2_S = ctx.saved_tensors
+        home, comm, plan, opts = st.home, st.comm, st.plan, st.opts
+        me, K, dev = comm.rank, st.top_k, dy_PH.device
+        G, S = plan.G, plan.S
+        H = dy_PH.shape[1]
+        es = dy_PH.element_size()
+
+        # --- select: candidates are retained rows of the send buffer (ascending position).
+        retain_d = home.retain_I.to(dev)
+        ret_mask = home.j_in_block < retain_d[home.block_of]
+        exact = torch.equal(plan.select_GGS[me], plan.retain_GGS[me])
+        ret_pos = torch.nonzero(ret_mask).flatten() if not bool(ret_mask.all()) else \
+            torch.arange(ret_mask.numel(), device=dev)
+        pairs = home.src_pair[ret_pos]
+        dy_rows = dy_PH[pairs]
+        blocks = home.block_of[ret_pos]
+        weight = None
+        if exact:
+            keep = None
+        elif opts.estimator == "sampled":
+            m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
+            keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
+        else:
+            m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
+            keep = select_topk(m, blocks, home.select_I)
+
+        # --- compact (or, as the ablation, zero the unselected rows but ship them all).
+        if keep is None:
+            sel_pos, rows = ret_pos, dy_rows
+            sent_I = home.retain_I
+        elif opts.compaction:
+            rows = dy_rows[keep]
+            if weight is not None:
+                rows = rows * weight[keep].to(rows.dtype)[:, None]
+            sel_pos = ret_pos[keep]
+            sent_I = (home.select_I if opts.estimator == "topk"
+                      else torch.bincount(blocks[keep], minlength=G * S).cpu())
+        else:
+            w = keep.to(dy_rows.dtype) if weight is None else (weight * keep).to(dy_rows.dtype)
+            rows, sel_pos, sent_I = dy_rows * w[:, None], ret_pos, home.retain_I
+        sent_GS = sent_I.reshape(G, S)
+        if keep is not None and opts.compaction and opts.estimator == "sampled":
+            recv_GS = comm.exchange_counts(sent_GS.to(dev)).cpu()
+        elif keep is None or not opts.compaction:
+            recv_GS = plan.retain_GGS[:, me, :]
+        else:
+            recv_GS = plan.select_GGS[:, me, :]
+        dx_back, dw13, dw2, n_in = _experts_backward(
+            st, home.j_in_block[sel_pos], rows, sent_GS, recv_GS,
+            saved_x, saved_gu, w13_S, w2_S, timed=True)
+        if opts.fidelity and keep is not None:
+            _, e13, e2, _ = _experts_backward(
+                st, home.j_in_block[ret_pos], dy_rows, home.retain_I.reshape(G, S),
+                plan.retain_GGS[:, me, :], saved_x, saved_gu, w13_S, w2_S)
+            a = torch.cat([dw13.flatten(), dw2.flatten()]).float()
+            b = torch.cat([e13.flatten(), e2.flatten()]).float()
+            st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+            st.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+        dx_TH = dy_PH.new_zeros(st.num_tokens, H)
+        dx_TH.index_add_(0, home.src_pair[sel_pos] // K, dx_back.to(dx_TH.dtype))
+
+        n_out = rows.shape[0]
+        st.stats.update(
+            bwd_rows=n_in, selected_rows=int(recv_GS.sum()) if keep is None or opts.compaction
+            else int(plan.select_GGS[:, me, :].sum()),
+            bwd_dispatch_bytes_sent=n_out * (H * es + 8), bwd_dispatch_bytes_recv=n_in * (H * es + 8),
+            bwd_combine_bytes_sent=n_in * H * es, bwd_combine_bytes_recv=n_out * H * es,
+            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * H * es,
+            bwd_flops=6 * n_in * H * w2_S.shape[-1] * 3)
+        return dx_TH, dw13, dw2, None
+
+
+def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: Tensor,
+                      recv_GS: Tensor, saved_x: Tensor, saved_gu: Tensor, w13_S: Tensor,
+                      w2_S: Tensor, timed: bool = False) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
+
+    ``rows`` are ordered by send position (block-major); ``j_send`` is each row's index
+    inside its block's retained prefix, which locates its saved activations on the
+    receiver. Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
+    """
+    comm, plan, dev = st.comm, st.plan, rows.device
+    me, S, G = comm.rank, plan.S, plan.G
+    send_splits = sent_GS.sum(1).tolist()
+    rl = recv_layout(recv_GS)
+    dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
+    j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
+    to_inst = rl.to_inst.to(dev)
+    ret_SG = plan.retain_GGS[:, me, :].t().reshape(-1)
+    blk = torch.repeat_interleave(torch.arange(S * G), recv_GS.t().reshape(-1),
+                                  output_size=int(recv_GS.sum())).to(dev)
+    rows_saved = excl_cumsum(ret_SG).to(dev)[blk] + j_recv[to_inst]
+    x_sel, gu_sel, dy_inst = saved_x[rows_saved], saved_gu[rows_saved], dy_recv[to_inst]
+    offs = offsets(rl.counts, dev)
+    if timed:
+        with _timed(st.stats, "expert_bwd_ms", dev):
+            dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S,
+                                                 rl.counts, offs)
+    else:
+        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs)
+    dx_recv = torch.empty_like(dx_inst)
+    dx_recv[to_inst] = dx_inst
+    dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
+    return dx_back, dw13, dw2, dy_recv.shape[0]

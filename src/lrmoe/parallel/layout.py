@@ -1,0 +1,125 @@
+"""Index arithmetic that turns a plan into buffer layouts for one rank (no communication).
+
+Legend: G ranks, S slots per rank, P local pairs (tokens x top-k), i = r*S + s.
+
+Send buffer (home side): ordered by destination instance i; inside block (me -> i) the
+retained pairs come first, in descending gate order. Arrival buffer (receiver side):
+ordered by (source g, slot s); the *instance order* used by the grouped GEMMs is
+(s, g). Saved activations are kept for retained rows only, in (s, g, j) order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lrmoe.policy.plan import Plan
+
+
+def excl_cumsum(x: Tensor) -> Tensor:
+    return x.cumsum(0) - x
+
+
+def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenation of ``arange(starts[k], starts[k] + lengths[k])`` over k (CPU)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long)
+    base = torch.repeat_interleave(starts - excl_cumsum(lengths), lengths, output_size=total)
+    return base + torch.arange(total)
+
+
+@dataclass
+class RecvLayout:
+    """Where arriving rows go on the receiving rank, for one exchange.
+
+    Attributes:
+        splits: rows arriving from each source rank (list, G).
+        counts: rows per local slot in instance order (list, S).
+        to_inst: instance-order position -> arrival position.
+    """
+
+    splits: list[int]
+    counts: list[int]
+    to_inst: Tensor
+
+
+def recv_layout(block_GS: Tensor) -> RecvLayout:
+    """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]``."""
+    G, S = block_GS.shape
+    start_GS = excl_cumsum(block_GS.reshape(-1)).reshape(G, S)
+    to_inst = ranges(start_GS.t().reshape(-1), block_GS.t().reshape(-1))
+    return RecvLayout(block_GS.sum(1).tolist(), block_GS.sum(0).tolist(), to_inst)
+
+
+@dataclass
+class HomeLayout:
+    """Send-side layout of one rank's pairs for one plan.
+
+    Attributes:
+        send_pos_P: position of each local pair in the send buffer, -1 if dropped.
+        src_pair: send-buffer position -> local pair index (length N_send).
+        block_of: send-buffer position -> global instance index i.
+        j_in_block: send-buffer position -> index inside its block.
+        retain_I, select_I: per block (me -> i) retained count and backward quota.
+        splits: rows to each destination rank.
+    """
+
+    send_pos_P: Tensor
+    src_pair: Tensor
+    block_of: Tensor
+    j_in_block: Tensor
+    retain_I: Tensor
+    select_I: Tensor
+    splits: list[int]
+
+
+def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> HomeLayout:
+    """Assign this rank's pairs to send-buffer positions (see module doc)."""
+    dev = idx_P.device
+    G, S = plan.G, plan.S
+    I = G * S
+    ie = plan.inst_expert_GS.reshape(-1)
+    assign = plan.assign_GGS[me].reshape(-1)
+    retain = plan.retain_GGS[me].reshape(-1)
+    valid = ie >= 0
+    block_start = excl_cumsum(assign)
+    # Instances in expert order; their retained and non-retained position ranges.
+    e_key = torch.where(valid, ie, torch.full_like(ie, E))
+    inst_order = torch.argsort(e_key * I + torch.arange(I), stable=True)
+    pos_ret = ranges(block_start[inst_order], retain[inst_order])
+    pos_non = ranges(block_start[inst_order] + retain[inst_order], (assign - retain)[inst_order])
+    e_c = ie.clamp(min=0)
+    R_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, retain * valid)
+    A_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, assign * valid)
+    ret_start, non_start = excl_cumsum(R_E), excl_cumsum(A_E - R_E)
+
+    # Local pairs sorted by (expert, descending gate): retained pairs are the top gates.
+    P = idx_P.numel()
+    o1 = torch.argsort(gate_P.detach(), descending=True, stable=True)
+    o2 = torch.argsort(idx_P[o1], stable=True)
+    order = o1[o2]
+    e_sorted = idx_P[order]
+    rk = torch.arange(P, device=dev) - torch.searchsorted(e_sorted, e_sorted)
+    R, A = R_E.to(dev)[e_sorted], A_E.to(dev)[e_sorted]
+    is_ret = rk < R
+    pos_ret_d, pos_non_d = pos_ret.to(dev), pos_non.to(dev)
+    ret_i = (ret_start.to(dev)[e_sorted] + rk).clamp(max=max(pos_ret.numel() - 1, 0))
+    non_i = (non_start.to(dev)[e_sorted] + rk - R).clamp(min=0, max=max(pos_non.numel() - 1, 0))
+    pos_sorted = torch.where(
+        is_ret, pos_ret_d[ret_i] if pos_ret.numel() else rk,
+        pos_non_d[non_i] if pos_non.numel() else rk)
+    pos_sorted = torch.where(rk < A, pos_sorted, torch.full_like(pos_sorted, -1))
+    send_pos = torch.empty_like(pos_sorted)
+    send_pos[order] = pos_sorted
+
+    n_send = int(assign.sum())
+    src_pair = torch.empty(n_send, dtype=torch.long, device=dev)
+    kept = send_pos >= 0
+    src_pair[send_pos[kept]] = torch.arange(P, device=dev)[kept]
+    block_of = torch.repeat_interleave(torch.arange(I), assign, output_size=n_send)
+    j_in_block = torch.arange(n_send) - block_start[block_of]
+    return HomeLayout(send_pos, src_pair, block_of.to(dev), j_in_block.to(dev), retain,
+                      plan.select_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())

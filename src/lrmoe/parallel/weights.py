@@ -1,0 +1,71 @@
+"""Instance weights: materialise each local slot's expert weights from their owners.
+
+Expert e's master weights live on its owner rank ``e // (E/G)`` (the native rank).
+Every step the runtime gathers, for each local slot, a copy of its expert's weights
+(``GatherInstances``); autograd's backward of that gather sums every instance's weight
+gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
+across ranks by the reverse all-to-all): SYSTEM.md's replica-gradient reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lrmoe.parallel.comm import EPComm
+from lrmoe.policy.plan import Plan
+
+
+class _Route:
+    """Which owned rows go where, and where arriving rows land, for one plan."""
+
+    def __init__(self, plan: Plan, me: int, E: int):
+        G, S = plan.G, plan.S
+        per = E // G
+        ie = plan.inst_expert_GS
+        owner = torch.where(ie >= 0, ie // per, torch.full_like(ie, -1))
+        # Send: rank-major over (r, s), rows of my owned experts.
+        mine = owner == me
+        self.send_rows = (ie[mine] - me * per).tolist()
+        self.send_splits = mine.sum(1).tolist()
+        # Receive: my slots sorted by owner rank (stable in slot order).
+        my_owner = owner[me]
+        slots = [s for s in range(S) if my_owner[s] >= 0]
+        slots.sort(key=lambda s: (int(my_owner[s]), s))
+        self.recv_slots = slots
+        self.recv_splits = [int((my_owner == g).sum()) for g in range(G)]
+        self.S = S
+
+
+class GatherInstances(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w_own: Tensor, route: _Route, comm: EPComm) -> Tensor:
+        send = w_own[route.send_rows]
+        recv = comm.all_to_all(send, route.send_splits, route.recv_splits)
+        out = w_own.new_zeros((route.S,) + tuple(w_own.shape[1:]))
+        out[route.recv_slots] = recv
+        ctx.route, ctx.comm, ctx.n_own = route, comm, w_own.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, g_S: Tensor):
+        route, comm = ctx.route, ctx.comm
+        back = comm.all_to_all(g_S[route.recv_slots].contiguous(), route.recv_splits,
+                               route.send_splits)
+        g_own = g_S.new_zeros((ctx.n_own,) + tuple(g_S.shape[1:]))
+        g_own.index_add_(0, torch.tensor(route.send_rows, dtype=torch.long, device=g_S.device),
+                         back)
+        return g_own, None, None
+
+
+def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
+    """Weights ``[S, ...]`` for this rank's slots from the owned experts ``[E/G, ...]``.
+
+    When the slots are exactly the owned experts in order (the static plan), the owned
+    tensor is returned as is: no copy, no communication.
+    """
+    me, per = comm.rank, E // plan.G
+    row = plan.inst_expert_GS[me]
+    if plan.S == per and torch.equal(row, torch.arange(me * per, (me + 1) * per)):
+        return w_own
+    return GatherInstances.apply(w_own, _Route(plan, me, E), comm)

@@ -1,0 +1,93 @@
+"""capacity: GShard/DeepSpeed-style capacity factor on the native placement.
+
+Legend: G ranks, E experts, N/K generic row/column counts. All tensors int64, CPU.
+
+Each expert may process at most ``C = ceil(capacity_factor · pairs_total / E)`` pairs per
+step, where ``pairs_total = tokens_total · top_k`` is the whole EP group's routed pairs
+(global, so every rank computes the same drops from the all-gathered counts; GShard's
+per-group capacity is the same formula with one group per EP group). Pairs above
+capacity are dropped in forward (the token keeps its residual path). Each home rank
+keeps its proportional share of the expert's ``C`` (largest remainder, ties to the lower
+rank: deterministic, exact sums); since a home sends its pairs in descending gate order,
+the dropped ones are its lowest-gate pairs. Kept pairs are all retained and selected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lrmoe.errors import require
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.static import native_placement
+
+
+def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
+    """Split each column's ``total`` over its rows in proportion to ``weight``.
+
+    Largest-remainder rounding: every row gets ``floor(total·w/W)``, the leftover units
+    go to the largest fractional parts, ties to the lower row index. Column sums are
+    exact and no row exceeds its weight (when ``total <= W``). Deterministic, no loops.
+
+    Args:
+        total_K: units to hand out per column (>= 0).
+        weight_NK: non-negative weights; a column with zero weight must have total 0.
+    Returns:
+        ``[N, K]`` int64 shares.
+    """
+    w = weight_NK.long()
+    total = total_K.long()
+    W = w.sum(0)
+    require(bool((total <= W).all()) and bool((total >= 0).all()),
+            "apportion: totals must lie between 0 and the column weight")
+    Wsafe = W.clamp(min=1)
+    num = total[None, :] * w
+    base = num // Wsafe
+    rem = num - base * Wsafe
+    left = total - base.sum(0)
+    N = w.shape[0]
+    order = torch.argsort(-rem, dim=0, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(N).unsqueeze(1).expand_as(order).contiguous())
+    return base + (rank < left[None, :]).long()
+
+
+def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
+    """``ceil(capacity_factor · pairs_total / E)``, global over the EP group."""
+    E = counts_GE.shape[1]
+    total = int(counts_GE.long().sum())
+    # round() first so that e.g. 1.25 * 800 / 10 is exactly 100, not 100.00000000001
+    return math.ceil(round(capacity_factor * total / E, 9))
+
+
+def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
+    """Native placement; pairs over each expert's capacity dropped from every home."""
+    require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
+    G, E = counts_GE.shape
+    c = counts_GE.long()
+    cap = capacity_per_expert(c, capacity_factor)
+    kept_E = c.sum(0).clamp(max=cap)
+    kept_GE = apportion(kept_E, c)
+    p = full_plan(kept_GE, native_placement(G, E))
+    return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, p.select_GGS,
+                dropped_GE=c - kept_GE)
+
+
+@dataclass
+class CapacityPolicy:
+    capacity_factor: float = 1.25
+    name: str = "capacity"
+
+    def __post_init__(self) -> None:
+        require(self.capacity_factor > 0,
+                f"capacity_factor={self.capacity_factor} must be > 0 (GShard uses 1.0-2.0)")
+
+    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
+        plan = plan_capacity(counts_GE, self.capacity_factor)
+        if inputs.ledger is not None:
+            inputs.ledger.check(plan)
+        return plan

@@ -1,0 +1,171 @@
+"""The plan: one layer's placement and pair bookkeeping for one step.
+
+Legend: G ranks in the EP group, S slots per rank, E experts; ``i = r*S + s`` is the
+global index of slot ``s`` on rank ``r``. All tensors are int64 on the CPU.
+
+A plan is data (STYLE.md rule 2). Every rank derives the same plan from the same
+all-gathered count matrix, so nothing about it is communicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lrmoe.errors import LrmoeError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placement plus per-block pair counts.
+
+    A *block* is the pairs one home rank ``g`` sends to one instance ``(r, s)``.
+
+    Attributes:
+        inst_expert_GS: expert id held by each slot, ``-1`` for an empty slot.
+        assign_GGS: ``[g, r, s]`` pairs home ``g`` sends to instance ``(r, s)``.
+        retain_GGS: how many of those keep activations for backward (<= assign).
+        select_GGS: backward quota: how many retained pairs enter backward (<= retain).
+        dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward (capacity
+            policy only; ``None`` means dropless). A home rank sends its pairs of ``e``
+            in descending gate order, so the dropped ones are its lowest-gate pairs.
+    """
+
+    inst_expert_GS: Tensor
+    assign_GGS: Tensor
+    retain_GGS: Tensor
+    select_GGS: Tensor
+    dropped_GE: Tensor | None = None
+
+    @property
+    def G(self) -> int:
+        return self.inst_expert_GS.shape[0]
+
+    @property
+    def S(self) -> int:
+        return self.inst_expert_GS.shape[1]
+
+    @property
+    def exact(self) -> bool:
+        """True when every pair is retained and selected (the backward is exact)."""
+        return bool(torch.equal(self.assign_GGS, self.retain_GGS)
+                    and torch.equal(self.retain_GGS, self.select_GGS))
+
+    def rank_load(self) -> Tensor:
+        """Pairs each rank processes in forward, ``[G]``."""
+        return self.assign_GGS.sum(dim=(0, 2))
+
+    def rank_backward_load(self) -> Tensor:
+        """Pairs each rank processes in backward, ``[G]``."""
+        return self.select_GGS.sum(dim=(0, 2))
+
+    def instance_load(self) -> Tensor:
+        """Pairs per instance, ``[G, S]``."""
+        return self.assign_GGS.sum(dim=0)
+
+    def num_replicas(self) -> int:
+        used = self.inst_expert_GS[self.inst_expert_GS >= 0]
+        return int(used.numel() - torch.unique(used).numel())
+
+    def check(self, counts_GE: Tensor) -> None:
+        """Raise if the plan does not route exactly the counted pairs."""
+        G, E = counts_GE.shape
+        ie = self.inst_expert_GS
+        if ie.shape[0] != G:
+            raise LrmoeError(f"plan has {ie.shape[0]} ranks, counts have {G}")
+        for name, t in (("assign", self.assign_GGS), ("retain", self.retain_GGS),
+                        ("select", self.select_GGS)):
+            if t.shape != (G, G, self.S):
+                raise LrmoeError(f"plan.{name} has shape {tuple(t.shape)}, want {(G, G, self.S)}")
+            if (t < 0).any():
+                raise LrmoeError(f"plan.{name} has negative entries")
+        if (self.retain_GGS > self.assign_GGS).any() or (self.select_GGS > self.retain_GGS).any():
+            raise LrmoeError("plan violates select <= retain <= assign")
+        present = torch.zeros(E, dtype=torch.bool)
+        present[ie[ie >= 0]] = True
+        if not present.all():
+            missing = torch.nonzero(~present).flatten().tolist()
+            raise LrmoeError(f"plan places no instance of experts {missing[:8]}")
+        empty = ie < 0
+        if self.assign_GGS[:, empty].sum() != 0:
+            raise LrmoeError("plan assigns pairs to an empty slot")
+        # Pairs of expert e from home g, summed over e's instances, must equal counts[g, e].
+        routed = torch.zeros(G, E, dtype=torch.long)
+        idx = ie.clamp(min=0).flatten()
+        routed.index_add_(1, idx, self.assign_GGS.reshape(G, -1) * (~empty).flatten().long())
+        if self.dropped_GE is not None:
+            routed = routed + self.dropped_GE.long()
+        if not torch.equal(routed, counts_GE.long()):
+            raise LrmoeError("plan does not route exactly the counted pairs")
+
+
+def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:
+    """Split each expert's pairs over its instances by contiguous intervals.
+
+    Expert e's pairs are laid out home rank by home rank (``[0, C_e)``); instance k of e
+    takes the next ``inst_load[k]`` of them in global slot order. ``assign[g, i]`` is the
+    overlap of home g's interval with instance i's. Deterministic; no Python loop over
+    experts.
+
+    Args:
+        counts_GE: pairs per (home rank, expert).
+        inst_expert_GS: expert per slot, -1 empty.
+        inst_load_GS: pairs each instance takes; per expert they sum to ``counts[:, e].sum()``.
+    Returns:
+        assign_GGS.
+    """
+    G, E = counts_GE.shape
+    S = inst_expert_GS.shape[1]
+    c = counts_GE.long()
+    home_hi = c.cumsum(0)  # [G, E] end of home g's interval within expert e
+    home_lo = home_hi - c
+    ie = inst_expert_GS.flatten()
+    load = inst_load_GS.flatten().long() * (ie >= 0).long()
+    e_idx = ie.clamp(min=0)
+    # Instance interval: cumulative load of earlier instances of the same expert.
+    order = torch.argsort(e_idx * (G * S) + torch.arange(G * S), stable=True)
+    load_sorted = load[order]
+    e_sorted = e_idx[order]
+    cum = load_sorted.cumsum(0)
+    starts = torch.searchsorted(e_sorted, e_sorted)  # first sorted position of each expert
+    inst_hi_sorted = cum - (cum - load_sorted)[starts]
+    inst_hi = torch.empty_like(inst_hi_sorted)
+    inst_hi[order] = inst_hi_sorted
+    inst_lo = inst_hi - load
+    lo = torch.maximum(home_lo[:, e_idx], inst_lo[None, :])
+    hi = torch.minimum(home_hi[:, e_idx], inst_hi[None, :])
+    assign = (hi - lo).clamp(min=0) * (ie >= 0).long()[None, :]
+    return assign.reshape(G, G, S)
+
+
+def even_split(counts_GE: Tensor, inst_expert_GS: Tensor) -> Tensor:
+    """Instance loads that split each expert's total evenly (the first ones get +1)."""
+    total_E = counts_GE.long().sum(0)
+    ie = inst_expert_GS.flatten()
+    valid = ie >= 0
+    e_idx = ie.clamp(min=0)
+    n_E = torch.zeros_like(total_E).index_add_(0, e_idx, valid.long())
+    G, S = inst_expert_GS.shape
+    # rank of each instance among its expert's instances, in global slot order; empty
+    # slots sort after every expert so they never shift an expert's ranks.
+    e_key = torch.where(valid, e_idx, torch.full_like(e_idx, total_E.numel()))
+    order = torch.argsort(e_key * (G * S) + torch.arange(G * S), stable=True)
+    e_sorted = e_key[order]
+    pos = torch.arange(G * S)
+    k_sorted = pos - torch.searchsorted(e_sorted, e_sorted)
+    k = torch.empty_like(k_sorted)
+    k[order] = k_sorted
+    n = n_E[e_idx].clamp(min=1)
+    base = total_E[e_idx] // n
+    extra = (k < (total_E[e_idx] % n)).long()
+    return ((base + extra) * valid.long()).reshape(G, S)
+
+
+def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
+    """A plan that retains and selects every pair (exact backward)."""
+    if inst_load_GS is None:
+        inst_load_GS = even_split(counts_GE, inst_expert_GS)
+    a = interval_overlap(counts_GE, inst_expert_GS, inst_load_GS)
+    return Plan(inst_expert_GS.long(), a, a.clone(), a.clone())

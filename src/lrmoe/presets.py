@@ -1,0 +1,90 @@
+"""Named model shapes.
+
+Full presets are the published shapes (for planning and layer benchmarks); ``tiny-*``
+train on two CPU cores in minutes; ``small-*`` are one-GPU training shapes with the
+full models' expert count ratios scaled down (>= 64 experts, top-8).
+"""
+
+from __future__ import annotations
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
+
+PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, router_aux_loss_coef=0.001),
+    "glm-4.5-air": dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+        partial_rotary_factor=0.5, moe_intermediate_size=1408, num_experts=128,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True,
+        attention_bias=True, use_qk_norm=False, rope_theta=1_000_000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5),
+    "tiny-qwen3": dict(
+        model_type="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        moe_intermediate_size=96, num_experts=16, num_experts_per_tok=2,
+        norm_topk_prob=True, rope_theta=10000.0, max_position_embeddings=2048,
+        router_aux_loss_coef=0.01),
+    "tiny-glm": dict(
+        model_type="glm4_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        partial_rotary_factor=0.5, moe_intermediate_size=96, num_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+        attention_bias=True, use_qk_norm=False, rope_theta=10000.0,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, bias_update_rate=0.001),
+    "small-qwen3": dict(
+        model_type="qwen3_moe", vocab_size=256, hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        moe_intermediate_size=192, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=4096,
+        router_aux_loss_coef=0.001),
+    "small-glm": dict(
+        model_type="glm4_moe", vocab_size=256, hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        partial_rotary_factor=0.5, moe_intermediate_size=176, num_experts=64,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True,
+        attention_bias=True, use_qk_norm=False, rope_theta=1_000_000.0,
+        max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise LrmoeError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return ModelConfig(**PRESETS[name])
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active-per-token) parameter counts, computed from the shapes alone."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = h * q + 2 * h * kv + q * h + 2 * h  # projections + 2 layer norms
+    if cfg.attention_bias:
+        attn += q + 2 * kv
+    if cfg.use_qk_norm:
+        attn += 2 * hd
+    dense_mlp = 3 * h * cfg.intermediate_size
+    expert = 3 * h * cfg.moe_intermediate_size
+    shared = expert * cfg.n_shared_experts
+    router = cfg.num_experts * h + (cfg.num_experts if cfg.model_type == "glm4_moe" else 0)
+    total = active = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            total += attn + router + cfg.num_experts * expert + shared
+            active += attn + router + cfg.num_experts_per_tok * expert + shared
+        else:
+            total += attn + dense_mlp
+            active += attn + dense_mlp
+    emb = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    total += emb + head + h
+    active += emb + head + h
+    return total, active

@@ -78,9 +78,6 @@ class _Collector:
         self.texts: dict[bool, list[str]] = {False: [], True: []}
         self.left: dict[bool, int | None] = {False: max_bytes, True: val_max_bytes}
 
-    def room(self, val: bool) -> int | None:
-        return self.left[val]
-
     def has_room(self, val: bool) -> bool:
         left = self.left[val]
         return left is None or left > 0
@@ -163,7 +160,7 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
         val = _is_val(rel)
         if not col.has_room(val):
             continue
-        got = _read_file(path, col.room(val))
+        got = _read_file(path, col.left[val])
         if got is not None and col.add_raw(val, *got):
             used.append(rel)
     return used
@@ -177,27 +174,31 @@ def _load_jsonl(path: Path, col: _Collector) -> None:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise LrmoeError(f"{path}: line {lineno} is not valid JSON ({e})") from None
+                obj = json.loads(line.strip())
+            except json.JSONDecodeError as e:
+                raise LrmoeError(f"data path {str(path)!r}: line {lineno} is not valid JSON "
+                                 f"({e.msg} at column {e.colno})") from None
+            except UnicodeDecodeError:
+                raise LrmoeError(f"data path {str(path)!r}: line {lineno} is not UTF-8") from None
             if not isinstance(obj, dict) or "text" not in obj:
                 continue
             text = obj["text"]
             if not isinstance(text, str):
-                raise LrmoeError(f"{path}: line {lineno}: field 'text' must be a string, "
-                                 f"got {type(text).__name__}")
+                raise LrmoeError(f"data path {str(path)!r}: line {lineno}: field 'text' must be "
+                                 f"a string, got {type(text).__name__}")
             val = _is_val(str(lineno))
             if text.strip() and col.has_room(val):
                 col.add_text(val, text)
     if not col.texts[False] and not col.texts[True]:
-        raise LrmoeError(f"{path} holds no text: no line has a non-empty string field 'text'")
+        raise LrmoeError(f"data path {str(path)!r} holds no text: no line has a non-empty "
+                         f"string field 'text'")
 
 
 def _load_text_file(path: Path, col: _Collector) -> None:
     """Train = bytes before the split point, validation = bytes after it, each capped."""
     size = path.stat().st_size
     if size == 0:
-        raise LrmoeError(f"{path} holds no text (empty file)")
+        raise LrmoeError(f"data path {str(path)!r} holds no text (empty file)")
     with open(path, "rb") as f:
         cut = max(1, int(size * (1 - VAL_FRACTION)))
         f.seek(cut)
@@ -205,7 +206,7 @@ def _load_text_file(path: Path, col: _Collector) -> None:
         if nl >= 0 and cut + nl + 1 < size:
             cut += nl + 1
         for val, start, end in ((False, 0, cut), (True, cut, size)):
-            room = col.room(val)
+            room = col.left[val]
             stop = end if room is None else min(end, start + room)
             f.seek(start)
             col.add_raw(val, f.read(stop - start), truncated=stop < size, strict=False)

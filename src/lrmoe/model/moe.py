@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lrmoe.config import ModelConfig
 from lrmoe.model.layers import MLP
-from lrmoe.model.router import make_router
+from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
 from lrmoe.parallel.layout import home_layout, recv_layout
@@ -85,15 +85,18 @@ class MoELayer(nn.Module):
         rt = self.runtime
         # route
         r = self.router(x_TH)
-        self.last_aux_loss = r.aux_loss
         idx_P, gate_P = r.idx_TK.reshape(-1), r.gate_TK.reshape(-1)
         # count
         E = self.cfg.num_experts
         counts_E = torch.bincount(idx_P, minlength=E)
         counts_GE = rt.comm.all_gather_counts(counts_E)
+        glob = counts_GE.sum(0)
         if self.training:
-            glob = counts_GE.sum(0)
             self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
+        self.last_aux_loss = None
+        if r.probs_TE is not None and self.training:
+            self.last_aux_loss = aux_loss(r.probs_TE, glob, x_TH.shape[0] * rt.comm.size,
+                                          self.cfg.router_aux_loss_coef)
         # plan
         plan = rt.policy.plan(counts_GE, PlanInputs(self.moe_index, rt.step, self.prev_counts_E,
                                                     rt.ledger))

@@ -22,20 +22,22 @@ class Routing:
     Attributes:
         idx_TK: expert id of each pair (int64).
         gate_TK: gate weight of each pair (fp32), differentiable.
-        aux_loss: load-balancing loss for this layer (scalar, 0 when unused).
+        probs_TE: router probabilities when the router has an aux loss, else ``None``;
+            the MoE layer turns them into the load-balancing loss once the global
+            counts are known (so EP and one process give the same loss).
     """
 
     idx_TK: Tensor
     gate_TK: Tensor
-    aux_loss: Tensor
+    probs_TE: Tensor | None = None
 
 
 class SoftmaxRouter(nn.Module):
     """Qwen3-MoE: softmax over all experts, top-k, optional renormalisation.
 
     Aux loss (Switch Transformer, as HF's ``load_balancing_loss_func`` for one layer):
-    ``E * sum_e f_e * P_e`` with ``f_e`` = pairs routed to e / T and ``P_e`` the mean
-    router probability of e over the T tokens.
+    ``coef * E * sum_e f_e * P_e`` with ``f_e`` = pairs routed to e / T and ``P_e`` the
+    mean router probability of e over the T tokens; see :func:`aux_loss`.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -52,13 +54,7 @@ class SoftmaxRouter(nn.Module):
         gate, idx = torch.topk(probs, self.K, dim=-1)
         if self.norm_topk_prob:
             gate = gate / gate.sum(dim=-1, keepdim=True)
-        aux = probs.new_zeros(())
-        if self.training and self.aux_coef > 0:
-            T = x_TH.shape[0]
-            frac = torch.zeros(self.E, device=x_TH.device).index_add_(
-                0, idx.flatten(), torch.ones(idx.numel(), device=x_TH.device)) / T
-            aux = self.aux_coef * self.E * (frac * probs.mean(0)).sum()
-        return Routing(idx, gate, aux)
+        return Routing(idx, gate, probs if self.aux_coef > 0 else None)
 
 
 class SigmoidGroupRouter(nn.Module):
@@ -96,12 +92,21 @@ class SigmoidGroupRouter(nn.Module):
         if self.norm_topk_prob:
             gate = gate / (gate.sum(dim=-1, keepdim=True) + 1e-20)
         gate = gate * self.scale
-        return Routing(idx, gate, scores.new_zeros(()))
+        return Routing(idx, gate, None)
 
     @torch.no_grad()
     def update_bias(self, counts_E: Tensor, rate: float) -> None:
         c = counts_E.to(self.e_score_correction_bias.device).float()
         self.e_score_correction_bias += rate * torch.sign(c.mean() - c)
+
+
+def aux_loss(probs_TE: Tensor, global_counts_E: Tensor, global_tokens: int, coef: float) -> Tensor:
+    """``coef * E * sum_e f_e * P_e`` with ``f_e`` from the global counts (not differentiable,
+    as in Switch) and ``P_e`` the mean local probability. Averaged over equal-sized
+    ranks this equals the single-process loss on the whole batch."""
+    E = probs_TE.shape[1]
+    frac = global_counts_E.to(probs_TE.device, torch.float32) / global_tokens
+    return coef * E * (frac * probs_TE.mean(0)).sum()
 
 
 def make_router(cfg: ModelConfig) -> nn.Module:

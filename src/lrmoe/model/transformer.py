@@ -86,9 +86,18 @@ class MoEForCausalLM(nn.Module):
         return lm, lm + self.aux_loss().to(lm.device)
 
     @torch.no_grad()
-    def end_step(self) -> list[Tensor | None]:
-        """After the optimizer step: close per-layer counting, update GLM router biases."""
+    def end_step(self, reduce=None) -> list[Tensor | None]:
+        """After the optimizer step: close per-layer counting, update GLM router biases.
+
+        ``reduce`` sums a count tensor over the data-parallel replicas (under DP x EP
+        each EP group only saw its own tokens); ``None`` on one process.
+        """
         counts = [m.end_step() for m in self.moe_layers]
+        if reduce is not None:
+            counts = [None if c is None else reduce(c.clone()) for c in counts]
+            for m, c in zip(self.moe_layers, counts):
+                if c is not None:
+                    m.prev_counts_E = c
         rate = self.config.bias_update_rate
         for m, c in zip(self.moe_layers, counts):
             if c is not None and hasattr(m.router, "update_bias") and rate > 0:

@@ -1,0 +1,190 @@
+"""Process groups for expert parallelism (EP) x data parallelism (DP), and what they imply
+for parameters: which rank owns which experts, and how gradients are reduced.
+
+Layout for world size W and EP size G (W % G == 0): EP groups are consecutive ranks
+``[k*G, (k+1)*G)``; the *expert-DP* group of EP index j is ``{j, j+G, j+2G, ...}``.
+Non-expert parameters are replicated everywhere and their gradients averaged over W.
+Expert parameters live on their EP rank; each owner's gradient already sums the
+contributions of its whole EP group, so it is summed over the expert-DP group and
+divided by W (the global mean of per-rank mean losses).
+
+Groups are created once by :func:`init_parallel` and passed around explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lrmoe.errors import LrmoeError
+from lrmoe.parallel.comm import EPComm
+
+
+@dataclass
+class ParallelContext:
+    """Who this process is and the groups it belongs to (all ``None`` on one process)."""
+
+    world: int = 1
+    rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.ep_size
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def comm(self) -> EPComm:
+        return EPComm(self.ep_group)
+
+
+def init_parallel(ep: int, device: str, backend: str | None = None,
+                  timeout_s: float = 300.0) -> ParallelContext:
+    """Join the job started by torchrun (or stay single-process) and build the groups.
+
+    ``timeout_s`` bounds every collective: if a peer dies or hangs, the survivors fail
+    with an error instead of waiting forever.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ep < 1:
+        raise LrmoeError(f"--ep {ep} must be >= 1")
+    if world % ep != 0:
+        raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
+    if world == 1:
+        if ep != 1:
+            raise LrmoeError(f"--ep {ep} needs {ep} processes; launch with "
+                             f"torchrun --nproc-per-node {ep} -m lrmoe train ...")
+        return ParallelContext(device=_device(device, 0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _device(device, local)
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kw = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    rank = dist.get_rank()
+    ep_group = dp_group = None
+    for k in range(world // ep):  # every rank must create every group, in the same order
+        g = dist.new_group(list(range(k * ep, (k + 1) * ep)))
+        if rank // ep == k:
+            ep_group = g
+    for j in range(ep):
+        g = dist.new_group(list(range(j, world, ep)))
+        if rank % ep == j:
+            dp_group = g
+    return ParallelContext(world, rank, ep, ep_group, dp_group, dev)
+
+
+def _device(device: str, local_rank: int) -> torch.device:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise LrmoeError("--device cuda was asked for but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device != "cpu":
+        raise LrmoeError(f"--device {device!r} is not valid; use cpu or cuda")
+    return torch.device("cpu")
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts.gate_up_proj" in name or ".experts.down_proj" in name
+
+
+def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
+    """Keep only this rank's owned experts (rank r: ``r*E/G .. (r+1)*E/G - 1``).
+
+    Every rank builds the full model from the same seed first, so the shards together
+    are exactly the single-process model.
+    """
+    from lrmoe.model.moe import MoELayer
+
+    G, r = ctx.ep_size, ctx.ep_rank
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            E = m.cfg.num_experts
+            if E % G:
+                raise LrmoeError(f"num_experts={E} is not divisible by --ep {G}")
+            per = E // G
+            ex = m.experts
+            ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[r * per:(r + 1) * per].clone())
+            ex.down_proj = nn.Parameter(ex.down_proj.data[r * per:(r + 1) * per].clone())
+            ex.first, ex.count = r * per, per
+
+
+def sync_grads(model: nn.Module, ctx: ParallelContext) -> None:
+    """Average non-expert gradients over the world; reduce expert gradients (see module doc)."""
+    if not ctx.distributed:
+        return
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        (expert if is_expert_param(name) else dense).append(p.grad)
+    _allreduce_flat(dense, None)
+    if ctx.world > ctx.ep_size:
+        _allreduce_flat(expert, ctx.expert_dp_group)
+    for g in dense + expert:
+        g.div_(ctx.world)
+
+
+def _allreduce_flat(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over a group (identity without torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> float:
+    """Clip by the global gradient norm (expert shards counted once across the EP group).
+
+    Call after :func:`sync_grads`. Returns the norm before clipping.
+    """
+    dense_sq = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    params = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        params.append(p)
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_expert_param(name):
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if ctx.distributed and ctx.ep_size > 1:
+        dist.all_reduce(expert_sq, group=ctx.ep_group)
+    norm = float((dense_sq + expert_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm

@@ -1,0 +1,131 @@
+"""symi: fixed slots per rank, replica counts from the previous step's popularity.
+
+Legend: G ranks, S = s slots per rank, E experts. All tensors int64 on the CPU.
+
+SYMI (arXiv 2504.19925, NSDI '26), as summarised in SYSTEM.md §4:
+
+* every rank has ``s >= E/G`` slots, so a layer has ``G·s`` instances;
+* replica counts follow the previous step's popularity ``pop`` (uniform on the first
+  step): ``goal = pop/sum(pop)·G·s``, ``cnt = floor(max(goal, 1))``, ``diff = cnt - goal``;
+  while ``sum(cnt) > G·s`` decrement, among experts with ``cnt > 1``, the one with the
+  largest ``diff``; while ``sum(cnt) < G·s`` increment the one with the smallest
+  ``diff`` (ties: lowest expert id);
+* placement is contiguous: expert 0's instances fill the slots first, then expert 1's,
+  rank by rank (several instances of one expert may share a rank);
+* each expert's pairs are split evenly over its instances; every pair is retained and
+  selected (SYMI's backward is exact).
+
+With a memory budget the plan must fit the ledger; :func:`largest_feasible_slots` picks
+the largest ``s`` that does (what a SYMI user would tune by hand).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lrmoe.errors import LrmoeError, require
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.plan import Plan, full_plan
+
+DEFAULT_EXTRA_SLOTS = 2
+
+
+def replica_counts(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
+    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly."""
+    require(total_slots >= E, f"{total_slots} slots cannot hold one instance of each of "
+                              f"{E} experts")
+    if pop_E is None:
+        pop = [1.0] * E
+    else:
+        require(pop_E.numel() == E, f"popularity has {pop_E.numel()} entries, want {E}")
+        require(bool((pop_E >= 0).all()), "popularity counts must be >= 0")
+        pop = [float(x) for x in pop_E.double().tolist()]
+        if sum(pop) <= 0:
+            pop = [1.0] * E
+    tot = sum(pop)
+    goal = [p / tot * total_slots for p in pop]
+    cnt = [math.floor(max(g, 1.0)) for g in goal]
+    diff = [c - g for c, g in zip(cnt, goal)]
+    while sum(cnt) > total_slots:
+        e = max((e for e in range(E) if cnt[e] > 1), key=lambda e: (diff[e], -e))
+        cnt[e] -= 1
+        diff[e] -= 1.0
+    while sum(cnt) < total_slots:
+        e = min(range(E), key=lambda e: (diff[e], e))
+        cnt[e] += 1
+        diff[e] += 1.0
+    return cnt
+
+
+def contiguous_placement(cnt: list[int], G: int, s: int) -> Tensor:
+    """``[G, s]``: expert 0's instances first, then expert 1's, ..., rank by rank."""
+    require(sum(cnt) == G * s, f"replica counts sum to {sum(cnt)}, want {G * s}")
+    ids = torch.repeat_interleave(torch.arange(len(cnt)), torch.tensor(cnt, dtype=torch.long))
+    return ids.reshape(G, s)
+
+
+def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
+              ledger=None) -> Plan:
+    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger."""
+    G, E = counts_GE.shape
+    require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
+    s = slots_per_rank
+    require(isinstance(s, int) and s >= E // G,
+            f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
+            "its native experts)")
+    cnt = replica_counts(prev_counts_E, E, G * s)
+    plan = full_plan(counts_GE, contiguous_placement(cnt, G, s))
+    if ledger is not None and ledger.budget_bytes is not None:
+        terms = ledger.rank_terms(plan)
+        ledger.raise_if_over(terms, f"symi with slots_per_rank={s}")
+    return plan
+
+
+def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
+                           max_slots: int | None = None) -> int:
+    """The largest ``s`` in ``[E/G, max_slots]`` (default ``E``) whose SYMI plan fits.
+
+    Memory is not strictly monotone in ``s`` (contiguous placement moves load), so every
+    ``s`` is tried, stopping once the slots alone (owned state, instances and home
+    buffers) exceed the budget. Raises :class:`LrmoeError` if none fits.
+    """
+    G, E = counts_GE.shape
+    lo = E // G
+    hi = E if max_slots is None else max_slots
+    require(hi >= lo, f"max_slots={hi} must be >= E/G = {lo}")
+    if ledger is None or ledger.budget_bytes is None:
+        return hi
+    home_max = int(counts_GE.long().sum(1).max())
+    best, first_err = None, None
+    for s in range(lo, hi + 1):
+        floor_bytes = ledger.terms(s, 0, home_max, 0)["total"]
+        if floor_bytes > ledger.budget_bytes:
+            break
+        try:
+            plan_symi(counts_GE, s, prev_counts_E, ledger)
+            best = s
+        except LrmoeError as e:
+            first_err = first_err or e
+    if best is None:
+        raise LrmoeError(f"no slots_per_rank >= {lo} fits: "
+                         f"{first_err or 'the native experts alone exceed the budget'}")
+    return best
+
+
+@dataclass
+class SymiPolicy:
+    """SYMI with ``slots_per_rank`` slots; ``None`` means ``E/G + 2`` at plan time."""
+
+    slots_per_rank: int | None = None
+    name: str = "symi"
+
+    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
+        G, E = counts_GE.shape
+        s = self.slots_per_rank
+        if s is None:
+            s = E // G + DEFAULT_EXTRA_SLOTS
+        return plan_symi(counts_GE, s, inputs.prev_counts_E, inputs.ledger)

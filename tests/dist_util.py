@@ -1,0 +1,48 @@
+"""Spawning gloo process groups on loopback for the distributed tests."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, errfile: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world: int, fn, *args, tmp_path) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; re-raise a rank's error."""
+    errfile = str(tmp_path / "rank_error")
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args, errfile), nprocs=world, join=True)
+    except Exception as e:
+        msgs = []
+        for r in range(world):
+            p = f"{errfile}.{r}"
+            if os.path.exists(p):
+                msgs.append(f"--- rank {r} ---\n" + open(p).read())
+        raise AssertionError("\n".join(msgs) or str(e)) from None

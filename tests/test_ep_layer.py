@@ -133,11 +133,22 @@ def _worker(rank, world, case, policy_name, compaction, outdir=None):
     torch.testing.assert_close(gr, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+CASES = ["random", "empty_experts", "local_only", "one_expert"]
+
+
+def _all_cases(rank, world):
+    for case in CASES:
+        for policy in ("static", "replica"):
+            try:
+                _worker(rank, world, case, policy, True)
+            except AssertionError as e:
+                raise AssertionError(f"case={case} policy={policy}: {e}") from None
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["random", "empty_experts", "local_only", "one_expert"])
-@pytest.mark.parametrize("policy", ["static", "replica"])
-def test_ep_layer_matches_single_process(world, case, policy, tmp_path):
-    run_world(world, _worker, case, policy, True, tmp_path=tmp_path)
+def test_ep_layer_matches_single_process(world, tmp_path):
+    """Every routing case x {static, replicas across ranks}, in one process group."""
+    run_world(world, _all_cases, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -64,7 +64,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(H, self.n_heads * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        # HF: Qwen3-MoE's o_proj takes attention_bias too; GLM-4.5's never has a bias.
+        self.o_proj = nn.Linear(self.n_heads * D, H,
+                                bias=cfg.attention_bias and cfg.model_type == "qwen3_moe")
         self.use_qk_norm = cfg.use_qk_norm
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)

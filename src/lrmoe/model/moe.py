@@ -115,7 +115,7 @@ class MoELayer(nn.Module):
         me = rt.comm.rank
         st = ExchangeState(
             comm=rt.comm, plan=plan, home=home_layout(plan, me, idx_P, gate_P, E),
-            recv=recv_layout(plan.assign_GGS[:, me, :]), top_k=self.cfg.num_experts_per_tok,
+            recv=recv_layout(plan.assign_GGS[:, me, :], x_TH.device), top_k=self.cfg.num_experts_per_tok,
             num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
             generator=rt.generator)
         y_PH = ExpertExchange.apply(x_TH.to(dtype), w13, w2, st)

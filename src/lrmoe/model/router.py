@@ -86,7 +86,9 @@ class SigmoidGroupRouter(nn.Module):
             keep = torch.zeros_like(group_score).scatter_(
                 1, group_score.topk(self.topk_group, dim=-1).indices, 1.0)
             mask = keep.unsqueeze(-1).expand_as(grouped).reshape(T, self.E)
-            choice = choice.masked_fill(mask == 0, 0.0)
+            # -inf, as HF: choice scores can be negative (correction bias), and a 0.0
+            # fill would let experts of dropped groups win over them.
+            choice = choice.masked_fill(mask == 0, float("-inf"))
         idx = torch.topk(choice, self.K, dim=-1, sorted=False).indices
         gate = scores.gather(1, idx)
         if self.norm_topk_prob:

@@ -21,7 +21,15 @@ from torch import Tensor
 
 from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, excl_cumsum, ranges, recv_layout
+from lrmoe.parallel.layout import (
+    HomeLayout,
+    RecvLayout,
+    excl_cumsum,
+    permute_rows,
+    ranges,
+    recv_layout,
+    unpermute_rows,
+)
 from lrmoe.policy.plan import Plan
 
 
@@ -160,8 +168,7 @@ class ExpertExchange(torch.autograd.Function):
         es = x_TH.element_size()
         x_send = x_TH[home.src_pair // K]
         x_recv = comm.all_to_all(x_send, home.splits, recv.splits)
-        to_inst = recv.to_inst.to(x_TH.device)
-        x_inst = x_recv[to_inst]
+        x_inst = permute_rows(x_recv, recv.to_inst)
         with _timed(st.stats, "expert_fwd_ms", x_TH.device):
             y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, recv.counts)
 
@@ -172,12 +179,11 @@ class ExpertExchange(torch.autograd.Function):
             saved_x, saved_gu = x_inst, gu_inst
         else:
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
-            keep_rows = ranges(inst_start, ret_GS.t().reshape(-1)).to(x_TH.device)
+            keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
             saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows]
         del gu_inst
 
-        y_recv = torch.empty_like(y_inst)
-        y_recv[to_inst] = y_inst
+        y_recv = unpermute_rows(y_inst, recv.to_inst)
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
         y_P = x_TH.new_zeros(st.home.send_pos_P.numel(), H)
         y_P[home.src_pair] = y_send
@@ -281,15 +287,20 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: 
     comm, plan, dev = st.comm, st.plan, rows.device
     me, S, G = comm.rank, plan.S, plan.G
     send_splits = sent_GS.sum(1).tolist()
-    rl = recv_layout(recv_GS)
+    rl = recv_layout(recv_GS, dev)
     dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
-    to_inst = rl.to_inst.to(dev)
     ret_SG = plan.retain_GGS[:, me, :].t().reshape(-1)
-    blk = torch.repeat_interleave(torch.arange(S * G), recv_GS.t().reshape(-1),
-                                  output_size=int(recv_GS.sum())).to(dev)
-    rows_saved = excl_cumsum(ret_SG).to(dev)[blk] + j_recv[to_inst]
-    x_sel, gu_sel, dy_inst = saved_x[rows_saved], saved_gu[rows_saved], dy_recv[to_inst]
+    if torch.equal(recv_GS, plan.assign_GGS[:, me, :]) and torch.equal(ret_SG, recv_GS.t().reshape(-1)):
+        # exact backward: every row arrives, in saved order (no gather needed)
+        x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
+    else:
+        n = int(recv_GS.sum())
+        blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
+                                      recv_GS.t().reshape(-1).to(dev), output_size=n)
+        rows_saved = excl_cumsum(ret_SG).to(dev)[blk] + permute_rows(j_recv, rl.to_inst)
+        x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
+        dy_inst = permute_rows(dy_recv, rl.to_inst)
     offs = offsets(rl.counts, dev)
     if timed:
         with _timed(st.stats, "expert_bwd_ms", dev):
@@ -297,7 +308,6 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: 
                                                  rl.counts, offs)
     else:
         dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs)
-    dx_recv = torch.empty_like(dx_inst)
-    dx_recv[to_inst] = dx_inst
+    dx_recv = unpermute_rows(dx_inst, rl.to_inst)
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
     return dx_back, dw13, dw2, dy_recv.shape[0]

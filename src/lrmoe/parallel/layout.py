@@ -22,13 +22,18 @@ def excl_cumsum(x: Tensor) -> Tensor:
     return x.cumsum(0) - x
 
 
-def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenation of ``arange(starts[k], starts[k] + lengths[k])`` over k (CPU)."""
+def ranges(starts: Tensor, lengths: Tensor, device: torch.device | str = "cpu") -> Tensor:
+    """Concatenation of ``arange(starts[k], starts[k] + lengths[k])`` over k.
+
+    ``starts`` and ``lengths`` are small CPU tensors (one entry per block); the result
+    is built on ``device`` without a host sync (its size is known on the host).
+    """
     total = int(lengths.sum())
     if total == 0:
-        return torch.zeros(0, dtype=torch.long)
-    base = torch.repeat_interleave(starts - excl_cumsum(lengths), lengths, output_size=total)
-    return base + torch.arange(total)
+        return torch.zeros(0, dtype=torch.long, device=device)
+    base = (starts - excl_cumsum(lengths)).to(device, non_blocking=True)
+    base = torch.repeat_interleave(base, lengths.to(device, non_blocking=True), output_size=total)
+    return base + torch.arange(total, device=device)
 
 
 @dataclass
@@ -38,20 +43,37 @@ class RecvLayout:
     Attributes:
         splits: rows arriving from each source rank (list, G).
         counts: rows per local slot in instance order (list, S).
-        to_inst: instance-order position -> arrival position.
+        to_inst: instance-order position -> arrival position, or ``None`` when the two
+            orders coincide (one source rank): callers then skip the permutation.
     """
 
     splits: list[int]
     counts: list[int]
-    to_inst: Tensor
+    to_inst: Tensor | None
 
 
-def recv_layout(block_GS: Tensor) -> RecvLayout:
+def recv_layout(block_GS: Tensor, device: torch.device | str = "cpu") -> RecvLayout:
     """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]``."""
     G, S = block_GS.shape
-    start_GS = excl_cumsum(block_GS.reshape(-1)).reshape(G, S)
-    to_inst = ranges(start_GS.t().reshape(-1), block_GS.t().reshape(-1))
+    to_inst = None
+    if G > 1:
+        start_GS = excl_cumsum(block_GS.reshape(-1)).reshape(G, S)
+        to_inst = ranges(start_GS.t().reshape(-1), block_GS.t().reshape(-1), device)
     return RecvLayout(block_GS.sum(1).tolist(), block_GS.sum(0).tolist(), to_inst)
+
+
+def permute_rows(x: Tensor, idx: Tensor | None) -> Tensor:
+    """``x[idx]``, or ``x`` itself when ``idx`` is None (identity)."""
+    return x if idx is None else x[idx]
+
+
+def unpermute_rows(x: Tensor, idx: Tensor | None) -> Tensor:
+    """The inverse of :func:`permute_rows`: ``out[idx] = x``."""
+    if idx is None:
+        return x
+    out = torch.empty_like(x)
+    out[idx] = x
+    return out
 
 
 @dataclass
@@ -89,8 +111,9 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     # Instances in expert order; their retained and non-retained position ranges.
     e_key = torch.where(valid, ie, torch.full_like(ie, E))
     inst_order = torch.argsort(e_key * I + torch.arange(I), stable=True)
-    pos_ret = ranges(block_start[inst_order], retain[inst_order])
-    pos_non = ranges(block_start[inst_order] + retain[inst_order], (assign - retain)[inst_order])
+    pos_ret = ranges(block_start[inst_order], retain[inst_order], dev)
+    pos_non = ranges(block_start[inst_order] + retain[inst_order], (assign - retain)[inst_order],
+                     dev)
     e_c = ie.clamp(min=0)
     R_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, retain * valid)
     A_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, assign * valid)
@@ -105,7 +128,7 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     rk = torch.arange(P, device=dev) - torch.searchsorted(e_sorted, e_sorted)
     R, A = R_E.to(dev)[e_sorted], A_E.to(dev)[e_sorted]
     is_ret = rk < R
-    pos_ret_d, pos_non_d = pos_ret.to(dev), pos_non.to(dev)
+    pos_ret_d, pos_non_d = pos_ret, pos_non
     ret_i = (ret_start.to(dev)[e_sorted] + rk).clamp(max=max(pos_ret.numel() - 1, 0))
     non_i = (non_start.to(dev)[e_sorted] + rk - R).clamp(min=0, max=max(pos_non.numel() - 1, 0))
     pos_sorted = torch.where(
@@ -119,7 +142,8 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     src_pair = torch.empty(n_send, dtype=torch.long, device=dev)
     kept = send_pos >= 0
     src_pair[send_pos[kept]] = torch.arange(P, device=dev)[kept]
-    block_of = torch.repeat_interleave(torch.arange(I), assign, output_size=n_send)
-    j_in_block = torch.arange(n_send) - block_start[block_of]
-    return HomeLayout(send_pos, src_pair, block_of.to(dev), j_in_block.to(dev), retain,
+    block_of = torch.repeat_interleave(torch.arange(I, device=dev), assign.to(dev),
+                                       output_size=n_send)
+    j_in_block = torch.arange(n_send, device=dev) - block_start.to(dev)[block_of]
+    return HomeLayout(send_pos, src_pair, block_of, j_in_block, retain,
                       plan.select_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())

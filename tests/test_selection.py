@@ -57,29 +57,30 @@ def test_sampled_estimator_unbiased_on_vectors():
     quota = torch.tensor([8, 10, 12])
     exact = v.sum(0)
     est = torch.zeros(4, dtype=torch.float64)
-    draws = 20000
+    draws = 5000
     for _ in range(draws):
         keep, w = select_sampled(m, blk, quota, g)
         est += (v * w[:, None]).sum(0)
     est /= draws
-    assert float((est - exact).norm() / exact.norm()) < 0.02
+    assert float((est - exact).norm() / exact.norm()) < 0.04
 
 
 class HalfPolicy:
-    """Everything retained, half of each block selected."""
+    """Everything retained, half of each block (rounded up) selected."""
 
     name = "half"
 
     def plan(self, counts, inputs):
         p = full_plan(counts, torch.arange(counts.shape[1]).reshape(1, -1))
-        return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, p.retain_GGS // 2)
+        # ceil: every non-empty block keeps a positive quota, so every row has pi > 0
+        return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, (p.retain_GGS + 1) // 2)
 
 
 def test_sampled_expert_gradient_converges_to_exact():
     torch.manual_seed(0)
     layer = copy.deepcopy(MoEForCausalLM(get_preset("tiny-qwen3")).moe_layers[0])
-    x = torch.randn(2, 32, layer.cfg.hidden_size)
-    coeff = torch.randn(2, 32, layer.cfg.hidden_size)
+    x = torch.randn(1, 24, layer.cfg.hidden_size)
+    coeff = torch.randn(1, 24, layer.cfg.hidden_size)
 
     def grad():
         layer.zero_grad()
@@ -92,10 +93,10 @@ def test_sampled_expert_gradient_converges_to_exact():
     layer.runtime = MoERuntime(policy=HalfPolicy(), generator=gen,
                                backward=BackwardOptions(estimator="sampled"))
     total, errs = torch.zeros_like(exact), {}
-    for d in range(1, 257):
+    for d in range(1, 161):
         total += grad()
-        if d in (16, 256):
+        if d in (10, 160):
             errs[d] = float((total / d - exact).norm() / exact.norm())
     # 16x more draws: error should fall ~4x (1/sqrt); allow slack for randomness
-    assert errs[256] < errs[16] / 2.5, errs
-    assert errs[256] < 0.1, errs
+    assert errs[160] < errs[10] / 2.5, errs
+    assert errs[160] < 0.15, errs

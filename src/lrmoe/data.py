@@ -28,6 +28,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import operator
 import os
 import sys
 import sysconfig
@@ -151,9 +152,7 @@ def _tree_files(root: Path, suffix: str | None, excluded: set[str]) -> list[tupl
     return out
 
 
-def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[str]) -> list[str]:
-    """Fill ``col`` from the files below ``root``; return the relative paths used."""
-    used = []
+def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[str]) -> None:
     for rel, path in _tree_files(root, suffix, excluded):
         if col.full():
             break
@@ -161,9 +160,8 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
         if not col.has_room(val):
             continue
         got = _read_file(path, col.left[val])
-        if got is not None and col.add_raw(val, *got):
-            used.append(rel)
-    return used
+        if got is not None:
+            col.add_raw(val, *got)
 
 
 def _load_jsonl(path: Path, col: _Collector) -> None:
@@ -268,10 +266,14 @@ def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Ten
     )
 
 
-def _check_pos_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LrmoeError(f"{name} must be a positive integer, got {value!r}")
-    return value
+def _check_int(name: str, value: object, low: int = 1) -> int:
+    try:  # operator.index also admits numpy/torch integer scalars, but not floats/bools
+        v = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = low - 1
+    if v < low:
+        raise LrmoeError(f"{name} must be an integer >= {low}, got {value!r}")
+    return v
 
 
 def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
@@ -290,16 +292,16 @@ class PackedBatches:
     """Deterministic global batches of packed windows of one token stream.
 
     Window ``w`` is ``ids[w*L : w*L + L + 1]`` (``L = seq_len``); consecutive windows
-    share only their boundary token, so every token is a target exactly once per
-    epoch. Samples are drawn as one endless sequence: epoch ``e`` visits all windows in
-    a permutation seeded by ``(seed, e)``, and global batch ``step`` is samples
-    ``step*B .. step*B + B - 1`` of that sequence, so it depends only on
-    ``(ids, seq_len, batch_size, seed, step)``, never on earlier calls.
+    share only their boundary token, so each token (bar the first and the tail that
+    fills no window) is a target exactly once per epoch. Samples form one endless
+    sequence: epoch ``e`` visits all windows in a permutation seeded by ``(seed, e)``,
+    and global batch ``step`` is samples ``step*B .. step*B + B - 1`` of it, so it
+    depends only on ``(ids, seq_len, batch_size, seed, step)``, never on earlier calls.
     """
 
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0):
-        self.seq_len = _check_pos_int("seq_len", seq_len)
-        self.batch_size = _check_pos_int("batch_size", batch_size)
+        self.seq_len = _check_int("seq_len", seq_len)
+        self.batch_size = _check_int("batch_size", batch_size)
         self.num_windows = _windows(ids, self.seq_len, "training")
         self.ids = ids.long()
         self.seed = int(seed)
@@ -320,13 +322,12 @@ class PackedBatches:
 
     def window_indices(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """Window ids of rank's rows of global batch ``step``: int64 ``[B // world]``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise LrmoeError(f"step must be a non-negative integer, got {step!r}")
-        world = _check_pos_int("world", world)
+        step = _check_int("step", step, low=0)
+        world = _check_int("world", world)
         if self.batch_size % world:
             raise LrmoeError(f"global batch size {self.batch_size} is not divisible by the "
                              f"data-parallel world size {world}")
-        if not 0 <= rank < world:
+        if not 0 <= _check_int("rank", rank, low=0) < world:
             raise LrmoeError(f"rank {rank} is out of range for world size {world}")
         local = self.batch_size // world
         first = step * self.batch_size + rank * local
@@ -359,14 +360,14 @@ def validation_batches(
     losses and token counts, not means). Returns int64 tensors ``[b, L + 1]`` with
     ``b <= batch_size``; only the last may be smaller. A rank may get an empty list.
     """
-    seq_len = _check_pos_int("seq_len", seq_len)
-    batch_size = _check_pos_int("batch_size", batch_size)
-    world = _check_pos_int("world", world)
-    if not 0 <= rank < world:
+    seq_len = _check_int("seq_len", seq_len)
+    batch_size = _check_int("batch_size", batch_size)
+    world = _check_int("world", world)
+    if not 0 <= _check_int("rank", rank, low=0) < world:
         raise LrmoeError(f"rank {rank} is out of range for world size {world}")
     k = _windows(ids, seq_len, "validation")
     if num_windows is not None:
-        k = min(k, _check_pos_int("num_windows", num_windows))
+        k = min(k, _check_int("num_windows", num_windows))
     mine = torch.tensor_split(torch.arange(k), world)[rank]
     rows = ids.long()[mine[:, None] * seq_len + torch.arange(seq_len + 1)]
     return list(torch.split(rows, batch_size)) if len(rows) else []

@@ -1,0 +1,571 @@
+"""HF checkpoint I/O: ``config.json`` + safetensors, as ``Qwen3MoeForCausalLM`` /
+``Glm4MoeForCausalLM`` write and read them.
+
+Names. Our modules mirror HF's ``model.layers.N....`` names without the ``model.``
+prefix (``lm_head`` has none in either), and our router is HF's ``mlp.gate``. Experts:
+
+* legacy per-expert form, ``mlp.experts.M.{gate_proj,up_proj,down_proj}.weight`` -- what
+  the Hub checkpoints hold and what ``save_pretrained`` of transformers 5.x writes (it
+  converts its fused parameters back on save);
+* fused form, ``mlp.experts.gate_up_proj [E, 2F, H]`` (gate rows, then up rows) and
+  ``mlp.experts.down_proj [E, H, F]`` -- HF's in-memory parameters, also ours.
+
+:func:`load_hf` accepts both; :func:`save_hf` writes the legacy form, like HF.
+
+Checks. Every file's header is read and checked against the file size before anything
+is copied into the model; every tensor the model needs must be present with the right
+shape and a float dtype, and every tensor in the checkpoint must be used (except the
+``lm_head.weight`` of a tied model and GLM's multi-token-prediction layers, which HF
+skips too). Any failure is one :class:`LrmoeError` naming the file or tensor.
+
+Saving writes into a temporary directory beside the target and renames it into place,
+so a failure leaves an existing checkpoint as it was. Files in an existing target that
+are not checkpoint files (tokenizer, generation config, ...) are kept.
+
+Legend: E experts, F expert width, H hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
+from lrmoe.model.moe import MoELayer
+from lrmoe.model.transformer import MoEForCausalLM
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float64": torch.float64}
+
+# HF config-class defaults (transformers 5.x), used for fields a config.json leaves out,
+# so a hand-written config means what it means to HF (e.g. Qwen3-MoE's norm_topk_prob).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+        num_experts=128, norm_topk_prob=False, router_aux_loss_coef=0.001, mlp_only_layers=[]),
+    "glm4_moe": dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+        moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
+        n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False,
+        num_nextn_predict_layers=1),
+}
+_ROPE_THETA_DEFAULT = 10000.0
+
+
+# ============================================================================ config
+def _normalize_hf_config(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """HF ``config.json`` -> (dict for :meth:`ModelConfig.from_hf_dict`, MTP layer count)."""
+    d = dict(raw)
+    mt = d.get("model_type")
+    if mt not in _HF_DEFAULTS:
+        raise LrmoeError(f"config model_type={mt!r} is not supported; use 'qwen3_moe' "
+                         "(Qwen3MoeForCausalLM) or 'glm4_moe' (Glm4MoeForCausalLM)")
+    # Aliases HF writes: Qwen3MoeConfig maps num_experts -> num_local_experts,
+    # Glm4MoeConfig maps num_mtp_layers -> num_nextn_predict_layers.
+    alias = {"qwen3_moe": ("num_local_experts", "num_experts"),
+             "glm4_moe": ("num_mtp_layers", "num_nextn_predict_layers")}[mt]
+    if alias[0] in d:
+        v = d.pop(alias[0])
+        if alias[1] in d and d[alias[1]] != v:
+            raise LrmoeError(f"config gives both {alias[0]}={v!r} and {alias[1]}={d[alias[1]]!r}")
+        d[alias[1]] = v
+    if mt == "glm4_moe" and "num_experts" in d and "n_routed_experts" not in d:
+        d["n_routed_experts"] = d.pop("num_experts")
+    for k, v in _HF_DEFAULTS[mt].items():
+        d.setdefault(k, v)
+    # RoPE: HF gives rope_parameters priority over top-level rope_theta /
+    # partial_rotary_factor; Qwen3-MoE's rotary ignores partial_rotary_factor.
+    rp = d.get("rope_parameters")
+    if rp is None:
+        rp = d.pop("rope_scaling", None)
+    if rp is not None and not isinstance(rp, dict):
+        raise LrmoeError(f"config rope_parameters={rp!r} must be an object")
+    rp = dict(rp or {})
+    if "type" in rp:
+        rp.setdefault("rope_type", rp.pop("type"))
+    rp.setdefault("rope_type", "default")
+    rp.setdefault("rope_theta", d.pop("rope_theta", _ROPE_THETA_DEFAULT))
+    d.pop("rope_theta", None)
+    prf = d.pop("partial_rotary_factor", None)
+    if mt == "glm4_moe":
+        rp.setdefault("partial_rotary_factor", 0.5 if prf is None else prf)
+    else:
+        rp.pop("partial_rotary_factor", None)
+    d["rope_parameters"] = rp
+    mtp = d.get("num_nextn_predict_layers", 0) if mt == "glm4_moe" else 0
+    if not isinstance(mtp, int) or mtp < 0:
+        raise LrmoeError(f"config num_nextn_predict_layers={mtp!r} must be an integer >= 0")
+    return d, mtp
+
+
+def _read_config(path: Path) -> tuple[ModelConfig, int]:
+    cfile = path / CONFIG_NAME
+    if not cfile.is_file():
+        raise LrmoeError(f"{path} has no {CONFIG_NAME}; a HF checkpoint directory needs "
+                         f"{CONFIG_NAME} beside its *.safetensors files")
+    try:
+        raw = json.loads(cfile.read_text())
+    except OSError as e:
+        raise LrmoeError(f"cannot read {cfile}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LrmoeError(f"{cfile} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise LrmoeError(f"{cfile} must hold a JSON object")
+    d, mtp = _normalize_hf_config(raw)
+    try:
+        cfg = ModelConfig.from_hf_dict(d)
+    except LrmoeError as e:
+        raise LrmoeError(f"{cfile}: {e}") from None
+    return cfg, mtp
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of a HF checkpoint directory, without reading weights."""
+    return _read_config(_as_dir(path))[0]
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``config.json`` contents for ``cfg`` in the layout this transformers version writes
+    (RoPE settings nested in ``rope_parameters``; lrmoe extras HF ignores)."""
+    d = cfg.to_hf_dict()
+    d["model_type"] = cfg.model_type
+    rp: dict[str, Any] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    prf = d.pop("partial_rotary_factor", None)
+    if cfg.model_type == "glm4_moe":
+        rp["partial_rotary_factor"] = prf
+        d["num_nextn_predict_layers"] = 0  # no multi-token-prediction layers saved
+    d["rope_parameters"] = rp
+    if dtype is not None:
+        d["dtype"] = str(dtype).removeprefix("torch.")
+    return d
+
+
+# ============================================================================ names
+def _hf_name(name: str) -> str:
+    """Our state-dict name -> HF's (fused experts form)."""
+    if name.startswith("lm_head."):
+        return name
+    return "model." + name.replace(".mlp.router.", ".mlp.gate.")
+
+
+@dataclass
+class _Piece:
+    """``target[index] <- checkpoint[key]`` (index ``()`` is the whole tensor)."""
+
+    target: str
+    index: tuple
+    key: str
+    shape: tuple[int, ...]
+
+
+def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str]) -> list[_Piece]:
+    """Pieces for ``experts.gate_up_proj`` / ``experts.down_proj`` in either form."""
+    E, rows, cols = shape
+    prefix, kind = hf.rsplit(".", 1)  # "model.layers.N.mlp.experts", "gate_up_proj"
+    if kind == "gate_up_proj":
+        F = rows // 2
+        legacy = [_Piece(target, (e, slice(h * F, (h + 1) * F)),
+                         f"{prefix}.{e}.{proj}.weight", (F, cols))
+                  for e in range(E) for h, proj in enumerate(("gate_proj", "up_proj"))]
+    else:
+        legacy = [_Piece(target, (e,), f"{prefix}.{e}.down_proj.weight", (rows, cols))
+                  for e in range(E)]
+    has_legacy = any(p.key in ckpt for p in legacy)
+    if hf in ckpt and has_legacy:
+        raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert tensors "
+                         f"{prefix}.M.*; keep one form")
+    if hf in ckpt or not has_legacy:
+        return [_Piece(target, (), hf, shape)]
+    return legacy
+
+
+def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
+          ckpt: set[str]) -> list[_Piece]:
+    pieces: list[_Piece] = []
+    for name, shape in model_shapes.items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        hf = _hf_name(name)
+        if re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+            pieces += _expert_pieces(name, hf, shape, ckpt)
+        else:
+            pieces.append(_Piece(name, (), hf, shape))
+    return pieces
+
+
+# ============================================================================ files
+def _as_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise LrmoeError(f"checkpoint directory {p} does not exist")
+    if not p.is_dir():
+        raise LrmoeError(f"{p} is not a directory; give the HF checkpoint directory "
+                         f"(holding {CONFIG_NAME} and *.safetensors)")
+    return p
+
+
+def _corrupt(file: Path, why: str) -> LrmoeError:
+    return LrmoeError(f"checkpoint file {file} is corrupt or truncated: {why}")
+
+
+def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Parse and check a safetensors header against the file size: name -> (dtype, shape)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise _corrupt(file, f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > 100 * 2**20:
+                raise _corrupt(file, f"header length {n} does not fit in the file ({size} bytes)")
+            text = fh.read(n)
+    except OSError as e:
+        raise LrmoeError(f"cannot read checkpoint file {file}: {e.strerror or e}") from None
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(file, f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(file, "header is not a JSON object")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt, shape, (a, b) = info["dtype"], tuple(int(s) for s in info["shape"]), \
+                info["data_offsets"]
+            a, b = int(a), int(b)
+        except (KeyError, TypeError, ValueError):
+            raise _corrupt(file, f"header entry for {name!r} is malformed") from None
+        if dt in _ITEMSIZE and b - a != math.prod(shape) * _ITEMSIZE[dt]:
+            raise _corrupt(file, f"tensor {name} spans {b - a} bytes, its shape {list(shape)} "
+                                 f"needs {math.prod(shape) * _ITEMSIZE[dt]}")
+        end = max(end, b)
+        out[name] = (dt, shape)
+    if 8 + n + end != size:
+        raise _corrupt(file, f"header describes {8 + n + end} bytes, the file has {size}")
+    try:  # let safetensors run its own checks too
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError, ...
+        raise _corrupt(file, str(e)) from None
+    return out
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(wmap.values()))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                AttributeError) as e:
+            raise LrmoeError(f"index {index} is unreadable or has no weight_map: {e}") from None
+        for f in files:
+            if not isinstance(f, str) or "/" in f or "\\" in f or not (path / f).is_file():
+                raise LrmoeError(f"index {index} names shard {f!r}, which is not in {path}")
+        return [path / f for f in files]
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    extra = f" (found {', '.join(found)} without an index)" if found else ""
+    raise LrmoeError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{extra}")
+
+
+def _scan(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Path]]:
+    files = _checkpoint_files(path)
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        for name, info in _read_header(f).items():
+            if name in where:
+                raise LrmoeError(f"tensor {name} appears in both {where[name].name} and {f.name}")
+            meta[name], where[name] = info, f
+    index = path / INDEX_NAME
+    if index.is_file():
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            if where.get(name) is None or where[name].name != fname:
+                raise LrmoeError(f"index {index} puts tensor {name} in {fname}, "
+                                 "but that file does not hold it")
+    return meta, where
+
+
+# ============================================================================ load
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
+                             f"{sorted(set(_DTYPE_NAMES))}")
+        return _DTYPE_NAMES[dtype]
+    if dtype not in _DTYPES.values():
+        raise LrmoeError(f"dtype={dtype} is not supported; use float32, bfloat16 or float16")
+    return dtype
+
+
+def _fp32_names(model: MoEForCausalLM) -> set[str]:
+    """Tensors HF keeps in fp32 whatever the model dtype: GLM's router (bias and weight)."""
+    if model.config.model_type != "glm4_moe":
+        return set()
+    return {n for n, _ in model.state_dict().items() if ".mlp.router." in n}
+
+
+def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
+            ) -> MoEForCausalLM:
+    """Load a HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards
+    with ``model.safetensors.index.json``) into a new :class:`MoEForCausalLM` on the CPU.
+
+    ``dtype`` (default fp32) is the model's parameter dtype; GLM's router weight and
+    correction bias stay fp32, as in HF. Experts may be stored per expert (Hub / HF
+    ``save_pretrained`` form) or fused. Raises :class:`LrmoeError` naming the problem
+    (missing config, corrupt file, missing / unexpected / misshapen tensor) before
+    anything is copied into the model. The model comes back in eval mode, as from HF's
+    ``from_pretrained``; call ``.train()`` to train it.
+    """
+    p = _as_dir(path)
+    dt = _as_dtype(dtype)
+    cfg, mtp = _read_config(p)
+    meta, where = _scan(p)
+
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in MoEForCausalLM(cfg).state_dict().items()}
+    pieces = _plan(shapes, cfg, set(meta))
+    used = {pc.key for pc in pieces}
+    missing = [pc.key for pc in pieces if pc.key not in meta]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise LrmoeError(f"checkpoint {p} is missing tensor {missing[0]}{more}, which the "
+                         f"{cfg.model_type} config needs")
+    mtp_re = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def ignorable(k: str) -> bool:
+        if cfg.tie_word_embeddings and k == "lm_head.weight":
+            return True  # tied: HF ties it to the embedding and ignores the stored copy
+        m = mtp_re.match(k)  # GLM multi-token-prediction layers, unused by HF's model too
+        return m is not None and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + mtp
+
+    unexpected = sorted(k for k in meta if k not in used and not ignorable(k))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise LrmoeError(f"checkpoint {p} has unexpected tensor {unexpected[0]}{more}, which "
+                         f"the {cfg.model_type} config does not use")
+    for pc in pieces:
+        sdt, shape = meta[pc.key]
+        if shape != pc.shape:
+            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has shape {list(shape)}, "
+                             f"the config needs {list(pc.shape)}")
+        if sdt not in _DTYPES:
+            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has dtype {sdt}; only "
+                             f"{', '.join(_DTYPES)} checkpoints are supported")
+
+    model = MoEForCausalLM(cfg)
+    sd = model.state_dict()
+    by_file: dict[Path, list[_Piece]] = {}
+    for pc in pieces:
+        by_file.setdefault(where[pc.key], []).append(pc)
+    with torch.no_grad():
+        for file, group in by_file.items():
+            try:
+                f = safetensors.safe_open(str(file), framework="pt")
+            except Exception as e:  # changed since it was checked
+                raise _corrupt(file, str(e)) from None
+            with f:
+                for pc in group:
+                    try:
+                        t = f.get_tensor(pc.key)
+                    except Exception as e:
+                        raise _corrupt(file, f"reading tensor {pc.key}: {e}") from None
+                    sd[pc.target][pc.index].copy_(t)
+        if dt != torch.float32:
+            # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
+            keep, persistent = _fp32_names(model), set(sd)
+            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                if t.is_floating_point() and name in persistent and name not in keep:
+                    t.data = t.data.to(dt)
+    model.eval()
+    return model
+
+
+# ============================================================================ save
+def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None
+                ) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]:
+    """(HF name, shape, dtype, materialise) in model order, legacy per-expert form."""
+    cfg = model.config
+    keep32 = _fp32_names(model) if dtype is not None else set()
+    out = []
+
+    def add(hf: str, t: Tensor, name: str) -> None:
+        dt = t.dtype if dtype is None or name in keep32 else dtype
+        out.append((hf, tuple(t.shape), dt,
+                    lambda t=t, dt=dt: t.detach().to("cpu", dt).contiguous().clone()))
+
+    for name, t in model.state_dict(keep_vars=True).items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue  # HF omits the tied head
+        if not t.is_floating_point():
+            raise LrmoeError(f"model tensor {name} has dtype {t.dtype}; expected a float tensor")
+        hf = _hf_name(name)
+        m = re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m is None:
+            add(hf, t, name)
+            continue
+        prefix = hf.rsplit(".", 1)[0]
+        for e in range(t.shape[0]):
+            if m[1] == "gate_up_proj":
+                F = t.shape[1] // 2
+                add(f"{prefix}.{e}.gate_proj.weight", t[e, :F], name)
+                add(f"{prefix}.{e}.up_proj.weight", t[e, F:], name)
+            else:
+                add(f"{prefix}.{e}.down_proj.weight", t[e], name)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shard(tensors: dict[str, Tensor], file: Path) -> None:
+    safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    _fsync(file)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or bool(_SHARD_RE.match(name))
+
+
+def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            dtype: torch.dtype | str | None = None) -> Path:
+    """Save ``model`` as a HF checkpoint directory that ``from_pretrained`` of
+    ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM`` loads: ``config.json`` and
+    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
+
+    ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays
+    fp32. The whole directory is written beside ``path`` and renamed into place, so a
+    failure leaves an existing checkpoint untouched; other files already in ``path``
+    (tokenizer, ...) are kept. The model must hold every expert: gather an
+    expert-parallel model's experts first.
+    """
+    if not isinstance(model, MoEForCausalLM):
+        raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
+            or max_shard_bytes <= 0:
+        raise LrmoeError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer")
+    dt = None if dtype is None else _as_dtype(dtype)
+    for layer in model.layers:
+        m = layer.mlp
+        if isinstance(m, MoELayer) and m.experts.count != m.experts.num_experts:
+            raise LrmoeError(
+                f"layer {m.moe_index} holds {m.experts.count} of {m.experts.num_experts} experts "
+                "(expert-parallel shard); gather the experts first: save_hf needs the full model")
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise LrmoeError(f"{target} exists and is not a directory")
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LrmoeError(f"cannot create {parent}: {e.strerror or e}") from None
+
+    entries = _hf_entries(model, dt)
+    nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, b in enumerate(nbytes):
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += b
+    n = len(shards)
+    names = [WEIGHTS_NAME] if n == 1 else [
+        f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    cdtype = model.embed_tokens.weight.dtype if dt is None else dt
+
+    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        weight_map: dict[str, str] = {}
+        for fname, idx in zip(names, shards):
+            _write_shard({entries[i][0]: entries[i][3]() for i in idx}, tmp / fname)
+            weight_map.update({entries[i][0]: fname for i in idx})
+        if n > 1:
+            index = {"metadata": {"total_size": sum(nbytes)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            _fsync(tmp / INDEX_NAME)
+        cfg_text = json.dumps(hf_config_dict(model.config, cdtype), indent=2, sort_keys=True)
+        (tmp / CONFIG_NAME).write_text(cfg_text + "\n")
+        _fsync(tmp / CONFIG_NAME)
+        _fsync(tmp)
+        _swap_into_place(tmp, target)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise LrmoeError(f"cannot write checkpoint {target}: {e.strerror or e}") from None
+        raise
+    return target
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` to ``target``; an old ``target`` is replaced, keeping
+    its files that are not checkpoint files."""
+    if not target.exists():
+        os.rename(tmp, target)
+        _fsync(target.parent)
+        return
+    old = target.parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    for entry in old.iterdir():
+        if not _is_checkpoint_file(entry.name) and not (target / entry.name).exists():
+            os.rename(entry, target / entry.name)
+    _fsync(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["hf_config_dict", "load_hf", "load_hf_config", "save_hf"]

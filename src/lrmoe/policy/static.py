@@ -24,4 +24,7 @@ class StaticPolicy:
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
-        return full_plan(counts_GE, native_placement(G, E))
+        plan = full_plan(counts_GE, native_placement(G, E))
+        if inputs.ledger is not None:
+            inputs.ledger.check(plan)
+        return plan

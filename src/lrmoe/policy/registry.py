@@ -1,0 +1,66 @@
+"""Build a policy from its config: the one place that maps policy names to planners."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError, require
+from lrmoe.policy.base import Policy
+from lrmoe.policy.capacity import CapacityPolicy
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+from lrmoe.policy.static import StaticPolicy
+from lrmoe.policy.symi import DEFAULT_EXTRA_SLOTS, SymiPolicy
+
+POLICY_NAMES = ("static", "capacity", "symi", "lrmoe")
+
+
+@dataclass
+class PolicyConfig:
+    """Which policy plans each step, and its knobs.
+
+    Attributes:
+        name: one of ``static``, ``capacity``, ``symi``, ``lrmoe``.
+        capacity_factor: ``capacity`` only: pairs per expert allowed, as a multiple of
+            the mean (GShard/DeepSpeed).
+        slots_per_rank: ``symi``: slots per rank (None: ``E/G + 2``); ``lrmoe``: the
+            most slots per rank when ``lrmoe.max_slots_per_rank`` is not set.
+        lrmoe: the LRMoE planner's config.
+    """
+
+    name: str = "static"
+    capacity_factor: float = 1.25
+    slots_per_rank: int | None = None
+    lrmoe: LrmoeConfig = field(default_factory=LrmoeConfig)
+
+
+def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
+    """The policy ``cfg.name`` for ``model_cfg`` on an EP group of ``G`` ranks."""
+    E = model_cfg.num_experts
+    require(isinstance(G, int) and G >= 1, f"EP size {G!r} must be a positive integer")
+    require(E % G == 0, f"EP size {G} does not divide the number of experts {E}; "
+                        f"use a divisor of {E}")
+    n_nat = E // G
+    s = cfg.slots_per_rank
+    if s is not None:
+        require(isinstance(s, int) and s >= n_nat,
+                f"slots_per_rank={s!r} must be an integer >= E/G = {n_nat} "
+                "(each rank holds its native experts)")
+    if cfg.name == "static":
+        return StaticPolicy()
+    if cfg.name == "capacity":
+        return CapacityPolicy(cfg.capacity_factor)
+    if cfg.name == "symi":
+        return SymiPolicy(s if s is not None else n_nat + DEFAULT_EXTRA_SLOTS)
+    if cfg.name == "lrmoe":
+        lc = cfg.lrmoe
+        if lc.max_slots_per_rank is None and s is not None:
+            lc = dataclasses.replace(lc, max_slots_per_rank=s)
+        if lc.max_slots_per_rank is not None:
+            require(lc.max_slots_per_rank >= n_nat,
+                    f"lrmoe.max_slots_per_rank={lc.max_slots_per_rank} must be >= E/G = "
+                    f"{n_nat}")
+        return LrmoePolicy(lc)
+    raise LrmoeError(f"policy name={cfg.name!r} is not known; use one of "
+                     f"{', '.join(POLICY_NAMES)}")

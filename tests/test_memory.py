@@ -1,0 +1,142 @@
+"""The memory ledger: byte sizes, formulas against real tensors, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
+from lrmoe.memory import Ledger, actual_param_bytes, fmt_bytes, parse_bytes
+from lrmoe.policy.plan import full_plan
+from lrmoe.policy.static import native_placement
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("text, want", [
+    ("40GiB", 40 * GiB), ("123456", 123456), ("1.5GB", 1_500_000_000),
+    ("512 MiB", 512 * 2**20), ("2k", 2048), ("3kb", 3000), ("1TiB", 2**40),
+    ("7B", 7), ("1e3", 1000), ("0.5gib", GiB // 2), (1024, 1024),
+])
+def test_parse_bytes(text, want):
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "-5GiB", "0", "5XB", "nan", "GiB", "1.5.2GB",
+                                 "0.1", 0, -3, True])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(LrmoeError, match="memory size"):
+        parse_bytes(bad)
+
+
+def test_fmt_bytes():
+    assert fmt_bytes(41.25 * GiB) == "41.2 GiB"
+    assert fmt_bytes(512) == "512 B"
+    assert fmt_bytes(-1.5 * 2**20) == "-1.5 MiB"
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(hidden_size=32, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_owned_state_matches_adamw_tensors():
+    """Owner bytes = fp32 master + fp32 grad + AdamW exp_avg/exp_avg_sq, really allocated."""
+    cfg = _cfg()
+    G = 4
+    led = Ledger(cfg, G, num_moe_layers=1)
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    params = []
+    for _ in range(cfg.num_experts // G):
+        params.append(torch.nn.Parameter(torch.randn(2 * F, H)))  # gate_up_proj
+        params.append(torch.nn.Parameter(torch.randn(H, F)))  # down_proj
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+    state = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+    actual = actual_param_bytes(params + [p.grad for p in params] + state)
+    assert actual == led.owner_bytes_per_layer() == led.owner_bytes()
+    assert Ledger(cfg, G, num_moe_layers=5).owner_bytes() == 5 * actual
+    assert Ledger(cfg, G).L == len(cfg.moe_layers)
+
+
+@pytest.mark.parametrize("dtype, nbytes", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_instance_and_activation_bytes(dtype, nbytes):
+    cfg = _cfg()
+    led = Ledger(cfg, 2, bytes_w=nbytes, bytes_act=nbytes, num_moe_layers=1)
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    w = [torch.zeros(2 * F, H, dtype=dtype), torch.zeros(H, F, dtype=dtype)]
+    g = [torch.zeros_like(t) for t in w]
+    assert actual_param_bytes(w + g) == led.P
+    n = 7  # retained pairs: the input rows and the gate_up pre-activations
+    x = torch.randn(n, H, dtype=dtype)
+    gate_up = x @ w[0].T
+    assert actual_param_bytes([x, gate_up]) == n * led.A
+
+
+def test_buffer_formula():
+    cfg = _cfg()
+    led = Ledger(cfg, 2, bytes_act=2, num_moe_layers=1)
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    R, Ph = 10, 6
+    parts = [Ph * H, R * H, R * 2 * F, R * F, R * H, Ph * H]
+    assert led.buffer_bytes(R, Ph) == 2 * sum(parts)
+
+
+def test_rank_terms_and_check():
+    cfg = _cfg()
+    G, E = 2, cfg.num_experts
+    led = Ledger(cfg, G, bytes_w=2, bytes_act=2, num_moe_layers=3)
+    counts = torch.tensor([[5, 0, 3, 1, 0, 0, 2, 9], [1, 1, 1, 1, 4, 4, 4, 4]])
+    plan = full_plan(counts, native_placement(G, E))
+    terms = led.rank_terms(plan)
+    home = counts.sum(1)
+    recv = plan.rank_load()
+    for r in range(G):
+        t = terms[r]
+        assert t["owned_state"] == 3 * (E // G) * led.P_params * 16
+        assert t["instance_weights"] == t["instance_grads"] == 3 * (E // G) * led.P_params * 2
+        assert t["buffers"] == led.buffer_bytes(int(recv[r]), int(home[r]))  # once
+        assert t["retained_acts"] == 3 * int(recv[r]) * led.A
+        assert t["total"] == sum(v for k, v in t.items() if k != "total")
+    # tokens_per_rank_home sizes the home buffers as tokens * top_k
+    t2 = led.rank_terms(plan, tokens_per_rank_home=100)
+    assert t2[0]["buffers"] == led.buffer_bytes(int(recv[0]), 100 * cfg.num_experts_per_tok)
+
+    worst = max(t["total"] for t in terms)
+    Ledger(cfg, G, worst, 2, 2, 3).check(plan)  # exactly at budget fits
+    with pytest.raises(LrmoeError) as ei:
+        Ledger(cfg, G, worst - 1000, 2, 2, 3).check(plan)
+    msg = str(ei.value)
+    r = max(range(G), key=lambda r: terms[r]["total"])
+    assert f"rank {r} needs" in msg and "short by" in msg and "budget" in msg
+    largest = max(("owned_state", "instance_weights", "instance_grads", "buffers",
+                   "retained_acts"), key=lambda k: terms[r][k])
+    assert msg.split(": ")[2].startswith(largest)
+
+
+def test_feasible_minimum():
+    cfg = _cfg()
+    G, E = 4, cfg.num_experts
+    led = Ledger(cfg, G, num_moe_layers=2)
+    counts = torch.arange(G * E).reshape(G, E) % 5
+    mins = led.feasible_minimum(counts)
+    recv = counts.sum(0).reshape(G, E // G).sum(1)
+    for r, t in enumerate(mins):
+        assert t["retained_acts"] == 2 * min(E // G, int(recv[r])) * led.A
+        assert t["instance_weights"] == 2 * (E // G) * led.P_params * 4
+    assert led.feasible_minimum()[0]["buffers"] == 0
+
+
+def test_ledger_rejects_bad_fields():
+    cfg = _cfg()
+    with pytest.raises(LrmoeError, match="not divisible"):
+        Ledger(cfg, 3)
+    with pytest.raises(LrmoeError, match="bytes_w"):
+        Ledger(cfg, 2, bytes_w=3)
+    with pytest.raises(LrmoeError, match="dtype"):
+        Ledger.for_dtype(cfg, 2, None, "fp8")
+    assert Ledger.for_dtype(cfg, 2, None, "bf16").bytes_act == 2

@@ -41,6 +41,7 @@ SHAPES = {
 
 
 DEV = "cuda"
+PROFILE_DIR = None
 
 
 def bench(fn, warmup: int = 3, iters: int = 15) -> float:
@@ -172,6 +173,15 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
         for p in layer.parameters():
             p.grad = None
 
+    if PROFILE_DIR and DEV == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        fwdbwd()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fwdbwd()
+            torch.cuda.synchronize()
+        Path(PROFILE_DIR, f"profile_{shape}_{skew}.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     row["ours_fwd_ms"] = bench(fwd)
     row["ours_fwdbwd_ms"] = bench(fwdbwd)
     row["ours_fwdbwd_tflops"] = (fl_fwd + fl_bwd) / (row["ours_fwdbwd_ms"] * 1e-3) / 1e12
@@ -250,9 +260,10 @@ def main() -> None:
     ap.add_argument("--impls", default="grouped_mm,batched_mm,eager")
     ap.add_argument("--out", default="moe_layer_results.json")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile-dir", default=None)
     a = ap.parse_args()
-    global DEV
-    DEV = a.device
+    global DEV, PROFILE_DIR
+    DEV, PROFILE_DIR = a.device, a.profile_dir
     dense = dense_ceiling()
     results: list = []
     for shape in a.shapes.split(","):

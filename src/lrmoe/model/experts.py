@@ -13,6 +13,7 @@ exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_back
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -68,6 +69,41 @@ def _loop_mm(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
     return out
 
 
+def _act_eager(gu: Tensor) -> Tensor:
+    Fd = gu.shape[1] // 2
+    return F.silu(gu[:, :Fd]) * gu[:, Fd:]
+
+
+def _act_grad_eager(dact: Tensor, gu: Tensor) -> Tensor:
+    """``d(silu(g) * u) / d[g, u]`` given the activation gradient: ``[R, 2F]``."""
+    Fd = gu.shape[1] // 2
+    g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
+    sg = torch.sigmoid(g)
+    d = dact.float()
+    dg = d * u * (sg * (1 + g * (1 - sg)))
+    du = d * g * sg
+    return torch.cat((dg, du), dim=1).to(gu.dtype)
+
+
+_FUSED: dict[str, object] = {}
+
+
+def _fused(name: str, fn, x: Tensor):
+    """On CUDA, the torch.compile'd (one fused kernel) version of an elementwise helper;
+    the eager one elsewhere, or when compilation is unavailable or disabled
+    (``LRMOE_NO_COMPILE=1``)."""
+    if not x.is_cuda or os.environ.get("LRMOE_NO_COMPILE") == "1" or _FUSED.get(name) is False:
+        return fn
+    if name not in _FUSED:
+        try:
+            _FUSED[name] = torch.compile(fn, dynamic=True)
+        except Exception as e:  # no compiler on this install
+            warnings.warn(f"torch.compile unavailable ({e}); using eager SwiGLU", stacklevel=2)
+            _FUSED[name] = False
+            return fn
+    return _FUSED[name]
+
+
 def offsets(counts: list[int], device: torch.device) -> Tensor:
     return torch.tensor(counts, dtype=torch.long).cumsum(0).to(device=device, dtype=torch.int32)
 
@@ -78,8 +114,7 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
     if offs is None:
         offs = offsets(counts, x_RH.device)
     gu = _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
-    Fd = w2_IHF.shape[-1]
-    act = F.silu(gu[:, :Fd]) * gu[:, Fd:]
+    act = _fused("act", _act_eager, gu)(gu)
     y = _gmm(act, w2_IHF.transpose(1, 2), offs, counts)
     return y, gu
 
@@ -94,16 +129,10 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
     """
     if offs is None:
         offs = offsets(counts, x_RH.device)
-    Fd = w2_IHF.shape[-1]
-    g, u = gu_R2F[:, :Fd], gu_R2F[:, Fd:]
-    sg = torch.sigmoid(g)
-    silu_g = g * sg
-    act = silu_g * u
+    act = _fused("act", _act_eager, gu_R2F)(gu_R2F)
     dw2 = _gmm(dy_RH.t(), act, offs, counts)               # [I, H, F]
     dact = _gmm(dy_RH, w2_IHF, offs, counts)              # [R, F]
-    dg = dact * u * (sg * (1 + g * (1 - sg)))
-    du = dact * silu_g
-    dgu = torch.cat((dg, du), dim=1)                        # [R, 2F]
+    dgu = _fused("act_grad", _act_grad_eager, gu_R2F)(dact, gu_R2F)  # [R, 2F]
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
     dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
     return dx, dw13, dw2

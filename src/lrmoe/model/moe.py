@@ -118,9 +118,7 @@ class MoELayer(nn.Module):
             recv=recv_layout(plan.assign_GGS[:, me, :], x_TH.device), top_k=self.cfg.num_experts_per_tok,
             num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
             generator=rt.generator)
-        y_PH = ExpertExchange.apply(x_TH.to(dtype), w13, w2, st)
-        K = self.cfg.num_experts_per_tok
-        out = (y_PH.view(-1, K, H) * gate_P.view(-1, K, 1).to(y_PH.dtype)).sum(1)
+        out = ExpertExchange.apply(x_TH.to(dtype), r.gate_TK, w13, w2, st)
         out = out.view(B, T, H).to(x_BTH.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_BTH)

@@ -159,12 +159,20 @@ def _timed(stats: dict, key: str, device: torch.device):
 
 
 class ExpertExchange(torch.autograd.Function):
-    """``(x_TH, w13_S, w2_S) -> y_PH``: every pair's expert output back at its home rank."""
+    """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: dispatch, experts, combine.
+
+    The combine (gate-weighted sum over a token's k pairs) is done here, as a batched
+    ``[1, K] x [K, H]`` product per token, so the pair outputs never leave this Function
+    in pair order and no broadcast multiply or atomic scatter is needed. The router
+    gradient ``dL/dg[t,k] = <dout[t], y[t,k]>`` is exact for every pair.
+    """
 
     @staticmethod
-    def forward(ctx, x_TH: Tensor, w13_S: Tensor, w2_S: Tensor, st: ExchangeState) -> Tensor:
+    def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
+                st: ExchangeState) -> Tensor:
         home, recv, comm, plan = st.home, st.recv, st.comm, st.plan
         me, K, H = comm.rank, st.top_k, x_TH.shape[1]
+        T = x_TH.shape[0]
         es = x_TH.element_size()
         x_send = x_TH[home.src_pair // K]
         x_recv = comm.all_to_all(x_send, home.splits, recv.splits)
@@ -174,8 +182,7 @@ class ExpertExchange(torch.autograd.Function):
 
         # Retention: keep activations of retained rows only, in (s, g, j) order.
         ret_GS = plan.retain_GGS[:, me, :]
-        all_retained = torch.equal(ret_GS, plan.assign_GGS[:, me, :])
-        if all_retained:
+        if torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
             saved_x, saved_gu = x_inst, gu_inst
         else:
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
@@ -185,8 +192,10 @@ class ExpertExchange(torch.autograd.Function):
 
         y_recv = unpermute_rows(y_inst, recv.to_inst)
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
-        y_P = x_TH.new_zeros(st.home.send_pos_P.numel(), H)
-        y_P[home.src_pair] = y_send
+        if home.dropped:  # dropped pairs (capacity policy) read a zero row
+            y_send = torch.cat([y_send, y_send.new_zeros(1, H)])
+        y_TKH = y_send[home.send_row_P].view(T, K, H)
+        out = torch.bmm(gate_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
 
         n_send, n_recv = x_send.shape[0], x_recv.shape[0]
         st.stats.update(
@@ -196,52 +205,52 @@ class ExpertExchange(torch.autograd.Function):
             saved_act_bytes=saved_x.numel() * saved_x.element_size()
             + saved_gu.numel() * saved_gu.element_size())
         ctx.st = st
-        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S)
-        return y_P
+        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, gate_TK, y_TKH)
+        return out
 
     @staticmethod
-    def backward(ctx, dy_PH: Tensor):
+    def backward(ctx, dout_TH: Tensor):
         st: ExchangeState = ctx.st
-        saved_x, saved_gu, w13_S, w2_S = ctx.saved_tensors
+        saved_x, saved_gu, w13_S, w2_S, gate_TK, y_TKH = ctx.saved_tensors
         home, comm, plan, opts = st.home, st.comm, st.plan, st.opts
-        me, K, dev = comm.rank, st.top_k, dy_PH.device
+        me, K, dev = comm.rank, st.top_k, dout_TH.device
         G, S = plan.G, plan.S
-        H = dy_PH.shape[1]
-        es = dy_PH.element_size()
+        T, H = dout_TH.shape
+        dout_TH = dout_TH.to(y_TKH.dtype).contiguous()
+        es = dout_TH.element_size()
+
+        # --- combine^-1: exact router gradient and every pair's output gradient.
+        dgate = torch.bmm(y_TKH, dout_TH.unsqueeze(2)).squeeze(2).to(gate_TK.dtype)
+        dy_PH = torch.bmm(gate_TK.to(dout_TH.dtype).unsqueeze(2), dout_TH.unsqueeze(1)).view(T * K, H)
 
         # --- select: candidates are retained rows of the send buffer (ascending position).
-        retain_d = home.retain_I.to(dev)
-        ret_mask = home.j_in_block < retain_d[home.block_of]
-        exact = torch.equal(plan.select_GGS[me], plan.retain_GGS[me])
-        ret_pos = torch.nonzero(ret_mask).flatten() if not bool(ret_mask.all()) else \
-            torch.arange(ret_mask.numel(), device=dev)
-        pairs = home.src_pair[ret_pos]
+        ret_pos = home.retained_pos
+        pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
         dy_rows = dy_PH[pairs]
-        blocks = home.block_of[ret_pos]
-        weight = None
-        if exact:
-            keep = None
-        elif opts.estimator == "sampled":
+        exact = torch.equal(plan.select_GGS[me], plan.retain_GGS[me])
+        weight = keep = None
+        if not exact:
+            blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
             m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
-            keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
-        else:
-            m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
-            keep = select_topk(m, blocks, home.select_I)
+            if opts.estimator == "sampled":
+                keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
+            else:
+                keep = select_topk(m, blocks, home.select_I)
 
         # --- compact (or, as the ablation, zero the unselected rows but ship them all).
+        sel_idx = None  # indices into the candidate list of the rows that are shipped
         if keep is None:
-            sel_pos, rows = ret_pos, dy_rows
-            sent_I = home.retain_I
+            rows, sent_I = dy_rows, home.retain_I
         elif opts.compaction:
-            rows = dy_rows[keep]
+            sel_idx = torch.nonzero(keep).flatten()
+            rows = dy_rows[sel_idx]
             if weight is not None:
-                rows = rows * weight[keep].to(rows.dtype)[:, None]
-            sel_pos = ret_pos[keep]
+                rows = rows * weight[sel_idx].to(rows.dtype)[:, None]
             sent_I = (home.select_I if opts.estimator == "topk"
-                      else torch.bincount(blocks[keep], minlength=G * S).cpu())
+                      else torch.bincount(blocks[sel_idx], minlength=G * S).cpu())
         else:
             w = keep.to(dy_rows.dtype) if weight is None else (weight * keep).to(dy_rows.dtype)
-            rows, sel_pos, sent_I = dy_rows * w[:, None], ret_pos, home.retain_I
+            rows, sent_I = dy_rows * w[:, None], home.retain_I
         sent_GS = sent_I.reshape(G, S)
         if keep is not None and opts.compaction and opts.estimator == "sampled":
             recv_GS = comm.exchange_counts(sent_GS.to(dev)).cpu()
@@ -249,20 +258,29 @@ class ExpertExchange(torch.autograd.Function):
             recv_GS = plan.retain_GGS[:, me, :]
         else:
             recv_GS = plan.select_GGS[:, me, :]
+        cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
+        sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
         dx_back, dw13, dw2, n_in = _experts_backward(
             st, home.j_in_block[sel_pos], rows, sent_GS, recv_GS,
             saved_x, saved_gu, w13_S, w2_S, timed=True)
         if opts.fidelity and keep is not None:
             _, e13, e2, _ = _experts_backward(
-                st, home.j_in_block[ret_pos], dy_rows, home.retain_I.reshape(G, S),
+                st, home.j_in_block[cand_pos], dy_rows, home.retain_I.reshape(G, S),
                 plan.retain_GGS[:, me, :], saved_x, saved_gu, w13_S, w2_S)
             a = torch.cat([dw13.flatten(), dw2.flatten()]).float()
             b = torch.cat([e13.flatten(), e2.flatten()]).float()
             st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
             st.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
 
-        dx_TH = dy_PH.new_zeros(st.num_tokens, H)
-        dx_TH.index_add_(0, home.src_pair[sel_pos] // K, dx_back.to(dx_TH.dtype))
+        # --- dx: shipped rows back to pair order (others read a zero row), sum over k.
+        n_rows = dx_back.shape[0]
+        if n_rows == T * K and ret_pos is None and sel_idx is None and not home.dropped:
+            dx_P = dx_back[home.send_row_P]
+        else:
+            row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
+            row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
+            dx_P = torch.cat([dx_back, dx_back.new_zeros(1, H)])[row_of_pair]
+        dx_TH = dx_P.view(T, K, H).sum(1)
 
         n_out = rows.shape[0]
         st.stats.update(
@@ -271,8 +289,8 @@ class ExpertExchange(torch.autograd.Function):
             bwd_dispatch_bytes_sent=n_out * (H * es + 8), bwd_dispatch_bytes_recv=n_in * (H * es + 8),
             bwd_combine_bytes_sent=n_in * H * es, bwd_combine_bytes_recv=n_out * H * es,
             bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * H * es,
-            bwd_flops=6 * n_in * H * w2_S.shape[-1] * 3)
-        return dx_TH, dw13, dw2, None
+            bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
+        return dx_TH, dgate, dw13, dw2, None
 
 
 def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: Tensor,

@@ -82,6 +82,11 @@ class HomeLayout:
 
     Attributes:
         send_pos_P: position of each local pair in the send buffer, -1 if dropped.
+        send_row_P: like ``send_pos_P`` but dropped pairs point at row ``N_send`` (a zero
+            row the caller appends), so gathers need no mask.
+        dropped: whether any local pair is dropped (capacity policy).
+        retained_pos: send positions of the retained rows (ascending), or ``None`` when
+            every row is retained.
         src_pair: send-buffer position -> local pair index (length N_send).
         block_of: send-buffer position -> global instance index i.
         j_in_block: send-buffer position -> index inside its block.
@@ -90,6 +95,9 @@ class HomeLayout:
     """
 
     send_pos_P: Tensor
+    send_row_P: Tensor
+    dropped: bool
+    retained_pos: Tensor | None
     src_pair: Tensor
     block_of: Tensor
     j_in_block: Tensor
@@ -120,10 +128,15 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     ret_start, non_start = excl_cumsum(R_E), excl_cumsum(A_E - R_E)
 
     # Local pairs sorted by (expert, descending gate): retained pairs are the top gates.
+    # When every pair is retained the gate order is irrelevant: one sort suffices.
     P = idx_P.numel()
-    o1 = torch.argsort(gate_P.detach(), descending=True, stable=True)
-    o2 = torch.argsort(idx_P[o1], stable=True)
-    order = o1[o2]
+    all_retained = torch.equal(retain, assign)
+    if all_retained:
+        order = torch.argsort(idx_P, stable=True)
+    else:
+        o1 = torch.argsort(gate_P.detach(), descending=True, stable=True)
+        o2 = torch.argsort(idx_P[o1], stable=True)
+        order = o1[o2]
     e_sorted = idx_P[order]
     rk = torch.arange(P, device=dev) - torch.searchsorted(e_sorted, e_sorted)
     R, A = R_E.to(dev)[e_sorted], A_E.to(dev)[e_sorted]
@@ -139,11 +152,18 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     send_pos[order] = pos_sorted
 
     n_send = int(assign.sum())
+    dropped = n_send < P
     src_pair = torch.empty(n_send, dtype=torch.long, device=dev)
-    kept = send_pos >= 0
-    src_pair[send_pos[kept]] = torch.arange(P, device=dev)[kept]
+    if dropped:
+        kept = send_pos >= 0
+        src_pair[send_pos[kept]] = torch.arange(P, device=dev)[kept]
+        send_row = torch.where(kept, send_pos, torch.full_like(send_pos, n_send))
+    else:
+        src_pair[send_pos] = torch.arange(P, device=dev)
+        send_row = send_pos
+    retained_pos = None if all_retained else ranges(block_start, retain, dev)
     block_of = torch.repeat_interleave(torch.arange(I, device=dev), assign.to(dev),
                                        output_size=n_send)
     j_in_block = torch.arange(n_send, device=dev) - block_start.to(dev)[block_of]
-    return HomeLayout(send_pos, src_pair, block_of, j_in_block, retain,
+    return HomeLayout(send_pos, send_row, dropped, retained_pos, src_pair, block_of, j_in_block, retain,
                       plan.select_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())

@@ -13,12 +13,13 @@ exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_back
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lrmoe.fused import fused as _fused
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_BROKEN: set[tuple] = set()
@@ -85,27 +86,11 @@ def _act_grad_eager(dact: Tensor, gu: Tensor) -> Tensor:
     return torch.cat((dg, du), dim=1).to(gu.dtype)
 
 
-_FUSED: dict[str, object] = {}
-
-
-def _fused(name: str, fn, x: Tensor):
-    """On CUDA, the torch.compile'd (one fused kernel) version of an elementwise helper;
-    the eager one elsewhere, or when compilation is unavailable or disabled
-    (``LRMOE_NO_COMPILE=1``)."""
-    if not x.is_cuda or os.environ.get("LRMOE_NO_COMPILE") == "1" or _FUSED.get(name) is False:
-        return fn
-    if name not in _FUSED:
-        try:
-            _FUSED[name] = torch.compile(fn, dynamic=True)
-        except Exception as e:  # no compiler on this install
-            warnings.warn(f"torch.compile unavailable ({e}); using eager SwiGLU", stacklevel=2)
-            _FUSED[name] = False
-            return fn
-    return _FUSED[name]
-
-
 def offsets(counts: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(counts, dtype=torch.long).cumsum(0).to(device=device, dtype=torch.int32)
+    offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
+    if torch.device(device).type == "cuda":  # pinned: no stream sync for the copy
+        return offs.pin_memory().to(device, non_blocking=True)
+    return offs
 
 
 def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int],

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from lrmoe.fused import fused, gathered_dot, scaled_rows, weighted_gather_sum
 from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
@@ -28,6 +29,7 @@ from lrmoe.parallel.layout import (
     permute_rows,
     ranges,
     recv_layout,
+    to_device,
     unpermute_rows,
 )
 from lrmoe.policy.plan import Plan
@@ -65,18 +67,31 @@ def segment_sum(x: Tensor, seg: Tensor, n: int) -> Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, x)
 
 
-def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
-    """Keep the ``quota[b]`` highest-metric rows of each block. Returns a bool mask."""
+def select_topk_idx(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
+    """Indices of the ``quota[b]`` highest-metric rows of each block.
+
+    Rows come grouped by block (block b holds ``size_B[b]`` consecutive rows, sizes on
+    the host). One stable sort on ``block + 0.5*(1 - metric/max)`` orders every block by
+    descending metric; the kept rows are each block's prefix, whose length is known on
+    the host, so no device-to-host sync is needed. Returned indices stay block-grouped.
+    """
+    dev = metric_N.device
     n = metric_N.numel()
+    B = size_B.numel()
     if n == 0:
-        return torch.zeros(0, dtype=torch.bool, device=metric_N.device)
-    o1 = torch.argsort(metric_N, descending=True, stable=True)
-    o2 = torch.argsort(block_N[o1], stable=True)
-    order = o1[o2]
-    b_sorted = block_N[order]
-    rank = torch.arange(n, device=metric_N.device) - torch.searchsorted(b_sorted, b_sorted)
-    keep = torch.empty(n, dtype=torch.bool, device=metric_N.device)
-    keep[order] = rank < quota_B.to(metric_N.device)[b_sorted]
+        return torch.zeros(0, dtype=torch.long, device=dev)
+    blk = torch.repeat_interleave(torch.arange(B, device=dev), to_device(size_B, dev), output_size=n)
+    m = metric_N.double().clamp(min=0)
+    key = blk.double() + 0.5 * (1 - m / (m.max() + 1e-300))
+    order = torch.argsort(key, stable=True)
+    return order[ranges(excl_cumsum(size_B), torch.minimum(quota_B, size_B), dev)]
+
+
+def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
+    """Boolean mask form of :func:`select_topk_idx` for rows sorted by block id."""
+    size_B = torch.bincount(block_N.cpu(), minlength=quota_B.numel())
+    keep = torch.zeros(metric_N.numel(), dtype=torch.bool, device=metric_N.device)
+    keep[select_topk_idx(metric_N, size_B, quota_B.cpu())] = True
     return keep
 
 
@@ -192,10 +207,13 @@ class ExpertExchange(torch.autograd.Function):
 
         y_recv = unpermute_rows(y_inst, recv.to_inst)
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
-        if home.dropped:  # dropped pairs (capacity policy) read a zero row
-            y_send = torch.cat([y_send, y_send.new_zeros(1, H)])
-        y_TKH = y_send[home.send_row_P].view(T, K, H)
-        out = torch.bmm(gate_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
+        # combine: dropped pairs (capacity policy) get weight 0 on a clamped row
+        row_TK, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
+        w_TK = gate_TK if valid_TK is None else gate_TK * valid_TK
+        if y_send.shape[0] == 0:
+            out = x_TH.new_zeros(T, H)
+        else:
+            out = fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK)
 
         n_send, n_recv = x_send.shape[0], x_recv.shape[0]
         st.stats.update(
@@ -205,50 +223,60 @@ class ExpertExchange(torch.autograd.Function):
             saved_act_bytes=saved_x.numel() * saved_x.element_size()
             + saved_gu.numel() * saved_gu.element_size())
         ctx.st = st
-        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, gate_TK, y_TKH)
+        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
         return out
 
     @staticmethod
     def backward(ctx, dout_TH: Tensor):
         st: ExchangeState = ctx.st
-        saved_x, saved_gu, w13_S, w2_S, gate_TK, y_TKH = ctx.saved_tensors
+        saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK = ctx.saved_tensors
         home, comm, plan, opts = st.home, st.comm, st.plan, st.opts
         me, K, dev = comm.rank, st.top_k, dout_TH.device
         G, S = plan.G, plan.S
         T, H = dout_TH.shape
-        dout_TH = dout_TH.to(y_TKH.dtype).contiguous()
+        dout_TH = dout_TH.to(y_send.dtype).contiguous()
         es = dout_TH.element_size()
 
-        # --- combine^-1: exact router gradient and every pair's output gradient.
-        dgate = torch.bmm(y_TKH, dout_TH.unsqueeze(2)).squeeze(2).to(gate_TK.dtype)
-        dy_PH = torch.bmm(gate_TK.to(dout_TH.dtype).unsqueeze(2), dout_TH.unsqueeze(1)).view(T * K, H)
-
-        # --- select: candidates are retained rows of the send buffer (ascending position).
+        # --- combine^-1: exact router gradient (zero for dropped pairs) ...
+        if y_send.shape[0] == 0:
+            dgate = w_TK.new_zeros(T, K)
+        else:
+            dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout_TH)
+            _, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
+            if valid_TK is not None:  # dropped pairs contributed nothing
+                dgate = dgate * valid_TK
+        dgate = dgate.to(w_TK.dtype)
+        # ... and each retained pair's output gradient g[t,k]*dout[t], in send order.
         ret_pos = home.retained_pos
         pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        dy_rows = dy_PH[pairs]
+        dy_rows = fused("pair_grad", scaled_rows, dout_TH)(dout_TH, pairs // K, w_TK.reshape(-1)[pairs])
+
+        # --- select: candidates are the retained rows, grouped by block.
         exact = torch.equal(plan.select_GGS[me], plan.retain_GGS[me])
-        weight = keep = None
+        weight = keep = sel_idx = None  # sel_idx: candidate indices of the shipped rows
         if not exact:
-            blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
             m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
             if opts.estimator == "sampled":
+                blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
                 keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
             else:
-                keep = select_topk(m, blocks, home.select_I)
+                sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
+                keep = torch.zeros(m.numel(), dtype=torch.bool, device=dev)
+                keep[sel_idx] = True
 
         # --- compact (or, as the ablation, zero the unselected rows but ship them all).
-        sel_idx = None  # indices into the candidate list of the rows that are shipped
         if keep is None:
             rows, sent_I = dy_rows, home.retain_I
         elif opts.compaction:
-            sel_idx = torch.nonzero(keep).flatten()
+            if sel_idx is None:
+                sel_idx = torch.nonzero(keep).flatten()
             rows = dy_rows[sel_idx]
             if weight is not None:
                 rows = rows * weight[sel_idx].to(rows.dtype)[:, None]
             sent_I = (home.select_I if opts.estimator == "topk"
                       else torch.bincount(blocks[sel_idx], minlength=G * S).cpu())
         else:
+            sel_idx = None
             w = keep.to(dy_rows.dtype) if weight is None else (weight * keep).to(dy_rows.dtype)
             rows, sent_I = dy_rows * w[:, None], home.retain_I
         sent_GS = sent_I.reshape(G, S)
@@ -272,15 +300,19 @@ class ExpertExchange(torch.autograd.Function):
             st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
             st.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
 
-        # --- dx: shipped rows back to pair order (others read a zero row), sum over k.
+        # --- dx: shipped rows back to pair order (others weigh 0), summed over k.
         n_rows = dx_back.shape[0]
-        if n_rows == T * K and ret_pos is None and sel_idx is None and not home.dropped:
-            dx_P = dx_back[home.send_row_P]
+        if ret_pos is None and sel_idx is None and not home.dropped:
+            row, valid = row_TK, None
         else:
             row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
             row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
-            dx_P = torch.cat([dx_back, dx_back.new_zeros(1, H)])[row_of_pair]
-        dx_TH = dx_P.view(T, K, H).sum(1)
+            row, valid = _pair_rows(row_of_pair, n_rows, T, K)
+        if n_rows == 0:
+            dx_TH = dout_TH.new_zeros(T, H)
+        else:
+            ones = torch.ones(T, K, device=dev) if valid is None else valid
+            dx_TH = fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones)
 
         n_out = rows.shape[0]
         st.stats.update(
@@ -291,6 +323,16 @@ class ExpertExchange(torch.autograd.Function):
             bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * H * es,
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
         return dx_TH, dgate, dw13, dw2, None
+
+
+def _pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:
+    """Rows ``[T, K]`` into an ``n``-row buffer; rows ``>= n`` mean "no row": they are
+    clamped and a 0/1 weight mask is returned (``None`` when every row is valid)."""
+    row = row_P.view(T, K)
+    if n == T * K or n == 0:
+        return (row, None) if n else (row.clamp(max=0), torch.zeros(T, K, device=row.device))
+    valid = (row < n).float()
+    return row.clamp(max=n - 1), valid
 
 
 def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: Tensor,
@@ -315,7 +357,7 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: 
     else:
         n = int(recv_GS.sum())
         blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
-                                      recv_GS.t().reshape(-1).to(dev), output_size=n)
+                                      to_device(recv_GS.t().reshape(-1), dev), output_size=n)
         rows_saved = excl_cumsum(ret_SG).to(dev)[blk] + permute_rows(j_recv, rl.to_inst)
         x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
         dy_inst = permute_rows(dy_recv, rl.to_inst)

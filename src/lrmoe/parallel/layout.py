@@ -18,6 +18,18 @@ from torch import Tensor
 from lrmoe.policy.plan import Plan
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """Copy a small host tensor to ``device`` without a stream sync.
+
+    A copy from pageable host memory makes CUDA drain the stream first; staging it in
+    pinned memory lets the copy queue behind the running kernels instead.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def excl_cumsum(x: Tensor) -> Tensor:
     return x.cumsum(0) - x
 
@@ -31,8 +43,8 @@ def ranges(starts: Tensor, lengths: Tensor, device: torch.device | str = "cpu") 
     total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    base = (starts - excl_cumsum(lengths)).to(device, non_blocking=True)
-    base = torch.repeat_interleave(base, lengths.to(device, non_blocking=True), output_size=total)
+    base = to_device(starts - excl_cumsum(lengths), device)
+    base = torch.repeat_interleave(base, to_device(lengths, device), output_size=total)
     return base + torch.arange(total, device=device)
 
 
@@ -139,11 +151,12 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
         order = o1[o2]
     e_sorted = idx_P[order]
     rk = torch.arange(P, device=dev) - torch.searchsorted(e_sorted, e_sorted)
-    R, A = R_E.to(dev)[e_sorted], A_E.to(dev)[e_sorted]
+    small = to_device(torch.stack([R_E, A_E, ret_start, non_start]), dev)  # one copy
+    R, A = small[0][e_sorted], small[1][e_sorted]
     is_ret = rk < R
     pos_ret_d, pos_non_d = pos_ret, pos_non
-    ret_i = (ret_start.to(dev)[e_sorted] + rk).clamp(max=max(pos_ret.numel() - 1, 0))
-    non_i = (non_start.to(dev)[e_sorted] + rk - R).clamp(min=0, max=max(pos_non.numel() - 1, 0))
+    ret_i = (small[2][e_sorted] + rk).clamp(max=max(pos_ret.numel() - 1, 0))
+    non_i = (small[3][e_sorted] + rk - R).clamp(min=0, max=max(pos_non.numel() - 1, 0))
     pos_sorted = torch.where(
         is_ret, pos_ret_d[ret_i] if pos_ret.numel() else rk,
         pos_non_d[non_i] if pos_non.numel() else rk)
@@ -162,8 +175,8 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
         src_pair[send_pos] = torch.arange(P, device=dev)
         send_row = send_pos
     retained_pos = None if all_retained else ranges(block_start, retain, dev)
-    block_of = torch.repeat_interleave(torch.arange(I, device=dev), assign.to(dev),
-                                       output_size=n_send)
-    j_in_block = torch.arange(n_send, device=dev) - block_start.to(dev)[block_of]
+    ab = to_device(torch.stack([assign, block_start]), dev)
+    block_of = torch.repeat_interleave(torch.arange(I, device=dev), ab[0], output_size=n_send)
+    j_in_block = torch.arange(n_send, device=dev) - ab[1][block_of]
     return HomeLayout(send_pos, send_row, dropped, retained_pos, src_pair, block_of, j_in_block, retain,
                       plan.select_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())

@@ -1,0 +1,54 @@
+"""Fused elementwise helpers: torch.compile'd on CUDA, eager everywhere else.
+
+Each helper is written once as plain PyTorch (the reference, and what runs on CPU);
+on CUDA the compiled version fuses it into one kernel. Set ``LRMOE_NO_COMPILE=1`` to
+force the eager versions.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+_COMPILED: dict[str, object] = {}
+
+
+def fused(name: str, fn, x: Tensor):
+    """The callable to use for ``fn`` on ``x``'s device (see module doc)."""
+    if not x.is_cuda or os.environ.get("LRMOE_NO_COMPILE") == "1" or _COMPILED.get(name) is False:
+        return fn
+    if name not in _COMPILED:
+        try:
+            compiled = torch.compile(fn, dynamic=True)
+        except Exception as e:  # no compiler on this install
+            warnings.warn(f"torch.compile unavailable ({e}); using eager {name}", stacklevel=2)
+            _COMPILED[name] = False
+            return fn
+
+        def safe(*args, _c=compiled, _n=name, _f=fn):
+            try:
+                return _c(*args)
+            except Exception as e:  # a compiler failure must not change results
+                warnings.warn(f"compiled {_n} failed ({type(e).__name__}); using eager", stacklevel=2)
+                _COMPILED[_n] = False
+                return _f(*args)
+        _COMPILED[name] = safe
+    return _COMPILED[name]
+
+
+def weighted_gather_sum(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
+    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32, returned in ``src``'s dtype."""
+    return (src_NH[row_TK].float() * w_TK.float().unsqueeze(-1)).sum(1).to(src_NH.dtype)
+
+
+def gathered_dot(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
+    """``out[t,k] = <d[t], src[row[t,k]]>`` in fp32."""
+    return (src_NH[row_TK].float() * d_TH.float().unsqueeze(1)).sum(-1)
+
+
+def scaled_rows(d_TH: Tensor, tok_N: Tensor, w_N: Tensor) -> Tensor:
+    """``out[n] = w[n] * d[tok[n]]`` in ``d``'s dtype."""
+    return (d_TH[tok_N].float() * w_N.float().unsqueeze(1)).to(d_TH.dtype)

@@ -205,6 +205,9 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
         fb = bench(fwdbwd)
         row[f"keep{keep}_fwdbwd_ms"] = fb
         row[f"keep{keep}_bwd_ms"] = fb - row["ours_fwd_ms"]
+    from lrmoe.parallel.exchange import BackwardOptions
+    layer.runtime = MoERuntime(policy=KeepPolicy(0.5), backward=BackwardOptions(compaction=False))
+    row["keep0.5_nocompact_bwd_ms"] = bench(fwdbwd) - row["ours_fwd_ms"]
     layer.runtime = MoERuntime()
 
     # correctness against HF and the peer's time
@@ -278,7 +281,8 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(json.dumps(meta))
     hdr = (f"{'shape':6} {'skew':>4} {'lmax/mean':>9} {'fwd ms':>7} {'f+b ms':>7} {'peer f+b':>8} "
-           f"{'x peer':>6} {'gemm%dense':>10} {'bwd k1':>7} {'bwd k.75':>8} {'bwd k.5':>7} {'k.5/k1':>6}")
+           f"{'x peer':>6} {'gemm%dense':>10} {'bwd k1':>7} {'bwd k.75':>8} {'bwd k.5':>7} {'k.5/k1':>6} "
+           f"{'k.5 nocomp':>10}")
     print(hdr)
     for r in results:
         pb = r["peer"].get(r.get("peer_best", ""), {}).get("fwdbwd_ms", float("nan"))
@@ -286,7 +290,7 @@ def main() -> None:
               f"{r['ours_fwdbwd_ms']:>7.2f} {pb:>8.2f} {r.get('speedup_fwdbwd_vs_peer', 0):>6.2f} "
               f"{100 * r['gemm_fwdbwd_frac_of_dense']:>9.1f}% {r['keep1.0_bwd_ms']:>7.2f} "
               f"{r['keep0.75_bwd_ms']:>8.2f} {r['keep0.5_bwd_ms']:>7.2f} "
-              f"{r['keep0.5_bwd_ms'] / r['keep1.0_bwd_ms']:>6.2f}")
+              f"{r['keep0.5_bwd_ms'] / r['keep1.0_bwd_ms']:>6.2f} {r['keep0.5_nocompact_bwd_ms']:>10.2f}")
         for k, v in r["peer"].items():
             print(f"    peer {k}: {v}")
 

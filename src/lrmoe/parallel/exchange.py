@@ -252,7 +252,8 @@ class ExpertExchange(torch.autograd.Function):
         dy_rows = fused("pair_grad", scaled_rows, dout_TH)(dout_TH, pairs // K, w_TK.reshape(-1)[pairs])
 
         # --- select: candidates are the retained rows, grouped by block.
-        exact = torch.equal(plan.select_GGS[me], plan.retain_GGS[me])
+        # global, not per rank: every rank must take the same collective path
+        exact = torch.equal(plan.select_GGS, plan.retain_GGS)
         weight = keep = sel_idx = None  # sel_idx: candidate indices of the shipped rows
         if not exact:
             m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])

@@ -1,0 +1,95 @@
+"""``lrmoe eval RUN_DIR``: validation loss of a run's latest checkpoint.
+
+Works on one process for any run: an expert-parallel checkpoint's expert shards are
+concatenated back into the whole model (see :func:`lrmoe.train.checkpoint.merged_model_state`).
+The validation windows are the ones the run used (same data, seq_len, batch size,
+``--eval-batches``), so on one process the result equals the run's final ``val_loss``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lrmoe.errors import LrmoeError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="validation loss of a run's latest checkpoint",
+                       description="Load the latest checkpoint of RUN_DIR and print val_loss=.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="validation size in global batches (default: the run's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=run)
+
+
+def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: str = "cpu"
+                 ) -> dict:
+    """``{"val_loss", "val_tokens", "step", "checkpoint"}`` of the latest checkpoint."""
+    import torch
+
+    from lrmoe.config import ModelConfig
+    from lrmoe.data import build_token_streams, load_corpus, validation_batches
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.train import checkpoint as ckpt
+    from lrmoe.train.loop import (
+        TrainConfig,
+        _read_run_config,
+        evaluate,
+        make_autocast,
+        val_windows,
+    )
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise LrmoeError(f"run directory {run_dir} does not exist")
+    saved = _read_run_config(run_dir)
+    if saved is None:
+        raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
+    ck = ckpt.latest_checkpoint(run_dir)
+    if ck is None:
+        raise LrmoeError(f"{run_dir} has no checkpoint to evaluate")
+    known = {f for f in TrainConfig.__dataclass_fields__}
+    cfg = TrainConfig(**{k: v for k, v in saved.get("train", {}).items() if k in known})
+    if eval_batches is not None:
+        if eval_batches < 1:
+            raise LrmoeError(f"--eval-batches {eval_batches} must be >= 1")
+        cfg.eval_batches = eval_batches
+    mcfg = ModelConfig.from_hf_dict(saved["model"])
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LrmoeError("--device cuda was asked for but no CUDA device is available")
+    dev = torch.device(device)
+    state, _ = ckpt.merged_model_state(ck, "cpu")
+    corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    tok = load_tokenizer(cfg.tokenizer, run_dir, corpus.train_texts)
+    _, val_ids = build_token_streams(corpus, tok)
+    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ck.world)
+    batches = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k)
+    model = MoEForCausalLM(mcfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise LrmoeError(f"checkpoint {ck.path} does not match the run's model: {e}") from None
+    model.to(dev)
+    ctx = ParallelContext(device=dev)
+    with torch.no_grad():
+        loss, n = evaluate(model, batches, ctx, make_autocast(dev))
+    return {"val_loss": loss, "val_tokens": n, "step": ck.step, "checkpoint": str(ck.path)}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LrmoeError(f"--threads {args.threads} must be >= 1")
+        import torch
+        torch.set_num_threads(args.threads)
+    r = evaluate_run(args.run_dir, args.eval_batches, args.device)
+    print(f"{r['checkpoint']}: step {r['step']}, {r['val_tokens']} validation tokens",
+          file=sys.stderr)
+    print(f"val_loss={r['val_loss']:.6f}")
+    return 0

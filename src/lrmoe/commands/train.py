@@ -1,0 +1,113 @@
+"""``lrmoe train``: train (or --resume) a MoE LM; see :mod:`lrmoe.train.loop`."""
+
+from __future__ import annotations
+
+import argparse
+
+from lrmoe.train.loop import TrainConfig, config_from_cli, train
+
+_D = TrainConfig()
+
+
+def _onoff(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{v!r} is not on or off")
+    return v == "on"
+
+
+def _bytes_or_all(v: str) -> int | None:
+    if v.lower() in ("all", "none", "0"):
+        return None
+    from lrmoe.errors import LrmoeError
+    from lrmoe.memory import parse_bytes
+    try:
+        return parse_bytes(v)
+    except LrmoeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a MoE language model",
+        description="Train a Qwen3-MoE / GLM-4.5-MoE model on a text corpus. Flags not "
+                    "given take their defaults; with --resume they take the run's values.",
+        argument_default=argparse.SUPPRESS)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", help="model preset (see `lrmoe presets`)")
+    g.add_argument("--config", help="HF config.json (or its directory) overriding the preset "
+                   "(replacing it when model_type differs)")
+    g.add_argument("--data", help="text file, .jsonl ('text' field) or directory; default: the "
+                   "Python stdlib's .py files")
+    g.add_argument("--max-data-bytes", type=_bytes_or_all, metavar="SIZE",
+                   help=f"training bytes to read (e.g. 16MiB, or all; default "
+                        f"{_D.max_data_bytes // 2**20}MiB)")
+    g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
+    g.add_argument("--batch-size", type=int, help=f"global batch, sequences "
+                   f"(default {_D.batch_size})")
+    g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_D.seq_len})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {_D.lr})")
+    g.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of --lr "
+                   f"(default {_D.min_lr_ratio})")
+    g.add_argument("--warmup", type=int, help=f"linear warmup steps (default {_D.warmup})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices "
+                   f"(default {_D.weight_decay})")
+    g.add_argument("--clip", type=float, help=f"global grad-norm clip, 0 = off "
+                   f"(default {_D.clip})")
+    g.add_argument("--seed", type=int, help=f"model init and data order (default {_D.seed})")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", help="cpu or cuda (bf16 autocast) (default cpu)")
+    g.add_argument("--out", help="run directory (default runs/PRESET)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
+                   "in --out")
+    g.add_argument("--eval-every", type=int, help=f"validate every N steps, 0 = at the end "
+                   f"only (default {_D.eval_every})")
+    g.add_argument("--eval-batches", type=int, help=f"validation size in global batches "
+                   f"(default {_D.eval_batches})")
+    g.add_argument("--ckpt-every", type=int, help=f"checkpoint every N steps, 0 = at the end "
+                   f"only (default {_D.ckpt_every})")
+    g.add_argument("--keep-ckpts", type=int, help=f"checkpoints kept, 0 = all "
+                   f"(default {_D.keep_ckpts})")
+    g.add_argument("--log-every", type=int, help="progress line every N steps when stderr "
+                   "is not a terminal (default: about 10 lines per run)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--stop-after", type=int, metavar="STEP", help="end this session after "
+                   "STEP (validate + checkpoint); continue later with --resume")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--ep", type=int, help="expert-parallel size; launch with torchrun "
+                   "--nproc-per-node N (a multiple of --ep) (default 1)")
+    g.add_argument("--backend", help="gloo or nccl (default: nccl on cuda, else gloo)")
+    g.add_argument("--timeout-s", type=float, help=f"collective timeout (default "
+                   f"{_D.timeout_s:g})")
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", help="static, capacity, symi or lrmoe (default static)")
+    g.add_argument("--capacity-factor", type=float, help=f"capacity policy: pairs per expert "
+                   f"as a multiple of the mean (default {_D.capacity_factor})")
+    g.add_argument("--slots-per-rank", type=int, help="symi/lrmoe: expert slots per rank "
+                   "(default E/G + 2)")
+    g.add_argument("--mem-budget", help="per-rank expert memory budget, e.g. 40GiB "
+                   "(default: none)")
+    g.add_argument("--lrmoe-metric", help="backward recalibration metric: grad_norm or gate "
+                   "(default grad_norm)")
+    g.add_argument("--lrmoe-estimator", help="topk or sampled (default topk)")
+    g.add_argument("--lrmoe-min-keep", type=float, help=f"floor on the kept fraction per "
+                   f"block (default {_D.lrmoe_min_keep})")
+    g.add_argument("--lrmoe-balance", type=float, help=f"how far backward quotas trim toward "
+                   f"the mean, 0..1 (default {_D.lrmoe_balance})")
+    g.add_argument("--lrmoe-compaction", type=_onoff, metavar="on|off",
+                   help="remove unselected rows (on) or zero them (off) (default on)")
+    g.add_argument("--lrmoe-selection", type=_onoff, metavar="on|off",
+                   help="backward selection; off = memory-aware placement only (default on)")
+    g.add_argument("--lrmoe-fidelity-every", type=int, help="compare the selected to the "
+                   "exact expert gradient every N steps, 0 = never (default 0)")
+    g.add_argument("--lrmoe-keep", help="fixed, or auto (hold --lrmoe-target-cosine) "
+                   "(default fixed)")
+    g.add_argument("--lrmoe-target-cosine", type=float, help=f"auto keep target "
+                   f"(default {_D.lrmoe_target_cosine})")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    train(config_from_cli(vars(args)))
+    return 0

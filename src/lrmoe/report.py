@@ -1,0 +1,164 @@
+"""Plots of a run's ``metrics.jsonl`` (matplotlib, Agg backend: no display needed).
+
+Writes into the run directory:
+
+- ``loss.png``: training loss per step (and its moving average) with validation loss.
+- ``expert_load.png``: per MoE layer, a heatmap experts x steps of each expert's pairs
+  divided by the step's mean (1 = balanced), from the per-step global counts.
+- ``load_balance.png``: per MoE layer, max/mean expert load over steps; under EP also
+  the max/mean rank load in forward and backward (what the straggler waits on).
+- ``rank_load.png`` (EP runs only): per MoE layer, a heatmap ranks x steps of pairs
+  processed per rank divided by the mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from lrmoe.errors import LrmoeError
+from lrmoe.train.metrics import METRICS_FILE, read_metrics
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(n: int, cols: int = 4) -> tuple[int, int]:
+    cols = min(cols, n)
+    return math.ceil(n / cols), cols
+
+
+def _moving_average(xs: list[float], w: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float]]],
+              ylabel: str, title: str) -> Path:
+    """One subplot per layer of ``[steps][rows]`` values normalised by each step's mean."""
+    import numpy as np
+
+    n = len(per_layer)
+    rows, cols = _grid(n)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
+                             squeeze=False, layout="constrained")
+    vmax = 1.0
+    mats = []
+    for layer in per_layer:
+        m = np.asarray(layer, dtype=float).T  # [rows, steps]
+        mean = m.mean(axis=0, keepdims=True)
+        m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
+        mats.append(m)
+        vmax = max(vmax, float(np.nanmax(m)) if m.size else 1.0)
+    im = None
+    for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.axis("off")
+            continue
+        m = mats[k]
+        im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=0,
+                       vmax=vmax, origin="lower",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, m.shape[0] - 0.5))
+        ax.set_title(f"MoE layer {k}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+    if im is not None:
+        fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="load / mean")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: str | os.PathLike) -> list[Path]:
+    """Write the PNGs for ``run_dir``; returns their paths."""
+    run_dir = Path(run_dir)
+    mpath = run_dir / METRICS_FILE
+    if not mpath.is_file():
+        raise LrmoeError(f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
+    rows = read_metrics(mpath)
+    train = [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
+    val = [r for r in rows if "val_loss" in r]
+    if not train:
+        raise LrmoeError(f"{mpath} holds no training steps yet")
+    plt = _plt()
+    out: list[Path] = []
+
+    steps = [r["step"] for r in train]
+    loss = [r["loss"] for r in train]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, loss, color="tab:blue", alpha=0.35, lw=0.8, label="train (per step)")
+    ax.plot(steps, _moving_average(loss, max(1, len(loss) // 30)), color="tab:blue",
+            label="train (moving average)")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-",
+                color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.set_title(f"loss: {run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(fig)
+    out.append(run_dir / "loss.png")
+
+    with_counts = [r for r in train if r.get("counts")]
+    if with_counts:
+        n_layers = len(with_counts[0]["counts"])
+        ok = [r for r in with_counts if len(r["counts"]) == n_layers
+              and all(c is not None for c in r["counts"])]
+        if ok:
+            per_layer = [[r["counts"][k] for r in ok] for k in range(n_layers)]
+            out.append(_heatmaps(plt, run_dir / "expert_load.png", [r["step"] for r in ok],
+                                 per_layer, "expert", "expert load (pairs / mean) per step"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    series = [r.get("expert_load_max_over_mean") or [] for r in train]
+    n_layers = max((len(s) for s in series), default=0)
+    for k in range(n_layers):
+        pts = [(st, s[k]) for st, s in zip(steps, series) if len(s) > k and s[k] is not None]
+        if pts:
+            ax.plot(*zip(*pts), lw=0.9, color=f"C{k % 10}", label=f"layer {k}: experts")
+    for key, style in (("rank_load_max_over_mean", "--"), ("rank_bwd_load_max_over_mean", ":")):
+        if any(len(r.get("rank_load") or []) and r.get("moe") for r in train):
+            for k in range(n_layers):
+                pts = [(r["step"], r["moe"][k][key]) for r in train
+                       if len(r.get("moe") or []) > k and key in r["moe"][k]]
+                if pts:
+                    what = "ranks fwd" if key.startswith("rank_load") else "ranks bwd"
+                    ax.plot(*zip(*pts), style, lw=0.9, color=f"C{k % 10}",
+                            label=f"layer {k}: {what}")
+    ax.axhline(1.0, color="gray", lw=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean load")
+    ax.set_title("load imbalance")
+    ax.grid(alpha=0.3)
+    if n_layers <= 8:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(run_dir / "load_balance.png", dpi=110)
+    plt.close(fig)
+    out.append(run_dir / "load_balance.png")
+
+    with_ranks = [r for r in train if r.get("rank_load")]
+    if with_ranks:
+        n_layers = len(with_ranks[0]["rank_load"])
+        ok = [r for r in with_ranks if len(r["rank_load"]) == n_layers]
+        per_layer = [[r["rank_load"][k] for r in ok] for k in range(n_layers)]
+        out.append(_heatmaps(plt, run_dir / "rank_load.png", [r["step"] for r in ok],
+                             per_layer, "rank", "rank load (pairs processed / mean) per step"))
+    return out

@@ -1,0 +1,720 @@
+"""The trainer: data -> model (EP-sharded) -> AdamW steps -> metrics, validation, checkpoints.
+
+``train(TrainConfig | argparse.Namespace | dict) -> {"final_val_loss", "run_dir", ...}``.
+
+Order of work (so a bad input touches nothing): check the arguments, join the
+parallel job, resolve the model config, read (never write) the run directory and the
+checkpoint to resume from, load and tokenize the data, and only then create the run
+directory. On one process no ``torch.distributed`` call is made.
+
+Determinism: the global batch of step ``s`` depends only on ``(data, seq_len,
+batch_size, seed, s)``; a checkpoint holds everything else that evolves (weights,
+optimizer, scheduler, RNGs, router counts, policy state), so on the CPU a resumed run
+repeats the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lrmoe.errors import LrmoeError
+from lrmoe.train import checkpoint as ckpt
+from lrmoe.train.metrics import (
+    METRICS_FILE,
+    MetricsWriter,
+    rank_summary,
+    train_row,
+    truncate_metrics,
+)
+from lrmoe.train.optim import build_optimizer, build_scheduler
+
+RUN_CONFIG = "config.json"
+RUN_FORMAT = "lrmoe-run-v1"
+
+__all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class TrainConfig:
+    """Everything ``lrmoe train`` takes: one field per flag (``--batch-size`` ->
+    ``batch_size``); see ``lrmoe train -h`` for each one's meaning."""
+
+    preset: str | None = None
+    config: str | None = None
+    data: str | None = None
+    max_data_bytes: int | None = 16 * 2**20
+    tokenizer: str = "byte"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    device: str = "cpu"
+    seed: int = 0
+    out: str | None = None
+    resume: bool = False
+    eval_every: int = 50
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    keep_ckpts: int = 3
+    log_every: int = 0
+    progress: bool | None = None
+    ep: int = 1
+    backend: str | None = None
+    timeout_s: float = 300.0
+    policy: str = "static"
+    capacity_factor: float = 1.25
+    slots_per_rank: int | None = None
+    mem_budget: str | None = None
+    lrmoe_metric: str = "grad_norm"
+    lrmoe_estimator: str = "topk"
+    lrmoe_min_keep: float = 0.5
+    lrmoe_balance: float = 1.0
+    lrmoe_compaction: bool = True
+    lrmoe_selection: bool = True
+    lrmoe_fidelity_every: int = 0
+    lrmoe_keep: str = "fixed"
+    lrmoe_target_cosine: float = 0.99
+    threads: int | None = None
+    stop_after: int | None = None
+
+
+# Fields that leave the loss trajectory alone (``steps`` stretches the cosine schedule:
+# allowed, to extend a run). All others must match the run on --resume.
+FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
+                  "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
+                  "threads", "device", "stop_after"}
+_NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
+
+
+def default_out(cfg: TrainConfig) -> str | None:
+    if cfg.preset:
+        return f"runs/{cfg.preset}"
+    if cfg.config:
+        return f"runs/{Path(cfg.config).stem}"
+    return None
+
+
+def config_from_cli(given: dict) -> TrainConfig:
+    """A :class:`TrainConfig` from the flags actually given (``argparse.SUPPRESS``).
+
+    With ``resume`` the run's saved arguments (``RUN/config.json``) fill every flag
+    not given, so ``lrmoe train --out runs/x --resume`` continues the run as it was.
+    """
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in given.items() if k not in ("func", "command")}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise LrmoeError(f"unknown training option(s) {', '.join(unknown)}")
+    kw: dict[str, Any] = {}
+    if given.get("resume"):
+        out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
+            "preset", "config") if k in given}))
+        if out is None:
+            raise LrmoeError("--resume needs --out DIR (the run to continue)")
+        saved = _read_run_config(Path(out))
+        if saved is not None:
+            kw.update({k: v for k, v in saved.get("train", {}).items()
+                       if k in names and k not in _NOT_INHERITED})
+    kw.update(given)
+    return TrainConfig(**kw)
+
+
+def _int(name: str, v: Any, low: int, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}")
+
+
+def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > low if open_low else v >= low) and v <= high
+    if not ok:
+        rng = f"> {low}" if open_low else f">= {low}"
+        rng += f" and <= {high}" if high != math.inf else ""
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a number {rng}")
+
+
+def _choice(name: str, v: Any, choices: tuple) -> None:
+    if v not in choices:
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
+                         f"{', '.join(str(c) for c in choices)}")
+
+
+def check_args(cfg: TrainConfig) -> None:
+    """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
+    from lrmoe.tokenizer import parse_tokenizer_spec
+
+    for name in ("steps", "batch_size", "seq_len", "eval_batches", "ep"):
+        _int(name, getattr(cfg, name), 1)
+    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "seed",
+                 "lrmoe_fidelity_every"):
+        _int(name, getattr(cfg, name), 0)
+    _int("threads", cfg.threads, 1, allow_none=True)
+    _int("stop_after", cfg.stop_after, 1, allow_none=True)
+    _int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
+    _int("slots_per_rank", cfg.slots_per_rank, 1, allow_none=True)
+    _num("lr", cfg.lr, 0.0, open_low=True)
+    _num("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
+    _num("weight_decay", cfg.weight_decay, 0.0)
+    _num("clip", cfg.clip, 0.0)
+    _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
+    _num("capacity_factor", cfg.capacity_factor, 0.0, open_low=True)
+    _num("lrmoe_min_keep", cfg.lrmoe_min_keep, 0.0, 1.0)
+    _num("lrmoe_balance", cfg.lrmoe_balance, 0.0, 1.0)
+    _num("lrmoe_target_cosine", cfg.lrmoe_target_cosine, -1.0, 1.0)
+    _choice("device", cfg.device, ("cpu", "cuda"))
+    _choice("backend", cfg.backend, (None, "gloo", "nccl"))
+    _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
+    _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
+    from lrmoe.parallel.exchange import METRICS
+    _choice("lrmoe_metric", cfg.lrmoe_metric, tuple(METRICS))
+    try:
+        from lrmoe.policy.registry import POLICY_NAMES
+    except ImportError:  # TODO(policy registry): drop once lrmoe.policy.registry lands
+        POLICY_NAMES = ("static",)
+    _choice("policy", cfg.policy, tuple(POLICY_NAMES))
+    parse_tokenizer_spec(cfg.tokenizer)
+    if cfg.mem_budget is not None:
+        from lrmoe.memory import parse_bytes
+        parse_bytes(cfg.mem_budget)
+    if cfg.preset is None and cfg.config is None and not cfg.resume:
+        raise LrmoeError("give a model: --preset NAME (see `lrmoe presets`) or --config FILE")
+    if cfg.out is None:
+        cfg.out = default_out(cfg)
+        if cfg.out is None:
+            raise LrmoeError("--resume needs --out DIR (the run to continue)")
+
+
+def _read_model_json(path: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise LrmoeError(f"cannot read config {p}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LrmoeError(f"config {p} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise LrmoeError(f"config {p} must be a JSON object of HF config.json fields")
+    return d
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
+    """The model: the preset's HF dict, overridden by ``--config`` (replaced when the
+    config names another ``model_type``). ``vocab_size`` (the tokenizer's) is used
+    unless ``--config`` sets one. ``None`` when neither flag is given (a resume)."""
+    from lrmoe.config import ModelConfig
+    from lrmoe.presets import get_preset
+
+    d: dict[str, Any] = get_preset(cfg.preset).to_hf_dict() if cfg.preset else {}
+    user = _read_model_json(cfg.config) if cfg.config else None
+    if user is not None:
+        if d and user.get("model_type", d["model_type"]) != d["model_type"]:
+            d = {}
+        if d and {"hidden_size", "num_attention_heads"} & user.keys() and "head_dim" not in user:
+            d.pop("head_dim", None)  # the preset's head_dim followed its own shapes
+        d.update(user)
+    if not d:
+        return None
+    if vocab_size is not None and not (user and "vocab_size" in user):
+        d["vocab_size"] = vocab_size
+    return ModelConfig.from_hf_dict(d)
+
+
+def build_policy(cfg: TrainConfig, mcfg, G: int):
+    """The planner from the policy flags (names map to planners only in the registry)."""
+    try:
+        from lrmoe.policy.lrmoe import LrmoeConfig
+        from lrmoe.policy.registry import PolicyConfig, make_policy
+    except ImportError:  # TODO(policy registry): drop once lrmoe.policy.registry lands
+        from lrmoe.policy.static import StaticPolicy
+        return StaticPolicy()
+    known = {f.name for f in dataclasses.fields(LrmoeConfig)}
+    kw = dict(balance=cfg.lrmoe_balance, min_keep=cfg.lrmoe_min_keep,
+              estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
+              selection=cfg.lrmoe_selection)
+    # Knobs the planner may grow (the keep-ratio controller); passed when it has them.
+    for k, v in (("keep", cfg.lrmoe_keep), ("target_cosine", cfg.lrmoe_target_cosine),
+                 ("fidelity_every", cfg.lrmoe_fidelity_every)):
+        if k in known:
+            kw[k] = v
+    if cfg.lrmoe_keep == "auto" and "keep" not in known:
+        raise LrmoeError("--lrmoe-keep auto is not available: this build's lrmoe planner has "
+                         "no keep-ratio controller; use --lrmoe-keep fixed")
+    pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
+                      slots_per_rank=cfg.slots_per_rank, lrmoe=LrmoeConfig(**kw))
+    return make_policy(pc, mcfg, G)
+
+
+def backward_options(cfg: TrainConfig):
+    from lrmoe.parallel.exchange import BackwardOptions
+
+    return BackwardOptions(metric=cfg.lrmoe_metric, estimator=cfg.lrmoe_estimator,
+                           compaction=cfg.lrmoe_compaction, fidelity=False)
+
+
+def build_ledger(cfg: TrainConfig, mcfg, ctx):
+    """The memory ledger for ``--mem-budget`` (``None`` without a budget)."""
+    if cfg.mem_budget is None:
+        return None
+    from lrmoe.memory import Ledger, parse_bytes
+
+    dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
+    return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype)
+
+
+def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:
+    """``"lr=0.001 (run: 0.003), ..."`` for trajectory fields that differ; "" if none."""
+    bad = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in FREE_ON_RESUME or f.name not in saved:
+            continue
+        now = getattr(cfg, f.name)
+        if now != saved[f.name]:
+            bad.append(f"{f.name}={now!r} (run: {saved[f.name]!r})")
+    return ", ".join(bad)
+
+
+# ----------------------------------------------------------------------------- collectives
+# The trainer's few object-level collectives (the tensor ones are in lrmoe.parallel).
+def _all_gather(obj: Any, ctx) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_first(errors: list[str | None]) -> None:
+    for e in errors:
+        if e:
+            raise LrmoeError(e)
+
+
+def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
+    if not ctx.distributed:
+        return t
+    from lrmoe.parallel.groups import all_reduce_sum
+
+    return all_reduce_sum(t.to(ctx.device)).cpu()
+
+
+def _count_reducer(ctx):
+    """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
+    if not ctx.distributed or ctx.world == ctx.ep_size:
+        return None
+    from lrmoe.parallel.groups import all_reduce_sum
+
+    def reduce(c: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(c.to(ctx.device), ctx.expert_dp_group).to(c.device)
+    return reduce
+
+
+# ----------------------------------------------------------------------------- validation
+def val_windows(num_tokens: int, seq_len: int, batch_size: int, eval_batches: int,
+                world: int) -> int:
+    """Validation windows used: ``eval_batches`` global batches, a multiple of ``world``
+    (every EP rank must run the same number of forwards)."""
+    avail = (num_tokens - 1) // seq_len
+    k = min(avail, eval_batches * batch_size) // world * world
+    if k < 1:
+        raise LrmoeError(f"the validation split has {num_tokens} tokens: fewer than "
+                         f"{world} window(s) of seq_len + 1 = {seq_len + 1} tokens; use more "
+                         "data or a smaller --seq-len")
+    return k
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[torch.Tensor], ctx, autocast) -> tuple[float, int]:
+    """Mean token cross entropy over ``batches`` (summed over ranks): ``(loss, tokens)``."""
+    was = model.training
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64)
+    for b in batches:
+        b = b.to(ctx.device)
+        with autocast():
+            logits = model(b[:, :-1])
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                             b[:, 1:].reshape(-1), reduction="sum")
+        tot[0] += float(ce)
+        tot[1] += b[:, 1:].numel()
+    model.train(was)
+    tot = _sum_over_world(tot, ctx)
+    return float(tot[0] / tot[1]), int(tot[1])
+
+
+def make_autocast(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+# ----------------------------------------------------------------------------- setup
+def _read_run_config(run_dir: Path) -> dict | None:
+    p = run_dir / RUN_CONFIG
+    if not p.exists():
+        return None
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LrmoeError(f"run config {p} is unreadable ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != RUN_FORMAT:
+        raise LrmoeError(f"{p} is not an lrmoe run config; use another --out")
+    return d
+
+
+def _check_world(ck, world: int, ep: int) -> None:
+    if (ck.world, ck.ep_size) != (world, ep):
+        launch = (f"torchrun --nproc-per-node {ck.world} -m lrmoe train ... --ep {ck.ep_size}"
+                  if ck.world > 1 else "lrmoe train ... --ep 1 (one process)")
+        raise LrmoeError(
+            f"--resume: checkpoint {ck.path} was written by world size {ck.world} with --ep "
+            f"{ck.ep_size}; this run has world size {world} with --ep {ep}. Relaunch with "
+            f"{launch}")
+
+
+def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
+    """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues."""
+    if not cfg.resume:
+        if ckpt.checkpoint_dirs(run_dir):
+            raise LrmoeError(f"{run_dir} already holds checkpoints; use --resume to continue "
+                             "that run or another --out")
+        return None
+    ck = ckpt.latest_checkpoint(run_dir)
+    if ck is None:
+        raise LrmoeError(f"--resume: no checkpoint in {ckpt.ckpt_root(run_dir)} to resume "
+                         "from; drop --resume to start a new run")
+    _check_world(ck, ctx.world, ctx.ep_size)
+    err = None
+    try:
+        ckpt.verify_shard(ck, ctx.rank)
+    except LrmoeError as e:
+        err = str(e)
+    if ctx.distributed:
+        _raise_first(_all_gather(err, ctx))
+    elif err:
+        raise LrmoeError(err)
+    return ck
+
+
+def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
+    from lrmoe.data import PackedBatches, build_token_streams, load_corpus
+    from lrmoe.tokenizer import load_tokenizer
+
+    corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    # A new run trains its BPE in memory (the run dir is not created yet); a resumed
+    # one reloads the tokenizer cached in the run dir.
+    tok = load_tokenizer(cfg.tokenizer, run_dir if cfg.resume else None, corpus.train_texts)
+    train_ids, val_ids = build_token_streams(corpus, tok)
+    if ctx.world > 1 and cfg.batch_size % ctx.world:
+        raise LrmoeError(f"--batch-size {cfg.batch_size} is not divisible by the world size "
+                         f"{ctx.world}")
+    batches = PackedBatches(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
+    return corpus, tok, batches, val_ids
+
+
+def _val_batches(cfg: TrainConfig, val_ids: torch.Tensor, ctx) -> list[torch.Tensor]:
+    from lrmoe.data import validation_batches
+
+    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
+    return validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
+                              num_windows=k, rank=ctx.rank, world=ctx.world)
+
+
+def _sha256(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _log(msg: str, ctx) -> None:
+    if ctx.is_main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _snapshot_stats(rt) -> dict[int, dict]:
+    """The last training step's per-layer stats, CUDA event timings resolved."""
+    out = {}
+    for layer, st in rt.stats.items():
+        st = dict(st)
+        events = st.pop("_events", None)
+        if events:
+            torch.cuda.synchronize()
+            for key, a, b in events:
+                st[key] = st.get(key, 0.0) + a.elapsed_time(b)
+        out[layer] = st
+    return out
+
+
+def _observe_fidelity(policy, stats: dict[int, dict]) -> None:
+    """Hand fidelity measurements to a policy that adapts to them (``--lrmoe-keep auto``)."""
+    hook = getattr(policy, "observe_fidelity", None)
+    if hook is None:
+        return
+    for layer, st in stats.items():
+        if "fidelity_cosine" in st:
+            hook(layer, float(st["fidelity_cosine"]))
+
+
+# ----------------------------------------------------------------------------- train
+def train(cfg: TrainConfig | Any) -> dict:
+    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``."""
+    if not isinstance(cfg, TrainConfig):
+        cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
+    check_args(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.resume:  # a clear message before init_parallel complains about --ep
+        found = ckpt.latest_checkpoint(cfg.out)
+        if found is not None:
+            _check_world(found, world, cfg.ep)
+    if world == 1 and cfg.ep > 1:
+        raise LrmoeError(f"--ep {cfg.ep} needs {cfg.ep} processes (or a multiple); launch with "
+                         f"torchrun --nproc-per-node {cfg.ep} -m lrmoe train ...")
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    import torch.distributed as dist
+
+    from lrmoe.parallel.groups import init_parallel
+
+    we_init = not (dist.is_available() and dist.is_initialized())
+    try:
+        ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s)
+        try:
+            return _train(cfg, ctx)
+        finally:
+            if we_init and ctx.distributed and dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)  # in-process callers get their setting back
+
+
+def _train(cfg: TrainConfig, ctx) -> dict:
+    from lrmoe.config import ModelConfig
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.model.moe import MoERuntime
+    from lrmoe.parallel.groups import clip_grad_norm, shard_experts, sync_grads
+    from lrmoe.presets import param_counts
+    from lrmoe.tokenizer import check_vocab
+
+    # ---- 1. read and check everything; nothing is written yet.
+    run_dir = Path(cfg.out)
+    mcfg = resolve_model_config(cfg, vocab_size=None)  # structure errors before slow work
+    ck = _checkpoint_to_resume(cfg, run_dir, ctx)
+    saved = None
+    if ck is not None:
+        saved = _read_run_config(run_dir)
+        if saved is None:
+            raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing")
+        bad = trajectory_mismatch(cfg, saved.get("train", {}))
+        if bad:
+            raise LrmoeError(f"--resume: {bad} differ from the run in {run_dir} "
+                             f"({RUN_CONFIG}); drop those flags or use another --out")
+        if mcfg is None:
+            mcfg = ModelConfig.from_hf_dict(saved["model"])
+    policy = build_policy(cfg, mcfg, ctx.ep_size)
+    ledger = build_ledger(cfg, mcfg, ctx)
+    corpus, tok, batches, val_ids = _load_data(cfg, run_dir, ctx)
+    if cfg.preset is not None or cfg.config is not None:
+        mcfg = resolve_model_config(cfg, vocab_size=tok.vocab_size)
+        if saved is not None and mcfg.to_hf_dict() != saved["model"]:
+            raise LrmoeError(f"--resume: the model config differs from the run's "
+                             f"{run_dir / RUN_CONFIG}; drop --preset/--config or use another "
+                             "--out")
+    check_vocab(tok, mcfg.vocab_size)
+    val_b = _val_batches(cfg, val_ids, ctx)
+    data_fp = {"num_windows": batches.num_windows, "train_tokens": int(batches.ids.numel()),
+               "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "seed": cfg.seed,
+               "tokenizer": tok.spec, "train_sha256": _sha256(batches.ids),
+               "val_sha256": _sha256(val_ids)}
+    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx)):
+        raise LrmoeError("the ranks loaded different training data or tokenizers (token "
+                         "stream hashes differ); give every rank the same --data")
+    if ledger is not None:
+        home_tokens = cfg.batch_size // ctx.world * cfg.seq_len
+        ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home_tokens),
+                             "even the native experts with one retained pair per instance")
+
+    # ---- 2. build (and restore) in memory; a checkpoint that does not fit fails here.
+    torch.manual_seed(cfg.seed)
+    model = MoEForCausalLM(mcfg)
+    if ctx.ep_size > 1:
+        shard_experts(model, ctx)
+    model.to(ctx.device)
+    gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 1_000_003 + ctx.rank + 1)
+    base_bwd = backward_options(cfg)
+    rt = MoERuntime(comm=ctx.comm(), policy=policy, backward=base_bwd, ledger=ledger,
+                    generator=gen)
+    model.set_runtime(rt)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    start, tokens, elapsed, last_val = 0, 0, 0.0, None
+    if ck is not None:
+        st = ckpt.load_shard(ck, ctx.rank, ctx.device, verify=False)  # verified above
+        if st.get("data") != data_fp:
+            raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
+                             f"({st.get('data')} vs now {data_fp}); resume on the same data")
+        prog = ckpt.restore_training_state(st, ck.path, model, opt, sched, policy, gen,
+                                           ctx.device)
+        start, tokens, elapsed = ck.step, int(prog["tokens"]), float(prog["elapsed_s"])
+        last_val = prog.get("val_loss")
+        del st
+
+    # ---- 3. every input is valid: from here on the run directory is written.
+    total, active = param_counts(mcfg)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if ck is None:
+            (run_dir / METRICS_FILE).unlink(missing_ok=True)
+        else:
+            truncate_metrics(run_dir / METRICS_FILE, start)
+        tok.save(run_dir)
+        run_cfg = {"format": RUN_FORMAT, "model": mcfg.to_hf_dict(),
+                   "train": dataclasses.asdict(cfg),
+                   "tokenizer": {"spec": tok.spec, "vocab_size": tok.vocab_size},
+                   "data": {"source": corpus.source, "train_tokens": int(batches.ids.numel()),
+                            "val_tokens": int(val_ids.numel())},
+                   "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
+                   "params": {"total": total, "active": active}}
+        ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
+    gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
+    if gather is not None:
+        gather(None)  # the run dir exists before anyone writes into it
+    writer = MetricsWriter(run_dir / METRICS_FILE, enabled=ctx.is_main)
+    last_ckpt = start if ck is not None else None
+    autocast = make_autocast(ctx.device)
+
+    def save(step: int) -> None:
+        nonlocal last_ckpt
+        progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val}
+        state = {"step": step, "rank": ctx.rank, "world": ctx.world, "ep_size": ctx.ep_size,
+                 **ckpt.training_state(model, opt, sched, policy, gen, ctx.device, progress,
+                                       data_fp)}
+        ckpt.save_checkpoint(run_dir, step, state, rank=ctx.rank, world=ctx.world,
+                             ep_size=ctx.ep_size, all_gather=gather, keep=cfg.keep_ckpts,
+                             meta=progress)
+        last_ckpt = step
+
+    def validate(step: int) -> float:
+        nonlocal last_val
+        last_val, n = evaluate(model, val_b, ctx, autocast)
+        writer.write({"kind": "val", "step": step, "val_loss": last_val, "val_tokens": n,
+                      "elapsed_s": round(elapsed, 3)})
+        return last_val
+
+    # ---- 4. the loop.
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    name = cfg.preset or cfg.config or (saved or {}).get("train", {}).get("preset") or "model"
+    _log(f"lrmoe train: {name} ({mcfg.model_type}, {mcfg.num_hidden_layers} layers, "
+         f"{mcfg.num_experts} experts top-{mcfg.num_experts_per_tok}, {total / 1e6:.2f}M "
+         f"params, {active / 1e6:.2f}M active) | {corpus.source} | tokenizer {tok.spec} "
+         f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
+         f"{cfg.seq_len} tokens each | policy {cfg.policy} | world {ctx.world}, ep "
+         f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
+    bar = None
+    interactive = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
+    if ctx.is_main and interactive and start < end:
+        from tqdm import tqdm
+        bar = tqdm(total=end, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+    def say(msg: str) -> None:
+        if bar is not None:
+            bar.write(msg, file=sys.stderr)
+        else:
+            _log(msg, ctx)
+
+    log_every = cfg.log_every or max(1, min(50, cfg.steps // 10))
+    reduce = _count_reducer(ctx)
+    step_tokens = cfg.batch_size * cfg.seq_len
+    t_run = time.perf_counter()
+    model.train()
+    try:
+        for step in range(start, end):
+            rt.step = step
+            fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
+            rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
+            t0 = time.perf_counter()
+            batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
+            with autocast():
+                lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            losses = _sum_over_world(torch.stack([lm.detach(), obj.detach()]).float().cpu(),
+                                     ctx) / ctx.world
+            loss, aux = float(losses[0]), float(losses[1] - losses[0])
+            intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
+                      if last_ckpt else "no checkpoint was written")
+            if not math.isfinite(loss) or not math.isfinite(float(losses[1])):
+                raise LrmoeError(f"training loss is {loss} at step {step + 1}; stopped "
+                                 f"({intact}). Lower --lr or raise --warmup")
+            opt.zero_grad(set_to_none=True)
+            obj.backward()
+            sync_grads(model, ctx)
+            gnorm = clip_grad_norm(model, cfg.clip, ctx)
+            if not math.isfinite(gnorm):
+                raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
+                                 f"({intact}). Lower --lr or raise --warmup")
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            counts = model.end_step(reduce=reduce)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            tokens += step_tokens
+            done = step + 1
+
+            stats = _snapshot_stats(rt)
+            _observe_fidelity(policy, stats)
+            mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
+            per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
+            mem = None
+            if ctx.device.type == "cuda":
+                mem = int(torch.cuda.max_memory_allocated(ctx.device))
+                mem = max(_all_gather(mem, ctx)) if ctx.distributed else mem
+            writer.write(train_row(
+                step=done, loss=loss, aux=aux, lr=lr, tokens=tokens, elapsed=elapsed, dt=dt,
+                step_tokens=step_tokens, grad_norm=gnorm, counts=counts, stats=stats,
+                per_rank=per_rank, world=ctx.world, cuda_mem=mem,
+                budget=None if ledger is None else ledger.budget_bytes))
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / dt:,.0f}")
+                bar.update(1)
+            elif done % log_every == 0 or done == end:
+                eta = (time.perf_counter() - t_run) / (done - start) * (end - done)
+                _log(f"step {done}/{end} | loss {loss:.4f} | lr {lr:.2e} | "
+                     f"{step_tokens / dt:,.0f} tok/s | {elapsed:.0f}s | eta {eta:.0f}s", ctx)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
+                say(f"step {done}: val_loss {validate(done):.4f}")
+            if done == end or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
+                if done == end:
+                    validate(done)
+                save(done)
+        if start >= end:  # resumed at (or past) the end: report the checkpoint's loss
+            validate(start)
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+    if ctx.is_main:
+        print(f"final val_loss={last_val:.6f}", flush=True)
+    return {"final_val_loss": last_val, "run_dir": str(run_dir), "steps": end,
+            "tokens": tokens, "elapsed_s": elapsed}

@@ -1,0 +1,194 @@
+"""``metrics.jsonl``: one JSON object per line, written by rank 0 and flushed every row.
+
+Train rows (one per optimizer step; ``step`` counts completed updates, 1-based)::
+
+    {"kind": "train", "step": 12, "loss": 3.91, "aux_loss": 0.0021, "lr": 0.003,
+     "tokens": 49152, "elapsed_s": 4.1, "step_s": 0.31, "tokens_per_s": 13200,
+     "grad_norm": 0.84, "expert_load_max_over_mean": [1.9, 2.3, ...],   # per MoE layer
+     "counts": [[e0, e1, ...], ...],       # per MoE layer: the step's global pairs/expert
+     "moe": [{...}, ...],                  # per MoE layer: runtime stats, see layer_row
+     "rank_load": [[r0, r1, ...], ...]}    # per MoE layer, pairs per rank (world > 1)
+
+``loss`` is the LM cross entropy averaged over ranks (without the router aux loss,
+which is ``aux_loss``); ``tokens`` counts the global tokens trained on so far;
+``elapsed_s`` is the training time so far (forward, backward, optimizer; not validation
+or checkpointing), carried across resumes. On CUDA ``cuda_max_mem_bytes`` holds the
+peak allocated memory (max over ranks) next to ``ledger_bytes`` when a budget is set.
+
+Validation rows are separate: ``{"kind": "val", "step": 50, "val_loss": 2.71,
+"val_tokens": 32768, "elapsed_s": 15.2}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+METRICS_FILE = "metrics.jsonl"
+
+# Per-rank counters summed over ranks, and the ones where the slowest rank matters.
+_SUM_KEYS = {
+    "fwd_rows": "fwd_rows", "retained_rows": "retained", "bwd_rows": "bwd_rows",
+    "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
+}
+_MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms"}
+_MEAN_KEYS = {"fidelity_cosine": "fidelity_cosine", "fidelity_rel_err": "fidelity_rel_err"}
+
+
+def _r(x: float, nd: int = 4) -> float:
+    """Round to ``nd`` significant digits (rows stay short)."""
+    if not math.isfinite(x) or x == 0:
+        return x
+    return round(x, max(0, nd - 1 - int(math.floor(math.log10(abs(x))))))
+
+
+def max_over_mean(xs: Iterable[float]) -> float:
+    xs = [float(x) for x in xs]
+    if not xs:
+        return 1.0
+    mean = sum(xs) / len(xs)
+    return _r(max(xs) / mean) if mean > 0 else 1.0
+
+
+def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
+    """One rank's stats of one layer, reduced to numbers (the part that differs by rank).
+
+    ``load`` / ``bwd_load``: pairs this rank processes in forward / backward (its entry
+    of the plan's per-rank loads; under DP x EP each EP group has its own plan).
+    """
+    out: dict[str, float] = {}
+    for src, dst in (("rank_load", "load"), ("rank_backward_load", "bwd_load")):
+        if src in stats and ep_rank < len(stats[src]):
+            out[dst] = float(stats[src][ep_rank])
+    for k in list(_SUM_KEYS) + list(_MAX_KEYS) + list(_MEAN_KEYS):
+        if k in stats:
+            out[k] = float(stats[k])
+    out["fwd_bytes"] = float(sum(stats.get(k, 0) for k in (
+        "fwd_dispatch_bytes_sent", "fwd_combine_bytes_sent")))
+    out["bwd_bytes"] = float(sum(stats.get(k, 0) for k in (
+        "bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent")))
+    if "bwd_exact_bytes" in stats:
+        out["bwd_exact_bytes"] = float(stats["bwd_exact_bytes"])
+    return out
+
+
+def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) -> dict:
+    """One MoE layer's compact row from rank 0's plan stats and every rank's summary.
+
+    Keys: ``rank_load_max_over_mean`` / ``rank_bwd_load_max_over_mean`` (pairs each rank
+    processes in forward / backward, max over mean over all ranks), ``replicas`` (rank
+    0's plan), ``pairs`` (routed, whole batch), ``retained`` and ``selected`` (pairs,
+    summed over ranks), ``fwd_bytes`` /
+    ``bwd_bytes`` (all-to-all bytes sent, summed over ranks), ``expert_fwd_ms`` /
+    ``expert_bwd_ms`` (expert compute, slowest rank), ``fidelity_cosine`` /
+    ``fidelity_rel_err`` (mean over ranks, only on fidelity steps).
+    """
+    row: dict[str, Any] = {}
+    for src, dst in (("load", "rank_load_max_over_mean"), ("bwd_load", "rank_bwd_load_max_over_mean")):
+        vals = [r[src] for r in per_rank if src in r]
+        if vals:
+            row[dst] = max_over_mean(vals)
+    if "plan_replicas" in plan_stats:
+        row["replicas"] = int(plan_stats["plan_replicas"])
+    if pairs is not None:
+        row["pairs"] = int(pairs)
+    elif "counts_E" in plan_stats:
+        row["pairs"] = int(sum(plan_stats["counts_E"]))
+    for src, dst in _SUM_KEYS.items():
+        vals = [r[src] for r in per_rank if src in r]
+        if vals:
+            row[dst] = int(sum(vals))
+    for key in ("fwd_bytes", "bwd_bytes", "bwd_exact_bytes"):
+        vals = [r[key] for r in per_rank if key in r]
+        if vals:
+            row[key] = int(sum(vals))
+    for src, dst in _MAX_KEYS.items():
+        vals = [r[src] for r in per_rank if src in r]
+        if vals:
+            row[dst] = _r(max(vals))
+    for src, dst in _MEAN_KEYS.items():
+        vals = [r[src] for r in per_rank if src in r]
+        if vals:
+            row[dst] = _r(sum(vals) / len(vals), 6)
+    return row
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.jsonl`` (a no-op on ranks other than 0)."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+
+    def write(self, row: dict) -> None:
+        if self._f is None:
+            return
+        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All well-formed rows; a torn last line (a killed run) is skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                rows.append(obj)
+    return rows
+
+
+def truncate_metrics(path: str | os.PathLike, step: int) -> None:
+    """Drop rows after ``step`` (a resumed run rewrites them), atomically."""
+    from lrmoe.train.checkpoint import atomic_write_text
+
+    p = Path(path)
+    if not p.exists():
+        return
+    rows = [r for r in read_metrics(p) if int(r.get("step", 0)) <= step]
+    atomic_write_text(p, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, elapsed: float,
+              dt: float, step_tokens: int, grad_norm: float, counts: list, stats: dict,
+              per_rank: list[dict], world: int, cuda_mem: int | None = None,
+              budget: int | None = None) -> dict:
+    """The train row of one step (see the module docstring).
+
+    ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s);
+    ``stats``: rank 0's runtime stats per layer; ``per_rank``: every rank's
+    :func:`rank_summary` per layer.
+    """
+    layers = sorted(stats)
+    row: dict[str, Any] = {
+        "kind": "train", "step": step, "loss": loss, "aux_loss": round(aux, 7), "lr": lr,
+        "tokens": tokens, "elapsed_s": round(elapsed, 4), "step_s": round(dt, 4),
+        "tokens_per_s": round(step_tokens / dt, 1), "grad_norm": round(grad_norm, 6),
+    }
+    cl = [None if c is None else [int(x) for x in c.tolist()] for c in counts]
+    row["expert_load_max_over_mean"] = [None if c is None else max_over_mean(c) for c in cl]
+    row["counts"] = cl
+    row["moe"] = [layer_row(stats[k], [r.get(k, {}) for r in per_rank],
+                            None if c is None else sum(c)) for k, c in zip(layers, cl)]
+    if world > 1:
+        row["rank_load"] = [[int(r.get(k, {}).get("load", 0)) for r in per_rank] for k in layers]
+    if cuda_mem is not None:
+        row["cuda_max_mem_bytes"] = cuda_mem
+        if budget is not None:
+            row["ledger_budget_bytes"] = int(budget)
+    return row

@@ -1,0 +1,276 @@
+"""The trainer end to end on tiny models: loss falls, metrics, checkpoints, resume bit for
+bit, eval, report, presets, NaN stop and corrupt-checkpoint detection (one process, CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrmoe.cli import main
+from lrmoe.errors import LrmoeError
+from lrmoe.presets import PRESETS, get_preset
+from lrmoe.train import TrainConfig, train
+from lrmoe.train import checkpoint as ckpt
+from lrmoe.train.metrics import read_metrics
+from lrmoe.train.optim import lr_scale, param_groups
+
+# Small and fast: 4 x 64 tokens per step, 200 kB of the stdlib corpus, one thread
+# (steady timings when other processes share the two cores).
+SMALL = ["--batch-size", "4", "--seq-len", "64", "--max-data-bytes", "200000",
+         "--eval-batches", "2", "--threads", "1", "--warmup", "5"]
+SMALL_API = dict(batch_size=4, seq_len=64, max_data_bytes=200_000, eval_batches=2, threads=1,
+                 warmup=4)
+
+
+def cli(argv, capsys) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def train_losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+def digest(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def qwen_run(tmp_path_factory):
+    """tiny-qwen3, 36 steps, validation and checkpoints every 12, the last 2 kept."""
+    out = tmp_path_factory.mktemp("runs") / "qwen"
+    rc = main(["train", "--preset", "tiny-qwen3", "--out", str(out), "--steps", "36",
+               "--eval-every", "12", "--ckpt-every", "12", "--keep-ckpts", "2", *SMALL])
+    assert rc == 0
+    return out
+
+
+def test_train_qwen_loss_falls_and_prints_final(tmp_path, capsys):
+    rc, out, err = cli(["train", "--preset", "tiny-qwen3", "--out", tmp_path / "r", "--steps",
+                        "30", "--eval-every", "0", *SMALL], capsys)
+    assert rc == 0, err
+    losses = train_losses(tmp_path / "r")
+    assert len(losses) == 30
+    assert sum(losses[:5]) / 5 - sum(losses[-5:]) / 5 > 0.5
+    finals = [ln for ln in out.splitlines() if ln.startswith("final val_loss=")]
+    assert out.strip() == finals[0] and len(finals) == 1
+    assert float(finals[0].split("=")[1]) < math.log(256)
+
+
+def test_train_glm_loss_falls(tmp_path, capsys):
+    rc, out, err = cli(["train", "--preset", "tiny-glm", "--out", tmp_path / "g", "--steps",
+                        "30", "--eval-every", "0", *SMALL], capsys)
+    assert rc == 0, err
+    losses = train_losses(tmp_path / "g")
+    assert sum(losses[:5]) / 5 - sum(losses[-5:]) / 5 > 0.5
+    assert out.startswith("final val_loss=")
+
+
+def test_metrics_rows(qwen_run):
+    rows = read_metrics(qwen_run / "metrics.jsonl")
+    tr = [r for r in rows if r["kind"] == "train"]
+    val = [r for r in rows if r["kind"] == "val"]
+    assert [r["step"] for r in tr] == list(range(1, 37))
+    assert [r["step"] for r in val] == [12, 24, 36]
+    assert all(math.isfinite(r["val_loss"]) and r["val_tokens"] > 0 for r in val)
+    cfg = get_preset("tiny-qwen3")
+    pairs = 4 * 64 * cfg.num_experts_per_tok
+    for i, r in enumerate(tr):
+        for k in ("step", "loss", "lr", "tokens", "elapsed_s", "grad_norm", "aux_loss",
+                  "tokens_per_s", "expert_load_max_over_mean", "counts", "moe"):
+            assert k in r, k
+        assert r["tokens"] == (i + 1) * 4 * 64
+        assert len(r["expert_load_max_over_mean"]) == len(cfg.moe_layers)
+        assert all(x >= 1.0 for x in r["expert_load_max_over_mean"])
+        assert all(len(c) == cfg.num_experts and sum(c) == pairs for c in r["counts"])
+        for m in r["moe"]:
+            assert m["pairs"] == m["retained"] == m["selected"] == pairs  # static: exact
+            assert m["replicas"] == 0 and m["rank_load_max_over_mean"] == 1.0
+            assert m["fwd_bytes"] > 0 and m["bwd_bytes"] > 0 and m["expert_fwd_ms"] >= 0
+        assert "rank_load" not in r  # one process
+    assert tr[0]["lr"] == pytest.approx(3e-3 / 5)  # warmup 5
+    assert all(b["elapsed_s"] >= a["elapsed_s"] for a, b in zip(tr, tr[1:]))
+
+
+def test_run_config_and_checkpoints(qwen_run):
+    cfg = json.loads((qwen_run / "config.json").read_text())
+    assert cfg["model"]["model_type"] == "qwen3_moe" and cfg["model"]["vocab_size"] == 256
+    assert cfg["train"]["steps"] == 36 and cfg["tokenizer"]["spec"] == "byte"
+    assert [s for s, _ in ckpt.checkpoint_dirs(qwen_run)] == [24, 36]  # --keep-ckpts 2
+    ck = ckpt.latest_checkpoint(qwen_run)
+    assert ck.step == 36 and ck.world == 1 and ck.ep_size == 1
+    st = ckpt.load_shard(ck, 0)
+    assert {"model", "optimizer", "scheduler", "rng", "data", "moe_prev_counts"} <= set(st)
+    assert st["step"] == 36 and st["data"]["seq_len"] == 64
+    assert st["progress"]["val_loss"] is not None
+
+
+def test_resume_is_bit_exact(tmp_path):
+    base = dict(preset="tiny-qwen3", steps=12, eval_every=4, ckpt_every=3, **SMALL_API)
+    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
+    train(TrainConfig(out=str(tmp_path / "b"), stop_after=6, **base))
+    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    assert a["final_val_loss"] == b["final_val_loss"]
+    ra = [r for r in read_metrics(tmp_path / "a/metrics.jsonl") if r["kind"] == "train"]
+    rb = [r for r in read_metrics(tmp_path / "b/metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rb] == list(range(1, 13))
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+    assert [r["counts"] for r in ra] == [r["counts"] for r in rb]
+
+
+def test_resume_bit_exact_glm_symi_via_cli(tmp_path, capsys):
+    """GLM's router bias and SYMI's previous-step popularity must survive a resume."""
+    args = ["--preset", "tiny-glm", "--policy", "symi", "--steps", "10", "--ckpt-every", "5",
+            "--eval-every", "0", *SMALL]
+    assert cli(["train", *args, "--out", tmp_path / "a"], capsys)[0] == 0
+    assert cli(["train", *args, "--out", tmp_path / "b", "--stop-after", "4"], capsys)[0] == 0
+    # flags not given on --resume come from the run's config.json
+    rc, out, err = cli(["train", "--out", tmp_path / "b", "--resume", "--threads", "1"], capsys)
+    assert rc == 0, err
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+
+
+def test_resume_rejects_changed_trajectory(qwen_run, capsys):
+    before = digest(qwen_run)
+    rc, _, err = cli(["train", "--out", qwen_run, "--resume", "--lr", "0.01"], capsys)
+    assert rc == 2 and "lr=0.01" in err and "--resume" in err
+    assert digest(qwen_run) == before
+
+
+def test_resume_at_end_only_validates(qwen_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(qwen_run, run)
+    rc, out, err = cli(["train", "--out", run, "--resume", "--threads", "1"], capsys)
+    assert rc == 0, err
+    last = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "val"][-1]
+    assert out.strip() == f"final val_loss={last['val_loss']:.6f}"
+
+
+def test_eval_matches_final_val_loss(qwen_run, capsys):
+    last = [r for r in read_metrics(qwen_run / "metrics.jsonl") if r["kind"] == "val"][-1]
+    rc, out, err = cli(["eval", qwen_run, "--threads", "1"], capsys)
+    assert rc == 0, err
+    assert out.strip() == f"val_loss={last['val_loss']:.6f}"
+
+
+def test_report_writes_pngs(qwen_run, capsys):
+    rc, out, err = cli(["report", qwen_run], capsys)
+    assert rc == 0, err
+    names = {Path(p).name for p in out.split()}
+    assert {"loss.png", "expert_load.png", "load_balance.png"} <= names
+    for n in names:
+        assert (qwen_run / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_presets_lists_every_preset(capsys):
+    rc, out, _ = cli(["presets"], capsys)
+    assert rc == 0
+    for name in PRESETS:
+        assert name in out
+    assert "30.5B" in out and "3.35B" in out  # qwen3-30b-a3b total / active
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, capsys, monkeypatch):
+    from lrmoe.model import MoEForCausalLM
+
+    real = MoEForCausalLM.loss
+    calls = {"n": 0}
+
+    def loss(self, x, y):
+        calls["n"] += 1
+        lm, obj = real(self, x, y)
+        if calls["n"] == 5:  # the 5th optimizer step's forward
+            return lm * float("nan"), obj * float("nan")
+        return lm, obj
+
+    monkeypatch.setattr(MoEForCausalLM, "loss", loss)
+    out = tmp_path / "nan"
+    args = ["train", "--preset", "tiny-qwen3", "--out", out, "--steps", "10",
+            "--ckpt-every", "2", "--eval-every", "0", *SMALL]
+    snapshot = {}
+
+    def hook(*a, **k):  # hash the checkpoints as they stood before the failure
+        r = save(*a, **k)
+        snapshot.update(digest(ckpt.ckpt_root(out)))
+        return r
+
+    save = ckpt.save_checkpoint
+    monkeypatch.setattr(ckpt, "save_checkpoint", hook)
+    rc, _, err = cli(args, capsys)
+    assert rc == 2
+    assert "step 5" in err and "nan" in err and "ckpt-00000004" in err
+    assert [s for s, _ in ckpt.checkpoint_dirs(out)] == [2, 4]
+    assert digest(ckpt.ckpt_root(out)) == snapshot
+    assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 4
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_checkpoint_is_detected(qwen_run, tmp_path, capsys, damage):
+    run = tmp_path / "bad"
+    shutil.copytree(qwen_run, run)
+    shard = ckpt.latest_checkpoint(run).shard(0)
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = digest(run)
+    for argv in (["train", "--out", run, "--resume"], ["eval", run]):
+        rc, _, err = cli(argv, capsys)
+        assert rc == 2
+        assert str(shard) in err and ("corrupt" in err or "truncated" in err)
+        assert len(err.strip().splitlines()) == 1
+    assert digest(run) == before
+
+
+def test_interrupted_save_is_ignored(qwen_run, tmp_path):
+    """A checkpoint directory without a manifest (killed mid-save) is skipped."""
+    run = tmp_path / "partial"
+    shutil.copytree(qwen_run, run)
+    (ckpt.ckpt_dir(run, 40)).mkdir()
+    (ckpt.ckpt_dir(run, 40) / ckpt.shard_name(0, 1)).write_bytes(b"partial")
+    assert ckpt.latest_checkpoint(run).step == 36
+
+
+def test_atomic_write_leaves_no_temp(tmp_path):
+    p = tmp_path / "x.json"
+    ckpt.atomic_write_text(p, "one")
+    ckpt.atomic_write_text(p, "two")
+    assert p.read_text() == "two" and [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_optimizer_groups_and_schedule():
+    from lrmoe.model import MoEForCausalLM
+
+    model = MoEForCausalLM(get_preset("tiny-glm"))
+    groups = {g["name"]: g for g in param_groups(model, 0.1)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain = {names[id(p)] for p in groups["no_decay"]["params"]}
+    decay = {names[id(p)] for p in groups["decay"]["params"]}
+    assert all("norm" in n or n.endswith("bias") for n in plain)
+    assert any(n.endswith("q_proj.bias") for n in plain)  # GLM attention bias
+    assert any(n.endswith("experts.gate_up_proj") for n in decay)
+    assert groups["no_decay"]["weight_decay"] == 0.0
+    assert lr_scale(0, 10, 100) == pytest.approx(0.1)
+    assert lr_scale(9, 10, 100) == pytest.approx(1.0)
+    assert lr_scale(100, 10, 100) == pytest.approx(0.1)
+    assert lr_scale(55, 10, 100) == pytest.approx(0.55)
+
+
+def test_api_accepts_a_namespace_and_validates(tmp_path):
+    import argparse
+
+    with pytest.raises(LrmoeError, match="--steps"):
+        train(argparse.Namespace(preset="tiny-qwen3", out=str(tmp_path / "n"), steps=0))
+    assert not (tmp_path / "n").exists()
+    torch.set_num_threads(torch.get_num_threads())  # unchanged by a failed call

@@ -43,6 +43,7 @@ retained pair per instance do not fit, :class:`LrmoeError` names the rank and sh
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -74,6 +75,10 @@ class LrmoeConfig:
         selection: False selects every retained pair (memory-aware placement only).
         retention_order: which pairs fill a retention quota (runtime): ``gate`` keeps
             the highest gate weights.
+        keep: ``fixed`` uses ``min_keep`` as given; ``auto`` adapts each layer's floor to
+            hold the fidelity monitor's cosine at ``target_cosine``.
+        target_cosine: the gradient fidelity ``auto`` aims for.
+        fidelity_every: how often the runtime measures fidelity (``auto`` needs > 0).
     """
 
     balance: float = 1.0
@@ -84,6 +89,9 @@ class LrmoeConfig:
     compaction: bool = True
     selection: bool = True
     retention_order: str = "gate"
+    keep: str = "fixed"
+    target_cosine: float = 0.99
+    fidelity_every: int = 0
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -249,5 +257,39 @@ class LrmoePolicy:
     config: LrmoeConfig = field(default_factory=LrmoeConfig)
     name: str = "lrmoe"
 
+    min_keep_by_layer: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if c.keep not in ("fixed", "auto"):
+            raise LrmoeError(f"lrmoe keep={c.keep!r} is not valid; use 'fixed' or 'auto'")
+        if c.keep == "auto" and c.fidelity_every <= 0:
+            raise LrmoeError("--lrmoe-keep auto needs the fidelity monitor: give "
+                             "--lrmoe-fidelity-every N with N > 0")
+
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
-        return plan_lrmoe(counts_GE, self.config, inputs.ledger)
+        cfg = self.config
+        if cfg.keep == "auto":
+            mk = self.min_keep_by_layer.get(inputs.layer, cfg.min_keep)
+            cfg = dataclasses.replace(cfg, min_keep=mk)
+        return plan_lrmoe(counts_GE, cfg, inputs.ledger)
+
+    def observe_fidelity(self, layer: int, cosine: float) -> None:
+        """Keep-ratio controller (``keep='auto'``): raise the layer's floor when the
+        selected gradient drifts below the target cosine, lower it slowly when well above.
+        Deterministic, so every rank (which sees the same gathered cosine) agrees."""
+        if self.config.keep != "auto":
+            return
+        mk = self.min_keep_by_layer.get(layer, self.config.min_keep)
+        t = self.config.target_cosine
+        if cosine < t:
+            mk = min(1.0, mk + 0.1)
+        elif cosine > t + 0.5 * (1 - t):
+            mk = max(0.05, mk - 0.02)
+        self.min_keep_by_layer[layer] = round(mk, 6)
+
+    def state_dict(self) -> dict:
+        return {"min_keep_by_layer": {str(k): v for k, v in self.min_keep_by_layer.items()}}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.min_keep_by_layer = {int(k): float(v) for k, v in d.get("min_keep_by_layer", {}).items()}

@@ -464,14 +464,21 @@ def _snapshot_stats(rt) -> dict[int, dict]:
     return out
 
 
-def _observe_fidelity(policy, stats: dict[int, dict]) -> None:
-    """Hand fidelity measurements to a policy that adapts to them (``--lrmoe-keep auto``)."""
+def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> None:
+    """Hand fidelity measurements to a policy that adapts to them (``--lrmoe-keep auto``).
+
+    Each rank measures its own instances; the policy sees the mean over the EP ranks
+    (gathered, so identical everywhere) because every rank must plan alike.
+    """
     hook = getattr(policy, "observe_fidelity", None)
     if hook is None:
         return
     for layer, st in stats.items():
         if "fidelity_cosine" in st:
-            hook(layer, float(st["fidelity_cosine"]))
+            vals = [float(r[layer]["fidelity_cosine"]) for r in per_rank
+                    if layer in r and "fidelity_cosine" in r[layer]]
+            if vals:
+                hook(layer, sum(vals) / len(vals))
 
 
 # ----------------------------------------------------------------------------- train
@@ -683,9 +690,9 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             done = step + 1
 
             stats = _snapshot_stats(rt)
-            _observe_fidelity(policy, stats)
             mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
             per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
+            _observe_fidelity(policy, stats, per_rank)
             mem = None
             if ctx.device.type == "cuda":
                 mem = int(torch.cuda.max_memory_allocated(ctx.device))

@@ -1,0 +1,38 @@
+"""The keep-ratio controller behind ``--lrmoe-keep auto``."""
+
+import pytest
+import torch
+
+from lrmoe.errors import LrmoeError
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+
+
+def test_auto_needs_fidelity_monitor():
+    with pytest.raises(LrmoeError, match="fidelity"):
+        LrmoePolicy(LrmoeConfig(keep="auto", fidelity_every=0))
+
+
+def test_controller_moves_floor_toward_target_and_round_trips():
+    p = LrmoePolicy(LrmoeConfig(keep="auto", fidelity_every=1, min_keep=0.5, target_cosine=0.95))
+    p.observe_fidelity(0, 0.80)  # too approximate: keep more
+    assert p.min_keep_by_layer[0] == pytest.approx(0.6)
+    p.observe_fidelity(0, 0.999)  # comfortably above: keep a little less
+    assert p.min_keep_by_layer[0] == pytest.approx(0.58)
+    p.observe_fidelity(0, 0.96)  # inside the band: hold
+    assert p.min_keep_by_layer[0] == pytest.approx(0.58)
+    q = LrmoePolicy(LrmoeConfig(keep="auto", fidelity_every=1))
+    q.load_state_dict(p.state_dict())
+    assert q.min_keep_by_layer == p.min_keep_by_layer
+
+
+def test_auto_floor_reaches_the_plan():
+    counts = torch.tensor([[40, 3, 3, 2], [38, 4, 2, 4]])
+    p = LrmoePolicy(LrmoeConfig(keep="auto", fidelity_every=1, min_keep=0.2, balance=1.0))
+    low = p.plan(counts, PlanInputs(layer=0)).select_GGS.sum()
+    for _ in range(8):
+        p.observe_fidelity(0, 0.0)
+    high = p.plan(counts, PlanInputs(layer=0)).select_GGS.sum()
+    assert p.min_keep_by_layer[0] == pytest.approx(1.0)
+    assert high >= low
+    assert high == counts.sum()  # floor 1: every pair selected

@@ -42,6 +42,8 @@ SHAPES = {
 
 DEV = "cuda"
 PROFILE_DIR = None
+PROFILE_KEEP = 1.0
+PROFILE_ONLY = False
 
 
 def bench(fn, warmup: int = 3, iters: int = 15) -> float:
@@ -175,13 +177,17 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
 
     if PROFILE_DIR and DEV == "cuda":
         from torch.profiler import ProfilerActivity, profile
+        layer.runtime = MoERuntime(policy=KeepPolicy(PROFILE_KEEP))
         fwdbwd()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 fwdbwd()
             torch.cuda.synchronize()
-        Path(PROFILE_DIR, f"profile_{shape}_{skew}.txt").write_text(
-            prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        Path(PROFILE_DIR, f"profile_{shape}_{skew}_keep{PROFILE_KEEP}.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=50))
+        layer.runtime = MoERuntime()
+        if PROFILE_ONLY:
+            return
     row["ours_fwd_ms"] = bench(fwd)
     row["ours_fwdbwd_ms"] = bench(fwdbwd)
     row["ours_fwdbwd_tflops"] = (fl_fwd + fl_bwd) / (row["ours_fwdbwd_ms"] * 1e-3) / 1e12
@@ -264,15 +270,19 @@ def main() -> None:
     ap.add_argument("--out", default="moe_layer_results.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile-dir", default=None)
+    ap.add_argument("--profile-keep", type=float, default=1.0)
+    ap.add_argument("--profile-only", action="store_true")
     a = ap.parse_args()
-    global DEV, PROFILE_DIR
-    DEV, PROFILE_DIR = a.device, a.profile_dir
+    global DEV, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY
+    DEV, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.device, a.profile_dir, a.profile_keep, a.profile_only
     dense = dense_ceiling()
     results: list = []
     for shape in a.shapes.split(","):
         for skew in (float(s) for s in a.skews.split(",")):
             t0 = time.time()
             run_shape(shape, a.tokens, skew, a.impls.split(","), results, dense)
+            if PROFILE_ONLY:
+                continue
             print(f"[{shape} skew={skew}] done in {time.time() - t0:.0f}s", flush=True)
     import transformers
     meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)", torch=torch.__version__,
@@ -284,7 +294,7 @@ def main() -> None:
            f"{'x peer':>6} {'gemm%dense':>10} {'bwd k1':>7} {'bwd k.75':>8} {'bwd k.5':>7} {'k.5/k1':>6} "
            f"{'k.5 nocomp':>10}")
     print(hdr)
-    for r in results:
+    for r in results if not PROFILE_ONLY else []:
         pb = r["peer"].get(r.get("peer_best", ""), {}).get("fwdbwd_ms", float("nan"))
         print(f"{r['shape']:6} {r['skew']:>4} {r['load_max_over_mean']:>9.2f} {r['ours_fwd_ms']:>7.2f} "
               f"{r['ours_fwdbwd_ms']:>7.2f} {pb:>8.2f} {r.get('speedup_fwdbwd_vs_peer', 0):>6.2f} "

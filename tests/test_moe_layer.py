@@ -98,3 +98,19 @@ def test_whole_model_gradients_match_reference_path():
         obj.backward()
     for (n, a), (_, b) in zip(m.named_parameters(), m2.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_fidelity_monitor_compares_with_the_exact_gradient(layer):
+    """The monitor's 'exact' gradient is the static one (all pairs, even unretained)."""
+    x = torch.randn(2, 24, layer.cfg.hidden_size)
+    ref = run(layer, x, ref=True)
+    layer.runtime = MoERuntime(policy=PartialPolicy(), backward=BackwardOptions(fidelity=True))
+    got = run(layer, x)
+    a = torch.cat([got[2].flatten(), got[3].flatten()])
+    b = torch.cat([ref[2].flatten(), ref[3].flatten()])
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    st = layer.runtime.stats[0]
+    assert st["fidelity_cosine"] == pytest.approx(cos, abs=1e-5)
+    assert st["fidelity_rel_err"] == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-4)
+    assert cos < 0.999  # the selection really approximates
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)  # forward unchanged

@@ -195,11 +195,16 @@ class ExpertExchange(torch.autograd.Function):
         with _timed(st.stats, "expert_fwd_ms", x_TH.device):
             y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, recv.counts)
 
-        # Retention: keep activations of retained rows only, in (s, g, j) order.
+        # Retention: keep activations of retained rows only, in (s, g, j) order. On a
+        # fidelity step of an approximate plan every row is kept (a monitoring cost), so
+        # the exact gradient over all pairs can be computed beside the selected one.
         ret_GS = plan.retain_GGS[:, me, :]
-        if torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
+        full_save = st.opts.fidelity and not plan.exact
+        if full_save or torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
             saved_x, saved_gu = x_inst, gu_inst
+            saved_SG = plan.assign_GGS[:, me, :].t().reshape(-1)
         else:
+            saved_SG = ret_GS.t().reshape(-1)
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
             keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
             saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows]
@@ -222,7 +227,7 @@ class ExpertExchange(torch.autograd.Function):
             fwd_combine_bytes_sent=n_recv * H * es, fwd_combine_bytes_recv=n_send * H * es,
             saved_act_bytes=saved_x.numel() * saved_x.element_size()
             + saved_gu.numel() * saved_gu.element_size())
-        ctx.st = st
+        ctx.st, ctx.saved_SG = st, saved_SG
         ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
         return out
 
@@ -289,13 +294,16 @@ class ExpertExchange(torch.autograd.Function):
             recv_GS = plan.select_GGS[:, me, :]
         cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
         sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
+        saved = (saved_x, saved_gu, ctx.saved_SG)
         dx_back, dw13, dw2, n_in = _experts_backward(
-            st, home.j_in_block[sel_pos], rows, sent_GS, recv_GS,
-            saved_x, saved_gu, w13_S, w2_S, timed=True)
-        if opts.fidelity and keep is not None:
+            st, home.j_in_block[sel_pos], rows, sent_GS, recv_GS, saved, w13_S, w2_S, timed=True)
+        if opts.fidelity and not plan.exact:
+            # the exact gradient: every pair (retained or not), unweighted
+            all_rows = fused("pair_grad", scaled_rows, dout_TH)(
+                dout_TH, home.src_pair // K, w_TK.reshape(-1)[home.src_pair])
             _, e13, e2, _ = _experts_backward(
-                st, home.j_in_block[cand_pos], dy_rows, home.retain_I.reshape(G, S),
-                plan.retain_GGS[:, me, :], saved_x, saved_gu, w13_S, w2_S)
+                st, home.j_in_block, all_rows, plan.assign_GGS[me], plan.assign_GGS[:, me, :],
+                saved, w13_S, w2_S)
             a = torch.cat([dw13.flatten(), dw2.flatten()]).float()
             b = torch.cat([e13.flatten(), e2.flatten()]).float()
             st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
@@ -337,29 +345,30 @@ def _pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | 
 
 
 def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: Tensor,
-                      recv_GS: Tensor, saved_x: Tensor, saved_gu: Tensor, w13_S: Tensor,
+                      recv_GS: Tensor, saved: tuple[Tensor, Tensor, Tensor], w13_S: Tensor,
                       w2_S: Tensor, timed: bool = False) -> tuple[Tensor, Tensor, Tensor, int]:
     """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
 
     ``rows`` are ordered by send position (block-major); ``j_send`` is each row's index
-    inside its block's retained prefix, which locates its saved activations on the
-    receiver. Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
+    inside its block, which locates its saved activations on the receiver. ``saved`` is
+    ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size.
+    Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
     """
+    saved_x, saved_gu, saved_SG = saved
     comm, plan, dev = st.comm, st.plan, rows.device
     me, S, G = comm.rank, plan.S, plan.G
     send_splits = sent_GS.sum(1).tolist()
     rl = recv_layout(recv_GS, dev)
     dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
-    ret_SG = plan.retain_GGS[:, me, :].t().reshape(-1)
-    if torch.equal(recv_GS, plan.assign_GGS[:, me, :]) and torch.equal(ret_SG, recv_GS.t().reshape(-1)):
+    if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
         # exact backward: every row arrives, in saved order (no gather needed)
         x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
     else:
         n = int(recv_GS.sum())
         blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
                                       to_device(recv_GS.t().reshape(-1), dev), output_size=n)
-        rows_saved = excl_cumsum(ret_SG).to(dev)[blk] + permute_rows(j_recv, rl.to_inst)
+        rows_saved = to_device(excl_cumsum(saved_SG), dev)[blk] + permute_rows(j_recv, rl.to_inst)
         x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
         dy_inst = permute_rows(dy_recv, rl.to_inst)
     offs = offsets(rl.counts, dev)

@@ -304,8 +304,16 @@ class ExpertExchange(torch.autograd.Function):
             _, e13, e2, _ = _experts_backward(
                 st, home.j_in_block, all_rows, plan.assign_GGS[me], plan.assign_GGS[:, me, :],
                 saved, w13_S, w2_S)
-            a = torch.cat([dw13.flatten(), dw2.flatten()]).float()
-            b = torch.cat([e13.flatten(), e2.flatten()]).float()
+            # compare per expert (replicas on this rank summed), as the optimizer sees them
+            ie = plan.inst_expert_GS[me]
+            idx = to_device(ie.clamp(min=0), dev)
+            E = int(ie.max()) + 1
+
+            def per_expert(g13: Tensor, g2: Tensor) -> Tensor:
+                z13 = g13.new_zeros((E,) + g13.shape[1:]).index_add_(0, idx, g13)
+                z2 = g2.new_zeros((E,) + g2.shape[1:]).index_add_(0, idx, g2)
+                return torch.cat([z13.flatten(), z2.flatten()]).float()
+            a, b = per_expert(dw13, dw2), per_expert(e13, e2)
             st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
             st.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
 

@@ -40,8 +40,17 @@ def fused(name: str, fn, x: Tensor):
 
 
 def weighted_gather_sum(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
-    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32, returned in ``src``'s dtype."""
-    return (src_NH[row_TK].float() * w_TK.float().unsqueeze(-1)).sum(1).to(src_NH.dtype)
+    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32, returned in ``src``'s dtype.
+
+    Written as an unrolled sum over k (k is small and fixed) so the compiler emits one
+    pointwise kernel with k indirect row loads, coalesced along H, instead of a
+    reduction kernel over a strided k axis.
+    """
+    w = w_TK.float()
+    acc = src_NH[row_TK[:, 0]].float() * w[:, 0:1]
+    for k in range(1, row_TK.shape[1]):
+        acc = acc + src_NH[row_TK[:, k]].float() * w[:, k:k + 1]
+    return acc.to(src_NH.dtype)
 
 
 def gathered_dot(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:

@@ -38,7 +38,7 @@ from lrmoe.policy.plan import Plan
 # ----------------------------------------------------------------------------- metric
 def metric_grad_norm(dy_NH: Tensor, gate_N: Tensor) -> Tensor:
     """``g[t,e]*||dy[t]||``: the norm of the pair's output gradient (dy already carries g)."""
-    return dy_NH.float().norm(dim=1)
+    return torch.linalg.vector_norm(dy_NH, dim=1, dtype=torch.float32)  # fp32 accumulate, no copy
 
 
 def metric_gate(dy_NH: Tensor, gate_N: Tensor) -> Tensor:

@@ -56,8 +56,3 @@ def weighted_gather_sum(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
 def gathered_dot(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
     """``out[t,k] = <d[t], src[row[t,k]]>`` in fp32."""
     return (src_NH[row_TK].float() * d_TH.float().unsqueeze(1)).sum(-1)
-
-
-def scaled_rows(d_TH: Tensor, tok_N: Tensor, w_N: Tensor) -> Tensor:
-    """``out[n] = w[n] * d[tok[n]]`` in ``d``'s dtype."""
-    return (d_TH[tok_N].float() * w_N.float().unsqueeze(1)).to(d_TH.dtype)

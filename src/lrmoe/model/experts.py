@@ -75,12 +75,18 @@ def _act_eager(gu: Tensor) -> Tensor:
     return F.silu(gu[:, :Fd]) * gu[:, Fd:]
 
 
-def _act_grad_eager(dact: Tensor, gu: Tensor) -> Tensor:
-    """``d(silu(g) * u) / d[g, u]`` given the activation gradient: ``[R, 2F]``."""
+def _act_scaled_eager(gu: Tensor, scale: Tensor) -> Tensor:
+    """``scale[r] * silu(g) * u``: the activation with each row's output-gradient scale."""
+    Fd = gu.shape[1] // 2
+    return (F.silu(gu[:, :Fd].float()) * gu[:, Fd:].float() * scale[:, None]).to(gu.dtype)
+
+
+def _act_grad_eager(dact: Tensor, gu: Tensor, scale: Tensor | None = None) -> Tensor:
+    """``d(silu(g) * u) / d[g, u]`` given the activation gradient (times ``scale[r]``)."""
     Fd = gu.shape[1] // 2
     g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
     sg = torch.sigmoid(g)
-    d = dact.float()
+    d = dact.float() if scale is None else dact.float() * scale[:, None]
     dg = d * u * (sg * (1 + g * (1 - sg)))
     du = d * g * sg
     return torch.cat((dg, du), dim=1).to(gu.dtype)
@@ -106,18 +112,26 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
 
 def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
                     w2_IHF: Tensor, counts: list[int], offs: Tensor | None = None,
-                    need_dx: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
-    """Gradients for rows ``x`` with saved ``gu`` and output gradient ``dy``.
+                    need_dx: bool = True, scale: Tensor | None = None,
+                    ) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Gradients for rows ``x`` with saved ``gu`` and output gradient ``scale[r] * dy[r]``
+    (``scale`` None means 1; folding it into the elementwise kernels saves a pass).
 
     Returns ``(dx_RH, dw13_IFH, dw2_IHF)``. Only the given rows contribute: with a
     compacted subset, dropped pairs add nothing to ``dx`` or the weight gradients.
     """
     if offs is None:
         offs = offsets(counts, x_RH.device)
-    act = _fused("act", _act_eager, gu_R2F)(gu_R2F)
+    if scale is None:
+        act = _fused("act", _act_eager, gu_R2F)(gu_R2F)
+    else:
+        act = _fused("act_scaled", _act_scaled_eager, gu_R2F)(gu_R2F, scale.float())
     dw2 = _gmm(dy_RH.t(), act, offs, counts)               # [I, H, F]
     dact = _gmm(dy_RH, w2_IHF, offs, counts)              # [R, F]
-    dgu = _fused("act_grad", _act_grad_eager, gu_R2F)(dact, gu_R2F)  # [R, 2F]
+    if scale is None:
+        dgu = _fused("act_grad", _act_grad_eager, gu_R2F)(dact, gu_R2F)  # [R, 2F]
+    else:
+        dgu = _fused("act_grad_scaled", _act_grad_eager, gu_R2F)(dact, gu_R2F, scale.float())
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
     dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
     return dx, dw13, dw2

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused, gathered_dot, scaled_rows, weighted_gather_sum
+from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
@@ -36,17 +36,22 @@ from lrmoe.policy.plan import Plan
 
 
 # ----------------------------------------------------------------------------- metric
-def metric_grad_norm(dy_NH: Tensor, gate_N: Tensor) -> Tensor:
-    """``g[t,e]*||dy[t]||``: the norm of the pair's output gradient (dy already carries g)."""
-    return torch.linalg.vector_norm(dy_NH, dim=1, dtype=torch.float32)  # fp32 accumulate, no copy
+# A metric scores each candidate pair from the output gradient at its home rank:
+# ``metric(dout_TH, tok_N, gate_N) -> [N]`` for pairs (tok_N[n], gate_N[n]).
+def metric_grad_norm(dout_TH: Tensor, tok_N: Tensor, gate_N: Tensor) -> Tensor:
+    """``g[t,e]*||dy[t]||``: the norm of the pair's output gradient, which bounds its
+    contribution to the expert's weight gradient. Norms are taken per token (T rows,
+    not T*k pairs) in fp32."""
+    tn = torch.linalg.vector_norm(dout_TH, dim=1, dtype=torch.float32)
+    return gate_N.float().abs() * tn[tok_N]
 
 
-def metric_gate(dy_NH: Tensor, gate_N: Tensor) -> Tensor:
+def metric_gate(dout_TH: Tensor, tok_N: Tensor, gate_N: Tensor) -> Tensor:
     """Gate weight alone (ignores the gradient): a cheap, gradient-blind baseline."""
     return gate_N.float()
 
 
-METRICS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+METRICS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "grad_norm": metric_grad_norm,
     "gate": metric_gate,
 }
@@ -251,17 +256,19 @@ class ExpertExchange(torch.autograd.Function):
             if valid_TK is not None:  # dropped pairs contributed nothing
                 dgate = dgate * valid_TK
         dgate = dgate.to(w_TK.dtype)
-        # ... and each retained pair's output gradient g[t,k]*dout[t], in send order.
+        # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
+        # the unscaled dout[t] row plus the scale g (folded into the expert backward's
+        # elementwise kernels on the receiver, so no scaled copy of the rows is made).
         ret_pos = home.retained_pos
         pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        dy_rows = fused("pair_grad", scaled_rows, dout_TH)(dout_TH, pairs // K, w_TK.reshape(-1)[pairs])
+        tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
 
         # --- select: candidates are the retained rows, grouped by block.
         # global, not per rank: every rank must take the same collective path
         exact = torch.equal(plan.select_GGS, plan.retain_GGS)
         weight = keep = sel_idx = None  # sel_idx: candidate indices of the shipped rows
         if not exact:
-            m = METRICS[opts.metric](dy_rows, st.gate_P[pairs])
+            m = METRICS[opts.metric](dout_TH, tok_c, st.gate_P[pairs])
             if opts.estimator == "sampled":
                 blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
                 keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
@@ -272,19 +279,20 @@ class ExpertExchange(torch.autograd.Function):
 
         # --- compact (or, as the ablation, zero the unselected rows but ship them all).
         if keep is None:
-            rows, sent_I = dy_rows, home.retain_I
+            tok_s, scale, sent_I = tok_c, g_c, home.retain_I
         elif opts.compaction:
             if sel_idx is None:
                 sel_idx = torch.nonzero(keep).flatten()
-            rows = dy_rows[sel_idx]
+            tok_s, scale = tok_c[sel_idx], g_c[sel_idx]
             if weight is not None:
-                rows = rows * weight[sel_idx].to(rows.dtype)[:, None]
+                scale = scale * weight[sel_idx].float()
             sent_I = (home.select_I if opts.estimator == "topk"
                       else torch.bincount(blocks[sel_idx], minlength=G * S).cpu())
         else:
             sel_idx = None
-            w = keep.to(dy_rows.dtype) if weight is None else (weight * keep).to(dy_rows.dtype)
-            rows, sent_I = dy_rows * w[:, None], home.retain_I
+            w = keep.float() if weight is None else (weight * keep).float()
+            tok_s, scale, sent_I = tok_c, g_c * w, home.retain_I
+        rows = dout_TH[tok_s]
         sent_GS = sent_I.reshape(G, S)
         if keep is not None and opts.compaction and opts.estimator == "sampled":
             recv_GS = comm.exchange_counts(sent_GS.to(dev)).cpu()
@@ -296,14 +304,14 @@ class ExpertExchange(torch.autograd.Function):
         sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
         saved = (saved_x, saved_gu, ctx.saved_SG)
         dx_back, dw13, dw2, n_in = _experts_backward(
-            st, home.j_in_block[sel_pos], rows, sent_GS, recv_GS, saved, w13_S, w2_S, timed=True)
+            st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, saved, w13_S, w2_S,
+            timed=True)
         if opts.fidelity and not plan.exact:
             # the exact gradient: every pair (retained or not), unweighted
-            all_rows = fused("pair_grad", scaled_rows, dout_TH)(
-                dout_TH, home.src_pair // K, w_TK.reshape(-1)[home.src_pair])
             _, e13, e2, _ = _experts_backward(
-                st, home.j_in_block, all_rows, plan.assign_GGS[me], plan.assign_GGS[:, me, :],
-                saved, w13_S, w2_S)
+                st, home.j_in_block, dout_TH[home.src_pair // K],
+                w_TK.reshape(-1)[home.src_pair].float(), plan.assign_GGS[me],
+                plan.assign_GGS[:, me, :], saved, w13_S, w2_S)
             # compare per expert (replicas on this rank summed), as the optimizer sees them
             ie = plan.inst_expert_GS[me]
             idx = to_device(ie.clamp(min=0), dev)
@@ -335,7 +343,7 @@ class ExpertExchange(torch.autograd.Function):
         st.stats.update(
             bwd_rows=n_in, selected_rows=int(recv_GS.sum()) if keep is None or opts.compaction
             else int(plan.select_GGS[:, me, :].sum()),
-            bwd_dispatch_bytes_sent=n_out * (H * es + 8), bwd_dispatch_bytes_recv=n_in * (H * es + 8),
+            bwd_dispatch_bytes_sent=n_out * (H * es + 12), bwd_dispatch_bytes_recv=n_in * (H * es + 12),
             bwd_combine_bytes_sent=n_in * H * es, bwd_combine_bytes_recv=n_out * H * es,
             bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * H * es,
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
@@ -352,23 +360,26 @@ def _pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | 
     return row.clamp(max=n - 1), valid
 
 
-def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: Tensor,
+def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Tensor, sent_GS: Tensor,
                       recv_GS: Tensor, saved: tuple[Tensor, Tensor, Tensor], w13_S: Tensor,
                       w2_S: Tensor, timed: bool = False) -> tuple[Tensor, Tensor, Tensor, int]:
     """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
 
-    ``rows`` are ordered by send position (block-major); ``j_send`` is each row's index
-    inside its block, which locates its saved activations on the receiver. ``saved`` is
+    ``rows`` are ordered by send position (block-major) and carry the output gradient
+    ``scale[n] * rows[n]`` (gate weight, times an importance weight when sampled);
+    ``j_send`` is each row's index inside its block, which locates its saved activations
+    on the receiver. ``saved`` is
     ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size.
     Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
     """
     saved_x, saved_gu, saved_SG = saved
     comm, plan, dev = st.comm, st.plan, rows.device
-    me, S, G = comm.rank, plan.S, plan.G
+    S, G = plan.S, plan.G
     send_splits = sent_GS.sum(1).tolist()
     rl = recv_layout(recv_GS, dev)
     dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
+    scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
     if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
         # exact backward: every row arrives, in saved order (no gather needed)
         x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
@@ -383,9 +394,10 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, sent_GS: 
     if timed:
         with _timed(st.stats, "expert_bwd_ms", dev):
             dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S,
-                                                 rl.counts, offs)
+                                                 rl.counts, offs, scale=scale_inst)
     else:
-        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs)
+        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs,
+                                             scale=scale_inst)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
     return dx_back, dw13, dw2, dy_recv.shape[0]

@@ -42,8 +42,8 @@ retained pair per instance do not fit, :class:`LrmoeError` names the rank and sh
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 

@@ -111,6 +111,8 @@ class MoELayer(nn.Module):
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
                  "counts_E": counts_GE.sum(0).tolist()}
+        if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
+            stats["ledger_total_bytes"] = int(rt.ledger.rank_terms(plan)[rt.comm.rank]["total"])
         rt.stats[self.moe_index] = stats
         me = rt.comm.rank
         st = ExchangeState(

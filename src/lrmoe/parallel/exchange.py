@@ -345,7 +345,8 @@ class ExpertExchange(torch.autograd.Function):
             else int(plan.select_GGS[:, me, :].sum()),
             bwd_dispatch_bytes_sent=n_out * (H * es + 12), bwd_dispatch_bytes_recv=n_in * (H * es + 12),
             bwd_combine_bytes_sent=n_in * H * es, bwd_combine_bytes_recv=n_out * H * es,
-            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * H * es,
+            # what the exact backward would send: every assigned row out and back
+            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (2 * H * es + 12),
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
         return dx_TH, dgate, dw13, dw2, None
 

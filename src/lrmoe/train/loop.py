@@ -659,6 +659,8 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             rt.step = step
             fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
             rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
+            if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
+                torch.cuda.reset_peak_memory_stats(ctx.device)
             t0 = time.perf_counter()
             batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
             with autocast():
@@ -700,7 +702,7 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             writer.write(train_row(
                 step=done, loss=loss, aux=aux, lr=lr, tokens=tokens, elapsed=elapsed, dt=dt,
                 step_tokens=step_tokens, grad_norm=gnorm, counts=counts, stats=stats,
-                per_rank=per_rank, world=ctx.world, cuda_mem=mem,
+                per_rank=per_rank, world=ctx.world, cuda_mem=mem, fidelity_step=fid,
                 budget=None if ledger is None else ledger.budget_bytes))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / dt:,.0f}")

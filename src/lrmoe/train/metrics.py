@@ -34,7 +34,8 @@ _SUM_KEYS = {
     "fwd_rows": "fwd_rows", "retained_rows": "retained", "bwd_rows": "bwd_rows",
     "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
 }
-_MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms"}
+_MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms",
+             "ledger_total_bytes": "ledger_total_bytes"}
 _MEAN_KEYS = {"fidelity_cosine": "fidelity_cosine", "fidelity_rel_err": "fidelity_rel_err"}
 
 
@@ -167,7 +168,7 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
 def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, elapsed: float,
               dt: float, step_tokens: int, grad_norm: float, counts: list, stats: dict,
               per_rank: list[dict], world: int, cuda_mem: int | None = None,
-              budget: int | None = None) -> dict:
+              budget: int | None = None, fidelity_step: bool = False) -> dict:
     """The train row of one step (see the module docstring).
 
     ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s);
@@ -177,6 +178,7 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
     layers = sorted(stats)
     row: dict[str, Any] = {
         "kind": "train", "step": step, "loss": loss, "aux_loss": round(aux, 7), "lr": lr,
+        "fidelity_step": fidelity_step,
         "tokens": tokens, "elapsed_s": round(elapsed, 4), "step_s": round(dt, 4),
         "tokens_per_s": round(step_tokens / dt, 1), "grad_norm": round(grad_norm, 6),
     }

@@ -7,6 +7,7 @@ Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +90,9 @@ class MoELayer(nn.Module):
         # count
         E = self.cfg.num_experts
         counts_E = torch.bincount(idx_P, minlength=E)
-        counts_GE = rt.comm.all_gather_counts(counts_E)
+        t0 = time.perf_counter()
+        counts_GE = rt.comm.all_gather_counts(counts_E)  # popularity exchange (+ the host sync)
+        t1 = time.perf_counter()
         glob = counts_GE.sum(0)
         if self.training:
             self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
@@ -102,12 +105,16 @@ class MoELayer(nn.Module):
                                                     rt.ledger))
         if rt.check_plans:
             plan.check(counts_GE)
+        t2 = time.perf_counter()
         # dispatch -> experts -> combine
         dtype = torch.get_autocast_dtype(x_TH.device.type) if torch.is_autocast_enabled(
             x_TH.device.type) else x_TH.dtype
         w13 = instance_weights(self.experts.gate_up_proj.to(dtype), plan, rt.comm, E)
         w2 = instance_weights(self.experts.down_proj.to(dtype), plan, rt.comm, E)
         stats = {"plan_replicas": plan.num_replicas(),
+                 "count_exchange_ms": (t1 - t0) * 1e3, "plan_ms": (t2 - t1) * 1e3,
+                 # bytes of instance weights that travel from owners to other ranks' slots
+                 "weight_scatter_bytes": _weight_scatter_bytes(plan, rt.comm.rank, E, self.experts, dtype),
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
                  "counts_E": counts_GE.sum(0).tolist()}
@@ -134,6 +141,16 @@ class MoELayer(nn.Module):
             self.prev_counts_E = c
         self.step_counts_E = None
         return c
+
+
+def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.dtype) -> int:
+    """Bytes of expert weights this rank receives for slots whose owner is another rank
+    (SYMI's weight scatter; zero for the static plan)."""
+    per = E // plan.G
+    ie = plan.inst_expert_GS[me]
+    remote = int(((ie >= 0) & (ie // per != me)).sum())
+    per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
+    return remote * per_expert * torch.empty((), dtype=dtype).element_size()
 
 
 def moe_layer_reference(layer: MoELayer, x_BTH: Tensor) -> Tensor:

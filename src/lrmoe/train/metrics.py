@@ -35,6 +35,8 @@ _SUM_KEYS = {
     "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
 }
 _MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms",
+             "count_exchange_ms": "count_exchange_ms", "plan_ms": "plan_ms",
+             "weight_scatter_bytes": "weight_scatter_bytes",
              "ledger_total_bytes": "ledger_total_bytes"}
 _MEAN_KEYS = {"fidelity_cosine": "fidelity_cosine", "fidelity_rel_err": "fidelity_rel_err"}
 

@@ -1,0 +1,171 @@
+"""Emulated step time from the virtual EP emulator's per-rank stats (SYSTEM.md §7).
+
+Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
+measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
+alltoall_time` on the exact bytes. Stages run one after another (no overlap is
+modelled). Everything here is **emulated** cluster time, never measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from lrmoe.sim.links import Link, alltoall_time
+from lrmoe.sim.virtual import VirtualStats
+
+STAGES = ("fwd_dispatch", "fwd_experts", "fwd_combine", "bwd_dispatch", "bwd_experts",
+          "bwd_combine", "weight_scatter", "grad_reduce")
+
+
+@dataclass
+class StepTimes:
+    """Emulated seconds per stage (the slowest virtual rank each), summed over layers.
+
+    ``non_moe`` is a measured time for the rest of the step (attention, dense layers,
+    optimizer), passed in by the caller. ``per_rank`` keeps each stage's per-rank
+    seconds (summed over layers) for inspection.
+    """
+
+    fwd_dispatch: float = 0.0
+    fwd_experts: float = 0.0
+    fwd_combine: float = 0.0
+    bwd_dispatch: float = 0.0
+    bwd_experts: float = 0.0
+    bwd_combine: float = 0.0
+    weight_scatter: float = 0.0
+    grad_reduce: float = 0.0
+    non_moe: float = 0.0
+    link: str = ""
+    label: str = "emulated"
+    per_rank: dict[str, list[float]] = field(default_factory=dict)
+
+    def stages(self) -> dict[str, float]:
+        return {s: getattr(self, s) for s in STAGES}
+
+    @property
+    def moe(self) -> float:
+        return sum(self.stages().values())
+
+    @property
+    def total(self) -> float:
+        return self.moe + self.non_moe
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_rank"}
+        d.update(moe=self.moe, total=self.total)
+        return d
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.stages().items())
+        return (f"emulated step ({self.link}): total {self.total * 1e3:.3f} ms = MoE "
+                f"{self.moe * 1e3:.3f} ms [{parts}] + non-MoE {self.non_moe * 1e3:.3f} ms (measured)")
+
+
+def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]]:
+    """Per stage, each virtual rank's emulated seconds for one layer's step."""
+    G = stats.plan.G
+    out: dict[str, list[float]] = {}
+    for ex in ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine", "weight_scatter",
+               "grad_reduce"):
+        if ex not in stats.bytes_GG:
+            out[ex] = [0.0] * G
+            continue
+        sent, recv = stats.bytes_sent(ex), stats.bytes_recv(ex)
+        if sum(sent) == 0:  # nothing crosses a link (one rank, or no replicas)
+            out[ex] = [0.0] * G
+        else:
+            out[ex] = alltoall_time(sent, recv, link, G)
+    out["fwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
+    out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
+    return out
+
+
+def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
+               non_moe_s: float = 0.0) -> StepTimes:
+    """Turn one or several layers' emulator stats into a :class:`StepTimes`.
+
+    Per layer, each stage costs its slowest rank; layers add up (they run in sequence).
+    """
+    layers = stats if isinstance(stats, list) else [stats]
+    st = StepTimes(non_moe=non_moe_s, link=link.name)
+    for s in layers:
+        per = rank_stage_seconds(s, link)
+        for k, v in per.items():
+            setattr(st, k, getattr(st, k) + max(v))
+            acc = st.per_rank.setdefault(k, [0.0] * len(v))
+            st.per_rank[k] = [a + b for a, b in zip(acc, v)]
+    return st
+
+
+# ------------------------------------------------------------------------ one-call helper
+class _TableRouter(torch.nn.Module):
+    """Routes by a fixed ``[N, K]`` table; gates are the softmax router's probabilities
+    of those experts, renormalised (differentiable), so the backward has a router."""
+
+    def __init__(self, weight: torch.Tensor, idx_NK: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.idx = idx_NK
+
+    def forward(self, x):
+        from lrmoe.model.router import Routing
+
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), self.weight.float()), dim=-1)
+        gate = probs.gather(1, self.idx)
+        return Routing(self.idx, gate / gate.sum(-1, keepdim=True), None)
+
+
+def zipf_routing(N: int, E: int, K: int, skew: float, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+    """``[N, K]`` distinct experts per token; expert popularity ``∝ 1/rank^skew`` over a
+    random order of the experts (``skew`` 0: uniform)."""
+    perm = torch.randperm(E, generator=generator)
+    p = torch.empty(E)
+    p[perm] = 1.0 / torch.arange(1, E + 1, dtype=torch.float64).pow(skew).float()
+    return torch.multinomial(p.expand(N, E), K, replacement=False, generator=generator)
+
+
+def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float = 1.0,
+                 routing_idx: torch.Tensor | None = None, ledger=None, link: Link | str = "nvlink",
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 backward_opts=None, non_moe_s: float = 0.0, warmup: int = 1, repeats: int = 1,
+                 seed: int = 0) -> tuple[StepTimes, VirtualStats]:
+    """Emulated forward+backward time of one MoE layer at ``model_cfg``'s shapes.
+
+    Builds a random layer, routes ``G * tokens_per_rank`` random tokens (Zipf popularity
+    with exponent ``skew``, or the given ``routing_idx [G*T, K]``), runs the virtual EP
+    emulator ``warmup`` times untimed and ``repeats`` times timed, and returns the mean
+    :class:`StepTimes` (label "emulated") and the last run's stats. ``non_moe_s`` is a
+    measured non-MoE time to add. Multiply by the number of MoE layers for a model step
+    (every layer sees the same routing here).
+    """
+    from lrmoe.model.moe import MoELayer
+    from lrmoe.sim.links import get_link
+    from lrmoe.sim.virtual import VirtualEPLayer
+
+    link = get_link(link) if isinstance(link, str) else link
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = MoELayer(model_cfg, 0)
+    N, E, K = G * tokens_per_rank, model_cfg.num_experts, model_cfg.num_experts_per_tok
+    idx = routing_idx if routing_idx is not None else zipf_routing(N, E, K, skew, gen)
+    layer.router = _TableRouter(layer.router.weight, idx.to(device))
+    layer = layer.to(device=device, dtype=dtype)
+    v = VirtualEPLayer(layer, G, policy, backward_opts, ledger=ledger)
+    x = torch.randn(N, model_cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(N, model_cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    runs = []
+    for i in range(warmup + repeats):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        v(xi).backward(dy)
+        if i >= warmup:
+            runs.append(step_times(v.stats, link, non_moe_s))
+    mean = StepTimes(non_moe=non_moe_s, link=link.name)
+    for s in STAGES:
+        setattr(mean, s, sum(getattr(r, s) for r in runs) / len(runs))
+        mean.per_rank[s] = [sum(col) / len(runs) for col in zip(*(r.per_rank[s] for r in runs))]
+    return mean, v.stats

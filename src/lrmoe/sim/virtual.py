@@ -1,0 +1,493 @@
+"""Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process.
+
+SYSTEM.md §7 ("Cluster time without a cluster"). The emulator runs the same plan code
+(the policy objects) and the same building blocks as the real runtime
+(:mod:`lrmoe.parallel.exchange`): ``home_layout``/``recv_layout``, permute/unpermute,
+``swiglu_forward``/``swiglu_backward``, the metrics and selection functions, the fused
+combine helpers. Only the orchestration differs: instead of one rank calling a
+collective, every stage is run for all G virtual ranks in turn, and each all-to-all is
+an in-memory regrouping of the G send buffers by their splits. So each virtual rank sees
+exactly the rows (and computes exactly the numbers) its real counterpart would, and the
+bytes of every exchange are known exactly.
+
+Virtual rank g's tokens are rows ``[g*T, (g+1)*T)`` of the global token matrix.
+Expert kernels are timed per virtual rank (CUDA events on GPU, ``perf_counter`` on CPU);
+link time is modelled from bytes (:mod:`lrmoe.sim.links`, :mod:`lrmoe.sim.cost`). The
+results are **emulated**, never measured cluster time.
+
+Legend: G virtual ranks, T tokens per rank, K top-k, H hidden, S slots per rank,
+E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
+from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.model.moe import MoELayer
+from lrmoe.model.router import aux_loss
+from lrmoe.parallel.exchange import (
+    METRICS,
+    BackwardOptions,
+    _pair_rows,
+    select_sampled,
+    select_topk_idx,
+)
+from lrmoe.parallel.layout import (
+    HomeLayout,
+    RecvLayout,
+    excl_cumsum,
+    home_layout,
+    permute_rows,
+    ranges,
+    recv_layout,
+    to_device,
+    unpermute_rows,
+)
+from lrmoe.parallel.weights import _Route
+from lrmoe.policy.base import PlanInputs, Policy
+from lrmoe.policy.plan import Plan
+
+EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
+             "weight_scatter", "grad_reduce")
+
+
+# ------------------------------------------------------------------------ all-to-all
+def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
+    """In-memory ``all_to_all_single`` over G virtual ranks.
+
+    ``send_G[g]`` is rank g's send buffer, ``splits_G[g][r]`` its rows for rank r.
+    Returns each rank's receive buffer: the rows from rank 0, then rank 1, ... (the
+    order ``dist.all_to_all_single`` gives).
+    """
+    G = len(send_G)
+    chunks = [list(torch.split(send_G[g], splits_G[g])) for g in range(G)]
+    out = []
+    for r in range(G):
+        parts = [chunks[g][r] for g in range(G)]
+        out.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+    return out
+
+
+def _rows_GG(splits_G: list[list[int]]) -> Tensor:
+    """``[src, dst]`` rows of one exchange (int64, CPU)."""
+    return torch.tensor(splits_G, dtype=torch.long).reshape(len(splits_G), -1)
+
+
+# --------------------------------------------------------------------------- timing
+class _Timers:
+    """Per-virtual-rank accumulated kernel time (ms), one named bucket at a time."""
+
+    def __init__(self, G: int, device: torch.device):
+        self.G, self.cuda = G, device.type == "cuda"
+        self.ms: dict[str, list[float]] = {}
+        self.events: list[tuple[str, int, object, object]] = []
+
+    def time(self, key: str, g: int):
+        timers = self
+
+        class _T:
+            def __enter__(self):
+                if timers.cuda:
+                    self.a = torch.cuda.Event(enable_timing=True)
+                    self.b = torch.cuda.Event(enable_timing=True)
+                    self.a.record()
+                else:
+                    self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if timers.cuda:
+                    self.b.record()
+                    timers.events.append((key, g, self.a, self.b))
+                else:
+                    timers.add(key, g, (time.perf_counter() - self.t) * 1e3)
+        return _T()
+
+    def add(self, key: str, g: int, ms: float) -> None:
+        self.ms.setdefault(key, [0.0] * self.G)[g] += ms
+
+    def resolve(self) -> None:
+        if self.events:
+            torch.cuda.synchronize()
+            for key, g, a, b in self.events:
+                self.add(key, g, a.elapsed_time(b))
+            self.events = []
+
+
+# ---------------------------------------------------------------------------- stats
+@dataclass
+class VirtualStats:
+    """What one emulated step of one layer did, per virtual rank (all lists have G entries).
+
+    Attributes:
+        plan: the plan the policy returned.
+        rows: per stage, rows each rank processed: ``fwd`` (assigned), ``retained``,
+            ``bwd`` (rows entering experts^-1), ``selected``.
+        rows_GG: per exchange (:data:`EXCHANGES`), ``[src, dst]`` rows sent (replica
+            weight scatter / grad reduce: expert instances).
+        bytes_GG: per exchange, ``[src, dst]`` bytes sent (exact, from the splits; the
+            diagonal is a rank's copy to itself, which no link carries).
+        expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
+        saved_act_bytes: activation bytes each rank kept for backward.
+        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given).
+    """
+
+    plan: Plan
+    rows: dict[str, list[int]] = field(default_factory=dict)
+    rows_GG: dict[str, Tensor] = field(default_factory=dict)
+    bytes_GG: dict[str, Tensor] = field(default_factory=dict)
+    expert_ms: dict[str, list[float]] = field(default_factory=dict)
+    saved_act_bytes: list[int] = field(default_factory=list)
+    ledger_total_bytes: list[int] | None = None
+
+    def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
+        """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""
+        b = self.bytes_GG[exchange]
+        if off_rank:
+            b = b - torch.diag(torch.diagonal(b))
+        return b.sum(1).tolist()
+
+    def bytes_recv(self, exchange: str, off_rank: bool = True) -> list[int]:
+        b = self.bytes_GG[exchange]
+        if off_rank:
+            b = b - torch.diag(torch.diagonal(b))
+        return b.sum(0).tolist()
+
+    def rank_stats(self, g: int) -> dict:
+        """Rank g's counters under the real runtime's stat names (``MoERuntime.stats``)."""
+        d = {"fwd_rows": self.rows["fwd"][g], "retained_rows": self.rows["retained"][g],
+             "saved_act_bytes": self.saved_act_bytes[g]}
+        for ex in EXCHANGES[:4]:
+            if ex in self.bytes_GG:
+                d[f"{ex}_bytes_sent"] = self.bytes_sent(ex, off_rank=False)[g]
+                d[f"{ex}_bytes_recv"] = self.bytes_recv(ex, off_rank=False)[g]
+        if "bwd" in self.rows:
+            d["bwd_rows"] = self.rows["bwd"][g]
+            d["selected_rows"] = self.rows["selected"][g]
+        return d
+
+
+@dataclass
+class _State:
+    """Plain-Python state of one emulated step (shared by forward and backward)."""
+
+    plan: Plan
+    homes: list[HomeLayout]
+    recvs: list[RecvLayout]
+    gate_P_G: list[Tensor]
+    T: int
+    K: int
+    opts: BackwardOptions
+    timers: _Timers
+    stats: VirtualStats
+    generators: list[torch.Generator | None]
+
+
+# ------------------------------------------------------------------------- exchange
+class VirtualExchange(torch.autograd.Function):
+    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``.
+
+    Each rank's slice of the weights is its slots' instance weights. Forward and
+    backward follow :class:`lrmoe.parallel.exchange.ExpertExchange` stage by stage for
+    every virtual rank; see the module doc.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
+                st: _State) -> Tensor:
+        plan, T, K = st.plan, st.T, st.K
+        G, S, H = plan.G, plan.S, x_NH.shape[1]
+        es = x_NH.element_size()
+        dev = x_NH.device
+        x_G, gate_G = x_NH.split(T), gate_NK.split(T)
+        w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
+
+        # dispatch
+        x_send_G = [x_G[g][st.homes[g].src_pair // K] for g in range(G)]
+        splits_G = [h.splits for h in st.homes]
+        x_recv_G = virtual_all_to_all(x_send_G, splits_G)
+        rows = _rows_GG(splits_G)
+        st.stats.rows_GG["fwd_dispatch"] = rows
+        st.stats.bytes_GG["fwd_dispatch"] = rows * H * es
+        st.stats.rows_GG["fwd_combine"] = rows.t().contiguous()
+        st.stats.bytes_GG["fwd_combine"] = rows.t() * H * es
+
+        # experts, per receiving rank; retention as in ExpertExchange
+        y_recv_G, saved = [], []
+        for r in range(G):
+            recv = st.recvs[r]
+            x_inst = permute_rows(x_recv_G[r], recv.to_inst)
+            with st.timers.time("expert_fwd", r):
+                y_inst, gu_inst = swiglu_forward(x_inst, w13_G[r], w2_G[r], recv.counts)
+            ret_GS, asg_GS = plan.retain_GGS[:, r, :], plan.assign_GGS[:, r, :]
+            if torch.equal(ret_GS, asg_GS):
+                sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
+            else:
+                sSG = ret_GS.t().reshape(-1)
+                keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
+                sx, sgu = x_inst[keep], gu_inst[keep]
+            saved.append((sx, sgu, sSG))
+            y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
+        st.stats.rows["fwd"] = plan.rank_load().tolist()
+        st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
+        st.stats.saved_act_bytes = [sx.numel() * sx.element_size() + sgu.numel() * sgu.element_size()
+                                    for sx, sgu, _ in saved]
+
+        # combine, per home rank
+        y_send_G = virtual_all_to_all(y_recv_G, [r.splits for r in st.recvs])
+        outs, w_TK_G, rows_TK_G = [], [], []
+        for g in range(G):
+            y_send = y_send_G[g]
+            row_TK, valid_TK = _pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
+            w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
+            if y_send.shape[0] == 0:
+                outs.append(x_G[g].new_zeros(T, H))
+            else:
+                outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
+            w_TK_G.append(w_TK)
+            rows_TK_G.append(row_TK)
+        st.timers.resolve()
+        st.stats.expert_ms["fwd"] = st.timers.ms.get("expert_fwd", [0.0] * G)
+        ctx.st, ctx.saved = st, saved
+        ctx.w_TK_G, ctx.y_send_G, ctx.rows_TK_G = w_TK_G, y_send_G, rows_TK_G
+        ctx.save_for_backward(w13_IS, w2_IS)
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, dout_NH: Tensor):
+        st: _State = ctx.st
+        w13_IS, w2_IS = ctx.saved_tensors
+        plan, opts, T, K = st.plan, st.opts, st.T, st.K
+        G, S = plan.G, plan.S
+        dev, H = dout_NH.device, dout_NH.shape[1]
+        dout_G = [d.to(ctx.y_send_G[0].dtype).contiguous() for d in dout_NH.split(T)]
+        es = dout_G[0].element_size()
+        w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
+        exact = torch.equal(plan.select_GGS, plan.retain_GGS)
+
+        # --- per home rank: combine^-1, select, compact (ExpertExchange.backward)
+        dgate_G, rows_G, j_G, scale_G, sent_G, sel_pos_G, keep_G = [], [], [], [], [], [], []
+        for g in range(G):
+            home, y_send, w_TK, row_TK = st.homes[g], ctx.y_send_G[g], ctx.w_TK_G[g], ctx.rows_TK_G[g]
+            dout = dout_G[g]
+            if y_send.shape[0] == 0:
+                dgate = w_TK.new_zeros(T, K)
+            else:
+                dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout)
+                _, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
+                if valid_TK is not None:
+                    dgate = dgate * valid_TK
+            dgate_G.append(dgate.to(w_TK.dtype))
+            ret_pos = home.retained_pos
+            pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
+            tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
+            weight = keep = sel_idx = None
+            if not exact:
+                m = METRICS[opts.metric](dout, tok_c, st.gate_P_G[g][pairs])
+                if opts.estimator == "sampled":
+                    blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
+                    keep, weight = select_sampled(m, blocks, home.select_I, st.generators[g])
+                else:
+                    sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
+                    keep = torch.zeros(m.numel(), dtype=torch.bool, device=dev)
+                    keep[sel_idx] = True
+            if keep is None:
+                tok_s, scale, sent_I = tok_c, g_c, home.retain_I
+            elif opts.compaction:
+                if sel_idx is None:
+                    sel_idx = torch.nonzero(keep).flatten()
+                tok_s, scale = tok_c[sel_idx], g_c[sel_idx]
+                if weight is not None:
+                    scale = scale * weight[sel_idx].float()
+                sent_I = (home.select_I if opts.estimator == "topk"
+                          else torch.bincount(blocks[sel_idx].cpu(), minlength=G * S))
+            else:
+                sel_idx = None
+                w = keep.float() if weight is None else (weight * keep).float()
+                tok_s, scale, sent_I = tok_c, g_c * w, home.retain_I
+            cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
+            sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
+            rows_G.append(dout[tok_s].contiguous())
+            j_G.append(home.j_in_block[sel_pos])
+            scale_G.append(scale.float())
+            sent_G.append(sent_I.reshape(G, S))
+            sel_pos_G.append((sel_pos, sel_idx))
+            keep_G.append(keep)
+
+        # --- the reverse exchange (_experts_backward for all ranks at once)
+        send_splits_G = [s.sum(1).tolist() for s in sent_G]
+        recv_GS_G = [torch.stack([sent_G[g][r] for g in range(G)]) for r in range(G)]
+        rls = [recv_layout(recv_GS_G[r], dev) for r in range(G)]
+        dy_recv_G = virtual_all_to_all(rows_G, send_splits_G)
+        j_recv_G = virtual_all_to_all(j_G, send_splits_G)
+        sc_recv_G = virtual_all_to_all(scale_G, send_splits_G)
+        rows = _rows_GG(send_splits_G)
+        st.stats.rows_GG["bwd_dispatch"] = rows
+        st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
+        st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
+        st.stats.bytes_GG["bwd_combine"] = rows.t() * H * es
+        dx_recv_G, dw13_G, dw2_G = [], [], []
+        for r in range(G):
+            rl, recv_GS = rls[r], recv_GS_G[r]
+            saved_x, saved_gu, saved_SG = ctx.saved[r]
+            scale_inst = permute_rows(sc_recv_G[r], rl.to_inst)
+            dy_inst = permute_rows(dy_recv_G[r], rl.to_inst)
+            if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
+                x_sel, gu_sel = saved_x, saved_gu
+            else:
+                n = int(recv_GS.sum())
+                blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
+                                              to_device(recv_GS.t().reshape(-1), dev), output_size=n)
+                rows_saved = (to_device(excl_cumsum(saved_SG), dev)[blk]
+                              + permute_rows(j_recv_G[r], rl.to_inst))
+                x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
+            offs = offsets(rl.counts, dev)
+            with st.timers.time("expert_bwd", r):
+                dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_G[r], w2_G[r],
+                                                     rl.counts, offs, scale=scale_inst)
+            dx_recv_G.append(unpermute_rows(dx_inst, rl.to_inst))
+            dw13_G.append(dw13)
+            dw2_G.append(dw2)
+        dx_back_G = virtual_all_to_all(dx_recv_G, [rl.splits for rl in rls])
+        st.stats.rows["bwd"] = [int(d.shape[0]) for d in dy_recv_G]
+        st.stats.rows["selected"] = [
+            int(recv_GS_G[r].sum()) if keep_G[0] is None or opts.compaction
+            else int(plan.select_GGS[:, r, :].sum()) for r in range(G)]
+
+        # --- dx per home rank: shipped rows back to pair order, summed over k
+        dx_G = []
+        for g in range(G):
+            home, dx_back = st.homes[g], dx_back_G[g]
+            sel_pos, sel_idx = sel_pos_G[g]
+            n_rows = dx_back.shape[0]
+            if home.retained_pos is None and sel_idx is None and not home.dropped:
+                row, valid = ctx.rows_TK_G[g], None
+            else:
+                row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
+                row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
+                row, valid = _pair_rows(row_of_pair, n_rows, T, K)
+            if n_rows == 0:
+                dx_G.append(dout_G[g].new_zeros(T, H))
+            else:
+                ones = torch.ones(T, K, device=dev) if valid is None else valid
+                dx_G.append(fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones))
+        st.timers.resolve()
+        st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
+        return torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
+
+
+# --------------------------------------------------------------------- instance weights
+def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
+    """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]``.
+
+    The math of :func:`lrmoe.parallel.weights.instance_weights` on every rank at once:
+    each slot copies its expert's weights (empty slots are zero), and autograd's
+    backward of the gather sums every instance's gradient into its expert.
+    """
+    ie = plan.inst_expert_GS.reshape(-1).to(w_E.device)
+    w = w_E[ie.clamp(min=0)]
+    if bool((ie < 0).any()):
+        w = w * (ie >= 0).to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
+    return w
+
+
+def replica_rows_GG(plan: Plan, E: int) -> Tensor:
+    """``[owner, dst]`` expert instances the owners send for the weight scatter (the
+    same counts go back in the gradient reduce), from the runtime's own routing."""
+    G = plan.G
+    return torch.tensor([_Route(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------- layer
+class VirtualEPLayer:
+    """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks.
+
+    ``forward(x)`` takes the global tokens ``[G*T, H]`` (or ``[B, L, H]`` with
+    ``B*L = G*T``; rank g owns flat rows ``[g*T, (g+1)*T)``) and returns the global
+    output, differentiable w.r.t. ``x``, the router and the experts (replica gradients
+    are summed into their experts, as the real runtime's reduce does). After a backward
+    :attr:`stats` holds this step's :class:`VirtualStats`.
+
+    Args:
+        layer: the MoE layer (its router, experts and shared experts are used as is).
+        G: virtual ranks; must divide the number of experts.
+        policy: the planner (the same objects the real runtime uses).
+        backward_opts: LRMoE backward options (``fidelity`` is not emulated).
+        ledger: memory ledger handed to the planner (``None``: no budget).
+        generators: per virtual rank, the generator for the ``sampled`` estimator (as
+            ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.
+        check_plans: validate each plan against the counts.
+    """
+
+    def __init__(self, layer: MoELayer, G: int, policy: Policy,
+                 backward_opts: BackwardOptions | None = None, ledger=None,
+                 generators: list[torch.Generator | None] | None = None, check_plans: bool = True):
+        E = layer.cfg.num_experts
+        if E % G:
+            raise ValueError(f"G={G} does not divide the number of experts {E}")
+        if layer.experts.count != E:
+            raise ValueError("VirtualEPLayer needs the full (unsharded) experts")
+        self.layer, self.G, self.policy = layer, G, policy
+        self.opts = backward_opts or BackwardOptions()
+        self.ledger, self.check_plans = ledger, check_plans
+        self.generators = generators or [None] * G
+        self.step = 0
+        self.stats: VirtualStats | None = None
+        self.last_aux_loss: Tensor | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.forward(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        layer, G = self.layer, self.G
+        shape = x.shape
+        H = shape[-1]
+        x_NH = x.reshape(-1, H)
+        N = x_NH.shape[0]
+        if N % G:
+            raise ValueError(f"{N} tokens do not split over G={G} virtual ranks")
+        T, E, K = N // G, layer.cfg.num_experts, layer.cfg.num_experts_per_tok
+        dev = x_NH.device
+        # route (row-wise, so routing all tokens at once equals routing each shard)
+        r = layer.router(x_NH)
+        idx_GP = r.idx_TK.reshape(G, T * K)
+        gate_GP = r.gate_TK.reshape(G, T * K)
+        # count
+        counts_GE = torch.stack([torch.bincount(idx_GP[g], minlength=E) for g in range(G)]).long().cpu()
+        glob = counts_GE.sum(0)
+        self.last_aux_loss = None
+        if r.probs_TE is not None and layer.training:
+            # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
+            self.last_aux_loss = aux_loss(r.probs_TE, glob, N, layer.cfg.router_aux_loss_coef)
+        # plan
+        plan = self.policy.plan(counts_GE, PlanInputs(layer.moe_index, self.step,
+                                                      layer.prev_counts_E, self.ledger))
+        if self.check_plans:
+            plan.check(counts_GE)
+        stats = VirtualStats(plan)
+        if self.ledger is not None:
+            stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
+        w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
+        w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)
+        rep = replica_rows_GG(plan, E)
+        per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
+        stats.rows_GG["weight_scatter"] = rep
+        stats.bytes_GG["weight_scatter"] = rep * per_inst
+        stats.rows_GG["grad_reduce"] = rep.t().contiguous()
+        stats.bytes_GG["grad_reduce"] = rep.t() * per_inst
+        homes = [home_layout(plan, g, idx_GP[g], gate_GP[g], E) for g in range(G)]
+        recvs = [recv_layout(plan.assign_GGS[:, g, :], dev) for g in range(G)]
+        st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
+                    _Timers(G, dev), stats, self.generators)
+        self.stats = stats
+        out = VirtualExchange.apply(x_NH.to(dtype), r.gate_TK, w13, w2, st)
+        out = out.view(shape).to(x.dtype)
+        if layer.shared_experts is not None:
+            out = out + layer.shared_experts(x)
+        return out

@@ -8,6 +8,7 @@ modelled). Everything here is **emulated** cluster time, never measured.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -136,8 +137,8 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
 
     Builds a random layer, routes ``G * tokens_per_rank`` random tokens (Zipf popularity
     with exponent ``skew``, or the given ``routing_idx [G*T, K]``), runs the virtual EP
-    emulator ``warmup`` times untimed and ``repeats`` times timed, and returns the mean
-    :class:`StepTimes` (label "emulated") and the last run's stats. ``non_moe_s`` is a
+    emulator ``warmup`` times untimed and ``repeats`` times timed, and returns the
+    per-stage median :class:`StepTimes` (label "emulated") and the last run's stats. ``non_moe_s`` is a
     measured non-MoE time to add. Multiply by the number of MoE layers for a model step
     (every layer sees the same routing here).
     """
@@ -164,8 +165,8 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
         v(xi).backward(dy)
         if i >= warmup:
             runs.append(step_times(v.stats, link, non_moe_s))
-    mean = StepTimes(non_moe=non_moe_s, link=link.name)
+    med = StepTimes(non_moe=non_moe_s, link=link.name)  # median over runs: robust to noise
     for s in STAGES:
-        setattr(mean, s, sum(getattr(r, s) for r in runs) / len(runs))
-        mean.per_rank[s] = [sum(col) / len(runs) for col in zip(*(r.per_rank[s] for r in runs))]
-    return mean, v.stats
+        setattr(med, s, statistics.median(getattr(r, s) for r in runs))
+        med.per_rank[s] = [statistics.median(col) for col in zip(*(r.per_rank[s] for r in runs))]
+    return med, v.stats

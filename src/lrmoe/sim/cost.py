@@ -154,6 +154,8 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
     N, E, K = G * tokens_per_rank, model_cfg.num_experts, model_cfg.num_experts_per_tok
     idx = routing_idx if routing_idx is not None else zipf_routing(N, E, K, skew, gen)
     layer.router = _TableRouter(layer.router.weight, idx.to(device))
+    # steady state: SYMI's popularity is the previous step's counts, taken to equal these
+    layer.prev_counts_E = torch.bincount(idx.flatten().cpu(), minlength=E)
     layer = layer.to(device=device, dtype=dtype)
     v = VirtualEPLayer(layer, G, policy, backward_opts, ledger=ledger)
     x = torch.randn(N, model_cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)

@@ -2,8 +2,9 @@
 
 Runs ``torchrun --standalone --nproc-per-node 4 -m lrmoe train --ep 4`` once per policy,
 with the same seed, data and global batch, then reads every run's ``metrics.jsonl`` and
-writes a summary (``--json``), a markdown report (``--md``, also printed) and a loss
-plot (``--png``: train loss per step, validation points).
+writes a summary (``--json``, default ``OUT/results.json``), a markdown report (``--md``,
+default ``OUT/results.md``, also printed) and a loss plot (``--png``, default
+``benchmarks/cpu_ep_loss.png``: train loss per step, validation points).
 
 What is measured, per run:
 
@@ -61,10 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots-per-rank", type=int, default=6, help="symi: E/G + 2 for E=16, G=4")
     p.add_argument("--mem-budget", default="30MiB", help="lrmoe: per-rank expert memory budget")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an extra (ablation) run: NAME and lrmoe train flags added to the "
+                        "common ones, e.g. 'lrmoe-nosel=--policy lrmoe --mem-budget 30MiB "
+                        "--lrmoe-selection off' (repeatable)")
     p.add_argument("--reuse", action="store_true",
                    help="reuse runs whose metrics already reach --steps")
-    p.add_argument("--json", default="benchmarks/cpu_ep_results.json")
-    p.add_argument("--md", default="benchmarks/cpu_ep_results.md")
+    p.add_argument("--json", default=None, help="summary JSON (default OUT/results.json)")
+    p.add_argument("--md", default=None, help="markdown report (default OUT/results.md)")
     p.add_argument("--png", default="benchmarks/cpu_ep_loss.png")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     return p.parse_args(argv)
@@ -87,7 +92,19 @@ def train_command(a: argparse.Namespace, policy: str) -> list[str]:
         cmd += ["--policy", "symi", "--slots-per-rank", str(a.slots_per_rank)]
     elif policy == "lrmoe":
         cmd += ["--policy", "lrmoe", "--mem-budget", str(a.mem_budget)]
+    elif policy in extras(a):
+        cmd += shlex.split(extras(a)[policy])
     return cmd
+
+
+def extras(a: argparse.Namespace) -> dict[str, str]:
+    out = {}
+    for spec in a.extra:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in POLICIES or "/" in name:
+            raise SystemExit(f"--extra {spec!r}: want NAME=FLAGS with a new NAME")
+        out[name] = flags
+    return out
 
 
 def shown(cmd: list[str]) -> str:
@@ -301,9 +318,12 @@ def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict, plan
             f"(saved_act_bytes).",
         ]
         if "ledger_total_bytes_max" in lr:
+            from lrmoe.memory import parse_bytes
+
             lines.append(f"- ledger total per rank (all MoE layers), max over steps and ranks: "
                          f"{lr['ledger_total_bytes_max'] / 2**20:.2f} MiB of the "
-                         f"{(lr.get('ledger_budget_bytes') or 0) / 2**20:.2f} MiB budget.")
+                         f"{parse_bytes(a.mem_budget) / 2**20:.2f} MiB budget (the CPU has no "
+                         "allocator peak to compare it with).")
         if plans:
             lines += ["", "`lrmoe plan` on the static run's measured expert loads (mean counts "
                       "of the last 50 steps, spread evenly over home ranks) vs the lrmoe "
@@ -331,6 +351,7 @@ def plot(res: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     colors = {"static": "tab:gray", "symi": "tab:blue", "lrmoe": "tab:red"}
+    res = {p: r for p, r in res.items() if p in colors}  # ablations stay out of the plot
     for p, r in res.items():
         y = r["train_loss"]
         ema, s = [], None
@@ -361,6 +382,7 @@ def main(argv=None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; use {POLICIES}")
+    policies += list(extras(a))
     out = Path(a.out)
     walls = {p: launch(a, p) for p in policies}
     res = {p: analyse(out / p) for p in policies}
@@ -371,9 +393,10 @@ def main(argv=None) -> int:
                  for k, lay in enumerate(res["static"]["layers"])]
     md = markdown(a, res, commands, walls, plans)
     print(md)
-    Path(a.md).write_text(md + "\n")
-    Path(a.json).write_text(json.dumps({"args": vars(a), "results": res, "walls": walls,
-                                        "plans": plans, "commands": commands}, indent=1))
+    Path(a.md or out / "results.md").write_text(md + "\n")
+    summary = {"args": vars(a), "results": res, "walls": walls, "plans": plans,
+               "commands": commands}
+    Path(a.json or out / "results.json").write_text(json.dumps(summary, indent=1))
     if a.png:
         plot(res, Path(a.png))
     return 0

@@ -1,0 +1,162 @@
+"""``lrmoe bench ttl``: time to target loss of static / symi / lrmoe on emulated EP.
+
+Trains the same model per policy with every MoE layer run as G virtual EP ranks
+(:mod:`lrmoe.sim.ttl`), and writes ``OUT/ttl.json``, ``OUT/ttl.md``,
+``OUT/ttl_loss_vs_time.png`` and ``OUT/ttl_loss_vs_step.png``. Times are **emulated**
+(measured per-rank expert kernels + modelled links + measured non-MoE time / G).
+Bad input or an infeasible budget: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from lrmoe.errors import LrmoeError
+
+
+def _size(v: str) -> int | None:
+    if v.lower() in ("all", "none", "0"):
+        return None
+    from lrmoe.memory import parse_bytes
+    try:
+        return parse_bytes(v)
+    except LrmoeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks on the virtual EP emulator (emulated times)",
+                       description=__doc__.splitlines()[0])
+    bs = p.add_subparsers(dest="bench", required=True)
+    t = bs.add_parser("ttl", help="time to target loss: static vs symi vs lrmoe (emulated)",
+                      description=__doc__.splitlines()[0])
+    m = t.add_mutually_exclusive_group(required=True)
+    m.add_argument("--preset", help="model preset (see `lrmoe presets`)")
+    m.add_argument("--config", help="HF config.json file or folder")
+    t.add_argument("--ep", type=int, default=4, help="virtual EP ranks G (default 4)")
+    t.add_argument("--policies", default="static,symi,lrmoe",
+                   help="comma list of static, symi, lrmoe (static always runs: it sets the "
+                        "target)")
+    t.add_argument("--mem-budget", default=None, help="bytes per rank for the MoE experts, "
+                   "e.g. 40GiB (default: no budget)")
+    t.add_argument("--slots-per-rank", type=int, default=None,
+                   help="symi slots per rank (default: largest that fits the budget, else "
+                        "E/G+2); lrmoe: most slots per rank")
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=None,
+                   help="linear warmup steps (default: 10%% of --steps)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--link", default="nvlink", help="nvlink, ib or pcie")
+    t.add_argument("--target-fraction", type=float, default=0.8,
+                   help="target = static's val loss at this fraction of its run")
+    t.add_argument("--target-rtol", type=float, default=1e-5,
+                   help="a policy reaches the target at val <= target*(1+rtol) (fp32 noise)")
+    t.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    t.add_argument("--data", default=None, help="text corpus (default: the Python stdlib)")
+    t.add_argument("--max-data-bytes", type=_size, default=4 * 2**20, metavar="SIZE")
+    t.add_argument("--eval-every", type=int, default=10)
+    t.add_argument("--eval-batches", type=int, default=4)
+    t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
+    t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    t.add_argument("--out", required=True, help="output directory")
+    t.set_defaults(func=run)
+
+
+def fmt(v, spec: str = ".4f", none: str = "never") -> str:
+    return none if v is None else format(v, spec)
+
+
+def table(rep: dict) -> str:
+    from lrmoe.memory import fmt_bytes
+
+    tg = rep["target"]
+    head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
+            "final val", "mean step (emulated ms)", "fwd load max/mean", "keep ratio",
+            "ledger peak"]
+    lines = [f"Target val loss {tg['val_loss']:.4f} (static at step {tg['static_step']}, "
+             f"fraction {tg['fraction']}); link {rep['link']['name']}; EP {rep['config']['ep']}"
+             f" virtual ranks. Times are emulated.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rep["policies"].items():
+        st = r["steps"]
+        n = len(st)
+        lines.append("| " + " | ".join([
+            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], "d"),
+            fmt(r["time_to_target_emulated_s"]), f"{r['final_val_loss']:.4f}",
+            f"{r['mean_step_emulated_s'] * 1e3:.3f}",
+            f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
+            f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
+            fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-"]) + " |")
+    ratio = rep["ratio_lrmoe_over_symi_time_to_target_emulated"]
+    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}"]
+    return "\n".join(lines)
+
+
+def plots(rep: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, xlabel, fname in (("cum_emulated_s", "cumulative step time (emulated, s)",
+                                "ttl_loss_vs_time.png"),
+                               ("step", "step", "ttl_loss_vs_step.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, (name, r) in enumerate(rep["policies"].items()):
+            c = f"C{i}"
+            ax.plot([s[key] for s in r["steps"]], [s["train_loss"] for s in r["steps"]],
+                    color=c, alpha=0.35, lw=1, label=f"{name} train")
+            ax.plot([e[key] for e in r["evals"]], [e["val_loss"] for e in r["evals"]],
+                    color=c, marker="o", lw=2, label=f"{name} val")
+        ax.axhline(rep["target"]["val_loss"], color="k", ls="--", lw=1, label="target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss")
+        ax.set_title(f"time to target, EP {rep['config']['ep']} virtual ranks, "
+                     f"{rep['link']['name']} (emulated)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lrmoe.sim.ttl import TTLConfig, bench_ttl
+
+    if args.bench != "ttl":
+        raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
+    cfg = TTLConfig(
+        preset=args.preset, config=args.config, ep=args.ep,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        mem_budget=args.mem_budget, slots_per_rank=args.slots_per_rank, steps=args.steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
+        seed=args.seed, link=args.link, target_fraction=args.target_fraction,
+        target_rtol=args.target_rtol,
+        device=args.device, data=args.data, max_data_bytes=args.max_data_bytes,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
+        balance=args.balance)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise LrmoeError("--device cuda: no CUDA device is available")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rep = bench_ttl(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        torch.set_num_threads(threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ttl.json").write_text(json.dumps(rep, indent=1))
+    tab = table(rep)
+    (out / "ttl.md").write_text("# Time to target loss (emulated)\n\n" + tab + "\n")
+    plots(rep, out)
+    print(tab)
+    return 0

@@ -1,0 +1,348 @@
+"""Time to target loss on emulated G-rank expert parallelism (SYSTEM.md §7).
+
+Every policy trains the same model (same seed) on the same batches; every MoE layer's
+training forward runs through :class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual
+ranks (global batch row ``g*B/G .. (g+1)*B/G - 1`` is home rank g's), so the numbers are
+those of a real G-rank EP run with that policy. Validation uses the layer's own
+single-process forward (the forward of every policy here is exact and dropless).
+
+Per step this records:
+
+* ``moe_emulated_s``: :func:`lrmoe.sim.cost.step_times` summed over the MoE layers
+  (slowest virtual rank per stage; measured per-rank expert kernels, modelled links);
+* ``moe_wall_s`` (measured): the emulator's own wall time, per MoE layer the forward
+  call (router, plan, G ranks' experts, shared experts) plus the backward from the grad
+  hook on the layer's output to the grad hook on its input;
+* ``non_moe_measured_s``: step wall (batch fetch .. after ``end_step``) minus
+  ``moe_wall_s``: embedding, attention, dense MLPs, norms, head, loss, clipping, AdamW
+  over all parameters, for all G ranks' tokens in this one process;
+* ``non_moe_s = non_moe_measured_s / G``: the per-rank share (modelled: assumes that
+  work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
+  non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.
+
+Target: the static run's validation loss at its first evaluation at or after step
+``ceil(target_fraction * steps)``. Steps-to-target is a policy's first evaluation at or
+below ``target * (1 + target_rtol)`` (``target_rtol`` 1e-5 absorbs the fp32
+reduction-order noise between exact policies); time-to-target the cumulative emulated
+step time up to that step. Before the first policy one untimed training step warms the
+process up (allocator, lazy inits), so the first policy is not charged for them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lrmoe.errors import LrmoeError, require
+from lrmoe.memory import Ledger, parse_bytes
+
+OVER_NO_RECOMPUTE = "over budget (no recompute modelled)"
+
+
+@dataclass
+class TTLConfig:
+    preset: str | None = None
+    config: str | None = None
+    ep: int = 4
+    policies: tuple[str, ...] = ("static", "symi", "lrmoe")
+    mem_budget: str | None = None
+    slots_per_rank: int | None = None
+    steps: int = 100
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    link: str = "nvlink"
+    target_fraction: float = 0.8
+    target_rtol: float = 1e-5
+    device: str = "cpu"
+    data: str | None = None
+    max_data_bytes: int | None = 4 * 2**20
+    eval_every: int = 10
+    eval_batches: int = 4
+    min_keep: float = 0.5  # lrmoe planner knobs
+    balance: float = 1.0
+
+
+def _counts_E(plan, E: int) -> torch.Tensor:
+    """Global pairs per expert of one plan (assigned + dropped)."""
+    ie, load = plan.inst_expert_GS.reshape(-1), plan.assign_GGS.sum(0).reshape(-1)
+    c = torch.zeros(E, dtype=torch.long).index_add_(0, ie[ie >= 0], load[ie >= 0].long())
+    return c if plan.dropped_GE is None else c + plan.dropped_GE.long().sum(0)
+
+
+class VirtualModel:
+    """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
+
+    def __init__(self, model, G: int, policy, opts, planner_ledger, sync):
+        from lrmoe.sim.virtual import VirtualEPLayer
+
+        self.layers, self.sync, self.wall = [], sync, 0.0
+        for m in model.moe_layers:
+            v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger)
+            orig = m.forward
+            m.forward = self._wrap(m, v, orig)
+            self.layers.append(v)
+
+    def _wrap(self, m, v, orig):
+        marks: dict[str, float] = {}
+
+        def t_now() -> float:
+            self.sync()
+            return time.perf_counter()
+
+        def start(_g):
+            marks["b"] = t_now()
+
+        def stop(_g):
+            self.wall += t_now() - marks.pop("b", time.perf_counter())
+
+        def forward(x):
+            if not m.training:
+                return orig(x)
+            t0 = t_now()
+            out = v(x)
+            m.last_aux_loss = v.last_aux_loss
+            c = _counts_E(v.stats.plan, m.cfg.num_experts)
+            m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
+            self.wall += t_now() - t0
+            if out.requires_grad and x.requires_grad:
+                out.register_hook(start)
+                x.register_hook(stop)
+            return out
+        return forward
+
+    def set_step(self, step: int) -> None:
+        for v in self.layers:
+            v.step = step
+
+
+def _first_counts(model, batch, G: int) -> list[torch.Tensor]:
+    """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
+    got = []
+    hooks = [m.router.register_forward_hook(
+        lambda mod, i, r: got.append(r.idx_TK)) for m in model.moe_layers]
+    model.eval()  # eval: the plain forward, no step counting; the caller sets train()
+    with torch.no_grad():
+        model(batch[:, :-1])
+    for h in hooks:
+        h.remove()
+    E = model.config.num_experts
+    return [torch.stack([torch.bincount(i.cpu(), minlength=E)
+                         for i in idx.reshape(G, -1)]).long() for idx in got]
+
+
+def _warm_up(model, G: int, batch) -> None:
+    """One untimed static training step (fills the allocator, lazy inits)."""
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.policy.static import StaticPolicy
+
+    VirtualModel(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
+    model.train()
+    model.loss(batch[:, :-1], batch[:, 1:])[1].backward()
+
+
+def _choose(name, cfg, mcfg, ledger, first_counts):
+    """``(PolicyConfig, planner ledger, config note, over-budget label or "")``."""
+    from lrmoe.policy.lrmoe import LrmoeConfig
+    from lrmoe.policy.registry import PolicyConfig
+    from lrmoe.policy.symi import largest_feasible_slots
+
+    G, E = cfg.ep, mcfg.num_experts
+    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep)
+    slots, note, label = cfg.slots_per_rank, "", ""
+    if name == "symi" and slots is None and ledger is not None:
+        try:
+            slots = min(largest_feasible_slots(ledger, c, None) for c in first_counts)
+            note = f"s={slots}: largest that fits the budget at step 1"
+        except LrmoeError:
+            slots, label = E // G, OVER_NO_RECOMPUTE
+            note = f"s={slots} (E/G): no s fits the budget"
+    elif name == "symi":
+        slots = slots if slots is not None else E // G + 2
+        note = f"s={slots}"
+    elif name == "lrmoe":
+        note = f"max slots {slots if slots is not None else E // G + 2}, min_keep {cfg.min_keep}"
+    elif name == "static":
+        note = f"s={E // G} (natives)"
+    pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
+    # exact policies plan without the ledger (they would stop training); their ledger
+    # peaks are recorded per step and flagged instead
+    return pc, (ledger if name == "lrmoe" else None), note, label
+
+
+def _val_loss(model, batches, dev, autocast) -> float:
+    from types import SimpleNamespace
+
+    from lrmoe.train.loop import evaluate
+    return evaluate(model, batches, SimpleNamespace(device=dev, distributed=False), autocast)[0]
+
+
+def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print) -> dict:
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.policy.registry import make_policy
+    from lrmoe.sim.cost import step_times
+    from lrmoe.train.loop import make_autocast
+    from lrmoe.train.optim import build_optimizer, build_scheduler
+
+    dev, G = torch.device(cfg.device), cfg.ep
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    pc, planner_ledger, note, label = _choose(name, cfg, mcfg, ledger, first_counts)
+    policy = make_policy(pc, mcfg, G)
+    torch.manual_seed(cfg.seed)
+    model = MoEForCausalLM(mcfg).to(dev)
+    vm = VirtualModel(model, G, policy, BackwardOptions(), planner_ledger, sync)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    autocast = make_autocast(dev)
+    rows, evals, cum = [], [{"step": 0, "val_loss": _val_loss(model, val_b, dev, autocast),
+                             "cum_emulated_s": 0.0}], 0.0
+    model.train()
+    for step in range(cfg.steps):
+        vm.set_step(step)
+        vm.wall = 0.0
+        sync()
+        t0 = time.perf_counter()
+        batch = batches.batch(step).to(dev)
+        with autocast():
+            lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        obj.backward()
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        sched.step()
+        model.end_step()
+        sync()
+        wall, loss = time.perf_counter() - t0, float(lm.detach())
+        if not math.isfinite(loss):
+            raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
+        stats = [v.stats for v in vm.layers]
+        non_moe_meas = max(wall - vm.wall, 0.0)
+        st = step_times(stats, link, non_moe_meas / G)
+        cum += st.total
+        fwd = [s.plan.rank_load().double() for s in stats]
+        bwd = [s.plan.rank_backward_load().double() for s in stats]
+        assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
+        row = {"step": step + 1, "train_loss": loss, "wall_s": wall, "moe_wall_s": vm.wall,
+               "non_moe_measured_s": non_moe_meas, "non_moe_s": st.non_moe,
+               "moe_emulated_s": st.moe, "step_emulated_s": st.total, "cum_emulated_s": cum,
+               "stages_emulated_s": st.stages(),
+               "fwd_load_max_over_mean": _max_over_mean(fwd),
+               "bwd_load_max_over_mean": _max_over_mean(bwd),
+               "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
+               "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
+               "replicas": sum(s.plan.num_replicas() for s in stats)}
+        if ledger is not None:
+            row["ledger_peak_bytes"] = max(max(t["total"] for t in ledger.rank_terms(s.plan))
+                                           for s in stats)
+        rows.append(row)
+        done = step + 1
+        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+            evals.append({"step": done, "val_loss": _val_loss(model, val_b, dev, autocast),
+                          "cum_emulated_s": cum})
+            log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
+                f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
+    res = {"policy": name, "config": note, "steps": rows, "evals": evals,
+           "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget"}
+    if ledger is not None:
+        peak = max(r["ledger_peak_bytes"] for r in rows)
+        over = sum(r["ledger_peak_bytes"] > ledger.budget_bytes for r in rows)
+        res["ledger_peak_bytes"], res["over_budget_steps"] = peak, over
+        res["budget_status"] = label or (f"over budget at {over}/{len(rows)} steps"
+                                         if over else "fits")
+    return res
+
+
+def _max_over_mean(loads: list[torch.Tensor]) -> float:
+    """Mean over layers of (busiest rank's pairs / mean rank's pairs)."""
+    return sum(float(x.max() / x.mean().clamp(min=1e-9)) for x in loads) / len(loads)
+
+
+def time_to_target(res: dict, target: float, rtol: float = 0.0
+                   ) -> tuple[int | None, float | None]:
+    for e in res["evals"]:
+        if e["step"] > 0 and e["val_loss"] <= target * (1 + rtol):
+            return e["step"], e["cum_emulated_s"]
+    return None, None
+
+
+def bench_ttl(cfg: TTLConfig, log=print) -> dict:
+    """Run every policy and return the report dict (see the module docstring)."""
+    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.sim.links import get_link
+    from lrmoe.tokenizer import check_vocab, load_tokenizer
+    from lrmoe.train.loop import TrainConfig, resolve_model_config, val_windows
+
+    G = cfg.ep
+    require(cfg.preset or cfg.config, "give a model: --preset NAME or --config FILE")
+    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches"):
+        require(isinstance(getattr(cfg, k), int) and getattr(cfg, k) >= 1,
+                f"--{k.replace('_', '-')} {getattr(cfg, k)!r} must be an integer >= 1")
+    require(cfg.eval_every >= 0 and 0 < cfg.target_fraction <= 1,
+            "--eval-every must be >= 0 and --target-fraction in (0, 1]")
+    require(cfg.batch_size % G == 0, f"--batch-size {cfg.batch_size} must be divisible by "
+                                     f"--ep {G} (one home rank per share of the batch)")
+    require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
+    bad = [p for p in cfg.policies if p not in ("static", "symi", "lrmoe")]
+    require(not bad, f"--policies: {', '.join(bad)} not supported; use static, symi, lrmoe")
+    policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
+    link = get_link(cfg.link)
+    tc = TrainConfig(preset=cfg.preset, config=cfg.config)
+    mcfg = resolve_model_config(tc, vocab_size=None)
+    require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
+                                       f"{mcfg.num_experts}")
+    ledger = None
+    if cfg.mem_budget is not None:
+        ledger = Ledger.for_dtype(mcfg, G, parse_bytes(cfg.mem_budget),
+                                  "bf16" if cfg.device == "cuda" else "fp32")
+        home = cfg.batch_size // G * cfg.seq_len
+        ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
+                             "even the native experts with one retained pair per instance")
+    corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    tok = load_tokenizer("byte", None, corpus.train_texts)
+    train_ids, val_ids = build_token_streams(corpus, tok)
+    mcfg = resolve_model_config(tc, vocab_size=tok.vocab_size)
+    check_vocab(tok, mcfg.vocab_size)
+    batches = PackedBatches(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
+    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, 1)
+    val_b = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k)
+
+    torch.manual_seed(cfg.seed)
+    probe = MoEForCausalLM(mcfg).to(cfg.device)
+    first = _first_counts(probe, batches.batch(0).to(cfg.device), G)
+    _warm_up(probe, G, batches.batch(0).to(cfg.device))
+    del probe
+
+    results = {p: run_policy(p, cfg, mcfg, batches, val_b, ledger, first, link, log)
+               for p in policies}
+    base = results["static"]["evals"]
+    at = math.ceil(cfg.target_fraction * cfg.steps)
+    tgt_eval = next(e for e in base if e["step"] >= at)
+    target = tgt_eval["val_loss"]
+    for r in results.values():
+        st, tt = time_to_target(r, target, cfg.target_rtol)
+        r["steps_to_target"], r["time_to_target_emulated_s"] = st, tt
+        r["mean_step_emulated_s"] = sum(s["step_emulated_s"] for s in r["steps"]) / cfg.steps
+    t = {p: results[p]["time_to_target_emulated_s"] for p in ("lrmoe", "symi") if p in results}
+    ratio = (t["lrmoe"] / t["symi"] if len(t) == 2 and None not in t.values() and t["symi"] > 0
+             else None)
+    return {"label": "emulated", "link": asdict(link), "config": asdict(cfg),
+            "model": mcfg.to_hf_dict(), "data": corpus.source,
+            "budget_bytes": None if ledger is None else ledger.budget_bytes,
+            "target": {"val_loss": target, "static_step": tgt_eval["step"],
+                       "fraction": cfg.target_fraction,
+                       "rtol": cfg.target_rtol,
+                       "rule": "static's val loss at its first eval at or after step "
+                               "ceil(fraction * steps); reached at val <= target*(1+rtol)"},
+            "ratio_lrmoe_over_symi_time_to_target_emulated": ratio,
+            "measured_vs_modelled": __doc__, "policies": results}

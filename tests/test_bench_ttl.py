@@ -1,0 +1,74 @@
+"""``lrmoe bench ttl`` on the CPU: a tiny end-to-end harness run (emulated times)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lrmoe.cli import main
+
+ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
+        "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
+        "--max-data-bytes", "200000", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def ttl_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ttl")
+    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--out", str(out)])
+    return rc, out
+
+
+def test_ttl_outputs(ttl_run, capsys):
+    rc, out = ttl_run
+    assert rc == 0
+    for f in ("ttl.json", "ttl.md", "ttl_loss_vs_time.png", "ttl_loss_vs_step.png"):
+        assert (out / f).stat().st_size > 0, f
+    rep = json.loads((out / "ttl.json").read_text())
+    md = (out / "ttl.md").read_text()
+    assert rep["label"] == "emulated" and "emulated" in md
+    assert list(rep["policies"]) == ["static", "symi", "lrmoe"]
+    for name, r in rep["policies"].items():
+        assert f"| {name} |" in md
+        assert len(r["steps"]) == 6 and [e["step"] for e in r["evals"]] == [0, 3, 6]
+        for s in r["steps"]:
+            assert s["moe_emulated_s"] > 0 and s["step_emulated_s"] > 0
+            assert s["non_moe_measured_s"] >= 0 and s["wall_s"] > s["moe_wall_s"] > 0
+            assert s["fwd_load_max_over_mean"] >= 1.0 and 0 < s["keep_ratio"] <= 1
+        cum = [s["cum_emulated_s"] for s in r["steps"]]
+        assert all(b > a for a, b in zip(cum, cum[1:]))
+    assert rep["target"]["static_step"] == 6  # first eval at/after ceil(0.8 * 6) = 5
+    st = rep["policies"]["static"]
+    assert st["steps_to_target"] == 6 and st["time_to_target_emulated_s"] > 0
+    # exact policies: replication changes placement, never the math
+    sy = rep["policies"]["symi"]
+    assert sy["steps"][0]["replicas"] > 0 and all(s["keep_ratio"] == 1 for s in sy["steps"])
+    a = torch.tensor([s["train_loss"] for s in st["steps"]])
+    b = torch.tensor([s["train_loss"] for s in sy["steps"]])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    va = torch.tensor([e["val_loss"] for e in st["evals"]])
+    vb = torch.tensor([e["val_loss"] for e in sy["evals"]])
+    torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
+    assert sy["steps_to_target"] == 6
+    # lrmoe trims the backward: not exact, but close
+    lr = rep["policies"]["lrmoe"]
+    assert min(s["keep_ratio"] for s in lr["steps"]) < 1
+    assert abs(lr["final_val_loss"] - st["final_val_loss"]) < 0.5
+
+
+def test_ttl_infeasible_budget(tmp_path, capsys):
+    out = tmp_path / "x"
+    rc = main(ARGS[:-6] + ["--steps", "1", "--mem-budget", "1KiB", "--out", str(out)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lrmoe: error:") and "budget" in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_ttl_bad_batch(tmp_path, capsys):
+    rc = main(["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "4", "--batch-size", "6",
+               "--out", str(tmp_path / "y")])
+    assert rc == 2
+    assert "--batch-size 6" in capsys.readouterr().err

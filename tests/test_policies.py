@@ -255,10 +255,17 @@ def test_lrmoe_infeasible_budget():
     counts = _skewed(4, 16, 5)
     ledger = Ledger(mcfg, 4)
     floor = max(t["total"] for t in ledger.feasible_minimum(counts))
+    plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor))  # the natives-only floor fits
+    # Just below it, replicas take pairs (and buffer bytes) off the hot rank: it still fits.
+    tight = Ledger(mcfg, 4, floor - 1)
+    plan = plan_lrmoe(counts, LrmoeConfig(), tight)
+    assert plan.num_replicas() > 0
+    assert max(t["total"] for t in tight.rank_terms(plan)) <= floor - 1
+    # Below the owned optimizer state no placement can help: a clear error.
+    owned = ledger.owner_bytes()
     with pytest.raises(LrmoeError, match="short by") as ei:
-        plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor - 1))
+        plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, owned - 1))
     assert "rank" in str(ei.value)
-    plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor))  # exactly the floor fits
 
 
 def test_lrmoe_config_validation():

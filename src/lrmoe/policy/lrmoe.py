@@ -237,12 +237,18 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
     S = cfg.max_slots_per_rank if cfg.max_slots_per_rank is not None else n_nat + 2
     require(S >= n_nat, f"lrmoe.max_slots_per_rank={S} must be >= E/G = {n_nat} "
                         "(each rank holds its native experts)")
-    if ledger is not None and ledger.budget_bytes is not None:
-        ledger.raise_if_over(
-            ledger.feasible_minimum(c),
-            "the smallest lrmoe plan (native experts, one retained pair per instance)")
     inst = _place_replicas(c, S, cfg, ledger)
     assign = interval_overlap(c, inst, even_split(c, inst))
+    if ledger is not None and ledger.budget_bytes is not None:
+        # Feasibility after placement: replicas may have taken pairs (and so buffer bytes)
+        # off a hot rank that the native placement alone could not fit.
+        n_inst = (inst >= 0).sum(1)
+        recv = assign.sum(dim=(0, 2))
+        home = c.sum(1)
+        ledger.raise_if_over(
+            [ledger.terms(int(n_inst[r]), int(recv[r]), int(home[r]), min(int(n_inst[r]), int(recv[r])))
+             for r in range(G)],
+            "the smallest lrmoe plan (its placement, one retained pair per instance)")
     retain = _retention(assign, inst, c.sum(1), ledger)
     select = _backward_quotas(assign, retain, cfg) if cfg.selection else retain.clone()
     plan = Plan(inst, assign, retain, select)

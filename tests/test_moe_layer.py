@@ -114,3 +114,61 @@ def test_fidelity_monitor_compares_with_the_exact_gradient(layer):
     assert st["fidelity_rel_err"] == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-4)
     assert cos < 0.999  # the selection really approximates
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)  # forward unchanged
+
+
+class HalfSelectPolicy:
+    """Static placement, everything retained, the top 60% (ceil) of each expert selected."""
+
+    name = "half-select"
+
+    def plan(self, counts, inputs):
+        E = counts.shape[1]
+        p = full_plan(counts, torch.arange(E).reshape(1, E))
+        sel = torch.ceil(p.retain_GGS.double() * 0.6).long()
+        return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, sel)
+
+
+def test_compacted_backward_equals_masking_reference(layer):
+    """STYLE rule 5: the compacted backward equals a plain masking reference in which
+    unselected pairs' expert outputs are detached (forward and router gradient exact,
+    no expert-weight or input gradient through them)."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 40, layer.cfg.hidden_size)
+    coeff = torch.randn(1, 40, layer.cfg.hidden_size)
+    layer.runtime = MoERuntime(policy=HalfSelectPolicy())
+    got = []
+    layer.zero_grad()
+    xg = x.clone().requires_grad_()
+    (layer(xg) * coeff).sum().backward()
+    got = [xg.grad, layer.experts.gate_up_proj.grad.clone(), layer.experts.down_proj.grad.clone(),
+           layer.router.weight.grad.clone()]
+
+    # reference: dense per-expert loop, selection recomputed from the formula
+    layer.zero_grad()
+    xr = x.clone().requires_grad_()
+    xt = xr.view(-1, layer.cfg.hidden_size)
+    r = layer.router(xt)
+    Fd = layer.cfg.moe_intermediate_size
+    out = torch.zeros_like(xt)
+    dout = coeff.view(-1, layer.cfg.hidden_size)  # d loss / d out
+    tok_norm = dout.norm(dim=1)
+    for e in range(layer.cfg.num_experts):
+        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g = r.gate_TK[tok, k]
+        m = g.detach().abs() * tok_norm[tok]
+        n_sel = int(torch.ceil(torch.tensor(tok.numel() * 0.6)))
+        sel = torch.zeros(tok.numel(), dtype=torch.bool)
+        sel[torch.argsort(m, descending=True, stable=True)[:n_sel]] = True
+        gu = xt[tok] @ layer.experts.gate_up_proj[e].t()
+        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
+        y = torch.where(sel[:, None], y, y.detach())
+        out = out.index_add(0, tok, y * g[:, None])
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(xt)
+    (out.view_as(x) * coeff).sum().backward()
+    ref = [xr.grad, layer.experts.gate_up_proj.grad, layer.experts.down_proj.grad,
+           layer.router.weight.grad]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="summary JSON (default OUT/results.json)")
     p.add_argument("--md", default=None, help="markdown report (default OUT/results.md)")
     p.add_argument("--png", default="benchmarks/cpu_ep_loss.png")
+    p.add_argument("--plot", default=",".join(POLICIES),
+                   help="runs drawn in --png, comma-separated (default: the three policies)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     return p.parse_args(argv)
 
@@ -343,7 +345,7 @@ def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict, plan
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, names: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,8 +353,12 @@ def plot(res: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     colors = {"static": "tab:gray", "symi": "tab:blue", "lrmoe": "tab:red"}
-    res = {p: r for p, r in res.items() if p in colors}  # ablations stay out of the plot
-    for p, r in res.items():
+    spare = iter(["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink"])
+    for p in names:
+        if p not in res:
+            continue
+        r = res[p]
+        colors.setdefault(p, next(spare, "black"))
         y = r["train_loss"]
         ema, s = [], None
         for v in y:
@@ -398,7 +404,7 @@ def main(argv=None) -> int:
                "commands": commands}
     Path(a.json or out / "results.json").write_text(json.dumps(summary, indent=1))
     if a.png:
-        plot(res, Path(a.png))
+        plot(res, Path(a.png), [p.strip() for p in a.plot.split(",") if p.strip()])
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,10 @@ class MoERuntime:
     stats: dict[int, dict] = field(default_factory=dict)
     check_plans: bool = True
     generator: torch.Generator | None = None
+    # Under DP x EP: sums a count tensor over the expert-DP group (the other EP groups'
+    # matching ranks), so the aux loss sees the whole global batch; ``None`` otherwise.
+    count_reduce: Callable[[Tensor], Tensor] | None = None
+    dp_size: int = 1
 
 
 class Experts(nn.Module):
@@ -98,7 +102,9 @@ class MoELayer(nn.Module):
             self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
         self.last_aux_loss = None
         if r.probs_TE is not None and self.training:
-            self.last_aux_loss = aux_loss(r.probs_TE, glob, x_TH.shape[0] * rt.comm.size,
+            world_counts = glob if rt.count_reduce is None else rt.count_reduce(glob.clone())
+            self.last_aux_loss = aux_loss(r.probs_TE, world_counts,
+                                          x_TH.shape[0] * rt.comm.size * rt.dp_size,
                                           self.cfg.router_aux_loss_coef)
         # plan
         plan = rt.policy.plan(counts_GE, PlanInputs(self.moe_index, rt.step, self.prev_counts_E,

@@ -78,7 +78,8 @@ def select_topk_idx(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor
     Rows come grouped by block (block b holds ``size_B[b]`` consecutive rows, sizes on
     the host). One stable sort on ``block + 0.5*(1 - metric/max)`` orders every block by
     descending metric; the kept rows are each block's prefix, whose length is known on
-    the host, so no device-to-host sync is needed. Returned indices stay block-grouped.
+    the host, so no device-to-host sync is needed. Returned indices are ascending (so
+    block-grouped, and in send order inside each block).
     """
     dev = metric_N.device
     n = metric_N.numel()
@@ -89,7 +90,10 @@ def select_topk_idx(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor
     m = metric_N.double().clamp(min=0)
     key = blk.double() + 0.5 * (1 - m / (m.max() + 1e-300))
     order = torch.argsort(key, stable=True)
-    return order[ranges(excl_cumsum(size_B), torch.minimum(quota_B, size_B), dev)]
+    kept = order[ranges(excl_cumsum(size_B), torch.minimum(quota_B, size_B), dev)]
+    # ascending = send order: the receiver relies on rows arriving in saved (j) order
+    # when a block is shipped whole
+    return torch.sort(kept).values
 
 
 def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:

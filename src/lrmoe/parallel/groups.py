@@ -81,13 +81,14 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         kw = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     rank = dist.get_rank()
+    to = datetime.timedelta(seconds=timeout_s)  # every group, not just the default one
     ep_group = dp_group = None
     for k in range(world // ep):  # every rank must create every group, in the same order
-        g = dist.new_group(list(range(k * ep, (k + 1) * ep)))
+        g = dist.new_group(list(range(k * ep, (k + 1) * ep)), timeout=to)
         if rank // ep == k:
             ep_group = g
     for j in range(ep):
-        g = dist.new_group(list(range(j, world, ep)))
+        g = dist.new_group(list(range(j, world, ep)), timeout=to)
         if rank % ep == j:
             dp_group = g
     return ParallelContext(world, rank, ep, ep_group, dp_group, dev)
@@ -188,3 +189,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> f
         for p in params:
             p.grad.mul_(scale)
     return norm
+
+
+def count_reducer(ctx: ParallelContext):
+    """A function summing a (CPU) count tensor over the expert-DP group, or ``None`` when
+    there is no data parallelism across EP groups."""
+    if not ctx.distributed or ctx.world == ctx.ep_size:
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        d = t.to(ctx.device)
+        dist.all_reduce(d, group=ctx.expert_dp_group)
+        return d.cpu()
+    return reduce

@@ -520,7 +520,7 @@ def _train(cfg: TrainConfig, ctx) -> dict:
     from lrmoe.config import ModelConfig
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.moe import MoERuntime
-    from lrmoe.parallel.groups import clip_grad_norm, shard_experts, sync_grads
+    from lrmoe.parallel.groups import clip_grad_norm, count_reducer, shard_experts, sync_grads
     from lrmoe.presets import param_counts
     from lrmoe.tokenizer import check_vocab
 
@@ -571,7 +571,8 @@ def _train(cfg: TrainConfig, ctx) -> dict:
     gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 1_000_003 + ctx.rank + 1)
     base_bwd = backward_options(cfg)
     rt = MoERuntime(comm=ctx.comm(), policy=policy, backward=base_bwd, ledger=ledger,
-                    generator=gen)
+                    generator=gen, count_reduce=count_reducer(ctx),
+                    dp_size=ctx.world // ctx.ep_size)
     model.set_runtime(rt)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)

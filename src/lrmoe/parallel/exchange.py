@@ -182,6 +182,44 @@ def _timed(stats: dict, key: str, device: torch.device):
     return _T()
 
 
+def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tensor,
+                       home: HomeLayout, opts: BackwardOptions, generator, exact: bool,
+                       n_blocks: int):
+    """One home rank's backward **select** and **compact** stages.
+
+    Candidates are the retained rows in send order (token ``tok_c``, output-gradient scale
+    ``g_c``, gate ``gate_c``). Returns ``(tok_s, scale, sent_I, keep, sel_idx)``: the token
+    and scale of every row to ship (in send order), rows per block, the keep mask over the
+    candidates (``None`` for an exact plan) and the shipped candidates' indices (``None``
+    when every candidate is shipped: exact plan, or the compaction-off ablation, which
+    ships all retained rows with the unselected ones' scale zeroed).
+    """
+    weight = keep = sel_idx = None
+    ret_pos = home.retained_pos
+    blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
+    if not exact:
+        m = METRICS[opts.metric](dout_TH, tok_c, gate_c)
+        if opts.estimator == "sampled":
+            keep, weight = select_sampled(m, blocks, home.select_I, generator)
+        else:
+            sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
+            keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
+            keep[sel_idx] = True
+    if keep is None:
+        return tok_c, g_c, home.retain_I, None, None
+    if not opts.compaction:
+        w = keep.float() if weight is None else (weight * keep).float()
+        return tok_c, g_c * w, home.retain_I, keep, None
+    if sel_idx is None:
+        sel_idx = torch.nonzero(keep).flatten()
+    scale = g_c[sel_idx]
+    if weight is not None:
+        scale = scale * weight[sel_idx].float()
+    sent_I = (home.select_I if opts.estimator == "topk"
+              else torch.bincount(blocks[sel_idx].cpu(), minlength=n_blocks))
+    return tok_c[sel_idx], scale, sent_I, keep, sel_idx
+
+
 class ExpertExchange(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: dispatch, experts, combine.
 
@@ -267,35 +305,10 @@ class ExpertExchange(torch.autograd.Function):
         pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
         tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
 
-        # --- select: candidates are the retained rows, grouped by block.
-        # global, not per rank: every rank must take the same collective path
+        # --- select and compact (global exactness: every rank takes the same collectives)
         exact = torch.equal(plan.select_GGS, plan.retain_GGS)
-        weight = keep = sel_idx = None  # sel_idx: candidate indices of the shipped rows
-        if not exact:
-            m = METRICS[opts.metric](dout_TH, tok_c, st.gate_P[pairs])
-            if opts.estimator == "sampled":
-                blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
-                keep, weight = select_sampled(m, blocks, home.select_I, st.generator)
-            else:
-                sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
-                keep = torch.zeros(m.numel(), dtype=torch.bool, device=dev)
-                keep[sel_idx] = True
-
-        # --- compact (or, as the ablation, zero the unselected rows but ship them all).
-        if keep is None:
-            tok_s, scale, sent_I = tok_c, g_c, home.retain_I
-        elif opts.compaction:
-            if sel_idx is None:
-                sel_idx = torch.nonzero(keep).flatten()
-            tok_s, scale = tok_c[sel_idx], g_c[sel_idx]
-            if weight is not None:
-                scale = scale * weight[sel_idx].float()
-            sent_I = (home.select_I if opts.estimator == "topk"
-                      else torch.bincount(blocks[sel_idx], minlength=G * S).cpu())
-        else:
-            sel_idx = None
-            w = keep.float() if weight is None else (weight * keep).float()
-            tok_s, scale, sent_I = tok_c, g_c * w, home.retain_I
+        tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
+            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact, G * S)
         rows = dout_TH[tok_s]
         sent_GS = sent_I.reshape(G, S)
         if keep is not None and opts.compaction and opts.estimator == "sampled":

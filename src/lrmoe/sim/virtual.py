@@ -31,13 +31,7 @@ from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
-from lrmoe.parallel.exchange import (
-    METRICS,
-    BackwardOptions,
-    _pair_rows,
-    select_sampled,
-    select_topk_idx,
-)
+from lrmoe.parallel.exchange import BackwardOptions, _pair_rows, select_and_compact
 from lrmoe.parallel.layout import (
     HomeLayout,
     RecvLayout,
@@ -286,30 +280,8 @@ class VirtualExchange(torch.autograd.Function):
             ret_pos = home.retained_pos
             pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
             tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
-            weight = keep = sel_idx = None
-            if not exact:
-                m = METRICS[opts.metric](dout, tok_c, st.gate_P_G[g][pairs])
-                if opts.estimator == "sampled":
-                    blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
-                    keep, weight = select_sampled(m, blocks, home.select_I, st.generators[g])
-                else:
-                    sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
-                    keep = torch.zeros(m.numel(), dtype=torch.bool, device=dev)
-                    keep[sel_idx] = True
-            if keep is None:
-                tok_s, scale, sent_I = tok_c, g_c, home.retain_I
-            elif opts.compaction:
-                if sel_idx is None:
-                    sel_idx = torch.nonzero(keep).flatten()
-                tok_s, scale = tok_c[sel_idx], g_c[sel_idx]
-                if weight is not None:
-                    scale = scale * weight[sel_idx].float()
-                sent_I = (home.select_I if opts.estimator == "topk"
-                          else torch.bincount(blocks[sel_idx].cpu(), minlength=G * S))
-            else:
-                sel_idx = None
-                w = keep.float() if weight is None else (weight * keep).float()
-                tok_s, scale, sent_I = tok_c, g_c * w, home.retain_I
+            tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
+                dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact, G * S)
             cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
             sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
             rows_G.append(dout[tok_s].contiguous())

@@ -234,17 +234,16 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
                 ya, yb = layer(x).float(), blk(x).float()
             err = float((ya - yb).norm() / yb.norm())
 
-            def pf():
+            def pf(blk=blk):
                 with torch.no_grad():
                     blk(x)
 
-            def pfb():
+            def pfb(blk=blk):
                 blk(x).backward(dy)
                 x.grad = None
                 for p in blk.parameters():
                     p.grad = None
             row["peer"][impl] = dict(fwd_ms=bench(pf), fwdbwd_ms=bench(pfb), rel_err_vs_ours=err)
-            del blk
         except Exception as e:  # an implementation this transformers build lacks, or OOM
             row["peer"][impl] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
         if DEV == "cuda":
@@ -256,7 +255,6 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
         row["speedup_fwdbwd_vs_peer"] = ok[best]["fwdbwd_ms"] / row["ours_fwdbwd_ms"]
         row["speedup_fwd_vs_peer"] = ok[best]["fwd_ms"] / row["ours_fwd_ms"]
     results.append(row)
-    del layer
     if DEV == "cuda":
         torch.cuda.empty_cache()
 
@@ -285,7 +283,8 @@ def main() -> None:
                 continue
             print(f"[{shape} skew={skew}] done in {time.time() - t0:.0f}s", flush=True)
     import transformers
-    meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)", torch=torch.__version__,
+    meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+                torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(),
                 dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d"), argv=sys.argv)
     Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))

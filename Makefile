@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/lrmoe train --preset tiny-qwen3 --out runs/tiny-qwen3 --steps 300
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

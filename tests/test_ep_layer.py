@@ -12,12 +12,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from dist_util import run_world
+from dist_util import FixedRouter, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer, MoERuntime
-from lrmoe.model.router import Routing
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
@@ -25,19 +23,6 @@ from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.policy.static import StaticPolicy
 
 T, H, E, K, F = 12, 16, 8, 2, 8
-
-
-class FixedRouter(nn.Module):
-    """Routes by a given table; gates stay differentiable (softmax of x @ w)."""
-
-    def __init__(self, idx_TK: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(E, H) * 0.5)
-        self.idx = idx_TK
-
-    def forward(self, x):
-        probs = torch.softmax(x @ self.weight.t(), dim=-1)
-        return Routing(self.idx, probs.gather(1, self.idx), None)
 
 
 class ReplicaPolicy:
@@ -99,7 +84,7 @@ def _worker(rank, world, case, policy_name, compaction, outdir=None):
     torch.manual_seed(0)
     layer = MoELayer(cfg, 0)
     idx = routing(case, world, gen)
-    layer.router = FixedRouter(idx)
+    layer.router = FixedRouter(idx, E, H)
     x = torch.randn(world * T, H, generator=gen)
     coeff = torch.randn(world * T, H, generator=gen)
     policy = {"static": StaticPolicy(), "replica": ReplicaPolicy(),

@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from dist_util import run_world
+from dist_util import FixedRouter, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer, MoERuntime
-from lrmoe.model.router import Routing
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
@@ -29,19 +27,6 @@ from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 T, H, E, K, F, G = 12, 16, 8, 2, 8, 4
 POLICIES = ("static", "replica", "partial", "sampled")  # sampled: partial plan, sampled estimator
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-class FixedRouter(nn.Module):
-    """Routes by a given table; gates stay differentiable (softmax of x @ w)."""
-
-    def __init__(self, idx_TK: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(E, H) * 0.5)
-        self.idx = idx_TK
-
-    def forward(self, x):
-        probs = torch.softmax(x @ self.weight.t(), dim=-1)
-        return Routing(self.idx, probs.gather(1, self.idx), None)
 
 
 class ReplicaPolicy:
@@ -103,7 +88,7 @@ def make_case(seed: int):
     idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(G * T)])
     idx[:, 0] = torch.where(torch.rand(G * T, generator=gen) < 0.4, 5, idx[:, 0])  # skew
     idx[:, 1] = torch.where(idx[:, 1] == idx[:, 0], (idx[:, 0] + 1) % E, idx[:, 1])
-    layer.router = FixedRouter(idx)
+    layer.router = FixedRouter(idx, E, H)
     x = torch.randn(G * T, H, generator=gen)
     coeff = torch.randn(G * T, H, generator=gen)
     return layer, idx, x, coeff

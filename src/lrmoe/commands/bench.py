@@ -16,17 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lrmoe.commands.train import bytes_or_all
 from lrmoe.errors import LrmoeError
-
-
-def _size(v: str) -> int | None:
-    if v.lower() in ("all", "none", "0"):
-        return None
-    from lrmoe.memory import parse_bytes
-    try:
-        return parse_bytes(v)
-    except LrmoeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub) -> None:
@@ -61,7 +52,7 @@ def register(sub) -> None:
                    help="a policy reaches the target at val <= target*(1+rtol) (fp32 noise)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     t.add_argument("--data", default=None, help="text corpus (default: the Python stdlib)")
-    t.add_argument("--max-data-bytes", type=_size, default=4 * 2**20, metavar="SIZE")
+    t.add_argument("--max-data-bytes", type=bytes_or_all, default=4 * 2**20, metavar="SIZE")
     t.add_argument("--eval-every", type=int, default=10)
     t.add_argument("--eval-batches", type=int, default=4)
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")

@@ -15,7 +15,8 @@ def _onoff(v: str) -> bool:
     return v == "on"
 
 
-def _bytes_or_all(v: str) -> int | None:
+def bytes_or_all(v: str) -> int | None:
+    """argparse type: a byte size (``40GiB``), or ``all``/``none``/``0`` for no cap."""
     if v.lower() in ("all", "none", "0"):
         return None
     from lrmoe.errors import LrmoeError
@@ -38,7 +39,7 @@ def register(sub) -> None:
                    "(replacing it when model_type differs)")
     g.add_argument("--data", help="text file, .jsonl ('text' field) or directory; default: the "
                    "Python stdlib's .py files")
-    g.add_argument("--max-data-bytes", type=_bytes_or_all, metavar="SIZE",
+    g.add_argument("--max-data-bytes", type=bytes_or_all, metavar="SIZE",
                    help=f"training bytes to read (e.g. 16MiB, or all; default "
                         f"{_D.max_data_bytes // 2**20}MiB)")
     g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")

@@ -12,7 +12,6 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +32,7 @@ from lrmoe.parallel.layout import (
     unpermute_rows,
 )
 from lrmoe.policy.plan import Plan
+from lrmoe.timing import timed
 
 
 # ----------------------------------------------------------------------------- metric
@@ -164,22 +164,9 @@ class ExchangeState:
 
 
 def _timed(stats: dict, key: str, device: torch.device):
-    class _T:
-        def __enter__(self):
-            if device.type == "cuda":
-                self.a = torch.cuda.Event(enable_timing=True)
-                self.b = torch.cuda.Event(enable_timing=True)
-                self.a.record()
-            else:
-                self.t = time.perf_counter()
-
-        def __exit__(self, *exc):
-            if device.type == "cuda":
-                self.b.record()
-                stats.setdefault("_events", []).append((key, self.a, self.b))
-            else:
-                stats[key] = stats.get(key, 0.0) + (time.perf_counter() - self.t) * 1e3
-    return _T()
+    """Accumulate a region's expert time in ``stats[key]`` (CUDA: events in ``_events``)."""
+    return timed(device, lambda ms: stats.__setitem__(key, stats.get(key, 0.0) + ms),
+                 lambda ev_a, ev_b: stats.setdefault("_events", []).append((key, ev_a, ev_b)))
 
 
 def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tensor,

@@ -21,7 +21,6 @@ E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +45,7 @@ from lrmoe.parallel.layout import (
 from lrmoe.parallel.weights import _Route
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.plan import Plan
+from lrmoe.timing import timed
 
 EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
              "weight_scatter", "grad_reduce")
@@ -83,24 +83,9 @@ class _Timers:
         self.events: list[tuple[str, int, object, object]] = []
 
     def time(self, key: str, g: int):
-        timers = self
-
-        class _T:
-            def __enter__(self):
-                if timers.cuda:
-                    self.a = torch.cuda.Event(enable_timing=True)
-                    self.b = torch.cuda.Event(enable_timing=True)
-                    self.a.record()
-                else:
-                    self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if timers.cuda:
-                    self.b.record()
-                    timers.events.append((key, g, self.a, self.b))
-                else:
-                    timers.add(key, g, (time.perf_counter() - self.t) * 1e3)
-        return _T()
+        return timed(torch.device("cuda" if self.cuda else "cpu"),
+                     lambda ms: self.add(key, g, ms),
+                     lambda ev_a, ev_b: self.events.append((key, g, ev_a, ev_b)))
 
     def add(self, key: str, g: int, ms: float) -> None:
         self.ms.setdefault(key, [0.0] * self.G)[g] += ms

@@ -140,3 +140,44 @@ def test_ledger_rejects_bad_fields():
     with pytest.raises(LrmoeError, match="dtype"):
         Ledger.for_dtype(cfg, 2, None, "fp8")
     assert Ledger.for_dtype(cfg, 2, None, "bf16").bytes_act == 2
+
+
+def test_recompute_needed_is_the_fewest_pairs_that_fit():
+    """Recomputing n pairs frees n·L·2F·bytes; the ledger asks for the least n that fits."""
+    cfg = _cfg()
+    G = 2
+    led0 = Ledger(cfg, G)
+    n_inst, recv, home, kept = 4, 50, 40, 50
+    full = led0.terms(n_inst, recv, home, kept)["total"]
+    all_rec = led0.terms(n_inst, recv, home, kept, kept)["total"]
+    assert led0.A_recompute == cfg.hidden_size * 4
+    assert full - all_rec == led0.L * kept * 2 * cfg.moe_intermediate_size * 4
+    g = torch.Generator().manual_seed(0)
+    for budget in torch.randint(all_rec, full + 1, (20,), generator=g).tolist():
+        led = Ledger(cfg, G, budget)
+        n = led.recompute_needed(n_inst, recv, home, kept)
+        assert 0 <= n <= kept
+        assert led.terms(n_inst, recv, home, kept, n)["total"] <= budget
+        if n > 0:
+            assert led.terms(n_inst, recv, home, kept, n - 1)["total"] > budget
+    assert Ledger(cfg, G, full).recompute_needed(n_inst, recv, home, kept) == 0
+    assert Ledger(cfg, G, all_rec - 1).recompute_needed(n_inst, recv, home, kept) == -1
+    assert led0.recompute_needed(n_inst, recv, home, kept) == 0  # no budget
+    with pytest.raises(LrmoeError, match="recomputed_pairs"):
+        led0.terms(n_inst, recv, home, kept, kept + 1)
+
+
+def test_rank_terms_recompute_per_rank():
+    cfg = _cfg()
+    G, E = 2, cfg.num_experts
+    counts = torch.tensor([[30, 1, 1, 1, 9, 1, 1, 1], [25, 2, 0, 1, 3, 1, 1, 1]])
+    plan = full_plan(counts, native_placement(G, E))
+    plain = Ledger(cfg, G).rank_terms(plan)
+    budget = (plain[0]["total"] + plain[1]["total"]) // 2  # rank 0 (hot) over, rank 1 fits
+    assert plain[0]["total"] > budget >= plain[1]["total"]
+    led = Ledger(cfg, G, budget)
+    terms, rec = led.rank_terms_recompute(plan)
+    assert rec[1] == 0 and terms[1] == plain[1]
+    if rec[0] >= 0:
+        assert 0 < rec[0] and terms[0]["total"] <= budget
+    assert led.rank_recompute(plan) == rec

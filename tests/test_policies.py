@@ -360,3 +360,44 @@ def test_plan_command_infeasible_lrmoe():
     with pytest.raises(LrmoeError, match="short by"):
         _run_plan(["--preset", "glm-4.5-air", "--ep", "32", "--policy", "lrmoe",
                    "--mem-budget", "40GiB"])
+
+
+def test_symi_best_slots_with_recompute():
+    """best_slots: every s it considers fits with recompute, and it picks the least
+    busiest-rank work (forward 3 + backward 6 + recompute 2 units per pair)."""
+    from lrmoe.policy.symi import best_slots, slot_costs
+
+    cfg = _cfg()
+    G, E = 4, cfg.num_experts
+    counts = _skewed(G, E, 3)
+    pop = counts.sum(0)
+    free = Ledger(cfg, G)
+    costs_free = slot_costs(free, counts, pop)
+    assert set(costs_free) == set(range(E // G, E + 1))  # no budget: all fit, no recompute
+    for s, c in costs_free.items():
+        assert c == 9 * int(plan_symi(counts, s, pop).rank_load().max())
+    need = [max(t["total"] for t in free.rank_terms(plan_symi(counts, s, pop)))
+            for s in range(E // G, E + 1)]
+    budget = min(need) - 1  # no s fits without recompute
+    led = Ledger(cfg, G, budget)
+    costs = slot_costs(led, counts, pop)
+    assert costs, "some s must fit with recompute at this budget"
+    for s, c in costs.items():
+        plan = plan_symi(counts, s, pop, led, recompute=True)  # does not raise
+        terms, rec = led.rank_terms_recompute(plan)
+        assert min(rec) > 0 or max(t["total"] for t in terms) <= budget
+        assert c == max(9 * n + 2 * r for n, r in zip(plan.rank_load().tolist(), rec))
+    best, n_fit = best_slots(led, [counts, counts], [pop, pop])
+    assert n_fit == 2 and costs[best] == min(costs.values())
+    assert best == max(s for s, c in costs.items() if c == costs[best])
+    # a second matrix only the smallest s fits: fitting more matrices wins over work
+    tight = Ledger(cfg, G, budget)
+    other = _skewed(G, E, 11)
+    fits_other = slot_costs(tight, other, other.sum(0))
+    if fits_other and set(fits_other) != set(costs):
+        s2, n2 = best_slots(tight, [counts, other], [pop, other.sum(0)])
+        assert n2 == 2 or not (set(fits_other) & set(costs))
+    with pytest.raises(LrmoeError, match="short by"):
+        plan_symi(counts, best, pop, led)  # without recompute it does not fit
+    with pytest.raises(LrmoeError, match="even with activation recompute"):
+        best_slots(Ledger(cfg, G, 1000), [counts], [pop])

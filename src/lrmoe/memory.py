@@ -30,6 +30,10 @@ retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer ×
   (select <= assign), so the forward size bounds them.
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
+* Recompute (exact policies only, :meth:`Ledger.rank_recompute`): a pair whose gate_up
+  output is recomputed in backward keeps only its input row, ``H · bytes_act``, and
+  costs one more gate_up GEMM (2 of the expert's 3 GEMMs in the forward) in backward.
+  An exact policy over budget recomputes the fewest pairs that make the rank fit.
 
 Plans are per layer; the budget is for all MoE layers together, so the check assumes
 every layer's plan looks like the one checked: per-layer terms × L, buffers once.
@@ -206,16 +210,29 @@ class Ledger:
         return (Ph * H + R * H + R * 2 * F + R * F + R * H + Ph * H) * self.bytes_act
 
     # ------------------------------------------------------------------ per rank
+    @property
+    def A_recompute(self) -> int:
+        """Bytes per recomputed pair per layer: only the saved input row."""
+        return self.H * self.bytes_act
+
     def terms(self, n_instances: int, received_pairs: int, home_pairs: int,
-              retained_pairs: int) -> dict[str, int]:
-        """All ledger terms of one rank from its per-layer counts (see module docstring)."""
+              retained_pairs: int, recomputed_pairs: int = 0) -> dict[str, int]:
+        """All ledger terms of one rank from its per-layer counts (see module docstring).
+
+        ``recomputed_pairs`` (<= ``retained_pairs``) of the retained pairs keep only
+        their input row (:attr:`A_recompute`) instead of :attr:`A`.
+        """
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
+        rec = int(recomputed_pairs)
+        require(0 <= rec <= int(retained_pairs),
+                f"recomputed_pairs={rec} must be in [0, retained_pairs={retained_pairs}]")
         t = {
             "owned_state": self.owner_bytes(),
             "instance_weights": inst,
             "instance_grads": inst,
             "buffers": self.buffer_bytes(received_pairs, home_pairs),
-            "retained_acts": self.L * int(retained_pairs) * self.A,
+            "retained_acts": self.L * ((int(retained_pairs) - rec) * self.A
+                                       + rec * self.A_recompute),
         }
         t["total"] = sum(t[k] for k in TERMS)
         return t
@@ -242,6 +259,17 @@ class Ledger:
             home = home + plan.dropped_GE.long().sum(1)
         return home
 
+    def _rank_counts(self, plan, tokens_per_rank_home: int | None
+                     ) -> list[tuple[int, int, int, int]]:
+        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``."""
+        home = self._home_pairs(
+            plan, None if tokens_per_rank_home is None else tokens_per_rank_home * self.top_k)
+        n_inst = (plan.inst_expert_GS >= 0).sum(1)
+        recv = plan.assign_GGS.sum(dim=(0, 2))
+        kept = plan.retain_GGS.sum(dim=(0, 2))
+        return [(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
+                for r in range(plan.G)]
+
     def rank_terms(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
         """Ledger terms of every rank for ``plan`` (one layer's plan, repeated over L).
 
@@ -251,13 +279,35 @@ class Ledger:
                 the send/combine buffers. ``None`` takes each home's routed pairs from
                 the plan (assigned + dropped).
         """
-        home = self._home_pairs(
-            plan, None if tokens_per_rank_home is None else tokens_per_rank_home * self.top_k)
-        n_inst = (plan.inst_expert_GS >= 0).sum(1)
-        recv = plan.assign_GGS.sum(dim=(0, 2))
-        kept = plan.retain_GGS.sum(dim=(0, 2))
-        return [self.terms(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
-                for r in range(plan.G)]
+        return [self.terms(*c) for c in self._rank_counts(plan, tokens_per_rank_home)]
+
+    def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
+                         retained_pairs: int) -> int:
+        """Fewest pairs per layer to recompute so the rank fits; -1 if even recomputing
+        every retained pair does not fit. 0 when there is no budget."""
+        if self.budget_bytes is None:
+            return 0
+        full = self.terms(n_instances, received_pairs, home_pairs, retained_pairs)["total"]
+        over = full - self.budget_bytes
+        if over <= 0:
+            return 0
+        per_pair = self.L * (self.A - self.A_recompute)
+        need = -(-over // per_pair)
+        return int(need) if need <= retained_pairs else -1
+
+    def rank_recompute(self, plan, tokens_per_rank_home: int | None = None) -> list[int]:
+        """Per rank, :meth:`recompute_needed` for ``plan`` (-1: does not fit at all)."""
+        return [self.recompute_needed(*c) for c in self._rank_counts(plan, tokens_per_rank_home)]
+
+    def rank_terms_recompute(self, plan, tokens_per_rank_home: int | None = None
+                             ) -> tuple[list[dict[str, int]], list[int]]:
+        """Ledger terms per rank when each rank recomputes the fewest pairs it must
+        (a rank that cannot fit even so is shown with every pair recomputed), and those
+        per-rank recompute counts (-1: does not fit)."""
+        counts = self._rank_counts(plan, tokens_per_rank_home)
+        rec = [self.recompute_needed(*c) for c in counts]
+        terms = [self.terms(*c, c[3] if n < 0 else n) for c, n in zip(counts, rec)]
+        return terms, rec
 
     def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
         """Raise :class:`LrmoeError` if a rank exceeds the budget; return the terms."""

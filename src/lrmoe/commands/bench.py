@@ -35,6 +35,9 @@ def register(sub) -> None:
                         "target)")
     t.add_argument("--mem-budget", default=None, help="bytes per rank for the MoE experts, "
                    "e.g. 40GiB (default: no budget)")
+    t.add_argument("--budget-retain-fraction", type=float, default=None, metavar="F",
+                   help="instead of --mem-budget: the bytes of a perfectly balanced static rank "
+                        "that retains only F of its pairs (memory binds by construction)")
     t.add_argument("--slots-per-rank", type=int, default=None,
                    help="symi slots per rank (default: largest that fits the budget, else "
                         "E/G+2); lrmoe: most slots per rank")
@@ -58,6 +61,9 @@ def register(sub) -> None:
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
     t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
+                        "so no compilation lands inside a timed kernel)")
     t.add_argument("--out", required=True, help="output directory")
     t.set_defaults(func=run)
 
@@ -71,24 +77,38 @@ def table(rep: dict) -> str:
 
     tg = rep["target"]
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
-            "final val", "mean step (emulated ms)", "fwd load max/mean", "keep ratio",
-            "ledger peak"]
+            "final val", "mean step (emulated ms)", "expert load max/mean",
+            "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak"]
     lines = [f"Target val loss {tg['val_loss']:.4f} (static at step {tg['static_step']}, "
              f"fraction {tg['fraction']}); link {rep['link']['name']}; EP {rep['config']['ep']}"
-             f" virtual ranks. Times are emulated.", "",
+             f" virtual ranks; budget "
+             f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
+             " per rank. Times are emulated.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rep["policies"].items():
         st = r["steps"]
-        n = len(st)
+        n = max(len(st), 1)
         lines.append("| " + " | ".join([
             name, r["config"], r["budget_status"], fmt(r["steps_to_target"], "d"),
             fmt(r["time_to_target_emulated_s"]), f"{r['final_val_loss']:.4f}",
             f"{r['mean_step_emulated_s'] * 1e3:.3f}",
+            f"{sum(s['expert_load_max_over_mean'] for s in st) / n:.3f}",
             f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
             f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
+            f"{sum(s.get('recompute_ratio', 0.0) for s in st) / n:.3f}",
             fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-"]) + " |")
     ratio = rep["ratio_lrmoe_over_symi_time_to_target_emulated"]
-    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}"]
+    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}", "",
+              "Mean emulated ms per step by stage (slowest virtual rank per stage, summed "
+              "over MoE layers; non_moe = measured / G):", ""]
+    stages = list(next(iter(rep["policies"].values()))["steps"][0]["stages_emulated_s"])
+    lines += ["| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |",
+              "|" + "---|" * (len(stages) + 3)]
+    for name, r in rep["policies"].items():
+        st, n = r["steps"], max(len(r["steps"]), 1)
+        vals = [sum(s["stages_emulated_s"][k] for s in st) / n for k in stages]
+        vals += [sum(s["non_moe_s"] for s in st) / n, r["mean_step_emulated_s"]]
+        lines.append(f"| {name} | " + " | ".join(f"{v * 1e3:.3f}" for v in vals) + " |")
     return "\n".join(lines)
 
 
@@ -133,19 +153,41 @@ def run(args: argparse.Namespace) -> int:
         target_rtol=args.target_rtol,
         device=args.device, data=args.data, max_data_bytes=args.max_data_bytes,
         eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
-        balance=args.balance)
+        balance=args.balance, compile=args.compile,
+        budget_retain_fraction=args.budget_retain_fraction)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    done: dict = {}
+
+    def save_partial(name: str, res: dict) -> None:
+        """Each finished policy's raw result, so a run cut short keeps what it made."""
+        done[name] = {k: v for k, v in res.items() if k != "routing_trace"}
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "ttl_partial.json.tmp"
+        tmp.write_text(json.dumps({"label": "emulated (partial: policies finished so far)",
+                                   "policies": done}))
+        tmp.replace(out / "ttl_partial.json")
+
     try:
-        rep = bench_ttl(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+        rep = bench_ttl(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
+                        on_policy=save_partial)
     finally:
         torch.set_num_threads(threads)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for name, r in rep["policies"].items():
+        trace = {"label": f"routing trace of lrmoe bench ttl, policy {name}",
+                 "model": rep["model"], "ep": rep["config"]["ep"],
+                 "tokens_per_rank": rep["config"]["batch_size"] * rep["config"]["seq_len"]
+                 // rep["config"]["ep"],
+                 "format": "steps[step][moe_layer][expert] = global pairs routed",
+                 "steps": r.pop("routing_trace")}
+        (out / f"routing_trace_{name}.json").write_text(json.dumps(trace))
     (out / "ttl.json").write_text(json.dumps(rep, indent=1))
+    (out / "ttl_partial.json").unlink(missing_ok=True)
     tab = table(rep)
     (out / "ttl.md").write_text("# Time to target loss (emulated)\n\n" + tab + "\n")
     plots(rep, out)

@@ -16,7 +16,11 @@ SYMI (arXiv 2504.19925, NSDI '26), as summarised in SYSTEM.md §4:
   selected (SYMI's backward is exact).
 
 With a memory budget the plan must fit the ledger; :func:`largest_feasible_slots` picks
-the largest ``s`` that does (what a SYMI user would tune by hand).
+the largest ``s`` that does (what a SYMI user would tune by hand). With ``recompute``
+a rank may instead recompute the gate_up output of some pairs in backward
+(:meth:`lrmoe.memory.Ledger.rank_recompute`); :func:`best_slots` then picks the ``s``
+with the lowest busiest-rank work (forward + backward + recompute GEMMs), which is how
+the side-by-side benchmark gives SYMI its best configuration under a budget.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ def contiguous_placement(cnt: list[int], G: int, s: int) -> Tensor:
 
 
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
-              ledger=None) -> Plan:
-    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger."""
+              ledger=None, recompute: bool = False) -> Plan:
+    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
+    (with ``recompute``: if it exceeds it even when recomputing every pair)."""
     G, E = counts_GE.shape
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     s = slots_per_rank
@@ -80,13 +85,16 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     cnt = replica_counts(prev_counts_E, E, G * s)
     plan = full_plan(counts_GE, contiguous_placement(cnt, G, s))
     if ledger is not None and ledger.budget_bytes is not None:
-        terms = ledger.rank_terms(plan)
-        ledger.raise_if_over(terms, f"symi with slots_per_rank={s}")
+        if recompute:
+            terms, _ = ledger.rank_terms_recompute(plan)
+            ledger.raise_if_over(terms, f"symi with slots_per_rank={s} and recompute")
+        else:
+            ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
     return plan
 
 
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
-                           max_slots: int | None = None) -> int:
+                           max_slots: int | None = None, recompute: bool = False) -> int:
     """The largest ``s`` in ``[E/G, max_slots]`` (default ``E``) whose SYMI plan fits.
 
     Memory is not strictly monotone in ``s`` (contiguous placement moves load), so every
@@ -106,7 +114,7 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
         if floor_bytes > ledger.budget_bytes:
             break
         try:
-            plan_symi(counts_GE, s, prev_counts_E, ledger)
+            plan_symi(counts_GE, s, prev_counts_E, ledger, recompute)
             best = s
         except LrmoeError as e:
             first_err = first_err or e
@@ -114,6 +122,56 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
         raise LrmoeError(f"no slots_per_rank >= {lo} fits: "
                          f"{first_err or 'the native experts alone exceed the budget'}")
     return best
+
+
+# forward = 3 GEMM units per pair, backward 6, recomputing gate_up 2 (SwiGLU: gate_up is
+# 2 of the expert's 3 HF-sized matrices)
+_FWD, _BWD, _RECOMPUTE = 3, 6, 2
+
+
+def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
+               max_slots: int | None = None) -> dict[int, int]:
+    """``{s: busiest rank's GEMM work}`` for every ``s`` whose plan fits with recompute.
+
+    Work is counted in units of one ``H·F`` multiply-add per pair: forward 3, backward
+    6, recompute 2 per recomputed pair. Infeasible ``s`` are left out.
+    """
+    G, E = counts_GE.shape
+    hi = E if max_slots is None else max_slots
+    out = {}
+    home_max = int(counts_GE.long().sum(1).max())
+    for s in range(E // G, hi + 1):
+        if (ledger is not None and ledger.budget_bytes is not None
+                and ledger.terms(s, 0, home_max, 0)["total"] > ledger.budget_bytes):
+            break
+        plan = plan_symi(counts_GE, s, prev_counts_E)
+        rec = [0] * G if ledger is None else ledger.rank_recompute(plan)
+        if min(rec) < 0:
+            continue
+        load = plan.rank_load().tolist()
+        out[s] = max((_FWD + _BWD) * n + _RECOMPUTE * r for n, r in zip(load, rec))
+    return out
+
+
+def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
+               max_slots: int | None = None) -> tuple[int, int]:
+    """One ``s`` for a list of count matrices (layers, or profiled steps × layers).
+
+    Prefers the ``s`` that fits (with recompute) the most of them, then the least mean
+    busiest-rank work over those it fits, then the larger ``s``. Returns ``(s, number
+    of matrices it fits)``; raises :class:`LrmoeError` if no ``s`` fits any of them
+    even with recompute.
+    """
+    per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
+    cands = set().union(*(set(d) for d in per)) if per else set()
+    if not cands:
+        raise LrmoeError("no slots_per_rank fits the budget even with activation recompute")
+
+    def key(s):
+        fit = [d[s] for d in per if s in d]
+        return (-len(fit), sum(fit) / len(fit), -s)
+    s = min(cands, key=key)
+    return s, -key(s)[0]
 
 
 @dataclass

@@ -2,8 +2,11 @@
 
 Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
 measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
-alltoall_time` on the exact bytes. Stages run one after another (no overlap is
-modelled). Everything here is **emulated** cluster time, never measured.
+alltoall_time` on the exact bytes. ``bwd_recompute`` (exact policies that recompute to
+fit a budget) is modelled from the rank's measured forward expert time: recomputing
+``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
+SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored). Stages run one
+after another (no overlap is modelled). Everything here is **emulated** cluster time, never measured.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from lrmoe.sim.links import Link, alltoall_time
 from lrmoe.sim.virtual import VirtualStats
 
 STAGES = ("fwd_dispatch", "fwd_experts", "fwd_combine", "bwd_dispatch", "bwd_experts",
-          "bwd_combine", "weight_scatter", "grad_reduce")
+          "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
+RECOMPUTE_SHARE = 2 / 3  # gate_up's share of a SwiGLU expert's forward GEMMs
 
 
 @dataclass
@@ -34,6 +38,7 @@ class StepTimes:
     fwd_combine: float = 0.0
     bwd_dispatch: float = 0.0
     bwd_experts: float = 0.0
+    bwd_recompute: float = 0.0
     bwd_combine: float = 0.0
     weight_scatter: float = 0.0
     grad_reduce: float = 0.0
@@ -80,6 +85,10 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
             out[ex] = alltoall_time(sent, recv, link, G)
     out["fwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
     out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
+    rec = stats.recompute_rows or [0] * G
+    fwd_rows = stats.rows.get("fwd", [0] * G)
+    out["bwd_recompute"] = [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
+                            for f, n, r in zip(out["fwd_experts"], rec, fwd_rows)]
     return out
 
 

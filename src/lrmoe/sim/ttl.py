@@ -30,7 +30,10 @@ process up (allocator, lazy inits), so the first policy is not charged for them.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,7 +42,7 @@ import torch
 from lrmoe.errors import LrmoeError, require
 from lrmoe.memory import Ledger, parse_bytes
 
-OVER_NO_RECOMPUTE = "over budget (no recompute modelled)"
+OVER_BUDGET = "over budget even with recompute"
 
 
 @dataclass
@@ -69,24 +72,30 @@ class TTLConfig:
     eval_batches: int = 4
     min_keep: float = 0.5  # lrmoe planner knobs
     balance: float = 1.0
+    compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
+    budget_retain_fraction: float | None = None  # budget from static's step-1 plan
 
 
-def _counts_E(plan, E: int) -> torch.Tensor:
-    """Global pairs per expert of one plan (assigned + dropped)."""
-    ie, load = plan.inst_expert_GS.reshape(-1), plan.assign_GGS.sum(0).reshape(-1)
-    c = torch.zeros(E, dtype=torch.long).index_add_(0, ie[ie >= 0], load[ie >= 0].long())
-    return c if plan.dropped_GE is None else c + plan.dropped_GE.long().sum(0)
+def _counts_GE(plan, E: int) -> torch.Tensor:
+    """``[G, E]`` pairs each home routed to each expert in one plan (assigned + dropped)."""
+    ie = plan.inst_expert_GS.reshape(-1)
+    load = plan.assign_GGS.reshape(plan.G, -1).long()  # [home, rank*slot]
+    c = torch.zeros(plan.G, E, dtype=torch.long).index_add_(1, ie[ie >= 0], load[:, ie >= 0])
+    return c if plan.dropped_GE is None else c + plan.dropped_GE.long()
 
 
 class VirtualModel:
     """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
 
-    def __init__(self, model, G: int, policy, opts, planner_ledger, sync):
+    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
         from lrmoe.sim.virtual import VirtualEPLayer
 
         self.layers, self.sync, self.wall = [], sync, 0.0
+        self.counts_E: list[torch.Tensor] = []  # this step's global counts per layer
+        self.counts_GE: list[torch.Tensor] = []  # ... and per home rank
         for m in model.moe_layers:
-            v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger)
+            v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
+                               recompute_ledger=recompute_ledger)
             orig = m.forward
             m.forward = self._wrap(m, v, orig)
             self.layers.append(v)
@@ -110,7 +119,10 @@ class VirtualModel:
             t0 = t_now()
             out = v(x)
             m.last_aux_loss = v.last_aux_loss
-            c = _counts_E(v.stats.plan, m.cfg.num_experts)
+            cge = _counts_GE(v.stats.plan, m.cfg.num_experts)
+            self.counts_GE.append(cge)
+            c = cge.sum(0)
+            self.counts_E.append(c)
             m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
             self.wall += t_now() - t0
             if out.requires_grad and x.requires_grad:
@@ -149,22 +161,49 @@ def _warm_up(model, G: int, batch) -> None:
     model.loss(batch[:, :-1], batch[:, 1:])[1].backward()
 
 
-def _choose(name, cfg, mcfg, ledger, first_counts):
-    """``(PolicyConfig, planner ledger, config note, over-budget label or "")``."""
+def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Up to ``n`` evenly spaced steps of a run's ``[G, E]`` counts (all layers), each
+    with its popularity (the previous step's global counts, as SYMI uses them)."""
+    T = len(counts_GE_steps)
+    picks = sorted({min(T - 1, 1 + round(i * (T - 2) / max(n - 1, 1))) for i in range(n)}) \
+        if T > 1 else [0]
+    counts, pops = [], []
+    for t in picks:
+        for layer, c in enumerate(counts_GE_steps[t]):
+            counts.append(c)
+            pops.append(counts_GE_steps[max(t - 1, 0)][layer].sum(0))
+    return counts, pops
+
+
+def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
+    """``(PolicyConfig, planner ledger, recompute ledger, config note, over-budget label)``.
+
+    Exact policies (static, symi) never plan against the ledger (that would stop
+    training); under a budget they recompute the fewest pairs that fit instead
+    (``recompute ledger``). symi's ``s`` is :func:`lrmoe.policy.symi.best_slots` over
+    ``profile`` (the static run's counts at evenly spaced steps: the profiling run a
+    SYMI user would tune ``s`` on), so it fits with recompute at every profiled step.
+    lrmoe plans against the ledger (its retention quotas).
+    """
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
-    from lrmoe.policy.symi import largest_feasible_slots
+    from lrmoe.policy.symi import best_slots, slot_costs
 
     G, E = cfg.ep, mcfg.num_experts
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep)
     slots, note, label = cfg.slots_per_rank, "", ""
+    pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
+        prof_c, prof_p = profile or (first_counts, pops)
         try:
-            slots = min(largest_feasible_slots(ledger, c, None) for c in first_counts)
-            note = f"s={slots}: largest that fits the budget at step 1"
+            slots, n_fit = best_slots(ledger, prof_c, prof_p, max_slots=2 * E // G)
+            note = (f"s={slots}: least busiest-rank work among the s that fit (with "
+                    f"recompute) the most profiled static steps ({n_fit}/{len(prof_c)} "
+                    "step-layers)")
         except LrmoeError:
-            slots, label = E // G, OVER_NO_RECOMPUTE
-            note = f"s={slots} (E/G): no s fits the budget"
+            slots, label = E // G, OVER_BUDGET
+            note = f"s={slots} (E/G): no s fits the budget even with recompute"
     elif name == "symi":
         slots = slots if slots is not None else E // G + 2
         note = f"s={slots}"
@@ -172,10 +211,14 @@ def _choose(name, cfg, mcfg, ledger, first_counts):
         note = f"max slots {slots if slots is not None else E // G + 2}, min_keep {cfg.min_keep}"
     elif name == "static":
         note = f"s={E // G} (natives)"
+        if ledger is not None and not all(E // G in slot_costs(ledger, c, p, E // G)
+                                          for c, p in zip(first_counts, pops)):
+            label = OVER_BUDGET
+    if name != "lrmoe" and ledger is not None:
+        note += ", recompute to fit"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
-    # exact policies plan without the ledger (they would stop training); their ledger
-    # peaks are recorded per step and flagged instead
-    return pc, (ledger if name == "lrmoe" else None), note, label
+    exact = name != "lrmoe"
+    return pc, (None if exact else ledger), (ledger if exact else None), note, label
 
 
 def _val_loss(model, batches, dev, autocast) -> float:
@@ -185,77 +228,114 @@ def _val_loss(model, batches, dev, autocast) -> float:
     return evaluate(model, batches, SimpleNamespace(device=dev, distributed=False), autocast)[0]
 
 
-def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print) -> dict:
+def _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum) -> dict:
+    """One step's record: emulated stage times, loads, ratios, ledger peak (see module doc)."""
+    from lrmoe.sim.cost import step_times
+    from lrmoe.sim.virtual import EXCHANGES
+
+    stats = [v.stats for v in vm.layers]
+    non_moe_meas = max(wall - vm.wall, 0.0)
+    st = step_times(stats, link, non_moe_meas / G)
+    fwd = [s.plan.rank_load().double() for s in stats]
+    bwd = [s.plan.rank_backward_load().double() for s in stats]
+    assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
+    row = {"step": step + 1, "train_loss": loss, "wall_s": wall, "moe_wall_s": vm.wall,
+           "non_moe_measured_s": non_moe_meas, "non_moe_s": st.non_moe,
+           "moe_emulated_s": st.moe, "step_emulated_s": st.total, "cum_emulated_s": cum + st.total,
+           "stages_emulated_s": st.stages(),
+           "fwd_load_max_over_mean": _max_over_mean(fwd),
+           "bwd_load_max_over_mean": _max_over_mean(bwd),
+           "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
+           "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
+           "replicas": sum(s.plan.num_replicas() for s in stats),
+           "expert_load_max_over_mean": sum(float(c.max() / c.double().mean().clamp(min=1e-9))
+                                            for c in vm.counts_E) / len(vm.counts_E)}
+    # per exchange: sum over layers of the critical rank's max(sent, received) bytes and
+    # the number of layers with traffic, so the link model can be re-applied offline
+    row["exchange_critical_bytes"] = {
+        ex: [sum(max(max(a, b) for a, b in zip(s.bytes_sent(ex), s.bytes_recv(ex)))
+                 for s in stats if ex in s.bytes_GG),
+             sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
+        for ex in EXCHANGES}
+    if ledger is not None:
+        terms = [ledger.rank_terms_recompute(s.plan)[0] if rec_ledger else
+                 ledger.rank_terms(s.plan) for s in stats]
+        row["ledger_peak_bytes"] = max(max(t["total"] for t in ts) for ts in terms)
+        row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
+                                  / max(assigned, 1))
+        row["fits"] = all(s.recompute_fits for s in stats) and \
+            row["ledger_peak_bytes"] <= ledger.budget_bytes
+    return row
+
+
+def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
+               profile=None) -> dict:
     from lrmoe.model import MoEForCausalLM
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.registry import make_policy
-    from lrmoe.sim.cost import step_times
     from lrmoe.train.loop import make_autocast
     from lrmoe.train.optim import build_optimizer, build_scheduler
 
     dev, G = torch.device(cfg.device), cfg.ep
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    pc, planner_ledger, note, label = _choose(name, cfg, mcfg, ledger, first_counts)
+    pc, planner_ledger, rec_ledger, note, label = _choose(name, cfg, mcfg, ledger, first_counts,
+                                                          profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
-    vm = VirtualModel(model, G, policy, BackwardOptions(), planner_ledger, sync)
+    vm = VirtualModel(model, G, policy, BackwardOptions(), planner_ledger, sync, rec_ledger)
+    trace, trace_GE = [], []
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
     rows, evals, cum = [], [{"step": 0, "val_loss": _val_loss(model, val_b, dev, autocast),
                              "cum_emulated_s": 0.0}], 0.0
     model.train()
-    for step in range(cfg.steps):
-        vm.set_step(step)
-        vm.wall = 0.0
-        sync()
-        t0 = time.perf_counter()
-        batch = batches.batch(step).to(dev)
-        with autocast():
-            lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        obj.backward()
-        if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        sched.step()
-        model.end_step()
-        sync()
-        wall, loss = time.perf_counter() - t0, float(lm.detach())
-        if not math.isfinite(loss):
-            raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-        stats = [v.stats for v in vm.layers]
-        non_moe_meas = max(wall - vm.wall, 0.0)
-        st = step_times(stats, link, non_moe_meas / G)
-        cum += st.total
-        fwd = [s.plan.rank_load().double() for s in stats]
-        bwd = [s.plan.rank_backward_load().double() for s in stats]
-        assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
-        row = {"step": step + 1, "train_loss": loss, "wall_s": wall, "moe_wall_s": vm.wall,
-               "non_moe_measured_s": non_moe_meas, "non_moe_s": st.non_moe,
-               "moe_emulated_s": st.moe, "step_emulated_s": st.total, "cum_emulated_s": cum,
-               "stages_emulated_s": st.stages(),
-               "fwd_load_max_over_mean": _max_over_mean(fwd),
-               "bwd_load_max_over_mean": _max_over_mean(bwd),
-               "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
-               "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
-               "replicas": sum(s.plan.num_replicas() for s in stats)}
-        if ledger is not None:
-            row["ledger_peak_bytes"] = max(max(t["total"] for t in ledger.rank_terms(s.plan))
-                                           for s in stats)
-        rows.append(row)
-        done = step + 1
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            evals.append({"step": done, "val_loss": _val_loss(model, val_b, dev, autocast),
-                          "cum_emulated_s": cum})
-            log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
-                f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
+    failed = None
+    try:
+        for step in range(cfg.steps):
+            vm.set_step(step)
+            vm.wall, vm.counts_E, vm.counts_GE = 0.0, [], []
+            sync()
+            t0 = time.perf_counter()
+            batch = batches.batch(step).to(dev)
+            with autocast():
+                lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            obj.backward()
+            if cfg.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            sched.step()
+            model.end_step()
+            sync()
+            wall, loss = time.perf_counter() - t0, float(lm.detach())
+            if not math.isfinite(loss):
+                raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
+            row = _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum)
+            cum = row["cum_emulated_s"]
+            trace.append([c.tolist() for c in vm.counts_E])
+            trace_GE.append(vm.counts_GE)
+            rows.append(row)
+            done = step + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                evals.append({"step": done, "val_loss": _val_loss(model, val_b, dev, autocast),
+                              "cum_emulated_s": cum})
+                log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
+                    f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
+    except LrmoeError as e:  # e.g. the lrmoe planner finds no feasible plan this step
+        if name == "static":
+            raise
+        failed = f"stopped at step {len(rows) + 1}: {e}"
+        log(f"[{name}] {failed}")
     res = {"policy": name, "config": note, "steps": rows, "evals": evals,
-           "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget"}
-    if ledger is not None:
+           "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
+           "routing_trace": trace, "failed": failed, "_counts_GE": trace_GE}
+    if failed:
+        res["budget_status"] = failed
+    elif ledger is not None:
         peak = max(r["ledger_peak_bytes"] for r in rows)
-        over = sum(r["ledger_peak_bytes"] > ledger.budget_bytes for r in rows)
+        over = sum(not r["fits"] for r in rows)
         res["ledger_peak_bytes"], res["over_budget_steps"] = peak, over
         res["budget_status"] = label or (f"over budget at {over}/{len(rows)} steps"
                                          if over else "fits")
@@ -275,8 +355,43 @@ def time_to_target(res: dict, target: float, rtol: float = 0.0
     return None, None
 
 
-def bench_ttl(cfg: TTLConfig, log=print) -> dict:
-    """Run every policy and return the report dict (see the module docstring)."""
+def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str) -> int:
+    """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
+    and received pairs) that retains only ``fraction`` of its pairs.
+
+    A benchmark convenience that makes memory bind by construction and does not depend on
+    the routing: below 1 even a balanced exact rank must recompute, and a skewed one more
+    (or, past what recompute can free, it does not fit); lrmoe must trim.
+    """
+    led = Ledger.for_dtype(mcfg, G, None, dtype)
+    pairs = tokens_per_rank * mcfg.num_experts_per_tok
+    t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs)
+    return int(t["total"] - (1 - fraction) * t["retained_acts"])
+
+
+@contextlib.contextmanager
+def _compile_mode(on: bool):
+    """Eager fused kernels unless ``on``: compiling on the first call of each new shape
+    would land inside the timed expert kernels of whichever policy meets it first."""
+    old = os.environ.get("LRMOE_NO_COMPILE")
+    if not on:
+        os.environ["LRMOE_NO_COMPILE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LRMOE_NO_COMPILE", None)
+        else:
+            os.environ["LRMOE_NO_COMPILE"] = old
+
+
+def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
+    """Run every policy and return the report dict (see the module docstring).
+
+    ``on_policy(name, result)`` is called after each policy (e.g. to save partial
+    results of a long run). A policy whose planner fails mid-run (lrmoe with no
+    feasible plan) is reported with ``failed`` and the steps it made.
+    """
     from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
     from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
@@ -301,11 +416,16 @@ def bench_ttl(cfg: TTLConfig, log=print) -> dict:
     mcfg = resolve_model_config(tc, vocab_size=None)
     require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
                                        f"{mcfg.num_experts}")
-    ledger = None
-    if cfg.mem_budget is not None:
-        ledger = Ledger.for_dtype(mcfg, G, parse_bytes(cfg.mem_budget),
-                                  "bf16" if cfg.device == "cuda" else "fp32")
+    require(cfg.mem_budget is None or cfg.budget_retain_fraction is None,
+            "give --mem-budget or --budget-retain-fraction, not both")
+    require(cfg.budget_retain_fraction is None or 0 < cfg.budget_retain_fraction <= 1,
+            f"--budget-retain-fraction {cfg.budget_retain_fraction} must be in (0, 1]")
+    ledger, dtype = None, "bf16" if cfg.device == "cuda" else "fp32"
+    if cfg.mem_budget is not None or cfg.budget_retain_fraction is not None:
         home = cfg.batch_size // G * cfg.seq_len
+        budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
+                  balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype))
+        ledger = Ledger.for_dtype(mcfg, G, budget, dtype)
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
@@ -320,11 +440,23 @@ def bench_ttl(cfg: TTLConfig, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     probe = MoEForCausalLM(mcfg).to(cfg.device)
     first = _first_counts(probe, batches.batch(0).to(cfg.device), G)
-    _warm_up(probe, G, batches.batch(0).to(cfg.device))
+    with _compile_mode(cfg.compile):
+        _warm_up(probe, G, batches.batch(0).to(cfg.device))
     del probe
 
-    results = {p: run_policy(p, cfg, mcfg, batches, val_b, ledger, first, link, log)
-               for p in policies}
+    results, profile = {}, None
+    with _compile_mode(cfg.compile):
+        for p in policies:
+            results[p] = run_policy(p, cfg, mcfg, batches, val_b, ledger, first, link, log,
+                                    profile)
+            counts_GE = results[p].pop("_counts_GE")
+            if p == "static":
+                profile = _profile(counts_GE)
+            gc.collect()
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+            if on_policy is not None:
+                on_policy(p, results[p])
     base = results["static"]["evals"]
     at = math.ceil(cfg.target_fraction * cfg.steps)
     tgt_eval = next(e for e in base if e["step"] >= at)
@@ -332,7 +464,8 @@ def bench_ttl(cfg: TTLConfig, log=print) -> dict:
     for r in results.values():
         st, tt = time_to_target(r, target, cfg.target_rtol)
         r["steps_to_target"], r["time_to_target_emulated_s"] = st, tt
-        r["mean_step_emulated_s"] = sum(s["step_emulated_s"] for s in r["steps"]) / cfg.steps
+        r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
+                                     / max(len(r["steps"]), 1))
     t = {p: results[p]["time_to_target_emulated_s"] for p in ("lrmoe", "symi") if p in results}
     ratio = (t["lrmoe"] / t["symi"] if len(t) == 2 and None not in t.values() and t["symi"] > 0
              else None)

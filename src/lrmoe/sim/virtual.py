@@ -114,6 +114,11 @@ class VirtualStats:
         expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
         saved_act_bytes: activation bytes each rank kept for backward.
         ledger_total_bytes: the ledger's prediction per rank (when a ledger is given).
+        recompute_rows: with a recompute ledger (exact policies under a budget), the
+            pairs whose gate_up output each rank would recompute in backward to fit
+            (:meth:`lrmoe.memory.Ledger.rank_recompute`; all retained rows where even
+            that does not fit, and ``recompute_fits`` is False). The emulator does not
+            change the math for it; :mod:`lrmoe.sim.cost` charges the time (modelled).
     """
 
     plan: Plan
@@ -123,6 +128,8 @@ class VirtualStats:
     expert_ms: dict[str, list[float]] = field(default_factory=dict)
     saved_act_bytes: list[int] = field(default_factory=list)
     ledger_total_bytes: list[int] | None = None
+    recompute_rows: list[int] | None = None
+    recompute_fits: bool = True
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
         """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""
@@ -379,11 +386,14 @@ class VirtualEPLayer:
         generators: per virtual rank, the generator for the ``sampled`` estimator (as
             ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.
         check_plans: validate each plan against the counts.
+        recompute_ledger: for exact policies under a budget: the ledger that decides
+            how many pairs each rank recomputes (``VirtualStats.recompute_rows``).
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
                  backward_opts: BackwardOptions | None = None, ledger=None,
-                 generators: list[torch.Generator | None] | None = None, check_plans: bool = True):
+                 generators: list[torch.Generator | None] | None = None, check_plans: bool = True,
+                 recompute_ledger=None):
         E = layer.cfg.num_experts
         if E % G:
             raise ValueError(f"G={G} does not divide the number of experts {E}")
@@ -392,6 +402,7 @@ class VirtualEPLayer:
         self.layer, self.G, self.policy = layer, G, policy
         self.opts = backward_opts or BackwardOptions()
         self.ledger, self.check_plans = ledger, check_plans
+        self.recompute_ledger = recompute_ledger
         self.generators = generators or [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
@@ -429,6 +440,11 @@ class VirtualEPLayer:
         stats = VirtualStats(plan)
         if self.ledger is not None:
             stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
+        if self.recompute_ledger is not None:
+            rec = self.recompute_ledger.rank_recompute(plan)
+            kept = plan.retain_GGS.sum(dim=(0, 2)).tolist()
+            stats.recompute_rows = [k if n < 0 else n for n, k in zip(rec, kept)]
+            stats.recompute_fits = min(rec) >= 0
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
         w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
         w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)

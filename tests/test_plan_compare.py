@@ -1,0 +1,286 @@
+"""``lrmoe plan --compare`` and the modelled stats behind it (lrmoe.sim.analytic).
+
+The key check: for the same plan, the modelled bytes and rows of every exchange equal
+what the virtual EP emulator records when it actually runs the layer on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dist_util import FixedRouter
+from lrmoe.cli import main
+from lrmoe.commands.plan import RoutingTrace, read_trace, synthetic_counts
+from lrmoe.config import ModelConfig
+from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.model.moe import MoELayer
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.registry import PolicyConfig, make_policy
+from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.symi import plan_symi
+from lrmoe.presets import get_preset
+from lrmoe.sim.analytic import mean_step_times, modelled_stats
+from lrmoe.sim.cost import STAGES, step_times
+from lrmoe.sim.links import LINKS
+from lrmoe.sim.virtual import EXCHANGES, VirtualEPLayer
+
+T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
+RATE = 1e12
+
+
+def small_cfg() -> ModelConfig:
+    return ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=H, num_attention_heads=2,
+                       num_key_value_heads=1, moe_intermediate_size=F, num_experts=E,
+                       num_experts_per_tok=K, num_hidden_layers=1, intermediate_size=32)
+
+
+def small_counts() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randint(0, 5, (G, E), generator=gen)
+    c[:, 3] += 9  # one hot expert
+    return c
+
+
+# ---------------------------------------------------------------------- analytic stats
+def test_modelled_bytes_are_the_hand_computed_sums():
+    cfg, c = small_cfg(), small_counts()
+    per = E // G
+    # natives plus a replica of expert 3 on rank 0 and of expert 1 on rank 3
+    ie = torch.full((G, per + 1), -1, dtype=torch.long)
+    ie[:, :per] = native_placement(G, E)
+    ie[0, per], ie[3, per] = 3, 1
+    full = full_plan(c, ie)
+    sel = (full.assign_GGS * 3) // 4
+    plan = Plan(full.inst_expert_GS, full.assign_GGS, full.assign_GGS.clone(), sel)
+    ba, bw = 2, 4
+    st = modelled_stats(plan, cfg, RATE, bytes_act=ba, bytes_w=bw, recompute_rows=[0, 1, 2, 3])
+
+    for g in range(G):
+        for r in range(G):
+            fwd = sum(int(plan.assign_GGS[g, r, s]) for s in range(plan.S))
+            bwd = sum(int(plan.select_GGS[g, r, s]) for s in range(plan.S))
+            assert st.bytes_GG["fwd_dispatch"][g, r] == fwd * H * ba
+            assert st.bytes_GG["fwd_combine"][r, g] == fwd * H * ba
+            assert st.bytes_GG["bwd_dispatch"][g, r] == bwd * (H * ba + 12)
+            assert st.bytes_GG["bwd_combine"][r, g] == bwd * H * ba
+            # instances on rank r whose expert rank g owns
+            n = sum(1 for e in ie[r].tolist() if e >= 0 and e // per == g)
+            assert st.bytes_GG["weight_scatter"][g, r] == n * 3 * H * F * bw
+            assert st.bytes_GG["grad_reduce"][r, g] == n * 3 * H * F * bw
+    # only the two replicas leave their owner
+    off = st.rows_GG["weight_scatter"] - torch.diag(torch.diagonal(st.rows_GG["weight_scatter"]))
+    assert int(off.sum()) == 2
+
+    assert st.rows["fwd"] == plan.rank_load().tolist()
+    assert st.rows["selected"] == st.rows["bwd"] == plan.rank_backward_load().tolist()
+    assert st.recompute_rows == [0, 1, 2, 3]
+    for r in range(G):
+        assert st.expert_ms["fwd"][r] == pytest.approx(st.rows["fwd"][r] * 6 * H * F / RATE * 1e3)
+        assert st.expert_ms["bwd"][r] == pytest.approx(st.rows["bwd"][r] * 12 * H * F / RATE * 1e3)
+        assert st.saved_act_bytes[r] == st.rows["retained"][r] * (H + 2 * F) * ba
+
+
+def test_modelled_times_go_through_step_times():
+    cfg, c = small_cfg(), small_counts()
+    plan = full_plan(c, native_placement(G, E))
+    st = modelled_stats(plan, cfg, RATE, recompute_rows=[0] * G)
+    link = LINKS["ib"]
+    times = mean_step_times([st, st], link)
+    once = step_times(st, link)
+    assert times.label == "modelled"
+    for s in STAGES:
+        assert getattr(times, s) == pytest.approx(getattr(once, s))
+    assert times.fwd_experts == pytest.approx(max(plan.rank_load().tolist()) * 6 * H * F / RATE)
+    assert times.weight_scatter == 0.0  # static: every instance is on its owner
+
+
+def _emulated_stats(policy, ledger=None):
+    """Run the layer over G virtual ranks on CPU (fp32) and return its stats."""
+    gen = torch.Generator().manual_seed(1)
+    cfg = small_cfg()
+    torch.manual_seed(1)
+    layer = MoELayer(cfg, 0)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(G * T)])
+    idx[:, 0] = torch.where(torch.rand(G * T, generator=gen) < 0.5, 3, idx[:, 0])  # skew
+    idx[:, 1] = torch.where(idx[:, 1] == idx[:, 0], (idx[:, 0] + 1) % E, idx[:, 1])
+    layer.router = FixedRouter(idx, E, H)
+    layer.prev_counts_E = torch.bincount(idx.flatten(), minlength=E)
+    v = VirtualEPLayer(layer, G, policy, ledger=ledger)
+    x = torch.randn(G * T, H, generator=gen, requires_grad=True)
+    v(x).sum().backward()
+    return cfg, v.stats
+
+
+def _budget_ledger(cfg, counts):
+    """A one-layer fp32 ledger halfway between the smallest plan and the static plan."""
+    lo = Ledger(cfg, G, None, 4, 4, 1)
+    floor = max(t["total"] for t in lo.feasible_minimum(counts))
+    full = max(t["total"] for t in lo.rank_terms(full_plan(counts, native_placement(G, E))))
+    return Ledger(cfg, G, (floor + full) // 2, 4, 4, 1)
+
+
+@pytest.mark.parametrize("name", ["static", "symi", "lrmoe"])
+def test_modelled_bytes_equal_the_emulators(name):
+    cfg = small_cfg()
+    ledger = None
+    if name == "static":
+        policy = StaticPolicy()
+    elif name == "symi":
+        policy = make_policy(PolicyConfig("symi", slots_per_rank=E // G + 2), cfg, G)
+    else:
+        policy = make_policy(PolicyConfig("lrmoe"), cfg, G)
+        _, probe = _emulated_stats(StaticPolicy())
+        counts = probe.plan.assign_GGS.reshape(G, E)  # natives: [g, r, s] is expert r*E/G + s
+        ledger = _budget_ledger(cfg, counts)
+    _, emu = _emulated_stats(policy, ledger)
+    plan = emu.plan
+    if name == "symi":
+        assert plan.num_replicas() > 0
+    if name == "lrmoe":
+        assert not plan.exact and plan.num_replicas() > 0
+        assert max(t["total"] for t in ledger.rank_terms(plan)) <= ledger.budget_bytes
+    mod = modelled_stats(plan, cfg, RATE, bytes_act=4, bytes_w=4)
+    for ex in EXCHANGES:
+        assert torch.equal(mod.bytes_GG[ex], emu.bytes_GG[ex]), ex
+        assert torch.equal(mod.rows_GG[ex], emu.rows_GG[ex]), ex
+    for k in ("fwd", "retained", "bwd", "selected"):
+        assert mod.rows[k] == emu.rows[k], k
+    assert mod.saved_act_bytes == emu.saved_act_bytes
+    # with the emulator's measured kernel times swapped in, the link stages agree exactly
+    mod.expert_ms = emu.expert_ms
+    a, b = step_times(mod, LINKS["nvlink"]), step_times(emu, LINKS["nvlink"])
+    assert a.stages() == pytest.approx(b.stages())
+
+
+# ---------------------------------------------------------------------- the command
+TINY = ["--preset", "tiny-qwen3", "--tokens-per-rank", "256"]
+
+
+def _compare(tmp_path, capsys, *extra):
+    out = tmp_path / "cmp.json"
+    rc = main(["plan", "--compare", *TINY, "--json", str(out), *extra])
+    return rc, capsys.readouterr(), out
+
+
+def test_compare_rows_fit_and_budgets(tmp_path, capsys):
+    eps, budgets = [2, 4], ["12MiB", "13.5MiB", "64MiB"]
+    rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "2,4", "--budgets", ",".join(budgets))
+    assert rc == 0, cap.err
+    rep = json.loads(out.read_text())
+    assert rep["label"] == "modelled"
+    got = [(r["ep"], r["budget"], r["policy"]) for r in rep["rows"]]
+    assert got == [(g, b, p) for g in eps for b in budgets for p in ("static", "symi", "lrmoe")]
+    assert "does not fit" in cap.out and "modelled" in cap.out
+    assert "not modelled: non-MoE time" in cap.out
+    time_keys = {k for r in rep["rows"] for k in r if k.endswith("_ms")}
+    assert time_keys == {"modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms"}
+
+    cfg = get_preset("tiny-qwen3")
+    L = len(cfg.moe_layers)
+    for r in rep["rows"]:
+        budget = parse_bytes(r["budget"])
+        if not r["fits"]:
+            assert r["reason"] and r["modelled_layer_ms"] is None
+            continue
+        assert r["peak_bytes"] <= budget
+        assert r["modelled_all_layers_ms"] == pytest.approx(r["modelled_layer_ms"] * L)
+        assert r["modelled_layer_ms"] == pytest.approx(sum(r["modelled_stages_ms"].values()))
+        # exact policies fit at the ledger level once they recompute
+        G_ = r["ep"]
+        ledger = Ledger.for_dtype(cfg, G_, budget, "bf16")
+        counts = synthetic_counts(G_, 16, 256, 2, 1.0)
+        if r["policy"] == "static":
+            plan = full_plan(counts, native_placement(G_, 16))
+        elif r["policy"] == "symi":
+            plan = plan_symi(counts, r["slots_per_rank"], counts.sum(0))
+        else:
+            plan = make_policy(PolicyConfig("lrmoe"), cfg, G_).plan(
+                counts, PlanInputs(prev_counts_E=counts.sum(0), ledger=ledger))
+            assert max(t["total"] for t in ledger.rank_terms(plan)) <= budget
+            continue
+        terms, rec = ledger.rank_terms_recompute(plan)
+        assert min(rec) >= 0 and max(t["total"] for t in terms) <= budget
+        assert r["recompute_ratio"] == pytest.approx(sum(rec) / int(plan.assign_GGS.sum()))
+    by = {(r["ep"], r["budget"], r["policy"]): r for r in rep["rows"]}
+    # ep 2: the owned state alone exceeds 12 MiB; ep 4 at 13.5 MiB: static recomputes
+    assert all(not by[(2, "12MiB", p)]["fits"] for p in ("static", "symi", "lrmoe"))
+    assert "owned state" in by[(2, "12MiB", "lrmoe")]["reason"]
+    assert by[(4, "13.5MiB", "static")]["fits"] and by[(4, "13.5MiB", "static")]["recompute_ratio"] > 0
+    lr, sy = by[(4, "64MiB", "lrmoe")], by[(4, "64MiB", "symi")]
+    assert lr["lrmoe_over_symi"] == pytest.approx(lr["modelled_layer_ms"] / sy["modelled_layer_ms"])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--ep-list", "3"], "do not divide"),
+    (["--ep-list", "a,b"], "--ep-list"),
+    (["--ep-list", "4", "--budgets", "lots"], "--budgets"),
+    (["--ep-list", "4", "--gemm-tflops", "0"], "--gemm-tflops"),
+])
+def test_compare_bad_input_is_exit_2(tmp_path, capsys, argv, msg):
+    rc, cap, out = _compare(tmp_path, capsys, *argv)
+    assert rc == 2 and msg in cap.err and len(cap.err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_plan_needs_ep_without_compare(capsys):
+    assert main(["plan", *TINY]) == 2
+    assert "--ep is required without --compare" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- routing traces
+def _trace(n_steps: int, layers: int, experts: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    steps = [[(torch.randint(1, 50, (experts,), generator=gen) * (1 + (torch.arange(experts) == s % experts)
+                                                                 * 10)).tolist()
+              for _ in range(layers)] for s in range(n_steps)]
+    return {"label": "routing trace of lrmoe bench ttl, policy static",
+            "model": {"model_type": "qwen3_moe", "num_experts": experts}, "ep": 2,
+            "tokens_per_rank": 64, "format": "steps[step][moe_layer][expert] = global pairs routed",
+            "steps": steps}
+
+
+def test_read_trace_samples_and_rescales():
+    data = _trace(5, 3, 16)
+    tr = read_trace("t.json", data, 16, 2, 3)
+    assert isinstance(tr, RoutingTrace) and tr.n_steps == 5 and tr.steps == [0, 2, 4]
+    assert len(tr.loads_E) == 9
+    want = [max(layer) / (sum(layer) / 16) for s in (0, 2, 4) for layer in data["steps"][s]]
+    assert tr.skew == pytest.approx(sum(want) / len(want))
+    assert read_trace("t.json", data, 16, 2, 1).steps == [4]  # the last step always
+    assert read_trace("t.json", data, 16, 2, 50).steps == [0, 1, 2, 3, 4]
+    for c in tr.counts(4, 100, 2):
+        assert c.shape == (4, 16) and int(c.sum()) == 4 * 100 * 2
+        assert int(c.sum(0).max()) <= 4 * 100  # one pair per token
+
+
+def test_compare_with_trace(tmp_path, capsys):
+    p = tmp_path / "routing_trace_static.json"
+    p.write_text(json.dumps(_trace(6, 4, 16)))
+    rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "4", "--budgets", "64MiB",
+                            "--loads", str(p), "--trace-steps", "2")
+    assert rc == 0, cap.err
+    assert str(p) in cap.out and "steps [2, 5] of 6" in cap.out and "observed skew" in cap.out
+    rep = json.loads(out.read_text())
+    assert rep["loads"]["steps_sampled"] == [2, 5] and rep["loads"]["samples"] == 8
+    assert all(r["fits"] for r in rep["rows"])
+
+
+def test_trace_errors_are_one_line_exit_2(tmp_path, capsys):
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps(_trace(3, 2, 8)))
+    rc, cap, _ = _compare(tmp_path, capsys, "--ep-list", "4", "--loads", str(p))
+    assert rc == 2 and "8 experts per layer; the model has 16" in cap.err
+    assert len(cap.err.strip().splitlines()) == 1
+    p.write_text('{"steps": [[[1, 2')
+    rc, cap, _ = _compare(tmp_path, capsys, "--ep-list", "4", "--loads", str(p))
+    assert rc == 2 and "not valid JSON" in cap.err and len(cap.err.strip().splitlines()) == 1
+    p.write_text(json.dumps({"steps": [[[1, 2], [3]]]}))
+    rc, cap, _ = _compare(tmp_path, capsys, "--ep-list", "4", "--loads", str(p))
+    assert rc == 2 and "routing trace" in cap.err
+    p.write_text(json.dumps(_trace(3, 2, 16)))
+    assert main(["plan", *TINY, "--ep", "4", "--loads", str(p)]) == 2
+    assert "use it with --compare" in capsys.readouterr().err

@@ -13,7 +13,7 @@ case $W in
   glm) CFG=benchmarks/configs/glm-4.5-air-layer-2L.json ;;
   *) echo "unknown workload $W" >&2; exit 2 ;;
 esac
-COMMON="--config $CFG --ep 8 --batch-size 128 --seq-len 256 --lr $LR --device cuda --eval-batches 2 --seed 0"
+COMMON="--config $CFG --ep 8 --batch-size 128 --seq-len 256 --lr $LR --device cuda --eval-batches 6 --seed 0"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m lrmoe bench ttl $COMMON --policies static --steps 4 --eval-every 0 \
   --out "$OUT/${W}_calib" > "$OUT/${W}_calib.log" 2>&1 || { cat "$OUT/${W}_calib.log"; exit 1; }
@@ -28,7 +28,7 @@ print(f"calibration: {per:.3f} s/step wall (static) -> {max(40, min(400, steps))
       file=sys.stderr)
 PY
 )
-EVERY=$((STEPS / 10))
+EVERY=$((STEPS / 20))
 echo "workload $W: $STEPS steps, eval every $EVERY, budget fraction $F, lr $LR"
 python3 -m lrmoe bench ttl $COMMON --steps "$STEPS" --eval-every "$EVERY" \
   --budget-retain-fraction "$F" --link nvlink --out "$OUT/$W" 2>&1 | tee "$OUT/$W.log"

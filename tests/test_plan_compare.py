@@ -229,6 +229,13 @@ def test_compare_bad_input_is_exit_2(tmp_path, capsys, argv, msg):
 def test_plan_needs_ep_without_compare(capsys):
     assert main(["plan", *TINY]) == 2
     assert "--ep is required without --compare" in capsys.readouterr().err
+    assert main(["plan", "--compare", *TINY, "--ep", "4"]) == 2
+    assert "--ep-list" in capsys.readouterr().err
+
+
+def test_plan_help_renders(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "742 TFLOP/s" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- routing traces

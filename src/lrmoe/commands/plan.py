@@ -32,16 +32,14 @@ from lrmoe.policy.capacity import apportion
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy
-from lrmoe.policy.symi import best_slots, largest_feasible_slots, plan_symi
+from lrmoe.policy.symi import largest_feasible_slots
 from lrmoe.presets import get_preset
-from lrmoe.sim.analytic import mean_step_times, modelled_stats
+from lrmoe.sim.analytic import PROJECTED, project_policy
 from lrmoe.sim.cost import STAGES
 from lrmoe.sim.links import LINKS, get_link
 
 _SHORT = {"owned_state": "owned", "instance_weights": "inst_w", "instance_grads": "inst_g",
           "buffers": "buffers", "retained_acts": "retained"}
-COMPARED = ("static", "symi", "lrmoe")
 GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H200
 GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
                "one H200 (benchmarks/RESULTS.md)")
@@ -60,8 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--policy", default="static", help=f"one of {', '.join(POLICY_NAMES)}")
     p.add_argument("--slots-per-rank", type=int, default=None,
                    help="symi: slots per rank (default: the largest that fits --mem-budget, "
-                        "else E/G+2; with --compare the s of least modelled work); lrmoe: "
-                        "most slots per rank")
+                        "else E/G+2; with --compare the s of least busiest-rank GEMM work); "
+                        "lrmoe: most slots per rank")
     p.add_argument("--mem-budget", default=None,
                    help="bytes per rank for all MoE layers' experts, e.g. 40GiB")
     p.add_argument("--loads", default=None,
@@ -89,7 +87,7 @@ def register(subparsers) -> None:
                    help="routing trace: steps sampled, evenly spaced, always the last")
     c.add_argument("--gemm-tflops", type=float, default=GEMM_TFLOPS,
                    help=f"modelled expert GEMM rate per rank (default {GEMM_TFLOPS:g}: "
-                        f"{GEMM_SOURCE})")
+                        + GEMM_SOURCE.replace("%", "%%") + ")")
     c.add_argument("--link", default="nvlink", choices=tuple(LINKS),
                    help="link preset of the modelled all-to-alls (lrmoe.sim.links)")
     c.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
@@ -376,76 +374,6 @@ def _budget_list(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def compare_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
-                   args: argparse.Namespace, link, rate_flops: float) -> dict:
-    """One row of the projection: ``name`` under ``ledger``'s budget for every sample.
-
-    static and symi are exact and recompute the fewest pairs that fit (the emulator's
-    rule); symi's ``s`` is :func:`lrmoe.policy.symi.best_slots` over all samples unless
-    ``--slots-per-rank`` fixes it. lrmoe plans against the ledger.
-    """
-    G = ledger.G
-    row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
-           "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
-           "recompute_ratio": None, "replicas": None, "slots_per_rank": None,
-           "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
-           "lrmoe_over_symi": None}
-    floor = max(t["total"] for t in ledger.feasible_minimum())
-    if floor > ledger.budget_bytes:
-        row["reason"] = (f"owned state and native instances alone need {fmt_bytes(floor)} "
-                         f"> budget {fmt_bytes(ledger.budget_bytes)}")
-        return row
-    pops = [c.sum(0) for c in samples]
-    try:
-        if name == "static":
-            plans = [StaticPolicy().plan(c, PlanInputs()) for c in samples]
-        elif name == "symi":
-            s = args.slots_per_rank
-            if s is None:
-                s, _ = best_slots(ledger, samples, pops)  # the most samples fitted first
-            row["slots_per_rank"] = s
-            plans = [plan_symi(c, s, p) for c, p in zip(samples, pops)]
-        else:
-            policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=args.slots_per_rank,
-                                              lrmoe=_lrmoe_config(args)), cfg, G)
-            plans = [policy.plan(c, PlanInputs(prev_counts_E=p, ledger=ledger))
-                     for c, p in zip(samples, pops)]
-    except LrmoeError as e:
-        row["reason"] = str(e)
-        return row
-
-    recs: list[list[int] | None] = []
-    peak = 0
-    for plan in plans:
-        if name == "lrmoe":
-            terms, rec = ledger.rank_terms(plan), None
-        else:
-            terms, rec = ledger.rank_terms_recompute(plan)
-        peak = max(peak, max(t["total"] for t in terms))
-        recs.append(rec)
-    assigned = sum(int(p.assign_GGS.sum()) for p in plans)
-    row["peak_bytes"] = peak
-    row["replicas"] = sum(p.num_replicas() for p in plans) / len(plans)
-    if name == "lrmoe":
-        row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
-        row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
-    over = sum(rec is not None and min(rec) < 0 for rec in recs)
-    if over:
-        row["reason"] = "over budget even when recomputing every pair" + (
-            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
-        return row
-    if name != "lrmoe":
-        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
-    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec)
-             for p, rec in zip(plans, recs)]
-    st = mean_step_times(stats, link)
-    row["fits"] = True
-    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
-    row["modelled_layer_ms"] = st.moe * 1e3
-    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
-    return row
-
-
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -479,6 +407,10 @@ def compare_tables(rows: list[dict]) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    require(args.ep is None, f"--ep={args.ep} is not used with --compare; give the EP sizes "
+                             "with --ep-list")
+    require(args.mem_budget is None, "--mem-budget is not used with --compare; give the "
+                                     "budgets with --budgets")
     cfg = _model(args)
     E, k, T = cfg.num_experts, cfg.num_experts_per_tok, args.tokens_per_rank
     eps = _int_list(args.ep_list, "--ep-list")
@@ -489,6 +421,9 @@ def run_compare(args: argparse.Namespace) -> int:
             f"--gemm-tflops={args.gemm_tflops} must be a positive number")
     require(T >= 1, f"--tokens-per-rank={T} must be >= 1")
     link, rate = get_link(args.link), args.gemm_tflops * 1e12
+    if args.json:  # fail before the work, not after
+        parent = Path(args.json).resolve().parent
+        require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")
 
     trace, data = None, None
     if args.loads:
@@ -496,7 +431,7 @@ def run_compare(args: argparse.Namespace) -> int:
         if _is_trace(data):
             trace = read_trace(args.loads, data, E, k, args.trace_steps)
     if trace is not None:
-        loads = {"source": "trace", "file": args.loads, "trace_steps": trace.n_steps,
+        loads = {"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
                  "steps_sampled": trace.steps, "samples": len(trace.loads_E),
                  "observed_skew_max_over_mean": trace.skew}
         what = (f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} (0-based), "
@@ -519,11 +454,11 @@ def run_compare(args: argparse.Namespace) -> int:
             samples = [synthetic_counts(G, E, T, k, args.skew, args.seed)]
         for text, budget in budgets:
             ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
-            group = {}
-            for name in COMPARED:
-                row = compare_policy(name, cfg, ledger, samples, args, link, rate)
-                group[name] = row = {"budget": text, **row}
-                rows.append(row)
+            group = {name: {"budget": text,
+                            **project_policy(name, cfg, ledger, samples, link, rate,
+                                             _lrmoe_config(args), args.slots_per_rank)}
+                     for name in PROJECTED}
+            rows += group.values()
             lr, sy = group["lrmoe"], group["symi"]
             if lr["fits"] and sy["fits"]:
                 lr["lrmoe_over_symi"] = lr["modelled_layer_ms"] / sy["modelled_layer_ms"]
@@ -551,7 +486,9 @@ def run_compare(args: argparse.Namespace) -> int:
         out = {"label": "modelled", "model": name, "E": E, "top_k": k, "H": cfg.hidden_size,
                "F": cfg.moe_intermediate_size, "moe_layers": L, "dtype": args.dtype,
                "tokens_per_rank": T, "loads": loads, "gemm_tflops": args.gemm_tflops,
-               "gemm_source": GEMM_SOURCE, "link": link.name, "not_modelled": list(NOT_MODELLED),
+               "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
+               "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,
+                        "latency_s": link.latency_s, "source": link.source},
                "rows": rows}
         try:
             Path(args.json).write_text(json.dumps(out, indent=1))

@@ -26,13 +26,26 @@ a SwiGLU expert is three ``H×F`` GEMMs, so a pair costs ``6HF`` flops in forwar
 ``12HF`` in backward (input and weight gradients), at a fixed ``rate_flops``. That
 assumes every grouped GEMM runs at the same rate whatever its size; backward is charged
 for the selected (compacted) rows only, as the runtime runs it.
+
+:func:`project_policy` is the scale projection of ``lrmoe plan --compare``: one policy
+under one per-rank budget, by the emulator's rules (exact policies recompute the fewest
+pairs that fit; lrmoe plans against the ledger), with modelled times averaged over
+several count matrices (e.g. sampled steps and layers of a routing trace).
 """
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from lrmoe.config import ModelConfig
-from lrmoe.errors import require
+from lrmoe.errors import LrmoeError, require
+from lrmoe.memory import Ledger, fmt_bytes
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
+from lrmoe.policy.registry import PolicyConfig, make_policy
+from lrmoe.policy.static import StaticPolicy
+from lrmoe.policy.symi import best_slots, plan_symi
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
@@ -40,6 +53,7 @@ from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
 FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
 BWD_FLOPS_PER_HF = 12   # dX and dW of each of them
 BWD_ROW_EXTRA_BYTES = 12  # per shipped backward row: its row index (int64) and scale (fp32)
+PROJECTED = ("static", "symi", "lrmoe")
 
 
 def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: int = 2,
@@ -105,3 +119,86 @@ def mean_step_times(stats: list[VirtualStats], link: Link) -> StepTimes:
     for k in STAGES:
         setattr(out, k, sum(getattr(r, k) for r in runs) / len(runs))
     return out
+
+
+def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
+                   link: Link, rate_flops: float, lrmoe: LrmoeConfig | None = None,
+                   slots_per_rank: int | None = None) -> dict:
+    """``name`` (one of :data:`PROJECTED`) under ``ledger``'s budget, for every sample.
+
+    static and symi are exact and recompute the fewest pairs that fit
+    (:meth:`lrmoe.memory.Ledger.rank_terms_recompute`, as the emulator); symi's ``s`` is
+    :func:`lrmoe.policy.symi.best_slots` over all samples unless ``slots_per_rank`` fixes
+    it. lrmoe plans against the ledger (``slots_per_rank``: its most slots per rank).
+    Nothing fits when even the owned state and the native instances
+    (:meth:`lrmoe.memory.Ledger.feasible_minimum`) exceed the budget.
+
+    Args:
+        samples: ``[G, E]`` count matrices; popularity is each one's own (steady state).
+    Returns:
+        A JSON-ready row: ``fits`` (and ``reason`` when not), ledger ``peak_bytes``,
+        ``keep_ratio``/``retain_ratio`` (lrmoe), ``recompute_ratio`` (static, symi),
+        mean ``replicas``, symi's ``slots_per_rank`` and, when it fits, the mean over
+        samples of the modelled ms per MoE layer (total and per stage) and × L.
+    """
+    require(name in PROJECTED, f"policy {name!r} is not projected; use one of {PROJECTED}")
+    G = ledger.G
+    row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
+           "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
+           "recompute_ratio": None, "replicas": None, "slots_per_rank": None,
+           "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
+           "lrmoe_over_symi": None}
+    floor = max(t["total"] for t in ledger.feasible_minimum())
+    if floor > ledger.budget_bytes:
+        row["reason"] = (f"owned state and native instances alone need {fmt_bytes(floor)} "
+                         f"> budget {fmt_bytes(ledger.budget_bytes)}")
+        return row
+    pops = [c.sum(0) for c in samples]
+    try:
+        if name == "static":
+            plans = [StaticPolicy().plan(c, PlanInputs()) for c in samples]
+        elif name == "symi":
+            s = slots_per_rank
+            if s is None:
+                s, _ = best_slots(ledger, samples, pops)  # the most samples fitted first
+            row["slots_per_rank"] = s
+            plans = [plan_symi(c, s, p) for c, p in zip(samples, pops)]
+        else:
+            policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
+                                              lrmoe=lrmoe or LrmoeConfig()), cfg, G)
+            plans = [policy.plan(c, PlanInputs(prev_counts_E=p, ledger=ledger))
+                     for c, p in zip(samples, pops)]
+    except LrmoeError as e:
+        row["reason"] = str(e)
+        return row
+
+    recs: list[list[int] | None] = []
+    peak = 0
+    for plan in plans:
+        if name == "lrmoe":
+            terms, rec = ledger.rank_terms(plan), None
+        else:
+            terms, rec = ledger.rank_terms_recompute(plan)
+        peak = max(peak, max(t["total"] for t in terms))
+        recs.append(rec)
+    assigned = sum(int(p.assign_GGS.sum()) for p in plans)
+    row["peak_bytes"] = peak
+    row["replicas"] = sum(p.num_replicas() for p in plans) / len(plans)
+    if name == "lrmoe":
+        row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
+        row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
+    over = sum(rec is not None and min(rec) < 0 for rec in recs)
+    if over:
+        row["reason"] = "over budget even when recomputing every pair" + (
+            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
+        return row
+    if name != "lrmoe":
+        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
+    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec)
+             for p, rec in zip(plans, recs)]
+    st = mean_step_times(stats, link)
+    row["fits"] = True
+    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
+    row["modelled_layer_ms"] = st.moe * 1e3
+    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
+    return row

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Time-to-target workloads of issue 7 on the device machine (one H200), EP 8 virtual ranks:
-#   bash benchmarks/gpu_ttl_runs.sh OUTDIR WORKLOAD [SECONDS] [FRACTION] [LR]
+#   bash benchmarks/gpu_ttl_runs.sh OUTDIR WORKLOAD [SECONDS] [FRACTION] [LR] [bench ttl flags...]
 # WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers) or glm (GLM-4.5-Air-shaped).
 # A 4-step static calibration measures the step wall time; the run's step count is then
 # sized so all three policies fit in about SECONDS. Budget: --budget-retain-fraction
 # FRACTION (a balanced static rank keeping FRACTION of its pairs). Times are emulated.
 set -euo pipefail
 OUT=${1:?outdir}; W=${2:?workload}; SECS=${3:-420}; F=${4:-0.8}; LR=${5:-1e-3}
+shift $(( $# < 5 ? $# : 5 )); EXTRA=("$@")  # more bench ttl flags, e.g. --lrmoe-max-slots 24
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 case $W in
   qwen3) CFG=benchmarks/configs/qwen3-30b-a3b-layer-2L.json ;;
@@ -31,4 +32,4 @@ PY
 EVERY=$((STEPS / 20))
 echo "workload $W: $STEPS steps, eval every $EVERY, budget fraction $F, lr $LR"
 python3 -m lrmoe bench ttl $COMMON --steps "$STEPS" --eval-every "$EVERY" \
-  --budget-retain-fraction "$F" --link nvlink --out "$OUT/$W" 2>&1 | tee "$OUT/$W.log"
+  --budget-retain-fraction "$F" --link nvlink "${EXTRA[@]}" --out "$OUT/$W" 2>&1 | tee "$OUT/$W.log"

@@ -20,7 +20,8 @@ The plan is built in three passes (SYSTEM.md §4 lrmoe), each deterministic:
    exact); under a tight budget a replica trades some of its host's retention (one
    instance's bytes plus its buffers) for forward balance, never leaving the host
    worse off than the worst rank already is, nor below ``min_keep`` of a balanced
-   rank's backward work. Stop when no expert improves the objective, the slots run
+   rank's backward work (while a rank at the maximum load does not fit at all, a
+   destination need only stay feasible: any plan beats none). Stop when no expert improves the objective, the slots run
    out or ``max_replicas_per_step`` is reached. Each expert's pairs are split evenly over its
    instances (re-split after every addition; first instances in slot order get +1).
 2. **Retention quotas.** Each rank retains ``min(received, affordable)`` pairs, where
@@ -154,6 +155,11 @@ def _place_replicas(c: Tensor, S: int, cfg: LrmoeConfig, ledger) -> Tensor:
             level = math.ceil(cfg.min_keep * sum(k) / G)
             frac = min((Fraction(k[r], rank_load[r]) for r in range(G) if rank_load[r]),
                        default=Fraction(1))
+            if any(ledger.retain_capacity(n_inst[r], rank_load[r], home[r])
+                   < min(n_inst[r], rank_load[r]) for r in hot):
+                # a hot rank does not fit at all yet: any destination that still fits
+                # (one pair per instance) is better than no plan
+                level, frac = 0, Fraction(0)
         done = False
         for e in cands:
             held = {r for r, _ in inst_of[e]}

@@ -72,6 +72,7 @@ class TTLConfig:
     eval_batches: int = 4
     min_keep: float = 0.5  # lrmoe planner knobs
     balance: float = 1.0
+    lrmoe_max_slots: int | None = None
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
 
@@ -208,6 +209,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         slots = slots if slots is not None else E // G + 2
         note = f"s={slots}"
     elif name == "lrmoe":
+        slots = cfg.lrmoe_max_slots if cfg.lrmoe_max_slots is not None else slots
         note = f"max slots {slots if slots is not None else E // G + 2}, min_keep {cfg.min_keep}"
     elif name == "static":
         note = f"s={E // G} (natives)"

@@ -22,8 +22,9 @@ The plan is built in three passes (SYSTEM.md §4 lrmoe), each deterministic:
    worse off than the worst rank already is, nor below ``min_keep`` of a balanced
    rank's backward work (while a rank at the maximum load does not fit at all, a
    destination need only stay feasible: any plan beats none). Stop when no expert
-   improves the objective, the slots run out or ``max_replicas_per_step`` is reached. Each expert's pairs are split evenly over its
-   instances (re-split after every addition; first instances in slot order get +1).
+   improves the objective, the slots run out or ``max_replicas_per_step`` is reached.
+   Each expert's pairs are split evenly over its instances (re-split after every
+   addition; first instances in slot order get +1).
 2. **Retention quotas.** Each rank retains ``min(received, affordable)`` pairs, where
    ``affordable`` is what its budget has left after owned state, instances and buffers
    (everything, without a budget). The rank's quota goes first one pair to each

@@ -45,7 +45,7 @@ from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy
-from lrmoe.policy.symi import best_slots, plan_symi
+from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
@@ -121,6 +121,30 @@ def mean_step_times(stats: list[VirtualStats], link: Link) -> StepTimes:
     return out
 
 
+def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
+                       pops: list[Tensor], link: Link, rate_flops: float,
+                       probe: int = 4) -> int:
+    """symi's ``s`` for a projection: among the ``s`` that fit every sample (with
+    recompute), the one with the least modelled MoE time (GEMMs, recompute *and* the
+    exchanges, weight scatter and gradient reduce included) on up to ``probe`` evenly
+    spaced samples; ties to the larger ``s``. Falls back to
+    :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample."""
+    per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
+    common = sorted(set.intersection(*(set(d) for d in per))) if per else []
+    if not common:
+        return best_slots(ledger, samples, pops)[0]
+    idx = sorted({round(i * (len(samples) - 1) / max(probe - 1, 1)) for i in range(probe)})
+
+    def modelled(s: int) -> float:
+        st = []
+        for i in idx:
+            plan = plan_symi(samples[i], s, pops[i])
+            rec = ledger.rank_recompute(plan)
+            st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec))
+        return mean_step_times(st, link).moe
+    return min(common, key=lambda s: (modelled(s), -s))
+
+
 def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
                    link: Link, rate_flops: float, lrmoe: LrmoeConfig | None = None,
                    slots_per_rank: int | None = None) -> dict:
@@ -128,8 +152,8 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
 
     static and symi are exact and recompute the fewest pairs that fit
     (:meth:`lrmoe.memory.Ledger.rank_terms_recompute`, as the emulator); symi's ``s`` is
-    :func:`lrmoe.policy.symi.best_slots` over all samples unless ``slots_per_rank`` fixes
-    it. lrmoe plans against the ledger (``slots_per_rank``: its most slots per rank).
+    :func:`fastest_symi_slots` unless ``slots_per_rank`` fixes it. lrmoe plans against the
+    ledger (``slots_per_rank``: its most slots per rank).
     Nothing fits when even the owned state and the native instances
     (:meth:`lrmoe.memory.Ledger.feasible_minimum`) exceed the budget.
 
@@ -160,7 +184,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         elif name == "symi":
             s = slots_per_rank
             if s is None:
-                s, _ = best_slots(ledger, samples, pops)  # the most samples fitted first
+                s = fastest_symi_slots(cfg, ledger, samples, pops, link, rate_flops)
             row["slots_per_rank"] = s
             plans = [plan_symi(c, s, p) for c, p in zip(samples, pops)]
         else:

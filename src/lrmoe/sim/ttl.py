@@ -73,6 +73,7 @@ class TTLConfig:
     min_keep: float = 0.5  # lrmoe planner knobs
     balance: float = 1.0
     lrmoe_max_slots: int | None = None
+    estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
 
@@ -210,7 +211,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note = f"s={slots}"
     elif name == "lrmoe":
         slots = cfg.lrmoe_max_slots if cfg.lrmoe_max_slots is not None else slots
-        note = f"max slots {slots if slots is not None else E // G + 2}, min_keep {cfg.min_keep}"
+        note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
+                f"{cfg.min_keep}, {cfg.estimator}")
     elif name == "static":
         note = f"s={E // G} (natives)"
         if ledger is not None and not all(E // G in slot_costs(ledger, c, p, E // G)
@@ -285,7 +287,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
-    vm = VirtualModel(model, G, policy, BackwardOptions(), planner_ledger, sync, rec_ledger)
+    vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator), planner_ledger,
+                      sync, rec_ledger)
     trace, trace_GE = [], []
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)

@@ -14,8 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from lrmoe.commands.bench import fmt
 from lrmoe.memory import fmt_bytes
 from lrmoe.sim.links import get_link
+from lrmoe.sim.ttl import time_to_target
 
 
 def repriced(step: dict, old, new, G: int) -> float:
@@ -26,13 +28,6 @@ def repriced(step: dict, old, new, G: int) -> float:
             t += (crit / new.effective_Bps + n * new.latency_s * (G - 1)
                   - crit / old.effective_Bps - n * old.latency_s * (G - 1))
     return t
-
-
-def first_reach(r: dict, target: float, rtol: float, times: list[float]):
-    for e in r["evals"]:
-        if e["step"] > 0 and e["val_loss"] <= target * (1 + rtol):
-            return e["step"], sum(times[: e["step"]])
-    return None, None
 
 
 def summarize(run: Path) -> str:
@@ -53,12 +48,11 @@ def summarize(run: Path) -> str:
         n = max(len(st), 1)
         t_nv = [s["step_emulated_s"] for s in st]
         t_ib = [repriced(s, nv, ib, G) for s in st]
-        s_nv, tt_nv = first_reach(r, tg["val_loss"], tg["rtol"], t_nv)
-        _, tt_ib = first_reach(r, tg["val_loss"], tg["rtol"], t_ib)
+        s_nv, _ = time_to_target(r, tg["val_loss"], tg["rtol"])
+        tt_nv, tt_ib = (None, None) if s_nv is None else (sum(t_nv[:s_nv]), sum(t_ib[:s_nv]))
         tt[name] = (tt_nv, tt_ib)
-        f = (lambda v, k=".3f": "never" if v is None else format(v, k))
         out.append("| " + " | ".join([
-            name, r["budget_status"][:60], f(s_nv, "d"), f(tt_nv), f(tt_ib),
+            name, r["budget_status"][:60], fmt(s_nv, "d"), fmt(tt_nv, ".3f"), fmt(tt_ib, ".3f"),
             f"{r['final_val_loss']:.4f}", f"{sum(t_nv) / n * 1e3:.2f}",
             f"{sum(s['moe_emulated_s'] for s in st) / n * 1e3:.2f}",
             f"{sum(t_ib) / n * 1e3:.2f}",

@@ -72,3 +72,49 @@ def test_ttl_bad_batch(tmp_path, capsys):
                "--out", str(tmp_path / "y")])
     assert rc == 2
     assert "--batch-size 6" in capsys.readouterr().err
+
+
+def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
+    """Under a binding budget: exact policies are charged recompute (and stay exact),
+    lrmoe stays within the budget, and the routing trace feeds `plan --compare`."""
+    out = tmp_path / "b"
+    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--budget-retain-fraction", "0.8",
+                      "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "ttl.json").read_text())
+    budget = rep["budget_bytes"]
+    assert budget > 0 and not (out / "ttl_partial.json").exists()
+    st, sy, lr = (rep["policies"][p] for p in ("static", "symi", "lrmoe"))
+    for r in (st, sy):
+        assert all("recompute_ratio" in s and s["keep_ratio"] == 1 for s in r["steps"])
+        assert "recompute to fit" in r["config"]
+    # the balanced budget keeps 80% of a balanced rank: a skewed static rank recomputes
+    assert max(s["recompute_ratio"] for s in st["steps"]) > 0
+    assert max(s["stages_emulated_s"]["bwd_recompute"] for s in st["steps"]) > 0
+    a = torch.tensor([s["train_loss"] for s in st["steps"]])
+    b = torch.tensor([s["train_loss"] for s in sy["steps"]])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # recompute never changes math
+    if lr["failed"] is None:
+        assert all(s["ledger_peak_bytes"] <= budget and s["fits"] for s in lr["steps"])
+        assert lr["budget_status"] == "fits"
+    for p in ("static", "symi", "lrmoe"):
+        trace = json.loads((out / f"routing_trace_{p}.json").read_text())
+        assert len(trace["steps"]) == len(rep["policies"][p]["steps"])
+        assert trace["tokens_per_rank"] == 4 * 32 // 2
+    capsys.readouterr()
+    js = tmp_path / "cmp.json"
+    rc = main(["plan", "--compare", "--preset", "tiny-qwen3", "--ep-list", "2,4",
+               "--budgets", "1GiB", "--loads", str(out / "routing_trace_static.json"),
+               "--tokens-per-rank", "64", "--json", str(js)])
+    assert rc == 0 and "modelled" in capsys.readouterr().out
+    rows = json.loads(js.read_text())["rows"]
+    assert {(r["ep"], r["policy"]) for r in rows} >= {(2, "static"), (4, "lrmoe")}
+
+
+def test_ttl_budget_options_exclusive(tmp_path, capsys):
+    rc = main(ARGS + ["--mem-budget", "1GiB", "--budget-retain-fraction", "0.5",
+                      "--out", str(tmp_path / "z")])
+    assert rc == 2 and "not both" in capsys.readouterr().err
+    rc = main(ARGS + ["--budget-retain-fraction", "1.5", "--out", str(tmp_path / "z")])
+    assert rc == 2 and "--budget-retain-fraction" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()

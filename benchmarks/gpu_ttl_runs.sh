@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Time-to-target workloads of issue 7 on the device machine (one H200), EP 8 virtual ranks:
 #   bash benchmarks/gpu_ttl_runs.sh OUTDIR WORKLOAD [SECONDS] [FRACTION] [LR] [bench ttl flags...]
-# WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers) or glm (GLM-4.5-Air-shaped).
+# WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers), glm (GLM-4.5-Air-shaped) or
+# glm_fastbias (the same with loss-free bias rate 0.01: routing collapsed at 0.001).
 # A 4-step static calibration measures the step wall time; the run's step count is then
 # sized so all three policies fit in about SECONDS. Budget: --budget-retain-fraction
 # FRACTION (a balanced static rank keeping FRACTION of its pairs). Times are emulated.
@@ -12,6 +13,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 case $W in
   qwen3) CFG=benchmarks/configs/qwen3-30b-a3b-layer-2L.json ;;
   glm) CFG=benchmarks/configs/glm-4.5-air-layer-2L.json ;;
+  glm_fastbias) CFG=benchmarks/configs/glm-4.5-air-layer-2L-fastbias.json ;;  # bias rate 0.01
   *) echo "unknown workload $W" >&2; exit 2 ;;
 esac
 COMMON="--config $CFG --ep 8 --batch-size 128 --seq-len 256 --lr $LR --device cuda --eval-batches 6 --seed 0"

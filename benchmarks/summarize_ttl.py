@@ -6,11 +6,20 @@ Per policy: steps and emulated time to the target, final validation loss, mean e
 step and MoE time, routing skew, keep / recompute ratios, budget status; then the same
 emulated times with the exchanges re-priced for InfiniBand from the per-step critical
 bytes the run recorded (``exchange_critical_bytes``). Everything here is EMULATED.
+
+``--layer-checkpoint`` (for runs made before exact policies could fall back to a
+whole-layer checkpoint): static's and symi's plans are rebuilt from the recorded routing
+trace (symi with the run's ``s`` and the previous step's popularity; homes split
+evenly, which leaves every rank's received pairs unchanged), each (step, layer) is
+classified by :meth:`lrmoe.memory.Ledger.exact_fit`, and every step with a layer that
+needed the checkpoint is re-charged its forward dispatch + experts + combine stages in
+place of the run's per-pair recompute (all layers of that step: an upper estimate).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +37,71 @@ def repriced(step: dict, old, new, G: int) -> float:
             t += (crit / new.effective_Bps + n * new.latency_s * (G - 1)
                   - crit / old.effective_Bps - n * old.latency_s * (G - 1))
     return t
+
+
+def layer_checkpoint_modes(run: Path, rep: dict, name: str) -> list[list[str]]:
+    """Per step and MoE layer, ``Ledger.exact_fit``'s mode for static or symi."""
+    import torch
+
+    from lrmoe.commands.plan import spread_over_homes
+    from lrmoe.config import ModelConfig
+    from lrmoe.memory import Ledger
+    from lrmoe.policy.plan import full_plan
+    from lrmoe.policy.static import native_placement
+    from lrmoe.policy.symi import plan_symi
+
+    cfg = ModelConfig.from_hf_dict(rep["model"])
+    G, E = rep["config"]["ep"], cfg.num_experts
+    led = Ledger.for_dtype(cfg, G, rep["budget_bytes"], "bf16")
+    trace = json.loads((run / f"routing_trace_{name}.json").read_text())["steps"]
+    s = int(re.match(r"s=(\d+)", rep["policies"][name]["config"]).group(1))
+    modes = []
+    for t, layers in enumerate(trace):
+        row = []
+        for li, c in enumerate(layers):
+            counts = spread_over_homes(torch.tensor(c), G)
+            if name == "static":
+                plan = full_plan(counts, native_placement(G, E))
+            else:
+                prev = torch.tensor(trace[t - 1][li]) if t else None
+                plan = plan_symi(counts, s, prev)
+            row.append(led.exact_fit(plan)[0])
+        modes.append(row)
+    return modes
+
+
+def with_layer_checkpoint(run: Path, rep: dict, name: str) -> tuple[list[float], int, int]:
+    """``(step times, steps re-charged, steps over budget even so)`` (see module doc)."""
+    modes = layer_checkpoint_modes(run, rep, name)
+    times, n_layer, n_over = [], 0, 0
+    for st, m in zip(rep["policies"][name]["steps"], modes):
+        t = st["step_emulated_s"]
+        if "over" in m:
+            n_over += 1
+        if "layer" in m or "over" in m:
+            n_layer += 1
+            g = st["stages_emulated_s"]
+            t += g["fwd_dispatch"] + g["fwd_experts"] + g["fwd_combine"] - g["bwd_recompute"]
+        times.append(t)
+    return times, n_layer, n_over
+
+
+def checkpoint_section(run: Path) -> str:
+    rep = json.loads((run / "ttl.json").read_text())
+    tg, out, tt = rep["target"], [], {}
+    for name in ("static", "symi"):
+        times, n_layer, n_over = with_layer_checkpoint(run, rep, name)
+        step, _ = time_to_target(rep["policies"][name], tg["val_loss"], tg["rtol"])
+        tt[name] = None if step is None else sum(times[:step])
+        out.append(f"- {name}: whole-layer checkpoint at {n_layer}/{len(times)} steps, over "
+                   f"budget even so at {n_over}; mean step {sum(times) / len(times) * 1e3:.2f} ms; "
+                   f"time to target {fmt(tt[name], '.3f')} s (NVLink)")
+    lr = rep["policies"]["lrmoe"]
+    ls, _ = time_to_target(lr, tg["val_loss"], tg["rtol"])
+    lt = None if ls is None else sum(s["step_emulated_s"] for s in lr["steps"][:ls])
+    ratio = None if None in (lt, tt["symi"]) else lt / tt["symi"]
+    out.append(f"- lrmoe/symi time to target with symi's layer checkpoint: {fmt(ratio, '.3f', 'n/a')}")
+    return "\n".join(out)
 
 
 def summarize(run: Path) -> str:
@@ -76,4 +150,11 @@ def summarize(run: Path) -> str:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(summarize(Path(p)) for p in sys.argv[1:]))
+    args = [a for a in sys.argv[1:] if a != "--layer-checkpoint"]
+    for p in args:
+        print(summarize(Path(p)))
+        if "--layer-checkpoint" in sys.argv:
+            print("\nexact policies with a whole-layer checkpoint where per-pair recompute "
+                  "does not fit (modelled, see --help):")
+            print(checkpoint_section(Path(p)))
+        print()

@@ -167,17 +167,32 @@ def test_recompute_needed_is_the_fewest_pairs_that_fit():
         led0.terms(n_inst, recv, home, kept, kept + 1)
 
 
-def test_rank_terms_recompute_per_rank():
+def test_exact_fit_modes():
+    """fits -> pairs (fewest gate_up recomputes per rank) -> layer (no retained
+    activations, every received row re-run) -> over, as the budget shrinks."""
     cfg = _cfg()
     G, E = 2, cfg.num_experts
     counts = torch.tensor([[30, 1, 1, 1, 9, 1, 1, 1], [25, 2, 0, 1, 3, 1, 1, 1]])
     plan = full_plan(counts, native_placement(G, E))
-    plain = Ledger(cfg, G).rank_terms(plan)
-    budget = (plain[0]["total"] + plain[1]["total"]) // 2  # rank 0 (hot) over, rank 1 fits
-    assert plain[0]["total"] > budget >= plain[1]["total"]
+    free = Ledger(cfg, G)
+    plain = free.rank_terms(plan)
+    recv = plan.assign_GGS.sum(dim=(0, 2)).tolist()
+    full_rec = [free.terms(4, recv[r], int(counts[r].sum()), recv[r], recv[r])["total"]
+                for r in range(G)]
+    none_kept = [free.terms(4, recv[r], int(counts[r].sum()), 0)["total"] for r in range(G)]
+    assert Ledger(cfg, G, max(t["total"] for t in plain)).exact_fit(plan)[:2] == ("fits", [0, 0])
+    # rank 0 (hot) over, rank 1 fits: only rank 0 recomputes, the fewest pairs
+    budget = (plain[0]["total"] + plain[1]["total"]) // 2
     led = Ledger(cfg, G, budget)
-    terms, rec = led.rank_terms_recompute(plan)
-    assert rec[1] == 0 and terms[1] == plain[1]
-    if rec[0] >= 0:
-        assert 0 < rec[0] and terms[0]["total"] <= budget
-    assert led.rank_recompute(plan) == rec
+    mode, rec, terms = led.exact_fit(plan)
+    assert rec == led.rank_recompute(plan)
+    if max(full_rec) <= budget:
+        assert mode == "pairs" and rec[0] > 0 and rec[1] == 0 and terms[1] == plain[1]
+        assert max(t["total"] for t in terms) <= budget
+    # below what recomputing every pair allows, but above the layer checkpoint's need
+    led = Ledger(cfg, G, (max(full_rec) + max(none_kept)) // 2)
+    mode, rows, terms = led.exact_fit(plan)
+    assert mode == "layer" and rows == recv
+    assert all(t["retained_acts"] == 0 for t in terms)
+    assert max(t["total"] for t in terms) <= led.budget_bytes
+    assert Ledger(cfg, G, max(none_kept) - 1).exact_fit(plan)[0] == "over"

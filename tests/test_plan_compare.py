@@ -202,8 +202,8 @@ def test_compare_rows_fit_and_budgets(tmp_path, capsys):
                 counts, PlanInputs(prev_counts_E=counts.sum(0), ledger=ledger))
             assert max(t["total"] for t in ledger.rank_terms(plan)) <= budget
             continue
-        terms, rec = ledger.rank_terms_recompute(plan)
-        assert min(rec) >= 0 and max(t["total"] for t in terms) <= budget
+        mode, rec, terms = ledger.exact_fit(plan)
+        assert mode != "over" and max(t["total"] for t in terms) <= budget
         assert r["recompute_ratio"] == pytest.approx(sum(rec) / int(plan.assign_GGS.sum()))
     by = {(r["ep"], r["budget"], r["policy"]): r for r in rep["rows"]}
     # ep 2: the owned state alone exceeds 12 MiB; ep 4 at 13.5 MiB: static recomputes

@@ -384,9 +384,10 @@ def test_symi_best_slots_with_recompute():
     assert costs, "some s must fit with recompute at this budget"
     for s, c in costs.items():
         plan = plan_symi(counts, s, pop, led, recompute=True)  # does not raise
-        terms, rec = led.rank_terms_recompute(plan)
-        assert min(rec) > 0 or max(t["total"] for t in terms) <= budget
-        assert c == max(9 * n + 2 * r for n, r in zip(plan.rank_load().tolist(), rec))
+        mode, rec, terms = led.exact_fit(plan)
+        assert mode in ("pairs", "layer") and max(t["total"] for t in terms) <= budget
+        unit = 2 if mode == "pairs" else 3
+        assert c == max(9 * n + unit * r for n, r in zip(plan.rank_load().tolist(), rec))
     best, n_fit = best_slots(led, [counts, counts], [pop, pop])
     assert n_fit == 2 and costs[best] == min(costs.values())
     assert best == max(s for s, c in costs.items() if c == costs[best])

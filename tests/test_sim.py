@@ -214,8 +214,9 @@ def test_emulate_step_with_registry_policies():
 
 
 def test_recompute_ledger_charges_time_not_math():
-    """An exact policy over budget recomputes: same tensors as without, recompute rows
-    from the ledger, and bwd_recompute = n/R · 2/3 of each rank's forward expert time."""
+    """An exact policy over budget recomputes: same tensors as without; the ledger
+    decides the mode and rows; ``pairs`` costs n/R · 2/3 of each rank's forward expert
+    time, a whole-layer checkpoint its forward dispatch + experts + combine."""
     from lrmoe.memory import Ledger
     from lrmoe.sim.cost import RECOMPUTE_SHARE, rank_stage_seconds
 
@@ -223,22 +224,31 @@ def test_recompute_ledger_charges_time_not_math():
     layer, idx, x, coeff = make_case(5)
     plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
                      torch.arange(E).reshape(G, E // G))
-    plain = Ledger(layer.cfg, G, num_moe_layers=1).rank_terms(plan)
-    budget = sorted(t["total"] for t in plain)[G // 2]  # the busier half must recompute
-    led = Ledger(layer.cfg, G, budget, num_moe_layers=1)
-    v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
-    got = run(v, layer, x, coeff)
-    for k in got:
-        close(got[k], base[k], k)
-    rec = led.rank_recompute(v.stats.plan)
-    assert v.stats.recompute_fits == (min(rec) >= 0)
-    kept = v.stats.plan.retain_GGS.sum(dim=(0, 2)).tolist()
-    assert v.stats.recompute_rows == [k if n < 0 else n for n, k in zip(rec, kept)]
-    assert any(n != 0 for n in rec) and any(n == 0 for n in rec)
-    per = rank_stage_seconds(v.stats, LINKS["nvlink"])
-    for r in range(G):
-        want = (v.stats.expert_ms["fwd"][r] / 1e3 * RECOMPUTE_SHARE
-                * v.stats.recompute_rows[r] / v.stats.rows["fwd"][r])
-        assert per["bwd_recompute"][r] == pytest.approx(want)
-    assert step_times(v.stats, LINKS["nvlink"]).bwd_recompute == pytest.approx(
-        max(per["bwd_recompute"]))
+    free = Ledger(layer.cfg, G, num_moe_layers=1)
+    plain = max(t["total"] for t in free.rank_terms(plan))
+    cnt = free._rank_counts(plan, None)
+    all_rec = max(free.terms(*c, c[3])["total"] for c in cnt)
+    none_kept = max(free.terms(*c[:3], 0)["total"] for c in cnt)
+    assert none_kept < all_rec < plain
+    for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer"),
+                         (none_kept - 1, "over")):
+        led = Ledger(layer.cfg, G, budget, num_moe_layers=1)
+        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+        got = run(v, layer, x, coeff)
+        for k in got:
+            close(got[k], base[k], k)
+        mode, rows, _ = led.exact_fit(v.stats.plan)
+        assert mode == want == v.stats.recompute_mode and v.stats.recompute_rows == rows
+        assert v.stats.recompute_fits == (want != "over")
+        per = rank_stage_seconds(v.stats, LINKS["nvlink"])
+        for r in range(G):
+            if want == "pairs":
+                exp = (v.stats.expert_ms["fwd"][r] / 1e3 * RECOMPUTE_SHARE
+                       * rows[r] / v.stats.rows["fwd"][r])
+            else:
+                exp = per["fwd_dispatch"][r] + per["fwd_experts"][r] + per["fwd_combine"][r]
+            assert per["bwd_recompute"][r] == pytest.approx(exp)
+        if want == "pairs":
+            assert any(n == 0 for n in rows) and any(n > 0 for n in rows)
+        assert step_times(v.stats, LINKS["nvlink"]).bwd_recompute == pytest.approx(
+            max(per["bwd_recompute"]))

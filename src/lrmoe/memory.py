@@ -34,6 +34,10 @@ retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer ×
   output is recomputed in backward keeps only its input row, ``H · bytes_act``, and
   costs one more gate_up GEMM (2 of the expert's 3 GEMMs in the forward) in backward.
   An exact policy over budget recomputes the fewest pairs that make the rank fit.
+  Where even recomputing every pair does not fit, it checkpoints the whole MoE layer
+  (:meth:`Ledger.exact_fit`, mode ``"layer"``): nothing is retained on the expert ranks
+  (the layer's input is the residual stream, saved outside this ledger) and backward
+  re-runs the layer's forward dispatch, experts and combine first.
 
 Plans are per layer; the budget is for all MoE layers together, so the check assumes
 every layer's plan looks like the one checked: per-layer terms × L, buffers once.
@@ -299,15 +303,24 @@ class Ledger:
         """Per rank, :meth:`recompute_needed` for ``plan`` (-1: does not fit at all)."""
         return [self.recompute_needed(*c) for c in self._rank_counts(plan, tokens_per_rank_home)]
 
-    def rank_terms_recompute(self, plan, tokens_per_rank_home: int | None = None
-                             ) -> tuple[list[dict[str, int]], list[int]]:
-        """Ledger terms per rank when each rank recomputes the fewest pairs it must
-        (a rank that cannot fit even so is shown with every pair recomputed), and those
-        per-rank recompute counts (-1: does not fit)."""
+    def exact_fit(self, plan, tokens_per_rank_home: int | None = None
+                  ) -> tuple[str, list[int], list[dict[str, int]]]:
+        """How an exact (every pair in backward) plan meets the budget, cheapest first.
+
+        Returns ``(mode, recomputed rows per rank, terms per rank)``, mode one of:
+        ``"fits"`` (nothing recomputed), ``"pairs"`` (the fewest pairs' gate_up outputs
+        recomputed per rank, :meth:`rank_recompute`), ``"layer"`` (whole-layer
+        checkpoint: no retained activations, every received row re-run forward in
+        backward), ``"over"`` (even that does not fit; terms of the layer checkpoint).
+        """
         counts = self._rank_counts(plan, tokens_per_rank_home)
         rec = [self.recompute_needed(*c) for c in counts]
-        terms = [self.terms(*c, c[3] if n < 0 else n) for c, n in zip(counts, rec)]
-        return terms, rec
+        if min(rec) >= 0:
+            terms = [self.terms(*c, n) for c, n in zip(counts, rec)]
+            return ("fits" if max(rec) == 0 else "pairs"), rec, terms
+        terms = [self.terms(n, R, h, 0) for n, R, h, _ in counts]
+        mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
+        return mode, [R for _, R, _, _ in counts], terms
 
     def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
         """Raise :class:`LrmoeError` if a rank exceeds the budget; return the terms."""

@@ -139,7 +139,7 @@ def synthetic_counts(G: int, E: int, tokens_per_rank: int, top_k: int, skew: flo
     return row[None, :].repeat(G, 1)
 
 
-def _spread_over_homes(total_E: Tensor, G: int) -> Tensor:
+def spread_over_homes(total_E: Tensor, G: int) -> Tensor:
     """``[G, E]``: each expert's pairs split evenly over the G home ranks."""
     return apportion(total_E, torch.ones(G, total_E.numel(), dtype=torch.long) * (total_E.max() + 1))
 
@@ -177,7 +177,7 @@ def load_counts(path: str, G: int, E: int, data=None) -> Tensor:
     if t.dim() == 1:
         require(t.numel() == E, f"--loads {path} has {t.numel()} counts; the model has {E} "
                                 "experts")
-        return _spread_over_homes(t, G)
+        return spread_over_homes(t, G)
     require(t.dim() == 2 and tuple(t.shape) == (G, E),
             f"--loads {path} matrix has shape {tuple(t.shape)}; want (--ep, experts) = "
             f"{(G, E)}")
@@ -206,7 +206,7 @@ class RoutingTrace:
         """Per sample, ``[G, E]`` loads rescaled to ``G·T·k`` pairs (at most ``G·T`` per
         expert: one pair per token), each expert's pairs spread evenly over the homes."""
         pairs, cap = G * tokens_per_rank * top_k, G * tokens_per_rank
-        return [_spread_over_homes(_water_fill(c.double(), pairs, cap), G) for c in self.loads_E]
+        return [spread_over_homes(_water_fill(c.double(), pairs, cap), G) for c in self.loads_E]
 
 
 def read_trace(path: str, data: dict, E: int, top_k: int, n_samples: int) -> RoutingTrace:

@@ -86,7 +86,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     plan = full_plan(counts_GE, contiguous_placement(cnt, G, s))
     if ledger is not None and ledger.budget_bytes is not None:
         if recompute:
-            terms, _ = ledger.rank_terms_recompute(plan)
+            _, _, terms = ledger.exact_fit(plan)
             ledger.raise_if_over(terms, f"symi with slots_per_rank={s} and recompute")
         else:
             ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
@@ -125,8 +125,8 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
 
 
 # forward = 3 GEMM units per pair, backward 6, recomputing gate_up 2 (SwiGLU: gate_up is
-# 2 of the expert's 3 HF-sized matrices)
-_FWD, _BWD, _RECOMPUTE = 3, 6, 2
+# 2 of the expert's 3 HF-sized matrices), a whole-layer checkpoint re-runs the forward: 3
+_FWD, _BWD, _RECOMPUTE = 3, 6, {"fits": 0, "pairs": 2, "layer": 3}
 
 
 def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
@@ -134,7 +134,8 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
     """``{s: busiest rank's GEMM work}`` for every ``s`` whose plan fits with recompute.
 
     Work is counted in units of one ``H·F`` multiply-add per pair: forward 3, backward
-    6, recompute 2 per recomputed pair. Infeasible ``s`` are left out.
+    6, and per recomputed row 2 (gate_up only) or 3 (a whole-layer checkpoint,
+    :meth:`lrmoe.memory.Ledger.exact_fit`). Infeasible ``s`` are left out.
     """
     G, E = counts_GE.shape
     hi = E if max_slots is None else max_slots
@@ -145,11 +146,11 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                 and ledger.terms(s, 0, home_max, 0)["total"] > ledger.budget_bytes):
             break
         plan = plan_symi(counts_GE, s, prev_counts_E)
-        rec = [0] * G if ledger is None else ledger.rank_recompute(plan)
-        if min(rec) < 0:
+        mode, rec = ("fits", [0] * G) if ledger is None else ledger.exact_fit(plan)[:2]
+        if mode == "over":
             continue
         load = plan.rank_load().tolist()
-        out[s] = max((_FWD + _BWD) * n + _RECOMPUTE * r for n, r in zip(load, rec))
+        out[s] = max((_FWD + _BWD) * n + _RECOMPUTE[mode] * r for n, r in zip(load, rec))
     return out
 
 

@@ -57,7 +57,8 @@ PROJECTED = ("static", "symi", "lrmoe")
 
 
 def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: int = 2,
-                   bytes_w: int = 2, recompute_rows: list[int] | None = None) -> VirtualStats:
+                   bytes_w: int = 2, recompute_rows: list[int] | None = None,
+                   recompute_mode: str = "pairs") -> VirtualStats:
     """MODELLED stats of one layer's step under ``plan``: nothing runs, nothing is timed.
 
     Args:
@@ -67,8 +68,10 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
         rate_flops: flop/s each rank's expert GEMMs achieve (e.g. 440e12).
         bytes_act: bytes per element of activations and exchanged rows.
         bytes_w: bytes per element of the instance weights and their gradients.
-        recompute_rows: per rank, pairs whose gate_up output is recomputed in backward
-            (exact policies under a budget); :mod:`lrmoe.sim.cost` charges them.
+        recompute_rows: per rank, rows re-run forward in backward (exact policies under
+            a budget); :mod:`lrmoe.sim.cost` charges them.
+        recompute_mode: :meth:`lrmoe.memory.Ledger.exact_fit`'s mode (``pairs``: gate_up
+            of those rows; ``layer``: a whole-layer checkpoint).
     Returns:
         A :class:`VirtualStats` with ``rows``, ``rows_GG``, ``bytes_GG``, ``expert_ms``
         (modelled) and ``saved_act_bytes``.
@@ -80,7 +83,7 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
         require(len(recompute_rows) == G,
                 f"recompute_rows has {len(recompute_rows)} entries, the plan has {G} ranks")
     stats = VirtualStats(plan, recompute_rows=None if recompute_rows is None
-                         else [int(n) for n in recompute_rows])
+                         else [int(n) for n in recompute_rows], recompute_mode=recompute_mode)
 
     fwd_GG = plan.assign_GGS.sum(2)
     bwd_GG = plan.select_GGS.sum(2)
@@ -139,8 +142,9 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
         st = []
         for i in idx:
             plan = plan_symi(samples[i], s, pops[i])
-            rec = ledger.rank_recompute(plan)
-            st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec))
+            mode, rec, _ = ledger.exact_fit(plan)
+            st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec,
+                                     mode))
         return mean_step_times(st, link).moe
     return min(common, key=lambda s: (modelled(s), -s))
 
@@ -151,7 +155,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     """``name`` (one of :data:`PROJECTED`) under ``ledger``'s budget, for every sample.
 
     static and symi are exact and recompute the fewest pairs that fit
-    (:meth:`lrmoe.memory.Ledger.rank_terms_recompute`, as the emulator); symi's ``s`` is
+    (:meth:`lrmoe.memory.Ledger.exact_fit`, as the emulator); symi's ``s`` is
     :func:`fastest_symi_slots` unless ``slots_per_rank`` fixes it. lrmoe plans against the
     ledger (``slots_per_rank``: its most slots per rank).
     Nothing fits when even the owned state and the native instances
@@ -169,7 +173,8 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     G = ledger.G
     row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
            "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
-           "recompute_ratio": None, "replicas": None, "slots_per_rank": None,
+           "recompute_ratio": None, "layer_checkpoint_share": None, "replicas": None,
+           "slots_per_rank": None,
            "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
            "lrmoe_over_symi": None}
     floor = max(t["total"] for t in ledger.feasible_minimum())
@@ -197,29 +202,32 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         return row
 
     recs: list[list[int] | None] = []
+    modes: list[str] = []
     peak = 0
     for plan in plans:
         if name == "lrmoe":
-            terms, rec = ledger.rank_terms(plan), None
+            mode, rec, terms = "fits", None, ledger.rank_terms(plan)
         else:
-            terms, rec = ledger.rank_terms_recompute(plan)
+            mode, rec, terms = ledger.exact_fit(plan)
         peak = max(peak, max(t["total"] for t in terms))
         recs.append(rec)
+        modes.append(mode)
     assigned = sum(int(p.assign_GGS.sum()) for p in plans)
     row["peak_bytes"] = peak
     row["replicas"] = sum(p.num_replicas() for p in plans) / len(plans)
     if name == "lrmoe":
         row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
         row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
-    over = sum(rec is not None and min(rec) < 0 for rec in recs)
+    over = modes.count("over")
     if over:
-        row["reason"] = "over budget even when recomputing every pair" + (
+        row["reason"] = "over budget even with a whole-layer checkpoint" + (
             f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
         return row
     if name != "lrmoe":
         row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
-    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec)
-             for p, rec in zip(plans, recs)]
+        row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
+    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode)
+             for p, rec, mode in zip(plans, recs, modes)]
     st = mean_step_times(stats, link)
     row["fits"] = True
     row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}

@@ -5,8 +5,10 @@ measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
 alltoall_time` on the exact bytes. ``bwd_recompute`` (exact policies that recompute to
 fit a budget) is modelled from the rank's measured forward expert time: recomputing
 ``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
-SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored). Stages run one
-after another (no overlap is modelled). Everything here is **emulated** cluster time, never measured.
+SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
+checkpoint (``recompute_mode`` ``layer`` or ``over``) costs each rank its forward
+dispatch, experts and combine again. Stages run one after another (no overlap is
+modelled). Everything here is **emulated** cluster time, never measured.
 """
 
 from __future__ import annotations
@@ -87,8 +89,12 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
     rec = stats.recompute_rows or [0] * G
     fwd_rows = stats.rows.get("fwd", [0] * G)
-    out["bwd_recompute"] = [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
-                            for f, n, r in zip(out["fwd_experts"], rec, fwd_rows)]
+    if stats.recompute_mode in ("layer", "over"):
+        out["bwd_recompute"] = [a + b + c for a, b, c in
+                                zip(out["fwd_dispatch"], out["fwd_experts"], out["fwd_combine"])]
+    else:
+        out["bwd_recompute"] = [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
+                                for f, n, r in zip(out["fwd_experts"], rec, fwd_rows)]
     return out
 
 

@@ -262,8 +262,9 @@ def _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum) -> dict:
              sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
         for ex in EXCHANGES}
     if ledger is not None:
-        terms = [ledger.rank_terms_recompute(s.plan)[0] if rec_ledger else
+        terms = [ledger.exact_fit(s.plan)[2] if rec_ledger else
                  ledger.rank_terms(s.plan) for s in stats]
+        row["recompute_modes"] = [s.recompute_mode for s in stats]
         row["ledger_peak_bytes"] = max(max(t["total"] for t in ts) for ts in terms)
         row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
                                   / max(assigned, 1))

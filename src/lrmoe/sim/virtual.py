@@ -115,10 +115,12 @@ class VirtualStats:
         saved_act_bytes: activation bytes each rank kept for backward.
         ledger_total_bytes: the ledger's prediction per rank (when a ledger is given).
         recompute_rows: with a recompute ledger (exact policies under a budget), the
-            pairs whose gate_up output each rank would recompute in backward to fit
-            (:meth:`lrmoe.memory.Ledger.rank_recompute`; all retained rows where even
-            that does not fit, and ``recompute_fits`` is False). The emulator does not
-            change the math for it; :mod:`lrmoe.sim.cost` charges the time (modelled).
+            rows each rank re-runs forward in backward to fit, and ``recompute_mode``
+            (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
+            fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
+            or ``over``: does not fit even so, ``recompute_fits`` False). The emulator
+            does not change the math for it; :mod:`lrmoe.sim.cost` charges the time
+            (modelled).
     """
 
     plan: Plan
@@ -129,6 +131,7 @@ class VirtualStats:
     saved_act_bytes: list[int] = field(default_factory=list)
     ledger_total_bytes: list[int] | None = None
     recompute_rows: list[int] | None = None
+    recompute_mode: str = "fits"
     recompute_fits: bool = True
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
@@ -441,10 +444,9 @@ class VirtualEPLayer:
         if self.ledger is not None:
             stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
         if self.recompute_ledger is not None:
-            rec = self.recompute_ledger.rank_recompute(plan)
-            kept = plan.retain_GGS.sum(dim=(0, 2)).tolist()
-            stats.recompute_rows = [k if n < 0 else n for n, k in zip(rec, kept)]
-            stats.recompute_fits = min(rec) >= 0
+            mode, rows, _ = self.recompute_ledger.exact_fit(plan)
+            stats.recompute_mode, stats.recompute_rows = mode, rows
+            stats.recompute_fits = mode != "over"
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
         w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
         w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)

@@ -43,8 +43,8 @@ def layer_checkpoint_modes(run: Path, rep: dict, name: str) -> list[list[str]]:
     """Per step and MoE layer, ``Ledger.exact_fit``'s mode for static or symi."""
     import torch
 
-    from lrmoe.commands.plan import spread_over_homes
     from lrmoe.config import ModelConfig
+    from lrmoe.loads import spread_over_homes
     from lrmoe.memory import Ledger
     from lrmoe.policy.plan import full_plan
     from lrmoe.policy.static import native_placement

@@ -13,8 +13,8 @@ import torch
 
 from dist_util import FixedRouter
 from lrmoe.cli import main
-from lrmoe.commands.plan import RoutingTrace, read_trace, synthetic_counts
 from lrmoe.config import ModelConfig
+from lrmoe.loads import RoutingTrace, read_trace, synthetic_counts
 from lrmoe.memory import Ledger, parse_bytes
 from lrmoe.model.moe import MoELayer
 from lrmoe.policy.base import PlanInputs

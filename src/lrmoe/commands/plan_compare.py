@@ -1,0 +1,174 @@
+"""``lrmoe plan --compare``: static, symi and lrmoe projected to EP sizes and budgets.
+
+For each (EP size, per-rank budget, policy): whether it fits, its ledger peak, keep and
+recompute ratios, replicas, symi's ``s``, and a **modelled** MoE step time
+(:mod:`lrmoe.sim.analytic`: a fixed GEMM rate and the link model; nothing runs). Loads
+come from a Zipf skew, a loads file or a routing trace (:mod:`lrmoe.loads`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from lrmoe.commands.plan import aligned, lrmoe_config, model_config
+from lrmoe.errors import LrmoeError, require
+from lrmoe.loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
+from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
+from lrmoe.sim.analytic import PROJECTED, project_policy
+from lrmoe.sim.cost import STAGES
+from lrmoe.sim.links import get_link
+
+GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H200
+GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
+               "one H200 (benchmarks/RESULTS.md)")
+NOT_MODELLED = ("non-MoE time (attention, dense layers, optimizer)", "overlap between stages",
+                "GEMM efficiency at other shapes", "local permute/combine kernels")
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    require(len(out) > 0 and all(x >= 1 for x in out),
+            f"{name}={text!r} must be positive integers separated by commas, e.g. 16,32,64")
+    return out
+
+
+def _budget_list(text: str) -> list[tuple[str, int]]:
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            out.append((part, parse_bytes(part)))
+        except LrmoeError as e:
+            raise LrmoeError(f"--budgets: {e}") from None
+    require(len(out) > 0, f"--budgets={text!r} names no budget; write e.g. 24GiB,40GiB")
+    return out
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def compare_tables(rows: list[dict]) -> str:
+    """The summary table and the per-stage table (ms per MoE layer), times modelled."""
+    m = "modelled"
+    heads = [["", "", "", "", "ledger", "", "", "", "", m, m, m],
+             ["ep", "budget", "policy", "fits", "peak/rank", "keep", "recompute", "replicas",
+              "s", "ms/layer", "ms/all layers", "lrmoe/symi"]]
+    body = []
+    for r in rows:
+        rep = r["replicas"]
+        body.append([str(r["ep"]), r["budget"], r["policy"],
+                     "yes" if r["fits"] else "does not fit",
+                     _fmt(None if r["peak_bytes"] is None else fmt_bytes(r["peak_bytes"]), "s"),
+                     _fmt(r["keep_ratio"], ".3f"), _fmt(r["recompute_ratio"], ".3f"),
+                     "-" if rep is None else (f"{rep:.0f}" if rep == int(rep) else f"{rep:.1f}"),
+                     _fmt(r["slots_per_rank"], "d"), _fmt(r["modelled_layer_ms"], ".3f"),
+                     _fmt(r["modelled_all_layers_ms"], ".2f"), _fmt(r["lrmoe_over_symi"], ".3f")])
+    main = aligned(heads, body, {1, 2, 3})
+    short = {"fwd_dispatch": "f_disp", "fwd_experts": "f_exp", "fwd_combine": "f_comb",
+             "bwd_dispatch": "b_disp", "bwd_experts": "b_exp", "bwd_recompute": "b_recomp",
+             "bwd_combine": "b_comb", "weight_scatter": "w_scatter", "grad_reduce": "g_reduce"}
+    heads = [["", "", ""] + [m] * len(STAGES), ["ep", "budget", "policy"] + [short[s] for s in STAGES]]
+    body = [[str(r["ep"]), r["budget"], r["policy"]]
+            + [f"{r['modelled_stages_ms'][s]:.3f}" for s in STAGES]
+            for r in rows if r["fits"]]
+    stages = aligned(heads, body, {1, 2}) if body else "(no row fits)"
+    return main + "\n\nstages, ms per MoE layer (slowest rank per stage):\n" + stages
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    require(args.ep is None, f"--ep={args.ep} is not used with --compare; give the EP sizes "
+                             "with --ep-list")
+    require(args.mem_budget is None, "--mem-budget is not used with --compare; give the "
+                                     "budgets with --budgets")
+    cfg = model_config(args)
+    E, k, T = cfg.num_experts, cfg.num_experts_per_tok, args.tokens_per_rank
+    eps = _int_list(args.ep_list, "--ep-list")
+    bad = [G for G in eps if E % G]
+    require(not bad, f"--ep-list={args.ep_list!r}: {bad} do not divide the number of experts {E}")
+    budgets = _budget_list(args.budgets)
+    require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
+            f"--gemm-tflops={args.gemm_tflops} must be a positive number")
+    require(T >= 1, f"--tokens-per-rank={T} must be >= 1")
+    link, rate = get_link(args.link), args.gemm_tflops * 1e12
+    if args.json:  # fail before the work, not after
+        parent = Path(args.json).resolve().parent
+        require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")
+
+    trace, data = None, None
+    if args.loads:
+        data = read_json(args.loads)
+        if is_trace(data):
+            trace = read_trace(args.loads, data, E, k, args.trace_steps)
+    if trace is not None:
+        loads = {"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
+                 "steps_sampled": trace.steps, "samples": len(trace.loads_E),
+                 "observed_skew_max_over_mean": trace.skew}
+        what = (f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} (0-based), "
+                f"{len(trace.loads_E)} (step, layer) samples, rescaled to {T} tokens/rank; "
+                f"observed skew (mean max/mean expert load) {trace.skew:.2f}")
+    elif data is not None:
+        loads = {"source": "file", "file": args.loads}
+        what = f"loads {args.loads}"
+    else:
+        loads = {"source": "synthetic", "skew": args.skew, "seed": args.seed}
+        what = f"synthetic Zipf skew {args.skew:g} (seed {args.seed}), {T} tokens/rank"
+
+    rows = []
+    for G in eps:
+        if trace is not None:
+            samples = trace.counts(G, T, k)
+        elif data is not None:
+            samples = [load_counts(args.loads, G, E, data)]
+        else:
+            samples = [synthetic_counts(G, E, T, k, args.skew, args.seed)]
+        for text, budget in budgets:
+            ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
+            group = {name: {"budget": text,
+                            **project_policy(name, cfg, ledger, samples, link, rate,
+                                             lrmoe_config(args), args.slots_per_rank)}
+                     for name in PROJECTED}
+            rows += group.values()
+            lr, sy = group["lrmoe"], group["symi"]
+            if lr["fits"] and sy["fits"]:
+                lr["lrmoe_over_symi"] = lr["modelled_layer_ms"] / sy["modelled_layer_ms"]
+
+    name, L = args.preset or args.config, len(cfg.moe_layers)
+    print(f"{name}: E={E} top_k={k} H={cfg.hidden_size} F={cfg.moe_intermediate_size} "
+          f"MoE layers={L}  dtype={args.dtype}  tokens/rank={T}")
+    print(f"loads: {what}")
+    print(f"times are MODELLED, not measured: expert GEMMs at {args.gemm_tflops:g} TFLOP/s per "
+          f"rank{' (' + GEMM_SOURCE + ')' if args.gemm_tflops == GEMM_TFLOPS else ''};")
+    print(f"  link {link.name}: {link.bandwidth_Bps / 1e9:g} GB/s per direction, "
+          f"{link.latency_s * 1e6:g} us per peer message; each stage its slowest rank, "
+          "stages in sequence")
+    print("  not modelled: " + "; ".join(NOT_MODELLED))
+    print(compare_tables(rows))
+    notes: dict[tuple, list[str]] = {}  # one line per (ep, budget, reason)
+    for r in rows:
+        if r["reason"]:
+            notes.setdefault((r["ep"], r["budget"], r["reason"]), []).append(r["policy"])
+    if notes:
+        print("\ndoes not fit:")
+        for (G, text, reason), who in notes.items():
+            print(f"  ep {G} budget {text} {', '.join(who)}: {reason}")
+    if args.json:
+        out = {"label": "modelled", "model": name, "E": E, "top_k": k, "H": cfg.hidden_size,
+               "F": cfg.moe_intermediate_size, "moe_layers": L, "dtype": args.dtype,
+               "tokens_per_rank": T, "loads": loads, "gemm_tflops": args.gemm_tflops,
+               "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
+               "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,
+                        "latency_s": link.latency_s, "source": link.source},
+               "rows": rows}
+        try:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        except OSError as e:
+            raise LrmoeError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+    return 0

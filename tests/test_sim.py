@@ -252,3 +252,17 @@ def test_recompute_ledger_charges_time_not_math():
             assert any(n == 0 for n in rows) and any(n > 0 for n in rows)
         assert step_times(v.stats, LINKS["nvlink"]).bwd_recompute == pytest.approx(
             max(per["bwd_recompute"]))
+
+
+def test_counts_GE_of_plan_recovers_the_routing():
+    """The emulator's per-home counts, read back from a plan with replicas (and drops)."""
+    from lrmoe.policy.base import PlanInputs
+    from lrmoe.policy.capacity import CapacityPolicy
+    from lrmoe.policy.symi import plan_symi
+    from lrmoe.sim.vmodel import counts_GE_of
+
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 40, (G, E), generator=g)
+    assert torch.equal(counts_GE_of(plan_symi(counts, E // G + 3, counts.sum(0)), E), counts)
+    cap = CapacityPolicy(capacity_factor=0.5).plan(counts, PlanInputs())
+    assert cap.dropped_GE is not None and torch.equal(counts_GE_of(cap, E), counts)

@@ -41,6 +41,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
 
 OVER_BUDGET = "over budget even with recompute"
 
@@ -76,91 +77,6 @@ class TTLConfig:
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
-
-
-def _counts_GE(plan, E: int) -> torch.Tensor:
-    """``[G, E]`` pairs each home routed to each expert in one plan (assigned + dropped)."""
-    ie = plan.inst_expert_GS.reshape(-1)
-    load = plan.assign_GGS.reshape(plan.G, -1).long()  # [home, rank*slot]
-    c = torch.zeros(plan.G, E, dtype=torch.long).index_add_(1, ie[ie >= 0], load[:, ie >= 0])
-    return c if plan.dropped_GE is None else c + plan.dropped_GE.long()
-
-
-class VirtualModel:
-    """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
-
-    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
-        from lrmoe.sim.virtual import VirtualEPLayer
-
-        self.layers, self.sync, self.wall = [], sync, 0.0
-        self.counts_E: list[torch.Tensor] = []  # this step's global counts per layer
-        self.counts_GE: list[torch.Tensor] = []  # ... and per home rank
-        for m in model.moe_layers:
-            v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
-                               recompute_ledger=recompute_ledger)
-            orig = m.forward
-            m.forward = self._wrap(m, v, orig)
-            self.layers.append(v)
-
-    def _wrap(self, m, v, orig):
-        marks: dict[str, float] = {}
-
-        def t_now() -> float:
-            self.sync()
-            return time.perf_counter()
-
-        def start(_g):
-            marks["b"] = t_now()
-
-        def stop(_g):
-            self.wall += t_now() - marks.pop("b", time.perf_counter())
-
-        def forward(x):
-            if not m.training:
-                return orig(x)
-            t0 = t_now()
-            out = v(x)
-            m.last_aux_loss = v.last_aux_loss
-            cge = _counts_GE(v.stats.plan, m.cfg.num_experts)
-            self.counts_GE.append(cge)
-            c = cge.sum(0)
-            self.counts_E.append(c)
-            m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
-            self.wall += t_now() - t0
-            if out.requires_grad and x.requires_grad:
-                out.register_hook(start)
-                x.register_hook(stop)
-            return out
-        return forward
-
-    def set_step(self, step: int) -> None:
-        for v in self.layers:
-            v.step = step
-
-
-def _first_counts(model, batch, G: int) -> list[torch.Tensor]:
-    """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
-    got = []
-    hooks = [m.router.register_forward_hook(
-        lambda mod, i, r: got.append(r.idx_TK)) for m in model.moe_layers]
-    model.eval()  # eval: the plain forward, no step counting; the caller sets train()
-    with torch.no_grad():
-        model(batch[:, :-1])
-    for h in hooks:
-        h.remove()
-    E = model.config.num_experts
-    return [torch.stack([torch.bincount(i.cpu(), minlength=E)
-                         for i in idx.reshape(G, -1)]).long() for idx in got]
-
-
-def _warm_up(model, G: int, batch) -> None:
-    """One untimed static training step (fills the allocator, lazy inits)."""
-    from lrmoe.parallel.exchange import BackwardOptions
-    from lrmoe.policy.static import StaticPolicy
-
-    VirtualModel(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
-    model.train()
-    model.loss(batch[:, :-1], batch[:, 1:])[1].backward()
 
 
 def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
@@ -445,9 +361,9 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
 
     torch.manual_seed(cfg.seed)
     probe = MoEForCausalLM(mcfg).to(cfg.device)
-    first = _first_counts(probe, batches.batch(0).to(cfg.device), G)
+    first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
     with _compile_mode(cfg.compile):
-        _warm_up(probe, G, batches.batch(0).to(cfg.device))
+        warm_up(probe, G, batches.batch(0).to(cfg.device))
     del probe
 
     results, profile = {}, None

@@ -1,0 +1,98 @@
+"""A model whose MoE layers train through the virtual EP emulator (``lrmoe bench ttl``).
+
+:class:`VirtualModel` swaps every MoE layer's training forward for a
+:class:`lrmoe.sim.virtual.VirtualEPLayer` run over G virtual ranks (global batch rows
+``g*B/G .. (g+1)*B/G - 1`` are home rank g's) and records, per step, the wall time the
+MoE layers took and their routed counts. Evaluation uses the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def counts_GE_of(plan, E: int) -> torch.Tensor:
+    """``[G, E]`` pairs each home routed to each expert in one plan (assigned + dropped)."""
+    ie = plan.inst_expert_GS.reshape(-1)
+    load = plan.assign_GGS.reshape(plan.G, -1).long()  # [home, rank*slot]
+    c = torch.zeros(plan.G, E, dtype=torch.long).index_add_(1, ie[ie >= 0], load[:, ie >= 0])
+    return c if plan.dropped_GE is None else c + plan.dropped_GE.long()
+
+
+class VirtualModel:
+    """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
+
+    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
+        from lrmoe.sim.virtual import VirtualEPLayer
+
+        self.layers, self.sync, self.wall = [], sync, 0.0
+        self.counts_E: list[torch.Tensor] = []  # this step's global counts per layer
+        self.counts_GE: list[torch.Tensor] = []  # ... and per home rank
+        for m in model.moe_layers:
+            v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
+                               recompute_ledger=recompute_ledger)
+            orig = m.forward
+            m.forward = self._wrap(m, v, orig)
+            self.layers.append(v)
+
+    def _wrap(self, m, v, orig):
+        marks: dict[str, float] = {}
+
+        def t_now() -> float:
+            self.sync()
+            return time.perf_counter()
+
+        def start(_g):
+            marks["b"] = t_now()
+
+        def stop(_g):
+            self.wall += t_now() - marks.pop("b", time.perf_counter())
+
+        def forward(x):
+            if not m.training:
+                return orig(x)
+            t0 = t_now()
+            out = v(x)
+            m.last_aux_loss = v.last_aux_loss
+            cge = counts_GE_of(v.stats.plan, m.cfg.num_experts)
+            self.counts_GE.append(cge)
+            c = cge.sum(0)
+            self.counts_E.append(c)
+            m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
+            self.wall += t_now() - t0
+            if out.requires_grad and x.requires_grad:
+                out.register_hook(start)
+                x.register_hook(stop)
+            return out
+        return forward
+
+    def set_step(self, step: int) -> None:
+        for v in self.layers:
+            v.step = step
+
+
+def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
+    """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
+    got = []
+    hooks = [m.router.register_forward_hook(
+        lambda mod, i, r: got.append(r.idx_TK)) for m in model.moe_layers]
+    model.eval()  # eval: the plain forward, no step counting; the caller sets train()
+    with torch.no_grad():
+        model(batch[:, :-1])
+    for h in hooks:
+        h.remove()
+    E = model.config.num_experts
+    return [torch.stack([torch.bincount(i.cpu(), minlength=E)
+                         for i in idx.reshape(G, -1)]).long() for idx in got]
+
+
+def warm_up(model, G: int, batch) -> None:
+    """One untimed static training step (fills the allocator, lazy inits)."""
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.policy.static import StaticPolicy
+
+    VirtualModel(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
+    model.train()
+    model.loss(batch[:, :-1], batch[:, 1:])[1].backward()

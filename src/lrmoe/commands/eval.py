@@ -37,18 +37,13 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     from lrmoe.parallel.groups import ParallelContext
     from lrmoe.tokenizer import load_tokenizer
     from lrmoe.train import checkpoint as ckpt
-    from lrmoe.train.loop import (
-        TrainConfig,
-        _read_run_config,
-        evaluate,
-        make_autocast,
-        val_windows,
-    )
+    from lrmoe.train.config import TrainConfig, read_run_config
+    from lrmoe.train.loop import evaluate, make_autocast, val_windows
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LrmoeError(f"run directory {run_dir} does not exist")
-    saved = _read_run_config(run_dir)
+    saved = read_run_config(run_dir)
     if saved is None:
         raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
     ck = ckpt.latest_checkpoint(run_dir)

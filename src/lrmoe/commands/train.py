@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lrmoe.train.loop import TrainConfig, config_from_cli, train
+from lrmoe.train.config import TrainConfig, config_from_cli
+from lrmoe.train.loop import train
 
 _D = TrainConfig()
 

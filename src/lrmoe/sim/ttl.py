@@ -318,7 +318,8 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
     from lrmoe.tokenizer import check_vocab, load_tokenizer
-    from lrmoe.train.loop import TrainConfig, resolve_model_config, val_windows
+    from lrmoe.train.config import TrainConfig, resolve_model_config
+    from lrmoe.train.loop import val_windows
 
     G = cfg.ep
     require(cfg.preset or cfg.config, "give a model: --preset NAME or --config FILE")

@@ -1,6 +1,7 @@
 """Training: the loop (:mod:`.loop`), checkpoints (:mod:`.checkpoint`), metrics
 (:mod:`.metrics`) and the optimizer/schedule (:mod:`.optim`)."""
 
-from lrmoe.train.loop import TrainConfig, train
+from lrmoe.train.config import TrainConfig
+from lrmoe.train.loop import train
 
 __all__ = ["TrainConfig", "train"]

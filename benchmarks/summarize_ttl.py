@@ -7,6 +7,8 @@ step and MoE time, routing skew, keep / recompute ratios, budget status; then th
 emulated times with the exchanges re-priced for InfiniBand from the per-step critical
 bytes the run recorded (``exchange_critical_bytes``). Everything here is EMULATED.
 
+``--sensitivity``: the lrmoe/symi ratio for other target fractions of the same run.
+
 ``--layer-checkpoint`` (for runs made before exact policies could fall back to a
 whole-layer checkpoint): static's and symi's plans are rebuilt from the recorded routing
 trace (symi with the run's ``s`` and the previous step's popularity; homes split
@@ -19,6 +21,7 @@ place of the run's per-pair recompute (all layers of that step: an upper estimat
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -104,6 +107,26 @@ def checkpoint_section(run: Path) -> str:
     return "\n".join(out)
 
 
+def _cell(reach) -> str:
+    return "never" if reach[0] is None else f"{reach[0]} / {reach[1]:.2f}"
+
+
+def sensitivity(run: Path, fractions=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -> str:
+    """lrmoe/symi time to target for other target fractions of the same run (post hoc:
+    the run's own rule fixes one fraction; this shows how much the ratio depends on it)."""
+    rep = json.loads((run / "ttl.json").read_text())
+    pol, steps, rtol = rep["policies"], rep["config"]["steps"], rep["target"]["rtol"]
+    out = ["| target fraction | static step | target val | symi steps / time (s) | "
+           "lrmoe steps / time (s) | lrmoe/symi |", "|---|---|---|---|---|---|"]
+    for f in fractions:
+        e = next(e for e in pol["static"]["evals"] if e["step"] >= math.ceil(f * steps))
+        sy, lr = (time_to_target(pol[p], e["val_loss"], rtol) for p in ("symi", "lrmoe"))
+        both = None not in (sy[1], lr[1])
+        out.append(f"| {f} | {e['step']} | {e['val_loss']:.4f} | {_cell(sy)} | {_cell(lr)} | "
+                   f"{fmt(lr[1] / sy[1] if both else None, '.3f', 'n/a')} |")
+    return "\n".join(out)
+
+
 def summarize(run: Path) -> str:
     rep = json.loads((run / "ttl.json").read_text())
     G, tg = rep["config"]["ep"], rep["target"]
@@ -150,11 +173,14 @@ def summarize(run: Path) -> str:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--layer-checkpoint"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     for p in args:
         print(summarize(Path(p)))
         if "--layer-checkpoint" in sys.argv:
             print("\nexact policies with a whole-layer checkpoint where per-pair recompute "
                   "does not fit (modelled, see --help):")
             print(checkpoint_section(Path(p)))
+        if "--sensitivity" in sys.argv:
+            print("\nlrmoe/symi time to target at other target fractions (post hoc):\n")
+            print(sensitivity(Path(p)))
         print()

@@ -8,6 +8,7 @@ that sends nothing off-rank, and every token on one expert.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -50,6 +51,17 @@ class PartialPolicy(ReplicaPolicy):
         return Plan(p.inst_expert_GS, p.assign_GGS, r, (r * 3) // 5)
 
 
+class RecomputePolicy(ReplicaPolicy):
+    """Replicas, exact, and each rank recomputes a different prefix of its rows' gate_up
+    outputs in backward (a third, all, none, half, ...): the math must not change."""
+
+    def plan(self, counts_GE, inputs):
+        p = super().plan(counts_GE, inputs)
+        load = p.rank_load()
+        frac = torch.tensor([(1, 3), (1, 1), (0, 1), (1, 2)] * 2)[: p.G]
+        return dataclasses.replace(p, recompute_G=load * frac[:, 0] // frac[:, 1])
+
+
 def routing(case: str, world: int, gen: torch.Generator) -> torch.Tensor:
     n = world * T
     if case == "random":
@@ -88,7 +100,7 @@ def _worker(rank, world, case, policy_name, compaction, outdir=None):
     x = torch.randn(world * T, H, generator=gen)
     coeff = torch.randn(world * T, H, generator=gen)
     policy = {"static": StaticPolicy(), "replica": ReplicaPolicy(),
-              "partial": PartialPolicy()}[policy_name]
+              "partial": PartialPolicy(), "recompute": RecomputePolicy()}[policy_name]
 
     ref = copy.deepcopy(layer)  # one process, all tokens, static plan
     y_ref, dx_ref = _run_layer(ref, x, coeff)
@@ -116,6 +128,12 @@ def _worker(rank, world, case, policy_name, compaction, outdir=None):
     torch.testing.assert_close(g13, ref.experts.gate_up_proj.grad[own], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g2, ref.experts.down_proj.grad[own], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gr, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
+    if policy_name == "recompute":  # the recomputed rows saved only their input row
+        st = layer.runtime.stats[0]
+        rec, n = st["recomputed_rows"], st["fwd_rows"]
+        want = n * [1, 1, 0, 1][rank % 4] // [3, 1, 1, 2][rank % 4]  # RecomputePolicy's prefix
+        assert rec == want, (rec, want)
+        assert st["saved_act_bytes"] == (n * H + (n - rec) * 2 * F) * 4
 
 
 CASES = ["random", "empty_experts", "local_only", "one_expert"]
@@ -123,7 +141,7 @@ CASES = ["random", "empty_experts", "local_only", "one_expert"]
 
 def _all_cases(rank, world):
     for case in CASES:
-        for policy in ("static", "replica"):
+        for policy in ("static", "replica", "recompute"):
             try:
                 _worker(rank, world, case, policy, True)
             except AssertionError as e:

@@ -17,7 +17,7 @@ from lrmoe.memory import Ledger
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
-from lrmoe.policy.plan import even_split, full_plan
+from lrmoe.policy.plan import Plan, even_split, full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import (
@@ -383,11 +383,18 @@ def test_symi_best_slots_with_recompute():
     costs = slot_costs(led, counts, pop)
     assert costs, "some s must fit with recompute at this budget"
     for s, c in costs.items():
-        plan = plan_symi(counts, s, pop, led, recompute=True)  # does not raise
+        plan = plan_symi(counts, s, pop)
         mode, rec, terms = led.exact_fit(plan)
         assert mode in ("pairs", "layer") and max(t["total"] for t in terms) <= budget
         unit = 2 if mode == "pairs" else 3
         assert c == max(9 * n + unit * r for n, r in zip(plan.rank_load().tolist(), rec))
+        if mode == "pairs":  # the runtime recomputes per row: the planner says which
+            fitted = plan_symi(counts, s, pop, led, recompute=True)
+            assert fitted.recompute_G.tolist() == rec
+            assert max(t["total"] for t in led.rank_terms(fitted)) <= budget
+        else:  # a whole-layer checkpoint is an emulator fallback only
+            with pytest.raises(LrmoeError, match="even recomputing every pair"):
+                plan_symi(counts, s, pop, led, recompute=True)
     best, n_fit = best_slots(led, [counts, counts], [pop, pop])
     assert n_fit == 2 and costs[best] == min(costs.values())
     assert best == max(s for s, c in costs.items() if c == costs[best])
@@ -402,3 +409,38 @@ def test_symi_best_slots_with_recompute():
         plan_symi(counts, best, pop, led)  # without recompute it does not fit
     with pytest.raises(LrmoeError, match="even with activation recompute"):
         best_slots(Ledger(cfg, G, 1000), [counts], [pop])
+
+
+def test_plan_recompute_field_checked_and_counted():
+    """recompute_G: exact plans only, 0..received rows per rank, and the ledger counts
+    those rows at the input row's bytes; fit_exact recomputes the fewest that fit."""
+    import dataclasses
+
+    from lrmoe.policy.plan import fit_exact
+
+    cfg = _cfg()
+    G, E = 4, cfg.num_experts
+    counts = _skewed(G, E, 5)
+    plan = plan_symi(counts, E // G + 1, counts.sum(0))
+    load = plan.rank_load()
+    ok = dataclasses.replace(plan, recompute_G=load // 2)
+    ok.check(counts)
+    with pytest.raises(LrmoeError, match="0..received"):
+        dataclasses.replace(plan, recompute_G=load + 1).check(counts)
+    partial = Plan(plan.inst_expert_GS, plan.assign_GGS, plan.assign_GGS // 2, plan.assign_GGS // 2,
+                   recompute_G=torch.ones(G, dtype=torch.long))
+    with pytest.raises(LrmoeError, match="exact plans only"):
+        partial.check(counts)
+    free = Ledger(cfg, G)
+    a, b = free.rank_terms(plan), free.rank_terms(ok)
+    for r in range(G):
+        saved = int(load[r] // 2) * free.L * 2 * cfg.moe_intermediate_size * free.bytes_act
+        assert a[r]["total"] - b[r]["total"] == saved
+    budget = sorted(t["total"] for t in a)[G // 2]
+    led = Ledger(cfg, G, budget)
+    mode, rec, _ = led.exact_fit(plan)
+    if mode == "pairs":
+        fitted = fit_exact(plan, led, "test")
+        assert fitted.recompute_G.tolist() == rec
+        assert max(t["total"] for t in led.rank_terms(fitted)) <= budget
+    assert fit_exact(plan, Ledger(cfg, G, max(t["total"] for t in a)), "test") is plan

@@ -274,3 +274,31 @@ def test_api_accepts_a_namespace_and_validates(tmp_path):
         train(argparse.Namespace(preset="tiny-qwen3", out=str(tmp_path / "n"), steps=0))
     assert not (tmp_path / "n").exists()
     torch.set_num_threads(torch.get_num_threads())  # unchanged by a failed call
+
+
+def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
+    """static over --mem-budget stops; with --recompute it recomputes just enough rows'
+    gate_up outputs to fit, and trains like the unbudgeted run (fp32 tolerance)."""
+    from lrmoe.memory import Ledger
+
+    cfg = get_preset("tiny-qwen3")
+    led = Ledger.for_dtype(cfg, 1, None, "fp32")
+    E, P = cfg.num_experts, 4 * 64 * cfg.num_experts_per_tok  # one rank receives every pair
+    full, every = (led.terms(E, P, P, P, n)["total"] for n in (0, P))
+    budget = (full + every) // 2
+    common = ["train", "--preset", "tiny-qwen3", "--steps", "4", "--eval-every", "0", *SMALL]
+    rc, _, _ = cli(common + ["--out", tmp_path / "free"], capsys)
+    assert rc == 0
+    rc, _, err = cli(common + ["--out", tmp_path / "tight", "--mem-budget", budget], capsys)
+    assert rc == 2 and "does not fit mem_budget" in err
+    rc, _, _ = cli(common + ["--out", tmp_path / "rec", "--mem-budget", budget, "--recompute"],
+                   capsys)
+    assert rc == 0
+    # same math; the recomputed GEMM may round differently from the forward's (~1e-7)
+    torch.testing.assert_close(torch.tensor(train_losses(tmp_path / "rec")),
+                               torch.tensor(train_losses(tmp_path / "free")), rtol=1e-5, atol=0)
+    for row in (r for r in read_metrics(tmp_path / "rec" / "metrics.jsonl") if r["kind"] == "train"):
+        for layer in row["moe"]:
+            assert 0 < layer["recomputed"] < P and layer["ledger_total_bytes"] <= budget
+    rc, _, err = cli(common + ["--out", tmp_path / "x", "--policy", "lrmoe", "--recompute"], capsys)
+    assert rc == 2 and "recompute applies to the exact policies" in err

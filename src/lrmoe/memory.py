@@ -278,12 +278,14 @@ class Ledger:
         """Ledger terms of every rank for ``plan`` (one layer's plan, repeated over L).
 
         Args:
-            plan: a :class:`lrmoe.policy.plan.Plan`.
+            plan: a :class:`lrmoe.policy.plan.Plan` (its ``recompute_G`` rows count at
+                :attr:`A_recompute`).
             tokens_per_rank_home: tokens per home rank; its pairs ``tokens · top_k`` size
                 the send/combine buffers. ``None`` takes each home's routed pairs from
                 the plan (assigned + dropped).
         """
-        return [self.terms(*c) for c in self._rank_counts(plan, tokens_per_rank_home)]
+        rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
+        return [self.terms(*c, n) for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
                          retained_pairs: int) -> int:

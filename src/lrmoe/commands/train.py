@@ -90,6 +90,9 @@ def register(sub) -> None:
                    "(default E/G + 2)")
     g.add_argument("--mem-budget", help="per-rank expert memory budget, e.g. 40GiB "
                    "(default: none)")
+    g.add_argument("--recompute", action="store_true",
+                   help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
+                        "gate_up outputs in backward instead of stopping")
     g.add_argument("--lrmoe-metric", help="backward recalibration metric: grad_norm or gate "
                    "(default grad_norm)")
     g.add_argument("--lrmoe-estimator", help="topk or sampled (default topk)")

@@ -99,12 +99,29 @@ def offsets(counts: list[int], device: torch.device) -> Tensor:
     return offs
 
 
+def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int],
+            offs: Tensor | None = None) -> Tensor:
+    """``gu_R2F``: the gate/up pre-activation of rows grouped by instance (``counts``)."""
+    if offs is None:
+        offs = offsets(counts, x_RH.device)
+    return _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
+
+
+def prefix_counts(counts: list[int], n: int) -> list[int]:
+    """Per instance, how many of the first ``n`` rows (instance order) it holds."""
+    out = []
+    for c in counts:
+        out.append(min(c, n))
+        n -= out[-1]
+    return out
+
+
 def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int],
                    offs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Returns ``(y_RH, gu_R2F)``; ``gu`` is the gate/up pre-activation saved for backward."""
     if offs is None:
         offs = offsets(counts, x_RH.device)
-    gu = _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
+    gu = gate_up(x_RH, w13_IFH, counts, offs)
     act = _fused("act", _act_eager, gu)(gu)
     y = _gmm(act, w2_IHF.transpose(1, 2), offs, counts)
     return y, gu

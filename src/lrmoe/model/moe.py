@@ -123,7 +123,10 @@ class MoELayer(nn.Module):
                  "weight_scatter_bytes": _weight_scatter_bytes(plan, rt.comm.rank, E, self.experts, dtype),
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
-                 "counts_E": counts_GE.sum(0).tolist()}
+                 "counts_E": counts_GE.sum(0).tolist(),
+                 # exact plans over a budget: rows whose gate_up output backward recomputes
+                 "recomputed_rows": 0 if plan.recompute_G is None
+                 else int(plan.recompute_G[rt.comm.rank])}
         if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
             stats["ledger_total_bytes"] = int(rt.ledger.rank_terms(plan)[rt.comm.rank]["total"])
         rt.stats[self.moe_index] = stats

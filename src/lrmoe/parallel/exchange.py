@@ -12,6 +12,7 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.model.experts import gate_up, offsets, prefix_counts, swiglu_backward, swiglu_forward
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,
@@ -234,9 +235,12 @@ class ExpertExchange(torch.autograd.Function):
         # the exact gradient over all pairs can be computed beside the selected one.
         ret_GS = plan.retain_GGS[:, me, :]
         full_save = st.opts.fidelity and not plan.exact
+        n_rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
         if full_save or torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
             saved_x, saved_gu = x_inst, gu_inst
             saved_SG = plan.assign_GGS[:, me, :].t().reshape(-1)
+            if n_rec:  # exact plan over budget: the first n_rec rows recompute gate_up
+                saved_gu = gu_inst[n_rec:].clone()
         else:
             saved_SG = ret_GS.t().reshape(-1)
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
@@ -261,7 +265,7 @@ class ExpertExchange(torch.autograd.Function):
             fwd_combine_bytes_sent=n_recv * H * es, fwd_combine_bytes_recv=n_send * H * es,
             saved_act_bytes=saved_x.numel() * saved_x.element_size()
             + saved_gu.numel() * saved_gu.element_size())
-        ctx.st, ctx.saved_SG = st, saved_SG
+        ctx.st, ctx.saved_SG, ctx.n_rec = st, saved_SG, n_rec
         ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
         return out
 
@@ -309,7 +313,7 @@ class ExpertExchange(torch.autograd.Function):
         saved = (saved_x, saved_gu, ctx.saved_SG)
         dx_back, dw13, dw2, n_in = _experts_backward(
             st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, saved, w13_S, w2_S,
-            timed=True)
+            timed=True, recompute_rows=ctx.n_rec)
         if opts.fidelity and not plan.exact:
             # the exact gradient: every pair (retained or not), unweighted
             _, e13, e2, _ = _experts_backward(
@@ -367,14 +371,17 @@ def _pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | 
 
 def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Tensor, sent_GS: Tensor,
                       recv_GS: Tensor, saved: tuple[Tensor, Tensor, Tensor], w13_S: Tensor,
-                      w2_S: Tensor, timed: bool = False) -> tuple[Tensor, Tensor, Tensor, int]:
+                      w2_S: Tensor, timed: bool = False, recompute_rows: int = 0
+                      ) -> tuple[Tensor, Tensor, Tensor, int]:
     """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
 
     ``rows`` are ordered by send position (block-major) and carry the output gradient
     ``scale[n] * rows[n]`` (gate weight, times an importance weight when sampled);
     ``j_send`` is each row's index inside its block, which locates its saved activations
     on the receiver. ``saved`` is
-    ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size.
+    ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size;
+    with ``recompute_rows = n`` (exact plans over a budget) ``gu`` lacks the first ``n``
+    rows, recomputed here from their saved inputs.
     Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
     """
     saved_x, saved_gu, saved_SG = saved
@@ -389,6 +396,8 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
         # exact backward: every row arrives, in saved order (no gather needed)
         x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
     else:
+        if recompute_rows:  # Plan.check allows recompute on exact plans only
+            raise AssertionError("recompute on a trimmed backward (Plan.check forbids it)")
         n = int(recv_GS.sum())
         blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
                                       to_device(recv_GS.t().reshape(-1), dev), output_size=n)
@@ -396,11 +405,11 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
         x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
         dy_inst = permute_rows(dy_recv, rl.to_inst)
     offs = offsets(rl.counts, dev)
-    if timed:
-        with _timed(st.stats, "expert_bwd_ms", dev):
-            dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S,
-                                                 rl.counts, offs, scale=scale_inst)
-    else:
+    with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
+        if recompute_rows:
+            head = prefix_counts(rl.counts, recompute_rows)
+            gu_head = gate_up(x_sel[:recompute_rows], w13_S, head)
+            gu_sel = torch.cat([gu_head, gu_sel])
         dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs,
                                              scale=scale_inst)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)

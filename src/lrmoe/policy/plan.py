@@ -9,6 +9,7 @@ all-gathered count matrix, so nothing about it is communicated.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ class Plan:
         dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward (capacity
             policy only; ``None`` means dropless). A home rank sends its pairs of ``e``
             in descending gate order, so the dropped ones are its lowest-gate pairs.
+        recompute_G: exact plans only: per rank, how many of its received rows (the
+            first ones in instance order) save only their input row and recompute the
+            gate_up output in backward, to fit a memory budget (``None``: none).
     """
 
     inst_expert_GS: Tensor
@@ -38,6 +42,7 @@ class Plan:
     retain_GGS: Tensor
     select_GGS: Tensor
     dropped_GE: Tensor | None = None
+    recompute_G: Tensor | None = None
 
     @property
     def G(self) -> int:
@@ -83,6 +88,12 @@ class Plan:
                 raise LrmoeError(f"plan.{name} has negative entries")
         if (self.retain_GGS > self.assign_GGS).any() or (self.select_GGS > self.retain_GGS).any():
             raise LrmoeError("plan violates select <= retain <= assign")
+        if self.recompute_G is not None:
+            rec = self.recompute_G
+            if tuple(rec.shape) != (G,) or (rec < 0).any() or (rec > self.rank_load()).any():
+                raise LrmoeError("plan.recompute must hold, per rank, 0..received rows")
+            if bool(rec.any()) and not self.exact:
+                raise LrmoeError("plan.recompute applies to exact plans only")
         present = torch.zeros(E, dtype=torch.bool)
         present[ie[ie >= 0]] = True
         if not present.all():
@@ -161,6 +172,25 @@ def even_split(counts_GE: Tensor, inst_expert_GS: Tensor) -> Tensor:
     base = total_E[e_idx] // n
     extra = (k < (total_E[e_idx] % n)).long()
     return ((base + extra) * valid.long()).reshape(G, S)
+
+
+def fit_exact(plan: Plan, ledger, what: str) -> Plan:
+    """An exact ``plan`` made to fit ``ledger``'s budget by recompute, or an error.
+
+    As is when it fits; else with the fewest rows per rank recomputed
+    (:meth:`lrmoe.memory.Ledger.exact_fit` mode ``pairs``). A plan that would need a
+    whole-layer checkpoint raises: the runtime recomputes per row only.
+    """
+    if ledger is None or ledger.budget_bytes is None:
+        return plan
+    mode, rec, _ = ledger.exact_fit(plan)
+    if mode == "fits":
+        return plan
+    if mode == "pairs":
+        return dataclasses.replace(plan, recompute_G=torch.tensor(rec, dtype=torch.long))
+    every = dataclasses.replace(plan, recompute_G=plan.rank_load().clone())
+    ledger.raise_if_over(ledger.rank_terms(every), f"{what}, even recomputing every pair,")
+    raise AssertionError("unreachable: exact_fit said it does not fit")
 
 
 def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:

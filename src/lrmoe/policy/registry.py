@@ -27,12 +27,15 @@ class PolicyConfig:
         slots_per_rank: ``symi``: slots per rank (None: ``E/G + 2``); ``lrmoe``: the
             most slots per rank when ``lrmoe.max_slots_per_rank`` is not set.
         lrmoe: the LRMoE planner's config.
+        recompute: ``static`` / ``symi``: a rank over the memory budget recomputes the
+            fewest rows' gate_up outputs in backward instead of stopping the run.
     """
 
     name: str = "static"
     capacity_factor: float = 1.25
     slots_per_rank: int | None = None
     lrmoe: LrmoeConfig = field(default_factory=LrmoeConfig)
+    recompute: bool = False
 
 
 def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
@@ -47,12 +50,15 @@ def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
         require(isinstance(s, int) and s >= n_nat,
                 f"slots_per_rank={s!r} must be an integer >= E/G = {n_nat} "
                 "(each rank holds its native experts)")
+    require(not cfg.recompute or cfg.name in ("static", "symi"),
+            f"recompute applies to the exact policies static and symi, not {cfg.name!r} "
+            "(lrmoe fits a budget by its retention quotas)")
     if cfg.name == "static":
-        return StaticPolicy()
+        return StaticPolicy(cfg.recompute)
     if cfg.name == "capacity":
         return CapacityPolicy(cfg.capacity_factor)
     if cfg.name == "symi":
-        return SymiPolicy(s if s is not None else n_nat + DEFAULT_EXTRA_SLOTS)
+        return SymiPolicy(s if s is not None else n_nat + DEFAULT_EXTRA_SLOTS, cfg.recompute)
     if cfg.name == "lrmoe":
         lc = cfg.lrmoe
         if lc.max_slots_per_rank is None and s is not None:

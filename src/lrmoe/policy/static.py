@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan, fit_exact, full_plan
 
 
 def native_placement(G: int, E: int) -> Tensor:
@@ -20,11 +20,17 @@ def native_placement(G: int, E: int) -> Tensor:
 
 @dataclass
 class StaticPolicy:
+    """Natives only, every pair in backward; with ``recompute`` a rank over the budget
+    recomputes the fewest rows' gate_up outputs instead of failing (:func:`fit_exact`)."""
+
+    recompute: bool = False
     name: str = "static"
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
         plan = full_plan(counts_GE, native_placement(G, E))
+        if self.recompute:
+            return fit_exact(plan, inputs.ledger, "static")
         if inputs.ledger is not None:
             inputs.ledger.check(plan)
         return plan

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan, fit_exact, full_plan
 
 DEFAULT_EXTRA_SLOTS = 2
 
@@ -75,7 +75,8 @@ def contiguous_placement(cnt: list[int], G: int, s: int) -> Tensor:
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
               ledger=None, recompute: bool = False) -> Plan:
     """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
-    (with ``recompute``: if it exceeds it even when recomputing every pair)."""
+    (with ``recompute``: the fewest rows per rank recompute, :func:`fit_exact`, and it
+    raises only if even recomputing every pair does not fit)."""
     G, E = counts_GE.shape
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     s = slots_per_rank
@@ -84,12 +85,10 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
             "its native experts)")
     cnt = replica_counts(prev_counts_E, E, G * s)
     plan = full_plan(counts_GE, contiguous_placement(cnt, G, s))
+    if recompute:
+        return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
     if ledger is not None and ledger.budget_bytes is not None:
-        if recompute:
-            _, _, terms = ledger.exact_fit(plan)
-            ledger.raise_if_over(terms, f"symi with slots_per_rank={s} and recompute")
-        else:
-            ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
+        ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
     return plan
 
 
@@ -177,9 +176,11 @@ def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
 
 @dataclass
 class SymiPolicy:
-    """SYMI with ``slots_per_rank`` slots; ``None`` means ``E/G + 2`` at plan time."""
+    """SYMI with ``slots_per_rank`` slots; ``None`` means ``E/G + 2`` at plan time.
+    ``recompute``: fit a budget by recomputing rows instead of failing."""
 
     slots_per_rank: int | None = None
+    recompute: bool = False
     name: str = "symi"
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
@@ -187,4 +188,4 @@ class SymiPolicy:
         s = self.slots_per_rank
         if s is None:
             s = E // G + DEFAULT_EXTRA_SLOTS
-        return plan_symi(counts_GE, s, inputs.prev_counts_E, inputs.ledger)
+        return plan_symi(counts_GE, s, inputs.prev_counts_E, inputs.ledger, self.recompute)

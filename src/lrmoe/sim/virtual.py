@@ -224,8 +224,10 @@ class VirtualExchange(torch.autograd.Function):
             y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
         st.stats.rows["fwd"] = plan.rank_load().tolist()
         st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
-        st.stats.saved_act_bytes = [sx.numel() * sx.element_size() + sgu.numel() * sgu.element_size()
-                                    for sx, sgu, _ in saved]
+        rec_G = [0] * G if plan.recompute_G is None else plan.recompute_G.tolist()
+        st.stats.saved_act_bytes = [sx.numel() * sx.element_size()
+                                    + (sgu.shape[0] - n) * sgu.shape[1] * sgu.element_size()
+                                    for (sx, sgu, _), n in zip(saved, rec_G)]
 
         # combine, per home rank
         y_send_G = virtual_all_to_all(y_recv_G, [r.splits for r in st.recvs])
@@ -443,7 +445,9 @@ class VirtualEPLayer:
         stats = VirtualStats(plan)
         if self.ledger is not None:
             stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
-        if self.recompute_ledger is not None:
+        if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
+            stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
+        elif self.recompute_ledger is not None:
             mode, rows, _ = self.recompute_ledger.exact_fit(plan)
             stats.recompute_mode, stats.recompute_rows = mode, rows
             stats.recompute_fits = mode != "over"

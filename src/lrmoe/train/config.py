@@ -57,6 +57,7 @@ class TrainConfig:
     policy: str = "static"
     capacity_factor: float = 1.25
     slots_per_rank: int | None = None
+    recompute: bool = False
     mem_budget: str | None = None
     lrmoe_metric: str = "grad_norm"
     lrmoe_estimator: str = "topk"
@@ -218,26 +219,16 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
 
 def build_policy(cfg: TrainConfig, mcfg, G: int):
     """The planner from the policy flags (names map to planners only in the registry)."""
-    try:
-        from lrmoe.policy.lrmoe import LrmoeConfig
-        from lrmoe.policy.registry import PolicyConfig, make_policy
-    except ImportError:  # TODO(policy registry): drop once lrmoe.policy.registry lands
-        from lrmoe.policy.static import StaticPolicy
-        return StaticPolicy()
-    known = {f.name for f in dataclasses.fields(LrmoeConfig)}
-    kw = dict(balance=cfg.lrmoe_balance, min_keep=cfg.lrmoe_min_keep,
-              estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
-              selection=cfg.lrmoe_selection)
-    # Knobs the planner may grow (the keep-ratio controller); passed when it has them.
-    for k, v in (("keep", cfg.lrmoe_keep), ("target_cosine", cfg.lrmoe_target_cosine),
-                 ("fidelity_every", cfg.lrmoe_fidelity_every)):
-        if k in known:
-            kw[k] = v
-    if cfg.lrmoe_keep == "auto" and "keep" not in known:
-        raise LrmoeError("--lrmoe-keep auto is not available: this build's lrmoe planner has "
-                         "no keep-ratio controller; use --lrmoe-keep fixed")
+    from lrmoe.policy.lrmoe import LrmoeConfig
+    from lrmoe.policy.registry import PolicyConfig, make_policy
+
+    lc = LrmoeConfig(balance=cfg.lrmoe_balance, min_keep=cfg.lrmoe_min_keep,
+                     estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
+                     selection=cfg.lrmoe_selection, keep=cfg.lrmoe_keep,
+                     target_cosine=cfg.lrmoe_target_cosine,
+                     fidelity_every=cfg.lrmoe_fidelity_every)
     pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
-                      slots_per_rank=cfg.slots_per_rank, lrmoe=LrmoeConfig(**kw))
+                      slots_per_rank=cfg.slots_per_rank, lrmoe=lc, recompute=cfg.recompute)
     return make_policy(pc, mcfg, G)
 
 

@@ -33,6 +33,7 @@ METRICS_FILE = "metrics.jsonl"
 _SUM_KEYS = {
     "fwd_rows": "fwd_rows", "retained_rows": "retained", "bwd_rows": "bwd_rows",
     "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
+    "recomputed_rows": "recomputed",
 }
 _MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms",
              "count_exchange_ms": "count_exchange_ms", "plan_ms": "plan_ms",

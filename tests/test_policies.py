@@ -412,7 +412,7 @@ def test_symi_best_slots_with_recompute():
 
 
 def test_plan_recompute_field_checked_and_counted():
-    """recompute_G: exact plans only, 0..received rows per rank, and the ledger counts
+    """recompute_G: 0..retained rows per rank, and the ledger counts
     those rows at the input row's bytes; fit_exact recomputes the fewest that fit."""
     import dataclasses
 
@@ -425,12 +425,14 @@ def test_plan_recompute_field_checked_and_counted():
     load = plan.rank_load()
     ok = dataclasses.replace(plan, recompute_G=load // 2)
     ok.check(counts)
-    with pytest.raises(LrmoeError, match="0..received"):
+    with pytest.raises(LrmoeError, match="0..retained"):
         dataclasses.replace(plan, recompute_G=load + 1).check(counts)
-    partial = Plan(plan.inst_expert_GS, plan.assign_GGS, plan.assign_GGS // 2, plan.assign_GGS // 2,
-                   recompute_G=torch.ones(G, dtype=torch.long))
-    with pytest.raises(LrmoeError, match="exact plans only"):
-        partial.check(counts)
+    half = plan.assign_GGS // 2
+    partial = Plan(plan.inst_expert_GS, plan.assign_GGS, half, half,
+                   recompute_G=half.sum(dim=(0, 2)))
+    partial.check(counts)  # up to every retained row
+    with pytest.raises(LrmoeError, match="0..retained"):
+        dataclasses.replace(partial, recompute_G=half.sum(dim=(0, 2)) + 1).check(counts)
     free = Ledger(cfg, G)
     a, b = free.rank_terms(plan), free.rank_terms(ok)
     for r in range(G):
@@ -444,3 +446,36 @@ def test_plan_recompute_field_checked_and_counted():
         assert fitted.recompute_G.tolist() == rec
         assert max(t["total"] for t in led.rank_terms(fitted)) <= budget
     assert fit_exact(plan, Ledger(cfg, G, max(t["total"] for t in a)), "test") is plan
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lrmoe_recompute_retains_more_within_budget(seed):
+    """With recompute, lrmoe retains at least as many pairs per rank, recomputes only
+    what the budget forces, and stays within it."""
+    from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
+
+    cfg = _cfg()
+    G, E = 4, cfg.num_experts
+    counts = _skewed(G, E, seed)
+    free = Ledger(cfg, G)
+    need = max(t["total"] for t in free.rank_terms(plan_lrmoe(counts, LrmoeConfig(), free)))
+    floor = max(t["total"] for t in free.feasible_minimum(counts))
+    short = 0
+    for budget in (floor + (need - floor) // 4, floor + (need - floor) // 2):
+        led = Ledger(cfg, G, budget)
+        a = plan_lrmoe(counts, LrmoeConfig(), led)
+        b = plan_lrmoe(counts, LrmoeConfig(recompute=True), led)
+        b.check(counts)
+        assert a.recompute_G is None and b.recompute_G is not None
+        assert torch.equal(a.inst_expert_GS, b.inst_expert_GS)  # placement unchanged
+        ka, kb = a.retain_GGS.sum(dim=(0, 2)), b.retain_GGS.sum(dim=(0, 2))
+        assert bool((kb >= ka).all())
+        if bool((ka < a.rank_load()).any()):  # some rank was short of room: it gains
+            assert int(kb.sum()) > int(ka.sum())
+        assert bool((b.recompute_G <= kb).all())
+        assert max(t["total"] for t in led.rank_terms(b)) <= budget
+        for r in range(G):  # ranks that retain everything recompute nothing
+            if int(ka[r]) == int(a.rank_load()[r]):
+                assert int(b.recompute_G[r]) == 0
+        short += int(bool((ka < a.rank_load()).any()))
+    assert short > 0, "the budgets must bind for some rank"

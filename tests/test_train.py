@@ -302,3 +302,15 @@ def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
             assert 0 < layer["recomputed"] < P and layer["ledger_total_bytes"] <= budget
     rc, _, err = cli(common + ["--out", tmp_path / "x", "--policy", "lrmoe", "--recompute"], capsys)
     assert rc == 2 and "recompute applies to the exact policies" in err
+    # lrmoe under the same budget: trims retention; with --lrmoe-recompute it retains more
+    kept = {}
+    for name, extra in (("lr", []), ("lrrec", ["--lrmoe-recompute"])):
+        rc, _, _ = cli(common + ["--out", tmp_path / name, "--policy", "lrmoe",
+                                 "--mem-budget", budget, *extra], capsys)
+        assert rc == 0
+        rows = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"]
+        kept[name] = sum(layer["retained"] for r in rows for layer in r["moe"])
+        assert all(layer["ledger_total_bytes"] <= budget for r in rows for layer in r["moe"])
+        rec = sum(layer.get("recomputed", 0) for r in rows for layer in r["moe"])
+        assert (rec > 0) == bool(extra)
+    assert kept["lrrec"] > kept["lr"]

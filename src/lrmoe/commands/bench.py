@@ -62,6 +62,8 @@ def register(sub) -> None:
                    help="lrmoe: most slots per rank (default: --slots-per-rank, else E/G+2)")
     t.add_argument("--estimator", default="topk", choices=("topk", "sampled"),
                    help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased)")
+    t.add_argument("--lrmoe-recompute", action="store_true",
+                   help="lrmoe: retain more pairs by recomputing some gate_up outputs")
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
     t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, data=args.data, max_data_bytes=args.max_data_bytes,
         eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
         balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
-        estimator=args.estimator,
+        estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")

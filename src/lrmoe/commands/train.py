@@ -93,6 +93,9 @@ def register(sub) -> None:
     g.add_argument("--recompute", action="store_true",
                    help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
                         "gate_up outputs in backward instead of stopping")
+    g.add_argument("--lrmoe-recompute", action="store_true",
+                   help="lrmoe: retain more pairs by saving only some pairs' input rows and "
+                        "recomputing their gate_up outputs in backward")
     g.add_argument("--lrmoe-metric", help="backward recalibration metric: grad_norm or gate "
                    "(default grad_norm)")
     g.add_argument("--lrmoe-estimator", help="topk or sampled (default topk)")

@@ -235,17 +235,19 @@ class ExpertExchange(torch.autograd.Function):
         # the exact gradient over all pairs can be computed beside the selected one.
         ret_GS = plan.retain_GGS[:, me, :]
         full_save = st.opts.fidelity and not plan.exact
-        n_rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
+        # Recompute (a budget): the first n_rec saved rows keep only their input row; their
+        # gate_up output is recomputed in backward. A fidelity step saves everything.
+        n_rec = 0 if plan.recompute_G is None or full_save else int(plan.recompute_G[me])
         if full_save or torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
             saved_x, saved_gu = x_inst, gu_inst
             saved_SG = plan.assign_GGS[:, me, :].t().reshape(-1)
-            if n_rec:  # exact plan over budget: the first n_rec rows recompute gate_up
+            if n_rec:
                 saved_gu = gu_inst[n_rec:].clone()
         else:
             saved_SG = ret_GS.t().reshape(-1)
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
             keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
-            saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows]
+            saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows[n_rec:]]
         del gu_inst
 
         y_recv = unpermute_rows(y_inst, recv.to_inst)
@@ -380,7 +382,7 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     ``j_send`` is each row's index inside its block, which locates its saved activations
     on the receiver. ``saved`` is
     ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size;
-    with ``recompute_rows = n`` (exact plans over a budget) ``gu`` lacks the first ``n``
+    with ``recompute_rows = n`` (a plan over a budget) ``gu`` lacks the first ``n`` saved
     rows, recomputed here from their saved inputs.
     Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
     """
@@ -392,12 +394,16 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
     scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
-    if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
-        # exact backward: every row arrives, in saved order (no gather needed)
+    all_saved = torch.equal(saved_SG, recv_GS.t().reshape(-1))
+    if recompute_rows and not all_saved:  # rebuild the saved gate_up rows, then gather
+        per_inst = saved_SG.reshape(S, G).sum(1).tolist()
+        with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
+            head = gate_up(saved_x[:recompute_rows], w13_S, prefix_counts(per_inst, recompute_rows))
+        saved_gu, recompute_rows = torch.cat([head, saved_gu]), 0
+    if all_saved:
+        # every saved row arrives, in saved order (no gather needed)
         x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
     else:
-        if recompute_rows:  # Plan.check allows recompute on exact plans only
-            raise AssertionError("recompute on a trimmed backward (Plan.check forbids it)")
         n = int(recv_GS.sum())
         blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
                                       to_device(recv_GS.t().reshape(-1), dev), output_size=n)
@@ -406,7 +412,7 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
         dy_inst = permute_rows(dy_recv, rl.to_inst)
     offs = offsets(rl.counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-        if recompute_rows:
+        if recompute_rows:  # every saved row arrived: recompute the prefix in place
             head = prefix_counts(rl.counts, recompute_rows)
             gu_head = gate_up(x_sel[:recompute_rows], w13_S, head)
             gu_sel = torch.cat([gu_head, gu_sel])

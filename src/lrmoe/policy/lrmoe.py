@@ -27,7 +27,9 @@ The plan is built in three passes (SYSTEM.md §4 lrmoe), each deterministic:
    addition; first instances in slot order get +1).
 2. **Retention quotas.** Each rank retains ``min(received, affordable)`` pairs, where
    ``affordable`` is what its budget has left after owned state, instances and buffers
-   (everything, without a budget). The rank's quota goes first one pair to each
+   (everything, without a budget). With ``recompute`` a rank short of room retains as
+   many pairs as fit when each keeps only its input row, and recomputes the gate_up
+   output of the fewest of them (``Plan.recompute_G``). The rank's quota goes first one pair to each
    non-empty instance, then the rest in proportion to the instances' remaining loads;
    an instance's quota goes to its blocks in proportion to their pairs.
 3. **Backward quotas.** ``M`` = mean retained pairs per rank. A rank above ``M`` trims its
@@ -81,6 +83,9 @@ class LrmoeConfig:
             hold the fidelity monitor's cosine at ``target_cosine``.
         target_cosine: the gradient fidelity ``auto`` aims for.
         fidelity_every: how often the runtime measures fidelity (``auto`` needs > 0).
+        recompute: retention may also keep pairs whose gate_up output is recomputed in
+            backward (only the input row saved): a rank retains as many pairs as fit
+            that way, recomputing the fewest (more pairs in backward, more backward work).
     """
 
     balance: float = 1.0
@@ -94,6 +99,7 @@ class LrmoeConfig:
     keep: str = "fixed"
     target_cosine: float = 0.99
     fidelity_every: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -194,17 +200,28 @@ def _place_replicas(c: Tensor, S: int, cfg: LrmoeConfig, ledger) -> Tensor:
     return torch.tensor(slots, dtype=torch.long)
 
 
-def _retention(assign_GGS: Tensor, inst_GS: Tensor, home_G: Tensor, ledger) -> Tensor:
-    """Pass 2: retention quotas per instance, then per block."""
+def _retention(assign_GGS: Tensor, inst_GS: Tensor, home_G: Tensor, ledger,
+               recompute: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Pass 2: retention quotas per instance, then per block; with ``recompute`` also
+    the rows per rank that keep only their input row (``None`` without)."""
     G, _, S = assign_GGS.shape
     load_GS = assign_GGS.sum(0)
     recv_G = load_GS.sum(1)
     n_occ = (inst_GS >= 0).sum(1)
     keep = recv_G.clone()
+    rec = torch.zeros(G, dtype=torch.long) if recompute else None
     if ledger is not None and ledger.budget_bytes is not None:
         for r in range(G):
-            cap = ledger.retain_capacity(int(n_occ[r]), int(recv_G[r]), int(home_G[r]))
-            keep[r] = min(int(recv_G[r]), cap)
+            n, R, h = int(n_occ[r]), int(recv_G[r]), int(home_G[r])
+            keep[r] = min(R, ledger.retain_capacity(n, R, h))
+            if recompute and keep[r] < R:
+                # retain more, some as input rows only: the most pairs that fit, then
+                # the fewest of them recomputed
+                room = ledger.budget_bytes - ledger.terms(n, R, h, 0)["total"]
+                more = min(R, room // (ledger.L * ledger.A_recompute))
+                if more > keep[r]:
+                    keep[r] = more
+                    rec[r] = max(0, ledger.recompute_needed(n, R, h, more))
     base_GS = (load_GS > 0).long()
     rest_G = keep - base_GS.sum(1)
     if (rest_G < 0).any():  # the placement pass guarantees this never happens
@@ -212,7 +229,8 @@ def _retention(assign_GGS: Tensor, inst_GS: Tensor, home_G: Tensor, ledger) -> T
         raise LrmoeError(f"lrmoe planner: rank {r} cannot retain one pair per instance "
                          "(internal error: please report)")
     quota_GS = base_GS + apportion(rest_G, (load_GS - base_GS).T).T
-    return apportion(quota_GS.flatten(), assign_GGS.reshape(G, G * S)).reshape(G, G, S)
+    retain = apportion(quota_GS.flatten(), assign_GGS.reshape(G, G * S)).reshape(G, G, S)
+    return retain, rec
 
 
 def _backward_quotas(assign_GGS: Tensor, retain_GGS: Tensor, cfg: LrmoeConfig) -> Tensor:
@@ -256,9 +274,9 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
             [ledger.terms(int(n_inst[r]), int(recv[r]), int(home[r]), min(int(n_inst[r]), int(recv[r])))
              for r in range(G)],
             "the smallest lrmoe plan (its placement, one retained pair per instance)")
-    retain = _retention(assign, inst, c.sum(1), ledger)
+    retain, rec = _retention(assign, inst, c.sum(1), ledger, cfg.recompute)
     select = _backward_quotas(assign, retain, cfg) if cfg.selection else retain.clone()
-    plan = Plan(inst, assign, retain, select)
+    plan = Plan(inst, assign, retain, select, recompute_G=rec)
     plan.check(c)
     if ledger is not None:
         ledger.check(plan)

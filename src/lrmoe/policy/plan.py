@@ -32,8 +32,8 @@ class Plan:
         dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward (capacity
             policy only; ``None`` means dropless). A home rank sends its pairs of ``e``
             in descending gate order, so the dropped ones are its lowest-gate pairs.
-        recompute_G: exact plans only: per rank, how many of its received rows (the
-            first ones in instance order) save only their input row and recompute the
+        recompute_G: per rank, how many of its retained rows (the first ones in saved,
+            i.e. instance-then-home, order) save only their input row and recompute the
             gate_up output in backward, to fit a memory budget (``None``: none).
     """
 
@@ -90,10 +90,9 @@ class Plan:
             raise LrmoeError("plan violates select <= retain <= assign")
         if self.recompute_G is not None:
             rec = self.recompute_G
-            if tuple(rec.shape) != (G,) or (rec < 0).any() or (rec > self.rank_load()).any():
-                raise LrmoeError("plan.recompute must hold, per rank, 0..received rows")
-            if bool(rec.any()) and not self.exact:
-                raise LrmoeError("plan.recompute applies to exact plans only")
+            kept = self.retain_GGS.sum(dim=(0, 2))
+            if tuple(rec.shape) != (G,) or (rec < 0).any() or (rec > kept).any():
+                raise LrmoeError("plan.recompute must hold, per rank, 0..retained rows")
         present = torch.zeros(E, dtype=torch.bool)
         present[ie[ie >= 0]] = True
         if not present.all():

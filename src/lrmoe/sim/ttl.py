@@ -75,6 +75,7 @@ class TTLConfig:
     balance: float = 1.0
     lrmoe_max_slots: int | None = None
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
+    lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
 
@@ -109,7 +110,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     from lrmoe.policy.symi import best_slots, slot_costs
 
     G, E = cfg.ep, mcfg.num_experts
-    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep)
+    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute)
     slots, note, label = cfg.slots_per_rank, "", ""
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
@@ -128,7 +129,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     elif name == "lrmoe":
         slots = cfg.lrmoe_max_slots if cfg.lrmoe_max_slots is not None else slots
         note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
-                f"{cfg.min_keep}, {cfg.estimator}")
+                f"{cfg.min_keep}, {cfg.estimator}"
+                + (", recompute" if cfg.lrmoe_recompute else ""))
     elif name == "static":
         note = f"s={E // G} (natives)"
         if ledger is not None and not all(E // G in slot_costs(ledger, c, p, E // G)

@@ -58,6 +58,7 @@ class TrainConfig:
     capacity_factor: float = 1.25
     slots_per_rank: int | None = None
     recompute: bool = False
+    lrmoe_recompute: bool = False
     mem_budget: str | None = None
     lrmoe_metric: str = "grad_norm"
     lrmoe_estimator: str = "topk"
@@ -226,7 +227,7 @@ def build_policy(cfg: TrainConfig, mcfg, G: int):
                      estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
                      selection=cfg.lrmoe_selection, keep=cfg.lrmoe_keep,
                      target_cosine=cfg.lrmoe_target_cosine,
-                     fidelity_every=cfg.lrmoe_fidelity_every)
+                     fidelity_every=cfg.lrmoe_fidelity_every, recompute=cfg.lrmoe_recompute)
     pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
                       slots_per_rank=cfg.slots_per_rank, lrmoe=lc, recompute=cfg.recompute)
     return make_policy(pc, mcfg, G)

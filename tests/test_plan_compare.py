@@ -291,3 +291,23 @@ def test_trace_errors_are_one_line_exit_2(tmp_path, capsys):
     p.write_text(json.dumps(_trace(3, 2, 16)))
     assert main(["plan", *TINY, "--ep", "4", "--loads", str(p)]) == 2
     assert "use it with --compare" in capsys.readouterr().err
+
+
+def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
+    """--lrmoe-recompute: lrmoe keeps at least as many pairs, reports its recompute
+    ratio and charges bwd_recompute time; the exact policies are unaffected."""
+    args = ("--ep-list", "4", "--budgets", "13.5MiB,64MiB")
+    rc, cap, out = _compare(tmp_path, capsys, *args)
+    assert rc == 0, cap.err
+    base = {(r["budget"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
+    rc, cap, out = _compare(tmp_path, capsys, *args, "--lrmoe-recompute")
+    assert rc == 0, cap.err
+    rec = {(r["budget"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
+    for key, r in rec.items():
+        if key[1] != "lrmoe":
+            assert r == base[key]
+            continue
+        assert r["fits"] and r["keep_ratio"] >= base[key]["keep_ratio"]
+        assert r["recompute_ratio"] is not None and base[key]["recompute_ratio"] is None
+        assert (r["recompute_ratio"] > 0) == (r["modelled_stages_ms"]["bwd_recompute"] > 0)
+    assert rec[("13.5MiB", "lrmoe")]["recompute_ratio"] > 0

@@ -66,6 +66,8 @@ def register(subparsers) -> None:
     p.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
     p.add_argument("--no-selection", action="store_true",
                    help="lrmoe: select every retained pair")
+    p.add_argument("--lrmoe-recompute", action="store_true",
+                   help="lrmoe: retain more pairs by recomputing some gate_up outputs")
     c = p.add_argument_group("scale projection (--compare; times are modelled, not measured)")
     c.add_argument("--compare", action="store_true",
                    help="static, symi and lrmoe at each --ep-list size and --budgets budget")
@@ -141,7 +143,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def lrmoe_config(args: argparse.Namespace) -> LrmoeConfig:
     return LrmoeConfig(balance=args.balance, min_keep=args.min_keep,
-                       selection=not args.no_selection)
+                       selection=not args.no_selection, recompute=args.lrmoe_recompute)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -205,8 +205,9 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     modes: list[str] = []
     peak = 0
     for plan in plans:
-        if name == "lrmoe":
-            mode, rec, terms = "fits", None, ledger.rank_terms(plan)
+        if name == "lrmoe":  # its own recompute rows, if it plans any
+            rec = None if plan.recompute_G is None else plan.recompute_G.tolist()
+            mode, terms = "pairs", ledger.rank_terms(plan)
         else:
             mode, rec, terms = ledger.exact_fit(plan)
         peak = max(peak, max(t["total"] for t in terms))
@@ -224,8 +225,9 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
             f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
         return row
     if name != "lrmoe":
-        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
         row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
+    if all(rec is not None for rec in recs):
+        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
     stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode)
              for p, rec, mode in zip(plans, recs, modes)]
     st = mean_step_times(stats, link)

@@ -30,12 +30,12 @@ retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer ×
   (select <= assign), so the forward size bounds them.
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
-* Recompute (exact policies only, :meth:`Ledger.rank_recompute`): a pair whose gate_up
-  output is recomputed in backward keeps only its input row, ``H · bytes_act``, and
-  costs one more gate_up GEMM (2 of the expert's 3 GEMMs in the forward) in backward.
-  An exact policy over budget recomputes the fewest pairs that make the rank fit.
-  Where even recomputing every pair does not fit, it checkpoints the whole MoE layer
-  (:meth:`Ledger.exact_fit`, mode ``"layer"``): nothing is retained on the expert ranks
+* Recompute (a plan's ``recompute_G`` rows): a pair whose gate_up output is recomputed
+  in backward keeps only its input row, ``H · bytes_act``, and costs one more gate_up
+  GEMM (2 of the expert's 3 GEMMs in the forward) in backward. An exact policy over
+  budget recomputes the fewest pairs that make each rank fit (:meth:`Ledger.exact_fit`,
+  mode ``"pairs"``). Where even recomputing every pair does not fit, the emulator models
+  a whole-layer checkpoint (mode ``"layer"``): nothing is retained on the expert ranks
   (the layer's input is the residual stream, saved outside this ledger) and backward
   re-runs the layer's forward dispatch, experts and combine first.
 
@@ -301,17 +301,13 @@ class Ledger:
         need = -(-over // per_pair)
         return int(need) if need <= retained_pairs else -1
 
-    def rank_recompute(self, plan, tokens_per_rank_home: int | None = None) -> list[int]:
-        """Per rank, :meth:`recompute_needed` for ``plan`` (-1: does not fit at all)."""
-        return [self.recompute_needed(*c) for c in self._rank_counts(plan, tokens_per_rank_home)]
-
     def exact_fit(self, plan, tokens_per_rank_home: int | None = None
                   ) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact (every pair in backward) plan meets the budget, cheapest first.
 
         Returns ``(mode, recomputed rows per rank, terms per rank)``, mode one of:
         ``"fits"`` (nothing recomputed), ``"pairs"`` (the fewest pairs' gate_up outputs
-        recomputed per rank, :meth:`rank_recompute`), ``"layer"`` (whole-layer
+        recomputed per rank, :meth:`recompute_needed`), ``"layer"`` (whole-layer
         checkpoint: no retained activations, every received row re-run forward in
         backward), ``"over"`` (even that does not fit; terms of the layer checkpoint).
         """

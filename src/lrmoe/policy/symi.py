@@ -18,7 +18,7 @@ SYMI (arXiv 2504.19925, NSDI '26), as summarised in SYSTEM.md §4:
 With a memory budget the plan must fit the ledger; :func:`largest_feasible_slots` picks
 the largest ``s`` that does (what a SYMI user would tune by hand). With ``recompute``
 a rank may instead recompute the gate_up output of some pairs in backward
-(:meth:`lrmoe.memory.Ledger.rank_recompute`); :func:`best_slots` then picks the ``s``
+(:meth:`lrmoe.memory.Ledger.exact_fit`); :func:`best_slots` then picks the ``s``
 with the lowest busiest-rank work (forward + backward + recompute GEMMs), which is how
 the side-by-side benchmark gives SYMI its best configuration under a budget.
 """
@@ -93,7 +93,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
 
 
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
-                           max_slots: int | None = None, recompute: bool = False) -> int:
+                           max_slots: int | None = None) -> int:
     """The largest ``s`` in ``[E/G, max_slots]`` (default ``E``) whose SYMI plan fits.
 
     Memory is not strictly monotone in ``s`` (contiguous placement moves load), so every
@@ -113,7 +113,7 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
         if floor_bytes > ledger.budget_bytes:
             break
         try:
-            plan_symi(counts_GE, s, prev_counts_E, ledger, recompute)
+            plan_symi(counts_GE, s, prev_counts_E, ledger)
             best = s
         except LrmoeError as e:
             first_err = first_err or e

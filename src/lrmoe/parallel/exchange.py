@@ -394,13 +394,12 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
     scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
-    all_saved = torch.equal(saved_SG, recv_GS.t().reshape(-1))
-    if recompute_rows and not all_saved:  # rebuild the saved gate_up rows, then gather
+    if recompute_rows:  # rebuild the saved rows' gate_up outputs (instance order) first
         per_inst = saved_SG.reshape(S, G).sum(1).tolist()
         with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
             head = gate_up(saved_x[:recompute_rows], w13_S, prefix_counts(per_inst, recompute_rows))
-        saved_gu, recompute_rows = torch.cat([head, saved_gu]), 0
-    if all_saved:
+        saved_gu = torch.cat([head, saved_gu])
+    if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
         # every saved row arrives, in saved order (no gather needed)
         x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
     else:
@@ -412,10 +411,6 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
         dy_inst = permute_rows(dy_recv, rl.to_inst)
     offs = offsets(rl.counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-        if recompute_rows:  # every saved row arrived: recompute the prefix in place
-            head = prefix_counts(rl.counts, recompute_rows)
-            gu_head = gate_up(x_sel[:recompute_rows], w13_S, head)
-            gu_sel = torch.cat([gu_head, gu_sel])
         dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs,
                                              scale=scale_inst)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)

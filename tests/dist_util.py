@@ -1,4 +1,4 @@
-"""Spawning gloo process groups on loopback for the distributed tests."""
+"""Shared test helpers: gloo process groups on loopback, a fixed router, test plans."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lrmoe.model.router import Routing
+from lrmoe.policy.plan import Plan, full_plan
 
 
 def free_port() -> int:
@@ -63,3 +64,25 @@ class FixedRouter(nn.Module):
     def forward(self, x):
         probs = torch.softmax(x @ self.weight.t(), dim=-1)
         return Routing(self.idx, probs.gather(1, self.idx), None)
+
+
+def hot_replica_plan(counts_GE: torch.Tensor, avoid_owner: bool) -> Plan:
+    """Natives plus one replica of each of the two hottest experts, on ranks G-1 and G-2
+    (with ``avoid_owner``, the next rank when that one already owns the expert)."""
+    G, E = counts_GE.shape
+    per = E // G
+    ie = torch.full((G, per + 2), -1, dtype=torch.long)
+    ie[:, :per] = torch.arange(E).reshape(G, per)
+    hot = torch.argsort(counts_GE.sum(0), descending=True)[:2]
+    for k, e in enumerate(hot.tolist()):
+        r = (G - 1 - k) % G
+        if avoid_owner and e // per == r:
+            r = (r + 1) % G
+        ie[r, per + k] = e
+    return full_plan(counts_GE, ie)
+
+
+def trimmed(plan: Plan) -> Plan:
+    """``plan`` with 80% of each block retained and 60% of those selected."""
+    r = (plan.assign_GGS * 4) // 5
+    return Plan(plan.inst_expert_GS, plan.assign_GGS, r, (r * 3) // 5)

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_util import FixedRouter, run_world
+from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.cost import StepTimes, step_times
 from lrmoe.sim.links import LINKS, alltoall_time
@@ -35,26 +35,14 @@ class ReplicaPolicy:
     name = "replica-test"
 
     def plan(self, counts_GE, inputs):
-        G_ = counts_GE.shape[0]
-        per = E // G_
-        ie = torch.full((G_, per + 2), -1, dtype=torch.long)
-        ie[:, :per] = torch.arange(E).reshape(G_, per)
-        hot = torch.argsort(counts_GE.sum(0), descending=True)[:2]
-        for k, e in enumerate(hot.tolist()):
-            r = (G_ - 1 - k) % G_
-            if e // per == r:
-                r = (r + 1) % G_
-            ie[r, per + k] = e
-        return full_plan(counts_GE, ie)
+        return hot_replica_plan(counts_GE, avoid_owner=True)
 
 
 class PartialPolicy(ReplicaPolicy):
     """Replicas, 80% retained, 60% of those selected (top-k selection at runtime)."""
 
     def plan(self, counts_GE, inputs):
-        p = super().plan(counts_GE, inputs)
-        r = (p.assign_GGS * 4) // 5
-        return Plan(p.inst_expert_GS, p.assign_GGS, r, (r * 3) // 5)
+        return trimmed(super().plan(counts_GE, inputs))
 
 
 def close(a, b, what):

@@ -150,7 +150,7 @@ def _val_loss(model, batches, dev, autocast) -> float:
     return evaluate(model, batches, SimpleNamespace(device=dev, distributed=False), autocast)[0]
 
 
-def _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum) -> dict:
+def _step_row(step, loss, wall, vm, link, G, ledger, cum) -> dict:
     """One step's record: emulated stage times, loads, ratios, ledger peak (see module doc)."""
     from lrmoe.sim.cost import step_times
     from lrmoe.sim.virtual import EXCHANGES
@@ -179,11 +179,9 @@ def _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum) -> dict:
                  for s in stats if ex in s.bytes_GG),
              sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
         for ex in EXCHANGES}
-    if ledger is not None:
-        terms = [ledger.exact_fit(s.plan)[2] if rec_ledger else
-                 ledger.rank_terms(s.plan) for s in stats]
+    if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
         row["recompute_modes"] = [s.recompute_mode for s in stats]
-        row["ledger_peak_bytes"] = max(max(t["total"] for t in ts) for ts in terms)
+        row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
         row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
                                   / max(assigned, 1))
         row["fits"] = all(s.recompute_fits for s in stats) and \
@@ -236,7 +234,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             wall, loss = time.perf_counter() - t0, float(lm.detach())
             if not math.isfinite(loss):
                 raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, wall, vm, link, G, ledger, rec_ledger, cum)
+            row = _step_row(step, loss, wall, vm, link, G, ledger, cum)
             cum = row["cum_emulated_s"]
             trace.append([c.tolist() for c in vm.counts_E])
             trace_GE.append(vm.counts_GE)

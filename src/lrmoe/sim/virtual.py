@@ -113,7 +113,8 @@ class VirtualStats:
             diagonal is a rank's copy to itself, which no link carries).
         expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
         saved_act_bytes: activation bytes each rank kept for backward.
-        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given).
+        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
+            a recompute ledger, the terms after that recompute).
         recompute_rows: with a recompute ledger (exact policies under a budget), the
             rows each rank re-runs forward in backward to fit, and ``recompute_mode``
             (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
@@ -448,9 +449,10 @@ class VirtualEPLayer:
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
         elif self.recompute_ledger is not None:
-            mode, rows, _ = self.recompute_ledger.exact_fit(plan)
+            mode, rows, terms = self.recompute_ledger.exact_fit(plan)
             stats.recompute_mode, stats.recompute_rows = mode, rows
             stats.recompute_fits = mode != "over"
+            stats.ledger_total_bytes = [int(t["total"]) for t in terms]
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
         w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
         w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)

@@ -81,7 +81,8 @@ def test_partial_selection_compaction_on_off(layer):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert on[5]["bwd_rows"] == on[5]["selected_rows"] < off[5]["bwd_rows"]
     assert on[5]["bwd_dispatch_bytes_sent"] < off[5]["bwd_dispatch_bytes_sent"]
-    assert on[5]["saved_act_bytes"] < on[5]["fwd_rows"] * 1e9  # recorded
+    H, F = layer.cfg.hidden_size, layer.cfg.moe_intermediate_size
+    assert on[5]["saved_act_bytes"] == on[5]["retained_rows"] * (H + 2 * F) * 4  # x and gu, fp32
     assert on[5]["retained_rows"] < on[5]["fwd_rows"]
 
 
@@ -172,3 +173,80 @@ def test_compacted_backward_equals_masking_reference(layer):
            layer.router.weight.grad]
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class TrimmedRetentionPolicy:
+    """Natives only; each expert retains (and selects) 60% of its pairs: on one rank
+    the kept pairs must be each expert's highest-gate ones."""
+
+    name = "trimmed"
+
+    def plan(self, counts, inputs):
+        p = full_plan(counts, torch.arange(counts.shape[1]).reshape(1, -1))
+        r = (p.assign_GGS * 3) // 5
+        return Plan(p.inst_expert_GS, p.assign_GGS, r, r)
+
+
+def masked_reference(layer, x_BTH, keep_frac_num=3, keep_den=5):
+    """The dense reference where only each expert's top ``⌊3/5·n⌋`` pairs by gate carry
+    gradient into the expert (weights and input); every pair's output and router
+    gradient stay exact (``y.detach()`` for the others)."""
+    B, T, H = x_BTH.shape
+    x = x_BTH.reshape(-1, H)
+    r = layer.router(x)
+    Fd = layer.cfg.moe_intermediate_size
+    out = torch.zeros_like(x)
+    for e in range(layer.cfg.num_experts):
+        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g = r.gate_TK[tok, k]
+        n_keep = (tok.numel() * keep_frac_num) // keep_den
+        kept = torch.zeros(tok.numel(), dtype=torch.bool)
+        kept[torch.argsort(g.detach(), descending=True)[:n_keep]] = True
+        gu = x[tok] @ layer.experts.gate_up_proj[e].t()
+        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
+        y = torch.where(kept[:, None], y, y.detach())
+        out = out.index_add(0, tok, y * g[:, None].to(y.dtype))
+    out = out.view(B, T, H)
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(x_BTH)
+    return out
+
+
+def test_retention_keeps_each_experts_highest_gate_pairs(layer):
+    """A retention quota is filled by the highest-gate pairs (SYSTEM.md §4): the
+    runtime's gradients equal a masked reference that keeps exactly those, and differ
+    from one that keeps the lowest-gate pairs."""
+    x = torch.randn(2, 24, layer.cfg.hidden_size)
+    layer.runtime = MoERuntime(policy=TrimmedRetentionPolicy())
+    got = run(layer, x)
+    layer.zero_grad()
+    xr = x.clone().requires_grad_()
+    y = masked_reference(layer, xr)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    want = [y.detach(), xr.grad, layer.experts.gate_up_proj.grad.clone(),
+            layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]
+    for name, a, b in zip(("out", "dx", "dgate_up", "ddown", "drouter"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert (got[2] - run(layer, x, ref=True)[2]).abs().max() > 1e-4  # not the exact gradient
+
+
+def test_router_gradient_exact_only_in_the_last_moe_layer():
+    """What is exact (docs/design.md §4): each MoE layer's router gradient is exact
+    *given its output gradient*. Dropped pairs change dx, so every layer below the last
+    MoE layer sees a different output gradient: its router gradient differs."""
+    torch.manual_seed(2)
+    m = MoEForCausalLM(get_preset("tiny-qwen3"))
+    ids = torch.randint(0, 256, (2, 33))
+    m2 = copy.deepcopy(m)
+    m2.set_runtime(MoERuntime(policy=TrimmedRetentionPolicy()))
+    grads = []
+    for model in (m, m2):
+        model.train()
+        loss, obj = model.loss(ids[:, :-1], ids[:, 1:])
+        obj.backward()
+        grads.append([ml.router.weight.grad.clone() for ml in model.moe_layers])
+    rel = [float((b - a).norm() / a.norm()) for a, b in zip(*grads)]
+    assert rel[-1] < 1e-5, rel
+    assert all(r > 1e-3 for r in rel[:-1]), rel

@@ -61,7 +61,7 @@ def register(sub) -> None:
     t.add_argument("--lrmoe-max-slots", type=int, default=None,
                    help="lrmoe: most slots per rank (default: --slots-per-rank, else E/G+2)")
     t.add_argument("--estimator", default="topk", choices=("topk", "sampled"),
-                   help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased)")
+                   help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased over the retained pairs)")
     t.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")

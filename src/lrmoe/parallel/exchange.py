@@ -214,7 +214,8 @@ class ExpertExchange(torch.autograd.Function):
     The combine (gate-weighted sum over a token's k pairs) is done here, as a batched
     ``[1, K] x [K, H]`` product per token, so the pair outputs never leave this Function
     in pair order and no broadcast multiply or atomic scatter is needed. The router
-    gradient ``dL/dg[t,k] = <dout[t], y[t,k]>`` is exact for every pair.
+    gradient ``dL/dg[t,k] = <dout[t], y[t,k]>`` is exact for every pair given ``dout``
+    (pairs dropped in the MoE layers above this one change ``dout`` itself).
     """
 
     @staticmethod

@@ -1,0 +1,85 @@
+"""Targets and crossing times read from smoothed validation curves (issue 14, statistics).
+
+A validation curve is a list of evaluations ``{"step", "val_loss", "cum_emulated_s"}``
+(plus ``"val_batch_losses"`` when recorded). One noisy evaluation must not decide a
+time-to-target, so:
+
+* :func:`smooth` — centred moving average of the losses over ``window`` evaluations
+  (the window shrinks at the ends, so the curve keeps its length and its last point);
+* :func:`target_at` — the exact baseline's smoothed loss at ``step`` (linear between
+  the evaluations around it);
+* :func:`crossing` — the first point where a smoothed curve reaches the target, with
+  the step and the emulated time interpolated linearly between the evaluation above the
+  target and the one at or below it (``None`` if never reached);
+* :func:`eval_noise` — the standard error of one evaluation (std of its per-batch mean
+  losses / sqrt(batches)) against the smoothed loss change between neighbouring
+  evaluations near the target: the issue asks for SE < 1/4 of that change.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def smooth(vals: list[float], window: int = 3) -> list[float]:
+    """Centred moving average of width ``window`` (odd), shrinking at the ends."""
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"smoothing window must be an odd number >= 1, got {window}")
+    h = window // 2
+    out = []
+    for i in range(len(vals)):
+        w = min(h, i, len(vals) - 1 - i)
+        seg = vals[i - w:i + w + 1]
+        out.append(sum(seg) / len(seg))
+    return out
+
+
+def _evals(evals: list[dict]) -> list[dict]:
+    return [e for e in evals if e["step"] > 0]
+
+
+def target_at(evals: list[dict], step: float, window: int = 3) -> float:
+    """The smoothed loss of ``evals`` at ``step`` (linear between evaluations)."""
+    ev = _evals(evals)
+    if not ev:
+        raise ValueError("no evaluations after step 0")
+    s = smooth([e["val_loss"] for e in ev], window)
+    xs = [e["step"] for e in ev]
+    if step <= xs[0]:
+        return s[0]
+    for i in range(1, len(xs)):
+        if step <= xs[i]:
+            f = (step - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return s[i - 1] + f * (s[i] - s[i - 1])
+    return s[-1]
+
+
+def crossing(evals: list[dict], target: float, window: int = 3
+             ) -> tuple[float | None, float | None]:
+    """``(step, emulated seconds)`` where the smoothed curve first reaches ``target``."""
+    ev = _evals(evals)
+    s = smooth([e["val_loss"] for e in ev], window)
+    for i, v in enumerate(s):
+        if v <= target:
+            if i == 0:
+                return float(ev[0]["step"]), ev[0]["cum_emulated_s"]
+            f = (s[i - 1] - target) / (s[i - 1] - v)
+            a, b = ev[i - 1], ev[i]
+            return (a["step"] + f * (b["step"] - a["step"]),
+                    a["cum_emulated_s"] + f * (b["cum_emulated_s"] - a["cum_emulated_s"]))
+    return None, None
+
+
+def eval_noise(evals: list[dict], step: float, window: int = 3) -> dict:
+    """One evaluation's standard error against the smoothed change between
+    neighbouring evaluations around ``step``; ``ok`` when SE < change / 4."""
+    ev = _evals(evals)
+    i = min(range(len(ev)), key=lambda j: abs(ev[j]["step"] - step))
+    b = ev[i].get("val_batch_losses") or []
+    se = statistics.stdev(b) / math.sqrt(len(b)) if len(b) >= 2 else float("nan")
+    s = smooth([e["val_loss"] for e in ev], window)
+    lo, hi = max(i - 1, 0), min(i + 1, len(ev) - 1)
+    change = abs(s[lo] - s[hi]) / max(hi - lo, 1)
+    return {"step": ev[i]["step"], "batches": len(b), "std_error": se,
+            "neighbour_change": change, "ok": bool(se < change / 4)}

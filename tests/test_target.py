@@ -1,0 +1,60 @@
+"""Targets and crossings on smoothed validation curves (lrmoe.sim.target)."""
+
+import math
+import random
+
+import pytest
+
+from lrmoe.sim.target import crossing, eval_noise, smooth, target_at
+
+
+def curve(vals, dt=2.0, every=10):
+    return [{"step": every * (i + 1), "val_loss": v, "cum_emulated_s": dt * (i + 1)}
+            for i, v in enumerate(vals)]
+
+
+def test_smooth_is_a_centred_mean_that_keeps_the_ends():
+    assert smooth([3.0, 1.0, 2.0, 6.0], 3) == [3.0, 2.0, 3.0, 6.0]
+    assert smooth([1.0, 5.0], 1) == [1.0, 5.0]
+    with pytest.raises(ValueError):
+        smooth([1.0], 2)
+
+
+def test_crossing_interpolates_step_and_time_between_evaluations():
+    ev = curve([4.0, 3.0, 2.0, 1.0], dt=2.0)  # smoothed: 4.0, 3.0, 2.0, 1.0
+    step, t = crossing(ev, 2.5, window=1)
+    assert step == pytest.approx(25.0) and t == pytest.approx(5.0)
+    assert crossing(ev, 0.5, window=1) == (None, None)
+    assert crossing(ev, 9.0, window=1) == (10.0, 2.0)
+
+
+def test_one_noisy_dip_does_not_decide_the_crossing():
+    """A single evaluation below the target ahead of the trend is smoothed away."""
+    ev = curve([4.0, 3.6, 2.0, 3.2, 2.9, 2.6, 2.3])
+    raw_step, _ = crossing(ev, 2.5, window=1)
+    step, _ = crossing(ev, 2.5, window=3)
+    assert raw_step < 30 < step
+
+
+def test_target_reads_the_smoothed_curve_at_a_step():
+    ev = curve([4.0, 3.0, 2.0, 1.0], every=10)
+    assert target_at(ev, 25, window=1) == pytest.approx(2.5)
+    assert target_at(ev, 5, window=1) == 4.0 and target_at(ev, 99, window=1) == 1.0
+    assert target_at(ev, 20, window=3) == pytest.approx(3.0)
+
+
+def test_eval_noise_compares_standard_error_with_neighbour_change():
+    rnd = random.Random(0)
+    ev = curve([4.0, 3.0, 2.0, 1.0])
+    for e in ev:
+        e["val_batch_losses"] = [e["val_loss"] + rnd.gauss(0, 0.4) for _ in range(16)]
+    n = eval_noise(ev, 30, window=1)
+    sd = (sum((x - sum(ev[2]["val_batch_losses"]) / 16) ** 2
+              for x in ev[2]["val_batch_losses"]) / 15) ** 0.5
+    assert n["std_error"] == pytest.approx(sd / 4) and n["neighbour_change"] == pytest.approx(1.0)
+    assert n["ok"] == (n["std_error"] < 0.25)
+    for e in ev:  # 16 times noisier: the check must fail
+        e["val_batch_losses"] = [e["val_loss"] + 16 * (x - e["val_loss"])
+                                 for x in e["val_batch_losses"]]
+    assert not eval_noise(ev, 30, window=1)["ok"]
+    assert math.isnan(eval_noise(curve([1.0, 0.5]), 10)["std_error"])

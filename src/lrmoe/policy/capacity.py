@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.fastops import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.policy.static import native_placement
 
@@ -65,7 +68,21 @@ def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
 
 
 def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
-    """Native placement; pairs over each expert's capacity dropped from every home."""
+    """Native placement; pairs over each expert's capacity dropped from every home.
+    (numpy on the host; :func:`plan_capacity_reference` is the torch reading.)"""
+    require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
+    G, E = counts_GE.shape
+    require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
+    c = host_counts(counts_GE)
+    cap = capacity_per_expert(counts_GE, capacity_factor)
+    kept_GE = apportion_np(np.minimum(c.sum(0), cap), c)
+    inst = np.arange(E).reshape(G, E // G)  # native placement
+    a = interval_overlap_np(kept_GE, inst, even_split_np(kept_GE, inst))
+    return to_plan(inst, a, a.copy(), a.copy(), dropped_GE=c - kept_GE)
+
+
+def plan_capacity_reference(counts_GE: Tensor, capacity_factor: float) -> Plan:
+    """The torch reading of :func:`plan_capacity` (tests compare the two)."""
     require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
     G, E = counts_GE.shape
     c = counts_GE.long()
@@ -88,6 +105,11 @@ class CapacityPolicy:
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         plan = plan_capacity(counts_GE, self.capacity_factor)
-        if inputs.ledger is not None:
-            inputs.ledger.check(plan)
+        led = inputs.ledger
+        if led is not None and led.budget_bytes is not None:
+            G, E = counts_GE.shape
+            c = plan.assign_GGS.numpy()
+            view = LedgerView(led, host_counts(counts_GE).sum(1), int(c.sum()))
+            recv = c.sum((0, 2))
+            view.raise_if_over(np.full(G, E // G), recv, recv, None, "the plan")
         return plan

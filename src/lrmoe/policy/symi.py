@@ -25,21 +25,26 @@ the side-by-side benchmark gives SYMI its best configuration under a budget.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan, fit_exact, full_plan
+from lrmoe.policy.fastops import even_split_np, host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.plan import Plan, fit_exact
 
 DEFAULT_EXTRA_SLOTS = 2
 
 
-def replica_counts(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly."""
+def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
+                  ) -> tuple[list[int], list[float]]:
+    """``cnt = floor(max(goal, 1))`` and ``diff = cnt - goal`` before SYMI's rounding."""
     require(total_slots >= E, f"{total_slots} slots cannot hold one instance of each of "
                               f"{E} experts")
     if pop_E is None:
@@ -53,7 +58,12 @@ def replica_counts(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
     tot = sum(pop)
     goal = [p / tot * total_slots for p in pop]
     cnt = [math.floor(max(g, 1.0)) for g in goal]
-    diff = [c - g for c, g in zip(cnt, goal)]
+    return cnt, [c - g for c, g in zip(cnt, goal)]
+
+
+def replica_counts(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
+    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly."""
+    cnt, diff = _floor_counts(pop_E, E, total_slots)
     while sum(cnt) > total_slots:
         e = max((e for e in range(E) if cnt[e] > 1), key=lambda e: (diff[e], -e))
         cnt[e] -= 1
@@ -72,6 +82,34 @@ def contiguous_placement(cnt: list[int], G: int, s: int) -> Tensor:
     return ids.reshape(G, s)
 
 
+def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
+    """:func:`replica_counts` with heaps: the same picks in the same order (largest
+    ``diff`` first, ties to the lower id; then smallest), ``O(log E)`` per step instead
+    of a scan; used on the critical path, the loop above is its reference."""
+    cnt, diff = _floor_counts(pop_E, E, total_slots)
+    n = sum(cnt)
+    if n > total_slots:
+        heap = [(-diff[e], e) for e in range(E) if cnt[e] > 1]
+        heapq.heapify(heap)
+        while n > total_slots:
+            _, e = heapq.heappop(heap)
+            cnt[e] -= 1
+            diff[e] -= 1.0
+            n -= 1
+            if cnt[e] > 1:
+                heapq.heappush(heap, (-diff[e], e))
+    if n < total_slots:
+        heap = [(diff[e], e) for e in range(E)]
+        heapq.heapify(heap)
+        while n < total_slots:
+            _, e = heapq.heappop(heap)
+            cnt[e] += 1
+            diff[e] += 1.0
+            n += 1
+            heapq.heappush(heap, (diff[e], e))
+    return cnt
+
+
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
               ledger=None, recompute: bool = False) -> Plan:
     """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
@@ -83,12 +121,22 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     require(isinstance(s, int) and s >= E // G,
             f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
             "its native experts)")
-    cnt = replica_counts(prev_counts_E, E, G * s)
-    plan = full_plan(counts_GE, contiguous_placement(cnt, G, s))
+    cnt = replica_counts_heap(prev_counts_E, E, G * s)
+    c = host_counts(counts_GE)
+    inst = np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous_placement
+    assign = interval_overlap_np(c, inst, even_split_np(c, inst))
+    plan = to_plan(inst, assign, assign.copy(), assign.copy())  # exact backward
+    if ledger is None or ledger.budget_bytes is None:
+        return plan
+    home = c.sum(1)
+    view = LedgerView(ledger, home, int(c.sum()))
+    recv = assign.sum((0, 2))
+    n_inst = np.full(G, s)
+    if not view.over(n_inst, recv, recv):
+        return plan
     if recompute:
         return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
-    if ledger is not None and ledger.budget_bytes is not None:
-        ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
+    view.raise_if_over(n_inst, recv, recv, None, f"symi with slots_per_rank={s}")
     return plan
 
 

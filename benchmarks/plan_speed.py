@@ -1,0 +1,199 @@
+"""Planning time per MoE layer: lrmoe, symi and capacity at EP 8..64 (issue 13).
+
+For each EP size × Zipf skew × budget (loose: everything retained; binding: the
+ledger leaves room to retain ~40% of the busiest rank's pairs) and each policy, the
+median wall time of ``policy.plan(counts_GE, PlanInputs(...))`` on one CPU thread
+(``torch.set_num_threads(1)``) with host counts, and the thread's CPU time (robust to a
+shared, loaded machine). With CUDA, also "from device counts": the counts start on the
+GPU, the timed region copies them to the host (the one synchronisation the runtime
+already makes after its count all-gather) and plans; host syncs inside ``plan`` are
+counted with ``torch.cuda.set_sync_debug_mode`` (0 expected: the planners run on the
+host). ``--reference`` also times today's loop-by-loop lrmoe planner
+(:mod:`lrmoe.policy.lrmoe_reference`) for the speed-up.
+
+Counts: every home rank draws ``tokens_per_rank · top_k`` pairs from Zipf(skew) weights
+over a seeded expert permutation (multinomial), so home and received loads vary.
+
+    python3 benchmarks/plan_speed.py --out DIR [--preset qwen3-30b-a3b] [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.memory import Ledger  # noqa: E402
+from lrmoe.policy import CapacityPolicy, LrmoeConfig, LrmoePolicy, PlanInputs, SymiPolicy  # noqa: E402
+from lrmoe.policy import lrmoe_reference  # noqa: E402
+from lrmoe.presets import get_preset  # noqa: E402
+
+POLICIES = ("lrmoe", "symi", "capacity")
+
+
+def zipf_counts(G: int, E: int, pairs_per_rank: int, skew: float, seed: int) -> torch.Tensor:
+    """``[G, E]``: each home rank's pairs drawn from Zipf(skew) over permuted experts."""
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, E + 1, dtype=np.float64) ** skew
+    w = w[rng.permutation(E)]
+    return torch.from_numpy(rng.multinomial(pairs_per_rank, w / w.sum(), size=G)).long()
+
+
+def budgets(cfg, G: int, counts: torch.Tensor, dtype: str) -> dict[str, int]:
+    """Loose: 1.5× the peak of the unbounded lrmoe plan (all retained). Binding: its
+    fixed bytes plus 40% of its largest retained bytes (retention quotas bind)."""
+    free = Ledger.for_dtype(cfg, G, None, dtype)
+    terms = free.rank_terms(LrmoePolicy().plan(counts, PlanInputs(ledger=free)))
+    fixed = max(t["total"] - t["retained_acts"] for t in terms)
+    kept = max(t["retained_acts"] for t in terms)
+    return {"loose": int(1.5 * max(t["total"] for t in terms)), "binding": int(fixed + 0.4 * kept)}
+
+
+def make(name: str):
+    if name == "lrmoe":
+        return LrmoePolicy(LrmoeConfig())
+    if name == "symi":
+        return SymiPolicy(None, recompute=True)  # E/G + 2 slots; recompute to fit a budget
+    return CapacityPolicy(1.25)
+
+
+def timed(fn, repeats: int) -> tuple[float, float, str | None]:
+    """Median wall and thread-CPU ms of ``fn()``; the error if it raises."""
+    wall, cpu, err = [], [], None
+    for i in range(repeats + 2):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            fn()
+        except LrmoeError as e:
+            err = str(e)[:120]
+        w1, c1 = time.perf_counter(), time.thread_time()
+        if i >= 2:  # two warm-up calls
+            wall.append((w1 - w0) * 1e3)
+            cpu.append((c1 - c0) * 1e3)
+    return statistics.median(wall), statistics.median(cpu), err
+
+
+def gpu_timed(policy, counts_dev: torch.Tensor, inputs: PlanInputs, repeats: int
+              ) -> tuple[float, int]:
+    """Median ms of copy-to-host + plan from device counts, and host syncs inside plan."""
+    out = []
+    for i in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host = counts_dev.cpu()  # the runtime's own sync after its count all-gather
+        try:
+            policy.plan(host, inputs)
+        except LrmoeError:
+            pass
+        if i >= 2:
+            out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.set_sync_debug_mode(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                policy.plan(counts_dev.cpu(), inputs)
+            except LrmoeError:
+                pass
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return statistics.median(out), syncs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for plan_speed.json and plan_speed.md")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--eps", default="8,16,32,64")
+    ap.add_argument("--skews", default="0,1,2")
+    ap.add_argument("--tokens-per-rank", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the reference lrmoe planner (slow: 3 repeats)")
+    ap.add_argument("--no-gpu", action="store_true", help="skip the device-counts timing")
+    args = ap.parse_args(argv)
+    try:
+        cfg = get_preset(args.preset)
+        eps = [int(x) for x in args.eps.split(",")]
+        skews = [float(x) for x in args.skews.split(",")]
+        bad = [G for G in eps if G < 1 or cfg.num_experts % G]
+        if bad or args.repeats < 1 or args.tokens_per_rank < 1:
+            raise LrmoeError(f"--eps {bad} must divide E={cfg.num_experts}; --repeats and "
+                             "--tokens-per-rank must be >= 1")
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise LrmoeError(f"--out {out} exists and is not a folder")
+    except (LrmoeError, ValueError) as e:
+        print(f"plan_speed: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available() and not args.no_gpu
+    pairs = args.tokens_per_rank * cfg.num_experts_per_tok
+    rows = []
+    for G in eps:
+        for skew in skews:
+            counts = zipf_counts(G, cfg.num_experts, pairs, skew, seed=G * 100 + int(skew * 10))
+            prev = counts.sum(0)
+            for bname, budget in budgets(cfg, G, counts, args.dtype).items():
+                ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
+                inputs = PlanInputs(prev_counts_E=prev, ledger=ledger)
+                for name in POLICIES:
+                    pol = make(name)
+                    wall, cpu, err = timed(lambda: pol.plan(counts, inputs), args.repeats)
+                    row = {"ep": G, "skew": skew, "budget": bname, "budget_bytes": budget,
+                           "policy": name, "cpu_wall_ms": wall, "cpu_thread_ms": cpu,
+                           "error": err, "gpu_ms": None, "host_syncs_in_plan": None,
+                           "reference_ms": None}
+                    if cuda:
+                        row["gpu_ms"], row["host_syncs_in_plan"] = gpu_timed(
+                            pol, counts.cuda(), inputs, args.repeats)
+                    if name == "lrmoe" and args.reference:
+                        row["reference_ms"] = timed(lambda: lrmoe_reference.plan_lrmoe(
+                            counts, LrmoeConfig(), ledger), 3)[1]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    meta = {"command": " ".join(sys.argv), "preset": args.preset,
+            "tokens_per_rank": args.tokens_per_rank, "torch": torch.__version__,
+            "numpy": np.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "threads": 1,
+            "gpu": torch.cuda.get_device_name() if cuda else None, "repeats": args.repeats}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "plan_speed.md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+    return 0
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    f = (lambda x: "-" if x is None else f"{x:.3f}")
+    lines = [f"Planning time per layer, {meta['preset']}, {meta['tokens_per_rank']} tokens/rank, "
+             f"one CPU thread (medians of {meta['repeats']}; torch {meta['torch']}, "
+             f"GPU: {meta['gpu'] or 'none'}). `gpu ms` = copy device counts to the host (the "
+             "runtime's one sync) + plan on the host; `syncs` = host syncs inside plan.",
+             "", f"command: `{meta['command']}`", "",
+             "| EP | skew | budget | policy | cpu wall ms | cpu thread ms | gpu ms | syncs "
+             "| reference ms | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = "does not fit" if r["error"] else ""
+        lines.append(f"| {r['ep']} | {r['skew']:g} | {r['budget']} | {r['policy']} | "
+                     f"{f(r['cpu_wall_ms'])} | {f(r['cpu_thread_ms'])} | {f(r['gpu_ms'])} | "
+                     f"{'-' if r['host_syncs_in_plan'] is None else r['host_syncs_in_plan']} | "
+                     f"{f(r['reference_ms'])} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

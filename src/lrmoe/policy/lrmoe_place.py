@@ -1,0 +1,218 @@
+"""lrmoe pass 1, fast: the greedy memory-aware replication on incremental state.
+
+Legend: G ranks, S slots per rank, E experts.
+
+Same rule, same moves as the reference (:func:`lrmoe.policy.lrmoe_reference.
+_place_replicas`, see :mod:`lrmoe.policy.lrmoe` for the rule); only the bookkeeping
+differs, so that one move costs a few microseconds instead of a pass over every rank
+and expert with a ledger call each:
+
+* candidates come from the hot ranks' slots, not a scan of all experts;
+* each rank's retention capacity, kept pairs and kept fraction are updated only for the
+  ranks a move touches (its expert's old hosts and the destination), from the ledger's
+  affine view (:class:`lrmoe.policy.ledger_view.LedgerView`), and their sum is kept
+  running; the smallest kept fraction is found by float comparison and used exactly
+  (an integer fraction), which orders fractions exactly while ranks hold < 2^26 pairs
+  (beyond that the exact :class:`fractions.Fraction` minimum is taken);
+* the destination is the least-loaded free rank (``min``), and the ranks are sorted only
+  when that one cannot afford the replica.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from fractions import Fraction
+
+import numpy as np
+
+from lrmoe.policy.ledger_view import LedgerView
+
+_FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exact
+
+
+def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1; returns ``(inst_expert_GS, inst_load_GS)`` (loads: the even split)."""
+    G, E = c_GE.shape
+    n_nat = E // G
+    slots = [list(range(r * n_nat, (r + 1) * n_nat)) + [-1] * (S - n_nat) for r in range(G)]
+    total = c_GE.sum(0).tolist()
+    inst_of = [[(e // n_nat, e % n_nat)] for e in range(E)]  # (rank, slot), slot order
+    inst_load = [[total[e]] for e in range(E)]
+    rank_load = np.asarray(total).reshape(G, n_nat).sum(1).tolist()
+    n_inst = [n_nat] * G
+    n_free = [S - n_nat] * G
+    limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
+    budget = view.budget is not None
+    cap_fn = view.capacity_fn()
+    inf = math.inf
+    cap = kept = ratio = None
+    sum_kept = 0
+
+    def refresh(r: int) -> None:  # rank r's capacity, kept pairs and kept fraction
+        nonlocal sum_kept
+        R = rank_load[r]
+        cap[r] = cap_fn(r, n_inst[r], R)
+        k = min(R, max(cap[r], 0))
+        sum_kept += k - kept[r]
+        kept[r] = k
+        ratio[r] = k / R if R else inf
+
+    if budget:
+        cap, kept, ratio = [0] * G, [0] * G, [inf] * G
+        for r in range(G):
+            refresh(r)
+
+    def try_dest(e: int, d: int, level: int, fn: int, fd: int):
+        """The new instance list and even split if rank ``d`` can afford a replica of
+        ``e``: it must still retain ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
+        slot = (d, slots[d].index(-1))
+        inst = sorted(inst_of[e] + [slot])  # global slot order, as even_split
+        q, m = divmod(total[e], len(inst))
+        if budget:
+            n, R = n_inst[d] + 1, rank_load[d] + q + (inst.index(slot) < m)
+            need = max(n, level, -(-(fn * R) // fd))
+            if cap_fn(d, n, R) < min(R, need):
+                return None
+        return inst, q, m
+
+    vec = _Dests(view, rank_load, n_inst, n_free, total, inst_of) if budget and view.affine \
+        else None
+    order = sorted((rank_load[r], r) for r in range(G))  # every rank by (load, id)
+    forder = [x for x in order if n_free[x[1]] > 0]  # ranks with a free slot, same order
+
+    def resort(lst: list, r: int, old: int, new: int | None) -> None:
+        del lst[bisect_left(lst, (old, r))]
+        if new is not None:
+            insort(lst, (new, r))
+
+    added = 0
+    while added < limit:
+        top = order[-1][0]
+        hot = []
+        for x in reversed(order):
+            if x[0] != top:
+                break
+            hot.append(x[1])
+        n_top = len(hot)
+        cands = {e for r in hot for e in slots[r] if e >= 0 and total[e] > len(inst_of[e])}
+        cands = sorted(cands, key=lambda e: (-total[e] / len(inst_of[e]), e))
+        level, fn, fd = 0, 1, 1  # min_keep level and the smallest kept fraction fn/fd
+        if budget:
+            level = math.ceil(cfg.min_keep * sum_kept / G)
+            m = min(ratio)
+            if m != inf:
+                if top < _FLOAT_EXACT:
+                    r = ratio.index(m)
+                    fn, fd = kept[r], rank_load[r]
+                else:
+                    f = min(Fraction(kept[r], rank_load[r]) for r in range(G) if rank_load[r])
+                    fn, fd = f.numerator, f.denominator
+            if any(cap[r] < min(n_inst[r], rank_load[r]) for r in hot):
+                level, fn, fd = 0, 0, 1  # a hot rank does not fit yet: any feasible dest
+
+        done = False
+        for e in cands:
+            held = {r for r, _ in inst_of[e]}
+            found = None
+            # least-loaded first, as the reference's sorted dests: the first one in
+            # Python, and when it cannot afford the replica, all of them at once
+            d = next((d for _, d in forder if d not in held), None)
+            if d is not None:
+                found = try_dest(e, d, level, fn, fd)
+                if found is None and vec is not None:
+                    d = vec.first_affordable(e, held, level, fn, fd)
+                    found = None if d is None else try_dest(e, d, level, fn, fd)
+                elif found is None:
+                    for _, d in forder:
+                        if d not in held:
+                            found = try_dest(e, d, level, fn, fd)
+                            if found is not None:
+                                break
+            if found is None:
+                continue
+            inst, q, m = found
+            new_load = [q + (i < m) for i in range(len(inst))]
+            new = {r: rank_load[r] for r, _ in inst}
+            for (r, _), x in zip(inst_of[e], inst_load[e]):
+                new[r] -= x
+            for (r, _), x in zip(inst, new_load):
+                new[r] += x
+            # the objective (max load, ranks at it) after the move, from the sorted
+            # loads of the untouched ranks and the new loads of the touched ones
+            mx, cnt = -1, 0
+            for x, r in reversed(order):
+                if r in new:
+                    continue
+                if x < mx:
+                    break
+                mx, cnt = x, cnt + 1
+            for x in new.values():
+                if x > mx:
+                    mx, cnt = x, 1
+                elif x == mx:
+                    cnt += 1
+            if (mx, cnt) < (top, n_top):
+                d, s = next(sl for sl in inst if sl not in inst_of[e])
+                slots[d][s] = e
+                n_inst[d] += 1
+                n_free[d] -= 1
+                for r, x in new.items():
+                    resort(order, r, rank_load[r], x)
+                    if r in held and n_free[r] > 0 or r == d:
+                        resort(forder, r, rank_load[r], x if n_free[r] > 0 else None)
+                    rank_load[r] = x
+                inst_of[e], inst_load[e] = inst, new_load
+                if budget:
+                    for r in new:
+                        refresh(r)
+                if vec is not None:
+                    vec.update(new, d)
+                added += 1
+                done = True
+                break
+        if not done:
+            break
+    load_GS = [[0] * S for _ in range(G)]
+    for e in range(E):
+        for (r, s), x in zip(inst_of[e], inst_load[e]):
+            load_GS[r][s] = x
+    return np.array(slots, dtype=np.int64), np.array(load_GS, dtype=np.int64)
+
+
+class _Dests:
+    """Numpy mirror of the ranks' loads, instances and free slots: which destinations
+    can afford a replica, all ranks at once (affine ledger view only)."""
+
+    def __init__(self, view: LedgerView, rank_load, n_inst, n_free, total, inst_of) -> None:
+        self.view, self.total, self.inst_of = view, total, inst_of
+        self.load = np.array(rank_load, dtype=np.int64)
+        self.n = np.array(n_inst, dtype=np.int64)
+        self.n_free = n_free  # the caller's list, kept current by it
+        self.free = np.array(n_free) > 0
+        self.G = len(rank_load)
+        self.ranks = np.arange(self.G)
+
+    def update(self, new_load: dict[int, int], d: int) -> None:
+        for r, x in new_load.items():
+            self.load[r] = x
+        self.n[d] += 1
+        self.free[d] = self.n_free[d] > 0
+
+    def first_affordable(self, e: int, held: set[int], level: int, fn: int, fd: int
+                         ) -> int | None:
+        """The least-loaded rank (ties: lower id) with a free slot, no instance of ``e``,
+        that can afford one: as ``try_dest``'s test, vectorised."""
+        v = self.view
+        q, m = divmod(self.total[e], len(self.inst_of[e]) + 1)
+        # the new instance's position in global slot order: held ranks before it
+        pos = np.searchsorted(np.array(sorted(held)), self.ranks)
+        R = self.load + q + (pos < m)
+        n = self.n + 1
+        need = np.maximum(np.maximum(n, level), -(-(fn * R) // fd))
+        ok = self.free & (v._cap(v.c0_G, v.cR_G, n, R) >= np.minimum(R, need))
+        ok[list(held)] = False
+        if not ok.any():
+            return None
+        return int(np.where(ok, self.load * self.G + self.ranks, np.iinfo(np.int64).max).argmin())

@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lrmoe.config import ModelConfig  # noqa: E402
-from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
+from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
 from lrmoe.model.moe import MoELayer, MoERuntime  # noqa: E402
 from lrmoe.model.router import Routing  # noqa: E402
 from lrmoe.policy.plan import Plan, full_plan  # noqa: E402

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lrmoe.model import experts as ex
+from lrmoe.ops import experts as ex
 
 
 def rel(a, b):

@@ -17,7 +17,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.hf import load_hf, load_hf_config, save_hf
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.moe import Experts
+from lrmoe.model.experts import Experts
 
 QWEN = dict(model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lrmoe.config import ModelConfig
+from lrmoe.model.experts import Experts
 from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
@@ -51,24 +52,6 @@ class MoERuntime:
     # matching ranks), so the aux loss sees the whole global batch; ``None`` otherwise.
     count_reduce: Callable[[Tensor], Tensor] | None = None
     dp_size: int = 1
-
-
-class Experts(nn.Module):
-    """The experts this rank owns, stacked: ``gate_up_proj [E_own, 2F, H]``, ``down_proj [E_own, H, F]``.
-
-    On one process every expert is owned. Under EP, rank r owns experts
-    ``r*E/G .. (r+1)*E/G - 1`` (their master weights, gradients and optimizer state).
-    """
-
-    def __init__(self, cfg: ModelConfig, first: int = 0, count: int | None = None):
-        super().__init__()
-        count = cfg.num_experts if count is None else count
-        H, Fd = cfg.hidden_size, cfg.moe_intermediate_size
-        self.first, self.count, self.num_experts = first, count, cfg.num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * Fd, H))
-        self.down_proj = nn.Parameter(torch.empty(count, H, Fd))
-        nn.init.normal_(self.gate_up_proj, std=0.02)
-        nn.init.normal_(self.down_proj, std=0.02)
 
 
 class MoELayer(nn.Module):

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.model.experts import gate_up, offsets, prefix_counts, swiglu_backward, swiglu_forward
+from lrmoe.ops.experts import gate_up, offsets, prefix_counts, swiglu_backward, swiglu_forward
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,

@@ -113,18 +113,17 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
     """Keep only this rank's owned experts (rank r: ``r*E/G .. (r+1)*E/G - 1``).
 
     Every rank builds the full model from the same seed first, so the shards together
-    are exactly the single-process model.
+    are exactly the single-process model. Expert modules
+    (:class:`lrmoe.model.experts.Experts`) are found by their attributes, so that
+    ``parallel/`` imports nothing from ``model/``.
     """
-    from lrmoe.model.moe import MoELayer
-
     G, r = ctx.ep_size, ctx.ep_rank
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            E = m.cfg.num_experts
+    for ex in model.modules():
+        if isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter) and hasattr(ex, "num_experts"):
+            E = ex.num_experts
             if E % G:
                 raise LrmoeError(f"num_experts={E} is not divisible by --ep {G}")
             per = E // G
-            ex = m.experts
             ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[r * per:(r + 1) * per].clone())
             ex.down_proj = nn.Parameter(ex.down_proj.data[r * per:(r + 1) * per].clone())
             ex.first, ex.count = r * per, per

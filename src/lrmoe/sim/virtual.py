@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.model.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
 from lrmoe.parallel.exchange import BackwardOptions, _pair_rows, select_and_compact

@@ -1,0 +1,1 @@
+"""Compute kernels below both ``model/`` and ``parallel/`` (no imports from either)."""

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from lrmoe.errors import require
+
 
 def no_decay(name: str, p: torch.Tensor) -> bool:
     """Norm gains, biases and 1-D tensors are not weight-decayed."""
@@ -30,8 +32,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8
-                    ) -> torch.optim.AdamW:
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    offload: str = "device") -> torch.optim.AdamW:
+    """AdamW over ``model``; ``offload="host"`` steps the expert weights in host memory
+    (:class:`lrmoe.train.offload.HostOffloadAdamW`), same update."""
+    if offload == "host":
+        from lrmoe.train.offload import HostOffloadAdamW, offloaded_params
+        return HostOffloadAdamW(param_groups(model, weight_decay), offloaded_params(model),
+                                lr=lr, betas=betas, eps=eps)
+    require(offload == "device", f"optimizer offload {offload!r}: use device or host")
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
 
 

@@ -1,0 +1,160 @@
+"""``--optimizer-offload host``: the experts' AdamW state and fp32 master weights live in
+host (CPU) memory and are updated there.
+
+:class:`HostOffloadAdamW` is a ``torch.optim.AdamW`` whose *offloaded* parameters (the
+expert weights) are stepped on the host: each step their gradients are copied to the
+host, a fused (CPU) AdamW updates the fp32 masters and both moments in host memory, and
+the updated weights are copied back into the device parameters. Every other parameter
+is stepped on the device by ``torch.optim.AdamW`` itself. The update is AdamW's
+(decoupled weight decay, same hyper-parameters, same schedule), so a run with and
+without offload follows the same trajectory to fp32 tolerance (``tests/test_offload.py``).
+
+Where the state lives: the moments and ``step`` of an offloaded parameter are CPU
+tensors in ``self.state[p]`` (keyed by the device parameter, so checkpoints save and
+load them like any AdamW state; :meth:`load_state_dict` moves them back to the host).
+The fp32 master of an offloaded parameter is a host copy of it, taken at construction
+and again after a load (the device parameter is fp32 in this trainer, so it is exact).
+
+What stays on the device in this runtime: the expert parameters themselves (the
+model's dtype: fp32, autocast computes in bf16 on CUDA) and their gradients. The
+ledger's offload design (:mod:`lrmoe.memory`) keeps only compute-dtype slots on the
+GPU; docs/design.md §5 says where the two differ.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+from lrmoe.errors import require
+
+OFFLOAD_CHOICES = ("device", "host")
+
+
+class HostOffloadAdamW(torch.optim.AdamW):
+    """AdamW; the parameters in ``host_params`` are updated in host memory.
+
+    Args:
+        params: parameter groups, as for ``torch.optim.AdamW``.
+        host_params: the parameters to offload (a subset of ``params``).
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group as usual).
+
+    Attributes:
+        host_s: wall seconds of the last step's host part (copies and host update),
+            so a caller that times the step can tell it apart.
+    """
+
+    def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        ids = {id(p) for p in host_params}
+        mine = [p for g in self.param_groups for p in g["params"]]
+        require(ids <= {id(p) for p in mine},
+                "optimizer offload: some offloaded parameters are not in the optimizer")
+        self._host = {id(p) for p in mine if id(p) in ids}
+        self._pin = torch.cuda.is_available() and any(p.is_cuda for p in mine if id(p) in ids)
+        self._master: dict[int, Tensor] = {}
+        self._grad_buf: dict[int, Tensor] = {}
+        self.host_s = 0.0
+        self._refresh_masters()
+
+    # ------------------------------------------------------------------ host memory
+    def _host_empty(self, like: Tensor) -> Tensor:
+        return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=self._pin)
+
+    def _refresh_masters(self) -> None:
+        """fp32 host masters copied from the device parameters (exact: they are fp32)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in self._host:
+                    m = self._master.get(id(p))
+                    if m is None:
+                        m = self._master[id(p)] = self._host_empty(p)
+                    m.copy_(p.detach())
+
+    def _host_state(self, p: Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(self._master[id(p)])
+            st["exp_avg_sq"] = torch.zeros_like(self._master[id(p)])
+        return st
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Device AdamW on the other parameters, then the host update of the offloaded."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = {}
+        for g in self.param_groups:  # the device step must not see the offloaded grads
+            for p in g["params"]:
+                if id(p) in self._host:
+                    held[id(p)] = p.grad
+                    p.grad = None
+        try:
+            super().step()
+        finally:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if id(p) in held:
+                        p.grad = held[id(p)]
+        t0 = time.perf_counter()
+        self._host_step()
+        self.host_s = time.perf_counter() - t0
+        return loss
+
+    def _host_step(self) -> None:
+        todo = []  # (group, [(device param, master, host grad)])
+        for g in self.param_groups:
+            rows = []
+            for p in g["params"]:
+                if id(p) not in self._host or p.grad is None:
+                    continue
+                buf = self._grad_buf.get(id(p))
+                if buf is None:
+                    buf = self._grad_buf[id(p)] = self._host_empty(p)
+                buf.copy_(p.grad.detach(), non_blocking=self._pin)  # gradient to the host
+                rows.append((p, self._master[id(p)], buf))
+            if rows:
+                todo.append((g, rows))
+        if self._pin:
+            torch.cuda.synchronize()  # the gradients have landed in host memory
+        for g, rows in todo:
+            states = [self._host_state(p) for p, _, _ in rows]
+            beta1, beta2 = g["betas"]
+            adamw([m for _, m, _ in rows], [b for _, _, b in rows],
+                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                  [s["step"] for s in states], foreach=False, fused=True, amsgrad=False,
+                  beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
+                  eps=g["eps"], maximize=False)
+            for p, m, _ in rows:  # updated weights back to the device
+                p.detach().copy_(m, non_blocking=self._pin)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: dict) -> None:
+        """AdamW's load, then the offloaded parameters' state back to host memory and
+        their masters re-read from the (already loaded) device parameters."""
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in self._host and self.state.get(p):
+                    st = self.state[p]
+                    for k in ("exp_avg", "exp_avg_sq", "step"):
+                        if k in st:
+                            st[k] = st[k].detach().to("cpu", torch.float32)
+        self._refresh_masters()
+
+
+def offloaded_params(model: torch.nn.Module) -> list[Tensor]:
+    """The parameters ``--optimizer-offload host`` puts in host memory: the experts'."""
+    from lrmoe.parallel.groups import is_expert_param
+
+    return [p for n, p in model.named_parameters() if p.requires_grad and is_expert_param(n)]

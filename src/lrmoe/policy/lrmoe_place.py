@@ -8,20 +8,21 @@ differs, so that one move costs a few microseconds instead of a pass over every 
 and expert with a ledger call each:
 
 * candidates come from the hot ranks' slots, not a scan of all experts;
-* each rank's retention capacity, kept pairs and kept fraction are updated only for the
-  ranks a move touches (its expert's old hosts and the destination), from the ledger's
-  affine view (:class:`lrmoe.policy.ledger_view.LedgerView`), and their sum is kept
-  running; the smallest kept fraction is found by float comparison and used exactly
-  (an integer fraction), which orders fractions exactly while ranks hold < 2^26 pairs
-  (beyond that the exact :class:`fractions.Fraction` minimum is taken);
-* the destination is the least-loaded free rank (``min``), and the ranks are sorted only
-  when that one cannot afford the replica.
+* only the ranks a move touches (its expert's hosts, whose even split changes) are
+  updated: load, destination key, and (with a budget) retention capacity, kept pairs
+  and kept fraction from the ledger's affine view
+  (:class:`lrmoe.policy.ledger_view.LedgerView`), with a running sum; max, count and
+  sort of the per-rank lists run in C (``max``, ``list.count``, ``sorted``);
+* the smallest kept fraction is found by float comparison and used exactly (an integer
+  fraction): floats order such fractions exactly while ranks hold < 2^26 pairs (beyond
+  that the exact :class:`fractions.Fraction` minimum is taken);
+* destinations: ranks sorted once per move by a ``load·G + id`` key; if the first can
+  not afford the replica, all ranks are tested at once in numpy (:class:`_Dests`).
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
 from fractions import Fraction
 
 import numpy as np
@@ -39,30 +40,29 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
     slots = [list(range(r * n_nat, (r + 1) * n_nat)) + [-1] * (S - n_nat) for r in range(G)]
     total = c_GE.sum(0).tolist()
     inst_of = [[(e // n_nat, e % n_nat)] for e in range(E)]  # (rank, slot), slot order
-    inst_load = [[total[e]] for e in range(E)]
-    rank_load = np.asarray(total).reshape(G, n_nat).sum(1).tolist()
+    inst_load = [[t] for t in total]
+    load = c_GE.sum(0).reshape(G, n_nat).sum(1).tolist()
     n_inst = [n_nat] * G
     n_free = [S - n_nat] * G
+    # a free rank's destination key orders by (load, id); full ranks sort last
+    full = 1 << 62
+    key = [load[r] * G + r if n_free[r] > 0 else full for r in range(G)]
     limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
     budget = view.budget is not None
     cap_fn = view.capacity_fn()
     inf = math.inf
-    cap = kept = ratio = None
+    cap, kept, ratio = [0] * G, [0] * G, [inf] * G
     sum_kept = 0
-
-    def refresh(r: int) -> None:  # rank r's capacity, kept pairs and kept fraction
-        nonlocal sum_kept
-        R = rank_load[r]
-        cap[r] = cap_fn(r, n_inst[r], R)
-        k = min(R, max(cap[r], 0))
-        sum_kept += k - kept[r]
-        kept[r] = k
-        ratio[r] = k / R if R else inf
-
     if budget:
-        cap, kept, ratio = [0] * G, [0] * G, [inf] * G
         for r in range(G):
-            refresh(r)
+            cap[r] = cap_fn(r, n_inst[r], load[r])
+            kept[r] = min(load[r], max(cap[r], 0))
+            ratio[r] = kept[r] / load[r] if load[r] else inf
+        sum_kept = sum(kept)
+    affine = budget and view.affine
+    if affine:
+        B, c0, cR, cn, ck = view.budget, view.c0_G.tolist(), view.cR_G.tolist(), view.cn, view.ck
+    vec = _Dests(view, load, n_inst, n_free, total, inst_of) if affine else None
 
     def try_dest(e: int, d: int, level: int, fn: int, fd: int):
         """The new instance list and even split if rank ``d`` can afford a replica of
@@ -71,31 +71,17 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
         inst = sorted(inst_of[e] + [slot])  # global slot order, as even_split
         q, m = divmod(total[e], len(inst))
         if budget:
-            n, R = n_inst[d] + 1, rank_load[d] + q + (inst.index(slot) < m)
+            n, R = n_inst[d] + 1, load[d] + q + (inst.index(slot) < m)
             need = max(n, level, -(-(fn * R) // fd))
             if cap_fn(d, n, R) < min(R, need):
                 return None
         return inst, q, m
 
-    vec = _Dests(view, rank_load, n_inst, n_free, total, inst_of) if budget and view.affine \
-        else None
-    order = sorted((rank_load[r], r) for r in range(G))  # every rank by (load, id)
-    forder = [x for x in order if n_free[x[1]] > 0]  # ranks with a free slot, same order
-
-    def resort(lst: list, r: int, old: int, new: int | None) -> None:
-        del lst[bisect_left(lst, (old, r))]
-        if new is not None:
-            insort(lst, (new, r))
-
     added = 0
     while added < limit:
-        top = order[-1][0]
-        hot = []
-        for x in reversed(order):
-            if x[0] != top:
-                break
-            hot.append(x[1])
-        n_top = len(hot)
+        top = max(load)
+        n_top = load.count(top)
+        hot = [load.index(top)] if n_top == 1 else [r for r in range(G) if load[r] == top]
         cands = {e for r in hot for e in slots[r] if e >= 0 and total[e] > len(inst_of[e])}
         cands = sorted(cands, key=lambda e: (-total[e] / len(inst_of[e]), e))
         level, fn, fd = 0, 1, 1  # min_keep level and the smallest kept fraction fn/fd
@@ -105,70 +91,62 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
             if m != inf:
                 if top < _FLOAT_EXACT:
                     r = ratio.index(m)
-                    fn, fd = kept[r], rank_load[r]
+                    fn, fd = kept[r], load[r]
                 else:
-                    f = min(Fraction(kept[r], rank_load[r]) for r in range(G) if rank_load[r])
+                    f = min(Fraction(kept[r], load[r]) for r in range(G) if load[r])
                     fn, fd = f.numerator, f.denominator
-            if any(cap[r] < min(n_inst[r], rank_load[r]) for r in hot):
+            if any(cap[r] < min(n_inst[r], load[r]) for r in hot):
                 level, fn, fd = 0, 0, 1  # a hot rank does not fit yet: any feasible dest
+        dests = sorted(key)  # least-loaded first, as the reference's sorted dests
 
         done = False
         for e in cands:
             held = {r for r, _ in inst_of[e]}
             found = None
-            # least-loaded first, as the reference's sorted dests: the first one in
-            # Python, and when it cannot afford the replica, all of them at once
-            d = next((d for _, d in forder if d not in held), None)
-            if d is not None:
+            for k in dests:
+                if k == full:
+                    break
+                d = k % G
+                if d in held:
+                    continue
                 found = try_dest(e, d, level, fn, fd)
-                if found is None and vec is not None:
+                if found is None and vec is not None:  # the rest at once
                     d = vec.first_affordable(e, held, level, fn, fd)
                     found = None if d is None else try_dest(e, d, level, fn, fd)
-                elif found is None:
-                    for _, d in forder:
-                        if d not in held:
-                            found = try_dest(e, d, level, fn, fd)
-                            if found is not None:
-                                break
+                if found is not None or vec is not None or not budget:
+                    break
             if found is None:
                 continue
             inst, q, m = found
             new_load = [q + (i < m) for i in range(len(inst))]
-            new = {r: rank_load[r] for r, _ in inst}
+            loads = load.copy()
             for (r, _), x in zip(inst_of[e], inst_load[e]):
-                new[r] -= x
+                loads[r] -= x
             for (r, _), x in zip(inst, new_load):
-                new[r] += x
-            # the objective (max load, ranks at it) after the move, from the sorted
-            # loads of the untouched ranks and the new loads of the touched ones
-            mx, cnt = -1, 0
-            for x, r in reversed(order):
-                if r in new:
-                    continue
-                if x < mx:
-                    break
-                mx, cnt = x, cnt + 1
-            for x in new.values():
-                if x > mx:
-                    mx, cnt = x, 1
-                elif x == mx:
-                    cnt += 1
-            if (mx, cnt) < (top, n_top):
+                loads[r] += x
+            mx = max(loads)
+            if (mx, loads.count(mx)) < (top, n_top):
                 d, s = next(sl for sl in inst if sl not in inst_of[e])
                 slots[d][s] = e
                 n_inst[d] += 1
                 n_free[d] -= 1
-                for r, x in new.items():
-                    resort(order, r, rank_load[r], x)
-                    if r in held and n_free[r] > 0 or r == d:
-                        resort(forder, r, rank_load[r], x if n_free[r] > 0 else None)
-                    rank_load[r] = x
                 inst_of[e], inst_load[e] = inst, new_load
-                if budget:
-                    for r in new:
-                        refresh(r)
+                for r, _ in inst:  # the touched ranks: e's hosts (one instance each)
+                    R = loads[r]
+                    load[r] = R
+                    key[r] = R * G + r if n_free[r] > 0 else full
+                    if affine:  # view.capacity_fn inlined: this runs per touched rank
+                        c = B - c0[r] - cR[r] * R - cn * n_inst[r]
+                        cap[r] = c = -1 if c < 0 else c // ck
+                    elif budget:
+                        cap[r] = c = cap_fn(r, n_inst[r], R)
+                    if budget:
+                        k = R if c >= R else max(c, 0)
+                        sum_kept += k - kept[r]
+                        kept[r] = k
+                        ratio[r] = k / R if R else inf
                 if vec is not None:
-                    vec.update(new, d)
+                    vec.update(inst, d)
                 added += 1
                 done = True
                 break
@@ -187,6 +165,7 @@ class _Dests:
 
     def __init__(self, view: LedgerView, rank_load, n_inst, n_free, total, inst_of) -> None:
         self.view, self.total, self.inst_of = view, total, inst_of
+        self.rank_load = rank_load  # the caller's list, kept current by it
         self.load = np.array(rank_load, dtype=np.int64)
         self.n = np.array(n_inst, dtype=np.int64)
         self.n_free = n_free  # the caller's list, kept current by it
@@ -194,9 +173,9 @@ class _Dests:
         self.G = len(rank_load)
         self.ranks = np.arange(self.G)
 
-    def update(self, new_load: dict[int, int], d: int) -> None:
-        for r, x in new_load.items():
-            self.load[r] = x
+    def update(self, inst: list[tuple[int, int]], d: int) -> None:
+        """After a replica of an expert now on ``inst`` went to rank ``d``."""
+        self.load[[r for r, _ in inst]] = [self.rank_load[r] for r, _ in inst]
         self.n[d] += 1
         self.free[d] = self.n_free[d] > 0
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from lrmoe.cli import main
-from lrmoe.train import checkpoint as ckpt
 
 SMALL = ["--batch-size", "4", "--seq-len", "64", "--max-data-bytes", "200000",
          "--eval-batches", "2", "--threads", "1"]
@@ -108,19 +107,20 @@ def test_bad_input(name, files, tmp_path, capsys):
     assert not new.exists()
 
 
-def test_resume_checks_world_and_ep(files, tmp_path, capsys, monkeypatch):
+def test_resume_with_the_runs_ep_on_one_process(files, tmp_path, capsys, monkeypatch):
+    """--resume inherits --ep from the run: on a world it does not fit, say to pass --ep."""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(files / "run", run)
-    manifest = ckpt.latest_checkpoint(run).path / ckpt.MANIFEST
-    m = json.loads(manifest.read_text())
-    m["world"], m["ep_size"] = 2, 2
-    manifest.write_text(json.dumps(m))
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["train"]["ep"] = 2
+    (run / "config.json").write_text(json.dumps(cfg))
     before = digest(run)
     rc = main(["train", "--out", str(run), "--resume"])
     err = capsys.readouterr().err
-    assert rc == 2 and "world size 2" in err and "--ep 2" in err and "torchrun" in err
+    assert rc == 2 and "--ep 2" in err and "pass --ep N" in err
+    assert len(err.strip().splitlines()) == 1
     assert digest(run) == before
 
 

@@ -106,11 +106,11 @@ def test_run_config_and_checkpoints(qwen_run):
     assert cfg["train"]["steps"] == 36 and cfg["tokenizer"]["spec"] == "byte"
     assert [s for s, _ in ckpt.checkpoint_dirs(qwen_run)] == [24, 36]  # --keep-ckpts 2
     ck = ckpt.latest_checkpoint(qwen_run)
-    assert ck.step == 36 and ck.world == 1 and ck.ep_size == 1
-    st = ckpt.load_shard(ck, 0)
-    assert {"model", "optimizer", "scheduler", "rng", "data", "moe_prev_counts"} <= set(st)
-    assert st["step"] == 36 and st["data"]["seq_len"] == 64
-    assert st["progress"]["val_loss"] is not None
+    assert ck.step == 36 and ck.world == 1 and ck.ep_size == 1 and ck.notes == []
+    state, st = ckpt.merged_model_state(ck)
+    assert {"scheduler", "data", "moe_prev_counts", "optim_groups", "progress"} <= set(st)
+    assert st["data"]["seq_len"] == 64 and st["progress"]["val_loss"] is not None
+    assert "layers.0.mlp.experts.gate_up_proj" in state
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -217,7 +217,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, capsys, monkeypatch)
 def test_corrupt_checkpoint_is_detected(qwen_run, tmp_path, capsys, damage):
     run = tmp_path / "bad"
     shutil.copytree(qwen_run, run)
-    shard = ckpt.latest_checkpoint(run).shard(0)
+    shard = max(ckpt.latest_checkpoint(run).files, key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
@@ -234,12 +234,18 @@ def test_corrupt_checkpoint_is_detected(qwen_run, tmp_path, capsys, damage):
 
 
 def test_interrupted_save_is_ignored(qwen_run, tmp_path):
-    """A checkpoint directory without a manifest (killed mid-save) is skipped."""
+    """An unfinished save (a ``.tmp`` directory, or a directory without a manifest) is
+    passed over, and the checkpoint used says so."""
     run = tmp_path / "partial"
     shutil.copytree(qwen_run, run)
+    ckpt.partial_dir(run, 48).mkdir()
+    (ckpt.partial_dir(run, 48) / "__0_0.distcp").write_bytes(b"partial")
     (ckpt.ckpt_dir(run, 40)).mkdir()
-    (ckpt.ckpt_dir(run, 40) / ckpt.shard_name(0, 1)).write_bytes(b"partial")
-    assert ckpt.latest_checkpoint(run).step == 36
+    ck = ckpt.latest_checkpoint(run)
+    assert ck.step == 36
+    line = ck.describe()
+    assert "ckpt-00000036" in line and "ckpt-00000040" in line and "no manifest.json" in line
+    assert ".ckpt-00000048.tmp" in line and "interrupted save" in line
 
 
 def test_atomic_write_leaves_no_temp(tmp_path):

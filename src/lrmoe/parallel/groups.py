@@ -109,8 +109,31 @@ def is_expert_param(name: str) -> bool:
     return ".experts.gate_up_proj" in name or ".experts.down_proj" in name
 
 
+def owned_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """Global ids of the experts EP rank ``ep_rank`` of ``ep_size`` owns."""
+    if num_experts % ep_size:
+        raise LrmoeError(f"num_experts={num_experts} is not divisible by --ep {ep_size}")
+    per = num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def expert_ids(model: nn.Module) -> dict[str, range]:
+    """``{state-dict name of an expert parameter: global ids of its rows}``.
+
+    Row ``i`` of ``...experts.gate_up_proj`` on this rank is global expert
+    ``ids[i]``; these ids, not the rank, name expert state in checkpoints.
+    """
+    out = {}
+    for name, _ in model.named_parameters():
+        if is_expert_param(name):
+            ex = model.get_submodule(name.rsplit(".", 1)[0])
+            out[name] = range(ex.first, ex.first + ex.count)
+    return out
+
+
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
-    """Keep only this rank's owned experts (rank r: ``r*E/G .. (r+1)*E/G - 1``).
+    """Keep only this rank's owned experts (:func:`owned_experts`: rank r holds
+    ``r*E/G .. (r+1)*E/G - 1``).
 
     Every rank builds the full model from the same seed first, so the shards together
     are exactly the single-process model. Expert modules
@@ -120,10 +143,8 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
     G, r = ctx.ep_size, ctx.ep_rank
     for ex in model.modules():
         if isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter) and hasattr(ex, "num_experts"):
-            E = ex.num_experts
-            if E % G:
-                raise LrmoeError(f"num_experts={E} is not divisible by --ep {G}")
-            per = E // G
+            own = owned_experts(ex.num_experts, G, r)
+            per = len(own)
             ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[r * per:(r + 1) * per].clone())
             ex.down_proj = nn.Parameter(ex.down_proj.data[r * per:(r + 1) * per].clone())
             ex.first, ex.count = r * per, per

@@ -1,42 +1,59 @@
-"""Checkpoints: one directory per step, one ``torch.save`` shard per rank, a manifest last.
+"""Checkpoints: one directory per step, written with ``torch.distributed.checkpoint``
+(DCP) under world-size-independent keys, a hashed manifest, an atomic rename last.
 
 Layout (``RUN/checkpoints/ckpt-00000300/``)::
 
-    shard-rank00000-of-00002.pt   # rank 0's state (torch.save, weights_only-loadable)
-    shard-rank00001-of-00002.pt
-    manifest.json                 # written last, by rank 0, after every shard is on disk
+    .metadata          # DCP: every key's shape, dtype and where its bytes are
+    __0_0.distcp       # DCP: the bytes rank 0 wrote (each key is written by one rank)
+    __1_0.distcp
+    manifest.json      # format, step, the writing world and EP size, SHA-256 of each file
 
-Every file is written atomically: a temp file in the same directory, ``fsync``, then
-``os.replace`` and an ``fsync`` of the directory. The manifest lists each shard's byte
-size and SHA-256, so a truncated or corrupt shard is detected before anything is
-loaded; a directory without a manifest is an interrupted save and is ignored (an
-earlier complete checkpoint is used). A shard holds the rank's model state (its expert
-shard under EP), optimizer and scheduler state, the step, the RNG states (torch CPU,
-CUDA, the runtime's generator), each MoE layer's previous-step counts, the data
-position and the run's progress counters.
+What the keys are (:mod:`lrmoe.train.ckpt_state`): replicated parameters once, expert
+parameters and their AdamW state one row per *global* expert id, the global trainer
+state once, RNG states per rank. So a checkpoint saved at ``--ep 4`` resumes at
+``--ep 2``, on one process, or under DP x EP: each rank reads the experts it owns.
+
+Atomicity: every rank writes into ``checkpoints/.ckpt-00000300.tmp``; after the last
+file is on disk, the ranks hash the files (each a share), rank 0 writes the manifest
+into that directory and renames it to ``ckpt-00000300``. A ``ckpt-*`` directory
+therefore always has its manifest; a ``.tmp`` directory is an interrupted save, ignored
+(and removed by the next save). Before anything is loaded the files are checked
+against the manifest (size and SHA-256), so a truncated or corrupt file is reported,
+never read. The directory must be on a filesystem that every rank sees.
+
+What resume guarantees: same world and EP size: bit-exact on the CPU (every RNG state
+restored). Another world or EP size: the model, optimizer, scheduler, router counts,
+policy and data position are restored exactly; the RNG states cannot be (there is one
+per rank), so each rank re-seeds from ``(seed, step, rank)`` and the loss continues to
+floating-point tolerance of a same-size resume (reduction order differs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from lrmoe.errors import LrmoeError
-from lrmoe.parallel.groups import is_expert_param
+from lrmoe.train import ckpt_state
 
-FORMAT = "lrmoe-checkpoint-v1"
+FORMAT = "lrmoe-checkpoint-v2"
+OLD_FORMATS = {"lrmoe-checkpoint-v1": "one torch.save shard per rank"}
 CKPT_DIR = "checkpoints"
 PREFIX = "ckpt-"
+PARTIAL = ".tmp"
 MANIFEST = "manifest.json"
+
+Gather = Callable[[Any], list]  # all_gather(obj) -> one obj per rank; also the barrier
 
 
 # ----------------------------------------------------------------------------- atomic I/O
@@ -85,6 +102,22 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _agree(err: str | None, all_gather: Gather | None) -> None:
+    """Raise the first rank's error on every rank (collective when distributed)."""
+    errs = all_gather(err) if all_gather is not None else [err]
+    for e in errs:
+        if e:
+            raise LrmoeError(e)
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    """DCP warns that it runs in one process even when asked to (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 # ----------------------------------------------------------------------------- naming
 def ckpt_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / CKPT_DIR
@@ -94,8 +127,8 @@ def ckpt_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return ckpt_root(run_dir) / f"{PREFIX}{step:08d}"
 
 
-def shard_name(rank: int, world: int) -> str:
-    return f"shard-rank{rank:05d}-of-{world:05d}.pt"
+def partial_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return ckpt_root(run_dir) / f".{PREFIX}{step:08d}{PARTIAL}"
 
 
 def _step_of(d: Path) -> int | None:
@@ -116,128 +149,163 @@ def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def partial_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """Interrupted saves (``.ckpt-*.tmp``)."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir()
+                  if d.name.startswith("." + PREFIX) and d.name.endswith(PARTIAL))
+
+
+# ----------------------------------------------------------------------------- manifest
 @dataclass
 class Checkpoint:
-    """A complete checkpoint: its directory, step and manifest."""
+    """A complete checkpoint: its directory, step, manifest, and why newer directories
+    were passed over (``notes``)."""
 
     path: Path
     step: int
     manifest: dict
+    notes: list[str] = field(default_factory=list)
 
     @property
     def world(self) -> int:
+        """World size of the run that wrote it."""
         return int(self.manifest["world"])
 
     @property
     def ep_size(self) -> int:
+        """EP size of the run that wrote it."""
         return int(self.manifest["ep_size"])
 
-    def shard(self, rank: int) -> Path:
-        return self.path / shard_name(rank, self.world)
+    @property
+    def files(self) -> list[Path]:
+        return [self.path / n for n in sorted(self.manifest["files"])]
+
+    def describe(self) -> str:
+        """One line: which checkpoint is used, written by which layout, and what was
+        skipped (and why)."""
+        s = (f"resuming from {self.path} (step {self.step}, written by world size "
+             f"{self.world} with --ep {self.ep_size})")
+        return s + ("; " + "; ".join(self.notes) if self.notes else "")
 
 
 def read_manifest(d: Path) -> dict:
     p = d / MANIFEST
+    hint = f"delete {d} to resume from an earlier checkpoint"
     try:
         m = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LrmoeError(f"checkpoint manifest {p} is unreadable or corrupt ({e}); delete "
-                         f"{d} to resume from an earlier checkpoint") from None
-    ok = (isinstance(m, dict) and m.get("format") == FORMAT and isinstance(m.get("files"), dict)
+        raise LrmoeError(f"checkpoint manifest {p} is unreadable or corrupt ({e}); "
+                         f"{hint}") from None
+    fmt = m.get("format") if isinstance(m, dict) else None
+    if fmt in OLD_FORMATS:
+        raise LrmoeError(f"checkpoint {d} is in the old {fmt} format ({OLD_FORMATS[fmt]}), "
+                         "which this lrmoe cannot read; continue that run with the lrmoe "
+                         "version that wrote it, or start a new run in another --out")
+    ok = (fmt == FORMAT and isinstance(m.get("files"), dict)
           and isinstance(m.get("world"), int) and isinstance(m.get("ep_size"), int)
           and isinstance(m.get("step"), int))
     if not ok:
-        raise LrmoeError(f"checkpoint manifest {p} is not an {FORMAT} manifest; delete {d} "
-                         "to resume from an earlier checkpoint")
+        raise LrmoeError(f"checkpoint manifest {p} is not an {FORMAT} manifest; {hint}")
     return m
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
-    """The newest checkpoint that has a manifest (an interrupted save has none)."""
+    """The newest checkpoint that has a manifest; ``notes`` say what was passed over."""
+    notes = []
     for step, d in reversed(checkpoint_dirs(run_dir)):
         if (d / MANIFEST).exists():
-            m = read_manifest(d)
-            return Checkpoint(d, step, m)
+            ck = Checkpoint(d, step, read_manifest(d), notes)
+            for p in partial_dirs(run_dir):
+                notes.append(f"ignored {p.name}: an interrupted save")
+            return ck
+        notes.append(f"skipped the newer {d.name}: it has no {MANIFEST}, so its save "
+                     "never finished")
     return None
 
 
-def verify_shard(ck: Checkpoint, rank: int) -> Path:
-    """Check a shard's presence, size and SHA-256 against the manifest (reads the file)."""
-    name = shard_name(rank, ck.world)
-    p = ck.path / name
-    entry = ck.manifest["files"].get(name)
+def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
+    """Check presence, size and SHA-256 of this rank's share of the checkpoint's files
+    (file ``i`` is checked by rank ``i % world``; every file when ``world`` is 1)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
-    if entry is None:
-        raise LrmoeError(f"checkpoint {ck.path} has no shard for rank {rank} in its manifest; "
-                         f"{hint}")
-    if not p.is_file():
-        raise LrmoeError(f"checkpoint file {p} is missing; {hint}")
-    size = p.stat().st_size
-    if size != entry.get("bytes"):
-        raise LrmoeError(f"checkpoint file {p} is truncated or corrupt ({size} bytes, the "
-                         f"manifest says {entry.get('bytes')}); {hint}")
-    if sha256_file(p) != entry.get("sha256"):
-        raise LrmoeError(f"checkpoint file {p} is corrupt (SHA-256 does not match the "
-                         f"manifest); {hint}")
-    return p
-
-
-def load_shard(ck: Checkpoint, rank: int, map_location: Any = "cpu",
-               verify: bool = True) -> dict:
-    p = verify_shard(ck, rank) if verify else ck.shard(rank)
-    try:
-        state = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception as e:  # the checksum passed, so this is a format problem
-        raise LrmoeError(f"checkpoint file {p} cannot be loaded ({e})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise LrmoeError(f"checkpoint file {p} is not an {FORMAT} shard")
-    return state
+    for i, p in enumerate(ck.files):
+        if i % world != rank:
+            continue
+        entry = ck.manifest["files"][p.name]
+        if not p.is_file():
+            raise LrmoeError(f"checkpoint file {p} is missing; {hint}")
+        size = p.stat().st_size
+        if size != entry.get("bytes"):
+            raise LrmoeError(f"checkpoint file {p} is truncated or corrupt ({size} bytes, "
+                             f"the manifest says {entry.get('bytes')}); {hint}")
+        if sha256_file(p) != entry.get("sha256"):
+            raise LrmoeError(f"checkpoint file {p} is corrupt (SHA-256 does not match the "
+                             f"manifest); {hint}")
 
 
 # ----------------------------------------------------------------------------- save
-def save_shard(state: dict, d: Path, rank: int, world: int) -> dict:
-    """Write this rank's shard atomically; returns its manifest entry."""
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, **state}, buf)
-    data = buf.getvalue()
-    name = shard_name(rank, world)
-    atomic_write_bytes(d / name, data)
-    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, trainer: dict,
+                    rng: dict, rank: int, world: int, ep_size: int,
+                    all_gather: Gather | None = None, keep: int = 0) -> Path:
+    """Write a checkpoint collectively; returns its directory.
 
-
-def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict, *, rank: int,
-                    world: int, ep_size: int, meta: dict,
-                    all_gather: Callable[[Any], list] | None = None, keep: int = 0) -> Path:
-    """Every rank writes its shard; rank 0 writes the manifest last, then prunes.
-
-    ``all_gather(obj) -> list`` collects one object per rank (and is the barrier that
-    orders the manifest after every shard); ``None`` on one process. ``keep`` > 0 keeps
-    only the newest ``keep`` complete checkpoints.
+    ``trainer`` is the global state (rank 0's is kept), ``rng`` this rank's RNG states.
+    ``all_gather(obj) -> list`` collects one object per rank and orders the steps;
+    ``None`` on one process. ``keep`` > 0 keeps only the newest ``keep`` checkpoints.
     """
-    d = ckpt_dir(run_dir, step)
-    d.mkdir(parents=True, exist_ok=True)
-    stale = d / MANIFEST  # re-saving a step (after a resume): the old manifest goes first
-    if rank == 0 and stale.exists():
-        stale.unlink()
-    if all_gather is not None:
-        all_gather(None)  # nobody writes a shard before the stale manifest is gone
-    entry = save_shard(state, d, rank, world)
-    entries = all_gather(entry) if all_gather is not None else [entry]
+    import torch.distributed.checkpoint as dcp
+
+    tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
     if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
+        tmp.mkdir(parents=True)
+    if all_gather is not None:
+        all_gather(None)
+    # one copy of the global state: rank 0's (ranks differ only in timings)
+    state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
+    with _one_process_is_fine():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)),
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
+                                                flatten_sharded_tensors=False),
+                 no_dist=all_gather is None)
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    if all_gather is not None:
+        names = all_gather(names)[0]
+    mine, err = {}, None
+    for i, name in enumerate(names):
+        if i % world == rank:
+            p = tmp / name
+            if not p.is_file():
+                err = (f"checkpoint file {p} (written by another rank) is not visible on "
+                       f"rank {rank}: --out must be on a filesystem every rank shares")
+                break
+            mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    entries = all_gather((mine, err)) if all_gather is not None else [(mine, err)]
+    _agree(next((e for _, e in entries if e), None), None)
+    if rank == 0:
+        files = {k: v for m, _ in entries for k, v in m.items()}
         manifest = {"format": FORMAT, "step": step, "world": world, "ep_size": ep_size,
-                    "files": {e["name"]: {"bytes": e["bytes"], "sha256": e["sha256"]}
-                              for e in entries},
-                    "meta": meta}
-        atomic_write_text(d / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+                    "files": files, "meta": trainer.get("progress")}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        if final.exists():  # re-saving a step, or a stale directory without a manifest
+            old = final.with_name(final.name + ".old" + PARTIAL)
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        for p in partial_dirs(run_dir):
+            shutil.rmtree(p, ignore_errors=True)
         if keep > 0:
             prune(run_dir, keep)
     if all_gather is not None:
         all_gather(None)
-    return d
+    return final
 
 
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; drop older and interrupted ones."""
+    """Keep the newest ``keep`` complete checkpoints; drop older and unfinished ones."""
     dirs = checkpoint_dirs(run_dir)
     complete = [s for s, d in dirs if (d / MANIFEST).exists()]
     if not complete:
@@ -249,68 +317,89 @@ def prune(run_dir: str | os.PathLike, keep: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------- merge
-def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
-    """The whole (unsharded) model state of a checkpoint and rank 0's shard.
+# ----------------------------------------------------------------------------- load
+def _metadata(ck: Checkpoint) -> dict:
+    import torch.distributed.checkpoint as dcp
 
-    Under EP each rank of the first EP group holds a contiguous slice of every MoE
-    layer's experts; concatenating them in rank order gives the single-process tensors.
-    Dense parameters are identical on every rank, so rank 0's are taken.
-    """
-    first = load_shard(ck, 0, map_location)
-    if ck.ep_size == 1:
-        return first["model"], first
-    state = dict(first["model"])
-    parts = {k: [v] for k, v in state.items() if is_expert_param(k)}
-    for r in range(1, ck.ep_size):
-        sh = load_shard(ck, r, map_location)["model"]
-        for k in parts:
-            parts[k].append(sh[k])
-    for k, vs in parts.items():
-        state[k] = torch.cat(vs, dim=0)
-    return state, first
+    try:
+        return dcp.FileSystemReader(str(ck.path)).read_metadata().state_dict_metadata
+    except Exception as e:  # the checksum passed, so this is a format problem
+        raise LrmoeError(f"checkpoint {ck.path} cannot be read ({e})") from None
 
 
-# ----------------------------------------------------------------------------- trainer state
-def rng_state(generator: torch.Generator | None, device: torch.device) -> dict:
-    s = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        s["cuda"] = torch.cuda.get_rng_state(device)
-    if generator is not None:
-        s["runtime"] = generator.get_state()
-    return s
+def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
+    """Load ``state`` in place: tensors are copied into, objects replaced (our keys are
+    flat, so both flattening passes are off and the planner writes into ``state``)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with _one_process_is_fine():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ck.path)),
+                     planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
+                                                    flatten_sharded_tensors=False),
+                     no_dist=not distributed)
+    except Exception as e:
+        raise LrmoeError(f"checkpoint {ck.path} cannot be loaded ({e})") from None
+    if state.get(ckpt_state.TRAINER) is None:
+        raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
 
-def set_rng_state(s: dict, generator: torch.Generator | None, device: torch.device) -> None:
-    torch.set_rng_state(s["torch"].cpu())
-    if device.type == "cuda" and "cuda" in s:
-        torch.cuda.set_rng_state(s["cuda"].cpu(), device)
-    if generator is not None and "runtime" in s:
-        generator.set_state(s["runtime"].cpu())
+def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, rank: int,
+                    world: int, ep_size: int, device: torch.device, seed: int,
+                    all_gather: Gather | None = None) -> dict:
+    """Load a (verified) checkpoint into freshly built objects at any world / EP size;
+    returns the trainer state (``progress``, ``data``, ...). Collective when
+    ``all_gather`` is given."""
+    same = (ck.world, ck.ep_size) == (world, ep_size)
+    err, tpl = None, None
+    try:
+        tpl = ckpt_state.Template(model, opt, _metadata(ck), rank if same else None,
+                                  str(ck.path))
+    except LrmoeError as e:
+        err = str(e)
+    _agree(err, all_gather)  # every rank enters the collective load, or none
+    _dcp_load(ck, tpl.dict, distributed=all_gather is not None)
+    trainer = tpl.dict[ckpt_state.TRAINER]
+    try:
+        opt.load_state_dict(tpl.optimizer_state())
+        sched.load_state_dict(trainer["scheduler"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise LrmoeError(f"checkpoint {ck.path} does not match this model: {e}") from None
+    for m, c in zip(model.moe_layers, trainer.get("moe_prev_counts") or []):
+        m.prev_counts_E = None if c is None else c.cpu()
+    if trainer.get("policy") is not None and hasattr(policy, "load_state_dict"):
+        policy.load_state_dict(trainer["policy"])
+    rng = tpl.dict.get(ckpt_state.rng_key(rank)) if same else None
+    ckpt_state.apply_rng(rng, generator, device, (seed, ck.step, rank))
+    return trainer
 
 
-def training_state(model, opt, sched, policy, generator, device: torch.device,
-                   progress: dict, data: dict) -> dict:
-    """What one rank saves: everything that evolves during training."""
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
+def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
+    """The global part of a checkpoint (everything but model, optimizer and RNG)."""
+    return {"scheduler": sched.state_dict(),
             "moe_prev_counts": [m.prev_counts_E for m in model.moe_layers],
             "policy": policy.state_dict() if hasattr(policy, "state_dict") else None,
-            "rng": rng_state(generator, device), "data": data, "progress": progress}
+            "progress": progress, "data": data}
 
 
-def restore_training_state(st: dict, path: Path, model, opt, sched, policy, generator,
-                           device: torch.device) -> dict:
-    """Load a shard's state into freshly built objects; returns its ``progress``."""
-    try:
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise LrmoeError(f"checkpoint {path} does not match this model: {e}") from None
-    for m, c in zip(model.moe_layers, st.get("moe_prev_counts") or []):
-        m.prev_counts_E = None if c is None else c.cpu()
-    if st.get("policy") is not None and hasattr(policy, "load_state_dict"):
-        policy.load_state_dict(st["policy"])
-    set_rng_state(st["rng"], generator, device)
-    return st["progress"]
+def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
+    """The whole (single-process) model state of a checkpoint and its trainer state,
+    read on one process (files verified first): expert rows stacked by global id."""
+    verify_files(ck)
+    md = _metadata(ck)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
+             if k.startswith("model/")}
+    state[ckpt_state.TRAINER] = None
+    _dcp_load(ck, state, distributed=False)
+    trainer = state.pop(ckpt_state.TRAINER)
+    out: dict[str, Any] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in state.items():
+        base, _, last = k[len("model/"):].rpartition("/")
+        if base and last[:1] == "e" and last[1:].isdigit():
+            rows.setdefault(base, {})[int(last[1:])] = v
+        else:
+            out[k[len("model/"):]] = v
+    for name, by_id in rows.items():
+        out[name] = torch.stack([by_id[e] for e in sorted(by_id)])
+    return {k: v.to(map_location) for k, v in out.items()}, trainer

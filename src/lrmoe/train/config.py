@@ -77,7 +77,7 @@ class TrainConfig:
 # allowed, to extend a run). All others must match the run on --resume.
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
-                  "threads", "device", "stop_after"}
+                  "threads", "device", "stop_after", "ep"}
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
 
 

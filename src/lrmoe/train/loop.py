@@ -131,16 +131,6 @@ def make_autocast(device: torch.device):
 
 
 # ----------------------------------------------------------------------------- setup
-def _check_world(ck, world: int, ep: int) -> None:
-    if (ck.world, ck.ep_size) != (world, ep):
-        launch = (f"torchrun --nproc-per-node {ck.world} -m lrmoe train ... --ep {ck.ep_size}"
-                  if ck.world > 1 else "lrmoe train ... --ep 1 (one process)")
-        raise LrmoeError(
-            f"--resume: checkpoint {ck.path} was written by world size {ck.world} with --ep "
-            f"{ck.ep_size}; this run has world size {world} with --ep {ep}. Relaunch with "
-            f"{launch}")
-
-
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues."""
     if not cfg.resume:
@@ -152,16 +142,16 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     if ck is None:
         raise LrmoeError(f"--resume: no checkpoint in {ckpt.ckpt_root(run_dir)} to resume "
                          "from; drop --resume to start a new run")
-    _check_world(ck, ctx.world, ctx.ep_size)
     err = None
-    try:
-        ckpt.verify_shard(ck, ctx.rank)
+    try:  # any rank may read any file (resharding): each checks a share of them all
+        ckpt.verify_files(ck, ctx.rank, ctx.world)
     except LrmoeError as e:
         err = str(e)
     if ctx.distributed:
         _raise_first(_all_gather(err, ctx))
     elif err:
         raise LrmoeError(err)
+    _log(ck.describe(), ctx)
     return ck
 
 
@@ -236,10 +226,10 @@ def train(cfg: TrainConfig | Any) -> dict:
         cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
     check_args(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.resume:  # a clear message before init_parallel complains about --ep
-        found = ckpt.latest_checkpoint(cfg.out)
-        if found is not None:
-            _check_world(found, world, cfg.ep)
+    if cfg.resume and world % cfg.ep:  # --ep came from the run's config.json
+        raise LrmoeError(f"--resume: the run used --ep {cfg.ep}, which does not divide this "
+                         f"world size {world}; pass --ep N (N divides {world}) to resume on "
+                         "a different layout")
     if world == 1 and cfg.ep > 1:
         raise LrmoeError(f"--ep {cfg.ep} needs {cfg.ep} processes (or a multiple); launch with "
                          f"torchrun --nproc-per-node {cfg.ep} -m lrmoe train ...")
@@ -326,15 +316,16 @@ def _train(cfg: TrainConfig, ctx) -> dict:
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     start, tokens, elapsed, last_val = 0, 0, 0.0, None
     if ck is not None:
-        st = ckpt.load_shard(ck, ctx.rank, ctx.device, verify=False)  # verified above
+        st = ckpt.load_checkpoint(  # verified above; any world and EP size
+            ck, model, opt, sched, policy, gen, rank=ctx.rank, world=ctx.world,
+            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
+            all_gather=(lambda o: _all_gather(o, ctx)) if ctx.distributed else None)
         if st.get("data") != data_fp:
             raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                              f"({st.get('data')} vs now {data_fp}); resume on the same data")
-        prog = ckpt.restore_training_state(st, ck.path, model, opt, sched, policy, gen,
-                                           ctx.device)
+        prog = st["progress"]
         start, tokens, elapsed = ck.step, int(prog["tokens"]), float(prog["elapsed_s"])
         last_val = prog.get("val_loss")
-        del st
 
     # ---- 3. every input is valid: from here on the run directory is written.
     total, active = param_counts(mcfg)
@@ -363,12 +354,11 @@ def _train(cfg: TrainConfig, ctx) -> dict:
     def save(step: int) -> None:
         nonlocal last_ckpt
         progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val}
-        state = {"step": step, "rank": ctx.rank, "world": ctx.world, "ep_size": ctx.ep_size,
-                 **ckpt.training_state(model, opt, sched, policy, gen, ctx.device, progress,
-                                       data_fp)}
-        ckpt.save_checkpoint(run_dir, step, state, rank=ctx.rank, world=ctx.world,
-                             ep_size=ctx.ep_size, all_gather=gather, keep=cfg.keep_ckpts,
-                             meta=progress)
+        ckpt.save_checkpoint(
+            run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
+            trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
+            rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
+            keep=cfg.keep_ckpts)
         last_ckpt = step
 
     def validate(step: int) -> float:

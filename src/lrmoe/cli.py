@@ -1,6 +1,7 @@
 """``lrmoe`` command line: one module per subcommand in ``lrmoe.commands``.
 
-Every :class:`LrmoeError` becomes one line on stderr and exit code 2.
+Every :class:`LrmoeError` becomes one line on stderr and exit code 2 (3 when a torchrun
+peer hung or died); so does an OS error (a full disk, a read-only directory).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LrmoeError as e:
-        print(f"lrmoe: error: {e}", file=sys.stderr)
+        if not e.quiet:
+            print(f"lrmoe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:  # a write the command did not foresee: one line, not a traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"lrmoe: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lrmoe: interrupted", file=sys.stderr)

@@ -24,7 +24,7 @@ _IGNORED_FIELDS = {
     "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits",
     "initializer_range", "max_window_layers", "sliding_window", "_name_or_path",
     "tie_encoder_decoder", "return_dict", "output_hidden_states", "output_attentions",
-    "id2label", "label2id", "num_nextn_predict_layers", "layer_types", "attention_dropout",
+    "id2label", "label2id", "num_nextn_predict_layers", "layer_types",
     "is_encoder_decoder", "chunk_size_feed_forward", "problem_type", "tokenizer_class",
     "task_specific_params", "model_input_names",
 }
@@ -35,6 +35,7 @@ _UNSUPPORTED_AT_DEFAULT = {
     "rope_scaling": None,
     "hidden_act": "silu",
     "pretraining_tp": 1,
+    "attention_dropout": 0.0,  # lrmoe's attention has no dropout
 }
 
 

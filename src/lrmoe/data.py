@@ -10,9 +10,11 @@ Sources accepted by :func:`load_corpus`:
 - a directory: every regular file below it (sorted, hidden and ``__pycache__`` skipped)
   that is UTF-8 text without NUL bytes; split by file as above.
 - a ``.jsonl`` file: one JSON object per line, documents from its ``text`` field;
-  split by the hash of the 1-based line number.
+  split by the hash of the 1-based line number. Lines without a ``text`` field are
+  skipped and counted (:attr:`Corpus.notes`).
 - any other file (``.txt``, ``.md``...): one document; the last ``VAL_FRACTION`` of its
-  bytes (moved to the next line start) is validation.
+  bytes (moved to the next line start) is validation. A file whose first
+  ``SNIFF_BYTES`` hold a NUL byte or invalid UTF-8 is refused as binary.
 
 Files are read in sorted order until the training split holds ``max_bytes`` bytes and
 validation ``val_max_bytes`` (default ``max_bytes // 16``); the last document of a full
@@ -26,6 +28,7 @@ training document moves there (a single document is split by lines).
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import operator
@@ -42,6 +45,7 @@ from lrmoe.tokenizer import Tokenizer
 
 DEFAULT_MAX_BYTES = 16 * 2**20
 VAL_FRACTION = 0.05
+SNIFF_BYTES = 1 << 16  # the head of a --data file checked for binary content
 _STDLIB_EXCLUDED = {"site-packages", "dist-packages"}
 
 
@@ -52,6 +56,7 @@ class Corpus:
     train_texts: list[str]
     val_texts: list[str]
     source: str
+    notes: list[str] = dataclasses.field(default_factory=list)  # what was skipped, and why
 
 
 def _is_val(key: str) -> bool:
@@ -164,7 +169,9 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
             col.add_raw(val, *got)
 
 
-def _load_jsonl(path: Path, col: _Collector) -> None:
+def _load_jsonl(path: Path, col: _Collector) -> list[str]:
+    """Read the ``text`` fields; returns notes on the lines skipped."""
+    no_text = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             if col.full():
@@ -179,6 +186,7 @@ def _load_jsonl(path: Path, col: _Collector) -> None:
             except UnicodeDecodeError:
                 raise LrmoeError(f"data path {str(path)!r}: line {lineno} is not UTF-8") from None
             if not isinstance(obj, dict) or "text" not in obj:
+                no_text += 1
                 continue
             text = obj["text"]
             if not isinstance(text, str):
@@ -190,6 +198,25 @@ def _load_jsonl(path: Path, col: _Collector) -> None:
     if not col.texts[False] and not col.texts[True]:
         raise LrmoeError(f"data path {str(path)!r} holds no text: no line has a non-empty "
                          f"string field 'text'")
+    if no_text:
+        return [f"{path}: skipped {no_text} line(s) without a 'text' field"]
+    return []
+
+
+def _check_text_head(path: Path) -> None:
+    """Refuse a binary file: a NUL byte or invalid UTF-8 in its first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise LrmoeError(f"data path {str(path)!r} is not text (a NUL byte at offset {nul}); "
+                         "give a UTF-8 text file, a .jsonl file or a directory")
+    try:  # final=False: a character cut by the head's end is not an error
+        codecs.getincrementaldecoder("utf-8")("strict").decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise LrmoeError(f"data path {str(path)!r} is not UTF-8 text (invalid byte at offset "
+                         f"{e.start}); give a UTF-8 text file, a .jsonl file or a "
+                         "directory") from None
 
 
 def _load_text_file(path: Path, col: _Collector) -> None:
@@ -197,6 +224,7 @@ def _load_text_file(path: Path, col: _Collector) -> None:
     size = path.stat().st_size
     if size == 0:
         raise LrmoeError(f"data path {str(path)!r} holds no text (empty file)")
+    _check_text_head(path)
     with open(path, "rb") as f:
         cut = max(1, int(size * (1 - VAL_FRACTION)))
         f.seek(cut)
@@ -226,7 +254,7 @@ def load_corpus(
     if val_max_bytes is None and max_bytes is not None:
         val_max_bytes = max(max_bytes // 16, 1)
     col = _Collector(max_bytes, val_max_bytes)
-    why = ""
+    why, notes = "", []
     if data is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         what = f"the Python stdlib at {root}"
@@ -243,7 +271,7 @@ def load_corpus(
             _load_tree(path, col, None, set())
             desc = f"text files under {path}"
         elif path.is_file() and path.suffix == ".jsonl":
-            _load_jsonl(path, col)
+            notes = _load_jsonl(path, col)
             desc = f"'text' fields of {path}"
         elif path.is_file():
             _load_text_file(path, col)
@@ -253,7 +281,7 @@ def load_corpus(
     train, val = col.splits(what, why)
     source = (f"{desc}: {len(train)} train documents ({_mib(train)}), "
               f"{len(val)} validation documents ({_mib(val)})")
-    return Corpus(train, val, source)
+    return Corpus(train, val, source, notes)
 
 
 def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:

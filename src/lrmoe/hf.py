@@ -484,7 +484,8 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     fp32. The whole directory is written beside ``path`` and renamed into place, so a
     failure leaves an existing checkpoint untouched; other files already in ``path``
     (tokenizer, ...) are kept. The model must hold every expert: gather an
-    expert-parallel model's experts first.
+    expert-parallel model's experts first. An lrmoe run directory is refused (its
+    ``config.json`` is the run's, not a HF one).
     """
     if not isinstance(model, MoEForCausalLM):
         raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
@@ -501,6 +502,11 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise LrmoeError(f"{target} exists and is not a directory")
+    from lrmoe.train.rundir import is_run_dir
+    if is_run_dir(target):
+        raise LrmoeError(f"{target} is an lrmoe run directory: save_hf would replace its "
+                         "config.json, which lrmoe train --resume and lrmoe eval read; save to "
+                         f"another directory (e.g. {target / 'hf'})")
     parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -41,8 +41,11 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     from lrmoe.train.loop import evaluate, make_autocast, val_windows
 
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise LrmoeError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise LrmoeError(f"{run_dir} is a file; eval takes a run directory (the --out of "
+                         "lrmoe train)")
     saved = read_run_config(run_dir)
     if saved is None:
         raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lrmoe.train.config import TrainConfig, config_from_cli
+from lrmoe.train.config import DIVERGENCE_WARMUP, TrainConfig
 from lrmoe.train.loop import train
 
 _D = TrainConfig()
@@ -32,7 +32,9 @@ def register(sub) -> None:
     p = sub.add_parser(
         "train", help="train a MoE language model",
         description="Train a Qwen3-MoE / GLM-4.5-MoE model on a text corpus. Flags not "
-                    "given take their defaults; with --resume they take the run's values.",
+                    "given take their defaults; with --resume they take the run's values. "
+                    "--out must be new, empty or an lrmoe run directory. Exit codes: 2 bad "
+                    "input or a refused --out, 3 a torchrun peer hung or died.",
         argument_default=argparse.SUPPRESS)
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", help="model preset (see `lrmoe presets`)")
@@ -41,8 +43,8 @@ def register(sub) -> None:
     g.add_argument("--data", help="text file, .jsonl ('text' field) or directory; default: the "
                    "Python stdlib's .py files")
     g.add_argument("--max-data-bytes", type=bytes_or_all, metavar="SIZE",
-                   help=f"training bytes to read (e.g. 16MiB, or all; default "
-                        f"{_D.max_data_bytes // 2**20}MiB)")
+                   help=f"training bytes to read, e.g. 16MiB; 0 or all = all the data "
+                        f"(default {_D.max_data_bytes // 2**20}MiB)")
     g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
@@ -58,6 +60,10 @@ def register(sub) -> None:
     g.add_argument("--clip", type=float, help=f"global grad-norm clip, 0 = off "
                    f"(default {_D.clip})")
     g.add_argument("--seed", type=int, help=f"model init and data order (default {_D.seed})")
+    g.add_argument("--divergence-factor", type=float, metavar="F",
+                   help=f"stop when the smoothed loss exceeds F times its running minimum "
+                        f"(after {DIVERGENCE_WARMUP} steps); 0 = never "
+                        f"(default {_D.divergence_factor:g})")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cpu or cuda (bf16 autocast) (default cpu)")
     g.add_argument("--out", help="run directory (default runs/PRESET)")
@@ -117,5 +123,5 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train(config_from_cli(vars(args)))
+    train(vars(args))  # train() parses, so its errors print once under torchrun
     return 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lrmoe.errors import LrmoeError
+
 
 @dataclass(frozen=True)
 class Link:
@@ -53,7 +55,7 @@ LINKS: dict[str, Link] = {
 
 def get_link(name: str) -> Link:
     if name not in LINKS:
-        raise ValueError(f"link {name!r} is not known; use one of {', '.join(LINKS)}")
+        raise LrmoeError(f"--link {name!r} is not known; use one of {', '.join(LINKS)}")
     return LINKS[name]
 
 

@@ -20,6 +20,7 @@ from lrmoe.errors import LrmoeError
 
 RUN_CONFIG = "config.json"  # a run directory's saved config (written by the trainer)
 RUN_FORMAT = "lrmoe-run-v1"
+DIVERGENCE_WARMUP = 1  # steps that set the running minimum before it is checked
 
 
 # ----------------------------------------------------------------------------- config
@@ -71,13 +72,14 @@ class TrainConfig:
     lrmoe_target_cosine: float = 0.99
     threads: int | None = None
     stop_after: int | None = None
+    divergence_factor: float = 10.0
 
 
 # Fields that leave the loss trajectory alone (``steps`` stretches the cosine schedule:
 # allowed, to extend a run). All others must match the run on --resume.
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
-                  "threads", "device", "stop_after", "ep"}
+                  "threads", "device", "stop_after", "divergence_factor", "ep"}
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
 
 
@@ -127,7 +129,7 @@ def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool =
     if not ok:
         rng = f"> {low}" if open_low else f">= {low}"
         rng += f" and <= {high}" if high != math.inf else ""
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a number {rng}")
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a finite number {rng}")
 
 
 def _choice(name: str, v: Any, choices: tuple) -> None:
@@ -154,12 +156,17 @@ def check_args(cfg: TrainConfig) -> None:
     _num("weight_decay", cfg.weight_decay, 0.0)
     _num("clip", cfg.clip, 0.0)
     _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
+    _num("divergence_factor", cfg.divergence_factor, 0.0)
+    if 0 < cfg.divergence_factor <= 1:
+        raise LrmoeError(f"--divergence-factor {cfg.divergence_factor!r} must be > 1 (a multiple "
+                         "of the loss's running minimum), or 0 to disable the check")
     _num("capacity_factor", cfg.capacity_factor, 0.0, open_low=True)
     _num("lrmoe_min_keep", cfg.lrmoe_min_keep, 0.0, 1.0)
     _num("lrmoe_balance", cfg.lrmoe_balance, 0.0, 1.0)
     _num("lrmoe_target_cosine", cfg.lrmoe_target_cosine, -1.0, 1.0)
     _choice("device", cfg.device, ("cpu", "cuda"))
-    _choice("backend", cfg.backend, (None, "gloo", "nccl"))
+    if cfg.backend is not None:  # None = the device's default
+        _choice("backend", cfg.backend, ("gloo", "nccl"))
     _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
     _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
     from lrmoe.parallel.exchange import METRICS

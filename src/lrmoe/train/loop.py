@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import sys
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from lrmoe.errors import LrmoeError
 from lrmoe.train import checkpoint as ckpt
+from lrmoe.train import rundir
 from lrmoe.train.config import (
     RUN_CONFIG,
     RUN_FORMAT,
@@ -44,28 +44,23 @@ from lrmoe.train.config import (
     resolve_model_config,
     trajectory_mismatch,
 )
+from lrmoe.train.divergence import DivergenceGuard
+from lrmoe.train.faults import Watch, is_peer_failure
 from lrmoe.train.metrics import (
     METRICS_FILE,
     MetricsWriter,
     rank_summary,
     train_row,
-    truncate_metrics,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
+from lrmoe.train.setup import agree, open_run_dir, train_fields
+from lrmoe.train.setup import all_gather as _all_gather
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 
 
 # ----------------------------------------------------------------------------- collectives
 # The trainer's few object-level collectives (the tensor ones are in lrmoe.parallel).
-def _all_gather(obj: Any, ctx) -> list:
-    import torch.distributed as dist
-
-    out: list = [None] * ctx.world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _raise_first(errors: list[str | None]) -> None:
     for e in errors:
         if e:
@@ -133,6 +128,8 @@ def make_autocast(device: torch.device):
 # ----------------------------------------------------------------------------- setup
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues."""
+    has_ck = bool(ckpt.checkpoint_dirs(run_dir))
+    agree(lambda: rundir.check_out(run_dir, cfg.resume, has_ck) if ctx.is_main else None, ctx)
     if not cfg.resume:
         if ckpt.checkpoint_dirs(run_dir):
             raise LrmoeError(f"{run_dir} already holds checkpoints; use --resume to continue "
@@ -142,6 +139,10 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     if ck is None:
         raise LrmoeError(f"--resume: no checkpoint in {ckpt.ckpt_root(run_dir)} to resume "
                          "from; drop --resume to start a new run")
+    for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
+        if value is not None and value < ck.step:
+            raise LrmoeError(f"--resume {flag} {value}: the run in {run_dir} has already "
+                             f"finished step {ck.step}; give {flag} >= {ck.step}")
     err = None
     try:  # any rank may read any file (resharding): each checks a share of them all
         ckpt.verify_files(ck, ctx.rank, ctx.world)
@@ -221,7 +222,32 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
 
 # ----------------------------------------------------------------------------- train
 def train(cfg: TrainConfig | Any) -> dict:
-    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``."""
+    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``.
+
+    Under torchrun an :class:`LrmoeError` is raised alike on every rank (the checks are
+    the same everywhere, or gathered by ``agree``), so only rank 0 prints it; an error
+    one rank alone hits (``local``: a failed write) is printed by that rank.
+    """
+    try:
+        return _run(cfg)
+    except LrmoeError as e:
+        if os.environ.get("RANK", "0") != "0" and not getattr(e, "local", False):
+            e.quiet = True
+        raise
+
+
+def _write_error(e: OSError, ctx, watch: Watch) -> LrmoeError:
+    """One line for a failed write mid-run, with where the last good checkpoint is."""
+    ck = (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
+          else "no checkpoint was written")
+    who = f"rank {ctx.rank}: " if ctx.distributed else ""
+    err = LrmoeError(f"{who}{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
+                     f"step {watch.step + 1}); stopped ({ck})")
+    err.local = True
+    return err
+
+
+def _run(cfg: TrainConfig | Any) -> dict:
     if not isinstance(cfg, TrainConfig):
         cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
     check_args(cfg)
@@ -244,9 +270,18 @@ def train(cfg: TrainConfig | Any) -> dict:
     we_init = not (dist.is_available() and dist.is_initialized())
     try:
         ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s)
+        watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            return _train(cfg, ctx)
+            return _train(cfg, ctx, watch)
+        except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
+            if ctx.distributed and is_peer_failure(e):
+                raise watch.failure(e) from None
+            raise
+        except OSError as e:  # a full disk, a directory gone read-only...
+            raise _write_error(e, ctx, watch) from None
         finally:
+            if ctx.is_main:
+                rundir.release_lock(Path(cfg.out))
             if we_init and ctx.distributed and dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
@@ -254,7 +289,7 @@ def train(cfg: TrainConfig | Any) -> dict:
         torch.set_num_threads(threads)  # in-process callers get their setting back
 
 
-def _train(cfg: TrainConfig, ctx) -> dict:
+def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
     from lrmoe.config import ModelConfig
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.moe import MoERuntime
@@ -279,7 +314,7 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
     policy = build_policy(cfg, mcfg, ctx.ep_size)
     ledger = build_ledger(cfg, mcfg, ctx)
-    corpus, tok, batches, val_ids = _load_data(cfg, run_dir, ctx)
+    corpus, tok, batches, val_ids = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
     if cfg.preset is not None or cfg.config is not None:
         mcfg = resolve_model_config(cfg, vocab_size=tok.vocab_size)
         if saved is not None and mcfg.to_hf_dict() != saved["model"]:
@@ -326,43 +361,40 @@ def _train(cfg: TrainConfig, ctx) -> dict:
         prog = st["progress"]
         start, tokens, elapsed = ck.step, int(prog["tokens"]), float(prog["elapsed_s"])
         last_val = prog.get("val_loss")
+    guard = DivergenceGuard(cfg.divergence_factor, prog.get("divergence") if ck is not None else None)
 
     # ---- 3. every input is valid: from here on the run directory is written.
+    # Rank 0 locks, marks and writes it (config.json); every rank probes checkpoints/.
     total, active = param_counts(mcfg)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if ck is None:
-            (run_dir / METRICS_FILE).unlink(missing_ok=True)
-        else:
-            truncate_metrics(run_dir / METRICS_FILE, start)
-        tok.save(run_dir)
-        run_cfg = {"format": RUN_FORMAT, "model": mcfg.to_hf_dict(),
-                   "train": dataclasses.asdict(cfg),
-                   "tokenizer": {"spec": tok.spec, "vocab_size": tok.vocab_size},
-                   "data": {"source": corpus.source, "train_tokens": int(batches.ids.numel()),
-                            "val_tokens": int(val_ids.numel())},
-                   "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
-                   "params": {"total": total, "active": active}}
-        ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
+    run_cfg = {"format": RUN_FORMAT, "model": mcfg.to_hf_dict(), "train": train_fields(cfg, saved),
+               "tokenizer": {"spec": tok.spec, "vocab_size": tok.vocab_size},
+               "data": {"source": corpus.source, "train_tokens": int(batches.ids.numel()),
+                        "val_tokens": int(val_ids.numel())},
+               "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
+               "params": {"total": total, "active": active}}
+    open_run_dir(cfg, run_dir, ck, run_cfg, tok, model, ctx)  # the lock: released by _run
     gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
-    if gather is not None:
-        gather(None)  # the run dir exists before anyone writes into it
     writer = MetricsWriter(run_dir / METRICS_FILE, enabled=ctx.is_main)
     last_ckpt = start if ck is not None else None
+    watch.last_ckpt = None if last_ckpt is None else str(ckpt.ckpt_dir(run_dir, last_ckpt))
     autocast = make_autocast(ctx.device)
 
     def save(step: int) -> None:
         nonlocal last_ckpt
-        progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val}
+        watch.phase = "checkpoint save"
+        progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val,
+                    "divergence": guard.state()}
         ckpt.save_checkpoint(
             run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
             trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
             rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
             keep=cfg.keep_ckpts)
         last_ckpt = step
+        watch.last_ckpt = str(ckpt.ckpt_dir(run_dir, step))
 
     def validate(step: int) -> float:
         nonlocal last_val
+        watch.phase = "validation"
         last_val, n = evaluate(model, val_b, ctx, autocast)
         writer.write({"kind": "val", "step": step, "val_loss": last_val, "val_tokens": n,
                       "elapsed_s": round(elapsed, 3)})
@@ -377,6 +409,8 @@ def _train(cfg: TrainConfig, ctx) -> dict:
          f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
          f"{cfg.seq_len} tokens each | policy {cfg.policy} | world {ctx.world}, ep "
          f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
+    for note in corpus.notes:
+        _log(f"lrmoe train: note: {note}", ctx)
     bar = None
     interactive = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
     if ctx.is_main and interactive and start < end:
@@ -395,7 +429,8 @@ def _train(cfg: TrainConfig, ctx) -> dict:
     model.train()
     try:
         for step in range(start, end):
-            rt.step = step
+            rt.step = watch.step = step
+            watch.phase = "forward"
             fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
             rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
             if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
@@ -404,6 +439,7 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
             with autocast():
                 lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            watch.phase = "loss all-reduce"
             losses = _sum_over_world(torch.stack([lm.detach(), obj.detach()]).float().cpu(),
                                      ctx) / ctx.world
             loss, aux = float(losses[0]), float(losses[1] - losses[0])
@@ -412,10 +448,18 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             if not math.isfinite(loss) or not math.isfinite(float(losses[1])):
                 raise LrmoeError(f"training loss is {loss} at step {step + 1}; stopped "
                                  f"({intact}). Lower --lr or raise --warmup")
+            blowup = guard.check(loss)
+            if blowup:
+                raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
+                                 f"before updating the weights ({intact}). Lower --lr or raise "
+                                 "--warmup; --divergence-factor 0 disables this check")
             opt.zero_grad(set_to_none=True)
+            watch.phase = "backward"
             obj.backward()
+            watch.phase = "gradient sync"
             sync_grads(model, ctx)
             gnorm = clip_grad_norm(model, cfg.clip, ctx)
+            watch.phase = "optimizer step and router counts"
             if not math.isfinite(gnorm):
                 raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
                                  f"({intact}). Lower --lr or raise --warmup")
@@ -430,6 +474,7 @@ def _train(cfg: TrainConfig, ctx) -> dict:
             tokens += step_tokens
             done = step + 1
 
+            watch.phase = "stats all-gather"
             stats = _snapshot_stats(rt)
             mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
             per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
@@ -456,8 +501,8 @@ def _train(cfg: TrainConfig, ctx) -> dict:
                 if done == end:
                     validate(done)
                 save(done)
-        if start >= end:  # resumed at (or past) the end: report the checkpoint's loss
-            validate(start)
+        if start >= end and last_val is None:  # resumed at the end: the checkpoint's loss
+            last_val = evaluate(model, val_b, ctx, autocast)[0]  # (its row is already there)
     finally:
         if bar is not None:
             bar.close()

@@ -1,0 +1,108 @@
+"""A hung or dead peer under torchrun: one readable line instead of a gloo traceback per rank.
+
+When a collective fails (gloo's ``Timed out waiting ...`` after ``--timeout-s``, or a
+closed connection when a peer died), every surviving rank catches the error in
+:func:`lrmoe.train.loop.train` and calls :meth:`Watch.failure`. Through the job's
+key-value store (torchrun's, which outlives the workers' process groups) the survivors
+agree on one reporter: the first to notice. It waits a moment for the others to
+check in, then prints one line naming the ranks that did not (the hung or dead ones),
+the collective and the training phase it was in, and where the last complete
+checkpoint is. The others wait for that line, then exit with the same code (3)
+without printing. Without a store every survivor prints its own line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+import traceback
+
+from lrmoe.errors import LrmoeError
+
+EXIT_PEER_FAILURE = 3
+_KEY = "lrmoe/fault"
+_GRACE_S = 3.0  # how long the reporter waits for the other survivors to check in
+
+
+class PeerFailure(LrmoeError):
+    """The job lost a rank (hung or dead); exit code 3."""
+
+    exit_code = EXIT_PEER_FAILURE
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A torch.distributed error that means a peer stopped answering."""
+    if not isinstance(e, RuntimeError):
+        return False
+    msg = str(e).lower()
+    return any(s in msg for s in ("timed out", "timeout", "connection closed", "connection reset",
+                                  "broken pipe", "pair closure", "connection refused"))
+
+
+def collective_of(e: BaseException) -> str:
+    """The torch.distributed function the error came from (innermost), or "a collective"."""
+    names = [f.name for f in traceback.extract_tb(e.__traceback__)
+             if "torch/distributed/" in f.filename.replace("\\", "/")
+             and not f.name.startswith("_") and f.name not in ("wrapper", "inner")]
+    return names[-1] if names else "a collective"
+
+
+class Watch:
+    """What the trainer is doing, for the failure message: phase, step, last checkpoint."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.phase = "setup"
+        self.step = 0
+        self.last_ckpt: str | None = None
+
+    def _store(self):
+        import torch.distributed as dist
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=_GRACE_S + 5))
+            return store
+        except Exception:  # no store (already torn down): every survivor speaks for itself
+            return None
+
+    def failure(self, e: BaseException) -> PeerFailure:
+        """The error to raise for ``e``; ``quiet`` on every survivor but the reporter."""
+        kind = ("timed out after --timeout-s " f"{self.timeout_s:g}" if "time" in str(e).lower()
+                else "lost its connection to a peer")
+        where = f"in {collective_of(e)} during {self.phase}"
+        if self.phase != "setup":
+            where += f" of step {self.step + 1}"
+        ck = (f"the last complete checkpoint is {self.last_ckpt}; continue with --resume"
+              if self.last_ckpt else "no checkpoint was written yet")
+        store, silent = self._store(), []
+        first = True
+        if store is not None:
+            try:
+                store.set(f"{_KEY}/rank{self.rank}", self.phase)
+                first = store.add(f"{_KEY}/first", 1) == 1
+                if first:
+                    deadline = time.monotonic() + _GRACE_S
+                    others = [r for r in range(self.world) if r != self.rank]
+                    while time.monotonic() < deadline:
+                        silent = [r for r in others if not store.check([f"{_KEY}/rank{r}"])]
+                        if not silent:
+                            break
+                        time.sleep(0.1)
+                else:  # stay until the reporter has spoken (torchrun kills the job
+                    store.wait([f"{_KEY}/reported"])  # when the first worker exits)
+            except Exception:
+                first = True
+        who = (f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent
+               else "a peer stopped responding")
+        err = PeerFailure(f"rank {self.rank} {kind} {where}: {who}; {ck}")
+        err.quiet = True  # printed here, once: the CLI must not print it again per rank
+        if first:
+            print(f"lrmoe: error: {err}", file=sys.stderr, flush=True)
+            if store is not None:
+                try:
+                    store.set(f"{_KEY}/reported", "1")
+                except Exception:
+                    pass
+        return err

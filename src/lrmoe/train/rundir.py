@@ -1,0 +1,207 @@
+"""The run directory: whose it is, who writes into it, and whether it can be written.
+
+- **Ownership.** ``lrmoe train`` writes a marker file (``.lrmoe-run``) into ``--out``
+  before anything else. A new run goes only into a missing or empty directory, or into
+  an lrmoe run directory that holds nothing worth keeping (no checkpoint, no metrics
+  rows); ``--resume`` needs an lrmoe run directory. Any other ``--out`` (a HF model
+  directory, a home directory...) is refused: lrmoe never replaces a file it did not
+  write. Run directories written before the marker existed are recognised by their
+  ``config.json`` (``"format": "lrmoe-run-v1"``).
+- **Lock.** ``.lrmoe-lock`` holds the writing process's pid and host (rank 0's under
+  torchrun). A second run into the same directory is refused, naming the holder; a lock
+  whose pid no longer runs on this host (a killed run) is taken over with a warning.
+- **Writability.** Before the first step a probe file is written, fsynced and removed
+  in the run directory and in ``checkpoints/``, and the free space is compared with one
+  checkpoint's size, so a long run does not fail at its first checkpoint.
+
+Every problem is an :class:`LrmoeError` naming the directory and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from lrmoe.errors import LrmoeError
+
+MARKER = ".lrmoe-run"
+LOCK = ".lrmoe-lock"
+_PROBE = ".lrmoe-write-probe"
+_OURS = {MARKER, LOCK}  # a directory holding only these is lrmoe's (a crash at start)
+
+
+def os_error_line(e: OSError, doing: str) -> str:
+    """One readable line for an OS error: what failed, on which path, why."""
+    where = f" {e.filename}" if e.filename else ""
+    return f"{doing}{where}: {e.strerror or e}"
+
+
+def _legacy_run(run_dir: Path) -> bool:
+    """A run directory written before the marker: its config.json says so."""
+    p = run_dir / "config.json"
+    try:
+        return json.loads(p.read_text()).get("format") == "lrmoe-run-v1"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def is_run_dir(run_dir: str | os.PathLike) -> bool:
+    """True if lrmoe wrote this directory (marker, legacy config, or only our files)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return False
+    if (d / MARKER).is_file() or _legacy_run(d):
+        return True
+    names = {p.name for p in d.iterdir()}
+    return bool(names) and names <= _OURS
+
+
+def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
+    """Refuse an ``--out`` this run may not write into (reads only)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LrmoeError(f"--out {run_dir} is a file, not a directory; give a directory")
+    if not run_dir.exists():
+        return
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "--out: cannot list")) from None
+    if not names:
+        return
+    if not is_run_dir(run_dir):
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise LrmoeError(f"--out {run_dir} holds files lrmoe did not write ({shown}); it is "
+                         f"not an lrmoe run directory (no {MARKER}). Give a new or empty "
+                         "directory")
+    check_lock(run_dir)
+    if resume or has_checkpoint:
+        return  # --resume continues it; a new run over checkpoints is refused by the caller
+    rows = _metrics_rows(run_dir / "metrics.jsonl")
+    if rows:
+        raise LrmoeError(f"--out {run_dir} holds the metrics of a run that wrote no checkpoint "
+                         f"({rows} rows in metrics.jsonl; nothing to resume from). Delete the "
+                         "directory or give another --out")
+
+
+def _metrics_rows(p: Path) -> int:
+    try:
+        with open(p, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "cannot read")) from None
+
+
+# ----------------------------------------------------------------------------- lock
+def _read_lock(p: Path) -> dict | None:
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: held by someone we cannot name
+    return d if isinstance(d, dict) else {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def _holder(info: dict) -> str:
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
+
+
+def _stale(info: dict) -> bool:
+    """A lock left by a process that no longer runs on this host."""
+    pid = info.get("pid")
+    return (info.get("host") == socket.gethostname() and isinstance(pid, int)
+            and pid != os.getpid() and not _alive(pid))
+
+
+def check_lock(run_dir: Path) -> None:
+    """Refuse if another live run holds ``run_dir``'s lock (reads only)."""
+    info = _read_lock(run_dir / LOCK)
+    if info is None or _stale(info) or info.get("pid") == os.getpid():
+        return
+    raise LrmoeError(f"--out {run_dir} is in use by another lrmoe run ({_holder(info)}, lock "
+                     f"file {run_dir / LOCK}); wait for it to end or give another --out. If "
+                     "that process is gone, delete the lock file")
+
+
+def acquire_lock(run_dir: Path) -> Path:
+    """Create ``run_dir/.lrmoe-lock`` for this process (taking over a stale one)."""
+    p = run_dir / LOCK
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    for _ in range(2):
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            info = _read_lock(p)
+            if info is not None and not _stale(info):
+                check_lock(run_dir)  # raises, naming the holder
+                raise LrmoeError(f"--out {run_dir}: cannot take the lock {p}") from None
+            print(f"lrmoe: warning: taking over the stale lock {p} of {_holder(info or {})}, "
+                  "which no longer runs", file=sys.stderr, flush=True)
+            p.unlink(missing_ok=True)  # then O_EXCL again: a racing taker loses
+            continue
+        except OSError as e:
+            raise LrmoeError(os_error_line(
+                e, "--out is not writable: cannot create the lock file")) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        return p
+    raise LrmoeError(f"--out {run_dir}: another run took the lock {p} first")
+
+
+def release_lock(run_dir: Path) -> None:
+    """Remove the lock if this process holds it."""
+    p = run_dir / LOCK
+    info = _read_lock(p)
+    if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
+        p.unlink(missing_ok=True)
+
+
+def mark(run_dir: Path) -> None:
+    """Create the run directory (if needed) and its marker."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / MARKER).exists():
+            (run_dir / MARKER).write_text("written by lrmoe train; do not delete\n")
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "--out: cannot create")) from None
+
+
+# ----------------------------------------------------------------------------- writability
+def probe_writable(d: Path, need_bytes: int = 0) -> None:
+    """Create ``d``, write + fsync + remove a probe file there, and check free space."""
+    p = d / f"{_PROBE}-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"lrmoe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(p)
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "the run directory is not writable:")) from None
+    if need_bytes:
+        free = shutil.disk_usage(d).free
+        if free < need_bytes:
+            raise LrmoeError(os_error_line(
+                OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, one checkpoint needs "
+                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in"))

@@ -1,0 +1,121 @@
+"""The trainer's setup steps that must end with every rank agreeing.
+
+:func:`agree` runs a step with no collective inside on every rank: an error on any
+rank is raised on all of them (printed by rank 0 only), so a refusal under torchrun
+ends the job cleanly, with one line. :func:`open_run_dir` takes the run directory
+once every input is valid: lock, re-check, marker, writability probe and free space,
+then ``config.json`` (see :mod:`lrmoe.train.rundir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.train import checkpoint as ckpt
+from lrmoe.train import rundir
+from lrmoe.train.config import RUN_CONFIG, TrainConfig
+from lrmoe.train.metrics import METRICS_FILE, truncate_metrics
+
+
+# ----------------------------------------------------------------------------- agreement
+def all_gather(obj: Any, ctx) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree(fn: Callable[[], Any], ctx) -> Any:
+    """Run ``fn`` on every rank; if it raised :class:`LrmoeError` on any, raise it on all.
+
+    The message is the lowest failing rank's (prefixed with its rank when the others
+    did not fail); rank 0 prints it, the others exit quietly with the same code.
+    """
+    out, err = None, None
+    try:
+        out = fn()
+    except LrmoeError as e:
+        err = str(e)
+    errs = all_gather(err, ctx) if ctx.distributed else [err]
+    failed = [r for r, e in enumerate(errs) if e]
+    if failed:
+        msg = errs[failed[0]]
+        if len(failed) < len(errs):
+            msg = f"rank {failed[0]}: {msg}"
+        raise quiet_unless(LrmoeError(msg), ctx.rank == 0)
+    return out
+
+
+# ----------------------------------------------------------------------------- run dir
+def _checkpoint_bytes(model) -> int:
+    """About one shard: weights plus AdamW's two moments, with 10% slack."""
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return int(n * 3 * 1.1)
+
+
+def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
+    """``config.json``'s ``train``: the flags, a resume keeping the model's origin
+    (``--preset`` / ``--config`` are not re-given on resume)."""
+    train = dataclasses.asdict(cfg)
+    for k in ("preset", "config"):
+        if train[k] is None and saved is not None:
+            train[k] = saved.get("train", {}).get(k)
+    return train
+
+
+def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
+                  need_bytes: int) -> None:
+    """Rank 0: lock, re-check (another run may have written meanwhile), mark, write."""
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.acquire_lock(run_dir)
+    except OSError as e:
+        raise LrmoeError(rundir.os_error_line(e, "--out: cannot create")) from None
+    try:
+        has_ck = bool(ckpt.checkpoint_dirs(run_dir))
+        rundir.check_out(run_dir, cfg.resume, has_ck)
+        now = ckpt.latest_checkpoint(run_dir)
+        if (ck is None and has_ck) or (ck is not None and (now is None
+                                                               or now.step != ck.step)):
+            raise LrmoeError(f"--out {run_dir} changed while this run started (another run "
+                             "wrote checkpoints); give another --out")
+        rundir.mark(run_dir)
+        rundir.probe_writable(run_dir)
+        rundir.probe_writable(ckpt.ckpt_root(run_dir), need_bytes)
+        if ck is None:
+            (run_dir / METRICS_FILE).unlink(missing_ok=True)
+        else:
+            truncate_metrics(run_dir / METRICS_FILE, ck.step)
+        tok.save(run_dir)
+        ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
+    except (LrmoeError, OSError) as e:
+        rundir.release_lock(run_dir)
+        if created:  # leave no half-made directory behind
+            (run_dir / rundir.MARKER).unlink(missing_ok=True)
+            for d in (ckpt.ckpt_root(run_dir), run_dir):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+        if isinstance(e, OSError):
+            raise LrmoeError(rundir.os_error_line(e, "cannot write")) from None
+        raise
+
+
+def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
+                 ctx) -> None:
+    """Rank 0 takes and writes the run directory (``ck``: the checkpoint resumed, or
+    None); then every rank checks that it can write its checkpoint shards there."""
+    need = _checkpoint_bytes(model)
+    agree(lambda: _take_run_dir(cfg, run_dir, ck, run_cfg, tok, need) if ctx.is_main else None,
+          ctx)
+    if ctx.distributed:
+        agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir),
+                                                                     need), ctx)

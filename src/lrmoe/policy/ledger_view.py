@@ -12,7 +12,9 @@ cost a fixed number of bytes. So for each distinct ``h`` the view asks
 :meth:`terms` at ``R = 0`` and ``R = 1`` and along each other count, and keeps that
 model only if the ledger then reproduces it far from those points (large and mixed
 counts up to every pair of the layer, and :meth:`retain_capacity` where the room is a
-few pairs, none, or negative). If any check fails (a ledger that is no longer affine in
+few pairs, none, or negative). The probes are remembered per ledger object (while its
+fields are unchanged; objects among them by identity) and per ``h``, so a run pays
+them once, not per layer and step. If any check fails (a ledger that is no longer affine in
 those counts) every query falls back to the ledger's own methods one rank at a time:
 the same answers, only slower. ``tests/test_planner_fast.py`` checks the view against
 :meth:`Ledger.rank_terms` on whole plans.
@@ -21,6 +23,15 @@ the same answers, only slower. ``tests/test_planner_fast.py`` checks the view ag
 from __future__ import annotations
 
 import numpy as np
+
+_MEMO: dict[int, dict] = {}  # id(ledger) -> its probed coefficients (see LedgerView)
+
+
+def _fingerprint(ledger) -> tuple:
+    """The ledger's fields (objects by identity): a changed field means probe again."""
+    return (type(ledger),) + tuple(
+        (k, v if isinstance(v, (int, float, str, type(None))) else id(v))
+        for k, v in vars(ledger).items())
 
 
 class LedgerView:
@@ -41,35 +52,58 @@ class LedgerView:
         if self.budget is None:
             return
         h_list = self.home.tolist()
-
-        def total(n, R, h, k=0, rec=0):
-            return ledger.terms(n, R, h, k, rec)["total"]
-        h0 = h_list[0]
-        base = total(0, 0, h0)
-        self.cn = total(1, 0, h0) - base
-        self.ck = total(0, 0, h0, 1) - base
-        self.crec = total(0, 0, h0, 1, 1) - total(0, 0, h0, 1)
-        c0, cR = {}, {}
-        ok = self.ck > 0
+        # The probes cost a dozen ledger calls: remember them per ledger (the same
+        # object with the same fields) and per home-pair count; a layer with more pairs
+        # than were probed probes again.
+        key = _fingerprint(ledger)
+        memo = _MEMO.get(id(ledger))
+        if memo is None or memo["key"] != key or memo["ledger"] is not ledger:
+            if len(_MEMO) >= 32:
+                _MEMO.clear()
+            memo = _MEMO[id(ledger)] = {"key": key, "ledger": ledger, "h": {}, "slopes": None}
+        if memo["slopes"] is None:
+            memo["slopes"] = self._slopes(h_list[0])
+        self.cn, self.ck, self.crec = memo["slopes"]
         top = max(int(max_pairs), 2)
-        for h in sorted(set(h_list)):
+        ok = self.ck > 0
+        per_h = memo["h"]
+        for h in set(h_list):
             if not ok:
                 break
-            c0[h] = total(0, 0, h)
-            cR[h] = total(0, 1, h) - c0[h]
-            for n, R, k, rec in ((0, 2, 0, 0), (3, 1009, 500, 101), (7, top, top, top // 3)):
-                ok &= total(n, R, h, k, rec) == self._total(c0[h], cR[h], n, R, k, rec)
-            if ok and cR[h] > 0:
-                # retain_capacity where the room is a few pairs, none, or negative
-                R0 = (self.budget - c0[h] - self.cn) // cR[h]
-                for R in (R0 - 1, R0, R0 + 1):
-                    if R >= 0:
-                        ok &= ledger.retain_capacity(1, R, h) == self._cap(c0[h], cR[h], 1, R)
+            if h not in per_h or per_h[h][2] < top:
+                per_h[h] = self._probe(h, 2 * top)
+            ok &= per_h[h][3]
         self.affine = bool(ok)
         if self.affine:
-            self.c0_G = np.array([c0[h] for h in h_list], dtype=np.int64)
-            self.cR_G = np.array([cR[h] for h in h_list], dtype=np.int64)
+            self.c0_G = np.array([per_h[h][0] for h in h_list], dtype=np.int64)
+            self.cR_G = np.array([per_h[h][1] for h in h_list], dtype=np.int64)
             self._c0, self._cR = self.c0_G.tolist(), self.cR_G.tolist()
+
+    def _terms_total(self, n, R, h, k=0, rec=0) -> int:
+        return self.ledger.terms(n, R, h, k, rec)["total"]
+
+    def _slopes(self, h: int) -> tuple[int, int, int]:
+        """Bytes per occupied slot, per retained pair, per recomputed pair (at ``h``)."""
+        t = self._terms_total
+        base = t(0, 0, h)
+        return t(1, 0, h) - base, t(0, 0, h, 1) - base, t(0, 0, h, 1, 1) - t(0, 0, h, 1)
+
+    def _probe(self, h: int, top: int) -> tuple[int, int, int, bool]:
+        """``(c0, cR, top, ok)`` for home pairs ``h``: the ledger at ``R = 0, 1`` and
+        whether the affine model holds at mixed probes up to ``top`` pairs and at
+        :meth:`retain_capacity` where the room is a few pairs, none, or negative."""
+        t = self._terms_total
+        c0 = t(0, 0, h)
+        cR = t(0, 1, h) - c0
+        ok = True
+        for n, R, k, rec in ((0, 2, 0, 0), (3, 1009, 500, 101), (7, top, top, top // 3)):
+            ok &= t(n, R, h, k, rec) == self._total(c0, cR, n, R, k, rec)
+        if ok and cR > 0:
+            R0 = (self.budget - c0 - self.cn) // cR
+            for R in (R0 - 1, R0, R0 + 1):
+                if R >= 0:
+                    ok &= self.ledger.retain_capacity(1, R, h) == self._cap(c0, cR, 1, R)
+        return c0, cR, top, bool(ok)
 
     # ------------------------------------------------------------ affine model
     def _total(self, c0, cR, n, R, k=0, rec=0):

@@ -117,8 +117,10 @@ def runs(tmp_path_factory) -> dict:
     return {"root": root, "ep1_stderr": err.getvalue()}
 
 
-def _saved_full(root: Path) -> dict:
+@pytest.fixture(scope="module")
+def saved_full(runs) -> dict:
     """The --ep 4 ranks' saved state merged into one process's: experts by global id."""
+    root = runs["root"]
     parts = [torch.load(_dump_path(root, "saved")("saved", r)) for r in range(4)]
     full = {"model": dict(parts[0]["model"]), "optim": dict(parts[0]["optim"]),
             "sched": parts[0]["sched"]}
@@ -145,9 +147,8 @@ def _train_loss(run: Path, step: int) -> float:
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_resumed_state_equals_saved(runs, name):
-    root = runs["root"]
-    full = _saved_full(root)
+def test_resumed_state_equals_saved(runs, saved_full, name):
+    root, full = runs["root"], saved_full
     world, ep = RESUMES[name]
     for rank in range(world):
         got = torch.load(_dump_path(root, name)("loaded", rank))

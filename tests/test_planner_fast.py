@@ -221,3 +221,35 @@ def test_symi_and_capacity_fast_equal_reference():
         fast, err = _outcome(CapacityPolicy(cf).plan, counts, PlanInputs(ledger=ledger))
         ref, ref_err = _outcome(ledger.check, plan_capacity_reference(counts, cf))
         assert err == ref_err, i
+
+
+def _plan_speed():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_speed.py"
+    spec = importlib.util.spec_from_file_location("plan_speed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
+    """The benchmark's logic on CPU at one tiny point: every policy, both budgets,
+    JSON and markdown written; a bad --eps is one line and exit 2, nothing written."""
+    mod = _plan_speed()
+    out = tmp_path / "speed"
+    assert mod.main(["--out", str(out), "--eps", "8", "--skews", "1", "--repeats", "1",
+                     "--tokens-per-rank", "256", "--reference", "--no-gpu"]) == 0
+    import json
+    rows = json.loads((out / "plan_speed.json").read_text())["rows"]
+    assert {(r["policy"], r["budget"]) for r in rows} == {
+        (p, b) for p in ("lrmoe", "symi", "capacity") for b in ("loose", "binding")}
+    assert all(r["cpu_thread_ms"] >= 0 and r["gpu_ms"] is None for r in rows)
+    assert all(r["reference_ms"] is not None for r in rows if r["policy"] == "lrmoe")
+    lr = [r for r in rows if r["policy"] == "lrmoe"]
+    assert all(r["error"] is None for r in lr)  # lrmoe plans under both budgets
+    assert "| 8 | 1 | binding | lrmoe |" in (out / "plan_speed.md").read_text()
+    bad = tmp_path / "bad"
+    assert mod.main(["--out", str(bad), "--eps", "7"]) == 2
+    assert not bad.exists()
+    assert "--eps [7]" in capsys.readouterr().err

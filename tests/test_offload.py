@@ -79,3 +79,146 @@ def test_build_optimizer_rejects_unknown_offload():
     from lrmoe.errors import LrmoeError
     with pytest.raises(LrmoeError, match="optimizer offload 'gpu'"):
         build_optimizer(_model(), 1e-3, 0.0, offload="gpu")
+
+
+# ----------------------------------------------------------------------------- ledger
+def test_ledger_with_offload_counts_only_the_gpu():
+    from lrmoe.memory import Ledger
+
+    cfg = get_preset("qwen3-30b-a3b")
+    dev = Ledger.for_dtype(cfg, 8, None, "bf16")
+    host = Ledger.for_dtype(cfg, 8, None, "bf16", optimizer_offload="host")
+    P, L, own = 3 * cfg.hidden_size * cfg.moe_intermediate_size, dev.L, cfg.num_experts // 8
+    a, b = dev.terms(20, 1000, 1000, 500), host.terms(20, 1000, 1000, 500)
+    assert a["owned_state"] == L * own * P * 16  # fp32 master, grad, two moments
+    assert b["owned_state"] == 2 * own * P * 2   # one layer's bf16 staging, once
+    for k in a:  # the slots (bf16 weights and grads, natives included) stay as they are
+        if k not in ("owned_state", "total"):
+            assert a[k] == b[k], k
+    assert a["total"] - b["total"] == a["owned_state"] - b["owned_state"]
+    from lrmoe.errors import LrmoeError
+    with pytest.raises(LrmoeError, match="optimizer offload 'disk'"):
+        Ledger.for_dtype(cfg, 8, None, optimizer_offload="disk")
+
+
+# ----------------------------------------------------------------------------- traffic model
+def _symi_plan(G=4, E=8, s=3):
+    from lrmoe.policy.symi import plan_symi
+
+    counts = torch.tensor([[40, 5, 5, 5, 5, 5, 5, 10]] * G)
+    return plan_symi(counts, s, counts.sum(0))
+
+
+def test_sharded_offload_bytes_follow_the_paper():
+    """SYMI's layout: every rank's host holds 1/G of every expert, so each rank moves the
+    same E/G experts' worth over PCIe, and each slot gathers (G-1)/G of its weights."""
+    from lrmoe.sim.offload import HOST_UPDATE_FP32_BYTES, OffloadModel
+
+    G, E, P, bw = 4, 8, 1000, 2
+    plan = _symi_plan(G, E, s=3)
+    m = OffloadModel(E, G, P, bw, "sharded")
+    b = m.rank_bytes(plan.inst_expert_GS)
+    assert b["opt_d2h"] == b["opt_h2d"] == [E // G * P * bw] * G
+    assert b["opt_host_update"] == [E // G * P * (HOST_UPDATE_FP32_BYTES + 2 * bw)] * G
+    assert b["weight_scatter_recv"] == [3 * P * bw * (G - 1) / G] * G  # 3 slots each
+    assert sum(b["weight_scatter_sent"]) == pytest.approx(sum(b["weight_scatter_recv"]))
+    assert b["grad_reduce_sent"] == b["weight_scatter_recv"]
+    owner = OffloadModel(E, G, P, bw, "owner").rank_bytes(plan.inst_expert_GS)
+    assert owner["opt_d2h"] == b["opt_d2h"] and "weight_scatter_recv" not in owner
+
+
+def test_step_times_charge_the_offload_stages():
+    from lrmoe.sim.analytic import modelled_stats
+    from lrmoe.sim.cost import step_times
+    from lrmoe.sim.links import LINKS
+    from lrmoe.sim.offload import OffloadModel
+
+    cfg = get_preset("tiny-qwen3")
+    G, E = 4, cfg.num_experts
+    from lrmoe.policy.symi import plan_symi
+    counts = torch.arange(1, E + 1).repeat(G, 1) * 3
+    plan = plan_symi(counts, E // G + 2, counts.sum(0))
+    st = modelled_stats(plan, cfg, 1e12, 4, 4, [0] * G)
+    link = LINKS["ib"]
+    P = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    m = OffloadModel(E, G, P, 4, "sharded")
+    base, off = step_times(st, link), step_times(st, link, offload=m)
+    assert base.opt_d2h == base.opt_host_update == base.opt_h2d == 0.0
+    pcie = E // G * P * 4 / m.host_link.bandwidth_Bps + m.host_link.latency_s
+    assert off.opt_d2h == pytest.approx(pcie) and off.opt_h2d == pytest.approx(pcie)
+    assert off.opt_host_update == pytest.approx(E // G * P * 32 / m.host_mem_Bps)
+    # the sharded scatter: each rank gathers (G-1)/G of its E/G + 2 slots' weights
+    want = (E // G + 2) * P * 4 * (G - 1) / G / link.bandwidth_Bps + link.latency_s * (G - 1)
+    assert off.weight_scatter == pytest.approx(want)
+    same = [k for k in ("fwd_dispatch", "fwd_experts", "bwd_experts", "bwd_combine")]
+    assert all(getattr(off, k) == getattr(base, k) for k in same)
+    assert off.moe > base.moe
+
+
+def test_plan_compare_prices_symi_with_offload():
+    """With offload SYMI's E/G slots still pay the sharded weight scatter; a budget the
+    on-device optimizer state alone exceeds fits SYMI with replicas on the host design,
+    its s the least modelled time among those that fit."""
+    from lrmoe.loads import synthetic_counts
+    from lrmoe.memory import Ledger
+    from lrmoe.sim.analytic import project_policy
+    from lrmoe.sim.links import LINKS
+
+    cfg = get_preset("qwen3-30b-a3b")
+    G, E, T, k = 16, cfg.num_experts, 4096, cfg.num_experts_per_tok
+    samples = [synthetic_counts(G, E, T, k, 1.0, 0)]
+    link = LINKS["nvlink"]
+    for off in ("device", "host"):
+        led = Ledger.for_dtype(cfg, G, 2**40, "bf16", optimizer_offload=off)
+        fixed = project_policy("symi", cfg, led, samples, link, 440e12, slots_per_rank=E // G)
+        st = fixed["modelled_stages_ms"]
+        assert (st["weight_scatter"] > 0) == (off == "host")  # sharded: natives gathered too
+        assert (st["opt_host_update"] > 0) == (off == "host")
+    rows = {off: project_policy("symi", cfg, Ledger.for_dtype(cfg, G, 20 * 2**30, "bf16",
+                                                              optimizer_offload=off),
+                                samples, link, 440e12) for off in ("device", "host")}
+    assert not rows["device"]["fits"] and "owned state" in rows["device"]["reason"]
+    assert rows["host"]["fits"]
+    assert rows["host"]["slots_per_rank"] > E // G and rows["host"]["replicas"] > 0
+
+
+# ----------------------------------------------------------------------------- bench ttl
+def test_bench_ttl_with_offload(tmp_path, capsys):
+    """Every policy is charged the offload stages, the budget is priced on the host
+    design, symi's s is the least modelled time, and the table shows replicas per step
+    (and says so when SYMI had none)."""
+    import json
+
+    from lrmoe.cli import main
+    from lrmoe.commands.bench import table
+
+    out = tmp_path / "o"
+    rc = main(["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "4",
+               "--batch-size", "4", "--seq-len", "32", "--eval-every", "2",
+               "--max-data-bytes", "200000", "--threads", "1", "--budget-retain-fraction",
+               "0.8", "--optimizer-offload", "host", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "ttl.json").read_text())
+    md = (out / "ttl.md").read_text()
+    assert "replicas per step" in md and "opt_host_update" in md and "host memory" in md
+    for name, r in rep["policies"].items():
+        assert "optimizer offload to host" in r["config"]
+        for s in r["steps"]:
+            assert all(s["stages_emulated_s"][k] > 0
+                       for k in ("opt_d2h", "opt_host_update", "opt_h2d")), name
+    assert "least modelled MoE time" in rep["policies"]["symi"]["config"]
+    assert "offload traffic" in rep["policies"]["symi"]["config"]
+    # the budget is a balanced static rank on the host design: no optimizer state in it
+    from lrmoe.sim.ttl import balanced_budget
+    mcfg = get_preset("tiny-qwen3")
+    assert rep["budget_bytes"] == balanced_budget(mcfg, 2, 64, 0.8, "fp32", "host") < \
+        balanced_budget(mcfg, 2, 64, 0.8, "fp32")
+    a = [s["train_loss"] for s in rep["policies"]["static"]["steps"]]
+    b = [s["train_loss"] for s in rep["policies"]["symi"]["steps"]]
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
+    none = "SYMI ran with no replicas"
+    had = any(s["replicas"] for s in rep["policies"]["symi"]["steps"])
+    assert (none in md) != had
+    for s in rep["policies"]["symi"]["steps"]:
+        s["replicas"] = 0
+    assert none in table(rep) and "s = E/G = 8" in table(rep)

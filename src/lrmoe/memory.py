@@ -9,6 +9,7 @@ Every formula the planners and the runtime agree on lives here (SYSTEM.md §5):
 term                 bytes per rank                               counted
 ===================  ===========================================  =========================
 owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer × L
+  (offload "host")   2 · (E/G) · 3HF · bytes_w (staging)          once
 instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
 instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
 buffers              (2·P_home·H + R·(2H + 3F)) · bytes_act       once (transient)
@@ -16,6 +17,13 @@ retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer ×
 ===================  ===========================================  =========================
 
 * SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters.
+* Optimizer offload (``optimizer_offload="host"``, SYMI's memory design): the fp32
+  masters, fp32 gradients and AdamW moments live in host memory (SYMI shards each
+  expert's 1/G on every rank's host; static and lrmoe keep their owned experts'; the
+  bytes per rank are the same), so the GPU keeps only its slots (the instance terms,
+  natives included) plus one layer's staging: the E/G experts' worth of gradient going
+  to the host and of updated weights coming back, in the compute dtype, counted once.
+  The traffic this costs is modelled in :mod:`lrmoe.sim.offload`.
 * Owned state: expert e's fp32 master weights, fp32 gradient and AdamW's two fp32
   moments live on its owner rank ``e // (E/G)``, for every policy, so the term is the
   same on every rank (SYSTEM.md's "equal totals"). AdamW's scalar ``step`` counters
@@ -134,6 +142,7 @@ class Ledger:
     bytes_w: int = 4
     bytes_act: int = 4
     num_moe_layers: int | None = None
+    optimizer_offload: str = "device"
 
     def __post_init__(self) -> None:
         E = self.model_cfg.num_experts
@@ -144,6 +153,8 @@ class Ledger:
         if self.num_moe_layers is None:
             self.num_moe_layers = len(self.model_cfg.moe_layers)
         require(self.num_moe_layers >= 1, f"num_moe_layers={self.num_moe_layers} must be >= 1")
+        require(self.optimizer_offload in ("device", "host"),
+                f"optimizer offload {self.optimizer_offload!r}: use device or host")
         for name in ("bytes_w", "bytes_act"):
             v = getattr(self, name)
             require(v in (1, 2, 4, 8), f"{name}={v!r} must be 1, 2, 4 or 8")
@@ -152,13 +163,14 @@ class Ledger:
 
     @classmethod
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
-                  dtype: str = "bf16", num_moe_layers: int | None = None) -> Ledger:
+                  dtype: str = "bf16", num_moe_layers: int | None = None,
+                  optimizer_offload: str = "device") -> Ledger:
         """A ledger whose weights and activations are both in ``dtype``."""
         if dtype not in DTYPE_BYTES:
             raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
-        return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers)
+        return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers, optimizer_offload)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -197,11 +209,17 @@ class Ledger:
         return (self.H + 2 * self.F) * self.bytes_act
 
     def owner_bytes_per_layer(self) -> int:
-        """fp32 master + fp32 grad + AdamW's 2 fp32 moments of the E/G owned experts."""
+        """fp32 master + fp32 grad + AdamW's 2 fp32 moments of the E/G owned experts
+        (0 with ``optimizer_offload="host"``: they live in host memory)."""
+        if self.optimizer_offload == "host":
+            return 0
         return (self.E // self.G) * self.P_params * (4 + 4 + 8)
 
     def owner_bytes(self) -> int:
-        """:meth:`owner_bytes_per_layer` × L: the same on every rank, for every policy."""
+        """:meth:`owner_bytes_per_layer` × L: the same on every rank, for every policy.
+        With host offload: one layer's staging (gradient out, weights in), counted once."""
+        if self.optimizer_offload == "host":
+            return 2 * (self.E // self.G) * self.P_params * self.bytes_w
         return self.L * self.owner_bytes_per_layer()
 
     def buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:

@@ -65,6 +65,11 @@ def register(sub) -> None:
     t.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
+    t.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
+                   help="host: every policy keeps the experts' fp32 masters and AdamW "
+                        "moments in host memory (SYMI's design: symi shards each expert 1/G "
+                        "over all ranks); the ledger counts only the GPU's bytes and the "
+                        "offload traffic is charged as modelled stages (default device)")
     t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.add_argument("--compile", action="store_true",
@@ -84,7 +89,8 @@ def table(rep: dict) -> str:
     tg = rep["target"]
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
             "final val", "mean step (emulated ms)", "expert load max/mean",
-            "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak"]
+            "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak",
+            "replicas per step (all MoE layers)"]
     lines = [f"Target val loss {tg['val_loss']:.4f} (static at step {tg['static_step']}, "
              f"fraction {tg['fraction']}); link {rep['link']['name']}; EP {rep['config']['ep']}"
              f" virtual ranks; budget "
@@ -102,9 +108,20 @@ def table(rep: dict) -> str:
             f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
             f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
             f"{sum(s.get('recompute_ratio', 0.0) for s in st) / n:.3f}",
-            fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-"]) + " |")
+            fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
+            f"{sum(s['replicas'] for s in st) / n:.1f}"]) + " |")
     ratio = rep["ratio_lrmoe_over_symi_time_to_target_emulated"]
-    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}", "",
+    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}"]
+    sy = rep["policies"].get("symi")
+    if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
+        E, G = rep["model"]["num_experts"], rep["config"]["ep"]
+        lines += ["", f"**SYMI ran with no replicas (s = E/G = {E // G})**: it was static EP"
+                      + (" with recompute" if rep["budget_bytes"] is not None else "") + "."]
+    if rep["config"].get("optimizer_offload") == "host":
+        lines += ["", "Every policy keeps the experts' optimizer state in host memory "
+                      "(--optimizer-offload host); opt_d2h, opt_host_update and opt_h2d are "
+                      "modelled: " + rep.get("offload_model", "")]
+    lines += ["",
               "Mean emulated ms per step by stage (slowest virtual rank per stage, summed "
               "over MoE layers; non_moe = measured / G):", ""]
     stages = list(next(iter(rep["policies"].values()))["steps"][0]["stages_emulated_s"])
@@ -161,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
         balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
-        budget_retain_fraction=args.budget_retain_fraction)
+        budget_retain_fraction=args.budget_retain_fraction,
+        optimizer_offload=args.optimizer_offload)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

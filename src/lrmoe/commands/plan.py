@@ -68,6 +68,10 @@ def register(subparsers) -> None:
                    help="lrmoe: select every retained pair")
     p.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
+    p.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
+                   help="host: the experts' fp32 masters and AdamW moments live in host "
+                        "memory (SYMI's design); the ledger counts only the GPU's bytes and "
+                        "--compare charges the modelled offload traffic (default device)")
     c = p.add_argument_group("scale projection (--compare; times are modelled, not measured)")
     c.add_argument("--compare", action="store_true",
                    help="static, symi and lrmoe at each --ep-list size and --budgets budget")
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     G, E, k = args.ep, cfg.num_experts, cfg.num_experts_per_tok
     require(G >= 1 and E % G == 0, f"--ep={G} must divide the number of experts {E}")
     budget = None if args.mem_budget is None else parse_bytes(args.mem_budget)
-    ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
+    ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
+                              optimizer_offload=args.optimizer_offload)
     if args.loads:
         counts = load_counts(args.loads, G, E)
     else:
@@ -179,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         # An exact policy over budget: show what it would need.
         print(f"note: {e}")
-        unbounded = Ledger.for_dtype(cfg, G, None, args.dtype)
+        unbounded = Ledger.for_dtype(cfg, G, None, args.dtype,
+                                     optimizer_offload=args.optimizer_offload)
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
     terms = ledger.rank_terms(plan)
 

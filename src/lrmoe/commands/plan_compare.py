@@ -20,6 +20,7 @@ from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
 from lrmoe.sim.analytic import PROJECTED, project_policy
 from lrmoe.sim.cost import STAGES
 from lrmoe.sim.links import get_link
+from lrmoe.sim.offload import assumptions as offload_assumptions
 
 GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H200
 GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
@@ -74,7 +75,8 @@ def compare_tables(rows: list[dict]) -> str:
     main = aligned(heads, body, {1, 2, 3})
     short = {"fwd_dispatch": "f_disp", "fwd_experts": "f_exp", "fwd_combine": "f_comb",
              "bwd_dispatch": "b_disp", "bwd_experts": "b_exp", "bwd_recompute": "b_recomp",
-             "bwd_combine": "b_comb", "weight_scatter": "w_scatter", "grad_reduce": "g_reduce"}
+             "bwd_combine": "b_comb", "weight_scatter": "w_scatter", "grad_reduce": "g_reduce",
+             "opt_d2h": "o_d2h", "opt_host_update": "o_host", "opt_h2d": "o_h2d"}
     heads = [["", "", ""] + [m] * len(STAGES), ["ep", "budget", "policy"] + [short[s] for s in STAGES]]
     body = [[str(r["ep"]), r["budget"], r["policy"]]
             + [f"{r['modelled_stages_ms'][s]:.3f}" for s in STAGES]
@@ -130,7 +132,8 @@ def run_compare(args: argparse.Namespace) -> int:
         else:
             samples = [synthetic_counts(G, E, T, k, args.skew, args.seed)]
         for text, budget in budgets:
-            ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
+            ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
+                                      optimizer_offload=args.optimizer_offload)
             group = {name: {"budget": text,
                             **project_policy(name, cfg, ledger, samples, link, rate,
                                              lrmoe_config(args), args.slots_per_rank)}
@@ -149,6 +152,8 @@ def run_compare(args: argparse.Namespace) -> int:
     print(f"  link {link.name}: {link.bandwidth_Bps / 1e9:g} GB/s per direction, "
           f"{link.latency_s * 1e6:g} us per peer message; each stage its slowest rank, "
           "stages in sequence")
+    if args.optimizer_offload == "host":
+        print("  optimizer offload to host, modelled: " + offload_assumptions())
     print("  not modelled: " + "; ".join(NOT_MODELLED))
     print(compare_tables(rows))
     notes: dict[tuple, list[str]] = {}  # one line per (ep, budget, reason)
@@ -162,7 +167,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.json:
         out = {"label": "modelled", "model": name, "E": E, "top_k": k, "H": cfg.hidden_size,
                "F": cfg.moe_intermediate_size, "moe_layers": L, "dtype": args.dtype,
-               "tokens_per_rank": T, "loads": loads, "gemm_tflops": args.gemm_tflops,
+               "tokens_per_rank": T, "optimizer_offload": args.optimizer_offload,
+               "loads": loads, "gemm_tflops": args.gemm_tflops,
                "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
                "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,
                         "latency_s": link.latency_s, "source": link.source},

@@ -48,6 +48,7 @@ from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
+from lrmoe.sim.offload import offload_for
 from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
 
 FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
@@ -113,11 +114,12 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     return stats
 
 
-def mean_step_times(stats: list[VirtualStats], link: Link) -> StepTimes:
+def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> StepTimes:
     """Stage by stage, the mean over ``stats`` (each one layer's step, e.g. several sampled
-    steps and layers) of :func:`lrmoe.sim.cost.step_times`, labelled ``modelled``."""
+    steps and layers) of :func:`lrmoe.sim.cost.step_times`, labelled ``modelled``
+    (``offload``: a :class:`lrmoe.sim.offload.OffloadModel`, its stages charged)."""
     require(len(stats) > 0, "no layer stats to average")
-    runs = [step_times(s, link) for s in stats]
+    runs = [step_times(s, link, offload=offload) for s in stats]
     out = StepTimes(link=link.name, label="modelled")
     for k in STAGES:
         setattr(out, k, sum(getattr(r, k) for r in runs) / len(runs))
@@ -131,7 +133,9 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
     recompute), the one with the least modelled MoE time (GEMMs, recompute *and* the
     exchanges, weight scatter and gradient reduce included) on up to ``probe`` evenly
     spaced samples; ties to the larger ``s``. Falls back to
-    :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample."""
+    :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample. Under a ledger
+    with ``optimizer_offload="host"`` the offload traffic (SYMI's sharded layout,
+    :mod:`lrmoe.sim.offload`) is charged too."""
     per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
     common = sorted(set.intersection(*(set(d) for d in per))) if per else []
     if not common:
@@ -145,7 +149,7 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
             mode, rec, _ = ledger.exact_fit(plan)
             st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec,
                                      mode))
-        return mean_step_times(st, link).moe
+        return mean_step_times(st, link, offload_for(ledger, "symi")).moe
     return min(common, key=lambda s: (modelled(s), -s))
 
 
@@ -230,7 +234,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
     stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode)
              for p, rec, mode in zip(plans, recs, modes)]
-    st = mean_step_times(stats, link)
+    st = mean_step_times(stats, link, offload_for(ledger, name))
     row["fits"] = True
     row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
     row["modelled_layer_ms"] = st.moe * 1e3

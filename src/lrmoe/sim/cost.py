@@ -22,7 +22,8 @@ from lrmoe.sim.links import Link, alltoall_time
 from lrmoe.sim.virtual import VirtualStats
 
 STAGES = ("fwd_dispatch", "fwd_experts", "fwd_combine", "bwd_dispatch", "bwd_experts",
-          "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
+          "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce",
+          "opt_d2h", "opt_host_update", "opt_h2d")  # opt_*: --optimizer-offload host
 RECOMPUTE_SHARE = 2 / 3  # gate_up's share of a SwiGLU expert's forward GEMMs
 
 
@@ -44,6 +45,9 @@ class StepTimes:
     bwd_combine: float = 0.0
     weight_scatter: float = 0.0
     grad_reduce: float = 0.0
+    opt_d2h: float = 0.0
+    opt_host_update: float = 0.0
+    opt_h2d: float = 0.0
     non_moe: float = 0.0
     link: str = ""
     label: str = "emulated"
@@ -99,15 +103,22 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
 
 
 def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
-               non_moe_s: float = 0.0) -> StepTimes:
+               non_moe_s: float = 0.0, offload=None) -> StepTimes:
     """Turn one or several layers' emulator stats into a :class:`StepTimes`.
 
     Per layer, each stage costs its slowest rank; layers add up (they run in sequence).
+    ``offload`` (a :class:`lrmoe.sim.offload.OffloadModel`, ``--optimizer-offload
+    host``) adds the modelled ``opt_*`` stages and, for SYMI's sharded layout, replaces
+    the weight scatter and gradient reduce by its sharded exchanges.
     """
     layers = stats if isinstance(stats, list) else [stats]
     st = StepTimes(non_moe=non_moe_s, link=link.name)
     for s in layers:
         per = rank_stage_seconds(s, link)
+        if offload is not None:
+            per.update(offload.rank_seconds(s.plan.inst_expert_GS, link))
+        for k in STAGES:  # stages a layer does not have cost nothing
+            per.setdefault(k, [0.0] * s.plan.G)
         for k, v in per.items():
             setattr(st, k, getattr(st, k) + max(v))
             acc = st.per_rank.setdefault(k, [0.0] * len(v))

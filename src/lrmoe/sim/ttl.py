@@ -41,6 +41,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
 
 OVER_BUDGET = "over budget even with recompute"
@@ -78,6 +79,7 @@ class TTLConfig:
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
+    optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
 
 
 def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
@@ -107,19 +109,18 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     """
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
-    from lrmoe.policy.symi import best_slots, slot_costs
+    from lrmoe.policy.symi import slot_costs
 
     G, E = cfg.ep, mcfg.num_experts
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute)
     slots, note, label = cfg.slots_per_rank, "", ""
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
-        prof_c, prof_p = profile or (first_counts, pops)
+        from lrmoe.sim.links import get_link
+        from lrmoe.sim.ttl_symi import symi_slots
+        prof_c, prof_p, rate = profile or (first_counts, pops, None)
         try:
-            slots, n_fit = best_slots(ledger, prof_c, prof_p, max_slots=2 * E // G)
-            note = (f"s={slots}: least busiest-rank work among the s that fit (with "
-                    f"recompute) the most profiled static steps ({n_fit}/{len(prof_c)} "
-                    "step-layers)")
+            slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
         except LrmoeError:
             slots, label = E // G, OVER_BUDGET
             note = f"s={slots} (E/G): no s fits the budget even with recompute"
@@ -150,14 +151,16 @@ def _val_loss(model, batches, dev, autocast) -> float:
     return evaluate(model, batches, SimpleNamespace(device=dev, distributed=False), autocast)[0]
 
 
-def _step_row(step, loss, wall, vm, link, G, ledger, cum) -> dict:
-    """One step's record: emulated stage times, loads, ratios, ledger peak (see module doc)."""
+def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0.0) -> dict:
+    """One step's record: emulated stage times, loads, ratios, ledger peak (see module doc).
+    With ``offload`` the experts' optimizer is charged as modelled offload stages and its
+    measured host part (``host_s``) is left out of the non-MoE time."""
     from lrmoe.sim.cost import step_times
     from lrmoe.sim.virtual import EXCHANGES
 
     stats = [v.stats for v in vm.layers]
-    non_moe_meas = max(wall - vm.wall, 0.0)
-    st = step_times(stats, link, non_moe_meas / G)
+    non_moe_meas = max(wall - vm.wall - host_s, 0.0)
+    st = step_times(stats, link, non_moe_meas / G, offload=offload)
     fwd = [s.plan.rank_load().double() for s in stats]
     bwd = [s.plan.rank_backward_load().double() for s in stats]
     assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
@@ -207,9 +210,15 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator), planner_ledger,
                       sync, rec_ledger)
     trace, trace_GE = [], []
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
+    offload = None
+    if cfg.optimizer_offload == "host":
+        from lrmoe.sim.offload import OffloadModel, policy_layout
+        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
+                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
+                               policy_layout(name))
     rows, evals, cum = [], [{"step": 0, "val_loss": _val_loss(model, val_b, dev, autocast),
                              "cum_emulated_s": 0.0}], 0.0
     model.train()
@@ -234,7 +243,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             wall, loss = time.perf_counter() - t0, float(lm.detach())
             if not math.isfinite(loss):
                 raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, wall, vm, link, G, ledger, cum)
+            row = _step_row(step, loss, wall, vm, link, G, ledger, cum, offload,
+                            getattr(opt, "host_s", 0.0))
             cum = row["cum_emulated_s"]
             trace.append([c.tolist() for c in vm.counts_E])
             trace_GE.append(vm.counts_GE)
@@ -250,6 +260,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             raise
         failed = f"stopped at step {len(rows) + 1}: {e}"
         log(f"[{name}] {failed}")
+    if offload is not None:
+        note += f", optimizer offload to host ({offload.layout} layout)"
     res = {"policy": name, "config": note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
            "routing_trace": trace, "failed": failed, "_counts_GE": trace_GE}
@@ -277,15 +289,18 @@ def time_to_target(res: dict, target: float, rtol: float = 0.0
     return None, None
 
 
-def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str) -> int:
+def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
+                    optimizer_offload: str = "device") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
     and received pairs) that retains only ``fraction`` of its pairs.
 
     A benchmark convenience that makes memory bind by construction and does not depend on
     the routing: below 1 even a balanced exact rank must recompute, and a skewed one more
-    (or, past what recompute can free, it does not fit); lrmoe must trim.
+    (or, past what recompute can free, it does not fit); lrmoe must trim. With
+    ``optimizer_offload="host"`` the rank is priced on that memory design (no optimizer
+    state on the GPU).
     """
-    led = Ledger.for_dtype(mcfg, G, None, dtype)
+    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
     t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs)
     return int(t["total"] - (1 - fraction) * t["retained_acts"])
@@ -331,6 +346,8 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     require(cfg.batch_size % G == 0, f"--batch-size {cfg.batch_size} must be divisible by "
                                      f"--ep {G} (one home rank per share of the batch)")
     require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
+    require(cfg.optimizer_offload in ("device", "host"),
+            f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
     bad = [p for p in cfg.policies if p not in ("static", "symi", "lrmoe")]
     require(not bad, f"--policies: {', '.join(bad)} not supported; use static, symi, lrmoe")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
@@ -347,8 +364,9 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     if cfg.mem_budget is not None or cfg.budget_retain_fraction is not None:
         home = cfg.batch_size // G * cfg.seq_len
         budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
-                  balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype))
-        ledger = Ledger.for_dtype(mcfg, G, budget, dtype)
+                  balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype,
+                                  cfg.optimizer_offload))
+        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload)
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
@@ -374,7 +392,10 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
                                     profile)
             counts_GE = results[p].pop("_counts_GE")
             if p == "static":
-                profile = _profile(counts_GE)
+                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
+                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
+                                            mcfg.moe_intermediate_size)
+                profile = (*_profile(counts_GE), rate)
             gc.collect()
             if cfg.device == "cuda":
                 torch.cuda.empty_cache()
@@ -395,6 +416,7 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     return {"label": "emulated", "link": asdict(link), "config": asdict(cfg),
             "model": mcfg.to_hf_dict(), "data": corpus.source,
             "budget_bytes": None if ledger is None else ledger.budget_bytes,
+            "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),
             "target": {"val_loss": target, "static_step": tgt_eval["step"],
                        "fraction": cfg.target_fraction,
                        "rtol": cfg.target_rtol,

@@ -1,0 +1,160 @@
+"""Optimizer offload traffic of one MoE layer's step: bytes per rank -> MODELLED seconds.
+
+Legend: G ranks, E experts, S slots per rank, P = 3HF parameters per expert, ``b_w``
+bytes per element of the compute-dtype weights and gradients.
+
+The memory design is SYMI's (arXiv 2504.19925, NSDI '26; our reading of it): the
+experts' fp32 master weights and AdamW moments live in host memory, statically sharded
+so that every rank's host holds 1/G of *every* expert; the GPU holds only weight slots.
+Each step, per MoE layer and per rank:
+
+=================  ==================================================  ==================
+stage              bytes per rank                                      at
+=================  ==================================================  ==================
+grad_reduce        sharded: reduce-scatter of every instance's         EP link
+                   gradient into 1/G shards: sends ``n_r·(G-1)·P·b_w/G``
+                   (``n_r`` its occupied slots), receives
+                   ``(N - n_r)·P·b_w/G`` (``N`` instances in the layer)
+opt_d2h            its gradient shards to the host: ``(E/G)·P·b_w``    host link
+opt_host_update    AdamW over ``(E/G)·P`` fp32 parameters, each        host memory
+                   touching ``24 + 2·b_w`` bytes (reads: gradient
+                   ``b_w``, master, both moments 4+4+4; writes: master,
+                   moments 4+4+4, the compute-dtype weight ``b_w``)
+opt_h2d            its updated weight shards back: ``(E/G)·P·b_w``     host link
+weight_scatter     sharded: every slot of the *next* step gathers its  EP link
+                   expert's G shards: receives ``n_r·(G-1)·P·b_w/G``,
+                   sends ``(N - n_r)·P·b_w/G``
+=================  ==================================================  ==================
+
+The weight scatter to the next step's slots is folded into the update, as in the
+paper: the updated shards go straight to wherever the expert's instances sit next, so
+no separate migration happens. The host and PCIe bytes per rank are the same for every
+policy (E/G experts' worth). The **owner** layout (static and lrmoe: expert e's whole
+state on its owner rank ``e // (E/G)``, which is what their runtime does) moves the
+same host and PCIe bytes; its weight scatter and gradient reduce are the emulator's own
+owner-to-instance exchanges (``lrmoe.sim.virtual``), left as they are. Static under the
+owner layout has no network traffic at all: its natives never move.
+
+Presets (numbers are datasheet peaks, not measurements): the host link is PCIe 5.0
+x16, 32 GT/s per lane = 64 GB/s per direction before encoding and protocol overheads;
+the host memory bandwidth per rank assumes a two-socket host with eight DDR5-4800
+channels per socket (8 × 38.4 GB/s = 307 GB/s per socket) shared by eight GPUs:
+76.8 GB/s per rank. The host update is taken to be memory-bound at that rate. Stages
+run in sequence, as every stage of the emulator: overlap of the host update with the
+backward of other layers is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lrmoe.errors import require
+from lrmoe.sim.links import Link, alltoall_time
+
+OFFLOAD_STAGES = ("opt_d2h", "opt_host_update", "opt_h2d")
+LAYOUTS = ("owner", "sharded")
+
+PCIE5_X16 = Link("pcie5-x16", 64e9, 5e-6,
+                 source="PCI-SIG PCIe 5.0 x16: 32 GT/s per lane, 64 GB/s per direction "
+                        "(datasheet peak, before encoding and protocol overheads)")
+HOST_MEM_BPS = 8 * 38.4e9 * 2 / 8
+HOST_MEM_SOURCE = ("2 sockets x 8 channels DDR5-4800 (38.4 GB/s each, JEDEC peak) shared by "
+                   "8 GPUs: 76.8 GB/s per rank; the host AdamW taken as memory-bound")
+HOST_UPDATE_FP32_BYTES = 24  # master, exp_avg, exp_avg_sq: read and written, 4 bytes each
+
+
+def policy_layout(policy: str) -> str:
+    """SYMI shards every expert's state over all ranks (the paper); static and lrmoe keep
+    each expert's state with its owner, as their runtime does."""
+    return "sharded" if policy == "symi" else "owner"
+
+
+@dataclass(frozen=True)
+class OffloadModel:
+    """Per-rank offload bytes and modelled seconds of one MoE layer's step.
+
+    Attributes:
+        E, G: experts and ranks.
+        P_params: parameters per expert (``3HF``).
+        bytes_w: bytes per element of the compute-dtype weights and gradients.
+        layout: ``sharded`` (SYMI: 1/G of every expert per rank) or ``owner``.
+        host_link: the GPU's link to its host (one direction per stage).
+        host_mem_Bps: host memory bandwidth available to one rank's AdamW.
+    """
+
+    E: int
+    G: int
+    P_params: int
+    bytes_w: int
+    layout: str = "sharded"
+    host_link: Link = PCIE5_X16
+    host_mem_Bps: float = HOST_MEM_BPS
+
+    def __post_init__(self) -> None:
+        require(self.layout in LAYOUTS, f"offload layout {self.layout!r}: use one of {LAYOUTS}")
+        require(self.E % self.G == 0, f"E={self.E} is not divisible by G={self.G}")
+        require(self.host_mem_Bps > 0, f"host memory bandwidth {self.host_mem_Bps} must be > 0")
+
+    @classmethod
+    def for_ledger(cls, ledger, layout: str, **kw) -> OffloadModel:
+        """The shapes and compute dtype of ``ledger`` (a :class:`lrmoe.memory.Ledger`)."""
+        return cls(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w, layout, **kw)
+
+    @property
+    def host_params(self) -> int:
+        """Parameters whose optimizer state one rank's host holds, per layer."""
+        return self.E // self.G * self.P_params
+
+    def rank_bytes(self, inst_expert_GS) -> dict[str, list[int]]:
+        """Per stage, each rank's bytes for a layer whose (next step's) slots are
+        ``inst_expert_GS`` ``[G, S]`` (-1 empty). Sharded exchanges give ``(sent,
+        received)`` as ``<stage>_sent`` / ``<stage>_recv``."""
+        G = self.G
+        pcie = [self.host_params * self.bytes_w] * G
+        out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
+               "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
+                                                       + 2 * self.bytes_w)] * G}
+        if self.layout == "sharded":
+            occ = [int(x) for x in (inst_expert_GS >= 0).sum(1).tolist()]
+            require(len(occ) == G, f"placement has {len(occ)} ranks, the model {G}")
+            total = sum(occ)
+            shard = self.P_params * self.bytes_w / G
+            recv = [n * (G - 1) * shard for n in occ]
+            sent = [(total - n) * shard for n in occ]
+            out.update(weight_scatter_sent=sent, weight_scatter_recv=recv,
+                       grad_reduce_sent=recv, grad_reduce_recv=sent)
+        return out
+
+    def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
+        """MODELLED seconds per rank: the :data:`OFFLOAD_STAGES` and, for the sharded
+        layout, ``weight_scatter`` and ``grad_reduce`` on the EP ``link`` (these
+        replace the emulator's owner-to-instance exchanges)."""
+        b = self.rank_bytes(inst_expert_GS)
+        hl = self.host_link
+        out = {"opt_d2h": [x / hl.effective_Bps + hl.latency_s for x in b["opt_d2h"]],
+               "opt_h2d": [x / hl.effective_Bps + hl.latency_s for x in b["opt_h2d"]],
+               "opt_host_update": [x / self.host_mem_Bps for x in b["opt_host_update"]]}
+        if self.layout == "sharded":
+            for ex in ("weight_scatter", "grad_reduce"):
+                out[ex] = (alltoall_time(b[ex + "_sent"], b[ex + "_recv"], link, self.G)
+                           if self.G > 1 else [0.0] * self.G)
+        return out
+
+    def describe(self) -> str:
+        return f"optimizer offload to host ({self.layout} layout), modelled: {assumptions()}"
+
+
+def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS) -> str:
+    """One line: the host link and host memory bandwidth the offload stages assume."""
+    return (f"host link {host_link.name} {host_link.bandwidth_Bps / 1e9:g} GB/s per direction "
+            f"({host_link.source}); host memory {host_mem_Bps / 1e9:g} GB/s per rank "
+            f"({HOST_MEM_SOURCE}); symi shards every expert 1/G over all ranks' hosts, "
+            "static and lrmoe keep each expert's state with its owner")
+
+
+def offload_for(ledger, policy: str) -> OffloadModel | None:
+    """The offload model of ``policy`` under ``ledger``'s memory design (``None`` when
+    the ledger keeps the optimizer state on the device, or there is no ledger)."""
+    if ledger is None or getattr(ledger, "optimizer_offload", "device") != "host":
+        return None
+    return OffloadModel.for_ledger(ledger, policy_layout(policy))

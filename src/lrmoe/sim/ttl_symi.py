@@ -1,0 +1,54 @@
+"""SYMI's ``s`` for ``lrmoe bench ttl``: the least modelled time with every cost charged.
+
+The profiling run a SYMI user would tune ``s`` on is the static run (its counts at
+evenly spaced steps). Each candidate ``s`` is priced by
+:func:`lrmoe.sim.analytic.fastest_symi_slots`: expert GEMMs, recompute to fit the
+budget, the exchanges, weight scatter and gradient reduce on the run's link and, with
+``--optimizer-offload host``, the offload traffic (:mod:`lrmoe.sim.offload`). The GEMM
+rate is not a preset here: it is calibrated on the static run's own measured forward
+expert kernels, so the modelled trade between GEMMs and links is the emulator's.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def calibrated_gemm_rate(rows: list[dict], counts_GE_steps: list[list[torch.Tensor]],
+                         H: int, F: int) -> float | None:
+    """flop/s of the static run's forward expert kernels: per step (the first skipped:
+    warm-up), the busiest native rank's ``6·H·F`` flops per pair summed over layers,
+    over the emulated ``fwd_experts`` stage (the slowest rank per layer, summed); the
+    median over steps. ``None`` when nothing was timed."""
+    rates = []
+    for row, counts in list(zip(rows, counts_GE_steps))[1:]:
+        t = row["stages_emulated_s"]["fwd_experts"]
+        flops = 0
+        for c in counts:
+            G, E = c.shape
+            flops += int(c.long().sum(0).reshape(G, E // G).sum(1).max()) * 6 * H * F
+        if t > 0 and flops > 0:
+            rates.append(flops / t)
+    return statistics.median(rates) if rates else None
+
+
+def symi_slots(mcfg, ledger, counts: list[torch.Tensor], pops: list[torch.Tensor], link,
+               rate: float | None) -> tuple[int, str]:
+    """``(s, note)``: :func:`lrmoe.sim.analytic.fastest_symi_slots` over the profiled
+    count matrices at the calibrated ``rate``; :func:`lrmoe.policy.symi.best_slots`
+    (least busiest-rank GEMM work) when no rate could be calibrated."""
+    from lrmoe.policy.symi import best_slots
+    from lrmoe.sim.analytic import fastest_symi_slots
+
+    G, E = counts[0].shape
+    if rate is None:
+        s, n_fit = best_slots(ledger, counts, pops, max_slots=2 * E // G)
+        return s, (f"s={s}: least busiest-rank work among the s that fit (with recompute) "
+                   f"the most profiled static steps ({n_fit}/{len(counts)} step-layers)")
+    s = fastest_symi_slots(mcfg, ledger, counts, pops, link, rate)
+    off = " and the optimizer offload traffic" if ledger.optimizer_offload == "host" else ""
+    return s, (f"s={s}: least modelled MoE time (GEMMs at the static run's measured "
+               f"{rate / 1e9:.3g} GFLOP/s, recompute, exchanges, weight scatter, gradient "
+               f"reduce{off}) among the s that fit every profiled static step")

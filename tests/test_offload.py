@@ -222,3 +222,30 @@ def test_bench_ttl_with_offload(tmp_path, capsys):
     for s in rep["policies"]["symi"]["steps"]:
         s["replicas"] = 0
     assert none in table(rep) and "s = E/G = 8" in table(rep)
+
+
+# ----------------------------------------------------------------------------- lrmoe train
+def test_train_with_offload_resumes_and_matches_device(tmp_path, capsys):
+    """``lrmoe train --optimizer-offload host``: same losses as the on-device optimizer
+    (fp32 tolerance), and a resumed run repeats the uninterrupted one exactly."""
+    from lrmoe.cli import main
+    from lrmoe.train.metrics import read_metrics
+
+    base = ["train", "--preset", "tiny-qwen3", "--steps", "6", "--batch-size", "4",
+            "--seq-len", "32", "--max-data-bytes", "200000", "--eval-batches", "1",
+            "--threads", "1", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "3"]
+
+    def losses(run):
+        return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+    runs = {k: tmp_path / k for k in ("dev", "host", "resumed")}
+    assert main(base + ["--out", str(runs["dev"])]) == 0
+    assert main(base + ["--out", str(runs["host"]), "--optimizer-offload", "host"]) == 0
+    assert main(base + ["--out", str(runs["resumed"]), "--optimizer-offload", "host",
+                        "--stop-after", "3"]) == 0
+    assert main(["train", "--out", str(runs["resumed"]), "--resume", "--threads", "1"]) == 0
+    torch.testing.assert_close(torch.tensor(losses(runs["host"])),
+                               torch.tensor(losses(runs["dev"])), rtol=1e-4, atol=1e-5)
+    assert losses(runs["resumed"]) == losses(runs["host"])
+    capsys.readouterr()
+    assert main(base + ["--out", str(tmp_path / "bad"), "--optimizer-offload", "gpu"]) == 2
+    assert "--optimizer-offload 'gpu'" in capsys.readouterr().err

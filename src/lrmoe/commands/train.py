@@ -99,6 +99,10 @@ def register(sub) -> None:
     g.add_argument("--recompute", action="store_true",
                    help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
                         "gate_up outputs in backward instead of stopping")
+    g.add_argument("--optimizer-offload", metavar="device|host",
+                   help="host: keep the experts' fp32 masters and AdamW moments in host memory "
+                        "and update them there (same update); --mem-budget then counts only "
+                        "the GPU's bytes (default device)")
     g.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by saving only some pairs' input rows and "
                         "recomputing their gate_up outputs in backward")

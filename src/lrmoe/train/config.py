@@ -60,6 +60,7 @@ class TrainConfig:
     slots_per_rank: int | None = None
     recompute: bool = False
     lrmoe_recompute: bool = False
+    optimizer_offload: str = "device"
     mem_budget: str | None = None
     lrmoe_metric: str = "grad_norm"
     lrmoe_estimator: str = "topk"
@@ -169,6 +170,7 @@ def check_args(cfg: TrainConfig) -> None:
         _choice("backend", cfg.backend, ("gloo", "nccl"))
     _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
     _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
+    _choice("optimizer_offload", cfg.optimizer_offload, ("device", "host"))
     from lrmoe.parallel.exchange import METRICS
     _choice("lrmoe_metric", cfg.lrmoe_metric, tuple(METRICS))
     try:
@@ -254,7 +256,8 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
     from lrmoe.memory import Ledger, parse_bytes
 
     dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
-    return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype)
+    return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype,
+                            optimizer_offload=cfg.optimizer_offload)
 
 
 def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:

@@ -347,7 +347,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                     generator=gen, count_reduce=count_reducer(ctx),
                     dp_size=ctx.world // ctx.ep_size)
     model.set_runtime(rt)
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     start, tokens, elapsed, last_val = 0, 0, 0.0, None
     if ck is not None:

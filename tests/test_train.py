@@ -233,7 +233,7 @@ def test_corrupt_checkpoint_is_detected(qwen_run, tmp_path, capsys, damage):
     assert digest(run) == before
 
 
-def test_interrupted_save_is_ignored(qwen_run, tmp_path):
+def test_interrupted_save_is_ignored(qwen_run, tmp_path, capsys):
     """An unfinished save (a ``.tmp`` directory, or a directory without a manifest) is
     passed over, and the checkpoint used says so."""
     run = tmp_path / "partial"
@@ -246,6 +246,8 @@ def test_interrupted_save_is_ignored(qwen_run, tmp_path):
     line = ck.describe()
     assert "ckpt-00000036" in line and "ckpt-00000040" in line and "no manifest.json" in line
     assert ".ckpt-00000048.tmp" in line and "interrupted save" in line
+    rc, _, err = cli(["eval", run], capsys)  # eval says so too
+    assert rc == 0 and "ckpt-00000036: step 36" in err and "ckpt-00000040" in err
 
 
 def test_atomic_write_leaves_no_temp(tmp_path):

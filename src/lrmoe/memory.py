@@ -12,8 +12,10 @@ owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer ×
   (offload "host")   2 · (E/G) · 3HF · bytes_w (staging)          once
 instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
 instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
-buffers              (2·P_home·H + R·(2H + 3F)) · bytes_act       once (transient)
+buffers              see :meth:`Ledger.buffer_bytes`              once (transient)
 retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer × L
+combine_rows         P_home · H · bytes_act                       per layer × L
+pair_index           P_home · 28                                  per layer × L
 ===================  ===========================================  =========================
 
 * SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters.
@@ -30,14 +32,21 @@ retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer ×
   are ignored (4 bytes per tensor).
 * Instances: every occupied slot materialises its expert's weights and a gradient
   buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.
-* Buffers (:meth:`Ledger.buffer_bytes`): a rank with ``P_home`` home pairs and ``R``
-  received pairs holds the send buffer ``P_home·H``, the received rows ``R·H``, the
-  gate_up output ``R·2F``, the activation ``R·F``, the expert output ``R·H`` and the
-  combined rows back home ``P_home·H``. They are freed before the next layer runs, so
-  they count once, not per layer. Backward's transients carry at most the same rows
-  (select <= assign), so the forward size bounds them.
+* Buffers (:meth:`Ledger.buffer_bytes`): the largest set of transients alive at once
+  in one layer's forward or backward (``parallel/exchange.py``), on top of what is kept
+  for backward. They are freed before the next layer runs, so they count once, not per
+  layer.
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
+* Combined rows: every home pair's expert output row comes back home (``y_send``) and
+  is kept until backward, where it gives the exact router gradient
+  ``<dy[t], y_e(x_t)>``: ``P_home · H · bytes_act`` per layer, whatever is retained.
+* Pair index: per home pair, what the exchange keeps for backward to find its rows:
+  its gate weight (fp32, 4 bytes) and three int64 indices (its send-buffer row, the
+  pair of each send row, each send row's index in its block): 28 bytes.
+* Not in this ledger (policy-independent, checked in ``tests/test_ledger_truth.py``):
+  the router's saved tensors and the layer input it saves, and the plan and counts,
+  which live in host memory.
 * Recompute (a plan's ``recompute_G`` rows): a pair whose gate_up output is recomputed
   in backward keeps only its input row, ``H · bytes_act``, and costs one more gate_up
   GEMM (2 of the expert's 3 GEMMs in the forward) in backward. An exact policy over
@@ -64,7 +73,9 @@ from torch import Tensor
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 
-TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts")
+TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
+         "combine_rows", "pair_index")
+PAIR_INDEX_BYTES = 4 + 3 * 8  # per home pair: gate (fp32) and three int64 indices
 
 _UNITS = {
     "": 1, "b": 1,
@@ -223,13 +234,34 @@ class Ledger:
         return self.L * self.owner_bytes_per_layer()
 
     def buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
-        """Dispatch/combine transients of one layer on one rank (counted once).
+        """Transients of one layer on one rank (counted once), the larger of its forward
+        and its backward, each at its largest point in ``parallel/exchange.py``:
 
-        ``home_pairs·H`` send buffer + ``R·H`` received rows + ``R·2F`` gate_up output
-        + ``R·F`` activation + ``R·H`` expert output + ``home_pairs·H`` combined back.
+        * forward, inside the experts: the layer input in the compute dtype ``T·H``
+          (``T = home_pairs / top_k``), the received rows ``R·H``, the gate_up output
+          ``R·2F``, the activation ``R·F`` and the expert output ``R·H``; or, during the
+          dispatch, ``T·H`` + the send buffer ``P_home·H`` + the received rows ``R·H``;
+        * backward, at the input-gradient GEMM: the output gradient ``T·H``, the rows
+          sent ``P_home·H``, the rows received and put in instance order ``2·R·H``, the
+          gathered saved rows ``R·(H + 2F)`` (a compacted backward), and inside the
+          expert backward the activation ``R·F``, its gradient ``R·F``, the gate_up
+          gradient ``R·2F`` and ``dx`` ``R·H``.
+
+        ``R`` bounds the backward's rows (select <= assign). Weight gradients are the
+        ``instance_grads`` term; the tensors kept for backward are their own terms.
         """
         R, Ph, H, F = int(received_pairs), int(home_pairs), self.H, self.F
-        return (Ph * H + R * H + R * 2 * F + R * F + R * H + Ph * H) * self.bytes_act
+        T = -(-Ph // self.top_k)
+        fwd = T * H + max(R * (2 * H + 3 * F), Ph * H + R * H)
+        bwd = T * H + Ph * H + R * (2 * H) + R * (H + 2 * F) + R * (4 * F + H)
+        return max(fwd, bwd) * self.bytes_act
+
+    def kept_bytes(self, home_pairs: int) -> dict[str, int]:
+        """Per layer, what a rank keeps for backward for its home pairs whatever the plan:
+        ``combine_rows`` (the combined expert outputs, for the router gradient) and
+        ``pair_index`` (see the module docstring)."""
+        Ph = int(home_pairs)
+        return {"combine_rows": Ph * self.H * self.bytes_act, "pair_index": Ph * PAIR_INDEX_BYTES}
 
     # ------------------------------------------------------------------ per rank
     @property
@@ -256,6 +288,7 @@ class Ledger:
             "retained_acts": self.L * ((int(retained_pairs) - rec) * self.A
                                        + rec * self.A_recompute),
         }
+        t.update({k: self.L * v for k, v in self.kept_bytes(home_pairs).items()})
         t["total"] = sum(t[k] for k in TERMS)
         return t
 

@@ -77,7 +77,8 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     ctx = ParallelContext(device=dev)
     with torch.no_grad():
         loss, n = evaluate(model, batches, ctx, make_autocast(dev))
-    return {"val_loss": loss, "val_tokens": n, "step": ck.step, "checkpoint": str(ck.path)}
+    return {"val_loss": loss, "val_tokens": n, "step": ck.step, "checkpoint": str(ck.path),
+            "skipped": list(ck.notes)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     r = evaluate_run(args.run_dir, args.eval_batches, args.device)
-    print(f"{r['checkpoint']}: step {r['step']}, {r['val_tokens']} validation tokens",
-          file=sys.stderr)
+    skipped = "".join(f"; {note}" for note in r["skipped"])
+    print(f"{r['checkpoint']}: step {r['step']}, {r['val_tokens']} validation tokens"
+          f"{skipped}", file=sys.stderr)
     print(f"val_loss={r['val_loss']:.6f}")
     return 0

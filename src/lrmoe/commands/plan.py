@@ -31,7 +31,8 @@ from lrmoe.presets import get_preset
 from lrmoe.sim.links import LINKS
 
 _SHORT = {"owned_state": "owned", "instance_weights": "inst_w", "instance_grads": "inst_g",
-          "buffers": "buffers", "retained_acts": "retained"}
+          "buffers": "buffers", "retained_acts": "retained", "combine_rows": "combined",
+          "pair_index": "index"}
 
 
 def register(subparsers) -> None:

@@ -290,7 +290,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
                     "files": files, "meta": trainer.get("progress")}
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         if final.exists():  # re-saving a step, or a stale directory without a manifest
-            old = final.with_name(final.name + ".old" + PARTIAL)
+            old = final.with_name(f".{final.name}.old{PARTIAL}")
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)

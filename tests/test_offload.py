@@ -249,3 +249,29 @@ def test_train_with_offload_resumes_and_matches_device(tmp_path, capsys):
     capsys.readouterr()
     assert main(base + ["--out", str(tmp_path / "bad"), "--optimizer-offload", "gpu"]) == 2
     assert "--optimizer-offload 'gpu'" in capsys.readouterr().err
+
+
+def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
+    """fastest_symi_slots (plan --compare and bench ttl) is the argmin over s of the
+    modelled MoE time *with* the offload traffic; on InfiniBand that differs from the
+    choice priced without it (the sharded layout gathers even SYMI's natives)."""
+    from lrmoe.config import ModelConfig
+    from lrmoe.loads import synthetic_counts
+    from lrmoe.memory import Ledger
+    from lrmoe.sim.analytic import fastest_symi_slots, project_policy
+    from lrmoe.sim.links import LINKS
+    cfg = ModelConfig.from_hf_dict({**get_preset("qwen3-30b-a3b").to_hf_dict(),
+                                    "num_experts": 32, "num_hidden_layers": 4})
+    G, E = 8, cfg.num_experts
+    samples = [synthetic_counts(G, E, 2048, cfg.num_experts_per_tok, 1.0, 0)]
+    pops = [c.sum(0) for c in samples]
+    link = LINKS["ib"]
+    best = {}
+    for off in ("device", "host"):
+        led = Ledger.for_dtype(cfg, G, 2**40, "bf16", optimizer_offload=off)
+        ms = {s: project_policy("symi", cfg, led, samples, link, 440e12,
+                                slots_per_rank=s)["modelled_layer_ms"]
+              for s in range(E // G, E + 1)}
+        best[off] = min(ms, key=lambda s: (ms[s], -s))
+        assert fastest_symi_slots(cfg, led, samples, pops, link, 440e12) == best[off]
+    assert best["host"] != best["device"]

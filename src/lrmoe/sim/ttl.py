@@ -210,7 +210,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator), planner_ledger,
                       sync, rec_ledger)
     trace, trace_GE = [], []
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload)
+    # with offload: the offload code path with its "host" on the emulating device (its
+    # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
+                          host=dev)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
     offload = None

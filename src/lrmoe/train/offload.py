@@ -42,6 +42,10 @@ class HostOffloadAdamW(torch.optim.AdamW):
         params: parameter groups, as for ``torch.optim.AdamW``.
         host_params: the parameters to offload (a subset of ``params``).
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group as usual).
+        host: where the offloaded state lives: ``"cpu"`` (the real offload), or the
+            parameters' own device (the same code path without the host transfers; the
+            emulator uses it so that one process holding every virtual rank's experts
+            does not spend its device time in a CPU update whose cost it models).
 
     Attributes:
         host_s: wall seconds of the last step's host part (copies and host update),
@@ -50,14 +54,17 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, host: str | torch.device = "cpu"):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         ids = {id(p) for p in host_params}
         mine = [p for g in self.param_groups for p in g["params"]]
         require(ids <= {id(p) for p in mine},
                 "optimizer offload: some offloaded parameters are not in the optimizer")
         self._host = {id(p) for p in mine if id(p) in ids}
-        self._pin = torch.cuda.is_available() and any(p.is_cuda for p in mine if id(p) in ids)
+        self._host_dev = torch.device(host)
+        cuda = any(p.is_cuda for p in mine if id(p) in ids)
+        self._pin = self._host_dev.type == "cpu" and cuda and torch.cuda.is_available()
+        self._sync = torch.cuda.synchronize if cuda else (lambda: None)
         self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}
         self.host_s = 0.0
@@ -65,7 +72,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor) -> Tensor:
-        return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=self._pin)
+        return torch.empty(like.shape, dtype=torch.float32, device=self._host_dev,
+                           pin_memory=self._pin)
 
     def _refresh_masters(self) -> None:
         """fp32 host masters copied from the device parameters (exact: they are fp32)."""
@@ -80,7 +88,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
     def _host_state(self, p: Tensor) -> dict:
         st = self.state[p]
         if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"] = torch.zeros((), dtype=torch.float32, device=self._host_dev)
             st["exp_avg"] = torch.zeros_like(self._master[id(p)])
             st["exp_avg_sq"] = torch.zeros_like(self._master[id(p)])
         return st
@@ -106,8 +114,10 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 for p in g["params"]:
                     if id(p) in held:
                         p.grad = held[id(p)]
+        self._sync()
         t0 = time.perf_counter()
         self._host_step()
+        self._sync()
         self.host_s = time.perf_counter() - t0
         return loss
 
@@ -149,7 +159,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
                     st = self.state[p]
                     for k in ("exp_avg", "exp_avg_sq", "step"):
                         if k in st:
-                            st[k] = st[k].detach().to("cpu", torch.float32)
+                            st[k] = st[k].detach().to(self._host_dev, torch.float32)
         self._refresh_masters()
 
 

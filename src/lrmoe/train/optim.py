@@ -33,13 +33,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    offload: str = "device") -> torch.optim.AdamW:
+                    offload: str = "device", host: str | torch.device = "cpu"
+                    ) -> torch.optim.AdamW:
     """AdamW over ``model``; ``offload="host"`` steps the expert weights in host memory
-    (:class:`lrmoe.train.offload.HostOffloadAdamW`), same update."""
+    (:class:`lrmoe.train.offload.HostOffloadAdamW`, its state on ``host``), same update."""
     if offload == "host":
         from lrmoe.train.offload import HostOffloadAdamW, offloaded_params
         return HostOffloadAdamW(param_groups(model, weight_decay), offloaded_params(model),
-                                lr=lr, betas=betas, eps=eps)
+                                lr=lr, betas=betas, eps=eps, host=host)
     require(offload == "device", f"optimizer offload {offload!r}: use device or host")
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
 

@@ -275,3 +275,24 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
         best[off] = min(ms, key=lambda s: (ms[s], -s))
         assert fastest_symi_slots(cfg, led, samples, pops, link, 440e12) == best[off]
     assert best["host"] != best["device"]
+
+
+def test_offload_check_benchmark_logic(tmp_path):
+    """benchmarks/offload_check.py (the GPU check) on the CPU at tiny shapes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_check.py"
+    spec = importlib.util.spec_from_file_location("offload_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "oc"
+    assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
+                     "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+                     "--max-data-bytes", "200000", "--threads", "1"]) == 0
+    res = json.loads((out / "offload_check.json").read_text())
+    assert set(res["modes"]) == {"device", "host"}
+    assert 0 <= res["max_rel_train_loss_diff"] < 1e-4
+    assert "host" in (out / "offload_check.md").read_text()
+    assert mod.main(["--out", str(out), "--device", "cpu"]) == 2  # never overwrites

@@ -70,10 +70,24 @@ class MoELayer(nn.Module):
     def forward(self, x_BTH: Tensor) -> Tensor:
         B, T, H = x_BTH.shape
         x_TH = x_BTH.reshape(-1, H)
-        rt = self.runtime
-        # route
+        # route (traced by torch.compile), then the host-driven stages (left eager)
         r = self.router(x_TH)
-        idx_P, gate_P = r.idx_TK.reshape(-1), r.gate_TK.reshape(-1)
+        out = self._routed(x_TH, r.idx_TK, r.gate_TK, r.probs_TE)
+        out = out.view(B, T, H).to(x_BTH.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_BTH)
+        return out
+
+    @torch.compiler.disable
+    def _routed(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None) -> Tensor:
+        """count -> plan -> dispatch -> experts -> combine: ``out_TH``, the routed experts' sum.
+
+        Under ``torch.compile`` this is one graph break: the plan is host data computed
+        from the counts every step (a trace would break at each host sync and recompile
+        on each new plan). The expert kernels inside fuse on their own (:mod:`lrmoe.fused`).
+        """
+        rt = self.runtime
+        idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
         # count
         E = self.cfg.num_experts
         counts_E = torch.bincount(idx_P, minlength=E)
@@ -84,9 +98,9 @@ class MoELayer(nn.Module):
         if self.training:
             self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
         self.last_aux_loss = None
-        if r.probs_TE is not None and self.training:
+        if probs_TE is not None and self.training:
             world_counts = glob if rt.count_reduce is None else rt.count_reduce(glob.clone())
-            self.last_aux_loss = aux_loss(r.probs_TE, world_counts,
+            self.last_aux_loss = aux_loss(probs_TE, world_counts,
                                           x_TH.shape[0] * rt.comm.size * rt.dp_size,
                                           self.cfg.router_aux_loss_coef)
         # plan
@@ -119,11 +133,7 @@ class MoELayer(nn.Module):
             recv=recv_layout(plan.assign_GGS[:, me, :], x_TH.device), top_k=self.cfg.num_experts_per_tok,
             num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
             generator=rt.generator)
-        out = ExpertExchange.apply(x_TH.to(dtype), r.gate_TK, w13, w2, st)
-        out = out.view(B, T, H).to(x_BTH.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x_BTH)
-        return out
+        return ExpertExchange.apply(x_TH.to(dtype), gate_TK, w13, w2, st)
 
     def end_step(self) -> Tensor | None:
         """Close the step's counting: returns this step's global counts and keeps them

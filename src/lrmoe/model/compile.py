@@ -1,0 +1,33 @@
+"""``torch.compile`` for the model (``lrmoe train --compile``), and how much it compiled.
+
+Dynamo traces everything but the MoE layers' host-driven stages (count, plan, dispatch,
+experts, combine: :meth:`lrmoe.model.moe.MoELayer._routed`), which stay eager: one graph
+break per MoE layer, and no recompilation when the plan changes from step to step.
+Embedding, attention, norms, dense MLPs, routers, shared experts, the head and the
+training loss are compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compile_model(model: nn.Module, backend: str = "inductor", **kw) -> nn.Module:
+    """Compile ``model`` in place (parameter names, and so checkpoints, are unchanged):
+    its ``forward`` and, when it has one, its ``loss`` (forward + cross entropy, one
+    region up to the first MoE layer's break). Returns ``model``."""
+    model.compile(backend=backend, **kw)
+    if hasattr(model, "loss"):
+        model.loss = torch.compile(model.loss, backend=backend, **kw)
+    return model
+
+
+def compile_counts() -> dict[str, int]:
+    """What Dynamo did in this process so far: ``graphs`` compiled (frames with ops),
+    ``graph_breaks`` and ``recompiles`` (from :mod:`torch._dynamo.utils` counters)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "recompiles": int(sum(v for k, v in counters["recompiles"].items()))}

@@ -149,3 +149,32 @@ def _ep_worker(rank, world):
 
 def test_compiled_layer_under_ep2_matches_reference(tmp_path):
     run_world(2, _ep_worker, tmp_path=tmp_path)
+
+
+def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
+    """``lrmoe train --compile`` compiles (aot_eager here, inductor by default) and trains
+    to the same losses as the eager run."""
+    import lrmoe.model.compile as mc
+    from lrmoe.cli import main
+    from lrmoe.train.metrics import read_metrics
+
+    calls = []
+
+    def aot_eager(model, backend="inductor", **kw):
+        calls.append(backend)
+        return compile_model(model, backend=BACKEND, **kw)
+
+    monkeypatch.setattr(mc, "compile_model", aot_eager)
+    small = ["--preset", "tiny-qwen3", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+             "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
+             "--threads", "1", "--warmup", "1"]
+    losses = {}
+    _fresh_dynamo()
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        assert main(["train", "--out", str(tmp_path / name), *small, *extra]) == 0
+        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                        if r.get("kind") == "train"]
+    assert calls == ["inductor"]
+    assert compile_counts()["graphs"] > 0
+    assert len(losses["eager"]) == 3
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=1e-5)

@@ -80,6 +80,9 @@ def register(sub) -> None:
     g.add_argument("--log-every", type=int, help="progress line every N steps when stderr "
                    "is not a terminal (default: about 10 lines per run)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (attention, norms, routers, head and loss; "
+                        "the MoE layers' plan and exchange stay eager: one graph break each)")
     g.add_argument("--stop-after", type=int, metavar="STEP", help="end this session after "
                    "STEP (validate + checkpoint); continue later with --resume")
     g = p.add_argument_group("parallelism")

@@ -72,6 +72,7 @@ class TrainConfig:
     lrmoe_keep: str = "fixed"
     lrmoe_target_cosine: float = 0.99
     threads: int | None = None
+    compile: bool = False
     stop_after: int | None = None
     divergence_factor: float = 10.0
 
@@ -80,7 +81,7 @@ class TrainConfig:
 # allowed, to extend a run). All others must match the run on --resume.
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
-                  "threads", "device", "stop_after", "divergence_factor", "ep"}
+                  "threads", "compile", "device", "stop_after", "divergence_factor", "ep"}
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
 
 

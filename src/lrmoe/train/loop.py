@@ -378,6 +378,9 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
     last_ckpt = start if ck is not None else None
     watch.last_ckpt = None if last_ckpt is None else str(ckpt.ckpt_dir(run_dir, last_ckpt))
     autocast = make_autocast(ctx.device)
+    if cfg.compile:  # in place: checkpoints keep their parameter names
+        from lrmoe.model.compile import compile_model
+        compile_model(model)
 
     def save(step: int) -> None:
         nonlocal last_ckpt

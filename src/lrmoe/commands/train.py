@@ -61,8 +61,8 @@ def register(sub) -> None:
                    f"(default {_D.clip})")
     g.add_argument("--seed", type=int, help=f"model init and data order (default {_D.seed})")
     g.add_argument("--divergence-factor", type=float, metavar="F",
-                   help=f"stop when the smoothed loss exceeds F times its running minimum "
-                        f"(after {DIVERGENCE_WARMUP} steps); 0 = never "
+                   help=f"stop when the smoothed training loss exceeds F times its running "
+                        f"minimum (checked from step {DIVERGENCE_WARMUP + 1}); 0 = never "
                         f"(default {_D.divergence_factor:g})")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cpu or cuda (bf16 autocast) (default cpu)")

@@ -67,6 +67,18 @@ class Watch:
         except Exception:  # no store (already torn down): every survivor speaks for itself
             return None
 
+    def claim(self) -> None:
+        """This rank reports its own error (a failed write): the peers that then lose
+        their connection to it stay quiet."""
+        store = self._store()
+        if store is not None:
+            try:
+                store.set(f"{_KEY}/rank{self.rank}", self.phase)
+                store.add(f"{_KEY}/first", 1)
+                store.set(f"{_KEY}/reported", "1")
+            except Exception:
+                pass
+
     def failure(self, e: BaseException) -> PeerFailure:
         """The error to raise for ``e``; ``quiet`` on every survivor but the reporter."""
         kind = ("timed out after --timeout-s " f"{self.timeout_s:g}" if "time" in str(e).lower()

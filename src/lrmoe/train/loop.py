@@ -278,6 +278,8 @@ def _run(cfg: TrainConfig | Any) -> dict:
                 raise watch.failure(e) from None
             raise
         except OSError as e:  # a full disk, a directory gone read-only...
+            if ctx.distributed:
+                watch.claim()
             raise _write_error(e, ctx, watch) from None
         finally:
             if ctx.is_main:

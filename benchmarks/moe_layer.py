@@ -1,21 +1,23 @@
-"""One MoE layer on one GPU: ours vs HF transformers' MoE block, vs the dense GEMM ceiling.
+"""One MoE layer on one GPU: ours vs HF transformers' MoE block (eager and under
+``torch.compile``), vs the dense GEMM ceiling.
 
 Times forward and forward+backward (router through combine) at the full layer shapes of
 Qwen3-30B-A3B and GLM-4.5-Air for N tokens, with routing drawn uniform or Zipf-skewed
-(s = 1), using CUDA events (median of many runs after warm-up). Also times LRMoE's
-backward at keep ratios 1.0 / 0.75 / 0.5 (everything retained, topk selection), and the
-expert grouped GEMMs alone. Prints a table last; writes JSON with every number.
+(s = 1), using CUDA events (median of many runs after warm-up). Same weights and the
+same routing for every variant. Memory columns, from one forward+backward after
+``reset_peak_memory_stats``: ``peak`` = the highest allocation above the weights and
+inputs, ``act`` = ``peak`` minus the gradients the call leaves behind (the issue's
+"peak minus weights and gradients"). Also times LRMoE's backward at keep ratios
+(everything retained, topk selection) and the expert grouped GEMMs alone.
+Writes ``moe_layer.json`` (every number) and ``moe_layer.md`` (the table) into --out.
 
-Usage (on the GPU machine):
-    python3 benchmarks/moe_layer.py --out results.json [--tokens 16384] [--shapes qwen3,glm]
+Usage (GPU):  python3 benchmarks/moe_layer.py --out DIR [--tokens 16384,65536]
+Smoke (CPU):  python3 benchmarks/moe_layer.py --out DIR --smoke   (tiny shapes; logic only)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,11 +27,16 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import bench as _bench  # noqa: E402
+from gpu_common import dense_tflops, fmt, gib, out_dir, peak_of, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
-from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
 from lrmoe.model.moe import MoELayer, MoERuntime  # noqa: E402
 from lrmoe.model.router import Routing  # noqa: E402
+from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
+from lrmoe.parallel.exchange import BackwardOptions  # noqa: E402
 from lrmoe.policy.plan import Plan, full_plan  # noqa: E402
 
 SHAPES = {
@@ -40,39 +47,23 @@ SHAPES = {
 }
 
 
+# --smoke: the same code at toy shapes on the CPU
+SMOKE_SHAPES = {
+    "qwen3": dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, n_shared_experts=0),
+    "glm": dict(model_type="glm4_moe", hidden_size=64, moe_intermediate_size=32,
+                num_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+}
+
 DEV = "cuda"
+DTYPE = torch.bfloat16
 PROFILE_DIR = None
 PROFILE_KEEP = 1.0
 PROFILE_ONLY = False
 
 
 def bench(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
-    if DEV == "cpu":  # dry runs of the script itself; not for reported numbers
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def dense_ceiling() -> float:
-    n = 8192 if DEV == "cuda" else 512
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    ms = bench(lambda: a @ b, 3, 10)
-    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+    return _bench(fn, DEV, warmup, iters)
 
 
 def draw_routing(T: int, E: int, K: int, skew: float, gen: torch.Generator) -> torch.Tensor:
@@ -144,30 +135,153 @@ def patch_hf_routing(block, idx):
     gate.forward = fwd
 
 
-def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, dense: float):
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    base = dict(vocab_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                num_hidden_layers=1, intermediate_size=1024)
-    cfg = ModelConfig(**base, **SHAPES[shape])
-    E, K, H, Fd = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    idx = draw_routing(T, E, K, skew, gen).to(DEV)
-    counts = torch.bincount(idx.flatten(), minlength=E)
-    lmo = float(counts.max() / counts.float().mean())
-    layer = MoELayer(cfg, 0).to(DEV).to(torch.bfloat16)
-    layer.router = FixedRouter(layer.router.weight, idx)
-    x = (torch.randn(1, T, H, device=DEV, dtype=torch.bfloat16)).requires_grad_()
-    dy = torch.randn(1, T, H, device=DEV, dtype=torch.bfloat16)
-    P = T * K
-    fl_fwd, fl_bwd = 6 * P * H * Fd, 12 * P * H * Fd
-    if cfg.n_shared_experts:
-        fl_fwd += 6 * T * H * Fd * cfg.n_shared_experts
-        fl_bwd += 12 * T * H * Fd * cfg.n_shared_experts
-    row = dict(shape=shape, tokens=T, skew=skew, load_max_over_mean=lmo)
+def hf_twin(shape: str, cfg: ModelConfig, impl: str, layer: MoELayer, idx: torch.Tensor):
+    """HF's block with ``layer``'s weights and the same fixed routing."""
+    blk = hf_block(shape, cfg, impl).to(DEV).to(DTYPE)
+    with torch.no_grad():
+        blk.gate.weight.copy_(layer.router.weight)
+        blk.experts.gate_up_proj.copy_(layer.experts.gate_up_proj)
+        blk.experts.down_proj.copy_(layer.experts.down_proj)
+        if cfg.n_shared_experts:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                getattr(blk.shared_experts, n).weight.copy_(getattr(layer.shared_experts, n).weight)
+    patch_hf_routing(blk, idx)
+    return blk
+
+
+def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, ref: torch.Tensor | None,
+            fwd_only_too: bool = True) -> dict:
+    """Forward and forward+backward times, memory of one forward+backward, and the
+    output's relative error against ``ref`` (our eager layer's output)."""
 
     def fwd():
         with torch.no_grad():
-            layer(x)
+            return mod(x)
+
+    def fwdbwd():
+        mod(x).backward(dy)
+
+    def clear():
+        x.grad = None
+        for p in mod.parameters():
+            p.grad = None
+
+    def step():
+        fwdbwd()
+        clear()
+
+    out = {}
+    y = fwd().float()
+    if ref is not None:
+        out["rel_err_vs_ours"] = float((y - ref).norm() / ref.norm())
+    del y
+    if fwd_only_too:
+        out["fwd_ms"] = bench(fwd)
+    out["fwdbwd_ms"] = bench(step)
+    clear()
+    peak, kept = peak_of(fwdbwd, DEV)  # the gradients stay allocated: ``kept``
+    clear()
+    out["peak_gib"], out["act_gib"] = gib(peak), gib(None if peak is None else peak - kept)
+    return out
+
+
+def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: float) -> None:
+    """Every variant at one shape and token count; the routing table is rewritten in place
+    for each skew, so the compiled variants compile once per (shape, T)."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                num_hidden_layers=1, intermediate_size=1024)
+    cfg = ModelConfig(**base, **(SMOKE_SHAPES if a.smoke else SHAPES)[shape])
+    E, K, H, Fd = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    idx = torch.zeros(T, K, dtype=torch.long, device=DEV)
+    layer = MoELayer(cfg, 0).to(DEV).to(DTYPE)
+    layer.router = FixedRouter(layer.router.weight, idx)
+    x = torch.randn(1, T, H, device=DEV, dtype=DTYPE).requires_grad_()
+    dy = torch.randn(1, T, H, device=DEV, dtype=DTYPE)
+    compile_kw = dict(backend=a.compile_backend, dynamic=False)
+    ours_c = torch.compile(layer, **compile_kw)
+    peers = {impl: hf_twin(shape, cfg, impl, layer, idx) for impl in a.impls.split(",")}
+    peer_c = None
+    if a.compile_impl:
+        blk = peers.get(a.compile_impl) or hf_twin(shape, cfg, a.compile_impl, layer, idx)
+        peer_c = torch.compile(blk, **compile_kw)
+    P = T * K
+    fl = 18 * P * H * Fd + (18 * T * H * Fd * cfg.n_shared_experts)
+    gen = torch.Generator().manual_seed(1)
+    for skew in skews:
+        t0 = time.time()
+        idx.copy_(draw_routing(T, E, K, skew, gen))
+        counts = torch.bincount(idx.flatten(), minlength=E)
+        row = dict(shape=shape, tokens=T, skew=skew,
+                   load_max_over_mean=float(counts.max() / counts.float().mean()))
+        if PROFILE_DIR and DEV == "cuda":
+            profile_layer(layer, x, dy, shape, skew)
+            if PROFILE_ONLY:
+                continue
+        layer.runtime = MoERuntime()
+        with torch.no_grad():
+            ref = layer(x).float()
+        row["ours"] = measure(layer, x, dy, None)
+        row["ours"]["fwdbwd_tflops"] = fl / (row["ours"]["fwdbwd_ms"] * 1e-3) / 1e12
+        row["ours_compiled"] = _guarded(lambda r=ref: measure(ours_c, x, dy, r))
+        row["peer"] = {impl: _guarded(lambda b=b, r=ref: measure(b, x, dy, r)) for impl, b in peers.items()}
+        if peer_c is not None:
+            row["peer_compiled"] = _guarded(lambda r=ref: measure(peer_c, x, dy, r))
+            row["peer_compiled"]["impl"] = a.compile_impl
+        del ref
+        row.update(gemm_rates(layer, counts.tolist(), P, H, Fd, dense))
+        row.update(keep_sweep(layer, x, dy, [float(k) for k in a.keeps.split(",") if k],
+                              row["ours"]["fwd_ms"]))
+        results.append(_finish(row))
+        print(f"[{shape} T={T} skew={skew}] {time.time() - t0:.0f}s", flush=True)
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _guarded(fn) -> dict:
+    try:
+        return fn()
+    except Exception as e:  # an implementation this transformers build lacks, or OOM
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        return dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _finish(row: dict) -> dict:
+    """Ratios against the compiled peer (the issue's bar) and against the fastest peer."""
+    ours = row["ours"]
+    peers = {f"HF {k}": v for k, v in row["peer"].items()}
+    pc = row.get("peer_compiled", {})
+    if pc:
+        peers[f"HF {pc.get('impl')} compiled"] = pc
+    timed = {k: v["fwdbwd_ms"] for k, v in peers.items() if "fwdbwd_ms" in v}
+    if timed:
+        row["peer_best"] = min(timed, key=timed.get)
+        row["speedup_fwdbwd_vs_best_peer"] = timed[row["peer_best"]] / ours["fwdbwd_ms"]
+    if "fwdbwd_ms" in pc:
+        row["speedup_fwdbwd_vs_peer_compiled"] = pc["fwdbwd_ms"] / ours["fwdbwd_ms"]
+        if pc.get("act_gib") and ours.get("act_gib") is not None:
+            row["act_ratio_vs_peer_compiled"] = ours["act_gib"] / pc["act_gib"]
+    return row
+
+
+def gemm_rates(layer: MoELayer, counts: list[int], P: int, H: int, Fd: int, dense: float) -> dict:
+    """The expert grouped GEMMs alone, on rows already grouped by expert."""
+    xs = torch.randn(P, H, device=DEV, dtype=DTYPE)
+    dys = torch.randn(P, H, device=DEV, dtype=DTYPE)
+    w13, w2 = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()
+    offs = offsets(counts, xs.device)
+    _, gu0 = swiglu_forward(xs, w13, w2, counts, offs)
+    gf = bench(lambda: swiglu_forward(xs, w13, w2, counts, offs))
+    gb = bench(lambda: swiglu_backward(xs, gu0, dys, w13, w2, counts, offs))
+    return dict(gemm_fwd_tflops=6 * P * H * Fd / (gf * 1e-3) / 1e12,
+                gemm_bwd_tflops=12 * P * H * Fd / (gb * 1e-3) / 1e12,
+                gemm_fwdbwd_frac_of_dense=18 * P * H * Fd / ((gf + gb) * 1e-3) / 1e12 / dense)
+
+
+def keep_sweep(layer: MoELayer, x, dy, keeps: list[float], fwd_ms: float) -> dict:
+    """LRMoE backward time (forward+backward minus forward) at each keep ratio, and at
+    the smallest keep with compaction off."""
 
     def fwdbwd():
         layer(x).backward(dy)
@@ -175,133 +289,111 @@ def run_shape(shape: str, T: int, skew: float, impls: list[str], results: list, 
         for p in layer.parameters():
             p.grad = None
 
-    if PROFILE_DIR and DEV == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-        layer.runtime = MoERuntime(policy=KeepPolicy(PROFILE_KEEP))
-        fwdbwd()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fwdbwd()
-            torch.cuda.synchronize()
-        Path(PROFILE_DIR, f"profile_{shape}_{skew}_keep{PROFILE_KEEP}.txt").write_text(
-            prof.key_averages().table(sort_by="cuda_time_total", row_limit=50))
-        layer.runtime = MoERuntime()
-        if PROFILE_ONLY:
-            return
-    row["ours_fwd_ms"] = bench(fwd)
-    row["ours_fwdbwd_ms"] = bench(fwdbwd)
-    row["ours_fwdbwd_tflops"] = (fl_fwd + fl_bwd) / (row["ours_fwdbwd_ms"] * 1e-3) / 1e12
-
-    # expert GEMMs alone, on rows already grouped by expert
-    counts_l = counts.tolist()
-    xs = torch.randn(P, H, device=DEV, dtype=torch.bfloat16)
-    dys = torch.randn(P, H, device=DEV, dtype=torch.bfloat16)
-    w13, w2 = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()
-    offs = offsets(counts_l, xs.device)
-    y0, gu0 = swiglu_forward(xs, w13, w2, counts_l, offs)
-    gf = bench(lambda: swiglu_forward(xs, w13, w2, counts_l, offs))
-    gb = bench(lambda: swiglu_backward(xs, gu0, dys, w13, w2, counts_l, offs))
-    row["gemm_fwd_tflops"] = 6 * P * H * Fd / (gf * 1e-3) / 1e12
-    row["gemm_bwd_tflops"] = 12 * P * H * Fd / (gb * 1e-3) / 1e12
-    row["gemm_fwdbwd_frac_of_dense"] = 18 * P * H * Fd / ((gf + gb) * 1e-3) / 1e12 / dense
-
-    # keep ratios: backward time = fwd+bwd - fwd
-    for keep in (1.0, 0.75, 0.5):
+    out = {}
+    for keep in keeps:
         layer.runtime = MoERuntime(policy=KeepPolicy(keep))
-        fb = bench(fwdbwd)
-        row[f"keep{keep}_fwdbwd_ms"] = fb
-        row[f"keep{keep}_bwd_ms"] = fb - row["ours_fwd_ms"]
-    from lrmoe.parallel.exchange import BackwardOptions
-    layer.runtime = MoERuntime(policy=KeepPolicy(0.5), backward=BackwardOptions(compaction=False))
-    row["keep0.5_nocompact_bwd_ms"] = bench(fwdbwd) - row["ours_fwd_ms"]
+        out[f"keep{keep}_bwd_ms"] = bench(fwdbwd) - fwd_ms
+    if keeps and min(keeps) < 1:
+        layer.runtime = MoERuntime(policy=KeepPolicy(min(keeps)),
+                                   backward=BackwardOptions(compaction=False))
+        out[f"keep{min(keeps)}_nocompact_bwd_ms"] = bench(fwdbwd) - fwd_ms
+    layer.runtime = MoERuntime()
+    return out
+
+
+def profile_layer(layer: MoELayer, x, dy, shape: str, skew: float) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    def fwdbwd():
+        layer(x).backward(dy)
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    layer.runtime = MoERuntime(policy=KeepPolicy(PROFILE_KEEP))
+    fwdbwd()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fwdbwd()
+        torch.cuda.synchronize()
+    Path(PROFILE_DIR, f"profile_{shape}_{x.shape[1]}_{skew}_keep{PROFILE_KEEP}.txt").write_text(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=50))
     layer.runtime = MoERuntime()
 
-    # correctness against HF and the peer's time
-    row["peer"] = {}
-    for impl in impls:
-        try:
-            blk = hf_block(shape, cfg, impl).to(DEV).to(torch.bfloat16)
-            with torch.no_grad():
-                blk.gate.weight.copy_(layer.router.weight)
-                blk.experts.gate_up_proj.copy_(layer.experts.gate_up_proj)
-                blk.experts.down_proj.copy_(layer.experts.down_proj)
-                if cfg.n_shared_experts:
-                    for n in ("gate_proj", "up_proj", "down_proj"):
-                        getattr(blk.shared_experts, n).weight.copy_(
-                            getattr(layer.shared_experts, n).weight)
-            patch_hf_routing(blk, idx)
-            with torch.no_grad():
-                ya, yb = layer(x).float(), blk(x).float()
-            err = float((ya - yb).norm() / yb.norm())
 
-            def pf(blk=blk):
-                with torch.no_grad():
-                    blk(x)
-
-            def pfb(blk=blk):
-                blk(x).backward(dy)
-                x.grad = None
-                for p in blk.parameters():
-                    p.grad = None
-            row["peer"][impl] = dict(fwd_ms=bench(pf), fwdbwd_ms=bench(pfb), rel_err_vs_ours=err)
-        except Exception as e:  # an implementation this transformers build lacks, or OOM
-            row["peer"][impl] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
-    ok = {k: v for k, v in row["peer"].items() if "fwdbwd_ms" in v}
-    if ok:
-        best = min(ok, key=lambda k: ok[k]["fwdbwd_ms"])
-        row["peer_best"] = best
-        row["speedup_fwdbwd_vs_peer"] = ok[best]["fwdbwd_ms"] / row["ours_fwdbwd_ms"]
-        row["speedup_fwd_vs_peer"] = ok[best]["fwd_ms"] / row["ours_fwd_ms"]
-    results.append(row)
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+def markdown(meta: dict, results: list[dict]) -> str:
+    pc_impl = next((r["peer_compiled"].get("impl") for r in results if "peer_compiled" in r), "—")
+    lines = [f"# One MoE layer, forward+backward ({meta['device']})", "",
+             f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, "
+             f"{meta['date']}; dense bf16 ceiling {meta['dense_bf16_tflops']:.0f} TFLOP/s "
+             "(measured in this run).", "",
+             "Times: median ms of forward+backward (CUDA events). Memory: GiB above the "
+             "weights and inputs at the peak of one forward+backward (`peak`), and that minus "
+             "the gradients (`act`).", "",
+             f"| shape | tokens | skew | max/mean load | ours | ours compiled | HF {pc_impl} compiled "
+             "| × HF compiled | ours act / peak | HF compiled act / peak | act ratio "
+             "| GEMM % dense | bwd keep 0.5 / 1.0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        o, oc, pc = r["ours"], r.get("ours_compiled", {}), r.get("peer_compiled", {})
+        k1, k5 = r.get("keep1.0_bwd_ms"), r.get("keep0.5_bwd_ms")
+        lines.append(
+            f"| {r['shape']} | {r['tokens']:,} | {r['skew']:g} | {r['load_max_over_mean']:.2f} "
+            f"| {fmt(o.get('fwdbwd_ms'))} | {fmt(oc.get('fwdbwd_ms'))} | {fmt(pc.get('fwdbwd_ms'))} "
+            f"| {fmt(r.get('speedup_fwdbwd_vs_peer_compiled'))} "
+            f"| {fmt(o.get('act_gib'))} / {fmt(o.get('peak_gib'))} "
+            f"| {fmt(pc.get('act_gib'))} / {fmt(pc.get('peak_gib'))} "
+            f"| {fmt(r.get('act_ratio_vs_peer_compiled'))} "
+            f"| {fmt(100 * r['gemm_fwdbwd_frac_of_dense'], '.0f')} "
+            f"| {fmt(k5 / k1 if k1 and k5 else None)} |")
+    lines += ["", "Eager HF peers (forward+backward ms, act / peak GiB, rel. error vs ours):", ""]
+    for r in results:
+        for impl, v in r["peer"].items():
+            desc = v.get("error") or (f"{fmt(v['fwdbwd_ms'])} ms, {fmt(v.get('act_gib'))} / "
+                                      f"{fmt(v.get('peak_gib'))} GiB, err {v['rel_err_vs_ours']:.1e}")
+            lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {impl}: {desc}")
+        for key in ("ours_compiled", "peer_compiled"):
+            if "error" in r.get(key, {}):
+                lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {key}: {r[key]['error']}")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for moe_layer.json and moe_layer.md")
+    ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (logic only)")
+    ap.add_argument("--tokens", default=None, help="comma list (default 16384,65536; smoke 64)")
     ap.add_argument("--shapes", default="qwen3,glm")
     ap.add_argument("--skews", default="0,1")
-    ap.add_argument("--impls", default="grouped_mm,batched_mm,eager")
-    ap.add_argument("--out", default="moe_layer_results.json")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--impls", default="grouped_mm", help="HF experts implementations run eager")
+    ap.add_argument("--compile-impl", default="grouped_mm",
+                    help="HF experts implementation run under torch.compile ('' = none)")
+    ap.add_argument("--compile-backend", default=None, help="default inductor (smoke: aot_eager)")
+    ap.add_argument("--keeps", default="1.0,0.5", help="LRMoE keep ratios for the backward sweep")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-keep", type=float, default=1.0)
     ap.add_argument("--profile-only", action="store_true")
     a = ap.parse_args()
-    global DEV, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY
-    DEV, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.device, a.profile_dir, a.profile_keep, a.profile_only
-    dense = dense_ceiling()
+    global DEV, DTYPE, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY
+    DEV = "cpu" if a.smoke else "cuda"
+    if DEV == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU, or pass --smoke for the CPU logic check")
+    bad = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if bad:
+        ap.error(f"--shapes: unknown {bad}; valid: {sorted(SHAPES)}")
+    tokens = [int(t) for t in (a.tokens or ("64" if a.smoke else "16384,65536")).split(",")]
+    a.compile_backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
+    PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.profile_dir, a.profile_keep, a.profile_only
+    d = out_dir(a.out)
+    dense = dense_tflops(DEV)
     results: list = []
     for shape in a.shapes.split(","):
-        for skew in (float(s) for s in a.skews.split(",")):
-            t0 = time.time()
-            run_shape(shape, a.tokens, skew, a.impls.split(","), results, dense)
-            if PROFILE_ONLY:
-                continue
-            print(f"[{shape} skew={skew}] done in {time.time() - t0:.0f}s", flush=True)
-    import transformers
-    meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
-                torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
-                dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d"), argv=sys.argv)
-    Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    print(json.dumps(meta))
-    hdr = (f"{'shape':6} {'skew':>4} {'lmax/mean':>9} {'fwd ms':>7} {'f+b ms':>7} {'peer f+b':>8} "
-           f"{'x peer':>6} {'gemm%dense':>10} {'bwd k1':>7} {'bwd k.75':>8} {'bwd k.5':>7} {'k.5/k1':>6} "
-           f"{'k.5 nocomp':>10}")
-    print(hdr)
-    for r in results if not PROFILE_ONLY else []:
-        pb = r["peer"].get(r.get("peer_best", ""), {}).get("fwdbwd_ms", float("nan"))
-        print(f"{r['shape']:6} {r['skew']:>4} {r['load_max_over_mean']:>9.2f} {r['ours_fwd_ms']:>7.2f} "
-              f"{r['ours_fwdbwd_ms']:>7.2f} {pb:>8.2f} {r.get('speedup_fwdbwd_vs_peer', 0):>6.2f} "
-              f"{100 * r['gemm_fwdbwd_frac_of_dense']:>9.1f}% {r['keep1.0_bwd_ms']:>7.2f} "
-              f"{r['keep0.75_bwd_ms']:>8.2f} {r['keep0.5_bwd_ms']:>7.2f} "
-              f"{r['keep0.5_bwd_ms'] / r['keep1.0_bwd_ms']:>6.2f} {r['keep0.5_nocompact_bwd_ms']:>10.2f}")
-        for k, v in r["peer"].items():
-            print(f"    peer {k}: {v}")
+        for T in tokens:
+            run_tokens(shape, T, [float(s) for s in a.skews.split(",")], a, results, dense)
+    meta = run_meta(DEV, dense)
+    md = markdown(meta, results)
+    write_outputs(d, "moe_layer", meta, results, md)
+    print(md)
 
 
 if __name__ == "__main__":

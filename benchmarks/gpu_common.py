@@ -1,0 +1,112 @@
+"""What the one-GPU benchmarks share: CUDA-event timing, peak memory of one call, the
+dense bf16 ceiling, run metadata, and writing JSON + markdown into ``--out DIR``.
+
+On the CPU (``--smoke``) the same code runs once per call, for the script's logic only:
+its times are not results and its memory columns are ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GiB = 2**30
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(fn: Callable[[], object], dev: str, warmup: int = 3, iters: int = 15) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events); on the CPU one
+    untimed and one timed call (a smoke run of the script, not a result)."""
+    if dev != "cuda":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def peak_of(fn: Callable[[], object], dev: str) -> tuple[int | None, int | None]:
+    """``(peak, kept)`` in bytes above what was allocated before ``fn``: the highest point
+    during the call and what is still allocated after it (e.g. gradients).
+    ``(None, None)`` off CUDA."""
+    if dev != "cuda":
+        fn()
+        return None, None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+
+
+def dense_tflops(dev: str) -> float:
+    """bf16 ``n x n x n`` matmul rate (TFLOP/s): the ceiling the expert GEMMs are held to."""
+    n = 8192 if dev == "cuda" else 256
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, dev, 3, 10)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def run_meta(dev: str, dense: float) -> dict:
+    try:
+        import transformers
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
+    return dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke run: not results)",
+                torch=torch.__version__, transformers=tf, python=platform.python_version(),
+                dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+
+
+def out_dir(path: str) -> Path:
+    """``--out DIR``: created if missing; an existing file there is a usage error."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        print(f"error: --out {path} is a file; give a directory", file=sys.stderr)
+        sys.exit(2)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def write_outputs(d: Path, stem: str, meta: dict, rows: list[dict], markdown: str) -> None:
+    """``d/stem.json`` (every number) and ``d/stem.md`` (the tables), each written whole
+    (temporary file, then rename: an interrupted run leaves the previous files)."""
+    for name, text in ((f"{stem}.json", json.dumps(dict(meta=meta, results=rows), indent=1)),
+                       (f"{stem}.md", markdown)):
+        tmp = d / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, d / name)
+
+
+def fmt(v, spec: str = ".2f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def gib(b: int | None) -> float | None:
+    return None if b is None else b / GiB

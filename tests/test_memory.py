@@ -78,12 +78,33 @@ def test_instance_and_activation_bytes(dtype, nbytes):
 
 
 def test_buffer_formula():
+    """The larger of the forward's and the backward's largest live transients
+    (Ledger.buffer_bytes): here the backward's, and the forward's when its received
+    rows dominate a tiny home."""
     cfg = _cfg()
     led = Ledger(cfg, 2, bytes_act=2, num_moe_layers=1)
-    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    H, F, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     R, Ph = 10, 6
-    parts = [Ph * H, R * H, R * 2 * F, R * F, R * H, Ph * H]
-    assert led.buffer_bytes(R, Ph) == 2 * sum(parts)
+    T = Ph // k
+    fwd = [T * H, R * H, R * 2 * F, R * F, R * H]
+    bwd = [T * H, Ph * H, 2 * R * H, R * (H + 2 * F), R * F, R * F, R * 2 * F, R * H]
+    assert sum(bwd) > sum(fwd)
+    assert led.buffer_bytes(R, Ph) == 2 * sum(bwd)
+    # the dispatch phase: a large home, nothing received
+    assert led.buffer_bytes(0, 40) == 2 * (40 // k * H + 40 * H)
+
+
+def test_kept_terms_are_per_home_pair_and_per_layer():
+    """combine_rows (y_send, for the router gradient) and pair_index are kept for every
+    home pair whatever is retained, and count once per MoE layer."""
+    cfg = _cfg()
+    H = cfg.hidden_size
+    led = Ledger(cfg, 2, bytes_w=2, bytes_act=2, num_moe_layers=3)
+    t = led.terms(4, 10, 6, 0)
+    assert t["combine_rows"] == 3 * 6 * H * 2
+    assert t["pair_index"] == 3 * 6 * (4 + 3 * 8)
+    assert led.terms(4, 10, 6, 10)["combine_rows"] == t["combine_rows"]
+    assert t["total"] == sum(v for k, v in t.items() if k != "total")
 
 
 def test_rank_terms_and_check():
@@ -182,13 +203,13 @@ def test_exact_fit_modes():
     none_kept = [free.terms(4, recv[r], int(counts[r].sum()), 0)["total"] for r in range(G)]
     assert Ledger(cfg, G, max(t["total"] for t in plain)).exact_fit(plan)[:2] == ("fits", [0, 0])
     # rank 0 (hot) over, rank 1 fits: only rank 0 recomputes, the fewest pairs
-    budget = (plain[0]["total"] + plain[1]["total"]) // 2
+    assert plain[0]["total"] > max(full_rec[0], plain[1]["total"])
+    budget = (plain[0]["total"] + max(full_rec[0], plain[1]["total"])) // 2
     led = Ledger(cfg, G, budget)
     mode, rec, terms = led.exact_fit(plan)
     assert rec == [led.recompute_needed(*c) for c in led._rank_counts(plan, None)]
-    if max(full_rec) <= budget:
-        assert mode == "pairs" and rec[0] > 0 and rec[1] == 0 and terms[1] == plain[1]
-        assert max(t["total"] for t in terms) <= budget
+    assert mode == "pairs" and rec[0] > 0 and rec[1] == 0 and terms[1] == plain[1]
+    assert max(t["total"] for t in terms) <= budget
     # below what recomputing every pair allows, but above the layer checkpoint's need
     led = Ledger(cfg, G, (max(full_rec) + max(none_kept)) // 2)
     mode, rows, terms = led.exact_fit(plan)

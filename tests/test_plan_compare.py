@@ -144,14 +144,16 @@ def test_modelled_bytes_equal_the_emulators(name):
         assert not plan.exact and plan.num_replicas() > 0
         assert max(t["total"] for t in ledger.rank_terms(plan)) <= ledger.budget_bytes
     mod = modelled_stats(plan, cfg, RATE, bytes_act=4, bytes_w=4)
-    for ex in EXCHANGES:
-        assert torch.equal(mod.bytes_GG[ex], emu.bytes_GG[ex]), ex
-        assert torch.equal(mod.rows_GG[ex], emu.rows_GG[ex]), ex
+    for ex in EXCHANGES:  # the sampled estimator's count exchange is not in these runs
+        assert (ex in mod.bytes_GG) == (ex in emu.bytes_GG) == (ex != "bwd_count_exchange")
+        if ex in emu.bytes_GG:
+            assert torch.equal(mod.bytes_GG[ex], emu.bytes_GG[ex]), ex
+            assert torch.equal(mod.rows_GG[ex], emu.rows_GG[ex]), ex
     for k in ("fwd", "retained", "bwd", "selected"):
         assert mod.rows[k] == emu.rows[k], k
     assert mod.saved_act_bytes == emu.saved_act_bytes
     # with the emulator's measured kernel times swapped in, the link stages agree exactly
-    mod.expert_ms = emu.expert_ms
+    mod.expert_ms, mod.stage_ms = emu.expert_ms, emu.stage_ms
     a, b = step_times(mod, LINKS["nvlink"]), step_times(emu, LINKS["nvlink"])
     assert a.stages() == pytest.approx(b.stages())
 
@@ -167,7 +169,7 @@ def _compare(tmp_path, capsys, *extra):
 
 
 def test_compare_rows_fit_and_budgets(tmp_path, capsys):
-    eps, budgets = [2, 4], ["12MiB", "13.5MiB", "64MiB"]
+    eps, budgets = [2, 4], ["12MiB", "14.5MiB", "64MiB"]
     rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "2,4", "--budgets", ",".join(budgets))
     assert rc == 0, cap.err
     rep = json.loads(out.read_text())
@@ -177,7 +179,9 @@ def test_compare_rows_fit_and_budgets(tmp_path, capsys):
     assert "does not fit" in cap.out and "modelled" in cap.out
     assert "not modelled: non-MoE time" in cap.out
     time_keys = {k for r in rep["rows"] for k in r if k.endswith("_ms")}
-    assert time_keys == {"modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms"}
+    assert time_keys == {"modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms",
+                         "planning_ms"}
+    assert "plan ms/layer" in cap.out and "MEASURED on this machine" in cap.out
 
     cfg = get_preset("tiny-qwen3")
     L = len(cfg.moe_layers)
@@ -189,6 +193,9 @@ def test_compare_rows_fit_and_budgets(tmp_path, capsys):
         assert r["peak_bytes"] <= budget
         assert r["modelled_all_layers_ms"] == pytest.approx(r["modelled_layer_ms"] * L)
         assert r["modelled_layer_ms"] == pytest.approx(sum(r["modelled_stages_ms"].values()))
+        # the measured planning time is a stage of the layer time (every rank plans)
+        assert r["planning_ms"] > 0
+        assert r["modelled_stages_ms"]["plan"] == pytest.approx(r["planning_ms"])
         # exact policies fit at the ledger level once they recompute
         G_ = r["ep"]
         ledger = Ledger.for_dtype(cfg, G_, budget, "bf16")
@@ -206,10 +213,10 @@ def test_compare_rows_fit_and_budgets(tmp_path, capsys):
         assert mode != "over" and max(t["total"] for t in terms) <= budget
         assert r["recompute_ratio"] == pytest.approx(sum(rec) / int(plan.assign_GGS.sum()))
     by = {(r["ep"], r["budget"], r["policy"]): r for r in rep["rows"]}
-    # ep 2: the owned state alone exceeds 12 MiB; ep 4 at 13.5 MiB: static recomputes
+    # ep 2: the owned state alone exceeds 12 MiB; ep 4 at 14.5 MiB: static recomputes
     assert all(not by[(2, "12MiB", p)]["fits"] for p in ("static", "symi", "lrmoe"))
     assert "owned state" in by[(2, "12MiB", "lrmoe")]["reason"]
-    assert by[(4, "13.5MiB", "static")]["fits"] and by[(4, "13.5MiB", "static")]["recompute_ratio"] > 0
+    assert by[(4, "14.5MiB", "static")]["fits"] and by[(4, "14.5MiB", "static")]["recompute_ratio"] > 0
     lr, sy = by[(4, "64MiB", "lrmoe")], by[(4, "64MiB", "symi")]
     assert lr["lrmoe_over_symi"] == pytest.approx(lr["modelled_layer_ms"] / sy["modelled_layer_ms"])
 
@@ -293,10 +300,21 @@ def test_trace_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "use it with --compare" in capsys.readouterr().err
 
 
+def _unmeasured(row: dict) -> dict:
+    """A row without what the measured planning time changes from run to run."""
+    out = {k: v for k, v in row.items()
+           if k not in ("planning_ms", "modelled_layer_ms", "modelled_all_layers_ms",
+                        "lrmoe_over_symi")}
+    if out.get("modelled_stages_ms"):
+        out["modelled_stages_ms"] = {k: v for k, v in out["modelled_stages_ms"].items()
+                                     if k != "plan"}
+    return out
+
+
 def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
     """--lrmoe-recompute: lrmoe keeps at least as many pairs, reports its recompute
     ratio and charges bwd_recompute time; the exact policies are unaffected."""
-    args = ("--ep-list", "4", "--budgets", "13.5MiB,64MiB")
+    args = ("--ep-list", "4", "--budgets", "14.5MiB,64MiB")
     rc, cap, out = _compare(tmp_path, capsys, *args)
     assert rc == 0, cap.err
     base = {(r["budget"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
@@ -305,9 +323,9 @@ def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
     rec = {(r["budget"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
     for key, r in rec.items():
         if key[1] != "lrmoe":
-            assert r == base[key]
+            assert _unmeasured(r) == _unmeasured(base[key])
             continue
         assert r["fits"] and r["keep_ratio"] >= base[key]["keep_ratio"]
         assert r["recompute_ratio"] is not None and base[key]["recompute_ratio"] is None
         assert (r["recompute_ratio"] > 0) == (r["modelled_stages_ms"]["bwd_recompute"] > 0)
-    assert rec[("13.5MiB", "lrmoe")]["recompute_ratio"] > 0
+    assert rec[("14.5MiB", "lrmoe")]["recompute_ratio"] > 0

@@ -26,7 +26,9 @@ GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H
 GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
                "one H200 (benchmarks/RESULTS.md)")
 NOT_MODELLED = ("non-MoE time (attention, dense layers, optimizer)", "overlap between stages",
-                "GEMM efficiency at other shapes", "local permute/combine kernels")
+                "GEMM efficiency at other shapes",
+                "selection, saved-row gathers, local permute/combine kernels (stages select, "
+                "gather, local: measured by bench ttl, zero here)")
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -59,9 +61,9 @@ def _fmt(x, spec: str) -> str:
 def compare_tables(rows: list[dict]) -> str:
     """The summary table and the per-stage table (ms per MoE layer), times modelled."""
     m = "modelled"
-    heads = [["", "", "", "", "ledger", "", "", "", "", m, m, m],
+    heads = [["", "", "", "", "ledger", "", "", "", "", "measured", m, m, m],
              ["ep", "budget", "policy", "fits", "peak/rank", "keep", "recompute", "replicas",
-              "s", "ms/layer", "ms/all layers", "lrmoe/symi"]]
+              "s", "plan ms/layer", "ms/layer", "ms/all layers", "lrmoe/symi"]]
     body = []
     for r in rows:
         rep = r["replicas"]
@@ -70,10 +72,13 @@ def compare_tables(rows: list[dict]) -> str:
                      _fmt(None if r["peak_bytes"] is None else fmt_bytes(r["peak_bytes"]), "s"),
                      _fmt(r["keep_ratio"], ".3f"), _fmt(r["recompute_ratio"], ".3f"),
                      "-" if rep is None else (f"{rep:.0f}" if rep == int(rep) else f"{rep:.1f}"),
-                     _fmt(r["slots_per_rank"], "d"), _fmt(r["modelled_layer_ms"], ".3f"),
+                     _fmt(r["slots_per_rank"], "d"), _fmt(r["planning_ms"], ".3f"),
+                     _fmt(r["modelled_layer_ms"], ".3f"),
                      _fmt(r["modelled_all_layers_ms"], ".2f"), _fmt(r["lrmoe_over_symi"], ".3f")])
     main = aligned(heads, body, {1, 2, 3})
-    short = {"fwd_dispatch": "f_disp", "fwd_experts": "f_exp", "fwd_combine": "f_comb",
+    short = {"plan": "plan", "count_exchange": "counts", "local": "local", "select": "select",
+             "gather": "gather", "fwd_dispatch": "f_disp", "fwd_experts": "f_exp",
+             "fwd_combine": "f_comb",
              "bwd_dispatch": "b_disp", "bwd_experts": "b_exp", "bwd_recompute": "b_recomp",
              "bwd_combine": "b_comb", "weight_scatter": "w_scatter", "grad_reduce": "g_reduce",
              "opt_d2h": "o_d2h", "opt_host_update": "o_host", "opt_h2d": "o_h2d"}
@@ -154,6 +159,9 @@ def run_compare(args: argparse.Namespace) -> int:
           "stages in sequence")
     if args.optimizer_offload == "host":
         print("  optimizer offload to host, modelled: " + offload_assumptions())
+    print("  planning (column plan ms/layer, stage plan) is MEASURED on this machine: each "
+          "policy's plan call per layer (with the exact policies' fit to the budget), charged "
+          "to every rank and included in ms/layer")
     print("  not modelled: " + "; ".join(NOT_MODELLED))
     print(compare_tables(rows))
     notes: dict[tuple, list[str]] = {}  # one line per (ep, budget, reason)

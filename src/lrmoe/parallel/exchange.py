@@ -13,6 +13,7 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -172,22 +173,23 @@ def _timed(stats: dict, key: str, device: torch.device):
 
 def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tensor,
                        home: HomeLayout, opts: BackwardOptions, generator, exact: bool,
-                       n_blocks: int):
+                       n_blocks: int, ret_pos: Tensor | None, plan: Plan, me: int):
     """One home rank's backward **select** and **compact** stages.
 
     Candidates are the retained rows in send order (token ``tok_c``, output-gradient scale
-    ``g_c``, gate ``gate_c``). Returns ``(tok_s, scale, sent_I, keep, sel_idx)``: the token
+    ``g_c``, gate ``gate_c``; ``ret_pos`` their send positions, ``None`` when every row
+    is retained). Returns ``(tok_s, scale, sent_I, keep, sel_idx)``: the token
     and scale of every row to ship (in send order), rows per block, the keep mask over the
     candidates (``None`` for an exact plan) and the shipped candidates' indices (``None``
     when every candidate is shipped: exact plan, or the compaction-off ablation, which
     ships all retained rows with the unselected ones' scale zeroed).
     """
-    weight = keep = sel_idx = None
-    ret_pos = home.retained_pos
-    blocks = home.block_of if ret_pos is None else home.block_of[ret_pos]
+    weight = keep = sel_idx = blocks = None
     if not exact:
         m = METRICS[opts.metric](dout_TH, tok_c, gate_c)
         if opts.estimator == "sampled":
+            blocks = send_blocks(plan, me, dout_TH.device)
+            blocks = blocks if ret_pos is None else blocks[ret_pos]
             keep, weight = select_sampled(m, blocks, home.select_I, generator)
         else:
             sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
@@ -208,6 +210,42 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     return tok_c[sel_idx], scale, sent_I, keep, sel_idx
 
 
+def retained_positions(plan: Plan, me: int, device: torch.device) -> Tensor | None:
+    """Send positions of home rank ``me``'s retained rows (each block's retained rows
+    come first), or ``None`` when every row is retained (``HomeLayout.retained_pos``)."""
+    assign, retain = plan.assign_GGS[me].reshape(-1), plan.retain_GGS[me].reshape(-1)
+    if torch.equal(retain, assign):
+        return None
+    return ranges(excl_cumsum(assign), retain, device)
+
+
+def send_blocks(plan: Plan, me: int, device: torch.device) -> Tensor:
+    """Global instance index of each of home rank ``me``'s send rows
+    (``HomeLayout.block_of``)."""
+    assign = plan.assign_GGS[me].reshape(-1)
+    return torch.repeat_interleave(torch.arange(assign.numel(), device=device),
+                                   to_device(assign, device), output_size=int(assign.sum()))
+
+
+def backward_home(home: HomeLayout) -> HomeLayout:
+    """The part of a send layout the backward reads: the fields it rebuilds from the plan
+    (:func:`retained_positions`, :func:`send_blocks`) and ``send_pos_P`` (equal to
+    ``send_row_P`` where the backward looks) are dropped, so they are not kept alive
+    between forward and backward."""
+    return dataclasses.replace(home, send_pos_P=home.send_row_P, retained_pos=None,
+                               block_of=None)
+
+
+def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
+    """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
+    slots, or only the occupied ones when the instance weights leave out the empty
+    slots (:func:`lrmoe.parallel.weights.instance_weights`; empty slots hold no rows)."""
+    if n_weights == len(counts_S):
+        return counts_S
+    occ = (plan.inst_expert_GS[me] >= 0).tolist()
+    return [c for c, o in zip(counts_S, occ) if o]
+
+
 class ExpertExchange(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: dispatch, experts, combine.
 
@@ -225,11 +263,18 @@ class ExpertExchange(torch.autograd.Function):
         me, K, H = comm.rank, st.top_k, x_TH.shape[1]
         T = x_TH.shape[0]
         es = x_TH.element_size()
+        counts = occupied_counts(recv.counts, plan, me, w13_S.shape[0])
+        # Transients are dropped as soon as they are consumed (Ledger.buffer_bytes
+        # counts what is left alive at the largest point).
         x_send = x_TH[home.src_pair // K]
+        n_send = x_send.shape[0]
         x_recv = comm.all_to_all(x_send, home.splits, recv.splits)
+        del x_send
+        n_recv = x_recv.shape[0]
         x_inst = permute_rows(x_recv, recv.to_inst)
+        del x_recv
         with _timed(st.stats, "expert_fwd_ms", x_TH.device):
-            y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, recv.counts)
+            y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, counts)
 
         # Retention: keep activations of retained rows only, in (s, g, j) order. On a
         # fidelity step of an approximate plan every row is kept (a monitoring cost), so
@@ -249,25 +294,31 @@ class ExpertExchange(torch.autograd.Function):
             inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
             keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
             saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows[n_rec:]]
-        del gu_inst
+            del keep_rows
+        del gu_inst, x_inst
 
         y_recv = unpermute_rows(y_inst, recv.to_inst)
+        del y_inst
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
+        del y_recv
         # combine: dropped pairs (capacity policy) get weight 0 on a clamped row
-        row_TK, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
+        row_TK, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
         w_TK = gate_TK if valid_TK is None else gate_TK * valid_TK
         if y_send.shape[0] == 0:
             out = x_TH.new_zeros(T, H)
         else:
             out = fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK)
 
-        n_send, n_recv = x_send.shape[0], x_recv.shape[0]
         st.stats.update(
             fwd_rows=n_recv, retained_rows=int(ret_GS.sum()),
             fwd_dispatch_bytes_sent=n_send * H * es, fwd_dispatch_bytes_recv=n_recv * H * es,
             fwd_combine_bytes_sent=n_recv * H * es, fwd_combine_bytes_recv=n_send * H * es,
             saved_act_bytes=saved_x.numel() * saved_x.element_size()
             + saved_gu.numel() * saved_gu.element_size())
+        # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
+        # pair_index): the receive layout, the retained send positions and each send
+        # row's block are rebuilt from the plan there.
+        st.recv, st.home = None, backward_home(home)
         ctx.st, ctx.saved_SG, ctx.n_rec = st, saved_SG, n_rec
         ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
         return out
@@ -288,21 +339,22 @@ class ExpertExchange(torch.autograd.Function):
             dgate = w_TK.new_zeros(T, K)
         else:
             dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout_TH)
-            _, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
+            _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
             if valid_TK is not None:  # dropped pairs contributed nothing
                 dgate = dgate * valid_TK
         dgate = dgate.to(w_TK.dtype)
         # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
         # the unscaled dout[t] row plus the scale g (folded into the expert backward's
         # elementwise kernels on the receiver, so no scaled copy of the rows is made).
-        ret_pos = home.retained_pos
+        ret_pos = retained_positions(plan, me, dev)
         pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
         tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
 
         # --- select and compact (global exactness: every rank takes the same collectives)
         exact = torch.equal(plan.select_GGS, plan.retain_GGS)
         tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
-            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact, G * S)
+            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact, G * S,
+            ret_pos, plan, me)
         rows = dout_TH[tok_s]
         sent_GS = sent_I.reshape(G, S)
         if keep is not None and opts.compaction and opts.estimator == "sampled":
@@ -325,6 +377,7 @@ class ExpertExchange(torch.autograd.Function):
                 plan.assign_GGS[:, me, :], saved, w13_S, w2_S)
             # compare per expert (replicas on this rank summed), as the optimizer sees them
             ie = plan.inst_expert_GS[me]
+            ie = ie if w13_S.shape[0] == ie.numel() else ie[ie >= 0]
             idx = to_device(ie.clamp(min=0), dev)
             E = int(ie.max()) + 1
 
@@ -343,7 +396,7 @@ class ExpertExchange(torch.autograd.Function):
         else:
             row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
             row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
-            row, valid = _pair_rows(row_of_pair, n_rows, T, K)
+            row, valid = pair_rows(row_of_pair, n_rows, T, K)
         if n_rows == 0:
             dx_TH = dout_TH.new_zeros(T, H)
         else:
@@ -362,7 +415,7 @@ class ExpertExchange(torch.autograd.Function):
         return dx_TH, dgate, dw13, dw2, None
 
 
-def _pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:
+def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:
     """Rows ``[T, K]`` into an ``n``-row buffer; rows ``>= n`` mean "no row": they are
     clamped and a 0/1 weight mask is returned (``None`` when every row is valid)."""
     row = row_P.view(T, K)
@@ -396,7 +449,8 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
     scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
     if recompute_rows:  # rebuild the saved rows' gate_up outputs (instance order) first
-        per_inst = saved_SG.reshape(S, G).sum(1).tolist()
+        per_inst = occupied_counts(saved_SG.reshape(S, G).sum(1).tolist(), plan, comm.rank,
+                                   w13_S.shape[0])
         with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
             head = gate_up(saved_x[:recompute_rows], w13_S, prefix_counts(per_inst, recompute_rows))
         saved_gu = torch.cat([head, saved_gu])
@@ -410,9 +464,10 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
         rows_saved = to_device(excl_cumsum(saved_SG), dev)[blk] + permute_rows(j_recv, rl.to_inst)
         x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
         dy_inst = permute_rows(dy_recv, rl.to_inst)
-    offs = offsets(rl.counts, dev)
+    counts = occupied_counts(rl.counts, plan, comm.rank, w13_S.shape[0])
+    offs = offsets(counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, rl.counts, offs,
+        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, counts, offs,
                                              scale=scale_inst)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)

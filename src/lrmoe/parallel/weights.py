@@ -16,8 +16,12 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.policy.plan import Plan
 
 
-class _Route:
-    """Which owned rows go where, and where arriving rows land, for one plan."""
+class InstanceRoute:
+    """Which owned rows go where, and where arriving rows land, for one plan.
+
+    Only occupied slots get weights: arriving rows land at ``recv_slots``, positions
+    among this rank's occupied slots (slot order), so an empty slot allocates nothing.
+    """
 
     def __init__(self, plan: Plan, me: int, E: int):
         G, S = plan.G, plan.S
@@ -30,16 +34,17 @@ class _Route:
         self.send_splits = mine.sum(1).tolist()
         # Receive: my slots sorted by owner rank (stable in slot order).
         my_owner = owner[me]
-        slots = [s for s in range(S) if my_owner[s] >= 0]
-        slots.sort(key=lambda s: (int(my_owner[s]), s))
-        self.recv_slots = slots
+        occupied = [s for s in range(S) if my_owner[s] >= 0]
+        pos = {s: i for i, s in enumerate(occupied)}
+        slots = sorted(occupied, key=lambda s: (int(my_owner[s]), s))
+        self.recv_slots = [pos[s] for s in slots]
         self.recv_splits = [int((my_owner == g).sum()) for g in range(G)]
-        self.S = S
+        self.S = len(occupied)
 
 
 class GatherInstances(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w_own: Tensor, route: _Route, comm: EPComm) -> Tensor:
+    def forward(ctx, w_own: Tensor, route: InstanceRoute, comm: EPComm) -> Tensor:
         send = w_own[route.send_rows]
         recv = comm.all_to_all(send, route.send_splits, route.recv_splits)
         out = w_own.new_zeros((route.S,) + tuple(w_own.shape[1:]))
@@ -59,13 +64,26 @@ class GatherInstances(torch.autograd.Function):
 
 
 def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
-    """Weights ``[S, ...]`` for this rank's slots from the owned experts ``[E/G, ...]``.
+    """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from the
+    owned experts ``[E/G, ...]``; empty slots get no weights (the exchange runs its
+    grouped GEMMs over the occupied slots, :func:`lrmoe.parallel.exchange.occupied_counts`).
 
-    When the slots are exactly the owned experts in order (the static plan), the owned
-    tensor is returned as is: no copy, no communication.
+    When the occupied slots are exactly the owned experts in order (the static plan, or
+    any plan that places no replica on this rank) and no other rank holds a replica of
+    them, the owned tensor is returned as is: no copy, no communication.
     """
     me, per = comm.rank, E // plan.G
     row = plan.inst_expert_GS[me]
-    if plan.S == per and torch.equal(row, torch.arange(me * per, (me + 1) * per)):
+    if (torch.equal(row[row >= 0], torch.arange(me * per, (me + 1) * per))
+            and _no_replicas(plan)):
         return w_own
-    return GatherInstances.apply(w_own, _Route(plan, me, E), comm)
+    return GatherInstances.apply(w_own, InstanceRoute(plan, me, E), comm)
+
+
+def _no_replicas(plan: Plan) -> bool:
+    """Every rank's occupied slots are exactly its natives, in order: no rank needs a
+    weight from another (every rank takes the same branch, so all skip the all-to-all)."""
+    ie = plan.inst_expert_GS
+    occ = (ie >= 0).sum(1)
+    return (bool((occ == occ[0]).all())
+            and torch.equal(ie[ie >= 0], torch.arange(int(occ.sum()))))

@@ -35,6 +35,9 @@ several count matrices (e.g. sampled steps and layers of a routing trace).
 
 from __future__ import annotations
 
+import time
+
+import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig
@@ -59,7 +62,8 @@ PROJECTED = ("static", "symi", "lrmoe")
 
 def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: int = 2,
                    bytes_w: int = 2, recompute_rows: list[int] | None = None,
-                   recompute_mode: str = "pairs") -> VirtualStats:
+                   recompute_mode: str = "pairs",
+                   plan_ms: float = 0.0) -> VirtualStats:
     """MODELLED stats of one layer's step under ``plan``: nothing runs, nothing is timed.
 
     Args:
@@ -73,6 +77,8 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
             a budget); :mod:`lrmoe.sim.cost` charges them.
         recompute_mode: :meth:`lrmoe.memory.Ledger.exact_fit`'s mode (``pairs``: gate_up
             of those rows; ``layer``: a whole-layer checkpoint).
+        plan_ms: the planning time per layer (measured by the caller), charged to every
+            rank (each computes the plan) as the emulator does.
     Returns:
         A :class:`VirtualStats` with ``rows``, ``rows_GG``, ``bytes_GG``, ``expert_ms``
         (modelled) and ``saved_act_bytes``.
@@ -100,6 +106,10 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
         stats.rows_GG[name] = rows_GG.contiguous()
         stats.bytes_GG[name] = rows_GG * row_bytes
 
+    # the count all-gather: E int64 to every peer (comm.all_gather_counts)
+    stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
+    stats.bytes_GG["count_allgather"] = torch.full((G, G), E * 8, dtype=torch.long)
+    stats.stage_ms["plan"] = [float(plan_ms)] * G
     fwd = plan.rank_load().tolist()
     selected = plan.rank_backward_load().tolist()
     retained = plan.retain_GGS.sum(dim=(0, 2)).tolist()
@@ -112,6 +122,14 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     }
     stats.saved_act_bytes = [n * (H + 2 * F) * bytes_act for n in retained]
     return stats
+
+
+def _timed(ms: list[float], fn, *args):
+    """``fn(*args)``, appending its wall time in ms to ``ms`` (measured, this machine)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    ms.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> StepTimes:
@@ -170,14 +188,18 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     Returns:
         A JSON-ready row: ``fits`` (and ``reason`` when not), ledger ``peak_bytes``,
         ``keep_ratio``/``retain_ratio`` (lrmoe), ``recompute_ratio`` (static, symi),
-        mean ``replicas``, symi's ``slots_per_rank`` and, when it fits, the mean over
-        samples of the modelled ms per MoE layer (total and per stage) and × L.
+        mean ``replicas``, symi's ``slots_per_rank``, ``planning_ms`` (the policy's
+        planning time per layer, measured here: the plan call and, for the exact
+        policies, their fit to the budget) and, when it fits, the mean over samples of
+        the modelled ms per MoE layer (total and per stage, the measured planning time
+        included as stage ``plan``, charged to every rank) and × L.
     """
     require(name in PROJECTED, f"policy {name!r} is not projected; use one of {PROJECTED}")
     G = ledger.G
     row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
            "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
            "recompute_ratio": None, "layer_checkpoint_share": None, "replicas": None,
+           "planning_ms": None,
            "slots_per_rank": None,
            "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
            "lrmoe_over_symi": None}
@@ -187,19 +209,24 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
                          f"> budget {fmt_bytes(ledger.budget_bytes)}")
         return row
     pops = [c.sum(0) for c in samples]
+    ms: list[float] = []  # measured planning time per sample (per layer)
+    warm: list[float] = []  # one untimed call first (lazy inits), as a run's steady state
     try:
         if name == "static":
-            plans = [StaticPolicy().plan(c, PlanInputs()) for c in samples]
+            _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
+            plans = [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples]
         elif name == "symi":
             s = slots_per_rank
             if s is None:
                 s = fastest_symi_slots(cfg, ledger, samples, pops, link, rate_flops)
             row["slots_per_rank"] = s
-            plans = [plan_symi(c, s, p) for c, p in zip(samples, pops)]
+            _timed(warm, plan_symi, samples[0], s, pops[0])
+            plans = [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)]
         else:
             policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
                                               lrmoe=lrmoe or LrmoeConfig()), cfg, G)
-            plans = [policy.plan(c, PlanInputs(prev_counts_E=p, ledger=ledger))
+            _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
+            plans = [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
                      for c, p in zip(samples, pops)]
     except LrmoeError as e:
         row["reason"] = str(e)
@@ -208,12 +235,14 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     recs: list[list[int] | None] = []
     modes: list[str] = []
     peak = 0
-    for plan in plans:
+    for i, plan in enumerate(plans):
         if name == "lrmoe":  # its own recompute rows, if it plans any
             rec = None if plan.recompute_G is None else plan.recompute_G.tolist()
             mode, terms = "pairs", ledger.rank_terms(plan)
-        else:
+        else:  # the exact policy's fit to the budget is part of its planning (fit_exact)
+            t0 = time.perf_counter()
             mode, rec, terms = ledger.exact_fit(plan)
+            ms[i] += (time.perf_counter() - t0) * 1e3
         peak = max(peak, max(t["total"] for t in terms))
         recs.append(rec)
         modes.append(mode)
@@ -232,8 +261,9 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
     if all(rec is not None for rec in recs):
         row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
-    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode)
-             for p, rec, mode in zip(plans, recs, modes)]
+    row["planning_ms"] = sum(ms) / len(ms)
+    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
+                            plan_ms=t) for p, rec, mode, t in zip(plans, recs, modes, ms)]
     st = mean_step_times(stats, link, offload_for(ledger, name))
     row["fits"] = True
     row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}

@@ -7,8 +7,14 @@ fit a budget) is modelled from the rank's measured forward expert time: recomput
 ``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
 SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
 checkpoint (``recompute_mode`` ``layer`` or ``over``) costs each rank its forward
-dispatch, experts and combine again. Stages run one after another (no overlap is
-modelled). Everything here is **emulated** cluster time, never measured.
+dispatch, experts and combine again. The control plane and the local work are charged
+too: ``plan`` (the measured planning time, charged to every rank: each computes the
+plan), ``count_exchange`` (modelled from bytes: the count all-gather, E int64 per peer,
+and the sampled estimator's count exchange, S int64 per peer), and the measured
+``select`` (metric, selection sorts, compaction), ``gather`` (saved rows gathered in
+forward and backward) and ``local`` (counting, layouts, permutes, combine kernels)
+(:data:`lrmoe.sim.virtual.MEASURED_STAGES`). Stages run one after another (no overlap
+is modelled). Everything here is **emulated** cluster time, never measured.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from lrmoe.sim.links import Link, alltoall_time
-from lrmoe.sim.virtual import VirtualStats
+from lrmoe.sim.virtual import EXCHANGES, MEASURED_STAGES, VirtualStats
 
-STAGES = ("fwd_dispatch", "fwd_experts", "fwd_combine", "bwd_dispatch", "bwd_experts",
+STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
+          "select", "gather", "bwd_dispatch", "bwd_experts",
           "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce",
           "opt_d2h", "opt_host_update", "opt_h2d")  # opt_*: --optimizer-offload host
 RECOMPUTE_SHARE = 2 / 3  # gate_up's share of a SwiGLU expert's forward GEMMs
@@ -36,6 +43,11 @@ class StepTimes:
     seconds (summed over layers) for inspection.
     """
 
+    plan: float = 0.0
+    count_exchange: float = 0.0
+    local: float = 0.0
+    select: float = 0.0
+    gather: float = 0.0
     fwd_dispatch: float = 0.0
     fwd_experts: float = 0.0
     fwd_combine: float = 0.0
@@ -79,8 +91,7 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     """Per stage, each virtual rank's emulated seconds for one layer's step."""
     G = stats.plan.G
     out: dict[str, list[float]] = {}
-    for ex in ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine", "weight_scatter",
-               "grad_reduce"):
+    for ex in EXCHANGES:
         if ex not in stats.bytes_GG:
             out[ex] = [0.0] * G
             continue
@@ -89,6 +100,11 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
             out[ex] = [0.0] * G
         else:
             out[ex] = alltoall_time(sent, recv, link, G)
+    counts = [[0.0] * G] + [out.pop(ex) for ex in ("count_allgather", "bwd_count_exchange")
+                            if ex in out]
+    out["count_exchange"] = [sum(v) for v in zip(*counts)]
+    for k in MEASURED_STAGES:
+        out[k] = [ms / 1e3 for ms in stats.stage_ms.get(k, [0.0] * G)]
     out["fwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
     out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
     rec = stats.recompute_rows or [0] * G

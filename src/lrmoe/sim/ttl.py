@@ -9,13 +9,17 @@ single-process forward (the forward of every policy here is exact and dropless).
 Per step this records:
 
 * ``moe_emulated_s``: :func:`lrmoe.sim.cost.step_times` summed over the MoE layers
-  (slowest virtual rank per stage; measured per-rank expert kernels, modelled links);
+  (slowest virtual rank per stage; measured per-rank expert kernels, selection, gathers
+  and local kernels, measured planning charged to every rank, modelled links and count
+  exchanges);
 * ``moe_wall_s`` (measured): the emulator's own wall time, per MoE layer the forward
-  call (router, plan, G ranks' experts, shared experts) plus the backward from the grad
-  hook on the layer's output to the grad hook on its input;
+  call (count, plan, G ranks' experts and exchanges) plus the backward from the grad
+  hook on the layer's output to the end of the exchange's backward — the router and
+  the shared experts are left out (they are per-token work, charged below);
 * ``non_moe_measured_s``: step wall (batch fetch .. after ``end_step``) minus
-  ``moe_wall_s``: embedding, attention, dense MLPs, norms, head, loss, clipping, AdamW
-  over all parameters, for all G ranks' tokens in this one process;
+  ``moe_wall_s``: embedding, attention, dense MLPs, norms, the routers and shared
+  experts, head, loss, clipping, AdamW over all parameters, for all G ranks' tokens in
+  this one process;
 * ``non_moe_s = non_moe_measured_s / G``: the per-rank share (modelled: assumes that
   work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
   non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.

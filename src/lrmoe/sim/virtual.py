@@ -21,16 +21,18 @@ E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual 
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
-from lrmoe.parallel.exchange import BackwardOptions, _pair_rows, select_and_compact
+from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.parallel.exchange import BackwardOptions, pair_rows, select_and_compact
 from lrmoe.parallel.layout import (
     HomeLayout,
     RecvLayout,
@@ -42,13 +44,19 @@ from lrmoe.parallel.layout import (
     to_device,
     unpermute_rows,
 )
-from lrmoe.parallel.weights import _Route
+from lrmoe.parallel.weights import InstanceRoute
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.plan import Plan
 from lrmoe.timing import timed
 
 EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
-             "weight_scatter", "grad_reduce")
+             "weight_scatter", "grad_reduce", "count_allgather", "bwd_count_exchange")
+# Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``):
+# ``plan`` (the policy's plan, its check and the ledger pricing; every rank computes
+# it, so every rank is charged), ``select`` (metric, selection sorts, compaction),
+# ``gather`` (gathers of saved rows: retention in forward, selected rows in backward)
+# and ``local`` (counting, layouts, permutes, combine kernels and their backward).
+MEASURED_STAGES = ("plan", "select", "gather", "local")
 
 
 # ------------------------------------------------------------------------ all-to-all
@@ -68,6 +76,13 @@ def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[
     return out
 
 
+def _links(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
+    """:func:`virtual_all_to_all` inside a ``stage:link`` profiler range: its time is the
+    emulator's stand-in for a link, charged by the link model, never measured."""
+    with torch.profiler.record_function("stage:link"):
+        return virtual_all_to_all(send_G, splits_G)
+
+
 def _rows_GG(splits_G: list[list[int]]) -> Tensor:
     """``[src, dst]`` rows of one exchange (int64, CPU)."""
     return torch.tensor(splits_G, dtype=torch.long).reshape(len(splits_G), -1)
@@ -82,10 +97,14 @@ class _Timers:
         self.ms: dict[str, list[float]] = {}
         self.events: list[tuple[str, int, object, object]] = []
 
+    @contextlib.contextmanager
     def time(self, key: str, g: int):
-        return timed(torch.device("cuda" if self.cuda else "cpu"),
-                     lambda ms: self.add(key, g, ms),
-                     lambda ev_a, ev_b: self.events.append((key, g, ev_a, ev_b)))
+        """Time rank g's region into bucket ``key``, inside a profiler range
+        ``stage:<key>`` (the check that every op of a step is charged to a stage)."""
+        with torch.profiler.record_function(f"stage:{key}"), timed(
+                torch.device("cuda" if self.cuda else "cpu"), lambda ms: self.add(key, g, ms),
+                lambda ev_a, ev_b: self.events.append((key, g, ev_a, ev_b))):
+            yield
 
     def add(self, key: str, g: int, ms: float) -> None:
         self.ms.setdefault(key, [0.0] * self.G)[g] += ms
@@ -112,6 +131,13 @@ class VirtualStats:
         bytes_GG: per exchange, ``[src, dst]`` bytes sent (exact, from the splits; the
             diagonal is a rank's copy to itself, which no link carries).
         expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
+        stage_ms: each rank's measured time (ms) of the :data:`MEASURED_STAGES`.
+        dense_fwd_s: measured wall seconds of the router and the shared experts in
+            forward (all ranks' tokens): work that is not the routed experts', which
+            ``bench ttl`` charges to the non-MoE time, as for attention.
+        bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
+            sync); what follows in the layer's backward is the router's and the shared
+            experts' (non-MoE) work.
         saved_act_bytes: activation bytes each rank kept for backward.
         ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
             a recompute ledger, the terms after that recompute).
@@ -130,6 +156,9 @@ class VirtualStats:
     bytes_GG: dict[str, Tensor] = field(default_factory=dict)
     expert_ms: dict[str, list[float]] = field(default_factory=dict)
     saved_act_bytes: list[int] = field(default_factory=list)
+    stage_ms: dict[str, list[float]] = field(default_factory=dict)
+    dense_fwd_s: float = 0.0
+    bwd_end_s: float | None = None
     ledger_total_bytes: list[int] | None = None
     recompute_rows: list[int] | None = None
     recompute_mode: str = "fits"
@@ -198,9 +227,12 @@ class VirtualExchange(torch.autograd.Function):
         w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
 
         # dispatch
-        x_send_G = [x_G[g][st.homes[g].src_pair // K] for g in range(G)]
+        x_send_G = []
+        for g in range(G):
+            with st.timers.time("local", g):
+                x_send_G.append(x_G[g][st.homes[g].src_pair // K])
         splits_G = [h.splits for h in st.homes]
-        x_recv_G = virtual_all_to_all(x_send_G, splits_G)
+        x_recv_G = _links(x_send_G, splits_G)
         rows = _rows_GG(splits_G)
         st.stats.rows_GG["fwd_dispatch"] = rows
         st.stats.bytes_GG["fwd_dispatch"] = rows * H * es
@@ -211,18 +243,21 @@ class VirtualExchange(torch.autograd.Function):
         y_recv_G, saved = [], []
         for r in range(G):
             recv = st.recvs[r]
-            x_inst = permute_rows(x_recv_G[r], recv.to_inst)
+            with st.timers.time("local", r):
+                x_inst = permute_rows(x_recv_G[r], recv.to_inst)
             with st.timers.time("expert_fwd", r):
                 y_inst, gu_inst = swiglu_forward(x_inst, w13_G[r], w2_G[r], recv.counts)
             ret_GS, asg_GS = plan.retain_GGS[:, r, :], plan.assign_GGS[:, r, :]
-            if torch.equal(ret_GS, asg_GS):
-                sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
-            else:
-                sSG = ret_GS.t().reshape(-1)
-                keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
-                sx, sgu = x_inst[keep], gu_inst[keep]
+            with st.timers.time("gather", r):
+                if torch.equal(ret_GS, asg_GS):
+                    sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
+                else:
+                    sSG = ret_GS.t().reshape(-1)
+                    keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
+                    sx, sgu = x_inst[keep], gu_inst[keep]
             saved.append((sx, sgu, sSG))
-            y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
+            with st.timers.time("local", r):
+                y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
         st.stats.rows["fwd"] = plan.rank_load().tolist()
         st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
         rec_G = [0] * G if plan.recompute_G is None else plan.recompute_G.tolist()
@@ -231,16 +266,17 @@ class VirtualExchange(torch.autograd.Function):
                                     for (sx, sgu, _), n in zip(saved, rec_G)]
 
         # combine, per home rank
-        y_send_G = virtual_all_to_all(y_recv_G, [r.splits for r in st.recvs])
+        y_send_G = _links(y_recv_G, [r.splits for r in st.recvs])
         outs, w_TK_G, rows_TK_G = [], [], []
         for g in range(G):
             y_send = y_send_G[g]
-            row_TK, valid_TK = _pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
-            w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
-            if y_send.shape[0] == 0:
-                outs.append(x_G[g].new_zeros(T, H))
-            else:
-                outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
+            with st.timers.time("local", g):
+                row_TK, valid_TK = pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
+                w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
+                if y_send.shape[0] == 0:
+                    outs.append(x_G[g].new_zeros(T, H))
+                else:
+                    outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
             w_TK_G.append(w_TK)
             rows_TK_G.append(row_TK)
         st.timers.resolve()
@@ -267,23 +303,27 @@ class VirtualExchange(torch.autograd.Function):
         for g in range(G):
             home, y_send, w_TK, row_TK = st.homes[g], ctx.y_send_G[g], ctx.w_TK_G[g], ctx.rows_TK_G[g]
             dout = dout_G[g]
-            if y_send.shape[0] == 0:
-                dgate = w_TK.new_zeros(T, K)
-            else:
-                dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout)
-                _, valid_TK = _pair_rows(home.send_row_P, y_send.shape[0], T, K)
-                if valid_TK is not None:
-                    dgate = dgate * valid_TK
-            dgate_G.append(dgate.to(w_TK.dtype))
-            ret_pos = home.retained_pos
-            pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-            tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
-            tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
-                dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact, G * S)
-            cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
-            sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
-            rows_G.append(dout[tok_s].contiguous())
-            j_G.append(home.j_in_block[sel_pos])
+            with st.timers.time("local", g):
+                if y_send.shape[0] == 0:
+                    dgate = w_TK.new_zeros(T, K)
+                else:
+                    dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout)
+                    _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
+                    if valid_TK is not None:
+                        dgate = dgate * valid_TK
+                dgate_G.append(dgate.to(w_TK.dtype))
+            with st.timers.time("select", g):
+                ret_pos = home.retained_pos
+                pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
+                tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
+                tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
+                    dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact,
+                    G * S, ret_pos, plan, g)
+                cand_pos = (ret_pos if ret_pos is not None
+                            else torch.arange(home.src_pair.numel(), device=dev))
+                sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
+                rows_G.append(dout[tok_s].contiguous())
+                j_G.append(home.j_in_block[sel_pos])
             scale_G.append(scale.float())
             sent_G.append(sent_I.reshape(G, S))
             sel_pos_G.append((sel_pos, sel_idx))
@@ -292,10 +332,17 @@ class VirtualExchange(torch.autograd.Function):
         # --- the reverse exchange (_experts_backward for all ranks at once)
         send_splits_G = [s.sum(1).tolist() for s in sent_G]
         recv_GS_G = [torch.stack([sent_G[g][r] for g in range(G)]) for r in range(G)]
-        rls = [recv_layout(recv_GS_G[r], dev) for r in range(G)]
-        dy_recv_G = virtual_all_to_all(rows_G, send_splits_G)
-        j_recv_G = virtual_all_to_all(j_G, send_splits_G)
-        sc_recv_G = virtual_all_to_all(scale_G, send_splits_G)
+        if keep_G[0] is not None and opts.compaction and opts.estimator == "sampled":
+            # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
+            st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
+            st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
+        rls = []
+        for r in range(G):
+            with st.timers.time("local", r):
+                rls.append(recv_layout(recv_GS_G[r], dev))
+        dy_recv_G = _links(rows_G, send_splits_G)
+        j_recv_G = _links(j_G, send_splits_G)
+        sc_recv_G = _links(scale_G, send_splits_G)
         rows = _rows_GG(send_splits_G)
         st.stats.rows_GG["bwd_dispatch"] = rows
         st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
@@ -305,25 +352,29 @@ class VirtualExchange(torch.autograd.Function):
         for r in range(G):
             rl, recv_GS = rls[r], recv_GS_G[r]
             saved_x, saved_gu, saved_SG = ctx.saved[r]
-            scale_inst = permute_rows(sc_recv_G[r], rl.to_inst)
-            dy_inst = permute_rows(dy_recv_G[r], rl.to_inst)
-            if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
-                x_sel, gu_sel = saved_x, saved_gu
-            else:
-                n = int(recv_GS.sum())
-                blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
-                                              to_device(recv_GS.t().reshape(-1), dev), output_size=n)
-                rows_saved = (to_device(excl_cumsum(saved_SG), dev)[blk]
-                              + permute_rows(j_recv_G[r], rl.to_inst))
-                x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
-            offs = offsets(rl.counts, dev)
+            with st.timers.time("local", r):
+                scale_inst = permute_rows(sc_recv_G[r], rl.to_inst)
+                dy_inst = permute_rows(dy_recv_G[r], rl.to_inst)
+                offs = offsets(rl.counts, dev)
+            with st.timers.time("gather", r):
+                if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
+                    x_sel, gu_sel = saved_x, saved_gu
+                else:
+                    n = int(recv_GS.sum())
+                    blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
+                                                  to_device(recv_GS.t().reshape(-1), dev),
+                                                  output_size=n)
+                    rows_saved = (to_device(excl_cumsum(saved_SG), dev)[blk]
+                                  + permute_rows(j_recv_G[r], rl.to_inst))
+                    x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
             with st.timers.time("expert_bwd", r):
                 dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_G[r], w2_G[r],
                                                      rl.counts, offs, scale=scale_inst)
-            dx_recv_G.append(unpermute_rows(dx_inst, rl.to_inst))
+            with st.timers.time("local", r):
+                dx_recv_G.append(unpermute_rows(dx_inst, rl.to_inst))
             dw13_G.append(dw13)
             dw2_G.append(dw2)
-        dx_back_G = virtual_all_to_all(dx_recv_G, [rl.splits for rl in rls])
+        dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
         st.stats.rows["bwd"] = [int(d.shape[0]) for d in dy_recv_G]
         st.stats.rows["selected"] = [
             int(recv_GS_G[r].sum()) if keep_G[0] is None or opts.compaction
@@ -335,19 +386,23 @@ class VirtualExchange(torch.autograd.Function):
             home, dx_back = st.homes[g], dx_back_G[g]
             sel_pos, sel_idx = sel_pos_G[g]
             n_rows = dx_back.shape[0]
-            if home.retained_pos is None and sel_idx is None and not home.dropped:
-                row, valid = ctx.rows_TK_G[g], None
-            else:
-                row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
-                row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
-                row, valid = _pair_rows(row_of_pair, n_rows, T, K)
-            if n_rows == 0:
-                dx_G.append(dout_G[g].new_zeros(T, H))
-            else:
-                ones = torch.ones(T, K, device=dev) if valid is None else valid
-                dx_G.append(fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones))
+            with st.timers.time("local", g):
+                if home.retained_pos is None and sel_idx is None and not home.dropped:
+                    row, valid = ctx.rows_TK_G[g], None
+                else:
+                    row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
+                    row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
+                    row, valid = pair_rows(row_of_pair, n_rows, T, K)
+                if n_rows == 0:
+                    dx_G.append(dout_G[g].new_zeros(T, H))
+                else:
+                    ones = torch.ones(T, K, device=dev) if valid is None else valid
+                    dx_G.append(fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones))
         st.timers.resolve()
         st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
+        for k in MEASURED_STAGES[1:]:  # forward and backward together
+            st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
+        st.stats.bwd_end_s = time.perf_counter()
         return torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
 
 
@@ -370,7 +425,7 @@ def replica_rows_GG(plan: Plan, E: int) -> Tensor:
     """``[owner, dst]`` expert instances the owners send for the weight scatter (the
     same counts go back in the gradient reduce), from the runtime's own routing."""
     G = plan.G
-    return torch.tensor([_Route(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
+    return torch.tensor([InstanceRoute(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------- layer
@@ -427,18 +482,69 @@ class VirtualEPLayer:
             raise ValueError(f"{N} tokens do not split over G={G} virtual ranks")
         T, E, K = N // G, layer.cfg.num_experts, layer.cfg.num_experts_per_tok
         dev = x_NH.device
+        timers = _Timers(G, dev)
+        t0 = _now(dev)
         # route (row-wise, so routing all tokens at once equals routing each shard)
-        r = layer.router(x_NH)
+        with torch.profiler.record_function("stage:route"):
+            r = layer.router(x_NH)
+        dense_s = _now(dev) - t0
         idx_GP = r.idx_TK.reshape(G, T * K)
         gate_GP = r.gate_TK.reshape(G, T * K)
         # count
-        counts_GE = torch.stack([torch.bincount(idx_GP[g], minlength=E) for g in range(G)]).long().cpu()
+        counts = []
+        for g in range(G):
+            with timers.time("local", g):
+                counts.append(torch.bincount(idx_GP[g], minlength=E))
+        counts_GE = torch.stack(counts).long().cpu()
         glob = counts_GE.sum(0)
         self.last_aux_loss = None
         if r.probs_TE is not None and layer.training:
             # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
-            self.last_aux_loss = aux_loss(r.probs_TE, glob, N, layer.cfg.router_aux_loss_coef)
-        # plan
+            with torch.profiler.record_function("stage:route"):
+                t1 = _now(dev)
+                self.last_aux_loss = aux_loss(r.probs_TE, glob, N, layer.cfg.router_aux_loss_coef)
+                dense_s += _now(dev) - t1
+        # plan: every rank computes the same plan, so every rank is charged its time
+        with torch.profiler.record_function("stage:plan"):
+            t1 = time.perf_counter()
+            plan, stats = self._plan(counts_GE)
+            plan_ms = (time.perf_counter() - t1) * 1e3
+        stats.dense_fwd_s = dense_s
+        # the count all-gather (comm.all_gather_counts): E int64 to every peer
+        stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
+        stats.bytes_GG["count_allgather"] = torch.full((G, G), E * 8, dtype=torch.long)
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
+        with torch.profiler.record_function("stage:weight_scatter"):
+            w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
+            w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)
+        rep = replica_rows_GG(plan, E)
+        per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
+        stats.rows_GG["weight_scatter"] = rep
+        stats.bytes_GG["weight_scatter"] = rep * per_inst
+        stats.rows_GG["grad_reduce"] = rep.t().contiguous()
+        stats.bytes_GG["grad_reduce"] = rep.t() * per_inst
+        homes, recvs = [], []
+        for g in range(G):
+            with timers.time("local", g):
+                homes.append(home_layout(plan, g, idx_GP[g], gate_GP[g], E))
+                recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
+        stats.stage_ms["plan"] = [plan_ms] * G
+        st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
+                    timers, stats, self.generators)
+        self.stats = stats
+        out = VirtualExchange.apply(x_NH.to(dtype), r.gate_TK, w13, w2, st)
+        out = out.view(shape).to(x.dtype)
+        if layer.shared_experts is not None:
+            with torch.profiler.record_function("stage:route"):
+                t1 = _now(dev)
+                out = out + layer.shared_experts(x)
+                stats.dense_fwd_s += _now(dev) - t1
+        return out
+
+    def _plan(self, counts_GE: Tensor) -> tuple[Plan, VirtualStats]:
+        """The policy's plan, its check and its ledger pricing (as the runtime's
+        ``MoELayer`` does every step), with the recompute an exact policy needs."""
+        layer = self.layer
         plan = self.policy.plan(counts_GE, PlanInputs(layer.moe_index, self.step,
                                                       layer.prev_counts_E, self.ledger))
         if self.check_plans:
@@ -453,22 +559,11 @@ class VirtualEPLayer:
             stats.recompute_mode, stats.recompute_rows = mode, rows
             stats.recompute_fits = mode != "over"
             stats.ledger_total_bytes = [int(t["total"]) for t in terms]
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
-        w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
-        w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)
-        rep = replica_rows_GG(plan, E)
-        per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
-        stats.rows_GG["weight_scatter"] = rep
-        stats.bytes_GG["weight_scatter"] = rep * per_inst
-        stats.rows_GG["grad_reduce"] = rep.t().contiguous()
-        stats.bytes_GG["grad_reduce"] = rep.t() * per_inst
-        homes = [home_layout(plan, g, idx_GP[g], gate_GP[g], E) for g in range(G)]
-        recvs = [recv_layout(plan.assign_GGS[:, g, :], dev) for g in range(G)]
-        st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
-                    _Timers(G, dev), stats, self.generators)
-        self.stats = stats
-        out = VirtualExchange.apply(x_NH.to(dtype), r.gate_TK, w13, w2, st)
-        out = out.view(shape).to(x.dtype)
-        if layer.shared_experts is not None:
-            out = out + layer.shared_experts(x)
-        return out
+        return plan, stats
+
+
+def _now(dev: torch.device) -> float:
+    """``perf_counter`` after the device's queued work (a wall time of device work)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()

@@ -3,7 +3,9 @@
 :class:`VirtualModel` swaps every MoE layer's training forward for a
 :class:`lrmoe.sim.virtual.VirtualEPLayer` run over G virtual ranks (global batch rows
 ``g*B/G .. (g+1)*B/G - 1`` are home rank g's) and records, per step, the wall time the
-MoE layers took and their routed counts. Evaluation uses the layer's own forward.
+MoE layers took and their routed counts. Evaluation uses the layer's own forward. The
+router and the shared experts (forward and backward) are left out of that MoE wall time,
+so ``bench ttl`` charges them with the non-MoE work (per rank: their time / G).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class VirtualModel:
             marks["b"] = t_now()
 
         def stop(_g):
-            self.wall += t_now() - marks.pop("b", time.perf_counter())
+            # up to the end of the exchange's backward: what follows (the router's and
+            # the shared experts' backward) is non-MoE work
+            b = marks.pop("b", None)
+            end = v.stats.bwd_end_s if v.stats is not None and v.stats.bwd_end_s else t_now()
+            if b is not None:
+                self.wall += max(end - b, 0.0)
 
         def forward(x):
             if not m.training:
@@ -61,7 +68,7 @@ class VirtualModel:
             c = cge.sum(0)
             self.counts_E.append(c)
             m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
-            self.wall += t_now() - t0
+            self.wall += t_now() - t0 - v.stats.dense_fwd_s
             if out.requires_grad and x.requires_grad:
                 out.register_hook(start)
                 x.register_hook(stop)

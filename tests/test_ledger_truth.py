@@ -1,0 +1,210 @@
+"""The ledger against what autograd really keeps for backward, one MoE layer, per rank.
+
+One rank of a G-rank EP group runs the real runtime (``MoELayer`` with a real router and
+``ExpertExchange``) with synthetic peers (:class:`lrmoe.sim.onerank.OneRankComm`). Its
+forward runs under ``torch.autograd.graph.saved_tensors_hooks``; the autograd graph is
+then walked node by node, custom Functions' ``ctx`` attributes included (the exchange
+keeps its layouts on ``ctx.st``, which the hooks never see), and every tensor found is
+counted once per storage. The expert path's bytes must equal the ledger's per-layer
+terms exactly; every difference is itemized below:
+
+* the owned parameters (``owned_state``, per model, not per step) and, where the
+  instance weights *are* the owned parameters (compute dtype = parameter dtype and
+  every rank's slots are its natives), the ledger's ``instance_weights`` term, which is
+  then not a separate allocation (the ledger is conservative there);
+* the router's saved tensors and the layer input it saves (outside the ledger: the same
+  for every policy), itemized by formula;
+* tensors derived from the plan (host memory on a GPU) and the test harness's comm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lrmoe.config import ModelConfig
+from lrmoe.memory import Ledger
+from lrmoe.model.moe import MoELayer
+from lrmoe.parallel.comm import EPComm
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.static import StaticPolicy
+from lrmoe.policy.symi import SymiPolicy
+from lrmoe.sim.onerank import one_rank_layer
+
+H, F, E, K, G, T = 32, 24, 8, 2, 4, 48
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E,
+                       num_experts_per_tok=K, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=1, router_aux_loss_coef=0.01)
+
+
+def _layer_and_tokens(seed: int = 0) -> tuple[MoELayer, torch.Tensor, torch.Tensor]:
+    """A layer whose router prefers some experts (a hot rank), the G ranks' tokens and
+    the ``[G, E]`` counts they route to."""
+    torch.manual_seed(seed)
+    layer = MoELayer(_cfg(), 0)
+    m = torch.randn(H)
+    with torch.no_grad():  # expert e's logit grows with (E - e): experts 0, 1 are hot
+        layer.router.weight += torch.linspace(0.03, -0.03, E)[:, None] * m[None, :] / H ** 0.5
+    x = torch.randn(G * T, H) + m
+    with torch.no_grad():
+        idx = layer.router(x).idx_TK
+    counts = torch.stack([torch.bincount(idx[g * T:(g + 1) * T].flatten(), minlength=E)
+                          for g in range(G)])
+    layer.prev_counts_E = counts.sum(0)
+    return layer, x, counts
+
+
+def _tensors(obj, out: list, seen: set) -> None:
+    """Every tensor reachable from a ctx attribute (dataclasses, containers)."""
+    if id(obj) in seen or isinstance(obj, EPComm):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _tensors(getattr(obj, f.name), out, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out, seen)
+
+
+def _nodes(roots) -> list:
+    out, seen, todo = [], set(), [r for r in roots if r is not None]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        out.append(n)
+        todo += [m for m, _ in n.next_functions if m is not None]
+    return out
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dict:
+    """Run rank ``me``'s forward; return the kept storages, by owner."""
+    layer = one_rank_layer(layer, me, layer.runtime_peers, policy, ledger)
+    hooked = []
+    x = x_TH[me * T:(me + 1) * T].clone().requires_grad_()
+
+    def pack(t):
+        hooked.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x.view(1, T, H))
+    by: dict[str, dict[int, int]] = {"exchange": {}, "other": {}, "host": {}}
+    plan = None
+    for n in _nodes([out.grad_fn, layer.last_aux_loss.grad_fn]):
+        ts: list = []
+        if type(n).__name__ == "ExpertExchangeBackward":
+            ts += list(n.saved_tensors)
+            _tensors(n.st, ts, set())
+            plan = n.st.plan
+            # plan-derived tensors: host memory on a GPU (the plan is built on the CPU)
+            host = [n.saved_SG]
+            _tensors(plan, host, set())
+            for t in host:
+                by["host"].setdefault(*_storage(t))
+            dest = "exchange"
+        else:
+            for k in dir(n):
+                if k.startswith("_saved_") and isinstance(getattr(n, k), torch.Tensor):
+                    ts.append(getattr(n, k))
+            ts += [v for v in vars(n).values() if isinstance(v, torch.Tensor)] \
+                if hasattr(n, "__dict__") else []
+            dest = "other"
+        for t in ts:
+            p, nb = _storage(t)
+            if p not in by["host"]:
+                by[dest].setdefault(p, nb)
+    # every tensor the hooks saw is attributed to a node walked above
+    walked = set(by["exchange"]) | set(by["other"]) | set(by["host"])
+    assert {_storage(t)[0] for t in hooked} <= walked
+    params = {_storage(p)[0] for p in layer.parameters()}
+    return {"plan": plan, "by": by, "params": params, "x": _storage(x)[0]}
+
+
+CASES = ["static", "symi_replicas", "lrmoe_trimmed", "lrmoe_recompute", "static_recompute"]
+
+
+def _policy_and_ledger(case: str, counts: torch.Tensor):
+    cfg = _cfg()
+    free = Ledger(cfg, G)
+    if case == "static":
+        return StaticPolicy(), None
+    if case == "symi_replicas":
+        return SymiPolicy(slots_per_rank=E // G + 1), None
+    if case == "static_recompute":
+        terms = free.rank_terms(StaticPolicy().plan(counts, PlanInputs()))
+        need, ret = max(t["total"] for t in terms), max(t["retained_acts"] for t in terms)
+        return StaticPolicy(recompute=True), Ledger(cfg, G, need - ret // 3)
+    pol = LrmoePolicy(LrmoeConfig(max_slots_per_rank=E // G + 2,
+                                  recompute=case == "lrmoe_recompute"))
+    terms = free.rank_terms(pol.plan(counts, PlanInputs(ledger=free)))
+    need, ret = max(t["total"] for t in terms), max(t["retained_acts"] for t in terms)
+    return pol, Ledger(cfg, G, need - ret // 2)
+
+
+def router_bytes() -> int:
+    """The softmax router's saved tensors for T tokens (outside the ledger): the layer
+    input it multiplies ``T·H``, the probabilities ``T·E`` (softmax, and the aux loss's
+    mean), the top-k indices ``T·K`` (int64), the top-k gates ``T·K`` and their sum
+    ``T`` (renormalisation), all fp32 but the indices; plus the aux loss's global count
+    fractions ``[E]`` and one scalar (8 bytes)."""
+    return 4 * (T * H + T * E + T * K + T) + 8 * T * K + 4 * E + 8
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ledger_equals_what_autograd_keeps(case):
+    layer, x, counts = _layer_and_tokens()
+    layer.runtime_peers = counts
+    policy, ledger = _policy_and_ledger(case, counts)
+    one = Ledger(_cfg(), G, num_moe_layers=1)  # per-layer terms (L = 1)
+    seen_trim = seen_rec = seen_copy = False
+    for me in range(G):
+        got = measure(layer, x, me, policy, ledger)
+        plan: Plan = got["plan"]
+        n_inst, recv, home, kept = one._rank_counts(plan, None)[me]
+        rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
+        t = one.terms(n_inst, recv, home, kept, rec)
+        expected = {k: t[k] for k in ("instance_weights", "retained_acts", "combine_rows",
+                                      "pair_index")}
+        ex = got["by"]["exchange"]
+        # itemized: instance weights that are the owned parameters themselves
+        as_params = sum(nb for p, nb in ex.items() if p in got["params"])
+        if as_params:
+            assert as_params == expected["instance_weights"]
+            expected["instance_weights"] = 0
+        else:
+            seen_copy = True
+        measured = sum(nb for p, nb in ex.items() if p not in got["params"])
+        assert measured == sum(expected.values()), (case, me, expected, measured)
+        # itemized outside the ledger: the router's tensors (+ the owned router weight)
+        other = {p: nb for p, nb in got["by"]["other"].items()
+                 if p not in got["params"] and p not in ex}
+        assert sum(other.values()) == router_bytes(), (case, me)
+        assert got["x"] in other  # the layer input, saved by the router's linear
+        seen_trim |= kept < recv
+        seen_rec |= rec > 0
+    # each case exercises what it names
+    if case in ("lrmoe_trimmed", "lrmoe_recompute"):
+        assert seen_trim
+    if case in ("lrmoe_recompute", "static_recompute"):
+        assert seen_rec
+    if case == "symi_replicas":
+        assert seen_copy and plan.num_replicas() > 0

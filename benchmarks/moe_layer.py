@@ -355,6 +355,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
         for key in ("ours_compiled", "peer_compiled"):
             if "error" in r.get(key, {}):
                 lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {key}: {r[key]['error']}")
+    if meta.get("skipped_by_budget"):
+        lines += ["", f"Skipped (--budget-s spent): {', '.join(meta['skipped_by_budget'])}"]
     return "\n".join(lines) + "\n"
 
 
@@ -370,6 +372,9 @@ def main() -> None:
                     help="HF experts implementation run under torch.compile ('' = none)")
     ap.add_argument("--compile-backend", default=None, help="default inductor (smoke: aot_eager)")
     ap.add_argument("--keeps", default="1.0,0.5", help="LRMoE keep ratios for the backward sweep")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the (shape, tokens) runs that would start after this many seconds "
+                         "(listed in the markdown); order: shapes, then tokens, as given")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-keep", type=float, default=1.0)
     ap.add_argument("--profile-only", action="store_true")
@@ -385,12 +390,18 @@ def main() -> None:
     a.compile_backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
     PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.profile_dir, a.profile_keep, a.profile_only
     d = out_dir(a.out)
+    deadline = None if a.budget_s is None else time.time() + a.budget_s
     dense = dense_tflops(DEV)
     results: list = []
+    skipped = []
     for shape in a.shapes.split(","):
         for T in tokens:
+            if deadline is not None and time.time() > deadline:
+                skipped.append(f"{shape} T={T}")
+                continue
             run_tokens(shape, T, [float(s) for s in a.skews.split(",")], a, results, dense)
     meta = run_meta(DEV, dense)
+    meta["skipped_by_budget"] = skipped
     md = markdown(meta, results)
     write_outputs(d, "moe_layer", meta, results, md)
     print(md)

@@ -93,10 +93,13 @@ def _act_grad_eager(dact: Tensor, gu: Tensor, scale: Tensor | None = None) -> Te
 
 
 def offsets(counts: list[int], device: torch.device) -> Tensor:
+    """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum)."""
     offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
-    if torch.device(device).type == "cuda":  # pinned: no stream sync for the copy
-        return offs.pin_memory().to(device, non_blocking=True)
-    return offs
+    if torch.device(device).type != "cuda":
+        return offs
+    if torch.compiler.is_compiling():  # Dynamo cannot trace pin_memory
+        return offs.to(device)
+    return offs.pin_memory().to(device, non_blocking=True)  # pinned: no stream sync for the copy
 
 
 def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int],

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from lrmoe.sim.links import Link, alltoall_time
-from lrmoe.sim.virtual import EXCHANGES, MEASURED_STAGES, VirtualStats
+from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, VirtualStats
 
 STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
           "select", "gather", "bwd_dispatch", "bwd_experts",

@@ -21,9 +21,8 @@ E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,16 +46,8 @@ from lrmoe.parallel.layout import (
 from lrmoe.parallel.weights import InstanceRoute
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.plan import Plan
-from lrmoe.timing import timed
-
-EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
-             "weight_scatter", "grad_reduce", "count_allgather", "bwd_count_exchange")
-# Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``):
-# ``plan`` (the policy's plan, its check and the ledger pricing; every rank computes
-# it, so every rank is charged), ``select`` (metric, selection sorts, compaction),
-# ``gather`` (gathers of saved rows: retention in forward, selected rows in backward)
-# and ``local`` (counting, layouts, permutes, combine kernels and their backward).
-MEASURED_STAGES = ("plan", "select", "gather", "local")
+from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
+from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 
 
 # ------------------------------------------------------------------------ all-to-all
@@ -88,109 +79,6 @@ def _rows_GG(splits_G: list[list[int]]) -> Tensor:
     return torch.tensor(splits_G, dtype=torch.long).reshape(len(splits_G), -1)
 
 
-# --------------------------------------------------------------------------- timing
-class _Timers:
-    """Per-virtual-rank accumulated kernel time (ms), one named bucket at a time."""
-
-    def __init__(self, G: int, device: torch.device):
-        self.G, self.cuda = G, device.type == "cuda"
-        self.ms: dict[str, list[float]] = {}
-        self.events: list[tuple[str, int, object, object]] = []
-
-    @contextlib.contextmanager
-    def time(self, key: str, g: int):
-        """Time rank g's region into bucket ``key``, inside a profiler range
-        ``stage:<key>`` (the check that every op of a step is charged to a stage)."""
-        with torch.profiler.record_function(f"stage:{key}"), timed(
-                torch.device("cuda" if self.cuda else "cpu"), lambda ms: self.add(key, g, ms),
-                lambda ev_a, ev_b: self.events.append((key, g, ev_a, ev_b))):
-            yield
-
-    def add(self, key: str, g: int, ms: float) -> None:
-        self.ms.setdefault(key, [0.0] * self.G)[g] += ms
-
-    def resolve(self) -> None:
-        if self.events:
-            torch.cuda.synchronize()
-            for key, g, a, b in self.events:
-                self.add(key, g, a.elapsed_time(b))
-            self.events = []
-
-
-# ---------------------------------------------------------------------------- stats
-@dataclass
-class VirtualStats:
-    """What one emulated step of one layer did, per virtual rank (all lists have G entries).
-
-    Attributes:
-        plan: the plan the policy returned.
-        rows: per stage, rows each rank processed: ``fwd`` (assigned), ``retained``,
-            ``bwd`` (rows entering experts^-1), ``selected``.
-        rows_GG: per exchange (:data:`EXCHANGES`), ``[src, dst]`` rows sent (replica
-            weight scatter / grad reduce: expert instances).
-        bytes_GG: per exchange, ``[src, dst]`` bytes sent (exact, from the splits; the
-            diagonal is a rank's copy to itself, which no link carries).
-        expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
-        stage_ms: each rank's measured time (ms) of the :data:`MEASURED_STAGES`.
-        dense_fwd_s: measured wall seconds of the router and the shared experts in
-            forward (all ranks' tokens): work that is not the routed experts', which
-            ``bench ttl`` charges to the non-MoE time, as for attention.
-        bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
-            sync); what follows in the layer's backward is the router's and the shared
-            experts' (non-MoE) work.
-        saved_act_bytes: activation bytes each rank kept for backward.
-        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
-            a recompute ledger, the terms after that recompute).
-        recompute_rows: with a recompute ledger (exact policies under a budget), the
-            rows each rank re-runs forward in backward to fit, and ``recompute_mode``
-            (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
-            fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
-            or ``over``: does not fit even so, ``recompute_fits`` False). The emulator
-            does not change the math for it; :mod:`lrmoe.sim.cost` charges the time
-            (modelled).
-    """
-
-    plan: Plan
-    rows: dict[str, list[int]] = field(default_factory=dict)
-    rows_GG: dict[str, Tensor] = field(default_factory=dict)
-    bytes_GG: dict[str, Tensor] = field(default_factory=dict)
-    expert_ms: dict[str, list[float]] = field(default_factory=dict)
-    saved_act_bytes: list[int] = field(default_factory=list)
-    stage_ms: dict[str, list[float]] = field(default_factory=dict)
-    dense_fwd_s: float = 0.0
-    bwd_end_s: float | None = None
-    ledger_total_bytes: list[int] | None = None
-    recompute_rows: list[int] | None = None
-    recompute_mode: str = "fits"
-    recompute_fits: bool = True
-
-    def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
-        """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""
-        b = self.bytes_GG[exchange]
-        if off_rank:
-            b = b - torch.diag(torch.diagonal(b))
-        return b.sum(1).tolist()
-
-    def bytes_recv(self, exchange: str, off_rank: bool = True) -> list[int]:
-        b = self.bytes_GG[exchange]
-        if off_rank:
-            b = b - torch.diag(torch.diagonal(b))
-        return b.sum(0).tolist()
-
-    def rank_stats(self, g: int) -> dict:
-        """Rank g's counters under the real runtime's stat names (``MoERuntime.stats``)."""
-        d = {"fwd_rows": self.rows["fwd"][g], "retained_rows": self.rows["retained"][g],
-             "saved_act_bytes": self.saved_act_bytes[g]}
-        for ex in EXCHANGES[:4]:
-            if ex in self.bytes_GG:
-                d[f"{ex}_bytes_sent"] = self.bytes_sent(ex, off_rank=False)[g]
-                d[f"{ex}_bytes_recv"] = self.bytes_recv(ex, off_rank=False)[g]
-        if "bwd" in self.rows:
-            d["bwd_rows"] = self.rows["bwd"][g]
-            d["selected_rows"] = self.rows["selected"][g]
-        return d
-
-
 @dataclass
 class _State:
     """Plain-Python state of one emulated step (shared by forward and backward)."""
@@ -202,7 +90,7 @@ class _State:
     T: int
     K: int
     opts: BackwardOptions
-    timers: _Timers
+    timers: Timers
     stats: VirtualStats
     generators: list[torch.Generator | None]
 
@@ -482,7 +370,7 @@ class VirtualEPLayer:
             raise ValueError(f"{N} tokens do not split over G={G} virtual ranks")
         T, E, K = N // G, layer.cfg.num_experts, layer.cfg.num_experts_per_tok
         dev = x_NH.device
-        timers = _Timers(G, dev)
+        timers = Timers(G, dev)
         t0 = _now(dev)
         # route (row-wise, so routing all tokens at once equals routing each shard)
         with torch.profiler.record_function("stage:route"):

@@ -208,3 +208,29 @@ def test_ledger_equals_what_autograd_keeps(case):
         assert seen_rec
     if case == "symi_replicas":
         assert seen_copy and plan.num_replicas() > 0
+
+
+def test_ledger_peak_script_logic_on_cpu(tmp_path):
+    """benchmarks/ledger_peak.py on CPU (nothing measured there): every policy and rank
+    gets a row whose ledger total is the ledger's for that rank's plan; bad input is
+    one line and exit code 2, writing nothing."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ledger_peak.py"
+    spec = importlib.util.spec_from_file_location("ledger_peak", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "lp"
+    assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
+                     "--tokens-per-rank", "32", "--ep", "4"]) == 0
+    rep = json.loads((out / "ledger_peak.json").read_text())
+    assert [(r["policy"], r["rank"]) for r in rep["rows"]] == [
+        (p, g) for p in ("static", "symi", "lrmoe") for g in range(4)]
+    for r in rep["rows"]:
+        assert r["measured_peak_bytes"] is None  # CPU: nothing measured
+        assert r["ledger_bytes"] == sum(r["ledger_terms"].values())
+    assert "| static | 0 |" in (out / "ledger_peak.md").read_text()
+    assert mod.main(["--out", str(tmp_path / "bad"), "--ep", "3", "--device", "cpu"]) == 2
+    assert not (tmp_path / "bad").exists()

@@ -123,7 +123,10 @@ def table(rep: dict) -> str:
                       "modelled: " + rep.get("offload_model", "")]
     lines += ["",
               "Mean emulated ms per step by stage (slowest virtual rank per stage, summed "
-              "over MoE layers; non_moe = measured / G):", ""]
+              "over MoE layers; non_moe = measured / G). Measured per rank: plan (the "
+              "policy's planning, charged to every rank), local, select, gather and the "
+              "expert kernels; modelled from bytes: count_exchange and the exchanges; "
+              "bwd_recompute modelled from the forward kernels:", ""]
     stages = list(next(iter(rep["policies"].values()))["steps"][0]["stages_emulated_s"])
     lines += ["| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |",
               "|" + "---|" * (len(stages) + 3)]

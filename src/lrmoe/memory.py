@@ -41,6 +41,10 @@ pair_index           P_home · 28                                  per layer × 
 * Combined rows: every home pair's expert output row comes back home (``y_send``) and
   is kept until backward, where it gives the exact router gradient
   ``<dy[t], y_e(x_t)>``: ``P_home · H · bytes_act`` per layer, whatever is retained.
+  With ``router_grad_at_experts`` (the runtime's ``BackwardOptions(router_grad="experts")``)
+  an exact plan keeps none: the expert backward computes ``<dy[t] @ w2, silu(g)·u>``
+  for every pair instead, so the term is 0 for exact plans (LRMoE's trimmed plans still
+  keep them: their unselected pairs never reach an expert in backward).
 * Pair index: per home pair, what the exchange keeps for backward to find its rows:
   its gate weight (fp32, 4 bytes) and three int64 indices (its send-buffer row, the
   pair of each send row, each send row's index in its block): 28 bytes.
@@ -154,6 +158,7 @@ class Ledger:
     bytes_act: int = 4
     num_moe_layers: int | None = None
     optimizer_offload: str = "device"
+    router_grad_at_experts: bool = False
 
     def __post_init__(self) -> None:
         E = self.model_cfg.num_experts
@@ -256,12 +261,14 @@ class Ledger:
         bwd = T * H + Ph * H + R * (2 * H) + R * (H + 2 * F) + R * (4 * F + H)
         return max(fwd, bwd) * self.bytes_act
 
-    def kept_bytes(self, home_pairs: int) -> dict[str, int]:
+    def kept_bytes(self, home_pairs: int, exact: bool = False) -> dict[str, int]:
         """Per layer, what a rank keeps for backward for its home pairs whatever the plan:
-        ``combine_rows`` (the combined expert outputs, for the router gradient) and
-        ``pair_index`` (see the module docstring)."""
+        ``combine_rows`` (the combined expert outputs, for the router gradient; none for an
+        ``exact`` plan with ``router_grad_at_experts``) and ``pair_index`` (see the module
+        docstring)."""
         Ph = int(home_pairs)
-        return {"combine_rows": Ph * self.H * self.bytes_act, "pair_index": Ph * PAIR_INDEX_BYTES}
+        rows = 0 if exact and self.router_grad_at_experts else Ph * self.H * self.bytes_act
+        return {"combine_rows": rows, "pair_index": Ph * PAIR_INDEX_BYTES}
 
     # ------------------------------------------------------------------ per rank
     @property
@@ -270,11 +277,13 @@ class Ledger:
         return self.H * self.bytes_act
 
     def terms(self, n_instances: int, received_pairs: int, home_pairs: int,
-              retained_pairs: int, recomputed_pairs: int = 0) -> dict[str, int]:
+              retained_pairs: int, recomputed_pairs: int = 0, exact: bool = False) -> dict[str, int]:
         """All ledger terms of one rank from its per-layer counts (see module docstring).
 
         ``recomputed_pairs`` (<= ``retained_pairs``) of the retained pairs keep only
-        their input row (:attr:`A_recompute`) instead of :attr:`A`.
+        their input row (:attr:`A_recompute`) instead of :attr:`A`. ``exact``: the plan
+        is exact (:attr:`lrmoe.policy.plan.Plan.exact`); callers that do not know count
+        the combined rows (an upper bound).
         """
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
         rec = int(recomputed_pairs)
@@ -288,7 +297,7 @@ class Ledger:
             "retained_acts": self.L * ((int(retained_pairs) - rec) * self.A
                                        + rec * self.A_recompute),
         }
-        t.update({k: self.L * v for k, v in self.kept_bytes(home_pairs).items()})
+        t.update({k: self.L * v for k, v in self.kept_bytes(home_pairs, exact).items()})
         t["total"] = sum(t[k] for k in TERMS)
         return t
 
@@ -336,7 +345,9 @@ class Ledger:
                 the plan (assigned + dropped).
         """
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
-        return [self.terms(*c, n) for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
+        exact = self.router_grad_at_experts and plan.exact
+        return [self.terms(*c, n, exact=exact)
+                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
                          retained_pairs: int) -> int:

@@ -39,9 +39,19 @@ def test_ttl_outputs(ttl_run, capsys):
             assert s["fwd_load_max_over_mean"] >= 1.0 and 0 < s["keep_ratio"] <= 1
         cum = [s["cum_emulated_s"] for s in r["steps"]]
         assert all(b > a for a, b in zip(cum, cum[1:]))
-    assert rep["target"]["static_step"] == 6  # first eval at/after ceil(0.8 * 6) = 5
+    # target: static's smoothed curve read at ceil(0.8 * 6) = 5 (between evals 3 and 6)
+    from lrmoe.sim.target import smooth
     st = rep["policies"]["static"]
-    assert st["steps_to_target"] == 6 and st["time_to_target_emulated_s"] > 0
+    ev = st["evals"]
+    sm = smooth([e["val_loss"] for e in ev[1:]], 3)
+    assert rep["target"]["static_step"] == 5
+    assert rep["target"]["val_loss"] == pytest.approx(sm[0] + (5 - 3) / 3 * (sm[1] - sm[0]))
+    assert rep["target"]["raw_static_step"] == 6  # first eval at/after step 5
+    for e in ev:
+        assert len(e["val_batch_losses"]) >= 1
+        assert e["val_loss"] == pytest.approx(sum(e["val_batch_losses"]) / len(e["val_batch_losses"]))
+    assert 3 < st["steps_to_target"] <= 6 and st["time_to_target_emulated_s"] > 0
+    assert st["raw_steps_to_target"] == 6
     # exact policies: replication changes placement, never the math
     sy = rep["policies"]["symi"]
     assert sy["steps"][0]["replicas"] > 0 and all(s["keep_ratio"] == 1 for s in sy["steps"])
@@ -51,7 +61,7 @@ def test_ttl_outputs(ttl_run, capsys):
     va = torch.tensor([e["val_loss"] for e in st["evals"]])
     vb = torch.tensor([e["val_loss"] for e in sy["evals"]])
     torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
-    assert sy["steps_to_target"] == 6
+    assert sy["steps_to_target"] == pytest.approx(st["steps_to_target"], abs=1e-3)
     # lrmoe trims the backward: not exact, but close
     lr = rep["policies"]["lrmoe"]
     assert min(s["keep_ratio"] for s in lr["steps"]) < 1
@@ -118,3 +128,33 @@ def test_ttl_budget_options_exclusive(tmp_path, capsys):
     rc = main(ARGS + ["--budget-retain-fraction", "1.5", "--out", str(tmp_path / "z")])
     assert rc == 2 and "--budget-retain-fraction" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_ttl_lrmoe_variants(tmp_path):
+    """lrmoe variants in --policies run as their own policies with their own knobs and
+    each gets a ratio over symi; bad specs fail before any run."""
+    out = tmp_path / "v"
+    rc = main(ARGS[:-6] + ["--steps", "4", "--eval-every", "2", "--policies",
+                           "symi,lrmoe,lrmoe:min_keep=1+balance=0", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "ttl.json").read_text())
+    assert list(rep["policies"]) == ["static", "symi", "lrmoe", "lrmoe:min_keep=1+balance=0"]
+    full = rep["policies"]["lrmoe:min_keep=1+balance=0"]
+    assert "min_keep 1.0" in full["config"]
+    assert all(s["keep_ratio"] == 1 for s in full["steps"])  # keeps every retained pair
+    assert min(s["keep_ratio"] for s in rep["policies"]["lrmoe"]["steps"]) < 1
+    assert set(rep["ratios_over_symi_time_to_target_emulated"]) == {
+        "lrmoe", "lrmoe:min_keep=1+balance=0"}
+    assert (out / "routing_trace_lrmoe_min_keep-1_balance-0.json").exists()
+    assert "lrmoe:min_keep=1+balance=0 / symi" in (out / "ttl.md").read_text()
+
+
+@pytest.mark.parametrize("spec", ["symi:recompute", "lrmoe:foo", "lrmoe:min_keep",
+                                  "lrmoe:recompute=1", "lrmoe:min_keep=x", "dense"])
+def test_ttl_bad_policy_spec(tmp_path, capsys, spec):
+    out = tmp_path / "z"
+    rc = main(ARGS[:-6] + ["--steps", "1", "--policies", spec, "--out", str(out)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lrmoe: error:") and spec in err and "\n" not in err
+    assert not out.exists()

@@ -31,8 +31,10 @@ def register(sub) -> None:
     m.add_argument("--config", help="HF config.json file or folder")
     t.add_argument("--ep", type=int, default=4, help="virtual EP ranks G (default 4)")
     t.add_argument("--policies", default="static,symi,lrmoe",
-                   help="comma list of static, symi, lrmoe (static always runs: it sets the "
-                        "target)")
+                   help="comma list of static, symi, lrmoe and lrmoe variants such as "
+                        "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
+                        "recompute, min_keep, balance, estimator, max_slots); static always "
+                        "runs: it sets the target")
     t.add_argument("--mem-budget", default=None, help="bytes per rank for the MoE experts, "
                    "e.g. 40GiB (default: no budget)")
     t.add_argument("--budget-retain-fraction", type=float, default=None, metavar="F",
@@ -58,10 +60,14 @@ def register(sub) -> None:
     t.add_argument("--max-data-bytes", type=bytes_or_all, default=4 * 2**20, metavar="SIZE")
     t.add_argument("--eval-every", type=int, default=10)
     t.add_argument("--eval-batches", type=int, default=4)
+    t.add_argument("--smooth-window", type=int, default=3,
+                   help="validation curves are smoothed by a centred mean of this many "
+                        "evaluations (odd; 1 = raw) before the target and crossings are read")
     t.add_argument("--lrmoe-max-slots", type=int, default=None,
                    help="lrmoe: most slots per rank (default: --slots-per-rank, else E/G+2)")
     t.add_argument("--estimator", default="topk", choices=("topk", "sampled"),
-                   help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased over the retained pairs)")
+                   help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased over "
+                        "the retained pairs)")
     t.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
@@ -79,6 +85,11 @@ def register(sub) -> None:
     t.set_defaults(func=run)
 
 
+def file_safe(name: str) -> str:
+    """A policy spec (``lrmoe:min_keep=0.8``) as a file-name part (``lrmoe_min_keep-0.8``)."""
+    return name.replace("=", "-").replace(":", "_").replace("+", "_")
+
+
 def fmt(v, spec: str = ".4f", none: str = "never") -> str:
     return none if v is None else format(v, spec)
 
@@ -91,8 +102,13 @@ def table(rep: dict) -> str:
             "final val", "mean step (emulated ms)", "expert load max/mean",
             "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak",
             "replicas per step (all MoE layers)"]
-    lines = [f"Target val loss {tg['val_loss']:.4f} (static at step {tg['static_step']}, "
-             f"fraction {tg['fraction']}); link {rep['link']['name']}; EP {rep['config']['ep']}"
+    nz = tg["noise"]
+    lines = [f"Target val loss {tg['val_loss']:.4f} (static's val curve smoothed over "
+             f"{tg['smooth_window']} evaluations, at step {tg['static_step']}, fraction "
+             f"{tg['fraction']}; one evaluation's std error {fmt(nz['std_error'])} vs smoothed "
+             f"change between neighbouring evaluations {fmt(nz['neighbour_change'])}: "
+             f"{'below' if nz['ok'] else 'NOT below'} a quarter of it); "
+             f"link {rep['link']['name']}; EP {rep['config']['ep']}"
              f" virtual ranks; budget "
              f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
              " per rank. Times are emulated.", "",
@@ -101,7 +117,7 @@ def table(rep: dict) -> str:
         st = r["steps"]
         n = max(len(st), 1)
         lines.append("| " + " | ".join([
-            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], "d"),
+            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f"),
             fmt(r["time_to_target_emulated_s"]), f"{r['final_val_loss']:.4f}",
             f"{r['mean_step_emulated_s'] * 1e3:.3f}",
             f"{sum(s['expert_load_max_over_mean'] for s in st) / n:.3f}",
@@ -110,8 +126,9 @@ def table(rep: dict) -> str:
             f"{sum(s.get('recompute_ratio', 0.0) for s in st) / n:.3f}",
             fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
             f"{sum(s['replicas'] for s in st) / n:.1f}"]) + " |")
-    ratio = rep["ratio_lrmoe_over_symi_time_to_target_emulated"]
-    lines += ["", f"lrmoe / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}"]
+    lines.append("")
+    for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
+        lines.append(f"{name} / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}  ")
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
         E, G = rep["model"]["num_experts"], rep["config"]["ep"]
@@ -182,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction,
-        optimizer_offload=args.optimizer_offload)
+        optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()
@@ -213,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                  // rep["config"]["ep"],
                  "format": "steps[step][moe_layer][expert] = global pairs routed",
                  "steps": r.pop("routing_trace")}
-        (out / f"routing_trace_{name}.json").write_text(json.dumps(trace))
+        (out / f"routing_trace_{file_safe(name)}.json").write_text(json.dumps(trace))
     (out / "ttl.json").write_text(json.dumps(rep, indent=1))
     (out / "ttl_partial.json").unlink(missing_ok=True)
     tab = table(rep)

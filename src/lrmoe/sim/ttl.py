@@ -24,11 +24,17 @@ Per step this records:
   work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
   non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.
 
-Target: the static run's validation loss at its first evaluation at or after step
-``ceil(target_fraction * steps)``. Steps-to-target is a policy's first evaluation at or
-below ``target * (1 + target_rtol)`` (``target_rtol`` 1e-5 absorbs the fp32
-reduction-order noise between exact policies); time-to-target the cumulative emulated
-step time up to that step. Before the first policy one untimed training step warms the
+Target (:mod:`lrmoe.sim.target`): every validation curve is smoothed by a centred
+moving average of ``smooth_window`` evaluations; the target is the static run's
+smoothed loss at step ``ceil(target_fraction * steps)``, and a policy's steps and time
+to target are where its own smoothed curve first reaches it, interpolated linearly
+between evaluations. ``raw_*`` fields keep the unsmoothed rule for comparison (static's
+loss at its first evaluation at or after that step; a policy's first evaluation at or
+below ``target * (1 + target_rtol)``). Each evaluation records its per-batch losses, and
+the report gives the evaluation's standard error against the smoothed change between
+neighbouring evaluations at the target. Policy specs may carry lrmoe variants
+(:func:`policy_variant`: ``lrmoe:recompute+min_keep=0.8``); every lrmoe variant gets its
+own time-to-target ratio over symi. Before the first policy one untimed training step warms the
 process up (allocator, lazy inits), so the first policy is not charged for them.
 """
 
@@ -84,6 +90,43 @@ class TTLConfig:
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
+    smooth_window: int = 3  # evaluations in the centred moving average of val curves
+
+
+# lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
+VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
+                   "balance": ("balance", float), "estimator": ("estimator", str),
+                   "max_slots": ("lrmoe_max_slots", int)}
+
+
+def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
+    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``.
+
+    Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
+    """
+    from dataclasses import replace
+
+    base, _, opts = spec.partition(":")
+    require(base in ("static", "symi", "lrmoe"),
+            f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
+            f"lrmoe:OPTION[+OPTION] (options: {', '.join(VARIANT_OPTIONS)})")
+    if not opts:
+        return base, cfg
+    require(base == "lrmoe", f"--policies: {spec!r}: only lrmoe takes options")
+    changes = {}
+    for opt in opts.split("+"):
+        key, eq, val = opt.partition("=")
+        require(key in VARIANT_OPTIONS, f"--policies: {spec!r}: unknown option {key!r}; use "
+                                        f"{', '.join(VARIANT_OPTIONS)}")
+        field_, conv = VARIANT_OPTIONS[key]
+        require((conv is None) == (not eq), f"--policies: {spec!r}: {key!r} "
+                + ("takes no value" if conv is None else "needs a value (key=value)"))
+        try:
+            changes[field_] = True if conv is None else conv(val)
+        except ValueError:
+            raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
+                             f"{conv.__name__}") from None
+    return base, replace(cfg, **changes)
 
 
 def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
@@ -148,11 +191,14 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     return pc, (None if exact else ledger), (ledger if exact else None), note, label
 
 
-def _val_loss(model, batches, dev, autocast) -> float:
+def _val_eval(model, batches, dev, autocast) -> dict:
+    """Mean validation loss and the loss of each batch (equal-sized batches)."""
     from types import SimpleNamespace
 
     from lrmoe.train.loop import evaluate
-    return evaluate(model, batches, SimpleNamespace(device=dev, distributed=False), autocast)[0]
+    ctx = SimpleNamespace(device=dev, distributed=False)
+    per = [evaluate(model, [b], ctx, autocast)[0] for b in batches]
+    return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
 
 
 def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0.0) -> dict:
@@ -226,7 +272,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
         offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
                                * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
                                policy_layout(name))
-    rows, evals, cum = [], [{"step": 0, "val_loss": _val_loss(model, val_b, dev, autocast),
+    rows, evals, cum = [], [{"step": 0, **_val_eval(model, val_b, dev, autocast),
                              "cum_emulated_s": 0.0}], 0.0
     model.train()
     failed = None
@@ -258,7 +304,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                evals.append({"step": done, "val_loss": _val_loss(model, val_b, dev, autocast),
+                evals.append({"step": done, **_val_eval(model, val_b, dev, autocast),
                               "cum_emulated_s": cum})
                 log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
@@ -355,9 +401,11 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
     require(cfg.optimizer_offload in ("device", "host"),
             f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
-    bad = [p for p in cfg.policies if p not in ("static", "symi", "lrmoe")]
-    require(not bad, f"--policies: {', '.join(bad)} not supported; use static, symi, lrmoe")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
+    variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
+    require(isinstance(cfg.smooth_window, int) and cfg.smooth_window >= 1
+            and cfg.smooth_window % 2 == 1,
+            f"--smooth-window {cfg.smooth_window!r} must be an odd integer >= 1")
     link = get_link(cfg.link)
     tc = TrainConfig(preset=cfg.preset, config=cfg.config)
     mcfg = resolve_model_config(tc, vocab_size=None)
@@ -395,8 +443,10 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     results, profile = {}, None
     with _compile_mode(cfg.compile):
         for p in policies:
-            results[p] = run_policy(p, cfg, mcfg, batches, val_b, ledger, first, link, log,
+            base, vcfg = variants[p]
+            results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
                                     profile)
+            results[p]["policy"] = p
             counts_GE = results[p].pop("_counts_GE")
             if p == "static":
                 from lrmoe.sim.ttl_symi import calibrated_gemm_rate
@@ -408,26 +458,37 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
                 torch.cuda.empty_cache()
             if on_policy is not None:
                 on_policy(p, results[p])
+    from lrmoe.sim.target import crossing, eval_noise, target_at
+
+    w = cfg.smooth_window
     base = results["static"]["evals"]
     at = math.ceil(cfg.target_fraction * cfg.steps)
-    tgt_eval = next(e for e in base if e["step"] >= at)
-    target = tgt_eval["val_loss"]
+    target = target_at(base, at, w)
+    raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
-        st, tt = time_to_target(r, target, cfg.target_rtol)
-        r["steps_to_target"], r["time_to_target_emulated_s"] = st, tt
+        r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
+        r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = time_to_target(
+            r, raw_eval["val_loss"], cfg.target_rtol)
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
-    t = {p: results[p]["time_to_target_emulated_s"] for p in ("lrmoe", "symi") if p in results}
-    ratio = (t["lrmoe"] / t["symi"] if len(t) == 2 and None not in t.values() and t["symi"] > 0
-             else None)
+    t_symi = results["symi"]["time_to_target_emulated_s"] if "symi" in results else None
+    ratios = {p: (r["time_to_target_emulated_s"] / t_symi
+                  if t_symi and r["time_to_target_emulated_s"] is not None else None)
+              for p, r in results.items() if variants[p][0] == "lrmoe"}
+    ratio = ratios.get("lrmoe")
     return {"label": "emulated", "link": asdict(link), "config": asdict(cfg),
             "model": mcfg.to_hf_dict(), "data": corpus.source,
             "budget_bytes": None if ledger is None else ledger.budget_bytes,
             "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),
-            "target": {"val_loss": target, "static_step": tgt_eval["step"],
-                       "fraction": cfg.target_fraction,
+            "target": {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
+                       "smooth_window": w, "noise": eval_noise(base, at, w),
+                       "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],
                        "rtol": cfg.target_rtol,
-                       "rule": "static's val loss at its first eval at or after step "
-                               "ceil(fraction * steps); reached at val <= target*(1+rtol)"},
+                       "rule": "static's val curve smoothed (centred mean of smooth_window "
+                               "evals) at step ceil(fraction * steps); a policy reaches it "
+                               "where its smoothed curve first does (linear between evals); "
+                               "raw_*: static's val at its first eval at or after that step, "
+                               "reached at the first eval <= target*(1+rtol)"},
             "ratio_lrmoe_over_symi_time_to_target_emulated": ratio,
+            "ratios_over_symi_time_to_target_emulated": ratios,
             "measured_vs_modelled": __doc__, "policies": results}

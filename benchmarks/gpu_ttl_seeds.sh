@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue-14 time-to-target runs on the device machine (one H200), EP 8 virtual ranks, one
+# `lrmoe bench ttl` per seed with every pre-registered policy (benchmarks/RESULTS.md):
+#   bash benchmarks/gpu_ttl_seeds.sh OUTDIR WORKLOAD STEPS SEED [SEED ...]
+# WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers) or glm_fastbias (GLM-4.5-Air-shaped,
+# loss-free bias rate 0.01 for every policy). Every policy keeps its experts' optimizer
+# state in host memory (--optimizer-offload host, SYMI's design); budget
+# --budget-retain-fraction 0.8. Each seed's outputs are packed into OUTDIR/WORKLOAD_sSEED.tar.gz
+# (the device tool returns few files) beside its ttl.md. Times are emulated.
+set -euo pipefail
+OUT=${1:?outdir}; W=${2:?workload}; STEPS=${3:?steps}; shift 3
+[ $# -ge 1 ] || { echo "give at least one seed" >&2; exit 2; }
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+case $W in
+  qwen3) CFG=benchmarks/configs/qwen3-30b-a3b-layer-2L.json ;;
+  glm_fastbias) CFG=benchmarks/configs/glm-4.5-air-layer-2L-fastbias.json ;;
+  *) echo "unknown workload $W" >&2; exit 2 ;;
+esac
+POLICIES=${POLICIES:-static,symi,lrmoe:recompute,lrmoe,lrmoe:min_keep=0.8}
+EVERY=$(( STEPS / 20 > 0 ? STEPS / 20 : 1 ))
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+for SEED in "$@"; do
+  D="$OUT/${W}_s$SEED"
+  echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES"
+  python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
+    --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
+    --budget-retain-fraction 0.8 --optimizer-offload host --link nvlink \
+    --policies "$POLICIES" --out "$D" > "$D.log" 2>&1 || { tail -30 "$D.log"; }
+  [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30
+  tar czf "$OUT/${W}_s$SEED.tar.gz" -C "$OUT" "${W}_s$SEED" "${W}_s$SEED.log"
+  rm -rf "$D"
+done

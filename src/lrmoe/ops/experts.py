@@ -92,6 +92,21 @@ def _act_grad_eager(dact: Tensor, gu: Tensor, scale: Tensor | None = None) -> Te
     return torch.cat((dg, du), dim=1).to(gu.dtype)
 
 
+def _act_grad_rowdot_eager(dact: Tensor, gu: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_act_grad_eager` with the scale, plus ``<dact[r], silu(g) * u>`` per row
+    (fp32): with ``dact = dy @ w2`` that is ``<dy[r], y[r]>``, the router gradient of the
+    row's pair, so the combined expert output need not be kept for it."""
+    Fd = gu.shape[1] // 2
+    g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
+    sg = torch.sigmoid(g)
+    d = dact.float()
+    rowdot = (d * (g * sg * u)).sum(1)
+    d = d * scale[:, None]
+    dg = d * u * (sg * (1 + g * (1 - sg)))
+    du = d * g * sg
+    return torch.cat((dg, du), dim=1).to(gu.dtype), rowdot
+
+
 def offsets(counts: list[int], device: torch.device) -> Tensor:
     """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum)."""
     offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
@@ -132,13 +147,15 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
 
 def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
                     w2_IHF: Tensor, counts: list[int], offs: Tensor | None = None,
-                    need_dx: bool = True, scale: Tensor | None = None,
-                    ) -> tuple[Tensor | None, Tensor, Tensor]:
+                    need_dx: bool = True, scale: Tensor | None = None, rowdot: bool = False,
+                    ) -> tuple:
     """Gradients for rows ``x`` with saved ``gu`` and output gradient ``scale[r] * dy[r]``
     (``scale`` None means 1; folding it into the elementwise kernels saves a pass).
 
-    Returns ``(dx_RH, dw13_IFH, dw2_IHF)``. Only the given rows contribute: with a
-    compacted subset, dropped pairs add nothing to ``dx`` or the weight gradients.
+    Returns ``(dx_RH, dw13_IFH, dw2_IHF)``, and with ``rowdot`` (needs ``scale``) a fourth
+    ``dot_R = <dy[r], y[r]>`` in fp32 (``y`` the row's unscaled expert output). Only the
+    given rows contribute: with a compacted subset, dropped pairs add nothing to ``dx``
+    or the weight gradients.
     """
     if offs is None:
         offs = offsets(counts, x_RH.device)
@@ -148,13 +165,16 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
         act = _fused("act_scaled", _act_scaled_eager, gu_R2F)(gu_R2F, scale.float())
     dw2 = _gmm(dy_RH.t(), act, offs, counts)               # [I, H, F]
     dact = _gmm(dy_RH, w2_IHF, offs, counts)              # [R, F]
+    dot = None
     if scale is None:
         dgu = _fused("act_grad", _act_grad_eager, gu_R2F)(dact, gu_R2F)  # [R, 2F]
+    elif rowdot:
+        dgu, dot = _fused("act_grad_rowdot", _act_grad_rowdot_eager, gu_R2F)(dact, gu_R2F, scale.float())
     else:
         dgu = _fused("act_grad_scaled", _act_grad_eager, gu_R2F)(dact, gu_R2F, scale.float())
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
     dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
-    return dx, dw13, dw2
+    return (dx, dw13, dw2, dot) if rowdot else (dx, dw13, dw2)
 
 
 def swiglu_loop_reference(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor,

@@ -67,6 +67,11 @@ class BackwardOptions:
     estimator: str = "topk"  # or "sampled"
     compaction: bool = True
     fidelity: bool = False  # also compute the exact weight gradient and compare
+    # "experts": on an exact plan the expert backward computes each pair's router gradient
+    # <dout[t], y[t,k]> as <dout[t] @ w2, silu(g)*u> and ships it home beside dx, so the
+    # combined expert outputs (y_send) are not kept for backward (the ledger's combine_rows
+    # term is then 0 for exact plans: Ledger(router_grad_at_experts=True)). "home": keep them.
+    router_grad: str = "home"
 
 
 # -------------------------------------------------------------------------- selection
@@ -320,6 +325,9 @@ class ExpertExchange(torch.autograd.Function):
         # row's block are rebuilt from the plan there.
         st.recv, st.home = None, backward_home(home)
         ctx.st, ctx.saved_SG, ctx.n_rec = st, saved_SG, n_rec
+        ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
+        if ctx.dgate_at_experts:
+            y_send = y_send.new_empty(0, H)  # not kept (a fresh empty tensor, no storage)
         ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
         return out
 
@@ -331,18 +339,20 @@ class ExpertExchange(torch.autograd.Function):
         me, K, dev = comm.rank, st.top_k, dout_TH.device
         G, S = plan.G, plan.S
         T, H = dout_TH.shape
-        dout_TH = dout_TH.to(y_send.dtype).contiguous()
+        dout_TH = dout_TH.to(w13_S.dtype).contiguous()
         es = dout_TH.element_size()
 
         # --- combine^-1: exact router gradient (zero for dropped pairs) ...
-        if y_send.shape[0] == 0:
+        if ctx.dgate_at_experts:  # router_grad "experts" on an exact plan: from experts^-1 below
+            dgate = None
+        elif y_send.shape[0] == 0:
             dgate = w_TK.new_zeros(T, K)
         else:
             dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout_TH)
             _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
             if valid_TK is not None:  # dropped pairs contributed nothing
                 dgate = dgate * valid_TK
-        dgate = dgate.to(w_TK.dtype)
+        dgate = None if dgate is None else dgate.to(w_TK.dtype)
         # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
         # the unscaled dout[t] row plus the scale g (folded into the expert backward's
         # elementwise kernels on the receiver, so no scaled copy of the rows is made).
@@ -366,12 +376,16 @@ class ExpertExchange(torch.autograd.Function):
         cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
         sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
         saved = (saved_x, saved_gu, ctx.saved_SG)
-        dx_back, dw13, dw2, n_in = _experts_backward(
+        dx_back, dw13, dw2, n_in, dg_back = _experts_backward(
             st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, saved, w13_S, w2_S,
-            timed=True, recompute_rows=ctx.n_rec)
+            timed=True, recompute_rows=ctx.n_rec, rowdot=dgate is None)
+        if dgate is None:  # exact: every send row came back, in send order
+            dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
+            dgate[home.src_pair] = dg_back
+            dgate = dgate.view(T, K).to(w_TK.dtype)
         if opts.fidelity and not plan.exact:
             # the exact gradient: every pair (retained or not), unweighted
-            _, e13, e2, _ = _experts_backward(
+            _, e13, e2, _, _ = _experts_backward(
                 st, home.j_in_block, dout_TH[home.src_pair // K],
                 w_TK.reshape(-1)[home.src_pair].float(), plan.assign_GGS[me],
                 plan.assign_GGS[:, me, :], saved, w13_S, w2_S)
@@ -408,7 +422,8 @@ class ExpertExchange(torch.autograd.Function):
             bwd_rows=n_in, selected_rows=int(recv_GS.sum()) if keep is None or opts.compaction
             else int(plan.select_GGS[:, me, :].sum()),
             bwd_dispatch_bytes_sent=n_out * (H * es + 12), bwd_dispatch_bytes_recv=n_in * (H * es + 12),
-            bwd_combine_bytes_sent=n_in * H * es, bwd_combine_bytes_recv=n_out * H * es,
+            bwd_combine_bytes_sent=n_in * (H * es + 4 * (dg_back is not None)),
+            bwd_combine_bytes_recv=n_out * (H * es + 4 * (dg_back is not None)),
             # what the exact backward would send: every assigned row out and back
             bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (2 * H * es + 12),
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
@@ -427,8 +442,8 @@ def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | N
 
 def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Tensor, sent_GS: Tensor,
                       recv_GS: Tensor, saved: tuple[Tensor, Tensor, Tensor], w13_S: Tensor,
-                      w2_S: Tensor, timed: bool = False, recompute_rows: int = 0
-                      ) -> tuple[Tensor, Tensor, Tensor, int]:
+                      w2_S: Tensor, timed: bool = False, recompute_rows: int = 0,
+                      rowdot: bool = False) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
     """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
 
     ``rows`` are ordered by send position (block-major) and carry the output gradient
@@ -438,7 +453,9 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size;
     with ``recompute_rows = n`` (a plan over a budget) ``gu`` lacks the first ``n`` saved
     rows, recomputed here from their saved inputs.
-    Returns ``(dx rows back at home in the same order, dw13, dw2, rows in)``.
+    Returns ``(dx rows back at home in the same order, dw13, dw2, rows in, dot)``; with
+    ``rowdot`` ``dot`` is each row's router gradient ``<dy, y>`` back at home in the same
+    order (``None`` otherwise).
     """
     saved_x, saved_gu, saved_SG = saved
     comm, plan, dev = st.comm, st.plan, rows.device
@@ -467,8 +484,11 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Te
     counts = occupied_counts(rl.counts, plan, comm.rank, w13_S.shape[0])
     offs = offsets(counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-        dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, counts, offs,
-                                             scale=scale_inst)
+        dx_inst, dw13, dw2, *dot = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, counts,
+                                                   offs, scale=scale_inst, rowdot=rowdot)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
-    return dx_back, dw13, dw2, dy_recv.shape[0]
+    dg_back = None
+    if rowdot:
+        dg_back = comm.all_to_all(unpermute_rows(dot[0], rl.to_inst), rl.splits, send_splits)
+    return dx_back, dw13, dw2, dy_recv.shape[0], dg_back

@@ -22,7 +22,7 @@ from lrmoe.errors import LrmoeError
 
 EXIT_PEER_FAILURE = 3
 _KEY = "lrmoe/fault"
-_GRACE_S = 3.0  # how long the reporter waits for the other survivors to check in
+_GRACE_S = 5.0  # how long the reporter waits for the other survivors to check in
 
 
 class PeerFailure(LrmoeError):

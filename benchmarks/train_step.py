@@ -40,6 +40,8 @@ from gpu_common import bench, dense_tflops, fmt, gib, out_dir, peak_of, run_meta
 from lrmoe.hf import _hf_name, hf_config_dict  # noqa: E402
 from lrmoe.model import MoEForCausalLM  # noqa: E402
 from lrmoe.model.compile import compile_counts, compile_model  # noqa: E402
+from lrmoe.model.moe import MoERuntime  # noqa: E402
+from lrmoe.parallel.exchange import BackwardOptions  # noqa: E402
 from lrmoe.presets import get_preset, param_counts  # noqa: E402
 
 SHAPES = {"qwen3": ("qwen3-30b-a3b", 4), "glm": ("glm-4.5-air", 3)}
@@ -149,6 +151,11 @@ def run_shape_regime(shape: str, regime: str, a, dev: str, dense: float, rows: l
     with torch.no_grad():
         ref_logits = ours(batch[:1, :-1]).float()
     add(guarded("ours eager", lambda: run_variant("ours eager", ours, ours_loss, batch, dtype, a, dev)))
+    if a.router_grad_experts:  # the lever: no combined expert outputs kept (exact plans)
+        ours.set_runtime(MoERuntime(backward=BackwardOptions(router_grad="experts")))
+        name = "ours eager, router grad at experts"
+        add(guarded(name, lambda: run_variant(name, ours, ours_loss, batch, dtype, a, dev)))
+        ours.set_runtime(MoERuntime())
     if a.compile:
         torch._dynamo.reset()
         compile_model(ours, backend=a.compile_backend)
@@ -237,6 +244,8 @@ def main() -> None:
     ap.add_argument("--hf-compile-impl", default="grouped_mm",
                     help="HF experts implementation run compiled ('' = none)")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-router-grad-experts", dest="router_grad_experts", action="store_false",
+                    help="skip ours eager with BackwardOptions(router_grad='experts')")
     ap.add_argument("--compile-backend", default=None, help="default inductor (smoke: aot_eager)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the variants that would start after this many seconds (recorded "

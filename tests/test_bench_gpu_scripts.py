@@ -29,6 +29,7 @@ def test_moe_layer_smoke(tmp_path):
     r = res[0]
     assert r["peer"]["grouped_mm"]["rel_err_vs_ours"] < 2e-2  # bf16: same weights, same routing
     assert r["ours_compiled"]["rel_err_vs_ours"] < 1e-6
+    assert r["ours_router_grad_experts"]["rel_err_vs_ours"] < 1e-6
     assert {"keep1.0_bwd_ms", "keep0.5_bwd_ms", "keep0.5_nocompact_bwd_ms"} <= set(r)
     assert "| glm | 64 | 1 |" in (tmp_path / "moe_layer.md").read_text()
 
@@ -38,10 +39,11 @@ def test_train_step_smoke(tmp_path):
              "fp32-autocast", "--no-compile")
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads((tmp_path / "train_step.json").read_text())["results"]
-    assert [r["variant"] for r in rows] == ["ours eager", "HF grouped_mm"]
+    assert [r["variant"] for r in rows] == ["ours eager", "ours eager, router grad at experts",
+                                            "HF grouped_mm"]
     assert all("error" not in r for r in rows), rows
-    assert rows[1]["logits_rel_err_vs_ours"] < 1e-5  # fp32: HF holds exactly our weights
-    assert abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 0.05 * rows[0]["first_loss"]
+    assert rows[2]["logits_rel_err_vs_ours"] < 1e-5  # fp32: HF holds exactly our weights
+    assert abs(rows[0]["first_loss"] - rows[2]["first_loss"]) < 0.05 * rows[0]["first_loss"]
     assert "| qwen3 | fp32-autocast | ours eager |" in (tmp_path / "train_step.md").read_text()
 
 

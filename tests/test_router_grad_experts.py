@@ -109,3 +109,26 @@ def test_kept_bytes_fall_by_the_ledgers_combine_rows(case, monkeypatch):
         assert drop == want, (case, me, drop, want)
         saved_any |= drop > 0
     assert saved_any == (case != "lrmoe_trimmed")
+
+
+def test_train_flag_same_losses_and_bad_value(tmp_path, capsys):
+    """``lrmoe train --router-grad experts`` trains to the same losses as ``home`` (the
+    static plan is exact); a value that is neither is one line, exit code 2."""
+    from lrmoe.cli import main
+    from lrmoe.train.metrics import read_metrics
+
+    small = ["--preset", "tiny-qwen3", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+             "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
+             "--threads", "1", "--warmup", "1"]
+    losses = {}
+    for rg in ("home", "experts"):
+        assert main(["train", "--out", str(tmp_path / rg), *small, "--router-grad", rg]) == 0
+        losses[rg] = [r["loss"] for r in read_metrics(tmp_path / rg / "metrics.jsonl")
+                      if r.get("kind") == "train"]
+    assert len(losses["home"]) == 3
+    torch.testing.assert_close(losses["experts"], losses["home"], rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "bad"), *small, "--router-grad", "away"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--router-grad 'away'" in err[0], err
+    assert not (tmp_path / "bad").exists()

@@ -106,6 +106,10 @@ def register(sub) -> None:
                    help="host: keep the experts' fp32 masters and AdamW moments in host memory "
                         "and update them there (same update); --mem-budget then counts only "
                         "the GPU's bytes (default device)")
+    g.add_argument("--router-grad", metavar="home|experts",
+                   help="experts: on exact plans the expert backward computes the router "
+                        "gradient, so the combined expert outputs are not kept for backward "
+                        "(less memory, same math up to rounding; default home)")
     g.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by saving only some pairs' input rows and "
                         "recomputing their gate_up outputs in backward")

@@ -61,6 +61,7 @@ class TrainConfig:
     recompute: bool = False
     lrmoe_recompute: bool = False
     optimizer_offload: str = "device"
+    router_grad: str = "home"
     mem_budget: str | None = None
     lrmoe_metric: str = "grad_norm"
     lrmoe_estimator: str = "topk"
@@ -172,6 +173,7 @@ def check_args(cfg: TrainConfig) -> None:
     _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
     _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
     _choice("optimizer_offload", cfg.optimizer_offload, ("device", "host"))
+    _choice("router_grad", cfg.router_grad, ("home", "experts"))
     from lrmoe.parallel.exchange import METRICS
     _choice("lrmoe_metric", cfg.lrmoe_metric, tuple(METRICS))
     try:
@@ -247,7 +249,8 @@ def backward_options(cfg: TrainConfig):
     from lrmoe.parallel.exchange import BackwardOptions
 
     return BackwardOptions(metric=cfg.lrmoe_metric, estimator=cfg.lrmoe_estimator,
-                           compaction=cfg.lrmoe_compaction, fidelity=False)
+                           compaction=cfg.lrmoe_compaction, fidelity=False,
+                           router_grad=cfg.router_grad)
 
 
 def build_ledger(cfg: TrainConfig, mcfg, ctx):
@@ -258,7 +261,8 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
 
     dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
     return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype,
-                            optimizer_offload=cfg.optimizer_offload)
+                            optimizer_offload=cfg.optimizer_offload,
+                            router_grad_at_experts=cfg.router_grad == "experts")
 
 
 def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:

@@ -120,12 +120,15 @@ def test_train_flag_same_losses_and_bad_value(tmp_path, capsys):
     small = ["--preset", "tiny-qwen3", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
              "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
              "--threads", "1", "--warmup", "1"]
-    losses = {}
+    losses, bwd_bytes = {}, {}
     for rg in ("home", "experts"):
         assert main(["train", "--out", str(tmp_path / rg), *small, "--router-grad", rg]) == 0
-        losses[rg] = [r["loss"] for r in read_metrics(tmp_path / rg / "metrics.jsonl")
-                      if r.get("kind") == "train"]
+        rows = [r for r in read_metrics(tmp_path / rg / "metrics.jsonl") if r.get("kind") == "train"]
+        losses[rg] = [r["loss"] for r in rows]
+        bwd_bytes[rg] = [m["bwd_bytes"] for r in rows for m in r["moe"]]
     assert len(losses["home"]) == 3
+    # the option took effect: each backward row carries its router gradient (4 bytes) home
+    assert all(b > a for a, b in zip(bwd_bytes["home"], bwd_bytes["experts"]))
     torch.testing.assert_close(losses["experts"], losses["home"], rtol=1e-5, atol=1e-6)
     capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "bad"), *small, "--router-grad", "away"]) == 2

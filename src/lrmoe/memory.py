@@ -347,7 +347,7 @@ class Ledger:
         """
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         exact = self.router_grad_at_experts and plan.exact
-        return [self.terms(*c, n, exact=exact)
+        return [self.terms(*c, n, **({"exact": True} if exact else {}))
                 for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,

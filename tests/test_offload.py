@@ -269,9 +269,11 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
     best = {}
     for off in ("device", "host"):
         led = Ledger.for_dtype(cfg, G, 2**40, "bf16", optimizer_offload=off)
-        ms = {s: project_policy("symi", cfg, led, samples, link, 440e12,
-                                slots_per_rank=s)["modelled_layer_ms"]
-              for s in range(E // G, E + 1)}
+        rows = {s: project_policy("symi", cfg, led, samples, link, 440e12, slots_per_rank=s)
+                for s in range(E // G, E + 1)}
+        # the choice prices the plan, not the (measured, noisy) planning time
+        ms = {s: r["modelled_layer_ms"] - r["modelled_stages_ms"]["plan"]
+              for s, r in rows.items()}
         best[off] = min(ms, key=lambda s: (ms[s], -s))
         assert fastest_symi_slots(cfg, led, samples, pops, link, 440e12) == best[off]
     assert best["host"] != best["device"]

@@ -17,13 +17,14 @@ case $W in
   *) echo "unknown workload $W" >&2; exit 2 ;;
 esac
 POLICIES=${POLICIES:-static,symi,lrmoe:recompute,lrmoe,lrmoe:min_keep=0.8}
+SEED_TIMEOUT=${SEED_TIMEOUT:-3000}  # seconds per seed; a cut-short seed keeps ttl_partial.json
 EVERY=$(( STEPS / 20 > 0 ? STEPS / 20 : 1 ))
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 for SEED in "$@"; do
   D="$OUT/${W}_s$SEED"
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES"
-  python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
+  timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
     --budget-retain-fraction 0.8 --optimizer-offload host --link nvlink \
     --policies "$POLICIES" --out "$D" > "$D.log" 2>&1 || { tail -30 "$D.log"; }

@@ -137,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
             got = measure_rank(base, me, counts_GE, idx, T, policy, budget, device,
                                torch.bfloat16)
             terms = one.rank_terms(got["plan"])[me]
+            # buffers derived from the code for this plan's selected rows (design §5)
+            pt = one.rank_terms(got["plan"], plan_buffers=True)[me]
             plan = got["plan"]
             rows.append({
                 "policy": name, "rank": me, "ledger_bytes": terms["total"],
                 "ledger_terms": {k: terms[k] for k in TERMS}, "measured_peak_bytes": got["peak"],
                 "measured_over_ledger": None if got["peak"] is None
                 else got["peak"] / terms["total"],
+                "ledger_plan_bytes": pt["total"], "ledger_plan_buffers": pt["buffers"],
+                "measured_over_ledger_plan": None if got["peak"] is None
+                else got["peak"] / pt["total"],
                 "received_pairs": int(plan.assign_GGS[:, me].sum()),
                 "retained_pairs": int(plan.retain_GGS[:, me].sum()),
                 "instances": int((plan.inst_expert_GS[me] >= 0).sum())})
@@ -161,14 +166,17 @@ def main(argv: list[str] | None = None) -> int:
              f"torch {rep['torch']}; lrmoe budget {fmt_bytes(rep['lrmoe_budget_bytes'])} "
              "(L = 1). Measured: peak allocated during forward+backward above the layer "
              "input, its output gradient and the router.", "",
-             "| policy | rank | instances | received | retained | ledger | measured | measured/ledger |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| policy | rank | instances | received | retained | ledger | measured | measured/ledger "
+             "| ledger, plan-priced buffers | measured/that |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["measured_peak_bytes"]
         lines.append(f"| {r['policy']} | {r['rank']} | {r['instances']} | {r['received_pairs']} "
                      f"| {r['retained_pairs']} | {fmt_bytes(r['ledger_bytes'])} | "
                      f"{'n/a (CPU)' if m is None else fmt_bytes(m)} | "
-                     f"{'-' if m is None else format(r['measured_over_ledger'], '.3f')} |")
+                     f"{'-' if m is None else format(r['measured_over_ledger'], '.3f')} | "
+                     f"{fmt_bytes(r['ledger_plan_bytes'])} | "
+                     f"{'-' if m is None else format(r['measured_over_ledger_plan'], '.3f')} |")
     (out / "ledger_peak.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

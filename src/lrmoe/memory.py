@@ -137,6 +137,15 @@ def actual_param_bytes(tensors: Iterable[Tensor]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class BackwardRows:
+    """One rank's backward rows for a known plan (:meth:`Ledger.backward_rows`)."""
+
+    rows_in: int    # output-gradient rows received (the selected rows on this rank)
+    rows_out: int   # rows this rank sends from home (its selected home pairs)
+    gathered: bool  # the saved rows are gathered (selection != retention into this rank)
+
+
 @dataclass
 class Ledger:
     """Per-rank bytes of the MoE layers' experts (see the module docstring).
@@ -262,6 +271,67 @@ class Ledger:
         bwd = T * H + Ph * H + R * (2 * H) + R * (H + 2 * F) + R * (4 * F + H)
         return max(fwd, bwd) * self.bytes_act
 
+    def plan_buffer_bytes(self, received_pairs: int, home_pairs: int,
+                          retained_pairs: int | None = None, recomputed_pairs: int = 0,
+                          bwd: BackwardRows | None = None) -> int:
+        """The buffers term derived from the code and checked against it (CPU: the row
+        tensors alive at the backward's GEMMs and all-to-alls; H200: the measured peak,
+        ``benchmarks/ledger_peak.py``): one layer's transients on one rank, the largest
+        set alive at once in its forward or backward (``parallel/exchange.py``,
+        ``ops/experts.py``) on top of the kept terms. Derivation: ``docs/design.md`` §5.
+        Not yet what the planners price (:meth:`buffer_bytes`); ``rank_terms(plan,
+        plan_buffers=True)`` uses it.
+
+        The backward's two largest points (at its dx GEMM, and when dx is sent home) are
+        priced by their envelope: the rows sent ``2·ps·H`` plus, per backward row, the
+        larger of the two points' bytes per row (exact when dx sent home is the larger
+        point; an over-count of at most ``4F - H`` elements per row otherwise). With
+        ``bwd`` (a known plan, :meth:`backward_rows`) the rows are the plan's *selected*
+        rows, and the forward's points (beyond what the layer then keeps) are included.
+        Without it (planning time) the counts are priced as the exact plan of ``R``
+        received and ``h`` home pairs (every row in backward, none gathered): affine in
+        ``R``, independent of the retention (a trimmed plan whose selection is gathered
+        can need more than that).
+        Not counted: with recompute, the gate_up output backward rebuilds for all ``k``
+        retained rows beside the saved ones (``(k + rec) · 2F``, §5).
+        """
+        R, h, H, F = int(received_pairs), int(home_pairs), self.H, self.F
+        k = R if retained_pairs is None else int(retained_pairs)
+        rec = int(recomputed_pairs)
+        T = -(-h // self.top_k)
+        b = self.bytes_act
+        n, ps, gth = (R, h, False) if bwd is None else (bwd.rows_in, bwd.rows_out, bwd.gathered)
+        env = (T * H + 2 * ps * H) * b + n * max(self._bwd_row_bytes(gth))
+        if bwd is None:
+            return env
+        # the forward's points come before this layer keeps anything: beyond its kept bytes
+        kept = (k - rec) * self.A + rec * self.A_recompute
+        kept += 0 if self.router_grad_at_experts else h * H * b
+        return max(env,
+                   (T * H + R * (2 * H + 3 * F)) * b - kept,   # forward, at the y GEMM
+                   (T * H + h * H + R * H) * b - kept)         # forward, the dispatch
+
+    def _bwd_row_bytes(self, gathered: bool) -> tuple[int, int]:
+        """Bytes per backward row (received, selected) on the expert rank: the received
+        output-gradient rows and their instance-order copy ``2H``, the gathered saved
+        rows ``H + 2F`` (when the selection differs from the retention), and either the
+        expert backward's ``act, dact, dgu, dx`` ``4F + H`` (at the dx GEMM) or ``dx`` and
+        its arrival-order copy ``2H`` (when dx is sent home), as a pair; plus its int64
+        instance index, int64 in-block index, fp32 scale (gathered: two int64 row indices)."""
+        H, F, b = self.H, self.F, self.bytes_act
+        common = 2 * H * b + (H + 2 * F) * b * bool(gathered) + 20 + 16 * bool(gathered)
+        return common + (4 * F + H) * b, common + 2 * H * b
+
+    @staticmethod
+    def backward_rows(plan, me: int) -> BackwardRows:
+        """What rank ``me``'s backward works on for ``plan`` (top-k selection, compaction
+        on): rows received (``select`` into ``me``), rows sent (``select`` from ``me``),
+        and whether the saved rows are gathered (the selection differs from the retention
+        on some block into ``me``)."""
+        sel_in, ret_in = plan.select_GGS[:, me, :], plan.retain_GGS[:, me, :]
+        return BackwardRows(int(sel_in.sum()), int(plan.select_GGS[me].sum()),
+                            not torch.equal(sel_in, ret_in))
+
     def kept_bytes(self, home_pairs: int, exact: bool = False) -> dict[str, int]:
         """Per layer, what a rank keeps for backward for its home pairs whatever the plan:
         ``combine_rows`` (the combined expert outputs, for the router gradient; none for an
@@ -335,7 +405,8 @@ class Ledger:
         return [(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
                 for r in range(plan.G)]
 
-    def rank_terms(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+    def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
+                   plan_buffers: bool = False) -> list[dict[str, int]]:
         """Ledger terms of every rank for ``plan`` (one layer's plan, repeated over L).
 
         Args:
@@ -344,11 +415,20 @@ class Ledger:
             tokens_per_rank_home: tokens per home rank; its pairs ``tokens · top_k`` size
                 the send/combine buffers. ``None`` takes each home's routed pairs from
                 the plan (assigned + dropped).
+            plan_buffers: price the buffers with :meth:`plan_buffer_bytes` (the plan's
+                selected rows) instead of :meth:`buffer_bytes` (what the planners use).
         """
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         exact = self.router_grad_at_experts and plan.exact
-        return [self.terms(*c, n, **({"exact": True} if exact else {}))
-                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
+        out = [self.terms(*c, n, **({"exact": True} if exact else {}))
+               for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
+        if plan_buffers:  # the buffers derived from the code, for this plan (§5)
+            counts = self._rank_counts(plan, tokens_per_rank_home)
+            for r, (t, (_, R, h, k), n) in enumerate(zip(out, counts, rec)):
+                buf = self.plan_buffer_bytes(R, h, k, n, self.backward_rows(plan, r))
+                t["total"] += buf - t["buffers"]
+                t["buffers"] = buf
+        return out
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
                          retained_pairs: int) -> int:

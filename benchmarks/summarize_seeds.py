@@ -1,0 +1,116 @@
+"""Issue-14 statistics over seeds from ``lrmoe bench ttl`` outputs (EMULATED times).
+
+Each argument is one seed's run folder holding ``ttl.json`` or, for a run cut short,
+``ttl_partial.json`` (the policies that finished). The target and the crossings are
+recomputed with the pre-registered rule (:mod:`lrmoe.sim.target`: static's val curve
+smoothed over ``--window`` evaluations, read at ``ceil(fraction · steps)``; a policy
+reaches it where its own smoothed curve does), so a partial run is read the same way as
+a finished one. Prints markdown: per-seed ratios over symi, their mean and min–max per
+policy, and the mean emulated ms per stage and policy over the seeds; writes a plot of
+the per-seed ratios with ``--plot``.
+
+    python3 benchmarks/summarize_seeds.py benchmarks/results/ttl_gpu_issue14_qwen3/s{0,1,2}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
+
+
+def load(run: Path) -> dict:
+    for name in ("ttl.json", "ttl_partial.json"):
+        if (run / name).exists():
+            return json.loads((run / name).read_text())["policies"]
+    raise SystemExit(f"summarize_seeds: {run} holds neither ttl.json nor ttl_partial.json")
+
+
+def seed_row(pol: dict, fraction: float, window: int) -> dict:
+    base = pol["static"]
+    at = math.ceil(fraction * len(base["steps"]))
+    target = target_at(base["evals"], at, window)
+    out = {"target": target, "noise": eval_noise(base["evals"], at, window), "policies": {}}
+    for name, r in pol.items():
+        step, t = crossing(r["evals"], target, window)
+        out["policies"][name] = {"step": step, "time": t, "final": r["final_val_loss"],
+                                 "steps": len(r["steps"]), "failed": r.get("failed")}
+    t_symi = out["policies"].get("symi", {}).get("time")
+    for p in out["policies"].values():
+        p["ratio"] = p["time"] / t_symi if p["time"] and t_symi and not p["failed"] else None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--fraction", type=float, default=0.8)
+    ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--plot", type=Path, default=None)
+    a = ap.parse_args(argv)
+    pols = [load(r) for r in a.runs]
+    rows = [seed_row(p, a.fraction, a.window) for p in pols]
+    names = list(dict.fromkeys(n for p in pols for n in p))
+    print("| policy | " + " | ".join(f"{r.name} ratio (final val)" for r in a.runs)
+          + " | mean ratio | min–max | seeds with a ratio |")
+    print("|" + "---|" * (len(a.runs) + 4))
+    for n in names:
+        cells, rs = [], []
+        for row in rows:
+            p = row["policies"].get(n)
+            if p is None:
+                cells.append("not run")
+            elif p["failed"]:
+                cells.append(f"stopped at step {p['steps'] + 1}")
+            else:
+                cells.append(f"{p['ratio']:.3f} ({p['final']:.4f})" if p["ratio"] is not None
+                             else f"never ({p['final']:.4f})")
+                if p["ratio"] is not None:
+                    rs.append(p["ratio"])
+        mean = f"{statistics.mean(rs):.3f}" if rs else "n/a"
+        spread = f"{min(rs):.3f}–{max(rs):.3f}" if rs else "n/a"
+        print(f"| {n} | " + " | ".join(cells) + f" | {mean} | {spread} | {len(rs)} of {len(rows)} |")
+    print()
+    for r, row in zip(a.runs, rows):
+        nz = row["noise"]
+        print(f"- {r.name}: target {row['target']:.4f}; one evaluation's std error "
+              f"{nz['std_error']:.3f} vs smoothed change between neighbouring evaluations "
+              f"{nz['neighbour_change']:.4f} ({'below' if nz['ok'] else 'NOT below'} a quarter)")
+    stages = list(next(iter(pols[0].values()))["steps"][0]["stages_emulated_s"])
+    print("\nMean emulated ms per step by stage over the seeds (all steps each policy ran):\n")
+    print("| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |")
+    print("|" + "---|" * (len(stages) + 3))
+    for n in names:
+        st = [s for p in pols if n in p for s in p[n]["steps"]]
+        vals = [statistics.mean(s["stages_emulated_s"][k] for s in st) for k in stages]
+        vals += [statistics.mean(s["non_moe_s"] for s in st),
+                 statistics.mean(s["step_emulated_s"] for s in st)]
+        print(f"| {n} | " + " | ".join(f"{v * 1e3:.2f}" for v in vals) + " |")
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, n in enumerate(x for x in names if x not in ("static", "symi")):
+            ys = [row["policies"].get(n, {}).get("ratio") for row in rows]
+            xs = [j + 0.08 * i for j, y in enumerate(ys) if y is not None]
+            ax.plot(xs, [y for y in ys if y is not None], "o", label=n)
+        ax.axhline(1.0, color="k", lw=1, label="symi")
+        ax.axhline(0.55, color="r", ls="--", lw=1, label="goal 0.55")
+        ax.set_xticks(range(len(rows)), [r.name for r in a.runs])
+        ax.set_ylabel("time to target / symi's (emulated)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -99,7 +99,10 @@ def test_hung_rank_is_named_once_with_the_last_checkpoint(tmp_path):
     lines = _error_lines(text)
     assert len(lines) == 1, text[-4000:]
     line = lines[0]
-    assert "timed out after --timeout-s 5" in line and "rank(s) 2 stopped responding" in line
+    # the first survivor to notice reports: the one whose own collective timed out, or
+    # the one whose connection dropped when that first survivor exited (a race)
+    assert ("timed out after --timeout-s 5" in line or "lost its connection to a peer" in line)
+    assert "rank(s) 2 stopped responding" in line, line
     assert " in all_" in line or " in broadcast" in line or " in barrier" in line, line
     last = ckpt.latest_checkpoint(out)
     assert str(last.path) in line and "--resume" in line, line

@@ -187,31 +187,11 @@ class TrimmedRetentionPolicy:
         return Plan(p.inst_expert_GS, p.assign_GGS, r, r)
 
 
-def masked_reference(layer, x_BTH, keep_frac_num=3, keep_den=5):
-    """The dense reference where only each expert's top ``⌊3/5·n⌋`` pairs by gate carry
-    gradient into the expert (weights and input); every pair's output and router
-    gradient stay exact (``y.detach()`` for the others)."""
-    B, T, H = x_BTH.shape
-    x = x_BTH.reshape(-1, H)
-    r = layer.router(x)
-    Fd = layer.cfg.moe_intermediate_size
-    out = torch.zeros_like(x)
-    for e in range(layer.cfg.num_experts):
-        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        g = r.gate_TK[tok, k]
-        n_keep = (tok.numel() * keep_frac_num) // keep_den
-        kept = torch.zeros(tok.numel(), dtype=torch.bool)
-        kept[torch.argsort(g.detach(), descending=True)[:n_keep]] = True
-        gu = x[tok] @ layer.experts.gate_up_proj[e].t()
-        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
-        y = torch.where(kept[:, None], y, y.detach())
-        out = out.index_add(0, tok, y * g[:, None].to(y.dtype))
-    out = out.view(B, T, H)
-    if layer.shared_experts is not None:
-        out = out + layer.shared_experts(x_BTH)
-    return out
+def top_three_fifths(g):
+    """Each expert's top ``⌊3/5·n⌋`` pairs by gate (what TrimmedRetentionPolicy keeps)."""
+    kept = torch.zeros(g.numel(), dtype=torch.bool)
+    kept[torch.argsort(g, descending=True)[:(g.numel() * 3) // 5]] = True
+    return kept
 
 
 def test_retention_keeps_each_experts_highest_gate_pairs(layer):
@@ -223,7 +203,7 @@ def test_retention_keeps_each_experts_highest_gate_pairs(layer):
     got = run(layer, x)
     layer.zero_grad()
     xr = x.clone().requires_grad_()
-    y = masked_reference(layer, xr)
+    y = moe_layer_reference(layer, xr, keep=top_three_fifths)
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     want = [y.detach(), xr.grad, layer.experts.gate_up_proj.grad.clone(),
             layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]

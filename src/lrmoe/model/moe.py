@@ -155,8 +155,13 @@ def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.
     return remote * per_expert * torch.empty((), dtype=dtype).element_size()
 
 
-def moe_layer_reference(layer: MoELayer, x_BTH: Tensor) -> Tensor:
-    """Straightforward dense-dispatch reference (one process, all experts local)."""
+def moe_layer_reference(layer: MoELayer, x_BTH: Tensor, keep=None) -> Tensor:
+    """Straightforward dense-dispatch reference (one process, all experts local).
+
+    ``keep(gate_N) -> bool_N``, if given, picks which of an expert's N pairs carry
+    gradient into the expert (weights and input); the others' outputs are detached, so
+    the forward and every pair's router gradient stay exact (the masking reference of a
+    trimmed backward)."""
     B, T, H = x_BTH.shape
     x = x_BTH.reshape(-1, H)
     r = layer.router(x)
@@ -168,7 +173,10 @@ def moe_layer_reference(layer: MoELayer, x_BTH: Tensor) -> Tensor:
             continue
         gu = x[tok] @ layer.experts.gate_up_proj[e].t()
         y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
-        out = out.index_add(0, tok, y * r.gate_TK[tok, k, None].to(y.dtype))
+        g = r.gate_TK[tok, k]
+        if keep is not None:
+            y = torch.where(keep(g.detach())[:, None], y, y.detach())
+        out = out.index_add(0, tok, y * g[:, None].to(y.dtype))
     out = out.view(B, T, H)
     if layer.shared_experts is not None:
         out = out + layer.shared_experts(x_BTH)

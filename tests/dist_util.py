@@ -86,3 +86,15 @@ def trimmed(plan: Plan) -> Plan:
     """``plan`` with 80% of each block retained and 60% of those selected."""
     r = (plan.assign_GGS * 4) // 5
     return Plan(plan.inst_expert_GS, plan.assign_GGS, r, (r * 3) // 5)
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -214,14 +214,11 @@ def test_ledger_peak_script_logic_on_cpu(tmp_path):
     """benchmarks/ledger_peak.py on CPU (nothing measured there): every policy and rank
     gets a row whose ledger total is the ledger's for that rank's plan; bad input is
     one line and exit code 2, writing nothing."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ledger_peak.py"
-    spec = importlib.util.spec_from_file_location("ledger_peak", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from dist_util import load_benchmark
+
+    mod = load_benchmark("ledger_peak")
     out = tmp_path / "lp"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--tokens-per-rank", "32", "--ep", "4"]) == 0

@@ -281,14 +281,11 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
 
 def test_offload_check_benchmark_logic(tmp_path):
     """benchmarks/offload_check.py (the GPU check) on the CPU at tiny shapes."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_check.py"
-    spec = importlib.util.spec_from_file_location("offload_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from dist_util import load_benchmark
+
+    mod = load_benchmark("offload_check")
     out = tmp_path / "oc"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--steps", "4", "--batch-size", "4", "--seq-len", "32",

@@ -224,13 +224,8 @@ def test_symi_and_capacity_fast_equal_reference():
 
 
 def _plan_speed():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_speed.py"
-    spec = importlib.util.spec_from_file_location("plan_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dist_util import load_benchmark
+    return load_benchmark("plan_speed")
 
 
 def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):

@@ -246,6 +246,40 @@ def test_recompute_ledger_charges_time_not_math():
             max(per["bwd_recompute"]))
 
 
+def test_lrmoe_with_no_feasible_plan_runs_as_static_over_budget():
+    """When no lrmoe plan fits the budget, ``over_budget_fallback`` runs the step as an
+    exact policy over budget (static's plan: same tensors, the ledger's recompute mode,
+    marked); without it the planner's error stops the step, as in the real runtime."""
+    from lrmoe.errors import LrmoeError
+    from lrmoe.memory import Ledger
+    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+
+    base, _ = emulate("static", 6)
+    layer, idx, x, coeff = make_case(6)
+    plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
+                     torch.arange(E).reshape(G, E // G))
+    free = Ledger(layer.cfg, G, num_moe_layers=1)
+    none_kept = min(free.terms(*c[:3], 0)["total"] for c in free._rank_counts(plan, None))
+    led = Ledger(layer.cfg, G, none_kept // 2, num_moe_layers=1)  # nothing fits anywhere
+    policy = LrmoePolicy(LrmoeConfig(recompute=True))
+    with pytest.raises(LrmoeError, match="does not fit"):
+        run(VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led), layer, x, coeff)
+    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led, over_budget_fallback=True)
+    got = run(v, layer, x, coeff)
+    for k in got:
+        close(got[k], base[k], k)
+    assert v.stats.fallback and v.stats.plan.exact
+    assert torch.equal(v.stats.plan.inst_expert_GS, plan.inst_expert_GS)
+    mode, rows, _ = led.exact_fit(v.stats.plan)
+    assert (v.stats.recompute_mode, v.stats.recompute_rows) == (mode, rows) == ("over", rows)
+    assert not v.stats.recompute_fits
+    # a budget lrmoe can meet: no fallback, its own (trimmed) plan
+    roomy = Ledger(layer.cfg, G, 10 * none_kept, num_moe_layers=1)
+    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=roomy, over_budget_fallback=True)
+    run(v, layer, x, coeff)
+    assert not v.stats.fallback
+
+
 def test_counts_GE_of_plan_recovers_the_routing():
     """The emulator's per-home counts, read back from a plan with replicas (and drops)."""
     from lrmoe.policy.base import PlanInputs

@@ -237,8 +237,9 @@ def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0
         row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
         row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
                                   / max(assigned, 1))
-        row["fits"] = all(s.recompute_fits for s in stats) and \
+        row["fits"] = all(s.recompute_fits and not s.fallback for s in stats) and \
             row["ledger_peak_bytes"] <= ledger.budget_bytes
+        row["fallback_layers"] = sum(s.fallback for s in stats)
     return row
 
 
@@ -257,8 +258,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
+    # lrmoe plans against the budget; a step where no plan fits runs as the exact
+    # policies do over budget (static's plan, recompute), marked, rather than stopping
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator), planner_ledger,
-                      sync, rec_ledger)
+                      sync, rec_ledger, over_budget_fallback=planner_ledger is not None)
     trace, trace_GE = [], []
     # with offload: the offload code path with its "host" on the emulating device (its
     # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
@@ -308,7 +311,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                               "cum_emulated_s": cum})
                 log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
-    except LrmoeError as e:  # e.g. the lrmoe planner finds no feasible plan this step
+    except LrmoeError as e:  # e.g. a non-finite loss
         if name == "static":
             raise
         failed = f"stopped at step {len(rows) + 1}: {e}"
@@ -323,9 +326,14 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     elif ledger is not None:
         peak = max(r["ledger_peak_bytes"] for r in rows)
         over = sum(not r["fits"] for r in rows)
+        fb = sum(r["fallback_layers"] > 0 for r in rows)
         res["ledger_peak_bytes"], res["over_budget_steps"] = peak, over
+        res["fallback_steps"] = fb
         res["budget_status"] = label or (f"over budget at {over}/{len(rows)} steps"
                                          if over else "fits")
+        if fb:
+            res["budget_status"] += (f" (no plan fit at {fb} steps: those ran static's plan"
+                                     " with its recompute)")
     return res
 
 

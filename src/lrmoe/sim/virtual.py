@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lrmoe.errors import LrmoeError
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
@@ -45,7 +46,8 @@ from lrmoe.parallel.layout import (
 )
 from lrmoe.parallel.weights import InstanceRoute
 from lrmoe.policy.base import PlanInputs, Policy
-from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.static import native_placement
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 
@@ -337,12 +339,17 @@ class VirtualEPLayer:
         check_plans: validate each plan against the counts.
         recompute_ledger: for exact policies under a budget: the ledger that decides
             how many pairs each rank recomputes (``VirtualStats.recompute_rows``).
+        over_budget_fallback: when the planner finds no plan within ``ledger``'s budget
+            (:class:`LrmoeError`), run this step as an exact policy over budget does
+            (static's native plan, recompute per :meth:`Ledger.exact_fit`, the step
+            marked ``VirtualStats.fallback``) instead of raising. ``bench ttl`` sets it
+            for lrmoe so every policy gets the same treatment when nothing fits.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
                  backward_opts: BackwardOptions | None = None, ledger=None,
                  generators: list[torch.Generator | None] | None = None, check_plans: bool = True,
-                 recompute_ledger=None):
+                 recompute_ledger=None, over_budget_fallback: bool = False):
         E = layer.cfg.num_experts
         if E % G:
             raise ValueError(f"G={G} does not divide the number of experts {E}")
@@ -352,6 +359,7 @@ class VirtualEPLayer:
         self.opts = backward_opts or BackwardOptions()
         self.ledger, self.check_plans = ledger, check_plans
         self.recompute_ledger = recompute_ledger
+        self.over_budget_fallback = over_budget_fallback
         self.generators = generators or [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
@@ -433,17 +441,26 @@ class VirtualEPLayer:
         """The policy's plan, its check and its ledger pricing (as the runtime's
         ``MoELayer`` does every step), with the recompute an exact policy needs."""
         layer = self.layer
-        plan = self.policy.plan(counts_GE, PlanInputs(layer.moe_index, self.step,
-                                                      layer.prev_counts_E, self.ledger))
+        fit_ledger, fallback = self.recompute_ledger, False
+        try:
+            plan = self.policy.plan(counts_GE, PlanInputs(layer.moe_index, self.step,
+                                                          layer.prev_counts_E, self.ledger))
+        except LrmoeError:
+            if not (self.over_budget_fallback and self.ledger is not None):
+                raise
+            G, E = counts_GE.shape  # no plan fits: run as static does over budget
+            plan, fit_ledger = full_plan(counts_GE, native_placement(G, E)), self.ledger
+            fallback = True
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
+        stats.fallback = fallback
         if self.ledger is not None:
             stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
-        elif self.recompute_ledger is not None:
-            mode, rows, terms = self.recompute_ledger.exact_fit(plan)
+        elif fit_ledger is not None:
+            mode, rows, terms = fit_ledger.exact_fit(plan)
             stats.recompute_mode, stats.recompute_rows = mode, rows
             stats.recompute_fits = mode != "over"
             stats.ledger_total_bytes = [int(t["total"]) for t in terms]

@@ -26,7 +26,8 @@ def counts_GE_of(plan, E: int) -> torch.Tensor:
 class VirtualModel:
     """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
 
-    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
+    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None,
+                 over_budget_fallback: bool = False):
         from lrmoe.sim.virtual import VirtualEPLayer
 
         self.layers, self.sync, self.wall = [], sync, 0.0
@@ -34,7 +35,8 @@ class VirtualModel:
         self.counts_GE: list[torch.Tensor] = []  # ... and per home rank
         for m in model.moe_layers:
             v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
-                               recompute_ledger=recompute_ledger)
+                               recompute_ledger=recompute_ledger,
+                               over_budget_fallback=over_budget_fallback)
             orig = m.forward
             m.forward = self._wrap(m, v, orig)
             self.layers.append(v)

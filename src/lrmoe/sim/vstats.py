@@ -85,6 +85,9 @@ class VirtualStats:
             or ``over``: does not fit even so, ``recompute_fits`` False). The emulator
             does not change the math for it; :mod:`lrmoe.sim.cost` charges the time
             (modelled).
+        fallback: the planner found no plan within its budget, so the layer ran
+            static's exact native plan with the recompute above (``over_budget_fallback``
+            of :class:`lrmoe.sim.virtual.VirtualEPLayer`).
     """
 
     plan: Plan
@@ -100,6 +103,7 @@ class VirtualStats:
     recompute_rows: list[int] | None = None
     recompute_mode: str = "fits"
     recompute_fits: bool = True
+    fallback: bool = False
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
         """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""

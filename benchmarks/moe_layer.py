@@ -187,19 +187,28 @@ def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, ref: torch.Tensor
     return out
 
 
-def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: float) -> None:
-    """Every variant at one shape and token count; the routing table is rewritten in place
-    for each skew, so the compiled variants compile once per (shape, T)."""
+def build_layer(shape: str, T: int, smoke: bool):
+    """Our layer at ``shape`` (seeded) with a :class:`FixedRouter` reading the routing
+    table ``idx_TK`` (zeros: fill it with :func:`draw_routing`), an input ``x`` that
+    wants its gradient, and an output gradient ``dy``: ``(cfg, layer, idx_TK, x, dy)``."""
     torch.manual_seed(0)
     base = dict(vocab_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                 num_hidden_layers=1, intermediate_size=1024)
-    cfg = ModelConfig(**base, **(SMOKE_SHAPES if a.smoke else SHAPES)[shape])
-    E, K, H, Fd = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    cfg = ModelConfig(**base, **(SMOKE_SHAPES if smoke else SHAPES)[shape])
+    K, H = cfg.num_experts_per_tok, cfg.hidden_size
     idx = torch.zeros(T, K, dtype=torch.long, device=DEV)
     layer = MoELayer(cfg, 0).to(DEV).to(DTYPE)
     layer.router = FixedRouter(layer.router.weight, idx)
     x = torch.randn(1, T, H, device=DEV, dtype=DTYPE).requires_grad_()
     dy = torch.randn(1, T, H, device=DEV, dtype=DTYPE)
+    return cfg, layer, idx, x, dy
+
+
+def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: float) -> None:
+    """Every variant at one shape and token count; the routing table is rewritten in place
+    for each skew, so the compiled variants compile once per (shape, T)."""
+    cfg, layer, idx, x, dy = build_layer(shape, T, a.smoke)
+    E, K, H, Fd = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     compile_kw = dict(backend=a.compile_backend, dynamic=False)
     ours_c = torch.compile(layer, **compile_kw)
     peers = {impl: hf_twin(shape, cfg, impl, layer, idx) for impl in a.impls.split(",")}

@@ -243,3 +243,31 @@ def test_bad_input_exit_2_and_no_output(tmp_path, monkeypatch, capsys, bad):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("moe_profile.py: error:") and bad[0] in last
     assert not (tmp_path / "o").exists()
+
+
+def test_memory_pass_glue_with_a_fake_allocator(monkeypatch):
+    """The CUDA-only memory pass, its snapshot reading and its markdown, driven by a fake
+    allocator history on the CPU (the real one is exercised on the GPU run)."""
+    import torch
+    mp = load_benchmark("moe_profile")
+    calls = []
+    monkeypatch.setattr(mp.ml, "DEV", "cuda")
+    for f, v in dict(synchronize=None, reset_peak_memory_stats=None, memory_allocated=1000,
+                     max_memory_allocated=1450, current_device=0).items():
+        monkeypatch.setattr(torch.cuda, f, lambda *a, _v=v, **k: _v)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **k: calls.append(k))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: dict(device_traces=[_mem_trace()]))
+    for m in ("_mark_start", "_mark_forward_end", "_mark_end"):
+        monkeypatch.setattr(mp, m, lambda: None)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    a = type("A", (), dict(stacks="python", max_entries=10))()
+    m = mp.profile_memory(lin, x, torch.ones(2, 4), a, lambda: None)
+    assert calls[0]["clear_history"] and calls[-1] == dict(enabled=None)
+    assert m["peak_bytes"] == 450 and m["allocator_peak_bytes"] == 450
+    assert m["split"] == dict(forward_kept=150, backward=300, left_after=100)
+    row = {v: dict(memory=m) for v in mp.VARIANTS}
+    md = "\n".join(mp.memory_lines(row))
+    assert "bwd_c" in md and "| peak (max_memory_allocated) |" in md
+    monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
+    assert "lacks" in mp.profile_memory(lin, x, torch.ones(2, 4), a, lambda: None)["error"]

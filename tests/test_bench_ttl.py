@@ -166,3 +166,34 @@ def test_ttl_bad_policy_spec(tmp_path, capsys, spec):
     err = capsys.readouterr().err.strip()
     assert err.startswith("lrmoe: error:") and spec in err and "\n" not in err
     assert not out.exists()
+
+
+def test_ttl_reuse_takes_finished_policies_and_checks_the_settings(tmp_path, capsys):
+    """--reuse: the earlier run's policies are taken as they are (not re-run), the rest
+    run; another seed, or another setting recorded in the file, is refused before training."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(ARGS + ["--policies", "static,lrmoe", "--out", str(a)]) == 0
+    first = json.loads((a / "ttl.json").read_text())["policies"]
+    assert main(ARGS + ["--policies", "static,lrmoe,lrmoe:recompute", "--reuse",
+                        str(a / "ttl.json"), "--out", str(b)]) == 0
+    err = capsys.readouterr().err
+    assert "[static] reused from" in err and "[lrmoe] reused from" in err
+    rep = json.loads((b / "ttl.json").read_text())["policies"]
+    for p in ("static", "lrmoe"):
+        assert rep[p]["reused_from"] == str(a / "ttl.json")
+        assert rep[p]["steps"] == first[p]["steps"] and rep[p]["evals"] == first[p]["evals"]
+    new = rep["lrmoe:recompute"]
+    assert "reused_from" not in new and len(new["steps"]) == 6
+    assert new["evals"][0]["val_loss"] == pytest.approx(first["static"]["evals"][0]["val_loss"])
+    # a file whose recorded settings differ
+    assert main(ARGS + ["--seed", "1", "--reuse", str(a / "ttl.json"), "--out",
+                        str(tmp_path / "c")]) == 2
+    assert "it ran with seed=0, this run has seed=1" in capsys.readouterr().err
+    # a file without settings (older partial files): the initial model's loss tells
+    rep_a = json.loads((a / "ttl.json").read_text())
+    partial = tmp_path / "old_partial.json"
+    partial.write_text(json.dumps({"policies": {"static": rep_a["policies"]["static"]}}))
+    assert main(ARGS + ["--seed", "1", "--policies", "static,lrmoe", "--reuse", str(partial),
+                        "--out", str(tmp_path / "d")]) == 2
+    assert "initial validation loss" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d" / "ttl.json").exists()

@@ -10,6 +10,7 @@ Bad input or an infeasible budget: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -81,6 +82,9 @@ def register(sub) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
                         "so no compilation lands inside a timed kernel)")
+    t.add_argument("--reuse", default=None, metavar="FILE",
+                   help="an earlier run's ttl.json or ttl_partial.json with the same settings: "
+                        "the policies it finished are taken from it, not run again")
     t.add_argument("--out", required=True, help="output directory")
     t.set_defaults(func=run)
 
@@ -199,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction,
-        optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window)
+        optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
+        reuse=args.reuse)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()
@@ -214,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / "ttl_partial.json.tmp"
         tmp.write_text(json.dumps({"label": "emulated (partial: policies finished so far)",
-                                   "policies": done}))
+                                   "config": dataclasses.asdict(cfg), "policies": done}))
         tmp.replace(out / "ttl_partial.json")
 
     try:

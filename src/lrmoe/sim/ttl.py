@@ -36,6 +36,14 @@ neighbouring evaluations at the target. Policy specs may carry lrmoe variants
 (:func:`policy_variant`: ``lrmoe:recompute+min_keep=0.8``); every lrmoe variant gets its
 own time-to-target ratio over symi. Before the first policy one untimed training step warms the
 process up (allocator, lazy inits), so the first policy is not charged for them.
+
+``reuse`` (``--reuse FILE``) takes the policies an earlier run of the same settings
+finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
+seed can be completed with more policies in a later call; each reused result says where
+it came from (``reused_from``). The earlier run must match: its recorded settings (all
+but the policies and ``reuse``), and always its initial model's validation loss (same
+seed, model, data and validation batches) and its evaluation steps; else the run stops
+before training with a message naming the difference.
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ class TTLConfig:
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
+    reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -383,6 +392,53 @@ def _compile_mode(on: bool):
             os.environ["LRMOE_NO_COMPILE"] = old
 
 
+def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
+    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
+    run (module docstring): raises :class:`LrmoeError` naming the first difference."""
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.reuse)
+    try:
+        rep = json.loads(path.read_text())
+        got = rep["policies"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LrmoeError(f"--reuse {path}: not a readable ttl.json or ttl_partial.json "
+                         f"({type(e).__name__}: {e})") from None
+    old = rep.get("config")
+    if old is not None:
+        new = asdict(cfg)
+        for k in sorted(set(new) | set(old)):
+            if k not in ("policies", "reuse") and old.get(k) != new.get(k):
+                raise LrmoeError(f"--reuse {path}: it ran with {k}={old.get(k)!r}, this run "
+                                 f"has {k}={new.get(k)!r}")
+    require("static" in got or "symi" not in [p for p in policies if p not in got],
+            f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
+            "together or run both")
+    want = [0] + [s for s in range(1, cfg.steps + 1)
+                  if (cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps]
+    out = {}
+    for p in policies:
+        if p not in got:
+            continue
+        r = dict(got[p])
+        steps = [e["step"] for e in r.get("evals", [])]
+        require(len(r.get("steps", [])) == cfg.steps or r.get("failed"),
+                f"--reuse {path}: {p} ran {len(r.get('steps', []))} steps, this run has "
+                f"--steps {cfg.steps}")
+        require(r.get("failed") or steps == want,
+                f"--reuse {path}: {p} was evaluated at steps {steps[:4]}..., this run at "
+                f"{want[:4]}...")
+        v = r["evals"][0]["val_loss"]
+        require(abs(v - val_loss0) <= 1e-6 * max(1.0, abs(val_loss0)),
+                f"--reuse {path}: {p}'s initial validation loss {v!r} differs from this "
+                f"run's {val_loss0!r} (another seed, model, data or validation set)")
+        r["reused_from"] = str(path)
+        r.setdefault("routing_trace", [])
+        out[p] = r
+    return out
+
+
 def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     """Run every policy and return the report dict (see the module docstring).
 
@@ -443,6 +499,13 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
 
     torch.manual_seed(cfg.seed)
     probe = MoEForCausalLM(mcfg).to(cfg.device)
+    reused = {}
+    if cfg.reuse:
+        from lrmoe.train.loop import make_autocast
+        v0 = _val_eval(probe, val_b, torch.device(cfg.device),
+                       make_autocast(torch.device(cfg.device)))["val_loss"]
+        reused = load_reused(cfg, policies, v0)
+        probe.train()
     first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
     with _compile_mode(cfg.compile):
         warm_up(probe, G, batches.batch(0).to(cfg.device))
@@ -452,6 +515,12 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     with _compile_mode(cfg.compile):
         for p in policies:
             base, vcfg = variants[p]
+            if p in reused:
+                log(f"[{p}] reused from {cfg.reuse}")
+                results[p] = reused[p]
+                if on_policy is not None:
+                    on_policy(p, results[p])
+                continue
             results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
                                     profile)
             results[p]["policy"] = p

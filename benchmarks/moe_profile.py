@@ -145,8 +145,12 @@ def profile_memory(mod, x, dy, a, clear) -> dict:
         hist(enabled=None)
     del m0, m1, m2
     clear()
-    trace = snap["device_traces"][torch.cuda.current_device()]
-    rep = pp.replay(trace)
+    try:
+        rep = pp.replay(snap["device_traces"][torch.cuda.current_device()])
+    except (ValueError, KeyError, IndexError) as e:  # e.g. history shorter than the call
+        msg = f"not measured: the allocator trace could not be read ({type(e).__name__}: {e})"
+        print(msg, flush=True)
+        return dict(error=msg, allocator_peak_bytes=stat_peak)
     out = pp.attribute(rep, site_prefixes())
     out.update(allocator_peak_bytes=stat_peak, allocator_left_bytes=stat_left,
                trace_entries=rep["entries"], free_action=rep["free_action"])
@@ -254,14 +258,16 @@ def time_table(row: dict) -> list[str]:
 
 
 def memory_lines(row: dict) -> list[str]:
-    lines = ["| memory, GiB above the call's start | " + " | ".join(LABEL[v] for v in VARIANTS) + " |",
-             "|---|---|---|---|"]
+    lines = ["| memory, GiB above the call's start | " + " | ".join(LABEL[v] for v in VARIANTS)
+             + " | ours − HF |", "|---|---|---|---|---|"]
     for label, key in (("peak (allocator trace)", "peak_bytes"), ("peak (max_memory_allocated)",
                                                                  "allocator_peak_bytes"),
                        ("alive at the peak, allocated in forward (kept for backward)", "forward_kept"),
                        ("alive at the peak, allocated in backward", "backward"),
                        ("  of which left after the call (gradients)", "left_after")):
-        lines.append(f"| {label} | " + " | ".join(fmt(_gib(row[v], key)) for v in VARIANTS) + " |")
+        g = [_gib(row[v], key) for v in VARIANTS]
+        d = None if g[0] is None or g[2] is None else g[0] - g[2]
+        lines.append(f"| {label} | " + " | ".join(fmt(x) for x in g) + f" | {fmt(d, '+.2f')} |")
     for v in VARIANTS:
         m = row[v].get("memory") or {}
         if "error" in m or "error" in row[v]:

@@ -269,5 +269,8 @@ def test_memory_pass_glue_with_a_fake_allocator(monkeypatch):
     row = {v: dict(memory=m) for v in mp.VARIANTS}
     md = "\n".join(mp.memory_lines(row))
     assert "bwd_c" in md and "| peak (max_memory_allocated) |" in md
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: dict(device_traces=[_mem_trace()[3:]]))
+    m = mp.profile_memory(lin, x, torch.ones(2, 4), a, lambda: None)
+    assert "could not be read" in m["error"] and m["allocator_peak_bytes"] == 450
     monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
     assert "lacks" in mp.profile_memory(lin, x, torch.ones(2, 4), a, lambda: None)["error"]

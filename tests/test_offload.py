@@ -222,6 +222,12 @@ def test_bench_ttl_with_offload(tmp_path, capsys):
     for s in rep["policies"]["symi"]["steps"]:
         s["replicas"] = 0
     assert none in table(rep) and "s = E/G = 8" in table(rep)
+    # GLM's HF config names the experts n_routed_experts (the table read num_experts)
+    from lrmoe.config import ModelConfig
+    glm = ModelConfig.from_hf_dict(rep["model"] | {"model_type": "glm4_moe"}).to_hf_dict()
+    assert "num_experts" not in glm and glm["n_routed_experts"] == 16
+    rep["model"] = glm
+    assert "s = E/G = 8" in table(rep)
 
 
 # ----------------------------------------------------------------------------- lrmoe train

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.commands.train import bytes_or_all
+from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 
 
@@ -135,7 +136,7 @@ def table(rep: dict) -> str:
         lines.append(f"{name} / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}  ")
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
-        E, G = rep["model"]["num_experts"], rep["config"]["ep"]
+        E, G = ModelConfig.from_hf_dict(rep["model"]).num_experts, rep["config"]["ep"]
         lines += ["", f"**SYMI ran with no replicas (s = E/G = {E // G})**: it was static EP"
                       + (" with recompute" if rep["budget_bytes"] is not None else "") + "."]
     if rep["config"].get("optimizer_offload") == "host":

@@ -183,3 +183,20 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
     assert compile_counts()["graphs"] > 0
     assert len(losses["eager"]) == 3
     torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_check_script_catches_a_wrong_reference(monkeypatch):
+    """``benchmarks/compile_check.py`` (the inductor check run on the GPU) on the CPU with
+    Dynamo's eager backend: it passes on correct code and flags a reference 1% off."""
+    from dist_util import load_benchmark
+
+    cc = load_benchmark("compile_check")
+    got = cc.check_layer("cpu", "eager", 8)
+    assert got["ok"] and max(got["rel_err"].values()) < 1e-5 and got["recompiles"] == 0
+    real = cc.moe_layer_reference
+    monkeypatch.setattr(cc, "moe_layer_reference", lambda layer, v: real(layer, v) * 1.01)
+    bad = cc.check_layer("cpu", "eager", 8)
+    assert not bad["ok"] and bad["rel_err"]["out"] > 5e-3
+    assert "FAIL" in cc.markdown({"device": "cpu", "backend": "eager"}, bad,
+                                 dict(loss_rel_err=0.0, grad_rel_err=0.0, worst_param="",
+                                      tol=1e-3, graphs=1, graph_breaks=0, recompiles=0, ok=True))

@@ -1,0 +1,160 @@
+"""``torch.compile`` numerics on the device: the compiled MoE layer against the loop
+reference, and the compiled whole model against the eager one (issue 16).
+
+The CPU tests (``tests/test_compile.py``) compile with ``aot_eager``; inductor, which
+generates the kernels that run on a GPU, is checked here, on the GPU, in fp32 (so the
+tolerances mean something):
+
+* **layer**: tiny-qwen3's MoE layer (softmax router, aux loss) compiled with ``--backend``
+  against :func:`lrmoe.model.moe.moe_layer_reference` (plain per-expert loop) on two
+  batches that route differently: output, input gradient, expert and router gradients;
+  graphs compiled and recompiles;
+* **model**: a 3-layer tiny-glm (a dense layer, two MoE layers with the sigmoid group
+  router and a shared expert) under :func:`lrmoe.model.compile.compile_model` against an
+  eager copy over two SGD steps: losses and every parameter's gradient.
+
+Writes ``compile_check.json`` (``results``: the layer row, then the model row) and
+``compile_check.md`` into ``--out``: the largest
+relative error of each quantity, the tolerance, and PASS/FAIL; exit code 1 on a FAIL.
+
+    python3 benchmarks/compile_check.py --out DIR              # GPU, inductor
+    python3 benchmarks/compile_check.py --out DIR --smoke      # CPU, aot_eager (logic only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import out_dir, run_meta, write_outputs  # noqa: E402
+
+from lrmoe.model import MoEForCausalLM  # noqa: E402
+from lrmoe.model.compile import compile_counts, compile_model  # noqa: E402
+from lrmoe.model.moe import moe_layer_reference  # noqa: E402
+from lrmoe.presets import get_preset  # noqa: E402
+
+# fp32 throughout; inductor may fuse and reorder reductions, so the bounds are a few
+# hundred ulps of the values involved, not bit equality
+LAYER_TOL = 1e-4
+MODEL_TOL = 1e-3
+NAMES = ("out", "dx", "d_gate_up", "d_down", "d_router")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def _grads(layer, x, coeff, fn) -> list[torch.Tensor]:
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    (y * coeff).sum().backward()
+    return [y.detach(), x.grad, layer.experts.gate_up_proj.grad.clone(),
+            layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]
+
+
+def check_layer(dev: str, backend: str, tokens: int) -> dict:
+    torch.manual_seed(0)
+    layer = copy.deepcopy(MoEForCausalLM(get_preset("tiny-qwen3")).moe_layers[0]).to(dev)
+    _fresh_dynamo()
+    compiled = torch.compile(layer, backend=backend)
+    worst = dict.fromkeys(NAMES, 0.0)
+    for seed in (1, 2):  # the second batch routes differently: a new plan, same graphs
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, tokens, layer.cfg.hidden_size, generator=g).to(dev)
+        coeff = torch.randn(x.shape, generator=g).to(dev)
+        got = _grads(layer, x, coeff, compiled)
+        ref = _grads(layer, x, coeff, lambda v: moe_layer_reference(layer, v))
+        for n, a, b in zip(NAMES, got, ref):
+            worst[n] = max(worst[n], rel(a, b))
+    return {"rel_err": worst, "tol": LAYER_TOL, **compile_counts(),
+            "ok": all(v <= LAYER_TOL for v in worst.values())}
+
+
+def check_model(dev: str, backend: str, tokens: int) -> dict:
+    torch.manual_seed(0)
+    model = MoEForCausalLM(dataclasses.replace(get_preset("tiny-glm"), num_hidden_layers=3)).to(dev)
+    eager = copy.deepcopy(model)
+    _fresh_dynamo()
+    compile_model(model, backend=backend)
+    # SGD: Adam would turn rounding noise in exactly-zero gradients into full steps
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, eager)]
+    g = torch.Generator().manual_seed(3)
+    loss_err, grad_err, worst_param = 0.0, 0.0, ""
+    for _ in range(2):
+        ids = torch.randint(0, model.config.vocab_size, (2, tokens + 1), generator=g).to(dev)
+        losses = []
+        for m, opt in zip((model, eager), opts):
+            opt.zero_grad()
+            _, obj = m.loss(ids[:, :-1], ids[:, 1:])
+            obj.backward()
+            losses.append(obj.detach())
+        loss_err = max(loss_err, rel(losses[0], losses[1]))
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            if q.grad is not None and float(q.grad.norm()) > 0:
+                e = rel(p.grad, q.grad)
+                if e > grad_err:
+                    grad_err, worst_param = e, n
+        for m, opt in zip((model, eager), opts):
+            opt.step()
+            m.end_step()
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "worst_param": worst_param,
+            "tol": MODEL_TOL, **compile_counts(), "break_reasons": sorted(breaks),
+            "ok": loss_err <= MODEL_TOL and grad_err <= MODEL_TOL
+            and all("_routed" in r for r in breaks)}
+
+
+def markdown(meta: dict, layer: dict, model: dict) -> str:
+    v = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    lines = [f"# torch.compile numerics ({meta['device']}, backend {meta['backend']}, fp32)", "",
+             "| check | largest relative error | tolerance | graphs / breaks / recompiles | result |",
+             "|---|---|---|---|---|"]
+    errs = ", ".join(f"{k} {x:.1e}" for k, x in layer["rel_err"].items())
+    lines.append(f"| MoE layer vs loop reference | {errs} | {layer['tol']:.0e} | "
+                 f"{layer['graphs']} / {layer['graph_breaks']} / {layer['recompiles']} | "
+                 f"{v(layer['ok'])} |")
+    lines.append(f"| whole model vs eager (2 SGD steps) | loss {model['loss_rel_err']:.1e}, "
+                 f"grads {model['grad_rel_err']:.1e} ({model['worst_param']}) | "
+                 f"{model['tol']:.0e} | {model['graphs']} / {model['graph_breaks']} / "
+                 f"{model['recompiles']} | {v(model['ok'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU with aot_eager (logic only)")
+    ap.add_argument("--backend", default=None, help="default inductor (smoke: aot_eager)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence (2 sequences)")
+    a = ap.parse_args()
+    dev = "cpu" if a.smoke else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU, or pass --smoke for the CPU logic check")
+    backend = a.backend or ("aot_eager" if a.smoke else "inductor")
+    d = out_dir(a.out)
+    layer = check_layer(dev, backend, a.tokens)
+    model = check_model(dev, backend, a.tokens)
+    meta = {**run_meta(dev, None), "backend": backend}
+    md = markdown(meta, layer, model)
+    write_outputs(d, "compile_check", meta, [dict(check="layer", **layer),
+                                             dict(check="model", **model)], md)
+    print(md)
+    return 0 if layer["ok"] and model["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

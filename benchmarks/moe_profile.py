@@ -180,12 +180,19 @@ def run_variant(name: str, mod, x, dy, a, ref, tag: str) -> dict:
         out["wall_ms"] = ml.bench(step)
         tp = Path(a.out, f"trace_{tag}_{name}.json.gz") if a.traces else None
         out["time"] = profile_time(mod, x, dy, a, clear, tp)
-        out["memory"] = profile_memory(mod, x, dy, a, clear)
     except Exception as e:  # one variant failing must not lose the others
         traceback.print_exc()
         out = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         if ml.DEV == "cuda":
             torch.cuda.empty_cache()
+    if "error" not in out:
+        try:  # e.g. out of memory with the history on: the times stay
+            out["memory"] = profile_memory(mod, x, dy, a, clear)
+        except Exception as e:
+            traceback.print_exc()
+            out["memory"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            if ml.DEV == "cuda":
+                torch.cuda.empty_cache()
     clear()
     print(f"  [{tag} {name}] {time.time() - t0:.0f}s", flush=True)
     return out

@@ -4,7 +4,8 @@ One rank of a G-rank EP group runs the real runtime (``MoELayer`` with a real ro
 ``ExpertExchange``) with synthetic peers (:class:`lrmoe.sim.onerank.OneRankComm`). Its
 forward runs under ``torch.autograd.graph.saved_tensors_hooks``; the autograd graph is
 then walked node by node, custom Functions' ``ctx`` attributes included (the exchange
-keeps its layouts on ``ctx.st``, which the hooks never see), and every tensor found is
+keeps its layouts on ``ctx.st`` and its kept rows on ``ctx.kept``, which the hooks never
+see), and every tensor found is
 counted once per storage. The expert path's bytes must equal the ledger's per-layer
 terms exactly; every difference is itemized below:
 
@@ -113,6 +114,7 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
         ts: list = []
         if type(n).__name__ == "ExpertExchangeBackward":
             ts += list(n.saved_tensors)
+            _tensors(n.kept, ts, set())  # the kept rows, which backward frees as it goes
             _tensors(n.st, ts, set())
             plan = n.st.plan
             # plan-derived tensors: host memory on a GPU (the plan is built on the CPU)
@@ -235,87 +237,65 @@ def test_ledger_peak_script_logic_on_cpu(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def _row_storages(cols: tuple[int, ...]) -> dict[int, int]:
-    """Every live 2-D floating tensor whose rows are ``cols`` wide, by storage."""
-    import gc
-    out = {}
-    for o in gc.get_objects():
-        if (type(o) in (torch.Tensor, torch.nn.Parameter) and o.dim() == 2 and o.is_floating_point()
-                and o.shape[1] in cols and o.numel()):
-            out.setdefault(*_storage(o))
-    return out
+def exchange_node(out: torch.Tensor):
+    """The layer's ``ExpertExchange`` backward node (its ``ctx``) below ``out``."""
+    node = out.grad_fn
+    while type(node).__name__ != "ExpertExchangeBackward":
+        node = node.next_functions[0][0]
+    return node
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_buffers_equal_the_rows_alive_at_the_backward_peak(case, monkeypatch):
-    """Ledger.plan_buffer_bytes against the code: at every grouped GEMM and every all-to-all
-    of one rank's backward, the row tensors alive (``[N, H]``, ``[N, F]``, ``[N, 2F]``,
-    by storage) beyond the layer input, its output and what the forward kept are summed;
-    their largest sum must be the §5 formula for that rank's plan (its selected rows),
-    and the ledger's plan-priced buffers the envelope of its two backward points plus
-    the per-row index bytes (or the forward's point beyond what the layer keeps)."""
-    import lrmoe.ops.experts as ex
+def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
+    """Ledger.plan_buffer_bytes against the code: at every point of one rank's backward
+    (every line of the exchange's backward and of the functions it hands its rows to,
+    and every op they call; :class:`live_rows.LiveRows`) the row tensors alive
+    (``[N, H]``, ``[N, F]``, ``[N, 2F]``, by storage) are summed, the layer's kept rows
+    included while they live (the backward frees them as it goes). The largest sum minus
+    the kept rows must be the largest of the ledger's backward points for that rank's
+    plan (its selected rows), every one of those points must occur, and the ledger's
+    plan-priced buffers must be that plus the per-row index bytes (or the forward's
+    point beyond what the layer keeps)."""
+    import lrmoe.ops.experts as ops
+    import lrmoe.parallel.exchange as exchange
+    from live_rows import LiveRows
+    from lrmoe.parallel.layout import permute_rows, unpermute_rows
     from lrmoe.sim.onerank import OneRankComm
 
     layer, x, counts = _layer_and_tokens()
     policy, ledger = _policy_and_ledger(case, counts)
     one = Ledger(_cfg(), G, num_moe_layers=1)
-    b, cols = one.bytes_act, (H, F, 2 * F)
-    state = {"snaps": None}
-
-    def snap():
-        if state["snaps"] is not None:
-            state["snaps"].append(_row_storages(cols))
-
-    gmm, a2a = ex._gmm, OneRankComm.all_to_all
-
-    def gmm_hook(*a):
-        y = gmm(*a)
-        snap()
-        return y
-
-    def a2a_hook(self, *a):
-        y = a2a(self, *a)
-        snap()
-        return y
-    monkeypatch.setattr(ex, "_gmm", gmm_hook)
-    monkeypatch.setattr(OneRankComm, "all_to_all", a2a_hook)
+    b = one.bytes_act
+    traced = [exchange.ExpertExchange.backward, exchange._experts_backward,
+              exchange._rebuild_gate_up, ops.swiglu_backward_owned]
+    seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
     seen = {"gathered": False, "rec": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)
         xin = x[me * T:(me + 1) * T].clone().requires_grad_()
         out = lay(xin.view(1, T, H))
-        node = out.grad_fn
-        while type(node).__name__ != "ExpertExchangeBackward":
-            node = node.next_functions[0][0]
+        node = exchange_node(out)
         plan = node.st.plan
-        keep = {_storage(t)[0] for t in node.saved_tensors} | {_storage(out)[0], _storage(xin)[0]}
-        base = set(_row_storages(cols)) - keep
-        state["snaps"] = []
-        out.backward(torch.ones_like(out))
-        snaps, state["snaps"] = state["snaps"], None
-        peak = max(sum(nb for p, nb in s.items() if p not in keep and p not in base)
-                   for s in snaps)
+        dout = torch.ones_like(out)
+        kept = {_storage(t)[0]: t.untyped_storage().nbytes() for t in node.kept.values()}
+        live = LiveRows((H, F, 2 * F), traced, seams, count=[*node.kept.values(), dout])
+        with live:
+            out.backward(dout)
+        measured = {sum(p.values()) - sum(kept.values()) for _, p in live.points}
         n_inst, R, h, k = one._rank_counts(plan, None)[me]
         rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
         bw = one.backward_rows(plan, me)
-        n, ps, gth = bw.rows_in, bw.rows_out, int(bw.gathered)
+        n, ps, gth = bw.rows_in, bw.rows_out, bw.gathered
         Tt = -(-h // K)
-        # itemized, not in the ledger: with recompute, backward rebuilds the gate_up
-        # output of all k retained rows beside the saved ones (design §5)
-        extra = (k + rec) * 2 * F if rec else 0
-        at_dx = Tt * H + ps * H + n * (2 * H + gth * (H + 2 * F) + 4 * F + H)
-        at_back = Tt * H + 2 * ps * H + n * (4 * H + gth * (H + 2 * F))
-        assert peak == b * (max(at_dx, at_back) + extra), (case, me, peak, b * at_dx, b * at_back)
+        points = one.backward_points(Tt, n, ps, k, rec, h, gth)
+        assert max(measured) == b * max(points.values()), (case, me, max(measured), points)
+        missing = {name: v for name, v in points.items() if b * v not in measured}
+        assert not missing, (case, me, missing)
         buf = one.rank_terms(plan, plan_buffers=True)[me]["buffers"]
-        assert buf == one.plan_buffer_bytes(R, h, k, rec, bw)
-        kept = k * (H + 2 * F) - rec * 2 * F + h * H  # this layer's, before its forward ends
-        fwd = max(Tt * H + R * (2 * H + 3 * F), Tt * H + h * H + R * H) - kept
-        # the ledger prices the two backward points by their envelope (design §5)
-        slope = max(2 * H + gth * (H + 2 * F) + 4 * F + H, 4 * H + gth * (H + 2 * F))
-        env = b * (Tt * H + 2 * ps * H + n * slope) + n * (20 + 16 * gth)
-        assert buf == max(b * fwd, env), (case, me)
-        assert env - b * max(at_dx, at_back) <= b * n * max(0, 4 * F - H) + n * 36
+        assert buf == one.plan_buffer_bytes(R, h, k, rec, bw, plan.exact)
+        kept_rows = k * (H + 2 * F) - rec * 2 * F + h * H  # this layer's, before its forward ends
+        fwd = max(Tt * H + R * (2 * H + 3 * F), Tt * H + h * H + R * H) - kept_rows
+        assert buf == max(b * fwd, b * max(points.values()) + n * (20 + 16 * gth)), (case, me)
         seen["gathered"] |= bool(gth)
         seen["rec"] |= rec > 0
     if case == "lrmoe_trimmed":

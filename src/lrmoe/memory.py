@@ -35,7 +35,9 @@ pair_index           P_home · 28                                  per layer × 
 * Buffers (:meth:`Ledger.buffer_bytes`): the largest set of transients alive at once
   in one layer's forward or backward (``parallel/exchange.py``), on top of what is kept
   for backward. They are freed before the next layer runs, so they count once, not per
-  layer.
+  layer. The backward frees the layer's kept rows as it goes, which
+  :meth:`Ledger.plan_buffer_bytes` prices (net of them); ``buffer_bytes``, what the
+  planners use, does not (a conservative bound).
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
 * Combined rows: every home pair's expert output row comes back home (``y_send``) and
@@ -273,27 +275,27 @@ class Ledger:
 
     def plan_buffer_bytes(self, received_pairs: int, home_pairs: int,
                           retained_pairs: int | None = None, recomputed_pairs: int = 0,
-                          bwd: BackwardRows | None = None) -> int:
+                          bwd: BackwardRows | None = None, exact: bool = False) -> int:
         """The buffers term derived from the code and checked against it (CPU: the row
-        tensors alive at the backward's GEMMs and all-to-alls; H200: the measured peak,
-        ``benchmarks/ledger_peak.py``): one layer's transients on one rank, the largest
-        set alive at once in its forward or backward (``parallel/exchange.py``,
-        ``ops/experts.py``) on top of the kept terms. Derivation: ``docs/design.md`` §5.
-        Not yet what the planners price (:meth:`buffer_bytes`); ``rank_terms(plan,
-        plan_buffers=True)`` uses it.
+        tensors alive at every point of the backward, ``tests/test_ledger_truth.py``;
+        H200: the measured peak, ``benchmarks/ledger_peak.py``): one layer's transients
+        on one rank, at the largest point of its forward or backward
+        (``parallel/exchange.py``, ``ops/experts.py``), on top of the layer's kept terms.
+        Derivation: ``docs/design.md`` §5. Not yet what the planners price
+        (:meth:`buffer_bytes`); ``rank_terms(plan, plan_buffers=True)`` uses it.
 
-        The backward's two largest points (at its dx GEMM, and when dx is sent home) are
-        priced by their envelope: the rows sent ``2·ps·H`` plus, per backward row, the
-        larger of the two points' bytes per row (exact when dx sent home is the larger
-        point; an over-count of at most ``4F - H`` elements per row otherwise). With
-        ``bwd`` (a known plan, :meth:`backward_rows`) the rows are the plan's *selected*
-        rows, and the forward's points (beyond what the layer then keeps) are included.
-        Without it (planning time) the counts are priced as the exact plan of ``R``
-        received and ``h`` home pairs (every row in backward, none gathered): affine in
-        ``R``, independent of the retention (a trimmed plan whose selection is gathered
-        can need more than that).
-        Not counted: with recompute, the gate_up output backward rebuilds for all ``k``
-        retained rows beside the saved ones (``(k + rec) · 2F``, §5).
+        The backward drops each kept row tensor at its last use (the combined rows after
+        the router gradient, the saved rows inside the expert backward), so the term is
+        the largest, over the points of :meth:`backward_points`, of the rows alive minus
+        this layer's kept rows (it can be smaller than the transients alone), plus the
+        per-row indices of the expert backward. With ``bwd`` (a known plan,
+        :meth:`backward_rows`) the rows are the plan's *selected* rows, and the forward's
+        points (beyond what the layer then keeps) are included. Without it (planning time)
+        the counts are priced as the exact plan of ``R`` received and ``h`` home pairs
+        (every row in backward, none gathered), independent of the retention (a trimmed
+        plan whose selection is gathered can need more than that). ``exact``: the plan
+        is exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
+        :meth:`kept_bytes`).
         """
         R, h, H, F = int(received_pairs), int(home_pairs), self.H, self.F
         k = R if retained_pairs is None else int(retained_pairs)
@@ -301,26 +303,42 @@ class Ledger:
         T = -(-h // self.top_k)
         b = self.bytes_act
         n, ps, gth = (R, h, False) if bwd is None else (bwd.rows_in, bwd.rows_out, bwd.gathered)
-        env = (T * H + 2 * ps * H) * b + n * max(self._bwd_row_bytes(gth))
+        y = 0 if (exact or bwd is None) and self.router_grad_at_experts else h
+        back = max(self.backward_points(T, n, ps, k, rec, y, gth).values()) * b
+        back += n * (20 + 16 * bool(gth))
         if bwd is None:
-            return env
-        # the forward's points come before this layer keeps anything: beyond its kept bytes
-        kept = (k - rec) * self.A + rec * self.A_recompute
-        kept += 0 if self.router_grad_at_experts else h * H * b
-        return max(env,
-                   (T * H + R * (2 * H + 3 * F)) * b - kept,   # forward, at the y GEMM
-                   (T * H + h * H + R * H) * b - kept)         # forward, the dispatch
+            return back
+        # the forward's points come before this layer keeps anything: beyond its kept rows
+        kept = k * H + (k - rec) * 2 * F + y * H
+        return max(back,
+                   (T * H + R * (2 * H + 3 * F) - kept) * b,   # forward, at the y GEMM
+                   (T * H + h * H + R * H - kept) * b)         # forward, the dispatch
 
-    def _bwd_row_bytes(self, gathered: bool) -> tuple[int, int]:
-        """Bytes per backward row (received, selected) on the expert rank: the received
-        output-gradient rows and their instance-order copy ``2H``, the gathered saved
-        rows ``H + 2F`` (when the selection differs from the retention), and either the
-        expert backward's ``act, dact, dgu, dx`` ``4F + H`` (at the dx GEMM) or ``dx`` and
-        its arrival-order copy ``2H`` (when dx is sent home), as a pair; plus its int64
-        instance index, int64 in-block index, fp32 scale (gathered: two int64 row indices)."""
-        H, F, b = self.H, self.F, self.bytes_act
-        common = 2 * H * b + (H + 2 * F) * b * bool(gathered) + 20 + 16 * bool(gathered)
-        return common + (4 * F + H) * b, common + 2 * H * b
+    def backward_points(self, T: int, n: int, ps: int, k: int, rec: int, y: int,
+                        gathered: bool) -> dict[str, int]:
+        """Elements in row tensors alive at each candidate peak of one rank's backward,
+        minus this layer's kept rows (``k·H + (k - rec)·2F + y·H``: ``k`` retained rows,
+        ``rec`` of them recomputed, ``y`` combined rows), for ``T`` home tokens, ``n``
+        rows received (selected) and ``ps`` sent; ``gathered``: the saved rows are
+        gathered (selection != retention). The output gradient ``T·H`` is alive
+        throughout. Points dominated by these (the dx GEMM, dx's way home) are left out;
+        the code's order is walked in ``docs/design.md`` §5."""
+        H, F = self.H, self.F
+        kept = k * H + (k - rec) * 2 * F + y * H
+        p = {
+            "router_grad": T * H,                          # every kept row, dout
+            "ship": T * H + (ps + n) * H - y * H,          # rows sent and arrived; y dropped
+            "permute": T * H + 2 * n * H + rec * 2 * F - y * H,  # arrived + instance order
+            "act": T * H + n * (2 * H + 3 * F) - kept,     # x, gu, dy, act: the dw2 GEMM
+            "dgu": T * H + n * (H + 5 * F) - kept,         # x, gu, dact, dgu
+            "dx_home": 2 * T * H + ps * H - kept,          # dx back home and combined
+        }
+        if rec:  # the saved gate_up rows are copied into one buffer, then the head recomputed
+            p["rebuild_copy"] = T * H + n * H + k * 2 * F - y * H
+            p["rebuild_gemm"] = T * H + n * H + 2 * rec * 2 * F - y * H
+        if gathered:  # x gathered (saved x dropped), then gu gathered beside the saved gu
+            p["gather_gu"] = T * H + 2 * n * H + n * 2 * F + rec * 2 * F - k * H - y * H
+        return p
 
     @staticmethod
     def backward_rows(plan, me: int) -> BackwardRows:
@@ -425,7 +443,7 @@ class Ledger:
         if plan_buffers:  # the buffers derived from the code, for this plan (§5)
             counts = self._rank_counts(plan, tokens_per_rank_home)
             for r, (t, (_, R, h, k), n) in enumerate(zip(out, counts, rec)):
-                buf = self.plan_buffer_bytes(R, h, k, n, self.backward_rows(plan, r))
+                buf = self.plan_buffer_bytes(R, h, k, n, self.backward_rows(plan, r), plan.exact)
                 t["total"] += buf - t["buffers"]
                 t["buffers"] = buf
         return out

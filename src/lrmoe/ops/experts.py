@@ -8,7 +8,8 @@ allowed); ``offs_I`` their inclusive cumulative sums (int32), as grouped_mm expe
 
 The forward and the backward are written as plain functions (not autograd) because the
 runtime's backward only sees a compacted subset of the rows (LRMoE selection): the
-exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_backward`.
+exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_backward_owned`
+(which drops each row tensor at its last use).
 """
 
 from __future__ import annotations
@@ -155,8 +156,22 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
     Returns ``(dx_RH, dw13_IFH, dw2_IHF)``, and with ``rowdot`` (needs ``scale``) a fourth
     ``dot_R = <dy[r], y[r]>`` in fp32 (``y`` the row's unscaled expert output). Only the
     given rows contribute: with a compacted subset, dropped pairs add nothing to ``dx``
-    or the weight gradients.
+    or the weight gradients. The caller keeps its references to the three row tensors;
+    :func:`swiglu_backward_owned` takes them over instead.
     """
+    return swiglu_backward_owned({"x": x_RH, "gu": gu_R2F, "dy": dy_RH}, w13_IFH, w2_IHF,
+                                 counts, offs, need_dx, scale, rowdot)
+
+
+def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
+                          counts: list[int], offs: Tensor | None = None, need_dx: bool = True,
+                          scale: Tensor | None = None, rowdot: bool = False) -> tuple:
+    """:func:`swiglu_backward` on ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``,
+    handed over: the dict is emptied and each row tensor is dropped at its last use
+    (``act`` after dw2, ``dy`` after ``dact``, ``gu`` and ``dact`` after ``dgu``, ``x``
+    after dw13), so a caller that holds no other reference gets that memory back there:
+    at the dx GEMM only ``dgu`` and ``dx`` are alive. Same kernels, same order."""
+    x_RH, gu_R2F, dy_RH = rows.pop("x"), rows.pop("gu"), rows.pop("dy")
     if offs is None:
         offs = offsets(counts, x_RH.device)
     if scale is None:
@@ -164,7 +179,9 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
     else:
         act = _fused("act_scaled", _act_scaled_eager, gu_R2F)(gu_R2F, scale.float())
     dw2 = _gmm(dy_RH.t(), act, offs, counts)               # [I, H, F]
+    del act
     dact = _gmm(dy_RH, w2_IHF, offs, counts)              # [R, F]
+    del dy_RH
     dot = None
     if scale is None:
         dgu = _fused("act_grad", _act_grad_eager, gu_R2F)(dact, gu_R2F)  # [R, 2F]
@@ -172,7 +189,9 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
         dgu, dot = _fused("act_grad_rowdot", _act_grad_rowdot_eager, gu_R2F)(dact, gu_R2F, scale.float())
     else:
         dgu = _fused("act_grad_scaled", _act_grad_eager, gu_R2F)(dact, gu_R2F, scale.float())
+    del dact, gu_R2F
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
+    del x_RH
     dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
     return (dx, dw13, dw2, dot) if rowdot else (dx, dw13, dw2)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.ops.experts import gate_up, offsets, prefix_counts, swiglu_backward, swiglu_forward
+from lrmoe.ops.experts import gate_up, offsets, prefix_counts, swiglu_backward_owned, swiglu_forward
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,
@@ -328,13 +328,25 @@ class ExpertExchange(torch.autograd.Function):
         ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
         if ctx.dgate_at_experts:
             y_send = y_send.new_empty(0, H)  # not kept (a fresh empty tensor, no storage)
-        ctx.save_for_backward(saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK)
+        # The kept rows are the Function's own intermediates (never its inputs or output,
+        # so no reference cycle): held in a plain dict rather than save_for_backward,
+        # whose tensors live until backward returns, so backward can drop each one at its
+        # last use (Ledger.plan_buffer_bytes, design §5).
+        ctx.kept = {"x": saved_x, "gu": saved_gu, "y_send": y_send}
+        ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK)
         return out
 
     @staticmethod
     def backward(ctx, dout_TH: Tensor):
         st: ExchangeState = ctx.st
-        saved_x, saved_gu, w13_S, w2_S, w_TK, y_send, row_TK = ctx.saved_tensors
+        w13_S, w2_S, w_TK, row_TK = ctx.saved_tensors
+        if not hasattr(ctx, "kept"):
+            raise RuntimeError("ExpertExchange's backward frees the rows its forward kept as it "
+                               "goes, so it runs once per forward (no retain_graph=True); run "
+                               "the forward again for a second backward")
+        kept = ctx.kept  # from here on the kept rows live only in ``kept`` ...
+        del ctx.kept
+        y_send = kept.pop("y_send")  # ... and each is dropped at its last use
         home, comm, plan, opts = st.home, st.comm, st.plan, st.opts
         me, K, dev = comm.rank, st.top_k, dout_TH.device
         G, S = plan.G, plan.S
@@ -353,6 +365,7 @@ class ExpertExchange(torch.autograd.Function):
             if valid_TK is not None:  # dropped pairs contributed nothing
                 dgate = dgate * valid_TK
         dgate = None if dgate is None else dgate.to(w_TK.dtype)
+        del y_send
         # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
         # the unscaled dout[t] row plus the scale g (folded into the expert backward's
         # elementwise kernels on the receiver, so no scaled copy of the rows is made).
@@ -365,7 +378,6 @@ class ExpertExchange(torch.autograd.Function):
         tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
             dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact, G * S,
             ret_pos, plan, me)
-        rows = dout_TH[tok_s]
         sent_GS = sent_I.reshape(G, S)
         if keep is not None and opts.compaction and opts.estimator == "sampled":
             recv_GS = comm.exchange_counts(sent_GS.to(dev)).cpu()
@@ -375,20 +387,26 @@ class ExpertExchange(torch.autograd.Function):
             recv_GS = plan.select_GGS[:, me, :]
         cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
         sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
-        saved = (saved_x, saved_gu, ctx.saved_SG)
+        # the rows to ship and the saved rows are handed over (each dies at its last use);
+        # a fidelity step reads the saved rows twice and hands over a copy of the dict
+        fidelity = opts.fidelity and not plan.exact
+        rows = dict(kept) if fidelity else kept
+        rows["dy"] = dout_TH[tok_s]
+        n_out = rows["dy"].shape[0]
         dx_back, dw13, dw2, n_in, dg_back = _experts_backward(
-            st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, saved, w13_S, w2_S,
-            timed=True, recompute_rows=ctx.n_rec, rowdot=dgate is None)
+            st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, ctx.saved_SG, w13_S,
+            w2_S, timed=True, recompute_rows=ctx.n_rec, rowdot=dgate is None)
         if dgate is None:  # exact: every send row came back, in send order
             dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
             dgate[home.src_pair] = dg_back
             dgate = dgate.view(T, K).to(w_TK.dtype)
-        if opts.fidelity and not plan.exact:
+        if fidelity:
             # the exact gradient: every pair (retained or not), unweighted
+            kept["dy"] = dout_TH[home.src_pair // K]
             _, e13, e2, _, _ = _experts_backward(
-                st, home.j_in_block, dout_TH[home.src_pair // K],
-                w_TK.reshape(-1)[home.src_pair].float(), plan.assign_GGS[me],
-                plan.assign_GGS[:, me, :], saved, w13_S, w2_S)
+                st, home.j_in_block, kept, w_TK.reshape(-1)[home.src_pair].float(),
+                plan.assign_GGS[me], plan.assign_GGS[:, me, :], ctx.saved_SG, w13_S, w2_S,
+                recompute_rows=ctx.n_rec)
             # compare per expert (replicas on this rank summed), as the optimizer sees them
             ie = plan.inst_expert_GS[me]
             ie = ie if w13_S.shape[0] == ie.numel() else ie[ie >= 0]
@@ -417,7 +435,6 @@ class ExpertExchange(torch.autograd.Function):
             ones = torch.ones(T, K, device=dev) if valid is None else valid
             dx_TH = fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones)
 
-        n_out = rows.shape[0]
         st.stats.update(
             bwd_rows=n_in, selected_rows=int(recv_GS.sum()) if keep is None or opts.compaction
             else int(plan.select_GGS[:, me, :].sum()),
@@ -440,55 +457,73 @@ def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | N
     return row.clamp(max=n - 1), valid
 
 
-def _experts_backward(st: ExchangeState, j_send: Tensor, rows: Tensor, scale: Tensor, sent_GS: Tensor,
-                      recv_GS: Tensor, saved: tuple[Tensor, Tensor, Tensor], w13_S: Tensor,
+def _experts_backward(st: ExchangeState, j_send: Tensor, rows: dict[str, Tensor], scale: Tensor,
+                      sent_GS: Tensor, recv_GS: Tensor, saved_SG: Tensor, w13_S: Tensor,
                       w2_S: Tensor, timed: bool = False, recompute_rows: int = 0,
                       rowdot: bool = False) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
     """Ship compacted output-gradient rows, run experts^-1 on them, ship ``dx`` back.
 
-    ``rows`` are ordered by send position (block-major) and carry the output gradient
-    ``scale[n] * rows[n]`` (gate weight, times an importance weight when sampled);
+    ``rows`` is handed over and emptied: ``rows["dy"]`` are the rows to ship, ordered by
+    send position (block-major), carrying the output gradient ``scale[n] * dy[n]`` (gate
+    weight, times an importance weight when sampled); ``rows["x"]``, ``rows["gu"]`` are
+    the saved rows in (s, g, j) order, ``saved_SG`` each (s, g) block's size. Each tensor
+    is dropped at its last use (the shipped rows after their all-to-all, the arrival-order
+    rows after their permute, the saved rows once gathered, the rest in
+    :func:`swiglu_backward_owned`), so none of them is alive at the dx GEMM (design §5).
     ``j_send`` is each row's index inside its block, which locates its saved activations
-    on the receiver. ``saved`` is
-    ``(x, gu, sizes)``: the saved rows in (s, g, j) order and each (s, g) block's size;
-    with ``recompute_rows = n`` (a plan over a budget) ``gu`` lacks the first ``n`` saved
-    rows, recomputed here from their saved inputs.
+    on the receiver. With ``recompute_rows = n`` (a plan over a budget) ``gu`` lacks the
+    first ``n`` saved rows, recomputed here from their saved inputs.
     Returns ``(dx rows back at home in the same order, dw13, dw2, rows in, dot)``; with
     ``rowdot`` ``dot`` is each row's router gradient ``<dy, y>`` back at home in the same
     order (``None`` otherwise).
     """
-    saved_x, saved_gu, saved_SG = saved
-    comm, plan, dev = st.comm, st.plan, rows.device
+    comm, plan, dev = st.comm, st.plan, rows["dy"].device
     S, G = plan.S, plan.G
     send_splits = sent_GS.sum(1).tolist()
     rl = recv_layout(recv_GS, dev)
-    dy_recv = comm.all_to_all(rows.contiguous(), send_splits, rl.splits)
+    rows["dy"] = comm.all_to_all(rows["dy"].contiguous(), send_splits, rl.splits)
+    n_in = rows["dy"].shape[0]
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
     scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
     if recompute_rows:  # rebuild the saved rows' gate_up outputs (instance order) first
-        per_inst = occupied_counts(saved_SG.reshape(S, G).sum(1).tolist(), plan, comm.rank,
-                                   w13_S.shape[0])
-        with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-            head = gate_up(saved_x[:recompute_rows], w13_S, prefix_counts(per_inst, recompute_rows))
-        saved_gu = torch.cat([head, saved_gu])
-    if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
-        # every saved row arrives, in saved order (no gather needed)
-        x_sel, gu_sel, dy_inst = saved_x, saved_gu, permute_rows(dy_recv, rl.to_inst)
-    else:
-        n = int(recv_GS.sum())
+        _rebuild_gate_up(rows, recompute_rows, saved_SG, st, w13_S, timed)
+    rows["dy"] = permute_rows(rows["dy"], rl.to_inst)
+    if not torch.equal(saved_SG, recv_GS.t().reshape(-1)):
+        # gather the saved rows of the arriving ones (else every saved row arrives, in
+        # saved order, and they are used as they are)
         blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
-                                      to_device(recv_GS.t().reshape(-1), dev), output_size=n)
+                                      to_device(recv_GS.t().reshape(-1), dev), output_size=n_in)
         rows_saved = to_device(excl_cumsum(saved_SG), dev)[blk] + permute_rows(j_recv, rl.to_inst)
-        x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
-        dy_inst = permute_rows(dy_recv, rl.to_inst)
+        rows["x"] = rows["x"][rows_saved]
+        rows["gu"] = rows["gu"][rows_saved]
     counts = occupied_counts(rl.counts, plan, comm.rank, w13_S.shape[0])
     offs = offsets(counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
-        dx_inst, dw13, dw2, *dot = swiglu_backward(x_sel, gu_sel, dy_inst, w13_S, w2_S, counts,
-                                                   offs, scale=scale_inst, rowdot=rowdot)
+        dx_inst, dw13, dw2, *dot = swiglu_backward_owned(rows, w13_S, w2_S, counts, offs,
+                                                         scale=scale_inst, rowdot=rowdot)
     dx_recv = unpermute_rows(dx_inst, rl.to_inst)
+    del dx_inst
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
+    del dx_recv
     dg_back = None
     if rowdot:
         dg_back = comm.all_to_all(unpermute_rows(dot[0], rl.to_inst), rl.splits, send_splits)
-    return dx_back, dw13, dw2, dy_recv.shape[0], dg_back
+    return dx_back, dw13, dw2, n_in, dg_back
+
+
+def _rebuild_gate_up(rows: dict[str, Tensor], n: int, saved_SG: Tensor, st: ExchangeState,
+                     w13_S: Tensor, timed: bool) -> None:
+    """Put the gate_up outputs of the first ``n`` saved rows, recomputed from their saved
+    inputs, in front of the saved ones in ``rows["gu"]``: one buffer of all ``k`` rows.
+    The saved part is copied in and dropped before the recompute GEMM, so at most
+    ``max(2k - n, k + n)`` rows of ``2F`` are alive at once (a ``cat`` after the GEMM
+    would hold ``2k``)."""
+    plan, dev = st.plan, w13_S.device
+    per_inst = occupied_counts(saved_SG.reshape(plan.S, plan.G).sum(1).tolist(), plan,
+                               st.comm.rank, w13_S.shape[0])
+    full = rows["gu"].new_empty(rows["gu"].shape[0] + n, rows["gu"].shape[1])
+    full[n:] = rows["gu"]
+    rows["gu"] = full  # drops the saved part
+    with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
+        head = gate_up(rows["x"][:n], w13_S, prefix_counts(per_inst, n))
+    full[:n] = head

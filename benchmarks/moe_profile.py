@@ -264,6 +264,19 @@ def time_table(row: dict) -> list[str]:
     return lines
 
 
+def gap_summary(row: dict) -> list[str]:
+    """One line: where ours spends more than HF compiled, largest first (ms per iteration)."""
+    o, h = row["ours"].get("time"), row["hf_compiled"].get("time")
+    if not o or not h:
+        return []
+    d = {c: o["categories"][c]["ms"] - h["categories"][c]["ms"] for c in [*pp.CATEGORIES, pp.OTHER]}
+    if o.get("span_ms") is not None and h.get("span_ms") is not None:
+        d["device idle"] = (o["span_ms"] - o["busy_ms"]) - (h["span_ms"] - h["busy_ms"])
+    top = sorted(d.items(), key=lambda kv: -kv[1])
+    return ["Ours minus HF compiled, largest first: "
+            + ", ".join(f"{k} {v:+.2f} ms" for k, v in top) + ".", ""]
+
+
 def memory_lines(row: dict) -> list[str]:
     lines = ["| memory, GiB above the call's start | " + " | ".join(LABEL[v] for v in VARIANTS)
              + " | ours − HF |", "|---|---|---|---|---|"]
@@ -306,7 +319,7 @@ def markdown(meta: dict, rows: list[dict], a) -> str:
                     f"(max/mean load {r['load_max_over_mean']:.2f})", ""]
         errs = [f"- {LABEL[v]}: {r[v]['error']}" for v in VARIANTS if "error" in r[v]]
         out += errs + ([""] if errs else [])
-        out += time_table(r) + [""]
+        out += time_table(r) + [""] + gap_summary(r)
         err = [f"{LABEL[v]} {r[v]['rel_err_vs_ours']:.1e}" for v in VARIANTS
                if r[v].get("rel_err_vs_ours") is not None]
         out.append("Output rel. error vs ours (same weights and routing): " + (", ".join(err) or "—"))

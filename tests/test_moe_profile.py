@@ -231,6 +231,7 @@ def test_smoke_run_writes_profile(tmp_path):
     assert r["hf_compiled"]["rel_err_vs_ours"] < 2e-2
     md = (tmp_path / "moe_profile.md").read_text()
     assert "| gemm |" in md and "top unclassified" in md and "memory not measured" in md
+    assert "Ours minus HF compiled, largest first: " in md
 
 
 @pytest.mark.parametrize("bad", [("--shapes", "qwen4"), ("--tokens", "x"), ("--iters", "0")])

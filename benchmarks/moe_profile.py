@@ -14,6 +14,10 @@ with the same weights and the same routing (built by ``moe_layer.py``): ``ours``
 - Memory: one forward+backward under ``torch.cuda.memory._record_memory_history``; the
   allocator trace gives the peak (cross-checked against ``max_memory_allocated``) and
   who holds the bytes then, by allocating frame (:func:`profile_parse.attribute`).
+- Host syncs (CUDA): one forward+backward under ``torch.cuda.set_sync_debug_mode("warn")``;
+  every synchronizing call is recorded with the innermost frames of this repository,
+  lrmoe or transformers (:func:`sync_sites`), so the device's idle time inside the call
+  can be traced to the lines that make it wait.
 - Gap: per category, ours minus HF compiled.
 
 Writes ``moe_profile.json`` (every number, every kernel) and ``moe_profile.md`` into --out.
@@ -105,6 +109,50 @@ def profile_time(mod, x, dy, a, clear, trace_path: Path | None) -> dict:
     return pp.summarize(events["traceEvents"] if isinstance(events, dict) else events, a.iters)
 
 
+def sync_sites(records: list[list[str]], top: int = 12) -> dict:
+    """``records``: per synchronizing call, its frames (innermost last) as ``file:line fn``.
+    Returns the total and the ``top`` sites (the innermost frame under ``site_prefixes``,
+    else the innermost frame) with their counts, most frequent first."""
+    keys = site_prefixes()
+    counts: dict[str, int] = {}
+    for frames in records:
+        ours = [f for f in frames if any(k in f for k in keys)]
+        site = (ours or frames or ["<no python frame>"])[-1]
+        counts[site] = counts.get(site, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {"count": len(records), "sites": ranked[:top]}
+
+
+def profile_syncs(mod, x, dy, clear) -> dict:
+    """The synchronizing calls of one forward+backward (CUDA's sync debug mode)."""
+    import traceback as tb
+    import warnings
+    if ml.DEV != "cuda":
+        return {"error": "not measured: the sync debug mode needs CUDA"}
+    records: list[list[str]] = []
+    old_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message).lower():
+            records.append([f"{f.filename}:{f.lineno} {f.name}" for f in tb.extract_stack()[:-1]])
+        else:
+            old_show(message, category, filename, lineno, file, line)
+
+    _sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            mod(x).backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old_show
+    _sync()
+    clear()
+    return sync_sites(records)
+
+
 def profile_memory(mod, x, dy, a, clear) -> dict:
     """One forward+backward under the allocator's history; the peak and who holds it."""
     if ml.DEV != "cuda":
@@ -186,6 +234,10 @@ def run_variant(name: str, mod, x, dy, a, ref, tag: str) -> dict:
         if ml.DEV == "cuda":
             torch.cuda.empty_cache()
     if "error" not in out:
+        try:
+            out["syncs"] = profile_syncs(mod, x, dy, clear)
+        except Exception as e:
+            out["syncs"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         try:  # e.g. out of memory with the history on: the times stay
             out["memory"] = profile_memory(mod, x, dy, a, clear)
         except Exception as e:
@@ -333,8 +385,21 @@ def markdown(meta: dict, rows: list[dict], a) -> str:
             if ks:
                 out += ["", f"{LABEL[v]}: top unclassified (`other`):"]
                 out += [f"- {d['ms']:.3f} ms, {d['calls']:g}×: `{k[:160]}`" for k, d in ks]
-        out += [""] + memory_lines(r)
+        out += [""] + memory_lines(r) + sync_lines(r)
     return "\n".join(out) + "\n"
+
+
+def sync_lines(row: dict) -> list[str]:
+    """Host syncs per forward+backward, and where ours makes them."""
+    out = ["", "Host synchronizations in one forward+backward (`set_sync_debug_mode`): " + ", ".join(
+        f"{LABEL[v]} " + (str(row[v]["syncs"]["count"]) if "count" in row[v].get("syncs", {})
+                          else row[v].get("syncs", {}).get("error", "—"))
+        for v in VARIANTS)]
+    sites = (row["ours"].get("syncs") or {}).get("sites") or []
+    if sites:
+        out += ["", "| syncs | site in ours (innermost frame in this repository) |", "|---|---|"]
+        out += [f"| {n} | `{site}` |" for site, n in sites]
+    return out
 
 
 def main() -> None:

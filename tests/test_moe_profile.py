@@ -232,6 +232,27 @@ def test_smoke_run_writes_profile(tmp_path):
     md = (tmp_path / "moe_profile.md").read_text()
     assert "| gemm |" in md and "top unclassified" in md and "memory not measured" in md
     assert "Ours minus HF compiled, largest first: " in md
+    assert all("needs CUDA" in r[v]["syncs"]["error"] for v in ("ours", "hf_compiled"))
+    assert "Host synchronizations in one forward+backward" in md
+
+
+def test_sync_sites_name_the_innermost_repository_frame():
+    """Each sync is charged to the innermost frame in lrmoe / this repo (not torch's own
+    frames below it), most frequent first."""
+    import os
+
+    import lrmoe
+    mp = load_benchmark("moe_profile")
+    pkg = os.path.dirname(lrmoe.__file__)
+    torch_frame = "/usr/lib/python3/site-packages/torch/_tensor.py:100 __bool__"
+    recs = [["/x/runpy.py:1 main", f"{pkg}/model/moe.py:95 _routed", f"{pkg}/parallel/comm.py:25 all_gather_counts",
+             torch_frame]] * 3 + [["/x/runpy.py:1 main", f"{pkg}/parallel/layout.py:43 ranges"]] + [[torch_frame]]
+    got = mp.sync_sites(recs)
+    assert got["count"] == 5
+    assert got["sites"][0] == (f"{pkg}/parallel/comm.py:25 all_gather_counts", 3)
+    assert (f"{pkg}/parallel/layout.py:43 ranges", 1) in got["sites"]
+    assert (torch_frame, 1) in got["sites"]  # no repository frame: the innermost one
+    assert len(mp.sync_sites(recs, top=1)["sites"]) == 1
 
 
 @pytest.mark.parametrize("bad", [("--shapes", "qwen4"), ("--tokens", "x"), ("--iters", "0")])

@@ -245,8 +245,9 @@ def test_sync_sites_name_the_innermost_repository_frame():
     mp = load_benchmark("moe_profile")
     pkg = os.path.dirname(lrmoe.__file__)
     torch_frame = "/usr/lib/python3/site-packages/torch/_tensor.py:100 __bool__"
-    recs = [["/x/runpy.py:1 main", f"{pkg}/model/moe.py:95 _routed", f"{pkg}/parallel/comm.py:25 all_gather_counts",
-             torch_frame]] * 3 + [["/x/runpy.py:1 main", f"{pkg}/parallel/layout.py:43 ranges"]] + [[torch_frame]]
+    gather = [f"{pkg}/model/moe.py:95 _routed", f"{pkg}/parallel/comm.py:25 all_gather_counts"]
+    recs = [["/x/runpy.py:1 main", *gather, torch_frame]] * 3
+    recs += [["/x/runpy.py:1 main", f"{pkg}/parallel/layout.py:43 ranges"], [torch_frame]]
     got = mp.sync_sites(recs)
     assert got["count"] == 5
     assert got["sites"][0] == (f"{pkg}/parallel/comm.py:25 all_gather_counts", 3)

@@ -7,6 +7,8 @@
 # state in host memory (--optimizer-offload host, SYMI's design); budget
 # --budget-retain-fraction 0.8. Each seed's outputs are packed into OUTDIR/WORKLOAD_sSEED.tar.gz
 # (the device tool returns few files) beside its ttl.md. Times are emulated.
+# MEM_BUDGET=8GiB: a fixed per-rank budget instead of --budget-retain-fraction 0.8 (the
+# GLM amendment in RESULTS.md's pre-registration).
 # REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json (or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
 set -euo pipefail
@@ -20,12 +22,14 @@ case $W in
 esac
 POLICIES=${POLICIES:-static,symi,lrmoe:recompute,lrmoe,lrmoe:min_keep=0.8}
 REUSE=${REUSE:-}
+if [ -n "${MEM_BUDGET:-}" ]; then BUDGET=(--mem-budget "$MEM_BUDGET"); else BUDGET=(--budget-retain-fraction 0.8); fi
 SEED_TIMEOUT=${SEED_TIMEOUT:-3000}  # seconds per seed; a cut-short seed keeps ttl_partial.json
 EVERY=$(( STEPS / 20 > 0 ? STEPS / 20 : 1 ))
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 for SEED in "$@"; do
   D="$OUT/${W}_s$SEED"
+  mkdir -p "$D"  # so a seed that fails before writing anything still packs its log
   R=()
   for f in "$REUSE/${W}_s$SEED/ttl.json" "$REUSE/${W}_s$SEED/ttl_partial.json"; do
     if [ -n "$REUSE" ] && [ -f "$f" ]; then R=(--reuse "$f"); break; fi
@@ -33,7 +37,7 @@ for SEED in "$@"; do
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES ${R[*]}"
   timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
-    --budget-retain-fraction 0.8 --optimizer-offload host --link nvlink \
+    "${BUDGET[@]}" --optimizer-offload host --link nvlink \
     --policies "$POLICIES" ${R[@]+"${R[@]}"} --out "$D" > "$D.log" 2>&1 || { tail -30 "$D.log"; }
   [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30
   tar czf "$OUT/${W}_s$SEED.tar.gz" -C "$OUT" "${W}_s$SEED" "${W}_s$SEED.log"

@@ -295,10 +295,21 @@ def test_offload_check_benchmark_logic(tmp_path):
     out = tmp_path / "oc"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--steps", "4", "--batch-size", "4", "--seq-len", "32",
-                     "--max-data-bytes", "200000", "--threads", "1"]) == 0
+                     "--max-data-bytes", "200000", "--threads", "1", "--repeats", "2"]) == 0
     res = json.loads((out / "offload_check.json").read_text())
-    assert set(res["modes"]) == {"device", "device_repeat", "host"}
-    assert 0 <= res["max_rel_train_loss_diff"] < 1e-4
-    assert res["max_rel_train_loss_diff_device_repeat"] == 0  # CPU fp32 is deterministic
+    assert set(res["modes"]) == {"device_0", "host_0", "device_1", "host_1"}
+    sm = res["summary"]
+    assert 0 <= sm["max_rel_train_loss_diff_device_vs_host"] < 1e-4
+    assert sm["max_rel_train_loss_diff_within_mode"] == 0  # CPU fp32 is deterministic
+    assert sm["device"]["final_val_min"] == sm["device"]["final_val_max"]
+    assert sorted(p.name for p in out.iterdir()) == ["offload_check.json", "offload_check.md"]
     assert "host" in (out / "offload_check.md").read_text()
+    # the verdict: host's mean against the device runs' range
+    modes = {"d0": {"mode": "device", "final_val_loss": 2.0},
+             "d1": {"mode": "device", "final_val_loss": 2.1},
+             "h0": {"mode": "host", "final_val_loss": 2.3}}
+    losses = {"d0": [1.0], "d1": [1.0], "h0": [1.1]}
+    assert mod.summarize(modes, losses)["host_mean_outside_device_range"]
+    modes["h0"]["final_val_loss"] = 2.05
+    assert not mod.summarize(modes, losses)["host_mean_outside_device_range"]
     assert mod.main(["--out", str(out), "--device", "cpu"]) == 2  # never overwrites

@@ -33,7 +33,6 @@ def run(args) -> dict:
     from lrmoe.train import TrainConfig, train
     from lrmoe.train.metrics import read_metrics
 
-    out = Path(args.out)
     res = {"device": args.device, "preset": args.preset, "steps": args.steps,
            "batch_size": args.batch_size, "seq_len": args.seq_len, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,

@@ -3,7 +3,8 @@
 For static, replicas across ranks, and a partial (LRMoE-shaped) plan, the emulator's
 output, input gradient, expert gradients and router gradient must equal the real
 ``--ep 4`` run's per-rank tensors (and, for exact plans, one process), and its byte and
-row counters must equal the real runtime's stats.
+row counters must equal the real runtime's stats. The ``*_experts`` cases run with
+``BackwardOptions(router_grad="experts")`` (the router gradient from the expert backward).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 
 T, H, E, K, F, G = 12, 16, 8, 2, 8, 4
-POLICIES = ("static", "replica", "partial", "sampled")  # sampled: partial plan, sampled estimator
+# sampled: partial plan, sampled estimator; *_experts: router_grad "experts"
+POLICIES = ("static", "replica", "partial", "sampled", "static_experts", "replica_experts")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -51,11 +53,12 @@ def close(a, b, what):
 
 def make_policy(name):
     return {"static": StaticPolicy(), "replica": ReplicaPolicy(), "partial": PartialPolicy(),
-            "sampled": PartialPolicy()}[name]
+            "sampled": PartialPolicy()}[name.removesuffix("_experts")]
 
 
 def make_opts(name):
-    return BackwardOptions(estimator="sampled" if name == "sampled" else "topk")
+    return BackwardOptions(estimator="sampled" if name == "sampled" else "topk",
+                           router_grad="experts" if name.endswith("_experts") else "home")
 
 
 def make_gen(name, seed, rank):
@@ -91,11 +94,33 @@ def run(layer_fn, layer, x, coeff):
             "g2": layer.experts.down_proj.grad.clone(), "gr": layer.router.weight.grad.clone()}
 
 
-def emulate(policy_name, seed, opts=None):
+def exchange_node(y):
+    """The ``VirtualExchange`` node (its ctx) in ``y``'s graph."""
+    todo, seen = [y.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if type(n).__name__ == "VirtualExchangeBackward":
+            return n
+        todo += [f for f, _ in n.next_functions]
+    raise AssertionError("no VirtualExchange in the graph")
+
+
+def emulate(policy_name, seed, opts=None, kept=None):
+    """The emulated layer's tensors and stats; ``kept`` (a dict) gets the number of
+    combined-row elements the exchange keeps for backward."""
     layer, idx, x, coeff = make_case(seed)
     v = VirtualEPLayer(layer, G, make_policy(policy_name), opts or make_opts(policy_name),
                        generators=[make_gen(policy_name, seed, r) for r in range(G)])
-    return run(v, layer, x, coeff), v.stats
+    fn = v
+    if kept is not None:
+        def fn(t):
+            y = v(t)
+            kept["y_send"] = sum(int(r.numel()) for r in exchange_node(y).y_send_G)
+            return y
+    return run(fn, layer, x, coeff), v.stats
 
 
 def _gloo_worker(rank, world, seed, outdir):
@@ -128,10 +153,23 @@ def test_emulator_matches_one_process_and_gloo(tmp_path):
     layer, idx, x, coeff = make_case(seed)
     ref = run(lambda t: layer(t.unsqueeze(0)).squeeze(0), layer, x, coeff)  # one process
     per = E // G
+    home = {}
     for name in POLICIES:
-        emu, stats = emulate(name, seed)
+        kept = {}
+        emu, stats = emulate(name, seed, kept=kept)
         real = [torch.load(tmp_path / f"{name}_{r}.pt") for r in range(G)]
         msg = f"policy={name} seed={seed}"
+        base = name.removesuffix("_experts")
+        if name == base:
+            home[name] = emu, stats, kept["y_send"]
+        else:  # router gradient at the experts: no combined rows kept, each backward row
+            # brings its router gradient home (4 bytes), the same numbers to rounding
+            assert home[base][2] == sum(stats.rows["fwd"]) * H > 0 and kept["y_send"] == 0, msg
+            rows = stats.rows_GG["bwd_combine"]
+            assert torch.equal(stats.bytes_GG["bwd_combine"], rows * (H * 4 + 4)), msg
+            assert torch.equal(home[base][1].bytes_GG["bwd_combine"], rows * H * 4), msg
+            for k in ("y", "dx", "g13", "g2", "gr"):
+                close(emu[k], home[base][0][k], f"{msg} {k} vs home")
         if name not in ("partial", "sampled"):  # exact plans: equal to one process, static plan
             for k in ("y", "dx", "g13", "g2", "gr"):
                 close(emu[k], ref[k], f"{msg} {k}")
@@ -153,10 +191,24 @@ def test_emulator_matches_one_process_and_gloo(tmp_path):
         assert stats.rows["fwd"] == [real[r]["stats"]["fwd_rows"] for r in range(G)]
         if name in ("partial", "sampled"):
             assert sum(stats.rows["bwd"]) < sum(stats.rows["fwd"])
-        if name == "static":
+        if base == "static":
             assert sum(stats.bytes_sent("weight_scatter")) == 0
         else:
             assert sum(stats.bytes_sent("weight_scatter")) == 2 * (2 * F * H + H * F) * 4
+
+
+def test_router_grad_experts_leaves_a_trimmed_plan_alone():
+    """On a partial (LRMoE-trimmed) plan ``router_grad="experts"`` changes nothing: the
+    unselected pairs never reach an expert in backward, so the combined rows are kept and
+    the router gradient is taken at home, bit for bit as with "home"."""
+    kept_home, kept_exp = {}, {}
+    a, sa = emulate("partial", 11, kept=kept_home)
+    b, sb = emulate("partial", 11, BackwardOptions(router_grad="experts"), kept=kept_exp)
+    assert not sb.plan.exact and kept_exp["y_send"] == kept_home["y_send"] > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for ex in sa.bytes_GG:
+        assert torch.equal(sa.bytes_GG[ex], sb.bytes_GG[ex]), ex
 
 
 def test_sampled_estimator_runs_and_counts():

@@ -172,6 +172,11 @@ class VirtualExchange(torch.autograd.Function):
         st.timers.resolve()
         st.stats.expert_ms["fwd"] = st.timers.ms.get("expert_fwd", [0.0] * G)
         ctx.st, ctx.saved = st, saved
+        # router_grad "experts" on an exact plan: the router gradient comes from the expert
+        # backward, so the combined rows are not kept (as ExpertExchange)
+        ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
+        if ctx.dgate_at_experts:
+            y_send_G = [y.new_empty(0, H) for y in y_send_G]
         ctx.w_TK_G, ctx.y_send_G, ctx.rows_TK_G = w_TK_G, y_send_G, rows_TK_G
         ctx.save_for_backward(w13_IS, w2_IS)
         return torch.cat(outs)
@@ -194,14 +199,16 @@ class VirtualExchange(torch.autograd.Function):
             home, y_send, w_TK, row_TK = st.homes[g], ctx.y_send_G[g], ctx.w_TK_G[g], ctx.rows_TK_G[g]
             dout = dout_G[g]
             with st.timers.time("local", g):
-                if y_send.shape[0] == 0:
+                if ctx.dgate_at_experts:  # from experts^-1 below
+                    dgate = None
+                elif y_send.shape[0] == 0:
                     dgate = w_TK.new_zeros(T, K)
                 else:
                     dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout)
                     _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
                     if valid_TK is not None:
                         dgate = dgate * valid_TK
-                dgate_G.append(dgate.to(w_TK.dtype))
+                dgate_G.append(None if dgate is None else dgate.to(w_TK.dtype))
             with st.timers.time("select", g):
                 ret_pos = home.retained_pos
                 pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
@@ -237,8 +244,9 @@ class VirtualExchange(torch.autograd.Function):
         st.stats.rows_GG["bwd_dispatch"] = rows
         st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
         st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
-        st.stats.bytes_GG["bwd_combine"] = rows.t() * H * es
-        dx_recv_G, dw13_G, dw2_G = [], [], []
+        # + each row's router gradient (fp32) when the experts compute it
+        st.stats.bytes_GG["bwd_combine"] = rows.t() * (H * es + 4 * ctx.dgate_at_experts)
+        dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
         for r in range(G):
             rl, recv_GS = rls[r], recv_GS_G[r]
             saved_x, saved_gu, saved_SG = ctx.saved[r]
@@ -258,13 +266,23 @@ class VirtualExchange(torch.autograd.Function):
                                   + permute_rows(j_recv_G[r], rl.to_inst))
                     x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
             with st.timers.time("expert_bwd", r):
-                dx_inst, dw13, dw2 = swiglu_backward(x_sel, gu_sel, dy_inst, w13_G[r], w2_G[r],
-                                                     rl.counts, offs, scale=scale_inst)
+                dx_inst, dw13, dw2, *dot = swiglu_backward(
+                    x_sel, gu_sel, dy_inst, w13_G[r], w2_G[r], rl.counts, offs,
+                    scale=scale_inst, rowdot=ctx.dgate_at_experts)
             with st.timers.time("local", r):
                 dx_recv_G.append(unpermute_rows(dx_inst, rl.to_inst))
+                if dot:
+                    dot_recv_G.append(unpermute_rows(dot[0], rl.to_inst))
             dw13_G.append(dw13)
             dw2_G.append(dw2)
         dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
+        if ctx.dgate_at_experts:  # every send row came back, in send order
+            dg_back_G = _links(dot_recv_G, [rl.splits for rl in rls])
+            for g in range(G):
+                with st.timers.time("local", g):
+                    dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
+                    dgate[st.homes[g].src_pair] = dg_back_G[g]
+                    dgate_G[g] = dgate.view(T, K).to(ctx.w_TK_G[g].dtype)
         st.stats.rows["bwd"] = [int(d.shape[0]) for d in dy_recv_G]
         st.stats.rows["selected"] = [
             int(recv_GS_G[r].sum()) if keep_G[0] is None or opts.compaction
@@ -332,7 +350,10 @@ class VirtualEPLayer:
         layer: the MoE layer (its router, experts and shared experts are used as is).
         G: virtual ranks; must divide the number of experts.
         policy: the planner (the same objects the real runtime uses).
-        backward_opts: LRMoE backward options (``fidelity`` is not emulated).
+        backward_opts: LRMoE backward options (``fidelity`` is not emulated;
+            ``router_grad="experts"`` is, as the runtime does it: on an exact plan the
+            expert backward computes the router gradient and ships it home beside ``dx``,
+            4 bytes per row, and the combined rows are not kept).
         ledger: memory ledger handed to the planner (``None``: no budget).
         generators: per virtual rank, the generator for the ``sampled`` estimator (as
             ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.

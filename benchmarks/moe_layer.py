@@ -18,6 +18,7 @@ Smoke (CPU):  python3 benchmarks/moe_layer.py --out DIR --smoke   (tiny shapes; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,19 @@ class KeepPolicy:
             return p
         sel = torch.ceil(p.retain_GGS.double() * self.keep).long()
         return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, sel)
+
+
+class SaveInputPolicy:
+    """Static placement, exact, every row's gate_up output recomputed in backward (only the
+    input rows kept, Megatron's MoE activation recompute); with ``router_grad="experts"``
+    the combined rows are not kept either: the least an exact layer keeps."""
+
+    name = "save_input"
+
+    def plan(self, counts, inputs):
+        G, E = counts.shape
+        p = full_plan(counts, torch.arange(E).reshape(G, E // G))
+        return dataclasses.replace(p, recompute_G=p.rank_load().clone())
 
 
 def hf_block(shape: str, cfg: ModelConfig, impl: str):
@@ -238,6 +252,10 @@ def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: 
         # the router-gradient lever: no combined rows kept (exact plan)
         layer.runtime = MoERuntime(backward=BackwardOptions(router_grad="experts"))
         row["ours_router_grad_experts"] = _guarded(lambda r=ref: measure(layer, x, dy, r))
+        # and gate_up recomputed in backward: only the input rows kept
+        layer.runtime = MoERuntime(policy=SaveInputPolicy(),
+                                   backward=BackwardOptions(router_grad="experts"))
+        row["ours_save_input"] = _guarded(lambda r=ref: measure(layer, x, dy, r))
         layer.runtime = MoERuntime()
         row["peer"] = {impl: _guarded(lambda b=b, r=ref: measure(b, x, dy, r)) for impl, b in peers.items()}
         if peer_c is not None:
@@ -346,22 +364,26 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "weights and inputs at the peak of one forward+backward (`peak`), and that minus "
              "the gradients (`act`).", "",
              "`ours rg@e`: `BackwardOptions(router_grad=\"experts\")` (the router gradient from "
-             "the expert backward; no combined rows kept).", "",
+             "the expert backward; no combined rows kept). `ours x-only`: that, and every "
+             "row's gate_up output recomputed in backward (only the input rows kept).", "",
              f"| shape | tokens | skew | max/mean load | ours | ours compiled | ours rg@e "
-             f"| HF {pc_impl} compiled | × HF compiled | ours act / peak | ours rg@e act / peak "
-             "| HF compiled act / peak | act ratio | GEMM % dense | bwd keep 0.5 / 1.0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| ours x-only | HF {pc_impl} compiled | × HF compiled | ours act / peak "
+             "| ours rg@e act / peak | ours x-only act / peak | HF compiled act / peak "
+             "| act ratio | GEMM % dense | bwd keep 0.5 / 1.0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         o, oc, pc = r["ours"], r.get("ours_compiled", {}), r.get("peer_compiled", {})
         ol = r.get("ours_router_grad_experts", {})
+        ox = r.get("ours_save_input", {})
         k1, k5 = r.get("keep1.0_bwd_ms"), r.get("keep0.5_bwd_ms")
         lines.append(
             f"| {r['shape']} | {r['tokens']:,} | {r['skew']:g} | {r['load_max_over_mean']:.2f} "
             f"| {fmt(o.get('fwdbwd_ms'))} | {fmt(oc.get('fwdbwd_ms'))} | {fmt(ol.get('fwdbwd_ms'))} "
-            f"| {fmt(pc.get('fwdbwd_ms'))} "
+            f"| {fmt(ox.get('fwdbwd_ms'))} | {fmt(pc.get('fwdbwd_ms'))} "
             f"| {fmt(r.get('speedup_fwdbwd_vs_peer_compiled'))} "
             f"| {fmt(o.get('act_gib'))} / {fmt(o.get('peak_gib'))} "
             f"| {fmt(ol.get('act_gib'))} / {fmt(ol.get('peak_gib'))} "
+            f"| {fmt(ox.get('act_gib'))} / {fmt(ox.get('peak_gib'))} "
             f"| {fmt(pc.get('act_gib'))} / {fmt(pc.get('peak_gib'))} "
             f"| {fmt(r.get('act_ratio_vs_peer_compiled'))} "
             f"| {fmt(100 * r['gemm_fwdbwd_frac_of_dense'], '.0f')} "
@@ -372,7 +394,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
             desc = v.get("error") or (f"{fmt(v['fwdbwd_ms'])} ms, {fmt(v.get('act_gib'))} / "
                                       f"{fmt(v.get('peak_gib'))} GiB, err {v['rel_err_vs_ours']:.1e}")
             lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {impl}: {desc}")
-        for key in ("ours_compiled", "ours_router_grad_experts", "peer_compiled"):
+        for key in ("ours_compiled", "ours_router_grad_experts", "ours_save_input", "peer_compiled"):
             if "error" in r.get(key, {}):
                 lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {key}: {r[key]['error']}")
     if meta.get("skipped_by_budget"):

@@ -30,6 +30,7 @@ def test_moe_layer_smoke(tmp_path):
     assert r["peer"]["grouped_mm"]["rel_err_vs_ours"] < 2e-2  # bf16: same weights, same routing
     assert r["ours_compiled"]["rel_err_vs_ours"] < 1e-6
     assert r["ours_router_grad_experts"]["rel_err_vs_ours"] < 1e-6
+    assert r["ours_save_input"]["rel_err_vs_ours"] < 1e-6  # recompute changes no math
     assert {"keep1.0_bwd_ms", "keep0.5_bwd_ms", "keep0.5_nocompact_bwd_ms"} <= set(r)
     assert "| glm | 64 | 1 |" in (tmp_path / "moe_layer.md").read_text()
 

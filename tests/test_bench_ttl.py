@@ -197,3 +197,111 @@ def test_ttl_reuse_takes_finished_policies_and_checks_the_settings(tmp_path, cap
                         "--out", str(tmp_path / "d")]) == 2
     assert "initial validation loss" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "d" / "ttl.json").exists()
+
+
+RG_ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "4", "--batch-size",
+           "4", "--seq-len", "32", "--eval-every", "2", "--max-data-bytes", "200000",
+           "--threads", "1"]
+
+# lrmoe's per-step fields that do not depend on time measured on this machine
+LRMOE_FIELDS = ("train_loss", "keep_ratio", "retain_ratio", "replicas", "recompute_ratio",
+                "recompute_modes", "ledger_peak_bytes", "fits", "fallback_layers",
+                "exchange_critical_bytes", "fwd_load_max_over_mean", "bwd_load_max_over_mean")
+
+
+def _slots(config_note: str) -> int:
+    return int(config_note.split("s=")[1].split(":")[0].split(" ")[0].split(",")[0])
+
+
+def test_ttl_router_grad_experts(tmp_path, capsys):
+    """--router-grad experts under a binding budget: static and symi keep no combined
+    rows, so at the same budget they recompute less (never more, strictly less
+    somewhere) with the same losses, symi has at least as many slots, and the backward
+    combine carries the router gradient; lrmoe's results are those of a home run."""
+    reps = {}
+    for rg in ("home", "experts"):
+        out = tmp_path / rg
+        assert main(RG_ARGS + ["--policies", "static,symi,lrmoe", "--budget-retain-fraction",
+                               "0.8", "--router-grad", rg, "--out", str(out)]) == 0
+        reps[rg] = json.loads((out / "ttl.json").read_text())
+        md = (out / "ttl.md").read_text()
+        assert ("router gradient at the experts" in md) == (rg == "experts")
+    home, exp = reps["home"]["policies"], reps["experts"]["policies"]
+    assert reps["home"]["budget_bytes"] == reps["experts"]["budget_bytes"]
+    s_home, s_exp = _slots(home["symi"]["config"]), _slots(exp["symi"]["config"])
+    assert s_exp >= s_home
+    for p in ("static", "symi"):
+        assert "router gradient at the experts" in exp[p]["config"]
+        assert "router gradient at the experts" not in home[p]["config"]
+        a, b = home[p]["steps"], exp[p]["steps"]
+        torch.testing.assert_close([s["train_loss"] for s in b], [s["train_loss"] for s in a],
+                                   rtol=1e-5, atol=1e-5)
+        same_slots = p == "static" or s_exp == s_home
+        for sa, sb in zip(a, b):
+            ex_a, ex_b = sa["exchange_critical_bytes"], sb["exchange_critical_bytes"]
+            assert ex_b["bwd_combine"][0] > ex_a["bwd_combine"][0]  # + the router gradient
+            assert ex_b["bwd_dispatch"] == ex_a["bwd_dispatch"] or not same_slots
+            assert sb["fits"] or not sa["fits"]
+            if same_slots:
+                assert sb["recompute_ratio"] <= sa["recompute_ratio"]
+        rec_a, rec_b = (sum(s["recompute_ratio"] for s in r) for r in (a, b))
+        assert rec_b < rec_a if same_slots else s_exp > s_home  # strictly better
+    assert "router gradient at the experts" not in exp["lrmoe"]["config"]
+    for sa, sb in zip(home["lrmoe"]["steps"], exp["lrmoe"]["steps"]):
+        for k in LRMOE_FIELDS:
+            assert sa[k] == sb[k], k
+    assert [e["val_loss"] for e in home["lrmoe"]["evals"]] == \
+        [e["val_loss"] for e in exp["lrmoe"]["evals"]]
+    # a home run is not reused by an experts run; a file from before the option is "home"
+    capsys.readouterr()
+    assert main(RG_ARGS + ["--policies", "static",
+                             "--budget-retain-fraction", "0.8", "--router-grad", "experts",
+                             "--reuse", str(tmp_path / "home" / "ttl.json"),
+                             "--out", str(tmp_path / "r")]) == 2
+    assert "router_grad='home', this run has router_grad='experts'" in capsys.readouterr().err
+    old = reps["home"]
+    del old["config"]["router_grad"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(RG_ARGS + ["--policies", "static",
+                             "--budget-retain-fraction", "0.8", "--reuse",
+                             str(tmp_path / "old.json"), "--out", str(tmp_path / "o")]) == 0
+    # a bad value: one line, exit code 2, nothing written
+    capsys.readouterr()
+    assert main(ARGS + ["--router-grad", "away", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--router-grad" in err and not (tmp_path / "bad").exists()
+
+
+def test_symi_gets_more_slots_with_router_grad_at_experts():
+    """symi's s (least modelled time among the s that fit, with recompute) under the two
+    ledgers at the same budgets: never fewer slots with the router gradient at the
+    experts, and at the smallest budget where it takes a replica slot, the home ledger
+    (combined rows kept: more recompute at every s) does not."""
+    from lrmoe.errors import LrmoeError
+    from lrmoe.memory import Ledger
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.links import get_link
+    from lrmoe.sim.ttl_symi import symi_slots
+
+    cfg, G = get_preset("tiny-qwen3"), 2
+    E = cfg.num_experts
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 6, (G, E), generator=g)
+    counts[:, 3] += 40  # two hot experts: replicas pay
+    counts[:, 5] += 30
+    link = get_link("nvlink")
+
+    def slots(budget: int, at_experts: bool) -> int:
+        led = Ledger.for_dtype(cfg, G, budget, "fp32", router_grad_at_experts=at_experts)
+        try:
+            return symi_slots(cfg, led, [counts], [counts.sum(0)], link, 1e9)[0]
+        except LrmoeError:  # no s fits
+            return 0
+
+    lo, hi = 1, 1 << 30  # the smallest budget where symi takes a replica slot at the experts
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if slots(mid, True) > E // G else (mid + 1, hi)
+    assert slots(lo, True) > slots(lo, False) >= E // G
+    for budget in range(lo - 2_000_000, lo + 4_000_000, 500_000):
+        assert slots(budget, True) >= slots(budget, False), budget

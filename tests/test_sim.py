@@ -21,6 +21,7 @@ from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
+from lrmoe.sim.analytic import modelled_stats
 from lrmoe.sim.cost import StepTimes, step_times
 from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
@@ -170,6 +171,9 @@ def test_emulator_matches_one_process_and_gloo(tmp_path):
             assert torch.equal(home[base][1].bytes_GG["bwd_combine"], rows * H * 4), msg
             for k in ("y", "dx", "g13", "g2", "gr"):
                 close(emu[k], home[base][0][k], f"{msg} {k} vs home")
+            modelled = modelled_stats(stats.plan, layer.cfg, 1e12, 4, 4,
+                                      router_grad_at_experts=True)  # plan --compare's model
+            assert torch.equal(modelled.bytes_GG["bwd_combine"], stats.bytes_GG["bwd_combine"])
         if name not in ("partial", "sampled"):  # exact plans: equal to one process, static plan
             for k in ("y", "dx", "g13", "g2", "gr"):
                 close(emu[k], ref[k], f"{msg} {k}")
@@ -296,6 +300,29 @@ def test_recompute_ledger_charges_time_not_math():
             assert all((per["bwd_recompute"][r] > 0) == (rows[r] > 0) for r in range(G))
         assert step_times(v.stats, LINKS["nvlink"]).bwd_recompute == pytest.approx(
             max(per["bwd_recompute"]))
+
+
+def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
+    """An exact policy whose plan needs one byte more than the budget with the combined
+    rows kept must recompute with ``router_grad`` "home"; at the experts
+    (``Ledger(router_grad_at_experts=True)``) it fits as it is."""
+    from lrmoe.memory import Ledger
+
+    layer, idx, x, coeff = make_case(5)
+    plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
+                     torch.arange(E).reshape(G, E // G))
+    budget = max(t["total"] for t in Ledger(layer.cfg, G, num_moe_layers=1).rank_terms(plan)) - 1
+    got = {}
+    for rg in ("home", "experts"):
+        led = Ledger(layer.cfg, G, budget, num_moe_layers=1,
+                     router_grad_at_experts=rg == "experts")
+        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
+                           recompute_ledger=led)
+        run(v, layer, x, coeff)
+        got[rg] = v.stats
+        assert v.stats.recompute_fits and max(v.stats.ledger_total_bytes) <= budget
+    assert got["home"].recompute_mode == "pairs" and sum(got["home"].recompute_rows) > 0
+    assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows == [0] * G
 
 
 def test_lrmoe_with_no_feasible_plan_runs_as_static_over_budget():

@@ -449,12 +449,14 @@ class Ledger:
         return out
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
-                         retained_pairs: int) -> int:
+                         retained_pairs: int, exact: bool = False) -> int:
         """Fewest pairs per layer to recompute so the rank fits; -1 if even recomputing
-        every retained pair does not fit. 0 when there is no budget."""
+        every retained pair does not fit. 0 when there is no budget. ``exact``: as in
+        :meth:`terms`."""
         if self.budget_bytes is None:
             return 0
-        full = self.terms(n_instances, received_pairs, home_pairs, retained_pairs)["total"]
+        full = self.terms(n_instances, received_pairs, home_pairs, retained_pairs,
+                          **({"exact": True} if exact else {}))["total"]
         over = full - self.budget_bytes
         if over <= 0:
             return 0
@@ -471,13 +473,16 @@ class Ledger:
         recomputed per rank, :meth:`recompute_needed`), ``"layer"`` (whole-layer
         checkpoint: no retained activations, every received row re-run forward in
         backward), ``"over"`` (even that does not fit; terms of the layer checkpoint).
+        With ``router_grad_at_experts`` an exact plan keeps no combined rows (as
+        :meth:`rank_terms`).
         """
         counts = self._rank_counts(plan, tokens_per_rank_home)
-        rec = [self.recompute_needed(*c) for c in counts]
+        ex = {"exact": True} if self.router_grad_at_experts and plan.exact else {}
+        rec = [self.recompute_needed(*c, **ex) for c in counts]
         if min(rec) >= 0:
-            terms = [self.terms(*c, n) for c, n in zip(counts, rec)]
+            terms = [self.terms(*c, n, **ex) for c, n in zip(counts, rec)]
             return ("fits" if max(rec) == 0 else "pairs"), rec, terms
-        terms = [self.terms(n, R, h, 0) for n, R, h, _ in counts]
+        terms = [self.terms(n, R, h, 0, **ex) for n, R, h, _ in counts]
         mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
         return mode, [R for _, R, _, _ in counts], terms
 

@@ -78,6 +78,12 @@ def register(sub) -> None:
                         "moments in host memory (SYMI's design: symi shards each expert 1/G "
                         "over all ranks); the ledger counts only the GPU's bytes and the "
                         "offload traffic is charged as modelled stages (default device)")
+    t.add_argument("--router-grad", default="home", metavar="{home,experts}",
+                   help="experts: static and symi compute the router gradient in the expert "
+                        "backward and ship it home beside dx, so they keep no combined expert "
+                        "outputs (ledger combine_rows 0: less recompute, room for more symi "
+                        "slots); lrmoe keeps home (its trimmed plans need the rows) "
+                        "(default home)")
     t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.add_argument("--compile", action="store_true",
@@ -139,6 +145,13 @@ def table(rep: dict) -> str:
         E, G = ModelConfig.from_hf_dict(rep["model"]).num_experts, rep["config"]["ep"]
         lines += ["", f"**SYMI ran with no replicas (s = E/G = {E // G})**: it was static EP"
                       + (" with recompute" if rep["budget_bytes"] is not None else "") + "."]
+    if rep["config"].get("router_grad") == "experts":
+        lines += ["", "static and symi take the router gradient at the experts "
+                      "(--router-grad experts): their expert backward computes each pair's "
+                      "<dy, y> and ships it home beside dx (4 bytes per row in bwd_combine), "
+                      "so they keep no combined expert outputs (ledger combine_rows 0: less "
+                      "recompute, room for more symi slots); lrmoe keeps them (router "
+                      "gradient at home), as with --router-grad home."]
     if rep["config"].get("optimizer_offload") == "host":
         lines += ["", "Every policy keeps the experts' optimizer state in host memory "
                       "(--optimizer-offload host); opt_d2h, opt_host_update and opt_h2d are "
@@ -205,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
-        reuse=args.reuse)
+        reuse=args.reuse, router_grad=args.router_grad)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

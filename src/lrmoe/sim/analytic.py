@@ -16,7 +16,10 @@ fwd_dispatch     ``assign_GGS[g, r, :].sum()``            ``H·bytes_act``
 fwd_combine      fwd_dispatch transposed                  ``H·bytes_act``
 bwd_dispatch     ``select_GGS[g, r, :].sum()``            ``H·bytes_act + 12`` (row
                                                           index int64, scale fp32)
-bwd_combine      bwd_dispatch transposed                  ``H·bytes_act``
+bwd_combine      bwd_dispatch transposed                  ``H·bytes_act`` (+ 4, the
+                                                          router gradient, fp32, with
+                                                          ``router_grad_at_experts`` on
+                                                          an exact plan)
 weight_scatter   instances owner ``g`` sends to ``r``     ``3HF·bytes_w``
 grad_reduce      weight_scatter transposed                ``3HF·bytes_w``
 ===============  ======================================  ===========================
@@ -63,7 +66,7 @@ PROJECTED = ("static", "symi", "lrmoe")
 def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: int = 2,
                    bytes_w: int = 2, recompute_rows: list[int] | None = None,
                    recompute_mode: str = "pairs",
-                   plan_ms: float = 0.0) -> VirtualStats:
+                   plan_ms: float = 0.0, router_grad_at_experts: bool = False) -> VirtualStats:
     """MODELLED stats of one layer's step under ``plan``: nothing runs, nothing is timed.
 
     Args:
@@ -79,6 +82,8 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
             of those rows; ``layer``: a whole-layer checkpoint).
         plan_ms: the planning time per layer (measured by the caller), charged to every
             rank (each computes the plan) as the emulator does.
+        router_grad_at_experts: ``BackwardOptions(router_grad="experts")``: on an exact
+            plan each backward row brings its router gradient home (4 more bytes).
     Returns:
         A :class:`VirtualStats` with ``rows``, ``rows_GG``, ``bytes_GG``, ``expert_ms``
         (modelled) and ``saved_act_bytes``.
@@ -96,11 +101,12 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     bwd_GG = plan.select_GGS.sum(2)
     rep_GG = replica_rows_GG(plan, E)
     per_inst = 3 * H * F * bytes_w
+    dot = 4 if router_grad_at_experts and plan.exact else 0
     for name, rows_GG, row_bytes in (
             ("fwd_dispatch", fwd_GG, H * bytes_act),
             ("fwd_combine", fwd_GG.t(), H * bytes_act),
             ("bwd_dispatch", bwd_GG, H * bytes_act + BWD_ROW_EXTRA_BYTES),
-            ("bwd_combine", bwd_GG.t(), H * bytes_act),
+            ("bwd_combine", bwd_GG.t(), H * bytes_act + dot),
             ("weight_scatter", rep_GG, per_inst),
             ("grad_reduce", rep_GG.t(), per_inst)):
         stats.rows_GG[name] = rows_GG.contiguous()
@@ -166,7 +172,7 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
             plan = plan_symi(samples[i], s, pops[i])
             mode, rec, _ = ledger.exact_fit(plan)
             st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec,
-                                     mode))
+                                     mode, router_grad_at_experts=ledger.router_grad_at_experts))
         return mean_step_times(st, link, offload_for(ledger, "symi")).moe
     return min(common, key=lambda s: (modelled(s), -s))
 

@@ -37,6 +37,15 @@ neighbouring evaluations at the target. Policy specs may carry lrmoe variants
 own time-to-target ratio over symi. Before the first policy one untimed training step warms the
 process up (allocator, lazy inits), so the first policy is not charged for them.
 
+``router_grad`` (``--router-grad``): with ``"experts"`` the exact policies (static,
+symi) run with ``BackwardOptions(router_grad="experts")``: the expert backward computes
+each pair's router gradient and ships it home beside ``dx`` (4 more bytes per row in the
+backward combine), so the combined expert outputs are not kept, and their ledger (the
+recompute each rank needs, symi's choice of ``s``) is
+``Ledger(router_grad_at_experts=True)``, whose ``combine_rows`` is 0 for their plans.
+lrmoe is unchanged (``"home"``, ledger included): its trimmed plans must keep the rows,
+and its results stay those of a ``"home"`` run. The budget is the same either way.
+
 ``reuse`` (``--reuse FILE``) takes the policies an earlier run of the same settings
 finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
 seed can be completed with more policies in a later call; each reused result says where
@@ -53,7 +62,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -100,6 +109,11 @@ class TTLConfig:
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
+    router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
+
+
+# settings added after runs were recorded: an earlier file without one ran with this value
+ADDED_SETTINGS = {"router_grad": "home"}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -113,8 +127,6 @@ def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
 
     Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
     """
-    from dataclasses import replace
-
     base, _, opts = spec.partition(":")
     require(base in ("static", "symi", "lrmoe"),
             f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
@@ -195,6 +207,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
             label = OVER_BUDGET
     if name != "lrmoe" and ledger is not None:
         note += ", recompute to fit"
+    if name != "lrmoe" and cfg.router_grad == "experts":
+        note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
     exact = name != "lrmoe"
     return pc, (None if exact else ledger), (ledger if exact else None), note, label
@@ -262,6 +276,9 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
 
     dev, G = torch.device(cfg.device), cfg.ep
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    router_grad = "home" if name == "lrmoe" else cfg.router_grad  # module doc
+    if ledger is not None and router_grad == "experts":
+        ledger = replace(ledger, router_grad_at_experts=True)
     pc, planner_ledger, rec_ledger, note, label = _choose(name, cfg, mcfg, ledger, first_counts,
                                                           profile)
     policy = make_policy(pc, mcfg, G)
@@ -269,8 +286,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     model = MoEForCausalLM(mcfg).to(dev)
     # lrmoe plans against the budget; a step where no plan fits runs as the exact
     # policies do over budget (static's plan, recompute), marked, rather than stopping
-    vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator), planner_ledger,
-                      sync, rec_ledger, over_budget_fallback=planner_ledger is not None)
+    vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator,
+                                                        router_grad=router_grad),
+                      planner_ledger, sync, rec_ledger,
+                      over_budget_fallback=planner_ledger is not None)
     trace, trace_GE = [], []
     # with offload: the offload code path with its "host" on the emulating device (its
     # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
@@ -409,8 +428,9 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     if old is not None:
         new = asdict(cfg)
         for k in sorted(set(new) | set(old)):
-            if k not in ("policies", "reuse") and old.get(k) != new.get(k):
-                raise LrmoeError(f"--reuse {path}: it ran with {k}={old.get(k)!r}, this run "
+            was = old.get(k, ADDED_SETTINGS.get(k))
+            if k not in ("policies", "reuse") and was != new.get(k):
+                raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
     require("static" in got or "symi" not in [p for p in policies if p not in got],
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
@@ -465,6 +485,8 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
     require(cfg.optimizer_offload in ("device", "host"),
             f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
+    require(cfg.router_grad in ("home", "experts"),
+            f"--router-grad {cfg.router_grad!r}: use home or experts")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
     variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
     require(isinstance(cfg.smooth_window, int) and cfg.smooth_window >= 1

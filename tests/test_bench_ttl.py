@@ -216,8 +216,11 @@ def _slots(config_note: str) -> int:
 def test_ttl_router_grad_experts(tmp_path, capsys):
     """--router-grad experts under a binding budget: static and symi keep no combined
     rows, so at the same budget they recompute less (never more, strictly less
-    somewhere) with the same losses, symi has at least as many slots, and the backward
-    combine carries the router gradient; lrmoe's results are those of a home run."""
+    somewhere) with the same losses, and the backward combine carries the router
+    gradient; lrmoe's results are those of a home run. At this budget the home ledger
+    affords no replica slot (only s = E/G fits), so symi cannot have fewer slots at the
+    experts; where both afford several, its s is the least modelled time, which may
+    be smaller with less recompute."""
     reps = {}
     for rg in ("home", "experts"):
         out = tmp_path / rg
@@ -273,10 +276,9 @@ def test_ttl_router_grad_experts(tmp_path, capsys):
 
 
 def test_symi_gets_more_slots_with_router_grad_at_experts():
-    """symi's s (least modelled time among the s that fit, with recompute) under the two
-    ledgers at the same budgets: never fewer slots with the router gradient at the
-    experts, and at the smallest budget where it takes a replica slot, the home ledger
-    (combined rows kept: more recompute at every s) does not."""
+    """symi's s (least modelled time among the s that fit, with recompute) at the
+    smallest budget where, with the router gradient at the experts, it takes a replica
+    slot: the home ledger (combined rows kept: more recompute at every s) does not."""
     from lrmoe.errors import LrmoeError
     from lrmoe.memory import Ledger
     from lrmoe.presets import get_preset
@@ -303,5 +305,37 @@ def test_symi_gets_more_slots_with_router_grad_at_experts():
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if slots(mid, True) > E // G else (mid + 1, hi)
     assert slots(lo, True) > slots(lo, False) >= E // G
-    for budget in range(lo - 2_000_000, lo + 4_000_000, 500_000):
-        assert slots(budget, True) >= slots(budget, False), budget
+
+
+def test_plan_compare_router_grad_experts(tmp_path, capsys):
+    """``plan --compare --router-grad experts``: static and symi are priced without the
+    combined rows (lower ledger peak, less recompute, the router gradient in the backward
+    combine), lrmoe as with home; a bad value is one line, exit code 2."""
+    from lrmoe.memory import Ledger
+    from lrmoe.presets import get_preset
+
+    cfg = get_preset("tiny-qwen3")
+    lean = Ledger.for_dtype(cfg, 2, None, "fp32", router_grad_at_experts=True)
+    budget = int(lean.terms(8, 128, 128, 128, exact=True)["total"])  # static, kept by the lean
+    rows = {}
+    for rg in ("home", "experts"):
+        js = tmp_path / f"{rg}.json"
+        assert main(["plan", "--compare", "--preset", "tiny-qwen3", "--ep-list", "2", "--budgets",
+                     str(budget), "--tokens-per-rank", "64", "--skew", "0", "--dtype", "fp32",
+                     "--router-grad", rg, "--json", str(js)]) == 0
+        rep = json.loads(js.read_text())
+        assert rep["router_grad"] == rg
+        rows[rg] = {r["policy"]: r for r in rep["rows"]}
+    assert "static and symi keep no combined" in capsys.readouterr().out
+    home, exp = rows["home"], rows["experts"]
+    assert home["static"]["recompute_ratio"] > 0 and exp["static"]["recompute_ratio"] == 0
+    assert exp["static"]["fits"] and exp["static"]["peak_bytes"] <= budget
+    assert exp["static"]["modelled_stages_ms"]["bwd_combine"] > \
+        home["static"]["modelled_stages_ms"]["bwd_combine"]
+    assert exp["symi"]["recompute_ratio"] <= home["symi"]["recompute_ratio"]
+    for k in ("fits", "peak_bytes", "keep_ratio", "retain_ratio", "replicas"):
+        assert exp["lrmoe"][k] == home["lrmoe"][k], k
+    assert main(["plan", "--compare", "--preset", "tiny-qwen3", "--ep-list", "2",
+                 "--router-grad", "away"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--router-grad 'away'" in err

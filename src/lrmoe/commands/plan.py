@@ -73,6 +73,11 @@ def register(subparsers) -> None:
                    help="host: the experts' fp32 masters and AdamW moments live in host "
                         "memory (SYMI's design); the ledger counts only the GPU's bytes and "
                         "--compare charges the modelled offload traffic (default device)")
+    p.add_argument("--router-grad", default="home", metavar="{home,experts}",
+                   help="experts: exact plans keep no combined expert outputs (the router "
+                        "gradient is computed in the expert backward, as `train --router-grad "
+                        "experts`); with --compare static and symi take it and lrmoe stays "
+                        "home, as in `bench ttl` (default home)")
     c = p.add_argument_group("scale projection (--compare; times are modelled, not measured)")
     c.add_argument("--compare", action="store_true",
                    help="static, symi and lrmoe at each --ep-list size and --budgets budget")
@@ -152,6 +157,8 @@ def lrmoe_config(args: argparse.Namespace) -> LrmoeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    require(args.router_grad in ("home", "experts"),
+            f"--router-grad {args.router_grad!r}: use home or experts")
     if args.compare:
         from lrmoe.commands.plan_compare import run_compare
         return run_compare(args)
@@ -161,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     require(G >= 1 and E % G == 0, f"--ep={G} must divide the number of experts {E}")
     budget = None if args.mem_budget is None else parse_bytes(args.mem_budget)
     ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
-                              optimizer_offload=args.optimizer_offload)
+                              optimizer_offload=args.optimizer_offload,
+                              router_grad_at_experts=args.router_grad == "experts")
     if args.loads:
         counts = load_counts(args.loads, G, E)
     else:
@@ -186,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         # An exact policy over budget: show what it would need.
         print(f"note: {e}")
         unbounded = Ledger.for_dtype(cfg, G, None, args.dtype,
-                                     optimizer_offload=args.optimizer_offload)
+                                     optimizer_offload=args.optimizer_offload,
+                                     router_grad_at_experts=args.router_grad == "experts")
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
     terms = ledger.rank_terms(plan)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from lrmoe.commands.plan import aligned, lrmoe_config, model_config
@@ -139,9 +140,13 @@ def run_compare(args: argparse.Namespace) -> int:
         for text, budget in budgets:
             ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
                                       optimizer_offload=args.optimizer_offload)
+            # --router-grad experts: static and symi (exact) keep no combined rows; lrmoe
+            # stays home (its trimmed plans keep them), as in `bench ttl`
+            lean = replace(ledger, router_grad_at_experts=args.router_grad == "experts")
             group = {name: {"budget": text,
-                            **project_policy(name, cfg, ledger, samples, link, rate,
-                                             lrmoe_config(args), args.slots_per_rank)}
+                            **project_policy(name, cfg, ledger if name == "lrmoe" else lean,
+                                             samples, link, rate, lrmoe_config(args),
+                                             args.slots_per_rank)}
                      for name in PROJECTED}
             rows += group.values()
             lr, sy = group["lrmoe"], group["symi"]
@@ -159,6 +164,10 @@ def run_compare(args: argparse.Namespace) -> int:
           "stages in sequence")
     if args.optimizer_offload == "host":
         print("  optimizer offload to host, modelled: " + offload_assumptions())
+    if args.router_grad == "experts":
+        print("  --router-grad experts: static and symi keep no combined expert outputs "
+              "(router gradient from the expert backward, 4 more bytes per row home); "
+              "lrmoe keeps them")
     print("  planning (column plan ms/layer, stage plan) is MEASURED on this machine: each "
           "policy's plan call per layer (with the exact policies' fit to the budget), charged "
           "to every rank and included in ms/layer")
@@ -176,6 +185,7 @@ def run_compare(args: argparse.Namespace) -> int:
         out = {"label": "modelled", "model": name, "E": E, "top_k": k, "H": cfg.hidden_size,
                "F": cfg.moe_intermediate_size, "moe_layers": L, "dtype": args.dtype,
                "tokens_per_rank": T, "optimizer_offload": args.optimizer_offload,
+               "router_grad": args.router_grad,
                "loads": loads, "gemm_tflops": args.gemm_tflops,
                "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
                "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,

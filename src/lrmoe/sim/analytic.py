@@ -269,7 +269,8 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
     row["planning_ms"] = sum(ms) / len(ms)
     stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
-                            plan_ms=t) for p, rec, mode, t in zip(plans, recs, modes, ms)]
+                            plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
+             for p, rec, mode, t in zip(plans, recs, modes, ms)]
     st = mean_step_times(stats, link, offload_for(ledger, name))
     row["fits"] = True
     row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -335,6 +336,14 @@ def test_plan_compare_router_grad_experts(tmp_path, capsys):
     assert exp["symi"]["recompute_ratio"] <= home["symi"]["recompute_ratio"]
     for k in ("fits", "peak_bytes", "keep_ratio", "retain_ratio", "replicas"):
         assert exp["lrmoe"][k] == home["lrmoe"][k], k
+    # one plan (as `train --router-grad experts` prices it): the combined rows column is 0
+    for rg in ("home", "experts"):
+        assert main(["plan", "--preset", "tiny-qwen3", "--ep", "2", "--tokens-per-rank", "64",
+                     "--router-grad", rg]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert "combined" in table[2]
+        for row in table[3:5]:  # rank rows: a zero term prints as "0 B"
+            assert (re.search(r"\s0 B\s", row) is not None) == (rg == "experts"), row
     assert main(["plan", "--compare", "--preset", "tiny-qwen3", "--ep-list", "2",
                  "--router-grad", "away"]) == 2
     err = capsys.readouterr().err.strip()

@@ -9,6 +9,8 @@
 # (the device tool returns few files) beside its ttl.md. Times are emulated.
 # MEM_BUDGET=8GiB: a fixed per-rank budget instead of --budget-retain-fraction 0.8 (the
 # GLM amendment in RESULTS.md's pre-registration).
+# ROUTER_GRAD=experts: static and symi take the router gradient at the experts (no combined
+# rows kept; `bench ttl --router-grad`); default home.
 # REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json (or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
 set -euo pipefail
@@ -37,7 +39,7 @@ for SEED in "$@"; do
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES ${R[*]}"
   timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
-    "${BUDGET[@]}" --optimizer-offload host --link nvlink \
+    "${BUDGET[@]}" --router-grad "${ROUTER_GRAD:-home}" --optimizer-offload host --link nvlink \
     --policies "$POLICIES" ${R[@]+"${R[@]}"} --out "$D" > "$D.log" 2>&1 || { tail -30 "$D.log"; }
   [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30
   tar czf "$OUT/${W}_s$SEED.tar.gz" -C "$OUT" "${W}_s$SEED" "${W}_s$SEED.log"

@@ -82,7 +82,10 @@ def main(argv=None) -> int:
         nz = row["noise"]
         print(f"- {r.name}: target {row['target']:.4f}; one evaluation's std error "
               f"{nz['std_error']:.3f} vs smoothed change between neighbouring evaluations "
-              f"{nz['neighbour_change']:.4f} ({'below' if nz['ok'] else 'NOT below'} a quarter)")
+              f"{nz['neighbour_change']:.4f} ({'below' if nz['ok'] else 'NOT below'} a quarter); "
+              f"paired std error of the change from the previous evaluation (same batches) "
+              f"{nz['paired_std_error']:.4f} ({'below' if nz['paired_ok'] else 'NOT below'} a "
+              f"quarter)")
     stages = list(next(iter(pols[0].values()))["steps"][0]["stages_emulated_s"])
     print("\nMean emulated ms per step by stage over the seeds (all steps each policy ran):\n")
     print("| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |")

@@ -43,6 +43,27 @@ def test_target_reads_the_smoothed_curve_at_a_step():
     assert target_at(ev, 20, window=3) == pytest.approx(3.0)
 
 
+def test_paired_noise_removes_what_every_evaluation_shares():
+    """Batches of very different difficulty, evaluated at every step: a large standard
+    error of each evaluation, but the change between evaluations is measured precisely
+    (the paired standard error of the per-batch differences)."""
+    rnd = random.Random(1)
+    offsets = [rnd.gauss(0, 2.0) for _ in range(16)]  # how hard each batch is
+    ev = curve([4.0, 3.0, 2.0, 1.0])
+    for e in ev:
+        e["val_batch_losses"] = [e["val_loss"] + o + rnd.gauss(0, 0.01) for o in offsets]
+    n = eval_noise(ev, 30, window=1)
+    d = [a - b for a, b in zip(ev[2]["val_batch_losses"], ev[1]["val_batch_losses"])]
+    md = sum(d) / 16
+    want = (sum((x - md) ** 2 for x in d) / 15) ** 0.5 / 4
+    assert n["paired_std_error"] == pytest.approx(want)
+    assert n["std_error"] > 0.25 and not n["ok"]  # the shared offsets dominate the SE
+    assert n["paired_std_error"] < 0.01 and n["paired_ok"]
+    # the first evaluation has no previous one: not defined, never ok
+    n0 = eval_noise(ev, 10, window=1)
+    assert math.isnan(n0["paired_std_error"]) and not n0["paired_ok"]
+
+
 def test_eval_noise_compares_standard_error_with_neighbour_change():
     rnd = random.Random(0)
     ev = curve([4.0, 3.0, 2.0, 1.0])

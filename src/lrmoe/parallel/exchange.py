@@ -355,16 +355,7 @@ class ExpertExchange(torch.autograd.Function):
         es = dout_TH.element_size()
 
         # --- combine^-1: exact router gradient (zero for dropped pairs) ...
-        if ctx.dgate_at_experts:  # router_grad "experts" on an exact plan: from experts^-1 below
-            dgate = None
-        elif y_send.shape[0] == 0:
-            dgate = w_TK.new_zeros(T, K)
-        else:
-            dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout_TH)
-            _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
-            if valid_TK is not None:  # dropped pairs contributed nothing
-                dgate = dgate * valid_TK
-        dgate = None if dgate is None else dgate.to(w_TK.dtype)
+        dgate = router_grad_home(y_send, row_TK, w_TK, dout_TH, home, ctx.dgate_at_experts)
         del y_send
         # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
         # the unscaled dout[t] row plus the scale g (folded into the expert backward's
@@ -445,6 +436,24 @@ class ExpertExchange(torch.autograd.Function):
             bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (2 * H * es + 12),
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
         return dx_TH, dgate, dw13, dw2, None
+
+
+def router_grad_home(y_send: Tensor, row_TK: Tensor, w_TK: Tensor, dout_TH: Tensor,
+                     home: HomeLayout, at_experts: bool) -> Tensor | None:
+    """combine^-1 on home rank's side: the exact router gradient ``dL/dg[t,k] =
+    <dout[t], y[t,k]>`` from the kept combined rows (zero for dropped pairs), in
+    ``w_TK``'s dtype; ``None`` when ``at_experts`` (``router_grad="experts"`` on an exact
+    plan: the expert backward computes it instead)."""
+    if at_experts:
+        return None
+    T, K = w_TK.shape
+    if y_send.shape[0] == 0:
+        return w_TK.new_zeros(T, K)
+    dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout_TH)
+    _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
+    if valid_TK is not None:  # dropped pairs contributed nothing
+        dgate = dgate * valid_TK
+    return dgate.to(w_TK.dtype)
 
 
 def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:

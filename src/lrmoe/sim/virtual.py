@@ -28,11 +28,16 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError
-from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
+from lrmoe.fused import fused, weighted_gather_sum
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
 from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
-from lrmoe.parallel.exchange import BackwardOptions, pair_rows, select_and_compact
+from lrmoe.parallel.exchange import (
+    BackwardOptions,
+    pair_rows,
+    router_grad_home,
+    select_and_compact,
+)
 from lrmoe.parallel.layout import (
     HomeLayout,
     RecvLayout,
@@ -199,16 +204,8 @@ class VirtualExchange(torch.autograd.Function):
             home, y_send, w_TK, row_TK = st.homes[g], ctx.y_send_G[g], ctx.w_TK_G[g], ctx.rows_TK_G[g]
             dout = dout_G[g]
             with st.timers.time("local", g):
-                if ctx.dgate_at_experts:  # from experts^-1 below
-                    dgate = None
-                elif y_send.shape[0] == 0:
-                    dgate = w_TK.new_zeros(T, K)
-                else:
-                    dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, row_TK, dout)
-                    _, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
-                    if valid_TK is not None:
-                        dgate = dgate * valid_TK
-                dgate_G.append(None if dgate is None else dgate.to(w_TK.dtype))
+                dgate_G.append(router_grad_home(y_send, row_TK, w_TK, dout, home,
+                                                ctx.dgate_at_experts))
             with st.timers.time("select", g):
                 ret_pos = home.retained_pos
                 pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import out_dir, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.model import MoEForCausalLM  # noqa: E402
-from lrmoe.model.compile import compile_counts, compile_model  # noqa: E402
+from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts  # noqa: E402
 from lrmoe.model.moe import moe_layer_reference  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
 
@@ -52,12 +52,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def _fresh_dynamo() -> None:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-
-
-def _grads(layer, x, coeff, fn) -> list[torch.Tensor]:
+def layer_grads(layer, x, coeff, fn) -> list[torch.Tensor]:
+    """``fn(x)``'s output and, for the loss ``sum(out * coeff)``, the gradients of ``x``,
+    the experts and the router (also used by ``tests/test_compile.py``)."""
     layer.zero_grad()
     x = x.clone().requires_grad_()
     y = fn(x)
@@ -69,15 +66,15 @@ def _grads(layer, x, coeff, fn) -> list[torch.Tensor]:
 def check_layer(dev: str, backend: str, tokens: int) -> dict:
     torch.manual_seed(0)
     layer = copy.deepcopy(MoEForCausalLM(get_preset("tiny-qwen3")).moe_layers[0]).to(dev)
-    _fresh_dynamo()
+    reset_compile_counts()
     compiled = torch.compile(layer, backend=backend)
     worst = dict.fromkeys(NAMES, 0.0)
     for seed in (1, 2):  # the second batch routes differently: a new plan, same graphs
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(2, tokens, layer.cfg.hidden_size, generator=g).to(dev)
         coeff = torch.randn(x.shape, generator=g).to(dev)
-        got = _grads(layer, x, coeff, compiled)
-        ref = _grads(layer, x, coeff, lambda v: moe_layer_reference(layer, v))
+        got = layer_grads(layer, x, coeff, compiled)
+        ref = layer_grads(layer, x, coeff, lambda v: moe_layer_reference(layer, v))
         for n, a, b in zip(NAMES, got, ref):
             worst[n] = max(worst[n], rel(a, b))
     return {"rel_err": worst, "tol": LAYER_TOL, **compile_counts(),
@@ -88,7 +85,7 @@ def check_model(dev: str, backend: str, tokens: int) -> dict:
     torch.manual_seed(0)
     model = MoEForCausalLM(dataclasses.replace(get_preset("tiny-glm"), num_hidden_layers=3)).to(dev)
     eager = copy.deepcopy(model)
-    _fresh_dynamo()
+    reset_compile_counts()
     compile_model(model, backend=backend)
     # SGD: Adam would turn rounding noise in exactly-zero gradients into full steps
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, eager)]

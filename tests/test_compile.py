@@ -16,10 +16,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from dist_util import hot_replica_plan, run_world
+from dist_util import hot_replica_plan, load_benchmark, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.compile import compile_counts, compile_model
+from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts
 from lrmoe.model.moe import MoELayer, MoERuntime, moe_layer_reference
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
@@ -30,18 +30,7 @@ BACKEND = "aot_eager"
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _grads(layer, x, coeff, fn):
-    layer.zero_grad()
-    x = x.clone().requires_grad_()
-    y = fn(x)
-    (y * coeff).sum().backward()
-    return [y.detach(), x.grad, layer.experts.gate_up_proj.grad.clone(),
-            layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]
-
-
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+_grads = load_benchmark("compile_check").layer_grads
 
 
 def test_compiled_layer_matches_reference():
@@ -49,7 +38,7 @@ def test_compiled_layer_matches_reference():
     covered by the whole-model test below."""
     torch.manual_seed(0)
     layer = copy.deepcopy(MoEForCausalLM(get_preset("tiny-qwen3")).moe_layers[0])
-    _fresh_dynamo()
+    reset_compile_counts()
     compiled = torch.compile(layer, backend=BACKEND)
     plans = []
     for seed in (1, 2):  # a second batch routes differently: a new plan, same graphs
@@ -79,7 +68,7 @@ def test_compiled_model_matches_eager():
     model = MoEForCausalLM(dataclasses.replace(get_preset("tiny-glm"), num_hidden_layers=3))
     eager = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
-    _fresh_dynamo()
+    reset_compile_counts()
     compile_model(model, backend=BACKEND)
     assert [n for n, _ in model.named_parameters()] == names
     # SGD, not Adam: Adam turns rounding noise in gradients that are zero in exact
@@ -136,7 +125,7 @@ def _ep_worker(rank, world, backend=BACKEND, backward=None):
                                          ep_group=dist.group.WORLD))
     layer.runtime = MoERuntime(comm=EPComm(dist.group.WORLD), policy=_ReplicaPolicy(),
                                backward=backward or BackwardOptions())
-    _fresh_dynamo()
+    reset_compile_counts()
     run = layer if backend is None else torch.compile(layer, backend=backend)
     y, dx, g13, g2, gr = _grads(layer, x[:, sl], coeff[:, sl], run)
     assert layer.runtime.stats[0]["plan_replicas"] == 2  # replicas across ranks ran
@@ -174,7 +163,7 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
              "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
              "--threads", "1", "--warmup", "1"]
     losses = {}
-    _fresh_dynamo()
+    reset_compile_counts()
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         assert main(["train", "--out", str(tmp_path / name), *small, *extra]) == 0
         losses[name] = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
@@ -188,8 +177,6 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
 def test_compile_check_script_catches_a_wrong_reference(monkeypatch):
     """``benchmarks/compile_check.py`` (the inductor check run on the GPU) on the CPU with
     Dynamo's eager backend: it passes on correct code and flags a reference 1% off."""
-    from dist_util import load_benchmark
-
     cc = load_benchmark("compile_check")
     got = cc.check_layer("cpu", "eager", 8)
     assert got["ok"] and max(got["rel_err"].values()) < 1e-5 and got["recompiles"] == 0

@@ -31,3 +31,10 @@ def compile_counts() -> dict[str, int]:
     return {"graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values())),
             "recompiles": int(sum(v for k, v in counters["recompiles"].items()))}
+
+
+def reset_compile_counts() -> None:
+    """Forget what Dynamo compiled in this process and zero the counters that
+    :func:`compile_counts` reads (so a later count covers only what follows)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()

@@ -186,6 +186,10 @@ def test_ttl_reuse_takes_finished_policies_and_checks_the_settings(tmp_path, cap
     new = rep["lrmoe:recompute"]
     assert "reused_from" not in new and len(new["steps"]) == 6
     assert new["evals"][0]["val_loss"] == pytest.approx(first["static"]["evals"][0]["val_loss"])
+    # symi chooses its s on the static run's profile: reusing static alone cannot run symi
+    assert main(ARGS + ["--policies", "static,symi", "--reuse", str(a / "ttl.json"), "--out",
+                        str(tmp_path / "e")]) == 2
+    assert "symi needs static's routing profile" in capsys.readouterr().err
     # a file whose recorded settings differ
     assert main(ARGS + ["--seed", "1", "--reuse", str(a / "ttl.json"), "--out",
                         str(tmp_path / "c")]) == 2

@@ -432,7 +432,9 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
-    require("static" in got or "symi" not in [p for p in policies if p not in got],
+    # symi's s is chosen on the static run's routing profile, which only a static run
+    # that happens here provides (a file keeps no per-home counts)
+    require("static" not in got or "symi" in got or "symi" not in policies,
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
             "together or run both")
     want = [0] + [s for s in range(1, cfg.steps + 1)

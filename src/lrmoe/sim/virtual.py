@@ -51,8 +51,8 @@ from lrmoe.parallel.layout import (
 )
 from lrmoe.parallel.weights import InstanceRoute
 from lrmoe.policy.base import PlanInputs, Policy
-from lrmoe.policy.plan import Plan, full_plan
-from lrmoe.policy.static import native_placement
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 
@@ -466,15 +466,14 @@ class VirtualEPLayer:
         except LrmoeError:
             if not (self.over_budget_fallback and self.ledger is not None):
                 raise
-            G, E = counts_GE.shape  # no plan fits: run as static does over budget
-            plan, fit_ledger = full_plan(counts_GE, native_placement(G, E)), self.ledger
-            fallback = True
+            # no plan fits: run static's plan, with its recompute, as static does over budget
+            plan = StaticPolicy().plan(counts_GE, PlanInputs(layer.moe_index, self.step,
+                                                             layer.prev_counts_E, None))
+            fit_ledger, fallback = self.ledger, True
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
         stats.fallback = fallback
-        if self.ledger is not None:
-            stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
         elif fit_ledger is not None:
@@ -482,6 +481,8 @@ class VirtualEPLayer:
             stats.recompute_mode, stats.recompute_rows = mode, rows
             stats.recompute_fits = mode != "over"
             stats.ledger_total_bytes = [int(t["total"]) for t in terms]
+        if self.ledger is not None and stats.ledger_total_bytes is None:
+            stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
         return plan, stats
 
 

@@ -185,6 +185,8 @@ def test_ttl_reuse_takes_finished_policies_and_checks_the_settings(tmp_path, cap
         assert rep[p]["steps"] == first[p]["steps"] and rep[p]["evals"] == first[p]["evals"]
     new = rep["lrmoe:recompute"]
     assert "reused_from" not in new and len(new["steps"]) == 6
+    # only what ran here writes a routing trace (a reused one stays with its run)
+    assert sorted(p.name for p in b.glob("routing_trace_*")) == ["routing_trace_lrmoe_recompute.json"]
     assert new["evals"][0]["val_loss"] == pytest.approx(first["static"]["evals"][0]["val_loss"])
     # symi chooses its s on the static run's profile: reusing static alone cannot run symi
     assert main(ARGS + ["--policies", "static,symi", "--reuse", str(a / "ttl.json"), "--out",

@@ -246,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     for name, r in rep["policies"].items():
+        if "routing_trace" not in r:  # reused (--reuse): its trace stays with the run that made it
+            continue
         trace = {"label": f"routing trace of lrmoe bench ttl, policy {name}",
                  "model": rep["model"], "ep": rep["config"]["ep"],
                  "tokens_per_rank": rep["config"]["batch_size"] * rep["config"]["seq_len"]

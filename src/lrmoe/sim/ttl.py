@@ -456,7 +456,6 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
                 f"--reuse {path}: {p}'s initial validation loss {v!r} differs from this "
                 f"run's {val_loss0!r} (another seed, model, data or validation set)")
         r["reused_from"] = str(path)
-        r.setdefault("routing_trace", [])
         out[p] = r
     return out
 

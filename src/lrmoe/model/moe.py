@@ -1,6 +1,9 @@
 """The MoE layer as SYSTEM.md's named stages: route -> count -> plan -> dispatch ->
 experts -> combine. On one process dispatch and combine are local permutations and the
-plan is trivial, but the code path is the same one the expert-parallel runtime runs.
+plan is trivial: with the static policy the local path (:mod:`lrmoe.parallel.local`)
+runs the same kernels from device tensors alone, without a plan or a host wait;
+otherwise (or with ``MoERuntime(fast_local=False)``) the code path is the one the
+expert-parallel runtime runs.
 
 Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 """
@@ -21,6 +24,7 @@ from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
 from lrmoe.parallel.layout import home_layout, recv_layout
+from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
 from lrmoe.parallel.weights import instance_weights
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.static import StaticPolicy
@@ -38,6 +42,10 @@ class MoERuntime:
         step: the optimizer step, set by the trainer.
         stats: per MoE layer, the last step's counters (filled in forward and backward).
         check_plans: validate each plan against the counts (cheap; on by default).
+        fast_local: on one process with the static policy's trivial plan, run the
+            layer's stages from device tensors alone, with no host wait
+            (:mod:`lrmoe.parallel.local`; same results). ``False`` always runs the
+            exchange.
     """
 
     comm: EPComm = field(default_factory=EPComm)
@@ -52,6 +60,7 @@ class MoERuntime:
     # matching ranks), so the aux loss sees the whole global batch; ``None`` otherwise.
     count_reduce: Callable[[Tensor], Tensor] | None = None
     dp_size: int = 1
+    fast_local: bool = True
 
 
 class MoELayer(nn.Module):
@@ -66,6 +75,7 @@ class MoELayer(nn.Module):
         self.prev_counts_E: Tensor | None = None  # global counts of the previous step
         self.step_counts_E: Tensor | None = None  # global counts accumulated this step
         self.last_aux_loss: Tensor | None = None
+        self.last_path: str | None = None  # "local" or "exchange": what the last forward ran
 
     def forward(self, x_BTH: Tensor) -> Tensor:
         B, T, H = x_BTH.shape
@@ -85,47 +95,52 @@ class MoELayer(nn.Module):
         Under ``torch.compile`` this is one graph break: the plan is host data computed
         from the counts every step (a trace would break at each host sync and recompile
         on each new plan). The expert kernels inside fuse on their own (:mod:`lrmoe.fused`).
+        The one-process local path has no host sync but stays eager too: Dynamo stops at
+        its expert timing and at the grouped GEMM's operand check (``data_ptr``), and its
+        autograd Function frees the kept rows at their last use in backward (what the
+        ledger prices), which a traced joint graph would not do.
         """
         rt = self.runtime
-        idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
-        # count
         E = self.cfg.num_experts
-        counts_E = torch.bincount(idx_P, minlength=E)
+        # count (on the device: no host sync yet)
+        counts_E = expert_counts(idx_TK.reshape(-1), E)
+        t0 = time.perf_counter()
+        inputs = PlanInputs(self.moe_index, rt.step, self.prev_counts_E, rt.ledger)
+        local = None if idx_TK.numel() == 0 else stand_in_plan(rt, E, idx_TK.numel(), inputs)
+        self.last_path = "exchange" if local is None else "local"
+        if local is None:
+            return self._exchange(x_TH, idx_TK, gate_TK, probs_TE, counts_E, inputs)
+        t1 = time.perf_counter()
+        self._count(counts_E, probs_TE, x_TH.shape[0])
+        dtype = _compute_dtype(x_TH)
+        stats = DeviceStats(self._plan_stats(local, 0.0, (t1 - t0) * 1e3, dtype),
+                            counts_E=counts_E)  # read (and copied to the host) lazily
+        rt.stats[self.moe_index] = stats
+        return LocalExperts.apply(x_TH.to(dtype), gate_TK, self.experts.gate_up_proj.to(dtype),
+                                  self.experts.down_proj.to(dtype), idx_TK, counts_E,
+                                  rt.backward, stats)
+
+    def _exchange(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
+                  counts_E: Tensor, inputs: PlanInputs) -> Tensor:
+        """The general path: the counts on the host, the policy's plan, the exchange."""
+        rt = self.runtime
+        E = self.cfg.num_experts
+        idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
         t0 = time.perf_counter()
         counts_GE = rt.comm.all_gather_counts(counts_E)  # popularity exchange (+ the host sync)
         t1 = time.perf_counter()
-        glob = counts_GE.sum(0)
-        if self.training:
-            self.step_counts_E = glob if self.step_counts_E is None else self.step_counts_E + glob
-        self.last_aux_loss = None
-        if probs_TE is not None and self.training:
-            world_counts = glob if rt.count_reduce is None else rt.count_reduce(glob.clone())
-            self.last_aux_loss = aux_loss(probs_TE, world_counts,
-                                          x_TH.shape[0] * rt.comm.size * rt.dp_size,
-                                          self.cfg.router_aux_loss_coef)
+        self._count(counts_GE.sum(0), probs_TE, x_TH.shape[0])
         # plan
-        plan = rt.policy.plan(counts_GE, PlanInputs(self.moe_index, rt.step, self.prev_counts_E,
-                                                    rt.ledger))
+        plan = rt.policy.plan(counts_GE, inputs)
         if rt.check_plans:
             plan.check(counts_GE)
         t2 = time.perf_counter()
         # dispatch -> experts -> combine
-        dtype = torch.get_autocast_dtype(x_TH.device.type) if torch.is_autocast_enabled(
-            x_TH.device.type) else x_TH.dtype
+        dtype = _compute_dtype(x_TH)
         w13 = instance_weights(self.experts.gate_up_proj.to(dtype), plan, rt.comm, E)
         w2 = instance_weights(self.experts.down_proj.to(dtype), plan, rt.comm, E)
-        stats = {"plan_replicas": plan.num_replicas(),
-                 "count_exchange_ms": (t1 - t0) * 1e3, "plan_ms": (t2 - t1) * 1e3,
-                 # bytes of instance weights that travel from owners to other ranks' slots
-                 "weight_scatter_bytes": _weight_scatter_bytes(plan, rt.comm.rank, E, self.experts, dtype),
-                 "rank_load": plan.rank_load().tolist(),
-                 "rank_backward_load": plan.rank_backward_load().tolist(),
-                 "counts_E": counts_GE.sum(0).tolist(),
-                 # exact plans over a budget: rows whose gate_up output backward recomputes
-                 "recomputed_rows": 0 if plan.recompute_G is None
-                 else int(plan.recompute_G[rt.comm.rank])}
-        if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
-            stats["ledger_total_bytes"] = int(rt.ledger.rank_terms(plan)[rt.comm.rank]["total"])
+        stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
+        stats["counts_E"] = counts_GE.sum(0).tolist()
         rt.stats[self.moe_index] = stats
         me = rt.comm.rank
         st = ExchangeState(
@@ -135,6 +150,33 @@ class MoELayer(nn.Module):
             generator=rt.generator)
         return ExpertExchange.apply(x_TH.to(dtype), gate_TK, w13, w2, st)
 
+    def _count(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> None:
+        """The step's global counts and the aux loss from this layer's global counts."""
+        rt = self.runtime
+        if self.training:
+            self.step_counts_E = glob_E if self.step_counts_E is None else self.step_counts_E + glob_E
+        self.last_aux_loss = None
+        if probs_TE is not None and self.training:
+            world_counts = glob_E if rt.count_reduce is None else rt.count_reduce(glob_E.clone())
+            self.last_aux_loss = aux_loss(probs_TE, world_counts, T * rt.comm.size * rt.dp_size,
+                                          self.cfg.router_aux_loss_coef)
+
+    def _plan_stats(self, plan, count_ms: float, plan_ms: float, dtype: torch.dtype) -> dict:
+        """The plan's per-layer stats (host numbers; ``counts_E`` is added by the caller)."""
+        rt, me = self.runtime, self.runtime.comm.rank
+        stats = {"plan_replicas": plan.num_replicas(),
+                 "count_exchange_ms": count_ms, "plan_ms": plan_ms,
+                 # bytes of instance weights that travel from owners to other ranks' slots
+                 "weight_scatter_bytes": _weight_scatter_bytes(plan, me, self.cfg.num_experts,
+                                                               self.experts, dtype),
+                 "rank_load": plan.rank_load().tolist(),
+                 "rank_backward_load": plan.rank_backward_load().tolist(),
+                 # exact plans over a budget: rows whose gate_up output backward recomputes
+                 "recomputed_rows": 0 if plan.recompute_G is None else int(plan.recompute_G[me])}
+        if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
+            stats["ledger_total_bytes"] = int(rt.ledger.rank_terms(plan)[me]["total"])
+        return stats
+
     def end_step(self) -> Tensor | None:
         """Close the step's counting: returns this step's global counts and keeps them
         as the next step's popularity (SYMI's input)."""
@@ -143,6 +185,13 @@ class MoELayer(nn.Module):
             self.prev_counts_E = c
         self.step_counts_E = None
         return c
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The experts' compute dtype: autocast's when it is on, else the input's."""
+    dev = x.device.type
+    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    return torch.get_autocast_dtype(dev) if on else x.dtype
 
 
 def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.dtype) -> int:

@@ -1,0 +1,201 @@
+"""The one-process exact path: dispatch -> experts -> combine with no plan and no host wait.
+
+On one process with the static policy's trivial plan (instance = expert, every pair
+retained and selected, nothing recomputed) the exchange's plan, layouts and collectives
+are identities, and all of them are host data read from the counts. This path does the
+same work from device tensors alone: a stable sort of the pairs by expert (the same
+order ``home_layout`` builds), int32 offsets from the device counts, the same expert
+kernels and the same combine, so its results are bitwise the exchange's. On CUDA with
+grouped GEMMs nothing in its forward or backward waits for the host
+(``tests/test_local_path.py`` runs it on the meta device, where any host read fails).
+
+Legend: T tokens, K top-k, P = T*K pairs, R = P expert-sorted rows, H hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
+from lrmoe.ops.experts import swiglu_backward_owned, swiglu_forward
+from lrmoe.parallel.exchange import BackwardOptions, _timed
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.static import StaticPolicy
+
+
+def expert_counts(idx_P: Tensor, E: int) -> Tensor:
+    """Pairs per expert ``[E]`` (int64), without the host sync of CUDA's ``bincount``
+    (which reads the largest index to size its output)."""
+    return torch.zeros(E, dtype=torch.long, device=idx_P.device).scatter_add_(
+        0, idx_P, torch.ones_like(idx_P))
+
+
+def stand_in_plan(rt, E: int, P: int, inputs: PlanInputs) -> Plan | None:
+    """The plan the local path stands for, or ``None`` when the exchange must run.
+
+    On one rank everything the runtime reads from the static plan besides the per-expert
+    split (rank loads, replicas, retention, selection, recompute, the ledger's terms and
+    its budget check) depends on the number of pairs ``P`` alone, not on how they spread
+    over the experts. So the policy itself plans for a stand-in count vector with ``P``
+    pairs, on the host and before any count is known: the path is local when that plan is
+    the trivial one (natives, exact, nothing recomputed). Over a budget the policy raises
+    here, with the same error as for the real counts. Only the plain ``StaticPolicy``
+    (not a subclass) and backward options whose selection knobs are at their defaults
+    qualify (on an exact plan they are inert; ``router_grad`` is honoured)."""
+    if not rt.fast_local or rt.comm.size != 1 or type(rt.policy) is not StaticPolicy:
+        return None
+    if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
+        return None
+    counts = torch.zeros(1, E, dtype=torch.long)
+    counts[0, 0] = P
+    plan = rt.policy.plan(counts, inputs)
+    trivial = (plan.G == 1 and torch.equal(plan.inst_expert_GS[0], torch.arange(E))
+               and plan.exact and (plan.recompute_G is None or int(plan.recompute_G.sum()) == 0))
+    return plan if trivial else None
+
+
+class HostCounts(Sequence):
+    """Rows per expert as host ints, read from the device offsets only when first used:
+    by the per-expert loop fallback (CPU, fp32 on CUDA, no grouped GEMM), where the one
+    device-to-host copy is the price of that fallback (nothing on the CPU). The grouped
+    GEMMs read the device offsets and never touch this."""
+
+    def __init__(self, offs_E: Tensor):
+        self._offs, self._counts = offs_E, None
+
+    def _host(self) -> list[int]:
+        if self._counts is None:
+            ends = self._offs.tolist()
+            self._counts = [b - a for a, b in zip([0] + ends[:-1], ends)]
+        return self._counts
+
+    def __len__(self) -> int:
+        return self._offs.numel()
+
+    def __getitem__(self, i):
+        return self._host()[i]
+
+    def __iter__(self):
+        return iter(self._host())
+
+
+class DeviceStats(dict):
+    """A layer's stats where some values are device tensors (kept so the step needs no
+    host sync): each is turned into Python numbers (``tolist``) when first read, through
+    any of ``d[k]``, ``get``, ``items``, ``values``, ``dict(d)`` or ``{**d}``, and kept so."""
+
+    def __getitem__(self, k):
+        v = super().__getitem__(k)
+        if isinstance(v, Tensor):
+            v = v.tolist()
+            super().__setitem__(k, v)
+        return v
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def __iter__(self):  # not dict's: dict(d) and {**d} then read through __getitem__
+        return iter(list(self.keys()))
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def copy(self) -> dict:
+        return dict(self.items())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, dict) and dict(self.items()) == dict(other.items())
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class LocalExperts(torch.autograd.Function):
+    """``(x_TH, gate_TK, w13_E, w2_E, idx_TK, counts_E) -> out_TH``: the exchange's
+    forward and backward for the trivial one-rank plan, with the same kernels in the same
+    order (:class:`lrmoe.parallel.exchange.ExpertExchange`).
+
+    Kept for backward: the ``x`` and ``gu`` rows, the expert outputs (not with
+    ``router_grad="experts"``), and per pair its gate (4 bytes) and two int64 indices
+    (its row, the pair of each row), plus the ``E`` int32 offsets.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK: Tensor,
+                counts_E: Tensor, opts: BackwardOptions, stats: dict) -> Tensor:
+        T, K = gate_TK.shape
+        H, P, dev = x_TH.shape[1], gate_TK.numel(), x_TH.device
+        # dispatch: pairs sorted by expert, stably (home_layout's order on one rank)
+        pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
+        row_TK = torch.empty_like(pair_R).scatter_(
+            0, pair_R, torch.arange(P, device=dev)).view(T, K)
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        x_R = x_TH[pair_R // K]
+        with _timed(stats, "expert_fwd_ms", dev):
+            y_R, gu_R = swiglu_forward(x_R, w13_E, w2_E, HostCounts(offs_E), offs_E)
+        # combine
+        out = fused("combine", weighted_gather_sum, y_R)(y_R, row_TK, gate_TK)
+        es = x_TH.element_size()
+        # the exchange's counters, for its one-rank case (the all-to-all bytes are what
+        # it counts for identity exchanges)
+        stats.update(fwd_rows=P, retained_rows=P, fwd_dispatch_bytes_sent=P * H * es,
+                     fwd_dispatch_bytes_recv=P * H * es, fwd_combine_bytes_sent=P * H * es,
+                     fwd_combine_bytes_recv=P * H * es,
+                     saved_act_bytes=x_R.numel() * es + gu_R.numel() * gu_R.element_size())
+        ctx.rowdot = opts.router_grad == "experts"
+        if ctx.rowdot:
+            y_R = None
+        # kept rows in a dict (not save_for_backward) so backward drops each at its last
+        # use, as the exchange does (Ledger.plan_buffer_bytes)
+        ctx.kept = {"x": x_R, "gu": gu_R, "y": y_R}
+        ctx.pair_R, ctx.offs_E, ctx.stats = pair_R, offs_E, stats
+        ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_TH: Tensor):
+        w13_E, w2_E, gate_TK, row_TK = ctx.saved_tensors
+        if not hasattr(ctx, "kept"):
+            raise RuntimeError("LocalExperts' backward frees the rows its forward kept as it "
+                               "goes, so it runs once per forward (no retain_graph=True)")
+        kept = ctx.kept
+        del ctx.kept
+        y_R = kept.pop("y")
+        pair_R, offs_E, stats = ctx.pair_R, ctx.offs_E, ctx.stats
+        T, K = gate_TK.shape
+        H, P, dev = dout_TH.shape[1], gate_TK.numel(), dout_TH.device
+        dout_TH = dout_TH.to(w13_E.dtype).contiguous()
+        es = dout_TH.element_size()
+        # combine^-1: the router gradient from the kept outputs ...
+        dgate = None
+        if y_R is not None:
+            dgate = fused("combine_bwd", gathered_dot, y_R)(y_R, row_TK, dout_TH).to(gate_TK.dtype)
+        del y_R
+        # ... and each row's output gradient: dout of its token, scaled by its gate
+        scale_R = gate_TK.reshape(-1)[pair_R].float()
+        kept["dy"] = dout_TH[pair_R // K]
+        with _timed(stats, "expert_bwd_ms", dev):
+            dx_R, dw13, dw2, *dot = swiglu_backward_owned(
+                kept, w13_E, w2_E, HostCounts(offs_E), offs_E, scale=scale_R, rowdot=ctx.rowdot)
+        if ctx.rowdot:  # <dout[t], y[t,k]> from the expert backward, back to pair order
+            dgate = torch.zeros(P, dtype=torch.float32, device=dev).scatter_(0, pair_R, dot[0])
+            dgate = dgate.view(T, K).to(gate_TK.dtype)
+        dx_TH = fused("combine", weighted_gather_sum, dx_R)(dx_R, row_TK,
+                                                           torch.ones(T, K, device=dev))
+        rd = 4 * ctx.rowdot
+        stats.update(bwd_rows=P, selected_rows=P, bwd_dispatch_bytes_sent=P * (H * es + 12),
+                     bwd_dispatch_bytes_recv=P * (H * es + 12),
+                     bwd_combine_bytes_sent=P * (H * es + rd),
+                     bwd_combine_bytes_recv=P * (H * es + rd),
+                     bwd_exact_bytes=P * (2 * H * es + 12), bwd_flops=6 * P * H * w2_E.shape[-1] * 2)
+        return dx_TH, dgate, dw13, dw2, None, None, None, None

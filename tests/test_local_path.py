@@ -1,0 +1,338 @@
+"""The one-process local path (``parallel/local.py``): no host wait, same results.
+
+Against the exchange (``MoERuntime(fast_local=False)``) on fresh random inputs with
+uneven loads and experts without tokens: forward, input, router and expert gradients are
+bitwise equal (same kernels, same order), fp32 and bf16, and close to the loop
+reference. It runs whole on the meta device (any host read of device data fails there),
+the exchange does not. It is taken only for the plain static policy's trivial plan on
+one process; its stats equal the exchange's (the counts read lazily), and what it keeps
+for backward is the ledger's static terms, itemized.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import test_ledger_truth as truth
+from lrmoe.errors import LrmoeError
+from lrmoe.memory import Ledger
+from lrmoe.model import MoEForCausalLM
+from lrmoe.model.moe import MoELayer, MoERuntime, moe_layer_reference
+from lrmoe.ops import experts as ops
+from lrmoe.parallel.exchange import BackwardOptions
+from lrmoe.parallel.local import DeviceStats, LocalExperts
+from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+from lrmoe.policy.static import StaticPolicy
+from lrmoe.policy.symi import SymiPolicy
+from lrmoe.presets import get_preset
+from lrmoe.sim.onerank import one_rank_layer
+from lrmoe.train.metrics import layer_row, rank_summary
+
+EXPERTS = BackwardOptions(router_grad="experts")
+TIMES = ("count_exchange_ms", "plan_ms", "expert_fwd_ms", "expert_bwd_ms")
+
+
+def _layer(preset: str, dtype=torch.float32, seed: int = 0) -> MoELayer:
+    """A tiny preset's first MoE layer whose router never picks the last two experts and
+    favours the first ones (uneven loads, empty experts)."""
+    torch.manual_seed(seed)
+    layer = copy.deepcopy(MoEForCausalLM(get_preset(preset)).moe_layers[0])
+    E = layer.cfg.num_experts
+    with torch.no_grad():
+        w = layer.router.weight
+        w += torch.linspace(0.5, -0.5, E)[:, None] * w.abs().mean()
+        w[E - 2:] = -w[:E - 2].abs().sum(0) * 10  # logits far below the others' for x > 0
+    return layer.to(dtype)
+
+
+def _inputs(layer: MoELayer, T: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    H = layer.cfg.hidden_size
+    x = (torch.rand(1, T, H, generator=g) + 0.1).to(dtype)  # positive: see _layer
+    return x, torch.randn(x.shape, generator=g).to(dtype)
+
+
+def _grads(layer: MoELayer, x, coeff, fn=None):
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    y = (fn or layer)(x)
+    (y.float() * coeff.float()).sum().backward()
+    return [y.detach(), x.grad, layer.experts.gate_up_proj.grad, layer.experts.down_proj.grad,
+            layer.router.weight.grad]
+
+
+def _counts(layer: MoELayer, x) -> torch.Tensor:
+    with torch.no_grad():
+        idx = layer.router(x.reshape(-1, x.shape[-1])).idx_TK
+    return torch.bincount(idx.flatten(), minlength=layer.cfg.num_experts)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opts", [BackwardOptions(), EXPERTS], ids=["home", "experts"])
+def test_local_equals_exchange_bitwise_and_reference(preset, dtype, opts):
+    layer = _layer(preset, dtype)
+    for T, seed in ((37, 1), (1, 2), (64, 3)):
+        x, coeff = _inputs(layer, T, seed, dtype)
+        c = _counts(layer, x)
+        assert c[-2:].sum() == 0  # experts without tokens
+        assert T == 1 or c.max() > 2 * c[c > 0].min()  # uneven loads
+        got = {}
+        for fast in (True, False):
+            layer.runtime = MoERuntime(backward=opts, fast_local=fast)
+            got[fast] = _grads(layer, x, coeff)
+            assert layer.last_path == ("local" if fast else "exchange")
+        for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter"), got[True], got[False]):
+            assert a.dtype == b.dtype and torch.equal(a, b), (preset, dtype, T, name)
+        assert got[True][2][-2:].abs().sum() == 0  # experts without tokens: zero gradient
+        ref = _grads(layer, x, coeff, lambda v: moe_layer_reference(layer, v))
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+        for a, b in zip(got[True], ref):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_local_loop_fallback_reads_host_counts(monkeypatch):
+    """Without grouped GEMMs the per-expert loop runs on host counts (read from the
+    device offsets when first used): same results as the exchange's loop."""
+    monkeypatch.setattr(ops, "_grouped_ok", lambda a, b: False)
+    layer = _layer("tiny-qwen3")
+    x, coeff = _inputs(layer, 29, 5)
+    got = {}
+    for fast in (True, False):
+        layer.runtime = MoERuntime(fast_local=fast)
+        got[fast] = _grads(layer, x, coeff)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+    ref = _grads(layer, x, coeff, lambda v: moe_layer_reference(layer, v))
+    for a, b in zip(got[True], ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opts", [BackwardOptions(), EXPERTS], ids=["home", "experts"])
+def test_no_host_read_on_the_meta_device(opts):
+    """Meta tensors have no data: ``.item()``, ``.tolist()``, ``.cpu()``, ``torch.equal``,
+    ``nonzero``, CUDA-style ``bincount`` all fail. bf16 takes the grouped GEMMs (as on
+    CUDA), so the local path's forward and backward run through, the exchange's do not."""
+    for fast in (True, False):
+        layer = _layer("tiny-qwen3", torch.bfloat16).to("meta")
+        layer.runtime = MoERuntime(backward=opts, fast_local=fast)
+        x = torch.empty(2, 16, layer.cfg.hidden_size, dtype=torch.bfloat16,
+                        device="meta", requires_grad=True)
+        if not fast:
+            with pytest.raises((RuntimeError, NotImplementedError)):
+                layer(x)
+            continue
+        y = layer(x)
+        (y.sum() + layer.last_aux_loss).backward()
+        assert layer.last_path == "local"
+        assert x.grad.shape == x.shape and layer.experts.gate_up_proj.grad.device.type == "meta"
+        assert layer.router.weight.grad is not None
+
+
+def _path(layer, x, **rt) -> str:
+    layer.runtime = MoERuntime(**rt)
+    layer(x).sum().backward()
+    return layer.last_path
+
+
+def test_taken_only_for_the_trivial_one_rank_plan():
+    layer = _layer("tiny-qwen3")
+    cfg, E = layer.cfg, layer.cfg.num_experts
+    x, _ = _inputs(layer, 24, 7)
+    # rank 0 of two (synthetic peers): the exchange
+    two = one_rank_layer(layer, 0, torch.stack([_counts(layer, x)] * 2), StaticPolicy())
+    assert _path(two, x, comm=two.runtime.comm) == "exchange"
+    assert _path(layer, x) == "local"
+    assert _path(layer, x, backward=EXPERTS) == "local"
+    assert _path(layer, x, fast_local=False) == "exchange"
+    assert _path(layer, x, policy=SymiPolicy(slots_per_rank=E + 1)) == "exchange"
+    assert _path(layer, x, policy=LrmoePolicy(LrmoeConfig())) == "exchange"
+
+    class MyStatic(StaticPolicy):
+        pass
+    assert _path(layer, x, policy=MyStatic()) == "exchange"
+    for o in (BackwardOptions(fidelity=True), BackwardOptions(metric="gate"),
+              BackwardOptions(estimator="sampled"), BackwardOptions(compaction=False)):
+        assert _path(layer, x, backward=o) == "exchange", o
+    # a budget: the ledger's check (or recompute) decides
+    P = 24 * cfg.num_experts_per_tok
+    plan = StaticPolicy().plan(torch.tensor([[P] + [0] * (E - 1)]), PlanInputs())
+    terms = Ledger(cfg, 1).rank_terms(plan)[0]
+    fits = Ledger(cfg, 1, terms["total"])
+    assert _path(layer, x, ledger=fits) == "local"
+    assert layer.runtime.stats[0]["ledger_total_bytes"] == terms["total"]
+    assert _path(layer, x, ledger=fits, policy=StaticPolicy(recompute=True)) == "local"
+    tight = Ledger(cfg, 1, terms["total"] - terms["retained_acts"] // 3)
+    assert _path(layer, x, ledger=tight, policy=StaticPolicy(recompute=True)) == "exchange"
+    assert layer.runtime.stats[0]["recomputed_rows"] > 0
+    msgs = []
+    for fast in (True, False):  # over budget without recompute: the same error either way
+        layer.runtime = MoERuntime(ledger=tight, fast_local=fast)
+        with pytest.raises(LrmoeError) as err:
+            layer(x)
+        msgs.append(str(err.value))
+    assert msgs[0] == msgs[1] and "budget" in msgs[0], msgs
+
+
+def test_stats_equal_the_exchanges_and_counts_are_lazy():
+    layer = _layer("tiny-glm")
+    x, coeff = _inputs(layer, 40, 9)
+    stats = {}
+    for fast in (True, False):
+        layer.runtime = MoERuntime(fast_local=fast)
+        _grads(layer, x, coeff)
+        stats[fast] = layer.runtime.stats[0]
+    st = stats[True]
+    assert isinstance(st, DeviceStats)
+    raw = dict(dict.items(st))  # what it holds, unread
+    assert isinstance(raw["counts_E"], torch.Tensor)  # not read yet: still the device tensor
+    assert torch.equal(raw["counts_E"], _counts(layer, x))
+    want = {k: v for k, v in stats[False].items() if k not in TIMES + ("_events",)}
+    assert want["counts_E"] == _counts(layer, x).tolist()
+    # every way a consumer reads it gives the exchange's numbers (timings aside), each
+    # tried first on a fresh, unread copy
+    views = (dict, lambda d: {**d}, lambda d: dict(d.items()), lambda d: d.copy(),
+             lambda d: {k: d.get(k) for k in d}, lambda d: {k: d[k] for k in d},
+             lambda d: dict(zip(d.keys(), d.values())))
+    for view in views:
+        got = view(DeviceStats(raw))
+        assert {k: v for k, v in got.items() if k not in TIMES + ("_events",)} == want
+    assert DeviceStats(raw) == {**raw, "counts_E": want["counts_E"]}
+    for a, b in ((rank_summary(st), rank_summary(stats[False])),
+                 (layer_row(st, [rank_summary(st)]), layer_row(stats[False], [rank_summary(stats[False])]))):
+        assert {k: v for k, v in a.items() if k not in TIMES} == \
+            {k: v for k, v in b.items() if k not in TIMES}
+    assert set(st) == set(stats[False])
+
+
+def test_train_metrics_are_the_exchanges(tmp_path, monkeypatch):
+    """``lrmoe train`` on one process: the same losses and per-layer metrics (timings
+    aside) with the local path as with the exchange (forced by making it never apply)."""
+    import lrmoe.model.moe as moe
+    from lrmoe.cli import main
+    from lrmoe.train.metrics import read_metrics
+
+    small = ["--preset", "tiny-glm", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+             "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
+             "--threads", "1", "--warmup", "1"]
+    rows, paths = {}, []
+    real = moe.stand_in_plan
+
+    def spy(*a, **k):
+        p = real(*a, **k)
+        paths.append(p is not None)
+        return p
+    for fast in (True, False):
+        monkeypatch.setattr(moe, "stand_in_plan", spy if fast else lambda *a, **k: None)
+        assert main(["train", "--out", str(tmp_path / str(fast)), *small]) == 0
+        rows[fast] = [r for r in read_metrics(tmp_path / str(fast) / "metrics.jsonl")
+                      if r.get("kind") == "train"]
+    assert paths and all(paths)
+    assert len(rows[True]) == 2
+    drop = {"elapsed_s", "step_s", "tokens_per_s"}
+    for a, b in zip(rows[True], rows[False]):
+        for r in (a, b):
+            r["moe"] = [{k: v for k, v in m.items() if k not in TIMES} for m in r["moe"]]
+        assert {k: v for k, v in a.items() if k not in drop} == \
+            {k: v for k, v in b.items() if k not in drop}
+
+
+# ------------------------------------------------------------------------- the ledger
+def _kept(node) -> dict[int, int]:
+    """``{storage: bytes}`` of every tensor the Function's backward node holds (saved
+    tensors and ctx attributes; the lazy stats are walked unread), but the plan-derived
+    ones (host memory on a GPU, as ``test_ledger_truth`` counts)."""
+    attrs = {k: dict(dict.items(v)) if isinstance(v, DeviceStats) else v
+             for k, v in vars(node).items()}
+    out, host = list(node.saved_tensors), []
+    truth._tensors(attrs, out, set())
+    if hasattr(node, "st"):  # the exchange: its plan and what it derives from it
+        truth._tensors([node.st.plan, node.saved_SG], host, set())
+    hs = {truth._storage(t)[0] for t in host}
+    return {p: nb for p, nb in map(truth._storage, out) if p not in hs}
+
+
+def _node(out, name: str):
+    node = out.grad_fn
+    while type(node).__name__ != name:
+        node = node.next_functions[0][0]
+    return node
+
+
+@pytest.mark.parametrize("opts", [BackwardOptions(), EXPERTS], ids=["home", "experts"])
+def test_kept_bytes_are_the_ledgers_itemized(opts):
+    """What the local path keeps for backward against ``Ledger`` for one rank's static
+    plan (per layer, ``L = 1``), and against the exchange on one process, which keeps
+    exactly the ledger's terms. Itemized: the local path keeps per pair two int64
+    indices, not three (no row-in-block: only selection reads it), plus the ``E`` int32
+    offsets and the ``E`` int64 device counts its lazy stats hold (the exchange's are on
+    the host)."""
+    layer, x, _ = truth._layer_and_tokens()
+    cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
+    P = T * K
+    led = Ledger(cfg, 1, num_moe_layers=1, router_grad_at_experts=opts.router_grad == "experts")
+    t = led.terms(E, P, P, P, exact=True)
+    ledger = t["retained_acts"] + t["combine_rows"] + t["pair_index"]
+    params = {truth._storage(p)[0] for p in layer.parameters()}
+    got = {}
+    for fast, name in ((True, "LocalExpertsBackward"), (False, "ExpertExchangeBackward")):
+        layer.runtime = MoERuntime(backward=opts, fast_local=fast)
+        out = layer(x[:T].view(1, T, H))
+        stor = _kept(_node(out, name))
+        weights = sum(nb for p, nb in stor.items() if p in params)
+        assert weights == t["instance_weights"]  # the owned parameters themselves
+        got[fast] = sum(nb for p, nb in stor.items() if p not in params)
+    assert got[False] == ledger
+    assert got[True] == ledger - 8 * P + 4 * E + 8 * E
+    assert t["combine_rows"] == (0 if opts.router_grad == "experts" else P * H * 4)
+    assert t["retained_acts"] == P * (H + 2 * F) * 4
+
+
+def test_backward_rows_alive_are_the_exchanges():
+    """The rows alive at every point of the backward (``live_rows.LiveRows``, as in
+    ``test_ledger_truth``): the local path's largest set equals the exchange's on one
+    process, and the ledger's buffers for that plan."""
+    import lrmoe.parallel.exchange as exchange
+    from live_rows import LiveRows
+    from lrmoe.parallel.layout import permute_rows, unpermute_rows
+
+    layer, x, _ = truth._layer_and_tokens()
+    cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
+    traced = {True: [LocalExperts.backward, ops.swiglu_backward_owned],
+              False: [exchange.ExpertExchange.backward, exchange._experts_backward,
+                      ops.swiglu_backward_owned]}
+    peak = {}
+    for fast, name in ((True, "LocalExpertsBackward"), (False, "ExpertExchangeBackward")):
+        layer.runtime = MoERuntime(fast_local=fast)
+        out = layer(x[:T].view(1, T, H))
+        node = _node(out, name)
+        # no reference held here: backward frees the kept rows as it goes
+        nb = sum(k.untyped_storage().nbytes() for k in node.kept.values())
+        dout = torch.ones_like(out)
+        live = LiveRows((H, F, 2 * F), traced[fast], [permute_rows, unpermute_rows],
+                        count=[*node.kept.values(), dout])
+        del node
+        with live:
+            out.backward(dout)
+        peak[fast] = max(sum(p.values()) for _, p in live.points) - nb
+    assert peak[True] == peak[False] > 0
+    P = T * K
+    plan = StaticPolicy().plan(torch.tensor([[P] + [0] * (E - 1)]), PlanInputs())
+    # the ledger's buffers for that plan: the same largest point (its backward's), plus
+    # the expert backward's 20 index bytes per row (Ledger.plan_buffer_bytes)
+    buf = Ledger(cfg, 1, num_moe_layers=1).rank_terms(plan, plan_buffers=True)[0]["buffers"]
+    assert peak[True] + 20 * P == buf
+
+
+def test_a_second_backward_is_refused():
+    layer = _layer("tiny-qwen3")
+    x, _ = _inputs(layer, 8, 4)
+    y = layer(x.requires_grad_())
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        y.sum().backward()
+

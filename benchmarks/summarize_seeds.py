@@ -7,7 +7,7 @@ smoothed over ``--window`` evaluations, read at ``ceil(fraction · steps)``; a p
 reaches it where its own smoothed curve does), so a partial run is read the same way as
 a finished one. Prints markdown: per-seed ratios over symi, their mean and min–max per
 policy, and the mean emulated ms per stage and policy over the seeds; writes a plot of
-the per-seed ratios with ``--plot``.
+the per-seed ratios and each seed's validation curves with ``--plot``.
 
     python3 benchmarks/summarize_seeds.py benchmarks/results/ttl_gpu_issue14_qwen3/s{0,1,2}
 """
@@ -46,6 +46,46 @@ def seed_row(pol: dict, fraction: float, window: int) -> dict:
     for p in out["policies"].values():
         p["ratio"] = p["time"] / t_symi if p["time"] and t_symi and not p["failed"] else None
     return out
+
+
+def _plot(path: Path, runs: list[Path], pols: list[dict], rows: list[dict], names: list[str]):
+    """Left: each lrmoe variant's per-seed ratio (an x on the top edge where it never
+    reached the target). Then one panel per seed: every policy's validation loss by
+    step, with the target."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 1 + len(rows), figsize=(4 + 3.2 * len(rows), 3.6))
+    ax = axes[0]
+    variants = [x for x in names if x not in ("static", "symi")]
+    top = max([1.1] + [row["policies"][n]["ratio"] for row in rows for n in variants
+                       if row["policies"].get(n, {}).get("ratio") is not None]) + 0.05
+    for i, n in enumerate(variants):
+        color = f"C{names.index(n)}"  # as in the curve panels
+        for j, row in enumerate(rows):
+            p = row["policies"].get(n)
+            if p is None or p["failed"]:
+                continue
+            y, marker = (p["ratio"], "o") if p["ratio"] is not None else (top, "x")
+            ax.plot(j + 0.08 * i, y, marker, color=color, label=n if j == 0 else None)
+    ax.axhline(1.0, color="k", lw=1, label="symi")
+    ax.axhline(0.55, color="r", ls="--", lw=1, label="goal 0.55")
+    ax.set_ylim(0.5, top + 0.05)
+    ax.set_xticks(range(len(rows)), [r.name for r in runs])
+    ax.set_ylabel("time to target / symi's (emulated); x = never")
+    ax.legend(fontsize=6)
+    for ax, r, pol, row in zip(axes[1:], runs, pols, rows):
+        for n in names:
+            ev = pol[n]["evals"] if n in pol else []
+            ax.plot([e["step"] for e in ev], [e["val_loss"] for e in ev], lw=1, label=n)
+        ax.axhline(row["target"], color="k", ls=":", lw=1, label="target")
+        lo = min(e["val_loss"] for p in pol.values() for e in p["evals"])
+        ax.set_ylim(lo - 0.1, lo + 1.5)
+        ax.set_title(f"{r.name}: validation loss", fontsize=8)
+        ax.set_xlabel("step")
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -97,21 +137,7 @@ def main(argv=None) -> int:
                  statistics.mean(s["step_emulated_s"] for s in st)]
         print(f"| {n} | " + " | ".join(f"{v * 1e3:.2f}" for v in vals) + " |")
     if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for i, n in enumerate(x for x in names if x not in ("static", "symi")):
-            ys = [row["policies"].get(n, {}).get("ratio") for row in rows]
-            xs = [j + 0.08 * i for j, y in enumerate(ys) if y is not None]
-            ax.plot(xs, [y for y in ys if y is not None], "o", label=n)
-        ax.axhline(1.0, color="k", lw=1, label="symi")
-        ax.axhline(0.55, color="r", ls="--", lw=1, label="goal 0.55")
-        ax.set_xticks(range(len(rows)), [r.name for r in a.runs])
-        ax.set_ylabel("time to target / symi's (emulated)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=110)
+        _plot(a.plot, a.runs, pols, rows, names)
     return 0
 
 

@@ -33,7 +33,7 @@ def _layers(case: str):
     layer, x, counts = truth._layer_and_tokens()
     if case.startswith("one_process"):
         rg = "experts" if case.endswith("experts") else "home"
-        layer.runtime = MoERuntime(backward=BackwardOptions(router_grad=rg))
+        layer.runtime = MoERuntime(backward=BackwardOptions(router_grad=rg), fast_local=False)
         return [(0, layer)], x
     policy, ledger = truth._policy_and_ledger(case, counts)
     return [(me, one_rank_layer(layer, me, counts, policy, ledger)) for me in range(truth.G)], x

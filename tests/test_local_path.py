@@ -112,13 +112,14 @@ def test_local_loop_fallback_reads_host_counts(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
 @pytest.mark.parametrize("opts", [BackwardOptions(), EXPERTS], ids=["home", "experts"])
-def test_no_host_read_on_the_meta_device(opts):
+def test_no_host_read_on_the_meta_device(preset, opts):
     """Meta tensors have no data: ``.item()``, ``.tolist()``, ``.cpu()``, ``torch.equal``,
     ``nonzero``, CUDA-style ``bincount`` all fail. bf16 takes the grouped GEMMs (as on
     CUDA), so the local path's forward and backward run through, the exchange's do not."""
     for fast in (True, False):
-        layer = _layer("tiny-qwen3", torch.bfloat16).to("meta")
+        layer = _layer(preset, torch.bfloat16).to("meta")
         layer.runtime = MoERuntime(backward=opts, fast_local=fast)
         x = torch.empty(2, 16, layer.cfg.hidden_size, dtype=torch.bfloat16,
                         device="meta", requires_grad=True)
@@ -127,7 +128,8 @@ def test_no_host_read_on_the_meta_device(opts):
                 layer(x)
             continue
         y = layer(x)
-        (y.sum() + layer.last_aux_loss).backward()
+        aux = layer.last_aux_loss
+        (y.sum() if aux is None else y.sum() + aux).backward()
         assert layer.last_path == "local"
         assert x.grad.shape == x.shape and layer.experts.gate_up_proj.grad.device.type == "meta"
         assert layer.router.weight.grad is not None
@@ -326,6 +328,41 @@ def test_backward_rows_alive_are_the_exchanges():
     # the expert backward's 20 index bytes per row (Ledger.plan_buffer_bytes)
     buf = Ledger(cfg, 1, num_moe_layers=1).rank_terms(plan, plan_buffers=True)[0]["buffers"]
     assert peak[True] + 20 * P == buf
+
+
+@pytest.mark.parametrize("opts", [BackwardOptions(), EXPERTS], ids=["home", "experts"])
+def test_only_dgu_and_dout_alive_at_the_dx_gemm(opts, monkeypatch):
+    """As ``test_backward_frees`` checks for the exchange: the kept rows are dropped at
+    their last use, so at the dx GEMM only its input ``dgu`` and the output gradient
+    are alive."""
+    import weakref
+
+    from live_rows import LiveRows
+
+    layer, x, _ = truth._layer_and_tokens()
+    T, H, F = truth.T, truth.H, truth.F
+    gmm, at_dx, state = ops._gmm, [], {}
+
+    def hook(a, b, *rest):
+        if a.dim() == 2 and b.dim() == 3 and a.shape[1] == 2 * F and b.shape[1] == 2 * F:
+            live = state["live"]
+            at_dx.append((set(live.alive()), live.storage_id(a),
+                          [k for k, ref in state["kept"].items() if ref() is not None]))
+        return gmm(a, b, *rest)
+    monkeypatch.setattr(ops, "_gmm", hook)
+    layer.runtime = MoERuntime(backward=opts)
+    out = layer(x[:T].view(1, T, H))
+    rows = {k: t for k, t in _node(out, "LocalExpertsBackward").kept.items() if t is not None}
+    assert set(rows) == ({"x", "gu"} if opts.router_grad == "experts" else {"x", "gu", "y"})
+    state["kept"] = {k: weakref.ref(t.untyped_storage()) for k, t in rows.items()}
+    dout = torch.ones_like(out)
+    state["live"] = live = LiveRows((H, F, 2 * F), [], count=[*rows.values(), dout])
+    del rows
+    with live:
+        out.backward(dout)
+    assert len(at_dx) == 1
+    alive, dgu, kept_alive = at_dx[0]
+    assert not kept_alive and alive == {dgu, live.storage_id(dout)}
 
 
 def test_a_second_backward_is_refused():

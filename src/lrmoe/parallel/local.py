@@ -15,6 +15,7 @@ Legend: T tokens, K top-k, P = T*K pairs, R = P expert-sorted rows, H hidden, E 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -46,17 +47,34 @@ def stand_in_plan(rt, E: int, P: int, inputs: PlanInputs) -> Plan | None:
     the trivial one (natives, exact, nothing recomputed). Over a budget the policy raises
     here, with the same error as for the real counts. Only the plain ``StaticPolicy``
     (not a subclass) and backward options whose selection knobs are at their defaults
-    qualify (on an exact plan they are inert; ``router_grad`` is honoured)."""
+    qualify (on an exact plan they are inert; ``router_grad`` is honoured). Without a
+    ledger the verdict depends on ``(E, P)`` alone and is computed once."""
     if not rt.fast_local or rt.comm.size != 1 or type(rt.policy) is not StaticPolicy:
         return None
     if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
         return None
+    if inputs.ledger is None:  # then the plan depends on (E, P) alone: planned once
+        return _unbudgeted_plan(E, P)
+    return _if_trivial(rt.policy.plan(_stand_in_counts(E, P), inputs), E)
+
+
+def _stand_in_counts(E: int, P: int) -> Tensor:
     counts = torch.zeros(1, E, dtype=torch.long)
     counts[0, 0] = P
-    plan = rt.policy.plan(counts, inputs)
+    return counts
+
+
+def _if_trivial(plan: Plan, E: int) -> Plan | None:
     trivial = (plan.G == 1 and torch.equal(plan.inst_expert_GS[0], torch.arange(E))
                and plan.exact and (plan.recompute_G is None or int(plan.recompute_G.sum()) == 0))
     return plan if trivial else None
+
+
+@functools.lru_cache(maxsize=64)
+def _unbudgeted_plan(E: int, P: int) -> Plan | None:
+    """:func:`stand_in_plan` without a ledger (a few hundred microseconds of host work
+    per layer otherwise); plans are never modified."""
+    return _if_trivial(StaticPolicy().plan(_stand_in_counts(E, P), PlanInputs()), E)
 
 
 class HostCounts(Sequence):

@@ -373,3 +373,39 @@ def test_a_second_backward_is_refused():
     with pytest.raises(RuntimeError, match="once per forward"):
         y.sum().backward()
 
+
+
+def test_a_step_mixing_the_paths_counts_on_one_device():
+    """The local path counts on the device, the exchange on the host (found on an H200:
+    a benchmark that ran both on one layer in one step failed adding cuda to cpu
+    counts). Here the device is meta (CPU has only one device): the step's sum stays on
+    the device of its first count, and the exchange's planner gets host popularity."""
+    layer = _layer("tiny-qwen3")
+    E = layer.cfg.num_experts
+    x, _ = _inputs(layer, 16, 3)
+    want = _counts(layer, x)
+    layer.runtime = MoERuntime(fast_local=False)
+    layer.train()
+    layer.step_counts_E = torch.zeros(E, dtype=torch.long, device="meta")  # as if local ran
+    layer(x)
+    assert layer.step_counts_E.device.type == "meta"
+    layer.step_counts_E = None
+    layer(x)  # exchange first, then local: the sum stays on the host
+    layer.runtime = MoERuntime()
+    layer(x)
+    assert layer.last_path == "local" and torch.equal(layer.step_counts_E, 2 * want)
+    # popularity left by a local step on the device is copied to the host before the
+    # planner sees it (a meta tensor cannot be: the copy fails before planning)
+    seen = []
+
+    class Spy(StaticPolicy):
+        def plan(self, counts_GE, inputs):
+            seen.append(inputs.prev_counts_E.device.type)
+            return super().plan(counts_GE, inputs)
+    layer.prev_counts_E = want.clone()
+    layer.runtime = MoERuntime(policy=Spy())
+    layer(x)
+    layer.prev_counts_E = want.to("meta")
+    with pytest.raises(NotImplementedError):
+        layer(x)
+    assert seen == ["cpu"], seen

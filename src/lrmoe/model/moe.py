@@ -11,7 +11,7 @@ Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -124,6 +124,9 @@ class MoELayer(nn.Module):
                   counts_E: Tensor, inputs: PlanInputs) -> Tensor:
         """The general path: the counts on the host, the policy's plan, the exchange."""
         rt = self.runtime
+        if inputs.prev_counts_E is not None and inputs.prev_counts_E.device.type != "cpu":
+            # the previous step ran the local path: planners read popularity on the host
+            inputs = replace(inputs, prev_counts_E=inputs.prev_counts_E.cpu())
         E = self.cfg.num_experts
         idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
         t0 = time.perf_counter()
@@ -153,8 +156,9 @@ class MoELayer(nn.Module):
     def _count(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> None:
         """The step's global counts and the aux loss from this layer's global counts."""
         rt = self.runtime
-        if self.training:
-            self.step_counts_E = glob_E if self.step_counts_E is None else self.step_counts_E + glob_E
+        if self.training:  # the local path counts on the device, the exchange on the host:
+            c = self.step_counts_E  # a step that takes both sums where its first count was
+            self.step_counts_E = glob_E if c is None else c + glob_E.to(c.device)
         self.last_aux_loss = None
         if probs_TE is not None and self.training:
             world_counts = glob_E if rt.count_reduce is None else rt.count_reduce(glob_E.clone())

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
 
 
@@ -103,7 +104,8 @@ class LiveRows(TorchDispatchMode):
     def __enter__(self):
         with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
             warnings.simplefilter("ignore")
-            found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            found = [o for o in gc.get_objects()  # a dead weakref.proxy raises on isinstance
+                     if not isinstance(o, _PROXIES) and isinstance(o, torch.Tensor)]
         for o in found:  # alive now: not counted (but ``count``, registered first)
             if o.device.type == "cpu" and not o.is_meta:
                 self._register(o, False)

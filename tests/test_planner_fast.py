@@ -107,8 +107,8 @@ def test_lrmoe_fast_equals_reference_on_200_random_layers():
 class _BumpyLedger(Ledger):
     """A ledger that is not affine in the received pairs (an extra buffer beyond 300 pairs)."""
 
-    def terms(self, n, R, h, k, rec=0):
-        t = dict(super().terms(n, R, h, k, rec))
+    def terms(self, n, R, h, k, rec=0, exact=False):
+        t = dict(super().terms(n, R, h, k, rec, exact))
         t["total"] += max(0, int(R) - 300) * 4096
         return t
 

@@ -437,8 +437,7 @@ class Ledger:
                 selected rows) instead of :meth:`buffer_bytes` (what the planners use).
         """
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
-        exact = self.router_grad_at_experts and plan.exact
-        out = [self.terms(*c, n, **({"exact": True} if exact else {}))
+        out = [self.terms(*c, n, exact=plan.exact)
                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
         if plan_buffers:  # the buffers derived from the code, for this plan (§5)
             counts = self._rank_counts(plan, tokens_per_rank_home)
@@ -456,7 +455,7 @@ class Ledger:
         if self.budget_bytes is None:
             return 0
         full = self.terms(n_instances, received_pairs, home_pairs, retained_pairs,
-                          **({"exact": True} if exact else {}))["total"]
+                          exact=exact)["total"]
         over = full - self.budget_bytes
         if over <= 0:
             return 0
@@ -477,12 +476,11 @@ class Ledger:
         :meth:`rank_terms`).
         """
         counts = self._rank_counts(plan, tokens_per_rank_home)
-        ex = {"exact": True} if self.router_grad_at_experts and plan.exact else {}
-        rec = [self.recompute_needed(*c, **ex) for c in counts]
+        rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:
-            terms = [self.terms(*c, n, **ex) for c, n in zip(counts, rec)]
+            terms = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
             return ("fits" if max(rec) == 0 else "pairs"), rec, terms
-        terms = [self.terms(n, R, h, 0, **ex) for n, R, h, _ in counts]
+        terms = [self.terms(n, R, h, 0, exact=plan.exact) for n, R, h, _ in counts]
         mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
         return mode, [R for _, R, _, _ in counts], terms
 

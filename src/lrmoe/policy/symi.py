@@ -188,11 +188,9 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
     hi = E if max_slots is None else max_slots
     out = {}
     home_max = int(counts_GE.long().sum(1).max())
-    # symi's plans are exact: no combined rows kept with the router gradient at the experts
-    ex = {"exact": True} if getattr(ledger, "router_grad_at_experts", False) else {}
-    for s in range(E // G, hi + 1):
+    for s in range(E // G, hi + 1):  # symi's plans are exact (Ledger.terms)
         if (ledger is not None and ledger.budget_bytes is not None
-                and ledger.terms(s, 0, home_max, 0, **ex)["total"] > ledger.budget_bytes):
+                and ledger.terms(s, 0, home_max, 0, exact=True)["total"] > ledger.budget_bytes):
             break
         plan = plan_symi(counts_GE, s, prev_counts_E)
         mode, rec = ("fits", [0] * G) if ledger is None else ledger.exact_fit(plan)[:2]

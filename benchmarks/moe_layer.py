@@ -9,6 +9,13 @@ same routing for every variant. Memory columns, from one forward+backward after
 inputs, ``act`` = ``peak`` minus the gradients the call leaves behind (the issue's
 "peak minus weights and gradients"). Also times LRMoE's backward at keep ratios
 (everything retained, topk selection) and the expert grouped GEMMs alone.
+``host`` = median host milliseconds to enqueue one forward+backward (no sync inside the
+call; the device may still be working after it): when it is close to the CUDA-event
+time, the layer is bound by its host work, not its kernels. ``ours graphed``: a
+DIAGNOSTIC, our layer captured into CUDA graphs (``torch.cuda.make_graphed_callables``,
+forward and backward), which replays the same kernels with no host work between them;
+its time bounds what removing our host overhead could give. It is not a lrmoe feature
+and is not compared with HF for the goal; its memory is not measured (graph pools).
 Writes ``moe_layer.json`` (every number) and ``moe_layer.md`` (the table) into --out.
 
 Usage (GPU):  python3 benchmarks/moe_layer.py --out DIR [--tokens 16384,65536]
@@ -18,7 +25,9 @@ Smoke (CPU):  python3 benchmarks/moe_layer.py --out DIR --smoke   (tiny shapes; 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -163,10 +172,35 @@ def hf_twin(shape: str, cfg: ModelConfig, impl: str, layer: MoELayer, idx: torch
     return blk
 
 
+def host_ms(fn, iters: int = 15) -> float | None:
+    """Median host milliseconds of ``fn()`` started on an idle device, without a sync
+    inside (what the host spends enqueueing it); ``None`` off CUDA."""
+    if DEV != "cuda":
+        return None
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graphed_copy(layer: MoELayer, idx: torch.Tensor, x: torch.Tensor) -> nn.Module:
+    """A copy of ``layer`` (reading the same routing table ``idx``) captured into CUDA
+    graphs, forward and backward: the diagnostic ``ours graphed`` (module doc)."""
+    g = copy.deepcopy(layer)
+    g.router = FixedRouter(g.router.weight, idx)
+    g.runtime = MoERuntime()
+    return torch.cuda.make_graphed_callables(g, (x,), allow_unused_input=True)
+
+
 def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, ref: torch.Tensor | None,
-            fwd_only_too: bool = True) -> dict:
-    """Forward and forward+backward times, memory of one forward+backward, and the
-    output's relative error against ``ref`` (our eager layer's output)."""
+            fwd_only_too: bool = True, memory: bool = True) -> dict:
+    """Forward and forward+backward times, host enqueue time, memory of one
+    forward+backward, and the output's relative error against ``ref`` (our eager layer's
+    output)."""
 
     def fwd():
         with torch.no_grad():
@@ -194,7 +228,10 @@ def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, ref: torch.Tensor
     if fwd_only_too:
         out["fwd_ms"] = bench(fwd)
     out["fwdbwd_ms"] = bench(step)
+    out["host_ms"] = host_ms(step)
     clear()
+    if not memory:
+        return out
     peak, kept = peak_of(fwdbwd, DEV)  # the gradients stay allocated: ``kept``
     clear()
     out["peak_gib"], out["act_gib"] = gib(peak), gib(None if peak is None else peak - kept)
@@ -233,6 +270,7 @@ def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: 
     P = T * K
     fl = 18 * P * H * Fd + (18 * T * H * Fd * cfg.n_shared_experts)
     gen = torch.Generator().manual_seed(1)
+    graphed = None
     for skew in skews:
         t0 = time.time()
         idx.copy_(draw_routing(T, E, K, skew, gen))
@@ -249,6 +287,11 @@ def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: 
         row["ours"] = measure(layer, x, dy, None)
         row["ours"]["fwdbwd_tflops"] = fl / (row["ours"]["fwdbwd_ms"] * 1e-3) / 1e12
         row["ours_compiled"] = _guarded(lambda r=ref: measure(ours_c, x, dy, r, False))
+        if DEV == "cuda":  # captured once per (shape, T), at the first skew's routing
+            if graphed is None:
+                graphed = _guarded(lambda: graphed_copy(layer, idx, x))
+            row["ours_graphed"] = (graphed if isinstance(graphed, dict) else _guarded(
+                lambda r=ref: measure(graphed, x, dy, r, False, memory=False)))
         # the router-gradient lever: no combined rows kept (exact plan)
         layer.runtime = MoERuntime(backward=BackwardOptions(router_grad="experts"))
         row["ours_router_grad_experts"] = _guarded(lambda r=ref: measure(layer, x, dy, r))
@@ -365,22 +408,28 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "the gradients (`act`).", "",
              "`ours rg@e`: `BackwardOptions(router_grad=\"experts\")` (the router gradient from "
              "the expert backward; no combined rows kept). `ours x-only`: that, and every "
-             "row's gate_up output recomputed in backward (only the input rows kept).", "",
+             "row's gate_up output recomputed in backward (only the input rows kept). "
+             "`host ours / HF compiled`: median host ms to enqueue one forward+backward. "
+             "`ours graphed`: DIAGNOSTIC, ours captured in CUDA graphs (no host work between "
+             "kernels; not a lrmoe feature, not the goal's comparison).", "",
              f"| shape | tokens | skew | max/mean load | ours | ours compiled | ours rg@e "
-             f"| ours x-only | HF {pc_impl} compiled | × HF compiled | ours act / peak "
+             f"| ours x-only | HF {pc_impl} compiled | × HF compiled | host ours / HF compiled "
+             "| ours graphed (diag.) | ours act / peak "
              "| ours rg@e act / peak | ours x-only act / peak | HF compiled act / peak "
              "| act ratio | GEMM % dense | bwd keep 0.5 / 1.0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         o, oc, pc = r["ours"], r.get("ours_compiled", {}), r.get("peer_compiled", {})
         ol = r.get("ours_router_grad_experts", {})
         ox = r.get("ours_save_input", {})
+        og = r.get("ours_graphed", {})
         k1, k5 = r.get("keep1.0_bwd_ms"), r.get("keep0.5_bwd_ms")
         lines.append(
             f"| {r['shape']} | {r['tokens']:,} | {r['skew']:g} | {r['load_max_over_mean']:.2f} "
             f"| {fmt(o.get('fwdbwd_ms'))} | {fmt(oc.get('fwdbwd_ms'))} | {fmt(ol.get('fwdbwd_ms'))} "
             f"| {fmt(ox.get('fwdbwd_ms'))} | {fmt(pc.get('fwdbwd_ms'))} "
             f"| {fmt(r.get('speedup_fwdbwd_vs_peer_compiled'))} "
+            f"| {fmt(o.get('host_ms'))} / {fmt(pc.get('host_ms'))} | {fmt(og.get('fwdbwd_ms'))} "
             f"| {fmt(o.get('act_gib'))} / {fmt(o.get('peak_gib'))} "
             f"| {fmt(ol.get('act_gib'))} / {fmt(ol.get('peak_gib'))} "
             f"| {fmt(ox.get('act_gib'))} / {fmt(ox.get('peak_gib'))} "
@@ -394,7 +443,12 @@ def markdown(meta: dict, results: list[dict]) -> str:
             desc = v.get("error") or (f"{fmt(v['fwdbwd_ms'])} ms, {fmt(v.get('act_gib'))} / "
                                       f"{fmt(v.get('peak_gib'))} GiB, err {v['rel_err_vs_ours']:.1e}")
             lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {impl}: {desc}")
-        for key in ("ours_compiled", "ours_router_grad_experts", "ours_save_input", "peer_compiled"):
+        og = r.get("ours_graphed", {})
+        if "rel_err_vs_ours" in og:
+            lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} ours graphed: "
+                         f"rel. error vs ours {og['rel_err_vs_ours']:.1e}")
+        for key in ("ours_compiled", "ours_graphed", "ours_router_grad_experts", "ours_save_input",
+                    "peer_compiled"):
             if "error" in r.get(key, {}):
                 lines.append(f"- {r['shape']} T={r['tokens']:,} skew={r['skew']:g} {key}: {r[key]['error']}")
     if meta.get("skipped_by_budget"):

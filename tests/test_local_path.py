@@ -409,3 +409,17 @@ def test_a_step_mixing_the_paths_counts_on_one_device():
     with pytest.raises(NotImplementedError):
         layer(x)
     assert seen == ["cpu"], seen
+
+
+def test_local_stats_follow_the_token_count():
+    """The local path caches its plan's stats per stand-in plan: a new token count is a
+    new plan, and the stats (rank loads) must be that plan's, not the last one's."""
+    layer = _layer("tiny-qwen3")
+    K = layer.cfg.num_experts_per_tok
+    for T in (16, 8, 16, 5):
+        x, _ = _inputs(layer, T, seed=T)
+        layer(x)
+        stats = layer.runtime.stats[0]
+        assert layer.last_path == "local"
+        assert stats["rank_load"] == [T * K] and stats["rank_backward_load"] == [T * K]
+        assert stats["fwd_rows"] == T * K

@@ -16,8 +16,13 @@ import torch
 @contextmanager
 def timed(device: torch.device, on_ms: Callable[[float], None],
           on_events: Callable[[object, object], None]):
-    """Time the ``with`` block: ``on_events(start, end)`` on CUDA, ``on_ms(ms)`` elsewhere."""
-    if device.type == "cuda":
+    """Time the ``with`` block: ``on_events(start, end)`` on CUDA, ``on_ms(ms)`` elsewhere.
+
+    Nothing is timed while the current CUDA stream is being captured into a graph: a
+    timing event cannot be recorded there, and a replay would not refresh it anyway."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        yield
+    elif device.type == "cuda":
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         a.record()

@@ -76,6 +76,7 @@ class MoELayer(nn.Module):
         self.step_counts_E: Tensor | None = None  # global counts accumulated this step
         self.last_aux_loss: Tensor | None = None
         self.last_path: str | None = None  # "local" or "exchange": what the last forward ran
+        self._local_stats: tuple | None = None  # (plan, dtype, its stats): local path
 
     def forward(self, x_BTH: Tensor) -> Tensor:
         B, T, H = x_BTH.shape
@@ -113,7 +114,11 @@ class MoELayer(nn.Module):
         t1 = time.perf_counter()
         self._count(counts_E, probs_TE, x_TH.shape[0])
         dtype = _compute_dtype(x_TH)
-        stats = DeviceStats(self._plan_stats(local, 0.0, (t1 - t0) * 1e3, dtype),
+        # the unbudgeted stand-in plan is cached (one object per (E, P)): so are its stats
+        cached = self._local_stats
+        if cached is None or cached[0] is not local or cached[1] != dtype:
+            self._local_stats = cached = (local, dtype, self._plan_stats(local, 0.0, 0.0, dtype))
+        stats = DeviceStats(cached[2], plan_ms=(t1 - t0) * 1e3,
                             counts_E=counts_E)  # read (and copied to the host) lazily
         rt.stats[self.moe_index] = stats
         return LocalExperts.apply(x_TH.to(dtype), gate_TK, self.experts.gate_up_proj.to(dtype),

@@ -291,7 +291,7 @@ def run_tokens(shape: str, T: int, skews: list[float], a, results: list, dense: 
             if graphed is None:
                 graphed = _guarded(lambda: graphed_copy(layer, idx, x))
             row["ours_graphed"] = (graphed if isinstance(graphed, dict) else _guarded(
-                lambda r=ref: measure(graphed, x, dy, r, False, memory=False)))
+                lambda r=ref, g=graphed: measure(g, x, dy, r, False, memory=False)))
         # the router-gradient lever: no combined rows kept (exact plan)
         layer.runtime = MoERuntime(backward=BackwardOptions(router_grad="experts"))
         row["ours_router_grad_experts"] = _guarded(lambda r=ref: measure(layer, x, dy, r))

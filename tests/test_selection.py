@@ -10,6 +10,7 @@ from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import (
     BackwardOptions,
     inclusion_probs,
+    segment_sum,
     select_sampled,
     select_topk,
 )
@@ -46,6 +47,63 @@ def test_inclusion_probs_sum_to_quota_and_cap():
         torch.testing.assert_close(pi[blk == b].sum().item(), float(min(quota[b], sz)),
                                    rtol=1e-9, atol=1e-9)
     assert (pi == 1).any()
+
+
+def _inclusion_probs_loop(metric_N, block_N, quota_B):
+    """Reference: the water-filling loop (cap rows whose share reaches 1, re-spread)."""
+    B = quota_B.numel()
+    m = metric_N.double().clamp(min=0)
+    q = quota_B.double()
+    n_B = segment_sum(torch.ones_like(m), block_N, B)
+    capped = torch.zeros_like(m, dtype=torch.bool)
+    pi = torch.zeros_like(m)
+    for _ in range(m.numel() + 1):
+        free = ~capped
+        rem = (q - segment_sum(capped.double(), block_N, B)).clamp(min=0)
+        mass = segment_sum(m * free, block_N, B)
+        nfree = (n_B - segment_sum(capped.double(), block_N, B)).clamp(min=1)
+        share = torch.where(mass[block_N] > 0, rem[block_N] * m / mass[block_N].clamp(min=1e-300),
+                            rem[block_N] / nfree[block_N])
+        pi = torch.where(capped, torch.ones_like(m), share)
+        new = free & (share >= 1)
+        if not bool(new.any()):
+            break
+        capped |= new
+    return pi.clamp(max=1.0)
+
+
+def _random_case(g, n, B):
+    """Blocks of random sizes (some empty), heavy-tailed metrics (many rows cap) with
+    ties, zeros and negatives, an all-zero block, block masses 1e12 apart, and quotas
+    from 0 to past the size."""
+    m = torch.exp(4 * torch.randn(n, generator=g, dtype=torch.float64))
+    m[torch.rand(n, generator=g) < 0.1] = 0
+    m[torch.rand(n, generator=g) < 0.05] = -1.0
+    tie = torch.rand(n, generator=g) < 0.2
+    m[tie] = m[tie][:1].expand(int(tie.sum())) if tie.any() else m[tie]
+    blk = torch.sort(torch.randint(0, max(B - 1, 1), (n,), generator=g)).values
+    blk[blk == 1] = 2  # block 1 empty; block B-1 empty too (randint stops at B-2)
+    if B > 3:
+        m[blk == 3] = 0  # a block with no metric mass
+    m = m * 10.0 ** (12 * (blk % 3 - 1))  # blocks whose masses differ by 1e12 and 1e24
+    size = torch.bincount(blk, minlength=B)
+    quota = (torch.rand(B, generator=g, dtype=torch.float64) * 1.5 * size).round().long()
+    quota[0] = 0
+    perm = torch.randperm(n, generator=g)  # rows need not come grouped by block
+    return m[perm], blk[perm], quota, size
+
+
+def test_inclusion_probs_matches_water_filling_loop():
+    for seed in range(6):
+        g = torch.Generator().manual_seed(100 + seed)
+        for n, B in ((0, 3), (1, 2), (40, 4), (500, 9), (3000, 18)):
+            m, blk, quota, size = _random_case(g, n, B)
+            pi = inclusion_probs(m, blk, quota)
+            ref = _inclusion_probs_loop(m, blk, quota)
+            torch.testing.assert_close(pi, ref, rtol=0, atol=1e-12)
+            assert (pi >= 0).all() and (pi <= 1).all()
+            torch.testing.assert_close(segment_sum(pi, blk, B),
+                                       torch.minimum(quota, size).double(), rtol=0, atol=1e-9)
 
 
 def test_sampled_estimator_unbiased_on_vectors():

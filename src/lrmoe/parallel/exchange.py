@@ -114,29 +114,44 @@ def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
 def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
     """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
 
-    Water-filling: rows whose share would exceed 1 are fixed at 1 and the rest of the
-    quota is re-spread over the others. A block with zero metric mass spreads uniformly.
+    Water-filling in closed form (no loop, no host sync). With a block's metrics sorted
+    descending, ``m_0 >= m_1 >= ...``, and ``R_c`` the mass from rank ``c`` on, the capped
+    rows are the ranks below the smallest ``c`` with ``(q - c) * m_c < R_c``; the others
+    get ``(q - c) * m / R_c``. ``(q - c) * m_c - R_c`` does not increase with ``c`` (while
+    ``c < q``), so this is the unique fixed point of capping every row whose share
+    reaches 1. Free rows with no metric mass share the rest of the quota uniformly.
+    Negative metrics count as 0; rows need not come grouped by block.
     """
     dev = metric_N.device
     B = quota_B.numel()
     m = metric_N.double().clamp(min=0)
+    if m.numel() == 0:
+        return m
+    blk = block_N.to(dev).long()
     q = quota_B.to(dev).double()
-    n_B = segment_sum(torch.ones_like(m), block_N, B)
-    capped = torch.zeros_like(m, dtype=torch.bool)
-    pi = torch.zeros_like(m)
-    for _ in range(64):
-        free = ~capped
-        rem = (q - segment_sum(capped.double(), block_N, B)).clamp(min=0)
-        mass = segment_sum(m * free, block_N, B)
-        nfree = (n_B - segment_sum(capped.double(), block_N, B)).clamp(min=1)
-        share = torch.where(mass[block_N] > 0, rem[block_N] * m / mass[block_N].clamp(min=1e-300),
-                            rem[block_N] / nfree[block_N])
-        pi = torch.where(capped, torch.ones_like(m), share)
-        new = free & (share >= 1)
-        if not bool(new.any()):
-            break
-        capped |= new
-    return pi.clamp(max=1.0)
+    order = torch.argsort(m, descending=True)
+    order = order[torch.sort(blk[order], stable=True).indices]  # block asc, metric desc
+    m_s, b_s = m[order], blk[order]
+    n_B = segment_sum(torch.ones_like(m_s), b_s, B)
+    first_s = (n_B.cumsum(0) - n_B).long()[b_s]  # where each row's block starts
+    rank_s = torch.arange(m_s.numel(), device=dev) - first_s
+    # One cumsum runs over all blocks; per-block units keep a light block's suffix sums
+    # from drowning in a heavy block's mass. They only decide c: the free mass that
+    # sets pi is summed again per block.
+    u_s = m_s / segment_sum(m_s, b_s, B).clamp(min=1e-300)[b_s]
+    before_s = torch.cumsum(u_s, 0) - u_s
+    R_s = segment_sum(u_s, b_s, B)[b_s] - (before_s - before_s[first_s])
+    stop_s = ((q[b_s] - rank_s) * u_s < R_s) | (m_s <= 0)
+    c_B = n_B.clone().scatter_reduce_(0, b_s, torch.where(stop_s, rank_s.double(), n_B[b_s]),
+                                      "amin")
+    capped_s = rank_s < c_B[b_s]
+    rem_B = (q - c_B).clamp(min=0)
+    mass_B = segment_sum(torch.where(capped_s, torch.zeros_like(m_s), m_s), b_s, B)
+    share_s = torch.where(mass_B[b_s] > 0, rem_B[b_s] * m_s / mass_B.clamp(min=1e-300)[b_s],
+                          (rem_B / (n_B - c_B).clamp(min=1))[b_s])
+    pi = torch.empty_like(m)
+    pi[order] = torch.where(capped_s, torch.ones_like(m_s), share_s).clamp(0.0, 1.0)
+    return pi
 
 
 def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,

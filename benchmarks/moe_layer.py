@@ -190,9 +190,12 @@ def host_ms(fn, iters: int = 15) -> float | None:
 def graphed_copy(layer: MoELayer, idx: torch.Tensor, x: torch.Tensor) -> nn.Module:
     """A copy of ``layer`` (reading the same routing table ``idx``) captured into CUDA
     graphs, forward and backward: the diagnostic ``ours graphed`` (module doc)."""
-    g = copy.deepcopy(layer)
+    rt, layer.runtime = layer.runtime, MoERuntime()  # its stats hold CUDA events: no copy
+    try:
+        g = copy.deepcopy(layer)
+    finally:
+        layer.runtime = rt
     g.router = FixedRouter(g.router.weight, idx)
-    g.runtime = MoERuntime()
     return torch.cuda.make_graphed_callables(g, (x,), allow_unused_input=True)
 
 

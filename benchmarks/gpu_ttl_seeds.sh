@@ -11,6 +11,7 @@
 # GLM amendment in RESULTS.md's pre-registration).
 # ROUTER_GRAD=experts: static and symi take the router gradient at the experts (no combined
 # rows kept; `bench ttl --router-grad`); default home.
+# DETERMINISTIC=1: `bench ttl --deterministic` (torch's deterministic kernels, repeatable runs).
 # REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json (or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
 set -euo pipefail
@@ -40,7 +41,8 @@ for SEED in "$@"; do
   timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
     "${BUDGET[@]}" --router-grad "${ROUTER_GRAD:-home}" --optimizer-offload host --link nvlink \
-    --policies "$POLICIES" ${R[@]+"${R[@]}"} --out "$D" > "$D.log" 2>&1 || { tail -30 "$D.log"; }
+    --policies "$POLICIES" ${R[@]+"${R[@]}"} ${DETERMINISTIC:+--deterministic} --out "$D" \
+    > "$D.log" 2>&1 || { tail -30 "$D.log"; }
   [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30
   tar czf "$OUT/${W}_s$SEED.tar.gz" -C "$OUT" "${W}_s$SEED" "${W}_s$SEED.log"
   rm -rf "$D"

@@ -354,3 +354,42 @@ def test_plan_compare_router_grad_experts(tmp_path, capsys):
                  "--router-grad", "away"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--router-grad 'away'" in err
+
+
+def test_ttl_deterministic_runs_every_policy_deterministically(tmp_path, capsys, monkeypatch):
+    """--deterministic: each policy trains with torch's deterministic algorithms on (warn
+    only), the caller's setting comes back after the run, the setting is recorded, and
+    --reuse refuses a file made with the other setting (an older file without it counts as
+    off)."""
+    import lrmoe.sim.ttl as ttl
+
+    seen = []
+    real = ttl.run_policy
+
+    def spy(*a, **k):
+        seen.append((torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ttl, "run_policy", spy)
+    short = ARGS[:-6] + ["--steps", "2", "--eval-every", "1", "--policies", "static,lrmoe"]
+    before = torch.are_deterministic_algorithms_enabled()
+    assert main(short + ["--deterministic", "--out", str(tmp_path / "d")]) == 0
+    assert seen == [(True, True), (True, True)]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    rep = json.loads((tmp_path / "d" / "ttl.json").read_text())
+    assert rep["config"]["deterministic"] is True
+    seen.clear()
+    assert main(short + ["--out", str(tmp_path / "n")]) == 0
+    assert seen == [(before, False), (before, False)]
+    assert main(short + ["--reuse", str(tmp_path / "d" / "ttl.json"), "--out",
+                         str(tmp_path / "x")]) == 2
+    assert "it ran with deterministic=True, this run has deterministic=False" in \
+        capsys.readouterr().err
+    old = json.loads((tmp_path / "n" / "ttl.json").read_text())
+    del old["config"]["deterministic"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(short + ["--deterministic", "--reuse", str(tmp_path / "old.json"), "--out",
+                         str(tmp_path / "y")]) == 2
+    assert "it ran with deterministic=False, this run has deterministic=True" in \
+        capsys.readouterr().err

@@ -89,6 +89,10 @@ def register(sub) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
                         "so no compilation lands inside a timed kernel)")
+    t.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic kernels (warn-only) for every policy, so "
+                        "repeated runs of a seed repeat each other (default off: GPU atomics "
+                        "make them drift)")
     t.add_argument("--reuse", default=None, metavar="FILE",
                    help="an earlier run's ttl.json or ttl_partial.json with the same settings: "
                         "the policies it finished are taken from it, not run again")
@@ -221,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
-        reuse=args.reuse, router_grad=args.router_grad)
+        reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

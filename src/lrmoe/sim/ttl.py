@@ -53,6 +53,16 @@ it came from (``reused_from``). The earlier run must match: its recorded setting
 but the policies and ``reuse``), and always its initial model's validation loss (same
 seed, model, data and validation batches) and its evaluation steps; else the run stops
 before training with a message naming the difference.
+
+``deterministic`` (``--deterministic``): every policy trains with
+``torch.use_deterministic_algorithms(True, warn_only=True)`` (and cuBLAS's fixed
+workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless already set): two runs of one
+seed then repeat each other where torch has deterministic kernels (scatter-adds and
+index-adds included), and an exact policy's loss curve is the same for static and SYMI
+up to the summation order its placement changes. Without it, GPU atomics make repeated
+runs drift apart (on an H200, static and SYMI without replicas crossed the target 11%
+apart in one run: ``benchmarks/RESULTS.md``). Kernels without a deterministic version
+warn and run as before. Emulated times are of the kernels actually run.
 """
 
 from __future__ import annotations
@@ -110,10 +120,11 @@ class TTLConfig:
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
     router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
+    deterministic: bool = False  # torch's deterministic kernels for every policy
 
 
 # settings added after runs were recorded: an earlier file without one ran with this value
-ADDED_SETTINGS = {"router_grad": "home"}
+ADDED_SETTINGS = {"router_grad": "home", "deterministic": False}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -396,6 +407,25 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
 
 
 @contextlib.contextmanager
+def deterministic_mode(on: bool):
+    """torch's deterministic algorithms (warn-only) inside the block when ``on``; the
+    caller's setting is restored after. cuBLAS reads its workspace setting when it starts,
+    so it is set here only if nothing set it and no CUDA context exists yet."""
+    if not on:
+        yield
+        return
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    was, was_warn = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+
+
+@contextlib.contextmanager
 def _compile_mode(on: bool):
     """Eager fused kernels unless ``on``: compiling on the first call of each new shape
     would land inside the timed expert kernels of whichever policy meets it first."""
@@ -467,6 +497,11 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     results of a long run). A policy whose planner fails mid-run (lrmoe with no
     feasible plan) is reported with ``failed`` and the steps it made.
     """
+    with deterministic_mode(cfg.deterministic):
+        return _bench_ttl(cfg, log, on_policy)
+
+
+def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
     from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link

@@ -247,15 +247,16 @@ def exchange_node(out: torch.Tensor):
 
 @pytest.mark.parametrize("case", CASES)
 def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
-    """Ledger.plan_buffer_bytes against the code: at every point of one rank's backward
-    (every line of the exchange's backward and of the functions it hands its rows to,
-    and every op they call; :class:`live_rows.LiveRows`) the row tensors alive
-    (``[N, H]``, ``[N, F]``, ``[N, 2F]``, by storage) are summed, the layer's kept rows
-    included while they live (the backward frees them as it goes). The largest sum minus
-    the kept rows must be the largest of the ledger's backward points for that rank's
-    plan (its selected rows), every one of those points must occur, and the ledger's
-    plan-priced buffers must be that plus the per-row index bytes (or the forward's
-    point beyond what the layer keeps)."""
+    """Ledger.plan_buffer_bytes against the code: at every point of one rank's forward
+    and backward (every line of the exchange's forward or backward and of the functions
+    it hands its rows to, and every op they call; :class:`live_rows.LiveRows`) the row
+    tensors alive (``[N, H]``, ``[N, F]``, ``[N, 2F]``, by storage) are summed, the
+    layer input and the layer's kept rows included while they live (the forward makes
+    them, the backward frees them as it goes). Per pass, the largest sum minus the kept
+    rows must be the largest of the ledger's points for that rank's plan (backward: its
+    selected rows), every one of those points must occur, and the ledger's plan-priced
+    buffers must be the larger of the two passes' largest sums (the backward's plus its
+    per-row index bytes)."""
     import lrmoe.ops.experts as ops
     import lrmoe.parallel.exchange as exchange
     from live_rows import LiveRows
@@ -269,15 +270,19 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     traced = [exchange.ExpertExchange.backward, exchange._experts_backward,
               exchange._rebuild_gate_up, ops.swiglu_backward_owned]
     seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
-    seen = {"gathered": False, "rec": False}
+    seen = {"gathered": False, "rec": False, "copy": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)
         xin = x[me * T:(me + 1) * T].clone().requires_grad_()
-        out = lay(xin.view(1, T, H))
+        live_fwd = LiveRows((H, F, 2 * F), [exchange.ExpertExchange.forward, ops.swiglu_forward],
+                            seams, count=[xin])
+        with live_fwd:
+            out = lay(xin.view(1, T, H))
         node = exchange_node(out)
         plan = node.st.plan
         dout = torch.ones_like(out)
         kept = {_storage(t)[0]: t.untyped_storage().nbytes() for t in node.kept.values()}
+        forward = {sum(p.values()) - sum(kept.values()) for _, p in live_fwd.points}
         live = LiveRows((H, F, 2 * F), traced, seams, count=[*node.kept.values(), dout])
         with live:
             out.backward(dout)
@@ -291,14 +296,18 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         assert max(measured) == b * max(points.values()), (case, me, max(measured), points)
         missing = {name: v for name, v in points.items() if b * v not in measured}
         assert not missing, (case, me, missing)
+        # the forward: the layer input, the exchange's rows, the kept rows as they are made
+        fpoints = one.forward_points(Tt, R, h, k, rec, h)
+        assert max(forward) == b * max(fpoints.values()), (case, me, max(forward), fpoints)
+        missing = {name: v for name, v in fpoints.items() if b * v not in forward}
+        assert not missing, (case, me, missing)
         buf = one.rank_terms(plan, plan_buffers=True)[me]["buffers"]
         assert buf == one.plan_buffer_bytes(R, h, k, rec, bw, plan.exact)
-        kept_rows = k * (H + 2 * F) - rec * 2 * F + h * H  # this layer's, before its forward ends
-        fwd = max(Tt * H + R * (2 * H + 3 * F), Tt * H + h * H + R * H) - kept_rows
-        assert buf == max(b * fwd, b * max(points.values()) + n * (20 + 16 * gth)), (case, me)
+        assert buf == max(max(forward), max(measured) + n * (20 + 16 * gth)), (case, me)
         seen["gathered"] |= bool(gth)
         seen["rec"] |= rec > 0
+        seen["copy"] |= buf == b * fpoints.get("keep_copy", -1)  # the kept rows' copy is the peak
     if case == "lrmoe_trimmed":
-        assert seen["gathered"]
+        assert seen["gathered"] and seen["copy"]
     if case.endswith("recompute"):
         assert seen["rec"]

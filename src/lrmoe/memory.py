@@ -289,15 +289,16 @@ class Ledger:
         the largest, over the points of :meth:`backward_points`, of the rows alive minus
         this layer's kept rows (it can be smaller than the transients alone), plus the
         per-row indices of the expert backward. With ``bwd`` (a known plan,
-        :meth:`backward_rows`) the rows are the plan's *selected* rows, and the forward's
-        points (beyond what the layer then keeps) are included. Without it (planning time)
-        the counts are priced as the exact plan of ``R`` received and ``h`` home pairs
-        (every row in backward, none gathered), independent of the retention (a trimmed
-        plan whose selection is gathered can need more than that). ``exact``: the plan
+        :meth:`backward_rows`) the rows are the plan's *selected* rows, and the points of
+        :meth:`forward_points` (beyond what the layer then keeps) are included. Without
+        it (planning time) the counts are priced as the exact plan of ``R`` received and
+        ``h`` home pairs (every row in backward, none gathered), independent of the
+        retention (a trimmed plan, whose kept rows are copies and whose selection may be
+        gathered, can need more than that). ``exact``: the plan
         is exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
         :meth:`kept_bytes`).
         """
-        R, h, H, F = int(received_pairs), int(home_pairs), self.H, self.F
+        R, h = int(received_pairs), int(home_pairs)
         k = R if retained_pairs is None else int(retained_pairs)
         rec = int(recomputed_pairs)
         T = -(-h // self.top_k)
@@ -308,11 +309,33 @@ class Ledger:
         back += n * (20 + 16 * bool(gth))
         if bwd is None:
             return back
-        # the forward's points come before this layer keeps anything: beyond its kept rows
+        return max(back, max(self.forward_points(T, R, h, k, rec, y).values()) * b)
+
+    def forward_points(self, T: int, R: int, h: int, k: int, rec: int, y: int) -> dict[str, int]:
+        """Elements in row tensors alive at each candidate peak of one rank's forward,
+        minus this layer's kept rows (as :meth:`backward_points`; they are being made
+        here), for ``T`` home tokens, ``h`` home pairs, ``R`` received pairs, ``k`` of
+        them retained (``rec`` recomputed) and ``y`` combined rows kept. The layer input
+        ``T·H`` (compute dtype) is alive throughout. The kept rows are copied out of the
+        experts' ``x`` and ``gu`` while those and the expert output ``y`` are still alive
+        (``parallel/exchange.py``): the retained rows of a trimmed plan (``k < R``), the
+        saved part of ``gu`` when ``rec`` rows are recomputed; an exact plan without
+        recompute keeps the experts' tensors themselves (no copy). After that every kept
+        row but ``y`` is alive, so the points that follow are net of ``y·H`` only (for an
+        exact plan the first two equal the backward's permute and ship points)."""
+        H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
-        return max(back,
-                   (T * H + R * (2 * H + 3 * F) - kept) * b,   # forward, at the y GEMM
-                   (T * H + h * H + R * H - kept) * b)         # forward, the dispatch
+        p = {
+            "dispatch": T * H + h * H + R * H - kept,       # rows sent and received
+            "y_gemm": T * H + R * (2 * H + 3 * F) - kept,   # x, gu, act, y
+            "y_unpermute": T * H + 2 * R * H - y * H,       # y in instance and arrival order
+            "y_ship": T * H + (R + h) * H - y * H,          # y sent home and arrived
+            "combine": 2 * T * H + h * H - y * H,           # y home and the layer output
+        }
+        copied = (k < R) * k * H + (k < R or rec > 0) * (k - rec) * 2 * F
+        if copied:  # x, gu, y beside the copies that will be kept
+            p["keep_copy"] = T * H + R * (2 * H + 2 * F) + copied - kept
+        return p
 
     def backward_points(self, T: int, n: int, ps: int, k: int, rec: int, y: int,
                         gathered: bool) -> dict[str, int]:

@@ -59,9 +59,10 @@ before training with a message naming the difference.
 workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless already set): two runs of one
 seed then repeat each other where torch has deterministic kernels (scatter-adds and
 index-adds included), and an exact policy's loss curve is the same for static and SYMI
-up to the summation order its placement changes. Without it, GPU atomics make repeated
-runs drift apart (on an H200, static and SYMI without replicas crossed the target 11%
-apart in one run: ``benchmarks/RESULTS.md``). Kernels without a deterministic version
+up to the summation order its placement changes. Without it, CUDA atomics (lrmoe's
+replica-gradient and selection sums use ``index_add_``) make repeated runs drift apart
+(on an H200 a re-run of one lrmoe variant at the same seed moved its ratio by ±0.1:
+``benchmarks/RESULTS.md``). Kernels without a deterministic version
 warn and run as before. Emulated times are of the kernels actually run.
 """
 

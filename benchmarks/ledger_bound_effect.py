@@ -37,6 +37,7 @@ from lrmoe.memory import Ledger, fmt_bytes, parse_bytes  # noqa: E402
 from lrmoe.policy.base import PlanInputs  # noqa: E402
 from lrmoe.policy.static import StaticPolicy  # noqa: E402
 from lrmoe.policy.symi import plan_symi  # noqa: E402
+from lrmoe.sim.ttl import balanced_budget  # noqa: E402
 
 
 def peaks(ledger: Ledger, plan, tokens: int) -> tuple[int, int]:
@@ -55,19 +56,21 @@ def analyse(cfg: ModelConfig, trace_path: str, budget: int, experts_grad: bool,
     tr = read_trace(trace_path, data, E, k, n_steps)  # every step
     counts = tr.counts(G, T, k)
     L = len(data["steps"][0])
-    # popularity: the previous step's loads of the same layer (SYMI's input)
-    pops = [counts[max(i - L, 0)].sum(0) for i in range(len(counts))]
+    # popularity: the previous step's loads of the same layer (SYMI's input; the first
+    # step's own, as bench ttl's profile takes it)
+    pops = [counts[i - L if i >= L else i].sum(0) for i in range(len(counts))]
     led = Ledger.for_dtype(cfg, G, budget, "bf16", optimizer_offload="host",
                            router_grad_at_experts=experts_grad)
     st = [peaks(led, StaticPolicy().plan(c, PlanInputs()), T) for c in counts]
     # bench ttl's --budget-retain-fraction 0.8 rule (a balanced static rank keeping 80% of
-    # its pairs' activations), priced both ways
-    bal = StaticPolicy().plan(
-        torch.full((G, E), T * k // E, dtype=torch.long), PlanInputs())
-    t_p = led.rank_terms(bal, T)[0]
-    t_c = led.rank_terms(bal, T, plan_buffers=True)[0]
+    # its pairs' activations, priced by a ledger with the combined rows, as bench ttl
+    # does): the planners' account is balanced_budget itself; the code-derived one applies
+    # the same rule to the balanced rank's code-derived total
+    bal = StaticPolicy().plan(torch.full((G, E), T * k // E, dtype=torch.long), PlanInputs())
+    t_c = Ledger.for_dtype(cfg, G, None, "bf16", optimizer_offload="host").rank_terms(
+        bal, T, plan_buffers=True)[0]
     out = {"G": G, "tokens_per_rank": T, "samples": len(counts), "budget": budget,
-           "balanced_0.8_budget": {"planners": int(t_p["total"] - 0.2 * t_p["retained_acts"]),
+           "balanced_0.8_budget": {"planners": balanced_budget(cfg, G, T, 0.8, "bf16", "host"),
                                    "code": int(t_c["total"] - 0.2 * t_c["retained_acts"])},
            "static": {"fits_planners": sum(p <= budget for p, _ in st),
                       "fits_code": sum(c <= budget for _, c in st),

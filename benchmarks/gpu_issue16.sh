@@ -14,16 +14,7 @@ set -uo pipefail
 OUT=${1:?outdir}; TOTAL=${2:-540}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$OUT/layer" "$OUT/ledger" "$OUT/prof"
-START=$SECONDS
-left() { echo $(( TOTAL - (SECONDS - START) - $1 )); }
-step() {  # name reserve command...: run with the time left minus reserve, show its tail
-  local name=$1 reserve=$2; shift 2
-  local t; t=$(left "$reserve")
-  if [ "$t" -lt 40 ]; then echo "== $name: skipped (${t}s left)"; return; fi
-  echo "== $name (limit ${t}s)"
-  timeout "$t" "$@" > "/tmp/$name.log" 2>&1
-  echo "== $name rc=$? after $((SECONDS - START))s"; tail -25 "/tmp/$name.log"
-}
+. benchmarks/gpu_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 step layer 200 python3 benchmarks/moe_layer.py --out "$OUT/layer" --budget-s $(( TOTAL / 2 ))
 step ledger 90 python3 benchmarks/ledger_peak.py --out "$OUT/ledger"

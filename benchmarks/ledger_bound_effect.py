@@ -1,7 +1,8 @@
 """How much the planners' conservative transient bound decides who fits (issue 14) — MODELLED.
 
-The planners price one layer's transients with ``Ledger.buffer_bytes`` (every received
-row charged the backward's largest per-row set); on an H200 the peak measured for static
+Until 2026-12-02 the planners priced one layer's transients with ``Ledger.buffer_bytes``
+(every received row charged the backward's largest per-row set; ``Ledger(transients=
+"bound")`` here, since they now price the code-derived account); on an H200 the peak measured for static
 and SYMI ranks was 0.97–1.00 of the transients derived from the code for the executed
 plan (``Ledger.rank_terms(plan, plan_buffers=True)``) and only 0.57–0.68 of the planners'
 bound (``benchmarks/RESULTS.md``, issue 16, fourth session). This script replays the
@@ -60,7 +61,7 @@ def analyse(cfg: ModelConfig, trace_path: str, budget: int, experts_grad: bool,
     # step's own, as bench ttl's profile takes it)
     pops = [counts[i - L if i >= L else i].sum(0) for i in range(len(counts))]
     led = Ledger.for_dtype(cfg, G, budget, "bf16", optimizer_offload="host",
-                           router_grad_at_experts=experts_grad)
+                           router_grad_at_experts=experts_grad, transients="bound")
     st = [peaks(led, StaticPolicy().plan(c, PlanInputs()), T) for c in counts]
     # bench ttl's --budget-retain-fraction 0.8 rule (a balanced static rank keeping 80% of
     # its pairs' activations, priced by a ledger with the combined rows, as bench ttl
@@ -70,7 +71,8 @@ def analyse(cfg: ModelConfig, trace_path: str, budget: int, experts_grad: bool,
     t_c = Ledger.for_dtype(cfg, G, None, "bf16", optimizer_offload="host").rank_terms(
         bal, T, plan_buffers=True)[0]
     out = {"G": G, "tokens_per_rank": T, "samples": len(counts), "budget": budget,
-           "balanced_0.8_budget": {"planners": balanced_budget(cfg, G, T, 0.8, "bf16", "host"),
+           "balanced_0.8_budget": {"planners": balanced_budget(cfg, G, T, 0.8, "bf16", "host",
+                                                               "bound"),
                                    "code": int(t_c["total"] - 0.2 * t_c["retained_acts"])},
            "static": {"fits_planners": sum(p <= budget for p, _ in st),
                       "fits_code": sum(c <= budget for _, c in st),

@@ -51,7 +51,7 @@ def test_the_two_accounts_decide_fits_separately(tmp_path):
     # planners' bound refuses the samples whose planners' peak is above it (some here)
     counts = lbe.read_trace(path, json.loads(Path(path).read_text()), cfg.num_experts,
                             cfg.num_experts_per_tok, 5).counts(4, 64, cfg.num_experts_per_tok)
-    led = Ledger.for_dtype(cfg, 4, None, "bf16", optimizer_offload="host")
+    led = Ledger.for_dtype(cfg, 4, None, "bf16", optimizer_offload="host", transients="bound")
     per = [lbe.peaks(led, StaticPolicy().plan(c, PlanInputs()), 64) for c in counts]
     budget = st["max_code"]
     r = lbe.analyse(cfg, path, budget, False, max_s=cfg.num_experts // 4 + 2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -120,12 +122,17 @@ def test_rank_terms_and_check():
         t = terms[r]
         assert t["owned_state"] == 3 * (E // G) * led.P_params * 16
         assert t["instance_weights"] == t["instance_grads"] == 3 * (E // G) * led.P_params * 2
-        assert t["buffers"] == led.buffer_bytes(int(recv[r]), int(home[r]))  # once
+        R, h = int(recv[r]), int(home[r])
+        assert t["buffers"] == led.planned_buffer_bytes(R, h, R, 0, exact=True)  # once
+        assert t["buffers"] == led.plan_buffer_bytes(R, h, R, 0, exact=True)  # exact plan
         assert t["retained_acts"] == 3 * int(recv[r]) * led.A
         assert t["total"] == sum(v for k, v in t.items() if k != "total")
+        bound = dataclasses.replace(led, transients="bound").rank_terms(plan)[r]
+        assert bound["buffers"] == led.buffer_bytes(R, h) > t["buffers"]
     # tokens_per_rank_home sizes the home buffers as tokens * top_k
     t2 = led.rank_terms(plan, tokens_per_rank_home=100)
-    assert t2[0]["buffers"] == led.buffer_bytes(int(recv[0]), 100 * cfg.num_experts_per_tok)
+    assert t2[0]["buffers"] == led.planned_buffer_bytes(
+        int(recv[0]), 100 * cfg.num_experts_per_tok, int(recv[0]), 0, exact=True)
 
     worst = max(t["total"] for t in terms)
     Ledger(cfg, G, worst, 2, 2, 3).check(plan)  # exactly at budget fits
@@ -164,25 +171,26 @@ def test_ledger_rejects_bad_fields():
 
 
 def test_recompute_needed_is_the_fewest_pairs_that_fit():
-    """Recomputing n pairs frees n·L·2F·bytes; the ledger asks for the least n that fits."""
+    """The total is not monotone in the recomputed count (recomputing frees a pair's
+    gate_up rows on every layer, but the backward's rebuild points grow with it), so the
+    ledger's interval arithmetic is checked against a brute force over every count, for
+    both accounts (exact and trimmed plans), for budgets across the whole range."""
     cfg = _cfg()
     G = 2
     led0 = Ledger(cfg, G)
     n_inst, recv, home, kept = 4, 50, 40, 50
-    full = led0.terms(n_inst, recv, home, kept)["total"]
-    all_rec = led0.terms(n_inst, recv, home, kept, kept)["total"]
     assert led0.A_recompute == cfg.hidden_size * 4
-    assert full - all_rec == led0.L * kept * 2 * cfg.moe_intermediate_size * 4
     g = torch.Generator().manual_seed(0)
-    for budget in torch.randint(all_rec, full + 1, (20,), generator=g).tolist():
-        led = Ledger(cfg, G, budget)
-        n = led.recompute_needed(n_inst, recv, home, kept)
-        assert 0 <= n <= kept
-        assert led.terms(n_inst, recv, home, kept, n)["total"] <= budget
-        if n > 0:
-            assert led.terms(n_inst, recv, home, kept, n - 1)["total"] > budget
-    assert Ledger(cfg, G, full).recompute_needed(n_inst, recv, home, kept) == 0
-    assert Ledger(cfg, G, all_rec - 1).recompute_needed(n_inst, recv, home, kept) == -1
+    for exact in (True, False):
+        tot = [led0.terms(n_inst, recv, home, kept, m, exact)["total"] for m in range(kept + 1)]
+        assert tot[kept] < tot[0]  # recomputing everything does help here (L = 3)
+        lo, hi = min(tot) - 50, tot[0] + 50
+        for budget in torch.randint(lo, hi + 1, (40,), generator=g).tolist() + [min(tot)]:
+            led = Ledger(cfg, G, budget)
+            n = led.recompute_needed(n_inst, recv, home, kept, exact)
+            want = next((m for m, t in enumerate(tot) if t <= budget), -1)
+            assert n == want, (exact, budget, n, want)
+        assert Ledger(cfg, G, tot[0]).recompute_needed(n_inst, recv, home, kept, exact) == 0
     assert led0.recompute_needed(n_inst, recv, home, kept) == 0  # no budget
     with pytest.raises(LrmoeError, match="recomputed_pairs"):
         led0.terms(n_inst, recv, home, kept, kept + 1)
@@ -198,16 +206,18 @@ def test_exact_fit_modes():
     free = Ledger(cfg, G)
     plain = free.rank_terms(plan)
     recv = plan.assign_GGS.sum(dim=(0, 2)).tolist()
-    full_rec = [free.terms(4, recv[r], int(counts[r].sum()), recv[r], recv[r])["total"]
-                for r in range(G)]
-    none_kept = [free.terms(4, recv[r], int(counts[r].sum()), 0)["total"] for r in range(G)]
+    # the least any recompute count needs (not monotone in the count: see above)
+    full_rec = [min(free.terms(4, recv[r], int(counts[r].sum()), recv[r], m, True)["total"]
+                    for m in range(recv[r] + 1)) for r in range(G)]
+    none_kept = [free.terms(4, recv[r], int(counts[r].sum()), 0, exact=True)["total"]
+                 for r in range(G)]
     assert Ledger(cfg, G, max(t["total"] for t in plain)).exact_fit(plan)[:2] == ("fits", [0, 0])
     # rank 0 (hot) over, rank 1 fits: only rank 0 recomputes, the fewest pairs
     assert plain[0]["total"] > max(full_rec[0], plain[1]["total"])
     budget = (plain[0]["total"] + max(full_rec[0], plain[1]["total"])) // 2
     led = Ledger(cfg, G, budget)
     mode, rec, terms = led.exact_fit(plan)
-    assert rec == [led.recompute_needed(*c) for c in led._rank_counts(plan, None)]
+    assert rec == [led.recompute_needed(*c, exact=True) for c in led._rank_counts(plan, None)]
     assert mode == "pairs" and rec[0] > 0 and rec[1] == 0 and terms[1] == plain[1]
     assert max(t["total"] for t in terms) <= budget
     # below what recomputing every pair allows, but above the layer checkpoint's need

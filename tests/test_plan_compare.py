@@ -169,7 +169,7 @@ def _compare(tmp_path, capsys, *extra):
 
 
 def test_compare_rows_fit_and_budgets(tmp_path, capsys):
-    eps, budgets = [2, 4], ["12MiB", "14.5MiB", "64MiB"]
+    eps, budgets = [2, 4], ["12MiB", "14MiB", "64MiB"]
     rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "2,4", "--budgets", ",".join(budgets))
     assert rc == 0, cap.err
     rep = json.loads(out.read_text())
@@ -216,7 +216,7 @@ def test_compare_rows_fit_and_budgets(tmp_path, capsys):
     # ep 2: the owned state alone exceeds 12 MiB; ep 4 at 14.5 MiB: static recomputes
     assert all(not by[(2, "12MiB", p)]["fits"] for p in ("static", "symi", "lrmoe"))
     assert "owned state" in by[(2, "12MiB", "lrmoe")]["reason"]
-    assert by[(4, "14.5MiB", "static")]["fits"] and by[(4, "14.5MiB", "static")]["recompute_ratio"] > 0
+    assert by[(4, "14MiB", "static")]["fits"] and by[(4, "14MiB", "static")]["recompute_ratio"] > 0
     lr, sy = by[(4, "64MiB", "lrmoe")], by[(4, "64MiB", "symi")]
     assert lr["lrmoe_over_symi"] == pytest.approx(lr["modelled_layer_ms"] / sy["modelled_layer_ms"])
 
@@ -314,7 +314,7 @@ def _unmeasured(row: dict) -> dict:
 def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
     """--lrmoe-recompute: lrmoe keeps at least as many pairs, reports its recompute
     ratio and charges bwd_recompute time; the exact policies are unaffected."""
-    args = ("--ep-list", "4", "--budgets", "14.5MiB,64MiB")
+    args = ("--ep-list", "4", "--budgets", "13MiB,64MiB")
     rc, cap, out = _compare(tmp_path, capsys, *args)
     assert rc == 0, cap.err
     base = {(r["budget"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
@@ -328,4 +328,4 @@ def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
         assert r["fits"] and r["keep_ratio"] >= base[key]["keep_ratio"]
         assert r["recompute_ratio"] is not None and base[key]["recompute_ratio"] is None
         assert (r["recompute_ratio"] > 0) == (r["modelled_stages_ms"]["bwd_recompute"] > 0)
-    assert rec[("14.5MiB", "lrmoe")]["recompute_ratio"] > 0
+    assert rec[("13MiB", "lrmoe")]["recompute_ratio"] > 0

@@ -271,15 +271,18 @@ def test_recompute_ledger_charges_time_not_math():
     gate_up_share = (2 * Fd * Hd) / (2 * Fd * Hd + Hd * Fd)
     plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
                      torch.arange(E).reshape(G, E // G))
-    free = Ledger(layer.cfg, G, num_moe_layers=1)
+    # planned for 4 layers: with one, recomputing saves about what the backward's
+    # rebuild points cost (Ledger.recompute_needed), so "pairs" would never be the mode
+    free = Ledger(layer.cfg, G, num_moe_layers=4)
     plain = max(t["total"] for t in free.rank_terms(plan))
     cnt = free._rank_counts(plan, None)
-    all_rec = max(free.terms(*c, c[3])["total"] for c in cnt)
-    none_kept = max(free.terms(*c[:3], 0)["total"] for c in cnt)
+    all_rec = max(min(free.terms(*c, m, exact=True)["total"] for m in range(c[3] + 1))
+                  for c in cnt)
+    none_kept = max(free.terms(*c[:3], 0, exact=True)["total"] for c in cnt)
     assert none_kept < all_rec < plain
     for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer"),
                          (none_kept - 1, "over")):
-        led = Ledger(layer.cfg, G, budget, num_moe_layers=1)
+        led = Ledger(layer.cfg, G, budget, num_moe_layers=4)
         v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
         got = run(v, layer, x, coeff)
         for k in got:
@@ -311,10 +314,10 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     layer, idx, x, coeff = make_case(5)
     plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
                      torch.arange(E).reshape(G, E // G))
-    budget = max(t["total"] for t in Ledger(layer.cfg, G, num_moe_layers=1).rank_terms(plan)) - 1
+    budget = max(t["total"] for t in Ledger(layer.cfg, G, num_moe_layers=4).rank_terms(plan)) - 1
     got = {}
-    for rg in ("home", "experts"):
-        led = Ledger(layer.cfg, G, budget, num_moe_layers=1,
+    for rg in ("home", "experts"):  # 4 layers: recompute pays (see the test above)
+        led = Ledger(layer.cfg, G, budget, num_moe_layers=4,
                      router_grad_at_experts=rg == "experts")
         v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
                            recompute_ledger=led)

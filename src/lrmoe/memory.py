@@ -12,7 +12,7 @@ owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer ×
   (offload "host")   2 · (E/G) · 3HF · bytes_w (staging)          once
 instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
 instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
-buffers              see :meth:`Ledger.buffer_bytes`              once (transient)
+buffers              see :meth:`Ledger.planned_buffer_bytes`      once (transient)
 retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer × L
 combine_rows         P_home · H · bytes_act                       per layer × L
 pair_index           P_home · 28                                  per layer × L
@@ -32,12 +32,18 @@ pair_index           P_home · 28                                  per layer × 
   are ignored (4 bytes per tensor).
 * Instances: every occupied slot materialises its expert's weights and a gradient
   buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.
-* Buffers (:meth:`Ledger.buffer_bytes`): the largest set of transients alive at once
-  in one layer's forward or backward (``parallel/exchange.py``), on top of what is kept
-  for backward. They are freed before the next layer runs, so they count once, not per
-  layer. The backward frees the layer's kept rows as it goes, which
-  :meth:`Ledger.plan_buffer_bytes` prices (net of them); ``buffer_bytes``, what the
-  planners use, does not (a conservative bound).
+* Buffers (:meth:`Ledger.planned_buffer_bytes`): the largest set of row tensors alive at
+  once in one layer's forward or backward (``parallel/exchange.py``), net of what the
+  layer keeps for backward (the backward frees its kept rows as it goes), derived from
+  the code point by point (:meth:`Ledger.forward_points`, :meth:`Ledger.backward_points`)
+  and checked against it (``tests/test_ledger_truth.py``; the H200's peak in
+  ``benchmarks/ledger_peak.py``). They are freed before the next layer runs, so they
+  count once, not per layer. A planner knows counts, not rows: exact plans are priced as
+  they run, trimmed ones by a bound over the selections they allow. As a function of the
+  counts the total is the largest of a few affine pieces (:meth:`Ledger.total_pieces`),
+  which the solvers (:meth:`Ledger.retain_capacity`, :meth:`Ledger.recompute_needed`)
+  and the planners' vectorised view work on. ``transients="bound"`` prices the older
+  per-row bound (:meth:`Ledger.buffer_bytes`, 1.5–1.75× the H200's peak) instead.
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
 * Combined rows: every home pair's expert output row comes back home (``y_send``) and
@@ -71,14 +77,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 
+TRANSIENTS = ("code", "bound")  # what the buffers term prices (Ledger.transients)
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
          "combine_rows", "pair_index")
 PAIR_INDEX_BYTES = 4 + 3 * 8  # per home pair: gate (fp32) and three int64 indices
@@ -170,6 +178,8 @@ class Ledger:
     num_moe_layers: int | None = None
     optimizer_offload: str = "device"
     router_grad_at_experts: bool = False
+    transients: str = "code"
+    _pieces_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         E = self.model_cfg.num_experts
@@ -180,6 +190,8 @@ class Ledger:
         if self.num_moe_layers is None:
             self.num_moe_layers = len(self.model_cfg.moe_layers)
         require(self.num_moe_layers >= 1, f"num_moe_layers={self.num_moe_layers} must be >= 1")
+        require(self.transients in TRANSIENTS,
+                f"ledger transients {self.transients!r}: use one of {', '.join(TRANSIENTS)}")
         require(self.optimizer_offload in ("device", "host"),
                 f"optimizer offload {self.optimizer_offload!r}: use device or host")
         for name in ("bytes_w", "bytes_act"):
@@ -191,14 +203,15 @@ class Ledger:
     @classmethod
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
                   dtype: str = "bf16", num_moe_layers: int | None = None,
-                  optimizer_offload: str = "device", router_grad_at_experts: bool = False) -> Ledger:
+                  optimizer_offload: str = "device", router_grad_at_experts: bool = False,
+                  transients: str = "code") -> Ledger:
         """A ledger whose weights and activations are both in ``dtype``."""
         if dtype not in DTYPE_BYTES:
             raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
         return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers, optimizer_offload,
-                   router_grad_at_experts)
+                   router_grad_at_experts, transients)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -281,37 +294,107 @@ class Ledger:
         H200: the measured peak, ``benchmarks/ledger_peak.py``): one layer's transients
         on one rank, at the largest point of its forward or backward
         (``parallel/exchange.py``, ``ops/experts.py``), on top of the layer's kept terms.
-        Derivation: ``docs/design.md`` §5. Not yet what the planners price
-        (:meth:`buffer_bytes`); ``rank_terms(plan, plan_buffers=True)`` uses it.
+        Derivation: ``docs/design.md`` §5.
 
         The backward drops each kept row tensor at its last use (the combined rows after
         the router gradient, the saved rows inside the expert backward), so the term is
-        the largest, over the points of :meth:`backward_points`, of the rows alive minus
-        this layer's kept rows (it can be smaller than the transients alone), plus the
-        per-row indices of the expert backward. With ``bwd`` (a known plan,
-        :meth:`backward_rows`) the rows are the plan's *selected* rows, and the points of
-        :meth:`forward_points` (beyond what the layer then keeps) are included. Without
-        it (planning time) the counts are priced as the exact plan of ``R`` received and
-        ``h`` home pairs (every row in backward, none gathered), independent of the
-        retention (a trimmed plan, whose kept rows are copies and whose selection may be
-        gathered, can need more than that). ``exact``: the plan
-        is exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
-        :meth:`kept_bytes`).
+        the largest, over the points of :meth:`forward_points` and
+        :meth:`backward_points`, of the rows alive minus this layer's kept rows (it can
+        be smaller than the transients alone), plus the per-row indices of the expert
+        backward. With ``bwd`` (a known plan, :meth:`backward_rows`) the backward's rows
+        are the plan's *selected* rows; without it, those of an exact plan (``R``
+        received and ``h`` home rows in backward, none gathered). ``exact``: the plan is
+        exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
+        :meth:`kept_bytes`). What the planners price is :meth:`planned_buffer_bytes`.
         """
         R, h = int(received_pairs), int(home_pairs)
         k = R if retained_pairs is None else int(retained_pairs)
         rec = int(recomputed_pairs)
         T = -(-h // self.top_k)
-        b = self.bytes_act
-        n, ps, gth = (R, h, False) if bwd is None else (bwd.rows_in, bwd.rows_out, bwd.gathered)
-        y = 0 if (exact or bwd is None) and self.router_grad_at_experts else h
-        back = max(self.backward_points(T, n, ps, k, rec, y, gth).values()) * b
-        back += n * (20 + 16 * bool(gth))
-        if bwd is None:
-            return back
-        return max(back, max(self.forward_points(T, R, h, k, rec, y).values()) * b)
+        bwd = BackwardRows(R, h, False) if bwd is None else bwd
+        n, ps, gth = bwd.rows_in, bwd.rows_out, bwd.gathered
+        y = 0 if exact and self.router_grad_at_experts else h
+        back = max(self.backward_points(T, n, ps, k, rec, y, gth).values())
+        fwd = max(self.forward_points(T, R, h, k, rec, y).values())
+        return max(back * self.bytes_act + n * (20 + 16 * bool(gth)), fwd * self.bytes_act)
 
-    def forward_points(self, T: int, R: int, h: int, k: int, rec: int, y: int) -> dict[str, int]:
+    def _planned_points(self, h: int, exact: bool, rec_branch: bool):
+        """``(R, k, rec) -> {point: bytes}`` of the account the planners price
+        (:meth:`planned_buffer_bytes`; the backward's points with its per-row index
+        bytes), with the branch's points fixed (``rec_branch``: the points that exist
+        only when rows are recomputed), so that every point is affine in ``(R, k, rec)``:
+        what :meth:`buffer_pieces` reads off."""
+        T = -(-int(h) // self.top_k)
+        y = 0 if exact and self.router_grad_at_experts else int(h)
+        b = self.bytes_act
+
+        def at(R: int, k: int, rec: int) -> dict[str, int]:
+            if exact:  # every received row in backward, none gathered, no input copy
+                n, gth, cx = R, False, False
+            else:  # a trimmed plan: at most every retained row selected (n <= k), every
+                # home row sent, the saved rows gathered, the retained rows copied
+                n, gth, cx = k, True, True
+            idx = n * (20 + 16 * gth)
+            out = {"bwd_" + name: v * b + idx for name, v in
+                   self.backward_points(T, n, h, k, rec, y, gth, rebuild=rec_branch).items()}
+            out.update({"fwd_" + name: v * b for name, v in self.forward_points(
+                T, R, h, k, rec, y, copy_x=cx, copy_gu=cx or rec_branch).items()})
+            return out
+        return at
+
+    def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
+        """The planners' buffers term (:meth:`planned_buffer_bytes`) for ``h`` home pairs
+        as affine pieces: int64 ``[P, 4]`` rows ``(const, per R, per k, per rec)`` in
+        bytes, whose largest value at ``(R, k, rec)`` is the term (``rec_branch``: the
+        pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
+        the unit vectors (they are affine there) and checked at a generic point; pieces
+        another one bounds everywhere are dropped. With ``transients="bound"``:
+        :meth:`buffer_bytes`' own pieces."""
+        h = int(home_pairs)
+        key = (h, bool(exact), bool(rec_branch), self.transients, self.bytes_act,
+               self.router_grad_at_experts, self.H, self.F, self.top_k)
+        hit = self._pieces_memo.get(key)
+        if hit is not None:
+            return hit
+        if self.transients == "bound":
+            b, H, F, T = self.bytes_act, self.H, self.F, -(-h // self.top_k)
+            out = np.array([[T * H * b, (2 * H + 3 * F) * b, 0, 0],
+                            [(T * H + h * H) * b, H * b, 0, 0],
+                            [(T * H + h * H) * b, (4 * H + 6 * F) * b, 0, 0]], dtype=np.int64)
+        else:
+            at = self._planned_points(h, exact, rec_branch)
+            p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
+            out = np.array([[v0] + [p[name] - v0 for p in rest] for name, v0 in p0.items()],
+                           dtype=np.int64)
+            x = np.array([1, 1013, 701, 307], dtype=np.int64)  # affine check, generic point
+            if not np.array_equal(out @ x, np.array(list(at(*x[1:].tolist()).values()))):
+                raise AssertionError("a ledger point is not affine in (R, k, rec)")
+        keep = [i for i, r in enumerate(out)  # drop pieces another bounds everywhere
+                if not any(j != i and (o >= r).all() and ((o > r).any() or j < i)
+                           for j, o in enumerate(out))]
+        out = out[keep]
+        if len(self._pieces_memo) > 256:
+            self._pieces_memo.clear()
+        self._pieces_memo[key] = out
+        return out
+
+    def planned_buffer_bytes(self, received_pairs: int, home_pairs: int, retained_pairs: int,
+                             recomputed_pairs: int = 0, exact: bool = False) -> int:
+        """The buffers term the planners price (``transients="code"``, the default): the
+        code-derived account (:meth:`plan_buffer_bytes`) of a plan known only by its
+        counts. ``exact``: every received row in backward, none gathered (static, SYMI).
+        Otherwise a bound for any trimmed plan with these counts (LRMoE): every retained
+        row selected (the selection is a subset of the retention), every home row sent,
+        the saved rows gathered and copied. ``transients="bound"``: :meth:`buffer_bytes`.
+        """
+        pieces = self.buffer_pieces(home_pairs, exact, int(recomputed_pairs) > 0)
+        x = np.array([1, int(received_pairs), int(retained_pairs), int(recomputed_pairs)],
+                     dtype=np.int64)
+        return int((pieces @ x).max())
+
+    def forward_points(self, T: int, R: int, h: int, k: int, rec: int, y: int,
+                       copy_x: bool | None = None, copy_gu: bool | None = None
+                       ) -> dict[str, int]:
         """Elements in row tensors alive at each candidate peak of one rank's forward,
         minus this layer's kept rows (as :meth:`backward_points`; they are being made
         here), for ``T`` home tokens, ``h`` home pairs, ``R`` received pairs, ``k`` of
@@ -322,7 +405,9 @@ class Ledger:
         saved part of ``gu`` when ``rec`` rows are recomputed; an exact plan without
         recompute keeps the experts' tensors themselves (no copy). After that every kept
         row but ``y`` is alive, so the points that follow are net of ``y·H`` only (for an
-        exact plan the first two equal the backward's permute and ship points)."""
+        exact plan the first two equal the backward's permute and ship points).
+        ``copy_x``/``copy_gu`` force whether the input rows / gate_up rows are copied
+        (default: as the code decides from ``k < R`` and ``rec``)."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -332,20 +417,23 @@ class Ledger:
             "y_ship": T * H + (R + h) * H - y * H,          # y sent home and arrived
             "combine": 2 * T * H + h * H - y * H,           # y home and the layer output
         }
-        copied = (k < R) * k * H + (k < R or rec > 0) * (k - rec) * 2 * F
-        if copied:  # x, gu, y beside the copies that will be kept
+        cx = (k < R) if copy_x is None else copy_x
+        cg = (k < R or rec > 0) if copy_gu is None else copy_gu
+        if cx or cg:  # x, gu, y beside the copies that will be kept
+            copied = cx * k * H + cg * (k - rec) * 2 * F
             p["keep_copy"] = T * H + R * (2 * H + 2 * F) + copied - kept
         return p
 
     def backward_points(self, T: int, n: int, ps: int, k: int, rec: int, y: int,
-                        gathered: bool) -> dict[str, int]:
+                        gathered: bool, rebuild: bool | None = None) -> dict[str, int]:
         """Elements in row tensors alive at each candidate peak of one rank's backward,
         minus this layer's kept rows (``k·H + (k - rec)·2F + y·H``: ``k`` retained rows,
         ``rec`` of them recomputed, ``y`` combined rows), for ``T`` home tokens, ``n``
         rows received (selected) and ``ps`` sent; ``gathered``: the saved rows are
         gathered (selection != retention). The output gradient ``T·H`` is alive
         throughout. Points dominated by these (the dx GEMM, dx's way home) are left out;
-        the code's order is walked in ``docs/design.md`` §5."""
+        the code's order is walked in ``docs/design.md`` §5. ``rebuild`` forces the
+        recompute points in or out (default: present when ``rec > 0``)."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -356,7 +444,8 @@ class Ledger:
             "dgu": T * H + n * (H + 5 * F) - kept,         # x, gu, dact, dgu
             "dx_home": 2 * T * H + ps * H - kept,          # dx back home and combined
         }
-        if rec:  # the saved gate_up rows are copied into one buffer, then the head recomputed
+        if (rec > 0) if rebuild is None else rebuild:
+            # the saved gate_up rows are copied into one buffer, then the head recomputed
             p["rebuild_copy"] = T * H + n * H + k * 2 * F - y * H
             p["rebuild_gemm"] = T * H + n * H + 2 * rec * 2 * F - y * H
         if gathered:  # x gathered (saved x dropped), then gu gathered beside the saved gu
@@ -394,8 +483,9 @@ class Ledger:
 
         ``recomputed_pairs`` (<= ``retained_pairs``) of the retained pairs keep only
         their input row (:attr:`A_recompute`) instead of :attr:`A`. ``exact``: the plan
-        is exact (:attr:`lrmoe.policy.plan.Plan.exact`); callers that do not know count
-        the combined rows (an upper bound).
+        is exact (:attr:`lrmoe.policy.plan.Plan.exact`); callers that do not know price a
+        trimmed plan (combined rows kept, the transients of
+        :meth:`planned_buffer_bytes`' bound: an upper bound).
         """
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
         rec = int(recomputed_pairs)
@@ -405,7 +495,8 @@ class Ledger:
             "owned_state": self.owner_bytes(),
             "instance_weights": inst,
             "instance_grads": inst,
-            "buffers": self.buffer_bytes(received_pairs, home_pairs),
+            "buffers": self.planned_buffer_bytes(received_pairs, home_pairs, retained_pairs,
+                                                 rec, exact),
             "retained_acts": self.L * ((int(retained_pairs) - rec) * self.A
                                        + rec * self.A_recompute),
         }
@@ -413,18 +504,87 @@ class Ledger:
         t["total"] = sum(t[k] for k in TERMS)
         return t
 
-    def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int) -> int:
-        """Most retained pairs per layer a rank can afford; negative if even 0 does not fit.
+    def total_pieces(self, home_pairs: int, exact: bool, rec_branch: bool
+                     ) -> tuple[int, np.ndarray]:
+        """``(per slot, pieces)``: a rank's total (:meth:`terms`) at ``(n, R, k, rec)``
+        is ``per_slot·n + max(pieces @ (1, R, k, rec))`` (``rec_branch``: for ``rec >=
+        1``, else ``rec = 0``). What the planners' solvers and the vectorised view
+        (:class:`lrmoe.policy.ledger_view.LedgerView`) work on."""
+        h = int(home_pairs)
+        per_slot = 2 * self.L * self.P_params * self.bytes_w
+        lin = np.array([self.owner_bytes() + self.L * sum(self.kept_bytes(h, exact).values()),
+                        0, self.L * self.A, -self.L * (self.A - self.A_recompute)],
+                       dtype=np.int64)
+        return per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
 
-        Unbounded ledgers return ``received_pairs`` (everything fits).
-        """
+    def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int,
+                        exact: bool = False) -> int:
+        """Most retained pairs per layer a rank can afford with nothing recomputed
+        (possibly more than ``received_pairs``: callers clip); negative if even 0 does
+        not fit. The total is the largest of affine pieces, each non-decreasing in the
+        retained count (:meth:`total_pieces`), so the answer is the smallest over the
+        pieces of the room each leaves. Unbounded ledgers return ``received_pairs``."""
         if self.budget_bytes is None:
             return int(received_pairs)
-        fixed = self.terms(n_instances, received_pairs, home_pairs, 0)["total"]
-        room = self.budget_bytes - fixed
-        if room < 0:
+        per_slot, P = self.total_pieces(home_pairs, exact, False)
+        room = self.budget_bytes - per_slot * int(n_instances) - P[:, 0] - P[:, 1] * int(received_pairs)
+        if (room < 0).any():
             return -1
-        return room // (self.L * self.A)
+        up = P[:, 2] > 0
+        if not up.any():
+            return int(received_pairs)
+        return int((room[up] // P[up, 2]).min())
+
+    def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
+                         retained_pairs: int, exact: bool = False) -> int:
+        """Fewest pairs per layer to recompute so the rank fits; -1 if no count up to
+        every retained pair fits. 0 when there is no budget. ``exact``: as in
+        :meth:`terms`. Recomputing frees a retained pair's gate_up rows but adds the
+        rebuild points of the backward (:meth:`backward_points`), so the total is not
+        monotone in the count: each affine piece bounds it from one side and the answer
+        is the low end of the interval they leave."""
+        if self.budget_bytes is None:
+            return 0
+        n, R, k = int(n_instances), int(received_pairs), int(retained_pairs)
+        B = self.budget_bytes
+        if self.terms(n, R, home_pairs, k, 0, exact)["total"] <= B:
+            return 0
+        per_slot, P = self.total_pieces(home_pairs, exact, True)
+        a = per_slot * n + P[:, 0] + P[:, 1] * R + P[:, 2] * k
+        d = P[:, 3]
+        lo, hi = 1, k
+        for ai, di in zip(a.tolist(), d.tolist()):
+            if di < 0:
+                lo = max(lo, -(-(ai - B) // -di))
+            elif di > 0:
+                hi = min(hi, (B - ai) // di)
+            elif ai > B:
+                return -1
+        return lo if lo <= hi else -1
+
+    def retain_capacity_recompute(self, n_instances: int, received_pairs: int,
+                                  home_pairs: int, exact: bool = False) -> tuple[int, int]:
+        """``(k, rec)``: the most pairs (at most ``received_pairs``) a rank can retain
+        when it may recompute some of them, and the fewest recomputed for that; ``(-1,
+        0)`` if even none fits. A bisection on ``k`` over :meth:`recompute_needed`
+        (feasibility is monotone in ``k``: one more retained pair never costs less, and
+        recomputing it too costs its input row)."""
+        n, R, h = int(n_instances), int(received_pairs), int(home_pairs)
+        k0 = self.retain_capacity(n, R, h, exact)
+        if k0 < 0:
+            return -1, 0
+        if k0 >= R or self.budget_bytes is None:
+            return R, 0
+        lo, hi = k0, R  # lo fits, hi unknown
+        if self.recompute_needed(n, R, h, hi, exact) >= 0:
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.recompute_needed(n, R, h, mid, exact) >= 0:
+                lo = mid
+            else:
+                hi = mid
+        return lo, max(0, self.recompute_needed(n, R, h, lo, exact))
 
     @staticmethod
     def _home_pairs(plan, home_pairs: int | None) -> Tensor:
@@ -469,22 +629,6 @@ class Ledger:
                 t["total"] += buf - t["buffers"]
                 t["buffers"] = buf
         return out
-
-    def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
-                         retained_pairs: int, exact: bool = False) -> int:
-        """Fewest pairs per layer to recompute so the rank fits; -1 if even recomputing
-        every retained pair does not fit. 0 when there is no budget. ``exact``: as in
-        :meth:`terms`."""
-        if self.budget_bytes is None:
-            return 0
-        full = self.terms(n_instances, received_pairs, home_pairs, retained_pairs,
-                          exact=exact)["total"]
-        over = full - self.budget_bytes
-        if over <= 0:
-            return 0
-        per_pair = self.L * (self.A - self.A_recompute)
-        need = -(-over // per_pair)
-        return int(need) if need <= retained_pairs else -1
 
     def exact_fit(self, plan, tokens_per_rank_home: int | None = None
                   ) -> tuple[str, list[int], list[dict[str, int]]]:

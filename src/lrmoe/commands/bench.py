@@ -89,6 +89,11 @@ def register(sub) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
                         "so no compilation lands inside a timed kernel)")
+    t.add_argument("--ledger-transients", choices=("code", "bound"), default="code",
+                   help="what every planner prices as a layer's transients: code (the rows "
+                        "alive at each point of the layer's forward and backward, checked "
+                        "against the H200's peak) or bound (the larger per-row bound used "
+                        "before 2026-12-02, to replay older budgets)")
     t.add_argument("--deterministic", action="store_true",
                    help="torch's deterministic kernels (warn-only) for every policy, so "
                         "repeated runs of a seed repeat each other (default off: GPU atomics "
@@ -129,7 +134,8 @@ def table(rep: dict) -> str:
              f"link {rep['link']['name']}; EP {rep['config']['ep']}"
              f" virtual ranks; budget "
              f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
-             " per rank. Times are emulated.", "",
+             " per rank (transients priced: "
+             f"{rep['config'].get('ledger_transients', 'bound')}). Times are emulated.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rep["policies"].items():
         st = r["steps"]
@@ -225,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
-        reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic)
+        reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
+        ledger_transients=args.ledger_transients)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

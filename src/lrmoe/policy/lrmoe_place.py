@@ -10,7 +10,7 @@ and expert with a ledger call each:
 * candidates come from the hot ranks' slots, not a scan of all experts;
 * only the ranks a move touches (its expert's hosts, whose even split changes) are
   updated: load, destination key, and (with a budget) retention capacity, kept pairs
-  and kept fraction from the ledger's affine view
+  and kept fraction from the ledger's vectorised view
   (:class:`lrmoe.policy.ledger_view.LedgerView`), with a running sum; max, count and
   sort of the per-rank lists run in C (``max``, ``list.count``, ``sorted``);
 * the smallest kept fraction is found by float comparison and used exactly (an integer
@@ -59,10 +59,7 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
             kept[r] = min(load[r], max(cap[r], 0))
             ratio[r] = kept[r] / load[r] if load[r] else inf
         sum_kept = sum(kept)
-    affine = budget and view.affine
-    if affine:
-        B, c0, cR, cn, ck = view.budget, view.c0_G.tolist(), view.cR_G.tolist(), view.cn, view.ck
-    vec = _Dests(view, load, n_inst, n_free, total, inst_of) if affine else None
+    vec = _Dests(view, load, n_inst, n_free, total, inst_of) if budget else None
 
     def try_dest(e: int, d: int, level: int, fn: int, fd: int):
         """The new instance list and even split if rank ``d`` can afford a replica of
@@ -135,12 +132,8 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
                     R = loads[r]
                     load[r] = R
                     key[r] = R * G + r if n_free[r] > 0 else full
-                    if affine:  # view.capacity_fn inlined: this runs per touched rank
-                        c = B - c0[r] - cR[r] * R - cn * n_inst[r]
-                        cap[r] = c = -1 if c < 0 else c // ck
-                    elif budget:
-                        cap[r] = c = cap_fn(r, n_inst[r], R)
                     if budget:
+                        cap[r] = c = cap_fn(r, n_inst[r], R)
                         k = R if c >= R else max(c, 0)
                         sum_kept += k - kept[r]
                         kept[r] = k
@@ -161,7 +154,7 @@ def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
 
 class _Dests:
     """Numpy mirror of the ranks' loads, instances and free slots: which destinations
-    can afford a replica, all ranks at once (affine ledger view only)."""
+    can afford a replica, all ranks at once (with a budget only)."""
 
     def __init__(self, view: LedgerView, rank_load, n_inst, n_free, total, inst_of) -> None:
         self.view, self.total, self.inst_of = view, total, inst_of
@@ -190,7 +183,7 @@ class _Dests:
         R = self.load + q + (pos < m)
         n = self.n + 1
         need = np.maximum(np.maximum(n, level), -(-(fn * R) // fd))
-        ok = self.free & (v._cap(v.c0_G, v.cR_G, n, R) >= np.minimum(R, need))
+        ok = self.free & (v.capacity(n, R) >= np.minimum(R, need))
         ok[list(held)] = False
         if not ok.any():
             return None

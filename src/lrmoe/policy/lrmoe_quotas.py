@@ -36,11 +36,10 @@ def retention(assign_GGS: np.ndarray, inst_GS: np.ndarray, home_G: np.ndarray,
             for r in np.flatnonzero(keep < recv_G).tolist():
                 # the few ranks short of room: the ledger's own recompute arithmetic
                 n, R, h = int(n_occ[r]), int(recv_G[r]), int(home_G[r])
-                room = ledger.budget_bytes - ledger.terms(n, R, h, 0)["total"]
-                more = min(R, room // (ledger.L * ledger.A_recompute))
+                more, need = ledger.retain_capacity_recompute(n, R, h)
                 if more > keep[r]:
                     keep[r] = more
-                    rec[r] = max(0, ledger.recompute_needed(n, R, h, more))
+                    rec[r] = need
     base_GS = (load_GS > 0).astype(np.int64)
     rest_G = keep - base_GS.sum(1)
     if (rest_G < 0).any():  # the placement pass guarantees this never happens

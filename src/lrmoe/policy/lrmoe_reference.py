@@ -125,11 +125,10 @@ def _retention(assign_GGS: Tensor, inst_GS: Tensor, home_G: Tensor, ledger,
             if recompute and keep[r] < R:
                 # retain more, some as input rows only: the most pairs that fit, then
                 # the fewest of them recomputed
-                room = ledger.budget_bytes - ledger.terms(n, R, h, 0)["total"]
-                more = min(R, room // (ledger.L * ledger.A_recompute))
+                more, need = ledger.retain_capacity_recompute(n, R, h)
                 if more > keep[r]:
                     keep[r] = more
-                    rec[r] = max(0, ledger.recompute_needed(n, R, h, more))
+                    rec[r] = need
     base_GS = (load_GS > 0).long()
     rest_G = keep - base_GS.sum(1)
     if (rest_G < 0).any():  # the placement pass guarantees this never happens

@@ -129,7 +129,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     if ledger is None or ledger.budget_bytes is None:
         return plan
     home = c.sum(1)
-    view = LedgerView(ledger, home, int(c.sum()))
+    view = LedgerView(ledger, home, int(c.sum()), exact=True)
     recv = assign.sum((0, 2))
     n_inst = np.full(G, s)
     if not view.over(n_inst, recv, recv):
@@ -157,7 +157,7 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
     home_max = int(counts_GE.long().sum(1).max())
     best, first_err = None, None
     for s in range(lo, hi + 1):
-        floor_bytes = ledger.terms(s, 0, home_max, 0)["total"]
+        floor_bytes = ledger.terms(s, 0, home_max, 0, exact=True)["total"]
         if floor_bytes > ledger.budget_bytes:
             break
         try:

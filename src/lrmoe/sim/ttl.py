@@ -122,10 +122,11 @@ class TTLConfig:
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
     router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
     deterministic: bool = False  # torch's deterministic kernels for every policy
+    ledger_transients: str = "code"  # what every planner prices as transients (Ledger)
 
 
 # settings added after runs were recorded: an earlier file without one ran with this value
-ADDED_SETTINGS = {"router_grad": "home", "deterministic": False}
+ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound"}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -391,7 +392,7 @@ def time_to_target(res: dict, target: float, rtol: float = 0.0
 
 
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
-                    optimizer_offload: str = "device") -> int:
+                    optimizer_offload: str = "device", transients: str = "code") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
     and received pairs) that retains only ``fraction`` of its pairs.
 
@@ -401,9 +402,10 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
     ``optimizer_offload="host"`` the rank is priced on that memory design (no optimizer
     state on the GPU).
     """
-    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
+    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload,
+                           transients=transients)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
-    t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs)
+    t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
     return int(t["total"] - (1 - fraction) * t["retained_acts"])
 
 
@@ -543,8 +545,9 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         home = cfg.batch_size // G * cfg.seq_len
         budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
                   balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype,
-                                  cfg.optimizer_offload))
-        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload)
+                                  cfg.optimizer_offload, cfg.ledger_transients))
+        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload,
+                                  transients=cfg.ledger_transients)
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)

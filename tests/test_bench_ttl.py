@@ -393,3 +393,42 @@ def test_ttl_deterministic_runs_every_policy_deterministically(tmp_path, capsys,
                          str(tmp_path / "y")]) == 2
     assert "it ran with deterministic=False, this run has deterministic=True" in \
         capsys.readouterr().err
+
+
+def test_symi_note_names_the_rule_that_chose_s():
+    """When no s fits every profiled step (the popularity is a previous step's, and the
+    hot expert moved), symi's s is the one that fits the most steps, and the note says
+    that, not "least modelled time among the s that fit every step"."""
+    from lrmoe.memory import Ledger
+    from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.links import get_link
+    from lrmoe.sim.ttl_symi import symi_slots
+
+    cfg, G = get_preset("tiny-qwen3"), 2
+    E = cfg.num_experts
+    hot = []
+    for e in (3, 9):
+        c = torch.full((G, E), 200, dtype=torch.long)
+        c[:, e] += 30000  # enough rows that a replica's transients outweigh its slot
+        hot.append(c)
+    # step 1's popularity is right (replicas of expert 3 help it), step 2's is step 1's
+    # (its hot expert moved to 9: a replica of 3 only costs memory there)
+    counts, pops = hot, [hot[0].sum(0), hot[0].sum(0)]
+    led0 = Ledger.for_dtype(cfg, G, None, "fp32")
+    need = max(t["total"] for t in led0.rank_terms(plan_symi(counts[0], E // G, pops[0])))
+    seen = set()
+    for budget in range(need * 3 // 10, need * 21 // 20, need // 300):
+        led = Ledger.for_dtype(cfg, G, budget, "fp32")
+        per = [set(slot_costs(led, c, p)) for c, p in zip(counts, pops)]
+        if not set().union(*per):
+            continue
+        s, note = symi_slots(cfg, led, counts, pops, get_link("nvlink"), 1e9)
+        if set.intersection(*per):
+            assert "among the s that fit every profiled static step" in note
+            seen.add("all")
+        else:
+            assert s == best_slots(led, counts, pops)[0]
+            assert "no s fits (with recompute) every profiled static step" in note
+            seen.add("some")
+    assert seen == {"all", "some"}

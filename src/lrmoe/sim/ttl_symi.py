@@ -47,6 +47,14 @@ def symi_slots(mcfg, ledger, counts: list[torch.Tensor], pops: list[torch.Tensor
         s, n_fit = best_slots(ledger, counts, pops, max_slots=2 * E // G)
         return s, (f"s={s}: least busiest-rank work among the s that fit (with recompute) "
                    f"the most profiled static steps ({n_fit}/{len(counts)} step-layers)")
+    from lrmoe.policy.symi import slot_costs
+
+    fit_all = set.intersection(*(set(slot_costs(ledger, c, p)) for c, p in zip(counts, pops)))
+    if not fit_all:  # fastest_symi_slots falls back to the same rule: say which one ran
+        s, n_fit = best_slots(ledger, counts, pops)
+        return s, (f"s={s}: no s fits (with recompute) every profiled static step; the s "
+                   f"that fits the most ({n_fit}/{len(counts)} step-layers), least "
+                   "busiest-rank work among those")
     s = fastest_symi_slots(mcfg, ledger, counts, pops, link, rate)
     off = " and the optimizer offload traffic" if ledger.optimizer_offload == "host" else ""
     return s, (f"s={s}: least modelled MoE time (GEMMs at the static run's measured "

@@ -1,0 +1,72 @@
+"""How concentrated a recorded routing is: does it collapse onto a few experts?
+
+    python3 benchmarks/routing_concentration.py TRACE.json [TRACE.json ...] [--steps 5,10,20,40,80,119]
+
+For ``bench ttl``'s routing traces (``steps[step][moe_layer][expert]`` = global pairs),
+per listed step (last MoE layer): how many experts carry 90% of the pairs (uniform
+top-k routing over E experts needs about 0.9·E; a collapsed router about k), how many
+receive every token (a pair from each token: ``pairs / top_k``), and over the whole
+run how often the most loaded expert is the previous step's (what a router whose hot
+set rotates does to SYMI, which places replicas by the previous step's popularity).
+Prints a markdown table; reads files only (a measured trace, nothing modelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def concentration(data: dict, steps: list[int], top_k: int) -> dict:
+    """The table's numbers for one trace (see the module docstring)."""
+    st = data["steps"]
+    rows = []
+    for i in [s for s in steps if s < len(st)]:
+        c = st[i][-1]
+        tot = sum(c)
+        full = sum(1 for x in c if tot and x * top_k >= tot * 0.999)
+        cum, n90 = 0, 0
+        for x in sorted(c, reverse=True):
+            if cum >= 0.9 * tot:
+                break
+            cum += x
+            n90 += 1
+        rows.append({"step": i, "experts_for_90pct": n90, "experts_every_token": full,
+                     "experts": len(c)})
+    tops = [max(range(len(s[-1])), key=s[-1].__getitem__) for s in st]
+    same = sum(a == b for a, b in zip(tops, tops[1:]))
+    return {"rows": rows, "top_repeats": same, "transitions": len(tops) - 1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--steps", default="5,10,20,40,80,119")
+    ap.add_argument("--top-k", type=int, default=8)
+    a = ap.parse_args(argv)
+    try:
+        steps = [int(x) for x in a.steps.split(",") if x]
+    except ValueError:
+        print(f"routing_concentration: --steps {a.steps!r} is not a comma list of ints",
+              file=sys.stderr)
+        return 2
+    print("| trace | " + " | ".join(f"step {s}: 90% / every token" for s in steps)
+          + " | top expert = previous step's |")
+    print("|---|" + "---|" * (len(steps) + 1))
+    for path in a.traces:
+        try:
+            data = json.loads(open(path).read())
+            r = concentration(data, steps, a.top_k)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            print(f"routing_concentration: {path}: not a routing trace ({e})", file=sys.stderr)
+            return 2
+        cells = {x["step"]: f"{x['experts_for_90pct']} / {x['experts_every_token']}"
+                 for x in r["rows"]}
+        print(f"| {path} | " + " | ".join(cells.get(s, "—") for s in steps)
+              + f" | {r['top_repeats']} of {r['transitions']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -147,6 +147,25 @@ def actual_param_bytes(tensors: Iterable[Tensor]) -> int:
     return total
 
 
+# (R, k, rec) = a·(1,0,0) + b·(1,1,0) + c·(1,1,1) with a, b, c >= 0 spans 0 <= rec <= k <= R
+_CONE = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=np.int64)
+
+
+def _undominated(pieces: np.ndarray) -> list[int]:
+    """Rows of ``pieces`` (``const, per R, per k, per rec``) that no other row bounds at
+    every count with ``0 <= rec <= k <= R`` (of equal rows, the first)."""
+    keep = []
+    for i, r in enumerate(pieces):
+        d = pieces - r  # [P, 4]: another piece minus this one
+        at = d[:, 1:] @ _CONE.T  # its excess along each edge of the counts' cone
+        ge = (d[:, 0] >= 0) & (at >= 0).all(1)
+        gt = (d[:, 0] > 0) | (at > 0).any(1)
+        idx = np.arange(len(pieces))
+        if not (ge & (gt | (idx < i)) & (idx != i)).any():
+            keep.append(i)
+    return keep
+
+
 @dataclass(frozen=True)
 class BackwardRows:
     """One rank's backward rows for a known plan (:meth:`Ledger.backward_rows`)."""
@@ -348,7 +367,8 @@ class Ledger:
         bytes, whose largest value at ``(R, k, rec)`` is the term (``rec_branch``: the
         pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
         the unit vectors (they are affine there) and checked at a generic point; pieces
-        another one bounds everywhere are dropped. With ``transients="bound"``:
+        another one bounds wherever counts can be (``0 <= rec <= k <= R``) are dropped
+        (beyond that, ``k > R``, the pieces may under-price: no plan is there). With ``transients="bound"``:
         :meth:`buffer_bytes`' own pieces."""
         h = int(home_pairs)
         key = (h, bool(exact), bool(rec_branch), self.transients, self.bytes_act,
@@ -369,10 +389,7 @@ class Ledger:
             x = np.array([1, 1013, 701, 307], dtype=np.int64)  # affine check, generic point
             if not np.array_equal(out @ x, np.array(list(at(*x[1:].tolist()).values()))):
                 raise AssertionError("a ledger point is not affine in (R, k, rec)")
-        keep = [i for i, r in enumerate(out)  # drop pieces another bounds everywhere
-                if not any(j != i and (o >= r).all() and ((o > r).any() or j < i)
-                           for j, o in enumerate(out))]
-        out = out[keep]
+        out = out[_undominated(out)]
         if len(self._pieces_memo) > 256:
             self._pieces_memo.clear()
         self._pieces_memo[key] = out
@@ -511,11 +528,19 @@ class Ledger:
         1``, else ``rec = 0``). What the planners' solvers and the vectorised view
         (:class:`lrmoe.policy.ledger_view.LedgerView`) work on."""
         h = int(home_pairs)
+        key = ("total", h, bool(exact), bool(rec_branch), self.L, self.bytes_w,
+               self.bytes_act, self.optimizer_offload, self.router_grad_at_experts,
+               self.transients, self.G, self.E, self.H, self.F, self.top_k)
+        hit = self._pieces_memo.get(key)
+        if hit is not None:
+            return hit
         per_slot = 2 * self.L * self.P_params * self.bytes_w
         lin = np.array([self.owner_bytes() + self.L * sum(self.kept_bytes(h, exact).values()),
                         0, self.L * self.A, -self.L * (self.A - self.A_recompute)],
                        dtype=np.int64)
-        return per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
+        out = per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
+        self._pieces_memo[key] = out
+        return out
 
     def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int,
                         exact: bool = False) -> int:

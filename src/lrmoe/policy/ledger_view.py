@@ -46,25 +46,27 @@ class LedgerView:
         self.budget = None if ledger is None else ledger.budget_bytes
         if self.budget is None:
             return
-        h_list = self.home.tolist()
-        by_h = {h: [ledger.total_pieces(h, self.exact, b) for b in (False, True)]
-                for h in set(h_list)}
-        self.cn = next(iter(by_h.values()))[0][0]
+        uniq, inv = np.unique(self.home, return_inverse=True)
+        by_h = [[ledger.total_pieces(int(h), self.exact, b) for b in (False, True)]
+                for h in uniq.tolist()]
+        self.cn = by_h[0][0][0]
         # [branch][G, P, 4]: rec = 0 and rec >= 1, padded with pieces that never bind
         self.pieces = []
         for b in (0, 1):
-            width = max(v[b][1].shape[0] for v in by_h.values())
-            arr = np.zeros((len(h_list), width, 4), dtype=np.int64)
-            arr[:, :, 0] = _NEVER
-            for r, h in enumerate(h_list):
-                p = by_h[h][b][1]
-                arr[r, :p.shape[0]] = p
-            self.pieces.append(arr)
-        P0 = self.pieces[0]
+            width = max(v[b][1].shape[0] for v in by_h)
+            per_h = np.zeros((len(uniq), width, 4), dtype=np.int64)
+            per_h[:, :, 0] = _NEVER
+            for i, v in enumerate(by_h):
+                per_h[i, :v[b][1].shape[0]] = v[b][1]
+            self.pieces.append(per_h[inv.reshape(-1)])
         # per rank, the rec = 0 pieces as Python tuples (c0, cR, ck) for capacity_fn
-        self._rows = [[(int(c), int(a), int(k)) for c, a, k, _ in by_h[h][0][1].tolist()]
-                      for h in h_list]
-        self._c0, self._cR, self._ck = P0[:, :, 0], P0[:, :, 1], P0[:, :, 2]
+        rows_h = [[(int(c), int(a), int(k)) for c, a, k, _ in v[0][1].tolist()] for v in by_h]
+        self._rows = [rows_h[i] for i in inv.reshape(-1).tolist()]
+        P0 = self.pieces[0]
+        self._c0, self._cR = P0[:, :, 0], P0[:, :, 1]
+        self._ck = ck = P0[:, :, 2]
+        self._ckdiv = np.maximum(ck, 1)  # pieces flat in k bound nothing: a huge quotient
+        self._ckbig = np.where(ck > 0, 0, _BIG)
 
     # ------------------------------------------------------------ queries
     def capacity_fn(self):
@@ -93,9 +95,19 @@ class LedgerView:
         if self.budget is None:
             return R_G.copy()
         n_G = np.asarray(n_G, dtype=np.int64)
-        room = self.budget - self.cn * n_G[:, None] - self._c0 - self._cR * R_G[:, None]
-        q = np.where(self._ck > 0, room // np.maximum(self._ck, 1), _BIG).min(1)
-        return np.where((room < 0).any(1), -1, np.where(q == _BIG, R_G, q))
+        room = (self.budget - self.cn * n_G)[:, None] - self._c0 - self._cR * R_G[:, None]
+        q = (room // self._ckdiv + self._ckbig).min(1)
+        return np.where(room.min(1) < 0, -1, np.where(q >= _BIG, R_G, q))
+
+    def fits(self, n_G, R_G, k_G) -> np.ndarray:
+        """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool
+        ``[G]``: ``capacity(n, R) >= k`` (every piece is non-decreasing in ``k``), without
+        the divisions."""
+        if self.budget is None:
+            return np.ones(len(self.home), dtype=bool)
+        R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
+        top = (self._c0 + self._cR * R_G[:, None] + self._ck * k_G[:, None]).max(1)
+        return top + self.cn * np.asarray(n_G, dtype=np.int64) <= self.budget
 
     def totals(self, n_G, R_G, k_G, rec_G=None) -> np.ndarray:
         """:meth:`Ledger.terms`' total of every rank, int64 ``[G]``."""

@@ -183,7 +183,7 @@ class _Dests:
         R = self.load + q + (pos < m)
         n = self.n + 1
         need = np.maximum(np.maximum(n, level), -(-(fn * R) // fd))
-        ok = self.free & (v.capacity(n, R) >= np.minimum(R, need))
+        ok = self.free & v.fits(n, R, np.minimum(R, need))
         ok[list(held)] = False
         if not ok.any():
             return None

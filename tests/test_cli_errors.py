@@ -60,6 +60,8 @@ CASES = {
     "negative seq len": (["--preset", "tiny-qwen3", "--seq-len", "-5", "--out", "RUN"],
                          ["--seq-len", ">= 1"]),
     "bad lr": (["--preset", "tiny-qwen3", "--lr", "-1", "--out", "RUN"], ["--lr"]),
+    "bad router lr scale": (["--preset", "tiny-qwen3", "--router-lr-scale", "0", "--out", "RUN"],
+                            ["--router-lr-scale"]),
     "bpe too small": (["--preset", "tiny-qwen3", "--tokenizer", "bpe:100", "--out", "RUN"],
                       ["bpe:100", "too small"]),
     "unknown policy": (["--preset", "tiny-qwen3", "--policy", "magic", "--out", "RUN"],

@@ -322,3 +322,39 @@ def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
         rec = sum(layer.get("recomputed", 0) for r in rows for layer in r["moe"])
         assert (rec > 0) == bool(extra)
     assert kept["lrrec"] > kept["lr"]
+
+
+def test_router_lr_scale_gives_the_routers_their_own_lr():
+    """--router-lr-scale: the routers' parameters (and only they) step at lr × scale;
+    the schedule scales both alike; scale 1 keeps the two usual groups (old checkpoints
+    resume); 0 or less is refused."""
+    from lrmoe.errors import LrmoeError
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.train.optim import build_optimizer, build_scheduler
+
+    model = MoEForCausalLM(get_preset("tiny-qwen3"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [g["name"] for g in build_optimizer(model, 1e-3, 0.1).param_groups] == [
+        "decay", "no_decay"]
+    opt = build_optimizer(model, 1e-3, 0.1, router_lr_scale=0.25)
+    by = {g["name"]: g for g in opt.param_groups}
+    routers = {names[id(p)] for g in opt.param_groups if g["name"].startswith("router")
+               for p in g["params"]}
+    assert routers == {n for n in names.values() if ".router." in f".{n}"} and routers
+    assert by["router_decay"]["lr"] == pytest.approx(2.5e-4)
+    assert by["decay"]["lr"] == pytest.approx(1e-3)
+    build_scheduler(opt, 10, 100)  # warmup: both at a tenth of their peak, same ratio
+    assert by["decay"]["lr"] == pytest.approx(1e-4)
+    assert by["router_decay"]["lr"] / by["decay"]["lr"] == pytest.approx(0.25)
+    # one AdamW step moves a router weight by about its lr, the others by theirs
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if p.ndim == 2:
+            step = (before[n] - p.detach()).abs().max().item()
+            lr = by["router_decay" if n in routers else "decay"]["lr"]
+            assert step == pytest.approx(lr * (1 + 0.1 * before[n].abs().max().item()), rel=0.2)
+    with pytest.raises(LrmoeError, match="router lr scale"):
+        build_optimizer(model, 1e-3, 0.1, router_lr_scale=0.0)

@@ -89,6 +89,9 @@ def register(sub) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
                         "so no compilation lands inside a timed kernel)")
+    t.add_argument("--router-lr-scale", type=float, default=1.0,
+                   help="the MoE routers' learning rate as a multiple of --lr, for every "
+                        "policy (a wide router's logits move by up to ~lr·|x|_1 a step)")
     t.add_argument("--ledger-transients", choices=("code", "bound"), default="code",
                    help="what every planner prices as a layer's transients: code (the rows "
                         "alive at each point of the layer's forward and backward, checked "
@@ -232,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
-        ledger_transients=args.ledger_transients)
+        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

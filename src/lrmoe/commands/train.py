@@ -57,6 +57,8 @@ def register(sub) -> None:
     g.add_argument("--warmup", type=int, help=f"linear warmup steps (default {_D.warmup})")
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices "
                    f"(default {_D.weight_decay})")
+    g.add_argument("--router-lr-scale", type=float, help="the MoE routers' lr as a multiple "
+                   f"of --lr (default {_D.router_lr_scale})")
     g.add_argument("--clip", type=float, help=f"global grad-norm clip, 0 = off "
                    f"(default {_D.clip})")
     g.add_argument("--seed", type=int, help=f"model init and data order (default {_D.seed})")

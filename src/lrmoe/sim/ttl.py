@@ -123,10 +123,12 @@ class TTLConfig:
     router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
     deterministic: bool = False  # torch's deterministic kernels for every policy
     ledger_transients: str = "code"  # what every planner prices as transients (Ledger)
+    router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
 
 
 # settings added after runs were recorded: an earlier file without one ran with this value
-ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound"}
+ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound",
+                  "router_lr_scale": 1.0}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -307,7 +309,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     # with offload: the offload code path with its "host" on the emulating device (its
     # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          host=dev)
+                          host=dev, router_lr_scale=cfg.router_lr_scale)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
     offload = None

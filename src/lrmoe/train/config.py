@@ -41,6 +41,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.1
+    router_lr_scale: float = 1.0
     clip: float = 1.0
     device: str = "cpu"
     seed: int = 0
@@ -157,6 +158,7 @@ def check_args(cfg: TrainConfig) -> None:
     _num("lr", cfg.lr, 0.0, open_low=True)
     _num("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
     _num("weight_decay", cfg.weight_decay, 0.0)
+    _num("router_lr_scale", cfg.router_lr_scale, 0.0, open_low=True)
     _num("clip", cfg.clip, 0.0)
     _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
     _num("divergence_factor", cfg.divergence_factor, 0.0)

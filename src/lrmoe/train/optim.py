@@ -20,29 +20,50 @@ def no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or "norm" in name or name.endswith("bias")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, plain = [], []
+def is_router(name: str) -> bool:
+    """The MoE routers' parameters (``...mlp.router.weight``)."""
+    return ".router." in f".{name}"
+
+
+def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
+                 router_lr_scale: float = 1.0) -> list[dict]:
+    """Decayed and not-decayed groups. With ``router_lr_scale != 1`` the routers'
+    parameters get their own groups at ``lr · router_lr_scale`` (a router's logit for a
+    token moves by up to about lr·‖x‖₁ a step under Adam, which grows with the width)."""
+    split = router_lr_scale != 1.0
+    require(not split or lr is not None, "param_groups: a router lr scale needs the lr")
+    buckets: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (plain if no_decay(name, p) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": plain, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+        key = (split and is_router(name), no_decay(name, p))
+        buckets.setdefault(key, []).append(p)
+    groups = []
+    for (router, plain), ps in sorted(buckets.items()):
+        g = {"params": ps, "weight_decay": 0.0 if plain else weight_decay,
+             "name": ("router_" if router else "") + ("no_decay" if plain else "decay")}
+        if router:
+            g["lr"] = lr * router_lr_scale
+        groups.append(g)
+    order = ["decay", "no_decay", "router_decay", "router_no_decay"]
+    return sorted(groups, key=lambda g: order.index(g["name"]))
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    offload: str = "device", host: str | torch.device = "cpu"
-                    ) -> torch.optim.AdamW:
+                    offload: str = "device", host: str | torch.device = "cpu",
+                    router_lr_scale: float = 1.0) -> torch.optim.AdamW:
     """AdamW over ``model``; ``offload="host"`` steps the expert weights in host memory
-    (:class:`lrmoe.train.offload.HostOffloadAdamW`, its state on ``host``), same update."""
+    (:class:`lrmoe.train.offload.HostOffloadAdamW`, its state on ``host``), same update.
+    ``router_lr_scale``: the routers' lr as a multiple of ``lr`` (:func:`param_groups`)."""
+    require(router_lr_scale > 0, f"router lr scale {router_lr_scale!r} must be > 0")
+    groups = param_groups(model, weight_decay, lr, router_lr_scale)
     if offload == "host":
         from lrmoe.train.offload import HostOffloadAdamW, offloaded_params
-        return HostOffloadAdamW(param_groups(model, weight_decay), offloaded_params(model),
+        return HostOffloadAdamW(groups, offloaded_params(model),
                                 lr=lr, betas=betas, eps=eps, host=host)
     require(offload == "device", f"optimizer offload {offload!r}: use device or host")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
 def lr_scale(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--steps", default="5,10,20,40,80,119")
-    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="experts per token (default: the trace's model config, else 8)")
     a = ap.parse_args(argv)
     try:
         steps = [int(x) for x in a.steps.split(",") if x]
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in a.traces:
         try:
             data = json.loads(open(path).read())
-            r = concentration(data, steps, a.top_k)
+            k = a.top_k or int((data.get("model") or {}).get("num_experts_per_tok", 8))
+            r = concentration(data, steps, k)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             print(f"routing_concentration: {path}: not a routing trace ({e})", file=sys.stderr)
             return 2

@@ -24,3 +24,23 @@ def test_collapsed_and_uniform_traces(tmp_path, capsys):
     assert mod.main([str(p), "--steps", "0,3", "--top-k", "2"]) == 0
     assert "| 2 / 2 | 2 / 2 | 0 of 3 |" in capsys.readouterr().out
     assert mod.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_gpu_router_check_script_on_cpu(tmp_path):
+    """benchmarks/gpu_router_check.sh end to end on a tiny model (its CPU overrides): one
+    row per setting in concentration.md, the runs archived."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"MODEL_ARGS": "--preset tiny-glm", "DEVICE": "cpu", "EP": "2", "BATCH": "4",
+           "SEQ": "32", "PATH": os.environ["PATH"], "PYTHON": sys.executable}
+    p = subprocess.run(["bash", "benchmarks/gpu_router_check.sh", str(tmp_path), "6",
+                        "lr=1e-3,scale=1", "lr=1e-3,scale=0.25"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    md = (tmp_path / "concentration.md").read_text()
+    assert "lr1e-3_scale1/" in md and "lr1e-3_scale0.25/" in md
+    assert (tmp_path / "routing.tar.gz").stat().st_size > 0

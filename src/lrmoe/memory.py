@@ -642,7 +642,8 @@ class Ledger:
                 the send/combine buffers. ``None`` takes each home's routed pairs from
                 the plan (assigned + dropped).
             plan_buffers: price the buffers with :meth:`plan_buffer_bytes` (the plan's
-                selected rows) instead of :meth:`buffer_bytes` (what the planners use).
+                selected rows) instead of :meth:`planned_buffer_bytes` (what the planners
+                price: the same for exact plans, a bound for trimmed ones).
         """
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact)

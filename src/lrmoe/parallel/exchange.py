@@ -284,8 +284,8 @@ class ExpertExchange(torch.autograd.Function):
         T = x_TH.shape[0]
         es = x_TH.element_size()
         counts = occupied_counts(recv.counts, plan, me, w13_S.shape[0])
-        # Transients are dropped as soon as they are consumed (Ledger.buffer_bytes
-        # counts what is left alive at the largest point).
+        # Transients are dropped as soon as they are consumed (Ledger.forward_points
+        # prices what is left alive at each point).
         x_send = x_TH[home.src_pair // K]
         n_send = x_send.shape[0]
         x_recv = comm.all_to_all(x_send, home.splits, recv.splits)

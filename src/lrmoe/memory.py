@@ -155,12 +155,12 @@ def _undominated(pieces: np.ndarray) -> list[int]:
     """Rows of ``pieces`` (``const, per R, per k, per rec``) that no other row bounds at
     every count with ``0 <= rec <= k <= R`` (of equal rows, the first)."""
     keep = []
+    idx = np.arange(len(pieces))
     for i, r in enumerate(pieces):
         d = pieces - r  # [P, 4]: another piece minus this one
         at = d[:, 1:] @ _CONE.T  # its excess along each edge of the counts' cone
         ge = (d[:, 0] >= 0) & (at >= 0).all(1)
         gt = (d[:, 0] > 0) | (at > 0).any(1)
-        idx = np.arange(len(pieces))
         if not (ge & (gt | (idx < i)) & (idx != i)).any():
             keep.append(i)
     return keep
@@ -299,11 +299,29 @@ class Ledger:
         ``R`` bounds the backward's rows (select <= assign). Weight gradients are the
         ``instance_grads`` term; the tensors kept for backward are their own terms.
         """
-        R, Ph, H, F = int(received_pairs), int(home_pairs), self.H, self.F
-        T = -(-Ph // self.top_k)
-        fwd = T * H + max(R * (2 * H + 3 * F), Ph * H + R * H)
-        bwd = T * H + Ph * H + R * (2 * H) + R * (H + 2 * F) + R * (4 * F + H)
-        return max(fwd, bwd) * self.bytes_act
+        x = np.array([1, int(received_pairs), 0, 0], dtype=np.int64)
+        return int((self._bound_pieces(int(home_pairs)) @ x).max())
+
+    def _bound_pieces(self, h: int) -> np.ndarray:
+        """:meth:`buffer_bytes` as affine pieces in bytes (rows ``const, per R, per k,
+        per rec``, as :meth:`buffer_pieces`): the forward at the experts, the forward at
+        the dispatch, the backward at the input-gradient GEMM."""
+        H, F, b = self.H, self.F, self.bytes_act
+        T = -(-h // self.top_k)
+        return np.array([[T * H * b, (2 * H + 3 * F) * b, 0, 0],
+                         [(T * H + h * H) * b, H * b, 0, 0],
+                         [(T * H + h * H) * b, (4 * H + 6 * F) * b, 0, 0]], dtype=np.int64)
+
+    def _index_bytes(self, n: int, gathered: bool) -> int:
+        """Per backward row, the expert backward's indices and scales: 20 bytes, 16 more
+        when the saved rows are gathered."""
+        return n * (20 + 16 * bool(gathered))
+
+    def _memo_key(self, *what) -> tuple:
+        """``what`` and every field the pieces depend on (the memo outlives none of them)."""
+        return what + (self.L, self.bytes_w, self.bytes_act, self.optimizer_offload,
+                       self.router_grad_at_experts, self.transients, self.G, self.E, self.H,
+                       self.F, self.top_k)
 
     def plan_buffer_bytes(self, received_pairs: int, home_pairs: int,
                           retained_pairs: int | None = None, recomputed_pairs: int = 0,
@@ -335,7 +353,7 @@ class Ledger:
         y = 0 if exact and self.router_grad_at_experts else h
         back = max(self.backward_points(T, n, ps, k, rec, y, gth).values())
         fwd = max(self.forward_points(T, R, h, k, rec, y).values())
-        return max(back * self.bytes_act + n * (20 + 16 * bool(gth)), fwd * self.bytes_act)
+        return max(back * self.bytes_act + self._index_bytes(n, gth), fwd * self.bytes_act)
 
     def _planned_points(self, h: int, exact: bool, rec_branch: bool):
         """``(R, k, rec) -> {point: bytes}`` of the account the planners price
@@ -353,7 +371,7 @@ class Ledger:
             else:  # a trimmed plan: at most every retained row selected (n <= k), every
                 # home row sent, the saved rows gathered, the retained rows copied
                 n, gth, cx = k, True, True
-            idx = n * (20 + 16 * gth)
+            idx = self._index_bytes(n, gth)
             out = {"bwd_" + name: v * b + idx for name, v in
                    self.backward_points(T, n, h, k, rec, y, gth, rebuild=rec_branch).items()}
             out.update({"fwd_" + name: v * b for name, v in self.forward_points(
@@ -368,19 +386,15 @@ class Ledger:
         pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
         the unit vectors (they are affine there) and checked at a generic point; pieces
         another one bounds wherever counts can be (``0 <= rec <= k <= R``) are dropped
-        (beyond that, ``k > R``, the pieces may under-price: no plan is there). With ``transients="bound"``:
-        :meth:`buffer_bytes`' own pieces."""
+        (beyond that, ``k > R``, the pieces may under-price: no plan is there). With
+        ``transients="bound"``: :meth:`buffer_bytes`' own pieces."""
         h = int(home_pairs)
-        key = (h, bool(exact), bool(rec_branch), self.transients, self.bytes_act,
-               self.router_grad_at_experts, self.H, self.F, self.top_k)
+        key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
         if hit is not None:
             return hit
         if self.transients == "bound":
-            b, H, F, T = self.bytes_act, self.H, self.F, -(-h // self.top_k)
-            out = np.array([[T * H * b, (2 * H + 3 * F) * b, 0, 0],
-                            [(T * H + h * H) * b, H * b, 0, 0],
-                            [(T * H + h * H) * b, (4 * H + 6 * F) * b, 0, 0]], dtype=np.int64)
+            out = self._bound_pieces(h)
         else:
             at = self._planned_points(h, exact, rec_branch)
             p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
@@ -528,9 +542,7 @@ class Ledger:
         1``, else ``rec = 0``). What the planners' solvers and the vectorised view
         (:class:`lrmoe.policy.ledger_view.LedgerView`) work on."""
         h = int(home_pairs)
-        key = ("total", h, bool(exact), bool(rec_branch), self.L, self.bytes_w,
-               self.bytes_act, self.optimizer_offload, self.router_grad_at_experts,
-               self.transients, self.G, self.E, self.H, self.F, self.top_k)
+        key = self._memo_key("total", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
         if hit is not None:
             return hit

@@ -115,7 +115,7 @@ def test_ledger_view_is_exact_for_the_presets(preset, G):
     for transients in ("code", "bound"):
         ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, 0.5),
                                   transients=transients)
-        view = LedgerView(ledger, counts.sum(1).numpy(), int(counts.sum()))
+        view = LedgerView(ledger, counts.sum(1).numpy())
         plan = plan_lrmoe(counts, LrmoeConfig(recompute=True), ledger)
         n = (plan.inst_expert_GS >= 0).sum(1).numpy()
         R = plan.rank_load().numpy()
@@ -132,7 +132,7 @@ def test_ledger_view_is_exact_for_the_presets(preset, G):
                 assert view.capacity_fn()(r, *args) == ledger.retain_capacity(*args, home[r])
         assert view.capacity(n, R).tolist() == [ledger.retain_capacity(int(a), int(b), h)
                                                 for a, b, h in zip(n, R, home)]
-        exact = LedgerView(ledger, counts.sum(1).numpy(), int(counts.sum()), exact=True)
+        exact = LedgerView(ledger, counts.sum(1).numpy(), exact=True)
         assert exact.totals(n, R, R).tolist() == [
             ledger.terms(int(a), int(b), h, int(b), exact=True)["total"]
             for a, b, h in zip(n, R, home)]

@@ -109,7 +109,7 @@ class CapacityPolicy:
         if led is not None and led.budget_bytes is not None:
             G, E = counts_GE.shape
             c = plan.assign_GGS.numpy()
-            view = LedgerView(led, host_counts(counts_GE).sum(1), int(c.sum()), exact=plan.exact)
+            view = LedgerView(led, host_counts(counts_GE).sum(1), exact=plan.exact)
             recv = c.sum((0, 2))
             view.raise_if_over(np.full(G, E // G), recv, recv, None, "the plan")
         return plan

@@ -33,13 +33,11 @@ class LedgerView:
     Args:
         ledger: a :class:`lrmoe.memory.Ledger` or ``None``.
         home_G: home pairs per rank (the count matrix's row sums).
-        max_pairs: the most pairs one rank can receive (kept for the callers'
-            signature; the pieces hold for any count).
         exact: the plans priced are exact (static, SYMI): every received row in
             backward, none gathered; otherwise the ledger's bound for trimmed plans.
     """
 
-    def __init__(self, ledger, home_G: np.ndarray, max_pairs: int, exact: bool = False) -> None:
+    def __init__(self, ledger, home_G: np.ndarray, exact: bool = False) -> None:
         self.ledger = ledger
         self.exact = bool(exact)
         self.home = np.asarray(home_G, dtype=np.int64)

@@ -140,7 +140,7 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
     require(S >= n_nat, f"lrmoe.max_slots_per_rank={S} must be >= E/G = {n_nat} "
                         "(each rank holds its native experts)")
     home = c.sum(1)
-    view = LedgerView(ledger, home, int(c.sum()))
+    view = LedgerView(ledger, home)
     inst, load = place_replicas(c, S, cfg, view)
     assign = interval_overlap_np(c, inst, load)
     n_inst = (inst >= 0).sum(1)

@@ -129,7 +129,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     if ledger is None or ledger.budget_bytes is None:
         return plan
     home = c.sum(1)
-    view = LedgerView(ledger, home, int(c.sum()), exact=True)
+    view = LedgerView(ledger, home, exact=True)
     recv = assign.sum((0, 2))
     n_inst = np.full(G, s)
     if not view.over(n_inst, recv, recv):

@@ -202,15 +202,18 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
 
 
 def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
-               max_slots: int | None = None) -> tuple[int, int]:
+               max_slots: int | None = None, per: list[dict[int, int]] | None = None
+               ) -> tuple[int, int]:
     """One ``s`` for a list of count matrices (layers, or profiled steps × layers).
 
     Prefers the ``s`` that fits (with recompute) the most of them, then the least mean
     busiest-rank work over those it fits, then the larger ``s``. Returns ``(s, number
     of matrices it fits)``; raises :class:`LrmoeError` if no ``s`` fits any of them
-    even with recompute.
+    even with recompute. ``per``: the matrices' :func:`slot_costs` when the caller
+    already has them (with the same ``max_slots``).
     """
-    per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
+    if per is None:
+        per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
     cands = set().union(*(set(d) for d in per)) if per else set()
     if not cands:
         raise LrmoeError("no slots_per_rank fits the budget even with activation recompute")

@@ -160,10 +160,19 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
     :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample. Under a ledger
     with ``optimizer_offload="host"`` the offload traffic (SYMI's sharded layout,
     :mod:`lrmoe.sim.offload`) is charged too."""
+    return symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops, probe)[0]
+
+
+def symi_slot_choice(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
+                     pops: list[Tensor], link: Link, rate_flops: float,
+                     probe: int = 4) -> tuple[int, int | None]:
+    """:func:`fastest_symi_slots` and which rule chose it: ``(s, None)`` when ``s`` is
+    the fastest of those that fit every sample, ``(s, n)`` when none does and ``s`` is
+    :func:`lrmoe.policy.symi.best_slots`' (it fits ``n`` of them)."""
     per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
     common = sorted(set.intersection(*(set(d) for d in per))) if per else []
     if not common:
-        return best_slots(ledger, samples, pops)[0]
+        return best_slots(ledger, samples, pops, per=per)
     idx = sorted({round(i * (len(samples) - 1) / max(probe - 1, 1)) for i in range(probe)})
 
     def modelled(s: int) -> float:
@@ -174,7 +183,7 @@ def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
             st.append(modelled_stats(plan, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec,
                                      mode, router_grad_at_experts=ledger.router_grad_at_experts))
         return mean_step_times(st, link, offload_for(ledger, "symi")).moe
-    return min(common, key=lambda s: (modelled(s), -s))
+    return min(common, key=lambda s: (modelled(s), -s)), None
 
 
 def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],

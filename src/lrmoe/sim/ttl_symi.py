@@ -40,22 +40,18 @@ def symi_slots(mcfg, ledger, counts: list[torch.Tensor], pops: list[torch.Tensor
     count matrices at the calibrated ``rate``; :func:`lrmoe.policy.symi.best_slots`
     (least busiest-rank GEMM work) when no rate could be calibrated."""
     from lrmoe.policy.symi import best_slots
-    from lrmoe.sim.analytic import fastest_symi_slots
+    from lrmoe.sim.analytic import symi_slot_choice
 
     G, E = counts[0].shape
     if rate is None:
         s, n_fit = best_slots(ledger, counts, pops, max_slots=2 * E // G)
         return s, (f"s={s}: least busiest-rank work among the s that fit (with recompute) "
                    f"the most profiled static steps ({n_fit}/{len(counts)} step-layers)")
-    from lrmoe.policy.symi import slot_costs
-
-    fit_all = set.intersection(*(set(slot_costs(ledger, c, p)) for c, p in zip(counts, pops)))
-    if not fit_all:  # fastest_symi_slots falls back to the same rule: say which one ran
-        s, n_fit = best_slots(ledger, counts, pops)
+    s, n_fit = symi_slot_choice(mcfg, ledger, counts, pops, link, rate)
+    if n_fit is not None:  # no s fits every step: say which rule chose it
         return s, (f"s={s}: no s fits (with recompute) every profiled static step; the s "
                    f"that fits the most ({n_fit}/{len(counts)} step-layers), least "
                    "busiest-rank work among those")
-    s = fastest_symi_slots(mcfg, ledger, counts, pops, link, rate)
     off = " and the optimizer offload traffic" if ledger.optimizer_offload == "host" else ""
     return s, (f"s={s}: least modelled MoE time (GEMMs at the static run's measured "
                f"{rate / 1e9:.3g} GFLOP/s, recompute, exchanges, weight scatter, gradient "

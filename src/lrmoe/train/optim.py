@@ -38,15 +38,14 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
             continue
         key = (split and is_router(name), no_decay(name, p))
         buckets.setdefault(key, []).append(p)
-    groups = []
+    groups = []  # decay, no_decay, router_decay, router_no_decay: the keys' sorted order
     for (router, plain), ps in sorted(buckets.items()):
         g = {"params": ps, "weight_decay": 0.0 if plain else weight_decay,
              "name": ("router_" if router else "") + ("no_decay" if plain else "decay")}
         if router:
             g["lr"] = lr * router_lr_scale
         groups.append(g)
-    order = ["decay", "no_decay", "router_decay", "router_no_decay"]
-    return sorted(groups, key=lambda g: order.index(g["name"]))
+    return groups
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,

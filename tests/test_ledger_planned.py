@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
 from lrmoe.loads import synthetic_counts
 from lrmoe.memory import Ledger
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
@@ -62,7 +63,7 @@ def test_trimmed_plans_are_bounded_by_what_the_planners_price(recompute):
             led = dataclasses.replace(free, budget_bytes=int(need * frac))
             try:
                 plan = plan_lrmoe(counts, LrmoeConfig(recompute=recompute), led)
-            except Exception:  # noqa: BLE001 - infeasible budgets raise; others are checked
+            except LrmoeError:  # an infeasible budget: the planner says so
                 continue
             planned = led.rank_terms(plan)
             derived = led.rank_terms(plan, plan_buffers=True)

@@ -12,6 +12,8 @@
 # ROUTER_GRAD=experts: static and symi take the router gradient at the experts (no combined
 # rows kept; `bench ttl --router-grad`); default home.
 # DETERMINISTIC=1: `bench ttl --deterministic` (torch's deterministic kernels, repeatable runs).
+# ROUTER_LR_SCALE=s: `bench ttl --router-lr-scale s` (the routers' AdamW groups at s x lr)
+# for every policy; default 1.
 # REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json (or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
 set -euo pipefail
@@ -40,7 +42,7 @@ for SEED in "$@"; do
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES ${R[*]}"
   timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \
-    "${BUDGET[@]}" --router-grad "${ROUTER_GRAD:-home}" --optimizer-offload host --link nvlink \
+    "${BUDGET[@]}" --router-grad "${ROUTER_GRAD:-home}" --router-lr-scale "${ROUTER_LR_SCALE:-1}" --optimizer-offload host --link nvlink \
     --policies "$POLICIES" ${R[@]+"${R[@]}"} ${DETERMINISTIC:+--deterministic} --out "$D" \
     > "$D.log" 2>&1 || { tail -30 "$D.log"; }
   [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30

@@ -28,7 +28,8 @@ def test_collapsed_and_uniform_traces(tmp_path, capsys):
 
 def test_gpu_router_check_script_on_cpu(tmp_path):
     """benchmarks/gpu_router_check.sh end to end on a tiny model (its CPU overrides): one
-    row per setting in concentration.md, the runs archived."""
+    row per setting in concentration.md and concentration_rows.md, each run archived at
+    the top of OUTDIR as it ends."""
     import os
     import subprocess
     import sys
@@ -43,4 +44,10 @@ def test_gpu_router_check_script_on_cpu(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     md = (tmp_path / "concentration.md").read_text()
     assert "lr1e-3_scale1/" in md and "lr1e-3_scale0.25/" in md
-    assert (tmp_path / "routing.tar.gz").stat().st_size > 0
+    rows = (tmp_path / "concentration_rows.md").read_text().splitlines()
+    assert len(rows) == 2 and "lr1e-3_scale0.25/" in rows[1]
+    import tarfile
+    for name in ("lr1e-3_scale1", "lr1e-3_scale0.25"):
+        with tarfile.open(tmp_path / f"routing_{name}.tar.gz") as t:
+            assert f"{name}/routing_trace_static.json" in t.getnames()
+    assert not (tmp_path / "runs").exists()

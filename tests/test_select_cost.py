@@ -1,0 +1,51 @@
+"""benchmarks/select_cost.py: its synthetic home rank is a valid send layout (rows grouped
+by block, quotas within blocks), the timed call selects what the quotas say, and the
+smoke run writes its table. Its times are not results (CPU, logic only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+_SPEC = importlib.util.spec_from_file_location(
+    "select_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "select_cost.py")
+sc = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(sc)
+
+
+def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
+    T, K, E, G, S = 96, 3, 16, 4, 5
+    c = sc.home_case(T, K, 8, E, G, S, skew=1.0, keep=0.5, dev=torch.device("cpu"), seed=3)
+    assign, quota = c["home"].retain_I, c["home"].select_I
+    assert int(assign.sum()) == T * K == c["tok"].numel()
+    assert bool((quota <= assign).all()) and int(quota.sum()) > 0
+    # each token appears once per expert it chose: k rows per token
+    assert torch.equal(torch.bincount(c["tok"], minlength=T), torch.full((T,), K))
+    # empty slots (S > E/G) stay empty
+    assert int(assign.reshape(G, S)[:, E // G:].sum()) == 0
+    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(c, "topk", None)
+    assert torch.equal(sent_I, quota) and tok_s.numel() == int(quota.sum())
+    gen = torch.Generator().manual_seed(0)
+    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(c, "sampled", gen)
+    assert int(sent_I.sum()) == tok_s.numel() == int(keep.sum())
+    assert bool((scale > 0).all())
+
+
+def test_smoke_run_writes_every_row(tmp_path):
+    assert sc.main(["--out", str(tmp_path), "--smoke"]) == 0
+    rows = json.loads((tmp_path / "select_cost.json").read_text())["rows"]
+    assert {(r["estimator"], r["deterministic"]) for r in rows} == {
+        (e, d) for e in ("topk", "sampled") for d in (False, True)}
+    md = (tmp_path / "select_cost.md").read_text()
+    assert "| sampled | True |" in md and "## profile, sampled_deterministic=True" in md
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_bad_slots_is_one_line_exit_2(tmp_path, capsys):
+    assert sc.main(["--out", str(tmp_path / "o"), "--slots", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--slots 4" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -158,3 +158,18 @@ def test_sampled_expert_gradient_converges_to_exact():
     # 16x more draws: error should fall ~4x (1/sqrt); allow slack for randomness
     assert errs[160] < errs[10] / 2.5, errs
     assert errs[160] < 0.15, errs
+
+
+def test_inclusion_probs_under_deterministic_algorithms():
+    """`bench ttl --deterministic` runs the water-filling with torch's deterministic
+    algorithms on (no op of it may refuse), and it gives the same probabilities."""
+    g = torch.Generator().manual_seed(7)
+    m, blk, quota, _ = _random_case(g, 800, 12)
+    ref = _inclusion_probs_loop(m, blk, quota)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        pi = inclusion_probs(m, blk, quota)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    torch.testing.assert_close(pi, ref, rtol=0, atol=1e-12)

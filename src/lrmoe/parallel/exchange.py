@@ -111,6 +111,17 @@ def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
     return keep
 
 
+def _block_sums(x_s: Tensor, n_B: Tensor) -> Tensor:
+    """Per-block sums of ``x_s``, whose rows come sorted by block (``n_B`` rows in block
+    ``b``, on ``x_s``'s device). A segmented reduction: no atomics, so it is one kernel
+    with or without ``torch.use_deterministic_algorithms`` (``index_add_`` is switched
+    to a slower deterministic kernel there), and each block is summed on its own (a
+    light block's sum is exact whatever mass precedes it)."""
+    if x_s.numel() == 0:
+        return torch.zeros(n_B.numel(), dtype=x_s.dtype, device=x_s.device)
+    return torch.segment_reduce(x_s, "sum", lengths=n_B, unsafe=True)
+
+
 def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
     """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
 
@@ -121,6 +132,10 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tenso
     ``c < q``), so this is the unique fixed point of capping every row whose share
     reaches 1. Free rows with no metric mass share the rest of the quota uniformly.
     Negative metrics count as 0; rows need not come grouped by block.
+
+    Only sorts, gathers, scans and segmented reductions: none of the ops that
+    ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
+    ``index_put_``, ``scatter``), so ``bench ttl --deterministic`` does not slow it down.
     """
     dev = metric_N.device
     B = quota_B.numel()
@@ -132,26 +147,28 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tenso
     order = torch.argsort(m, descending=True)
     order = order[torch.sort(blk[order], stable=True).indices]  # block asc, metric desc
     m_s, b_s = m[order], blk[order]
-    n_B = segment_sum(torch.ones_like(m_s), b_s, B)
+    nl_B = torch.bincount(b_s, minlength=B)
+    n_B = nl_B.double()
     first_s = (n_B.cumsum(0) - n_B).long()[b_s]  # where each row's block starts
     rank_s = torch.arange(m_s.numel(), device=dev) - first_s
     # One cumsum runs over all blocks; per-block units keep a light block's suffix sums
     # from drowning in a heavy block's mass. They only decide c: the free mass that
     # sets pi is summed again per block.
-    u_s = m_s / segment_sum(m_s, b_s, B).clamp(min=1e-300)[b_s]
+    u_s = m_s / _block_sums(m_s, nl_B).clamp(min=1e-300)[b_s]
     before_s = torch.cumsum(u_s, 0) - u_s
-    R_s = segment_sum(u_s, b_s, B)[b_s] - (before_s - before_s[first_s])
+    R_s = _block_sums(u_s, nl_B)[b_s] - (before_s - before_s[first_s])
     stop_s = ((q[b_s] - rank_s) * u_s < R_s) | (m_s <= 0)
-    c_B = n_B.clone().scatter_reduce_(0, b_s, torch.where(stop_s, rank_s.double(), n_B[b_s]),
-                                      "amin")
+    # c: each block's first stopping rank (its size if none stops)
+    c_B = torch.segment_reduce(torch.where(stop_s, rank_s.double(), n_B[b_s]), "min",
+                               lengths=nl_B, unsafe=True, initial=float("inf"))
+    c_B = torch.minimum(c_B, n_B)
     capped_s = rank_s < c_B[b_s]
     rem_B = (q - c_B).clamp(min=0)
-    mass_B = segment_sum(torch.where(capped_s, torch.zeros_like(m_s), m_s), b_s, B)
+    mass_B = _block_sums(torch.where(capped_s, torch.zeros_like(m_s), m_s), nl_B)
     share_s = torch.where(mass_B[b_s] > 0, rem_B[b_s] * m_s / mass_B.clamp(min=1e-300)[b_s],
                           (rem_B / (n_B - c_B).clamp(min=1))[b_s])
-    pi = torch.empty_like(m)
-    pi[order] = torch.where(capped_s, torch.ones_like(m_s), share_s).clamp(0.0, 1.0)
-    return pi
+    pi_s = torch.where(capped_s, torch.ones_like(m_s), share_s).clamp(0.0, 1.0)
+    return pi_s[torch.argsort(order)]  # back to the input's row order (a gather)
 
 
 def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
@@ -225,8 +242,8 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     scale = g_c[sel_idx]
     if weight is not None:
         scale = scale * weight[sel_idx].float()
-    sent_I = (home.select_I if opts.estimator == "topk"
-              else torch.bincount(blocks[sel_idx].cpu(), minlength=n_blocks))
+    sent_I = (home.select_I if opts.estimator == "topk"  # counted on the device: B to copy
+              else torch.bincount(blocks[sel_idx], minlength=n_blocks).cpu())
     return tok_c[sel_idx], scale, sent_I, keep, sel_idx
 
 

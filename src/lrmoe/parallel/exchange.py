@@ -116,7 +116,7 @@ def _block_sums(x_s: Tensor, n_B: Tensor) -> Tensor:
     ``b``, on ``x_s``'s device). A segmented reduction: no atomics, so it is one kernel
     with or without ``torch.use_deterministic_algorithms`` (``index_add_`` is switched
     to a slower deterministic kernel there), and each block is summed on its own (a
-    light block's sum is exact whatever mass precedes it)."""
+    light block's sum does not round against a heavy block's mass before it)."""
     if x_s.numel() == 0:
         return torch.zeros(n_B.numel(), dtype=x_s.dtype, device=x_s.device)
     return torch.segment_reduce(x_s, "sum", lengths=n_B, unsafe=True)

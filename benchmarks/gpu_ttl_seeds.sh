@@ -14,7 +14,8 @@
 # DETERMINISTIC=1: `bench ttl --deterministic` (torch's deterministic kernels, repeatable runs).
 # ROUTER_LR_SCALE=s: `bench ttl --router-lr-scale s` (the routers' AdamW groups at s x lr)
 # for every policy; default 1.
-# REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json (or ttl_partial.json) exists, the policies it
+# REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json or DIR/sSEED/ttl.json (the layout of
+# benchmarks/results/ttl_gpu_*; or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
 set -euo pipefail
 OUT=${1:?outdir}; W=${2:?workload}; STEPS=${3:?steps}; shift 3
@@ -36,7 +37,8 @@ for SEED in "$@"; do
   D="$OUT/${W}_s$SEED"
   mkdir -p "$D"  # so a seed that fails before writing anything still packs its log
   R=()
-  for f in "$REUSE/${W}_s$SEED/ttl.json" "$REUSE/${W}_s$SEED/ttl_partial.json"; do
+  for f in "$REUSE/${W}_s$SEED/ttl.json" "$REUSE/${W}_s$SEED/ttl_partial.json" \
+           "$REUSE/s$SEED/ttl.json" "$REUSE/s$SEED/ttl_partial.json"; do
     if [ -n "$REUSE" ] && [ -f "$f" ]; then R=(--reuse "$f"); break; fi
   done
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES ${R[*]}"

@@ -75,10 +75,6 @@ class BackwardOptions:
 
 
 # -------------------------------------------------------------------------- selection
-def segment_sum(x: Tensor, seg: Tensor, n: int) -> Tensor:
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, x)
-
-
 def select_topk_idx(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
     """Indices of the ``quota[b]`` highest-metric rows of each block.
 
@@ -117,8 +113,6 @@ def _block_sums(x_s: Tensor, n_B: Tensor) -> Tensor:
     with or without ``torch.use_deterministic_algorithms`` (``index_add_`` is switched
     to a slower deterministic kernel there), and each block is summed on its own (a
     light block's sum does not round against a heavy block's mass before it)."""
-    if x_s.numel() == 0:
-        return torch.zeros(n_B.numel(), dtype=x_s.dtype, device=x_s.device)
     return torch.segment_reduce(x_s, "sum", lengths=n_B, unsafe=True)
 
 

@@ -5,8 +5,10 @@ In the issue-14 Qwen3 runs (`--deterministic`, sampled estimator) the select sta
 `--deterministic` took 2.6–2.7 ms. This benchmark times
 :func:`lrmoe.parallel.exchange.select_and_compact` alone, as `bench ttl` times it (CUDA
 events around the call, so a host sync inside counts the device's idle time), on one
-synthetic home rank of the workload's shape, for each estimator with and without
-torch's deterministic algorithms, and profiles the sampled estimator to name its kernels.
+synthetic home rank of the workload's shape, for each estimator without torch's
+deterministic algorithms, with them as `bench ttl --deterministic` sets them, and with
+torch's default fill of uninitialized memory on top, and profiles the sampled estimator
+to name its kernels.
 
 The rank's pairs: ``T`` tokens x top-``k`` experts drawn Zipf(``--skew``) over ``E``
 experts, ``S`` slots per rank on ``G`` ranks (each expert's pairs in its home slot, the
@@ -32,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lrmoe.parallel.exchange import BackwardOptions, select_and_compact  # noqa: E402
+from lrmoe.sim.ttl import deterministic_mode  # noqa: E402
 
 
 def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep: float,
@@ -132,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     case = home_case(a.tokens, a.top_k, a.hidden, a.experts, a.ranks, a.slots, a.skew, a.keep,
                      dev)
     rows, profiles = [], {}
-    for det in (False, True):
-        torch.use_deterministic_algorithms(det, warn_only=True)
-        for est in ("topk", "sampled"):
-            r = time_select(case, est, dev, a.reps)
-            r.update(estimator=est, deterministic=det)
-            rows.append(r)
-            if est == "sampled":
-                profiles[f"sampled_deterministic={det}"] = profile_select(case, est, dev)
-    torch.use_deterministic_algorithms(False)
+    # "no": torch's default kernels; "yes+fill": bench ttl --deterministic (torch's
+    # deterministic mode as it comes, filling every new tensor); "yes": with
+    # --no-deterministic-fill
+    for det in ("no", "yes", "yes+fill"):
+        with deterministic_mode(det != "no", fill=det == "yes+fill"):
+            for est in ("topk", "sampled"):
+                r = time_select(case, est, dev, a.reps)
+                r.update(estimator=est, deterministic=det)
+                rows.append(r)
+                if est == "sampled":
+                    profiles[f"sampled, deterministic={det}"] = profile_select(case, est, dev)
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="select_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -393,6 +393,27 @@ def test_ttl_deterministic_runs_every_policy_deterministically(tmp_path, capsys,
                          str(tmp_path / "y")]) == 2
     assert "it ran with deterministic=False, this run has deterministic=True" in \
         capsys.readouterr().err
+    # --no-deterministic-fill: torch's NaN fill off during every policy, recorded, and a
+    # run with the fill (or an older file, which had it) is not reused for one without
+    import torch.utils.deterministic as tud
+    seen.clear()
+    real_spy = ttl.run_policy
+    fills = []
+    monkeypatch.setattr(ttl, "run_policy",
+                        lambda *a, **k: (fills.append(tud.fill_uninitialized_memory),
+                                         real_spy(*a, **k))[1])
+    assert main(short + ["--deterministic", "--no-deterministic-fill", "--out",
+                         str(tmp_path / "f")]) == 0
+    assert fills == [False, False] and tud.fill_uninitialized_memory
+    assert json.loads((tmp_path / "f" / "ttl.json").read_text())["config"][
+        "deterministic_fill"] is False
+    old = json.loads((tmp_path / "d" / "ttl.json").read_text())
+    del old["config"]["deterministic_fill"]
+    (tmp_path / "old_d.json").write_text(json.dumps(old))
+    assert main(short + ["--deterministic", "--no-deterministic-fill", "--reuse",
+                         str(tmp_path / "old_d.json"), "--out", str(tmp_path / "z")]) == 2
+    assert "it ran with deterministic_fill=True, this run has deterministic_fill=False" in \
+        capsys.readouterr().err
 
 
 def test_symi_note_names_the_rule_that_chose_s():
@@ -432,3 +453,20 @@ def test_symi_note_names_the_rule_that_chose_s():
             assert "no s fits (with recompute) every profiled static step" in note
             seen.add("some")
     assert seen == {"all", "some"}
+
+
+def test_deterministic_mode_fill_setting_and_restore():
+    import torch.utils.deterministic as tud
+
+    from lrmoe.sim.ttl import deterministic_mode
+    assert not torch.are_deterministic_algorithms_enabled() and tud.fill_uninitialized_memory
+    with deterministic_mode(True):
+        assert torch.are_deterministic_algorithms_enabled() and tud.fill_uninitialized_memory
+        assert bool(torch.empty(8).isnan().all())      # torch's debugging fill
+    with deterministic_mode(True, fill=False):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not tud.fill_uninitialized_memory
+    assert not torch.are_deterministic_algorithms_enabled() and tud.fill_uninitialized_memory
+    with deterministic_mode(False, fill=False):
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert tud.fill_uninitialized_memory

@@ -38,10 +38,12 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert sc.main(["--out", str(tmp_path), "--smoke"]) == 0
     rows = json.loads((tmp_path / "select_cost.json").read_text())["rows"]
     assert {(r["estimator"], r["deterministic"]) for r in rows} == {
-        (e, d) for e in ("topk", "sampled") for d in (False, True)}
+        (e, d) for e in ("topk", "sampled") for d in ("no", "yes", "yes+fill")}
     md = (tmp_path / "select_cost.md").read_text()
-    assert "| sampled | True |" in md and "## profile, sampled_deterministic=True" in md
-    assert not torch.are_deterministic_algorithms_enabled()
+    assert "| sampled | yes+fill |" in md and "## profile, sampled, deterministic=yes+fill" in md
+    # every setting it touched is back as it was
+    import torch.utils.deterministic as tud
+    assert not torch.are_deterministic_algorithms_enabled() and tud.fill_uninitialized_memory
 
 
 def test_bad_slots_is_one_line_exit_2(tmp_path, capsys):

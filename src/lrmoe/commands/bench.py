@@ -101,6 +101,10 @@ def register(sub) -> None:
                    help="torch's deterministic kernels (warn-only) for every policy, so "
                         "repeated runs of a seed repeat each other (default off: GPU atomics "
                         "make them drift)")
+    t.add_argument("--no-deterministic-fill", dest="deterministic_fill", action="store_false",
+                   help="with --deterministic: skip torch's NaN fill of every new "
+                        "uninitialized tensor (a debugging aid, one kernel per allocation; "
+                        "runs with and without it are not mixed by --reuse)")
     t.add_argument("--reuse", default=None, metavar="FILE",
                    help="an earlier run's ttl.json or ttl_partial.json with the same settings: "
                         "the policies it finished are taken from it, not run again")
@@ -235,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
+        deterministic_fill=args.deterministic_fill,
         ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")

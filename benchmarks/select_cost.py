@@ -66,6 +66,31 @@ def run_select(case: dict, estimator: str, gen: torch.Generator | None):
                               opts, gen, False, case["n_blocks"], None, case["plan"], 0)
 
 
+# ops that only make a view or wrap a host scalar: no kernel of their own on the device
+_NO_KERNEL = {"select", "detach", "lift_fresh", "scalar_tensor", "view", "unbind",
+              "_local_scalar_dense", "alias", "slice", "expand", "t"}
+
+
+def count_ops(case: dict, estimator: str, dev: torch.device) -> dict:
+    """ATen ops one call dispatches (``TorchDispatchMode``), and those of them that launch
+    work on the device: the select stage is host-bound, so each costs host time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator(device=dev).manual_seed(1) if estimator == "sampled" else None
+    with _Count() as c:
+        run_select(case, estimator, gen)
+    return dict(ops=len(c.names), kernel_ops=sum(n not in _NO_KERNEL for n in c.names))
+
+
 def time_select(case: dict, estimator: str, dev: torch.device, reps: int) -> dict:
     """Median and spread of the call's time: CUDA events around it on the GPU (as the
     harness), wall time on the CPU."""
@@ -142,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         with deterministic_mode(det != "no", fill=det == "yes+fill"):
             for est in ("topk", "sampled"):
                 r = time_select(case, est, dev, a.reps)
-                r.update(estimator=est, deterministic=det)
+                r.update(estimator=est, deterministic=det, **count_ops(case, est, dev))
                 rows.append(r)
                 if est == "sampled":
                     profiles[f"sampled, deterministic={det}"] = profile_select(case, est, dev)
@@ -154,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "select_cost.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# select_and_compact on one home rank ({meta['device']})", "",
              f"`{meta['command']}` — torch {meta['torch']}, {meta['date']}; shape {meta['shape']}.",
-             "", "| estimator | deterministic | median ms | min–max ms |", "|---|---|---|---|"]
+             "", "| estimator | deterministic | median ms | min–max ms | ops a call (with a "
+             "device kernel) |", "|---|---|---|---|---|"]
     lines += [f"| {r['estimator']} | {r['deterministic']} | {r['median_ms']:.3f} "
-              f"| {r['min_ms']:.3f}–{r['max_ms']:.3f} |" for r in rows]
+              f"| {r['min_ms']:.3f}–{r['max_ms']:.3f} | {r['ops']} ({r['kernel_ops']}) |"
+              for r in rows]
     for k, t in profiles.items():
         lines += ["", f"## profile, {k} (5 calls)", "", "```", t, "```"]
     (out / "select_cost.md").write_text("\n".join(lines) + "\n")

@@ -39,6 +39,7 @@ def test_smoke_run_writes_every_row(tmp_path):
     rows = json.loads((tmp_path / "select_cost.json").read_text())["rows"]
     assert {(r["estimator"], r["deterministic"]) for r in rows} == {
         (e, d) for e in ("topk", "sampled") for d in ("no", "yes", "yes+fill")}
+    assert all(0 < r["kernel_ops"] <= r["ops"] for r in rows)
     md = (tmp_path / "select_cost.md").read_text()
     assert "| sampled | yes+fill |" in md and "## profile, sampled, deterministic=yes+fill" in md
     # every setting it touched is back as it was

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,61 +108,60 @@ def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
     return keep
 
 
-def _block_sums(x_s: Tensor, n_B: Tensor) -> Tensor:
-    """Per-block sums of ``x_s``, whose rows come sorted by block (``n_B`` rows in block
-    ``b``, on ``x_s``'s device). A segmented reduction: no atomics, so it is one kernel
-    with or without ``torch.use_deterministic_algorithms`` (``index_add_`` is switched
-    to a slower deterministic kernel there), and each block is summed on its own (a
-    light block's sum does not round against a heavy block's mass before it)."""
-    return torch.segment_reduce(x_s, "sum", lengths=n_B, unsafe=True)
-
-
-def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
+def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
+                    size_B: Tensor | None = None) -> Tensor:
     """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
 
-    Water-filling in closed form (no loop, no host sync). With a block's metrics sorted
-    descending, ``m_0 >= m_1 >= ...``, and ``R_c`` the mass from rank ``c`` on, the capped
-    rows are the ranks below the smallest ``c`` with ``(q - c) * m_c < R_c``; the others
-    get ``(q - c) * m / R_c``. ``(q - c) * m_c - R_c`` does not increase with ``c`` (while
-    ``c < q``), so this is the unique fixed point of capping every row whose share
-    reaches 1. Free rows with no metric mass share the rest of the quota uniformly.
-    Negative metrics count as 0; rows need not come grouped by block.
+    Water-filling in closed form (no loop). With a block's metrics sorted descending,
+    ``m_0 >= m_1 >= ...``, and ``R_r`` the mass from rank ``r`` on, rank ``r`` is capped
+    iff ``(q - r) * m_r > R_r``; that test holds for a prefix of the block (``(q - r) *
+    m_r - R_r`` does not increase with ``r`` while ``r < q``, and is ``<= 0`` from
+    ``r = q`` on), so the capped count ``c`` is how many rows pass it, and the free rows
+    get ``(q - c) * m / M`` with ``M`` their mass: the unique fixed point of capping
+    every row whose share reaches 1 (a row whose share is exactly 1 is left free, with
+    the same result). Free rows with no metric mass share the rest of the quota
+    uniformly. Negative metrics count as 0; rows need not come grouped by block.
+    ``size_B`` (rows per block, host) spares a device count when the caller knows it.
 
+    Built for few kernels (the select stage is host-bound: each op costs ~30 us of launch
+    on the H200's host against ~0.5 ms of device work in all, RESULTS.md). The suffix
+    test is one global scan of metrics normalised per block (a light block's sums do
+    not round against a heavy block's mass): with ``C`` that inclusive scan,
+    ``(q - r) u_r > R_r`` reads ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
+    Block quantities are worked out on the host after one read of two per-block sums.
     Only sorts, gathers, scans and segmented reductions: none of the ops that
     ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
-    ``index_put_``, ``scatter``), so ``bench ttl --deterministic`` does not slow it down.
+    ``index_put_``, ``scatter``).
     """
     dev = metric_N.device
-    B = quota_B.numel()
     m = metric_N.double().clamp(min=0)
-    if m.numel() == 0:
+    N = m.numel()
+    if N == 0:
         return m
+    B = quota_B.numel()
     blk = block_N.to(dev).long()
-    q = quota_B.to(dev).double()
     order = torch.argsort(m, descending=True)
     order = order[torch.sort(blk[order], stable=True).indices]  # block asc, metric desc
     m_s, b_s = m[order], blk[order]
-    nl_B = torch.bincount(b_s, minlength=B)
-    n_B = nl_B.double()
-    first_s = (n_B.cumsum(0) - n_B).long()[b_s]  # where each row's block starts
-    rank_s = torch.arange(m_s.numel(), device=dev) - first_s
-    # One cumsum runs over all blocks; per-block units keep a light block's suffix sums
-    # from drowning in a heavy block's mass. They only decide c: the free mass that
-    # sets pi is summed again per block.
-    u_s = m_s / _block_sums(m_s, nl_B).clamp(min=1e-300)[b_s]
-    before_s = torch.cumsum(u_s, 0) - u_s
-    R_s = _block_sums(u_s, nl_B)[b_s] - (before_s - before_s[first_s])
-    stop_s = ((q[b_s] - rank_s) * u_s < R_s) | (m_s <= 0)
-    # c: each block's first stopping rank (its size if none stops)
-    c_B = torch.segment_reduce(torch.where(stop_s, rank_s.double(), n_B[b_s]), "min",
-                               lengths=nl_B, unsafe=True, initial=float("inf"))
-    c_B = torch.minimum(c_B, n_B)
-    capped_s = rank_s < c_B[b_s]
-    rem_B = (q - c_B).clamp(min=0)
-    mass_B = _block_sums(torch.where(capped_s, torch.zeros_like(m_s), m_s), nl_B)
-    share_s = torch.where(mass_B[b_s] > 0, rem_B[b_s] * m_s / mass_B.clamp(min=1e-300)[b_s],
-                          (rem_B / (n_B - c_B).clamp(min=1))[b_s])
-    pi_s = torch.where(capped_s, torch.ones_like(m_s), share_s).clamp(0.0, 1.0)
+    n_B = (torch.bincount(b_s, minlength=B) if size_B is None else size_B).cpu().numpy()
+    first = np.cumsum(n_B) - n_B
+    q = quota_B.cpu().double().numpy()
+    nl, last_B = torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0)))).to(dev)
+    u_s = m_s / torch.segment_reduce(m_s, "sum", lengths=nl, unsafe=True).clamp(min=1e-300)[b_s]
+    C_s = torch.cumsum(u_s, 0)
+    a_B = torch.from_numpy(q + first - 1).to(dev)
+    capped_s = torch.addcmul(C_s, a_B[b_s] - torch.arange(N, device=dev), u_s) > C_s[last_B][b_s]
+    c_mass = torch.stack((
+        torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True),
+        torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True),
+    )).cpu().numpy()
+    c, mass = c_mass
+    rem = np.maximum(q - c, 0.0)
+    has = mass > 0
+    per_mass = np.where(has, rem / np.where(has, mass, 1.0), 0.0)  # free rows: rem * m / M
+    uniform = np.where(has, 0.0, rem / np.maximum(n_B - c, 1))     # ... or rem / n_free
+    fg = torch.from_numpy(np.stack((per_mass, uniform), 1)).to(dev)[b_s]
+    pi_s = torch.where(capped_s, 1.0, torch.addcmul(fg[:, 1], fg[:, 0], m_s)).clamp_(0.0, 1.0)
     return pi_s[torch.argsort(order)]  # back to the input's row order (a gather)
 
 
@@ -173,10 +173,14 @@ def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     Thompson), so the expected expert weight gradient is the exact one.
     """
     pi = inclusion_probs(metric_N, block_N, quota_B)
-    u = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator)
-    keep = (u < pi) & (pi > 0)
-    w = torch.where(keep, 1.0 / pi.clamp(min=1e-12), torch.zeros_like(pi))
-    return keep, w
+    keep = poisson_keep(pi, generator)
+    return keep, torch.where(keep, 1.0 / pi.clamp(min=1e-12), 0.0)
+
+
+def poisson_keep(pi: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Each row kept with probability ``pi``, independently (``u < pi`` with ``u`` uniform
+    on [0, 1): a row with ``pi = 0`` is never kept)."""
+    return torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
 
 
 # --------------------------------------------------------------------------- exchange
@@ -215,13 +219,15 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     when every candidate is shipped: exact plan, or the compaction-off ablation, which
     ships all retained rows with the unselected ones' scale zeroed).
     """
-    weight = keep = sel_idx = blocks = None
+    pi = keep = sel_idx = blocks = None
     if not exact:
         m = METRICS[opts.metric](dout_TH, tok_c, gate_c)
         if opts.estimator == "sampled":
             blocks = send_blocks(plan, me, dout_TH.device)
             blocks = blocks if ret_pos is None else blocks[ret_pos]
-            keep, weight = select_sampled(m, blocks, home.select_I, generator)
+            # the candidates are each block's retained rows: retain_I of them
+            pi = inclusion_probs(m, blocks, home.select_I, home.retain_I)
+            keep = poisson_keep(pi, generator)
         else:
             sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
             keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
@@ -229,13 +235,14 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     if keep is None:
         return tok_c, g_c, home.retain_I, None, None
     if not opts.compaction:
-        w = keep.float() if weight is None else (weight * keep).float()
+        w = keep.float() if pi is None else torch.where(keep, 1.0 / pi.clamp(min=1e-12),
+                                                         0.0).float()
         return tok_c, g_c * w, home.retain_I, keep, None
     if sel_idx is None:
         sel_idx = torch.nonzero(keep).flatten()
     scale = g_c[sel_idx]
-    if weight is not None:
-        scale = scale * weight[sel_idx].float()
+    if pi is not None:  # Horvitz-Thompson weight 1/pi of each kept row
+        scale = scale * (1.0 / pi[sel_idx].clamp(min=1e-12)).float()
     sent_I = (home.select_I if opts.estimator == "topk"  # counted on the device: B to copy
               else torch.bincount(blocks[sel_idx], minlength=n_blocks).cpu())
     return tok_c[sel_idx], scale, sent_I, keep, sel_idx

@@ -2,9 +2,10 @@
 # Issue-14 time-to-target runs on the device machine (one H200), EP 8 virtual ranks, one
 # `lrmoe bench ttl` per seed with every pre-registered policy (benchmarks/RESULTS.md):
 #   bash benchmarks/gpu_ttl_seeds.sh OUTDIR WORKLOAD STEPS SEED [SEED ...]
-# WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers) or glm_fastbias (GLM-4.5-Air-shaped,
-# loss-free bias rate 0.01 for every policy). Every policy keeps its experts' optimizer
-# state in host memory (--optimizer-offload host, SYMI's design); budget
+# WORKLOAD: qwen3 (Qwen3-30B-A3B-shaped MoE layers), glm_fastbias (GLM-4.5-Air-shaped,
+# loss-free bias rate 0.01 for every policy) or glm_bias03 (the same at rate 0.03).
+# Every policy keeps its experts' optimizer state in host memory (--optimizer-offload
+# host, SYMI's design); budget
 # --budget-retain-fraction 0.8. Each seed's outputs are packed into OUTDIR/WORKLOAD_sSEED.tar.gz
 # (the device tool returns few files) beside its ttl.md. Times are emulated.
 # MEM_BUDGET=8GiB: a fixed per-rank budget instead of --budget-retain-fraction 0.8 (the
@@ -24,6 +25,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 case $W in
   qwen3) CFG=benchmarks/configs/qwen3-30b-a3b-layer-2L.json ;;
   glm_fastbias) CFG=benchmarks/configs/glm-4.5-air-layer-2L-fastbias.json ;;
+  glm_bias03) CFG=benchmarks/configs/glm-4.5-air-layer-2L-bias03.json ;;
   *) echo "unknown workload $W" >&2; exit 2 ;;
 esac
 POLICIES=${POLICIES:-static,symi,lrmoe:recompute,lrmoe,lrmoe:min_keep=0.8}

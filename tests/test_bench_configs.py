@@ -1,0 +1,32 @@
+"""The benchmark workloads' model configs (benchmarks/configs/*.json) load as HF configs,
+and the GLM variants differ from the GLM-4.5-Air-shaped base only in the loss-free bias
+rate they name (what RESULTS.md says about them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lrmoe.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.name)
+def test_every_benchmark_config_loads(path):
+    cfg = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    assert cfg.num_experts == 128 and cfg.num_experts_per_tok == 8
+    assert cfg.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("name,rate", [("glm-4.5-air-layer-2L-fastbias.json", 0.01),
+                                       ("glm-4.5-air-layer-2L-bias03.json", 0.03)])
+def test_glm_variants_change_only_the_bias_rate(name, rate):
+    base = json.loads((CONFIGS / "glm-4.5-air-layer-2L.json").read_text())
+    var = json.loads((CONFIGS / name).read_text())
+    assert {k: v for k, v in var.items() if k != "lrmoe_bias_update_rate"} == \
+        {k: v for k, v in base.items() if k != "lrmoe_bias_update_rate"}
+    assert ModelConfig.from_hf_dict(var).bias_update_rate == rate
+    assert ModelConfig.from_hf_dict(base).bias_update_rate != rate

@@ -9,8 +9,10 @@
 #    --no-deterministic-fill twice and with the fill once; benchmarks/ttl_repeat.py
 #    compares no-fill with no-fill (repeatable?) and no-fill with fill (same math?)
 # Everything is packed into OUTDIR/fill_check.tar.gz (the device tool returns few files).
+# Limits at TOTAL 420: select ~80 s, each 12-step run ~110 s (the first run on a cold
+# machine took over 70 s before printing its first step).
 set -uo pipefail
-OUT=${1:?outdir}; TOTAL=${2:-480}
+OUT=${1:?outdir}; TOTAL=${2:-420}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$OUT/fill_check/rep"
 . benchmarks/gpu_steps.sh
@@ -20,9 +22,9 @@ TTL=(python3 -m lrmoe bench ttl --config benchmarks/configs/glm-4.5-air-layer-2L
     --optimizer-offload host --link nvlink \
     --policies static,lrmoe:recompute+estimator=sampled --deterministic)
 D=$OUT/fill_check
-step select 300 python3 benchmarks/select_cost.py --out "$D/select"
-step nofill_a 200 "${TTL[@]}" --no-deterministic-fill --out "$D/rep/nofill_a"
-step nofill_b 100 "${TTL[@]}" --no-deterministic-fill --out "$D/rep/nofill_b"
+step select 340 python3 benchmarks/select_cost.py --out "$D/select"
+step nofill_a 220 "${TTL[@]}" --no-deterministic-fill --out "$D/rep/nofill_a"
+step nofill_b 110 "${TTL[@]}" --no-deterministic-fill --out "$D/rep/nofill_b"
 step fill 10 "${TTL[@]}" --out "$D/rep/fill"
 cp /tmp/select.log /tmp/nofill_a.log /tmp/nofill_b.log /tmp/fill.log "$D/" 2>/dev/null
 [ -f "$D/rep/nofill_b/ttl.json" ] && python3 benchmarks/ttl_repeat.py "$D/rep/nofill_a/ttl.json" \

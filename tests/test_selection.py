@@ -3,6 +3,7 @@ unbiased (Horvitz-Thompson) with error falling like 1/sqrt(draws)."""
 
 import copy
 
+import pytest
 import torch
 
 from lrmoe.model import MoEForCausalLM
@@ -188,6 +189,8 @@ def test_inclusion_probs_with_host_sizes_and_poisson_keep():
         m, blk, quota, size = _random_case(g, n, B)
         ref = _inclusion_probs_loop(m, blk, quota)
         torch.testing.assert_close(inclusion_probs(m, blk, quota, size), ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="block sizes"):
+        inclusion_probs(m, blk, quota, size + 1)
     pi = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5] * 400, dtype=torch.float64)
     keep = poisson_keep(pi, torch.Generator().manual_seed(0))
     assert not keep[pi == 0].any() and keep[pi == 1].all()

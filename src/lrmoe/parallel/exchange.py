@@ -144,6 +144,9 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     order = order[torch.sort(blk[order], stable=True).indices]  # block asc, metric desc
     m_s, b_s = m[order], blk[order]
     n_B = (torch.bincount(b_s, minlength=B) if size_B is None else size_B).cpu().numpy()
+    if n_B.size != B or int(n_B.sum()) != N:  # host values: no sync
+        raise ValueError(f"inclusion_probs: block sizes {n_B.size} summing to "
+                         f"{int(n_B.sum())}, for {B} blocks and {N} rows")
     first = np.cumsum(n_B) - n_B
     q = quota_B.cpu().double().numpy()
     nl, last_B = torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0)))).to(dev)

@@ -18,6 +18,8 @@
 # REUSE=DIR: where DIR/WORKLOAD_sSEED/ttl.json or DIR/sSEED/ttl.json (the layout of
 # benchmarks/results/ttl_gpu_*; or ttl_partial.json) exists, the policies it
 # finished are taken from it (`bench ttl --reuse`, checked against this run) and not re-run.
+# REUSE_ONLY=static,symi: take only those policies from the REUSE file (the others run
+# again; without it every policy the file holds is reused, lrmoe's old run included).
 set -euo pipefail
 OUT=${1:?outdir}; W=${2:?workload}; STEPS=${3:?steps}; shift 3
 [ $# -ge 1 ] || { echo "give at least one seed" >&2; exit 2; }
@@ -43,6 +45,13 @@ for SEED in "$@"; do
            "$REUSE/s$SEED/ttl.json" "$REUSE/s$SEED/ttl_partial.json"; do
     if [ -n "$REUSE" ] && [ -f "$f" ]; then R=(--reuse "$f"); break; fi
   done
+  if [ ${#R[@]} -gt 0 ] && [ -n "${REUSE_ONLY:-}" ]; then  # a copy with those policies only
+    mkdir -p /tmp/lrmoe_reuse  # not under OUT: the device tool returns few files
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); keep=sys.argv[2].split(','); \
+r['policies']={k: v for k, v in r['policies'].items() if k in keep}; \
+json.dump(r, open(sys.argv[3], 'w'))" "${R[1]}" "$REUSE_ONLY" /tmp/lrmoe_reuse/s$SEED.json
+    R=(--reuse /tmp/lrmoe_reuse/s$SEED.json)
+  fi
   echo "== $W seed $SEED: $STEPS steps, eval every $EVERY, policies $POLICIES ${R[*]}"
   timeout "$SEED_TIMEOUT" python3 -m lrmoe bench ttl --config "$CFG" --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 \
     --device cuda --eval-batches 8 --eval-every "$EVERY" --steps "$STEPS" --seed "$SEED" \

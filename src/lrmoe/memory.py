@@ -582,22 +582,11 @@ class Ledger:
         is the low end of the interval they leave."""
         if self.budget_bytes is None:
             return 0
-        n, R, k = int(n_instances), int(received_pairs), int(retained_pairs)
-        B = self.budget_bytes
-        if self.terms(n, R, home_pairs, k, 0, exact)["total"] <= B:
+        n, R, h, k = int(n_instances), int(received_pairs), int(home_pairs), int(retained_pairs)
+        if self.terms(n, R, h, k, 0, exact)["total"] <= self.budget_bytes:
             return 0
-        per_slot, P = self.total_pieces(home_pairs, exact, True)
-        a = per_slot * n + P[:, 0] + P[:, 1] * R + P[:, 2] * k
-        d = P[:, 3]
-        lo, hi = 1, k
-        for ai, di in zip(a.tolist(), d.tolist()):
-            if di < 0:
-                lo = max(lo, -(-(ai - B) // -di))
-            elif di > 0:
-                hi = min(hi, (B - ai) // di)
-            elif ai > B:
-                return -1
-        return lo if lo <= hi else -1
+        ok, need = self._recompute_bounds(n, R, h, np.array([k], dtype=np.int64), exact)
+        return int(need[0]) if ok[0] else -1
 
     def retain_capacity_recompute(self, n_instances: int, received_pairs: int,
                                   home_pairs: int, exact: bool = False) -> tuple[int, int]:
@@ -633,10 +622,9 @@ class Ledger:
 
     def _recompute_bounds(self, n: int, R: int, h: int, ks: np.ndarray, exact: bool
                           ) -> tuple[np.ndarray, np.ndarray]:
-        """For each retained count in ``ks`` (each ``>= 1``), whether some recomputed
-        count ``1 <= rec <= k`` fits, and the fewest that does: every affine piece of the
-        ``rec >= 1`` branch (:meth:`total_pieces`) bounds ``rec`` from one side (as in
-        :meth:`recompute_needed`, for many ``k`` at once)."""
+        """For each retained count in ``ks``, whether some recomputed count ``1 <= rec <=
+        k`` fits (never for ``k = 0``), and the fewest that does: every affine piece of the
+        ``rec >= 1`` branch (:meth:`total_pieces`) bounds ``rec`` from one side."""
         B = self.budget_bytes
         per_slot, P = self.total_pieces(h, exact, True)
         a = (per_slot * n + P[:, 0] + P[:, 1] * R)[:, None] + P[:, 2][:, None] * ks[None, :]

@@ -34,6 +34,24 @@ def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
     assert bool((scale > 0).all())
 
 
+def test_select_stage_sampled_branch_matches_select_sampled():
+    """The select stage's sampled branch keeps the rows select_sampled keeps (same
+    generator state) and ships each with scale g / pi (the Horvitz-Thompson weight),
+    in send order, with the kept count of every block."""
+    from lrmoe.parallel.exchange import metric_grad_norm, select_sampled, send_blocks
+    case = sc.home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
+    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(case, "sampled",
+                                                        torch.Generator().manual_seed(4))
+    m = metric_grad_norm(case["dout"], case["tok"], case["gate"])
+    blocks = send_blocks(case["plan"], 0, torch.device("cpu"))
+    keep_ref, w_ref = select_sampled(m, blocks, case["home"].select_I,
+                                     torch.Generator().manual_seed(4))
+    assert torch.equal(keep, keep_ref) and 0 < int(keep.sum()) < keep.numel()
+    assert torch.equal(sel_idx, torch.nonzero(keep_ref).flatten())
+    torch.testing.assert_close(scale, case["g"][sel_idx] * w_ref[sel_idx].float())
+    assert torch.equal(tok_s, case["tok"][sel_idx])
+    assert torch.equal(sent_I, torch.bincount(blocks[sel_idx], minlength=case["n_blocks"]))
+
 def test_smoke_run_writes_every_row(tmp_path):
     assert sc.main(["--out", str(tmp_path), "--smoke"]) == 0
     rows = json.loads((tmp_path / "select_cost.json").read_text())["rows"]

@@ -195,32 +195,3 @@ def test_inclusion_probs_with_host_sizes_and_poisson_keep():
     keep = poisson_keep(pi, torch.Generator().manual_seed(0))
     assert not keep[pi == 0].any() and keep[pi == 1].all()
     assert 0.4 < keep[pi == 0.5].double().mean() < 0.6
-
-
-def test_select_and_compact_sampled_matches_select_sampled():
-    """The select stage's sampled branch keeps the rows select_sampled keeps (same
-    generator state) and ships each with scale g / pi (the Horvitz-Thompson weight),
-    in send order, with the kept count of every block."""
-    import importlib.util
-    from pathlib import Path
-
-    from lrmoe.parallel.exchange import select_and_compact
-    spec = importlib.util.spec_from_file_location(
-        "select_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "select_cost.py")
-    sc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sc)
-    case = sc.home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
-    opts = BackwardOptions(estimator="sampled")
-    tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
-        case["dout"], case["tok"], case["g"], case["gate"], case["home"], opts,
-        torch.Generator().manual_seed(4), False, case["n_blocks"], None, case["plan"], 0)
-    from lrmoe.parallel.exchange import metric_grad_norm, send_blocks
-    m = metric_grad_norm(case["dout"], case["tok"], case["gate"])
-    blocks = send_blocks(case["plan"], 0, torch.device("cpu"))
-    keep_ref, w_ref = select_sampled(m, blocks, case["home"].select_I,
-                                     torch.Generator().manual_seed(4))
-    assert torch.equal(keep, keep_ref) and 0 < int(keep.sum()) < keep.numel()
-    assert torch.equal(sel_idx, torch.nonzero(keep_ref).flatten())
-    torch.testing.assert_close(scale, case["g"][sel_idx] * w_ref[sel_idx].float())
-    assert torch.equal(tok_s, case["tok"][sel_idx])
-    assert torch.equal(sent_I, torch.bincount(blocks[sel_idx], minlength=case["n_blocks"]))

@@ -177,7 +177,13 @@ def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     """
     pi = inclusion_probs(metric_N, block_N, quota_B)
     keep = poisson_keep(pi, generator)
-    return keep, torch.where(keep, 1.0 / pi.clamp(min=1e-12), 0.0)
+    return keep, torch.where(keep, ht_weight(pi), 0.0)
+
+
+def ht_weight(pi: Tensor) -> Tensor:
+    """The Horvitz-Thompson weight ``1/pi`` of a kept row (``pi`` of a kept row is > 0;
+    the floor only guards the division)."""
+    return 1.0 / pi.clamp(min=1e-12)
 
 
 def poisson_keep(pi: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -238,14 +244,13 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     if keep is None:
         return tok_c, g_c, home.retain_I, None, None
     if not opts.compaction:
-        w = keep.float() if pi is None else torch.where(keep, 1.0 / pi.clamp(min=1e-12),
-                                                         0.0).float()
+        w = keep.float() if pi is None else torch.where(keep, ht_weight(pi), 0.0).float()
         return tok_c, g_c * w, home.retain_I, keep, None
     if sel_idx is None:
         sel_idx = torch.nonzero(keep).flatten()
     scale = g_c[sel_idx]
-    if pi is not None:  # Horvitz-Thompson weight 1/pi of each kept row
-        scale = scale * (1.0 / pi[sel_idx].clamp(min=1e-12)).float()
+    if pi is not None:
+        scale = scale * ht_weight(pi[sel_idx]).float()
     sent_I = (home.select_I if opts.estimator == "topk"  # counted on the device: B to copy
               else torch.bincount(blocks[sel_idx], minlength=n_blocks).cpu())
     return tok_c[sel_idx], scale, sent_I, keep, sel_idx

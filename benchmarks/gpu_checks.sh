@@ -13,19 +13,14 @@ OUT=${1:?outdir}; TOTAL=${2:-420}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$OUT/layer" "$OUT/ledger" "$OUT/repeat"
 . benchmarks/gpu_steps.sh
-TTL=(python3 -m lrmoe bench ttl --config benchmarks/configs/glm-4.5-air-layer-2L-fastbias.json \
-    --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 --device cuda --eval-batches 8 \
-    --eval-every 4 --steps 12 --seed 0 --mem-budget 8GiB --router-grad experts \
-    --optimizer-offload host --link nvlink \
-    --policies static,lrmoe:recompute+estimator=sampled)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 [ -n "${SKIP_LEDGER:-}" ] || step ledger 260 python3 benchmarks/ledger_peak.py --out "$OUT/ledger"
 [ -n "${SKIP_LAYER:-}" ] || step layer 170 python3 benchmarks/moe_layer.py --out "$OUT/layer" --shapes qwen3 \
   --tokens 16384 --skews 0 --keeps 1.0 --budget-s 100
 for mode in det nondet; do
   flag=(); [ $mode = det ] && flag=(--deterministic)
-  step "${mode}_a" 0 "${TTL[@]}" ${flag[@]+"${flag[@]}"} --out "/tmp/rep/${mode}_a"
-  step "${mode}_b" 0 "${TTL[@]}" ${flag[@]+"${flag[@]}"} --out "/tmp/rep/${mode}_b"
+  step "${mode}_a" 0 "${REPEAT_TTL[@]}" ${flag[@]+"${flag[@]}"} --out "/tmp/rep/${mode}_a"
+  step "${mode}_b" 0 "${REPEAT_TTL[@]}" ${flag[@]+"${flag[@]}"} --out "/tmp/rep/${mode}_b"
   [ -f "/tmp/rep/${mode}_b/ttl.json" ] && python3 benchmarks/ttl_repeat.py \
     "/tmp/rep/${mode}_a/ttl.json" "/tmp/rep/${mode}_b/ttl.json" --out "$OUT/repeat/$mode.md"
 done

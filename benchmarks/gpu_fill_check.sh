@@ -16,11 +16,7 @@ OUT=${1:?outdir}; TOTAL=${2:-420}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$OUT/fill_check/rep"
 . benchmarks/gpu_steps.sh
-TTL=(python3 -m lrmoe bench ttl --config benchmarks/configs/glm-4.5-air-layer-2L-fastbias.json \
-    --ep 8 --batch-size 128 --seq-len 256 --lr 1e-3 --device cuda --eval-batches 8 \
-    --eval-every 4 --steps 12 --seed 0 --mem-budget 8GiB --router-grad experts \
-    --optimizer-offload host --link nvlink \
-    --policies static,lrmoe:recompute+estimator=sampled --deterministic)
+TTL=("${REPEAT_TTL[@]}" --deterministic)
 D=$OUT/fill_check
 step select 340 python3 benchmarks/select_cost.py --out "$D/select"
 step nofill_a 220 "${TTL[@]}" --no-deterministic-fill --out "$D/rep/nofill_a"

@@ -7,7 +7,8 @@
 # Every policy keeps its experts' optimizer state in host memory (--optimizer-offload
 # host, SYMI's design); budget
 # --budget-retain-fraction 0.8. Each seed's outputs are packed into OUTDIR/WORKLOAD_sSEED.tar.gz
-# (the device tool returns few files) beside its ttl.md. Times are emulated.
+# (the device tool returns at most 8 files: 2 a seed, so at most 4 seeds a call) beside its
+# ttl.md. Times are emulated.
 # MEM_BUDGET=8GiB: a fixed per-rank budget instead of --budget-retain-fraction 0.8 (the
 # GLM amendment in RESULTS.md's pre-registration).
 # ROUTER_GRAD=experts: static and symi take the router gradient at the experts (no combined
@@ -23,6 +24,7 @@
 set -euo pipefail
 OUT=${1:?outdir}; W=${2:?workload}; STEPS=${3:?steps}; shift 3
 [ $# -ge 1 ] || { echo "give at least one seed" >&2; exit 2; }
+[ $# -le 4 ] || echo "warning: $# seeds write $(( 2 * $# )) files; the device tool returns 8" >&2
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 case $W in
   qwen3) CFG=benchmarks/configs/qwen3-30b-a3b-layer-2L.json ;;
@@ -60,5 +62,5 @@ json.dump(r, open(sys.argv[3], 'w'))" "${R[1]}" "$REUSE_ONLY" /tmp/lrmoe_reuse/s
     > "$D.log" 2>&1 || { tail -30 "$D.log"; }
   [ -f "$D/ttl.md" ] && cp "$D/ttl.md" "$OUT/${W}_s$SEED.md" && cat "$D/ttl.md" | head -30
   tar czf "$OUT/${W}_s$SEED.tar.gz" -C "$OUT" "${W}_s$SEED" "${W}_s$SEED.log"
-  rm -rf "$D"
+  rm -rf "$D" "$D.log"  # the log is in the tarball: two files a seed come back, not three
 done

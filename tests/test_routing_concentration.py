@@ -26,6 +26,45 @@ def test_collapsed_and_uniform_traces(tmp_path, capsys):
     assert mod.main([str(tmp_path / "missing.json")]) == 2
 
 
+def test_whole_run_summary(tmp_path, capsys):
+    """--whole-run: the 90% counts from a step on, the sink steps over the whole run, the
+    steps where one expert has half of the tokens and the largest share."""
+    mod = load_benchmark("routing_concentration")
+    E, k, T = 16, 2, 1000
+
+    def step(hot: int, share: float) -> list[list[int]]:
+        """Expert ``hot`` gets ``share`` of the tokens, the rest spread evenly."""
+        c = [0] * E
+        c[hot] = round(share * T)
+        rest = T * k - c[hot]
+        others = [e for e in range(E) if e != hot]
+        for i, e in enumerate(others):
+            c[e] = rest // len(others) + (i < rest % len(others))
+        return [c]
+
+    # steps 0-1: a sink (every token), 2: 0.6 of the tokens, 3: 0.995 (not every token),
+    # 4: five experts share all pairs (0.4 of the tokens each), 5: even
+    narrow = [[400 if e < 5 else 0 for e in range(E)]]
+    steps = [step(0, 1.0), step(1, 1.0), step(2, 0.6), step(3, 0.995), narrow,
+             step(5, 0.125)]
+    w = mod.whole_run({"steps": steps}, k, 2)
+    assert (w["sink_steps"], w["first_sink"], w["last_sink"]) == (2, 0, 1)
+    assert w["half_steps"] == 4 and abs(w["max_share"] - 1.0) < 1e-12
+    n90 = [mod.concentration({"steps": steps}, [i], k)["rows"][0]["experts_for_90pct"]
+           for i in range(2, 6)]
+    assert w["min_90pct"] == min(n90) and w["median_90pct"] == sorted(n90)[1]
+    assert w["min_90pct"] < w["median_90pct"]  # the two differ on this trace
+    w5 = mod.whole_run({"steps": steps}, k, 5)  # only the last, even step counted
+    assert w5["min_90pct"] == w5["median_90pct"] == n90[-1]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"steps": steps}))
+    assert mod.main([str(p), "--steps", "0", "--top-k", "2", "--whole-run", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"| {min(n90)} / {sorted(n90)[1]} | 2 (0–1) | 4 of 6 | 1.000 |" in out
+    assert mod.main([str(p), "--steps", "0", "--top-k", "2"]) == 0
+    assert "largest share" not in capsys.readouterr().out
+
+
 def test_gpu_router_check_script_on_cpu(tmp_path):
     """benchmarks/gpu_router_check.sh end to end on a tiny model (its CPU overrides): one
     row per setting in concentration.md and concentration_rows.md, each run archived at

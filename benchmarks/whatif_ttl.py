@@ -40,8 +40,12 @@ from lrmoe.sim.target import crossing, target_at  # noqa: E402
 
 OPTIMIZER = ("opt_d2h", "opt_host_update", "opt_h2d")
 CONTROL = ("plan", "count_exchange", "local", "select", "gather")
-SCENARIOS = ("as run", "optimizer off the critical path", "lrmoe control plane at SYMI's",
-             "both", "no optimizer, no control plane")
+# scenario -> (stages that cost nothing for every policy, lrmoe's control plane at SYMI's)
+SCENARIOS = {"as run": ((), False),
+             "optimizer off the critical path": (OPTIMIZER, False),
+             "lrmoe control plane at SYMI's": ((), True),
+             "both": (OPTIMIZER, True),
+             "no optimizer, no control plane": (OPTIMIZER + CONTROL, False)}
 
 
 def step_seconds(step: dict, drop: tuple[str, ...] = (), swap: dict | None = None) -> float:
@@ -73,19 +77,16 @@ def seed_ratios(pol: dict, fraction: float, window: int) -> dict:
     target = target_at(base["evals"], math.ceil(fraction * len(base["steps"])), window)
     symi = pol["symi"]
     ctl = mean_stages(symi, CONTROL)
+    t_symi = {sc: crossing(repriced_evals(symi, drop), target, window)[1]
+              for sc, (drop, _) in SCENARIOS.items()}
     out = {}
     for name, r in pol.items():
         if not name.startswith("lrmoe"):
             continue
         row = {}
-        for sc in SCENARIOS:
-            drop = OPTIMIZER if sc in ("optimizer off the critical path", "both") else ()
-            swap = ctl if sc in ("lrmoe control plane at SYMI's", "both") else None
-            if sc == "no optimizer, no control plane":
-                drop = OPTIMIZER + CONTROL
-            t_l = crossing(repriced_evals(r, drop, swap), target, window)[1]
-            t_s = crossing(repriced_evals(symi, drop), target, window)[1]
-            row[sc] = t_l / t_s if t_l is not None and t_s else None
+        for sc, (drop, swap) in SCENARIOS.items():
+            t_l = crossing(repriced_evals(r, drop, ctl if swap else None), target, window)[1]
+            row[sc] = t_l / t_symi[sc] if t_l is not None and t_symi[sc] else None
         out[name] = row
     return out
 

@@ -26,7 +26,7 @@ def _policy(stages: dict, non_moe: float, losses: list[float], every: int = 2) -
     return {"steps": steps, "evals": evals}
 
 
-def _record(tmp_path, lrmoe_stages: dict, symi_stages: dict, lrmoe_losses=None):
+def _record(lrmoe_stages: dict, symi_stages: dict, lrmoe_losses=None):
     losses = [9.0 - 0.5 * j for j in range(10)]  # falls steadily: static's target at step 16
     pol = {"static": _policy(symi_stages, 1.0, losses),
            "symi": _policy(symi_stages, 1.0, losses),
@@ -50,7 +50,7 @@ def test_scenarios_match_the_arithmetic(tmp_path):
     # lrmoe: half the expert work, a dearer control plane, the same optimizer
     lrmoe = dict(symi, plan=2.0, local=3.0, select=3.5, gather=1.0, fwd_experts=2.0,
                  bwd_experts=4.0)
-    r = mod.seed_ratios(_record(tmp_path, lrmoe, symi), 0.8, 3)["lrmoe"]
+    r = mod.seed_ratios(_record(lrmoe, symi), 0.8, 3)["lrmoe"]
     # same curves, constant steps: the ratio is the ratio of the per-step seconds
     s_all, s_opt = 1 + 39.5, 24.0
     l_ctl, s_ctl = 2 + 3 + 3.5 + 1, 1 + 2 + 0.5
@@ -71,7 +71,7 @@ def test_slower_curve_and_cli(tmp_path, capsys):
     stages = {"fwd_experts": 4.0, "bwd_experts": 8.0, "opt_host_update": 10.0}
     # lrmoe's curve lags two steps behind: it reaches the target later at the same step cost
     late = [9.5] + [9.0 - 0.5 * j for j in range(9)]
-    pol = _record(tmp_path, stages, stages, late)
+    pol = _record(stages, stages, late)
     r = mod.seed_ratios(pol, 0.8, 3)["lrmoe"]
     assert all(v > 1.0 for v in r.values())
     assert r["as run"] == pytest.approx(r["optimizer off the critical path"], rel=1e-12)
@@ -85,5 +85,5 @@ def test_slower_curve_and_cli(tmp_path, capsys):
     assert "recorded" in capsys.readouterr().err
     assert mod.main([str(tmp_path / "missing")]) == 2
     # a policy that never reaches the target
-    never = _record(tmp_path, stages, stages, [9.9] * 10)
+    never = _record(stages, stages, [9.9] * 10)
     assert mod.seed_ratios(never, 0.8, 3)["lrmoe"]["as run"] is None

@@ -27,6 +27,7 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,
     RecvLayout,
+    block_ids,
     excl_cumsum,
     permute_rows,
     ranges,
@@ -232,7 +233,7 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     if not exact:
         m = METRICS[opts.metric](dout_TH, tok_c, gate_c)
         if opts.estimator == "sampled":
-            blocks = send_blocks(plan, me, dout_TH.device)
+            blocks = home.send_blocks(dout_TH.device)
             blocks = blocks if ret_pos is None else blocks[ret_pos]
             # the candidates are each block's retained rows: retain_I of them
             pi = inclusion_probs(m, blocks, home.select_I, home.retain_I)
@@ -256,30 +257,17 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
     return tok_c[sel_idx], scale, sent_I, keep, sel_idx
 
 
-def retained_positions(plan: Plan, me: int, device: torch.device) -> Tensor | None:
-    """Send positions of home rank ``me``'s retained rows (each block's retained rows
-    come first), or ``None`` when every row is retained (``HomeLayout.retained_pos``)."""
-    assign, retain = plan.assign_GGS[me].reshape(-1), plan.retain_GGS[me].reshape(-1)
-    if torch.equal(retain, assign):
-        return None
-    return ranges(excl_cumsum(assign), retain, device)
-
-
 def send_blocks(plan: Plan, me: int, device: torch.device) -> Tensor:
     """Global instance index of each of home rank ``me``'s send rows
-    (``HomeLayout.block_of``)."""
-    assign = plan.assign_GGS[me].reshape(-1)
-    return torch.repeat_interleave(torch.arange(assign.numel(), device=device),
-                                   to_device(assign, device), output_size=int(assign.sum()))
+    (``HomeLayout.send_blocks``)."""
+    return block_ids(plan.assign_GGS[me].reshape(-1), device)
 
 
 def backward_home(home: HomeLayout) -> HomeLayout:
-    """The part of a send layout the backward reads: the fields it rebuilds from the plan
-    (:func:`retained_positions`, :func:`send_blocks`) and ``send_pos_P`` (equal to
-    ``send_row_P`` where the backward looks) are dropped, so they are not kept alive
-    between forward and backward."""
-    return dataclasses.replace(home, send_pos_P=home.send_row_P, retained_pos=None,
-                               block_of=None)
+    """The part of a send layout the backward reads: ``send_pos_P`` (equal to
+    ``send_row_P`` where the backward looks) is dropped, so it is not kept alive between
+    forward and backward."""
+    return dataclasses.replace(home, send_pos_P=home.send_row_P)
 
 
 def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
@@ -401,7 +389,7 @@ class ExpertExchange(torch.autograd.Function):
         # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
         # the unscaled dout[t] row plus the scale g (folded into the expert backward's
         # elementwise kernels on the receiver, so no scaled copy of the rows is made).
-        ret_pos = retained_positions(plan, me, dev)
+        ret_pos = home.retained_positions(dev)
         pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
         tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
 

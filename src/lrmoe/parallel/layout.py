@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from lrmoe.fused import fused
 from lrmoe.policy.plan import Plan
 
 
@@ -38,14 +40,26 @@ def ranges(starts: Tensor, lengths: Tensor, device: torch.device | str = "cpu") 
     """Concatenation of ``arange(starts[k], starts[k] + lengths[k])`` over k.
 
     ``starts`` and ``lengths`` are small CPU tensors (one entry per block); the result
-    is built on ``device`` without a host sync (its size is known on the host).
+    is built on ``device`` without a host sync (its size is known on the host): one copy
+    of a two-row table, then :func:`segment_positions` (one fused kernel on CUDA).
     """
-    total = int(lengths.sum())
+    st, ln = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    total = int(ln.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    base = to_device(starts - excl_cumsum(lengths), device)
-    base = torch.repeat_interleave(base, to_device(lengths, device), output_size=total)
-    return base + torch.arange(total, device=device)
+    nz = ln > 0
+    st, ln = st[nz], ln[nz]
+    tab = to_device(torch.from_numpy(np.stack((np.cumsum(ln) - ln, st))), device)
+    return fused("ranges", segment_positions, tab)(tab, torch.empty(total, device=tab.device))
+
+
+def segment_positions(tab_2N: Tensor, like_R: Tensor) -> Tensor:
+    """Position ``q`` of a concatenation of runs, each run ``n`` starting at ``tab[0, n]``
+    and mapping linearly onto ``tab[1, n] ...``: ``tab[1, n] + q - tab[0, n]`` for the
+    run holding ``q``, for ``q < len(like_R)`` (only its length is read)."""
+    q = torch.arange(like_R.shape[0], device=tab_2N.device)
+    k = torch.searchsorted(tab_2N[0], q, right=True) - 1
+    return tab_2N[1][k] + (q - tab_2N[0][k])
 
 
 @dataclass
@@ -97,86 +111,133 @@ class HomeLayout:
         send_row_P: like ``send_pos_P`` but dropped pairs point at row ``N_send`` (a zero
             row the caller appends), so gathers need no mask.
         dropped: whether any local pair is dropped (capacity policy).
-        retained_pos: send positions of the retained rows (ascending), or ``None`` when
-            every row is retained.
         src_pair: send-buffer position -> local pair index (length N_send).
-        block_of: send-buffer position -> global instance index i.
         j_in_block: send-buffer position -> index inside its block.
         retain_I, select_I: per block (me -> i) retained count and backward quota.
+        assign_I: per block, the rows sent (host).
         splits: rows to each destination rank.
+
+    The send positions of the retained rows and each send row's block are derived on
+    demand (:meth:`retained_positions`, :meth:`send_blocks`), so they are not kept alive
+    between forward and backward.
     """
 
     send_pos_P: Tensor
     send_row_P: Tensor
     dropped: bool
-    retained_pos: Tensor | None
     src_pair: Tensor
-    block_of: Tensor
     j_in_block: Tensor
     retain_I: Tensor
     select_I: Tensor
+    assign_I: Tensor
     splits: list[int]
+
+    @property
+    def all_retained(self) -> bool:
+        return bool(torch.equal(self.retain_I, self.assign_I))
+
+    def retained_positions(self, device: torch.device) -> Tensor | None:
+        """Send positions of the retained rows (ascending; each block's retained rows
+        come first), or ``None`` when every row is retained."""
+        if self.all_retained:
+            return None
+        return ranges(excl_cumsum(self.assign_I), self.retain_I, device)
+
+    def send_blocks(self, device: torch.device) -> Tensor:
+        """Global instance index of each send row."""
+        return block_ids(self.assign_I, device)
+
+
+def block_ids(sizes_B: Tensor, device: torch.device) -> Tensor:
+    """``b`` repeated ``sizes_B[b]`` times, on ``device`` (host sizes: no sync)."""
+    return torch.repeat_interleave(torch.arange(sizes_B.numel(), device=device),
+                                   to_device(sizes_B, device), output_size=int(sizes_B.sum()))
 
 
 def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> HomeLayout:
-    """Assign this rank's pairs to send-buffer positions (see module doc)."""
+    """Assign this rank's pairs to send-buffer positions (see module doc).
+
+    The host turns the plan into one small segment table; the device work is one sort of
+    the pairs and a few index kernels (:func:`home_positions`), with no host wait.
+
+    Pairs are sorted by (expert, descending gate) (by expert alone when every pair is
+    retained and none is dropped: the gate order is then irrelevant); in that order an
+    expert's pairs are its retained ones split over its instances in instance order,
+    then its non-retained ones, then the dropped ones (the lowest gates, capacity
+    policy). Each of these runs is a *segment*: a range of sorted positions that maps
+    linearly onto send positions, so one ``searchsorted`` over the segment starts
+    locates every pair.
+    """
     dev = idx_P.device
     G, S = plan.G, plan.S
-    I = G * S
-    ie = plan.inst_expert_GS.reshape(-1)
-    assign = plan.assign_GGS[me].reshape(-1)
-    retain = plan.retain_GGS[me].reshape(-1)
-    valid = ie >= 0
-    block_start = excl_cumsum(assign)
-    # Instances in expert order; their retained and non-retained position ranges.
-    e_key = torch.where(valid, ie, torch.full_like(ie, E))
-    inst_order = torch.argsort(e_key * I + torch.arange(I), stable=True)
-    pos_ret = ranges(block_start[inst_order], retain[inst_order], dev)
-    pos_non = ranges(block_start[inst_order] + retain[inst_order], (assign - retain)[inst_order],
-                     dev)
-    e_c = ie.clamp(min=0)
-    R_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, retain * valid)
-    A_E = torch.zeros(E, dtype=torch.long).index_add_(0, e_c, assign * valid)
-    ret_start, non_start = excl_cumsum(R_E), excl_cumsum(A_E - R_E)
-
-    # Local pairs sorted by (expert, descending gate): retained pairs are the top gates.
-    # When every pair is retained the gate order is irrelevant: one sort suffices.
-    P = idx_P.numel()
-    all_retained = torch.equal(retain, assign)
-    if all_retained:
-        order = torch.argsort(idx_P, stable=True)
-    else:
-        o1 = torch.argsort(gate_P.detach(), descending=True, stable=True)
-        o2 = torch.argsort(idx_P[o1], stable=True)
-        order = o1[o2]
-    e_sorted = idx_P[order]
-    rk = torch.arange(P, device=dev) - torch.searchsorted(e_sorted, e_sorted)
-    small = to_device(torch.stack([R_E, A_E, ret_start, non_start]), dev)  # one copy
-    R, A = small[0][e_sorted], small[1][e_sorted]
-    is_ret = rk < R
-    pos_ret_d, pos_non_d = pos_ret, pos_non
-    ret_i = (small[2][e_sorted] + rk).clamp(max=max(pos_ret.numel() - 1, 0))
-    non_i = (small[3][e_sorted] + rk - R).clamp(min=0, max=max(pos_non.numel() - 1, 0))
-    pos_sorted = torch.where(
-        is_ret, pos_ret_d[ret_i] if pos_ret.numel() else rk,
-        pos_non_d[non_i] if pos_non.numel() else rk)
-    pos_sorted = torch.where(rk < A, pos_sorted, torch.full_like(pos_sorted, -1))
-    send_pos = torch.empty_like(pos_sorted)
-    send_pos[order] = pos_sorted
-
+    ie = plan.inst_expert_GS.reshape(-1).numpy()
+    assign = plan.assign_GGS[me].reshape(-1).numpy()
+    retain = plan.retain_GGS[me].reshape(-1).numpy()
+    block_start = np.cumsum(assign) - assign
+    inst = np.flatnonzero(ie >= 0)
+    inst = inst[np.argsort(ie[inst], kind="stable")]  # instances in (expert, index) order
+    e_i = ie[inst]
     n_send = int(assign.sum())
-    dropped = n_send < P
-    src_pair = torch.empty(n_send, dtype=torch.long, device=dev)
-    if dropped:
-        kept = send_pos >= 0
-        src_pair[send_pos[kept]] = torch.arange(P, device=dev)[kept]
-        send_row = torch.where(kept, send_pos, torch.full_like(send_pos, n_send))
+    drop_E = (np.zeros(E, dtype=np.int64) if plan.dropped_GE is None
+              else plan.dropped_GE[me].numpy().astype(np.int64))
+    # segments per expert: retained runs, non-retained runs (instance order), dropped run
+    n_i = inst.size
+    seg_e = np.concatenate((e_i, e_i, np.arange(E)))
+    seg_part = np.repeat(np.arange(3), (n_i, n_i, E))
+    seg_ord = np.concatenate((np.arange(n_i), np.arange(n_i), np.zeros(E, dtype=np.int64)))
+    seg_len = np.concatenate((retain[inst], assign[inst] - retain[inst], drop_E))
+    seg_dest = np.concatenate((block_start[inst], block_start[inst] + retain[inst],
+                               np.full(E, n_send)))  # dropped pairs: the row after the last
+    seg_j0 = np.concatenate((np.zeros(n_i, dtype=np.int64), retain[inst], np.zeros(E, dtype=np.int64)))
+    o = np.lexsort((seg_ord, seg_part, seg_e))
+    o = o[seg_len[o] > 0]
+    seg_len = seg_len[o]
+    tab = np.stack((np.cumsum(seg_len) - seg_len, seg_dest[o], seg_j0[o]))
+    dropped = bool(drop_E.any())
+    by_gate = dropped or not bool((retain == assign).all())
+    send_row, src_pair, j_in_block = fused("home_positions", home_positions, idx_P)(
+        idx_P, gate_P.detach(), to_device(torch.from_numpy(tab), dev), n_send, by_gate)
+    send_pos = torch.where(send_row < n_send, send_row, -1) if dropped else send_row
+    return HomeLayout(send_pos, send_row, dropped, src_pair, j_in_block,
+                      plan.retain_GGS[me].reshape(-1), plan.select_GGS[me].reshape(-1),
+                      plan.assign_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())
+
+
+def sort_key_by_expert_then_gate(idx_P: Tensor, gate_P: Tensor) -> Tensor:
+    """An int64 key whose stable ascending sort orders pairs by expert, then by
+    descending gate (ties in pair order): the expert in the high 32 bits, the gate's
+    float32 bits made order-preserving (and flipped) in the low 32. float32 represents
+    bf16/fp16 gates exactly; ``-0.0`` is folded into ``0.0`` so the two tie."""
+    b = (gate_P.float() + 0.0).view(torch.int32).long()
+    ordered = torch.where(b < 0, b ^ 0x7FFFFFFF, b)  # monotone in the float value
+    return idx_P.long() * (1 << 32) + (0x7FFFFFFF - ordered)
+
+
+def home_positions(idx_P: Tensor, gate_P: Tensor, tab_3N: Tensor, n_send: int,
+                   by_gate: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The device part of :func:`home_layout`: ``(send_row_P, src_pair_N, j_in_block_N)``.
+
+    ``tab_3N`` rows: each segment's first sorted position, its first send row (``n_send``
+    for dropped pairs, which all land on that one spare row) and its first index inside
+    its block. Fixed shapes for a given number of pairs and segments, no
+    host wait.
+    """
+    P, dev = idx_P.numel(), idx_P.device
+    if by_gate and gate_P.dtype != torch.float64:
+        order = torch.argsort(sort_key_by_expert_then_gate(idx_P, gate_P), stable=True)
+    elif by_gate:  # float64 gates: two stable sorts keep their full order
+        o1 = torch.argsort(gate_P, descending=True, stable=True)
+        order = o1[torch.argsort(idx_P[o1], stable=True)]
     else:
-        src_pair[send_pos] = torch.arange(P, device=dev)
-        send_row = send_pos
-    retained_pos = None if all_retained else ranges(block_start, retain, dev)
-    ab = to_device(torch.stack([assign, block_start]), dev)
-    block_of = torch.repeat_interleave(torch.arange(I, device=dev), ab[0], output_size=n_send)
-    j_in_block = torch.arange(n_send, device=dev) - ab[1][block_of]
-    return HomeLayout(send_pos, send_row, dropped, retained_pos, src_pair, block_of, j_in_block, retain,
-                      plan.select_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())
+        order = torch.argsort(idx_P, stable=True)
+    p = torch.arange(P, device=dev)
+    k = torch.searchsorted(tab_3N[0], p, right=True) - 1
+    seg = tab_3N[:, k]
+    off = p - seg[0]
+    dropped = seg[1] == n_send
+    row = torch.where(dropped, seg[1], seg[1] + off)
+    send_row = torch.empty_like(order)
+    send_row[order] = row
+    inv = torch.empty(2, n_send + 1, dtype=order.dtype, device=dev)
+    inv[:, row] = torch.stack((order, seg[2] + off))
+    return send_row, inv[0, :n_send], inv[1, :n_send]

@@ -207,7 +207,7 @@ class VirtualExchange(torch.autograd.Function):
                 dgate_G.append(router_grad_home(y_send, row_TK, w_TK, dout, home,
                                                 ctx.dgate_at_experts))
             with st.timers.time("select", g):
-                ret_pos = home.retained_pos
+                ret_pos = home.retained_positions(dev)
                 pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
                 tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
                 tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
@@ -292,7 +292,7 @@ class VirtualExchange(torch.autograd.Function):
             sel_pos, sel_idx = sel_pos_G[g]
             n_rows = dx_back.shape[0]
             with st.timers.time("local", g):
-                if home.retained_pos is None and sel_idx is None and not home.dropped:
+                if home.all_retained and sel_idx is None and not home.dropped:
                     row, valid = ctx.rows_TK_G[g], None
                 else:
                     row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)

@@ -53,7 +53,7 @@ def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep:
     quota_I = torch.floor(assign_I.double() * keep).long()
     plan = SimpleNamespace(assign_GGS=torch.zeros(G, G, S, dtype=torch.long))
     plan.assign_GGS[0] = assign_I.reshape(G, S)
-    home = SimpleNamespace(retain_I=assign_I, select_I=quota_I)
+    home = SimpleNamespace(retain_I=assign_I, select_I=quota_I, splits_shape=(G, S))
     gates = torch.rand(T * K, generator=gen)
     return dict(dout=torch.randn(T, H, generator=gen).to(dev, torch.bfloat16),
                 tok=(order // K).to(dev), g=gates[order].to(dev), gate=gates[order].to(dev),
@@ -63,7 +63,7 @@ def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep:
 def run_select(case: dict, estimator: str, gen: torch.Generator | None):
     opts = BackwardOptions(estimator=estimator)
     return select_and_compact(case["dout"], case["tok"], case["g"], case["gate"], case["home"],
-                              opts, gen, False, case["n_blocks"], None, case["plan"], 0)
+                              opts, gen, False)
 
 
 # ops that only make a view or wrap a host scalar: no kernel of their own on the device

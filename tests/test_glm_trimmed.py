@@ -62,14 +62,14 @@ def emulated(model, ids, policy, opts, ledger=None):
     """Gradients of ``model`` trained through the emulator, the plan of each MoE layer
     and, per MoE layer, the mask ``[N, K]`` of the pairs its backward sent to an expert."""
     vm = VirtualModel(model, G, policy, opts, ledger, lambda: None)
-    sent: dict[int, list] = {}
+    calls: list = []  # shipped candidates, per call: G home ranks in turn, layer by layer
     real = virtual.select_and_compact
 
-    def spy(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, n_blocks, ret_pos, plan, me):
-        out = real(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, n_blocks, ret_pos, plan, me)
+    def spy(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest):
+        out = real(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest)
+        ret_pos = home.retained_positions(torch.device("cpu"))
         cand = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        kept = cand if out[4] is None else cand[out[4]]  # out[4]: the shipped candidates
-        sent.setdefault(id(plan), []).append((me, kept))
+        calls.append(cand if out[5] is None else cand[out[5]])  # out[5]: the shipped candidates
         return out
 
     virtual.select_and_compact = spy
@@ -78,6 +78,10 @@ def emulated(model, ids, policy, opts, ledger=None):
         model.loss(ids[:, :-1], ids[:, 1:])[1].backward()
     finally:
         virtual.select_and_compact = real
+    # the backward runs the MoE layers last to first, each over its G home ranks in order
+    assert len(calls) == G * len(vm.layers)
+    sent = {id(v.stats.plan): [(g, calls[j * G + g]) for g in range(G)]
+            for j, v in enumerate(reversed(vm.layers))}
     K = CFG.num_experts_per_tok
     T = B * (L - 1) // G
     plans, masks = [], []

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from layout_reference import home_layout_reference
 from layout_reference import ranges as ranges_reference
-
 from lrmoe.config import ModelConfig
 from lrmoe.memory import Ledger
 from lrmoe.parallel.layout import home_layout, ranges, recv_layout

@@ -26,10 +26,10 @@ def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
     assert torch.equal(torch.bincount(c["tok"], minlength=T), torch.full((T,), K))
     # empty slots (S > E/G) stay empty
     assert int(assign.reshape(G, S)[:, E // G:].sum()) == 0
-    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(c, "topk", None)
+    tok_s, scale, sent_I, _, keep, sel_idx = sc.run_select(c, "topk", None)
     assert torch.equal(sent_I, quota) and tok_s.numel() == int(quota.sum())
     gen = torch.Generator().manual_seed(0)
-    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(c, "sampled", gen)
+    tok_s, scale, sent_I, _, keep, sel_idx = sc.run_select(c, "sampled", gen)
     assert int(sent_I.sum()) == tok_s.numel() == int(keep.sum())
     assert bool((scale > 0).all())
 
@@ -40,7 +40,7 @@ def test_select_stage_sampled_branch_matches_select_sampled():
     in send order, with the kept count of every block."""
     from lrmoe.parallel.exchange import metric_grad_norm, select_sampled, send_blocks
     case = sc.home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
-    tok_s, scale, sent_I, keep, sel_idx = sc.run_select(case, "sampled",
+    tok_s, scale, sent_I, _, keep, sel_idx = sc.run_select(case, "sampled",
                                                         torch.Generator().manual_seed(4))
     m = metric_grad_norm(case["dout"], case["tok"], case["gate"])
     blocks = send_blocks(case["plan"], 0, torch.device("cpu"))

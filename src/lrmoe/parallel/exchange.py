@@ -129,7 +129,7 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     test is one global scan of metrics normalised per block (a light block's sums do
     not round against a heavy block's mass): with ``C`` that inclusive scan,
     ``(q - r) u_r > R_r`` reads ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
-    Block quantities are worked out on the host after one read of two per-block sums.
+    Block quantities stay on the device: no host wait.
     Only sorts, gathers, scans and segmented reductions: none of the ops that
     ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
     ``index_put_``, ``scatter``).
@@ -150,21 +150,22 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
                          f"{int(n_B.sum())}, for {B} blocks and {N} rows")
     first = np.cumsum(n_B) - n_B
     q = quota_B.cpu().double().numpy()
-    nl, last_B = torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0)))).to(dev)
+    # one copy of the per-block constants (float64 holds the counts exactly)
+    tab = to_device(torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0), q + first - 1, q))
+                                     .astype(np.float64)), dev)
+    nl, last_B = tab[:2].long()
     u_s = m_s / torch.segment_reduce(m_s, "sum", lengths=nl, unsafe=True).clamp(min=1e-300)[b_s]
     C_s = torch.cumsum(u_s, 0)
-    a_B = torch.from_numpy(q + first - 1).to(dev)
-    capped_s = torch.addcmul(C_s, a_B[b_s] - torch.arange(N, device=dev), u_s) > C_s[last_B][b_s]
-    c_mass = torch.stack((
-        torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True),
-        torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True),
-    )).cpu().numpy()
-    c, mass = c_mass
-    rem = np.maximum(q - c, 0.0)
+    capped_s = torch.addcmul(C_s, tab[2][b_s] - torch.arange(N, device=dev), u_s) > C_s[last_B][b_s]
+    c = torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True)
+    mass = torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True)
+    # per block, on the device (no host wait): free rows get rem * m / M, or rem / n_free
+    # when the block's free rows carry no metric mass
+    rem = (tab[3] - c).clamp(min=0.0)
     has = mass > 0
-    per_mass = np.where(has, rem / np.where(has, mass, 1.0), 0.0)  # free rows: rem * m / M
-    uniform = np.where(has, 0.0, rem / np.maximum(n_B - c, 1))     # ... or rem / n_free
-    fg = torch.from_numpy(np.stack((per_mass, uniform), 1)).to(dev)[b_s]
+    per_mass = torch.where(has, rem / torch.where(has, mass, 1.0), 0.0)
+    uniform = torch.where(has, 0.0, rem / (tab[0] - c).clamp(min=1.0))
+    fg = torch.stack((per_mass, uniform), 1)[b_s]
     pi_s = torch.where(capped_s, 1.0, torch.addcmul(fg[:, 1], fg[:, 0], m_s)).clamp_(0.0, 1.0)
     return pi_s[torch.argsort(order)]  # back to the input's row order (a gather)
 
@@ -218,24 +219,29 @@ def _timed(stats: dict, key: str, device: torch.device):
 
 def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tensor,
                        home: HomeLayout, opts: BackwardOptions, generator, exact: bool,
-                       n_blocks: int, ret_pos: Tensor | None, plan: Plan, me: int):
+                       exchange_counts: Callable[[Tensor], Tensor] | None = None):
     """One home rank's backward **select** and **compact** stages.
 
     Candidates are the retained rows in send order (token ``tok_c``, output-gradient scale
-    ``g_c``, gate ``gate_c``; ``ret_pos`` their send positions, ``None`` when every row
-    is retained). Returns ``(tok_s, scale, sent_I, keep, sel_idx)``: the token
-    and scale of every row to ship (in send order), rows per block, the keep mask over the
-    candidates (``None`` for an exact plan) and the shipped candidates' indices (``None``
-    when every candidate is shipped: exact plan, or the compaction-off ablation, which
-    ships all retained rows with the unselected ones' scale zeroed).
+    ``g_c``, gate ``gate_c``): block-major, ``home.retain_I`` of them per block. Returns
+    ``(tok_s, scale, sent_I, recv_GS, keep, sel_idx)``: the token and scale of every row
+    to ship (in send order), rows per block (host), the rows each (source, slot) block
+    sends this rank (host; only for the sampled estimator, whose counts are known only
+    here, else ``None``), the keep mask over the candidates (``None`` for an exact plan)
+    and the shipped candidates' indices (``None`` when every candidate is shipped: exact
+    plan, or the compaction-off ablation, which ships all retained rows with the
+    unselected ones' scale zeroed).
+
+    No host wait but one: the sampled estimator's kept rows per block, exchanged with
+    the peers on the device (``exchange_counts``, sent ``[G, S]`` -> received ``[G, S]``)
+    and read together with them in one copy: the split sizes of the backward exchange.
     """
-    pi = keep = sel_idx = blocks = None
+    pi = keep = sel_idx = None
     if not exact:
         m = METRICS[opts.metric](dout_TH, tok_c, gate_c)
         if opts.estimator == "sampled":
-            blocks = home.send_blocks(dout_TH.device)
-            blocks = blocks if ret_pos is None else blocks[ret_pos]
             # the candidates are each block's retained rows: retain_I of them
+            blocks = block_ids(home.retain_I, dout_TH.device)
             pi = inclusion_probs(m, blocks, home.select_I, home.retain_I)
             keep = poisson_keep(pi, generator)
         else:
@@ -243,18 +249,30 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
             keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
             keep[sel_idx] = True
     if keep is None:
-        return tok_c, g_c, home.retain_I, None, None
+        return tok_c, g_c, home.retain_I, None, None, None
     if not opts.compaction:
         w = keep.float() if pi is None else torch.where(keep, ht_weight(pi), 0.0).float()
-        return tok_c, g_c * w, home.retain_I, keep, None
-    if sel_idx is None:
-        sel_idx = torch.nonzero(keep).flatten()
+        return tok_c, g_c * w, home.retain_I, None, keep, None
+    sent_I, recv_GS = home.select_I, None
+    if sel_idx is None:  # sampled: count and compact the kept rows on the device
+        rank_N = torch.cumsum(keep, 0)
+        lengths = to_device(home.retain_I, keep.device)
+        sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
+        recv_dev = (exchange_counts(sent_dev.reshape(home.splits_shape)) if exchange_counts
+                    else sent_dev.new_zeros(0))
+        both = torch.cat((sent_dev, recv_dev.reshape(-1))).cpu()  # the one host wait
+        B = sent_dev.numel()
+        sent_I = both[:B]
+        recv_GS = both[B:].reshape(home.splits_shape) if exchange_counts else None
+        n_sel = int(sent_I.sum())
+        dest = torch.where(keep, rank_N - 1, n_sel)
+        sel_idx = torch.empty(n_sel + 1, dtype=torch.long, device=keep.device)
+        sel_idx[dest] = torch.arange(keep.numel(), device=keep.device)
+        sel_idx = sel_idx[:n_sel]
     scale = g_c[sel_idx]
     if pi is not None:
         scale = scale * ht_weight(pi[sel_idx]).float()
-    sent_I = (home.select_I if opts.estimator == "topk"  # counted on the device: B to copy
-              else torch.bincount(blocks[sel_idx], minlength=n_blocks).cpu())
-    return tok_c[sel_idx], scale, sent_I, keep, sel_idx
+    return tok_c[sel_idx], scale, sent_I, recv_GS, keep, sel_idx
 
 
 def send_blocks(plan: Plan, me: int, device: torch.device) -> Tensor:
@@ -395,16 +413,13 @@ class ExpertExchange(torch.autograd.Function):
 
         # --- select and compact (global exactness: every rank takes the same collectives)
         exact = torch.equal(plan.select_GGS, plan.retain_GGS)
-        tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
-            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact, G * S,
-            ret_pos, plan, me)
+        tok_s, scale, sent_I, recv_GS, keep, sel_idx = select_and_compact(
+            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact,
+            comm.exchange_counts)
         sent_GS = sent_I.reshape(G, S)
-        if keep is not None and opts.compaction and opts.estimator == "sampled":
-            recv_GS = comm.exchange_counts(sent_GS.to(dev)).cpu()
-        elif keep is None or not opts.compaction:
-            recv_GS = plan.retain_GGS[:, me, :]
-        else:
-            recv_GS = plan.select_GGS[:, me, :]
+        if recv_GS is None:  # known from the plan (else: the sampled rows' counts, exchanged)
+            full = keep is None or not opts.compaction
+            recv_GS = (plan.retain_GGS if full else plan.select_GGS)[:, me, :]
         cand_pos = ret_pos if ret_pos is not None else torch.arange(home.src_pair.numel(), device=dev)
         sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
         # the rows to ship and the saved rows are handed over (each dies at its last use);

@@ -133,6 +133,11 @@ class HomeLayout:
     splits: list[int]
 
     @property
+    def splits_shape(self) -> tuple[int, int]:
+        """``(G, S)``: the blocks as destination ranks x slots."""
+        return len(self.splits), self.assign_I.numel() // len(self.splits)
+
+    @property
     def all_retained(self) -> bool:
         return bool(torch.equal(self.retain_I, self.assign_I))
 
@@ -238,6 +243,9 @@ def home_positions(idx_P: Tensor, gate_P: Tensor, tab_3N: Tensor, n_send: int,
     row = torch.where(dropped, seg[1], seg[1] + off)
     send_row = torch.empty_like(order)
     send_row[order] = row
-    inv = torch.empty(2, n_send + 1, dtype=order.dtype, device=dev)
+    spare = int(P > n_send)  # dropped pairs all write one spare column, cut off after
+    inv = torch.empty(2, n_send + spare, dtype=order.dtype, device=dev)
     inv[:, row] = torch.stack((order, seg[2] + off))
-    return send_row, inv[0, :n_send], inv[1, :n_send]
+    if spare:  # copies: the kept buffers hold no spare entry (the ledger's pair_index)
+        return send_row, inv[0, :n_send].clone(), inv[1, :n_send].clone()
+    return send_row, inv[0], inv[1]

@@ -210,9 +210,8 @@ class VirtualExchange(torch.autograd.Function):
                 ret_pos = home.retained_positions(dev)
                 pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
                 tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
-                tok_s, scale, sent_I, keep, sel_idx = select_and_compact(
-                    dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact,
-                    G * S, ret_pos, plan, g)
+                tok_s, scale, sent_I, _, keep, sel_idx = select_and_compact(
+                    dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact)
                 cand_pos = (ret_pos if ret_pos is not None
                             else torch.arange(home.src_pair.numel(), device=dev))
                 sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]

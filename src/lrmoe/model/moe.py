@@ -23,7 +23,7 @@ from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
-from lrmoe.parallel.layout import home_layout, recv_layout
+from lrmoe.parallel.layout import home_layout, recv_layout, to_device
 from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
 from lrmoe.parallel.weights import instance_weights
 from lrmoe.policy.base import PlanInputs, Policy
@@ -61,6 +61,9 @@ class MoERuntime:
     count_reduce: Callable[[Tensor], Tensor] | None = None
     dp_size: int = 1
     fast_local: bool = True
+    # also time the exchange's control-plane stages (local, select, gather) per layer
+    # (``benchmarks/control_plane.py``); off in training: each region costs event records
+    stage_timing: bool = False
 
 
 class MoELayer(nn.Module):
@@ -152,10 +155,12 @@ class MoELayer(nn.Module):
         rt.stats[self.moe_index] = stats
         me = rt.comm.rank
         st = ExchangeState(
-            comm=rt.comm, plan=plan, home=home_layout(plan, me, idx_P, gate_P, E),
-            recv=recv_layout(plan.assign_GGS[:, me, :], x_TH.device), top_k=self.cfg.num_experts_per_tok,
+            comm=rt.comm, plan=plan, home=None, recv=None, top_k=self.cfg.num_experts_per_tok,
             num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
-            generator=rt.generator)
+            generator=rt.generator, timing=rt.stage_timing)
+        with st.stage("local", x_TH.device):
+            st.home = home_layout(plan, me, idx_P, gate_P, E)
+            st.recv = recv_layout(plan.assign_GGS[:, me, :], x_TH.device)
         return ExpertExchange.apply(x_TH.to(dtype), gate_TK, w13, w2, st)
 
     def _count(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> None:
@@ -166,6 +171,7 @@ class MoELayer(nn.Module):
             self.step_counts_E = glob_E if c is None else c + glob_E.to(c.device)
         self.last_aux_loss = None
         if probs_TE is not None and self.training:
+            glob_E = to_device(glob_E, probs_TE.device)  # pinned copy: no host wait
             world_counts = glob_E if rt.count_reduce is None else rt.count_reduce(glob_E.clone())
             self.last_aux_loss = aux_loss(probs_TE, world_counts, T * rt.comm.size * rt.dp_size,
                                           self.cfg.router_aux_loss_coef)

@@ -201,14 +201,24 @@ class ExchangeState:
 
     comm: EPComm
     plan: Plan
-    home: HomeLayout
-    recv: RecvLayout
+    home: HomeLayout | None  # set by the caller once the plan is known
+    recv: RecvLayout | None
     top_k: int
     num_tokens: int
     opts: BackwardOptions
     gate_P: Tensor
     stats: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
+    # time the control-plane stages too (``local_ms``, ``select_ms``, ``gather_ms`` in
+    # ``stats``): CUDA events around each region, a few microseconds of host time each
+    timing: bool = False
+
+    def stage(self, key: str, device: torch.device, on: bool = True):
+        """A region of stage ``key`` (``local``, ``select``, ``gather``): timed into
+        ``stats[key + "_ms"]`` when :attr:`timing` is on (never around a collective)."""
+        if not (on and self.timing):
+            return contextlib.nullcontext()
+        return _timed(self.stats, key + "_ms", device)
 
 
 def _timed(stats: dict, key: str, device: torch.device):
@@ -316,14 +326,17 @@ class ExpertExchange(torch.autograd.Function):
         T = x_TH.shape[0]
         es = x_TH.element_size()
         counts = occupied_counts(recv.counts, plan, me, w13_S.shape[0])
+        dev = x_TH.device
         # Transients are dropped as soon as they are consumed (Ledger.forward_points
         # prices what is left alive at each point).
-        x_send = x_TH[home.src_pair // K]
+        with st.stage("local", dev):
+            x_send = x_TH[home.src_pair // K]
         n_send = x_send.shape[0]
         x_recv = comm.all_to_all(x_send, home.splits, recv.splits)
         del x_send
         n_recv = x_recv.shape[0]
-        x_inst = permute_rows(x_recv, recv.to_inst)
+        with st.stage("local", dev):
+            x_inst = permute_rows(x_recv, recv.to_inst)
         del x_recv
         with _timed(st.stats, "expert_fwd_ms", x_TH.device):
             y_inst, gu_inst = swiglu_forward(x_inst, w13_S, w2_S, counts)
@@ -336,30 +349,33 @@ class ExpertExchange(torch.autograd.Function):
         # Recompute (a budget): the first n_rec saved rows keep only their input row; their
         # gate_up output is recomputed in backward. A fidelity step saves everything.
         n_rec = 0 if plan.recompute_G is None or full_save else int(plan.recompute_G[me])
-        if full_save or torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
-            saved_x, saved_gu = x_inst, gu_inst
-            saved_SG = plan.assign_GGS[:, me, :].t().reshape(-1)
-            if n_rec:
-                saved_gu = gu_inst[n_rec:].clone()
-        else:
-            saved_SG = ret_GS.t().reshape(-1)
-            inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
-            keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
-            saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows[n_rec:]]
-            del keep_rows
-        del gu_inst, x_inst
+        with st.stage("gather", dev):
+            if full_save or torch.equal(ret_GS, plan.assign_GGS[:, me, :]):
+                saved_x, saved_gu = x_inst, gu_inst
+                saved_SG = plan.assign_GGS[:, me, :].t().reshape(-1)
+                if n_rec:
+                    saved_gu = gu_inst[n_rec:].clone()
+            else:
+                saved_SG = ret_GS.t().reshape(-1)
+                inst_start = excl_cumsum(plan.assign_GGS[:, me, :].t().reshape(-1))
+                keep_rows = ranges(inst_start, ret_GS.t().reshape(-1), x_TH.device)
+                saved_x, saved_gu = x_inst[keep_rows], gu_inst[keep_rows[n_rec:]]
+                del keep_rows
+            del gu_inst, x_inst
 
-        y_recv = unpermute_rows(y_inst, recv.to_inst)
+        with st.stage("local", dev):
+            y_recv = unpermute_rows(y_inst, recv.to_inst)
         del y_inst
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
         del y_recv
-        # combine: dropped pairs (capacity policy) get weight 0 on a clamped row
-        row_TK, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
-        w_TK = gate_TK if valid_TK is None else gate_TK * valid_TK
-        if y_send.shape[0] == 0:
-            out = x_TH.new_zeros(T, H)
-        else:
-            out = fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK)
+        with st.stage("local", dev):
+            # combine: dropped pairs (capacity policy) get weight 0 on a clamped row
+            row_TK, valid_TK = pair_rows(home.send_row_P, y_send.shape[0], T, K)
+            w_TK = gate_TK if valid_TK is None else gate_TK * valid_TK
+            if y_send.shape[0] == 0:
+                out = x_TH.new_zeros(T, H)
+            else:
+                out = fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK)
 
         st.stats.update(
             fwd_rows=n_recv, retained_rows=int(ret_GS.sum()),
@@ -401,21 +417,24 @@ class ExpertExchange(torch.autograd.Function):
         dout_TH = dout_TH.to(w13_S.dtype).contiguous()
         es = dout_TH.element_size()
 
-        # --- combine^-1: exact router gradient (zero for dropped pairs) ...
-        dgate = router_grad_home(y_send, row_TK, w_TK, dout_TH, home, ctx.dgate_at_experts)
-        del y_send
-        # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
-        # the unscaled dout[t] row plus the scale g (folded into the expert backward's
-        # elementwise kernels on the receiver, so no scaled copy of the rows is made).
-        ret_pos = home.retained_positions(dev)
-        pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
+        with st.stage("local", dev):
+            # --- combine^-1: exact router gradient (zero for dropped pairs) ...
+            dgate = router_grad_home(y_send, row_TK, w_TK, dout_TH, home, ctx.dgate_at_experts)
+            del y_send
+            # ... and, per retained pair, the rows that carry its output gradient g*dout[t]:
+            # the unscaled dout[t] row plus the scale g (folded into the expert backward's
+            # elementwise kernels on the receiver, so no scaled copy of the rows is made).
+            ret_pos = home.retained_positions(dev)
+            pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
+            tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
 
-        # --- select and compact (global exactness: every rank takes the same collectives)
+        # --- select and compact (global exactness: every rank takes the same collectives;
+        # the sampled estimator's count exchange is inside)
         exact = torch.equal(plan.select_GGS, plan.retain_GGS)
-        tok_s, scale, sent_I, recv_GS, keep, sel_idx = select_and_compact(
-            dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact,
-            comm.exchange_counts)
+        with st.stage("select", dev):
+            tok_s, scale, sent_I, recv_GS, keep, sel_idx = select_and_compact(
+                dout_TH, tok_c, g_c, st.gate_P[pairs], home, opts, st.generator, exact,
+                comm.exchange_counts)
         sent_GS = sent_I.reshape(G, S)
         if recv_GS is None:  # known from the plan (else: the sampled rows' counts, exchanged)
             full = keep is None or not opts.compaction
@@ -426,15 +445,17 @@ class ExpertExchange(torch.autograd.Function):
         # a fidelity step reads the saved rows twice and hands over a copy of the dict
         fidelity = opts.fidelity and not plan.exact
         rows = dict(kept) if fidelity else kept
-        rows["dy"] = dout_TH[tok_s]
+        with st.stage("local", dev):
+            rows["dy"] = dout_TH[tok_s]
         n_out = rows["dy"].shape[0]
         dx_back, dw13, dw2, n_in, dg_back = _experts_backward(
             st, home.j_in_block[sel_pos], rows, scale, sent_GS, recv_GS, ctx.saved_SG, w13_S,
             w2_S, timed=True, recompute_rows=ctx.n_rec, rowdot=dgate is None)
         if dgate is None:  # exact: every send row came back, in send order
-            dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
-            dgate[home.src_pair] = dg_back
-            dgate = dgate.view(T, K).to(w_TK.dtype)
+            with st.stage("local", dev):
+                dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
+                dgate[home.src_pair] = dg_back
+                dgate = dgate.view(T, K).to(w_TK.dtype)
         if fidelity:
             # the exact gradient: every pair (retained or not), unweighted
             kept["dy"] = dout_TH[home.src_pair // K]
@@ -458,17 +479,18 @@ class ExpertExchange(torch.autograd.Function):
 
         # --- dx: shipped rows back to pair order (others weigh 0), summed over k.
         n_rows = dx_back.shape[0]
-        if ret_pos is None and sel_idx is None and not home.dropped:
-            row, valid = row_TK, None
-        else:
-            row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
-            row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
-            row, valid = pair_rows(row_of_pair, n_rows, T, K)
-        if n_rows == 0:
-            dx_TH = dout_TH.new_zeros(T, H)
-        else:
-            ones = torch.ones(T, K, device=dev) if valid is None else valid
-            dx_TH = fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones)
+        with st.stage("local", dev):
+            if ret_pos is None and sel_idx is None and not home.dropped:
+                row, valid = row_TK, None
+            else:
+                row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
+                row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
+                row, valid = pair_rows(row_of_pair, n_rows, T, K)
+            if n_rows == 0:
+                dx_TH = dout_TH.new_zeros(T, H)
+            else:
+                ones = torch.ones(T, K, device=dev) if valid is None else valid
+                dx_TH = fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones)
 
         st.stats.update(
             bwd_rows=n_in, selected_rows=int(recv_GS.sum()) if keep is None or opts.compaction
@@ -532,35 +554,43 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: dict[str, Tensor]
     """
     comm, plan, dev = st.comm, st.plan, rows["dy"].device
     S, G = plan.S, plan.G
-    send_splits = sent_GS.sum(1).tolist()
-    rl = recv_layout(recv_GS, dev)
+    with st.stage("local", dev, timed):
+        send_splits = sent_GS.sum(1).tolist()
+        rl = recv_layout(recv_GS, dev)
     rows["dy"] = comm.all_to_all(rows["dy"].contiguous(), send_splits, rl.splits)
     n_in = rows["dy"].shape[0]
     j_recv = comm.all_to_all(j_send, send_splits, rl.splits)
-    scale_inst = permute_rows(comm.all_to_all(scale.float(), send_splits, rl.splits), rl.to_inst)
+    scale_recv = comm.all_to_all(scale.float(), send_splits, rl.splits)
     if recompute_rows:  # rebuild the saved rows' gate_up outputs (instance order) first
         _rebuild_gate_up(rows, recompute_rows, saved_SG, st, w13_S, timed)
-    rows["dy"] = permute_rows(rows["dy"], rl.to_inst)
+    with st.stage("local", dev, timed):
+        scale_inst = permute_rows(scale_recv, rl.to_inst)
+        rows["dy"] = permute_rows(rows["dy"], rl.to_inst)
     if not torch.equal(saved_SG, recv_GS.t().reshape(-1)):
         # gather the saved rows of the arriving ones (else every saved row arrives, in
         # saved order, and they are used as they are)
-        blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
-                                      to_device(recv_GS.t().reshape(-1), dev), output_size=n_in)
-        rows_saved = to_device(excl_cumsum(saved_SG), dev)[blk] + permute_rows(j_recv, rl.to_inst)
-        rows["x"] = rows["x"][rows_saved]
-        rows["gu"] = rows["gu"][rows_saved]
-    counts = occupied_counts(rl.counts, plan, comm.rank, w13_S.shape[0])
-    offs = offsets(counts, dev)
+        with st.stage("gather", dev, timed):
+            blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
+                                          to_device(recv_GS.t().reshape(-1), dev), output_size=n_in)
+            rows_saved = to_device(excl_cumsum(saved_SG), dev)[blk] + permute_rows(j_recv, rl.to_inst)
+            rows["x"] = rows["x"][rows_saved]
+            rows["gu"] = rows["gu"][rows_saved]
+    with st.stage("local", dev, timed):
+        counts = occupied_counts(rl.counts, plan, comm.rank, w13_S.shape[0])
+        offs = offsets(counts, dev)
     with (_timed(st.stats, "expert_bwd_ms", dev) if timed else contextlib.nullcontext()):
         dx_inst, dw13, dw2, *dot = swiglu_backward_owned(rows, w13_S, w2_S, counts, offs,
                                                          scale=scale_inst, rowdot=rowdot)
-    dx_recv = unpermute_rows(dx_inst, rl.to_inst)
+    with st.stage("local", dev, timed):
+        dx_recv = unpermute_rows(dx_inst, rl.to_inst)
     del dx_inst
     dx_back = comm.all_to_all(dx_recv, rl.splits, send_splits)
     del dx_recv
     dg_back = None
     if rowdot:
-        dg_back = comm.all_to_all(unpermute_rows(dot[0], rl.to_inst), rl.splits, send_splits)
+        with st.stage("local", dev, timed):
+            dot_recv = unpermute_rows(dot[0], rl.to_inst)
+        dg_back = comm.all_to_all(dot_recv, rl.splits, send_splits)
     return dx_back, dw13, dw2, n_in, dg_back
 
 

@@ -212,13 +212,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> f
 
 
 def count_reducer(ctx: ParallelContext):
-    """A function summing a (CPU) count tensor over the expert-DP group, or ``None`` when
-    there is no data parallelism across EP groups."""
+    """A function summing a count tensor over the expert-DP group on the device (no host
+    wait: the aux loss reads it there), or ``None`` when there is no data parallelism
+    across EP groups."""
     if not ctx.distributed or ctx.world == ctx.ep_size:
         return None
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         d = t.to(ctx.device)
         dist.all_reduce(d, group=ctx.expert_dp_group)
-        return d.cpu()
+        return d
     return reduce

@@ -1,0 +1,97 @@
+"""At most one host wait per MoE layer per direction, for every policy: the count
+all-gather in forward (the split sizes of the dispatch), and in backward only the
+sampled estimator's kept-row counts (the split sizes of its compacted exchange).
+
+One rank of a 4-rank EP group runs the real runtime with synthetic peers
+(:class:`lrmoe.sim.onerank.OneRankComm`); :class:`host_waits.HostWaits` counts, on the
+CPU, every read of data that would be on the GPU (tensors computed from the layer's
+input and weights). The one-process path is counted the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_waits import HostWaits
+from test_ledger_truth import CASES, G, T, _layer_and_tokens, _policy_and_ledger
+
+from lrmoe.model.moe import MoERuntime
+from lrmoe.parallel.exchange import BackwardOptions
+from lrmoe.policy.capacity import CapacityPolicy
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+from lrmoe.sim.onerank import one_rank_layer
+
+SAMPLED = BackwardOptions(estimator="sampled")
+
+
+def _count(layer, x):
+    """(forward waits, backward waits) of one training step of ``layer`` on ``x``."""
+    hw = HostWaits()
+    hw.device(x, *layer.parameters())
+    with hw:
+        out = layer(x)
+    fwd, hw.waits = hw.waits, []
+    loss = out.float().square().mean() + (layer.last_aux_loss if layer.last_aux_loss is not None else 0)
+    hw.device(loss)
+    with hw:
+        loss.backward()
+    return fwd, hw.waits
+
+
+def _cases():
+    for case in CASES:
+        yield case, None
+    yield "lrmoe_trimmed", SAMPLED
+    yield "lrmoe_recompute", SAMPLED
+    yield "capacity", None
+
+
+@pytest.mark.parametrize("case,opts", list(_cases()),
+                         ids=[f"{c}-{'sampled' if o else 'topk'}" for c, o in _cases()])
+def test_one_host_wait_per_direction(case, opts):
+    layer, x, counts = _layer_and_tokens()
+    if case == "capacity":
+        pol, ledger = CapacityPolicy(capacity_factor=0.7), None
+    else:
+        pol, ledger = _policy_and_ledger(case, counts)
+    rank = one_rank_layer(layer, 0, counts, pol, ledger, opts)
+    rank.train()
+    x0 = x[:T].view(1, T, -1).clone().requires_grad_(True)
+    fwd, bwd = _count(rank, x0)
+    plan_trimmed = rank.runtime.stats[0].get("retained_rows", 0) < rank.runtime.stats[0]["fwd_rows"]
+    assert len(fwd) == 1, fwd  # the count all-gather
+    assert fwd[0][0] == "Tensor.cpu" and ("comm.py" in fwd[0][1] or "onerank.py" in fwd[0][1]), fwd
+    sampled_trim = opts is SAMPLED and "lrmoe" in case
+    assert len(bwd) == int(sampled_trim), bwd
+    if case.startswith("lrmoe_trimmed"):
+        assert plan_trimmed  # the case exercises selection
+
+
+def test_one_process_path_waits_only_for_the_loop_fallback():
+    """The local path reads no device data but for the per-expert loop fallback's row
+    counts (the grouped GEMM reads the device offsets): one read a direction on the
+    CPU, none with a grouped GEMM."""
+    layer, x, _ = _layer_and_tokens()
+    layer.runtime = MoERuntime()
+    layer.train()
+    fwd, bwd = _count(layer, x[:T].view(1, T, -1).clone().requires_grad_(True))
+    assert layer.last_path == "local"
+    assert len(fwd) <= 1 and len(bwd) <= 1, (fwd, bwd)
+    assert all(w[0] == "Tensor.tolist" and "local.py" in w[1] for w in fwd + bwd), (fwd, bwd)
+
+
+def test_the_counter_sees_a_host_read():
+    """The counter itself: a device tensor read back, a mask, and a host-built tensor."""
+    hw = HostWaits()
+    d = torch.arange(6)
+    hw.device(d)
+    with hw:
+        y = d * 2
+        _ = y[y > 3]           # boolean mask: a wait
+        _ = int(y.sum())       # a read: a wait
+        h = torch.tensor([1, 2]) + 1  # host-built: no wait
+        _ = h.tolist()
+        host = y.cpu()         # a wait; the copy is a host tensor
+        _ = host.tolist()
+    assert [w[0] for w in hw.waits] == ["aten.index.Tensor", "aten._local_scalar_dense.default",
+                                        "Tensor.cpu"]
+    _ = LrmoePolicy(LrmoeConfig())  # the module imports the policies it parametrizes over

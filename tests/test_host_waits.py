@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from host_waits import HostWaits
-from test_ledger_truth import CASES, G, T, _layer_and_tokens, _policy_and_ledger
 
+from host_waits import HostWaits
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.sim.onerank import one_rank_layer
+from test_ledger_truth import CASES, T, _layer_and_tokens, _policy_and_ledger
 
 SAMPLED = BackwardOptions(estimator="sampled")
 

@@ -8,12 +8,19 @@ from counts the host already read) do not. Reading a device-standing tensor on t
 (``.cpu()``, ``.tolist()``, ``.numpy()``, ``.item()``, ``bool()``/``int()``/``float()``)
 or running an op whose output size or value the host must read (``nonzero``, boolean
 masks, ``equal``, ``repeat_interleave`` without ``output_size``, ``bincount``,
-``unique``, ``masked_select``) counts as one wait. What ``.cpu()`` returns is a host
-tensor. Each wait records the op and a short stack, so a failing test names the line.
+``unique``, ``masked_select``) counts as one wait, and so does indexing device data with
+a host-built index tensor (on CUDA a copy from pageable memory, which waits for the
+device; :func:`lrmoe.parallel.layout.to_device`'s pinned copies do not, and what it
+returns stands for a device tensor here). What ``.cpu()`` returns is a host
+tensor. Tensors a factory (``torch.arange``, ``zeros``, ...) makes with an explicit
+``device=`` stand for device tensors; ``torch.tensor(data, device=...)`` is a copy of
+host data from pageable memory (a wait on CUDA). Each wait records the op and a short
+stack, so a failing test names the line.
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import torch
@@ -21,12 +28,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lrmoe.parallel import layout
+
 aten = torch.ops.aten
 # ops whose result the host must read before it can go on (on CUDA: a sync)
 _WAITING_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.nonzero.default,
                 aten.masked_select.default, aten.bincount.default, aten.is_nonzero.default,
                 aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
                 aten.allclose.default, aten.repeat_interleave.Tensor}
+
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+             aten.index_select.default, aten.index_add_.default, aten.index_add.default,
+             aten.index_copy_.default}
+
+_FACTORIES = ("arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor",
+              "as_tensor")
 
 
 class HostWaits(TorchDispatchMode):
@@ -55,7 +71,8 @@ class HostWaits(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         from_device = any(self.is_device(a) for a in flat)
-        if from_device and (func in _WAITING_OPS or _bool_index(func, args)):
+        if from_device and (func in _WAITING_OPS or _bool_index(func, args)
+                            or self._host_index(func, args)):
             if not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None):
                 self._wait(str(func))
         out = func(*args, **kwargs)
@@ -64,6 +81,15 @@ class HostWaits(TorchDispatchMode):
                 if isinstance(o, torch.Tensor):
                     self._dev[o] = True
         return out
+
+    def _host_index(self, func, args) -> bool:
+        """Device data indexed by a host-built index tensor (not a 0-d scalar)."""
+        if func not in _INDEXING or not self.is_device(args[0]):
+            return False
+        idx = args[1] if func in (aten.index.Tensor, aten.index_put_.default,
+                                  aten.index_put.default) else [args[2]]
+        return any(isinstance(i, torch.Tensor) and i.dim() > 0 and not self.is_device(i)
+                   for i in idx)
 
     def __enter__(self):
         mode = self
@@ -83,12 +109,44 @@ class HostWaits(TorchDispatchMode):
         for name in ("cpu", "tolist", "numpy"):
             self._patched[name], fn = reader(name)
             setattr(torch.Tensor, name, fn)
+        # a pinned copy to the device: what it returns is a (fresh) device tensor
+        real = layout.to_device
+
+        def to_device(t, device):
+            out = real(t, device)
+            with torch.utils._python_dispatch._disable_current_modes():
+                out = out.clone()
+            mode._dev[out] = True
+            return out
+        self._factories = {}
+        for name in _FACTORIES:
+            real_f = getattr(torch, name)
+
+            def factory(*a, _f=real_f, _n=name, **kw):
+                out = _f(*a, **kw)
+                if kw.get("device") is not None:
+                    if _n in ("tensor", "as_tensor"):
+                        mode._wait(f"torch.{_n}(host data, device=...)")
+                    mode._dev[out] = True
+                return out
+            self._factories[name] = real_f
+            setattr(torch, name, factory)
+        self._modules = [m for m in list(sys.modules.values())
+                         if getattr(m, "__name__", "").startswith("lrmoe")
+                         and getattr(m, "to_device", None) is real]
+        for m in self._modules:
+            m.to_device = to_device
+        self._real_to_device = real
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, fn in self._patched.items():
             setattr(torch.Tensor, name, fn)
         self._patched = {}
+        for m in self._modules:
+            m.to_device = self._real_to_device
+        for name, f in self._factories.items():
+            setattr(torch, name, f)
         return super().__exit__(*exc)
 
 

@@ -339,7 +339,7 @@ def _instances_worker(rank: int, world: int, steps: int) -> None:
         shard_experts,
         sync_grads,
     )
-    from lrmoe.parallel.weights import instance_weights
+    from lrmoe.parallel.weights import instance_weight_list
     from lrmoe.policy.symi import SymiPolicy
     from lrmoe.presets import PRESETS
     from lrmoe.train.optim import build_optimizer
@@ -358,12 +358,12 @@ def _instances_worker(rank: int, world: int, steps: int) -> None:
     ref_opt = build_optimizer(ref, 3e-3, 0.1)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (placement, instance weights)
 
-    def recording(w_own, plan, c, n_experts):
-        out = instance_weights(w_own, plan, c, n_experts)
-        seen.append((plan.inst_expert_GS.clone(), out.detach().clone()))
-        return out
+    def recording(ws_own, plan, c, n_experts):
+        outs = instance_weight_list(ws_own, plan, c, n_experts)
+        seen.extend((plan.inst_expert_GS.clone(), out.detach().clone()) for out in outs)
+        return outs
 
-    moe_mod.instance_weights = recording
+    moe_mod.instance_weight_list = recording
     gen = torch.Generator().manual_seed(7)
     B, T = 2 * world, 24
     names = [(f"layers.{i}.mlp.experts.{p}", i, p) for i in range(cfg.num_hidden_layers)

@@ -16,7 +16,6 @@ from host_waits import HostWaits
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.capacity import CapacityPolicy
-from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.sim.onerank import one_rank_layer
 from test_ledger_truth import CASES, T, _layer_and_tokens, _policy_and_ledger
 
@@ -80,7 +79,8 @@ def test_one_process_path_waits_only_for_the_loop_fallback():
 
 
 def test_the_counter_sees_a_host_read():
-    """The counter itself: a device tensor read back, a mask, and a host-built tensor."""
+    """The counter itself: device data read back, a mask, a host index into device data
+    and a pageable copy wait; host-built tensors and explicit-device factories do not."""
     hw = HostWaits()
     d = torch.arange(6)
     hw.device(d)
@@ -90,8 +90,11 @@ def test_the_counter_sees_a_host_read():
         _ = int(y.sum())       # a read: a wait
         h = torch.tensor([1, 2]) + 1  # host-built: no wait
         _ = h.tolist()
+        _ = y[h]               # host index into device data: a wait
+        _ = y[torch.arange(2, device=y.device)]  # a device index: no wait
+        _ = torch.tensor([0, 1], device=y.device)  # host data copied over: a wait
         host = y.cpu()         # a wait; the copy is a host tensor
         _ = host.tolist()
-    assert [w[0] for w in hw.waits] == ["aten.index.Tensor", "aten._local_scalar_dense.default",
-                                        "Tensor.cpu"]
-    _ = LrmoePolicy(LrmoeConfig())  # the module imports the policies it parametrizes over
+    assert [w[0] for w in hw.waits] == [
+        "aten.index.Tensor", "aten._local_scalar_dense.default", "aten.index.Tensor",
+        "torch.tensor(host data, device=...)", "Tensor.cpu"]

@@ -25,7 +25,7 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
 from lrmoe.parallel.layout import home_layout, recv_layout, to_device
 from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
-from lrmoe.parallel.weights import instance_weights
+from lrmoe.parallel.weights import instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.static import StaticPolicy
 
@@ -148,8 +148,8 @@ class MoELayer(nn.Module):
         t2 = time.perf_counter()
         # dispatch -> experts -> combine
         dtype = _compute_dtype(x_TH)
-        w13 = instance_weights(self.experts.gate_up_proj.to(dtype), plan, rt.comm, E)
-        w2 = instance_weights(self.experts.down_proj.to(dtype), plan, rt.comm, E)
+        w13, w2 = instance_weight_list([self.experts.gate_up_proj.to(dtype),
+                                        self.experts.down_proj.to(dtype)], plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         stats["counts_E"] = counts_GE.sum(0).tolist()
         rt.stats[self.moe_index] = stats

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.parallel.comm import EPComm
+from lrmoe.parallel.layout import to_device
 from lrmoe.policy.plan import Plan
 
 
@@ -40,26 +41,39 @@ class InstanceRoute:
         self.recv_slots = [pos[s] for s in slots]
         self.recv_splits = [int((my_owner == g).sum()) for g in range(G)]
         self.S = len(occupied)
+        self._index: dict = {}
+
+    def index(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(send_rows, recv_slots)`` as index tensors on ``device``: copied once per
+        route through pinned memory (indexing with a host list would make a pageable
+        copy, which waits for the device)."""
+        if device not in self._index:
+            both = torch.tensor(self.send_rows + self.recv_slots, dtype=torch.long)
+            both = to_device(both, device)
+            n = len(self.send_rows)
+            self._index[device] = (both[:n], both[n:])
+        return self._index[device]
 
 
 class GatherInstances(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w_own: Tensor, route: InstanceRoute, comm: EPComm) -> Tensor:
-        send = w_own[route.send_rows]
+        send_rows, recv_slots = route.index(w_own.device)
+        send = w_own[send_rows]
         recv = comm.all_to_all(send, route.send_splits, route.recv_splits)
         out = w_own.new_zeros((route.S,) + tuple(w_own.shape[1:]))
-        out[route.recv_slots] = recv
+        out[recv_slots] = recv
         ctx.route, ctx.comm, ctx.n_own = route, comm, w_own.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, g_S: Tensor):
         route, comm = ctx.route, ctx.comm
-        back = comm.all_to_all(g_S[route.recv_slots].contiguous(), route.recv_splits,
+        send_rows, recv_slots = route.index(g_S.device)
+        back = comm.all_to_all(g_S[recv_slots].contiguous(), route.recv_splits,
                                route.send_splits)
         g_own = g_S.new_zeros((ctx.n_own,) + tuple(g_S.shape[1:]))
-        g_own.index_add_(0, torch.tensor(route.send_rows, dtype=torch.long, device=g_S.device),
-                         back)
+        g_own.index_add_(0, send_rows, back)
         return g_own, None, None
 
 
@@ -72,12 +86,18 @@ def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
     any plan that places no replica on this rank) and no other rank holds a replica of
     them, the owned tensor is returned as is: no copy, no communication.
     """
+    return instance_weight_list([w_own], plan, comm, E)[0]
+
+
+def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int) -> list[Tensor]:
+    """:func:`instance_weights` of several owned tensors for one plan (one route)."""
     me, per = comm.rank, E // plan.G
     row = plan.inst_expert_GS[me]
     if (torch.equal(row[row >= 0], torch.arange(me * per, (me + 1) * per))
             and _no_replicas(plan)):
-        return w_own
-    return GatherInstances.apply(w_own, InstanceRoute(plan, me, E), comm)
+        return list(ws_own)
+    route = InstanceRoute(plan, me, E)
+    return [GatherInstances.apply(w, route, comm) for w in ws_own]
 
 
 def _no_replicas(plan: Plan) -> bool:

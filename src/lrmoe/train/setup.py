@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,12 +71,7 @@ def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
 def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
                   need_bytes: int) -> None:
     """Rank 0: lock, re-check (another run may have written meanwhile), mark, write."""
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.acquire_lock(run_dir)
-    except OSError as e:
-        raise LrmoeError(rundir.os_error_line(e, "--out: cannot create")) from None
+    created = rundir.take(run_dir)
     try:
         has_ck = bool(ckpt.checkpoint_dirs(run_dir))
         rundir.check_out(run_dir, cfg.resume, has_ck)
@@ -96,14 +90,7 @@ def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
         tok.save(run_dir)
         ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
     except (LrmoeError, OSError) as e:
-        rundir.release_lock(run_dir)
-        if created:  # leave no half-made directory behind
-            (run_dir / rundir.MARKER).unlink(missing_ok=True)
-            for d in (ckpt.ckpt_root(run_dir), run_dir):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
+        rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
         if isinstance(e, OSError):
             raise LrmoeError(rundir.os_error_line(e, "cannot write")) from None
         raise

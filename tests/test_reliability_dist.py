@@ -107,3 +107,56 @@ def test_hung_rank_is_named_once_with_the_last_checkpoint(tmp_path):
     last = ckpt.latest_checkpoint(out)
     assert str(last.path) in line and "--resume" in line, line
     assert "RuntimeError" not in text and "Timed out waiting" not in text, text[-4000:]
+
+
+# ----------------------------------------------------------------------------- in-process ranks
+def _train_rank(rank: int, world: int, out: str, data: str, extra: list[str], res: str,
+                setup=None) -> None:
+    """One gloo rank of ``lrmoe train`` (``extra``: per-rank flags); writes its exit code
+    and stderr to ``res.RANK``."""
+    import contextlib
+    import io
+
+    from lrmoe.cli import main
+
+    if setup is not None:
+        setup(rank)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["train", "--preset", "tiny-qwen3", "--out", out, "--data", data,
+                   "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1",
+                   "--threads", "1", "--eval-every", "0", "--warmup", "1", *extra[rank]])
+    Path(f"{res}.{rank}").write_text(json.dumps({"rc": rc, "err": err.getvalue()}))
+
+
+def _ranks(tmp_path: Path, extra: list[list[str]], setup=None) -> list[dict]:
+    from dist_util import run_world
+    from test_reliability import write_corpus
+
+    data = write_corpus(tmp_path)
+    res = tmp_path / "res"
+    run_world(len(extra), _train_rank, str(tmp_path / "run"), str(data), extra, str(res),
+              setup, tmp_path=tmp_path)
+    return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(len(extra))]
+
+
+def _full_disk_on_rank_1(rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from test_reliability_edges import FullDiskWriter
+
+    if rank == 1:
+        dcp.FileSystemWriter = FullDiskWriter
+
+
+def test_full_disk_on_one_rank_is_one_line_for_the_job(tmp_path):
+    """DCP's write step is collective: rank 1's full disk fails the save on every rank;
+    rank 0 alone prints it, both exit 2, checkpoint 2 stays the latest."""
+    flags = ["--ep", "2", "--steps", "6", "--ckpt-every", "2"]
+    r0, r1 = _ranks(tmp_path, [flags, flags], _full_disk_on_rank_1)
+    assert (r0["rc"], r1["rc"]) == (2, 2), (r0, r1)
+    lines = _error_lines(r0["err"] + r1["err"])
+    assert len(lines) == 1 and "Traceback" not in r0["err"] + r1["err"], (r0, r1)
+    assert "No space left on device" in lines[0] and "ckpt-00000002, is intact" in lines[0]
+    out = tmp_path / "run"
+    assert ckpt.latest_checkpoint(out).step == 2 and not ckpt.partial_dirs(out)

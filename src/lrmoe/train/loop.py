@@ -236,14 +236,31 @@ def train(cfg: TrainConfig | Any) -> dict:
         raise
 
 
+def _intact(watch: Watch) -> str:
+    return (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
+            else "no checkpoint was written")
+
+
 def _write_error(e: OSError, ctx, watch: Watch) -> LrmoeError:
     """One line for a failed write mid-run, with where the last good checkpoint is."""
-    ck = (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
-          else "no checkpoint was written")
+    ck = _intact(watch)
     who = f"rank {ctx.rank}: " if ctx.distributed else ""
     err = LrmoeError(f"{who}{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
                      f"step {watch.step + 1}); stopped ({ck})")
     err.local = True
+    return err
+
+
+def _stopped(e: LrmoeError, ctx, watch: Watch) -> LrmoeError:
+    """``e`` (a failed checkpoint save) with where the last complete checkpoint is; an
+    error this rank alone hit is claimed, so the peers that lose it stay quiet."""
+    ck = _intact(watch)
+    local = getattr(e, "local", False)
+    if local and ctx.distributed:
+        watch.claim()
+    who = f"rank {ctx.rank}: " if local and ctx.distributed else ""
+    err = LrmoeError(f"{who}{e}; stopped ({ck})")
+    err.local = local
     return err
 
 
@@ -390,11 +407,14 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
         watch.phase = "checkpoint save"
         progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val,
                     "divergence": guard.state()}
-        ckpt.save_checkpoint(
-            run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
-            trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
-            rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
-            keep=cfg.keep_ckpts)
+        try:
+            ckpt.save_checkpoint(
+                run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
+                trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
+                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
+                keep=cfg.keep_ckpts)
+        except ckpt.CheckpointWriteError as e:
+            raise _stopped(e, ctx, watch) from None
         last_ckpt = step
         watch.last_ckpt = str(ckpt.ckpt_dir(run_dir, step))
 

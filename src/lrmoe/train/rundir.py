@@ -68,25 +68,25 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
     return bool(names) and names <= _OURS
 
 
-def _existing_dir(d: Path) -> bool:
-    """True if ``d`` is an existing directory, False if it does not exist; a file or a
-    dangling symlink is refused."""
+def _names(d: Path) -> list[str]:
+    """The names in ``--out`` ``d`` ([] if it does not exist); a file or a dangling
+    symlink is refused."""
     if d.is_symlink() and not d.exists():
         raise LrmoeError(f"--out {d} is a symlink to {os.readlink(d)}, which does not exist; "
                          "create that directory or give another --out")
     if d.exists() and not d.is_dir():
         raise LrmoeError(f"--out {d} is a file, not a directory; give a directory")
-    return d.exists()
+    if not d.exists():
+        return []
+    try:
+        return sorted(p.name for p in d.iterdir())
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "--out: cannot list")) from None
 
 
 def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
     """Refuse an ``--out`` this run may not write into (reads only)."""
-    if not _existing_dir(run_dir):
-        return
-    try:
-        names = sorted(p.name for p in run_dir.iterdir())
-    except OSError as e:
-        raise LrmoeError(os_error_line(e, "--out: cannot list")) from None
+    names = _names(run_dir)
     if not names:
         return
     if (run_dir / BENCH_MARKER).is_file():
@@ -115,12 +115,7 @@ def check_bench_out(out: Path, reuse: bool) -> None:
     """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only): a file,
     someone else's files, a training run, a live run's directory, or an earlier run's
     results without ``--reuse``."""
-    if not _existing_dir(out):
-        return
-    try:
-        names = sorted(p.name for p in out.iterdir())
-    except OSError as e:
-        raise LrmoeError(os_error_line(e, "--out: cannot list")) from None
+    names = _names(out)
     if not names:
         return
     if (out / MARKER).is_file() or _legacy_run(out):

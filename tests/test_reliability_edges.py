@@ -1,0 +1,86 @@
+"""Nothing lost at the edges: a checkpoint that cannot be written, a model too big for
+memory, integers beyond int64, messages that name the real problem, flags that would be
+ignored. One process; the torchrun cases are in test_reliability_dist.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from lrmoe.cli import main
+from lrmoe.train import checkpoint as ckpt
+from lrmoe.train import rundir
+from test_reliability import TINY, digest, one_error_line, train, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data"))
+
+
+class FullDiskWriter(dcp.FileSystemWriter):
+    """DCP's writer on a disk that fills up while the checkpoint of step 4 is written."""
+
+    def write_data(self, plan, planner):
+        if "00000004" in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return super().write_data(plan, planner)
+
+
+# ----------------------------------------------------------------------------- 4. disk full
+def test_full_disk_during_a_checkpoint_keeps_the_last_one(tmp_path, text, capsys,
+                                                          monkeypatch):
+    monkeypatch.setattr(dcp, "FileSystemWriter", FullDiskWriter)
+    out = tmp_path / "run"
+    assert train(out, text, "--steps", "6", "--ckpt-every", "2") == 2
+    line = one_error_line(capsys.readouterr().err, "cannot write checkpoint ckpt-00000004",
+                          str(ckpt.ckpt_root(out)), "No space left on device", "MiB free",
+                          "ckpt-00000002, is intact")
+    assert "removed the partial save .ckpt-00000004.tmp" in line
+    assert ckpt.latest_checkpoint(out).step == 2
+    assert not ckpt.partial_dirs(out) and not (out / rundir.LOCK).exists()
+
+
+def test_file_size_limit_on_the_first_checkpoint(tmp_path, text):
+    """The real thing: ``ulimit -f`` makes torch's writer fail inside DCP."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lrmoe", "train", "--preset", "tiny-qwen3", "--out", str(out),
+           "--data", str(text), "--steps", "2", *TINY]
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # noqa: E731
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), preexec_fn=limit)
+    assert p.returncode == 2, p.stderr[-3000:]
+    one_error_line(p.stderr, "cannot write checkpoint ckpt-00000002", "MiB free",
+                   "no checkpoint was written")
+    assert ckpt.checkpoint_dirs(out) == [] and not ckpt.partial_dirs(out)
+
+
+def test_manifest_without_files_and_a_truncated_shard(tmp_path, text, capsys):
+    out = tmp_path / "run"
+    assert train(out, text, "--steps", "2") == 0
+    d = ckpt.latest_checkpoint(out).path
+    man = json.loads((d / ckpt.MANIFEST).read_text())
+    (d / ckpt.MANIFEST).write_text(json.dumps({**man, "files": {}}))
+    shard = next(d.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    before = digest(out)
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 2
+    one_error_line(capsys.readouterr().err, str(d / ckpt.MANIFEST), "not an")
+    assert digest(out) == before
+    # a manifest that lists its files but a shard that DCP cannot read: one line too
+    (d / ckpt.MANIFEST).write_text(json.dumps(man))
+    ck = ckpt.latest_checkpoint(out)
+    with pytest.raises(ckpt.LrmoeError, match="cannot be loaded"):
+        ckpt.merged_model_state(ck.__class__(ck.path, ck.step,
+                                             {**man, "files": {".metadata": man["files"][
+                                                 ".metadata"]}}))

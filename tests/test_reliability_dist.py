@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from test_ep_faults import _state, _workers
@@ -160,3 +162,18 @@ def test_full_disk_on_one_rank_is_one_line_for_the_job(tmp_path):
     assert "No space left on device" in lines[0] and "ckpt-00000002, is intact" in lines[0]
     out = tmp_path / "run"
     assert ckpt.latest_checkpoint(out).step == 2 and not ckpt.partial_dirs(out)
+
+
+@pytest.mark.parametrize("flag, values, words", [
+    ("--lr", ("0.003", "0.0001"), "rank 1's --lr (0.0001) differs from rank 0's (0.003)"),
+    ("--policy", ("static", "symi"), "rank 1's --policy (symi) differs from rank 0's (static)"),
+    ("--seed", ("0", "1"), "rank 1's --seed (1) differs from rank 0's (0)"),
+])
+def test_flags_that_differ_between_ranks_end_the_job_at_start(tmp_path, flag, values, words):
+    base = ["--ep", "2", "--steps", "2"]
+    r0, r1 = _ranks(tmp_path, [base + [flag, values[0]], base + [flag, values[1]]])
+    assert (r0["rc"], r1["rc"]) == (2, 2), (r0, r1)
+    lines = _error_lines(r0["err"] + r1["err"])
+    assert len(lines) == 1 and words in lines[0], (r0, r1)
+    assert "give every rank the same flags" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything is written

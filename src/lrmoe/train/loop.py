@@ -53,7 +53,7 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.setup import agree, open_run_dir, train_fields
+from lrmoe.train.setup import agree, check_same_flags, open_run_dir, train_fields
 from lrmoe.train.setup import all_gather as _all_gather
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
@@ -286,7 +286,8 @@ def _run(cfg: TrainConfig | Any) -> dict:
 
     we_init = not (dist.is_available() and dist.is_initialized())
     try:
-        ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s)
+        ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s,
+                            check=lambda rank, world: check_same_flags(cfg, rank, world))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
             return _train(cfg, ctx, watch)

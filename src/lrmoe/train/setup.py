@@ -1,5 +1,8 @@
 """The trainer's setup steps that must end with every rank agreeing.
 
+:func:`check_same_flags` runs first, as soon as the ranks have joined: every rank hashes
+its trajectory-relevant flags and resolved model config, and a rank that differs from
+rank 0 ends the job with one line naming the first differing flag and both values.
 :func:`agree` runs a step with no collective inside on every rank: an error on any
 rank is raised on all of them (printed by rank 0 only), so a refusal under torchrun
 ends the job cleanly, with one line. :func:`open_run_dir` takes the run directory
@@ -10,6 +13,7 @@ then ``config.json`` (see :mod:`lrmoe.train.rundir`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -23,11 +27,7 @@ from lrmoe.train.metrics import METRICS_FILE, truncate_metrics
 
 # ----------------------------------------------------------------------------- agreement
 def all_gather(obj: Any, ctx) -> list:
-    import torch.distributed as dist
-
-    out: list = [None] * ctx.world
-    dist.all_gather_object(out, obj)
-    return out
+    return _gather(obj, ctx.world)
 
 
 def agree(fn: Callable[[], Any], ctx) -> Any:
@@ -49,6 +49,61 @@ def agree(fn: Callable[[], Any], ctx) -> Any:
             msg = f"rank {failed[0]}: {msg}"
         raise quiet_unless(LrmoeError(msg), ctx.rank == 0)
     return out
+
+
+# Flags that may differ between ranks: where files are on this node (the data and the
+# model are compared by content instead: the token streams' hashes, the resolved model
+# config) and how this process runs (threads, collective timeout, progress output).
+PER_RANK_FLAGS = ("out", "data", "preset", "config", "threads", "timeout_s", "log_every",
+                  "progress")
+
+
+def flags_fingerprint(cfg: TrainConfig) -> dict:
+    """``{"--lr": 0.003, ..., "model config's hidden_size": 64, ...}``: what every rank
+    must agree on (model keys absent on a resume that takes the model from the run)."""
+    from lrmoe.train.config import resolve_model_config
+
+    fp = {f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
+          if k not in PER_RANK_FLAGS}
+    mcfg = resolve_model_config(cfg, vocab_size=None)
+    if mcfg is not None:
+        fp.update({f"model config's {k}": v for k, v in mcfg.to_hf_dict().items()})
+    return fp
+
+
+def _gather(obj: Any, world: int) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
+    """Collective: raise on every rank (printed by rank 0) if any rank's flags or model
+    config differ from rank 0's, naming the first differing one and both values."""
+    err, fp = None, {}
+    try:
+        fp = flags_fingerprint(cfg)
+    except LrmoeError as e:
+        err = str(e)
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
+    got = _gather((err, digest), world)
+    failed = [r for r, (e, _) in enumerate(got) if e]
+    if failed:
+        msg = got[failed[0]][0]
+        raise quiet_unless(LrmoeError(msg if len(failed) == world else
+                                      f"rank {failed[0]}: {msg}"), rank == 0)
+    if all(d == got[0][1] for _, d in got):
+        return
+    fps = _gather(fp, world)  # every rank saw the mismatch: all take this second step
+    r = next(i for i, (_, d) in enumerate(got) if d != got[0][1])
+    keys = list(fps[0]) + [k for k in fps[r] if k not in fps[0]]
+    k = next(k for k in keys if fps[r].get(k, "(none)") != fps[0].get(k, "(none)"))
+    same = "--preset and --config" if k.startswith("model") else "flags"
+    raise quiet_unless(LrmoeError(
+        f"rank {r}'s {k} ({fps[r].get(k, '(none)')}) differs from rank 0's "
+        f"({fps[0].get(k, '(none)')}): give every rank the same {same}"), rank == 0)
 
 
 # ----------------------------------------------------------------------------- run dir

@@ -177,3 +177,44 @@ def test_flags_that_differ_between_ranks_end_the_job_at_start(tmp_path, flag, va
     assert len(lines) == 1 and words in lines[0], (r0, r1)
     assert "give every rank the same flags" in lines[0]
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+# ----------------------------------------------------------------------------- signals
+@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "Ctrl-C to the job"])
+def test_signal_under_torchrun_is_one_line(tmp_path, how):
+    """SIGTERM to the agent: torchrun forwards it, the workers save a checkpoint at the
+    next step boundary and rank 0 prints one line. Ctrl-C (SIGINT to the whole process
+    group): one 'interrupted' line, no lrmoe traceback. torchrun itself exits 1 after
+    logging its own SignalException (the README says so)."""
+    out, log = tmp_path / "run", tmp_path / "sig.log"
+    agent = _launch(2, out, ["--ep", "2", "--ckpt-every", "100"], log)
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and agent.poll() is None:
+            pids = _workers(agent.pid)
+            if len(pids) == 2 and "step 2/" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        assert agent.poll() is None and len(pids) == 2, log.read_text()[-3000:]
+        if how.startswith("SIGTERM"):
+            os.kill(agent.pid, signal.SIGTERM)
+        else:
+            os.killpg(agent.pid, signal.SIGINT)
+        rc = agent.wait(timeout=120)
+    finally:
+        _stop(agent, pids)
+    text = log.read_text(errors="replace")
+    ours = [ln for ln in text.splitlines() if ln.startswith("lrmoe:")]
+    assert rc == 1, text[-3000:]
+    assert len(ours) == 1, text[-4000:]
+    assert "Traceback" not in text.split("Received ")[0]  # none from lrmoe's workers
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    if how.startswith("SIGTERM"):
+        step = max(r["step"] for r in rows)
+        assert ours[0].startswith("lrmoe: SIGTERM received: stopped after step"), ours
+        assert str(ckpt.ckpt_dir(out, step)) in ours[0]
+        assert ckpt.latest_checkpoint(out).step == step
+    else:
+        assert ours[0] == "lrmoe: interrupted"
+    assert not (out / rundir.LOCK).exists()

@@ -8,8 +8,10 @@ import errno
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,48 @@ def test_manifest_without_files_and_a_truncated_shard(tmp_path, text, capsys):
         ckpt.merged_model_state(ck.__class__(ck.path, ck.step,
                                              {**man, "files": {".metadata": man["files"][
                                                  ".metadata"]}}))
+
+
+# ----------------------------------------------------------------------------- 7. signals
+def _cli(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lrmoe", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+
+def test_ctrl_c_while_torch_imports_prints_no_traceback():
+    p = _cli(["presets"])
+    time.sleep(0.8)  # importing torch takes seconds
+    assert p.poll() is None
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err.strip() == "lrmoe: interrupted", err
+
+
+def test_sigterm_saves_a_checkpoint_then_exits_143(tmp_path, text):
+    out = tmp_path / "run"
+    p = _cli(["train", "--preset", "tiny-qwen3", "--out", str(out), "--data", str(text),
+              "--steps", "400", "--ckpt-every", "100", *TINY])
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:
+            m = out / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143, err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    step = rows[-1]["step"]
+    line = [ln for ln in err.splitlines() if ln.startswith("lrmoe:")]
+    assert line == [f"lrmoe: SIGTERM received: stopped after step {step} of 400; saved "
+                    f"{ckpt.ckpt_dir(out, step)}; continue with --resume"], err[-3000:]
+    assert "Traceback" not in err
+    assert ckpt.latest_checkpoint(out).step == step and not (out / rundir.LOCK).exists()
+    assert main(["train", "--out", str(out), "--resume", "--steps", str(step + 1)]) == 0

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from lrmoe.train.config import (
     trajectory_mismatch,
 )
 from lrmoe.train.divergence import DivergenceGuard
-from lrmoe.train.faults import Watch, is_peer_failure
+from lrmoe.train.faults import SignalStop, StopSignals, Watch, is_peer_failure
 from lrmoe.train.metrics import (
     METRICS_FILE,
     MetricsWriter,
@@ -285,12 +286,13 @@ def _run(cfg: TrainConfig | Any) -> dict:
     from lrmoe.parallel.groups import init_parallel
 
     we_init = not (dist.is_available() and dist.is_initialized())
+    stops = StopSignals().install()  # SIGTERM/SIGUSR1: stop at a step boundary
     try:
         ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s,
                             check=lambda rank, world: check_same_flags(cfg, rank, world))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            return _train(cfg, ctx, watch)
+            return _train(cfg, ctx, watch, stops)
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
             if ctx.distributed and is_peer_failure(e):
                 raise watch.failure(e) from None
@@ -306,10 +308,11 @@ def _run(cfg: TrainConfig | Any) -> dict:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
     finally:
+        stops.restore()
         torch.set_num_threads(threads)  # in-process callers get their setting back
 
 
-def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
+def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
     from lrmoe.config import ModelConfig
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.moe import MoERuntime
@@ -466,9 +469,10 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
             batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
             with autocast():
                 lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-            watch.phase = "loss all-reduce"
-            losses = _sum_over_world(torch.stack([lm.detach(), obj.detach()]).float().cpu(),
-                                     ctx) / ctx.world
+            watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
+            red = _sum_over_world(torch.cat([torch.stack([lm.detach(), obj.detach()]).float()
+                                             .cpu(), torch.tensor(stops.seen)]), ctx)
+            losses, stop_sig = red[:2] / ctx.world, StopSignals.which(red[2:].tolist())
             loss, aux = float(losses[0]), float(losses[1] - losses[0])
             intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
                       if last_ckpt else "no checkpoint was written")
@@ -528,6 +532,14 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                 if done == end:
                     validate(done)
                 save(done)
+            if stop_sig is not None and done < end:
+                if last_ckpt != done:
+                    save(done)
+                msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
+                       f"{done} of {end}; saved {ckpt.ckpt_dir(run_dir, done)}; continue with "
+                       "--resume")
+                say(msg)
+                raise SignalStop(stop_sig, msg)
         if start >= end and last_val is None:  # resumed at the end: the checkpoint's loss
             last_val = evaluate(model, val_b, ctx, autocast)[0]  # (its row is already there)
     finally:

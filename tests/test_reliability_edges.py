@@ -131,3 +131,30 @@ def test_sigterm_saves_a_checkpoint_then_exits_143(tmp_path, text):
     assert "Traceback" not in err
     assert ckpt.latest_checkpoint(out).step == step and not (out / rundir.LOCK).exists()
     assert main(["train", "--out", str(out), "--resume", "--steps", str(step + 1)]) == 0
+
+
+# ----------------------------------------------------------------------------- 5. memory
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
+def test_state_estimate_matches_the_model(preset):
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.presets import get_preset
+    from lrmoe.train.setup import state_bytes
+
+    cfg = get_preset(preset)
+    params = sum(p.numel() for p in MoEForCausalLM(cfg).parameters())
+    assert state_bytes(cfg, 1) == pytest.approx(16 * params, rel=1e-4)
+    expert = sum(p.numel() for n, p in MoEForCausalLM(cfg).named_parameters()
+                 if ".experts." in n)
+    assert state_bytes(cfg, 4) == pytest.approx(16 * (params - expert * 3 // 4), rel=1e-4)
+
+
+def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, capsys):
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"hidden_size": 8192, "num_attention_heads": 64,
+                                "num_key_value_heads": 8, "num_experts": 512,
+                                "moe_intermediate_size": 8192, "num_hidden_layers": 64}))
+    out = tmp_path / "out"
+    assert train(out, text, "--config", str(huge), "--steps", "1") == 2
+    one_error_line(capsys.readouterr().err, "GiB for its parameters, gradients and AdamW",
+                   "MemAvailable", "larger --ep")
+    assert not out.exists()

@@ -54,7 +54,13 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.setup import agree, check_same_flags, open_run_dir, train_fields
+from lrmoe.train.setup import (
+    agree,
+    check_model_fits,
+    check_same_flags,
+    open_run_dir,
+    train_fields,
+)
 from lrmoe.train.setup import all_gather as _all_gather
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
@@ -359,6 +365,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
                              "even the native experts with one retained pair per instance")
 
     # ---- 2. build (and restore) in memory; a checkpoint that does not fit fails here.
+    agree(lambda: check_model_fits(mcfg, cfg, ctx), ctx)  # before a byte is allocated
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg)
     if ctx.ep_size > 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,6 +105,55 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
     raise quiet_unless(LrmoeError(
         f"rank {r}'s {k} ({fps[r].get(k, '(none)')}) differs from rank 0's "
         f"({fps[0].get(k, '(none)')}): give every rank the same {same}"), rank == 0)
+
+
+# ----------------------------------------------------------------------------- memory
+def state_bytes(mcfg, ep_size: int, offload: bool = False) -> int:
+    """Bytes one rank's model state takes where it trains: fp32 parameters, gradients
+    and AdamW's two moments (16 bytes a parameter), experts 1/``ep_size`` of them
+    (with ``offload`` the experts' moments live in host memory: 8 bytes each)."""
+    from lrmoe.presets import param_counts
+
+    total, _ = param_counts(mcfg)
+    n_moe = sum(mcfg.is_moe_layer(i) for i in range(mcfg.num_hidden_layers))
+    experts = n_moe * mcfg.num_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
+    return 16 * (total - experts) + (8 if offload else 16) * (experts // ep_size)
+
+
+def _mem_available() -> int | None:
+    """The host's MemAvailable (/proc/meminfo) in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
+    """Refuse, before anything is allocated, a model whose parameters, gradients and
+    optimizer state alone exceed the GPU's memory (CUDA) or the host's available memory
+    (shared by this host's ranks). Activations come on top, so a run that passes may
+    still run out of memory; one that fails could never run."""
+    import torch
+
+    need = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host")
+    if ctx.device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(ctx.device)[1], f"GPU {ctx.device} has in all"
+        per = need
+    else:
+        have = _mem_available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        where = "the host has available (MemAvailable)" + (
+            f", for its {local} ranks" if local > 1 else "")
+        per, need = need, need * local
+    if have is not None and need > have:
+        raise LrmoeError(
+            f"the model needs about {need / 2**30:,.1f} GiB for its parameters, gradients "
+            f"and AdamW state ({per / 2**30:,.1f} GiB a rank at --ep {ctx.ep_size}), more "
+            f"than the {have / 2**30:,.1f} GiB {where}; use a smaller model or a larger --ep")
 
 
 # ----------------------------------------------------------------------------- run dir

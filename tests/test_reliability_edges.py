@@ -158,3 +158,18 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, c
     one_error_line(capsys.readouterr().err, "GiB for its parameters, gradients and AdamW",
                    "MemAvailable", "larger --ep")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- 6. int64
+@pytest.mark.parametrize("flag, value", [("--batch-size", "99999999999999999999"),
+                                         ("--eval-batches", str(2**64)), ("--threads", str(2**40)),
+                                         ("--seed", str(2**64))])
+def test_integers_beyond_range_are_one_line(tmp_path, text, capsys, flag, value):
+    out = tmp_path / "out"
+    assert train(out, text, "--steps", "1", flag, value) == 2
+    one_error_line(capsys.readouterr().err, f"{flag} {value}", "must be an integer", "<=")
+    assert not out.exists()
+
+
+def test_a_64_bit_seed_trains(tmp_path, text):
+    assert train(tmp_path / "out", text, "--steps", "1", "--seed", str(2**64 - 1)) == 0

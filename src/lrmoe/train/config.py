@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,16 @@ def config_from_cli(given: dict) -> TrainConfig:
     return TrainConfig(**kw)
 
 
-def _int(name: str, v: Any, low: int, allow_none: bool = False) -> None:
+INT64_MAX = 2**63 - 1
+SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed
+
+
+def _int(name: str, v: Any, low: int, allow_none: bool = False, high: int = INT64_MAX) -> None:
     if v is None and allow_none:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}")
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low} "
+                         f"and <= {high}")
 
 
 def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool = False) -> None:
@@ -148,10 +154,11 @@ def check_args(cfg: TrainConfig) -> None:
 
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "ep"):
         _int(name, getattr(cfg, name), 1)
-    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "seed",
+    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every",
                  "lrmoe_fidelity_every"):
         _int(name, getattr(cfg, name), 0)
-    _int("threads", cfg.threads, 1, allow_none=True)
+    _int("seed", cfg.seed, 0, high=SEED_MAX)
+    _int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
     _int("stop_after", cfg.stop_after, 1, allow_none=True)
     _int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
     _int("slots_per_rank", cfg.slots_per_rank, 1, allow_none=True)

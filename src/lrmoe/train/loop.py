@@ -371,7 +371,8 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
     if ctx.ep_size > 1:
         shard_experts(model, ctx)
     model.to(ctx.device)
-    gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 1_000_003 + ctx.rank + 1)
+    gen = torch.Generator(device=ctx.device).manual_seed(  # any 64-bit --seed
+        (cfg.seed * 1_000_003 + ctx.rank + 1) % 2**64)
     base_bwd = backward_options(cfg)
     rt = MoERuntime(comm=ctx.comm(), policy=policy, backward=base_bwd, ledger=ledger,
                     generator=gen, count_reduce=count_reducer(ctx),

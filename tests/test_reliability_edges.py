@@ -173,3 +173,88 @@ def test_integers_beyond_range_are_one_line(tmp_path, text, capsys, flag, value)
 
 def test_a_64_bit_seed_trains(tmp_path, text):
     assert train(tmp_path / "out", text, "--steps", "1", "--seed", str(2**64 - 1)) == 0
+
+
+# ----------------------------------------------------------------------------- 8. messages
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, text) -> Path:
+    """A finished 2-step run with its checkpoint."""
+    d = tmp_path_factory.mktemp("run") / "run"
+    assert train(d, text, "--steps", "2") == 0
+    return d
+
+
+@pytest.mark.parametrize("case, words, absent", [
+    ("typed field", ["hidden_size=128.5", "must be an integer"], "divisible"),
+    ("string field", ["num_experts='16'", "must be an integer"], "converted"),
+    ("huge budget", ["1e400GiB", "too large"], "at least 1 byte"),
+    ("dangling out", ["symlink to", "does not exist"], "File exists"),
+    ("partial config on resume", ["has no model_type", "--preset"], "model_type=None"),
+])
+def test_messages_name_the_real_problem(tmp_path, text, run, capsys, case, words, absent):
+    cfgs = {"typed field": {"hidden_size": 128.5}, "string field": {"num_experts": "16"},
+            "partial config on resume": {"num_experts_per_tok": 2}}
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(cfgs.get(case, {})))
+    out = tmp_path / "out"
+    argv = ["--config", str(c)] if case in ("typed field", "string field") else []
+    if case == "huge budget":
+        argv = ["--mem-budget", "1e400GiB"]
+    if case == "dangling out":
+        out.symlink_to(tmp_path / "gone")
+    if case == "partial config on resume":
+        before = digest(run)
+        assert main(["train", "--out", str(run), "--resume", "--config", str(c)]) == 2
+        assert digest(run) == before
+    else:
+        assert train(out, text, "--steps", "1", *argv) == 2
+        assert not out.exists()
+    line = one_error_line(capsys.readouterr().err, *words)
+    assert absent not in line
+
+
+def test_unreadable_data_says_read(tmp_path, text, capsys, monkeypatch):
+    from lrmoe import data
+
+    def deny(path, *a, **kw):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    monkeypatch.setattr(data, "open", deny, raising=False)
+    assert train(tmp_path / "out", text, "--steps", "1") == 2
+    line = one_error_line(capsys.readouterr().err, "cannot read data path", str(text),
+                          "Permission denied")
+    assert "write" not in line.split("give")[0]
+
+
+def test_load_hf_of_a_run_directory_says_so(run):
+    from lrmoe.errors import LrmoeError
+    from lrmoe.hf import load_hf
+
+    with pytest.raises(LrmoeError, match="lrmoe train run directory, not a HF checkpoint"):
+        load_hf(run)
+
+
+@pytest.mark.parametrize("how", ["no room for a checkpoint", "write fails"])
+def test_resume_on_a_full_disk_names_the_path_and_the_leftover(tmp_path, run, capsys,
+                                                               monkeypatch, how):
+    import shutil
+
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    left = ckpt.partial_dir(again, 3)
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(b"x" * 2**20)
+    if how == "write fails":
+        real = os.write
+
+        def full(fd, b):
+            if b == b"lrmoe":  # the probe
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, b)
+        monkeypatch.setattr(rundir.os, "write", full)
+    else:
+        real_du = shutil.disk_usage
+        monkeypatch.setattr(rundir.shutil, "disk_usage", lambda p: real_du(p)._replace(free=9))
+    assert main(["train", "--out", str(again), "--resume", "--steps", "4"]) == 2
+    monkeypatch.undo()
+    one_error_line(capsys.readouterr().err, str(again), str(left), "1.0 MiB: delete it",
+                   "No space left" if how == "write fails" else "not enough space")

@@ -145,6 +145,10 @@ def _read_config(path: Path) -> tuple[ModelConfig, int]:
         raise LrmoeError(f"{cfile} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise LrmoeError(f"{cfile} must hold a JSON object")
+    if raw.get("format") == "lrmoe-run-v1":
+        raise LrmoeError(f"{path} is an lrmoe train run directory, not a HF checkpoint (its "
+                         f"{CONFIG_NAME} is the run's); evaluate it with `lrmoe eval {path}`, "
+                         "or save its model with save_hf into another directory")
     d, mtp = _normalize_hf_config(raw)
     try:
         cfg = ModelConfig.from_hf_dict(d)

@@ -234,6 +234,12 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
         d.update(user)
     if not d:
         return None
+    if "model_type" not in d:
+        again = (" (on --resume the run's --preset is not applied under a --config: give "
+                 "--preset too, or drop --config)") if cfg.resume else ""
+        raise LrmoeError(f"--config {cfg.config} has no model_type and no --preset gives one; "
+                         f"add \"model_type\": \"qwen3_moe\" or \"glm4_moe\", or give "
+                         f"--preset NAME to override{again}")
     if vocab_size is not None and not (user and "vocab_size" in user):
         d["vocab_size"] = vocab_size
     return ModelConfig.from_hf_dict(d)

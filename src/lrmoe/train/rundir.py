@@ -23,6 +23,7 @@ Every problem is an :class:`LrmoeError` naming the directory and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -252,8 +253,21 @@ def mark(run_dir: Path, marker: str = MARKER, by: str = "lrmoe train") -> None:
 
 
 # ----------------------------------------------------------------------------- writability
-def probe_writable(d: Path, need_bytes: int = 0) -> None:
-    """Create ``d``, write + fsync + remove a probe file there, and check free space."""
+def _held_by(leftovers: list[Path]) -> str:
+    """"; .ckpt-00000004.tmp (an interrupted save) holds 12.0 MiB: delete it to free
+    the space" for the leftovers in ``d``; "" if none."""
+    if not leftovers:
+        return ""
+    size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
+    names = ", ".join(str(p) for p in leftovers)
+    return (f"; {names} (interrupted checkpoint save{'s' if len(leftovers) > 1 else ''}) "
+            f"hold{'s' if len(leftovers) == 1 else ''} {size / 2**20:.1f} MiB: delete "
+            f"{'it' if len(leftovers) == 1 else 'them'} to free the space")
+
+
+def probe_writable(d: Path, need_bytes: int = 0, leftovers: list[Path] = ()) -> None:
+    """Create ``d``, write + fsync + remove a probe file there, and check free space;
+    ``leftovers`` (interrupted saves in ``d``) are named when space is short."""
     p = d / f"{_PROBE}-{os.getpid()}"
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -265,10 +279,15 @@ def probe_writable(d: Path, need_bytes: int = 0) -> None:
             os.close(fd)
         os.unlink(p)
     except OSError as e:
-        raise LrmoeError(os_error_line(e, "the run directory is not writable:")) from None
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+        raise LrmoeError(f"the run directory is not writable: cannot write {e.filename or p}: "
+                         f"{e.strerror or e}" + (_held_by(list(leftovers))
+                                                 if e.errno == errno.ENOSPC else "")) from None
     if need_bytes:
         free = shutil.disk_usage(d).free
         if free < need_bytes:
             raise LrmoeError(os_error_line(
                 OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, one checkpoint needs "
-                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in"))
+                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in")
+                + _held_by(list(leftovers)))

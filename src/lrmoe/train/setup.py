@@ -186,8 +186,9 @@ def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
             raise LrmoeError(f"--out {run_dir} changed while this run started (another run "
                              "wrote checkpoints); give another --out")
         rundir.mark(run_dir)
-        rundir.probe_writable(run_dir)
-        rundir.probe_writable(ckpt.ckpt_root(run_dir), need_bytes)
+        left = ckpt.partial_dirs(run_dir)  # interrupted saves: they may hold the space
+        rundir.probe_writable(run_dir, 0, left)
+        rundir.probe_writable(ckpt.ckpt_root(run_dir), need_bytes, left)
         if ck is None:
             (run_dir / METRICS_FILE).unlink(missing_ok=True)
         else:

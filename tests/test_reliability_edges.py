@@ -258,3 +258,34 @@ def test_resume_on_a_full_disk_names_the_path_and_the_leftover(tmp_path, run, ca
     monkeypatch.undo()
     one_error_line(capsys.readouterr().err, str(again), str(left), "1.0 MiB: delete it",
                    "No space left" if how == "write fails" else "not enough space")
+
+
+# ----------------------------------------------------------------------------- 9. ignored flags
+def test_ignored_flags_warn_once_each(tmp_path, text, capsys):
+    assert train(tmp_path / "out", text, "--steps", "1", "--policy", "static",
+                 "--lrmoe-min-keep", "0.8", "--capacity-factor", "2", "--recompute",
+                 "--backend", "nccl") == 0
+    warns = [ln for ln in capsys.readouterr().err.splitlines()
+             if ln.startswith("lrmoe: warning:")]
+    assert warns == [
+        "lrmoe: warning: --lrmoe-min-keep 0.8 has no effect with --policy static (it "
+        "applies to --policy lrmoe)",
+        "lrmoe: warning: --capacity-factor 2.0 has no effect with --policy static (it "
+        "applies to --policy capacity)",
+        "lrmoe: warning: --recompute has no effect without --mem-budget (it recomputes only "
+        "on a rank over the budget)",
+        "lrmoe: warning: --backend nccl has no effect on one process (no collectives run)"]
+
+
+def test_a_cut_off_metrics_row_is_reported_on_resume(tmp_path, run, capsys):
+    import shutil
+
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    m = again / "metrics.jsonl"
+    n = len(m.read_text().splitlines())
+    m.write_text(m.read_text() + '{"kind": "train", "step": 3, "lo')
+    assert main(["train", "--out", str(again), "--resume", "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: dropped 1 cut-off row(s) of {m} (line {n + 1}:" in err, err
+    assert [json.loads(x)["step"] for x in m.read_text().splitlines()][-1] == 3

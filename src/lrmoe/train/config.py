@@ -202,6 +202,35 @@ def check_args(cfg: TrainConfig) -> None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
 
 
+# Flags that only one policy reads: given to another, they would be silently ignored.
+_LRMOE_ONLY = ("lrmoe_min_keep", "lrmoe_balance", "lrmoe_selection", "lrmoe_keep",
+               "lrmoe_target_cosine", "lrmoe_recompute", "lrmoe_metric", "lrmoe_estimator",
+               "lrmoe_compaction")
+
+
+def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
+    """One warning per flag set away from its default that this run does not read."""
+    d, out = TrainConfig(), []
+
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')} {getattr(cfg, name)!r}"
+    if cfg.policy != "lrmoe":
+        out += [f"{flag(n)} has no effect with --policy {cfg.policy} (it applies to --policy "
+                "lrmoe)" for n in _LRMOE_ONLY if getattr(cfg, n) != getattr(d, n)]
+    if cfg.policy != "capacity" and cfg.capacity_factor != d.capacity_factor:
+        out.append(f"{flag('capacity_factor')} has no effect with --policy {cfg.policy} "
+                   "(it applies to --policy capacity)")
+    if cfg.policy not in ("symi", "lrmoe") and cfg.slots_per_rank is not None:
+        out.append(f"{flag('slots_per_rank')} has no effect with --policy {cfg.policy} "
+                   "(it applies to --policy symi and lrmoe)")
+    if cfg.recompute and cfg.mem_budget is None:
+        out.append("--recompute has no effect without --mem-budget (it recomputes only on a "
+                   "rank over the budget)")
+    if cfg.backend == "nccl" and world == 1:
+        out.append("--backend nccl has no effect on one process (no collectives run)")
+    return out
+
+
 def _read_model_json(path: str) -> dict:
     p = Path(path)
     if p.is_dir():

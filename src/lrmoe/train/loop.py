@@ -41,6 +41,7 @@ from lrmoe.train.config import (
     build_policy,
     check_args,
     config_from_cli,
+    ignored_flags,
     read_run_config,
     resolve_model_config,
     trajectory_mismatch,
@@ -276,6 +277,9 @@ def _run(cfg: TrainConfig | Any) -> dict:
         cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
     check_args(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("RANK", "0") == "0":
+        for warning in ignored_flags(cfg, world):
+            print(f"lrmoe: warning: {warning}", file=sys.stderr, flush=True)
     if cfg.resume and world % cfg.ep:  # --ep came from the run's config.json
         raise LrmoeError(f"--resume: the run used --ep {cfg.ep}, which does not divide this "
                          f"world size {world}; pass --ep N (N divides {world}) to resume on "

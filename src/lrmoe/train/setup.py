@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -192,7 +193,11 @@ def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
         if ck is None:
             (run_dir / METRICS_FILE).unlink(missing_ok=True)
         else:
-            truncate_metrics(run_dir / METRICS_FILE, ck.step)
+            torn = truncate_metrics(run_dir / METRICS_FILE, ck.step)
+            if torn:
+                print(f"lrmoe train: note: dropped {len(torn)} cut-off row(s) of "
+                      f"{run_dir / METRICS_FILE} (line {', '.join(map(str, torn))}: written "
+                      "in part when the run was stopped)", file=sys.stderr, flush=True)
         tok.save(run_dir)
         ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
     except (LrmoeError, OSError) as e:

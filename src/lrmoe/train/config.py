@@ -129,8 +129,9 @@ def _int(name: str, v: Any, low: int, allow_none: bool = False, high: int = INT6
     if v is None and allow_none:
         return
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low} "
-                         f"and <= {high}")
+        big = isinstance(v, int) and not isinstance(v, bool) and v > high
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}"
+                         + (f" and <= {high}" if big else ""))
 
 
 def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool = False) -> None:

@@ -166,7 +166,6 @@ def test_full_disk_on_one_rank_is_one_line_for_the_job(tmp_path):
 
 @pytest.mark.parametrize("flag, values, words", [
     ("--lr", ("0.003", "0.0001"), "rank 1's --lr (0.0001) differs from rank 0's (0.003)"),
-    ("--policy", ("static", "symi"), "rank 1's --policy (symi) differs from rank 0's (static)"),
     ("--seed", ("0", "1"), "rank 1's --seed (1) differs from rank 0's (0)"),
 ])
 def test_flags_that_differ_between_ranks_end_the_job_at_start(tmp_path, flag, values, words):

@@ -135,6 +135,9 @@ def test_ttl_infeasible_budget(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("lrmoe: error:") and "budget" in err and "\n" not in err
     assert not out.exists()
+    out.mkdir()  # an empty --out stays empty
+    assert main(ARGS[:-6] + ["--steps", "1", "--mem-budget", "1KiB", "--out", str(out)]) == 2
+    assert list(out.iterdir()) == []
 
 
 def test_ttl_bad_batch(tmp_path, capsys):

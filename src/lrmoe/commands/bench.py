@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         raise LrmoeError("--device cuda: no CUDA device is available")
     out = Path(args.out)
     rundir.check_bench_out(out, args.reuse is not None)  # reads only: before any work
+    was_empty = not out.exists() or not any(out.iterdir())
     created = rundir.take(out)
     threads = torch.get_num_threads()
     done: dict = {}
@@ -270,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         _write_outputs(rep, out)
     except BaseException:
         rundir.give_up(out, created and not done)  # a new --out with nothing in it goes
+        if was_empty and not done:  # an empty --out is left empty
+            (out / rundir.BENCH_MARKER).unlink(missing_ok=True)
         raise
     finally:
         rundir.release_lock(out)

@@ -105,7 +105,8 @@ def test_ctrl_c_while_torch_imports_prints_no_traceback():
     assert err.strip() == "lrmoe: interrupted", err
 
 
-def test_sigterm_saves_a_checkpoint_then_exits_143(tmp_path, text):
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+def test_sigterm_saves_a_checkpoint_then_exits_128_plus_signal(tmp_path, text, sig, code):
     out = tmp_path / "run"
     p = _cli(["train", "--preset", "tiny-qwen3", "--out", str(out), "--data", str(text),
               "--steps", "400", "--ckpt-every", "100", *TINY])
@@ -116,17 +117,17 @@ def test_sigterm_saves_a_checkpoint_then_exits_143(tmp_path, text):
             if m.exists() and len(m.read_text().splitlines()) >= 2:
                 break
             time.sleep(0.1)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 143, err[-3000:]
+    assert p.returncode == code, err[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[-1]["step"]
     line = [ln for ln in err.splitlines() if ln.startswith("lrmoe:")]
-    assert line == [f"lrmoe: SIGTERM received: stopped after step {step} of 400; saved "
+    assert line == [f"lrmoe: {sig.name} received: stopped after step {step} of 400; saved "
                     f"{ckpt.ckpt_dir(out, step)}; continue with --resume"], err[-3000:]
     assert "Traceback" not in err
     assert ckpt.latest_checkpoint(out).step == step and not (out / rundir.LOCK).exists()

@@ -97,7 +97,14 @@ def _cli(args: list[str]) -> subprocess.Popen:
 
 def test_ctrl_c_while_torch_imports_prints_no_traceback():
     p = _cli(["presets"])
-    time.sleep(0.8)  # importing torch takes seconds
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and p.poll() is None:  # torch is being imported
+        try:
+            if "torch/lib" in Path(f"/proc/{p.pid}/maps").read_text():
+                break
+        except OSError:
+            pass
+        time.sleep(0.005)
     assert p.poll() is None
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)

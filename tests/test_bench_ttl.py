@@ -69,6 +69,65 @@ def test_ttl_outputs(ttl_run, capsys):
     assert abs(lr["final_val_loss"] - st["final_val_loss"]) < 0.5
 
 
+def test_ttl_out_follows_train_rules(ttl_run, tmp_path, capsys):
+    """--out: marked and unlocked after a run; someone else's files, a training run, a
+    live run's directory and an earlier run's results (without --reuse) are refused,
+    each with one line and nothing changed; --reuse continues the earlier run there."""
+    import hashlib
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from lrmoe.train import rundir
+
+    def digest(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()}
+
+    def refused(out, *words, extra=()):
+        before = digest(out)
+        capsys.readouterr()
+        assert main(ARGS + ["--steps", "1", *extra, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("lrmoe: error:")]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert all(w in lines[0] for w in words), lines[0]
+        assert digest(out) == before
+
+    rc, first = ttl_run
+    assert rc == 0 and (first / rundir.BENCH_MARKER).is_file()
+    assert not (first / rundir.LOCK).exists()
+    out = tmp_path / "again"
+    shutil.copytree(first, out)
+    refused(out, "earlier bench ttl run", "ttl.json", "--reuse")
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("mine")
+    refused(foreign, "did not write", "thesis.tex")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.MARKER).write_text("x\n")
+    (run / "metrics.jsonl").write_text("")
+    refused(run, "lrmoe train run directory")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / rundir.LOCK).write_text(json.dumps({"pid": holder.pid,
+                                                   "host": socket.gethostname()}))
+        refused(out, f"pid {holder.pid}", extra=["--reuse", str(out / "ttl.json")])
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / rundir.LOCK).unlink()
+    # train refuses the bench directory too
+    assert main(["train", "--preset", "tiny-qwen3", "--out", str(out), "--steps", "1"]) == 2
+    assert "output directory of lrmoe bench ttl" in capsys.readouterr().err
+    # a re-run with --reuse takes every policy from the file and rewrites the outputs
+    assert main(ARGS + ["--reuse", str(out / "ttl.json"), "--out", str(out)]) == 0
+    rep = json.loads((out / "ttl.json").read_text())["policies"]
+    assert all(r["reused_from"] == str(out / "ttl.json") for r in rep.values())
+    assert not (out / rundir.LOCK).exists()
+
+
 def test_ttl_infeasible_budget(tmp_path, capsys):
     out = tmp_path / "x"
     rc = main(ARGS[:-6] + ["--steps", "1", "--mem-budget", "1KiB", "--out", str(out)])
@@ -76,6 +135,9 @@ def test_ttl_infeasible_budget(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("lrmoe: error:") and "budget" in err and "\n" not in err
     assert not out.exists()
+    out.mkdir()  # an empty --out stays empty
+    assert main(ARGS[:-6] + ["--steps", "1", "--mem-budget", "1KiB", "--out", str(out)]) == 2
+    assert list(out.iterdir()) == []
 
 
 def test_ttl_bad_batch(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -470,6 +471,73 @@ def test_overwrite_replaces_shards_and_keeps_other_files(tmp_path):
     assert (d / "tokenizer.json").read_text() == '{"x": 1}'
     assert torch.equal(_logits(load_hf(d), _ids()), _logits(m, _ids()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_save_moves_and_repermissions_only_its_own_files(tmp_path, monkeypatch):
+    """Into an existing directory: every rename is one of save_hf's temporary files onto
+    its final name inside the directory; the user's files and the directory itself are
+    never moved (a kill at any moment cannot hide them) and the mode is kept."""
+    d = _saved(tmp_path, max_shard_bytes=20_000)
+    (d / "notes").mkdir()
+    for i in range(50):
+        (d / "notes" / f"n{i}.txt").write_text(str(i))
+    (d / "tokenizer.json").write_text("{}")
+    d.chmod(0o700)
+    mine = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()
+            and not p.name.startswith("model") and p.name != "config.json"}
+    moves = []
+    for mod, name in ((os, "rename"), (os, "replace"), (shutil, "move")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda a, b, _r=real, **kw: (moves.append(
+            (Path(a), Path(b))), _r(a, b, **kw))[1])
+    save_hf(_ours(QWEN, seed=5), d)
+    monkeypatch.undo()
+    assert moves
+    for a, b in moves:
+        assert a.parent == d == b.parent and a.name.startswith(f".{b.name}.tmp-"), (a, b)
+    assert {p: p.read_bytes() for p in mine} == mine
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors",
+                                                   "notes", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_save_writes_through_a_symlinked_directory(tmp_path):
+    real = _saved(tmp_path)
+    (real / "tokenizer.json").write_text("{}")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    m = _ours(QWEN, seed=6)
+    save_hf(m, link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "model.safetensors",
+                                                      "tokenizer.json"]
+    assert torch.equal(_logits(load_hf(real), _ids()), _logits(m, _ids()))
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    with pytest.raises(LrmoeError, match="symlink to .*gone, which does not exist"):
+        save_hf(m, dangling)
+
+
+@pytest.mark.parametrize("what", ["other weights", "other model", "weights, no config"])
+def test_save_refuses_a_directory_of_another_model(tmp_path, what):
+    d = tmp_path / "d"
+    if what == "other model":
+        save_hf(_ours(QWEN, hidden_size=48), d)
+    else:
+        d.mkdir()
+        name = "pytorch_model.bin" if what == "other weights" else "model.safetensors"
+        (d / name).write_bytes(b"someone else's weights")
+    (d / "README.md").write_text("mine")
+    before = _files(d)
+    with pytest.raises(LrmoeError) as e:
+        save_hf(_ours(QWEN), d)
+    msg = str(e.value)
+    assert str(d) in msg and "new or empty directory" in msg
+    assert {"other weights": "pytorch_model.bin", "other model": "hidden_size=48",
+            "weights, no config": "config.json"}[what] in msg
+    assert _files(d) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
 def test_save_refuses_sharded_experts_and_bad_args(tmp_path):

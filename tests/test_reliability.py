@@ -31,17 +31,21 @@ def digest(d: Path) -> dict[str, str]:
             for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
+def write_corpus(d: Path) -> Path:
     """About 40 KB of varied ASCII lines (faster to load than the stdlib)."""
     g = torch.Generator().manual_seed(0)
     words = ["alpha", "beta", "gamma", "delta", "expert", "router", "token", "rank", "loss",
              "step", "the", "of", "and", "moe", "layer"]
     idx = torch.randint(len(words), (6000,), generator=g).tolist()
     lines = [" ".join(words[i] for i in idx[k:k + 8]) for k in range(0, len(idx), 8)]
-    p = tmp_path_factory.mktemp("data") / "corpus.txt"
+    p = d / "corpus.txt"
     p.write_text("\n".join(lines) + "\n")
     return p
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data"))
 
 
 def train(out: Path, text: Path, *extra: str) -> int:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from test_ep_faults import _state, _workers
@@ -107,3 +109,111 @@ def test_hung_rank_is_named_once_with_the_last_checkpoint(tmp_path):
     last = ckpt.latest_checkpoint(out)
     assert str(last.path) in line and "--resume" in line, line
     assert "RuntimeError" not in text and "Timed out waiting" not in text, text[-4000:]
+
+
+# ----------------------------------------------------------------------------- in-process ranks
+def _train_rank(rank: int, world: int, out: str, data: str, extra: list[str], res: str,
+                setup=None) -> None:
+    """One gloo rank of ``lrmoe train`` (``extra``: per-rank flags); writes its exit code
+    and stderr to ``res.RANK``."""
+    import contextlib
+    import io
+
+    from lrmoe.cli import main
+
+    if setup is not None:
+        setup(rank)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["train", "--preset", "tiny-qwen3", "--out", out, "--data", data,
+                   "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1",
+                   "--threads", "1", "--eval-every", "0", "--warmup", "1", *extra[rank]])
+    Path(f"{res}.{rank}").write_text(json.dumps({"rc": rc, "err": err.getvalue()}))
+
+
+def _ranks(tmp_path: Path, extra: list[list[str]], setup=None) -> list[dict]:
+    from dist_util import run_world
+    from test_reliability import write_corpus
+
+    data = write_corpus(tmp_path)
+    res = tmp_path / "res"
+    run_world(len(extra), _train_rank, str(tmp_path / "run"), str(data), extra, str(res),
+              setup, tmp_path=tmp_path)
+    return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(len(extra))]
+
+
+def _full_disk_on_rank_1(rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from test_reliability_edges import FullDiskWriter
+
+    if rank == 1:
+        dcp.FileSystemWriter = FullDiskWriter
+
+
+def test_full_disk_on_one_rank_is_one_line_for_the_job(tmp_path):
+    """DCP's write step is collective: rank 1's full disk fails the save on every rank;
+    rank 0 alone prints it, both exit 2, checkpoint 2 stays the latest."""
+    flags = ["--ep", "2", "--steps", "6", "--ckpt-every", "2"]
+    r0, r1 = _ranks(tmp_path, [flags, flags], _full_disk_on_rank_1)
+    assert (r0["rc"], r1["rc"]) == (2, 2), (r0, r1)
+    lines = _error_lines(r0["err"] + r1["err"])
+    assert len(lines) == 1 and "Traceback" not in r0["err"] + r1["err"], (r0, r1)
+    assert "No space left on device" in lines[0] and "ckpt-00000002, is intact" in lines[0]
+    out = tmp_path / "run"
+    assert ckpt.latest_checkpoint(out).step == 2 and not ckpt.partial_dirs(out)
+
+
+@pytest.mark.parametrize("flag, values, words", [
+    ("--lr", ("0.003", "0.0001"), "rank 1's --lr (0.0001) differs from rank 0's (0.003)"),
+    ("--seed", ("0", "1"), "rank 1's --seed (1) differs from rank 0's (0)"),
+])
+def test_flags_that_differ_between_ranks_end_the_job_at_start(tmp_path, flag, values, words):
+    base = ["--ep", "2", "--steps", "2"]
+    r0, r1 = _ranks(tmp_path, [base + [flag, values[0]], base + [flag, values[1]]])
+    assert (r0["rc"], r1["rc"]) == (2, 2), (r0, r1)
+    lines = _error_lines(r0["err"] + r1["err"])
+    assert len(lines) == 1 and words in lines[0], (r0, r1)
+    assert "give every rank the same flags" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+# ----------------------------------------------------------------------------- signals
+@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "Ctrl-C to the job"])
+def test_signal_under_torchrun_is_one_line(tmp_path, how):
+    """SIGTERM to the agent: torchrun forwards it, the workers save a checkpoint at the
+    next step boundary and rank 0 prints one line. Ctrl-C (SIGINT to the whole process
+    group): one 'interrupted' line, no lrmoe traceback. torchrun itself exits 1 after
+    logging its own SignalException (the README says so)."""
+    out, log = tmp_path / "run", tmp_path / "sig.log"
+    agent = _launch(2, out, ["--ep", "2", "--ckpt-every", "100"], log)
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and agent.poll() is None:
+            pids = _workers(agent.pid)
+            if len(pids) == 2 and "step 2/" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        assert agent.poll() is None and len(pids) == 2, log.read_text()[-3000:]
+        if how.startswith("SIGTERM"):
+            os.kill(agent.pid, signal.SIGTERM)
+        else:
+            os.killpg(agent.pid, signal.SIGINT)
+        rc = agent.wait(timeout=120)
+    finally:
+        _stop(agent, pids)
+    text = log.read_text(errors="replace")
+    ours = [ln for ln in text.splitlines() if ln.startswith("lrmoe:")]
+    assert rc == 1, text[-3000:]
+    assert len(ours) == 1, text[-4000:]
+    assert "Traceback" not in text.split("Received ")[0]  # none from lrmoe's workers
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    if how.startswith("SIGTERM"):
+        step = max(r["step"] for r in rows)
+        assert ours[0].startswith("lrmoe: SIGTERM received: stopped after step"), ours
+        assert str(ckpt.ckpt_dir(out, step)) in ours[0]
+        assert ckpt.latest_checkpoint(out).step == step
+    else:
+        assert ours[0] == "lrmoe: interrupted"
+    assert not (out / rundir.LOCK).exists()

@@ -1,12 +1,22 @@
 """lrmoe: Mixture-of-Experts training with memory-aware replication, backward load
 recalibration and physical compaction (LRMoE), beside static EP and SYMI baselines."""
 
-from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.model import MoEForCausalLM
-from lrmoe.presets import get_preset
 
 __version__ = "0.1.0"
+
+# Imported on first use, so that ``import lrmoe.cli`` (the ``lrmoe`` command) does not
+# import torch before it can handle Ctrl-C.
+_LAZY = {"ModelConfig": "lrmoe.config", "MoEForCausalLM": "lrmoe.model",
+         "get_preset": "lrmoe.presets"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lrmoe' has no attribute {name!r}")
 
 
 def load_hf(path, **kw):

@@ -1,13 +1,17 @@
 """``lrmoe`` command line: one module per subcommand in ``lrmoe.commands``.
 
 Every :class:`LrmoeError` becomes one line on stderr and exit code 2 (3 when a torchrun
-peer hung or died); so does an OS error (a full disk, a read-only directory).
+peer hung or died); so does an OS error (a full disk, a read-only directory). Ctrl-C
+at any moment prints ``lrmoe: interrupted`` (once under torchrun) and exits 130;
+``lrmoe train`` stops on SIGTERM / SIGUSR1 after a checkpoint (:mod:`lrmoe.train.faults`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from lrmoe.errors import LrmoeError
@@ -31,6 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # Ctrl-C at any moment (torch takes seconds to import): one line, no traceback
+        return _main(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets it: one line
+            print("lrmoe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -46,9 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({e.filename})" if e.filename else ""
         print(f"lrmoe: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("lrmoe: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

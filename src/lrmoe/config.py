@@ -39,6 +39,28 @@ _UNSUPPORTED_AT_DEFAULT = {
 }
 
 
+def _check_type(f: dataclasses.Field, v: Any) -> None:
+    """A config field's JSON value has its field's type (read from the default)."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if default is None and v is None:
+        return
+    want = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            list: "a list of integers"}.get(type(default), "an integer")
+    if isinstance(default, bool):
+        ok = isinstance(v, bool)
+    elif isinstance(default, float):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    elif isinstance(default, str):
+        ok = isinstance(v, str)
+    elif isinstance(default, list):
+        ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                         for x in v)
+    else:  # int, or int | None (head_dim)
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        raise LrmoeError(f"config field {f.name}={v!r} must be {want}")
+
+
 @dataclass
 class ModelConfig:
     """Shapes and routing of a Qwen3-MoE or GLM-4.5-MoE causal LM (HF field names)."""
@@ -201,6 +223,9 @@ class ModelConfig:
                 raise LrmoeError(f"config field {k!r}={v!r} is not supported by lrmoe")
         if mt == "qwen3_moe" and not kw.get("use_qk_norm", True):
             raise LrmoeError("use_qk_norm=False is not a Qwen3-MoE option")
+        for f in dataclasses.fields(cls):
+            if f.name in kw:
+                _check_type(f, kw[f.name])
         try:
             return cls(**kw)
         except TypeError as e:  # wrong value types

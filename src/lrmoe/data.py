@@ -266,18 +266,23 @@ def load_corpus(
         what = f"data path {str(path)!r}"
         if not path.exists():
             raise LrmoeError(f"data path {str(path)!r} does not exist")
-        if path.is_dir():
-            why = ": no regular file below it is UTF-8 text"
-            _load_tree(path, col, None, set())
-            desc = f"text files under {path}"
-        elif path.is_file() and path.suffix == ".jsonl":
-            notes = _load_jsonl(path, col)
-            desc = f"'text' fields of {path}"
-        elif path.is_file():
-            _load_text_file(path, col)
-            desc = f"text of {path}"
-        else:
-            raise LrmoeError(f"data path {str(path)!r} is neither a file nor a directory")
+        try:
+            if path.is_dir():
+                why = ": no regular file below it is UTF-8 text"
+                _load_tree(path, col, None, set())
+                desc = f"text files under {path}"
+            elif path.is_file() and path.suffix == ".jsonl":
+                notes = _load_jsonl(path, col)
+                desc = f"'text' fields of {path}"
+            elif path.is_file():
+                _load_text_file(path, col)
+                desc = f"text of {path}"
+            else:
+                raise LrmoeError(f"data path {str(path)!r} is neither a file nor a directory")
+        except OSError as e:  # unreadable (permissions, I/O error): a read, not a write
+            where = e.filename or path
+            raise LrmoeError(f"cannot read data path {str(where)!r}: {e.strerror or e}; "
+                             "give --data a file or directory this user can read") from None
     train, val = col.splits(what, why)
     source = (f"{desc}: {len(train)} train documents ({_mib(train)}), "
               f"{len(val)} validation documents ({_mib(val)})")

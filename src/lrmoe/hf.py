@@ -18,20 +18,23 @@ shape and a float dtype, and every tensor in the checkpoint must be used (except
 ``lm_head.weight`` of a tied model and GLM's multi-token-prediction layers, which HF
 skips too). Any failure is one :class:`LrmoeError` naming the file or tensor.
 
-Saving writes into a temporary directory beside the target and renames it into place,
-so a failure leaves an existing checkpoint as it was. Files in an existing target that
-are not checkpoint files (tokenizer, generation config, ...) are kept.
+Saving writes each file to a temporary file inside the target and renames it into
+place once all are written, so a failure leaves an existing checkpoint as it was.
+save_hf touches only its own files (tokenizer, generation config, ... are kept; the
+directory itself is never moved or re-permissioned) and refuses a directory holding
+another model's files.
 
 Legend: E experts, F expert width, H hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,6 +145,10 @@ def _read_config(path: Path) -> tuple[ModelConfig, int]:
         raise LrmoeError(f"{cfile} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise LrmoeError(f"{cfile} must hold a JSON object")
+    if raw.get("format") == "lrmoe-run-v1":
+        raise LrmoeError(f"{path} is an lrmoe train run directory, not a HF checkpoint (its "
+                         f"{CONFIG_NAME} is the run's); evaluate it with `lrmoe eval {path}`, "
+                         "or save its model with save_hf into another directory")
     d, mtp = _normalize_hf_config(raw)
     try:
         cfg = ModelConfig.from_hf_dict(d)
@@ -463,13 +470,55 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_shard(tensors: dict[str, Tensor], file: Path) -> None:
-    safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
-    _fsync(file)
-
-
 def _is_checkpoint_file(name: str) -> bool:
     return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or bool(_SHARD_RE.match(name))
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
+    """The checkpoint files of ``target`` that this save replaces (those the new save
+    does not write are removed after it). Refuses a directory holding another model:
+    weight files save_hf does not write, or a checkpoint whose ``config.json`` describes
+    another model (or none)."""
+    try:
+        names = sorted(p.name for p in target.iterdir())
+    except OSError as e:
+        raise LrmoeError(f"cannot list {target}: {e.strerror or e}") from None
+    ours = [n for n in names if _is_checkpoint_file(n)]
+    foreign = [n for n in names if not _is_checkpoint_file(n) and n.endswith(_WEIGHT_SUFFIXES)]
+    why = ""
+    if foreign:
+        why = f"weight files save_hf does not write ({', '.join(foreign[:3])})"
+    elif ours:
+        try:
+            old = _read_config(target)[0]
+        except LrmoeError as e:
+            why = f"a checkpoint it cannot match to this model ({e})"
+        else:
+            if old != cfg:
+                diff = next(f.name for f in dataclasses.fields(cfg)
+                            if getattr(old, f.name) != getattr(cfg, f.name))
+                why = (f"another model's checkpoint ({CONFIG_NAME} has {diff}="
+                       f"{getattr(old, diff)!r}, this model {getattr(cfg, diff)!r})")
+    if why:
+        raise LrmoeError(f"{target} holds {why}; save_hf replaces only a checkpoint of the "
+                         "same model: give a new or empty directory")
+    return [target / n for n in ours]
+
+
+def _write_atomic(final: Path, write: Callable[[Path], None], written: list[Path]) -> Path:
+    """Write ``final``'s new contents to a temporary file beside it (``write(tmp)``),
+    fsynced; the rename happens later (:func:`_commit`). The temporary file takes the
+    mode of the file it replaces."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    written.append(tmp)
+    write(tmp)
+    _fsync(tmp)
+    if final.exists():
+        os.chmod(tmp, final.stat().st_mode & 0o7777)
+    return tmp
 
 
 def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
@@ -481,11 +530,14 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
 
     ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays
-    fp32. The whole directory is written beside ``path`` and renamed into place, so a
-    failure leaves an existing checkpoint untouched; other files already in ``path``
-    (tokenizer, ...) are kept. The model must hold every expert: gather an
-    expert-parallel model's experts first. An lrmoe run directory is refused (its
-    ``config.json`` is the run's, not a HF one).
+    fp32. Every file is written to a temporary file in ``path`` and renamed over its
+    name once all of them are on disk (``config.json`` last), so a failure leaves an
+    existing checkpoint as it was. save_hf touches only its own files: other files in
+    ``path`` (tokenizer, ...) are left alone, the directory keeps its mode, and a
+    symlinked ``path`` is written through. A directory holding another model's files
+    (other weight files, or a ``config.json`` of another model) and an lrmoe run
+    directory are refused. The model must hold every expert: gather an expert-parallel
+    model's experts first.
     """
     if not isinstance(model, MoEForCausalLM):
         raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
@@ -500,6 +552,9 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
                 f"layer {m.moe_index} holds {m.experts.count} of {m.experts.num_experts} experts "
                 "(expert-parallel shard); gather the experts first: save_hf needs the full model")
     target = Path(path)
+    if target.is_symlink() and not target.exists():
+        raise LrmoeError(f"{target} is a symlink to {os.readlink(target)}, which does not "
+                         "exist; create that directory or give another path")
     if target.exists() and not target.is_dir():
         raise LrmoeError(f"{target} exists and is not a directory")
     from lrmoe.train.rundir import is_run_dir
@@ -507,11 +562,7 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
         raise LrmoeError(f"{target} is an lrmoe run directory: save_hf would replace its "
                          "config.json, which lrmoe train --resume and lrmoe eval read; save to "
                          f"another directory (e.g. {target / 'hf'})")
-    parent = target.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LrmoeError(f"cannot create {parent}: {e.strerror or e}") from None
+    old = _check_target_files(target, model.config) if target.exists() else []
 
     entries = _hf_entries(model, dt)
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
@@ -528,50 +579,48 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
         f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     cdtype = model.embed_tokens.weight.dtype if dt is None else dt
 
-    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    created = not target.exists()
+    written: list[Path] = []  # temporary files, renamed by _commit
     try:
-        tmp.mkdir()
+        target.mkdir(parents=True, exist_ok=True)
+        plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}
         for fname, idx in zip(names, shards):
-            _write_shard({entries[i][0]: entries[i][3]() for i in idx}, tmp / fname)
+            tensors = {entries[i][0]: entries[i][3]() for i in idx}
+            plan.append((_write_atomic(target / fname, lambda t, ts=tensors: safetensors.torch
+                                       .save_file(ts, str(t), metadata={"format": "pt"}),
+                                       written), target / fname))
             weight_map.update({entries[i][0]: fname for i in idx})
+        texts = []
         if n > 1:
-            index = {"metadata": {"total_size": sum(nbytes)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-            _fsync(tmp / INDEX_NAME)
-        cfg_text = json.dumps(hf_config_dict(model.config, cdtype), indent=2, sort_keys=True)
-        (tmp / CONFIG_NAME).write_text(cfg_text + "\n")
-        _fsync(tmp / CONFIG_NAME)
-        _fsync(tmp)
-        _swap_into_place(tmp, target)
+            texts.append((INDEX_NAME, json.dumps(
+                {"metadata": {"total_size": sum(nbytes)},
+                 "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"))
+        texts.append((CONFIG_NAME, json.dumps(hf_config_dict(model.config, cdtype), indent=2,
+                                              sort_keys=True) + "\n"))
+        for fname, text in texts:
+            plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_text(x),
+                                       written), target / fname))
+        for tmp, final in plan:  # weights first, config.json last
+            os.replace(tmp, final)
+        new = {final for _, final in plan}
+        for p in old:  # the old checkpoint's shards and index this save does not write
+            if p not in new:
+                p.unlink(missing_ok=True)
+        _fsync(target)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for tmp in written:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                target.rmdir()
         if isinstance(e, OSError):
-            raise LrmoeError(f"cannot write checkpoint {target}: {e.strerror or e}") from None
+            where = e.filename or target
+            raise LrmoeError(f"cannot write checkpoint {target}: {e.strerror or e} "
+                             f"({where})") from None
         raise
     return target
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename the finished ``tmp`` to ``target``; an old ``target`` is replaced, keeping
-    its files that are not checkpoint files."""
-    if not target.exists():
-        os.rename(tmp, target)
-        _fsync(target.parent)
-        return
-    old = target.parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.rename(target, old)
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    for entry in old.iterdir():
-        if not _is_checkpoint_file(entry.name) and not (target / entry.name).exists():
-            os.rename(entry, target / entry.name)
-    _fsync(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["hf_config_dict", "load_hf", "load_hf_config", "save_hf"]

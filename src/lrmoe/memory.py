@@ -120,7 +120,10 @@ def parse_bytes(text: str | int) -> int:
             f"memory size {text!r} is not understood; write a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 40GiB or 123456")
     value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
+    if not math.isfinite(value) or value >= 2**63:
+        raise LrmoeError(f"memory size {text!r} is too large: it must be below 8 EiB "
+                         "(2^63 bytes)")
+    if value < 1:
         raise LrmoeError(f"memory size {text!r} must be at least 1 byte")
     return int(round(value))
 

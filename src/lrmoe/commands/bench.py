@@ -4,7 +4,9 @@ Trains the same model per policy with every MoE layer run as G virtual EP ranks
 (:mod:`lrmoe.sim.ttl`), and writes ``OUT/ttl.json``, ``OUT/ttl.md``,
 ``OUT/ttl_loss_vs_time.png`` and ``OUT/ttl_loss_vs_step.png``. Times are **emulated**
 (measured per-rank expert kernels + modelled links + measured non-MoE time / G).
-Bad input or an infeasible budget: one line on stderr, exit code 2.
+Bad input or an infeasible budget: one line on stderr, exit code 2. ``--out`` follows
+``lrmoe train``'s rules (:mod:`lrmoe.train.rundir`): a new or empty directory, marked
+and locked; an earlier bench ttl output only with ``--reuse``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
+from lrmoe.train import rundir
+from lrmoe.train.checkpoint import atomic_write_text
 
 
 def register(sub) -> None:
@@ -243,27 +247,43 @@ def run(args: argparse.Namespace) -> int:
         ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
+    rundir.check_bench_out(out, args.reuse is not None)  # reads only: before any work
+    was_empty = not out.exists() or not any(out.iterdir())
+    created = rundir.take(out)
+    threads = torch.get_num_threads()
     done: dict = {}
-
-    def save_partial(name: str, res: dict) -> None:
-        """Each finished policy's raw result, so a run cut short keeps what it made."""
-        done[name] = {k: v for k, v in res.items() if k != "routing_trace"}
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "ttl_partial.json.tmp"
-        tmp.write_text(json.dumps({"label": "emulated (partial: policies finished so far)",
-                                   "config": dataclasses.asdict(cfg), "policies": done}))
-        tmp.replace(out / "ttl_partial.json")
-
     try:
+        rundir.check_bench_out(out, args.reuse is not None)  # again, under the lock
+        rundir.mark(out, rundir.BENCH_MARKER, "lrmoe bench ttl")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+
+        def save_partial(name: str, res: dict) -> None:
+            """Each finished policy's raw result, so a run cut short keeps what it made."""
+            done[name] = {k: v for k, v in res.items() if k != "routing_trace"}
+            atomic_write_text(out / "ttl_partial.json", json.dumps(
+                {"label": "emulated (partial: policies finished so far)",
+                 "config": dataclasses.asdict(cfg), "policies": done}))
+
         rep = bench_ttl(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
                         on_policy=save_partial)
+        _write_outputs(rep, out)
+    except BaseException:
+        rundir.give_up(out, created and not done)  # a new --out with nothing in it goes
+        if was_empty and not done:  # an empty --out is left empty
+            (out / rundir.BENCH_MARKER).unlink(missing_ok=True)
+        raise
     finally:
+        rundir.release_lock(out)
         torch.set_num_threads(threads)
-    out.mkdir(parents=True, exist_ok=True)
+    print(table(rep))
+    return 0
+
+
+def _write_outputs(rep: dict, out: Path) -> None:
+    """ttl.json, ttl.md, the plots and a routing trace per policy run here, each
+    written whole (temporary file, then rename)."""
     for name, r in rep["policies"].items():
         if "routing_trace" not in r:  # reused (--reuse): its trace stays with the run that made it
             continue
@@ -273,11 +293,8 @@ def run(args: argparse.Namespace) -> int:
                  // rep["config"]["ep"],
                  "format": "steps[step][moe_layer][expert] = global pairs routed",
                  "steps": r.pop("routing_trace")}
-        (out / f"routing_trace_{file_safe(name)}.json").write_text(json.dumps(trace))
-    (out / "ttl.json").write_text(json.dumps(rep, indent=1))
+        atomic_write_text(out / f"routing_trace_{file_safe(name)}.json", json.dumps(trace))
+    atomic_write_text(out / "ttl.json", json.dumps(rep, indent=1))
     (out / "ttl_partial.json").unlink(missing_ok=True)
-    tab = table(rep)
-    (out / "ttl.md").write_text("# Time to target loss (emulated)\n\n" + tab + "\n")
+    atomic_write_text(out / "ttl.md", "# Time to target loss (emulated)\n\n" + table(rep) + "\n")
     plots(rep, out)
-    print(tab)
-    return 0

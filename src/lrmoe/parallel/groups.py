@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +58,14 @@ class ParallelContext:
 
 
 def init_parallel(ep: int, device: str, backend: str | None = None,
-                  timeout_s: float = 300.0) -> ParallelContext:
+                  timeout_s: float = 300.0,
+                  check: Callable[[int, int], None] | None = None) -> ParallelContext:
     """Join the job started by torchrun (or stay single-process) and build the groups.
 
     ``timeout_s`` bounds every collective: if a peer dies or hangs, the survivors fail
-    with an error instead of waiting forever.
+    with an error instead of waiting forever. ``check(rank, world)`` runs once the ranks
+    have joined, before the groups are built (which needs every rank's ``ep`` alike): a
+    collective that raises on every rank when the ranks' settings differ.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ep < 1:
@@ -81,6 +85,8 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         kw = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     rank = dist.get_rank()
+    if check is not None:
+        check(rank, world)
     to = datetime.timedelta(seconds=timeout_s)  # every group, not just the default one
     ep_group = dp_group = None
     for k in range(world // ep):  # every rank must create every group, in the same order

@@ -110,6 +110,53 @@ def _agree(err: str | None, all_gather: Gather | None) -> None:
             raise LrmoeError(e)
 
 
+class CheckpointWriteError(LrmoeError):
+    """A checkpoint save failed (a full disk, a quota, a file-size limit...). ``local``:
+    only this rank hit it (the other ranks did not); otherwise every rank raises it alike
+    (DCP's write step is collective)."""
+
+
+def _dcp_failure() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of what went wrong: the rank's own error inside DCP's wrapper."""
+    fails = getattr(e, "failures", None)
+    if fails:
+        rank, wrapped = min(fails.items(), key=lambda kv: kv[0])
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_cause(inner)}" if len(fails) < 2 and rank else _cause(inner)
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _free(d: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(d).free / 2**20:.1f} MiB free"
+    except OSError:
+        return "free space unknown"
+
+
+def _write_failed(e: BaseException, tmp: Path, rank: int, local: bool) -> CheckpointWriteError:
+    """The one-line error for a failed save; the partial directory is removed first (on
+    rank 0, or by the rank that alone failed), so the free space it reports is real."""
+    if rank == 0 or local:
+        shutil.rmtree(tmp, ignore_errors=True)
+    gone = "removed" if not tmp.exists() or rank else "could not remove"
+    err = CheckpointWriteError(
+        f"cannot write checkpoint {tmp.name[1:-len(PARTIAL)]} into {tmp.parent}: "
+        f"{_cause(e)}; {_free(tmp.parent)} there ({gone} the partial save {tmp.name}). A "
+        "full disk, a quota or a file-size limit (ulimit -f) does this; free space or "
+        "--keep-ckpts fewer")
+    err.local = local
+    return err
+
+
 @contextlib.contextmanager
 def _one_process_is_fine():
     """DCP warns that it runs in one process even when asked to (``no_dist``)."""
@@ -204,7 +251,7 @@ def read_manifest(d: Path) -> dict:
         raise LrmoeError(f"checkpoint {d} is in the old {fmt} format ({OLD_FORMATS[fmt]}), "
                          "which this lrmoe cannot read; continue that run with the lrmoe "
                          "version that wrote it, or start a new run in another --out")
-    ok = (fmt == FORMAT and isinstance(m.get("files"), dict)
+    ok = (fmt == FORMAT and isinstance(m.get("files"), dict) and ".metadata" in m["files"]
           and isinstance(m.get("world"), int) and isinstance(m.get("ep_size"), int)
           and isinstance(m.get("step"), int))
     if not ok:
@@ -260,16 +307,38 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
     tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
-        tmp.mkdir(parents=True)
-    if all_gather is not None:
-        all_gather(None)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # a failure every rank sees: each raises it at the barrier
+            err = str(_write_failed(e, tmp, rank, local=False))
+        else:
+            err = None
+    else:
+        err = None
+    errs = all_gather(err) if all_gather is not None else [err]
+    if errs[0]:
+        raise CheckpointWriteError(errs[0])
     # one copy of the global state: rank 0's (ranks differ only in timings)
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
-    with _one_process_is_fine():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)),
-                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
-                                                flatten_sharded_tensors=False),
-                 no_dist=all_gather is None)
+    try:
+        with _one_process_is_fine():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)),
+                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
+                                                    flatten_sharded_tensors=False),
+                     no_dist=all_gather is None)
+    except (_dcp_failure(), OSError) as e:  # DCP raises it on every rank alike
+        raise _write_failed(e, tmp, rank, local=False) from None
+    try:
+        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, all_gather,
+                     keep)
+    except OSError as e:  # this rank's own write or read (a manifest, a hash, a rename)
+        raise _write_failed(e, tmp, rank, local=True) from None
+    return final
+
+
+def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank: int,
+                 world: int, ep_size: int, all_gather: Gather | None, keep: int) -> None:
+    """Hash the files (each rank a share), write the manifest, rename into place."""
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     if all_gather is not None:
         names = all_gather(names)[0]
@@ -301,7 +370,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
             prune(run_dir, keep)
     if all_gather is not None:
         all_gather(None)
-    return final
 
 
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
@@ -323,8 +391,8 @@ def _metadata(ck: Checkpoint) -> dict:
 
     try:
         return dcp.FileSystemReader(str(ck.path)).read_metadata().state_dict_metadata
-    except Exception as e:  # the checksum passed, so this is a format problem
-        raise LrmoeError(f"checkpoint {ck.path} cannot be read ({e})") from None
+    except (Exception, _dcp_failure()) as e:  # the checksum passed: a format problem
+        raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
 
 
 def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
@@ -338,8 +406,9 @@ def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=not distributed)
-    except Exception as e:
-        raise LrmoeError(f"checkpoint {ck.path} cannot be loaded ({e})") from None
+    except (Exception, _dcp_failure()) as e:  # DCP wraps the reader's error (EOFError...)
+        raise LrmoeError(f"checkpoint {ck.path} cannot be loaded ({_cause(e)}); delete it "
+                         "to resume from an earlier checkpoint") from None
     if state.get(ckpt_state.TRAINER) is None:
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,17 @@ def config_from_cli(given: dict) -> TrainConfig:
     return TrainConfig(**kw)
 
 
-def _int(name: str, v: Any, low: int, allow_none: bool = False) -> None:
+INT64_MAX = 2**63 - 1
+SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed
+
+
+def _int(name: str, v: Any, low: int, allow_none: bool = False, high: int = INT64_MAX) -> None:
     if v is None and allow_none:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}")
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        big = isinstance(v, int) and not isinstance(v, bool) and v > high
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}"
+                         + (f" and <= {high}" if big else ""))
 
 
 def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool = False) -> None:
@@ -148,10 +155,11 @@ def check_args(cfg: TrainConfig) -> None:
 
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "ep"):
         _int(name, getattr(cfg, name), 1)
-    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "seed",
+    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every",
                  "lrmoe_fidelity_every"):
         _int(name, getattr(cfg, name), 0)
-    _int("threads", cfg.threads, 1, allow_none=True)
+    _int("seed", cfg.seed, 0, high=SEED_MAX)
+    _int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
     _int("stop_after", cfg.stop_after, 1, allow_none=True)
     _int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
     _int("slots_per_rank", cfg.slots_per_rank, 1, allow_none=True)
@@ -195,6 +203,35 @@ def check_args(cfg: TrainConfig) -> None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
 
 
+# Flags that only one policy reads: given to another, they would be silently ignored.
+_LRMOE_ONLY = ("lrmoe_min_keep", "lrmoe_balance", "lrmoe_selection", "lrmoe_keep",
+               "lrmoe_target_cosine", "lrmoe_recompute", "lrmoe_metric", "lrmoe_estimator",
+               "lrmoe_compaction")
+
+
+def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
+    """One warning per flag set away from its default that this run does not read."""
+    d, out = TrainConfig(), []
+
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')} {getattr(cfg, name)!r}"
+    if cfg.policy != "lrmoe":
+        out += [f"{flag(n)} has no effect with --policy {cfg.policy} (it applies to --policy "
+                "lrmoe)" for n in _LRMOE_ONLY if getattr(cfg, n) != getattr(d, n)]
+    if cfg.policy != "capacity" and cfg.capacity_factor != d.capacity_factor:
+        out.append(f"{flag('capacity_factor')} has no effect with --policy {cfg.policy} "
+                   "(it applies to --policy capacity)")
+    if cfg.policy not in ("symi", "lrmoe") and cfg.slots_per_rank is not None:
+        out.append(f"{flag('slots_per_rank')} has no effect with --policy {cfg.policy} "
+                   "(it applies to --policy symi and lrmoe)")
+    if cfg.recompute and cfg.mem_budget is None:
+        out.append("--recompute has no effect without --mem-budget (it recomputes only on a "
+                   "rank over the budget)")
+    if cfg.backend == "nccl" and world == 1:
+        out.append("--backend nccl has no effect on one process (no collectives run)")
+    return out
+
+
 def _read_model_json(path: str) -> dict:
     p = Path(path)
     if p.is_dir():
@@ -227,6 +264,12 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
         d.update(user)
     if not d:
         return None
+    if "model_type" not in d:
+        again = (" (on --resume the run's --preset is not applied under a --config: give "
+                 "--preset too, or drop --config)") if cfg.resume else ""
+        raise LrmoeError(f"--config {cfg.config} has no model_type and no --preset gives one; "
+                         f"add \"model_type\": \"qwen3_moe\" or \"glm4_moe\", or give "
+                         f"--preset NAME to override{again}")
     if vocab_size is not None and not (user and "vocab_size" in user):
         d["vocab_size"] = vocab_size
     return ModelConfig.from_hf_dict(d)

@@ -9,12 +9,20 @@ check in, then prints one line naming the ranks that did not (the hung or dead o
 the collective and the training phase it was in, and where the last complete
 checkpoint is. The others wait for that line, then exit with the same code (3)
 without printing. Without a store every survivor prints its own line.
+
+SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGUSR1 (SLURM's
+``--signal``) only set a flag (:class:`StopSignals`); the loop reads every rank's flag
+in the step's loss all-reduce, so all ranks stop after the same step: they save a
+checkpoint, rank 0 prints one line, and every rank exits 128 + the signal's number
+(143 for SIGTERM, 138 for SIGUSR1).
 """
 
 from __future__ import annotations
 
 import datetime
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -118,3 +126,45 @@ class Watch:
                 except Exception:
                     pass
         return err
+
+
+# ----------------------------------------------------------------------------- signals
+class SignalStop(LrmoeError):
+    """A requested stop (SIGTERM / SIGUSR1) after a checkpoint: exit 128 + signal."""
+
+    def __init__(self, signum: int, msg: str):
+        super().__init__(msg)
+        self.exit_code = 128 + signum
+        self.quiet = True  # rank 0 has printed the line
+
+
+class StopSignals:
+    """Once installed (main thread only), SIGTERM and SIGUSR1 set a flag instead of
+    ending the process; :meth:`flags` is this rank's ``[SIGTERM seen, SIGUSR1 seen]``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.seen = [0.0, 0.0]
+        self._old: dict = {}
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for i, s in enumerate(self.SIGNALS):
+                self._old[s] = signal.signal(s, lambda *_, i=i: self._set(i))
+        return self
+
+    def _set(self, i: int) -> None:
+        self.seen[i] = 1.0
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    @staticmethod
+    def which(totals: list[float]) -> int | None:
+        """The signal to stop for, from the flags summed over the ranks (None: go on)."""
+        for s, n in zip(StopSignals.SIGNALS, totals):
+            if n > 0:
+                return int(s)
+        return None

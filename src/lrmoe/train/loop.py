@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,12 +41,13 @@ from lrmoe.train.config import (
     build_policy,
     check_args,
     config_from_cli,
+    ignored_flags,
     read_run_config,
     resolve_model_config,
     trajectory_mismatch,
 )
 from lrmoe.train.divergence import DivergenceGuard
-from lrmoe.train.faults import Watch, is_peer_failure
+from lrmoe.train.faults import SignalStop, StopSignals, Watch, is_peer_failure
 from lrmoe.train.metrics import (
     METRICS_FILE,
     MetricsWriter,
@@ -53,7 +55,13 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.setup import agree, open_run_dir, train_fields
+from lrmoe.train.setup import (
+    agree,
+    check_model_fits,
+    check_same_flags,
+    open_run_dir,
+    train_fields,
+)
 from lrmoe.train.setup import all_gather as _all_gather
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
@@ -236,14 +244,31 @@ def train(cfg: TrainConfig | Any) -> dict:
         raise
 
 
+def _intact(watch: Watch) -> str:
+    return (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
+            else "no checkpoint was written")
+
+
 def _write_error(e: OSError, ctx, watch: Watch) -> LrmoeError:
     """One line for a failed write mid-run, with where the last good checkpoint is."""
-    ck = (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
-          else "no checkpoint was written")
+    ck = _intact(watch)
     who = f"rank {ctx.rank}: " if ctx.distributed else ""
     err = LrmoeError(f"{who}{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
                      f"step {watch.step + 1}); stopped ({ck})")
     err.local = True
+    return err
+
+
+def _stopped(e: LrmoeError, ctx, watch: Watch) -> LrmoeError:
+    """``e`` (a failed checkpoint save) with where the last complete checkpoint is; an
+    error this rank alone hit is claimed, so the peers that lose it stay quiet."""
+    ck = _intact(watch)
+    local = getattr(e, "local", False)
+    if local and ctx.distributed:
+        watch.claim()
+    who = f"rank {ctx.rank}: " if local and ctx.distributed else ""
+    err = LrmoeError(f"{who}{e}; stopped ({ck})")
+    err.local = local
     return err
 
 
@@ -252,6 +277,9 @@ def _run(cfg: TrainConfig | Any) -> dict:
         cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
     check_args(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("RANK", "0") == "0":
+        for warning in ignored_flags(cfg, world):
+            print(f"lrmoe: warning: {warning}", file=sys.stderr, flush=True)
     if cfg.resume and world % cfg.ep:  # --ep came from the run's config.json
         raise LrmoeError(f"--resume: the run used --ep {cfg.ep}, which does not divide this "
                          f"world size {world}; pass --ep N (N divides {world}) to resume on "
@@ -268,11 +296,13 @@ def _run(cfg: TrainConfig | Any) -> dict:
     from lrmoe.parallel.groups import init_parallel
 
     we_init = not (dist.is_available() and dist.is_initialized())
+    stops = StopSignals().install()  # SIGTERM/SIGUSR1: stop at a step boundary
     try:
-        ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s)
+        ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s,
+                            check=lambda rank, world: check_same_flags(cfg, rank, world))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            return _train(cfg, ctx, watch)
+            return _train(cfg, ctx, watch, stops)
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
             if ctx.distributed and is_peer_failure(e):
                 raise watch.failure(e) from None
@@ -288,10 +318,11 @@ def _run(cfg: TrainConfig | Any) -> dict:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
     finally:
+        stops.restore()
         torch.set_num_threads(threads)  # in-process callers get their setting back
 
 
-def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
+def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
     from lrmoe.config import ModelConfig
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.moe import MoERuntime
@@ -338,12 +369,14 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                              "even the native experts with one retained pair per instance")
 
     # ---- 2. build (and restore) in memory; a checkpoint that does not fit fails here.
+    agree(lambda: check_model_fits(mcfg, cfg, ctx), ctx)  # before a byte is allocated
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg)
     if ctx.ep_size > 1:
         shard_experts(model, ctx)
     model.to(ctx.device)
-    gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 1_000_003 + ctx.rank + 1)
+    gen = torch.Generator(device=ctx.device).manual_seed(  # any 64-bit --seed
+        (cfg.seed * 1_000_003 + ctx.rank + 1) % 2**64)
     base_bwd = backward_options(cfg)
     rt = MoERuntime(comm=ctx.comm(), policy=policy, backward=base_bwd, ledger=ledger,
                     generator=gen, count_reduce=count_reducer(ctx),
@@ -390,11 +423,14 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
         watch.phase = "checkpoint save"
         progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val,
                     "divergence": guard.state()}
-        ckpt.save_checkpoint(
-            run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
-            trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
-            rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
-            keep=cfg.keep_ckpts)
+        try:
+            ckpt.save_checkpoint(
+                run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
+                trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
+                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
+                keep=cfg.keep_ckpts)
+        except ckpt.CheckpointWriteError as e:
+            raise _stopped(e, ctx, watch) from None
         last_ckpt = step
         watch.last_ckpt = str(ckpt.ckpt_dir(run_dir, step))
 
@@ -445,9 +481,10 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
             batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
             with autocast():
                 lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-            watch.phase = "loss all-reduce"
-            losses = _sum_over_world(torch.stack([lm.detach(), obj.detach()]).float().cpu(),
-                                     ctx) / ctx.world
+            watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
+            red = _sum_over_world(torch.cat([torch.stack([lm.detach(), obj.detach()]).float()
+                                             .cpu(), torch.tensor(stops.seen)]), ctx)
+            losses, stop_sig = red[:2] / ctx.world, StopSignals.which(red[2:].tolist())
             loss, aux = float(losses[0]), float(losses[1] - losses[0])
             intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
                       if last_ckpt else "no checkpoint was written")
@@ -507,6 +544,14 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                 if done == end:
                     validate(done)
                 save(done)
+            if stop_sig is not None and done < end:
+                if last_ckpt != done:
+                    save(done)
+                msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
+                       f"{done} of {end}; saved {ckpt.ckpt_dir(run_dir, done)}; continue with "
+                       "--resume")
+                say(msg)
+                raise SignalStop(stop_sig, msg)
         if start >= end and last_val is None:  # resumed at the end: the checkpoint's loss
             last_val = evaluate(model, val_b, ctx, autocast)[0]  # (its row is already there)
     finally:

@@ -140,32 +140,38 @@ class MetricsWriter:
             self._f = None
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All well-formed rows; a torn last line (a killed run) is skipped."""
+def read_metrics(path: str | os.PathLike, torn: list[int] | None = None) -> list[dict]:
+    """All well-formed rows; a torn line (a killed run) is skipped, its line number
+    appended to ``torn`` when given."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
             line = line.strip()
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                obj = None
             if isinstance(obj, dict):
                 rows.append(obj)
+            elif torn is not None:
+                torn.append(lineno)
     return rows
 
 
-def truncate_metrics(path: str | os.PathLike, step: int) -> None:
-    """Drop rows after ``step`` (a resumed run rewrites them), atomically."""
+def truncate_metrics(path: str | os.PathLike, step: int) -> list[int]:
+    """Drop rows after ``step`` (a resumed run rewrites them) and torn rows, atomically;
+    returns the line numbers of the torn rows dropped."""
     from lrmoe.train.checkpoint import atomic_write_text
 
     p = Path(path)
     if not p.exists():
-        return
-    rows = [r for r in read_metrics(p) if int(r.get("step", 0)) <= step]
+        return []
+    torn: list[int] = []
+    rows = [r for r in read_metrics(p, torn) if int(r.get("step", 0)) <= step]
     atomic_write_text(p, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+    return torn
 
 
 def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, elapsed: float,

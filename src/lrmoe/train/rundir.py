@@ -14,11 +14,16 @@
   in the run directory and in ``checkpoints/``, and the free space is compared with one
   checkpoint's size, so a long run does not fail at its first checkpoint.
 
+``lrmoe bench ttl --out`` follows the same rules with its own marker
+(``.lrmoe-bench``): a new or empty directory, or its own earlier output when ``--reuse``
+continues it; never a training run's directory, never someone else's files.
+
 Every problem is an :class:`LrmoeError` naming the directory and what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -31,6 +36,8 @@ from pathlib import Path
 from lrmoe.errors import LrmoeError
 
 MARKER = ".lrmoe-run"
+BENCH_MARKER = ".lrmoe-bench"  # lrmoe bench ttl's output directory
+BENCH_RESULTS = ("ttl.json", "ttl_partial.json")
 LOCK = ".lrmoe-lock"
 _PROBE = ".lrmoe-write-probe"
 _OURS = {MARKER, LOCK}  # a directory holding only these is lrmoe's (a crash at start)
@@ -62,23 +69,32 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
     return bool(names) and names <= _OURS
 
 
-def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
-    """Refuse an ``--out`` this run may not write into (reads only)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LrmoeError(f"--out {run_dir} is a file, not a directory; give a directory")
-    if not run_dir.exists():
-        return
+def _names(d: Path) -> list[str]:
+    """The names in ``--out`` ``d`` ([] if it does not exist); a file or a dangling
+    symlink is refused."""
+    if d.is_symlink() and not d.exists():
+        raise LrmoeError(f"--out {d} is a symlink to {os.readlink(d)}, which does not exist; "
+                         "create that directory or give another --out")
+    if d.exists() and not d.is_dir():
+        raise LrmoeError(f"--out {d} is a file, not a directory; give a directory")
+    if not d.exists():
+        return []
     try:
-        names = sorted(p.name for p in run_dir.iterdir())
+        return sorted(p.name for p in d.iterdir())
     except OSError as e:
         raise LrmoeError(os_error_line(e, "--out: cannot list")) from None
+
+
+def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
+    """Refuse an ``--out`` this run may not write into (reads only)."""
+    names = _names(run_dir)
     if not names:
         return
+    if (run_dir / BENCH_MARKER).is_file():
+        raise LrmoeError(f"--out {run_dir} is the output directory of lrmoe bench ttl, not a "
+                         "training run; give another --out")
     if not is_run_dir(run_dir):
-        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-        raise LrmoeError(f"--out {run_dir} holds files lrmoe did not write ({shown}); it is "
-                         f"not an lrmoe run directory (no {MARKER}). Give a new or empty "
-                         "directory")
+        raise _foreign(run_dir, names)
     check_lock(run_dir)
     if resume or has_checkpoint:
         return  # --resume continues it; a new run over checkpoints is refused by the caller
@@ -87,6 +103,58 @@ def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
         raise LrmoeError(f"--out {run_dir} holds the metrics of a run that wrote no checkpoint "
                          f"({rows} rows in metrics.jsonl; nothing to resume from). Delete the "
                          "directory or give another --out")
+
+
+def _foreign(d: Path, names: list[str]) -> LrmoeError:
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return LrmoeError(f"--out {d} holds files lrmoe did not write ({shown}); it is not an "
+                      f"lrmoe output directory (no {MARKER} or {BENCH_MARKER}). Give a new or "
+                      "empty directory")
+
+
+def check_bench_out(out: Path, reuse: bool) -> None:
+    """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only): a file,
+    someone else's files, a training run, a live run's directory, or an earlier run's
+    results without ``--reuse``."""
+    names = _names(out)
+    if not names:
+        return
+    if (out / MARKER).is_file() or _legacy_run(out):
+        raise LrmoeError(f"--out {out} is an lrmoe train run directory; bench ttl writes its "
+                         "results elsewhere: give another --out")
+    if not (out / BENCH_MARKER).is_file() and not set(names) <= {LOCK}:
+        raise _foreign(out, names)
+    check_lock(out)
+    done = [n for n in BENCH_RESULTS if n in names]
+    if done and not reuse:
+        raise LrmoeError(f"--out {out} holds an earlier bench ttl run's results "
+                         f"({', '.join(done)}), which this run would replace; give a new "
+                         f"--out, or --reuse {out / done[0]} to keep the policies it finished")
+
+
+def take(d: Path) -> bool:
+    """Create ``d`` if needed and take its lock; True if ``d`` was created here."""
+    created = not d.exists()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        acquire_lock(d)
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "--out: cannot create")) from None
+    return created
+
+
+def give_up(d: Path, created: bool, subdirs: tuple[Path, ...] = ()) -> None:
+    """Release ``d``'s lock; if :func:`take` created ``d``, remove the markers and the
+    (empty) directories again, so a run refused at start leaves nothing behind."""
+    release_lock(d)
+    if created:
+        for m in (MARKER, BENCH_MARKER):
+            (d / m).unlink(missing_ok=True)
+        for sub in (*subdirs, d):
+            try:
+                os.rmdir(sub)
+            except OSError:
+                pass
 
 
 def _metrics_rows(p: Path) -> int:
@@ -174,19 +242,32 @@ def release_lock(run_dir: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def mark(run_dir: Path) -> None:
+def mark(run_dir: Path, marker: str = MARKER, by: str = "lrmoe train") -> None:
     """Create the run directory (if needed) and its marker."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not (run_dir / MARKER).exists():
-            (run_dir / MARKER).write_text("written by lrmoe train; do not delete\n")
+        if not (run_dir / marker).exists():
+            (run_dir / marker).write_text(f"written by {by}; do not delete\n")
     except OSError as e:
         raise LrmoeError(os_error_line(e, "--out: cannot create")) from None
 
 
 # ----------------------------------------------------------------------------- writability
-def probe_writable(d: Path, need_bytes: int = 0) -> None:
-    """Create ``d``, write + fsync + remove a probe file there, and check free space."""
+def _held_by(leftovers: list[Path]) -> str:
+    """"; .ckpt-00000004.tmp (an interrupted save) holds 12.0 MiB: delete it to free
+    the space" for the leftovers in ``d``; "" if none."""
+    if not leftovers:
+        return ""
+    size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
+    names = ", ".join(str(p) for p in leftovers)
+    return (f"; {names} (interrupted checkpoint save{'s' if len(leftovers) > 1 else ''}) "
+            f"hold{'s' if len(leftovers) == 1 else ''} {size / 2**20:.1f} MiB: delete "
+            f"{'it' if len(leftovers) == 1 else 'them'} to free the space")
+
+
+def probe_writable(d: Path, need_bytes: int = 0, leftovers: list[Path] = ()) -> None:
+    """Create ``d``, write + fsync + remove a probe file there, and check free space;
+    ``leftovers`` (interrupted saves in ``d``) are named when space is short."""
     p = d / f"{_PROBE}-{os.getpid()}"
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -198,10 +279,15 @@ def probe_writable(d: Path, need_bytes: int = 0) -> None:
             os.close(fd)
         os.unlink(p)
     except OSError as e:
-        raise LrmoeError(os_error_line(e, "the run directory is not writable:")) from None
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+        raise LrmoeError(f"the run directory is not writable: cannot write {e.filename or p}: "
+                         f"{e.strerror or e}" + (_held_by(list(leftovers))
+                                                 if e.errno == errno.ENOSPC else "")) from None
     if need_bytes:
         free = shutil.disk_usage(d).free
         if free < need_bytes:
             raise LrmoeError(os_error_line(
                 OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, one checkpoint needs "
-                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in"))
+                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in")
+                + _held_by(list(leftovers)))

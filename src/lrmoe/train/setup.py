@@ -1,5 +1,8 @@
 """The trainer's setup steps that must end with every rank agreeing.
 
+:func:`check_same_flags` runs first, as soon as the ranks have joined: every rank hashes
+its trajectory-relevant flags and resolved model config, and a rank that differs from
+rank 0 ends the job with one line naming the first differing flag and both values.
 :func:`agree` runs a step with no collective inside on every rank: an error on any
 rank is raised on all of them (printed by rank 0 only), so a refusal under torchrun
 ends the job cleanly, with one line. :func:`open_run_dir` takes the run directory
@@ -10,8 +13,10 @@ then ``config.json`` (see :mod:`lrmoe.train.rundir`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,11 +29,7 @@ from lrmoe.train.metrics import METRICS_FILE, truncate_metrics
 
 # ----------------------------------------------------------------------------- agreement
 def all_gather(obj: Any, ctx) -> list:
-    import torch.distributed as dist
-
-    out: list = [None] * ctx.world
-    dist.all_gather_object(out, obj)
-    return out
+    return _gather(obj, ctx.world)
 
 
 def agree(fn: Callable[[], Any], ctx) -> Any:
@@ -52,6 +53,110 @@ def agree(fn: Callable[[], Any], ctx) -> Any:
     return out
 
 
+# Flags that may differ between ranks: where files are on this node (the data and the
+# model are compared by content instead: the token streams' hashes, the resolved model
+# config) and how this process runs (threads, collective timeout, progress output).
+PER_RANK_FLAGS = ("out", "data", "preset", "config", "threads", "timeout_s", "log_every",
+                  "progress")
+
+
+def flags_fingerprint(cfg: TrainConfig) -> dict:
+    """``{"--lr": 0.003, ..., "model config's hidden_size": 64, ...}``: what every rank
+    must agree on (model keys absent on a resume that takes the model from the run)."""
+    from lrmoe.train.config import resolve_model_config
+
+    fp = {f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
+          if k not in PER_RANK_FLAGS}
+    mcfg = resolve_model_config(cfg, vocab_size=None)
+    if mcfg is not None:
+        fp.update({f"model config's {k}": v for k, v in mcfg.to_hf_dict().items()})
+    return fp
+
+
+def _gather(obj: Any, world: int) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
+    """Collective: raise on every rank (printed by rank 0) if any rank's flags or model
+    config differ from rank 0's, naming the first differing one and both values."""
+    err, fp = None, {}
+    try:
+        fp = flags_fingerprint(cfg)
+    except LrmoeError as e:
+        err = str(e)
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
+    got = _gather((err, digest), world)
+    failed = [r for r, (e, _) in enumerate(got) if e]
+    if failed:
+        msg = got[failed[0]][0]
+        raise quiet_unless(LrmoeError(msg if len(failed) == world else
+                                      f"rank {failed[0]}: {msg}"), rank == 0)
+    if all(d == got[0][1] for _, d in got):
+        return
+    fps = _gather(fp, world)  # every rank saw the mismatch: all take this second step
+    r = next(i for i, (_, d) in enumerate(got) if d != got[0][1])
+    keys = list(fps[0]) + [k for k in fps[r] if k not in fps[0]]
+    k = next(k for k in keys if fps[r].get(k, "(none)") != fps[0].get(k, "(none)"))
+    same = "--preset and --config" if k.startswith("model") else "flags"
+    raise quiet_unless(LrmoeError(
+        f"rank {r}'s {k} ({fps[r].get(k, '(none)')}) differs from rank 0's "
+        f"({fps[0].get(k, '(none)')}): give every rank the same {same}"), rank == 0)
+
+
+# ----------------------------------------------------------------------------- memory
+def state_bytes(mcfg, ep_size: int, offload: bool = False) -> int:
+    """Bytes one rank's model state takes where it trains: fp32 parameters, gradients
+    and AdamW's two moments (16 bytes a parameter), experts 1/``ep_size`` of them
+    (with ``offload`` the experts' moments live in host memory: 8 bytes each)."""
+    from lrmoe.presets import param_counts
+
+    total, _ = param_counts(mcfg)
+    n_moe = sum(mcfg.is_moe_layer(i) for i in range(mcfg.num_hidden_layers))
+    experts = n_moe * mcfg.num_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
+    return 16 * (total - experts) + (8 if offload else 16) * (experts // ep_size)
+
+
+def _mem_available() -> int | None:
+    """The host's MemAvailable (/proc/meminfo) in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
+    """Refuse, before anything is allocated, a model whose parameters, gradients and
+    optimizer state alone exceed the GPU's memory (CUDA) or the host's available memory
+    (shared by this host's ranks). Activations come on top, so a run that passes may
+    still run out of memory; one that fails could never run."""
+    import torch
+
+    need = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host")
+    if ctx.device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(ctx.device)[1], f"GPU {ctx.device} has in all"
+        per = need
+    else:
+        have = _mem_available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        where = "the host has available (MemAvailable)" + (
+            f", for its {local} ranks" if local > 1 else "")
+        per, need = need, need * local
+    if have is not None and need > have:
+        raise LrmoeError(
+            f"the model needs about {need / 2**30:,.1f} GiB for its parameters, gradients "
+            f"and AdamW state ({per / 2**30:,.1f} GiB a rank at --ep {ctx.ep_size}), more "
+            f"than the {have / 2**30:,.1f} GiB {where}; use a smaller model or a larger --ep")
+
+
 # ----------------------------------------------------------------------------- run dir
 def _checkpoint_bytes(model) -> int:
     """About one shard: weights plus AdamW's two moments, with 10% slack."""
@@ -72,12 +177,7 @@ def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
 def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
                   need_bytes: int) -> None:
     """Rank 0: lock, re-check (another run may have written meanwhile), mark, write."""
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.acquire_lock(run_dir)
-    except OSError as e:
-        raise LrmoeError(rundir.os_error_line(e, "--out: cannot create")) from None
+    created = rundir.take(run_dir)
     try:
         has_ck = bool(ckpt.checkpoint_dirs(run_dir))
         rundir.check_out(run_dir, cfg.resume, has_ck)
@@ -87,23 +187,21 @@ def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
             raise LrmoeError(f"--out {run_dir} changed while this run started (another run "
                              "wrote checkpoints); give another --out")
         rundir.mark(run_dir)
-        rundir.probe_writable(run_dir)
-        rundir.probe_writable(ckpt.ckpt_root(run_dir), need_bytes)
+        left = ckpt.partial_dirs(run_dir)  # interrupted saves: they may hold the space
+        rundir.probe_writable(run_dir, 0, left)
+        rundir.probe_writable(ckpt.ckpt_root(run_dir), need_bytes, left)
         if ck is None:
             (run_dir / METRICS_FILE).unlink(missing_ok=True)
         else:
-            truncate_metrics(run_dir / METRICS_FILE, ck.step)
+            torn = truncate_metrics(run_dir / METRICS_FILE, ck.step)
+            if torn:
+                print(f"lrmoe train: note: dropped {len(torn)} cut-off row(s) of "
+                      f"{run_dir / METRICS_FILE} (line {', '.join(map(str, torn))}: written "
+                      "in part when the run was stopped)", file=sys.stderr, flush=True)
         tok.save(run_dir)
         ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
     except (LrmoeError, OSError) as e:
-        rundir.release_lock(run_dir)
-        if created:  # leave no half-made directory behind
-            (run_dir / rundir.MARKER).unlink(missing_ok=True)
-            for d in (ckpt.ckpt_root(run_dir), run_dir):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
+        rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
         if isinstance(e, OSError):
             raise LrmoeError(rundir.os_error_line(e, "cannot write")) from None
         raise

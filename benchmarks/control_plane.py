@@ -29,13 +29,16 @@ default skew 0.65 gives an expert max/mean load of about 7–8, the median of th
 registered Qwen3 workload's static run (7.6, steps 1–120; 4.9–13.3 at its 10th/90th
 percentiles); the realised value is reported.
 
-Budgets: ``ample`` (no budget) and ``binding``: ``--binding-fraction`` (0.8) of static's
-largest per-rank ledger need for these counts, so lrmoe trims and the exact policies
-recompute (``StaticPolicy``/``SymiPolicy`` with ``recompute=True``, as under a budget in
-``bench ttl``); a policy with no plan in the budget is reported as such. Policies are
-``bench ttl`` specs (:func:`lrmoe.sim.ttl.policy_variant`): ``symi`` runs with ``E/G + 2``
-slots; ``lrmoe:recompute+estimator=sampled`` is the headline variant and
-``lrmoe:recompute`` the same with top-k selection.
+Budgets: ``ample`` (no budget) and ``binding`` (:func:`binding_budget`: lrmoe's fixed
+bytes plus the smallest of 40/55/70/85/95% of its largest retained activations in which
+the headline variant plans; a fraction of static's need does not bind lrmoe at EP 64,
+where static's hot rank dwarfs a balanced one, and fits nobody at EP 8), so lrmoe trims
+or recomputes and the exact policies recompute (``StaticPolicy``/``SymiPolicy`` with
+``recompute=True``, as under a budget in ``bench ttl``; one that does not fit even so is
+timed unbudgeted and marked "over"); an lrmoe variant with no plan in the budget is
+reported as such. Policies are ``bench ttl`` specs (:func:`lrmoe.sim.ttl.policy_variant`):
+``symi`` runs with ``E/G + 2`` slots; ``lrmoe:recompute+estimator=sampled`` is the
+headline variant and ``lrmoe:recompute`` the same with top-k selection.
 
     python3 benchmarks/control_plane.py --out DIR                     # GPU, bf16, ~2-3 min
     python3 benchmarks/control_plane.py --out DIR --preset tiny-qwen3 --eps 4 \\
@@ -154,19 +157,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += [f"Not recorded by the runtime (shown n/a, not in control): "
                   f"{', '.join(missing)}.", ""]
     lines += ["| preset | EP | tok/rank | expert max/mean | policy | budget | rank | fwd rows "
-              "| bwd rows | count exch | plan | local | select | gather | **control** | expert "
-              "fwd | expert bwd | **ctl/exp** | layer wall | unacc. | syncs f/b |",
-              "|" + "---|" * 21]
+              "| bwd rows | keep / retain / recomputed | count exch | plan | local | select "
+              "| gather | **control** | expert fwd | expert bwd | **ctl/exp** | layer wall "
+              "| unacc. | syncs f/b |",
+              "|" + "---|" * 22]
     for r in rows:
         head = (f"| {r['preset']} | {r['ep']} | {r['tokens_per_rank']} | "
                 f"{r['expert_max_over_mean']:.2f} | {r['policy']} | {r['budget']} | ")
         if r.get("error"):
-            lines.append(head + f"— | {r['error']} |" + " |" * 13)
+            lines.append(head + f"— | {r['error']} |" + " |" * 14)
             continue
         s = r["stages"]
         syncs = r.get("syncs") or {}
         sy = (f"{syncs['forward']}/{syncs['backward']}" if syncs else "n/a")
         lines.append(head + f"{r['rank']} | {r['fwd_rows']} | {r['bwd_rows']} | "
+                     f"{r['keep_ratio']:.3f} / {r['retain_ratio']:.3f} / {r['recompute_rows']} | "
                      + " | ".join(_f(s[k]) for k in CONTROL[1:2] + CONTROL[:1] + CONTROL[2:])
                      + f" | **{_f(s['control_ms'])}** | {_f(s['expert_fwd_ms'])} | "
                      f"{_f(s['expert_bwd_ms'])} | **{_f(s['control_over_expert'], '.2f')}** | "
@@ -190,14 +195,33 @@ def make_policy(spec: str, cfg, G: int, budgeted: bool):
     return registry_policy(pc, cfg, G), BackwardOptions(estimator=v.estimator)
 
 
-def static_need(cfg, G: int, counts_GE: torch.Tensor, dtype: str) -> int:
-    """Static's largest per-rank ledger total for these counts (one MoE layer)."""
-    from lrmoe.policy.base import PlanInputs
-    from lrmoe.policy.static import StaticPolicy
+BINDING_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 0.95)
 
-    led = Ledger.for_dtype(cfg, G, None, dtype, num_moe_layers=1)
-    plan = StaticPolicy().plan(counts_GE, PlanInputs(ledger=led))
-    return max(int(t["total"]) for t in led.rank_terms(plan))
+
+def binding_budget(cfg, G: int, counts_GE: torch.Tensor, dtype: str,
+                   fractions=BINDING_FRACTIONS) -> tuple[int | None, float | None]:
+    """``(bytes, fraction)``: lrmoe's fixed bytes (its unbounded plan's largest rank need
+    less its retained activations) plus the smallest ``fraction`` of its largest retained
+    bytes in which the headline variant still plans (``benchmarks/plan_speed.py``'s
+    rule): memory binds lrmoe by construction. ``(None, None)`` if none does."""
+    from lrmoe.policy.base import PlanInputs
+    from lrmoe.policy.lrmoe import LrmoePolicy
+
+    free = Ledger.for_dtype(cfg, G, None, dtype, num_moe_layers=1)
+    inputs = PlanInputs(0, 0, counts_GE.sum(0), free)
+    terms = free.rank_terms(LrmoePolicy().plan(counts_GE, inputs))
+    fixed = max(t["total"] - t["retained_acts"] for t in terms)
+    kept = max(t["retained_acts"] for t in terms)
+    policy, _ = make_policy(POLICIES[2], cfg, G, True)
+    for f in fractions:
+        b = int(fixed + f * kept)
+        try:
+            policy.plan(counts_GE, PlanInputs(0, 0, counts_GE.sum(0),
+                                              Ledger.for_dtype(cfg, G, b, dtype, num_moe_layers=1)))
+            return b, f
+        except LrmoeError:
+            continue
+    return None, None
 
 
 class PlannedPeersComm(OneRankComm):
@@ -316,7 +340,10 @@ def measure(cfg, G: int, T: int, spec: str, budget_name: str, budget: int | None
     me = busiest_rank(plan)
     row.update(rank=me, fwd_rows=int(plan.rank_load()[me]),
                bwd_rows=int(plan.rank_backward_load()[me]), replicas=plan.num_replicas(),
-               ledger_rank_bytes=int(ledger.rank_terms(plan)[me]["total"]))
+               ledger_rank_bytes=int(ledger.rank_terms(plan)[me]["total"]),
+               keep_ratio=float(plan.select_GGS.sum() / plan.assign_GGS.sum().clamp(min=1)),
+               retain_ratio=float(plan.retain_GGS.sum() / plan.assign_GGS.sum().clamp(min=1)),
+               recompute_rows=0 if plan.recompute_G is None else int(plan.recompute_G[me]))
     layer = build_rank(cfg, me, counts_GE, idx_NK[me * T:(me + 1) * T], policy, ledger, opts, dev,
                        plan)
     H = cfg.hidden_size
@@ -344,8 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="4096,16384", help="tokens per rank, comma-separated")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--budgets", default="ample,binding")
-    ap.add_argument("--binding-fraction", type=float, default=0.8,
-                    help="binding budget: this fraction of static's largest rank need")
     ap.add_argument("--skew", type=float, default=DEFAULT_SKEW)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -373,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"--warmup {a.warmup} >= 0")
         if not set(budgets) <= {"ample", "binding"} or not budgets:
             raise LrmoeError(f"--budgets {a.budgets!r}: use ample, binding or both")
-        if not 0 < a.binding_fraction <= 1:
-            raise LrmoeError(f"--binding-fraction {a.binding_fraction} must be in (0, 1]")
         if a.device not in ("cuda", "cpu"):
             raise LrmoeError(f"--device {a.device!r}: use cuda or cpu")
         if a.device == "cuda" and not torch.cuda.is_available():
@@ -388,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bf16" if dev.type == "cuda" else "fp32"
     meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (logic check)",
             "dtype": dtype, "torch": torch.__version__, "skew": a.skew,
-            "repeats": a.repeats, "warmup": a.warmup, "binding_fraction": a.binding_fraction,
+            "repeats": a.repeats, "warmup": a.warmup, "binding_fractions": BINDING_FRACTIONS,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None
                                                             else argv))}
@@ -400,14 +423,20 @@ def main(argv: list[str] | None = None) -> int:
                 idx, counts = routing(G, T, cfg.num_experts, cfg.num_experts_per_tok, a.skew,
                                       a.seed, dev)
                 skew = load_skew(counts)
-                need = static_need(cfg, G, counts, dtype)
+                bind, frac = (binding_budget(cfg, G, counts, dtype) if "binding" in budgets
+                              else (None, None))
                 for spec in specs:
                     for b in budgets:
-                        budget = None if b == "ample" else int(a.binding_fraction * need)
+                        if b == "binding" and bind is None:
+                            rows.append({"preset": pname, "ep": G, "tokens_per_rank": T,
+                                         "policy": spec, "budget": b, **skew,
+                                         "error": "no binding budget: lrmoe plans in none"})
+                            continue
+                        budget = None if b == "ample" else bind
                         r = measure(cfg, G, T, spec, b, budget, idx, counts, dev, a.warmup,
                                     a.repeats)
                         r.update(preset=pname, ep=G, tokens_per_rank=T,
-                                 static_need_bytes=need, **skew)
+                                 binding_fraction=frac, **skew)
                         rows.append(r)
                         s = r.get("stages") or {}
                         print(f"[{len(rows)}/{n_total} {time.perf_counter() - t0:.0f}s] {pname} "

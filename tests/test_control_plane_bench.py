@@ -75,14 +75,16 @@ def test_markdown_says_what_is_missing_and_shows_errors():
                                    expert_bwd_ms=3.0)])
     ok = {"preset": "p", "ep": 4, "tokens_per_rank": 8, "expert_max_over_mean": 2.0,
           "policy": "static", "budget": "ample", "rank": 1, "fwd_rows": 10, "bwd_rows": 10,
+          "keep_ratio": 1.0, "retain_ratio": 1.0, "recompute_rows": 0,
           "stages": stages, "syncs": {"forward": 1, "backward": 2}}
     bad = {**ok, "policy": "lrmoe", "budget": "binding", "error": "no plan: x"}
     md = cp.markdown(meta, [ok, bad])
     assert "local_ms, select_ms, gather_ms" in md
     line = next(ln for ln in md.splitlines() if "| static |" in ln)
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[9:15] == ["0.500", "1.500", "n/a", "n/a", "n/a", "**2.000**"]
-    assert cells[17] == "**0.50**" and cells[-1] == "1/2"
+    assert cells[9] == "1.000 / 1.000 / 0"
+    assert cells[10:16] == ["0.500", "1.500", "n/a", "n/a", "n/a", "**2.000**"]
+    assert cells[18] == "**0.50**" and cells[-1] == "1/2"
     assert "no plan: x" in md
     n_cols = len(md.splitlines()[-3].split("|"))
     assert all(len(ln.split("|")) == n_cols for ln in md.splitlines() if ln.startswith("| p |"))
@@ -129,3 +131,26 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert cp.main(["--out", str(tmp_path), "--policies", "lrmoe:bogus", "--device",
                     "cpu"]) == 2
     assert not (tmp_path / "control_plane.json").exists()
+
+
+def test_binding_budget_binds_lrmoe_and_lets_it_plan():
+    from lrmoe.memory import Ledger
+    from lrmoe.policy.lrmoe import LrmoePolicy
+
+    cfg = get_preset("tiny-qwen3")
+    G = 4
+    _, counts = cp.routing(G, 64, cfg.num_experts, cfg.num_experts_per_tok, 0.65, 0)
+    b, f = cp.binding_budget(cfg, G, counts, "fp32")
+    assert f in cp.BINDING_FRACTIONS
+    free = Ledger.for_dtype(cfg, G, None, "fp32", num_moe_layers=1)
+    inputs = PlanInputs(0, 0, counts.sum(0), free)
+    unbounded = max(t["total"] for t in free.rank_terms(LrmoePolicy().plan(counts, inputs)))
+    assert b < unbounded  # it binds
+    policy, _ = cp.make_policy(cp.POLICIES[2], cfg, G, True)
+    led = Ledger.for_dtype(cfg, G, b, "fp32", num_moe_layers=1)
+    plan = policy.plan(counts, PlanInputs(0, 0, counts.sum(0), led))
+    assert max(t["total"] for t in led.rank_terms(plan)) <= b
+    # the smallest fraction that plans: the one below it does not
+    if f != cp.BINDING_FRACTIONS[0]:
+        lower = cp.BINDING_FRACTIONS[cp.BINDING_FRACTIONS.index(f) - 1]
+        assert cp.binding_budget(cfg, G, counts, "fp32", (lower,)) == (None, None)

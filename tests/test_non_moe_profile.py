@@ -127,9 +127,20 @@ def test_one_step_split(steps):
 def test_mean_table_and_markdown(steps):
     cats = nm.mean_table(steps + steps)
     assert list(cats)[0] == "host gap (device idle): backward"  # largest first
-    md = nm.markdown_table(cats, 4)
-    assert "| gradient clipping | 0.09 | 0.021 |" in md
-    assert md[-1].startswith("| **total (non-MoE time of the trace)** | **0.67** |")
+    md = nm.markdown_table(cats, 4, dense_share=0.2, offload="host")
+    # clipping: the dense fifth in full, the experts' 4/5 over 4 ranks
+    assert "| gradient clipping | 0.09 | 0.021 | 0.034 |" in md[2 + list(cats).index(
+        "gradient clipping")]
+    row = md[2 + list(cats).index("optimizer: AdamW on the device")]
+    assert "| 0.04 | 0.010 | 0.040 |" in row  # with offload the device step is dense only
+    # the host step is charged apart (host_s), neither as non-MoE nor to a real rank here
+    assert "| 0.10 | 0.000 | 0.000 |" in md[2 + list(cats).index(
+        "optimizer: experts' host step (excluded: host_s)")]
+    assert md[-1].startswith("| **total (non-MoE time of the trace)** | **0.67** | **0.143** |")
+    real = sum(nm.real_rank_share(k, 4, 0.2, "host")[0] * v for k, v in cats.items())
+    assert md[-1].endswith(f"| **{real:.3f}** | |")
+    assert nm.real_rank_share("optimizer: AdamW on the device", 4, 0.2, "device")[0] == \
+        pytest.approx(0.2 + 0.8 / 4)
 
 
 def test_cpu_trace_uses_leaf_operators():

@@ -183,3 +183,31 @@ def test_bench_ttl_emits_the_ranges_it_times(tmp_path):
         assert s["non_moe_ms"] == pytest.approx(r, rel=0.25)
     # module hooks are gone after the run
     assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_the_emulators_gradient_assembly_is_inside_the_moe_wall(monkeypatch):
+    """The exchange's backward ends (``bwd_end_s``, where bench ttl stops the MoE clock)
+    after it has concatenated the G virtual ranks' gradients: that is emulator work no
+    real rank does, and must not be charged as non-MoE time."""
+    from lrmoe.model.moe import MoELayer
+    from lrmoe.policy.static import StaticPolicy
+    from lrmoe.presets import get_preset
+    from lrmoe.sim import virtual
+    from lrmoe.sim.virtual import VirtualEPLayer
+
+    cfg = get_preset("tiny-qwen3")
+    torch.manual_seed(0)
+    v = VirtualEPLayer(MoELayer(cfg, 0), 4, StaticPolicy())
+    x = torch.randn(4 * 8, cfg.hidden_size, requires_grad=True)
+    out = v(x)
+    cats: list[float] = []
+    real_cat = torch.cat
+
+    def cat(*a, **k):
+        r = real_cat(*a, **k)
+        cats.append(virtual.time.perf_counter())
+        return r
+    monkeypatch.setattr(torch, "cat", cat)
+    out.sum().backward()
+    monkeypatch.setattr(torch, "cat", real_cat)
+    assert cats and v.stats.bwd_end_s >= cats[-1]

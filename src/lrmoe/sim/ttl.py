@@ -15,7 +15,8 @@ Per step this records:
 * ``moe_wall_s`` (measured): the emulator's own wall time, per MoE layer the forward
   call (count, plan, G ranks' experts and exchanges) plus the backward from the grad
   hook on the layer's output to the end of the exchange's backward — the router and
-  the shared experts are left out (they are per-token work, charged below);
+  the shared experts are left out (they are per-token work, charged below); the
+  emulator's own assembly of the G ranks' gradients is inside it;
 * ``non_moe_measured_s``: step wall (batch fetch .. after ``end_step``) minus
   ``moe_wall_s``: embedding, attention, dense MLPs, norms, the routers and shared
   experts, head, loss, clipping, AdamW over all parameters, for all G ranks' tokens in

@@ -211,3 +211,11 @@ def test_the_emulators_gradient_assembly_is_inside_the_moe_wall(monkeypatch):
     out.sum().backward()
     monkeypatch.setattr(torch, "cat", real_cat)
     assert cats and v.stats.bwd_end_s >= cats[-1]
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert nm.main(["--out", str(tmp_path), "--offload", "gpu", "--device", "cpu"]) == 2
+    assert "lrmoe: error: --offload 'gpu'" in capsys.readouterr().err
+    assert nm.main(["--out", str(tmp_path), "--steps", "2", "--skip", "2", "--device",
+                    "cpu"]) == 2
+    assert not (tmp_path / "non_moe_profile.json").exists()

@@ -20,7 +20,7 @@ categories of the kernels running then (the first one where they overlap); its i
 time goes to "host gap" of the phase the host was in. The categories add up to the
 non-MoE time of the trace, which is compared with the run's recorded one.
 
-    python3 benchmarks/non_moe_profile.py --out DIR               # GPU, ~1-2 min
+    python3 benchmarks/non_moe_profile.py --out DIR               # GPU, ~2-3 min
     python3 benchmarks/non_moe_profile.py --out DIR --device cpu --preset tiny-qwen3 \\
         --config '' --batch-size 8 --seq-len 32 --ep 4 --mem-budget '' --steps 3
 
@@ -448,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-deterministic", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="also run the first setting unprofiled (the profiler's own cost)")
     ap.add_argument("--save-trace", action="store_true",
                     help="also write each profiled run's trace (large)")
     a = ap.parse_args(argv)
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             from dataclasses import replace
             cfg = replace(base, optimizer_offload=off)
             plain = None
-            if off == offloads[0]:  # the profiler's own cost, once
+            if a.calibrate and off == offloads[0]:  # the profiler's own cost, once
                 log(f"offload {off}: unprofiled run ({a.steps} steps)")
                 plain, _ = run(cfg, False, log)
             log(f"offload {off}: profiled run")

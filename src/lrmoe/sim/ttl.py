@@ -15,7 +15,8 @@ Per step this records:
 * ``moe_wall_s`` (measured): the emulator's own wall time, per MoE layer the forward
   call (count, plan, G ranks' experts and exchanges) plus the backward from the grad
   hook on the layer's output to the end of the exchange's backward — the router and
-  the shared experts are left out (they are per-token work, charged below);
+  the shared experts are left out (they are per-token work, charged below); the
+  emulator's own assembly of the G ranks' gradients is inside it;
 * ``non_moe_measured_s``: step wall (batch fetch .. after ``end_step``) minus
   ``moe_wall_s``: embedding, attention, dense MLPs, norms, the routers and shared
   experts, head, loss, clipping, AdamW over all parameters, for all G ranks' tokens in
@@ -286,6 +287,11 @@ def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0
     return row
 
 
+def _phase(name: str):
+    """A ``ttl:<name>`` profiler range."""
+    return torch.profiler.record_function(f"ttl:{name}")
+
+
 def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
                profile=None) -> dict:
     from lrmoe.model import MoEForCausalLM
@@ -333,17 +339,23 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             vm.wall, vm.counts_E, vm.counts_GE = 0.0, [], []
             sync()
             t0 = time.perf_counter()
-            batch = batches.batch(step).to(dev)
-            with autocast():
-                lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            obj.backward()
-            if cfg.clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            sched.step()
-            model.end_step()
-            sync()
+            # profiler ranges (free without a profiler): the step wall and its phases,
+            # which benchmarks/non_moe_profile.py reads
+            with _phase("step"):
+                batch = batches.batch(step).to(dev)
+                with _phase("forward"), autocast():
+                    lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                with _phase("backward"):
+                    obj.backward()
+                if cfg.clip > 0:
+                    with _phase("clip"):
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                with _phase("optimizer"):
+                    opt.step()
+                sched.step()
+                model.end_step()
+                sync()
             wall, loss = time.perf_counter() - t0, float(lm.detach())
             if not math.isfinite(loss):
                 raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")

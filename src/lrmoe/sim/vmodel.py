@@ -63,14 +63,15 @@ class VirtualModel:
             if not m.training:
                 return orig(x)
             t0 = t_now()
-            out = v(x)
-            m.last_aux_loss = v.last_aux_loss
-            cge = counts_GE_of(v.stats.plan, m.cfg.num_experts)
-            self.counts_GE.append(cge)
-            c = cge.sum(0)
-            self.counts_E.append(c)
-            m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
-            self.wall += t_now() - t0 - v.stats.dense_fwd_s
+            with torch.profiler.record_function("ttl:moe_forward"):  # the timed span
+                out = v(x)
+                m.last_aux_loss = v.last_aux_loss
+                cge = counts_GE_of(v.stats.plan, m.cfg.num_experts)
+                self.counts_GE.append(cge)
+                c = cge.sum(0)
+                self.counts_E.append(c)
+                m.step_counts_E = c if m.step_counts_E is None else m.step_counts_E + c
+                self.wall += t_now() - t0 - v.stats.dense_fwd_s
             if out.requires_grad and x.requires_grad:
                 out.register_hook(start)
                 x.register_hook(stop)

@@ -72,9 +72,9 @@ class VirtualStats:
         dense_fwd_s: measured wall seconds of the router and the shared experts in
             forward (all ranks' tokens): work that is not the routed experts', which
             ``bench ttl`` charges to the non-MoE time, as for attention.
-        bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
-            sync); what follows in the layer's backward is the router's and the shared
-            experts' (non-MoE) work.
+        bwd_end_s: ``perf_counter`` when the exchange's backward ended, its gradients
+            concatenated over the virtual ranks (after a device sync); what follows in
+            the layer's backward is the router's and the shared experts' (non-MoE) work.
         saved_act_bytes: activation bytes each rank kept for backward.
         ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
             a recompute ledger, the terms after that recompute).

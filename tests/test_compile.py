@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -141,6 +142,7 @@ def _ep_worker(rank, world, backend=BACKEND, backward=None):
     assert n["graphs"] == (0 if backend is None else 2) and n["recompiles"] == 0, n
 
 
+@pytest.mark.dist
 def test_compiled_layer_under_ep2_matches_reference(tmp_path):
     run_world(2, _ep_worker, tmp_path=tmp_path)
 

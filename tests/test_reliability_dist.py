@@ -16,9 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from test_ep_faults import _state, _workers
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -31,7 +31,7 @@ BACKEND = "aot_eager"
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-_grads = load_benchmark("compile_check").layer_grads
+_grads = load_benchmark("compile_check", "tests/gpu").layer_grads
 
 
 def test_compiled_layer_matches_reference():
@@ -177,9 +177,9 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
 
 
 def test_compile_check_script_catches_a_wrong_reference(monkeypatch):
-    """``benchmarks/compile_check.py`` (the inductor check run on the GPU) on the CPU with
+    """``tests/gpu/compile_check.py`` (the inductor check run on the GPU) on the CPU with
     Dynamo's eager backend: it passes on correct code and flags a reference 1% off."""
-    cc = load_benchmark("compile_check")
+    cc = load_benchmark("compile_check", "tests/gpu")
     got = cc.check_layer("cpu", "eager", 8)
     assert got["ok"] and max(got["rel_err"].values()) < 1e-5 and got["recompiles"] == 0
     real = cc.moe_layer_reference

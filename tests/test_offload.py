@@ -286,12 +286,12 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
 
 
 def test_offload_check_benchmark_logic(tmp_path):
-    """benchmarks/offload_check.py (the GPU check) on the CPU at tiny shapes."""
+    """tests/gpu/offload_check.py (the GPU check) on the CPU at tiny shapes."""
     import json
 
     from dist_util import load_benchmark
 
-    mod = load_benchmark("offload_check")
+    mod = load_benchmark("offload_check", "tests/gpu")
     out = tmp_path / "oc"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--steps", "4", "--batch-size", "4", "--seq-len", "32",

@@ -11,7 +11,11 @@ non-determinism) and between the modes; and whether host's mean lies outside the
 runs' range. The training runs live in a temporary folder (only the summary is kept).
 Everything here is measured, on whatever device runs it.
 
-    python3 benchmarks/offload_check.py --out DIR [--preset small-qwen3] [--device cuda] [--repeats 3]
+    PYTHONPATH=src python3 tests/gpu/offload_check.py --out DIR [--preset small-qwen3]
+        [--device cuda] [--repeats 3]
+
+``tests/gpu/test_gpu_offload.py`` runs it on CUDA (``pytest -m gpu tests/gpu``);
+``tests/test_offload.py`` runs it on the CPU at tiny shapes.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def run(args) -> dict:

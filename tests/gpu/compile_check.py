@@ -1,5 +1,5 @@
 """``torch.compile`` numerics on the device: the compiled MoE layer against the loop
-reference, and the compiled whole model against the eager one (issue 16).
+reference, and the compiled whole model against the eager one.
 
 The CPU tests (``tests/test_compile.py``) compile with ``aot_eager``; inductor, which
 generates the kernels that run on a GPU, is checked here, on the GPU, in fp32 (so the
@@ -13,33 +13,23 @@ tolerances mean something):
   router and a shared expert) under :func:`lrmoe.model.compile.compile_model` against an
   eager copy over two SGD steps: losses and every parameter's gradient.
 
-Writes ``compile_check.json`` (``results``: the layer row, then the model row) and
-``compile_check.md`` into ``--out``: the largest
-relative error of each quantity, the tolerance, and PASS/FAIL; exit code 1 on a FAIL.
-
-    python3 benchmarks/compile_check.py --out DIR              # GPU, inductor
-    python3 benchmarks/compile_check.py --out DIR --smoke      # CPU, aot_eager (logic only)
+``tests/gpu/test_gpu_compile.py`` runs both checks with inductor on CUDA (``pytest -m gpu
+tests/gpu``; skipped without CUDA) and writes :func:`markdown`'s table (the largest
+relative error of each quantity, the tolerance, PASS/FAIL) to ``$LRMOE_GPU_OUT`` when set;
+``tests/test_compile.py`` runs the layer check on the CPU with Dynamo's eager backend.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_common import out_dir, run_meta, write_outputs  # noqa: E402
-
-from lrmoe.model import MoEForCausalLM  # noqa: E402
-from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts  # noqa: E402
-from lrmoe.model.moe import moe_layer_reference  # noqa: E402
-from lrmoe.presets import get_preset  # noqa: E402
+from lrmoe.model import MoEForCausalLM
+from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts
+from lrmoe.model.moe import moe_layer_reference
+from lrmoe.presets import get_preset
 
 # fp32 throughout; inductor may fuse and reorder reductions, so the bounds are a few
 # hundred ulps of the values involved, not bit equality
@@ -129,29 +119,3 @@ def markdown(meta: dict, layer: dict, model: dict) -> str:
                  f"{model['tol']:.0e} | {model['graphs']} / {model['graph_breaks']} / "
                  f"{model['recompiles']} | {v(model['ok'])} |")
     return "\n".join(lines) + "\n"
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--smoke", action="store_true", help="CPU with aot_eager (logic only)")
-    ap.add_argument("--backend", default=None, help="default inductor (smoke: aot_eager)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence (2 sequences)")
-    a = ap.parse_args()
-    dev = "cpu" if a.smoke else "cuda"
-    if dev == "cuda" and not torch.cuda.is_available():
-        ap.error("no CUDA device: run on the GPU, or pass --smoke for the CPU logic check")
-    backend = a.backend or ("aot_eager" if a.smoke else "inductor")
-    d = out_dir(a.out)
-    layer = check_layer(dev, backend, a.tokens)
-    model = check_model(dev, backend, a.tokens)
-    meta = {**run_meta(dev, None), "backend": backend}
-    md = markdown(meta, layer, model)
-    write_outputs(d, "compile_check", meta, [dict(check="layer", **layer),
-                                             dict(check="model", **model)], md)
-    print(md)
-    return 0 if layer["ok"] and model["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

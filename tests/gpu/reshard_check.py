@@ -1,6 +1,6 @@
 """Resume on another EP size on CUDA/NCCL (a check, not a speed measurement).
 
-    python3 benchmarks/gpu_reshard_check.py --out DIR [--nproc 2] [--device cuda]
+    PYTHONPATH=src python3 tests/gpu/reshard_check.py --out DIR [--nproc 2] [--device cuda]
 
 Trains tiny-qwen3 at ``--ep NPROC`` on NPROC processes to step 3 (checkpoint), then
 resumes copies of that run for one step at the same size (the reference), at ``--ep 1``
@@ -8,7 +8,8 @@ on one process and, with NPROC >= 4, under DP2 x EP(NPROC/2). Writes ``reshard.j
 and ``reshard.md`` into DIR: step 4's loss of each resume, its relative difference to
 the same-size resume, and the wall time of each launch (start-up included). Needs
 NPROC GPUs with ``--device cuda``; ``--device cpu`` runs the same on gloo (for testing
-the script). About 2 minutes on 2 H200s (four launches).
+the script). About 2 minutes on 2 H200s (four launches). ``tests/gpu/test_gpu_reshard.py``
+runs it on every GPU of the machine (at least 2) and checks the resumes' losses.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAVED_AT = 3
 COMMON = ["--preset", "tiny-qwen3", "--steps", "6", "--ckpt-every", "3", "--batch-size", "8",
           "--seq-len", "64", "--max-data-bytes", "200000", "--eval-every", "0",
@@ -50,12 +51,12 @@ def step_loss(run: Path, step: int) -> float:
     return next(r["loss"] for r in rows if r.get("kind") == "train" and r["step"] == step)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     n, dev = a.nproc, ["--device", a.device]
@@ -93,6 +94,7 @@ def main() -> None:
     lines += ["", f"Command: `{report['command']}`", ""]
     (out / "reshard.md").write_text("\n".join(lines))
     print("\n".join(lines))
+    return report
 
 
 if __name__ == "__main__":

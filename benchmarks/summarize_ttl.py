@@ -73,11 +73,12 @@ def _lrmoe_names(rep: dict) -> list[str]:
 def summarize(run: Path) -> str:
     rep = load_report(run)
     G, tg = rep["config"]["ep"], target(rep)
+    budget = "none" if rep["budget_bytes"] is None else fmt_bytes(rep["budget_bytes"])
     nv, ib = get_link("nvlink"), get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
     out = [f"### {run.name}", "",
            f"target val {tg:.4f} (static's smoothed curve at step "
-           f"{rep['target']['static_step']}); budget {fmt_bytes(rep['budget_bytes'])} per "
-           f"rank; {rep['config']['steps']} steps; EP {G} virtual ranks", "",
+           f"{rep['target']['static_step']}); budget {budget} per rank; "
+           f"{rep['config']['steps']} steps; EP {G} virtual ranks", "",
            "| policy | status | steps→target | time→target NVLink (s) | time→target IB (s) | "
            "final val | mean step NVLink (ms) | mean MoE NVLink (ms) | mean step IB (ms) | "
            "expert max/mean | rank max/mean (fwd) | keep | recompute |",

@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts of issue 16 run end to end on the CPU (``--smoke``): they
+"""The GPU benchmark scripts (moe_layer.py, train_step.py) run end to end on the CPU (``--smoke``): they
 write JSON + markdown, the HF peers hold our weights (same outputs), and bad input is
 one line with exit code 2. Their times are not results (the CPU runs each call once)."""
 

@@ -1,4 +1,4 @@
-"""The fast planners against their references (issue 13).
+"""The fast planners against their references.
 
 lrmoe's fast planner (:func:`lrmoe.policy.lrmoe.plan_lrmoe`) must make exactly the plans
 of the reference (:mod:`lrmoe.policy.lrmoe_reference`) and fail exactly where it fails;

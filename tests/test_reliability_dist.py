@@ -1,4 +1,4 @@
-"""Issue 15 under torchrun (gloo on loopback): a refusal and a hung rank each end the job
+"""Refusals and hangs under torchrun (gloo on loopback): a refusal and a hung rank each end the job
 with one readable line, printed once, not once per rank.
 
 Each test launches ``torchrun --standalone`` as a subprocess; every wait is bounded and

@@ -1,4 +1,4 @@
-"""Time to target loss on emulated G-rank expert parallelism (SYSTEM.md §7).
+"""Time to target loss on emulated G-rank expert parallelism (docs/design.md §9).
 
 Every policy trains the same model (same seed) on the same batches; every MoE layer's
 training forward runs through :class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual
@@ -426,8 +426,8 @@ def deterministic_mode(on: bool, fill: bool = True):
     integer maximum), one extra kernel per allocation: a debugging aid that makes a read
     of uninitialized memory repeatable. ``fill=False`` turns it off
     (``torch.utils.deterministic.fill_uninitialized_memory``); a kernel that read memory
-    it did not write would then make runs differ, which ``benchmarks/ttl_repeat.py``
-    shows on a repeated run."""
+    it did not write would then make runs differ, which a bitwise comparison of two
+    repeated runs' ``ttl.json`` shows."""
     if not on:
         yield
         return

@@ -62,7 +62,7 @@ index-adds included), and an exact policy's loss curve is the same for static an
 up to the summation order its placement changes. Without it, CUDA atomics (lrmoe's
 replica-gradient and selection sums use ``index_add_``) make repeated runs drift apart
 (on an H200 a re-run of one lrmoe variant at the same seed moved its ratio by ±0.1:
-``benchmarks/RESULTS.md``). Kernels without a deterministic version
+``benchmarks/JOURNAL.md``). Kernels without a deterministic version
 warn and run as before. Emulated times are of the kernels actually run.
 Torch's deterministic mode also fills every new uninitialized tensor with NaN, one
 kernel per allocation (a debugging aid; it cost the sampled select 0.7 of 4.8 ms a call

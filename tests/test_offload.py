@@ -34,6 +34,7 @@ def _train(model, opt, steps=4, seed=1):
         sched.step()
 
 
+@pytest.mark.slow
 def test_host_adamw_equals_device_adamw():
     """A few training steps with the experts stepped by the offload path (host = CPU here)
     give the same parameters as the plain on-device AdamW, to fp32 tolerance."""

@@ -1,5 +1,6 @@
 # `make run`: set up .venv and train tiny-qwen3 on the built-in corpus (CPU).
-# `make test`: set up .venv and run the test suite.
+# `make test`: set up .venv and run the whole test suite.
+# `make test-fast`: the same without the multi-process (dist) and slowest (slow) tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 setup: $(STAMP)
 
 run: $(STAMP)
@@ -20,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not slow and not dist" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

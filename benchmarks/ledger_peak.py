@@ -1,4 +1,4 @@
-"""Measured per-rank peak memory of one MoE layer against the ledger (issue 12, item 1).
+"""Measured per-rank peak memory of one MoE layer against the ledger.
 
 One full-width MoE layer (default ``qwen3-30b-a3b``) runs as each EP rank of a G-rank
 group in turn, alone on this GPU: the real runtime (router, plan, dispatch, experts,

@@ -6,7 +6,7 @@ Qwen3-30B-A3B and GLM-4.5-Air for N tokens, with routing drawn uniform or Zipf-s
 (s = 1), using CUDA events (median of many runs after warm-up). Same weights and the
 same routing for every variant. Memory columns, from one forward+backward after
 ``reset_peak_memory_stats``: ``peak`` = the highest allocation above the weights and
-inputs, ``act`` = ``peak`` minus the gradients the call leaves behind (the issue's
+inputs, ``act`` = ``peak`` minus the gradients the call leaves behind (the goal's
 "peak minus weights and gradients"). Also times LRMoE's backward at keep ratios
 (everything retained, topk selection) and the expert grouped GEMMs alone.
 ``host`` = median host milliseconds to enqueue one forward+backward (no sync inside the
@@ -327,7 +327,7 @@ def _guarded(fn) -> dict:
 
 
 def _finish(row: dict) -> dict:
-    """Ratios against the compiled peer (the issue's bar) and against the fastest peer."""
+    """Ratios against the compiled peer (the goal's 1.25x bar) and against the fastest peer."""
     ours = row["ours"]
     peers = {f"HF {k}": v for k, v in row["peer"].items()}
     pc = row.get("peer_compiled", {})

@@ -1,4 +1,4 @@
-"""Planning time per MoE layer: lrmoe, symi and capacity at EP 8..64 (issue 13).
+"""Planning time per MoE layer: lrmoe, symi and capacity at EP 8..64.
 
 For each EP size × Zipf skew × budget (loose: everything retained; binding: the
 ledger leaves room to retain ~40% of the busiest rank's pairs) and each policy, the

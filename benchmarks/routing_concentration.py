@@ -12,12 +12,14 @@ With ``--whole-run FROM``, a second table over every step of each trace: the few
 and the median experts carrying 90% from step FROM on, how many steps have an expert
 receiving every token (and the first and last of them), at how many steps the most
 loaded expert receives at least half of the tokens, and its largest share.
-Prints markdown tables; reads files only (a measured trace, nothing modelled).
+Prints markdown tables; reads files only (a measured trace, nothing modelled); a trace
+may be gzipped (``.json.gz``, as kept under ``benchmarks/results``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = []
     for path in a.traces:  # every trace read before anything is printed
         try:
-            data = json.loads(open(path).read())
+            with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+                data = json.loads(f.read())
             k = a.top_k or int((data.get("model") or {}).get("num_experts_per_tok", 8))
             r = concentration(data, steps, k)
             w = None if a.whole_run is None else whole_run(data, k, a.whole_run)

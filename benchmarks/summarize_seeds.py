@@ -1,20 +1,21 @@
-"""Issue-14 statistics over seeds from ``lrmoe bench ttl`` outputs (EMULATED times).
+"""Time-to-target statistics over seeds from ``lrmoe bench ttl`` outputs (EMULATED times).
 
-Each argument is one seed's run folder holding ``ttl.json`` or, for a run cut short,
-``ttl_partial.json`` (the policies that finished). The target and the crossings are
-recomputed with the pre-registered rule (:mod:`lrmoe.sim.target`: static's val curve
+Each argument is one seed's run folder holding ``ttl.json`` (or ``ttl.json.gz``) or, for
+a run cut short, ``ttl_partial.json`` (the policies that finished). The target and the
+crossings are recomputed with the registered rule (:mod:`lrmoe.sim.target`: static's val curve
 smoothed over ``--window`` evaluations, read at ``ceil(fraction · steps)``; a policy
 reaches it where its own smoothed curve does), so a partial run is read the same way as
 a finished one. Prints markdown: per-seed ratios over symi, their mean and min–max per
 policy, and the mean emulated ms per stage and policy over the seeds; writes a plot of
 the per-seed ratios and each seed's validation curves with ``--plot``.
 
-    python3 benchmarks/summarize_seeds.py benchmarks/results/ttl_gpu_issue14_qwen3/s{0,1,2}
+    python3 benchmarks/summarize_seeds.py benchmarks/results/ttl_qwen3_2gib/s{0,1,2}
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import statistics
@@ -26,11 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
 
 
+def load_report(run: Path) -> dict:
+    """The run folder's whole ``bench ttl`` record: ``ttl.json``, ``ttl.json.gz`` (as
+    kept under ``benchmarks/results``) or ``ttl_partial.json``."""
+    for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json"):
+        f = run / name
+        if f.exists():
+            raw = gzip.decompress(f.read_bytes()) if name.endswith(".gz") else f.read_bytes()
+            return json.loads(raw)
+    raise SystemExit(f"summarize_seeds: {run} holds none of ttl.json, ttl.json.gz, "
+                     "ttl_partial.json")
+
+
 def load(run: Path) -> dict:
-    for name in ("ttl.json", "ttl_partial.json"):
-        if (run / name).exists():
-            return json.loads((run / name).read_text())["policies"]
-    raise SystemExit(f"summarize_seeds: {run} holds neither ttl.json nor ttl_partial.json")
+    return load_report(run)["policies"]
 
 
 def seed_row(pol: dict, fraction: float, window: int) -> dict:

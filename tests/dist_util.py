@@ -88,12 +88,13 @@ def trimmed(plan: Plan) -> Plan:
     return Plan(plan.inst_expert_GS, plan.assign_GGS, r, (r * 3) // 5)
 
 
-def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` imported as a module (the scripts are not a package)."""
+def load_benchmark(name: str, folder: str = "benchmarks"):
+    """``<folder>/<name>.py`` imported as a module (the scripts are not a package);
+    ``folder`` is relative to the repository root (``tests/gpu`` for the GPU checks)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

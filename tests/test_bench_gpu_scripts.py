@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts of issue 16 run end to end on the CPU (``--smoke``): they
+"""The GPU benchmark scripts (moe_layer.py, train_step.py) run end to end on the CPU (``--smoke``): they
 write JSON + markdown, the HF peers hold our weights (same outputs), and bad input is
 one line with exit code 2. Their times are not results (the CPU runs each call once)."""
 
@@ -20,6 +20,7 @@ def _run(script: str, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_moe_layer_smoke(tmp_path):
     p = _run("moe_layer.py", "--smoke", "--out", tmp_path, "--shapes", "glm", "--skews", "1",
              "--compile-impl", "")
@@ -35,6 +36,7 @@ def test_moe_layer_smoke(tmp_path):
     assert "| glm | 64 | 1 |" in (tmp_path / "moe_layer.md").read_text()
 
 
+@pytest.mark.slow
 def test_train_step_smoke(tmp_path):
     p = _run("train_step.py", "--smoke", "--out", tmp_path, "--shapes", "qwen3", "--regimes",
              "fp32-autocast", "--no-compile")

@@ -201,6 +201,7 @@ def test_ttl_budget_options_exclusive(tmp_path, capsys):
     assert not (tmp_path / "z").exists()
 
 
+@pytest.mark.slow
 def test_ttl_lrmoe_variants(tmp_path):
     """lrmoe variants in --policies run as their own policies with their own knobs and
     each gets a ratio over symi; bad specs fail before any run."""
@@ -418,6 +419,7 @@ def test_plan_compare_router_grad_experts(tmp_path, capsys):
     assert "\n" not in err and "--router-grad 'away'" in err
 
 
+@pytest.mark.slow
 def test_ttl_deterministic_runs_every_policy_deterministically(tmp_path, capsys, monkeypatch):
     """--deterministic: each policy trains with torch's deterministic algorithms on (warn
     only), the caller's setting comes back after the run, the setting is recorded, and

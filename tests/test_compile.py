@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,7 +31,7 @@ BACKEND = "aot_eager"
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-_grads = load_benchmark("compile_check").layer_grads
+_grads = load_benchmark("compile_check", "tests/gpu").layer_grads
 
 
 def test_compiled_layer_matches_reference():
@@ -141,6 +142,7 @@ def _ep_worker(rank, world, backend=BACKEND, backward=None):
     assert n["graphs"] == (0 if backend is None else 2) and n["recompiles"] == 0, n
 
 
+@pytest.mark.dist
 def test_compiled_layer_under_ep2_matches_reference(tmp_path):
     run_world(2, _ep_worker, tmp_path=tmp_path)
 
@@ -175,9 +177,9 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
 
 
 def test_compile_check_script_catches_a_wrong_reference(monkeypatch):
-    """``benchmarks/compile_check.py`` (the inductor check run on the GPU) on the CPU with
+    """``tests/gpu/compile_check.py`` (the inductor check run on the GPU) on the CPU with
     Dynamo's eager backend: it passes on correct code and flags a reference 1% off."""
-    cc = load_benchmark("compile_check")
+    cc = load_benchmark("compile_check", "tests/gpu")
     got = cc.check_layer("cpu", "eager", 8)
     assert got["ok"] and max(got["rel_err"].values()) < 1e-5 and got["recompiles"] == 0
     real = cc.moe_layer_reference

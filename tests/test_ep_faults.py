@@ -22,6 +22,8 @@ import pytest
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train.metrics import read_metrics
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 20  # --timeout-s: how long a collective may wait for a peer

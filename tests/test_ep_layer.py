@@ -22,6 +22,8 @@ from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.static import StaticPolicy
 
+pytestmark = pytest.mark.dist
+
 T, H, E, K, F = 12, 16, 8, 2, 8
 
 

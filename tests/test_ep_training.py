@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 

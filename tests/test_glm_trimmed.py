@@ -8,7 +8,7 @@ ranks. With lrmoe's plans (replicas, backward quotas well below 1; under a budge
 retention quotas and recompute) every parameter's gradient must equal, in fp32, that of
 a one-process model whose MoE layers are :func:`moe_layer_reference` with the pairs the
 emulator dropped detached, and the pairs it kept must be the ones the design names
-(SYSTEM.md §4): per instance block, the retained pairs are the highest-gate ones and the
+(docs/design.md §4): per instance block, the retained pairs are the highest-gate ones and the
 selected pairs the retained ones of highest ``g * ||dy||``, ``dy`` the layer's output
 gradient in the reference. The exact policies with ``router_grad="experts"`` must equal
 the unmasked model.
@@ -120,7 +120,7 @@ def reference(model, ids, masks=None):
 
 
 def design_mask(plan, rec) -> torch.Tensor:
-    """The pairs SYSTEM.md §4 sends to an expert in backward, from the reference's
+    """The pairs docs/design.md §4 sends to an expert in backward, from the reference's
     routing and output gradient: per home g and expert e, e's pairs (token order when
     home g retains every pair, else descending gate with the retained ones first) fill
     e's instances in slot order; each instance keeps its ``select`` highest ``g*||dy||``

@@ -130,8 +130,8 @@ class HalfSelectPolicy:
 
 
 def test_compacted_backward_equals_masking_reference(layer):
-    """STYLE rule 5: the compacted backward equals a plain masking reference in which
-    unselected pairs' expert outputs are detached (forward and router gradient exact,
+    """The compacted backward equals a plain masking reference (docs/design.md §1
+    conventions) in which unselected pairs' expert outputs are detached (forward and router gradient exact,
     no expert-weight or input gradient through them)."""
     torch.manual_seed(3)
     x = torch.randn(1, 40, layer.cfg.hidden_size)
@@ -195,7 +195,7 @@ def top_three_fifths(g):
 
 
 def test_retention_keeps_each_experts_highest_gate_pairs(layer):
-    """A retention quota is filled by the highest-gate pairs (SYSTEM.md §4): the
+    """A retention quota is filled by the highest-gate pairs (docs/design.md §4): the
     runtime's gradients equal a masked reference that keeps exactly those, and differ
     from one that keeps the lowest-gate pairs."""
     x = torch.randn(2, 24, layer.cfg.hidden_size)

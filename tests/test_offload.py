@@ -34,6 +34,7 @@ def _train(model, opt, steps=4, seed=1):
         sched.step()
 
 
+@pytest.mark.slow
 def test_host_adamw_equals_device_adamw():
     """A few training steps with the experts stepped by the offload path (host = CPU here)
     give the same parameters as the plain on-device AdamW, to fp32 tolerance."""
@@ -286,12 +287,12 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
 
 
 def test_offload_check_benchmark_logic(tmp_path):
-    """benchmarks/offload_check.py (the GPU check) on the CPU at tiny shapes."""
+    """tests/gpu/offload_check.py (the GPU check) on the CPU at tiny shapes."""
     import json
 
     from dist_util import load_benchmark
 
-    mod = load_benchmark("offload_check")
+    mod = load_benchmark("offload_check", "tests/gpu")
     out = tmp_path / "oc"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--steps", "4", "--batch-size", "4", "--seq-len", "32",

@@ -1,4 +1,4 @@
-"""The fast planners against their references (issue 13).
+"""The fast planners against their references.
 
 lrmoe's fast planner (:func:`lrmoe.policy.lrmoe.plan_lrmoe`) must make exactly the plans
 of the reference (:mod:`lrmoe.policy.lrmoe_reference`) and fail exactly where it fails;
@@ -76,6 +76,7 @@ def _cases(n: int, seed: int):
         yield i, preset, G, skew, pairs, frac, cfg, rng
 
 
+@pytest.mark.slow
 def test_lrmoe_fast_equals_reference_on_200_random_layers():
     """200 seeded layers: EP 8-64, skew 0-2, budgets from infeasible through binding to
     loose and none, both full presets, random knobs. Same plan or same error."""

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing cryptic (issue 15): lrmoe never writes over files it does not own,
+"""Nothing lost, nothing cryptic: lrmoe never writes over files it does not own,
 one run at a time per directory, write errors and hung peers end in one readable line,
 bad data and blow-ups are refused. The torchrun cases are in test_reliability_dist.py."""
 

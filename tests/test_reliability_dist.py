@@ -1,4 +1,4 @@
-"""Issue 15 under torchrun (gloo on loopback): a refusal and a hung rank each end the job
+"""Refusals and hangs under torchrun (gloo on loopback): a refusal and a hung rank each end the job
 with one readable line, printed once, not once per rank.
 
 Each test launches ``torchrun --standalone`` as a subprocess; every wait is bounded and
@@ -21,6 +21,8 @@ import pytest
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from test_ep_faults import _state, _workers
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -146,6 +146,7 @@ def _train_loss(run: Path, step: int) -> float:
 
 
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.dist
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_resumed_state_equals_saved(runs, saved_full, name):
     root, full = runs["root"], saved_full
@@ -172,6 +173,7 @@ def test_resumed_state_equals_saved(runs, saved_full, name):
                     assert float(t) == SAVED_AT
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["dp2ep2", "ep2", "ep1"])
 def test_next_step_loss_matches_same_size_resume(runs, name):
     root = runs["root"]
@@ -184,6 +186,7 @@ def test_next_step_loss_matches_same_size_resume(runs, name):
     assert _train_loss(root / name, SAVED_AT) == _train_loss(root / "saved", SAVED_AT)
 
 
+@pytest.mark.dist
 def test_resume_names_the_checkpoint_and_what_it_skipped(runs):
     err = runs["ep1_stderr"]
     line = next(x for x in err.splitlines() if x.startswith("resuming from"))
@@ -193,6 +196,7 @@ def test_resume_names_the_checkpoint_and_what_it_skipped(runs):
     assert (m["step"], m["world"], m["ep_size"]) == (3, 1, 1)
 
 
+@pytest.mark.dist
 def test_manifest_and_layout(runs):
     ck = ckpt.latest_checkpoint(runs["root"] / "saved")
     assert (ck.step, ck.world, ck.ep_size, ck.notes) == (SAVED_AT, 4, 4, [])

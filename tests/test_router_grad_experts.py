@@ -79,6 +79,7 @@ def test_one_process_matches_reference(preset):
         assert st["bwd_combine_bytes_sent"] == st["bwd_rows"] * (layer.cfg.hidden_size * 4 + 4)
 
 
+@pytest.mark.dist
 def test_ep2_matches_reference(tmp_path):
     """Replicas across ranks, eager (the worker of ``test_compile`` without compiling)."""
     run_world(2, test_compile._ep_worker, None, EXPERTS, tmp_path=tmp_path)

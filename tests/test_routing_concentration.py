@@ -65,10 +65,11 @@ def test_whole_run_summary(tmp_path, capsys):
     assert "largest share" not in capsys.readouterr().out
 
 
-def test_gpu_router_check_script_on_cpu(tmp_path):
-    """benchmarks/gpu_router_check.sh end to end on a tiny model (its CPU overrides): one
-    row per setting in concentration.md and concentration_rows.md, each run archived at
-    the top of OUTDIR as it ends."""
+def test_gpu_runner_ttl_on_cpu(tmp_path):
+    """benchmarks/gpu_run.sh end to end on a tiny model (its CPU overrides): a ttl run
+    lands in OUTDIR/ttl/WORKLOAD/sSEED with its routing trace, which
+    routing_concentration.py reads; an unknown benchmark fails with one line and counts
+    in the exit code, after the others ran."""
     import os
     import subprocess
     import sys
@@ -76,17 +77,16 @@ def test_gpu_router_check_script_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {"MODEL_ARGS": "--preset tiny-glm", "DEVICE": "cpu", "EP": "2", "BATCH": "4",
-           "SEQ": "32", "PATH": os.environ["PATH"], "PYTHON": sys.executable}
-    p = subprocess.run(["bash", "benchmarks/gpu_router_check.sh", str(tmp_path), "6",
-                        "lr=1e-3,scale=1", "lr=1e-3,scale=0.25"], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    md = (tmp_path / "concentration.md").read_text()
-    assert "lr1e-3_scale1/" in md and "lr1e-3_scale0.25/" in md
-    rows = (tmp_path / "concentration_rows.md").read_text().splitlines()
-    assert len(rows) == 2 and "lr1e-3_scale0.25/" in rows[1]
-    import tarfile
-    for name in ("lr1e-3_scale1", "lr1e-3_scale0.25"):
-        with tarfile.open(tmp_path / f"routing_{name}.tar.gz") as t:
-            assert f"{name}/routing_trace_static.json" in t.getnames()
-    assert not (tmp_path / "runs").exists()
+           "SEQ": "32", "STEPS": "4", "POLICIES": "static", "PATH": os.environ["PATH"],
+           "PYTHON": sys.executable, "PYTHONPATH": str(root / "src")}
+    p = subprocess.run(["bash", "benchmarks/gpu_run.sh", str(tmp_path), "nosuch",
+                        "ttl:glm_bias03:1"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "no benchmark 'nosuch'" in (tmp_path / "nosuch.log").read_text()
+    run = tmp_path / "ttl" / "glm_bias03" / "s1"
+    rep = json.loads((run / "ttl.json").read_text())
+    assert rep["config"]["seed"] == 1 and rep["config"]["steps"] == 4
+    assert list(rep["policies"]) == ["static"]
+    mod = load_benchmark("routing_concentration")
+    assert mod.main([str(run / "routing_trace_static.json"), "--steps", "0,3"]) == 0

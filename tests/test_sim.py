@@ -148,6 +148,7 @@ def test_virtual_all_to_all_matches_all_to_all_single_order():
     assert got[2].tolist() == [2, 3, 4, 12, 13, 14]
 
 
+@pytest.mark.dist
 def test_emulator_matches_one_process_and_gloo(tmp_path):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
     run_world(G, _gloo_worker, seed, str(tmp_path), tmp_path=tmp_path)

@@ -1,4 +1,4 @@
-"""The emulator charges what each rank does on its critical path (issue 12, item 2).
+"""The emulator charges what each rank does on its critical path.
 
 A planner slowed by a known sleep, and a selection slowed the same way, raise the
 emulated step time by that sleep: every rank computes the plan (and every home rank

@@ -8,7 +8,7 @@ Shapes: only the leading (row) dimension of each tensor argument is dynamic; wid
 (``H``, ``F``, ``K``) are compiled as constants, one graph per distinct width. With
 every dimension symbolic (``dynamic=True``) the generated kernels divide flat indices by
 a runtime width, and on an H200 the SwiGLU kernels ran at ~2.5x the time of HF's
-statically shaped ones (``benchmarks/results/issue16_profile_h200``).
+statically shaped ones (profiled on 2026-12-01: ``benchmarks/JOURNAL.md``).
 """
 
 from __future__ import annotations

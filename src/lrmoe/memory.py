@@ -3,7 +3,7 @@
 Legend: G ranks, E experts, S slots per rank, H hidden size, F expert (moe) intermediate
 size, k experts per token, L MoE layers. "Pairs" are token-expert pairs.
 
-Every formula the planners and the runtime agree on lives here (SYSTEM.md §5):
+Every formula the planners and the runtime agree on lives here (docs/design.md §5):
 
 ===================  ===========================================  =========================
 term                 bytes per rank                               counted
@@ -28,7 +28,7 @@ pair_index           P_home · 28                                  per layer × 
   The traffic this costs is modelled in :mod:`lrmoe.sim.offload`.
 * Owned state: expert e's fp32 master weights, fp32 gradient and AdamW's two fp32
   moments live on its owner rank ``e // (E/G)``, for every policy, so the term is the
-  same on every rank (SYSTEM.md's "equal totals"). AdamW's scalar ``step`` counters
+  same on every rank (docs/design.md §1 conventions, "equal totals"). AdamW's scalar ``step`` counters
   are ignored (4 bytes per tensor).
 * Instances: every occupied slot materialises its expert's weights and a gradient
   buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.

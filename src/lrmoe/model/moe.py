@@ -1,4 +1,4 @@
-"""The MoE layer as SYSTEM.md's named stages: route -> count -> plan -> dispatch ->
+"""The MoE layer as the named stages of docs/design.md §2: route -> count -> plan -> dispatch ->
 experts -> combine. On one process dispatch and combine are local permutations and the
 plan is trivial: with the static policy the local path (:mod:`lrmoe.parallel.local`)
 runs the same kernels from device tensors alone, without a plan or a host wait;

@@ -198,7 +198,7 @@ def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tens
 
 def swiglu_loop_reference(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor,
                           counts: list[int]) -> Tensor:
-    """Plain per-instance loop with autograd: the reference for tests (STYLE rule 5)."""
+    """Plain per-instance loop with autograd: the reference for tests (docs/design.md §1 conventions)."""
     outs, start = [], 0
     Fd = w2_IHF.shape[-1]
     for i, n in enumerate(counts):

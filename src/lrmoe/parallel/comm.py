@@ -1,4 +1,4 @@
-"""Collectives of the expert-parallel group, behind small functions (STYLE rule 3).
+"""Collectives of the expert-parallel group, behind small functions (docs/design.md §1 conventions).
 
 ``EPComm(None)`` is the single-process group: every exchange is the identity, so the
 one-process and the distributed runtimes run the same code.

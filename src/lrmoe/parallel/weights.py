@@ -4,7 +4,7 @@ Expert e's master weights live on its owner rank ``e // (E/G)`` (the native rank
 Every step the runtime gathers, for each local slot, a copy of its expert's weights
 (``GatherInstances``); autograd's backward of that gather sums every instance's weight
 gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
-across ranks by the reverse all-to-all): SYSTEM.md's replica-gradient reduce.
+across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
 """
 
 from __future__ import annotations

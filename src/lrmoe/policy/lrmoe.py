@@ -3,7 +3,7 @@
 Legend: G ranks, S slots per rank, E experts; a *block* ``[g, r, s]`` is the pairs home
 ``g`` sends to instance ``(r, s)``. All tensors int64 on the CPU.
 
-The plan is built in three passes (SYSTEM.md §4 lrmoe), each deterministic:
+The plan is built in three passes (docs/design.md §4, lrmoe), each deterministic:
 
 1. **Placement.** Start from the natives (rank ``r`` holds experts ``r·E/G ..``) with
    ``max_slots_per_rank - E/G`` empty slots per rank. Repeatedly take the experts that

@@ -3,7 +3,7 @@
 Legend: G ranks in the EP group, S slots per rank, E experts; ``i = r*S + s`` is the
 global index of slot ``s`` on rank ``r``. All tensors are int64 on the CPU.
 
-A plan is data (STYLE.md rule 2). Every rank derives the same plan from the same
+A plan is data (docs/design.md §1 conventions, §3). Every rank derives the same plan from the same
 all-gathered count matrix, so nothing about it is communicated.
 """
 

@@ -2,7 +2,7 @@
 
 Legend: G ranks, S = s slots per rank, E experts. All tensors int64 on the CPU.
 
-SYMI (arXiv 2504.19925, NSDI '26), as summarised in SYSTEM.md §4:
+SYMI (arXiv 2504.19925, NSDI '26), as summarised in docs/design.md §4:
 
 * every rank has ``s >= E/G`` slots, so a layer has ``G·s`` instances;
 * replica counts follow the previous step's popularity ``pop`` (uniform on the first

@@ -1,5 +1,5 @@
 """Virtual EP emulator: G expert-parallel ranks of one MoE layer in one process, with
-per-rank kernel times and modelled link times (SYSTEM.md §7). Results are *emulated*."""
+per-rank kernel times and modelled link times (docs/design.md §9). Results are *emulated*."""
 
 from lrmoe.sim.cost import StepTimes, step_times
 from lrmoe.sim.links import LINKS, Link, alltoall_time, get_link

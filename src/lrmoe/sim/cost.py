@@ -1,4 +1,4 @@
-"""Emulated step time from the virtual EP emulator's per-rank stats (SYSTEM.md §7).
+"""Emulated step time from the virtual EP emulator's per-rank stats (docs/design.md §9).
 
 Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
 measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.

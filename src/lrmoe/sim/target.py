@@ -1,4 +1,4 @@
-"""Targets and crossing times read from smoothed validation curves (issue 14, statistics).
+"""Targets and crossing times read from smoothed validation curves (docs/design.md §9).
 
 A validation curve is a list of evaluations ``{"step", "val_loss", "cum_emulated_s"}``
 (plus ``"val_batch_losses"`` when recorded). One noisy evaluation must not decide a

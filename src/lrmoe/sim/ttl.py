@@ -1,4 +1,4 @@
-"""Time to target loss on emulated G-rank expert parallelism (SYSTEM.md §7).
+"""Time to target loss on emulated G-rank expert parallelism (docs/design.md §9).
 
 Every policy trains the same model (same seed) on the same batches; every MoE layer's
 training forward runs through :class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual
@@ -63,7 +63,7 @@ index-adds included), and an exact policy's loss curve is the same for static an
 up to the summation order its placement changes. Without it, CUDA atomics (lrmoe's
 replica-gradient and selection sums use ``index_add_``) make repeated runs drift apart
 (on an H200 a re-run of one lrmoe variant at the same seed moved its ratio by ±0.1:
-``benchmarks/RESULTS.md``). Kernels without a deterministic version
+``benchmarks/JOURNAL.md``). Kernels without a deterministic version
 warn and run as before. Emulated times are of the kernels actually run.
 Torch's deterministic mode also fills every new uninitialized tensor with NaN, one
 kernel per allocation (a debugging aid; it cost the sampled select 0.7 of 4.8 ms a call
@@ -438,8 +438,8 @@ def deterministic_mode(on: bool, fill: bool = True):
     integer maximum), one extra kernel per allocation: a debugging aid that makes a read
     of uninitialized memory repeatable. ``fill=False`` turns it off
     (``torch.utils.deterministic.fill_uninitialized_memory``); a kernel that read memory
-    it did not write would then make runs differ, which ``benchmarks/ttl_repeat.py``
-    shows on a repeated run."""
+    it did not write would then make runs differ, which a bitwise comparison of two
+    repeated runs' ``ttl.json`` shows."""
     if not on:
         yield
         return

@@ -1,6 +1,6 @@
 """Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process.
 
-SYSTEM.md §7 ("Cluster time without a cluster"). The emulator runs the same plan code
+docs/design.md §9 ("Cluster time without a cluster"). The emulator runs the same plan code
 (the policy objects) and the same building blocks as the real runtime
 (:mod:`lrmoe.parallel.exchange`): ``home_layout``/``recv_layout``, permute/unpermute,
 ``swiglu_forward``/``swiglu_backward``, the metrics and selection functions, the fused

@@ -1,0 +1,77 @@
+"""lrmoe's backward select stage (``select_and_compact``) on one synthetic home rank: the
+rank is a valid send layout (rows grouped by block, quotas within blocks), the stage
+selects what the quotas say, and its sampled branch keeps select_sampled's rows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from lrmoe.parallel.exchange import BackwardOptions, select_and_compact
+
+
+def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep: float,
+              dev: torch.device, seed: int = 0) -> dict:
+    """One home rank's candidates in send order (grouped by block), with the plan and
+    layout fields select_and_compact reads."""
+    gen = torch.Generator().manual_seed(seed)
+    w = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** skew
+    idx = torch.stack([torch.multinomial(w, K, replacement=False, generator=gen)
+                       for _ in range(T)])  # [T, K] distinct experts per token
+    pair_expert = idx.reshape(-1)
+    order = torch.argsort(pair_expert, stable=True)  # send order: by block (expert's slot)
+    E_per = E // G
+    block_of_expert = (pair_expert // E_per) * S + pair_expert % E_per  # global block g*S+s
+    assign_I = torch.bincount(block_of_expert, minlength=G * S)
+    quota_I = torch.floor(assign_I.double() * keep).long()
+    plan = SimpleNamespace(assign_GGS=torch.zeros(G, G, S, dtype=torch.long))
+    plan.assign_GGS[0] = assign_I.reshape(G, S)
+    home = SimpleNamespace(retain_I=assign_I, select_I=quota_I, splits_shape=(G, S))
+    gates = torch.rand(T * K, generator=gen)
+    return dict(dout=torch.randn(T, H, generator=gen).to(dev, torch.bfloat16),
+                tok=(order // K).to(dev), g=gates[order].to(dev), gate=gates[order].to(dev),
+                home=home, plan=plan, n_blocks=G * S)
+
+
+def run_select(case: dict, estimator: str, gen: torch.Generator | None):
+    opts = BackwardOptions(estimator=estimator)
+    return select_and_compact(case["dout"], case["tok"], case["g"], case["gate"], case["home"],
+                              opts, gen, False)
+
+
+def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
+    T, K, E, G, S = 96, 3, 16, 4, 5
+    c = home_case(T, K, 8, E, G, S, skew=1.0, keep=0.5, dev=torch.device("cpu"), seed=3)
+    assign, quota = c["home"].retain_I, c["home"].select_I
+    assert int(assign.sum()) == T * K == c["tok"].numel()
+    assert bool((quota <= assign).all()) and int(quota.sum()) > 0
+    # each token appears once per expert it chose: k rows per token
+    assert torch.equal(torch.bincount(c["tok"], minlength=T), torch.full((T,), K))
+    # empty slots (S > E/G) stay empty
+    assert int(assign.reshape(G, S)[:, E // G:].sum()) == 0
+    tok_s, scale, sent_I, _, keep, sel_idx = run_select(c, "topk", None)
+    assert torch.equal(sent_I, quota) and tok_s.numel() == int(quota.sum())
+    gen = torch.Generator().manual_seed(0)
+    tok_s, scale, sent_I, _, keep, sel_idx = run_select(c, "sampled", gen)
+    assert int(sent_I.sum()) == tok_s.numel() == int(keep.sum())
+    assert bool((scale > 0).all())
+
+
+def test_select_stage_sampled_branch_matches_select_sampled():
+    """The select stage's sampled branch keeps the rows select_sampled keeps (same
+    generator state) and ships each with scale g / pi (the Horvitz-Thompson weight),
+    in send order, with the kept count of every block."""
+    from lrmoe.parallel.exchange import metric_grad_norm, select_sampled, send_blocks
+    case = home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
+    tok_s, scale, sent_I, _, keep, sel_idx = run_select(case, "sampled",
+                                                        torch.Generator().manual_seed(4))
+    m = metric_grad_norm(case["dout"], case["tok"], case["gate"])
+    blocks = send_blocks(case["plan"], 0, torch.device("cpu"))
+    keep_ref, w_ref = select_sampled(m, blocks, case["home"].select_I,
+                                     torch.Generator().manual_seed(4))
+    assert torch.equal(keep, keep_ref) and 0 < int(keep.sum()) < keep.numel()
+    assert torch.equal(sel_idx, torch.nonzero(keep_ref).flatten())
+    torch.testing.assert_close(scale, case["g"][sel_idx] * w_ref[sel_idx].float())
+    assert torch.equal(tok_s, case["tok"][sel_idx])
+    assert torch.equal(sent_I, torch.bincount(blocks[sel_idx], minlength=case["n_blocks"]))

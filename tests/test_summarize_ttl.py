@@ -1,0 +1,66 @@
+"""benchmarks/summarize_ttl.py and summarize_seeds.py read a run's time to target as
+``bench ttl`` recorded it (lrmoe.sim.target's smoothed crossing), on a recorded H200 run
+and on a hand-made run whose raw and smoothed readings differ."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from dist_util import load_benchmark
+
+RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ttl_qwen3_2gib" / "s0"
+
+
+def test_recorded_run_read_the_same_by_every_tool():
+    st, ss = load_benchmark("summarize_ttl"), load_benchmark("summarize_seeds")
+    rep = ss.load_report(RUN)
+    row = ss.seed_row(rep["policies"], rep["target"]["fraction"], rep["target"]["smooth_window"])
+    tg = st.target(rep)
+    assert tg == pytest.approx(rep["target"]["val_loss"], rel=1e-12)
+    for name, rec in rep["policies"].items():
+        step, t = st.reach(rep, name, tg)
+        assert step == pytest.approx(rec["steps_to_target"], rel=1e-12), name
+        assert t == pytest.approx(rec["time_to_target_emulated_s"], rel=1e-12), name
+        assert (step, t) == (row["policies"][name]["step"], row["policies"][name]["time"])
+    md = st.summarize(RUN)
+    # the run's ttl.md: steps to target 96.0 / 92.7 / 100.8 and the ratio 1.173
+    assert "| symi | over budget at 14/120 steps | 92.7 |" in md
+    assert "/ symi time to target (NVLink): 1.173" in md
+    ttl_md = (RUN / "ttl.md").read_text()
+    assert "| 92.7 | 10.7829 |" in ttl_md and "1.173" in ttl_md
+
+
+def _evals(losses, every=2, step_s=1.0):
+    return [{"step": i * every, "val_loss": v, "cum_emulated_s": i * every * step_s}
+            for i, v in enumerate(losses)]
+
+
+def test_smoothed_crossing_not_the_first_raw_evaluation(tmp_path):
+    """symi's raw curve dips below the target at one noisy evaluation (step 4); smoothed,
+    it crosses later, between steps 8 and 10. Both tools say the smoothed answer."""
+    static = [5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.0]
+    symi = [5.0, 4.0, 1.0, 3.0, 2.2, 1.8, 1.2]
+    steps = [{"step_emulated_s": 1.0, "moe_emulated_s": 0.5, "exchange_critical_bytes": {},
+              "expert_load_max_over_mean": 1.0, "fwd_load_max_over_mean": 1.0,
+              "keep_ratio": 1.0, "stages_emulated_s": {}, "non_moe_s": 0.5}] * 12
+    pol = {n: {"evals": _evals(v), "steps": steps, "final_val_loss": v[-1],
+               "budget_status": "fits"} for n, v in (("static", static), ("symi", symi))}
+    rep = {"target": {"fraction": 0.75, "smooth_window": 3, "static_step": 9},
+           "config": {"ep": 2, "steps": 12}, "link": {"name": "nvlink"}, "budget_bytes": None,
+           "policies": pol}
+    run = tmp_path / "s0"
+    run.mkdir()
+    (run / "ttl.json.gz").write_bytes(gzip.compress(json.dumps(rep).encode()))
+    st, ss = load_benchmark("summarize_ttl"), load_benchmark("summarize_seeds")
+    tg = st.target(ss.load_report(run))
+    step, t = st.reach(rep, "symi", tg)
+    row = ss.seed_row(pol, 0.75, 3)
+    assert row["target"] == pytest.approx(tg)
+    assert (step, t) == (row["policies"]["symi"]["step"], row["policies"]["symi"]["time"])
+    raw_first = next(e["step"] for e in pol["symi"]["evals"] if e["val_loss"] <= tg)
+    assert raw_first == 4 and 8 < step < 10
+    assert f"| symi | fits | {step:.1f} |" in st.summarize(run)

@@ -46,7 +46,12 @@ def register(sub) -> None:
                    help="symi slots per rank (default: largest that fits the budget, else "
                         "E/G+2); lrmoe: most slots per rank")
     t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    t.add_argument("--batch-size", type=int, default=16,
+                   help="global micro-batch (sequences): one forward and backward")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step: each step sees N x --batch-size "
+                        "sequences; the optimizer (and its offload traffic) is charged once "
+                        "a step (default 1)")
     t.add_argument("--seq-len", type=int, default=128)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup", type=int, default=None,
@@ -240,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
         deterministic_fill=args.deterministic_fill,
-        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale)
+        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale,
+        grad_accum=args.grad_accum)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

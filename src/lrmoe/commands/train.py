@@ -48,8 +48,11 @@ def register(sub) -> None:
     g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
-    g.add_argument("--batch-size", type=int, help=f"global batch, sequences "
-                   f"(default {_D.batch_size})")
+    g.add_argument("--batch-size", type=int, help=f"global micro-batch, sequences: one "
+                   f"forward and backward (default {_D.batch_size})")
+    g.add_argument("--grad-accum", type=int, metavar="N",
+                   help="micro-batches per optimizer step: each step sees N x --batch-size "
+                        "sequences, its gradient the mean over all of them (default 1)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_D.seq_len})")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {_D.lr})")
     g.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of --lr "

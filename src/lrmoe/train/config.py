@@ -36,6 +36,7 @@ class TrainConfig:
     tokenizer: str = "byte"
     steps: int = 300
     batch_size: int = 16
+    grad_accum: int = 1
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -146,7 +147,7 @@ def check_args(cfg: TrainConfig) -> None:
     """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
     from lrmoe.tokenizer import parse_tokenizer_spec
 
-    for name in ("steps", "batch_size", "seq_len", "eval_batches", "ep"):
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "ep"):
         _int(name, getattr(cfg, name), 1)
     for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "seed",
                  "lrmoe_fidelity_every"):

@@ -8,7 +8,8 @@ checkpoint to resume from, load and tokenize the data, and only then create the 
 directory. On one process no ``torch.distributed`` call is made.
 
 Determinism: the global batch of step ``s`` depends only on ``(data, seq_len,
-batch_size, seed, s)``; a checkpoint holds everything else that evolves (weights,
+batch_size, seed, s)`` (with ``--grad-accum N``, micro-batch ``m`` of step ``s`` is
+global batch ``s * N + m``); a checkpoint holds everything else that evolves (weights,
 optimizer, scheduler, RNGs, router counts, policy state), so on the CPU a resumed run
 repeats the uninterrupted one bit for bit.
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from lrmoe.errors import LrmoeError
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
+from lrmoe.train.accum import accumulate
 from lrmoe.train.config import (
     RUN_CONFIG,
     RUN_FORMAT,
@@ -413,7 +415,8 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
          f"{mcfg.num_experts} experts top-{mcfg.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {corpus.source} | tokenizer {tok.spec} "
          f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
-         f"{cfg.seq_len} tokens each | policy {cfg.policy} | world {ctx.world}, ep "
+         f"{cfg.seq_len} tokens x {cfg.grad_accum} micro-batch(es) each | policy "
+         f"{cfg.policy} | world {ctx.world}, ep "
          f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
     for note in corpus.notes:
         _log(f"lrmoe train: note: {note}", ctx)
@@ -430,24 +433,26 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
 
     log_every = cfg.log_every or max(1, min(50, cfg.steps // 10))
     reduce = _count_reducer(ctx)
-    step_tokens = cfg.batch_size * cfg.seq_len
+    accum = cfg.grad_accum  # micro-batches per optimizer step (lrmoe.train.accum)
+    step_tokens = cfg.batch_size * cfg.seq_len * accum
     t_run = time.perf_counter()
     model.train()
     try:
         for step in range(start, end):
             rt.step = watch.step = step
-            watch.phase = "forward"
+            watch.phase = "forward and backward"
             fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
             rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
             if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             t0 = time.perf_counter()
-            batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
-            with autocast():
-                lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            # forward and backward of each micro-batch (global batch step * N + m)
+            sums = accumulate(
+                model, lambda m, s=step: batches.batch(s * accum + m, ctx.rank, ctx.world).to(
+                    ctx.device), accum, autocast)
             watch.phase = "loss all-reduce"
-            losses = _sum_over_world(torch.stack([lm.detach(), obj.detach()]).float().cpu(),
-                                     ctx) / ctx.world
+            losses = _sum_over_world(sums.cpu(), ctx) / (ctx.world * accum)
             loss, aux = float(losses[0]), float(losses[1] - losses[0])
             intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
                       if last_ckpt else "no checkpoint was written")
@@ -459,9 +464,6 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                 raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
                                  f"before updating the weights ({intact}). Lower --lr or raise "
                                  "--warmup; --divergence-factor 0 disables this check")
-            opt.zero_grad(set_to_none=True)
-            watch.phase = "backward"
-            obj.backward()
             watch.phase = "gradient sync"
             sync_grads(model, ctx)
             gnorm = clip_grad_norm(model, cfg.clip, ctx)
@@ -493,6 +495,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                 step=done, loss=loss, aux=aux, lr=lr, tokens=tokens, elapsed=elapsed, dt=dt,
                 step_tokens=step_tokens, grad_norm=gnorm, counts=counts, stats=stats,
                 per_rank=per_rank, world=ctx.world, cuda_mem=mem, fidelity_step=fid,
+                micro_batches=accum,
                 budget=None if ledger is None else ledger.budget_bytes))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / dt:,.0f}")

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ttl", type=Path, help="bench ttl ttl.json: print its emulated MoE share")
     a = ap.parse_args(argv)
     cfg = get_preset(a.preset) if a.preset else ModelConfig.from_file(a.config)
-    st = stage_seconds(cfg, a.tokens_per_rank, a.seq_len, a.ep, get_link(a.link).bandwidth_Bps,
+    st = stage_seconds(cfg, a.tokens_per_rank, a.seq_len, a.ep, get_link(a.link).effective_Bps,
                        a.dense_tflops, a.attn_tflops, a.gemm_tflops, a.hbm_tbps * 1e12)
     name = a.preset or a.config.name
     total = sum(st.values())

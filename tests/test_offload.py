@@ -148,7 +148,7 @@ def test_step_times_charge_the_offload_stages():
     assert off.opt_d2h == pytest.approx(pcie) and off.opt_h2d == pytest.approx(pcie)
     assert off.opt_host_update == pytest.approx(E // G * P * 32 / m.host_mem_Bps)
     # the sharded scatter: each rank gathers (G-1)/G of its E/G + 2 slots' weights
-    want = (E // G + 2) * P * 4 * (G - 1) / G / link.bandwidth_Bps + link.latency_s * (G - 1)
+    want = (E // G + 2) * P * 4 * (G - 1) / G / link.effective_Bps + link.latency_s * (G - 1)
     assert off.weight_scatter == pytest.approx(want)
     same = [k for k in ("fwd_dispatch", "fwd_experts", "bwd_experts", "bwd_combine")]
     assert all(getattr(off, k) == getattr(base, k) for k in same)

@@ -57,7 +57,10 @@ def register(sub) -> None:
     t.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps (default: 10%% of --steps)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--link", default="nvlink", help="nvlink, ib or pcie")
+    t.add_argument("--link", default="nvlink",
+                   help="nvlink, ib, pcie or nvlink+ib (NVLink inside nodes of 8, IB between "
+                        "them): datasheet peaks at published all-to-all efficiencies "
+                        "(lrmoe.sim.links)")
     t.add_argument("--target-fraction", type=float, default=0.8,
                    help="target = static's val loss at this fraction of its run")
     t.add_argument("--target-rtol", type=float, default=1e-5,

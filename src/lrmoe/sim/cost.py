@@ -2,7 +2,7 @@
 
 Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
 measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
-alltoall_time` on the exact bytes. ``bwd_recompute`` (exact policies that recompute to
+exchange_time` on the exact ``[src, dst]`` bytes. ``bwd_recompute`` (exact policies that recompute to
 fit a budget) is modelled from the rank's measured forward expert time: recomputing
 ``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
 SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from lrmoe.errors import require
-from lrmoe.sim.links import Link, alltoall_time
+from lrmoe.sim.links import Link, exchange_time
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, VirtualStats
 
 STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
@@ -96,11 +96,10 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
         if ex not in stats.bytes_GG:
             out[ex] = [0.0] * G
             continue
-        sent, recv = stats.bytes_sent(ex), stats.bytes_recv(ex)
-        if sum(sent) == 0:  # nothing crosses a link (one rank, or no replicas)
+        if sum(stats.bytes_sent(ex)) == 0:  # nothing crosses a link (one rank, or no replicas)
             out[ex] = [0.0] * G
         else:
-            out[ex] = alltoall_time(sent, recv, link, G)
+            out[ex] = exchange_time(stats.bytes_GG[ex], link)
     counts = [[0.0] * G] + [out.pop(ex) for ex in ("count_allgather", "bwd_count_exchange")
                             if ex in out]
     out["count_exchange"] = [sum(v) for v in zip(*counts)]

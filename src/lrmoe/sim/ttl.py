@@ -513,6 +513,11 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
+    from lrmoe.sim.links import get_link
+    was_link, link = rep.get("link"), asdict(get_link(cfg.link))
+    if was_link is not None and was_link != link:  # a preset re-priced since that run
+        raise LrmoeError(f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this "
+                         f"run as {link}; run every policy again")
     # symi's s is chosen on the static run's routing profile, which only a static run
     # that happens here provides (a file keeps no per-home counts)
     require("static" not in got or "symi" in got or "symi" not in policies,

@@ -48,6 +48,10 @@ def register(sub) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--batch-size", type=int, default=16,
                    help="global micro-batch (sequences): one forward and backward")
+    t.add_argument("--activation-checkpoint", default="none", metavar="none|selective|full",
+                   help="as in train; full charges each MoE layer's re-run forward as a "
+                        "whole-layer recompute (bwd_recompute), selective's attention re-run "
+                        "lands in the measured non-MoE time")
     t.add_argument("--grad-accum", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step: each step sees N x --batch-size "
                         "sequences; the optimizer (and its offload traffic) is charged once "
@@ -249,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
         deterministic_fill=args.deterministic_fill,
         ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale,
-        grad_accum=args.grad_accum)
+        grad_accum=args.grad_accum, activation_checkpoint=args.activation_checkpoint)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     threads = torch.get_num_threads()

@@ -107,6 +107,10 @@ def register(sub) -> None:
     g.add_argument("--recompute", action="store_true",
                    help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
                         "gate_up outputs in backward instead of stopping")
+    g.add_argument("--activation-checkpoint", metavar="none|selective|full",
+                   help="re-run in backward instead of keeping activations: selective = each "
+                        "block's attention, full = each whole block, MoE forward and its "
+                        "dispatch included (same gradients; default none)")
     g.add_argument("--optimizer-offload", metavar="device|host",
                    help="host: keep the experts' fp32 masters and AdamW moments in host memory "
                         "and update them there (same update); --mem-budget then counts only "

@@ -130,11 +130,13 @@ class TTLConfig:
     ledger_transients: str = "code"  # what every planner prices as transients (Ledger)
     router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
     grad_accum: int = 1  # micro-batches (of batch_size) per optimizer step
+    activation_checkpoint: str = "none"  # none, selective or full (lrmoe.model.checkpoint)
 
 
 # settings added after runs were recorded: an earlier file without one ran with this value
 ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound",
-                  "router_lr_scale": 1.0, "deterministic_fill": True, "grad_accum": 1}
+                  "router_lr_scale": 1.0, "deterministic_fill": True, "grad_accum": 1,
+                  "activation_checkpoint": "none"}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -324,6 +326,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
+    model.set_activation_checkpoint(cfg.activation_checkpoint)
     # lrmoe plans against the budget; a step where no plan fits runs as the exact
     # policies do over budget (static's plan, recompute), marked, rather than stopping
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator,
@@ -580,6 +583,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
     require(cfg.optimizer_offload in ("device", "host"),
             f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
+    from lrmoe.model.checkpoint import check_mode
+    check_mode(cfg.activation_checkpoint)
     require(cfg.router_grad in ("home", "experts"),
             f"--router-grad {cfg.router_grad!r}: use home or experts")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target

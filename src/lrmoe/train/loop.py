@@ -351,6 +351,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                     generator=gen, count_reduce=count_reducer(ctx),
                     dp_size=ctx.world // ctx.ep_size)
     model.set_runtime(rt)
+    model.set_activation_checkpoint(cfg.activation_checkpoint)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
                           router_lr_scale=cfg.router_lr_scale)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)

@@ -352,8 +352,11 @@ def _train(cfg: TrainConfig, ctx, watch: Watch) -> dict:
                     dp_size=ctx.world // ctx.ep_size)
     model.set_runtime(rt)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
+    # host offload on CUDA: the GPU keeps bf16 expert weights and gradients, the fp32
+    # masters and moments stay on the host (lrmoe.train.offload)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          router_lr_scale=cfg.router_lr_scale)
+                          router_lr_scale=cfg.router_lr_scale,
+                          compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     start, tokens, elapsed, last_val = 0, 0, 0.0, None
     if ck is not None:

@@ -25,7 +25,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (MoELayer(cfg, moe_index) if moe_index is not None
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
-
         self.activation_checkpoint = "none"  # lrmoe.model.checkpoint.MODES
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

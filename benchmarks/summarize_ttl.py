@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lrmoe.commands.bench import fmt
 from lrmoe.memory import fmt_bytes
-from lrmoe.sim.links import get_link
+from lrmoe.sim.links import Link, get_link
 from lrmoe.sim.ttl import time_to_target
 
 
@@ -130,7 +130,10 @@ def sensitivity(run: Path, fractions=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -
 def summarize(run: Path) -> str:
     rep = json.loads((run / "ttl.json").read_text())
     G, tg = rep["config"]["ep"], rep["target"]
-    nv, ib = get_link("nvlink"), get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
+    # re-priced from the link the run was priced with (its recorded figures: a run made
+    # before the presets carried their all-to-all efficiencies was priced at peak)
+    nv = Link(**{k: v for k, v in rep["link"].items() if k != "inter"})
+    ib = get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
     out = [f"### {run.name}", "",
            f"target val {tg['val_loss']:.4f} (static at step {tg['static_step']}); budget "
            f"{fmt_bytes(rep['budget_bytes'])} per rank; {rep['config']['steps']} steps; "

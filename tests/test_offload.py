@@ -375,3 +375,33 @@ def test_bf16_offload_state_reloads_exactly():
     fopt.step()
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
+
+
+def test_train_with_bf16_device_experts_resumes_bit_exact(tmp_path, monkeypatch):
+    """The trainer's CUDA setting (bf16 expert weights on the device, fp32 masters on
+    the host) forced on the CPU: a resumed run repeats the uninterrupted one bit for bit
+    (the masters come back from the checkpoint, not from the bf16 weights), and its
+    checkpoint evaluates on a fresh model."""
+    from pathlib import Path
+
+    import lrmoe.train.loop as loop
+    from lrmoe.commands.eval import evaluate_run
+    from lrmoe.train import TrainConfig, train
+    from lrmoe.train.metrics import read_metrics
+
+    real = loop.build_optimizer
+
+    def bf16(*a, **k):
+        return real(*a, **{**k, "compute_dtype": torch.bfloat16})
+    monkeypatch.setattr(loop, "build_optimizer", bf16)
+    base = dict(preset="tiny-qwen3", steps=4, batch_size=2, seq_len=32, max_data_bytes=100_000,
+                eval_batches=1, eval_every=0, ckpt_every=2, threads=1, warmup=1,
+                optimizer_offload="host")
+    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
+    train(TrainConfig(out=str(tmp_path / "b"), stop_after=2, **base))
+    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    losses = [[r["loss"] for r in read_metrics(tmp_path / x / "metrics.jsonl")
+               if r["kind"] == "train"] for x in ("a", "b")]
+    assert losses[0] == losses[1] and a["final_val_loss"] == b["final_val_loss"]
+    assert evaluate_run(Path(a["run_dir"]))["val_loss"] == pytest.approx(a["final_val_loss"],
+                                                                         rel=1e-6)

@@ -249,6 +249,7 @@ def build_rank(cfg, me: int, counts_GE, idx_TK, policy, ledger, opts, device, pl
         base = MoELayer(cfg, 0)
     layer = one_rank_layer(base, me, counts_GE, policy, ledger, backward=opts).to_empty(device=device)
     layer.runtime.comm = PlannedPeersComm(me, counts_GE, plan)
+    layer.runtime.stage_timing = True  # local, select and gather too
     g = torch.Generator(device=device).manual_seed(me)
     with torch.no_grad():
         for p in layer.parameters():

@@ -29,7 +29,7 @@ from summarize_seeds import load_report  # noqa: E402
 
 from lrmoe.commands.bench import fmt  # noqa: E402
 from lrmoe.memory import fmt_bytes  # noqa: E402
-from lrmoe.sim.links import get_link  # noqa: E402
+from lrmoe.sim.links import Link, get_link  # noqa: E402
 from lrmoe.sim.target import crossing, target_at  # noqa: E402
 
 
@@ -74,7 +74,10 @@ def summarize(run: Path) -> str:
     rep = load_report(run)
     G, tg = rep["config"]["ep"], target(rep)
     budget = "none" if rep["budget_bytes"] is None else fmt_bytes(rep["budget_bytes"])
-    nv, ib = get_link("nvlink"), get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
+    # re-priced from the link the run was priced with (its recorded figures: a run made
+    # before the presets carried their all-to-all efficiencies was priced at peak)
+    nv = Link(**{k: v for k, v in rep["link"].items() if k != "inter"})
+    ib = get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
     out = [f"### {run.name}", "",
            f"target val {tg:.4f} (static's smoothed curve at step "
            f"{rep['target']['static_step']}); budget {budget} per rank; "

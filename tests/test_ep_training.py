@@ -51,6 +51,7 @@ SINGLE = {
     "glm-1": ("tiny-glm", []),
     "qwen-capacity-1": ("tiny-qwen3", ["--policy", "capacity", "--capacity-factor", "1000"]),
     "qwen-noaux-1": ("tiny-qwen3", ["--config", "{root}/noaux.json"]),
+    "glm-accum-1": ("tiny-glm", ["--grad-accum", "2"]),
 }
 WORLD2 = {  # torchrun --nproc-per-node 2
     "qwen-ep2": ("tiny-qwen3", ["--ep", "2"]),
@@ -59,6 +60,8 @@ WORLD2 = {  # torchrun --nproc-per-node 2
                                      str(E // 2 + 2)]),
     "qwen-lrmoe-ep2": ("tiny-qwen3", ["--ep", "2", "--policy", "lrmoe", "--mem-budget", "1GiB",
                                       "--lrmoe-min-keep", "1"]),
+    "glm-symi-accum-ep2": ("tiny-glm", ["--ep", "2", "--grad-accum", "2", "--policy", "symi",
+                                        "--slots-per-rank", str(E // 2 + 2)]),
 }
 WORLD4 = {  # torchrun --nproc-per-node 4
     "qwen-ep4": ("tiny-qwen3", ["--ep", "4"]),
@@ -304,6 +307,17 @@ def test_lrmoe_with_everything_kept_equals_static(runs, name, G):
     static = moe_rows(runs[f"qwen-ep{G}"])
     assert all(m["rank_load_max_over_mean"] <= s["rank_load_max_over_mean"]
                for m, s in zip(ms, static))
+
+
+def test_ep_with_grad_accum_equals_one_process(runs):
+    """torchrun, EP 2, SYMI, 2 micro-batches a step: the one-process accumulating run's
+    training (GLM: its bias updates once per optimizer step from the summed counts)."""
+    ref, run = runs["glm-accum-1"], runs["glm-symi-accum-ep2"]
+    assert_same_training(ref, run)
+    assert series(ref, "loss") != series(runs["glm-1"], "loss")  # 2x the data a step
+    assert all(m["replicas"] > 0 for m in moe_rows(run))
+    for i, r in enumerate(rows(run)):
+        assert r["micro_batches"] == 2 and r["tokens"] == (i + 1) * 2 * 8 * 32
 
 
 def test_capacity_with_huge_factor_equals_static(runs):

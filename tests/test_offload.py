@@ -149,7 +149,7 @@ def test_step_times_charge_the_offload_stages():
     assert off.opt_d2h == pytest.approx(pcie) and off.opt_h2d == pytest.approx(pcie)
     assert off.opt_host_update == pytest.approx(E // G * P * 32 / m.host_mem_Bps)
     # the sharded scatter: each rank gathers (G-1)/G of its E/G + 2 slots' weights
-    want = (E // G + 2) * P * 4 * (G - 1) / G / link.bandwidth_Bps + link.latency_s * (G - 1)
+    want = (E // G + 2) * P * 4 * (G - 1) / G / link.effective_Bps + link.latency_s * (G - 1)
     assert off.weight_scatter == pytest.approx(want)
     same = [k for k in ("fwd_dispatch", "fwd_experts", "bwd_experts", "bwd_combine")]
     assert all(getattr(off, k) == getattr(base, k) for k in same)
@@ -314,3 +314,95 @@ def test_offload_check_benchmark_logic(tmp_path):
     modes["h0"]["final_val_loss"] = 2.05
     assert not mod.summarize(modes, losses)["host_mean_outside_device_range"]
     assert mod.main(["--out", str(out), "--device", "cpu"]) == 2  # never overwrites
+
+
+# ----------------------------------------------------------------------------- bf16 on device
+def _bf16_grads(model, seed: int) -> None:
+    """Give every parameter a gradient that bf16 holds exactly (its own dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16).to(p.dtype)
+
+
+def test_host_offload_keeps_only_bf16_expert_weights_and_grads_on_the_device():
+    """compute_dtype=bf16: the device holds the experts in bf16 (weights and gradients);
+    the fp32 masters and moments are host state, updated as fp32 AdamW on the same
+    gradients would update fp32 weights; the device weight is the master rounded."""
+    ref, off = _model(), _model()
+    ropt = build_optimizer(ref, 3e-3, 0.1)
+    opt = build_optimizer(off, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    experts = offloaded_params(off)
+    assert experts and all(p.dtype == torch.bfloat16 for p in experts)
+    assert all(p.dtype == torch.float32 for p in off.parameters() if id(p) not in
+               {id(e) for e in experts})
+    for step in range(3):
+        _bf16_grads(ref, step)
+        _bf16_grads(off, step)
+        assert all(p.grad.dtype == torch.bfloat16 for p in experts)
+        ropt.step()
+        opt.step()
+    for (n, a), b in zip(ref.named_parameters(), off.parameters()):
+        if id(b) in {id(e) for e in experts}:
+            st = opt.state[b]
+            assert {st[k].dtype for k in ("master", "exp_avg", "exp_avg_sq")} == {torch.float32}
+            assert st["master"].device.type == "cpu"
+            torch.testing.assert_close(st["master"], a.detach(), rtol=1e-5, atol=1e-6, msg=n)
+            assert torch.equal(b.detach(), st["master"].to(torch.bfloat16)), n
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_bf16_offload_state_reloads_exactly():
+    """The fp32 master travels in the optimizer state (checkpoints carry it): a reload
+    restores it and the moments bit for bit, not from the bf16 device weight."""
+    model = _model()
+    opt = build_optimizer(model, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    for step in range(2):
+        _bf16_grads(model, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = _model()
+    fopt = build_optimizer(fresh, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    fresh.load_state_dict(model.state_dict())
+    fopt.load_state_dict(saved)
+    for p, q in zip(offloaded_params(model), offloaded_params(fresh)):
+        for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert fopt.state[q][k].dtype == torch.float32 and fopt.state[q][k].device.type == "cpu"
+            assert torch.equal(fopt.state[q][k], opt.state[p][k]), k
+        assert not torch.equal(fopt.state[q]["master"], q.detach().float())  # not re-read
+    _bf16_grads(model, 9)
+    _bf16_grads(fresh, 9)
+    opt.step()
+    fopt.step()
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_train_with_bf16_device_experts_resumes_bit_exact(tmp_path, monkeypatch):
+    """The trainer's CUDA setting (bf16 expert weights on the device, fp32 masters on
+    the host) forced on the CPU: a resumed run repeats the uninterrupted one bit for bit
+    (the masters come back from the checkpoint, not from the bf16 weights), and its
+    checkpoint evaluates on a fresh model."""
+    from pathlib import Path
+
+    import lrmoe.train.loop as loop
+    from lrmoe.commands.eval import evaluate_run
+    from lrmoe.train import TrainConfig, train
+    from lrmoe.train.metrics import read_metrics
+
+    real = loop.build_optimizer
+
+    def bf16(*a, **k):
+        return real(*a, **{**k, "compute_dtype": torch.bfloat16})
+    monkeypatch.setattr(loop, "build_optimizer", bf16)
+    base = dict(preset="tiny-qwen3", steps=4, batch_size=2, seq_len=32, max_data_bytes=100_000,
+                eval_batches=1, eval_every=0, ckpt_every=2, threads=1, warmup=1,
+                optimizer_offload="host")
+    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
+    train(TrainConfig(out=str(tmp_path / "b"), stop_after=2, **base))
+    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    losses = [[r["loss"] for r in read_metrics(tmp_path / x / "metrics.jsonl")
+               if r["kind"] == "train"] for x in ("a", "b")]
+    assert losses[0] == losses[1] and a["final_val_loss"] == b["final_val_loss"]
+    assert evaluate_run(Path(a["run_dir"]))["val_loss"] == pytest.approx(a["final_val_loss"],
+                                                                         rel=1e-6)

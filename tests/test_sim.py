@@ -235,9 +235,9 @@ def test_step_times_from_stats():
     assert st.fwd_experts == pytest.approx(max(stats.expert_ms["fwd"]) / 1e3)
     assert st.total == pytest.approx(sum(st.stages().values()) + 1e-3)
     assert st.weight_scatter > 0
-    # bandwidth model: 450 GB/s, 3 us per peer message
+    # bandwidth model: 450 GB/s at its all-to-all efficiency, 3 us per peer message
     t = alltoall_time([450e9, 0], [0, 225e9], link, 2)
-    assert t == pytest.approx([1.0 + 3e-6, 0.5 + 3e-6])
+    assert t == pytest.approx([1.0 / link.efficiency + 3e-6, 0.5 / link.efficiency + 3e-6])
 
 
 def test_emulate_step_with_registry_policies():

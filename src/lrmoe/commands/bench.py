@@ -50,13 +50,25 @@ def register(sub) -> None:
                    help="symi slots per rank (default: largest that fits the budget, else "
                         "E/G+2); lrmoe: most slots per rank")
     t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    t.add_argument("--batch-size", type=int, default=16,
+                   help="global micro-batch (sequences): one forward and backward")
+    t.add_argument("--activation-checkpoint", default="none", metavar="none|selective|full",
+                   help="as in train; full charges each MoE layer's re-run forward as a "
+                        "whole-layer recompute (bwd_recompute), selective's attention re-run "
+                        "lands in the measured non-MoE time")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step: each step sees N x --batch-size "
+                        "sequences; the optimizer (and its offload traffic) is charged once "
+                        "a step (default 1)")
     t.add_argument("--seq-len", type=int, default=128)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps (default: 10%% of --steps)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--link", default="nvlink", help="nvlink, ib or pcie")
+    t.add_argument("--link", default="nvlink",
+                   help="nvlink, ib, pcie or nvlink+ib (NVLink inside nodes of 8, IB between "
+                        "them): datasheet peaks at published all-to-all efficiencies "
+                        "(lrmoe.sim.links)")
     t.add_argument("--target-fraction", type=float, default=0.8,
                    help="target = static's val loss at this fraction of its run")
     t.add_argument("--target-rtol", type=float, default=1e-5,
@@ -244,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
         deterministic_fill=args.deterministic_fill,
-        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale)
+        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale,
+        grad_accum=args.grad_accum, activation_checkpoint=args.activation_checkpoint)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
     out = Path(args.out)

@@ -48,8 +48,11 @@ def register(sub) -> None:
     g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
-    g.add_argument("--batch-size", type=int, help=f"global batch, sequences "
-                   f"(default {_D.batch_size})")
+    g.add_argument("--batch-size", type=int, help=f"global micro-batch, sequences: one "
+                   f"forward and backward (default {_D.batch_size})")
+    g.add_argument("--grad-accum", type=int, metavar="N",
+                   help="micro-batches per optimizer step: each step sees N x --batch-size "
+                        "sequences, its gradient the mean over all of them (default 1)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_D.seq_len})")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {_D.lr})")
     g.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of --lr "
@@ -104,6 +107,10 @@ def register(sub) -> None:
     g.add_argument("--recompute", action="store_true",
                    help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
                         "gate_up outputs in backward instead of stopping")
+    g.add_argument("--activation-checkpoint", metavar="none|selective|full",
+                   help="re-run in backward instead of keeping activations: selective = each "
+                        "block's attention, full = each whole block, MoE forward and its "
+                        "dispatch included (same gradients; default none)")
     g.add_argument("--optimizer-offload", metavar="device|host",
                    help="host: keep the experts' fp32 masters and AdamW moments in host memory "
                         "and update them there (same update); --mem-budget then counts only "

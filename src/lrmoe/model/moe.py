@@ -80,6 +80,11 @@ class MoELayer(nn.Module):
         self.last_aux_loss: Tensor | None = None
         self.last_path: str | None = None  # "local" or "exchange": what the last forward ran
         self._local_stats: tuple | None = None  # (plan, dtype, its stats): local path
+        # activation checkpoint (lrmoe.model.checkpoint): the block is re-run in backward,
+        # so the kept rows go through autograd's saved-tensor hooks; ``recomputing`` is
+        # set during that re-run (the emulator's wrapper reads it)
+        self.checkpointed = False
+        self.recomputing = False
 
     def forward(self, x_BTH: Tensor) -> Tensor:
         B, T, H = x_BTH.shape
@@ -126,7 +131,7 @@ class MoELayer(nn.Module):
         rt.stats[self.moe_index] = stats
         return LocalExperts.apply(x_TH.to(dtype), gate_TK, self.experts.gate_up_proj.to(dtype),
                                   self.experts.down_proj.to(dtype), idx_TK, counts_E,
-                                  rt.backward, stats)
+                                  self._backward_opts(), stats)
 
     def _exchange(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
                   counts_E: Tensor, inputs: PlanInputs) -> Tensor:
@@ -156,12 +161,16 @@ class MoELayer(nn.Module):
         me = rt.comm.rank
         st = ExchangeState(
             comm=rt.comm, plan=plan, home=None, recv=None, top_k=self.cfg.num_experts_per_tok,
-            num_tokens=x_TH.shape[0], opts=rt.backward, gate_P=gate_P.detach(), stats=stats,
-            generator=rt.generator, timing=rt.stage_timing)
+            num_tokens=x_TH.shape[0], opts=self._backward_opts(), gate_P=gate_P.detach(),
+            stats=stats, generator=rt.generator, timing=rt.stage_timing)
         with st.stage("local", x_TH.device):
             st.home = home_layout(plan, me, idx_P, gate_P, E)
             st.recv = recv_layout(plan.assign_GGS[:, me, :], x_TH.device)
         return ExpertExchange.apply(x_TH.to(dtype), gate_TK, w13, w2, st)
+
+    def _backward_opts(self) -> BackwardOptions:
+        opts = self.runtime.backward
+        return replace(opts, checkpointed=True) if self.checkpointed else opts
 
     def _count(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> None:
         """The step's global counts and the aux loss from this layer's global counts."""

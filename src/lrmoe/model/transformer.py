@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lrmoe.config import ModelConfig
+from lrmoe.model.checkpoint import check_mode, checkpoint
 from lrmoe.model.layers import MLP, Attention, RMSNorm, Rotary
 from lrmoe.model.moe import MoELayer, MoERuntime
 
@@ -24,9 +25,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (MoELayer(cfg, moe_index) if moe_index is not None
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.activation_checkpoint = "none"  # lrmoe.model.checkpoint.MODES
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        mode = self.activation_checkpoint if self.training and torch.is_grad_enabled() else "none"
+        if mode == "full":
+            moe = [self.mlp] if isinstance(self.mlp, MoELayer) else []
+            return checkpoint(self._block, x, cos, sin, moe_layers=moe)
+        if mode == "selective":
+            return self._block(x, cos, sin, attention=lambda *a: checkpoint(self._attention, *a))
+        return self._block(x, cos, sin)
+
+    def _attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.self_attn(self.input_layernorm(x), cos, sin)
+
+    def _block(self, x: Tensor, cos: Tensor, sin: Tensor, attention=None) -> Tensor:
+        x = x + (attention or self._attention)(x, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -67,6 +81,15 @@ class MoEForCausalLM(nn.Module):
     def set_runtime(self, runtime: MoERuntime) -> None:
         for m in self.moe_layers:
             m.runtime = runtime
+
+    def set_activation_checkpoint(self, mode: str) -> None:
+        """``none``, ``selective`` (each block's attention) or ``full`` (each whole block,
+        MoE forward included): :mod:`lrmoe.model.checkpoint`."""
+        check_mode(mode)
+        for layer in self.layers:
+            layer.activation_checkpoint = mode
+        for m in self.moe_layers:
+            m.checkpointed = mode == "full"
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)

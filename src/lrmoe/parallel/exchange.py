@@ -74,6 +74,10 @@ class BackwardOptions:
     # combined expert outputs (y_send) are not kept for backward (the ledger's combine_rows
     # term is then 0 for exact plans: Ledger(router_grad_at_experts=True)). "home": keep them.
     router_grad: str = "home"
+    # under an activation checkpoint of the whole block: the kept rows are saved through
+    # save_for_backward (so the checkpoint drops them and its re-run restores them), not
+    # held by the Function until their last use in backward
+    checkpointed: bool = False
 
 
 # -------------------------------------------------------------------------- selection
@@ -395,14 +399,20 @@ class ExpertExchange(torch.autograd.Function):
         # so no reference cycle): held in a plain dict rather than save_for_backward,
         # whose tensors live until backward returns, so backward can drop each one at its
         # last use (Ledger.plan_buffer_bytes, design §5).
-        ctx.kept = {"x": saved_x, "gu": saved_gu, "y_send": y_send}
-        ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK)
+        if st.opts.checkpointed:
+            ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK, saved_x, saved_gu, y_send)
+        else:
+            ctx.kept = {"x": saved_x, "gu": saved_gu, "y_send": y_send}
+            ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK)
         return out
 
     @staticmethod
     def backward(ctx, dout_TH: Tensor):
         st: ExchangeState = ctx.st
-        w13_S, w2_S, w_TK, row_TK = ctx.saved_tensors
+        w13_S, w2_S, w_TK, row_TK, *rows = ctx.saved_tensors
+        if rows:  # checkpointed: restored by the checkpoint's re-run
+            ctx.kept = dict(zip(("x", "gu", "y_send"), rows))
+            del rows
         if not hasattr(ctx, "kept"):
             raise RuntimeError("ExpertExchange's backward frees the rows its forward kept as it "
                                "goes, so it runs once per forward (no retain_graph=True); run "

@@ -175,14 +175,20 @@ class LocalExperts(torch.autograd.Function):
             y_R = None
         # kept rows in a dict (not save_for_backward) so backward drops each at its last
         # use, as the exchange does (Ledger.plan_buffer_bytes)
-        ctx.kept = {"x": x_R, "gu": gu_R, "y": y_R}
         ctx.pair_R, ctx.offs_E, ctx.stats = pair_R, offs_E, stats
-        ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK)
+        if opts.checkpointed:  # through the checkpoint's hooks (BackwardOptions)
+            ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK, x_R, gu_R, y_R)
+        else:
+            ctx.kept = {"x": x_R, "gu": gu_R, "y": y_R}
+            ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK)
         return out
 
     @staticmethod
     def backward(ctx, dout_TH: Tensor):
-        w13_E, w2_E, gate_TK, row_TK = ctx.saved_tensors
+        w13_E, w2_E, gate_TK, row_TK, *rows = ctx.saved_tensors
+        if rows:  # checkpointed: restored by the checkpoint's re-run
+            ctx.kept = dict(zip(("x", "gu", "y"), rows))
+            del rows
         if not hasattr(ctx, "kept"):
             raise RuntimeError("LocalExperts' backward frees the rows its forward kept as it "
                                "goes, so it runs once per forward (no retain_graph=True)")

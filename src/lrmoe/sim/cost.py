@@ -2,7 +2,7 @@
 
 Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
 measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
-alltoall_time` on the exact bytes. ``bwd_recompute`` (exact policies that recompute to
+exchange_time` on the exact ``[src, dst]`` bytes. ``bwd_recompute`` (exact policies that recompute to
 fit a budget) is modelled from the rank's measured forward expert time: recomputing
 ``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
 SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from lrmoe.sim.links import Link, alltoall_time
+from lrmoe.errors import require
+from lrmoe.sim.links import Link, exchange_time
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, VirtualStats
 
 STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
@@ -95,11 +96,10 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
         if ex not in stats.bytes_GG:
             out[ex] = [0.0] * G
             continue
-        sent, recv = stats.bytes_sent(ex), stats.bytes_recv(ex)
-        if sum(sent) == 0:  # nothing crosses a link (one rank, or no replicas)
+        if sum(stats.bytes_sent(ex)) == 0:  # nothing crosses a link (one rank, or no replicas)
             out[ex] = [0.0] * G
         else:
-            out[ex] = alltoall_time(sent, recv, link, G)
+            out[ex] = exchange_time(stats.bytes_GG[ex], link)
     counts = [[0.0] * G] + [out.pop(ex) for ex in ("count_allgather", "bwd_count_exchange")
                             if ex in out]
     out["count_exchange"] = [sum(v) for v in zip(*counts)]
@@ -133,13 +133,80 @@ def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
         per = rank_stage_seconds(s, link)
         if offload is not None:
             per.update(offload.rank_seconds(s.plan.inst_expert_GS, link))
-        for k in STAGES:  # stages a layer does not have cost nothing
-            per.setdefault(k, [0.0] * s.plan.G)
-        for k, v in per.items():
-            setattr(st, k, getattr(st, k) + max(v))
-            acc = st.per_rank.setdefault(k, [0.0] * len(v))
-            st.per_rank[k] = [a + b for a, b in zip(acc, v)]
+        _charge(st, per, s.plan.G)
     return st
+
+
+def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
+    """Add one layer's per-rank stage seconds to ``st`` (each stage: its slowest rank)."""
+    for k in STAGES:  # stages a layer does not have cost nothing
+        per.setdefault(k, [0.0] * G)
+    for k, v in per.items():
+        setattr(st, k, getattr(st, k) + max(v))
+        acc = st.per_rank.setdefault(k, [0.0] * len(v))
+        st.per_rank[k] = [a + b for a, b in zip(acc, v)]
+
+
+# Stages of a layer's replicas that need happen only once per optimizer step when the
+# placement stays the same over the step's micro-batches (module doc of accumulated_times).
+_PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
+
+
+def accumulated_times(micro: list[list[VirtualStats]], link: Link,
+                      non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
+                      offload=None) -> tuple[list[StepTimes], StepTimes]:
+    """One optimizer step of N micro-batches (gradient accumulation): ``(per micro-batch
+    StepTimes, the per-optimizer-step StepTimes)``; the step costs their sum.
+
+    ``micro[m]`` holds micro-batch m's stats, one per MoE layer. Every micro-batch is
+    charged its own forward and backward stages. Charged once per optimizer step, in the
+    second :class:`StepTimes`:
+
+    * the optimizer's offload stages (``opt_*``, with ``offload``): the weights and the
+      optimizer state change only at the optimizer step;
+    * a layer's ``weight_scatter`` and ``grad_reduce`` when its placement
+      (``inst_expert_GS``) is the same in every micro-batch of the step (SYMI's, from the
+      previous step's popularity; static's): the slots keep their weights and add up
+      their gradients over the micro-batches, so the replicas' weights arrive once and
+      their gradients go home once. A layer whose placement changes between micro-batches
+      (lrmoe plans each from its own counts) pays both in every micro-batch. Under the
+      sharded offload layout (SYMI) they are the offload model's sharded exchanges, once.
+
+    ``non_moe_micro_s`` (per micro-batch) and ``non_moe_step_s`` (the optimizer's
+    measured part) are the caller's per-rank non-MoE seconds. With one micro-batch the
+    sum equals :func:`step_times` of that micro-batch.
+    """
+    N = len(micro)
+    require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
+            "accumulated_times: every micro-batch needs one stats entry per MoE layer")
+    non_moe_micro_s = non_moe_micro_s or [0.0] * N
+    outs = [StepTimes(non_moe=non_moe_micro_s[m], link=link.name) for m in range(N)]
+    step = StepTimes(non_moe=non_moe_step_s, link=link.name)
+    for layer in range(len(micro[0])):
+        stats = [m[layer] for m in micro]
+        G = stats[0].plan.G
+        fixed = all(torch.equal(s.plan.inst_expert_GS, stats[0].plan.inst_expert_GS)
+                    for s in stats)
+        once: dict[str, list[float]] = {}
+        for m, s in enumerate(stats):
+            per = rank_stage_seconds(s, link)
+            if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
+                if m == 0:
+                    once["weight_scatter"] = per.get("weight_scatter", [0.0] * G)
+                if m == N - 1:
+                    once["grad_reduce"] = per.get("grad_reduce", [0.0] * G)
+                for k in _PLACEMENT_STAGES:
+                    per[k] = [0.0] * G
+            _charge(outs[m], per, G)
+        if offload is not None:
+            off = offload.rank_seconds(stats[-1].plan.inst_expert_GS, link)
+            if any(k in off for k in _PLACEMENT_STAGES):
+                require(fixed, "the sharded offload layout needs one placement per optimizer "
+                               "step (SYMI's); this layer's placement changed between "
+                               "micro-batches")
+            once.update(off)
+        _charge(step, once, G)
+    return outs, step
 
 
 # ------------------------------------------------------------------------ one-call helper

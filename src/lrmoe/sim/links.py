@@ -1,14 +1,23 @@
 """Link presets and the all-to-all time model of the virtual EP emulator (emulated).
 
-Numbers are vendor datasheet figures (peak, per GPU, per direction), not measurements;
-achieved all-to-all bandwidth is lower (NCCL typically reaches 70-90% of them on large
-messages), which ``efficiency`` lets a caller model. Latencies are order-of-magnitude
-per-message figures.
+Each preset is a datasheet peak (per GPU, per direction) times an all-to-all
+``efficiency``: the bus bandwidth NCCL achieves on large messages as a fraction of that
+peak. The efficiencies are **published figures, not measured by us**; each preset's
+``efficiency_source`` says which figure and where it was published. Latencies are
+order-of-magnitude per-message figures.
+
+``nvlink+ib`` is two-level: EP ranks ``0..7`` form node 0, ``8..15`` node 1, ...; the
+bytes a rank exchanges with peers of its own node go over NVLink, the others over its
+own 400 Gb/s InfiniBand NIC, each priced from the exchange's ``[src, dst]`` byte matrix
+(:func:`exchange_time`). The two fabrics carry their shares at the same time, so a rank
+takes the longer of the two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from lrmoe.errors import LrmoeError
 
@@ -19,10 +28,14 @@ class Link:
 
     Attributes:
         name: preset name.
-        bandwidth_Bps: bytes per second per direction per GPU.
+        bandwidth_Bps: bytes per second per direction per GPU (datasheet peak).
         latency_s: seconds per peer message.
         efficiency: fraction of ``bandwidth_Bps`` an all-to-all achieves (1 = peak).
-        source: where the numbers come from.
+        source: where the peak comes from.
+        efficiency_source: where the efficiency comes from.
+        node_size: two-level links: GPUs per node (peers inside a node use this link);
+            0 for a flat link.
+        inter: two-level links: the link between nodes.
     """
 
     name: str
@@ -30,26 +43,55 @@ class Link:
     latency_s: float
     efficiency: float = 1.0
     source: str = ""
+    efficiency_source: str = ""
+    node_size: int = 0
+    inter: "Link | None" = None
 
     @property
     def effective_Bps(self) -> float:
         return self.bandwidth_Bps * self.efficiency
 
 
+# NVIDIA H100 / H200 SXM datasheets: "NVLink: 900 GB/s" (4th-generation NVLink,
+# bidirectional total per GPU), i.e. 450 GB/s per direction; ~3 us is the usual
+# small-message NVLink/NVSwitch latency (vendor figure order, not measured here).
+NVLINK = Link(
+    "nvlink", 450e9, 3e-6, efficiency=370 / 450,
+    source="NVIDIA H100/H200 SXM datasheet: NVLink 4, 900 GB/s bidirectional",
+    efficiency_source="published, not measured by us: 370 GB/s, the bus bandwidth NCCL "
+                      "reaches on 8 H100 GPUs over NVLink 4 for collectives other than "
+                      "all-reduce, alltoall_perf included (450 GB/s line rate less ~20% "
+                      "protocol overhead), NCCL maintainer's answer in NVIDIA/nccl-tests "
+                      "issue 212 (2024-05-06); H200 has the same NVLink 4")
+# NVIDIA ConnectX-7 / Quantum-2 datasheets: NDR InfiniBand, 400 Gb/s per port, one
+# port per GPU in a DGX/HGX H100 node = 50 GB/s per direction; ~5 us end to end.
+IB = Link(
+    "ib", 50e9, 5e-6, efficiency=48 / 50,
+    source="NVIDIA ConnectX-7 datasheet: NDR InfiniBand 400 Gb/s per port",
+    efficiency_source="published, not measured by us: 48 GB/s, the low end of the 48-49 "
+                      "GB/s per NIC that NVIDIA states ConnectX-7 NICs at NDR rate reach "
+                      "in alltoall_perf (an all-to-all does not aggregate several NICs), "
+                      "NVIDIA/nccl-tests issue 267 (2025-01-23)")
+# PCI-SIG PCIe 5.0: 32 GT/s per lane, x16 = 64 GB/s per direction before encoding; GPUs
+# without NVLink exchange through PCIe switches and the CPUs' root complexes; ~5 us.
+PCIE = Link(
+    "pcie", 64e9, 5e-6, efficiency=28 / 64,
+    source="PCI-SIG PCIe 5.0 x16: 32 GT/s per lane, 64 GB/s per direction",
+    efficiency_source="published, not measured by us: 28 GB/s, the all_reduce_perf bus "
+                      "bandwidth of 8 PCIe 5.0 GPUs without NVLink (RTX 5090) in "
+                      "NVIDIA/nccl issue 1639 (2025-03-14), which the NCCL maintainer "
+                      "answering there calls the expected CPU- and memory-bound rate of "
+                      "8 flows both ways; an all-reduce figure (no published PCIe "
+                      "alltoall_perf figure found), taken as the all-to-all rate")
+
 LINKS: dict[str, Link] = {
-    # NVIDIA H100 / H200 SXM datasheets: "NVLink: 900 GB/s" (4th-generation NVLink,
-    # bidirectional total per GPU), i.e. 450 GB/s per direction; ~3 us is the usual
-    # small-message NVLink/NVSwitch latency (vendor figure order, not measured here).
-    "nvlink": Link("nvlink", 450e9, 3e-6,
-                   source="NVIDIA H100/H200 SXM datasheet: NVLink 4, 900 GB/s bidirectional"),
-    # NVIDIA ConnectX-7 / Quantum-2 datasheets: NDR InfiniBand, 400 Gb/s per port, one
-    # port per GPU in a DGX/HGX H100 node = 50 GB/s per direction; ~5 us end to end.
-    "ib": Link("ib", 50e9, 5e-6,
-               source="NVIDIA ConnectX-7 datasheet: NDR InfiniBand 400 Gb/s per port"),
-    # PCI-SIG PCIe 5.0: 32 GT/s per lane, x16 = ~63 GB/s raw per direction, ~55 GB/s
-    # after encoding and protocol overhead (commonly quoted usable figure); ~5 us.
-    "pcie": Link("pcie", 55e9, 5e-6,
-                 source="PCI-SIG PCIe 5.0 x16: 32 GT/s/lane (~63 GB/s raw, ~55 GB/s usable)"),
+    "nvlink": NVLINK,
+    "ib": IB,
+    "pcie": PCIE,
+    # EP over several 8-GPU nodes (EP 16-32): NVLink inside a node, IB between nodes
+    "nvlink+ib": Link("nvlink+ib", NVLINK.bandwidth_Bps, NVLINK.latency_s,
+                      NVLINK.efficiency, NVLINK.source, NVLINK.efficiency_source,
+                      node_size=8, inter=IB),
 }
 
 
@@ -71,3 +113,29 @@ def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Li
     bw = link.effective_Bps
     lat = link.latency_s * max(G - 1, 0)
     return [max(s, r) / bw + lat for s, r in zip(bytes_sent_G, bytes_recv_G)]
+
+
+def exchange_time(bytes_GG, link: Link) -> list[float]:
+    """Emulated seconds each rank spends in one exchange of ``bytes_GG`` ``[src, dst]``
+    (a tensor or nested list; the diagonal, a rank's copy to itself, crosses no link).
+
+    A flat link: :func:`alltoall_time` of each rank's sent and received bytes. A
+    two-level link (``node_size`` > 0): the bytes between ranks of one node at ``link``,
+    the rest at ``link.inter``, each ``max(sent, received) / bandwidth`` plus a latency
+    per peer of that kind; the fabrics run at once, so the rank takes the longer.
+    """
+    b = torch.as_tensor(bytes_GG, dtype=torch.float64)
+    G = b.shape[0]
+    b = b - torch.diag(torch.diagonal(b))
+    if not link.node_size:
+        return alltoall_time(b.sum(1).tolist(), b.sum(0).tolist(), link, G)
+    node = torch.arange(G) // link.node_size
+    same = node[:, None] == node[None, :]
+    intra, inter = b * same, b * ~same
+    t_in = alltoall_time(intra.sum(1).tolist(), intra.sum(0).tolist(), link,
+                         min(G, link.node_size))
+    if G <= link.node_size:
+        return t_in
+    t_out = alltoall_time(inter.sum(1).tolist(), inter.sum(0).tolist(), link.inter,
+                          G - link.node_size + 1)
+    return [max(a, c) for a, c in zip(t_in, t_out)]

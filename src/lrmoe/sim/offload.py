@@ -48,8 +48,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lrmoe.errors import require
-from lrmoe.sim.links import Link, alltoall_time
+from lrmoe.sim.links import Link, exchange_time
 
 OFFLOAD_STAGES = ("opt_d2h", "opt_host_update", "opt_h2d")
 LAYOUTS = ("owner", "sharded")
@@ -135,9 +137,11 @@ class OffloadModel:
                "opt_h2d": [x / hl.effective_Bps + hl.latency_s for x in b["opt_h2d"]],
                "opt_host_update": [x / self.host_mem_Bps for x in b["opt_host_update"]]}
         if self.layout == "sharded":
-            for ex in ("weight_scatter", "grad_reduce"):
-                out[ex] = (alltoall_time(b[ex + "_sent"], b[ex + "_recv"], link, self.G)
-                           if self.G > 1 else [0.0] * self.G)
+            # [src, dst]: each slot on dst gathers its expert's shard from every other rank
+            occ = torch.as_tensor((inst_expert_GS >= 0).sum(1)).double()
+            scatter = occ[None, :].expand(self.G, self.G) * self.P_params * self.bytes_w / self.G
+            for ex, m in (("weight_scatter", scatter), ("grad_reduce", scatter.t())):
+                out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out
 
     def describe(self) -> str:

@@ -130,11 +130,14 @@ class TTLConfig:
     deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
     ledger_transients: str = "code"  # what every planner prices as transients (Ledger)
     router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
+    grad_accum: int = 1  # micro-batches (of batch_size) per optimizer step
+    activation_checkpoint: str = "none"  # none, selective or full (lrmoe.model.checkpoint)
 
 
 # settings added after runs were recorded: an earlier file without one ran with this value
 ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound",
-                  "router_lr_scale": 1.0, "deterministic_fill": True}
+                  "router_lr_scale": 1.0, "deterministic_fill": True, "grad_accum": 1,
+                  "activation_checkpoint": "none"}
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -245,28 +248,47 @@ def _val_eval(model, batches, dev, autocast) -> dict:
     return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
 
 
-def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0.0) -> dict:
-    """One step's record: emulated stage times, loads, ratios, ledger peak (see module doc).
-    With ``offload`` the experts' optimizer is charged as modelled offload stages and its
-    measured host part (``host_s``) is left out of the non-MoE time."""
-    from lrmoe.sim.cost import step_times
+def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=None,
+              host_s=0.0) -> dict:
+    """One optimizer step's record: emulated stage times, loads, ratios, ledger peak (see
+    module doc). ``micro``: per micro-batch ``(its layers' stats, wall s, MoE wall s)``;
+    ``opt_wall``: the measured seconds after the last micro-batch (clipping, optimizer,
+    ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
+    stages and its measured host part (``host_s``) is left out of the non-MoE time."""
+    from lrmoe.sim.cost import STAGES, accumulated_times
     from lrmoe.sim.virtual import EXCHANGES
 
-    stats = [v.stats for v in vm.layers]
-    non_moe_meas = max(wall - vm.wall - host_s, 0.0)
-    st = step_times(stats, link, non_moe_meas / G, offload=offload)
+    stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
+    non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
+    non_moe_opt = max(opt_wall - host_s, 0.0)
+    outs, once = accumulated_times([m[0] for m in micro], link,
+                                   [x / G for x in non_moe_micro], non_moe_opt / G, offload)
+    total = sum(o.total for o in outs) + once.total
+    moe = sum(o.moe for o in outs) + once.moe
     fwd = [s.plan.rank_load().double() for s in stats]
     bwd = [s.plan.rank_backward_load().double() for s in stats]
     assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
-    row = {"step": step + 1, "train_loss": loss, "wall_s": wall, "moe_wall_s": vm.wall,
-           "non_moe_measured_s": non_moe_meas, "non_moe_s": st.non_moe,
-           "moe_emulated_s": st.moe, "step_emulated_s": st.total, "cum_emulated_s": cum + st.total,
-           "stages_emulated_s": st.stages(),
+    moe_wall = sum(mw for _, _, mw in micro)
+    row = {"step": step + 1, "train_loss": loss, "wall_s": sum(w for _, w, _ in micro) + opt_wall,
+           "moe_wall_s": moe_wall, "non_moe_measured_s": sum(non_moe_micro) + non_moe_opt,
+           "non_moe_s": total - moe,
+           "moe_emulated_s": moe, "step_emulated_s": total, "cum_emulated_s": cum + total,
+           "stages_emulated_s": {k: sum(getattr(o, k) for o in outs) + getattr(once, k)
+                                 for k in STAGES},
+           "micro_batches": len(micro),
+           # per micro-batch and once per optimizer step (lrmoe.sim.cost.accumulated_times)
+           "micro_batch_emulated_s": [
+               {"moe_emulated_s": o.moe, "non_moe_s": o.non_moe, "step_emulated_s": o.total,
+                "stages_emulated_s": o.stages()} for o in outs],
+           "optimizer_step_emulated_s": {
+               "moe_emulated_s": once.moe, "non_moe_s": once.non_moe,
+               "step_emulated_s": once.total,
+               "stages_emulated_s": {k: v for k, v in once.stages().items() if v}},
            "fwd_load_max_over_mean": _max_over_mean(fwd),
            "bwd_load_max_over_mean": _max_over_mean(bwd),
            "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
            "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
-           "replicas": sum(s.plan.num_replicas() for s in stats),
+           "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
            "expert_load_max_over_mean": sum(float(c.max() / c.double().mean().clamp(min=1e-9))
                                             for c in vm.counts_E) / len(vm.counts_E)}
     # per exchange: sum over layers of the critical rank's max(sent, received) bytes and
@@ -277,13 +299,13 @@ def _step_row(step, loss, wall, vm, link, G, ledger, cum, offload=None, host_s=0
              sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
         for ex in EXCHANGES}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
-        row["recompute_modes"] = [s.recompute_mode for s in stats]
+        row["recompute_modes"] = [s.recompute_mode for s in micro[-1][0]]
         row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
         row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
                                   / max(assigned, 1))
         row["fits"] = all(s.recompute_fits and not s.fallback for s in stats) and \
             row["ledger_peak_bytes"] <= ledger.budget_bytes
-        row["fallback_layers"] = sum(s.fallback for s in stats)
+        row["fallback_layers"] = sum(s.fallback for s in micro[-1][0])
     return row
 
 
@@ -310,6 +332,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
+    model.set_activation_checkpoint(cfg.activation_checkpoint)
     # lrmoe plans against the budget; a step where no plan fits runs as the exact
     # policies do over budget (static's plan, recompute), marked, rather than stopping
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator,
@@ -334,20 +357,28 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     model.train()
     failed = None
     try:
+        N = cfg.grad_accum
         for step in range(cfg.steps):
             vm.set_step(step)
-            vm.wall, vm.counts_E, vm.counts_GE = 0.0, [], []
-            sync()
-            t0 = time.perf_counter()
-            # profiler ranges (free without a profiler): the step wall and its phases,
-            # which benchmarks/non_moe_profile.py reads
+            vm.counts_E, vm.counts_GE = [], []
+            opt.zero_grad(set_to_none=True)
+            micro, lm_sum = [], 0.0
+            # profiler ranges (free without a profiler): the step and its phases, which
+            # benchmarks/non_moe_profile.py reads
             with _phase("step"):
-                batch = batches.batch(step).to(dev)
-                with _phase("forward"), autocast():
-                    lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-                opt.zero_grad(set_to_none=True)
-                with _phase("backward"):
-                    obj.backward()
+                for m in range(N):  # micro-batch m of step s: global batch s * N + m
+                    vm.wall = 0.0
+                    sync()
+                    t0 = time.perf_counter()
+                    batch = batches.batch(step * N + m).to(dev)
+                    with _phase("forward"), autocast():
+                        lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+                    with _phase("backward"):
+                        (obj / N).backward()  # lrmoe.train.accum: the mean over the micro-batches
+                    sync()
+                    micro.append(([v.stats for v in vm.layers], time.perf_counter() - t0, vm.wall))
+                    lm_sum += float(lm.detach())
+                t0 = time.perf_counter()
                 if cfg.clip > 0:
                     with _phase("clip"):
                         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -356,14 +387,16 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                 sched.step()
                 model.end_step()
                 sync()
-            wall, loss = time.perf_counter() - t0, float(lm.detach())
+            opt_wall, loss = time.perf_counter() - t0, lm_sum / N
             if not math.isfinite(loss):
                 raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, wall, vm, link, G, ledger, cum, offload,
+            row = _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload,
                             getattr(opt, "host_s", 0.0))
             cum = row["cum_emulated_s"]
-            trace.append([c.tolist() for c in vm.counts_E])
-            trace_GE.append(vm.counts_GE)
+            L = len(vm.layers)  # counts_E holds N micro-batches x L layers, in order
+            trace.append([sum(vm.counts_E[m * L + k] for m in range(N)).tolist()
+                          for k in range(L)])  # the optimizer step's counts
+            trace_GE.append(vm.counts_GE[:L])  # the first micro-batch's (what a plan sees)
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -495,6 +528,11 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
+    from lrmoe.sim.links import get_link
+    was_link, link = rep.get("link"), asdict(get_link(cfg.link))
+    if was_link is not None and was_link != link:  # a preset re-priced since that run
+        raise LrmoeError(f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this "
+                         f"run as {link}; run every policy again")
     # symi's s is chosen on the static run's routing profile, which only a static run
     # that happens here provides (a file keeps no per-home counts)
     require("static" not in got or "symi" in got or "symi" not in policies,
@@ -547,7 +585,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
 
     G = cfg.ep
     require(cfg.preset or cfg.config, "give a model: --preset NAME or --config FILE")
-    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches"):
+    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
         require(isinstance(getattr(cfg, k), int) and getattr(cfg, k) >= 1,
                 f"--{k.replace('_', '-')} {getattr(cfg, k)!r} must be an integer >= 1")
     require(cfg.eval_every >= 0 and 0 < cfg.target_fraction <= 1,
@@ -557,6 +595,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
     require(cfg.optimizer_offload in ("device", "host"),
             f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
+    from lrmoe.model.checkpoint import check_mode
+    check_mode(cfg.activation_checkpoint)
     require(cfg.router_grad in ("home", "experts"),
             f"--router-grad {cfg.router_grad!r}: use home or experts")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target

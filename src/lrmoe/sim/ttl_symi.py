@@ -24,7 +24,8 @@ def calibrated_gemm_rate(rows: list[dict], counts_GE_steps: list[list[torch.Tens
     median over steps. ``None`` when nothing was timed."""
     rates = []
     for row, counts in list(zip(rows, counts_GE_steps))[1:]:
-        t = row["stages_emulated_s"]["fwd_experts"]
+        # counts_GE_steps holds each step's first micro-batch: that micro-batch's time
+        t = row.get("micro_batch_emulated_s", [row])[0]["stages_emulated_s"]["fwd_experts"]
         flops = 0
         for c in counts:
             G, E = c.shape

@@ -62,6 +62,17 @@ class VirtualModel:
         def forward(x):
             if not m.training:
                 return orig(x)
+            if m.recomputing:
+                # an activation checkpoint's re-run in backward (lrmoe.model.checkpoint):
+                # the step keeps the first forward's stats and counts; the re-run is
+                # charged as a whole-layer recompute (cost: the layer's forward dispatch,
+                # experts and combine again); its wall lies inside the backward window
+                first = v.stats
+                out = v(x)
+                v.stats = first
+                if first.recompute_mode in ("fits", "pairs"):
+                    first.recompute_mode = "layer"
+                return out
             t0 = t_now()
             with torch.profiler.record_function("ttl:moe_forward"):  # the timed span
                 out = v(x)

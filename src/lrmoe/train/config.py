@@ -37,6 +37,8 @@ class TrainConfig:
     tokenizer: str = "byte"
     steps: int = 300
     batch_size: int = 16
+    grad_accum: int = 1
+    activation_checkpoint: str = "none"
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -84,7 +86,8 @@ class TrainConfig:
 # allowed, to extend a run). All others must match the run on --resume.
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
-                  "threads", "compile", "device", "stop_after", "divergence_factor", "ep"}
+                  "threads", "compile", "device", "stop_after", "divergence_factor", "ep",
+                  "activation_checkpoint"}
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
 
 
@@ -153,7 +156,7 @@ def check_args(cfg: TrainConfig) -> None:
     """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
     from lrmoe.tokenizer import parse_tokenizer_spec
 
-    for name in ("steps", "batch_size", "seq_len", "eval_batches", "ep"):
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "ep"):
         _int(name, getattr(cfg, name), 1)
     for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every",
                  "lrmoe_fidelity_every"):
@@ -183,6 +186,12 @@ def check_args(cfg: TrainConfig) -> None:
     _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
     _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
     _choice("optimizer_offload", cfg.optimizer_offload, ("device", "host"))
+    from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
+    _choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
+    if cfg.compile and cfg.activation_checkpoint != "none":
+        raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
+                         "is not supported (the checkpointed blocks hold the MoE layers' "
+                         "graph breaks); drop one of them")
     _choice("router_grad", cfg.router_grad, ("home", "experts"))
     from lrmoe.parallel.exchange import METRICS
     _choice("lrmoe_metric", cfg.lrmoe_metric, tuple(METRICS))

@@ -8,7 +8,8 @@ checkpoint to resume from, load and tokenize the data, and only then create the 
 directory. On one process no ``torch.distributed`` call is made.
 
 Determinism: the global batch of step ``s`` depends only on ``(data, seq_len,
-batch_size, seed, s)``; a checkpoint holds everything else that evolves (weights,
+batch_size, seed, s)`` (with ``--grad-accum N``, micro-batch ``m`` of step ``s`` is
+global batch ``s * N + m``); a checkpoint holds everything else that evolves (weights,
 optimizer, scheduler, RNGs, router counts, policy state), so on the CPU a resumed run
 repeats the uninterrupted one bit for bit.
 """
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from lrmoe.errors import LrmoeError
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
+from lrmoe.train.accum import accumulate
 from lrmoe.train.config import (
     RUN_CONFIG,
     RUN_FORMAT,
@@ -382,8 +384,12 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
                     generator=gen, count_reduce=count_reducer(ctx),
                     dp_size=ctx.world // ctx.ep_size)
     model.set_runtime(rt)
+    model.set_activation_checkpoint(cfg.activation_checkpoint)
+    # host offload on CUDA: the GPU keeps bf16 expert weights and gradients, the fp32
+    # masters and moments stay on the host (lrmoe.train.offload)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          router_lr_scale=cfg.router_lr_scale)
+                          router_lr_scale=cfg.router_lr_scale,
+                          compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     start, tokens, elapsed, last_val = 0, 0, 0.0, None
     if ck is not None:
@@ -449,7 +455,8 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
          f"{mcfg.num_experts} experts top-{mcfg.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {corpus.source} | tokenizer {tok.spec} "
          f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
-         f"{cfg.seq_len} tokens each | policy {cfg.policy} | world {ctx.world}, ep "
+         f"{cfg.seq_len} tokens x {cfg.grad_accum} micro-batch(es) each | policy "
+         f"{cfg.policy} | world {ctx.world}, ep "
          f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
     for note in corpus.notes:
         _log(f"lrmoe train: note: {note}", ctx)
@@ -466,25 +473,27 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
 
     log_every = cfg.log_every or max(1, min(50, cfg.steps // 10))
     reduce = _count_reducer(ctx)
-    step_tokens = cfg.batch_size * cfg.seq_len
+    accum = cfg.grad_accum  # micro-batches per optimizer step (lrmoe.train.accum)
+    step_tokens = cfg.batch_size * cfg.seq_len * accum
     t_run = time.perf_counter()
     model.train()
     try:
         for step in range(start, end):
             rt.step = watch.step = step
-            watch.phase = "forward"
+            watch.phase = "forward and backward"
             fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
             rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
             if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             t0 = time.perf_counter()
-            batch = batches.batch(step, ctx.rank, ctx.world).to(ctx.device)
-            with autocast():
-                lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            # forward and backward of each micro-batch (global batch step * N + m)
+            sums = accumulate(
+                model, lambda m, s=step: batches.batch(s * accum + m, ctx.rank, ctx.world).to(
+                    ctx.device), accum, autocast)
             watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
-            red = _sum_over_world(torch.cat([torch.stack([lm.detach(), obj.detach()]).float()
-                                             .cpu(), torch.tensor(stops.seen)]), ctx)
-            losses, stop_sig = red[:2] / ctx.world, StopSignals.which(red[2:].tolist())
+            red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(stops.seen)]), ctx)
+            losses, stop_sig = red[:2] / (ctx.world * accum), StopSignals.which(red[2:].tolist())
             loss, aux = float(losses[0]), float(losses[1] - losses[0])
             intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
                       if last_ckpt else "no checkpoint was written")
@@ -496,9 +505,6 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
                 raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
                                  f"before updating the weights ({intact}). Lower --lr or raise "
                                  "--warmup; --divergence-factor 0 disables this check")
-            opt.zero_grad(set_to_none=True)
-            watch.phase = "backward"
-            obj.backward()
             watch.phase = "gradient sync"
             sync_grads(model, ctx)
             gnorm = clip_grad_norm(model, cfg.clip, ctx)
@@ -530,6 +536,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
                 step=done, loss=loss, aux=aux, lr=lr, tokens=tokens, elapsed=elapsed, dt=dt,
                 step_tokens=step_tokens, grad_norm=gnorm, counts=counts, stats=stats,
                 per_rank=per_rank, world=ctx.world, cuda_mem=mem, fidelity_step=fid,
+                micro_batches=accum,
                 budget=None if ledger is None else ledger.budget_bytes))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / dt:,.0f}")

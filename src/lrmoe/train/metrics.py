@@ -177,12 +177,15 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> list[int]:
 def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, elapsed: float,
               dt: float, step_tokens: int, grad_norm: float, counts: list, stats: dict,
               per_rank: list[dict], world: int, cuda_mem: int | None = None,
-              budget: int | None = None, fidelity_step: bool = False) -> dict:
-    """The train row of one step (see the module docstring).
+              budget: int | None = None, fidelity_step: bool = False,
+              micro_batches: int = 1) -> dict:
+    """The train row of one optimizer step (see the module docstring).
 
-    ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s);
-    ``stats``: rank 0's runtime stats per layer; ``per_rank``: every rank's
-    :func:`rank_summary` per layer.
+    ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s, summed
+    over the step's micro-batches); ``stats``: rank 0's runtime stats per layer;
+    ``per_rank``: every rank's :func:`rank_summary` per layer. Under gradient
+    accumulation (``micro_batches`` > 1) the per-layer ``moe`` rows are the last
+    micro-batch's (its plan, pairs and bytes).
     """
     layers = sorted(stats)
     row: dict[str, Any] = {
@@ -190,12 +193,14 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
         "fidelity_step": fidelity_step,
         "tokens": tokens, "elapsed_s": round(elapsed, 4), "step_s": round(dt, 4),
         "tokens_per_s": round(step_tokens / dt, 1), "grad_norm": round(grad_norm, 6),
+        "micro_batches": micro_batches,
     }
     cl = [None if c is None else [int(x) for x in c.tolist()] for c in counts]
     row["expert_load_max_over_mean"] = [None if c is None else max_over_mean(c) for c in cl]
     row["counts"] = cl
     row["moe"] = [layer_row(stats[k], [r.get(k, {}) for r in per_rank],
-                            None if c is None else sum(c)) for k, c in zip(layers, cl)]
+                            None if c is None or micro_batches > 1 else sum(c))
+                  for k, c in zip(layers, cl)]
     if world > 1:
         row["rank_load"] = [[int(r.get(k, {}).get("load", 0)) for r in per_rank] for k in layers]
     if cuda_mem is not None:

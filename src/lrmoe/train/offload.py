@@ -15,10 +15,15 @@ load them like any AdamW state; :meth:`load_state_dict` moves them back to the h
 The fp32 master of an offloaded parameter is a host copy of it, taken at construction
 and again after a load (the device parameter is fp32 in this trainer, so it is exact).
 
-What stays on the device in this runtime: the expert parameters themselves (the
-model's dtype: fp32, autocast computes in bf16 on CUDA) and their gradients. The
-ledger's offload design (:mod:`lrmoe.memory`) keeps only compute-dtype slots on the
-GPU; docs/design.md §5 says where the two differ.
+What stays on the device: the expert parameters in ``compute_dtype`` and their
+gradients (in that dtype too). With ``compute_dtype=torch.bfloat16`` (the trainer's
+choice on CUDA, where autocast computes in bf16) the GPU holds only the bf16 compute
+weights and bf16 gradients of the experts, as SYMI and ZeRO-Offload do and as the
+ledger's offload design (:mod:`lrmoe.memory`) prices it: the fp32 master (state key
+``master``, so checkpoints carry it exactly) and both moments live on the host; each
+step the bf16 gradient is widened on the host and the updated master is rounded back
+into the bf16 device weight. Without ``compute_dtype`` the device parameters keep the
+model's dtype (fp32).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, host: str | torch.device = "cpu"):
+                 weight_decay: float = 1e-2, host: str | torch.device = "cpu",
+                 compute_dtype: torch.dtype | None = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         ids = {id(p) for p in host_params}
         mine = [p for g in self.param_groups for p in g["params"]]
@@ -69,6 +75,10 @@ class HostOffloadAdamW(torch.optim.AdamW):
         self._grad_buf: dict[int, Tensor] = {}
         self.host_s = 0.0
         self._refresh_masters()
+        if compute_dtype is not None:  # the masters hold the fp32 values from here on
+            for p in mine:
+                if id(p) in self._host and p.dtype != compute_dtype:
+                    p.data = p.data.to(compute_dtype)
 
     # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor) -> Tensor:
@@ -76,18 +86,20 @@ class HostOffloadAdamW(torch.optim.AdamW):
                            pin_memory=self._pin)
 
     def _refresh_masters(self) -> None:
-        """fp32 host masters copied from the device parameters (exact: they are fp32)."""
+        """fp32 host masters: the state's ``master`` when it has one (a loaded
+        checkpoint), else a copy of the device parameter (exact while it is fp32)."""
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in self._host:
-                    m = self._master.get(id(p))
-                    if m is None:
-                        m = self._master[id(p)] = self._host_empty(p)
-                    m.copy_(p.detach())
+                    st = self.state[p]
+                    if "master" not in st:
+                        st["master"] = self._host_empty(p)
+                        st["master"].copy_(p.detach())
+                    self._master[id(p)] = st["master"]
 
     def _host_state(self, p: Tensor) -> dict:
         st = self.state[p]
-        if not st:
+        if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=self._host_dev)
             st["exp_avg"] = torch.zeros_like(self._master[id(p)])
             st["exp_avg_sq"] = torch.zeros_like(self._master[id(p)])
@@ -150,16 +162,21 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
-        """AdamW's load, then the offloaded parameters' state back to host memory and
-        their masters re-read from the (already loaded) device parameters."""
-        super().load_state_dict(state_dict)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if id(p) in self._host and self.state.get(p):
-                    st = self.state[p]
-                    for k in ("exp_avg", "exp_avg_sq", "step"):
-                        if k in st:
-                            st[k] = st[k].detach().to(self._host_dev, torch.float32)
+        """AdamW's load for the device parameters; the offloaded parameters' state goes
+        straight to host memory in fp32 (AdamW's load would cast it to the parameter's
+        dtype, bf16 under ``compute_dtype``). A state without ``master`` (an older
+        checkpoint) takes the master from the (already loaded) device parameter."""
+        mine = [p for g in self.param_groups for p in g["params"]]
+        order = [i for g in state_dict["param_groups"] for i in g["params"]]
+        rest, host = dict(state_dict["state"]), {}
+        for i, p in zip(order, mine):
+            if id(p) in self._host and i in rest:
+                host[id(p)] = rest.pop(i)
+        super().load_state_dict({**state_dict, "state": rest})
+        for p in mine:
+            if id(p) in self._host:
+                self.state[p] = {k: v.detach().to(self._host_dev, torch.float32).clone()
+                                 for k, v in host.get(id(p), {}).items()}
         self._refresh_masters()
 
 

@@ -51,16 +51,20 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     offload: str = "device", host: str | torch.device = "cpu",
-                    router_lr_scale: float = 1.0) -> torch.optim.AdamW:
+                    router_lr_scale: float = 1.0,
+                    compute_dtype: torch.dtype | None = None) -> torch.optim.AdamW:
     """AdamW over ``model``; ``offload="host"`` steps the expert weights in host memory
     (:class:`lrmoe.train.offload.HostOffloadAdamW`, its state on ``host``), same update.
-    ``router_lr_scale``: the routers' lr as a multiple of ``lr`` (:func:`param_groups`)."""
+    ``router_lr_scale``: the routers' lr as a multiple of ``lr`` (:func:`param_groups`).
+    ``compute_dtype`` (offload only): the device keeps the offloaded weights in it, their
+    fp32 masters stay on the host."""
     require(router_lr_scale > 0, f"router lr scale {router_lr_scale!r} must be > 0")
     groups = param_groups(model, weight_decay, lr, router_lr_scale)
     if offload == "host":
         from lrmoe.train.offload import HostOffloadAdamW, offloaded_params
         return HostOffloadAdamW(groups, offloaded_params(model),
-                                lr=lr, betas=betas, eps=eps, host=host)
+                                lr=lr, betas=betas, eps=eps, host=host,
+                                compute_dtype=compute_dtype)
     require(offload == "device", f"optimizer offload {offload!r}: use device or host")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 

@@ -76,7 +76,9 @@ def summarize(run: Path) -> str:
     budget = "none" if rep["budget_bytes"] is None else fmt_bytes(rep["budget_bytes"])
     # re-priced from the link the run was priced with (its recorded figures: a run made
     # before the presets carried their all-to-all efficiencies was priced at peak)
-    nv = Link(**{k: v for k, v in rep["link"].items() if k != "inter"})
+    lk = rep["link"]
+    nv = (Link(**{k: v for k, v in lk.items() if k != "inter"}) if "bandwidth_Bps" in lk
+          else get_link(lk["name"]))
     ib = get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
     out = [f"### {run.name}", "",
            f"target val {tg:.4f} (static's smoothed curve at step "

@@ -35,14 +35,16 @@ class LedgerView:
         home_G: home pairs per rank (the count matrix's row sums).
         exact: the plans priced are exact (static, SYMI): every received row in
             backward, none gathered; otherwise the ledger's bound for trimmed plans.
+        priced: build the pricing arrays without a budget too (for :meth:`totals`).
     """
 
-    def __init__(self, ledger, home_G: np.ndarray, exact: bool = False) -> None:
+    def __init__(self, ledger, home_G: np.ndarray, exact: bool = False,
+                 priced: bool = False) -> None:
         self.ledger = ledger
         self.exact = bool(exact)
         self.home = np.asarray(home_G, dtype=np.int64)
         self.budget = None if ledger is None else ledger.budget_bytes
-        if self.budget is None:
+        if ledger is None or (self.budget is None and not priced):
             return
         # the arrays depend on the home pairs alone, which are the same every step of a
         # run (tokens x top-k): the ledger keeps the last ones (its memo holds every
@@ -239,13 +241,29 @@ class LedgerView:
             self.ledger.raise_if_over(self.terms(n_G, R_G, k_G, rec_G), what)
 
 
-def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
-    """:meth:`Ledger.exact_fit` of ``plan`` (home pairs from the plan, as the ledger
-    takes them): ``(mode, rows recomputed per rank, total bytes per rank)``, vectorised."""
+def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
+    """The view for ``plan``'s home pairs (as the ledger takes them: assigned + dropped)
+    and its per-rank ``(instances, received, retained)``."""
     a = plan.assign_GGS.numpy()
     home = a.sum((1, 2))
     if plan.dropped_GE is not None:
         home = home + plan.dropped_GE.numpy().sum(1)
     view = LedgerView(ledger, home, exact=plan.exact)
     n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
-    return view.exact_fit(n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2)))
+    return view, n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2))
+
+
+def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
+    """:meth:`Ledger.exact_fit` of ``plan``: ``(mode, rows recomputed per rank, total
+    bytes per rank)``, vectorised."""
+    view, n, R, k = _plan_view(ledger, plan)
+    return view.exact_fit(n, R, k)
+
+
+def plan_totals(ledger, plan) -> np.ndarray:
+    """Each rank's total of :meth:`Ledger.rank_terms` for ``plan``, vectorised."""
+    view, n, R, k = _plan_view(ledger, plan)
+    rec = None if plan.recompute_G is None else plan.recompute_G.numpy()
+    if view.budget is None:  # the totals do not depend on the budget
+        view = LedgerView(ledger, view.home, exact=view.exact, priced=True)
+    return view.totals(n, R, k, rec)

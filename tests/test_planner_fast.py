@@ -62,6 +62,15 @@ def _budget(cfg, G: int, counts: torch.Tensor, frac: float) -> int:
     return max(1, int(fixed + frac * max(t["retained_acts"] for t in terms)))
 
 
+def _layer(rng, preset: str, G: int, pairs: int, skew: float, frac: float):
+    """``(counts, ledger)`` of one random layer; ``frac`` as :func:`_budget`, NaN: no
+    budget."""
+    mcfg = get_preset(preset)
+    counts = _counts(rng, G, 128, pairs, skew)
+    budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
+    return counts, Ledger.for_dtype(mcfg, G, budget)
+
+
 def _cases(n: int, seed: int):
     rng = np.random.default_rng(seed)
     for i in range(n):
@@ -85,10 +94,7 @@ def test_lrmoe_fast_equals_reference_on_200_random_layers():
     loose and none, both full presets, random knobs. Same plan or same error."""
     kinds = {"plan": 0, "error": 0, "trimmed": 0, "replicas": 0}
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(200, seed=13):
-        mcfg = get_preset(preset)
-        counts = _counts(rng, G, 128, pairs, skew)
-        budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
-        ledger = Ledger.for_dtype(mcfg, G, budget)
+        counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
         fast, err = _outcome(plan_lrmoe, counts, cfg, ledger)
         ref, ref_err = _outcome(lrmoe_reference.plan_lrmoe, counts, cfg, ledger)
         where = f"case {i}: {preset} EP {G} skew {skew:.2f} frac {frac} {cfg}"
@@ -261,10 +267,7 @@ def test_previous_placement_equals_current_when_the_counts_repeat():
     the current plan, or fails with the same error."""
     seen = 0
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(40, seed=29):
-        mcfg = get_preset(preset)
-        counts = _counts(rng, G, 128, pairs, skew)
-        budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
-        ledger = Ledger.for_dtype(mcfg, G, budget)
+        counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
         cur, err = _outcome(plan_lrmoe, counts, cfg, ledger)
         pol = LrmoePolicy(dataclasses.replace(cfg, placement="previous"))
         for prev in (counts, counts.sum(0)):
@@ -284,12 +287,8 @@ def test_previous_placement_fits_the_budget_on_the_new_counts():
     current plan), and it exists exactly when the current plan does."""
     kept = replaced = 0
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(60, seed=31):
-        mcfg = get_preset(preset)
-        counts = _counts(rng, G, 128, pairs, skew)
-        if i % 2:  # routing that moved, under a budget with no room to spare
-            frac = 0.01
-        budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
-        ledger = Ledger.for_dtype(mcfg, G, budget)
+        # odd cases: routing that moved, under a budget with no room to spare
+        counts, ledger = _layer(rng, preset, G, pairs, skew, 0.01 if i % 2 else frac)
         prev = _drift(rng, counts, ("near", "far")[i % 2])
         pcfg = dataclasses.replace(cfg, placement="previous")
         pol = LrmoePolicy(pcfg)

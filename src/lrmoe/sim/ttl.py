@@ -155,7 +155,7 @@ def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
             f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
             f"lrmoe:OPTION[+OPTION] (options: {', '.join(VARIANT_OPTIONS)})")
     if not opts:
-        return base, _checked(base, cfg)
+        return base, _checked(spec, base, cfg)
     require(base == "lrmoe", f"--policies: {spec!r}: only lrmoe takes options")
     changes = {}
     for opt in opts.split("+"):
@@ -170,14 +170,18 @@ def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
         except ValueError:
             raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
                              f"{conv.__name__}") from None
-    return base, _checked(base, replace(cfg, **changes))
+    return base, _checked(spec, base, replace(cfg, **changes))
 
 
-def _checked(base: str, cfg: "TTLConfig") -> "TTLConfig":
+def _checked(spec: str, base: str, cfg: "TTLConfig") -> "TTLConfig":
     """``cfg``, once lrmoe's knobs pass its config's own checks (before any run)."""
     if base == "lrmoe":
         from lrmoe.policy.lrmoe import LrmoeConfig
-        LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, placement=cfg.lrmoe_placement)
+        try:
+            LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep,
+                        placement=cfg.lrmoe_placement)
+        except LrmoeError as e:
+            raise LrmoeError(f"--policies: {spec!r}: {e}") from None
     return cfg
 
 

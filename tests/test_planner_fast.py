@@ -226,8 +226,9 @@ def _plan_speed():
 
 
 def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
-    """The benchmark's logic on CPU at one tiny point: every policy, both budgets,
-    JSON and markdown written; a bad --eps is one line and exit 2, nothing written."""
+    """The benchmark's logic on CPU at one tiny point: every policy and route, both
+    budgets, the critical part and what is off it, JSON and markdown written; a bad
+    --eps or --policies is one line and exit 2, nothing written."""
     mod = _plan_speed()
     out = tmp_path / "speed"
     assert mod.main(["--out", str(out), "--eps", "8", "--skews", "1", "--repeats", "1",
@@ -235,16 +236,22 @@ def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
     import json
     rows = json.loads((out / "plan_speed.json").read_text())["rows"]
     assert {(r["policy"], r["budget"]) for r in rows} == {
-        (p, b) for p in ("lrmoe", "symi", "capacity") for b in ("loose", "binding")}
+        (p, b) for p in mod.POLICIES for b in ("loose", "binding")}
     assert all(r["cpu_thread_ms"] >= 0 and r["gpu_ms"] is None for r in rows)
-    assert all(r["reference_ms"] is not None for r in rows if r["policy"] == "lrmoe")
-    lr = [r for r in rows if r["policy"] == "lrmoe"]
-    assert all(r["error"] is None for r in lr)  # lrmoe plans under both budgets
-    assert "| 8 | 1 | binding | lrmoe |" in (out / "plan_speed.md").read_text()
-    bad = tmp_path / "bad"
-    assert mod.main(["--out", str(bad), "--eps", "7"]) == 2
-    assert not bad.exists()
-    assert "--eps [7]" in capsys.readouterr().err
+    assert all(r["reference_ms"] is not None for r in rows
+               if r["policy"] in ("lrmoe", "lrmoe:recompute"))
+    lr = [r for r in rows if r["policy"].startswith("lrmoe")]
+    assert all(r["error"] is None and r["check_ms"] >= 0 for r in lr)  # plans, both budgets
+    assert all(r["replaced"] is not None for r in lr)
+    md = (out / "plan_speed.md").read_text()
+    assert "| 8 | 1 | binding | lrmoe:recompute+previous |" in md
+    assert "| lrmoe:previous | " in md  # the summary per policy and EP
+    for bad_args, msg in ((["--eps", "7"], "--eps [7]"),
+                          (["--policies", "lrmoe:next"], "lrmoe:next")):
+        bad = tmp_path / "bad"
+        assert mod.main(["--out", str(bad), *bad_args]) == 2
+        assert not bad.exists()
+        assert msg in capsys.readouterr().err
 
 
 # ------------------------------------------------------- placement from earlier counts

@@ -82,6 +82,9 @@ class Slots:
         self.k = np.empty_like(order)
         self.k[order] = np.arange(ie.size) - self.starts
         self.n = np.maximum(np.bincount(e_idx[valid], minlength=n_experts)[e_idx], 1)
+        # the slots whose expert has several instances (the only ones whose blocks need
+        # the interval arithmetic: a lone instance takes every home's pairs)
+        self.shared = np.flatnonzero(valid & (self.n > 1))
 
     def even_split(self, total_E: np.ndarray) -> np.ndarray:
         """:func:`even_split_np` for these slots, ``[G, S]``."""
@@ -90,19 +93,24 @@ class Slots:
 
     def overlap_ig(self, counts_GE: np.ndarray, inst_load_GS: np.ndarray) -> np.ndarray:
         """:func:`interval_overlap_ig` for these slots."""
+        c_EG = np.ascontiguousarray(counts_GE.T)
+        # a lone instance takes its expert's pairs from every home (its load is their
+        # total); an empty slot takes none
+        out = c_EG[self.e_idx]
+        out *= (self.valid & (self.n == 1))[:, None]
+        if self.shared.size == 0:
+            return out
         load = inst_load_GS.ravel() * self.valid
         lo_sorted = load[self.order]
         cum = lo_sorted.cumsum()
         inst_hi = np.empty_like(cum)
         inst_hi[self.order] = cum - (cum - lo_sorted)[self.starts]
-        inst_lo = inst_hi - load
-        c_EG = np.ascontiguousarray(counts_GE.T)
-        hh = c_EG.cumsum(1)[self.e_idx]  # [I, G]: end of each home's interval
-        hl = hh - c_EG[self.e_idx]
-        # an empty slot has load 0, so its overlap is <= 0 and clips to 0
-        out = np.minimum(hh, inst_hi[:, None])
-        out -= np.maximum(hl, inst_lo[:, None])
-        return np.maximum(out, 0, out=out)
+        i, e = self.shared, self.e_idx[self.shared]
+        hh = c_EG[e].cumsum(1)  # [shared, G]: end of each home's interval in e's pairs
+        ov = np.minimum(hh, inst_hi[i, None])
+        ov -= np.maximum(hh - c_EG[e], (inst_hi[i] - load[i])[:, None])
+        out[i] = np.maximum(ov, 0, out=ov)
+        return out
 
 
 def even_split_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray) -> np.ndarray:

@@ -64,8 +64,8 @@ def backward_quotas(assign_IG: np.ndarray, retain_IG: np.ndarray, G: int, balanc
     want_G = np.maximum(ret_G - target.astype(np.int64), 0)
     if not want_G.any():
         return retain_IG
-    floor = np.minimum(np.ceil(assign_IG * min_keep).astype(np.int64), assign_IG)
-    np.minimum(floor, retain_IG, out=floor)
+    # ceil(a·min_keep) <= a for min_keep <= 1 (a rounded product never exceeds a)
+    floor = np.minimum(np.ceil(assign_IG * min_keep).astype(np.int64), retain_IG)
     room_IG = retain_IG - floor
     room_GS = room_IG.sum(1).reshape(G, -1)
     cut_G = np.minimum(want_G, room_GS.sum(1))

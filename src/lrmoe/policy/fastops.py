@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lrmoe.errors import require
+from lrmoe.errors import LrmoeError
 from lrmoe.policy.plan import Plan
+
+_NO_KEY = 1 << 62  # above every key: no entry gets +1
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
@@ -30,23 +32,26 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)
-    require(bool((total <= W).all()) and bool((total >= 0).all()),
-            "apportion: totals must lie between 0 and the column weight")
+    if (total > W).any() or (total < 0).any():
+        raise LrmoeError("apportion: totals must lie between 0 and the column weight")
     part = (total > 0) & (total < W)
-    out = w * (total == W)[:, None]
-    if not part.any():
-        return out
-    rows = None if part.all() else np.flatnonzero(part)
-    wc = w if rows is None else w[rows]
-    tc, Wc = (total[:, None], W[:, None]) if rows is None else (total[rows, None], W[rows, None])
+    if part.all():
+        out, rows, wc, tc, Wc = None, None, w, total[:, None], W[:, None]
+    else:
+        out = w * (total == W)[:, None]
+        rows = np.flatnonzero(part)
+        if rows.size == 0:
+            return out
+        wc, tc, Wc = w[rows], total[rows, None], W[rows, None]
     N = w.shape[1]
-    num = tc * wc
-    base = num // Wc
+    base, key = np.divmod(tc * wc, Wc)
     left = tc[:, 0] - base.sum(1)
-    key = (num - base * Wc) * N + (N - 1 - np.arange(N))
+    key *= N
+    key += np.arange(N - 1, -1, -1)  # remainder, then the lower entry first
     kth = np.sort(key, axis=1)[np.arange(len(key)), N - np.maximum(left, 1)]
-    base += (key >= kth[:, None]) & (left > 0)[:, None]
-    if rows is None:
+    kth[left <= 0] = _NO_KEY
+    base += key >= kth[:, None]
+    if out is None:
         return base
     out[rows] = base
     return out

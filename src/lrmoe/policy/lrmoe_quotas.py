@@ -37,16 +37,21 @@ def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
             up = more > keep[short]
             keep[short[up]] = more[up]
             rec[short[up]] = need[up]
-    if (keep >= recv_G).all():
+    short = np.flatnonzero(keep < recv_G)
+    if short.size == 0:
         return assign_IG, rec  # everything retained: the same array (the caller copies)
-    base_GS = (load_GS > 0).astype(np.int64)
-    rest_G = keep - base_GS.sum(1)
+    # a rank that retains everything keeps every block whole; the others split
+    base_GS = (load_GS[short] > 0).astype(np.int64)
+    rest_G = keep[short] - base_GS.sum(1)
     if (rest_G < 0).any():  # the placement pass guarantees this never happens
-        r = int(np.flatnonzero(rest_G < 0)[0])
+        r = int(short[np.flatnonzero(rest_G < 0)[0]])
         raise LrmoeError(f"lrmoe planner: rank {r} cannot retain one pair per instance "
                          "(internal error: please report)")
-    quota_GS = base_GS + apportion_rows_np(rest_G, load_GS - base_GS)
-    return apportion_rows_np(quota_GS.ravel(), assign_IG), rec
+    quota_GS = base_GS + apportion_rows_np(rest_G, load_GS[short] - base_GS)
+    rows = (short[:, None] * S + np.arange(S)).ravel()
+    retain = assign_IG.copy()
+    retain[rows] = apportion_rows_np(quota_GS.ravel(), assign_IG[rows])
+    return retain, rec
 
 
 def backward_quotas(assign_IG: np.ndarray, retain_IG: np.ndarray, G: int, balance: float,
@@ -62,12 +67,17 @@ def backward_quotas(assign_IG: np.ndarray, retain_IG: np.ndarray, G: int, balanc
         return retain_IG  # nothing to trim: the same array (the caller copies)
     target = np.where(above, np.ceil(mean + (1.0 - balance) * (ret_G - mean) - 1e-9), ret_G)
     want_G = np.maximum(ret_G - target.astype(np.int64), 0)
-    if not want_G.any():
+    ranks = np.flatnonzero(want_G)
+    if ranks.size == 0:
         return retain_IG
+    # only the ranks above the mean are trimmed: the rest keep every retained pair
+    S = retain_IG.shape[0] // G
+    rows = (ranks[:, None] * S + np.arange(S)).ravel()
+    ret = retain_IG[rows]
     # ceil(a·min_keep) <= a for min_keep <= 1 (a rounded product never exceeds a)
-    floor = np.minimum(np.ceil(assign_IG * min_keep).astype(np.int64), retain_IG)
-    room_IG = retain_IG - floor
-    room_GS = room_IG.sum(1).reshape(G, -1)
-    cut_G = np.minimum(want_G, room_GS.sum(1))
-    cut_GS = apportion_rows_np(cut_G, room_GS)
-    return retain_IG - apportion_rows_np(cut_GS.ravel(), room_IG)
+    room = ret - np.minimum(np.ceil(assign_IG[rows] * min_keep).astype(np.int64), ret)
+    room_GS = room.sum(1).reshape(-1, S)
+    cut_GS = apportion_rows_np(np.minimum(want_G[ranks], room_GS.sum(1)), room_GS)
+    out = retain_IG.copy()
+    out[rows] = ret - apportion_rows_np(cut_GS.ravel(), room)
+    return out

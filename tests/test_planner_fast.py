@@ -395,10 +395,17 @@ def test_vectorised_exact_fit_and_recompute_capacity_equal_the_ledger():
         view = LedgerView(ledger, home)
         n = rng.integers(128 // G, 128 // G + 3, G)
         R = (home * rng.uniform(0.2, 3, G)).astype(np.int64)
+        want = [ledger.retain_capacity_recompute(int(a), int(b), int(h))
+                for a, b, h in zip(n, R, home)]
         k, rec = view.capacity_recompute(n, R, np.arange(G))
-        assert list(zip(k.tolist(), rec.tolist())) == [
-            ledger.retain_capacity_recompute(int(a), int(b), int(h))
-            for a, b, h in zip(n, R, home)], i
+        assert list(zip(k.tolist(), rec.tolist())) == want, i
+        # with no bound the window starts at every received pair: answers below it come
+        # from the ledger's own search
+        loose = LedgerView(ledger, home)
+        M, b, den = loose._bounds()
+        loose._extra = {"bounds": (M, b, np.zeros_like(den))}
+        k, rec = loose.capacity_recompute(n, R, np.arange(G), window=1)
+        assert list(zip(k.tolist(), rec.tolist())) == want, i
         plan = plan_lrmoe(counts, LrmoeConfig(recompute=True), ledger) if mode != "over" \
             else plan_symi(counts, 128 // G, counts.sum(0))
         assert plan_totals(ledger, plan).tolist() == [t["total"] for t in ledger.rank_terms(plan)]

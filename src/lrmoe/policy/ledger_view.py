@@ -53,10 +53,11 @@ class LedgerView:
         hit = ledger._pieces_memo.get(key)
         home_bytes = self.home.tobytes()
         if hit is None or hit[0] != home_bytes:
-            hit = (home_bytes, self._arrays(ledger))
+            hit = (home_bytes, self._arrays(ledger), {})
             ledger._pieces_memo[key] = hit
         (self.cn, self.pieces, self._by_h, self._inv, self._c0, self._cR, self._ck,
          self._ckdiv, self._ckbig) = hit[1]
+        self._extra = hit[2]  # derived arrays built on first use (:meth:`_bounds`)
 
     def _arrays(self, ledger) -> tuple:
         uniq, inv = np.unique(self.home, return_inverse=True)
@@ -170,7 +171,43 @@ class LedgerView:
         totals = self.totals(n_G, R_G, zeros)
         return ("layer" if totals.max() <= self.budget else "over"), R_G.copy(), totals
 
-    def capacity_recompute(self, n_G, R_G, ranks, window: int = 8
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Necessary upper bounds on a rank's retained count ``k`` with recompute, as
+        ``floor((room @ M + b) / den)`` where ``den > 0``, ``room = B - A0`` the ``rec >=
+        1`` pieces' room at ``k = rec = 0`` (``[G, P]``): ``M`` ``[G, P, K]``, ``b`` and
+        ``den`` ``[G, K]``. Each piece ``a = A0 + c·k + d·rec <= B`` bounds ``k``:
+
+        * flat in rec (``d = 0``): ``c·k <= room``;
+        * rising (``d > 0``), since ``rec >= 1``: ``c·k <= room - d``;
+        * falling (``d < 0``), since ``rec <= k`` must reach ``ceil((a - B) / -d)``:
+          ``(c + d)·k <= room``;
+        * a falling ``p`` and a rising ``q`` leave an integer ``rec`` only if
+          ``(a_p - B)/-d_p <= (B - a_q)/d_q``: ``(d_q·c_p - d_p·c_q)·k <= -d_p·room_q +
+          d_q·room_p``.
+
+        They depend on the home pairs alone, so they are cached with the arrays."""
+        hit = self._extra.get("bounds")
+        if hit is not None:
+            return hit
+        P = self.pieces[1]
+        c, d = P[:, :, 2], P[:, :, 3]
+        G, n = c.shape
+        eye = np.broadcast_to(np.eye(n, dtype=np.int64), (G, n, n))
+        negd, posd = np.where(d < 0, -d, 0), np.where(d > 0, d, 0)
+        pair = (d < 0)[:, :, None] & (d > 0)[:, None, :]  # [G, p, q]
+        on_q = np.einsum("xq,gpq->gxpq", eye[0], negd[:, :, None] * pair)
+        on_p = np.einsum("xp,gpq->gxpq", eye[0], posd[:, None, :] * pair)
+        M = np.concatenate([eye, eye, eye, (on_q + on_p).reshape(G, n, n * n)], 2)
+        zero = np.zeros_like(d)
+        b = np.concatenate([zero, -d, zero, np.zeros((G, n * n), dtype=np.int64)], 1)
+        den = np.concatenate([np.where(d == 0, c, 0), np.where(d > 0, c, 0),
+                              np.where(d < 0, c + d, 0),
+                              np.where(pair, posd[:, None, :] * c[:, :, None]
+                                       + negd[:, :, None] * c[:, None, :], 0).reshape(G, -1)], 1)
+        self._extra["bounds"] = hit = (M, b, den)
+        return hit
+
+    def capacity_recompute(self, n_G, R_G, ranks, window: int = 4
                            ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`Ledger.retain_capacity_recompute` of the given ``ranks`` (int array):
         ``(k, rec)`` per rank, the same answers.
@@ -194,24 +231,9 @@ class LedgerView:
         i = np.flatnonzero(todo)
         P = self.pieces[1][ranks[i]]
         A0 = (self.cn * n[i])[:, None] + P[:, :, 0] + P[:, :, 1] * R[i, None]  # [m, P]
-        c, d, B = P[:, :, 2], P[:, :, 3], self.budget
-        # necessary upper bounds on k, floor(num / den) where den > 0
-        nums, dens = [], []
-        nums.append(B - A0)                   # a piece flat in rec: a <= B
-        dens.append(np.where(d == 0, c, 0))
-        nums.append(B - A0 - d)               # rec = 1 allowed by a piece rising in rec
-        dens.append(np.where(d > 0, c, 0))
-        nums.append(B - A0)                   # rec <= k allowed by a piece falling in rec
-        dens.append(np.where(d < 0, c + d, 0))
-        # a falling piece p and a rising one q leave room for some rec
-        negd, posd = np.where(d < 0, -d, 0), np.where(d > 0, d, 0)
-        gap = np.where(d != 0, B - A0, 0)  # padding pieces (d = 0) out of the products
-        pair = (d < 0)[:, :, None] & (d > 0)[:, None, :]
-        nums.append((negd[:, :, None] * gap[:, None, :]
-                     + posd[:, None, :] * gap[:, :, None]).reshape(len(i), -1))
-        dens.append(np.where(pair, posd[:, None, :] * c[:, :, None]
-                             + negd[:, :, None] * c[:, None, :], 0).reshape(len(i), -1))
-        num, den = np.concatenate(nums, 1), np.concatenate(dens, 1)
+        c, d = P[:, :, 2], P[:, :, 3]
+        M, b, den = (x[ranks[i]] for x in self._bounds())
+        num = np.einsum("mp,mpk->mk", self.budget - A0, M) + b
         up = np.where(den > 0, num // np.maximum(den, 1), _BIG).min(1)
         top = np.minimum(up, R[i])
         ks = top[:, None] - np.arange(window)[None, :]  # [m, w]

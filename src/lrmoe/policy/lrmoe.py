@@ -193,21 +193,22 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
                 f"match EP {G} with {S} slots per rank")
         inst = placement
         idx = slots if slots is not None else Slots(inst, E)
-        assign = idx.overlap_ig(c, idx.even_split(c.sum(0)))
+        load = idx.even_split(c.sum(0))
+        assign = idx.overlap_ig(c, load)
         n_inst = (inst >= 0).sum(1)
-        recv = assign.sum(1).reshape(G, S).sum(1)
+        recv = load.sum(1)
         kept = not view.over(n_inst, recv, np.minimum(n_inst, recv))
     if not kept:
         inst, load = place_replicas(c.sum(0), G, S, cfg, view)
         assign = interval_overlap_ig(c, inst, load)
         n_inst = (inst >= 0).sum(1)
-        recv = assign.sum(1).reshape(G, S).sum(1)
+        recv = load.sum(1)
         # Feasibility after placement: replicas may have taken pairs (and so buffer
         # bytes) off a hot rank that the native placement alone could not fit.
         view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
                            "the smallest lrmoe plan (its placement, one retained pair per "
                            "instance)")
-    retain, rec = retention(assign, inst, view, cfg.recompute)
+    retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
     select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
               else retain)
     # retain (select) is the very array assign (retain) when nothing was trimmed
@@ -216,7 +217,7 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
     s_GGS = r_GGS.copy() if select is retain else blocks_to_GGS(select, G, S)
     plan = to_plan(inst, a_GGS, r_GGS, s_GGS, recompute_G=rec)
     # the plan never exceeds the budget (the ledger's own message if it ever did)
-    if view.over(n_inst, recv, retain.sum(1).reshape(G, S).sum(1), rec):
+    if view.over(n_inst, recv, kept_G, rec):
         ledger.check(plan)
     return plan, kept
 

@@ -18,12 +18,15 @@ from lrmoe.policy.ledger_view import LedgerView
 
 
 def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
-              recompute: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+              recompute: bool = False, load_GS: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Pass 2: retention quotas per instance, then per block (``[G·S, G]``, one row per
     instance); with ``recompute`` also the rows per rank that keep only their input row
-    (``None`` without)."""
+    (``None`` without); and the pairs each rank retains. ``load_GS``: the instances'
+    loads when the caller has them (the blocks' row sums)."""
     G, S = inst_GS.shape
-    load_GS = assign_IG.sum(1).reshape(G, S)
+    if load_GS is None:
+        load_GS = assign_IG.sum(1).reshape(G, S)
     recv_G = load_GS.sum(1)
     n_occ = (inst_GS >= 0).sum(1)
     keep = recv_G.copy()
@@ -39,7 +42,7 @@ def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
             rec[short[up]] = need[up]
     short = np.flatnonzero(keep < recv_G)
     if short.size == 0:
-        return assign_IG, rec  # everything retained: the same array (the caller copies)
+        return assign_IG, rec, keep  # all retained: the same array (the caller copies)
     # a rank that retains everything keeps every block whole; the others split
     base_GS = (load_GS[short] > 0).astype(np.int64)
     rest_G = keep[short] - base_GS.sum(1)
@@ -51,7 +54,7 @@ def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
     rows = (short[:, None] * S + np.arange(S)).ravel()
     retain = assign_IG.copy()
     retain[rows] = apportion_rows_np(quota_GS.ravel(), assign_IG[rows])
-    return retain, rec
+    return retain, rec, keep
 
 
 def backward_quotas(assign_IG: np.ndarray, retain_IG: np.ndarray, G: int, balance: float,

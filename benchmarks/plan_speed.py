@@ -1,18 +1,36 @@
-"""Planning time per MoE layer: lrmoe, symi and capacity at EP 8..64.
+"""Planning time per MoE layer on its critical path: every policy at EP 8..64.
 
 For each EP size × Zipf skew × budget (loose: everything retained; binding: the
 ledger leaves room to retain ~40% of the busiest rank's pairs) and each policy, the
-median wall time of ``policy.plan(counts_GE, PlanInputs(...))`` on one CPU thread
-(``torch.set_num_threads(1)``) with host counts, and the thread's CPU time (robust to a
-shared, loaded machine). With CUDA, also "from device counts": the counts start on the
-GPU, the timed region copies them to the host (the one synchronisation the runtime
-already makes after its count all-gather) and plans; host syncs inside ``plan`` are
-counted with ``torch.cuda.set_sync_debug_mode`` (0 expected: the planners run on the
-host). ``--reference`` also times today's loop-by-loop lrmoe planner
-(:mod:`lrmoe.policy.lrmoe_reference`) for the speed-up.
+median time of the part of planning that waits on the step's counts: ``policy.plan
+(counts_GE, inputs)`` on one CPU thread (``torch.set_num_threads(1)``), with the
+inputs the runtime hands it (:func:`lrmoe.policy.base.prepare` already run on the
+previous step's counts). Both the wall time and the thread's CPU time (robust to a
+shared, loaded machine) are recorded, and, off the critical path:
+
+* ``prepare ms``: the policy's ``prepare`` (SYMI's placement from the previous step's
+  popularity; lrmoe's with ``placement=previous``), which needs none of this step's
+  counts, so it can overlap the previous step or the layer's earlier work;
+* ``check ms`` / ``pricing ms``: ``Plan.check`` and the ledger's per-rank pricing
+  (``Ledger.rank_terms``, or ``exact_fit`` for the exact policies) that the emulator
+  used to charge as planning; the runtime does neither on the way to its dispatch.
+
+Policies: static and symi (each with recompute to fit a budget, as ``bench ttl`` runs
+them), capacity, and lrmoe with and without ``recompute``, each with ``placement``
+``current`` (replicas from this step's counts: the whole planner on the critical path)
+and ``previous`` (from the previous step's, prepared ahead; ``replaced``: the prepared
+placement did not fit on this step's counts and was made again, on the critical path).
 
 Counts: every home rank draws ``tokens_per_rank · top_k`` pairs from Zipf(skew) weights
-over a seeded expert permutation (multinomial), so home and received loads vary.
+over a seeded expert permutation (multinomial); the previous step's counts are a fresh
+draw from the same weights (routing that drifts a little, as between two steps).
+
+With CUDA, also "from device counts": the counts start on the GPU, the timed region
+copies them to the host (the one synchronisation the runtime already makes after its
+count all-gather) and plans; host syncs inside ``plan`` are counted with
+``torch.cuda.set_sync_debug_mode`` (0 expected: the planners run on the host).
+``--reference`` also times the loop-by-loop lrmoe planner
+(:mod:`lrmoe.policy.lrmoe_reference`) for the speed-up.
 
     python3 benchmarks/plan_speed.py --out DIR [--preset qwen3-30b-a3b] [--reference]
 """
@@ -35,17 +53,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.memory import Ledger  # noqa: E402
-from lrmoe.policy import CapacityPolicy, LrmoeConfig, LrmoePolicy, PlanInputs, SymiPolicy, lrmoe_reference  # noqa: E402
+from lrmoe.policy import (  # noqa: E402
+    CapacityPolicy,
+    LrmoeConfig,
+    LrmoePolicy,
+    PlanInputs,
+    StaticPolicy,
+    SymiPolicy,
+    lrmoe_reference,
+)
+from lrmoe.policy.base import prepare  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
 
-POLICIES = ("lrmoe", "symi", "capacity")
+POLICIES = ("static", "symi", "capacity", "lrmoe", "lrmoe:recompute", "lrmoe:previous",
+            "lrmoe:recompute+previous")
+CRITICAL_MS = 0.5  # the target for the critical part, ms per layer
 
 
-def zipf_counts(G: int, E: int, pairs_per_rank: int, skew: float, seed: int) -> torch.Tensor:
-    """``[G, E]``: each home rank's pairs drawn from Zipf(skew) over permuted experts."""
+def zipf_counts(G: int, E: int, pairs_per_rank: int, skew: float, seed: int,
+                draw: int = 0) -> torch.Tensor:
+    """``[G, E]``: each home rank's pairs drawn from Zipf(skew) over permuted experts;
+    ``draw`` > 0: another draw from the same weights."""
     rng = np.random.default_rng(seed)
     w = 1.0 / np.arange(1, E + 1, dtype=np.float64) ** skew
     w = w[rng.permutation(E)]
+    if draw:
+        rng = np.random.default_rng([seed, draw])
     return torch.from_numpy(rng.multinomial(pairs_per_rank, w / w.sum(), size=G)).long()
 
 
@@ -68,15 +101,21 @@ def budgets(cfg, G: int, counts: torch.Tensor, dtype: str) -> dict[str, int]:
 
 
 def make(name: str):
-    if name == "lrmoe":
-        return LrmoePolicy(LrmoeConfig())
+    """The policy of a row; the exact ones recompute to fit a budget (as ``bench ttl``)."""
+    if name.startswith("lrmoe"):
+        opts = name.partition(":")[2].split("+")
+        return LrmoePolicy(LrmoeConfig(recompute="recompute" in opts,
+                                       placement="previous" if "previous" in opts else "current"))
     if name == "symi":
-        return SymiPolicy(None, recompute=True)  # E/G + 2 slots; recompute to fit a budget
+        return SymiPolicy(None, recompute=True)  # E/G + 2 slots
+    if name == "static":
+        return StaticPolicy(recompute=True)
     return CapacityPolicy(1.25)
 
 
-def timed(repeats: int, fn, *args) -> tuple[float, float, str | None]:
-    """Median wall and thread-CPU ms of ``fn(*args)``; the error if it raises."""
+def timed(repeats: int, fn, *args) -> tuple[float, float, str | None, float]:
+    """Median wall and thread-CPU ms of ``fn(*args)``, the error if it raises, and the
+    least thread-CPU ms (what a quiet machine gives; medians move with the load)."""
     wall, cpu, err = [], [], None
     for i in range(repeats + 2):
         w0, c0 = time.perf_counter(), time.thread_time()
@@ -88,7 +127,7 @@ def timed(repeats: int, fn, *args) -> tuple[float, float, str | None]:
         if i >= 2:  # two warm-up calls
             wall.append((w1 - w0) * 1e3)
             cpu.append((c1 - c0) * 1e3)
-    return statistics.median(wall), statistics.median(cpu), err
+    return statistics.median(wall), statistics.median(cpu), err, min(cpu)
 
 
 def gpu_timed(policy, counts_dev: torch.Tensor, inputs: PlanInputs, repeats: int
@@ -120,15 +159,36 @@ def gpu_timed(policy, counts_dev: torch.Tensor, inputs: PlanInputs, repeats: int
     return statistics.median(out), syncs
 
 
+def off_path(name: str, pol, counts, inputs, ledger, repeats: int) -> dict:
+    """What no longer sits on the critical path: prepare, the plan check and the
+    ledger pricing the emulator used to charge as planning (thread ms)."""
+    prev = inputs.prev_counts_E
+    pairs = int(counts.sum()) // counts.shape[0]
+    row = {"prepare_ms": timed(repeats, prepare, pol, prev, counts.shape[0], inputs, pairs)[1]}
+    try:
+        plan = pol.plan(counts, inputs)
+    except LrmoeError:
+        return {**row, "check_ms": None, "pricing_ms": None, "replaced": None}
+    price = ledger.exact_fit if name in ("static", "symi") else ledger.rank_terms
+    row["check_ms"] = timed(repeats, plan.check, counts)[1]
+    row["pricing_ms"] = timed(repeats, price, plan)[1]
+    replaced = getattr(pol, "replaced_placements", 0)
+    pol.plan(counts, inputs)
+    row["replaced"] = getattr(pol, "replaced_placements", 0) - replaced > 0
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for plan_speed.json and plan_speed.md")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--eps", default="8,16,32,64")
     ap.add_argument("--skews", default="0,1,2")
-    ap.add_argument("--tokens-per-rank", type=int, default=16384)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--tokens-per-rank", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated, of {', '.join(POLICIES)}")
     ap.add_argument("--reference", action="store_true",
                     help="also time the reference lrmoe planner (slow: 3 repeats)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the device-counts timing")
@@ -137,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = get_preset(args.preset)
         eps = [int(x) for x in args.eps.split(",")]
         skews = [float(x) for x in args.skews.split(",")]
+        policies = args.policies.split(",")
         bad = [G for G in eps if G < 1 or cfg.num_experts % G]
         if bad or args.repeats < 1 or args.tokens_per_rank < 1:
             raise LrmoeError(f"--eps {bad} must divide E={cfg.num_experts}; --repeats and "
                              "--tokens-per-rank must be >= 1")
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown:
+            raise LrmoeError(f"--policies {unknown}: use some of {', '.join(POLICIES)}")
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise LrmoeError(f"--out {out} exists and is not a folder")
@@ -153,24 +217,31 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for G in eps:
         for skew in skews:
-            counts = zipf_counts(G, cfg.num_experts, pairs, skew, seed=G * 100 + int(skew * 10))
-            prev = counts.sum(0)
+            seed = G * 100 + int(skew * 10)
+            counts = zipf_counts(G, cfg.num_experts, pairs, skew, seed)
+            prev = zipf_counts(G, cfg.num_experts, pairs, skew, seed, draw=1).sum(0)
             for bname, budget in budgets(cfg, G, counts, args.dtype).items():
                 ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
-                inputs = PlanInputs(prev_counts_E=prev, ledger=ledger)
-                for name in POLICIES:
+                for name in policies:
                     pol = make(name)
-                    wall, cpu, err = timed(args.repeats, pol.plan, counts, inputs)
+                    exact = name in ("static", "symi", "capacity")
+                    # static and symi price the budget by recompute; capacity by a check
+                    inputs = prepare(pol, prev, G, PlanInputs(prev_counts_E=prev,
+                                                              ledger=ledger), pairs)
+                    wall, cpu, err, best = timed(args.repeats, pol.plan, counts, inputs)
                     row = {"ep": G, "skew": skew, "budget": bname, "budget_bytes": budget,
-                           "policy": name, "cpu_wall_ms": wall, "cpu_thread_ms": cpu,
-                           "error": err, "gpu_ms": None, "host_syncs_in_plan": None,
-                           "reference_ms": None}
+                           "policy": name, "exact": exact, "cpu_wall_ms": wall,
+                           "cpu_thread_ms": cpu, "cpu_thread_min_ms": best, "error": err,
+                           "gpu_ms": None,
+                           "host_syncs_in_plan": None, "reference_ms": None,
+                           **off_path(name, pol, counts, inputs, ledger, args.repeats)}
                     if cuda:
                         row["gpu_ms"], row["host_syncs_in_plan"] = gpu_timed(
                             pol, counts.cuda(), inputs, args.repeats)
-                    if name == "lrmoe" and args.reference:
+                    if name in ("lrmoe", "lrmoe:recompute") and args.reference:
+                        rc = LrmoeConfig(recompute=name.endswith("recompute"))
                         row["reference_ms"] = timed(3, lrmoe_reference.plan_lrmoe, counts,
-                                                    LrmoeConfig(), ledger)[1]
+                                                    rc, ledger)[1]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     meta = {"command": " ".join(sys.argv), "preset": args.preset,
@@ -185,22 +256,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def summary(rows: list[dict], key: str = "cpu_thread_ms") -> list[str]:
+    """Per policy and EP: the largest critical-path thread ms (``key``: medians, or
+    the least of the repeats) over skews and budgets (rows that plan), against the
+    target."""
+    eps = sorted({r["ep"] for r in rows})
+    lines = ["| policy | " + " | ".join(f"EP {G}" for G in eps) + f" | all ≤ {CRITICAL_MS} ms |",
+             "|---|" + "---|" * (len(eps) + 1)]
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        worst = [max((r[key] for r in rows if r["policy"] == name
+                      and r["ep"] == G and not r["error"]), default=None) for G in eps]
+        ok = all(w is None or w <= CRITICAL_MS for w in worst)
+        lines.append(f"| {name} | " + " | ".join(_f(w) for w in worst)
+                     + f" | {'yes' if ok else 'no'} |")
+    return lines
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
-    def f(x):
-        return "-" if x is None else f"{x:.3f}"
-    lines = [f"Planning time per layer, {meta['preset']}, {meta['tokens_per_rank']} tokens/rank, "
-             f"one CPU thread (medians of {meta['repeats']}; torch {meta['torch']}, "
-             f"GPU: {meta['gpu'] or 'none'}). `gpu ms` = copy device counts to the host (the "
-             "runtime's one sync) + plan on the host; `syncs` = host syncs inside plan.",
-             "", f"command: `{meta['command']}`", "",
-             "| EP | skew | budget | policy | cpu wall ms | cpu thread ms | gpu ms | syncs "
-             "| reference ms | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Critical-path planning time per layer, {meta['preset']}, "
+             f"{meta['tokens_per_rank']} tokens/rank, one CPU thread (medians of "
+             f"{meta['repeats']}; torch {meta['torch']}, CPU {meta['cpu']}, GPU: "
+             f"{meta['gpu'] or 'none'}). `plan` = `policy.plan` after `prepare` (thread "
+             "CPU ms; wall beside it); `prepare`, `check` and `pricing` are off the critical "
+             "path; `gpu ms` = copy device counts to the host (the runtime's one sync) + "
+             "plan; `syncs` = host syncs inside plan.", "",
+             f"command: `{meta['command']}`", "",
+             f"Largest critical-path ms over skews and budgets (target {CRITICAL_MS} ms), "
+             "medians:", "", *summary(rows), "",
+             "... and the least of the repeats (a quiet machine's):", "",
+             *summary(rows, "cpu_thread_min_ms"), "",
+             "| EP | skew | budget | policy | plan ms | wall ms | prepare ms | check ms "
+             "| pricing ms | gpu ms | syncs | reference ms | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        note = "does not fit" if r["error"] else ""
+        note = "does not fit" if r["error"] else ("placement replaced" if r["replaced"] else "")
         lines.append(f"| {r['ep']} | {r['skew']:g} | {r['budget']} | {r['policy']} | "
-                     f"{f(r['cpu_wall_ms'])} | {f(r['cpu_thread_ms'])} | {f(r['gpu_ms'])} | "
+                     f"{_f(r['cpu_thread_ms'])} | {_f(r['cpu_wall_ms'])} | "
+                     f"{_f(r['prepare_ms'])} | {_f(r['check_ms'])} | {_f(r['pricing_ms'])} | "
+                     f"{_f(r['gpu_ms'])} | "
                      f"{'-' if r['host_syncs_in_plan'] is None else r['host_syncs_in_plan']} | "
-                     f"{f(r['reference_ms'])} | {note} |")
+                     f"{_f(r['reference_ms'])} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ identical plans have identical modelled MoE time, so "feasible wherever today's 
 within 1%" holds with equality. symi and capacity likewise against their torch readings.
 """
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,12 +14,15 @@ import torch
 
 from lrmoe.errors import LrmoeError
 from lrmoe.memory import Ledger
-from lrmoe.policy import PlanInputs, lrmoe_reference
+from lrmoe.policy import LrmoePolicy, PlanInputs, StaticPolicy, SymiPolicy, lrmoe_reference
+from lrmoe.policy import lrmoe as lrmoe_mod
+from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity, plan_capacity_reference
 from lrmoe.policy.fastops import apportion_np, even_split_np, interval_overlap_np
-from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
+from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
+from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
 from lrmoe.policy.plan import even_split, full_plan, interval_overlap
+from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import contiguous_placement, plan_symi, replica_counts, replica_counts_heap
 from lrmoe.presets import get_preset
 
@@ -58,6 +62,15 @@ def _budget(cfg, G: int, counts: torch.Tensor, frac: float) -> int:
     return max(1, int(fixed + frac * max(t["retained_acts"] for t in terms)))
 
 
+def _layer(rng, preset: str, G: int, pairs: int, skew: float, frac: float):
+    """``(counts, ledger)`` of one random layer; ``frac`` as :func:`_budget`, NaN: no
+    budget."""
+    mcfg = get_preset(preset)
+    counts = _counts(rng, G, 128, pairs, skew)
+    budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
+    return counts, Ledger.for_dtype(mcfg, G, budget)
+
+
 def _cases(n: int, seed: int):
     rng = np.random.default_rng(seed)
     for i in range(n):
@@ -82,10 +95,7 @@ def test_lrmoe_fast_equals_reference_on_200_random_layers():
     loose and none, both full presets, random knobs. Same plan or same error."""
     kinds = {"plan": 0, "error": 0, "trimmed": 0, "replicas": 0}
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(200, seed=13):
-        mcfg = get_preset(preset)
-        counts = _counts(rng, G, 128, pairs, skew)
-        budget = None if np.isnan(frac) else _budget(mcfg, G, counts, frac)
-        ledger = Ledger.for_dtype(mcfg, G, budget)
+        counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
         fast, err = _outcome(plan_lrmoe, counts, cfg, ledger)
         ref, ref_err = _outcome(lrmoe_reference.plan_lrmoe, counts, cfg, ledger)
         where = f"case {i}: {preset} EP {G} skew {skew:.2f} frac {frac} {cfg}"
@@ -162,12 +172,25 @@ def test_numpy_primitives_equal_torch():
                               interval_overlap(c, ti, load).numpy())
 
 
+def _fit_exact_reference(plan, ledger, what):
+    """:func:`lrmoe.policy.plan.fit_exact` on the ledger's own per-rank exact_fit."""
+    if ledger is None or ledger.budget_bytes is None:
+        return plan
+    mode, rec, _ = ledger.exact_fit(plan)
+    if mode == "fits":
+        return plan
+    if mode == "pairs":
+        return dataclasses.replace(plan, recompute_G=torch.tensor(rec, dtype=torch.long))
+    every = dataclasses.replace(plan, recompute_G=plan.rank_load().clone())
+    ledger.raise_if_over(ledger.rank_terms(every), f"{what}, even recomputing every pair,")
+    raise AssertionError("exact_fit said it does not fit")
+
+
 def _symi_reference(counts, s, prev, ledger, recompute):
-    from lrmoe.policy.plan import fit_exact
     G, E = counts.shape
     plan = full_plan(counts, contiguous_placement(replica_counts(prev, E, G * s), G, s))
     if recompute:
-        return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
+        return _fit_exact_reference(plan, ledger, f"symi with slots_per_rank={s}")
     if ledger is not None and ledger.budget_bytes is not None:
         ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
     return plan
@@ -204,8 +227,9 @@ def _plan_speed():
 
 
 def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
-    """The benchmark's logic on CPU at one tiny point: every policy, both budgets,
-    JSON and markdown written; a bad --eps is one line and exit 2, nothing written."""
+    """The benchmark's logic on CPU at one tiny point: every policy and route, both
+    budgets, the critical part and what is off it, JSON and markdown written; a bad
+    --eps or --policies is one line and exit 2, nothing written."""
     mod = _plan_speed()
     out = tmp_path / "speed"
     assert mod.main(["--out", str(out), "--eps", "8", "--skews", "1", "--repeats", "1",
@@ -213,13 +237,177 @@ def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
     import json
     rows = json.loads((out / "plan_speed.json").read_text())["rows"]
     assert {(r["policy"], r["budget"]) for r in rows} == {
-        (p, b) for p in ("lrmoe", "symi", "capacity") for b in ("loose", "binding")}
+        (p, b) for p in mod.POLICIES for b in ("loose", "binding")}
     assert all(r["cpu_thread_ms"] >= 0 and r["gpu_ms"] is None for r in rows)
-    assert all(r["reference_ms"] is not None for r in rows if r["policy"] == "lrmoe")
-    lr = [r for r in rows if r["policy"] == "lrmoe"]
-    assert all(r["error"] is None for r in lr)  # lrmoe plans under both budgets
-    assert "| 8 | 1 | binding | lrmoe |" in (out / "plan_speed.md").read_text()
-    bad = tmp_path / "bad"
-    assert mod.main(["--out", str(bad), "--eps", "7"]) == 2
-    assert not bad.exists()
-    assert "--eps [7]" in capsys.readouterr().err
+    assert all(r["reference_ms"] is not None for r in rows
+               if r["policy"] in ("lrmoe", "lrmoe:recompute"))
+    lr = [r for r in rows if r["policy"].startswith("lrmoe")]
+    assert all(r["error"] is None and r["check_ms"] >= 0 for r in lr)  # plans, both budgets
+    assert all(r["replaced"] is not None for r in lr)
+    md = (out / "plan_speed.md").read_text()
+    assert "| 8 | 1 | binding | lrmoe:recompute+previous |" in md
+    assert "| lrmoe:previous | " in md  # the summary per policy and EP
+    for bad_args, msg in ((["--eps", "7"], "--eps [7]"),
+                          (["--policies", "lrmoe:next"], "lrmoe:next")):
+        bad = tmp_path / "bad"
+        assert mod.main(["--out", str(bad), *bad_args]) == 2
+        assert not bad.exists()
+        assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------- placement from earlier counts
+def _drift(rng, counts: torch.Tensor, how: str) -> torch.Tensor:
+    """Previous-step counts: the same routing (``same``), a fresh draw from similar
+    weights (``near``: each home's pairs re-drawn around its counts), or another
+    routing altogether (``far``: the experts' loads permuted)."""
+    if how == "same":
+        return counts.clone()
+    c = counts.numpy()
+    if how == "far":
+        return torch.from_numpy(np.ascontiguousarray(c[:, rng.permutation(c.shape[1])]))
+    p = (c + 1) / (c + 1).sum(1, keepdims=True)
+    return torch.from_numpy(np.stack([rng.multinomial(int(n), w) for n, w in zip(c.sum(1), p)]))
+
+
+def test_previous_placement_equals_current_when_the_counts_repeat():
+    """Prepared from the same counts (as ``[G, E]``, or as the runtime's global ``[E]``
+    with the pairs per home: the homes are equal), placement="previous" makes exactly
+    the current plan, or fails with the same error."""
+    seen = 0
+    for i, preset, G, skew, pairs, frac, cfg, rng in _cases(40, seed=29):
+        counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
+        cur, err = _outcome(plan_lrmoe, counts, cfg, ledger)
+        pol = LrmoePolicy(dataclasses.replace(cfg, placement="previous"))
+        for prev in (counts, counts.sum(0)):
+            inputs = prepare(pol, prev, G, PlanInputs(ledger=ledger), pairs)
+            assert inputs.prepared is not None
+            got, got_err = _outcome(pol.plan, counts, inputs)
+            assert got_err == err, i
+            assert cur is None or _same(got, cur), i
+            seen += cur is not None
+    assert pol.replaced_placements == 0 and seen >= 60
+
+
+def test_previous_placement_fits_the_budget_on_the_new_counts():
+    """Placed on other counts (near or far from these), under budgets from loose to
+    binding: the plan routes exactly these counts, every rank fits the ledger on them,
+    it keeps the prepared placement unless that one does not fit (then it is the
+    current plan), and it exists exactly when the current plan does."""
+    kept = replaced = 0
+    for i, preset, G, skew, pairs, frac, cfg, rng in _cases(60, seed=31):
+        # odd cases: routing that moved, under a budget with no room to spare
+        counts, ledger = _layer(rng, preset, G, pairs, skew, 0.01 if i % 2 else frac)
+        prev = _drift(rng, counts, ("near", "far")[i % 2])
+        pcfg = dataclasses.replace(cfg, placement="previous")
+        pol = LrmoePolicy(pcfg)
+        inputs = prepare(pol, prev.sum(0), G, PlanInputs(ledger=ledger), pairs)
+        got, err = _outcome(pol.plan, counts, inputs)
+        cur, cur_err = _outcome(plan_lrmoe, counts, cfg, ledger)
+        assert (got is None) == (cur is None), (i, err, cur_err)
+        if got is None:
+            continue
+        got.check(counts)
+        ledger.check(got)  # raises if any rank is over the budget
+        if pol.replaced_placements:
+            replaced += 1
+            assert _same(got, cur), i
+        else:
+            kept += 1
+            assert np.array_equal(got.inst_expert_GS.numpy(), inputs.prepared.inst_expert_GS)
+            # the same placement, planned from scratch on these counts: the same quotas
+            again, _ = lrmoe_mod.plan_lrmoe_placed(counts, pcfg, ledger,
+                                                    inputs.prepared.inst_expert_GS)
+            assert _same(got, again), i
+    assert kept >= 40, (kept, replaced)
+
+
+def test_a_prepared_placement_that_no_longer_fits_is_made_again():
+    """Placed on uniform counts (natives only), then the routing concentrates where the
+    natives alone do not fit the budget: the plan is the current one, within budget."""
+    mcfg, G = get_preset("qwen3-30b-a3b"), 64
+    counts = _counts(np.random.default_rng(G), G, 128, 4096, 2.0)
+    ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, 0.05))
+    natives = Ledger.for_dtype(mcfg, G, None).feasible_minimum(counts)
+    assert max(t["total"] for t in natives) > ledger.budget_bytes
+    pol = LrmoePolicy(LrmoeConfig(placement="previous"))
+    inputs = prepare(pol, torch.full((128,), 4096 * G // 128), G, PlanInputs(ledger=ledger), 4096)
+    assert (inputs.prepared.inst_expert_GS >= 0).sum() == 128  # natives, no replica
+    plan = pol.plan(counts, inputs)
+    assert pol.replaced_placements == 1
+    assert _same(plan, plan_lrmoe(counts, LrmoeConfig(), ledger)) and plan.num_replicas() > 0
+    ledger.check(plan)
+
+
+def test_previous_totals_scale_the_global_counts_to_this_steps_pairs():
+    prev = torch.tensor([5, 0, 3, 2])  # 10 pairs over two micro-batches of 2 ranks
+    total, home = previous_totals(prev, 2, home_pairs=3)
+    assert total.tolist() == [3, 0, 2, 1] and home.tolist() == [3, 3]  # 6 pairs: 3, 1.8, 1.2
+    total, home = previous_totals(prev, 4)
+    assert total.tolist() == [5, 0, 3, 2] and home.tolist() == [3, 3, 2, 2]
+    assert previous_totals(None, 2) is None and previous_totals(torch.zeros(4), 2) is None
+    with pytest.raises(LrmoeError, match="placement"):
+        LrmoeConfig(placement="next")
+
+
+def test_symi_prepared_placement_makes_the_same_plan():
+    rng = np.random.default_rng(3)
+    for i in range(12):
+        mcfg = get_preset(PRESETS[i % 2])
+        G = int(rng.choice([8, 32, 64]))
+        counts = _counts(rng, G, 128, 4096, float(rng.uniform(0, 2)))
+        prev = _drift(rng, counts, "near").sum(0)
+        ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, float(rng.choice([0.3, 2]))))
+        pol = SymiPolicy(None, recompute=bool(i % 2))
+        plain = PlanInputs(prev_counts_E=prev, ledger=ledger)
+        want, err = _outcome(pol.plan, counts, plain)
+        got, got_err = _outcome(pol.plan, counts, prepare(pol, prev, G, plain, 4096))
+        assert err == got_err and (want is None or _same(want, got)), i
+        assert prepare(pol, None, G, plain).prepared is None  # first step: uniform, in plan
+
+
+def test_static_plan_is_the_full_native_plan():
+    rng = np.random.default_rng(5)
+    for G in (1, 4, 64):
+        counts = _counts(rng, G, 128, 512, 1.0)
+        assert _same(StaticPolicy().plan(counts, PlanInputs()),
+                     full_plan(counts, native_placement(G, 128)))
+
+
+def test_vectorised_exact_fit_and_recompute_capacity_equal_the_ledger():
+    """Every rank at once, the ledger's own answers: exact_fit's modes, rows and totals
+    on static and symi plans; the recompute retention's ``(k, rec)``; plan totals."""
+    rng = np.random.default_rng(11)
+    modes = set()
+    for i in range(40):
+        mcfg = get_preset(PRESETS[i % 2])
+        G = int(rng.choice([8, 16, 64]))
+        counts = _counts(rng, G, 128, int(rng.choice([512, 65536])), float(rng.uniform(0, 2)))
+        ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts,
+                                                   float(rng.uniform(-0.5, 1.2))),
+                                  transients=("code", "bound")[i % 2])
+        for plan in (full_plan(counts, native_placement(G, 128)),
+                     plan_symi(counts, 128 // G + 2, counts.sum(0))):
+            mode, rec, totals = plan_exact_fit(ledger, plan)
+            want = ledger.exact_fit(plan)
+            assert (mode, rec.tolist(), totals.tolist()) == (
+                want[0], want[1], [t["total"] for t in want[2]]), i
+            modes.add(mode)
+        home = counts.sum(1).numpy()
+        view = LedgerView(ledger, home)
+        n = rng.integers(128 // G, 128 // G + 3, G)
+        R = (home * rng.uniform(0.2, 3, G)).astype(np.int64)
+        want = [ledger.retain_capacity_recompute(int(a), int(b), int(h))
+                for a, b, h in zip(n, R, home)]
+        k, rec = view.capacity_recompute(n, R, np.arange(G))
+        assert list(zip(k.tolist(), rec.tolist())) == want, i
+        # with no bound the window starts at every received pair: answers below it come
+        # from the ledger's own search
+        loose = LedgerView(ledger, home)
+        M, b, den = loose._bounds()
+        loose._extra = {"bounds": (M, b, np.zeros_like(den))}
+        k, rec = loose.capacity_recompute(n, R, np.arange(G), window=1)
+        assert list(zip(k.tolist(), rec.tolist())) == want, i
+        plan = plan_lrmoe(counts, LrmoeConfig(recompute=True), ledger) if mode != "over" \
+            else plan_symi(counts, 128 // G, counts.sum(0))
+        assert plan_totals(ledger, plan).tolist() == [t["total"] for t in ledger.rank_terms(plan)]
+    assert modes >= {"fits", "pairs", "over"}, modes

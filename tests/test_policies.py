@@ -487,3 +487,29 @@ def test_lrmoe_recompute_retains_more_within_budget(seed):
                 assert int(b.recompute_G[r]) == 0
         short += int(bool((ka < a.rank_load()).any()))
     assert short > 0, "the budgets must bind for some rank"
+
+
+def test_lrmoe_placement_reaches_the_planner_from_every_command():
+    """--lrmoe-placement / lrmoe:placement=previous end up in the planner's config (train,
+    plan, bench ttl); a bad value is one error naming it."""
+    from lrmoe.commands.plan import lrmoe_config
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.ttl import TTLConfig, _choose, policy_variant
+    from lrmoe.train.config import build_policy, check_args, config_from_cli
+
+    base, cfg = policy_variant("lrmoe:recompute+placement=previous", TTLConfig())
+    pc = _choose(base, cfg, get_preset("tiny-qwen3"), None, [])[0]
+    assert (pc.lrmoe.placement, pc.lrmoe.recompute) == ("previous", True)
+    assert policy_variant("lrmoe", TTLConfig(lrmoe_placement="previous"))[1].lrmoe_placement \
+        == "previous"
+    with pytest.raises(LrmoeError, match="lrmoe:placement=next"):
+        policy_variant("lrmoe:placement=next", TTLConfig())
+    args = argparse.Namespace(balance=1.0, min_keep=0.5, no_selection=False,
+                              lrmoe_recompute=False, lrmoe_placement="previous")
+    assert lrmoe_config(args).placement == "previous"
+    tc = config_from_cli({"policy": "lrmoe", "lrmoe_placement": "previous",
+                          "preset": "tiny-qwen3"})
+    assert build_policy(tc, get_preset("tiny-qwen3"), 2).config.placement == "previous"
+    with pytest.raises(LrmoeError, match="--lrmoe-placement 'next'"):
+        check_args(config_from_cli({"policy": "lrmoe", "lrmoe_placement": "next",
+                                    "preset": "tiny-qwen3"}))

@@ -108,3 +108,34 @@ def test_real_clock_charges_the_planner_on_every_rank():
     slow = _step(Slow(PartialPolicy(), SLEEP))
     assert min(slow.per_rank["plan"]) >= SLEEP
     assert slow.total >= SLEEP
+
+
+class SlowPrepare(Slow):
+    """Sleeps ``delay`` in ``prepare`` (what it plans from the previous step's counts,
+    before this step's exist), then plans at once."""
+
+    def prepare(self, prev_counts, G, inputs, home_pairs=None):
+        time.sleep(self.delay)
+
+    def plan(self, counts_GE, inputs):
+        return self.inner.plan(counts_GE, inputs)
+
+
+def test_prepare_check_and_pricing_are_reported_not_charged(monkeypatch):
+    """Only the plan from this step's counts sits on the critical path: a slow
+    ``prepare`` is reported (``prepare_ms``) and a slow plan check or ledger pricing
+    is not charged."""
+    from lrmoe.policy.plan import Plan
+    FakeClock(monkeypatch)
+    base = _step(PartialPolicy())
+    layer, x = _layer()
+    v = VirtualEPLayer(layer, G, SlowPrepare(PartialPolicy(), SLEEP))
+    v(x.clone().requires_grad_()).sum().backward()
+    assert v.stats.prepare_ms == pytest.approx(SLEEP * 1e3, rel=1e-9)
+    slow = step_times(v.stats, LINKS["nvlink"])
+    check = Plan.check
+    monkeypatch.setattr(Plan, "check", lambda p, c: (time.sleep(SLEEP), check(p, c)))
+    checked = _step(PartialPolicy())
+    for st in (slow, checked):
+        assert st.per_rank["plan"] == base.per_rank["plan"]
+        assert st.total == pytest.approx(base.total, rel=1e-9)

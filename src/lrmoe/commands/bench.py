@@ -88,6 +88,10 @@ def register(sub) -> None:
                         "the retained pairs)")
     t.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
+    t.add_argument("--lrmoe-placement", default="current",
+                   help="lrmoe: replicas placed from the step's counts (current) or, before "
+                        "the count exchange, from the previous step's (previous); also a "
+                        "policy variant option: lrmoe:placement=previous (default current)")
     t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
     t.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
                    help="host: every policy keeps the experts' fp32 masters and AdamW "
@@ -252,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
         balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
         estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
+        lrmoe_placement=args.lrmoe_placement,
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,

@@ -69,6 +69,10 @@ def register(subparsers) -> None:
                    help="lrmoe: select every retained pair")
     p.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by recomputing some gate_up outputs")
+    p.add_argument("--lrmoe-placement", default="current",
+                   help="lrmoe: replicas placed from the step's counts (current) or from "
+                        "the previous step's (previous; here, as SYMI's popularity, the "
+                        "same loads: a steady state) (default current)")
     p.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
                    help="host: the experts' fp32 masters and AdamW moments live in host "
                         "memory (SYMI's design); the ledger counts only the GPU's bytes and "
@@ -153,7 +157,8 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def lrmoe_config(args: argparse.Namespace) -> LrmoeConfig:
     return LrmoeConfig(balance=args.balance, min_keep=args.min_keep,
-                       selection=not args.no_selection, recompute=args.lrmoe_recompute)
+                       selection=not args.no_selection, recompute=args.lrmoe_recompute,
+                       placement=args.lrmoe_placement)
 
 
 def run(args: argparse.Namespace) -> int:

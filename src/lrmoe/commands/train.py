@@ -122,6 +122,9 @@ def register(sub) -> None:
     g.add_argument("--lrmoe-recompute", action="store_true",
                    help="lrmoe: retain more pairs by saving only some pairs' input rows and "
                         "recomputing their gate_up outputs in backward")
+    g.add_argument("--lrmoe-placement", help="lrmoe: place replicas from this step's "
+                   "counts (current) or, before the count exchange, from the previous "
+                   "step's (previous, as SYMI does) (default current)")
     g.add_argument("--lrmoe-metric", help="backward recalibration metric: grad_norm or gate "
                    "(default grad_norm)")
     g.add_argument("--lrmoe-estimator", help="topk or sampled (default topk)")

@@ -26,7 +26,8 @@ from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchan
 from lrmoe.parallel.layout import home_layout, recv_layout, to_device
 from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
 from lrmoe.parallel.weights import instance_weight_list
-from lrmoe.policy.base import PlanInputs, Policy
+from lrmoe.policy.base import PlanInputs, Policy, prepare
+from lrmoe.policy.ledger_view import plan_totals
 from lrmoe.policy.static import StaticPolicy
 
 
@@ -142,6 +143,9 @@ class MoELayer(nn.Module):
             inputs = replace(inputs, prev_counts_E=inputs.prev_counts_E.cpu())
         E = self.cfg.num_experts
         idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
+        # what the policy plans from the previous step's counts, before the count
+        # exchange's host wait (the device still runs the queued work meanwhile)
+        inputs = prepare(rt.policy, inputs.prev_counts_E, rt.comm.size, inputs, idx_P.numel())
         t0 = time.perf_counter()
         counts_GE = rt.comm.all_gather_counts(counts_E)  # popularity exchange (+ the host sync)
         t1 = time.perf_counter()
@@ -198,7 +202,7 @@ class MoELayer(nn.Module):
                  # exact plans over a budget: rows whose gate_up output backward recomputes
                  "recomputed_rows": 0 if plan.recompute_G is None else int(plan.recompute_G[me])}
         if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
-            stats["ledger_total_bytes"] = int(rt.ledger.rank_terms(plan)[me]["total"])
+            stats["ledger_total_bytes"] = int(plan_totals(rt.ledger, plan)[me])
         return stats
 
     def end_step(self) -> Tensor | None:

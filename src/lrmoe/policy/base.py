@@ -1,13 +1,38 @@
-"""The policy interface: ``plan(counts, inputs) -> Plan``, pure and collective-free."""
+"""The policy interface: ``prepare`` off the critical path, then ``plan(counts, inputs)
+-> Plan``, both pure and collective-free.
+
+A MoE layer's plan waits on that step's count all-gather: whatever a policy can compute
+from earlier data (the previous step's counts) it does in ``prepare``, which the
+runtime may call before the all-gather (while the GPU still runs the queued work); only
+``plan`` sits between the counts arriving and the dispatch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 from torch import Tensor
 
+from lrmoe.policy.fastops import Slots
 from lrmoe.policy.plan import Plan
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a policy computed before this step's counts: its placement.
+
+    Attributes:
+        policy: the name of the policy that made it (another policy ignores it).
+        inst_expert_GS: expert per slot, ``-1`` empty (int64 numpy, ``[G, S]``).
+        slots: its split index (:class:`lrmoe.policy.fastops.Slots`), also computed
+            ahead.
+    """
+
+    policy: str
+    inst_expert_GS: np.ndarray
+    slots: Slots | None = None
 
 
 @dataclass
@@ -20,15 +45,31 @@ class PlanInputs:
         prev_counts_E: the previous step's global pairs per expert of this layer
             (``None`` on the first step); SYMI's popularity.
         ledger: the memory ledger (``lrmoe.memory.Ledger``) or ``None`` when no budget.
+        prepared: the policy's :meth:`Policy.prepare` result for this layer and step
+            (``None``: not prepared; a policy that needs it prepares inside ``plan``).
     """
 
     layer: int = 0
     step: int = 0
     prev_counts_E: Tensor | None = None
     ledger: Any = None
+    prepared: Prepared | None = None
 
 
 class Policy(Protocol):
     name: str
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan: ...
+
+
+def prepare(policy, prev_counts, G: int, inputs: PlanInputs,
+            home_pairs: int | None = None) -> PlanInputs:
+    """``inputs`` with ``policy``'s prepared part, computed from ``prev_counts`` (the
+    previous step's ``[E]`` global or ``[G, E]`` per-home counts) before this step's
+    counts exist. ``home_pairs``: the pairs each home rank routes this step (tokens ×
+    top-k), known from the batch before any count is exchanged. A policy without a
+    ``prepare`` step (or with nothing to prepare) leaves ``inputs`` as they are."""
+    fn = getattr(policy, "prepare", None)
+    if fn is None:
+        return inputs
+    return replace(inputs, prepared=fn(prev_counts, G, inputs, home_pairs))

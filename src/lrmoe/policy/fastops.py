@@ -13,82 +13,136 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lrmoe.errors import require
+from lrmoe.errors import LrmoeError
 from lrmoe.policy.plan import Plan
+
+_NO_KEY = 1 << 62  # above every key: no entry gets +1
+
+
+def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
+    """:func:`apportion_np` with the roles of the axes swapped: row ``k`` of
+    ``weight_KN`` is split, ``total_K[k]`` units over its N entries (ties to the lower
+    entry). The layout the planners keep their blocks in (one row per instance), so that
+    every step runs along contiguous memory.
+
+    Only the rows that are split (``0 < total < weight``) are computed: the others
+    take all or nothing. Within those, each entry's key ``remainder·N + (N-1-n)`` is
+    unique, so the ``left`` largest keys of a row (one sort of its N entries) are
+    exactly the entries a stable largest-remainder sort would give +1."""
+    w = np.asarray(weight_KN, dtype=np.int64)
+    total = np.asarray(total_K, dtype=np.int64)
+    W = w.sum(1)
+    if (total > W).any() or (total < 0).any():
+        raise LrmoeError("apportion: totals must lie between 0 and the column weight")
+    part = (total > 0) & (total < W)
+    if part.all():
+        out, rows, wc, tc, Wc = None, None, w, total[:, None], W[:, None]
+    else:
+        out = w * (total == W)[:, None]
+        rows = np.flatnonzero(part)
+        if rows.size == 0:
+            return out
+        wc, tc, Wc = w[rows], total[rows, None], W[rows, None]
+    N = w.shape[1]
+    base, key = np.divmod(tc * wc, Wc)
+    left = tc[:, 0] - base.sum(1)
+    key *= N
+    key += np.arange(N - 1, -1, -1)  # remainder, then the lower entry first
+    kth = np.sort(key, axis=1)[np.arange(len(key)), N - np.maximum(left, 1)]
+    kth[left <= 0] = _NO_KEY
+    base += key >= kth[:, None]
+    if out is None:
+        return base
+    out[rows] = base
+    return out
 
 
 def apportion_np(total_K: np.ndarray, weight_NK: np.ndarray) -> np.ndarray:
     """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower row)."""
-    w = np.asarray(weight_NK, dtype=np.int64)
-    total = np.asarray(total_K, dtype=np.int64)
-    W = w.sum(0)
-    require(bool((total <= W).all()) and bool((total >= 0).all()),
-            "apportion: totals must lie between 0 and the column weight")
-    num = total[None, :] * w
-    base = num // np.maximum(W, 1)
-    left = total - base.sum(0)
-    cols = np.flatnonzero(left > 0)  # only these columns hand out remainders
-    if cols.size:
-        rem = num[:, cols] - base[:, cols] * np.maximum(W[cols], 1)
-        lc = left[cols]
-        # the left-th largest remainder t per column: rows above it get +1, and of the
-        # rows equal to it the lowest ones, as many as are left (a stable sort's order)
-        t = -np.sort(-rem, axis=0)[lc - 1, np.arange(cols.size)]
-        above = rem > t
-        eq = rem == t
-        give = above | (eq & (eq.cumsum(0) <= (lc - above.sum(0))[None, :]))
-        base[:, cols] += give
-    return base
+    return apportion_rows_np(total_K, np.asarray(weight_NK).T).T
 
 
-def _slot_rank(e_idx: np.ndarray, valid: np.ndarray, n_experts: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Sort order of the slots by (expert, global slot) and each slot's first sorted
-    position of its expert; empty slots sort after every expert."""
-    key = np.where(valid, e_idx, n_experts)
-    order = np.argsort(key, kind="stable")  # stable: global slot order within an expert
-    key_sorted = key[order]
-    return order, np.searchsorted(key_sorted, key_sorted)
+class Slots:
+    """What the split arithmetic needs of a placement, computed once per placement (a
+    placement prepared off the critical path brings its index along).
+
+    Attributes:
+        e_idx: expert per slot (0 for an empty slot), ``[G·S]``.
+        valid: the slot holds an instance.
+        order: the slots sorted by (expert, global slot), empty slots last.
+        starts: per sorted position, the first sorted position of its expert.
+        k: each slot's rank among its expert's instances (global slot order).
+        n: its expert's number of instances (>= 1).
+    """
+
+    def __init__(self, inst_expert_GS: np.ndarray, n_experts: int) -> None:
+        self.shape = inst_expert_GS.shape
+        ie = np.asarray(inst_expert_GS, dtype=np.int64).ravel()
+        self.valid = valid = ie >= 0
+        self.e_idx = e_idx = np.where(valid, ie, 0)
+        key = np.where(valid, e_idx, n_experts)
+        self.order = order = np.argsort(key, kind="stable")  # global slot order per expert
+        key_sorted = key[order]
+        self.starts = np.searchsorted(key_sorted, key_sorted)
+        self.k = np.empty_like(order)
+        self.k[order] = np.arange(ie.size) - self.starts
+        self.n = np.maximum(np.bincount(e_idx[valid], minlength=n_experts)[e_idx], 1)
+        # the slots whose expert has several instances (the only ones whose blocks need
+        # the interval arithmetic: a lone instance takes every home's pairs)
+        self.shared = np.flatnonzero(valid & (self.n > 1))
+
+    def even_split(self, total_E: np.ndarray) -> np.ndarray:
+        """:func:`even_split_np` for these slots, ``[G, S]``."""
+        t = total_E[self.e_idx]
+        return ((t // self.n + (self.k < t % self.n)) * self.valid).reshape(self.shape)
+
+    def overlap_ig(self, counts_GE: np.ndarray, inst_load_GS: np.ndarray) -> np.ndarray:
+        """:func:`interval_overlap_ig` for these slots."""
+        c_EG = np.ascontiguousarray(counts_GE.T)
+        # a lone instance takes its expert's pairs from every home (its load is their
+        # total); an empty slot takes none
+        out = c_EG[self.e_idx]
+        out *= (self.valid & (self.n == 1))[:, None]
+        if self.shared.size == 0:
+            return out
+        load = inst_load_GS.ravel() * self.valid
+        lo_sorted = load[self.order]
+        cum = lo_sorted.cumsum()
+        inst_hi = np.empty_like(cum)
+        inst_hi[self.order] = cum - (cum - lo_sorted)[self.starts]
+        i, e = self.shared, self.e_idx[self.shared]
+        hh = c_EG[e].cumsum(1)  # [shared, G]: end of each home's interval in e's pairs
+        ov = np.minimum(hh, inst_hi[i, None])
+        ov -= np.maximum(hh - c_EG[e], (inst_hi[i] - load[i])[:, None])
+        out[i] = np.maximum(ov, 0, out=ov)
+        return out
 
 
 def even_split_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray) -> np.ndarray:
     """:func:`lrmoe.policy.plan.even_split`: each expert's total split evenly over its
     instances, the first ones in global slot order get +1."""
-    total_E = counts_GE.sum(0)
-    E = total_E.size
-    ie = inst_expert_GS.ravel()
-    valid = ie >= 0
-    e_idx = np.where(valid, ie, 0)
-    n_E = np.bincount(e_idx[valid], minlength=E)
-    order, starts = _slot_rank(e_idx, valid, E)
-    k = np.empty_like(order)
-    k[order] = np.arange(ie.size) - starts
-    n = np.maximum(n_E[e_idx], 1)
-    t = total_E[e_idx]
-    return ((t // n + (k < t % n)) * valid).reshape(inst_expert_GS.shape)
+    return Slots(inst_expert_GS, counts_GE.shape[1]).even_split(counts_GE.sum(0))
 
 
 def interval_overlap_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
                         inst_load_GS: np.ndarray) -> np.ndarray:
     """:func:`lrmoe.policy.plan.interval_overlap`: ``assign_GGS`` from contiguous
     intervals, homes in rank order and instances in global slot order per expert."""
-    G, E = counts_GE.shape
+    G = counts_GE.shape[0]
     S = inst_expert_GS.shape[1]
-    home_hi = counts_GE.cumsum(0)
-    home_lo = home_hi - counts_GE
-    ie = inst_expert_GS.ravel()
-    valid = ie >= 0
-    e_idx = np.where(valid, ie, 0)
-    load = inst_load_GS.ravel() * valid
-    order, starts = _slot_rank(e_idx, valid, E)
-    cum = load[order].cumsum()
-    hi_sorted = cum - (cum - load[order])[starts]
-    inst_hi = np.empty_like(hi_sorted)
-    inst_hi[order] = hi_sorted
-    inst_lo = inst_hi - load
-    lo = np.maximum(home_lo[:, e_idx], inst_lo[None, :])
-    hi = np.minimum(home_hi[:, e_idx], inst_hi[None, :])
-    return (np.clip(hi - lo, 0, None) * valid[None, :]).reshape(G, G, S)
+    return blocks_to_GGS(interval_overlap_ig(counts_GE, inst_expert_GS, inst_load_GS), G, S)
+
+
+def interval_overlap_ig(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
+                        inst_load_GS: np.ndarray) -> np.ndarray:
+    """:func:`interval_overlap_np` in instance-major layout: ``[G·S, G]``, row ``r·S +
+    s`` the pairs each home sends to instance ``(r, s)``."""
+    return Slots(inst_expert_GS, counts_GE.shape[1]).overlap_ig(counts_GE, inst_load_GS)
+
+
+def blocks_to_GGS(x_IG: np.ndarray, G: int, S: int) -> np.ndarray:
+    """Instance-major blocks ``[G·S, G]`` as the plan's ``[home, rank, slot]``."""
+    return np.ascontiguousarray(x_IG.T).reshape(G, G, S)
 
 
 def to_plan(inst_GS: np.ndarray, assign_GGS: np.ndarray, retain_GGS: np.ndarray,

@@ -35,43 +35,58 @@ class LedgerView:
         home_G: home pairs per rank (the count matrix's row sums).
         exact: the plans priced are exact (static, SYMI): every received row in
             backward, none gathered; otherwise the ledger's bound for trimmed plans.
+        priced: build the pricing arrays without a budget too (for :meth:`totals`).
     """
 
-    def __init__(self, ledger, home_G: np.ndarray, exact: bool = False) -> None:
+    def __init__(self, ledger, home_G: np.ndarray, exact: bool = False,
+                 priced: bool = False) -> None:
         self.ledger = ledger
         self.exact = bool(exact)
         self.home = np.asarray(home_G, dtype=np.int64)
         self.budget = None if ledger is None else ledger.budget_bytes
-        if self.budget is None:
+        if ledger is None or (self.budget is None and not priced):
             return
+        # the arrays depend on the home pairs alone, which are the same every step of a
+        # run (tokens x top-k): the ledger keeps the last ones (its memo holds every
+        # field they derive from)
+        key = ledger._memo_key("view", self.exact)
+        hit = ledger._pieces_memo.get(key)
+        home_bytes = self.home.tobytes()
+        if hit is None or hit[0] != home_bytes:
+            hit = (home_bytes, self._arrays(ledger), {})
+            ledger._pieces_memo[key] = hit
+        (self.cn, self.pieces, self._by_h, self._inv, self._c0, self._cR, self._ck,
+         self._ckdiv, self._ckbig) = hit[1]
+        self._extra = hit[2]  # derived arrays built on first use (:meth:`_bounds`)
+
+    def _arrays(self, ledger) -> tuple:
         uniq, inv = np.unique(self.home, return_inverse=True)
         by_h = [[ledger.total_pieces(int(h), self.exact, b) for b in (False, True)]
                 for h in uniq.tolist()]
-        self.cn = by_h[0][0][0]
         # [branch][G, P, 4]: rec = 0 and rec >= 1, padded with pieces that never bind
-        self.pieces = []
+        pieces = []
         for b in (0, 1):
             width = max(v[b][1].shape[0] for v in by_h)
             per_h = np.zeros((len(uniq), width, 4), dtype=np.int64)
             per_h[:, :, 0] = _NEVER
             for i, v in enumerate(by_h):
                 per_h[i, :v[b][1].shape[0]] = v[b][1]
-            self.pieces.append(per_h[inv.reshape(-1)])
-        # per rank, the rec = 0 pieces as Python tuples (c0, cR, ck) for capacity_fn
-        rows_h = [[(int(c), int(a), int(k)) for c, a, k, _ in v[0][1].tolist()] for v in by_h]
-        self._rows = [rows_h[i] for i in inv.reshape(-1).tolist()]
-        P0 = self.pieces[0]
-        self._c0, self._cR = P0[:, :, 0], P0[:, :, 1]
-        self._ck = ck = P0[:, :, 2]
-        self._ckdiv = np.maximum(ck, 1)  # pieces flat in k bound nothing: a huge quotient
-        self._ckbig = np.where(ck > 0, 0, _BIG)
+            pieces.append(per_h[inv.reshape(-1)])
+        P0 = pieces[0]
+        ck = P0[:, :, 2]
+        # pieces flat in k bound nothing: a huge quotient
+        return (by_h[0][0][0], pieces, by_h, inv.reshape(-1), P0[:, :, 0], P0[:, :, 1], ck,
+                np.maximum(ck, 1), np.where(ck > 0, 0, _BIG))
 
     # ------------------------------------------------------------ queries
     def capacity_fn(self):
         """A fast ``(rank, n, R) -> retain_capacity`` on Python ints."""
         if self.budget is None:
             return lambda r, n, R: R
-        B, cn, rows = self.budget, self.cn, self._rows
+        # per rank, the rec = 0 pieces as Python tuples (c0, cR, ck)
+        rows_h = [[(int(c), int(a), int(k)) for c, a, k, _ in v[0][1].tolist()]
+                  for v in self._by_h]
+        B, cn, rows = self.budget, self.cn, [rows_h[i] for i in self._inv.tolist()]
 
         def cap(r, n, R):
             base = B - cn * n
@@ -122,6 +137,120 @@ class LedgerView:
             return False
         return bool((self.totals(n_G, R_G, k_G, rec_G) > self.budget).any())
 
+    def _rec_bounds(self, a: np.ndarray, d: np.ndarray, k: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`Ledger._recompute_bounds` for many ``(rank, k)`` at once: ``a`` the
+        ``rec >= 1`` pieces' value at ``rec = 0`` (``[..., P]``), ``d`` their per-rec
+        slope, ``k`` the retained counts (``[...]``). Returns ``(ok, fewest rec)``."""
+        B = self.budget
+        neg, pos, zero = d < 0, d > 0, d == 0
+        big = np.int64(_BIG)
+        lo = np.maximum(1, np.where(neg, -((B - a) // np.where(neg, -d, 1)), 1).max(-1))
+        hi = np.minimum(k, np.where(pos, (B - a) // np.where(pos, d, 1), big).min(-1))
+        ok = (lo <= hi) & np.where(zero, a <= B, True).all(-1)
+        return ok, lo
+
+    def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
+        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once: ``(mode, rows
+        recomputed per rank, total bytes per rank)``, the same numbers (the ledger's
+        pieces, tested equal)."""
+        n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
+        if self.budget is None:
+            return "fits", np.zeros_like(k_G), self.totals(n_G, R_G, k_G)
+        rec = np.zeros_like(k_G)
+        short = self.totals(n_G, R_G, k_G) > self.budget
+        if short.any():
+            P = self.pieces[1][short]
+            a = ((self.cn * n_G[short])[:, None] + P[:, :, 0] + P[:, :, 1] * R_G[short, None]
+                 + P[:, :, 2] * k_G[short, None])
+            ok, lo = self._rec_bounds(a, P[:, :, 3], k_G[short])
+            rec[short] = np.where(ok, lo, -1)
+        if rec.min() >= 0:
+            return ("fits" if rec.max() == 0 else "pairs"), rec, self.totals(n_G, R_G, k_G, rec)
+        zeros = np.zeros_like(k_G)
+        totals = self.totals(n_G, R_G, zeros)
+        return ("layer" if totals.max() <= self.budget else "over"), R_G.copy(), totals
+
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Necessary upper bounds on a rank's retained count ``k`` with recompute, as
+        ``floor((room @ M + b) / den)`` where ``den > 0``, ``room = B - A0`` the ``rec >=
+        1`` pieces' room at ``k = rec = 0`` (``[G, P]``): ``M`` ``[G, P, K]``, ``b`` and
+        ``den`` ``[G, K]``. Each piece ``a = A0 + c·k + d·rec <= B`` bounds ``k``:
+
+        * flat in rec (``d = 0``): ``c·k <= room``;
+        * rising (``d > 0``), since ``rec >= 1``: ``c·k <= room - d``;
+        * falling (``d < 0``), since ``rec <= k`` must reach ``ceil((a - B) / -d)``:
+          ``(c + d)·k <= room``;
+        * a falling ``p`` and a rising ``q`` leave an integer ``rec`` only if
+          ``(a_p - B)/-d_p <= (B - a_q)/d_q``: ``(d_q·c_p - d_p·c_q)·k <= -d_p·room_q +
+          d_q·room_p``.
+
+        They depend on the home pairs alone, so they are cached with the arrays."""
+        hit = self._extra.get("bounds")
+        if hit is not None:
+            return hit
+        P = self.pieces[1]
+        c, d = P[:, :, 2], P[:, :, 3]
+        G, n = c.shape
+        eye = np.broadcast_to(np.eye(n, dtype=np.int64), (G, n, n))
+        negd, posd = np.where(d < 0, -d, 0), np.where(d > 0, d, 0)
+        pair = (d < 0)[:, :, None] & (d > 0)[:, None, :]  # [G, p, q]
+        on_q = np.einsum("xq,gpq->gxpq", eye[0], negd[:, :, None] * pair)
+        on_p = np.einsum("xp,gpq->gxpq", eye[0], posd[:, None, :] * pair)
+        M = np.concatenate([eye, eye, eye, (on_q + on_p).reshape(G, n, n * n)], 2)
+        zero = np.zeros_like(d)
+        b = np.concatenate([zero, -d, zero, np.zeros((G, n * n), dtype=np.int64)], 1)
+        den = np.concatenate([np.where(d == 0, c, 0), np.where(d > 0, c, 0),
+                              np.where(d < 0, c + d, 0),
+                              np.where(pair, posd[:, None, :] * c[:, :, None]
+                                       + negd[:, :, None] * c[:, None, :], 0).reshape(G, -1)], 1)
+        self._extra["bounds"] = hit = (M, b, den)
+        return hit
+
+    def capacity_recompute(self, n_G, R_G, ranks, window: int = 4
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`Ledger.retain_capacity_recompute` of the given ``ranks`` (int array):
+        ``(k, rec)`` per rank, the same answers.
+
+        Feasibility is monotone in ``k`` (the ledger's search relies on it), so the answer
+        is the largest feasible ``k``. Every pair of affine pieces gives a necessary,
+        continuous upper bound on it (the rounding of ``rec`` can only lower it); the
+        ``window`` counts below the tightest bound are tested exactly at once. A rank
+        whose answer lies below the window (none seen in practice) asks the ledger."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        n, R = (np.asarray(x, dtype=np.int64)[ranks] for x in (n_G, R_G))
+        P0 = self.pieces[0][ranks]
+        room = (self.budget - self.cn * n)[:, None] - P0[:, :, 0] - P0[:, :, 1] * R[:, None]
+        ck = P0[:, :, 2]
+        q = (room // np.maximum(ck, 1) + np.where(ck > 0, 0, _BIG)).min(1)
+        k0 = np.where(room.min(1) < 0, -1, np.where(q >= _BIG, R, q))
+        out_k, out_rec = np.where(k0 < 0, -1, np.minimum(k0, R)), np.zeros_like(R)
+        todo = (k0 >= 0) & (k0 < R)
+        if not todo.any():
+            return out_k, out_rec
+        i = np.flatnonzero(todo)
+        P = self.pieces[1][ranks[i]]
+        A0 = (self.cn * n[i])[:, None] + P[:, :, 0] + P[:, :, 1] * R[i, None]  # [m, P]
+        c, d = P[:, :, 2], P[:, :, 3]
+        M, b, den = (x[ranks[i]] for x in self._bounds())
+        num = np.einsum("mp,mpk->mk", self.budget - A0, M) + b
+        up = np.where(den > 0, num // np.maximum(den, 1), _BIG).min(1)
+        top = np.minimum(up, R[i])
+        ks = top[:, None] - np.arange(window)[None, :]  # [m, w]
+        a = A0[:, None, :] + c[:, None, :] * ks[:, :, None]
+        ok, lo = self._rec_bounds(a, np.broadcast_to(d[:, None, :], a.shape), ks)
+        ok &= ks > k0[i, None]
+        has = ok.any(1)
+        j = np.argmax(ok, 1)  # the first (largest k) feasible
+        rows = np.arange(len(i))
+        out_k[i] = np.where(has, ks[rows, j], k0[i])
+        out_rec[i] = np.where(has, lo[rows, j], 0)
+        for m in np.flatnonzero(~has & (ks[:, -1] > k0[i] + 1)).tolist():  # below the window
+            r = int(ranks[i[m]])
+            out_k[i[m]], out_rec[i[m]] = self.ledger.retain_capacity_recompute(
+                int(n[i[m]]), int(R[i[m]]), int(self.home[r]), self.exact)
+        return out_k, out_rec
+
     def terms(self, n_G, R_G, k_G, rec_G) -> list[dict[str, int]]:
         """The ledger's own terms of every rank (slow: for messages)."""
         return [self.ledger.terms(int(a), int(b), int(c), int(d), int(e), exact=self.exact)
@@ -132,3 +261,31 @@ class LedgerView:
         if self.over(n_G, R_G, k_G, rec_G):
             rec_G = np.zeros_like(k_G) if rec_G is None else rec_G
             self.ledger.raise_if_over(self.terms(n_G, R_G, k_G, rec_G), what)
+
+
+def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
+    """The view for ``plan``'s home pairs (as the ledger takes them: assigned + dropped)
+    and its per-rank ``(instances, received, retained)``."""
+    a = plan.assign_GGS.numpy()
+    home = a.sum((1, 2))
+    if plan.dropped_GE is not None:
+        home = home + plan.dropped_GE.numpy().sum(1)
+    view = LedgerView(ledger, home, exact=plan.exact)
+    n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
+    return view, n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2))
+
+
+def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
+    """:meth:`Ledger.exact_fit` of ``plan``: ``(mode, rows recomputed per rank, total
+    bytes per rank)``, vectorised."""
+    view, n, R, k = _plan_view(ledger, plan)
+    return view.exact_fit(n, R, k)
+
+
+def plan_totals(ledger, plan) -> np.ndarray:
+    """Each rank's total of :meth:`Ledger.rank_terms` for ``plan``, vectorised."""
+    view, n, R, k = _plan_view(ledger, plan)
+    rec = None if plan.recompute_G is None else plan.recompute_G.numpy()
+    if view.budget is None:  # the totals do not depend on the budget
+        view = LedgerView(ledger, view.home, exact=view.exact, priced=True)
+    return view.totals(n, R, k, rec)

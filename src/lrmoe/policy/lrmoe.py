@@ -62,14 +62,21 @@ import numpy as np
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
-from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.fastops import host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.base import PlanInputs, Prepared
+from lrmoe.policy.fastops import (
+    Slots,
+    blocks_to_GGS,
+    host_counts,
+    interval_overlap_ig,
+    to_plan,
+)
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.lrmoe_place import place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
 
 ESTIMATORS = ("topk", "sampled")
+PLACEMENTS = ("current", "previous")
 RETENTION_ORDERS = ("gate",)
 
 
@@ -96,6 +103,10 @@ class LrmoeConfig:
         recompute: retention may also keep pairs whose gate_up output is recomputed in
             backward (only the input row saved): a rank retains as many pairs as fit
             that way, recomputing the fewest (more pairs in backward, more backward work).
+        placement: ``current`` places replicas from this step's counts (pass 1 on the
+            critical path); ``previous`` from the previous step's counts, as SYMI does
+            (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the split,
+            the quotas and the budget check wait on this step's counts.
     """
 
     balance: float = 1.0
@@ -110,6 +121,7 @@ class LrmoeConfig:
     target_cosine: float = 0.99
     fidelity_every: int = 0
     recompute: bool = False
+    placement: str = "current"
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -122,40 +134,122 @@ class LrmoeConfig:
                 f"lrmoe.max_slots_per_rank={self.max_slots_per_rank} must be >= 1 or None")
         require(self.estimator in ESTIMATORS,
                 f"lrmoe.estimator={self.estimator!r} is not one of {ESTIMATORS}")
+        require(self.placement in PLACEMENTS,
+                f"lrmoe.placement={self.placement!r} is not one of {PLACEMENTS}")
         require(self.retention_order in RETENTION_ORDERS,
                 f"lrmoe.retention_order={self.retention_order!r} is not one of "
                 f"{RETENTION_ORDERS}")
 
 
-def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None) -> Plan:
-    """The LRMoE plan of one layer (see the module docstring); host counts in, a plan of
-    host tensors out, no device work and no collective."""
-    cfg = config or LrmoeConfig()
-    G, E = counts_GE.shape
+def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
-    c = host_counts(counts_GE)
-    require(bool((c >= 0).all()), "counts must be >= 0")
     n_nat = E // G
     S = cfg.max_slots_per_rank if cfg.max_slots_per_rank is not None else n_nat + 2
     require(S >= n_nat, f"lrmoe.max_slots_per_rank={S} must be >= E/G = {n_nat} "
                         "(each rank holds its native experts)")
+    return S
+
+
+def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | None = None,
+                ledger=None) -> np.ndarray:
+    """Pass 1 alone: the placement ``[G, S]`` for experts' total pairs ``total_E`` and
+    home ranks' pairs ``home_G`` (what ``placement="previous"`` computes off the critical
+    path, from the previous step's counts)."""
+    cfg = config or LrmoeConfig()
+    G, E = len(home_G), len(total_E)
+    return place_replicas(np.asarray(total_E, dtype=np.int64), G, _slots(cfg, G, E), cfg,
+                          LedgerView(ledger, home_G))[0]
+
+
+def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
+               placement: np.ndarray | None = None) -> Plan:
+    """The LRMoE plan of one layer (see the module docstring); host counts in, a plan of
+    host tensors out, no device work and no collective. ``placement``: a placement
+    prepared earlier (:func:`place_lrmoe` on the previous step's counts), used if it fits
+    the budget on these counts (see :func:`plan_lrmoe_placed`)."""
+    return plan_lrmoe_placed(counts_GE, config, ledger, placement)[0]
+
+
+def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
+                      placement: np.ndarray | None = None, slots: Slots | None = None
+                      ) -> tuple[Plan, bool]:
+    """:func:`plan_lrmoe`, and whether it kept the given ``placement``.
+
+    A placement made on other counts may not fit on these: when even its instances with
+    one retained pair each exceed the ledger at some rank, the placement is made again
+    from these counts (as ``placement=None`` does), so the plan always fits the budget
+    and exists exactly when the current-count plan does."""
+    cfg = config or LrmoeConfig()
+    G, E = counts_GE.shape
+    S = _slots(cfg, G, E)
+    c = host_counts(counts_GE)
+    require(bool((c >= 0).all()), "counts must be >= 0")
     home = c.sum(1)
     view = LedgerView(ledger, home)
-    inst, load = place_replicas(c, S, cfg, view)
-    assign = interval_overlap_np(c, inst, load)
-    n_inst = (inst >= 0).sum(1)
-    recv = assign.sum((0, 2))
-    # Feasibility after placement: replicas may have taken pairs (and so buffer bytes)
-    # off a hot rank that the native placement alone could not fit.
-    view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
-                       "the smallest lrmoe plan (its placement, one retained pair per instance)")
-    retain, rec = retention(assign, inst, home, view, cfg.recompute)
-    select = (backward_quotas(assign, retain, cfg.balance, cfg.min_keep) if cfg.selection
-              else retain.copy())
+    kept = False
+    if placement is not None:
+        require(tuple(placement.shape) == (G, S),
+                f"lrmoe: a prepared placement of shape {tuple(placement.shape)} does not "
+                f"match EP {G} with {S} slots per rank")
+        inst = placement
+        idx = slots if slots is not None else Slots(inst, E)
+        load = idx.even_split(c.sum(0))
+        assign = idx.overlap_ig(c, load)
+        n_inst = (inst >= 0).sum(1)
+        recv = load.sum(1)
+        kept = not view.over(n_inst, recv, np.minimum(n_inst, recv))
+    if not kept:
+        inst, load = place_replicas(c.sum(0), G, S, cfg, view)
+        assign = interval_overlap_ig(c, inst, load)
+        n_inst = (inst >= 0).sum(1)
+        recv = load.sum(1)
+        # Feasibility after placement: replicas may have taken pairs (and so buffer
+        # bytes) off a hot rank that the native placement alone could not fit.
+        view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
+                           "the smallest lrmoe plan (its placement, one retained pair per "
+                           "instance)")
+    retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
+    select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
+              else retain)
+    # retain (select) is the very array assign (retain) when nothing was trimmed
+    a_GGS = blocks_to_GGS(assign, G, S)
+    r_GGS = a_GGS.copy() if retain is assign else blocks_to_GGS(retain, G, S)
+    s_GGS = r_GGS.copy() if select is retain else blocks_to_GGS(select, G, S)
+    plan = to_plan(inst, a_GGS, r_GGS, s_GGS, recompute_G=rec)
     # the plan never exceeds the budget (the ledger's own message if it ever did)
-    if view.over(n_inst, recv, retain.sum((0, 2)), rec):
-        ledger.check(to_plan(inst, assign, retain, select, recompute_G=rec))
-    return to_plan(inst, assign, retain, select, recompute_G=rec)
+    if view.over(n_inst, recv, kept_G, rec):
+        ledger.check(plan)
+    return plan, kept
+
+
+def previous_totals(prev_counts, G: int, home_pairs: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(total_E, home_G)`` for a placement from the previous step's counts, or
+    ``None`` when there are none (the first step) or they are all zero.
+
+    ``[G, E]`` counts are used as they are. The runtime keeps ``[E]`` global counts
+    (summed over a step's micro-batches): with ``home_pairs`` (this step's pairs per home
+    rank) they are scaled to this step's ``G · home_pairs`` pairs by largest remainder
+    (ties to the lower expert) and every home rank routes ``home_pairs``; without, every
+    home rank routes an equal share of them."""
+    if prev_counts is None:
+        return None
+    p = host_counts(prev_counts)
+    if p.ndim == 2:
+        require(p.shape[0] == G, f"previous counts have {p.shape[0]} ranks, want {G}")
+        return p.sum(0), p.sum(1)
+    P = int(p.sum())
+    if P <= 0:
+        return None
+    if home_pairs is None:
+        return p, P // G + (np.arange(G) < P % G)
+    T = G * int(home_pairs)
+    num = T * p
+    total = num // P
+    left = T - int(total.sum())
+    if left:
+        total[np.lexsort((np.arange(p.size), -(num - total * P)))[:left]] += 1
+    return total, np.full(G, int(home_pairs), dtype=np.int64)
 
 
 @dataclass
@@ -164,6 +258,9 @@ class LrmoePolicy:
     name: str = "lrmoe"
 
     min_keep_by_layer: dict[int, float] = field(default_factory=dict)
+    # plans whose prepared placement did not fit the budget on the step's counts and was
+    # made again from them (placement="previous")
+    replaced_placements: int = 0
 
     def __post_init__(self) -> None:
         c = self.config
@@ -173,12 +270,42 @@ class LrmoePolicy:
             raise LrmoeError("--lrmoe-keep auto needs the fidelity monitor: give "
                              "--lrmoe-fidelity-every N with N > 0")
 
-    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
+    def _layer_config(self, layer: int) -> LrmoeConfig:
         cfg = self.config
         if cfg.keep == "auto":
-            mk = self.min_keep_by_layer.get(inputs.layer, cfg.min_keep)
+            mk = self.min_keep_by_layer.get(layer, cfg.min_keep)
             cfg = dataclasses.replace(cfg, min_keep=mk)
-        return plan_lrmoe(counts_GE, cfg, inputs.ledger)
+        return cfg
+
+    def prepare(self, prev_counts, G: int, inputs: PlanInputs,
+                home_pairs: int | None = None) -> Prepared | None:
+        """With ``placement="previous"``: pass 1 on the previous step's counts (see
+        :func:`previous_totals`), off the critical path; ``None`` otherwise or on the
+        first step (the plan then places on the current counts)."""
+        if self.config.placement != "previous":
+            return None
+        prev = previous_totals(prev_counts, G, home_pairs)
+        if prev is None:
+            return None
+        cfg = self._layer_config(inputs.layer)
+        inst = place_lrmoe(prev[0], prev[1], cfg, inputs.ledger)
+        return Prepared(self.name, inst, Slots(inst, len(prev[0])))
+
+    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
+        cfg = self._layer_config(inputs.layer)
+        prep = None
+        if cfg.placement == "previous":
+            prep = inputs.prepared
+            if prep is None or prep.policy != self.name:  # not prepared: do it here
+                G = counts_GE.shape[0]
+                prep = self.prepare(inputs.prev_counts_E, G, inputs,
+                                    int(counts_GE.sum()) // G)
+        placement = None if prep is None else prep.inst_expert_GS
+        plan, kept = plan_lrmoe_placed(counts_GE, cfg, inputs.ledger, placement,
+                                       None if prep is None else prep.slots)
+        if placement is not None and not kept:
+            self.replaced_placements += 1
+        return plan
 
     def observe_fidelity(self, layer: int, cosine: float) -> None:
         """Keep-ratio controller (``keep='auto'``): raise the layer's floor when the

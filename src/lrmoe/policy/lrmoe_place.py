@@ -32,16 +32,18 @@ from lrmoe.policy.ledger_view import LedgerView
 _FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exact
 
 
-def place_replicas(c_GE: np.ndarray, S: int, cfg, view: LedgerView
+def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Pass 1; returns ``(inst_expert_GS, inst_load_GS)`` (loads: the even split)."""
-    G, E = c_GE.shape
+    """Pass 1 from each expert's total pairs (the count matrix's column sums: all the
+    placement looks at, besides the ledger's view of the home pairs); returns
+    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split)."""
+    E = len(total_E)
     n_nat = E // G
     slots = [list(range(r * n_nat, (r + 1) * n_nat)) + [-1] * (S - n_nat) for r in range(G)]
-    total = c_GE.sum(0).tolist()
+    total = np.asarray(total_E, dtype=np.int64).tolist()
     inst_of = [[(e // n_nat, e % n_nat)] for e in range(E)]  # (rank, slot), slot order
     inst_load = [[t] for t in total]
-    load = c_GE.sum(0).reshape(G, n_nat).sum(1).tolist()
+    load = np.asarray(total_E, dtype=np.int64).reshape(G, n_nat).sum(1).tolist()
     n_inst = [n_nat] * G
     n_free = [S - n_nat] * G
     # a free rank's destination key orders by (load, id); full ranks sort last

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError
+from lrmoe.policy.ledger_view import plan_exact_fit
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,11 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     """
     if ledger is None or ledger.budget_bytes is None:
         return plan
-    mode, rec, _ = ledger.exact_fit(plan)
+    mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
     if mode == "fits":
         return plan
     if mode == "pairs":
-        return dataclasses.replace(plan, recompute_G=torch.tensor(rec, dtype=torch.long))
+        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec))
     every = dataclasses.replace(plan, recompute_G=plan.rank_load().clone())
     ledger.raise_if_over(ledger.rank_terms(every), f"{what}, even recomputing every pair,")
     raise AssertionError("unreachable: exact_fit said it does not fit")

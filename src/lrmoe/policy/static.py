@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan, fit_exact, full_plan
+from lrmoe.policy.fastops import host_counts, to_plan
+from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.plan import Plan, fit_exact
 
 
 def native_placement(G: int, E: int) -> Tensor:
@@ -28,9 +31,17 @@ class StaticPolicy:
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
-        plan = full_plan(counts_GE, native_placement(G, E))
+        require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
+        c = host_counts(counts_GE)
+        # one instance per expert: block [g, r, s] is home g's pairs of expert r·E/G + s
+        # (full_plan on the natives, without its interval arithmetic)
+        a = c.reshape(G, G, E // G)
+        plan = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
         if self.recompute:
             return fit_exact(plan, inputs.ledger, "static")
-        if inputs.ledger is not None:
-            inputs.ledger.check(plan)
+        led = inputs.ledger
+        if led is not None and led.budget_bytes is not None:
+            recv = c.sum(0).reshape(G, E // G).sum(1)
+            LedgerView(led, c.sum(1), exact=True).raise_if_over(
+                np.full(G, E // G), recv, recv, None, "the plan")
         return plan

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
-from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.fastops import even_split_np, host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.base import PlanInputs, Prepared
+from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact
 
@@ -110,21 +110,35 @@ def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[
     return cnt
 
 
-def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
-              ledger=None, recompute: bool = False) -> Plan:
-    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
-    (with ``recompute``: the fewest rows per rank recompute, :func:`fit_exact`, and it
-    raises only if even recomputing every pair does not fit)."""
-    G, E = counts_GE.shape
+def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
+               ) -> np.ndarray:
+    """SYMI's placement ``[G, s]`` from the previous step's popularity: replica counts
+    (:func:`replica_counts_heap`) laid out contiguously. Needs no current count, so the
+    runtime computes it before the count all-gather (:meth:`SymiPolicy.prepare`)."""
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     s = slots_per_rank
     require(isinstance(s, int) and s >= E // G,
             f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
             "its native experts)")
     cnt = replica_counts_heap(prev_counts_E, E, G * s)
+    return np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous_placement
+
+
+def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
+              ledger=None, recompute: bool = False, placement: np.ndarray | None = None,
+              slots: Slots | None = None) -> Plan:
+    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
+    (with ``recompute``: the fewest rows per rank recompute, :func:`fit_exact`, and it
+    raises only if even recomputing every pair does not fit). ``placement``: the
+    :func:`place_symi` of ``prev_counts_E`` when the caller prepared it."""
+    G, E = counts_GE.shape
+    s = slots_per_rank
+    inst = placement if placement is not None else place_symi(prev_counts_E, G, E, s)
+    require(tuple(inst.shape) == (G, s), f"symi: a prepared placement of shape "
+                                         f"{tuple(inst.shape)} does not match {(G, s)}")
     c = host_counts(counts_GE)
-    inst = np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous_placement
-    assign = interval_overlap_np(c, inst, even_split_np(c, inst))
+    idx = slots if slots is not None else Slots(inst, E)
+    assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, s)
     plan = to_plan(inst, assign, assign.copy(), assign.copy())  # exact backward
     if ledger is None or ledger.budget_bytes is None:
         return plan
@@ -234,9 +248,26 @@ class SymiPolicy:
     recompute: bool = False
     name: str = "symi"
 
+    def _slots(self, G: int, E: int) -> int:
+        return self.slots_per_rank if self.slots_per_rank is not None \
+            else E // G + DEFAULT_EXTRA_SLOTS
+
+    def prepare(self, prev_counts, G: int, inputs: PlanInputs,
+                home_pairs: int | None = None) -> Prepared | None:
+        """The placement: it depends on the previous step's popularity alone (``None``
+        on the first step, whose uniform placement the plan makes)."""
+        if prev_counts is None:
+            return None
+        pop = prev_counts if prev_counts.dim() == 1 else prev_counts.sum(0)
+        E = pop.numel()
+        inst = place_symi(pop, G, E, self._slots(G, E))
+        return Prepared(self.name, inst, Slots(inst, E))
+
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
-        s = self.slots_per_rank
-        if s is None:
-            s = E // G + DEFAULT_EXTRA_SLOTS
-        return plan_symi(counts_GE, s, inputs.prev_counts_E, inputs.ledger, self.recompute)
+        prep = inputs.prepared
+        if prep is not None and prep.policy != self.name:
+            prep = None
+        return plan_symi(counts_GE, self._slots(G, E), inputs.prev_counts_E, inputs.ledger,
+                         self.recompute, None if prep is None else prep.inst_expert_GS,
+                         None if prep is None else prep.slots)

@@ -120,6 +120,7 @@ class TTLConfig:
     lrmoe_max_slots: int | None = None
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
+    lrmoe_placement: str = "current"  # lrmoe replicas from this step's or the previous step's counts
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
@@ -136,6 +137,7 @@ class TTLConfig:
 
 # settings added after runs were recorded: an earlier file without one ran with this value
 ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound",
+                  "lrmoe_placement": "current",
                   "router_lr_scale": 1.0, "deterministic_fill": True, "grad_accum": 1,
                   "activation_checkpoint": "none"}
 
@@ -143,7 +145,8 @@ ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transie
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
 VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
                    "balance": ("balance", float), "estimator": ("estimator", str),
-                   "max_slots": ("lrmoe_max_slots", int)}
+                   "max_slots": ("lrmoe_max_slots", int),
+                   "placement": ("lrmoe_placement", str)}
 
 
 def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
@@ -156,7 +159,7 @@ def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
             f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
             f"lrmoe:OPTION[+OPTION] (options: {', '.join(VARIANT_OPTIONS)})")
     if not opts:
-        return base, cfg
+        return base, _checked(spec, base, cfg)
     require(base == "lrmoe", f"--policies: {spec!r}: only lrmoe takes options")
     changes = {}
     for opt in opts.split("+"):
@@ -171,7 +174,19 @@ def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
         except ValueError:
             raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
                              f"{conv.__name__}") from None
-    return base, replace(cfg, **changes)
+    return base, _checked(spec, base, replace(cfg, **changes))
+
+
+def _checked(spec: str, base: str, cfg: "TTLConfig") -> "TTLConfig":
+    """``cfg``, once lrmoe's knobs pass its config's own checks (before any run)."""
+    if base == "lrmoe":
+        from lrmoe.policy.lrmoe import LrmoeConfig
+        try:
+            LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep,
+                        placement=cfg.lrmoe_placement)
+        except LrmoeError as e:
+            raise LrmoeError(f"--policies: {spec!r}: {e}") from None
+    return cfg
 
 
 def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
@@ -204,7 +219,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     from lrmoe.policy.symi import slot_costs
 
     G, E = cfg.ep, mcfg.num_experts
-    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute)
+    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
+                     placement=cfg.lrmoe_placement)
     slots, note, label = cfg.slots_per_rank, "", ""
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
@@ -223,7 +239,9 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         slots = cfg.lrmoe_max_slots if cfg.lrmoe_max_slots is not None else slots
         note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
                 f"{cfg.min_keep}, {cfg.estimator}"
-                + (", recompute" if cfg.lrmoe_recompute else ""))
+                + (", recompute" if cfg.lrmoe_recompute else "")
+                + (", placement from the previous step's counts"
+                   if cfg.lrmoe_placement == "previous" else ""))
     elif name == "static":
         note = f"s={E // G} (natives)"
         if ledger is not None and not all(E // G in slot_costs(ledger, c, p, E // G)
@@ -289,6 +307,8 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
            "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
            "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
+           # the policies' placement from the previous step's counts (not charged)
+           "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(float(c.max() / c.double().mean().clamp(min=1e-9))
                                             for c in vm.counts_E) / len(vm.counts_E)}
     # per exchange: sum over layers of the critical rank's max(sent, received) bytes and

@@ -50,7 +50,8 @@ from lrmoe.parallel.layout import (
     unpermute_rows,
 )
 from lrmoe.parallel.weights import InstanceRoute
-from lrmoe.policy.base import PlanInputs, Policy
+from lrmoe.policy.base import PlanInputs, Policy, prepare
+from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
@@ -399,6 +400,15 @@ class VirtualEPLayer:
         T, E, K = N // G, layer.cfg.num_experts, layer.cfg.num_experts_per_tok
         dev = x_NH.device
         timers = Timers(G, dev)
+        # what the policy can plan from the previous step's counts: before this step's
+        # counts exist, so off the critical path when it overlaps earlier work (charged
+        # to no stage; reported as VirtualStats.prepare_ms)
+        with torch.profiler.record_function("stage:prepare"):
+            t1 = time.perf_counter()
+            inputs = prepare(self.policy, layer.prev_counts_E, G,
+                             PlanInputs(layer.moe_index, self.step, layer.prev_counts_E,
+                                        self.ledger), T * K)
+            prepare_ms = (time.perf_counter() - t1) * 1e3
         t0 = _now(dev)
         # route (row-wise, so routing all tokens at once equals routing each shard)
         with torch.profiler.record_function("stage:route"):
@@ -422,9 +432,8 @@ class VirtualEPLayer:
                 dense_s += _now(dev) - t1
         # plan: every rank computes the same plan, so every rank is charged its time
         with torch.profiler.record_function("stage:plan"):
-            t1 = time.perf_counter()
-            plan, stats = self._plan(counts_GE)
-            plan_ms = (time.perf_counter() - t1) * 1e3
+            plan, stats, plan_ms = self._plan(counts_GE, inputs)
+        stats.prepare_ms = prepare_ms
         stats.dense_fwd_s = dense_s
         # the count all-gather (comm.all_gather_counts): E int64 to every peer
         stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
@@ -457,14 +466,17 @@ class VirtualEPLayer:
                 stats.dense_fwd_s += _now(dev) - t1
         return out
 
-    def _plan(self, counts_GE: Tensor) -> tuple[Plan, VirtualStats]:
-        """The policy's plan, its check and its ledger pricing (as the runtime's
-        ``MoELayer`` does every step), with the recompute an exact policy needs."""
+    def _plan(self, counts_GE: Tensor, inputs: PlanInputs
+              ) -> tuple[Plan, VirtualStats, float]:
+        """The policy's plan and, for an exact policy under a budget, the rows it
+        recomputes (what the runtime needs before its dispatch: charged, in ms, the
+        third value); then, uncharged, its check (``check_plans``) and its ledger
+        pricing (the stats' bookkeeping, which the runtime need not do on the way)."""
         layer = self.layer
         fit_ledger, fallback = self.recompute_ledger, False
+        t0 = time.perf_counter()
         try:
-            plan = self.policy.plan(counts_GE, PlanInputs(layer.moe_index, self.step,
-                                                          layer.prev_counts_E, self.ledger))
+            plan = self.policy.plan(counts_GE, inputs)
         except LrmoeError:
             if not (self.over_budget_fallback and self.ledger is not None):
                 raise
@@ -472,20 +484,24 @@ class VirtualEPLayer:
             plan = StaticPolicy().plan(counts_GE, PlanInputs(layer.moe_index, self.step,
                                                              layer.prev_counts_E, None))
             fit_ledger, fallback = self.ledger, True
+        fit = None
+        if plan.recompute_G is None and fit_ledger is not None:
+            fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
+        plan_ms = (time.perf_counter() - t0) * 1e3
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
         stats.fallback = fallback
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
-        elif fit_ledger is not None:
-            mode, rows, terms = fit_ledger.exact_fit(plan)
-            stats.recompute_mode, stats.recompute_rows = mode, rows
+        elif fit is not None:
+            mode, rows, totals = fit
+            stats.recompute_mode, stats.recompute_rows = mode, rows.tolist()
             stats.recompute_fits = mode != "over"
-            stats.ledger_total_bytes = [int(t["total"]) for t in terms]
+            stats.ledger_total_bytes = totals.tolist()
         if self.ledger is not None and stats.ledger_total_bytes is None:
-            stats.ledger_total_bytes = [int(t["total"]) for t in self.ledger.rank_terms(plan)]
-        return plan, stats
+            stats.ledger_total_bytes = plan_totals(self.ledger, plan).tolist()
+        return plan, stats, plan_ms
 
 
 def _now(dev: torch.device) -> float:

@@ -18,10 +18,12 @@ from lrmoe.timing import timed
 EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
              "weight_scatter", "grad_reduce", "count_allgather", "bwd_count_exchange")
 # Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``):
-# ``plan`` (the policy's plan, its check and the ledger pricing; every rank computes
-# it, so every rank is charged), ``select`` (metric, selection sorts, compaction),
-# ``gather`` (gathers of saved rows: retention in forward, selected rows in backward)
-# and ``local`` (counting, layouts, permutes, combine kernels and their backward).
+# ``plan`` (the policy's plan from this step's counts, and an exact policy's recompute
+# decision; every rank computes it, so every rank is charged; a policy's ``prepare``,
+# the plan's check and the ledger pricing of the stats are not charged), ``select``
+# (metric, selection sorts, compaction), ``gather`` (gathers of saved rows: retention in
+# forward, selected rows in backward) and ``local`` (counting, layouts, permutes,
+# combine kernels and their backward).
 MEASURED_STAGES = ("plan", "select", "gather", "local")
 
 
@@ -85,6 +87,10 @@ class VirtualStats:
             or ``over``: does not fit even so, ``recompute_fits`` False). The emulator
             does not change the math for it; :mod:`lrmoe.sim.cost` charges the time
             (modelled).
+        prepare_ms: wall ms of the policy's ``prepare`` (its placement from the previous
+            step's counts, :func:`lrmoe.policy.base.prepare`): not charged to any stage,
+            on the assumption that it overlaps the previous step's or this layer's
+            earlier work (it needs none of this step's counts).
         fallback: the planner found no plan within its budget, so the layer ran
             static's exact native plan with the recompute above (``over_budget_fallback``
             of :class:`lrmoe.sim.virtual.VirtualEPLayer`).
@@ -104,6 +110,7 @@ class VirtualStats:
     recompute_mode: str = "fits"
     recompute_fits: bool = True
     fallback: bool = False
+    prepare_ms: float = 0.0
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
         """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""

@@ -64,6 +64,7 @@ class TrainConfig:
     slots_per_rank: int | None = None
     recompute: bool = False
     lrmoe_recompute: bool = False
+    lrmoe_placement: str = "current"
     optimizer_offload: str = "device"
     router_grad: str = "home"
     mem_budget: str | None = None
@@ -185,6 +186,7 @@ def check_args(cfg: TrainConfig) -> None:
         _choice("backend", cfg.backend, ("gloo", "nccl"))
     _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
     _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
+    _choice("lrmoe_placement", cfg.lrmoe_placement, ("current", "previous"))
     _choice("optimizer_offload", cfg.optimizer_offload, ("device", "host"))
     from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
     _choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
@@ -293,7 +295,8 @@ def build_policy(cfg: TrainConfig, mcfg, G: int):
                      estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
                      selection=cfg.lrmoe_selection, keep=cfg.lrmoe_keep,
                      target_cosine=cfg.lrmoe_target_cosine,
-                     fidelity_every=cfg.lrmoe_fidelity_every, recompute=cfg.lrmoe_recompute)
+                     fidelity_every=cfg.lrmoe_fidelity_every, recompute=cfg.lrmoe_recompute,
+                     placement=cfg.lrmoe_placement)
     pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
                       slots_per_rank=cfg.slots_per_rank, lrmoe=lc, recompute=cfg.recompute)
     return make_policy(pc, mcfg, G)

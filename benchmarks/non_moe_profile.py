@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="benchmarks/configs/qwen3-30b-a3b-layer-2L.json")
     ap.add_argument("--preset", default=None)
-    ap.add_argument("--ep", type=int, default=6)
+    ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--mem-budget", default="2GiB")

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_util import needs_cuda  # noqa: E402
 from test_host_waits import SAMPLED, _cases  # noqa: E402
 from test_ledger_truth import T, _layer_and_tokens, _policy_and_ledger  # noqa: E402
 
@@ -21,7 +23,7 @@ from lrmoe.model.moe import MoERuntime  # noqa: E402
 from lrmoe.policy.capacity import CapacityPolicy  # noqa: E402
 from lrmoe.sim.onerank import one_rank_layer  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = needs_cuda
 
 
 def _syncs(layer, x) -> tuple[list[str], list[str]]:

@@ -16,12 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_util import needs_cuda  # noqa: E402
-from test_host_waits import SAMPLED, _cases  # noqa: E402
-from test_ledger_truth import T, _layer_and_tokens, _policy_and_ledger  # noqa: E402
 
 from lrmoe.model.moe import MoERuntime  # noqa: E402
 from lrmoe.policy.capacity import CapacityPolicy  # noqa: E402
 from lrmoe.sim.onerank import one_rank_layer  # noqa: E402
+from test_host_waits import SAMPLED, _cases  # noqa: E402
+from test_ledger_truth import T, _layer_and_tokens, _policy_and_ledger  # noqa: E402
 
 pytestmark = needs_cuda
 
@@ -33,7 +33,7 @@ def _syncs(layer, x) -> tuple[list[str], list[str]]:
     for phase in ("forward", "backward"):
         seen: list[str] = []
 
-        def show(message, category, filename, lineno, file=None, line=None):
+        def show(message, category, filename, lineno, file=None, line=None, seen=seen):
             if "synchroniz" in str(message):
                 st = [f for f in traceback.extract_stack()[:-1] if "/lrmoe/" in f.filename]
                 seen.append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"

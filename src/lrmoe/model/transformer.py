@@ -7,6 +7,8 @@ H hidden, V vocab.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,8 +46,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
+class CausalLMOutput:
+    """What ``model(input_ids, labels=...)`` returns (HF's field names): ``loss`` is the
+    training objective (cross entropy plus the router's aux loss)."""
+
+    loss: Tensor
+    logits: Tensor
+    lm_loss: Tensor
+    aux_loss: Tensor
+
+
 class MoEForCausalLM(nn.Module):
-    """``forward(input_ids [B, T]) -> logits [B, T, V]``.
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``; with ``labels`` (HF's
+    convention: aligned with ``input_ids``, shifted inside, ``-100`` ignored) a
+    :class:`CausalLMOutput` whose ``loss`` is the training objective, so
+    ``torch.compile(model)`` compiles the loss too.
 
     The router load-balancing loss of the last forward is available as
     :meth:`aux_loss` (sum over MoE layers; zero for GLM, which balances by bias).
@@ -91,22 +107,32 @@ class MoEForCausalLM(nn.Module):
         for m in self.moe_layers:
             m.checkpointed = mode == "full"
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | CausalLMOutput:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(input_ids.shape[1], x.device, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        lm, obj = self._objective(logits[:, :-1], labels[:, 1:])
+        return CausalLMOutput(obj, logits, lm, obj - lm)
+
+    def _objective(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lm_loss, lm_loss + aux)``: cross entropy in fp32 (``-100`` ignored) and the
+        training objective."""
+        lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                             ignore_index=-100)
+        return lm, lm + self.aux_loss().to(lm.device)
 
     def aux_loss(self) -> Tensor:
         losses = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def loss(self, input_ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lm_loss, lm_loss + aux)``: cross entropy in fp32 and the training objective."""
-        logits = self(input_ids)
-        lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return lm, lm + self.aux_loss().to(lm.device)
+        """``(lm_loss, lm_loss + aux)`` for ``targets`` already shifted (``targets[:, t]``
+        follows ``input_ids[:, t]``): the trainer's form of ``model(ids, labels=ids)``."""
+        return self._objective(self(input_ids), targets)
 
     @torch.no_grad()
     def end_step(self, reduce=None) -> list[Tensor | None]:

@@ -86,8 +86,10 @@ class HostWaits(TorchDispatchMode):
         """Device data indexed by a host-built index tensor (not a 0-d scalar)."""
         if func not in _INDEXING or not self.is_device(args[0]):
             return False
-        idx = args[1] if func in (aten.index.Tensor, aten.index_put_.default,
-                                  aten.index_put.default) else [args[2]]
+        put = func in (aten.index_put_.default, aten.index_put.default)
+        if put and isinstance(args[2], torch.Tensor) and not self.is_device(args[2]):
+            return True  # a host value written into device data (even a 0-d one) is copied
+        idx = args[1] if put or func is aten.index.Tensor else [args[2]]
         return any(isinstance(i, torch.Tensor) and i.dim() > 0 and not self.is_device(i)
                    for i in idx)
 

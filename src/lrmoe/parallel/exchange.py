@@ -260,8 +260,9 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
             keep = poisson_keep(pi, generator)
         else:
             sel_idx = select_topk_idx(m, home.retain_I, home.select_I)
-            keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
-            keep[sel_idx] = True
+            # a scalar fill: ``keep[sel_idx] = True`` would copy a host tensor (a sync on CUDA)
+            keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device).index_fill_(
+                0, sel_idx, True)
     if keep is None:
         return tok_c, g_c, home.retain_I, None, None, None
     if not opts.compaction:

@@ -88,7 +88,7 @@ def register(sub) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (attention, norms, routers, head and loss; "
                         "the MoE layers' plan and exchange stay eager: one graph break each)")
-    g.add_argument("--stop-after", type=int, metavar="STEP", help="end this session after "
+    g.add_argument("--stop-after", type=int, metavar="STEP", help="end this invocation after "
                    "STEP (validate + checkpoint); continue later with --resume")
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=int, help="expert-parallel size; launch with torchrun "

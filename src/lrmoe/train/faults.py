@@ -64,6 +64,21 @@ class Watch:
         self.phase = "setup"
         self.step = 0
         self.last_ckpt: str | None = None
+        self.run_dir = None  # where to look for a checkpoint completed on disk meanwhile
+
+    def last_complete(self) -> str | None:
+        """The newest complete checkpoint: a save whose directory is renamed into place
+        counts even if a collective after it failed before this rank recorded it."""
+        if self.run_dir is not None:
+            try:
+                from lrmoe.train.checkpoint import latest_checkpoint
+
+                found = latest_checkpoint(self.run_dir)
+                if found is not None:
+                    return str(found.path)
+            except Exception:  # a failure report must not fail: fall back to the record
+                pass
+        return self.last_ckpt
 
     def _store(self):
         import torch.distributed as dist
@@ -94,8 +109,9 @@ class Watch:
         where = f"in {collective_of(e)} during {self.phase}"
         if self.phase != "setup":
             where += f" of step {self.step + 1}"
-        ck = (f"the last complete checkpoint is {self.last_ckpt}; continue with --resume"
-              if self.last_ckpt else "no checkpoint was written yet")
+        last = self.last_complete()
+        ck = (f"the last complete checkpoint is {last}; continue with --resume"
+              if last else "no checkpoint was written yet")
         store, silent = self._store(), []
         first = True
         if store is not None:

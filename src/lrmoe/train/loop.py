@@ -419,6 +419,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
     writer = MetricsWriter(run_dir / METRICS_FILE, enabled=ctx.is_main)
     last_ckpt = start if ck is not None else None
     watch.last_ckpt = None if last_ckpt is None else str(ckpt.ckpt_dir(run_dir, last_ckpt))
+    watch.run_dir = run_dir
     autocast = make_autocast(ctx.device)
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model

@@ -227,15 +227,18 @@ def binding_budget(cfg, G: int, counts_GE: torch.Tensor, dtype: str,
 class PlannedPeersComm(OneRankComm):
     """:class:`OneRankComm` whose peers, in the sampled backward's count exchange, send
     this rank what the plan selects for its slots (``select_GGS[:, me]``: the expected
-    count of the sampled selection). The stand-in echo of this rank's own sent counts is
-    indexed by the peers' slots, not this rank's, and can exceed what this rank kept."""
+    count of the sampled selection). What this rank sends itself arrives as sent: its
+    rows carry real positions inside their blocks, which must land in their own block
+    (a planned count there would shift rows across blocks and past the saved ones)."""
 
     def __init__(self, me: int, peers_GE: torch.Tensor, plan):
         super().__init__(me, peers_GE)
         self.select_GS = plan.select_GGS[:, me, :].clone()
 
     def exchange_counts(self, counts_GS: torch.Tensor) -> torch.Tensor:
-        return self.select_GS.to(counts_GS.device, counts_GS.dtype)
+        recv = self.select_GS.to(counts_GS.device, counts_GS.dtype).clone()
+        recv[self.rank] = counts_GS[self.rank]
+        return recv
 
 
 def build_rank(cfg, me: int, counts_GE, idx_TK, policy, ledger, opts, device, plan):

@@ -154,3 +154,19 @@ def test_binding_budget_binds_lrmoe_and_lets_it_plan():
     if f != cp.BINDING_FRACTIONS[0]:
         lower = cp.BINDING_FRACTIONS[cp.BINDING_FRACTIONS.index(f) - 1]
         assert cp.binding_budget(cfg, G, counts, "fp32", (lower,)) == (None, None)
+
+
+def test_own_rows_arrive_as_sent_in_the_sampled_count_exchange():
+    """The peers report the plan's selection; this rank's rows to itself arrive as it sent
+    them, so their in-block positions stay inside their own blocks."""
+    G, S, me = 4, 3, 2
+    g = torch.Generator().manual_seed(0)
+    select = torch.randint(0, 9, (G, G, S), generator=g)
+    comm = cp.PlannedPeersComm(me, torch.zeros(G, 8, dtype=torch.long),
+                               SimpleNamespace(select_GGS=select))
+    sent = torch.randint(0, 9, (G, S), generator=g)
+    sent[me] = select[me, me] + torch.tensor([2, 0, -1]).clamp(min=-int(select[me, me, 2]))
+    recv = comm.exchange_counts(sent)
+    assert torch.equal(recv[me], sent[me])
+    others = [r for r in range(G) if r != me]
+    assert torch.equal(recv[others], select[others, me])

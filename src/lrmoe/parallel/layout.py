@@ -50,16 +50,19 @@ def ranges(starts: Tensor, lengths: Tensor, device: torch.device | str = "cpu") 
     nz = ln > 0
     st, ln = st[nz], ln[nz]
     tab = to_device(torch.from_numpy(np.stack((np.cumsum(ln) - ln, st))), device)
-    return fused("ranges", segment_positions, tab)(tab, torch.empty(total, device=tab.device))
+    # the table's rows go in as separate 1-D tensors, so their length (the number of
+    # runs, new every step) is a dynamic dimension of the compiled kernel, not a recompile
+    return fused("ranges", segment_positions, tab)(tab[0], tab[1],
+                                                  torch.empty(total, device=tab.device))
 
 
-def segment_positions(tab_2N: Tensor, like_R: Tensor) -> Tensor:
-    """Position ``q`` of a concatenation of runs, each run ``n`` starting at ``tab[0, n]``
-    and mapping linearly onto ``tab[1, n] ...``: ``tab[1, n] + q - tab[0, n]`` for the
-    run holding ``q``, for ``q < len(like_R)`` (only its length is read)."""
-    q = torch.arange(like_R.shape[0], device=tab_2N.device)
-    k = torch.searchsorted(tab_2N[0], q, right=True) - 1
-    return tab_2N[1][k] + (q - tab_2N[0][k])
+def segment_positions(first_N: Tensor, value_N: Tensor, like_R: Tensor) -> Tensor:
+    """Position ``q`` of a concatenation of runs, each run ``n`` starting at
+    ``first[n]`` and mapping linearly onto ``value[n] ...``: ``value[n] + q - first[n]``
+    for the run holding ``q``, for ``q < len(like_R)`` (only its length is read)."""
+    q = torch.arange(like_R.shape[0], device=first_N.device)
+    k = torch.searchsorted(first_N, q, right=True) - 1
+    return value_N[k] + (q - first_N[k])
 
 
 @dataclass
@@ -200,8 +203,12 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     tab = np.stack((np.cumsum(seg_len) - seg_len, seg_dest[o], seg_j0[o]))
     dropped = bool(drop_E.any())
     by_gate = dropped or not bool((retain == assign).all())
+    tab_dev = to_device(torch.from_numpy(tab), dev)
+    # 1-D arguments whose lengths (segments, send rows) are dynamic dimensions of the
+    # compiled kernel: no recompile when they change from step to step
     send_row, src_pair, j_in_block = fused("home_positions", home_positions, idx_P)(
-        idx_P, gate_P.detach(), to_device(torch.from_numpy(tab), dev), n_send, by_gate)
+        idx_P, gate_P.detach(), tab_dev[0], tab_dev[1], tab_dev[2],
+        torch.empty(n_send, dtype=torch.int8, device=dev), by_gate)
     send_pos = torch.where(send_row < n_send, send_row, -1) if dropped else send_row
     return HomeLayout(send_pos, send_row, dropped, src_pair, j_in_block,
                       plan.retain_GGS[me].reshape(-1), plan.select_GGS[me].reshape(-1),
@@ -218,16 +225,17 @@ def sort_key_by_expert_then_gate(idx_P: Tensor, gate_P: Tensor) -> Tensor:
     return idx_P.long() * (1 << 32) + (0x7FFFFFFF - ordered)
 
 
-def home_positions(idx_P: Tensor, gate_P: Tensor, tab_3N: Tensor, n_send: int,
+def home_positions(idx_P: Tensor, gate_P: Tensor, first_N: Tensor, row0_N: Tensor,
+                   j0_N: Tensor, like_send: Tensor,
                    by_gate: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The device part of :func:`home_layout`: ``(send_row_P, src_pair_N, j_in_block_N)``.
 
-    ``tab_3N`` rows: each segment's first sorted position, its first send row (``n_send``
-    for dropped pairs, which all land on that one spare row) and its first index inside
-    its block. Fixed shapes for a given number of pairs and segments, no
-    host wait.
+    Per segment: its first sorted position (``first``), its first send row (``row0``;
+    ``n_send`` for dropped pairs, which all land on that one spare row) and its first
+    index inside its block (``j0``); ``n_send`` is ``len(like_send)`` (only its length is
+    read). No host wait.
     """
-    P, dev = idx_P.numel(), idx_P.device
+    P, dev, n_send = idx_P.numel(), idx_P.device, like_send.shape[0]
     if by_gate and gate_P.dtype != torch.float64:
         order = torch.argsort(sort_key_by_expert_then_gate(idx_P, gate_P), stable=True)
     elif by_gate:  # float64 gates: two stable sorts keep their full order
@@ -236,16 +244,15 @@ def home_positions(idx_P: Tensor, gate_P: Tensor, tab_3N: Tensor, n_send: int,
     else:
         order = torch.argsort(idx_P, stable=True)
     p = torch.arange(P, device=dev)
-    k = torch.searchsorted(tab_3N[0], p, right=True) - 1
-    seg = tab_3N[:, k]
-    off = p - seg[0]
-    dropped = seg[1] == n_send
-    row = torch.where(dropped, seg[1], seg[1] + off)
+    k = torch.searchsorted(first_N, p, right=True) - 1
+    off, row0 = p - first_N[k], row0_N[k]
+    dropped = row0 == n_send
+    row = torch.where(dropped, row0, row0 + off)
     send_row = torch.empty_like(order)
     send_row[order] = row
     spare = int(P > n_send)  # dropped pairs all write one spare column, cut off after
     inv = torch.empty(2, n_send + spare, dtype=order.dtype, device=dev)
-    inv[:, row] = torch.stack((order, seg[2] + off))
+    inv[:, row] = torch.stack((order, j0_N[k] + off))
     if spare:  # copies: the kept buffers hold no spare entry (the ledger's pair_index)
         return send_row, inv[0, :n_send].clone(), inv[1, :n_send].clone()
     return send_row, inv[0], inv[1]

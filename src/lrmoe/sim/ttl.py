@@ -51,7 +51,8 @@ and its results stay those of a ``"home"`` run. The budget is the same either wa
 finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
 seed can be completed with more policies in a later call; each reused result says where
 it came from (``reused_from``). The earlier run must match: its recorded settings (all
-but the policies and ``reuse``), and always its initial model's validation loss (same
+but the policies and ``reuse``; one the file lacks was added since and counts at its
+default, the behaviour before it), and always its initial model's validation loss (same
 seed, model, data and validation batches) and its evaluation steps; else the run stops
 before training with a message naming the difference.
 

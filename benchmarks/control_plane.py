@@ -3,7 +3,7 @@
 For each preset (one MoE layer of its shapes), EP size G (virtual), tokens per rank T,
 policy and memory budget, ONE rank of the G-rank group runs the real runtime
 (``MoELayer`` → ``ExpertExchange``, forward and backward) with synthetic peers
-(:class:`lrmoe.sim.onerank.OneRankComm`): the count all-gather returns the group's
+(:class:`onerank.OneRankComm`, ``tests/onerank.py``): the count all-gather returns the group's
 counts, every all-to-all allocates what a real exchange would (the peers' rows are
 zeros). The rank run is the **busiest** one: the largest planned forward load (received
 pairs) in that policy's plan, ties broken by backward load, then by index.
@@ -23,7 +23,7 @@ Warm-up calls, then the median of ``--repeats`` (>= 5 on the GPU).
 
 Routing: every one of the G·T tokens picks ``top_k`` distinct experts with popularity
 ``∝ 1/rank^skew`` over a seeded random order of the experts
-(:func:`lrmoe.sim.cost.zipf_routing`); the run rank's router returns its own tokens'
+(:func:`onerank.zipf_routing`); the run rank's router returns its own tokens'
 table, so its counts are exactly its row of the ``[G, E]`` matrix the peers report. The
 default skew 0.65 gives an expert max/mean load of about 7–8, the median of the
 registered Qwen3 workload's static run (7.6, steps 1–120; 4.9–13.3 at its 10th/90th
@@ -60,12 +60,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: synthetic peers
 
 from gpu_common import out_dir, write_outputs  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.memory import Ledger  # noqa: E402
-from lrmoe.sim.onerank import OneRankComm  # noqa: E402
+from onerank import OneRankComm  # noqa: E402
 
 STAGES = ("count_exchange_ms", "plan_ms", "local_ms", "select_ms", "gather_ms",
           "expert_fwd_ms", "expert_bwd_ms")
@@ -80,7 +81,7 @@ def routing(G: int, T: int, E: int, K: int, skew: float, seed: int,
             device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(idx [G*T, K], counts [G, E])``: every token's ``K`` distinct experts, drawn
     without replacement with popularity ``∝ 1/rank^skew`` over a seeded random order of
-    the experts (the law of :func:`lrmoe.sim.cost.zipf_routing`, drawn as Gumbel top-k,
+    the experts (the law of :func:`onerank.zipf_routing`, drawn as Gumbel top-k,
     which is fast enough for a million tokens), and each home rank's counts (rank g owns
     tokens ``g*T .. (g+1)*T - 1``). ``idx`` is on ``device``, ``counts`` on the host."""
     gen = torch.Generator().manual_seed(seed)
@@ -245,8 +246,7 @@ def build_rank(cfg, me: int, counts_GE, idx_TK, policy, ledger, opts, device, pl
     """Rank ``me``'s layer (owned experts only, on ``device``, random weights) whose
     router returns ``idx_TK`` (``plan``: what its policy plans for these counts)."""
     from lrmoe.model.moe import MoELayer
-    from lrmoe.sim.cost import _TableRouter
-    from lrmoe.sim.onerank import one_rank_layer
+    from onerank import TableRouter, one_rank_layer
 
     with torch.device("meta"):
         base = MoELayer(cfg, 0)
@@ -257,7 +257,7 @@ def build_rank(cfg, me: int, counts_GE, idx_TK, policy, ledger, opts, device, pl
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.02, generator=g)
-    layer.router = _TableRouter(layer.router.weight, idx_TK.to(device))
+    layer.router = TableRouter(layer.router.weight, idx_TK.to(device))
     layer.prev_counts_E = counts_GE.sum(0)
     return layer
 

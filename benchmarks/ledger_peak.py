@@ -2,7 +2,7 @@
 
 One full-width MoE layer (default ``qwen3-30b-a3b``) runs as each EP rank of a G-rank
 group in turn, alone on this GPU: the real runtime (router, plan, dispatch, experts,
-combine, backward) with synthetic peers (:class:`lrmoe.sim.onerank.OneRankComm`: the
+combine, backward) with synthetic peers (:class:`onerank.OneRankComm`, ``tests/onerank.py``: the
 count all-gather returns the group's Zipf counts, every all-to-all allocates exactly the
 buffer a real exchange would). Per rank and policy it records the peak
 ``torch.cuda.max_memory_allocated`` of forward + backward minus the baseline (the layer
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: synthetic peers
 
 from lrmoe.memory import TERMS, Ledger, fmt_bytes  # noqa: E402
 from lrmoe.model.moe import MoELayer  # noqa: E402
@@ -37,8 +38,7 @@ from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy  # noqa: E402
 from lrmoe.policy.static import StaticPolicy  # noqa: E402
 from lrmoe.policy.symi import SymiPolicy  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
-from lrmoe.sim.cost import _TableRouter, zipf_routing  # noqa: E402
-from lrmoe.sim.onerank import one_rank_layer  # noqa: E402
+from onerank import TableRouter, one_rank_layer, zipf_routing  # noqa: E402
 
 
 def policies(cfg, G: int, counts_GE: torch.Tensor, retain: float, dtype: str) -> dict:
@@ -61,7 +61,7 @@ def measure_rank(base: MoELayer, me: int, counts_GE, idx_NK, T: int, policy, led
     cuda = device.type == "cuda"
     H = base.cfg.hidden_size
     layer = one_rank_layer(base, me, counts_GE, policy, ledger)
-    layer.router = _TableRouter(layer.router.weight.detach(), idx_NK[me * T:(me + 1) * T])
+    layer.router = TableRouter(layer.router.weight.detach(), idx_NK[me * T:(me + 1) * T])
     layer.prev_counts_E = counts_GE.sum(0)
     experts = layer.experts
     layer.experts = None  # the owned state is allocated inside the measured window

@@ -30,7 +30,7 @@ copies them to the host (the one synchronisation the runtime already makes after
 count all-gather) and plans; host syncs inside ``plan`` are counted with
 ``torch.cuda.set_sync_debug_mode`` (0 expected: the planners run on the host).
 ``--reference`` also times the loop-by-loop lrmoe planner
-(:mod:`lrmoe.policy.lrmoe_reference`) for the speed-up.
+(``tests/references/lrmoe_planner.py``) for the speed-up.
 
     python3 benchmarks/plan_speed.py --out DIR [--preset qwen3-30b-a3b] [--reference]
 """
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the reference planner
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.memory import Ledger  # noqa: E402
@@ -60,10 +61,10 @@ from lrmoe.policy import (  # noqa: E402
     PlanInputs,
     StaticPolicy,
     SymiPolicy,
-    lrmoe_reference,
 )
 from lrmoe.policy.base import prepare  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
+from references import lrmoe_planner  # noqa: E402
 
 POLICIES = ("static", "symi", "capacity", "lrmoe", "lrmoe:recompute", "lrmoe:previous",
             "lrmoe:recompute+previous")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                             pol, counts.cuda(), inputs, args.repeats)
                     if name in ("lrmoe", "lrmoe:recompute") and args.reference:
                         rc = LrmoeConfig(recompute=name.endswith("recompute"))
-                        row["reference_ms"] = timed(3, lrmoe_reference.plan_lrmoe, counts,
+                        row["reference_ms"] = timed(3, lrmoe_planner.plan_lrmoe, counts,
                                                     rc, ledger)[1]
                     rows.append(row)
                     print(json.dumps(row), flush=True)

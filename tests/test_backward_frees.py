@@ -3,7 +3,7 @@ last use: at the dx GEMM (the old peak) only the activation-input gradient ``dgu
 the layer's output gradient are alive among the row tensors (:mod:`live_rows`).
 
 Cases: one process (every exchange the identity) with the router gradient at home and at
-the experts, and one rank of a 4-rank group (:class:`lrmoe.sim.onerank.OneRankComm`) for
+the experts, and one rank of a 4-rank group (:class:`onerank.OneRankComm`, ``tests/onerank.py``) for
 an exact plan, a trimmed lrmoe plan (saved rows gathered) and a recompute plan (gate_up
 rows rebuilt in backward).
 """
@@ -21,7 +21,7 @@ from live_rows import LiveRows
 from lrmoe.memory import Ledger
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
-from lrmoe.sim.onerank import one_rank_layer
+from onerank import one_rank_layer
 
 H, F, T = truth.H, truth.F, truth.T
 CASES = ["one_process", "one_process_router_grad_experts", "static", "lrmoe_trimmed",

@@ -267,6 +267,22 @@ def test_ttl_reuse_takes_finished_policies_and_checks_the_settings(tmp_path, cap
                         "--out", str(tmp_path / "d")]) == 2
     assert "initial validation loss" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "d" / "ttl.json").exists()
+    # a file from when transients' pricing was a setting: "code" (today's) is reused, also
+    # without the settings added since; "bound", or no such key (older still), is refused
+    old = json.loads((a / "ttl.json").read_text())
+    for k in ("lrmoe_placement", "grad_accum", "activation_checkpoint"):
+        del old["config"][k]
+    for was in ("code", "bound", None):
+        old["config"]["ledger_transients"] = was
+        if was is None:
+            del old["config"]["ledger_transients"]
+        f = tmp_path / f"transients_{was}.json"
+        f.write_text(json.dumps(old))
+        assert main(ARGS + ["--policies", "static,lrmoe", "--reuse", str(f), "--out",
+                            str(tmp_path / f"t_{was}")]) == (0 if was == "code" else 2)
+        err = capsys.readouterr().err
+        assert was == "code" or f"it ran with ledger_transients={was!r}, this run has " \
+            "ledger_transients='code'" in err
 
 
 RG_ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "4", "--batch-size",

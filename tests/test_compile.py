@@ -21,11 +21,12 @@ from dist_util import hot_replica_plan, load_benchmark, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts
-from lrmoe.model.moe import MoELayer, MoERuntime, moe_layer_reference
+from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.presets import get_preset
+from references.moe import moe_layer_reference
 
 BACKEND = "aot_eager"
 TOL = dict(rtol=1e-5, atol=1e-6)

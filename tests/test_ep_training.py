@@ -269,7 +269,7 @@ def test_dp_x_ep_with_aux_loss_equals_one_process(runs):
 
 def _placements(run: Path, slots: int, G: int) -> list[tuple]:
     """SYMI's placement of every step after the first, from the logged popularity."""
-    from lrmoe.policy.symi import contiguous_placement, replica_counts
+    from references.plans import contiguous_placement, replica_counts
 
     out = []
     rr = rows(run)

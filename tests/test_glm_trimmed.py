@@ -26,7 +26,6 @@ import torch
 import lrmoe.sim.virtual as virtual
 from lrmoe.config import ModelConfig
 from lrmoe.memory import Ledger
-from lrmoe.model.moe import moe_layer_reference
 from lrmoe.model.transformer import MoEForCausalLM
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
@@ -34,6 +33,7 @@ from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
 from lrmoe.sim.ttl import balanced_budget
 from lrmoe.sim.vmodel import VirtualModel
+from references.moe import moe_layer_reference
 
 G, B, L = 4, 8, 33  # virtual ranks; batch x (sequence + 1): 256 tokens, T = 64 per rank
 CFG = ModelConfig(

@@ -3,7 +3,7 @@ all-gather in forward (the split sizes of the dispatch), and in backward only th
 sampled estimator's kept-row counts (the split sizes of its compacted exchange).
 
 One rank of a 4-rank EP group runs the real runtime with synthetic peers
-(:class:`lrmoe.sim.onerank.OneRankComm`); :class:`host_waits.HostWaits` counts, on the
+(:class:`onerank.OneRankComm`, ``tests/onerank.py``); :class:`host_waits.HostWaits` counts, on the
 CPU, every read of data that would be on the GPU (tensors computed from the layer's
 input and weights). The one-process path is counted the same way."""
 
@@ -16,7 +16,7 @@ from host_waits import HostWaits
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.capacity import CapacityPolicy
-from lrmoe.sim.onerank import one_rank_layer
+from onerank import one_rank_layer
 from test_ledger_truth import CASES, T, _layer_and_tokens, _policy_and_ledger
 
 SAMPLED = BackwardOptions(estimator="sampled")

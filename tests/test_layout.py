@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layout_reference import home_layout_reference
-from layout_reference import ranges as ranges_reference
 from lrmoe.config import ModelConfig
 from lrmoe.memory import Ledger
 from lrmoe.parallel.layout import home_layout, ranges, recv_layout
@@ -18,6 +16,8 @@ from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import SymiPolicy
+from references.layout import home_layout_reference
+from references.layout import ranges as ranges_reference
 
 
 def _cfg(E: int) -> ModelConfig:

@@ -1,5 +1,5 @@
-"""What the planners price (``Ledger.transients="code"``) against the code-derived account
-of the plans they make, and the ledger's solvers against brute force.
+"""What the planners price (``Ledger.planned_buffer_bytes``) against the code-derived
+account of the plans they make, and the ledger's solvers against brute force.
 
 * exact plans (static, SYMI): the planners' buffers term *is* the code-derived one
   (``Ledger.plan_buffer_bytes`` with the plan's rows, checked against the live row
@@ -44,8 +44,6 @@ def test_exact_plans_are_priced_by_the_code_derived_account(rg):
             planned = led.rank_terms(plan)
             derived = led.rank_terms(plan, plan_buffers=True)
             assert [t["buffers"] for t in planned] == [t["buffers"] for t in derived]
-            bound = dataclasses.replace(led, transients="bound").rank_terms(plan)
-            assert all(b["buffers"] > t["buffers"] for b, t in zip(bound, planned))
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -94,13 +92,3 @@ def test_capacities_equal_a_search_over_every_count(exact):
             m_best = min((m for k, m in fits if k == k_best), default=0)
             assert led.retain_capacity_recompute(n, R, h, exact) == (
                 (k_best, m_best) if k_best >= 0 else (-1, 0)), (R, budget)
-
-
-def test_the_bound_account_is_the_old_one():
-    """``transients="bound"`` prices every rank with ``Ledger.buffer_bytes`` (the bound
-    the planners used before; kept to replay old budgets)."""
-    led = Ledger(_cfg(), 2, transients="bound")
-    for R, h, k, rec in ((0, 10, 0, 0), (50, 40, 30, 7), (200, 100, 200, 0)):
-        assert led.terms(4, R, h, k, rec)["buffers"] == led.buffer_bytes(R, h)
-    with pytest.raises(Exception, match="transients"):
-        Ledger(_cfg(), 2, transients="tight")

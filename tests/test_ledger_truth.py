@@ -1,7 +1,7 @@
 """The ledger against what autograd really keeps for backward, one MoE layer, per rank.
 
 One rank of a G-rank EP group runs the real runtime (``MoELayer`` with a real router and
-``ExpertExchange``) with synthetic peers (:class:`lrmoe.sim.onerank.OneRankComm`). Its
+``ExpertExchange``) with synthetic peers (:class:`onerank.OneRankComm`, ``tests/onerank.py``). Its
 forward runs under ``torch.autograd.graph.saved_tensors_hooks``; the autograd graph is
 then walked node by node, custom Functions' ``ctx`` attributes included (the exchange
 keeps its layouts on ``ctx.st`` and its kept rows on ``ctx.kept``, which the hooks never
@@ -34,7 +34,7 @@ from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
-from lrmoe.sim.onerank import one_rank_layer
+from onerank import one_rank_layer
 
 H, F, E, K, G, T = 32, 24, 8, 2, 4, 48
 
@@ -269,7 +269,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     import lrmoe.parallel.exchange as exchange
     from live_rows import LiveRows
     from lrmoe.parallel.layout import permute_rows, unpermute_rows
-    from lrmoe.sim.onerank import OneRankComm
+    from onerank import OneRankComm
 
     layer, x, counts = _layer_and_tokens()
     policy, ledger = _policy_and_ledger(case, counts)

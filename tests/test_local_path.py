@@ -20,7 +20,7 @@ import test_ledger_truth as truth
 from lrmoe.errors import LrmoeError
 from lrmoe.memory import Ledger
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.moe import MoELayer, MoERuntime, moe_layer_reference
+from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.ops import experts as ops
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.local import DeviceStats, LocalExperts
@@ -29,8 +29,9 @@ from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
 from lrmoe.presets import get_preset
-from lrmoe.sim.onerank import one_rank_layer
 from lrmoe.train.metrics import layer_row, rank_summary
+from onerank import one_rank_layer
+from references.moe import moe_layer_reference
 
 EXPERTS = BackwardOptions(router_grad="experts")
 TIMES = ("count_exchange_ms", "plan_ms", "expert_fwd_ms", "expert_bwd_ms")

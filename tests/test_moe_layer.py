@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.moe import MoERuntime, moe_layer_reference
+from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset
+from references.moe import moe_layer_reference
 
 
 class ReplicaPolicy:

@@ -20,12 +20,8 @@ from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan import Plan, even_split, full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
-from lrmoe.policy.symi import (
-    contiguous_placement,
-    largest_feasible_slots,
-    plan_symi,
-    replica_counts,
-)
+from lrmoe.policy.symi import largest_feasible_slots, plan_symi
+from references.plans import contiguous_placement, replica_counts
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -91,7 +87,7 @@ def test_symi_plan_hand_worked():
     plan = plan_symi(counts, 4, prev_counts_E=torch.tensor([9, 7, 3, 1]))
     assert plan.inst_expert_GS.tolist() == [[0, 0, 0, 1], [1, 1, 2, 3]]
     # expert 0: 9 pairs over 3 instances -> 3,3,3; expert 1: 7 over 3 -> 3,2,2
-    assert plan.instance_load().tolist() == [[3, 3, 3, 3], [2, 2, 3, 1]]
+    assert plan.assign_GGS.sum(0).tolist() == [[3, 3, 3, 3], [2, 2, 3, 1]]
     plan.check(counts)
     assert plan.exact
 
@@ -113,7 +109,7 @@ def test_symi_properties(GE, extra, seed, first_step):
     plan.check(counts)
     assert plan.exact
     # even split: the instances of one expert differ by at most one pair
-    load = plan.instance_load().flatten()
+    load = plan.assign_GGS.sum(0).flatten()
     for e in range(E):
         li = load[ie == e]
         assert int(li.max() - li.min()) <= 1

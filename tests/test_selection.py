@@ -8,14 +8,10 @@ import torch
 
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
-from lrmoe.parallel.exchange import (
-    BackwardOptions,
-    inclusion_probs,
-    select_sampled,
-    select_topk,
-)
+from lrmoe.parallel.exchange import BackwardOptions, inclusion_probs
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset
+from references.selection import select_sampled, select_topk
 
 
 def test_topk_keeps_highest_per_block():

@@ -9,6 +9,8 @@ row counters must equal the real runtime's stats. The ``*_experts`` cases run wi
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,9 +24,11 @@ from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
-from lrmoe.sim.cost import StepTimes, step_times
+from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
+from lrmoe.sim.vstats import EXCHANGES, VirtualStats
+from onerank import TableRouter, zipf_routing
 
 T, H, E, K, F, G = 12, 16, 8, 2, 8, 4
 # sampled: partial plan, sampled estimator; *_experts: router_grad "experts"
@@ -190,7 +194,7 @@ def test_emulator_matches_one_process_and_gloo(tmp_path):
                             ("g2", emu["g2"][own], real[r]["g2"]), ("gr", emu["gr"], real[r]["gr"])):
                 close(a, b, f"{msg} rank {r} {k}")
             # exact counters: the real runtime's stats, rank by rank
-            mine, theirs = stats.rank_stats(r), real[r]["stats"]
+            mine, theirs = _rank_stats(stats, r), real[r]["stats"]
             for k, v in mine.items():
                 assert theirs[k] == v, f"{msg} rank {r} {k}: emulated {v}, real {theirs[k]}"
         assert stats.rows["fwd"] == [real[r]["stats"]["fwd_rows"] for r in range(G)]
@@ -240,11 +244,54 @@ def test_step_times_from_stats():
     assert t == pytest.approx([1.0 / link.efficiency + 3e-6, 0.5 / link.efficiency + 3e-6])
 
 
+def _rank_stats(stats: VirtualStats, g: int) -> dict:
+    """Rank g's emulated counters under the real runtime's stat names (``MoERuntime.stats``)."""
+    d = {"fwd_rows": stats.rows["fwd"][g], "retained_rows": stats.rows["retained"][g],
+         "saved_act_bytes": stats.saved_act_bytes[g]}
+    for ex in EXCHANGES[:4]:
+        if ex in stats.bytes_GG:
+            d[f"{ex}_bytes_sent"] = stats.bytes_sent(ex, off_rank=False)[g]
+            d[f"{ex}_bytes_recv"] = stats.bytes_recv(ex, off_rank=False)[g]
+    if "bwd" in stats.rows:
+        d["bwd_rows"] = stats.rows["bwd"][g]
+        d["selected_rows"] = stats.rows["selected"][g]
+    return d
+
+
+def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float, ledger,
+                 link: str, repeats: int) -> tuple[StepTimes, VirtualStats]:
+    """Emulated forward+backward time of one MoE layer at ``model_cfg``'s shapes: a random
+    layer routes ``G * tokens_per_rank`` random tokens (Zipf popularity with exponent
+    ``skew``), the virtual EP emulator runs it once untimed and ``repeats`` times timed;
+    the per-stage median :class:`StepTimes` and the last run's stats."""
+    link = LINKS[link]
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layer = MoELayer(model_cfg, 0)
+    N, E, K = G * tokens_per_rank, model_cfg.num_experts, model_cfg.num_experts_per_tok
+    idx = zipf_routing(N, E, K, skew, gen)
+    layer.router = TableRouter(layer.router.weight, idx)
+    # steady state: SYMI's popularity is the previous step's counts, taken to equal these
+    layer.prev_counts_E = torch.bincount(idx.flatten(), minlength=E)
+    v = VirtualEPLayer(layer, G, policy, None, ledger=ledger)
+    x = torch.randn(N, model_cfg.hidden_size, generator=gen)
+    dy = torch.randn(N, model_cfg.hidden_size, generator=gen)
+    runs = []
+    for i in range(1 + repeats):
+        layer.zero_grad(set_to_none=True)
+        v(x.clone().requires_grad_()).backward(dy)
+        if i >= 1:
+            runs.append(step_times(v.stats, link))
+    med = StepTimes(link=link.name)  # median over runs: robust to noise
+    for s in STAGES:
+        setattr(med, s, statistics.median(getattr(r, s) for r in runs))
+    return med, v.stats
+
+
 def test_emulate_step_with_registry_policies():
     from lrmoe.memory import Ledger
     from lrmoe.policy.registry import PolicyConfig
     from lrmoe.policy.registry import make_policy as registry_policy
-    from lrmoe.sim.cost import emulate_step, zipf_routing
 
     cfg = ModelConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)

@@ -42,8 +42,7 @@ pair_index           P_home · 28                                  per layer × 
   they run, trimmed ones by a bound over the selections they allow. As a function of the
   counts the total is the largest of a few affine pieces (:meth:`Ledger.total_pieces`),
   which the solvers (:meth:`Ledger.retain_capacity`, :meth:`Ledger.recompute_needed`)
-  and the planners' vectorised view work on. ``transients="bound"`` prices the older
-  per-row bound (:meth:`Ledger.buffer_bytes`, 1.5–1.75× the H200's peak) instead.
+  and the planners' vectorised view work on.
 * Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
   and the gate_up pre-activation the expert saves), on the rank that processes it.
 * Combined rows: every home pair's expert output row comes back home (``y_send``) and
@@ -76,7 +75,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,7 +84,6 @@ from torch import Tensor
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 
-TRANSIENTS = ("code", "bound")  # what the buffers term prices (Ledger.transients)
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
          "combine_rows", "pair_index")
 PAIR_INDEX_BYTES = 4 + 3 * 8  # per home pair: gate (fp32) and three int64 indices
@@ -136,18 +133,6 @@ def fmt_bytes(n: float) -> str:
         if n >= size:
             return f"{sign}{n / size:.1f} {unit}"
     return f"{sign}{int(n)} B"
-
-
-def actual_param_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes held by the given tensors (each counted once), for checking the ledger."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
 
 
 # (R, k, rec) = a·(1,0,0) + b·(1,1,0) + c·(1,1,1) with a, b, c >= 0 spans 0 <= rec <= k <= R
@@ -200,7 +185,6 @@ class Ledger:
     num_moe_layers: int | None = None
     optimizer_offload: str = "device"
     router_grad_at_experts: bool = False
-    transients: str = "code"
     _pieces_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -212,8 +196,6 @@ class Ledger:
         if self.num_moe_layers is None:
             self.num_moe_layers = len(self.model_cfg.moe_layers)
         require(self.num_moe_layers >= 1, f"num_moe_layers={self.num_moe_layers} must be >= 1")
-        require(self.transients in TRANSIENTS,
-                f"ledger transients {self.transients!r}: use one of {', '.join(TRANSIENTS)}")
         require(self.optimizer_offload in ("device", "host"),
                 f"optimizer offload {self.optimizer_offload!r}: use device or host")
         for name in ("bytes_w", "bytes_act"):
@@ -225,15 +207,15 @@ class Ledger:
     @classmethod
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
                   dtype: str = "bf16", num_moe_layers: int | None = None,
-                  optimizer_offload: str = "device", router_grad_at_experts: bool = False,
-                  transients: str = "code") -> Ledger:
+                  optimizer_offload: str = "device", router_grad_at_experts: bool = False
+                  ) -> Ledger:
         """A ledger whose weights and activations are both in ``dtype``."""
         if dtype not in DTYPE_BYTES:
             raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
         return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers, optimizer_offload,
-                   router_grad_at_experts, transients)
+                   router_grad_at_experts)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -285,36 +267,6 @@ class Ledger:
             return 2 * (self.E // self.G) * self.P_params * self.bytes_w
         return self.L * self.owner_bytes_per_layer()
 
-    def buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
-        """Transients of one layer on one rank (counted once), the larger of its forward
-        and its backward, each at its largest point in ``parallel/exchange.py``:
-
-        * forward, inside the experts: the layer input in the compute dtype ``T·H``
-          (``T = home_pairs / top_k``), the received rows ``R·H``, the gate_up output
-          ``R·2F``, the activation ``R·F`` and the expert output ``R·H``; or, during the
-          dispatch, ``T·H`` + the send buffer ``P_home·H`` + the received rows ``R·H``;
-        * backward, at the input-gradient GEMM: the output gradient ``T·H``, the rows
-          sent ``P_home·H``, the rows received and put in instance order ``2·R·H``, the
-          gathered saved rows ``R·(H + 2F)`` (a compacted backward), and inside the
-          expert backward the activation ``R·F``, its gradient ``R·F``, the gate_up
-          gradient ``R·2F`` and ``dx`` ``R·H``.
-
-        ``R`` bounds the backward's rows (select <= assign). Weight gradients are the
-        ``instance_grads`` term; the tensors kept for backward are their own terms.
-        """
-        x = np.array([1, int(received_pairs), 0, 0], dtype=np.int64)
-        return int((self._bound_pieces(int(home_pairs)) @ x).max())
-
-    def _bound_pieces(self, h: int) -> np.ndarray:
-        """:meth:`buffer_bytes` as affine pieces in bytes (rows ``const, per R, per k,
-        per rec``, as :meth:`buffer_pieces`): the forward at the experts, the forward at
-        the dispatch, the backward at the input-gradient GEMM."""
-        H, F, b = self.H, self.F, self.bytes_act
-        T = -(-h // self.top_k)
-        return np.array([[T * H * b, (2 * H + 3 * F) * b, 0, 0],
-                         [(T * H + h * H) * b, H * b, 0, 0],
-                         [(T * H + h * H) * b, (4 * H + 6 * F) * b, 0, 0]], dtype=np.int64)
-
     def _index_bytes(self, n: int, gathered: bool) -> int:
         """Per backward row, the expert backward's indices and scales: 20 bytes, 16 more
         when the saved rows are gathered."""
@@ -323,7 +275,7 @@ class Ledger:
     def _memo_key(self, *what) -> tuple:
         """``what`` and every field the pieces depend on (the memo outlives none of them)."""
         return what + (self.L, self.bytes_w, self.bytes_act, self.optimizer_offload,
-                       self.router_grad_at_experts, self.transients, self.G, self.E, self.H,
+                       self.router_grad_at_experts, self.G, self.E, self.H,
                        self.F, self.top_k)
 
     def plan_buffer_bytes(self, received_pairs: int, home_pairs: int,
@@ -389,23 +341,19 @@ class Ledger:
         pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
         the unit vectors (they are affine there) and checked at a generic point; pieces
         another one bounds wherever counts can be (``0 <= rec <= k <= R``) are dropped
-        (beyond that, ``k > R``, the pieces may under-price: no plan is there). With
-        ``transients="bound"``: :meth:`buffer_bytes`' own pieces."""
+        (beyond that, ``k > R``, the pieces may under-price: no plan is there)."""
         h = int(home_pairs)
         key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
         if hit is not None:
             return hit
-        if self.transients == "bound":
-            out = self._bound_pieces(h)
-        else:
-            at = self._planned_points(h, exact, rec_branch)
-            p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
-            out = np.array([[v0] + [p[name] - v0 for p in rest] for name, v0 in p0.items()],
-                           dtype=np.int64)
-            x = np.array([1, 1013, 701, 307], dtype=np.int64)  # affine check, generic point
-            if not np.array_equal(out @ x, np.array(list(at(*x[1:].tolist()).values()))):
-                raise AssertionError("a ledger point is not affine in (R, k, rec)")
+        at = self._planned_points(h, exact, rec_branch)
+        p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
+        out = np.array([[v0] + [p[name] - v0 for p in rest] for name, v0 in p0.items()],
+                       dtype=np.int64)
+        x = np.array([1, 1013, 701, 307], dtype=np.int64)  # affine check, generic point
+        if not np.array_equal(out @ x, np.array(list(at(*x[1:].tolist()).values()))):
+            raise AssertionError("a ledger point is not affine in (R, k, rec)")
         out = out[_undominated(out)]
         if len(self._pieces_memo) > 256:
             self._pieces_memo.clear()
@@ -414,13 +362,12 @@ class Ledger:
 
     def planned_buffer_bytes(self, received_pairs: int, home_pairs: int, retained_pairs: int,
                              recomputed_pairs: int = 0, exact: bool = False) -> int:
-        """The buffers term the planners price (``transients="code"``, the default): the
-        code-derived account (:meth:`plan_buffer_bytes`) of a plan known only by its
-        counts. ``exact``: every received row in backward, none gathered (static, SYMI).
-        Otherwise a bound for any trimmed plan with these counts (LRMoE): every retained
-        row selected (the selection is a subset of the retention), every home row sent,
-        the saved rows gathered and copied. ``transients="bound"``: :meth:`buffer_bytes`.
-        """
+        """The buffers term the planners price: the code-derived account
+        (:meth:`plan_buffer_bytes`) of a plan known only by its counts. ``exact``: every
+        received row in backward, none gathered (static, SYMI). Otherwise a bound for any
+        trimmed plan with these counts (LRMoE): every retained row selected (the selection
+        is a subset of the retention), every home row sent, the saved rows gathered and
+        copied."""
         pieces = self.buffer_pieces(home_pairs, exact, int(recomputed_pairs) > 0)
         x = np.array([1, int(received_pairs), int(retained_pairs), int(recomputed_pairs)],
                      dtype=np.int64)

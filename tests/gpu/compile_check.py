@@ -6,7 +6,7 @@ generates the kernels that run on a GPU, is checked here, on the GPU, in fp32 (s
 tolerances mean something):
 
 * **layer**: tiny-qwen3's MoE layer (softmax router, aux loss) compiled with ``--backend``
-  against :func:`lrmoe.model.moe.moe_layer_reference` (plain per-expert loop) on two
+  against :func:`references.moe.moe_layer_reference` (plain per-expert loop) on two
   batches that route differently: output, input gradient, expert and router gradients;
   graphs compiled and recompiles;
 * **model**: a 3-layer tiny-glm (a dense layer, two MoE layers with the sigmoid group
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+from pathlib import Path
 
 import torch
 
-from lrmoe.model import MoEForCausalLM
-from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts
-from lrmoe.model.moe import moe_layer_reference
-from lrmoe.presets import get_preset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the references
+
+from lrmoe.model import MoEForCausalLM  # noqa: E402
+from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts  # noqa: E402
+from lrmoe.presets import get_preset  # noqa: E402
+from references.moe import moe_layer_reference  # noqa: E402
 
 # fp32 throughout; inductor may fuse and reorder reductions, so the bounds are a few
 # hundred ulps of the values involved, not bit equality

@@ -19,7 +19,7 @@ from gpu_util import needs_cuda  # noqa: E402
 
 from lrmoe.model.moe import MoERuntime  # noqa: E402
 from lrmoe.policy.capacity import CapacityPolicy  # noqa: E402
-from lrmoe.sim.onerank import one_rank_layer  # noqa: E402
+from onerank import one_rank_layer  # noqa: E402
 from test_host_waits import SAMPLED, _cases  # noqa: E402
 from test_ledger_truth import T, _layer_and_tokens, _policy_and_ledger  # noqa: E402
 

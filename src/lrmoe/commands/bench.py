@@ -12,7 +12,6 @@ and locked; an earlier bench ttl output only with ``--reuse``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -112,11 +111,6 @@ def register(sub) -> None:
     t.add_argument("--router-lr-scale", type=float, default=1.0,
                    help="the MoE routers' learning rate as a multiple of --lr, for every "
                         "policy (a wide router's logits move by up to ~lr·|x|_1 a step)")
-    t.add_argument("--ledger-transients", choices=("code", "bound"), default="code",
-                   help="what every planner prices as a layer's transients: code (the rows "
-                        "alive at each point of the layer's forward and backward, checked "
-                        "against the H200's peak) or bound (the larger per-row bound used "
-                        "before 2026-12-02, to replay older budgets)")
     t.add_argument("--deterministic", action="store_true",
                    help="torch's deterministic kernels (warn-only) for every policy, so "
                         "repeated runs of a seed repeat each other (default off: GPU atomics "
@@ -161,8 +155,7 @@ def table(rep: dict) -> str:
              f"link {rep['link']['name']}; EP {rep['config']['ep']}"
              f" virtual ranks; budget "
              f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
-             " per rank (transients priced: "
-             f"{rep['config'].get('ledger_transients', 'bound')}). Times are emulated.", "",
+             " per rank. Times are emulated.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rep["policies"].items():
         st = r["steps"]
@@ -240,7 +233,7 @@ def plots(rep: dict, out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lrmoe.sim.ttl import TTLConfig, bench_ttl
+    from lrmoe.sim.ttl import TTLConfig, bench_ttl, recorded_settings
 
     if args.bench != "ttl":
         raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
@@ -261,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
         reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
         deterministic_fill=args.deterministic_fill,
-        ledger_transients=args.ledger_transients, router_lr_scale=args.router_lr_scale,
+        router_lr_scale=args.router_lr_scale,
         grad_accum=args.grad_accum, activation_checkpoint=args.activation_checkpoint)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise LrmoeError("--device cuda: no CUDA device is available")
@@ -282,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             done[name] = {k: v for k, v in res.items() if k != "routing_trace"}
             atomic_write_text(out / "ttl_partial.json", json.dumps(
                 {"label": "emulated (partial: policies finished so far)",
-                 "config": dataclasses.asdict(cfg), "policies": done}))
+                 "config": recorded_settings(cfg), "policies": done}))
 
         rep = bench_ttl(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
                         on_policy=save_partial)

@@ -1,5 +1,5 @@
 """The experts' weights as a module (stage ``experts``); the math lives in
-:mod:`lrmoe.ops.experts` (grouped SwiGLU forward/backward, offsets, loop reference)."""
+:mod:`lrmoe.ops.experts` (grouped SwiGLU forward/backward, offsets)."""
 
 from __future__ import annotations
 

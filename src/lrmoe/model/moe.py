@@ -230,31 +230,3 @@ def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.
     remote = int(((ie >= 0) & (ie // per != me)).sum())
     per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
     return remote * per_expert * torch.empty((), dtype=dtype).element_size()
-
-
-def moe_layer_reference(layer: MoELayer, x_BTH: Tensor, keep=None) -> Tensor:
-    """Straightforward dense-dispatch reference (one process, all experts local).
-
-    ``keep(gate_N) -> bool_N``, if given, picks which of an expert's N pairs carry
-    gradient into the expert (weights and input); the others' outputs are detached, so
-    the forward and every pair's router gradient stay exact (the masking reference of a
-    trimmed backward)."""
-    B, T, H = x_BTH.shape
-    x = x_BTH.reshape(-1, H)
-    r = layer.router(x)
-    Fd = layer.cfg.moe_intermediate_size
-    out = torch.zeros_like(x)
-    for e in range(layer.cfg.num_experts):
-        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        gu = x[tok] @ layer.experts.gate_up_proj[e].t()
-        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
-        g = r.gate_TK[tok, k]
-        if keep is not None:
-            y = torch.where(keep(g.detach())[:, None], y, y.detach())
-        out = out.index_add(0, tok, y * g[:, None].to(y.dtype))
-    out = out.view(B, T, H)
-    if layer.shared_experts is not None:
-        out = out + layer.shared_experts(x_BTH)
-    return out

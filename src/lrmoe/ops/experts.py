@@ -1,4 +1,4 @@
-"""SwiGLU experts as variable-size grouped GEMMs (stage ``experts``), with a loop reference.
+"""SwiGLU experts as variable-size grouped GEMMs (stage ``experts``).
 
 Legend: R rows (pairs, grouped into contiguous per-instance segments), I instances,
 H hidden, F expert width. Weights follow HF transformers >= 5's fused layout:
@@ -9,7 +9,8 @@ allowed); ``offs_I`` their inclusive cumulative sums (int32), as grouped_mm expe
 The forward and the backward are written as plain functions (not autograd) because the
 runtime's backward only sees a compacted subset of the rows (LRMoE selection): the
 exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_backward_owned`
-(which drops each row tensor at its last use).
+(which drops each row tensor at its last use). Their per-instance loop reference is
+``tests/references/moe.py``.
 """
 
 from __future__ import annotations
@@ -194,16 +195,3 @@ def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tens
     del x_RH
     dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
     return (dx, dw13, dw2, dot) if rowdot else (dx, dw13, dw2)
-
-
-def swiglu_loop_reference(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor,
-                          counts: list[int]) -> Tensor:
-    """Plain per-instance loop with autograd: the reference for tests (docs/design.md §1 conventions)."""
-    outs, start = [], 0
-    Fd = w2_IHF.shape[-1]
-    for i, n in enumerate(counts):
-        xi = x_RH[start:start + n]
-        gu = xi @ w13_IFH[i].t()
-        outs.append((F.silu(gu[:, :Fd]) * gu[:, Fd:]) @ w2_IHF[i].t())
-        start += n
-    return torch.cat(outs) if outs else x_RH.new_zeros(0, w2_IHF.shape[1])

@@ -105,14 +105,6 @@ def select_topk_idx(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor
     return torch.sort(kept).values
 
 
-def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:
-    """Boolean mask form of :func:`select_topk_idx` for rows sorted by block id."""
-    size_B = torch.bincount(block_N.cpu(), minlength=quota_B.numel())
-    keep = torch.zeros(metric_N.numel(), dtype=torch.bool, device=metric_N.device)
-    keep[select_topk_idx(metric_N, size_B, quota_B.cpu())] = True
-    return keep
-
-
 def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
                     size_B: Tensor | None = None) -> Tensor:
     """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
@@ -172,18 +164,6 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     fg = torch.stack((per_mass, uniform), 1)[b_s]
     pi_s = torch.where(capped_s, 1.0, torch.addcmul(fg[:, 1], fg[:, 0], m_s)).clamp_(0.0, 1.0)
     return pi_s[torch.argsort(order)]  # back to the input's row order (a gather)
-
-
-def select_sampled(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
-                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Poisson sampling with ``pi`` from :func:`inclusion_probs`; kept rows weigh ``1/pi``.
-
-    The expected weighted sum of any per-row quantity equals the full sum (Horvitz-
-    Thompson), so the expected expert weight gradient is the exact one.
-    """
-    pi = inclusion_probs(metric_N, block_N, quota_B)
-    keep = poisson_keep(pi, generator)
-    return keep, torch.where(keep, ht_weight(pi), 0.0)
 
 
 def ht_weight(pi: Tensor) -> Tensor:

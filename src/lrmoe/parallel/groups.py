@@ -42,10 +42,6 @@ class ParallelContext:
         return self.rank % self.ep_size
 
     @property
-    def dp_rank(self) -> int:
-        return self.rank // self.ep_size
-
-    @property
     def distributed(self) -> bool:
         return self.world > 1
 

@@ -25,8 +25,7 @@ from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.fastops import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
 from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.plan import Plan, full_plan
-from lrmoe.policy.static import native_placement
+from lrmoe.policy.plan import Plan
 
 
 def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
@@ -69,7 +68,7 @@ def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
 
 def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
     """Native placement; pairs over each expert's capacity dropped from every home.
-    (numpy on the host; :func:`plan_capacity_reference` is the torch reading.)"""
+    (numpy on the host; its torch reading is in ``tests/references/plans.py``.)"""
     require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
     G, E = counts_GE.shape
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
@@ -79,19 +78,6 @@ def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
     inst = np.arange(E).reshape(G, E // G)  # native placement
     a = interval_overlap_np(kept_GE, inst, even_split_np(kept_GE, inst))
     return to_plan(inst, a, a.copy(), a.copy(), dropped_GE=c - kept_GE)
-
-
-def plan_capacity_reference(counts_GE: Tensor, capacity_factor: float) -> Plan:
-    """The torch reading of :func:`plan_capacity` (tests compare the two)."""
-    require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
-    G, E = counts_GE.shape
-    c = counts_GE.long()
-    cap = capacity_per_expert(c, capacity_factor)
-    kept_E = c.sum(0).clamp(max=cap)
-    kept_GE = apportion(kept_E, c)
-    p = full_plan(kept_GE, native_placement(G, E))
-    return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, p.select_GGS,
-                dropped_GE=c - kept_GE)
 
 
 @dataclass

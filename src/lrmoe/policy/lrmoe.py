@@ -46,7 +46,7 @@ retained pair per instance do not fit, :class:`LrmoeError` names the rank and sh
 **How it runs fast** (it is on every MoE layer's critical path). The planner works on
 the host counts the runtime already has after its count all-gather (no device work, no
 extra synchronisation, no collective) and makes exactly the plans of the loop-by-loop
-reference, :mod:`lrmoe.policy.lrmoe_reference` (tests/test_planner_fast.py):
+reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py):
 placement keeps incremental state (:mod:`lrmoe.policy.lrmoe_place`), byte counts come
 from the ledger's vectorised view (:mod:`lrmoe.policy.ledger_view`, which asks the
 ledger, re-deriving nothing), and passes 2 and 3 are numpy

@@ -2,8 +2,8 @@
 
 Legend: G ranks, S slots per rank, E experts.
 
-Same rule, same moves as the reference (:func:`lrmoe.policy.lrmoe_reference.
-_place_replicas`, see :mod:`lrmoe.policy.lrmoe` for the rule); only the bookkeeping
+Same rule, same moves as the reference (``_place_replicas`` in
+``tests/references/lrmoe_planner.py``; see :mod:`lrmoe.policy.lrmoe` for the rule); only the bookkeeping
 differs, so that one move costs a few microseconds instead of a pass over every rank
 and expert with a ledger call each:
 

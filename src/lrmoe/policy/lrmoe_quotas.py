@@ -3,7 +3,7 @@
 Legend: G ranks, S slots per rank; ``_IG`` is ``[rank·S + slot, home rank]`` (one row per
 instance: the plan's ``[home, rank, slot]`` blocks, transposed so that every split runs
 along contiguous memory). All arrays int64 numpy on the host. The same arithmetic as the reference
-(:mod:`lrmoe.policy.lrmoe_reference` ``_retention`` and ``_backward_quotas``), in closed
+(``tests/references/lrmoe_planner.py``: ``_retention`` and ``_backward_quotas``), in closed
 form: per-rank capacities from the ledger's vectorised view, largest-remainder
 rounding by :func:`lrmoe.policy.fastops.apportion_rows_np`.
 """

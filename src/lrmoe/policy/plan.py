@@ -67,10 +67,6 @@ class Plan:
         """Pairs each rank processes in backward, ``[G]``."""
         return self.select_GGS.sum(dim=(0, 2))
 
-    def instance_load(self) -> Tensor:
-        """Pairs per instance, ``[G, S]``."""
-        return self.assign_GGS.sum(dim=0)
-
     def num_replicas(self) -> int:
         used = self.inst_expert_GS[self.inst_expert_GS >= 0]
         return int(used.numel() - torch.unique(used).numel())

@@ -30,7 +30,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
@@ -61,31 +60,11 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     return cnt, [c - g for c, g in zip(cnt, goal)]
 
 
-def replica_counts(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly."""
-    cnt, diff = _floor_counts(pop_E, E, total_slots)
-    while sum(cnt) > total_slots:
-        e = max((e for e in range(E) if cnt[e] > 1), key=lambda e: (diff[e], -e))
-        cnt[e] -= 1
-        diff[e] -= 1.0
-    while sum(cnt) < total_slots:
-        e = min(range(E), key=lambda e: (diff[e], e))
-        cnt[e] += 1
-        diff[e] += 1.0
-    return cnt
-
-
-def contiguous_placement(cnt: list[int], G: int, s: int) -> Tensor:
-    """``[G, s]``: expert 0's instances first, then expert 1's, ..., rank by rank."""
-    require(sum(cnt) == G * s, f"replica counts sum to {sum(cnt)}, want {G * s}")
-    ids = torch.repeat_interleave(torch.arange(len(cnt)), torch.tensor(cnt, dtype=torch.long))
-    return ids.reshape(G, s)
-
-
 def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """:func:`replica_counts` with heaps: the same picks in the same order (largest
-    ``diff`` first, ties to the lower id; then smallest), ``O(log E)`` per step instead
-    of a scan; used on the critical path, the loop above is its reference."""
+    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly,
+    with heaps: decrement the largest ``diff`` first (ties to the lower id), then
+    increment the smallest; ``O(log E)`` per step instead of a scan (its loop reading is
+    in ``tests/references/plans.py``)."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
     if n > total_slots:
@@ -121,7 +100,7 @@ def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
             f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
             "its native experts)")
     cnt = replica_counts_heap(prev_counts_E, E, G * s)
-    return np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous_placement
+    return np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous: expert 0 first, rank by rank
 
 
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,

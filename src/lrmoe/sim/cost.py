@@ -19,8 +19,7 @@ is modelled). Everything here is **emulated** cluster time, never measured.
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,16 +75,6 @@ class StepTimes:
     @property
     def total(self) -> float:
         return self.moe + self.non_moe
-
-    def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_rank"}
-        d.update(moe=self.moe, total=self.total)
-        return d
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.stages().items())
-        return (f"emulated step ({self.link}): total {self.total * 1e3:.3f} ms = MoE "
-                f"{self.moe * 1e3:.3f} ms [{parts}] + non-MoE {self.non_moe * 1e3:.3f} ms (measured)")
 
 
 def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]]:
@@ -207,77 +196,3 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             once.update(off)
         _charge(step, once, G)
     return outs, step
-
-
-# ------------------------------------------------------------------------ one-call helper
-class _TableRouter(torch.nn.Module):
-    """Routes by a fixed ``[N, K]`` table; gates are the softmax router's probabilities
-    of those experts, renormalised (differentiable), so the backward has a router."""
-
-    def __init__(self, weight: torch.Tensor, idx_NK: torch.Tensor):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight.detach().clone())
-        self.idx = idx_NK
-
-    def forward(self, x):
-        from lrmoe.model.router import Routing
-
-        probs = torch.softmax(torch.nn.functional.linear(x.float(), self.weight.float()), dim=-1)
-        gate = probs.gather(1, self.idx)
-        return Routing(self.idx, gate / gate.sum(-1, keepdim=True), None)
-
-
-def zipf_routing(N: int, E: int, K: int, skew: float, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
-    """``[N, K]`` distinct experts per token; expert popularity ``∝ 1/rank^skew`` over a
-    random order of the experts (``skew`` 0: uniform)."""
-    perm = torch.randperm(E, generator=generator)
-    p = torch.empty(E)
-    p[perm] = 1.0 / torch.arange(1, E + 1, dtype=torch.float64).pow(skew).float()
-    return torch.multinomial(p.expand(N, E), K, replacement=False, generator=generator)
-
-
-def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float = 1.0,
-                 routing_idx: torch.Tensor | None = None, ledger=None, link: Link | str = "nvlink",
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 backward_opts=None, non_moe_s: float = 0.0, warmup: int = 1, repeats: int = 1,
-                 seed: int = 0) -> tuple[StepTimes, VirtualStats]:
-    """Emulated forward+backward time of one MoE layer at ``model_cfg``'s shapes.
-
-    Builds a random layer, routes ``G * tokens_per_rank`` random tokens (Zipf popularity
-    with exponent ``skew``, or the given ``routing_idx [G*T, K]``), runs the virtual EP
-    emulator ``warmup`` times untimed and ``repeats`` times timed, and returns the
-    per-stage median :class:`StepTimes` (label "emulated") and the last run's stats. ``non_moe_s`` is a
-    measured non-MoE time to add. Multiply by the number of MoE layers for a model step
-    (every layer sees the same routing here).
-    """
-    from lrmoe.model.moe import MoELayer
-    from lrmoe.sim.links import get_link
-    from lrmoe.sim.virtual import VirtualEPLayer
-
-    link = get_link(link) if isinstance(link, str) else link
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    layer = MoELayer(model_cfg, 0)
-    N, E, K = G * tokens_per_rank, model_cfg.num_experts, model_cfg.num_experts_per_tok
-    idx = routing_idx if routing_idx is not None else zipf_routing(N, E, K, skew, gen)
-    layer.router = _TableRouter(layer.router.weight, idx.to(device))
-    # steady state: SYMI's popularity is the previous step's counts, taken to equal these
-    layer.prev_counts_E = torch.bincount(idx.flatten().cpu(), minlength=E)
-    layer = layer.to(device=device, dtype=dtype)
-    v = VirtualEPLayer(layer, G, policy, backward_opts, ledger=ledger)
-    x = torch.randn(N, model_cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
-    dy = torch.randn(N, model_cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
-    runs = []
-    for i in range(warmup + repeats):
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        v(xi).backward(dy)
-        if i >= warmup:
-            runs.append(step_times(v.stats, link, non_moe_s))
-    med = StepTimes(non_moe=non_moe_s, link=link.name)  # median over runs: robust to noise
-    for s in STAGES:
-        setattr(med, s, statistics.median(getattr(r, s) for r in runs))
-        med.per_rank[s] = [statistics.median(col) for col in zip(*(r.per_rank[s] for r in runs))]
-    return med, v.stats

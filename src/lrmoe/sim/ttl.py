@@ -51,7 +51,8 @@ and its results stay those of a ``"home"`` run. The budget is the same either wa
 finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
 seed can be completed with more policies in a later call; each reused result says where
 it came from (``reused_from``). The earlier run must match: its recorded settings (all
-but the policies and ``reuse``), and always its initial model's validation loss (same
+but the policies and ``reuse``; one the file lacks was added since and counts at its
+default, the behaviour before it), and always its initial model's validation loss (same
 seed, model, data and validation batches) and its evaluation steps; else the run stops
 before training with a message naming the difference.
 
@@ -78,7 +79,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -129,17 +130,20 @@ class TTLConfig:
     router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
     deterministic: bool = False  # torch's deterministic kernels for every policy
     deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
-    ledger_transients: str = "code"  # what every planner prices as transients (Ledger)
     router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
     grad_accum: int = 1  # micro-batches (of batch_size) per optimizer step
     activation_checkpoint: str = "none"  # none, selective or full (lrmoe.model.checkpoint)
 
 
-# settings added after runs were recorded: an earlier file without one ran with this value
-ADDED_SETTINGS = {"router_grad": "home", "deterministic": False, "ledger_transients": "bound",
-                  "lrmoe_placement": "current",
-                  "router_lr_scale": 1.0, "deterministic_fill": True, "grad_accum": 1,
-                  "activation_checkpoint": "none"}
+# settings no longer chosen, still recorded with the one value today's code runs, so that
+# --reuse tells files apart: the ledger prices a layer's transients as the code holds its
+# rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
+RETIRED_SETTINGS = {"ledger_transients": "code"}
+
+
+def recorded_settings(cfg: TTLConfig) -> dict:
+    """The settings a ``ttl.json`` or ``ttl_partial.json`` records."""
+    return asdict(cfg) | RETIRED_SETTINGS
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
@@ -464,7 +468,7 @@ def time_to_target(res: dict, target: float, rtol: float = 0.0
 
 
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
-                    optimizer_offload: str = "device", transients: str = "code") -> int:
+                    optimizer_offload: str = "device") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
     and received pairs) that retains only ``fraction`` of its pairs.
 
@@ -474,8 +478,7 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
     ``optimizer_offload="host"`` the rank is priced on that memory design (no optimizer
     state on the GPU).
     """
-    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload,
-                           transients=transients)
+    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
     t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
     return int(t["total"] - (1 - fraction) * t["retained_acts"])
@@ -542,9 +545,11 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
                          f"({type(e).__name__}: {e})") from None
     old = rep.get("config")
     if old is not None:
-        new = asdict(cfg)
+        # a setting the file lacks was added since: its default is the behaviour before it
+        before = {f.name: f.default for f in fields(TTLConfig)}
+        new = recorded_settings(cfg)
         for k in sorted(set(new) | set(old)):
-            was = old.get(k, ADDED_SETTINGS.get(k))
+            was = old.get(k, before.get(k))
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
@@ -638,9 +643,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         home = cfg.batch_size // G * cfg.seq_len
         budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
                   balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype,
-                                  cfg.optimizer_offload, cfg.ledger_transients))
-        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload,
-                                  transients=cfg.ledger_transients)
+                                  cfg.optimizer_offload))
+        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload)
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
@@ -708,7 +712,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                   if t_symi and r["time_to_target_emulated_s"] is not None else None)
               for p, r in results.items() if variants[p][0] == "lrmoe"}
     ratio = ratios.get("lrmoe")
-    return {"label": "emulated", "link": asdict(link), "config": asdict(cfg),
+    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
             "model": mcfg.to_hf_dict(), "data": corpus.source,
             "budget_bytes": None if ledger is None else ledger.budget_bytes,
             "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),

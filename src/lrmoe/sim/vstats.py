@@ -125,17 +125,5 @@ class VirtualStats:
             b = b - torch.diag(torch.diagonal(b))
         return b.sum(0).tolist()
 
-    def rank_stats(self, g: int) -> dict:
-        """Rank g's counters under the real runtime's stat names (``MoERuntime.stats``)."""
-        d = {"fwd_rows": self.rows["fwd"][g], "retained_rows": self.rows["retained"][g],
-             "saved_act_bytes": self.saved_act_bytes[g]}
-        for ex in EXCHANGES[:4]:
-            if ex in self.bytes_GG:
-                d[f"{ex}_bytes_sent"] = self.bytes_sent(ex, off_rank=False)[g]
-                d[f"{ex}_bytes_recv"] = self.bytes_recv(ex, off_rank=False)[g]
-        if "bwd" in self.rows:
-            d["bwd_rows"] = self.rows["bwd"][g]
-            d["selected_rows"] = self.rows["selected"][g]
-        return d
 
 

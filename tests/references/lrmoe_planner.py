@@ -1,4 +1,4 @@
-"""lrmoe, the reference planner: today's loop-by-loop reading, kept beside the fast path.
+"""lrmoe, the reference planner: the loop-by-loop reading of the fast path.
 
 Legend: G ranks, S slots per rank, E experts; a *block* ``[g, r, s]`` is the pairs home
 ``g`` sends to instance ``(r, s)``. All tensors int64 on the CPU.

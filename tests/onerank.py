@@ -1,4 +1,5 @@
-"""One rank of a G-rank EP group, run alone: the real runtime with synthetic peers.
+"""One rank of a G-rank EP group, run alone: the real runtime with synthetic peers
+(tests and ``benchmarks/``), and synthetic routing for it.
 
 Legend: G ranks, E experts, S slots per rank.
 
@@ -10,11 +11,13 @@ every planner sees what it would in a real G-rank step; every all-to-all returns
 this rank's own rows copied back), so this rank allocates, keeps and frees exactly the
 tensors a real rank does. The numbers it computes from peers' rows are meaningless:
 this is for memory accounting (the ledger test, ``benchmarks/ledger_peak.py``) and
-never for numerics.
+never for numerics. :class:`TableRouter` routes by a fixed table, drawn for instance by
+:func:`zipf_routing`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lrmoe.errors import require
@@ -77,3 +80,30 @@ def one_rank_layer(layer, me: int, peers_GE: Tensor, policy, ledger=None, backwa
     out.runtime = MoERuntime(comm=OneRankComm(me, peers_GE), policy=policy,
                              backward=backward or BackwardOptions(), ledger=ledger)
     return out
+
+
+class TableRouter(torch.nn.Module):
+    """Routes by a fixed ``[N, K]`` table; gates are the softmax router's probabilities
+    of those experts, renormalised (differentiable), so the backward has a router."""
+
+    def __init__(self, weight: torch.Tensor, idx_NK: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.idx = idx_NK
+
+    def forward(self, x):
+        from lrmoe.model.router import Routing
+
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), self.weight.float()), dim=-1)
+        gate = probs.gather(1, self.idx)
+        return Routing(self.idx, gate / gate.sum(-1, keepdim=True), None)
+
+
+def zipf_routing(N: int, E: int, K: int, skew: float, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+    """``[N, K]`` distinct experts per token; expert popularity ``∝ 1/rank^skew`` over a
+    random order of the experts (``skew`` 0: uniform)."""
+    perm = torch.randperm(E, generator=generator)
+    p = torch.empty(E)
+    p[perm] = 1.0 / torch.arange(1, E + 1, dtype=torch.float64).pow(skew).float()
+    return torch.multinomial(p.expand(N, E), K, replacement=False, generator=generator)

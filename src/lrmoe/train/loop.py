@@ -457,7 +457,7 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
          f"params, {active / 1e6:.2f}M active) | {corpus.source} | tokenizer {tok.spec} "
          f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
          f"{cfg.seq_len} tokens x {cfg.grad_accum} micro-batch(es) each | policy "
-         f"{cfg.policy} | world {ctx.world}, ep "
+         f"{cfg.policy.name} | world {ctx.world}, ep "
          f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
     for note in corpus.notes:
         _log(f"lrmoe train: note: {note}", ctx)
@@ -482,7 +482,8 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
         for step in range(start, end):
             rt.step = watch.step = step
             watch.phase = "forward and backward"
-            fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
+            every = cfg.policy.lrmoe.fidelity_every
+            fid = every > 0 and (step + 1) % every == 0
             rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
             if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
                 torch.cuda.reset_peak_memory_stats(ctx.device)

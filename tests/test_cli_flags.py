@@ -45,7 +45,7 @@ def test_every_knob_has_one_spelling_everywhere():
         for n in names:
             assert spelled[n] in declared, (cmd, n)
         # no other spelling of any knob, here or in another command
-        for n, flag in spelled.items():
+        for flag in spelled.values():
             short = flag.removeprefix("--lrmoe-")
             if flag.startswith("--lrmoe-") and short.replace("-", "_") not in KNOBS:
                 assert f"--{short}" not in declared, (cmd, short)

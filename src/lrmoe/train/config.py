@@ -2,9 +2,11 @@
 
 ``TrainConfig`` holds every ``lrmoe train`` option (CLI names with dashes);
 ``check_args`` validates them with messages naming the field, the value and what is
-valid; ``resolve_model_config``, ``build_policy``, ``backward_options`` and
-``build_ledger`` turn a config into the model config, the planner, the LRMoE backward
-options and the memory ledger the trainer uses.
+valid; ``resolve_model_config``, ``build_policy``, ``backward_options``,
+``build_runtime`` and ``build_ledger`` turn a config into the model config, the planner,
+the LRMoE backward options, the MoE runtime and the memory ledger the trainer uses
+(the policy's knobs nested in ``TrainConfig.policy``; :mod:`lrmoe.cli_flags` declares
+their flags).
 """
 
 from __future__ import annotations
@@ -279,6 +281,17 @@ def backward_options(cfg: TrainConfig):
     return BackwardOptions(metric=lc.metric, estimator=lc.estimator,
                            compaction=lc.compaction, fidelity=False,
                            router_grad=cfg.router_grad)
+
+
+def build_runtime(cfg: TrainConfig, ctx, policy, ledger, generator):
+    """The MoE layers' shared runtime: the planner, :func:`backward_options`, the ledger
+    and the parallel context's EP group and count reduction."""
+    from lrmoe.model.moe import MoERuntime
+    from lrmoe.parallel.groups import count_reducer
+
+    return MoERuntime(comm=ctx.comm(), policy=policy, backward=backward_options(cfg),
+                      ledger=ledger, generator=generator, count_reduce=count_reducer(ctx),
+                      dp_size=ctx.world // ctx.ep_size)
 
 
 def build_ledger(cfg: TrainConfig, mcfg, ctx):

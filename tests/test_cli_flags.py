@@ -100,3 +100,29 @@ def test_bad_value_names_the_flag():
         config_from_cli({"preset": "tiny-qwen3", "lrmoe_min_keep": 1.5})
     with pytest.raises(LrmoeError, match="--lrmoe-estimator 'x' is not valid"):
         TrainConfig.from_flat(lrmoe_estimator="x")
+
+
+def test_resume_reads_a_config_saved_before_the_nesting(tmp_path):
+    """A run's config.json as written when every policy knob was a TrainConfig field
+    (flat keys): --resume inherits the knobs into the nested policy config."""
+    import json
+
+    from lrmoe.train.config import RUN_CONFIG, RUN_FORMAT
+
+    old = {"preset": "tiny-qwen3", "steps": 7, "policy": "lrmoe", "capacity_factor": 1.25,
+           "slots_per_rank": 6, "recompute": False, "lrmoe_recompute": True,
+           "lrmoe_placement": "previous", "optimizer_offload": "device",
+           "router_grad": "home", "mem_budget": "1GiB", "lrmoe_metric": "gate",
+           "lrmoe_estimator": "sampled", "lrmoe_min_keep": 0.3, "lrmoe_balance": 0.5,
+           "lrmoe_compaction": False, "lrmoe_selection": True, "lrmoe_fidelity_every": 2,
+           "lrmoe_keep": "auto", "lrmoe_target_cosine": 0.95}
+    (tmp_path / RUN_CONFIG).write_text(json.dumps({"format": RUN_FORMAT, "train": old}))
+    cfg = config_from_cli({"out": str(tmp_path), "resume": True})
+    lc = cfg.policy.lrmoe
+    assert (cfg.policy.name, cfg.policy.slots_per_rank, cfg.steps) == ("lrmoe", 6, 7)
+    assert (lc.recompute, lc.placement, lc.metric, lc.estimator, lc.min_keep, lc.balance,
+            lc.compaction, lc.fidelity_every, lc.keep, lc.target_cosine) == (
+        True, "previous", "gate", "sampled", 0.3, 0.5, False, 2, "auto", 0.95)
+    flat = cfg.flat()
+    assert {k: flat[k] for k in old if k != "preset"} == {k: v for k, v in old.items()
+                                                          if k != "preset"}

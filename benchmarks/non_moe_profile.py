@@ -422,7 +422,7 @@ def param_split(cfg) -> dict[str, int]:
     from lrmoe.parallel.groups import is_expert_param
     from lrmoe.train.config import TrainConfig, resolve_model_config
 
-    mcfg = resolve_model_config(TrainConfig(preset=cfg.preset, config=cfg.config),
+    mcfg = resolve_model_config(TrainConfig.from_flat(preset=cfg.preset, config=cfg.config),
                                 vocab_size=None)
     with torch.device("meta"):
         model = MoEForCausalLM(mcfg)

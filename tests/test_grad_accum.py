@@ -199,9 +199,9 @@ def test_trainer_resume_with_accumulation_is_bit_exact(tmp_path):
     base = dict(preset="tiny-glm", policy="symi", steps=6, grad_accum=2, batch_size=2,
                 seq_len=32, max_data_bytes=100_000, eval_batches=1, eval_every=0,
                 ckpt_every=3, threads=1, warmup=1)
-    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
-    train(TrainConfig(out=str(tmp_path / "b"), stop_after=3, **base))
-    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    a = train(TrainConfig.from_flat(out=str(tmp_path / "a"), **base))
+    train(TrainConfig.from_flat(out=str(tmp_path / "b"), stop_after=3, **base))
+    b = train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True, **base))
     assert a["final_val_loss"] == b["final_val_loss"]
     ra, rb = ([r for r in read_metrics(tmp_path / x / "metrics.jsonl") if r["kind"] == "train"]
               for x in ("a", "b"))
@@ -217,7 +217,7 @@ def test_trainer_resume_with_accumulation_is_bit_exact(tmp_path):
     from lrmoe.errors import LrmoeError
 
     with pytest.raises(LrmoeError, match="grad_accum"):
-        train(TrainConfig(out=str(tmp_path / "b"), resume=True, **dict(base, grad_accum=3,
+        train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True, **dict(base, grad_accum=3,
                                                                        steps=8)))
 
 

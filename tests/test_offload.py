@@ -398,9 +398,9 @@ def test_train_with_bf16_device_experts_resumes_bit_exact(tmp_path, monkeypatch)
     base = dict(preset="tiny-qwen3", steps=4, batch_size=2, seq_len=32, max_data_bytes=100_000,
                 eval_batches=1, eval_every=0, ckpt_every=2, threads=1, warmup=1,
                 optimizer_offload="host")
-    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
-    train(TrainConfig(out=str(tmp_path / "b"), stop_after=2, **base))
-    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    a = train(TrainConfig.from_flat(out=str(tmp_path / "a"), **base))
+    train(TrainConfig.from_flat(out=str(tmp_path / "b"), stop_after=2, **base))
+    b = train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True, **base))
     losses = [[r["loss"] for r in read_metrics(tmp_path / x / "metrics.jsonl")
                if r["kind"] == "train"] for x in ("a", "b")]
     assert losses[0] == losses[1] and a["final_val_loss"] == b["final_val_loss"]

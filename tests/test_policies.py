@@ -488,7 +488,7 @@ def test_lrmoe_recompute_retains_more_within_budget(seed):
 def test_lrmoe_placement_reaches_the_planner_from_every_command():
     """--lrmoe-placement / lrmoe:placement=previous end up in the planner's config (train,
     plan, bench ttl); a bad value is one error naming it."""
-    from lrmoe.commands.plan import lrmoe_config
+    from lrmoe.commands.plan import plan_policy
     from lrmoe.presets import get_preset
     from lrmoe.sim.ttl import TTLConfig, _choose, policy_variant
     from lrmoe.train.config import build_policy, check_args, config_from_cli
@@ -500,9 +500,9 @@ def test_lrmoe_placement_reaches_the_planner_from_every_command():
         == "previous"
     with pytest.raises(LrmoeError, match="lrmoe:placement=next"):
         policy_variant("lrmoe:placement=next", TTLConfig())
-    args = argparse.Namespace(balance=1.0, min_keep=0.5, no_selection=False,
+    args = argparse.Namespace(lrmoe_balance=1.0, lrmoe_min_keep=0.5, lrmoe_selection=True,
                               lrmoe_recompute=False, lrmoe_placement="previous")
-    assert lrmoe_config(args).placement == "previous"
+    assert plan_policy(args).lrmoe.placement == "previous"
     tc = config_from_cli({"policy": "lrmoe", "lrmoe_placement": "previous",
                           "preset": "tiny-qwen3"})
     assert build_policy(tc, get_preset("tiny-qwen3"), 2).config.placement == "previous"

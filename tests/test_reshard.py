@@ -77,7 +77,7 @@ def _dump_path(root: Path, run: str):
 
 def _resume(root: Path, name: str, ep: int) -> None:
     with _dumping(_dump_path(root, name)):
-        train(TrainConfig(out=str(root / name), resume=True, ep=ep, stop_after=SAVED_AT + 1,
+        train(TrainConfig.from_flat(out=str(root / name), resume=True, ep=ep, stop_after=SAVED_AT + 1,
                           **BASE))
 
 
@@ -91,7 +91,7 @@ def _copy_saved(root: Path, names: list[str], rank: int) -> None:
 
 def _world4(rank: int, world: int, root: Path) -> None:
     with _dumping(_dump_path(root, "saved")):
-        train(TrainConfig(out=str(root / "saved"), ep=4, stop_after=SAVED_AT, **BASE))
+        train(TrainConfig.from_flat(out=str(root / "saved"), ep=4, stop_after=SAVED_AT, **BASE))
     _copy_saved(root, ["ep4", "dp2ep2"], rank)
     _resume(root, "ep4", 4)
     _resume(root, "dp2ep2", 2)
@@ -220,7 +220,7 @@ def test_old_format_is_refused(tmp_path):
 
 def test_resume_with_an_ep_that_does_not_fit_says_so(tmp_path):
     with pytest.raises(LrmoeError, match="pass --ep N"):
-        train(TrainConfig(out=str(tmp_path), resume=True, ep=4, **BASE))
+        train(TrainConfig.from_flat(out=str(tmp_path), resume=True, ep=4, **BASE))
 
 
 def test_reseed_is_reproducible_and_per_rank():

@@ -115,9 +115,9 @@ def test_run_config_and_checkpoints(qwen_run):
 
 def test_resume_is_bit_exact(tmp_path):
     base = dict(preset="tiny-qwen3", steps=12, eval_every=4, ckpt_every=3, **SMALL_API)
-    a = train(TrainConfig(out=str(tmp_path / "a"), **base))
-    train(TrainConfig(out=str(tmp_path / "b"), stop_after=6, **base))
-    b = train(TrainConfig(out=str(tmp_path / "b"), resume=True, **base))
+    a = train(TrainConfig.from_flat(out=str(tmp_path / "a"), **base))
+    train(TrainConfig.from_flat(out=str(tmp_path / "b"), stop_after=6, **base))
+    b = train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True, **base))
     assert a["final_val_loss"] == b["final_val_loss"]
     ra = [r for r in read_metrics(tmp_path / "a/metrics.jsonl") if r["kind"] == "train"]
     rb = [r for r in read_metrics(tmp_path / "b/metrics.jsonl") if r["kind"] == "train"]

@@ -51,7 +51,7 @@ def run(args) -> dict:
             for mode in ("device", "host"):
                 name = f"{mode}_{r}"
                 run_dir = Path(td, f"run_{name}")
-                cfg = TrainConfig(preset=args.preset, out=str(run_dir), steps=args.steps,
+                cfg = TrainConfig.from_flat(preset=args.preset, out=str(run_dir), steps=args.steps,
                                   batch_size=args.batch_size, seq_len=args.seq_len,
                                   device=args.device, warmup=max(1, args.steps // 10),
                                   eval_every=0, eval_batches=2, ckpt_every=0, keep_ckpts=1,

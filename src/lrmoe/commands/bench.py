@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lrmoe.cli_flags import BENCH, add_policy_flags, check_policy_flags
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
@@ -40,14 +41,9 @@ def register(sub) -> None:
                         "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
                         "recompute, min_keep, balance, estimator, max_slots); static always "
                         "runs: it sets the target")
-    t.add_argument("--mem-budget", default=None, help="bytes per rank for the MoE experts, "
-                   "e.g. 40GiB (default: no budget)")
     t.add_argument("--budget-retain-fraction", type=float, default=None, metavar="F",
                    help="instead of --mem-budget: the bytes of a perfectly balanced static rank "
                         "that retains only F of its pairs (memory binds by construction)")
-    t.add_argument("--slots-per-rank", type=int, default=None,
-                   help="symi slots per rank (default: largest that fits the budget, else "
-                        "E/G+2); lrmoe: most slots per rank")
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--batch-size", type=int, default=16,
                    help="global micro-batch (sequences): one forward and backward")
@@ -80,30 +76,10 @@ def register(sub) -> None:
     t.add_argument("--smooth-window", type=int, default=3,
                    help="validation curves are smoothed by a centred mean of this many "
                         "evaluations (odd; 1 = raw) before the target and crossings are read")
-    t.add_argument("--lrmoe-max-slots", type=int, default=None,
-                   help="lrmoe: most slots per rank (default: --slots-per-rank, else E/G+2)")
-    t.add_argument("--estimator", default="topk", choices=("topk", "sampled"),
-                   help="lrmoe backward estimator (sampled: Horvitz-Thompson, unbiased over "
-                        "the retained pairs)")
-    t.add_argument("--lrmoe-recompute", action="store_true",
-                   help="lrmoe: retain more pairs by recomputing some gate_up outputs")
-    t.add_argument("--lrmoe-placement", default="current",
-                   help="lrmoe: replicas placed from the step's counts (current) or, before "
-                        "the count exchange, from the previous step's (previous); also a "
-                        "policy variant option: lrmoe:placement=previous (default current)")
-    t.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
-    t.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
-                   help="host: every policy keeps the experts' fp32 masters and AdamW "
-                        "moments in host memory (SYMI's design: symi shards each expert 1/G "
-                        "over all ranks); the ledger counts only the GPU's bytes and the "
-                        "offload traffic is charged as modelled stages (default device)")
-    t.add_argument("--router-grad", default="home", metavar="{home,experts}",
-                   help="experts: static and symi compute the router gradient in the expert "
-                        "backward and ship it home beside dx, so they keep no combined expert "
-                        "outputs (ledger combine_rows 0: less recompute, room for more symi "
-                        "slots); lrmoe keeps home (its trimmed plans need the rows) "
-                        "(default home)")
-    t.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
+    g = t.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as train "
+                             "and plan; a --policies variant such as lrmoe:min_keep=0.8 "
+                             "overrides them for that run)")
+    add_policy_flags(g, BENCH)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
@@ -237,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.bench != "ttl":
         raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
+    check_policy_flags({k: getattr(args, k) for k in BENCH})
     cfg = TTLConfig(
         preset=args.preset, config=args.config, ep=args.ep,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
@@ -246,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, link=args.link, target_fraction=args.target_fraction,
         target_rtol=args.target_rtol,
         device=args.device, data=args.data, max_data_bytes=args.max_data_bytes,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.min_keep,
-        balance=args.balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
-        estimator=args.estimator, lrmoe_recompute=args.lrmoe_recompute,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.lrmoe_min_keep,
+        balance=args.lrmoe_balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
+        estimator=args.lrmoe_estimator, lrmoe_recompute=args.lrmoe_recompute,
         lrmoe_placement=args.lrmoe_placement,
         budget_retain_fraction=args.budget_retain_fraction,
         optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,

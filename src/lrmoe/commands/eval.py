@@ -37,7 +37,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     from lrmoe.parallel.groups import ParallelContext
     from lrmoe.tokenizer import load_tokenizer
     from lrmoe.train import checkpoint as ckpt
-    from lrmoe.train.config import TrainConfig, read_run_config
+    from lrmoe.train.config import FLAT_NAMES, TrainConfig, read_run_config
     from lrmoe.train.loop import evaluate, make_autocast, val_windows
 
     run_dir = Path(run_dir)
@@ -52,8 +52,8 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     ck = ckpt.latest_checkpoint(run_dir)
     if ck is None:
         raise LrmoeError(f"{run_dir} has no checkpoint to evaluate")
-    known = {f for f in TrainConfig.__dataclass_fields__}
-    cfg = TrainConfig(**{k: v for k, v in saved.get("train", {}).items() if k in known})
+    cfg = TrainConfig.from_flat({k: v for k, v in saved.get("train", {}).items()
+                                 if k in FLAT_NAMES})
     if eval_batches is not None:
         if eval_batches < 1:
             raise LrmoeError(f"--eval-batches {eval_batches} must be >= 1")

@@ -18,14 +18,14 @@ import argparse
 
 from torch import Tensor
 
+from lrmoe.cli_flags import PLAN, add_policy_flags, check_policy_flags, policy_config
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.loads import load_counts, synthetic_counts
 from lrmoe.memory import TERMS, Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig, make_policy
+from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.symi import largest_feasible_slots
 from lrmoe.presets import get_preset
 from lrmoe.sim.links import LINKS
@@ -45,13 +45,6 @@ def register(subparsers) -> None:
     src.add_argument("--preset", help="model preset name (see `lrmoe presets`)")
     src.add_argument("--config", help="HF config.json file or folder")
     p.add_argument("--ep", type=int, default=None, help="EP group size G (not with --compare)")
-    p.add_argument("--policy", default="static", help=f"one of {', '.join(POLICY_NAMES)}")
-    p.add_argument("--slots-per-rank", type=int, default=None,
-                   help="symi: slots per rank (default: the largest that fits --mem-budget, "
-                        "else E/G+2; with --compare the s of least busiest-rank GEMM work); "
-                        "lrmoe: most slots per rank")
-    p.add_argument("--mem-budget", default=None,
-                   help="bytes per rank for all MoE layers' experts, e.g. 40GiB")
     p.add_argument("--loads", default=None,
                    help="JSON: per-expert counts [..], {\"counts\": [..]}, a G x E matrix, or "
                         "(with --compare) a routing trace of `lrmoe bench ttl`")
@@ -62,26 +55,9 @@ def register(subparsers) -> None:
                    help="tokens per home rank (each routed to top_k experts)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                    help="compute dtype of instance weights and activations")
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity policy")
-    p.add_argument("--balance", type=float, default=1.0, help="lrmoe backward balance")
-    p.add_argument("--min-keep", type=float, default=0.5, help="lrmoe min keep ratio")
-    p.add_argument("--no-selection", action="store_true",
-                   help="lrmoe: select every retained pair")
-    p.add_argument("--lrmoe-recompute", action="store_true",
-                   help="lrmoe: retain more pairs by recomputing some gate_up outputs")
-    p.add_argument("--lrmoe-placement", default="current",
-                   help="lrmoe: replicas placed from the step's counts (current) or from "
-                        "the previous step's (previous; here, as SYMI's popularity, the "
-                        "same loads: a steady state) (default current)")
-    p.add_argument("--optimizer-offload", default="device", choices=("device", "host"),
-                   help="host: the experts' fp32 masters and AdamW moments live in host "
-                        "memory (SYMI's design); the ledger counts only the GPU's bytes and "
-                        "--compare charges the modelled offload traffic (default device)")
-    p.add_argument("--router-grad", default="home", metavar="{home,experts}",
-                   help="experts: exact plans keep no combined expert outputs (the router "
-                        "gradient is computed in the expert backward, as `train --router-grad "
-                        "experts`); with --compare static and symi take it and lrmoe stays "
-                        "home, as in `bench ttl` (default home)")
+    g = p.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as train "
+                             "and bench)")
+    add_policy_flags(g, PLAN)
     c = p.add_argument_group("scale projection (--compare; times are modelled, not measured)")
     c.add_argument("--compare", action="store_true",
                    help="static, symi and lrmoe at each --ep-list size and --budgets budget")
@@ -155,15 +131,16 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return get_preset(args.preset) if args.preset else ModelConfig.from_file(args.config)
 
 
-def lrmoe_config(args: argparse.Namespace) -> LrmoeConfig:
-    return LrmoeConfig(balance=args.balance, min_keep=args.min_keep,
-                       selection=not args.no_selection, recompute=args.lrmoe_recompute,
-                       placement=args.lrmoe_placement)
+def plan_policy(args: argparse.Namespace, slots: int | None = None) -> PolicyConfig:
+    """The policy config of the flags given (``slots``: in place of --slots-per-rank)."""
+    given = {k: getattr(args, k) for k in PLAN if hasattr(args, k)}
+    if slots is not None:
+        given["slots_per_rank"] = slots
+    return policy_config(given)
 
 
 def run(args: argparse.Namespace) -> int:
-    require(args.router_grad in ("home", "experts"),
-            f"--router-grad {args.router_grad!r}: use home or experts")
+    check_policy_flags({k: getattr(args, k) for k in PLAN})
     if args.compare:
         from lrmoe.commands.plan_compare import run_compare
         return run_compare(args)
@@ -188,8 +165,7 @@ def run(args: argparse.Namespace) -> int:
             note = f"slots per rank {slots}: the largest that fits the budget"
         except LrmoeError as e:
             slots, note = E // G, f"no slots_per_rank fits ({e}); showing s = E/G"
-    policy = make_policy(PolicyConfig(args.policy, args.capacity_factor, slots,
-                                      lrmoe_config(args)), cfg, G)
+    policy = make_policy(plan_policy(args, slots), cfg, G)
 
     try:
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=ledger))

@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from lrmoe.commands.plan import aligned, lrmoe_config, model_config
+from lrmoe.commands.plan import aligned, model_config, plan_policy
 from lrmoe.errors import LrmoeError, require
 from lrmoe.loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
 from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
@@ -145,7 +145,7 @@ def run_compare(args: argparse.Namespace) -> int:
             lean = replace(ledger, router_grad_at_experts=args.router_grad == "experts")
             group = {name: {"budget": text,
                             **project_policy(name, cfg, ledger if name == "lrmoe" else lean,
-                                             samples, link, rate, lrmoe_config(args),
+                                             samples, link, rate, plan_policy(args).lrmoe,
                                              args.slots_per_rank)}
                      for name in PROJECTED}
             rows += group.values()

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from lrmoe.cli_flags import TRAIN, add_policy_flags
 from lrmoe.train.config import DIVERGENCE_WARMUP, TrainConfig
 from lrmoe.train.loop import train
 
 _D = TrainConfig()
-
-
-def _onoff(v: str) -> bool:
-    if v not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"{v!r} is not on or off")
-    return v == "on"
 
 
 def bytes_or_all(v: str) -> int | None:
@@ -96,52 +91,13 @@ def register(sub) -> None:
     g.add_argument("--backend", help="gloo or nccl (default: nccl on cuda, else gloo)")
     g.add_argument("--timeout-s", type=float, help=f"collective timeout (default "
                    f"{_D.timeout_s:g})")
-    g = p.add_argument_group("policy")
-    g.add_argument("--policy", help="static, capacity, symi or lrmoe (default static)")
-    g.add_argument("--capacity-factor", type=float, help=f"capacity policy: pairs per expert "
-                   f"as a multiple of the mean (default {_D.capacity_factor})")
-    g.add_argument("--slots-per-rank", type=int, help="symi/lrmoe: expert slots per rank "
-                   "(default E/G + 2)")
-    g.add_argument("--mem-budget", help="per-rank expert memory budget, e.g. 40GiB "
-                   "(default: none)")
-    g.add_argument("--recompute", action="store_true",
-                   help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
-                        "gate_up outputs in backward instead of stopping")
+    g = p.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as plan "
+                             "and bench)")
+    add_policy_flags(g, TRAIN, defaults=False)
     g.add_argument("--activation-checkpoint", metavar="none|selective|full",
                    help="re-run in backward instead of keeping activations: selective = each "
                         "block's attention, full = each whole block, MoE forward and its "
                         "dispatch included (same gradients; default none)")
-    g.add_argument("--optimizer-offload", metavar="device|host",
-                   help="host: keep the experts' fp32 masters and AdamW moments in host memory "
-                        "and update them there (same update); --mem-budget then counts only "
-                        "the GPU's bytes (default device)")
-    g.add_argument("--router-grad", metavar="home|experts",
-                   help="experts: on exact plans the expert backward computes the router "
-                        "gradient, so the combined expert outputs are not kept for backward "
-                        "(less memory, same math up to rounding; default home)")
-    g.add_argument("--lrmoe-recompute", action="store_true",
-                   help="lrmoe: retain more pairs by saving only some pairs' input rows and "
-                        "recomputing their gate_up outputs in backward")
-    g.add_argument("--lrmoe-placement", help="lrmoe: place replicas from this step's "
-                   "counts (current) or, before the count exchange, from the previous "
-                   "step's (previous, as SYMI does) (default current)")
-    g.add_argument("--lrmoe-metric", help="backward recalibration metric: grad_norm or gate "
-                   "(default grad_norm)")
-    g.add_argument("--lrmoe-estimator", help="topk or sampled (default topk)")
-    g.add_argument("--lrmoe-min-keep", type=float, help=f"floor on the kept fraction per "
-                   f"block (default {_D.lrmoe_min_keep})")
-    g.add_argument("--lrmoe-balance", type=float, help=f"how far backward quotas trim toward "
-                   f"the mean, 0..1 (default {_D.lrmoe_balance})")
-    g.add_argument("--lrmoe-compaction", type=_onoff, metavar="on|off",
-                   help="remove unselected rows (on) or zero them (off) (default on)")
-    g.add_argument("--lrmoe-selection", type=_onoff, metavar="on|off",
-                   help="backward selection; off = memory-aware placement only (default on)")
-    g.add_argument("--lrmoe-fidelity-every", type=int, help="compare the selected to the "
-                   "exact expert gradient every N steps, 0 = never (default 0)")
-    g.add_argument("--lrmoe-keep", help="fixed, or auto (hold --lrmoe-target-cosine) "
-                   "(default fixed)")
-    g.add_argument("--lrmoe-target-cosine", type=float, help=f"auto keep target "
-                   f"(default {_D.lrmoe_target_cosine})")
     p.set_defaults(func=run)
 
 

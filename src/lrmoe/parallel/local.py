@@ -24,9 +24,7 @@ from torch import Tensor
 from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.ops.experts import swiglu_backward_owned, swiglu_forward
 from lrmoe.parallel.exchange import BackwardOptions, _timed
-from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan
-from lrmoe.policy.static import StaticPolicy
+from lrmoe.policy.plan import Plan, native_plan
 
 
 def expert_counts(idx_P: Tensor, E: int) -> Tensor:
@@ -36,7 +34,7 @@ def expert_counts(idx_P: Tensor, E: int) -> Tensor:
         0, idx_P, torch.ones_like(idx_P))
 
 
-def stand_in_plan(rt, E: int, P: int, inputs: PlanInputs) -> Plan | None:
+def stand_in_plan(rt, E: int, P: int, inputs) -> Plan | None:
     """The plan the local path stands for, or ``None`` when the exchange must run.
 
     On one rank everything the runtime reads from the static plan besides the per-expert
@@ -48,8 +46,11 @@ def stand_in_plan(rt, E: int, P: int, inputs: PlanInputs) -> Plan | None:
     here, with the same error as for the real counts. Only the plain ``StaticPolicy``
     (not a subclass) and backward options whose selection knobs are at their defaults
     qualify (on an exact plan they are inert; ``router_grad`` is honoured). Without a
-    ledger the verdict depends on ``(E, P)`` alone and is computed once."""
-    if not rt.fast_local or rt.comm.size != 1 or type(rt.policy) is not StaticPolicy:
+    ledger the verdict depends on ``(E, P)`` alone and is computed once. ``inputs`` are
+    the planner's (``PlanInputs``); a policy qualifies by its ``plans_natives_exactly()``
+    (the runtime knows plans, not policies)."""
+    natives = getattr(rt.policy, "plans_natives_exactly", None)
+    if not rt.fast_local or rt.comm.size != 1 or natives is None or not natives():
         return None
     if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
         return None
@@ -74,7 +75,7 @@ def _if_trivial(plan: Plan, E: int) -> Plan | None:
 def _unbudgeted_plan(E: int, P: int) -> Plan | None:
     """:func:`stand_in_plan` without a ledger (a few hundred microseconds of host work
     per layer otherwise); plans are never modified."""
-    return _if_trivial(StaticPolicy().plan(_stand_in_counts(E, P), PlanInputs()), E)
+    return _if_trivial(native_plan(_stand_in_counts(E, P)), E)
 
 
 class HostCounts(Sequence):

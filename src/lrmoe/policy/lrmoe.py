@@ -90,6 +90,8 @@ class LrmoeConfig:
         min_keep: floor on each block's fraction of selected pairs (of its assigned).
         max_replicas_per_step: cap on replicas added per layer and step (None: no cap).
         max_slots_per_rank: slots per rank incl. natives; None means ``E/G + 2``.
+        metric: the backward recalibration metric (runtime): ``grad_norm`` or ``gate``
+            (:data:`lrmoe.parallel.exchange.METRICS`).
         estimator: backward selection of pairs inside a quota (runtime): ``topk`` keeps
             the highest-metric pairs, ``sampled`` samples ``p ∝ metric`` and reweights.
         compaction: runtime ablation: False zeroes unselected rows instead of removing.
@@ -113,6 +115,7 @@ class LrmoeConfig:
     min_keep: float = 0.5
     max_replicas_per_step: int | None = None
     max_slots_per_rank: int | None = None
+    metric: str = "grad_norm"
     estimator: str = "topk"
     compaction: bool = True
     selection: bool = True

@@ -189,6 +189,16 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     raise AssertionError("unreachable: exact_fit said it does not fit")
 
 
+def native_plan(counts_GE: Tensor) -> Plan:
+    """Static EP's plan without a budget: each rank holds its native experts (rank ``r``
+    experts ``r*E/G .. (r+1)*E/G - 1``), every pair retained and selected."""
+    G, E = counts_GE.shape
+    if E % G:
+        raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
+    a = counts_GE.detach().cpu().long().reshape(G, G, E // G).clone()
+    return Plan(torch.arange(E, dtype=torch.long).reshape(G, E // G), a, a.clone(), a.clone())
+
+
 def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
     """A plan that retains and selects every pair (exact backward)."""
     if inst_load_GS is None:

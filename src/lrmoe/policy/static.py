@@ -29,6 +29,13 @@ class StaticPolicy:
     recompute: bool = False
     name: str = "static"
 
+    def plans_natives_exactly(self) -> bool:
+        """True for the plain policy: without a budget its plan is
+        :func:`lrmoe.policy.plan.native_plan`, which the one-rank local path
+        (:func:`lrmoe.parallel.local.stand_in_plan`) uses in its place. A subclass may
+        plan otherwise, so it does not qualify."""
+        return type(self) is StaticPolicy
+
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
         require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")

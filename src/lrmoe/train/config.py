@@ -2,22 +2,34 @@
 
 ``TrainConfig`` holds every ``lrmoe train`` option (CLI names with dashes);
 ``check_args`` validates them with messages naming the field, the value and what is
-valid; ``resolve_model_config``, ``build_policy``, ``backward_options`` and
-``build_ledger`` turn a config into the model config, the planner, the LRMoE backward
-options and the memory ledger the trainer uses.
+valid; ``resolve_model_config``, ``build_policy``, ``backward_options``,
+``build_runtime`` and ``build_ledger`` turn a config into the model config, the planner,
+the LRMoE backward options, the MoE runtime and the memory ledger the trainer uses
+(the policy's knobs nested in ``TrainConfig.policy``; :mod:`lrmoe.cli_flags` declares
+their flags).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lrmoe.cli_flags import (
+    TRAIN,
+    check_choice,
+    check_int,
+    check_num,
+    check_policy_flags,
+    flat_policy,
+    policy_config,
+    policy_fields,
+)
 from lrmoe.errors import LrmoeError
+from lrmoe.policy.registry import PolicyConfig
 
 RUN_CONFIG = "config.json"  # a run directory's saved config (written by the trainer)
 RUN_FORMAT = "lrmoe-run-v1"
@@ -28,7 +40,9 @@ DIVERGENCE_WARMUP = 1  # steps that set the running minimum before it is checked
 @dataclass
 class TrainConfig:
     """Everything ``lrmoe train`` takes: one field per flag (``--batch-size`` ->
-    ``batch_size``); see ``lrmoe train -h`` for each one's meaning."""
+    ``batch_size``), the policy's flags nested in :attr:`policy` (``--lrmoe-min-keep`` ->
+    ``policy.lrmoe.min_keep``; :mod:`lrmoe.cli_flags` maps the flat names); see ``lrmoe
+    train -h`` for each one's meaning."""
 
     preset: str | None = None
     config: str | None = None
@@ -59,28 +73,35 @@ class TrainConfig:
     ep: int = 1
     backend: str | None = None
     timeout_s: float = 300.0
-    policy: str = "static"
-    capacity_factor: float = 1.25
-    slots_per_rank: int | None = None
-    recompute: bool = False
-    lrmoe_recompute: bool = False
-    lrmoe_placement: str = "current"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     optimizer_offload: str = "device"
     router_grad: str = "home"
     mem_budget: str | None = None
-    lrmoe_metric: str = "grad_norm"
-    lrmoe_estimator: str = "topk"
-    lrmoe_min_keep: float = 0.5
-    lrmoe_balance: float = 1.0
-    lrmoe_compaction: bool = True
-    lrmoe_selection: bool = True
-    lrmoe_fidelity_every: int = 0
-    lrmoe_keep: str = "fixed"
-    lrmoe_target_cosine: float = 0.99
     threads: int | None = None
     compile: bool = False
     stop_after: int | None = None
     divergence_factor: float = 10.0
+
+    @classmethod
+    def from_flat(cls, values: dict | None = None, /, **kw) -> TrainConfig:
+        """A config from flat names (the flags' destinations, the keys of a run's
+        ``config.json``): ``policy="lrmoe", lrmoe_min_keep=0.8`` nest into
+        :attr:`policy`; a bad policy value raises naming its flag."""
+        flat = {**(values or {}), **kw}
+        pol = {k: flat.pop(k) for k in POLICY_FLAT if k in flat}
+        return cls(policy=policy_config(pol), **flat)
+
+    def flat(self) -> dict[str, Any]:
+        """The fields by their flat names, the policy's knobs in place of :attr:`policy`
+        (what ``config.json`` stores; runs saved before the nesting read the same)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "policy"}
+        return {**out, **flat_policy(self.policy, TRAIN)}
+
+
+POLICY_FLAT = policy_fields(TRAIN)  # flat names of the policy's knobs
+FLAT_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "policy") \
+    + POLICY_FLAT
 
 
 # Fields that leave the loss trajectory alone (``steps`` stretches the cosine schedule:
@@ -106,7 +127,7 @@ def config_from_cli(given: dict) -> TrainConfig:
     With ``resume`` the run's saved arguments (``RUN/config.json``) fill every flag
     not given, so ``lrmoe train --out runs/x --resume`` continues the run as it was.
     """
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = set(FLAT_NAMES)
     given = {k: v for k, v in given.items() if k not in ("func", "command")}
     unknown = sorted(set(given) - names)
     if unknown:
@@ -122,35 +143,11 @@ def config_from_cli(given: dict) -> TrainConfig:
             kw.update({k: v for k, v in saved.get("train", {}).items()
                        if k in names and k not in _NOT_INHERITED})
     kw.update(given)
-    return TrainConfig(**kw)
+    return TrainConfig.from_flat(kw)
 
 
-INT64_MAX = 2**63 - 1
 SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed
-
-
-def _int(name: str, v: Any, low: int, allow_none: bool = False, high: int = INT64_MAX) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        big = isinstance(v, int) and not isinstance(v, bool) and v > high
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}"
-                         + (f" and <= {high}" if big else ""))
-
-
-def _num(name: str, v: Any, low: float, high: float = math.inf, open_low: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > low if open_low else v >= low) and v <= high
-    if not ok:
-        rng = f"> {low}" if open_low else f">= {low}"
-        rng += f" and <= {high}" if high != math.inf else ""
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a finite number {rng}")
-
-
-def _choice(name: str, v: Any, choices: tuple) -> None:
-    if v not in choices:
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
-                         f"{', '.join(str(c) for c in choices)}")
+_int, _num, _choice = check_int, check_num, check_choice
 
 
 def check_args(cfg: TrainConfig) -> None:
@@ -159,14 +156,12 @@ def check_args(cfg: TrainConfig) -> None:
 
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "ep"):
         _int(name, getattr(cfg, name), 1)
-    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every",
-                 "lrmoe_fidelity_every"):
+    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every"):
         _int(name, getattr(cfg, name), 0)
     _int("seed", cfg.seed, 0, high=SEED_MAX)
     _int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
     _int("stop_after", cfg.stop_after, 1, allow_none=True)
     _int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
-    _int("slots_per_rank", cfg.slots_per_rank, 1, allow_none=True)
     _num("lr", cfg.lr, 0.0, open_low=True)
     _num("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
     _num("weight_decay", cfg.weight_decay, 0.0)
@@ -177,35 +172,19 @@ def check_args(cfg: TrainConfig) -> None:
     if 0 < cfg.divergence_factor <= 1:
         raise LrmoeError(f"--divergence-factor {cfg.divergence_factor!r} must be > 1 (a multiple "
                          "of the loss's running minimum), or 0 to disable the check")
-    _num("capacity_factor", cfg.capacity_factor, 0.0, open_low=True)
-    _num("lrmoe_min_keep", cfg.lrmoe_min_keep, 0.0, 1.0)
-    _num("lrmoe_balance", cfg.lrmoe_balance, 0.0, 1.0)
-    _num("lrmoe_target_cosine", cfg.lrmoe_target_cosine, -1.0, 1.0)
+    check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad":
+                        cfg.router_grad, "mem_budget": cfg.mem_budget,
+                        **flat_policy(cfg.policy, TRAIN)})
     _choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.backend is not None:  # None = the device's default
         _choice("backend", cfg.backend, ("gloo", "nccl"))
-    _choice("lrmoe_estimator", cfg.lrmoe_estimator, ("topk", "sampled"))
-    _choice("lrmoe_keep", cfg.lrmoe_keep, ("auto", "fixed"))
-    _choice("lrmoe_placement", cfg.lrmoe_placement, ("current", "previous"))
-    _choice("optimizer_offload", cfg.optimizer_offload, ("device", "host"))
     from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
     _choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
     if cfg.compile and cfg.activation_checkpoint != "none":
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
                          "is not supported (the checkpointed blocks hold the MoE layers' "
                          "graph breaks); drop one of them")
-    _choice("router_grad", cfg.router_grad, ("home", "experts"))
-    from lrmoe.parallel.exchange import METRICS
-    _choice("lrmoe_metric", cfg.lrmoe_metric, tuple(METRICS))
-    try:
-        from lrmoe.policy.registry import POLICY_NAMES
-    except ImportError:  # TODO(policy registry): drop once lrmoe.policy.registry lands
-        POLICY_NAMES = ("static",)
-    _choice("policy", cfg.policy, tuple(POLICY_NAMES))
     parse_tokenizer_spec(cfg.tokenizer)
-    if cfg.mem_budget is not None:
-        from lrmoe.memory import parse_bytes
-        parse_bytes(cfg.mem_budget)
     if cfg.preset is None and cfg.config is None and not cfg.resume:
         raise LrmoeError("give a model: --preset NAME (see `lrmoe presets`) or --config FILE")
     if cfg.out is None:
@@ -215,27 +194,27 @@ def check_args(cfg: TrainConfig) -> None:
 
 
 # Flags that only one policy reads: given to another, they would be silently ignored.
-_LRMOE_ONLY = ("lrmoe_min_keep", "lrmoe_balance", "lrmoe_selection", "lrmoe_keep",
-               "lrmoe_target_cosine", "lrmoe_recompute", "lrmoe_metric", "lrmoe_estimator",
-               "lrmoe_compaction")
+_LRMOE_ONLY = tuple(n for n in POLICY_FLAT if n.startswith("lrmoe_")
+                    and n not in ("lrmoe_placement", "lrmoe_fidelity_every"))
 
 
 def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
     """One warning per flag set away from its default that this run does not read."""
-    d, out = TrainConfig(), []
+    d, now, out = TrainConfig().flat(), cfg.flat(), []
+    name = cfg.policy.name
 
-    def flag(name: str) -> str:
-        return f"--{name.replace('_', '-')} {getattr(cfg, name)!r}"
-    if cfg.policy != "lrmoe":
-        out += [f"{flag(n)} has no effect with --policy {cfg.policy} (it applies to --policy "
-                "lrmoe)" for n in _LRMOE_ONLY if getattr(cfg, n) != getattr(d, n)]
-    if cfg.policy != "capacity" and cfg.capacity_factor != d.capacity_factor:
-        out.append(f"{flag('capacity_factor')} has no effect with --policy {cfg.policy} "
+    def flag(n: str) -> str:
+        return f"--{n.replace('_', '-')} {now[n]!r}"
+    if name != "lrmoe":
+        out += [f"{flag(n)} has no effect with --policy {name} (it applies to --policy "
+                "lrmoe)" for n in _LRMOE_ONLY if now[n] != d[n]]
+    if name != "capacity" and now["capacity_factor"] != d["capacity_factor"]:
+        out.append(f"{flag('capacity_factor')} has no effect with --policy {name} "
                    "(it applies to --policy capacity)")
-    if cfg.policy not in ("symi", "lrmoe") and cfg.slots_per_rank is not None:
-        out.append(f"{flag('slots_per_rank')} has no effect with --policy {cfg.policy} "
+    if name not in ("symi", "lrmoe") and now["slots_per_rank"] is not None:
+        out.append(f"{flag('slots_per_rank')} has no effect with --policy {name} "
                    "(it applies to --policy symi and lrmoe)")
-    if cfg.recompute and cfg.mem_budget is None:
+    if cfg.policy.recompute and cfg.mem_budget is None:
         out.append("--recompute has no effect without --mem-budget (it recomputes only on a "
                    "rank over the budget)")
     if cfg.backend == "nccl" and world == 1:
@@ -287,27 +266,32 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
 
 
 def build_policy(cfg: TrainConfig, mcfg, G: int):
-    """The planner from the policy flags (names map to planners only in the registry)."""
-    from lrmoe.policy.lrmoe import LrmoeConfig
-    from lrmoe.policy.registry import PolicyConfig, make_policy
+    """The planner from :attr:`TrainConfig.policy` (names map to planners only in the
+    registry)."""
+    from lrmoe.policy.registry import make_policy
 
-    lc = LrmoeConfig(balance=cfg.lrmoe_balance, min_keep=cfg.lrmoe_min_keep,
-                     estimator=cfg.lrmoe_estimator, compaction=cfg.lrmoe_compaction,
-                     selection=cfg.lrmoe_selection, keep=cfg.lrmoe_keep,
-                     target_cosine=cfg.lrmoe_target_cosine,
-                     fidelity_every=cfg.lrmoe_fidelity_every, recompute=cfg.lrmoe_recompute,
-                     placement=cfg.lrmoe_placement)
-    pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
-                      slots_per_rank=cfg.slots_per_rank, lrmoe=lc, recompute=cfg.recompute)
-    return make_policy(pc, mcfg, G)
+    return make_policy(cfg.policy, mcfg, G)
 
 
 def backward_options(cfg: TrainConfig):
+    """The exchange's backward options from the lrmoe knobs and ``--router-grad``."""
     from lrmoe.parallel.exchange import BackwardOptions
 
-    return BackwardOptions(metric=cfg.lrmoe_metric, estimator=cfg.lrmoe_estimator,
-                           compaction=cfg.lrmoe_compaction, fidelity=False,
+    lc = cfg.policy.lrmoe
+    return BackwardOptions(metric=lc.metric, estimator=lc.estimator,
+                           compaction=lc.compaction, fidelity=False,
                            router_grad=cfg.router_grad)
+
+
+def build_runtime(cfg: TrainConfig, ctx, policy, ledger, generator):
+    """The MoE layers' shared runtime: the planner, :func:`backward_options`, the ledger
+    and the parallel context's EP group and count reduction."""
+    from lrmoe.model.moe import MoERuntime
+    from lrmoe.parallel.groups import count_reducer
+
+    return MoERuntime(comm=ctx.comm(), policy=policy, backward=backward_options(cfg),
+                      ledger=ledger, generator=generator, count_reduce=count_reducer(ctx),
+                      dp_size=ctx.world // ctx.ep_size)
 
 
 def build_ledger(cfg: TrainConfig, mcfg, ctx):
@@ -325,12 +309,11 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
 def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:
     """``"lr=0.001 (run: 0.003), ..."`` for trajectory fields that differ; "" if none."""
     bad = []
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in FREE_ON_RESUME or f.name not in saved:
+    for name, now in cfg.flat().items():
+        if name in FREE_ON_RESUME or name not in saved:
             continue
-        now = getattr(cfg, f.name)
-        if now != saved[f.name]:
-            bad.append(f"{f.name}={now!r} (run: {saved[f.name]!r})")
+        if now != saved[name]:
+            bad.append(f"{name}={now!r} (run: {saved[name]!r})")
     return ", ".join(bad)
 
 

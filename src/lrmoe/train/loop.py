@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,9 @@ from lrmoe.train.config import (
     RUN_CONFIG,
     RUN_FORMAT,
     TrainConfig,
-    backward_options,
     build_ledger,
     build_policy,
+    build_runtime,
     check_args,
     config_from_cli,
     ignored_flags,
@@ -325,14 +326,36 @@ def _run(cfg: TrainConfig | Any) -> dict:
 
 
 def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
+    """Check every input (nothing written), build the model and optimizer in memory,
+    open the run directory, then run the steps."""
+    inputs = _check(cfg, ctx)
+    state = _build(cfg, ctx, inputs)
+    return _open(cfg, ctx, inputs, state, watch, stops).loop()
+
+
+@dataclass
+class _Inputs:
+    """What the checks read: the run, the model, the data (:func:`_check`)."""
+
+    run_dir: Path
+    mcfg: Any
+    ck: Any  # the checkpoint to resume from, or None
+    saved: dict | None  # the run's config.json on a resume
+    policy: Any
+    ledger: Any
+    corpus: Any
+    tok: Any
+    batches: Any
+    val_ids: torch.Tensor
+    val_b: list[torch.Tensor]
+    data_fp: dict
+
+
+def _check(cfg: TrainConfig, ctx) -> _Inputs:
+    """Step 1: read and check everything; nothing is written yet."""
     from lrmoe.config import ModelConfig
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.model.moe import MoERuntime
-    from lrmoe.parallel.groups import clip_grad_norm, count_reducer, shard_experts, sync_grads
-    from lrmoe.presets import param_counts
     from lrmoe.tokenizer import check_vocab
 
-    # ---- 1. read and check everything; nothing is written yet.
     run_dir = Path(cfg.out)
     mcfg = resolve_model_config(cfg, vocab_size=None)  # structure errors before slow work
     ck = _checkpoint_to_resume(cfg, run_dir, ctx)
@@ -369,20 +392,40 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
         home_tokens = cfg.batch_size // ctx.world * cfg.seq_len
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home_tokens),
                              "even the native experts with one retained pair per instance")
+    return _Inputs(run_dir, mcfg, ck, saved, policy, ledger, corpus, tok, batches, val_ids,
+                   val_b, data_fp)
 
-    # ---- 2. build (and restore) in memory; a checkpoint that does not fit fails here.
-    agree(lambda: check_model_fits(mcfg, cfg, ctx), ctx)  # before a byte is allocated
+
+@dataclass
+class _State:
+    """The model, optimizer and progress (:func:`_build`)."""
+
+    model: Any
+    rt: Any
+    opt: Any
+    sched: Any
+    gen: torch.Generator
+    guard: DivergenceGuard
+    start: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+    last_val: float | None = None
+
+
+def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
+    """Step 2: build (and restore) in memory; a checkpoint that does not fit fails here."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel.groups import shard_experts
+
+    agree(lambda: check_model_fits(inp.mcfg, cfg, ctx), ctx)  # before a byte is allocated
     torch.manual_seed(cfg.seed)
-    model = MoEForCausalLM(mcfg)
+    model = MoEForCausalLM(inp.mcfg)
     if ctx.ep_size > 1:
         shard_experts(model, ctx)
     model.to(ctx.device)
     gen = torch.Generator(device=ctx.device).manual_seed(  # any 64-bit --seed
         (cfg.seed * 1_000_003 + ctx.rank + 1) % 2**64)
-    base_bwd = backward_options(cfg)
-    rt = MoERuntime(comm=ctx.comm(), policy=policy, backward=base_bwd, ledger=ledger,
-                    generator=gen, count_reduce=count_reducer(ctx),
-                    dp_size=ctx.world // ctx.ep_size)
+    rt = build_runtime(cfg, ctx, inp.policy, inp.ledger, gen)
     model.set_runtime(rt)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
     # host offload on CUDA: the GPU keeps bf16 expert weights and gradients, the fp32
@@ -391,182 +434,234 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
                           router_lr_scale=cfg.router_lr_scale,
                           compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    start, tokens, elapsed, last_val = 0, 0, 0.0, None
-    if ck is not None:
-        st = ckpt.load_checkpoint(  # verified above; any world and EP size
-            ck, model, opt, sched, policy, gen, rank=ctx.rank, world=ctx.world,
-            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
-            all_gather=(lambda o: _all_gather(o, ctx)) if ctx.distributed else None)
-        if st.get("data") != data_fp:
-            raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
-                             f"({st.get('data')} vs now {data_fp}); resume on the same data")
-        prog = st["progress"]
-        start, tokens, elapsed = ck.step, int(prog["tokens"]), float(prog["elapsed_s"])
-        last_val = prog.get("val_loss")
-    guard = DivergenceGuard(cfg.divergence_factor, prog.get("divergence") if ck is not None else None)
+    if inp.ck is None:
+        return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None))
+    ck = inp.ck
+    st = ckpt.load_checkpoint(  # verified above; any world and EP size
+        ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
+        ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
+        all_gather=(lambda o: _all_gather(o, ctx)) if ctx.distributed else None)
+    if st.get("data") != inp.data_fp:
+        raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
+                         f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
+    prog = st["progress"]
+    return _State(model, rt, opt, sched, gen,
+                  DivergenceGuard(cfg.divergence_factor, prog.get("divergence")),
+                  start=ck.step, tokens=int(prog["tokens"]), elapsed=float(prog["elapsed_s"]),
+                  last_val=prog.get("val_loss"))
 
-    # ---- 3. every input is valid: from here on the run directory is written.
-    # Rank 0 locks, marks and writes it (config.json); every rank probes checkpoints/.
-    total, active = param_counts(mcfg)
-    run_cfg = {"format": RUN_FORMAT, "model": mcfg.to_hf_dict(), "train": train_fields(cfg, saved),
-               "tokenizer": {"spec": tok.spec, "vocab_size": tok.vocab_size},
-               "data": {"source": corpus.source, "train_tokens": int(batches.ids.numel()),
-                        "val_tokens": int(val_ids.numel())},
+
+def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
+          stops: StopSignals) -> _Run:
+    """Step 3: every input is valid: from here on the run directory is written. Rank 0
+    locks, marks and writes it (config.json); every rank probes checkpoints/."""
+    from lrmoe.presets import param_counts
+
+    total, active = param_counts(inp.mcfg)
+    run_cfg = {"format": RUN_FORMAT, "model": inp.mcfg.to_hf_dict(),
+               "train": train_fields(cfg, inp.saved),
+               "tokenizer": {"spec": inp.tok.spec, "vocab_size": inp.tok.vocab_size},
+               "data": {"source": inp.corpus.source,
+                        "train_tokens": int(inp.batches.ids.numel()),
+                        "val_tokens": int(inp.val_ids.numel())},
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
-    open_run_dir(cfg, run_dir, ck, run_cfg, tok, model, ctx)  # the lock: released by _run
-    gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
-    writer = MetricsWriter(run_dir / METRICS_FILE, enabled=ctx.is_main)
-    last_ckpt = start if ck is not None else None
-    watch.last_ckpt = None if last_ckpt is None else str(ckpt.ckpt_dir(run_dir, last_ckpt))
-    watch.run_dir = run_dir
-    autocast = make_autocast(ctx.device)
+    open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
+    run = _Run(cfg, ctx, inp, state, watch, stops,
+               MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main))
+    run.last_ckpt = state.start if inp.ck is not None else None
+    watch.last_ckpt = (None if run.last_ckpt is None
+                       else str(ckpt.ckpt_dir(inp.run_dir, run.last_ckpt)))
+    watch.run_dir = inp.run_dir
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model
-        compile_model(model)
+        compile_model(state.model)
+    m = inp.mcfg
+    name = (cfg.preset or cfg.config or (inp.saved or {}).get("train", {}).get("preset")
+            or "model")
+    _log(f"lrmoe train: {name} ({m.model_type}, {m.num_hidden_layers} layers, "
+         f"{m.num_experts} experts top-{m.num_experts_per_tok}, {total / 1e6:.2f}M "
+         f"params, {active / 1e6:.2f}M active) | {inp.corpus.source} | tokenizer "
+         f"{inp.tok.spec} ({inp.tok.vocab_size}) | steps {state.start}->{run.end} of "
+         f"{cfg.steps}, {cfg.batch_size}x{cfg.seq_len} tokens x {cfg.grad_accum} "
+         f"micro-batch(es) each | policy {cfg.policy.name} | world {ctx.world}, ep "
+         f"{ctx.ep_size}, {ctx.device} | out {inp.run_dir}", ctx)
+    for note in inp.corpus.notes:
+        _log(f"lrmoe train: note: {note}", ctx)
+    return run
 
-    def save(step: int) -> None:
-        nonlocal last_ckpt
-        watch.phase = "checkpoint save"
-        progress = {"tokens": tokens, "elapsed_s": elapsed, "val_loss": last_val,
-                    "divergence": guard.state()}
+
+class _Run:
+    """Step 4: the steps of an opened run, with its validation, checkpoints and log."""
+
+    def __init__(self, cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
+                 stops: StopSignals, writer: MetricsWriter):
+        self.cfg, self.ctx, self.inp, self.s = cfg, ctx, inp, state
+        self.watch, self.stops, self.writer = watch, stops, writer
+        self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        self.last_ckpt: int | None = None
+        self.autocast = make_autocast(ctx.device)
+        self.gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
+        self.reduce = _count_reducer(ctx)
+        self.base_bwd = state.rt.backward
+        self.bar = None
+        self.step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+
+    def save(self, step: int) -> None:
+        s, ctx = self.s, self.ctx
+        self.watch.phase = "checkpoint save"
+        progress = {"tokens": s.tokens, "elapsed_s": s.elapsed, "val_loss": s.last_val,
+                    "divergence": s.guard.state()}
         try:
             ckpt.save_checkpoint(
-                run_dir, step, model, opt, rng=ckpt.ckpt_state.rng_state(gen, ctx.device),
-                trainer=ckpt.trainer_state(model, sched, policy, progress, data_fp),
-                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=gather,
-                keep=cfg.keep_ckpts)
+                self.inp.run_dir, step, s.model, s.opt,
+                rng=ckpt.ckpt_state.rng_state(s.gen, ctx.device),
+                trainer=ckpt.trainer_state(s.model, s.sched, self.inp.policy, progress,
+                                           self.inp.data_fp),
+                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=self.gather,
+                keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
-            raise _stopped(e, ctx, watch) from None
-        last_ckpt = step
-        watch.last_ckpt = str(ckpt.ckpt_dir(run_dir, step))
+            raise _stopped(e, ctx, self.watch) from None
+        self.last_ckpt = step
+        self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
 
-    def validate(step: int) -> float:
-        nonlocal last_val
-        watch.phase = "validation"
-        last_val, n = evaluate(model, val_b, ctx, autocast)
-        writer.write({"kind": "val", "step": step, "val_loss": last_val, "val_tokens": n,
-                      "elapsed_s": round(elapsed, 3)})
-        return last_val
+    def validate(self, step: int) -> float:
+        self.watch.phase = "validation"
+        self.s.last_val, n = evaluate(self.s.model, self.inp.val_b, self.ctx, self.autocast)
+        self.writer.write({"kind": "val", "step": step, "val_loss": self.s.last_val,
+                           "val_tokens": n, "elapsed_s": round(self.s.elapsed, 3)})
+        return self.s.last_val
 
-    # ---- 4. the loop.
-    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
-    name = cfg.preset or cfg.config or (saved or {}).get("train", {}).get("preset") or "model"
-    _log(f"lrmoe train: {name} ({mcfg.model_type}, {mcfg.num_hidden_layers} layers, "
-         f"{mcfg.num_experts} experts top-{mcfg.num_experts_per_tok}, {total / 1e6:.2f}M "
-         f"params, {active / 1e6:.2f}M active) | {corpus.source} | tokenizer {tok.spec} "
-         f"({tok.vocab_size}) | steps {start}->{end} of {cfg.steps}, {cfg.batch_size}x"
-         f"{cfg.seq_len} tokens x {cfg.grad_accum} micro-batch(es) each | policy "
-         f"{cfg.policy} | world {ctx.world}, ep "
-         f"{ctx.ep_size}, {ctx.device} | out {run_dir}", ctx)
-    for note in corpus.notes:
-        _log(f"lrmoe train: note: {note}", ctx)
-    bar = None
-    interactive = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
-    if ctx.is_main and interactive and start < end:
-        from tqdm import tqdm
-        bar = tqdm(total=end, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-    def say(msg: str) -> None:
-        if bar is not None:
-            bar.write(msg, file=sys.stderr)
+    def say(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
         else:
-            _log(msg, ctx)
+            _log(msg, self.ctx)
 
-    log_every = cfg.log_every or max(1, min(50, cfg.steps // 10))
-    reduce = _count_reducer(ctx)
-    accum = cfg.grad_accum  # micro-batches per optimizer step (lrmoe.train.accum)
-    step_tokens = cfg.batch_size * cfg.seq_len * accum
-    t_run = time.perf_counter()
-    model.train()
-    try:
-        for step in range(start, end):
-            rt.step = watch.step = step
-            watch.phase = "forward and backward"
-            fid = cfg.lrmoe_fidelity_every > 0 and (step + 1) % cfg.lrmoe_fidelity_every == 0
-            rt.backward = dataclasses.replace(base_bwd, fidelity=fid)
-            if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            # forward and backward of each micro-batch (global batch step * N + m)
-            sums = accumulate(
-                model, lambda m, s=step: batches.batch(s * accum + m, ctx.rank, ctx.world).to(
-                    ctx.device), accum, autocast)
-            watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
-            red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(stops.seen)]), ctx)
-            losses, stop_sig = red[:2] / (ctx.world * accum), StopSignals.which(red[2:].tolist())
-            loss, aux = float(losses[0]), float(losses[1] - losses[0])
-            intact = (f"the last checkpoint, {ckpt.ckpt_dir(run_dir, last_ckpt)}, is intact"
-                      if last_ckpt else "no checkpoint was written")
-            if not math.isfinite(loss) or not math.isfinite(float(losses[1])):
-                raise LrmoeError(f"training loss is {loss} at step {step + 1}; stopped "
-                                 f"({intact}). Lower --lr or raise --warmup")
-            blowup = guard.check(loss)
-            if blowup:
-                raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
-                                 f"before updating the weights ({intact}). Lower --lr or raise "
-                                 "--warmup; --divergence-factor 0 disables this check")
-            watch.phase = "gradient sync"
-            sync_grads(model, ctx)
-            gnorm = clip_grad_norm(model, cfg.clip, ctx)
-            watch.phase = "optimizer step and router counts"
-            if not math.isfinite(gnorm):
-                raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
-                                 f"({intact}). Lower --lr or raise --warmup")
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            counts = model.end_step(reduce=reduce)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            dt = time.perf_counter() - t0
-            elapsed += dt
-            tokens += step_tokens
-            done = step + 1
+    def loop(self) -> dict:
+        cfg, ctx, s, start, end = self.cfg, self.ctx, self.s, self.s.start, self.end
+        interactive = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
+        if ctx.is_main and interactive and start < end:
+            from tqdm import tqdm
+            self.bar = tqdm(total=end, initial=start, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+        self.log_every = cfg.log_every or max(1, min(50, cfg.steps // 10))
+        self.t_run = time.perf_counter()
+        s.model.train()
+        try:
+            for step in range(start, end):
+                row, stop_sig = self.step(step)
+                self.record(step + 1, row)
+                self.after(step + 1, stop_sig)
+            if start >= end and s.last_val is None:  # resumed at the end: the checkpoint's
+                s.last_val = evaluate(s.model, self.inp.val_b, ctx, self.autocast)[0]  # loss
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.writer.close()
+        if ctx.is_main:
+            print(f"final val_loss={s.last_val:.6f}", flush=True)
+        return {"final_val_loss": s.last_val, "run_dir": str(self.inp.run_dir), "steps": end,
+                "tokens": s.tokens, "elapsed_s": s.elapsed}
 
-            watch.phase = "stats all-gather"
-            stats = _snapshot_stats(rt)
-            mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
-            per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
-            _observe_fidelity(policy, stats, per_rank)
-            mem = None
-            if ctx.device.type == "cuda":
-                mem = int(torch.cuda.max_memory_allocated(ctx.device))
-                mem = max(_all_gather(mem, ctx)) if ctx.distributed else mem
-            writer.write(train_row(
-                step=done, loss=loss, aux=aux, lr=lr, tokens=tokens, elapsed=elapsed, dt=dt,
-                step_tokens=step_tokens, grad_norm=gnorm, counts=counts, stats=stats,
-                per_rank=per_rank, world=ctx.world, cuda_mem=mem, fidelity_step=fid,
-                micro_batches=accum,
-                budget=None if ledger is None else ledger.budget_bytes))
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / dt:,.0f}")
-                bar.update(1)
-            elif done % log_every == 0 or done == end:
-                eta = (time.perf_counter() - t_run) / (done - start) * (end - done)
-                _log(f"step {done}/{end} | loss {loss:.4f} | lr {lr:.2e} | "
-                     f"{step_tokens / dt:,.0f} tok/s | {elapsed:.0f}s | eta {eta:.0f}s", ctx)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
-                say(f"step {done}: val_loss {validate(done):.4f}")
-            if done == end or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-                if done == end:
-                    validate(done)
-                save(done)
-            if stop_sig is not None and done < end:
-                if last_ckpt != done:
-                    save(done)
-                msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
-                       f"{done} of {end}; saved {ckpt.ckpt_dir(run_dir, done)}; continue with "
-                       "--resume")
-                say(msg)
-                raise SignalStop(stop_sig, msg)
-        if start >= end and last_val is None:  # resumed at the end: the checkpoint's loss
-            last_val = evaluate(model, val_b, ctx, autocast)[0]  # (its row is already there)
-    finally:
-        if bar is not None:
-            bar.close()
-        writer.close()
-    if ctx.is_main:
-        print(f"final val_loss={last_val:.6f}", flush=True)
-    return {"final_val_loss": last_val, "run_dir": str(run_dir), "steps": end,
-            "tokens": tokens, "elapsed_s": elapsed}
+    def step(self, step: int) -> tuple[dict, int | None]:
+        """One optimizer step: forward and backward of each micro-batch, the checks of
+        the loss and gradient norm, the update. Returns the metrics row's inputs and the
+        signal a rank received (``None``: none)."""
+        from lrmoe.parallel.groups import clip_grad_norm, sync_grads
+
+        cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
+        s.rt.step = watch.step = step
+        watch.phase = "forward and backward"
+        every = cfg.policy.lrmoe.fidelity_every
+        fid = every > 0 and (step + 1) % every == 0
+        s.rt.backward = dataclasses.replace(self.base_bwd, fidelity=fid)
+        if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        t0 = time.perf_counter()
+        s.opt.zero_grad(set_to_none=True)
+        # forward and backward of each micro-batch (global batch step * N + m)
+        sums = accumulate(
+            s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
+                                                      ctx.world).to(ctx.device),
+            accum, self.autocast)
+        watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
+        red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(self.stops.seen)]),
+                              ctx)
+        losses, stop_sig = red[:2] / (ctx.world * accum), StopSignals.which(red[2:].tolist())
+        loss, aux = float(losses[0]), float(losses[1] - losses[0])
+        intact = (f"the last checkpoint, {ckpt.ckpt_dir(self.inp.run_dir, self.last_ckpt)}, "
+                  "is intact" if self.last_ckpt else "no checkpoint was written")
+        if not math.isfinite(loss) or not math.isfinite(float(losses[1])):
+            raise LrmoeError(f"training loss is {loss} at step {step + 1}; stopped "
+                             f"({intact}). Lower --lr or raise --warmup")
+        blowup = s.guard.check(loss)
+        if blowup:
+            raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
+                             f"before updating the weights ({intact}). Lower --lr or raise "
+                             "--warmup; --divergence-factor 0 disables this check")
+        watch.phase = "gradient sync"
+        sync_grads(s.model, ctx)
+        gnorm = clip_grad_norm(s.model, cfg.clip, ctx)
+        watch.phase = "optimizer step and router counts"
+        if not math.isfinite(gnorm):
+            raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
+                             f"({intact}). Lower --lr or raise --warmup")
+        lr = s.opt.param_groups[0]["lr"]
+        s.opt.step()
+        s.sched.step()
+        counts = s.model.end_step(reduce=self.reduce)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        dt = time.perf_counter() - t0
+        s.elapsed += dt
+        s.tokens += self.step_tokens
+        return {"loss": loss, "aux": aux, "lr": lr, "dt": dt, "grad_norm": gnorm,
+                "counts": counts, "fidelity_step": fid}, stop_sig
+
+    def record(self, done: int, row: dict) -> None:
+        """The step's metrics row (per-layer stats gathered from every rank) and log."""
+        ctx, s = self.ctx, self.s
+        self.watch.phase = "stats all-gather"
+        stats = _snapshot_stats(s.rt)
+        mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
+        per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
+        _observe_fidelity(self.inp.policy, stats, per_rank)
+        mem = None
+        if ctx.device.type == "cuda":
+            mem = int(torch.cuda.max_memory_allocated(ctx.device))
+            mem = max(_all_gather(mem, ctx)) if ctx.distributed else mem
+        ledger = self.inp.ledger
+        self.writer.write(train_row(
+            step=done, tokens=s.tokens, elapsed=s.elapsed, step_tokens=self.step_tokens,
+            stats=stats, per_rank=per_rank, world=ctx.world, cuda_mem=mem,
+            micro_batches=self.cfg.grad_accum,
+            budget=None if ledger is None else ledger.budget_bytes, **row))
+        loss, dt = row["loss"], row["dt"]
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.step_tokens / dt:,.0f}")
+            self.bar.update(1)
+        elif done % self.log_every == 0 or done == self.end:
+            start, end = s.start, self.end
+            eta = (time.perf_counter() - self.t_run) / (done - start) * (end - done)
+            _log(f"step {done}/{end} | loss {loss:.4f} | lr {row['lr']:.2e} | "
+                 f"{self.step_tokens / dt:,.0f} tok/s | {s.elapsed:.0f}s | eta {eta:.0f}s",
+                 ctx)
+
+    def after(self, done: int, stop_sig: int | None) -> None:
+        """Validation and checkpoints due after step ``done``; a stop signal ends here."""
+        cfg, end = self.cfg, self.end
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
+            self.say(f"step {done}: val_loss {self.validate(done):.4f}")
+        if done == end or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
+            if done == end:
+                self.validate(done)
+            self.save(done)
+        if stop_sig is not None and done < end:
+            if self.last_ckpt != done:
+                self.save(done)
+            msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
+                   f"{done} of {end}; saved {ckpt.ckpt_dir(self.inp.run_dir, done)}; "
+                   "continue with --resume")
+            self.say(msg)
+            raise SignalStop(stop_sig, msg)

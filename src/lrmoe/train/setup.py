@@ -12,7 +12,6 @@ then ``config.json`` (see :mod:`lrmoe.train.rundir`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -65,7 +64,7 @@ def flags_fingerprint(cfg: TrainConfig) -> dict:
     must agree on (model keys absent on a resume that takes the model from the run)."""
     from lrmoe.train.config import resolve_model_config
 
-    fp = {f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
+    fp = {f"--{k.replace('_', '-')}": v for k, v in cfg.flat().items()
           if k not in PER_RANK_FLAGS}
     mcfg = resolve_model_config(cfg, vocab_size=None)
     if mcfg is not None:
@@ -167,7 +166,7 @@ def _checkpoint_bytes(model) -> int:
 def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     """``config.json``'s ``train``: the flags, a resume keeping the model's origin
     (``--preset`` / ``--config`` are not re-given on resume)."""
-    train = dataclasses.asdict(cfg)
+    train = cfg.flat()
     for k in ("preset", "config"):
         if train[k] is None and saved is not None:
             train[k] = saved.get("train", {}).get(k)

@@ -1,0 +1,254 @@
+"""The policy and memory flags, declared once for every command.
+
+``lrmoe train``, ``lrmoe plan`` (``--compare`` included) and ``lrmoe bench ttl`` add them
+with :func:`add_policy_flags`, each naming the knobs it reads; a knob's flag, type,
+default, help and value check live only in :data:`KNOBS`, so one knob has one spelling
+everywhere. Spelling: a knob only the lrmoe policy reads is ``--lrmoe-NAME``
+(``--lrmoe-min-keep``, ``--lrmoe-selection on|off``); a knob several policies or the
+memory model read has no prefix (``--slots-per-rank``, ``--mem-budget``). The flat names
+(``lrmoe_min_keep``) are the argparse destinations and the keys of a training run's
+``config.json``; :func:`policy_config` nests them into a
+:class:`~lrmoe.policy.registry.PolicyConfig` and :func:`flat_policy` flattens one back.
+A spelling used before is refused with one line naming the current one (:data:`RENAMED`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lrmoe.errors import LrmoeError
+from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
+
+INT64_MAX = 2**63 - 1
+
+
+# ----------------------------------------------------------------------------- checks
+def check_int(name: str, v: Any, low: int, allow_none: bool = False,
+              high: int = INT64_MAX) -> None:
+    """Raise naming ``--name`` unless ``v`` is an integer in ``[low, high]``."""
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        big = isinstance(v, int) and not isinstance(v, bool) and v > high
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}"
+                         + (f" and <= {high}" if big else ""))
+
+
+def check_num(name: str, v: Any, low: float, high: float = math.inf,
+              open_low: bool = False) -> None:
+    """Raise naming ``--name`` unless ``v`` is a finite number in the range."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > low if open_low else v >= low) and v <= high
+    if not ok:
+        rng = f"> {low}" if open_low else f">= {low}"
+        rng += f" and <= {high}" if high != math.inf else ""
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a finite number {rng}")
+
+
+def check_choice(name: str, v: Any, choices: tuple) -> None:
+    """Raise naming ``--name`` unless ``v`` is one of ``choices``."""
+    if v not in choices:
+        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
+                         f"{', '.join(str(c) for c in choices)}")
+
+
+def _bytes(name: str, v: Any) -> None:
+    if v is not None:
+        from lrmoe.memory import parse_bytes
+        parse_bytes(v)
+
+
+def _metric(name: str, v: Any) -> None:
+    from lrmoe.parallel.exchange import METRICS
+    check_choice(name, v, tuple(METRICS))
+
+
+def on_off(v: str) -> bool:
+    """argparse type of ``on|off`` flags."""
+    if v not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{v!r} is not on or off")
+    return v == "on"
+
+
+# ----------------------------------------------------------------------------- knobs
+@dataclass(frozen=True)
+class Knob:
+    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``), whose
+    default is the flag's; ``None`` for a memory knob (``default`` given here)."""
+
+    dest: str
+    help: str
+    check: Callable[[str, Any], None]
+    field: str | None = None
+    default: Any = None
+    type: Callable | None = str
+    metavar: str | None = None
+    switch: bool = False  # store_true
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    def default_value(self) -> Any:
+        if self.field is None:
+            return self.default
+        obj: Any = PolicyConfig()
+        for part in self.field.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _k(dest, help, check, field=None, **kw) -> Knob:
+    return Knob(dest, help, check, field, **kw)
+
+
+KNOBS: dict[str, Knob] = {k.dest: k for k in (
+    _k("policy", f"the planner: {', '.join(POLICY_NAMES)}",
+       lambda n, v: check_choice(n, v, POLICY_NAMES), "name", metavar="NAME"),
+    _k("capacity_factor", "capacity policy: pairs per expert as a multiple of the mean",
+       lambda n, v: check_num(n, v, 0.0, open_low=True), "capacity_factor", type=float, metavar="F"),
+    _k("slots_per_rank", "symi: expert slots per rank (train: default E/G + 2; plan and "
+       "bench: the largest that fits --mem-budget, else E/G + 2; plan --compare: the s of "
+       "least busiest-rank GEMM work); lrmoe: the most slots per rank",
+       lambda n, v: check_int(n, v, 1, allow_none=True), "slots_per_rank", type=int,
+       metavar="S"),
+    _k("mem_budget", "per-rank bytes for all MoE layers' experts, e.g. 40GiB", _bytes,
+       metavar="SIZE"),
+    _k("recompute", "static/symi: a rank over --mem-budget recomputes the fewest rows' "
+       "gate_up outputs in backward instead of stopping", lambda n, v: None, "recompute",
+       switch=True),
+    _k("optimizer_offload", "host: keep the experts' fp32 masters and AdamW moments in host "
+       "memory and update them there (same update); --mem-budget then counts only the "
+       "GPU's bytes, and the emulator and plan --compare charge the modelled traffic",
+       lambda n, v: check_choice(n, v, ("device", "host")), default="device",
+       metavar="device|host"),
+    _k("router_grad", "experts: on exact plans the expert backward computes the router "
+       "gradient, so the combined expert outputs are not kept (less memory, same math up "
+       "to rounding); bench ttl and plan --compare apply it to static and symi, lrmoe "
+       "stays home", lambda n, v: check_choice(n, v, ("home", "experts")), default="home",
+       metavar="home|experts"),
+    _k("lrmoe_recompute", "lrmoe: retain more pairs by saving only some pairs' input rows "
+       "and recomputing their gate_up outputs in backward", lambda n, v: None,
+       "lrmoe.recompute", switch=True),
+    _k("lrmoe_placement", "lrmoe: place replicas from this step's counts (current) or, "
+       "before the count exchange, from the previous step's (previous, as SYMI does)",
+       lambda n, v: check_choice(n, v, ("current", "previous")), "lrmoe.placement",
+       metavar="current|previous"),
+    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate", _metric,
+       "lrmoe.metric", metavar="grad_norm|gate"),
+    _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
+       "(Horvitz-Thompson, unbiased over the retained pairs)",
+       lambda n, v: check_choice(n, v, ("topk", "sampled")), "lrmoe.estimator",
+       metavar="topk|sampled"),
+    _k("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
+       lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),
+    _k("lrmoe_balance", "lrmoe: how far backward quotas trim toward the mean, 0..1",
+       lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.balance", type=float, metavar="B"),
+    _k("lrmoe_compaction", "lrmoe: remove unselected rows (on) or zero them (off)",
+       lambda n, v: None, "lrmoe.compaction", type=on_off, metavar="on|off"),
+    _k("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
+       "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
+       metavar="on|off"),
+    _k("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
+       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "lrmoe.fidelity_every",
+       type=int, metavar="N"),
+    _k("lrmoe_keep", "lrmoe: fixed, or auto (hold --lrmoe-target-cosine)",
+       lambda n, v: check_choice(n, v, ("auto", "fixed")), "lrmoe.keep",
+       metavar="fixed|auto"),
+    _k("lrmoe_target_cosine", "lrmoe: the auto keep's target cosine",
+       lambda n, v: check_num(n, v, -1.0, 1.0), "lrmoe.target_cosine", type=float, metavar="C"),
+    _k("lrmoe_max_slots", "lrmoe: most slots per rank (default: --slots-per-rank, else "
+       "E/G + 2)", lambda n, v: check_int(n, v, 1, allow_none=True),
+       "lrmoe.max_slots_per_rank", type=int, metavar="S"),
+)}
+
+# What each command reads (the others would be silently ignored there, so it lacks them).
+TRAIN = tuple(k for k in KNOBS if k != "lrmoe_max_slots")
+PLAN = ("policy", "capacity_factor", "slots_per_rank", "mem_budget", "optimizer_offload",
+        "router_grad", "lrmoe_recompute", "lrmoe_placement", "lrmoe_min_keep",
+        "lrmoe_balance", "lrmoe_selection")
+BENCH = ("slots_per_rank", "mem_budget", "optimizer_offload", "router_grad",
+         "lrmoe_recompute", "lrmoe_placement", "lrmoe_estimator", "lrmoe_min_keep",
+         "lrmoe_balance", "lrmoe_max_slots")
+
+# Spellings used before: refused with the current one.
+RENAMED = {"--min-keep": "--lrmoe-min-keep", "--balance": "--lrmoe-balance",
+           "--no-selection": "--lrmoe-selection off", "--estimator": "--lrmoe-estimator"}
+
+
+class _Renamed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {RENAMED[option_string]}")
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return "none" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def add_policy_flags(parser, names: Iterable[str], defaults: bool = True) -> None:
+    """Add the knobs ``names`` to ``parser`` (or an argument group). ``defaults=False``
+    leaves unset flags out of the namespace (``lrmoe train``: a resume takes the run's)."""
+    for name in names:
+        k = KNOBS[name]
+        help = f"{k.help} (default {_shown(k.default_value())})"
+        kw: dict[str, Any] = {"dest": k.dest, "help": help}
+        if defaults:
+            kw["default"] = k.default_value()
+        if k.switch:
+            parser.add_argument(k.flag, action="store_true", **kw)
+        else:
+            parser.add_argument(k.flag, type=k.type, metavar=k.metavar, **kw)
+    for old in RENAMED:
+        parser.add_argument(old, nargs="?", action=_Renamed, help=argparse.SUPPRESS,
+                            default=argparse.SUPPRESS)
+
+
+def check_policy_flags(values: Mapping[str, Any]) -> None:
+    """Check every knob in ``values`` (flat names), raising one line naming the flag."""
+    for name, v in values.items():
+        if name in KNOBS:
+            KNOBS[name].check(name, v)
+
+
+def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -> PolicyConfig:
+    """``base`` (default: the defaults) with the policy knobs in ``values`` (flat names)
+    set; checked first, so a bad value names its flag."""
+    check_policy_flags(values)
+    base = base if base is not None else PolicyConfig()
+    top: dict[str, Any] = {}
+    inner: dict[str, Any] = {}
+    for name, v in values.items():
+        f = KNOBS[name].field if name in KNOBS else None
+        if f is None:
+            continue
+        if f.startswith("lrmoe."):
+            inner[f.removeprefix("lrmoe.")] = v
+        else:
+            top[f] = v
+    return dataclasses.replace(base, lrmoe=dataclasses.replace(base.lrmoe, **inner), **top)
+
+
+def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:
+    """The knobs ``names`` of ``pc`` by their flat names (memory knobs skipped)."""
+    out = {}
+    for name in names:
+        k = KNOBS[name]
+        if k.field is None:
+            continue
+        obj: Any = pc
+        for part in k.field.split("."):
+            obj = getattr(obj, part)
+        out[name] = obj
+    return out
+
+
+def policy_fields(names: Iterable[str] = TRAIN) -> tuple[str, ...]:
+    """The flat names among ``names`` that live in :class:`PolicyConfig`."""
+    return tuple(n for n in names if KNOBS[n].field is not None)

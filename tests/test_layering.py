@@ -1,0 +1,52 @@
+"""Package layering: ``train/`` does not import ``sim/``, and the runtime
+(``parallel/``) knows the :class:`~lrmoe.policy.plan.Plan` type, never a policy."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+import lrmoe
+
+SRC = Path(lrmoe.__file__).parent
+
+
+def _imports(pkg: str) -> list[tuple[str, str]]:
+    """``(file, module)`` for every import in ``lrmoe/<pkg>/``, at any depth of the code."""
+    out = []
+    for f in sorted((SRC / pkg).glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out += [(f.name, node.module)] + [(f.name, f"{node.module}.{a.name}")
+                                                  for a in node.names]
+            elif isinstance(node, ast.Import):
+                out += [(f.name, a.name) for a in node.names]
+    return out
+
+
+def test_train_does_not_import_sim():
+    bad = [(f, m) for f, m in _imports("train") if m == "lrmoe.sim" or m.startswith("lrmoe.sim.")]
+    assert not bad, bad
+
+
+def test_parallel_imports_only_the_plan_type():
+    bad = [(f, m) for f, m in _imports("parallel")
+           if m.startswith("lrmoe.policy") and not m.startswith("lrmoe.policy.plan")]
+    assert not bad, bad
+
+
+def test_native_plan_is_static_unbudgeted_plan():
+    """The local path's stand-in plan is exactly what the static policy plans."""
+    from lrmoe.policy.base import PlanInputs
+    from lrmoe.policy.plan import native_plan
+    from lrmoe.policy.static import StaticPolicy
+
+    g = torch.Generator().manual_seed(0)
+    for G, E in ((1, 8), (2, 8), (4, 8)):
+        c = torch.randint(0, 50, (G, E), generator=g)
+        want, got = StaticPolicy().plan(c, PlanInputs()), native_plan(c)
+        for f in ("inst_expert_GS", "assign_GGS", "retain_GGS", "select_GGS"):
+            assert torch.equal(getattr(want, f), getattr(got, f)), (G, E, f)
+        assert got.recompute_G is None and got.dropped_GE is None

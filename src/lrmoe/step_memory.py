@@ -28,17 +28,23 @@ the residual stream in fp32 as the model keeps it), per token and layer:
 what autograd keeps         bytes per token                                 kept under
 ==========================  ==============================================  =============
 block input (residual)      4H                                              every mode
-attention                   4H norm + 3·2H (q, k, v each cast the input)    none
-                            + q/k: 6D (q/k norm: fp32 copy, bf16 normed)
-                            + 2D (SDPA's bf16 cast), v 2D_kv, out 2D_q,
-                            logsumexp 4·heads
-mid residual, its norm      4H + 4H                                         none, selective
-router                      2H cast + 4E probs + 16K (index, gate) + 4      none, selective
-expert rows                 :class:`lrmoe.memory.Ledger` terms at G=1:      none, selective
-                            K·((H + 2F)·2 + H·2 + 28)
+attention                   4H + 4 norm + 3·2H (q, k, v each cast the       none
+                            input) + q/k: 2D (SDPA's bf16 cast), with q/k
+                            norm 6D (fp32 copy, bf16 normed) + 4 a head;
+                            v 2D_kv, out 2D_q, logsumexp 4·heads
+mid residual, its norm      4H + 4H + 4                                     none, selective
+router                      2H cast + g·E probs + 8K index                  none, selective
+                            + g·K + g (gate, its sum: norm_topk_prob);
+                            g = 4 (Qwen3: fp32 softmax), 2 (GLM: bf16)
+expert rows                 :class:`lrmoe.memory.Ledger` terms at G=1       none, selective
+                            (x and gate_up rows, combined rows):
+                            K·((H + 2F)·2 + H·2) + (g + 16)·K (gate,
+                            2 indices)
 dense MLP / shared expert   4H + 8·width                                    none, selective
 ==========================  ==============================================  =============
 
+Per MoE layer also ``4E`` (expert offsets) and, with Qwen3's aux loss, ``4E`` (its
+expert fractions); the rotary tables (``2·4·S·rotary_dim``) are shared by all layers.
 Checkpointed blocks (``full``) keep only their input; backward re-runs one block at a
 time, so one block's ``none`` set is alive again on top. Besides these: the bf16 weight
 casts autocast keeps for a forward (every non-expert matrix but the embedding; the
@@ -48,9 +54,9 @@ backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
 ``12·N·V``); one MoE layer's transients (:meth:`lrmoe.memory.Ledger.plan_buffer_bytes`)
 and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
 on); AdamW's foreach temporaries in the step (one fp32 copy of the device-stepped
-parameters). Rows of per-token scalars (norm scales) and index tensors of a few bytes a
-token are left out (under 0.1%). Attention is taken to run a flash/efficient SDPA
-kernel (no ``N × N`` matrix).
+parameters). Attention is taken to run a flash/efficient SDPA kernel (no ``N × N``
+matrix). What a layer keeps is checked against autograd's saved tensors under CPU
+autocast (``tests/test_fullsize.py``); the phases' transients are not measured yet.
 
 The GPU's peak is the largest of four phases (:meth:`StepLedger.phases`): the end of the
 forward (loss computed), the loss backward, a block's backward, the optimizer step.
@@ -67,6 +73,9 @@ from lrmoe.memory import DTYPE_BYTES, Ledger
 CATEGORIES = ("experts", "attention", "norms", "routers", "dense_mlp", "embedding", "lm_head")
 MODES = ("none", "selective", "full")
 PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
+# what the one-process path (parallel/local.py) keeps per pair besides its gate: its row
+# and the pair of each row (int64); the exchange keeps one more index (memory.py)
+LOCAL_INDEX_BYTES = 2 * 8
 
 
 def layer_params(cfg: ModelConfig, i: int) -> dict[str, int]:
@@ -192,53 +201,72 @@ class StepLedger:
                                 router_grad_at_experts=self.router_grad_at_experts)
 
     def layer_saved(self, i: int, tokens: int, mode: str) -> int:
-        """Bytes autograd keeps for backward of layer ``i`` in ``mode`` (module table)."""
+        """Bytes autograd keeps for backward of layer ``i`` in ``mode`` (module table),
+        its weight casts and the rotary tables all layers share not included."""
         require(mode in MODES, f"activation checkpoint {mode!r}: use one of {', '.join(MODES)}")
         c, N = self.cfg, int(tokens)
-        H, D = c.hidden_size, c.head_dim
-        q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
+        H, D, E, K = c.hidden_size, c.head_dim, c.num_experts, c.num_experts_per_tok
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        q, kv = heads * D, kv_heads * D
         block_in = 4 * H
         if mode == "full":
             return N * block_in
-        qk = (6 if c.use_qk_norm else 0) + 2  # per element of q and k
-        attn = 4 * H + 3 * 2 * H + qk * (q + kv) + 2 * kv + 2 * q + 4 * c.num_attention_heads
-        mid = 8 * H
-        per_tok = block_in + mid + (attn if mode == "none" else 0)
-        rows = 0
-        if c.is_moe_layer(i):
-            K = c.num_experts_per_tok
-            per_tok += 2 * H + 4 * c.num_experts + 16 * K + 4
+        # input norm (normed rows, row scale), the q/k/v input casts, q and k (q/k norm:
+        # the fp32 copy, its row scales and the bf16 normed rows; SDPA's bf16 cast), v,
+        # the output and its logsumexp
+        attn = 4 * H + 4 + 3 * 2 * H + 2 * (q + kv) + 2 * kv + 2 * q + 4 * heads
+        if c.use_qk_norm:
+            attn += 6 * (q + kv) + 4 * (heads + kv_heads)
+        per_tok = block_in + 8 * H + 4 + (attn if mode == "none" else 0)  # + mid norm
+        const = rows = 0
+        if c.is_moe_layer(i):  # router: input cast, probabilities, index (gate, its sum)
+            g = 4 if c.router_kind == "softmax" else 2  # GLM's sigmoid runs on bf16 logits
+            per_tok += 2 * H + g * E + 8 * K + ((g * K + g) if c.norm_topk_prob else 0)
+            if c.router_kind == "softmax" and c.router_aux_loss_coef > 0:
+                const += 4 * E  # the aux loss's expert fractions
             if c.n_shared_experts:
                 per_tok += 4 * H + 8 * c.moe_intermediate_size * c.n_shared_experts
             P = N * K
-            t = self._moe_ledger().terms(c.num_experts, P, P, P, exact=True)
-            rows = t["retained_acts"] + t["combine_rows"] + t["pair_index"]
+            t = self._moe_ledger().terms(E, P, P, P, exact=True)
+            rows = t["retained_acts"] + t["combine_rows"] + P * (g + LOCAL_INDEX_BYTES) + 4 * E
         else:
             per_tok += 4 * H + 8 * c.intermediate_size
-        return N * per_tok + rows
+        return N * per_tok + rows + const
+
+    def rotary_tables(self, seq_len: int) -> int:
+        """cos and sin (fp32, ``[S, rotary_dim]``), saved by every layer's attention."""
+        return 2 * 4 * int(seq_len) * self.cfg.rotary_dim
 
     def weight_casts(self, checkpointed: bool = False) -> int:
-        """bf16 copies autocast makes of fp32 weights in one forward: every non-expert
-        matrix but the embedding (the experts too when fp32 on the device); with
+        """bf16 copies autocast makes of fp32 weight matrices in one forward (biases are
+        cast but not kept): every layer's (:meth:`layer_casts`) and the head's; with
         ``checkpointed`` (full) only the head's, which backward keeps."""
-        if self.compute_dtype != "bf16":
+        if self.compute_dtype != "bf16" or self.offload_dense:  # bf16 weights: no casts
             return 0
         p = self.params
-        head = p["lm_head"] if p["lm_head"] else p["embedding"]
+        head = 2 * (p["lm_head"] if p["lm_head"] else p["embedding"])
         if checkpointed:
-            return 2 * head
-        if self.offload_dense:  # the device weights are bf16 already: no casts
-            return 0
-        experts = p["experts"] if self.optimizer_offload == "device" else 0
-        return 2 * (p["attention"] + p["routers"] + p["dense_mlp"] + head + experts)
+            return head
+        return head + sum(self.layer_casts(i) for i in range(self.cfg.num_hidden_layers))
 
     def layer_casts(self, i: int) -> int:
-        """One layer's bf16 weight casts (what a re-run block makes again)."""
+        """One layer's bf16 weight casts (what a re-run block makes again): its
+        attention, router and dense matrices (the experts' too when fp32 on the device)."""
         if self.compute_dtype != "bf16" or self.offload_dense:
             return 0
-        one = layer_params(self.cfg, i)
+        c = self.cfg
+        one = layer_params(c, i)
+        H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         experts = one["experts"] if self.optimizer_offload == "device" else 0
-        return 2 * (one["attention"] + one["routers"] + one["dense_mlp"] + experts)
+        return 2 * (2 * H * q + 2 * H * kv + one["routers"] + one["dense_mlp"] + experts)
+
+    def _attention_casts(self) -> int:
+        """The attention matrices' casts: a selective checkpoint keeps none of them."""
+        if self.compute_dtype != "bf16" or self.offload_dense:
+            return 0
+        c = self.cfg
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        return 2 * c.num_hidden_layers * (2 * c.hidden_size * q + 2 * c.hidden_size * kv)
 
     def activations(self, tokens: int, mode: str) -> dict[str, int]:
         """Per micro-batch of ``tokens`` tokens: the terms the phases add up."""
@@ -260,8 +288,7 @@ class StepLedger:
             "head_saved": N * (4 * H + 4 * H + 2 * H),  # final residual, its norm, head input
             "weight_casts": self.weight_casts(),
             "weight_casts_kept": self.weight_casts(mode == "full") - (
-                2 * self.params["attention"] if mode == "selective" and self.weight_casts()
-                else 0),
+                self._attention_casts() if mode == "selective" else 0),
             "logits_forward": 10 * NV,
             "logits_backward": 12 * NV,
             "rerun_block": (self.layer_saved(worst, N, "none") + self.layer_casts(worst)

@@ -51,6 +51,7 @@ from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.memory import fmt_bytes, parse_bytes  # noqa: E402
 from lrmoe.presets import PRESETS, get_preset  # noqa: E402
+from lrmoe.sim.offload import PCIE5_X16  # noqa: E402
 from lrmoe.step_memory import MODES, StepLedger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,34 +94,59 @@ def rows_for(cfg, sizes: list[tuple[int, int]], modes: list[str], gpu: int, host
     return out
 
 
-def remedies(cfg, tokens: int, mode: str, gpu: int, host: int) -> list[dict]:
-    """Cumulative what-ifs (:class:`StepLedger` fields), each with the GPU peak and the
-    host total it leaves."""
-    steps = [
-        ("as the trainer runs", {}),
-        ("loss over 1,024-token chunks", dict(loss_chunk_tokens=1024)),
-        ("dense params bf16 on GPU, their fp32 master + moments on host",
-         dict(offload_dense=True)),
-        ("expert grads to host layer by layer in backward (2 layers resident)",
-         dict(expert_grad_resident_layers=2)),
-        ("host grad buffer dropped (bf16 grad widened inside the host AdamW)",
-         dict(host_grad_bytes=0)),
-        ("bf16 moments on host", dict(moment_bytes=4)),
-        ("8-bit moments on host", dict(moment_bytes=2)),
-        ("no fp32 master (bf16 weights, stochastic rounding)", dict(master_bytes=0)),
-        ("expert weights streamed per layer (2 layers resident)",
-         dict(expert_resident_layers=2)),
-    ]
-    kw, out = {}, []
-    for what, more in steps:
-        if more.get("host_grad_bytes") == 0 and kw.get("expert_grad_resident_layers"):
-            more = dict(host_grad_bytes=2)  # streamed grads accumulate on the host (bf16)
-            what = "host grad buffer bf16 (streamed grads accumulate there)"
-        kw.update(more)
-        r = StepLedger(cfg, **kw).report(tokens, mode)
-        out.append({"change": what, "gpu_peak": r["gpu_peak"], "phase": r["gpu_peak_phase"],
-                    "host_total": r["host_total"], "fits_gpu": r["gpu_peak"] <= gpu,
-                    "fits_host": r["host_total"] <= host, "ledger_fields": dict(kw)})
+def link_bytes(led: StepLedger, mode: str, accum: int) -> int:
+    """Host-link bytes a step moves (both directions): the offloaded gradients down and
+    the bf16 weights up once a step, as the trainer does (its copy into the fp32 host
+    buffer widens each gradient on the GPU first: 4 bytes a parameter; 2 with a bf16
+    buffer); streamed expert gradients go down every micro-batch, streamed expert
+    weights come up for every pass of every micro-batch (three with full checkpointing:
+    forward, re-run, backward)."""
+    off, ex = led.offloaded_params, led.params["experts"]
+    down = 4 if led.host_grad_bytes == 4 else 2
+    grads = down * (off + (accum - 1) * ex if led.expert_grad_resident_layers else off)
+    passes = 3 if mode == "full" else 2
+    weights = 2 * (off + (accum * passes - 1) * ex if led.expert_resident_layers else off)
+    return grads + weights
+
+
+GPU_SIDE = [
+    ("as the trainer runs", {}),
+    ("loss over 1,024-token chunks", dict(loss_chunk_tokens=1024)),
+    ("dense params bf16 on GPU, their fp32 master + moments on host", dict(offload_dense=True)),
+    ("expert grads to host layer by layer in backward (2 layers resident)",
+     dict(expert_grad_resident_layers=2, host_grad_bytes=2)),
+    ("expert weights streamed per layer (2 layers resident)", dict(expert_resident_layers=2)),
+]
+HOST_SIDE = [
+    ("as the trainer runs", {}),
+    ("host grad buffer: one tensor's staging, not one per parameter",
+     dict(host_grad_staging=True)),
+    ("bf16 moments", dict(moment_bytes=4)),
+    ("8-bit moments", dict(moment_bytes=2)),
+    ("bf16 master (stochastic rounding)", dict(master_bytes=2)),
+]
+SMALLEST = ("loss chunks + grad staging + bf16 master + 8-bit moments",
+            dict(loss_chunk_tokens=1024, host_grad_staging=True, master_bytes=2, moment_bytes=2))
+
+
+def remedies(cfg, tokens: int, mode: str, gpu: int, host: int, accum: int) -> list[dict]:
+    """What-ifs (:class:`StepLedger` fields), each chain cumulative, then the smallest
+    change that fits both sides; each with the GPU peak, the host total it leaves and the
+    host-link bytes of a step of ``accum`` micro-batches."""
+    out = []
+    for side, chain in (("gpu", GPU_SIDE), ("host", HOST_SIDE), ("both", [SMALLEST])):
+        kw: dict = {}
+        for what, more in chain:
+            kw.update(more)
+            led = StepLedger(cfg, **kw)
+            r = led.report(tokens, mode)
+            link = link_bytes(led, mode, accum)
+            out.append({"side": side, "change": what, "gpu_peak": r["gpu_peak"],
+                        "phase": r["gpu_peak_phase"], "host_total": r["host_total"],
+                        "link_bytes_per_step": link,
+                        "link_s_per_step": link / PCIE5_X16.bandwidth_Bps,
+                        "fits_gpu": r["gpu_peak"] <= gpu, "fits_host": r["host_total"] <= host,
+                        "ledger_fields": dict(kw)})
     return out
 
 
@@ -171,12 +197,20 @@ def markdown(cfg, rows, fixes, fix_at, most, gpu, host, refuse) -> str:
             f"{r['gpu_peak_phase']} | {'yes' if r['fits_gpu'] else 'NO'} "
             f"({g(gpu - r['gpu_peak'])} left) | {g(r['host_total'])} | {g(r['host_at_build'])} | "
             f"{'yes' if r['fits_host'] else 'NO'} |")
-    lines += ["", f"What would make it fit ({fix_at}; cumulative; {LABEL}):", "",
-              "| + change | GPU peak | fits GPU | host | fits host |", "|---|---:|---|---:|---|"]
+    lines += ["", f"What would make it fit ({fix_at}; each side's changes cumulative; host link at "
+              f"{PCIE5_X16.bandwidth_Bps / 1e9:.0f} GB/s, the PCIe 5.0 x16 datasheet peak; {LABEL}):",
+              "", "| side | + change | GPU peak | fits GPU | host | fits host | host link a step |",
+              "|---|---|---:|---|---:|---|---:|"]
     for f in fixes:
-        lines.append(f"| {f['change']} | {g(f['gpu_peak'])} | {'yes' if f['fits_gpu'] else 'NO'} | "
-                     f"{g(f['host_total'])} | {'yes' if f['fits_host'] else 'NO'} |")
-    lines += ["", f"Most layers (real widths) the trainer as it runs fits on both sides at "
+        lines.append(f"| {f['side']} | {f['change']} | {g(f['gpu_peak'])} | "
+                     f"{'yes' if f['fits_gpu'] else 'NO'} | "
+                     f"{g(f['host_total'])} | {'yes' if f['fits_host'] else 'NO'} | "
+                     f"{f['link_bytes_per_step'] / 1e9:,.0f} GB, {f['link_s_per_step']:.1f} s |")
+    lines += ["", f"The trainer builds the fp32 model on the CPU before moving it: "
+              f"{g(4 * sum(p.values()))} GiB of host at build, and as much on the GPU until "
+              "the optimizer casts the experts to bf16 (both below the capacities). Host "
+              "bytes are pinned memory.",
+              "", f"Most layers (real widths) the trainer as it runs fits on both sides at "
               f"{fix_at}: {most}.",
               f"The trainer's own pre-check (`check_model_fits`: 16 B per dense and 8 B per "
               f"expert parameter on the GPU) asks {g(refuse)} GiB"
@@ -316,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         from lrmoe.train.setup import state_bytes
         rows = rows_for(whole, sizes, modes, gpu, host)
         (b0, s0), m0 = sizes[0], modes[-1]
-        fix_at = f"{b0}×{s0} tokens, checkpoint {m0}"
-        fixes = remedies(whole, b0 * s0, m0, gpu, host)
+        fix_at = f"{b0}×{s0} tokens × {a.grad_accum} micro-batches, checkpoint {m0}"
+        fixes = remedies(whole, b0 * s0, m0, gpu, host, a.grad_accum)
         most = max_layers(whole, b0 * s0, m0, gpu, host)
         refuse = state_bytes(whole, 1, offload=True)
         md = markdown(whole, rows, fixes, fix_at, most, gpu, host, refuse)

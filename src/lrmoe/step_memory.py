@@ -53,10 +53,11 @@ the logits (forward: bf16 logits, their fp32 copy and the log-softmax, ``10·N·
 backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
 ``12·N·V``); one MoE layer's transients (:meth:`lrmoe.memory.Ledger.plan_buffer_bytes`)
 and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
-on); AdamW's foreach temporaries in the step (one fp32 copy of the device-stepped
-parameters). Attention is taken to run a flash/efficient SDPA kernel (no ``N × N``
-matrix). What a layer keeps is checked against autograd's saved tensors under CPU
-autocast (``tests/test_fullsize.py``); the phases' transients are not measured yet.
+on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
+parameters), then the host step's fp32 widening of one offloaded gradient on the GPU.
+Attention is taken to run a flash/efficient SDPA kernel (no ``N × N`` matrix). What a
+layer keeps is checked against autograd's saved tensors under CPU autocast
+(``tests/test_fullsize.py``); the phases' transients are not measured yet.
 
 The GPU's peak is the largest of four phases (:meth:`StepLedger.phases`): the end of the
 forward (loss computed), the loss backward, a block's backward, the optimizer step.
@@ -128,7 +129,9 @@ class StepLedger:
     on the GPU at a time, the rest streamed to and from the host per layer),
     ``loss_chunk_tokens`` (the loss over chunks of that many tokens: one chunk's logits
     alive), ``master_bytes`` / ``moment_bytes`` / ``host_grad_bytes`` (host bytes per
-    offloaded parameter of the master, both moments together and the gradient buffer).
+    offloaded parameter of the master, both moments together and the gradient buffer;
+    ``host_grad_staging``: one fp32 buffer of the largest tensor instead, each gradient
+    going through it in turn).
     """
 
     cfg: ModelConfig
@@ -143,6 +146,7 @@ class StepLedger:
     master_bytes: int = 4
     moment_bytes: int = 8
     host_grad_bytes: int = 4
+    host_grad_staging: bool = False
 
     def __post_init__(self) -> None:
         require(self.optimizer_offload in ("device", "host"),
@@ -192,7 +196,8 @@ class StepLedger:
             gpu["offloaded_grads"] = bw * (dense_off
                                            + self._resident(self.expert_grad_resident_layers))
         host = {"masters": self.master_bytes * off, "moments": self.moment_bytes * off,
-                "grad_buffer": self.host_grad_bytes * off}
+                "grad_buffer": (self._largest_offloaded() * 4 if self.host_grad_staging
+                                else self.host_grad_bytes * off)}
         return {"gpu": gpu, "host": host}
 
     # ------------------------------------------------------------------ activations
@@ -307,8 +312,25 @@ class StepLedger:
             "loss_backward": s + kept + a["weight_casts_kept"] + a["logits_backward"],
             "block_backward": (s + kept + a["weight_casts_kept"] + a["rerun_block"]
                                + a["moe_buffers"] + a["expert_grad_transient"]),
-            "optimizer_step": s + 4 * self.device_stepped_params,
+            "optimizer_step": s + max(4 * self.device_stepped_params, self._widen_bytes()),
         }
+
+    def _widen_bytes(self) -> int:
+        """The host step's copy of a bf16 gradient into its fp32 host buffer widens it on
+        the GPU first (a non-blocking copy converts on the device): the largest offloaded
+        tensor in fp32, one at a time (after the device AdamW's temporaries are gone)."""
+        if self.compute_dtype == "fp32" or not (self.host_grad_bytes or self.host_grad_staging):
+            return 0
+        return 4 * self._largest_offloaded()
+
+    def _largest_offloaded(self) -> int:
+        """Elements of the largest offloaded tensor (an MoE layer's ``gate_up_proj``
+        ``[E, 2F, H]``; with ``offload_dense`` the embedding or head too)."""
+        if not self.offloaded_params:
+            return 0
+        c = self.cfg
+        largest = max((layer_params(c, i)["experts"] for i in c.moe_layers), default=0) * 2 // 3
+        return max(largest, c.vocab_size * c.hidden_size) if self.offload_dense else largest
 
     def report(self, tokens: int, mode: str) -> dict:
         """Everything the whole-model table shows for one micro-batch size and mode."""

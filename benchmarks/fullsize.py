@@ -343,9 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("micro_batches", "seq_len", "grad_accum", "steps"):
             if getattr(a, name) < 1:
                 raise LrmoeError(f"--{name.replace('_', '-')} must be >= 1")
+        if a.measure and a.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise LrmoeError("--measure --device cuda but no GPU is visible; use "
+                                 "--device cpu for the logic check")
         sizes = _sizes(a.sizes)
         gpu, host = parse_bytes(a.gpu_bytes), parse_bytes(a.host_bytes)
         whole = load_config(a.config, None)
+        cut = load_config(a.config, a.layers) if a.measure else None
         out = out_dir(a.out)
         from lrmoe.train.setup import state_bytes
         rows = rows_for(whole, sizes, modes, gpu, host)
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         md = markdown(whole, rows, fixes, fix_at, most, gpu, host, refuse)
         meas = None
         if a.measure:
-            meas = measure(load_config(a.config, a.layers), a, out)
+            meas = measure(cut, a, out)
             md += "\n" + measure_markdown(meas)
     except LrmoeError as e:
         print(f"fullsize: {e}", file=sys.stderr)

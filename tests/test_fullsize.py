@@ -191,5 +191,6 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     assert row["mode"] == "full" and row["tokens"] == 4096
     assert row["host_total"] == 16 * 48 * 128 * 3 * 2048 * 768 and not row["fits_host"]
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
-    assert mod.main(["--out", str(tmp_path / "x"), "--sizes", "4096"]) == 2
-    assert not (tmp_path / "x").exists()
+    for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
+        assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
+        assert not (tmp_path / "x").exists()

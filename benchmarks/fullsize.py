@@ -5,8 +5,9 @@ micro-batch size and activation-checkpoint mode asked, the GPU bytes by term (we
 gradients and AdamW state where they live, the activations and transients of the
 largest phase of a step) and the host bytes (fp32 masters, moments and the host
 gradient buffer of the offloaded experts), against the GPU's and the host's memory;
-then, for the first size and the last mode, what would make it fit, cumulatively, each
-with its numbers. Nothing big is built: the ledger works from the config alone.
+then, for the first size and the last mode, what would make it fit (the GPU side's
+and the host side's changes, each chain cumulative, and the smallest set that fits
+both), each with its numbers. Nothing big is built: the ledger works from the config alone.
 Everything it prints is MODELLED (ledger), not measured.
 
     python3 benchmarks/fullsize.py --out runs/fullsize              # the table (CPU)
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -253,7 +255,7 @@ def measure(cfg, a, out: Path) -> dict:
     cmd = train_command(cfg_path, tmp / "run", a)
     print(f"fullsize: checkpoint of the run ~{fmt_bytes(ckpt)}; running:\n  {' '.join(cmd)}",
           flush=True)
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -155,6 +155,8 @@ def _saved_per_layer(model: MoEForCausalLM, ids: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("mode", ["none", "selective"])
 def test_layer_saved_is_what_autograd_keeps(preset, mode):
     cfg = dataclasses.replace(get_preset(preset), num_hidden_layers=3)
+    if preset == "tiny-glm":  # the dense layer and the shared expert are covered too
+        assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1) and cfg.n_shared_experts
     torch.manual_seed(0)
     model = MoEForCausalLM(cfg)
     for m in model.moe_layers:  # host offload on CUDA: bf16 device experts

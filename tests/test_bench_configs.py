@@ -1,6 +1,6 @@
-"""The benchmark workloads' model configs (benchmarks/configs/*.json) load as HF configs,
-and the GLM variants differ from the GLM-4.5-Air-shaped base only in the loss-free bias
-rate they name (what RESULTS.md says about them)."""
+"""The benchmark workloads' model configs (benchmarks/configs/*.json) load as HF configs
+(the whole Qwen3-30B-A3B's equals its preset), and the GLM variants differ from the
+GLM-4.5-Air-shaped base only in the loss-free bias rate they name (what RESULTS.md says about them)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 def test_every_benchmark_config_loads(path):
     cfg = ModelConfig.from_hf_dict(json.loads(path.read_text()))
     assert cfg.num_experts == 128 and cfg.num_experts_per_tok == 8
-    assert cfg.num_hidden_layers == 2
+    assert cfg.num_hidden_layers == (48 if path.name.endswith("-full.json") else 2)
+
+
+def test_full_qwen3_config_is_the_preset():
+    """The whole-model config (benchmarks/fullsize.py) is HF's Qwen3-30B-A3B: the preset."""
+    from lrmoe.presets import get_preset
+
+    cfg = ModelConfig.from_hf_dict(json.loads((CONFIGS / "qwen3-30b-a3b-full.json").read_text()))
+    assert cfg == get_preset("qwen3-30b-a3b") and not cfg.tie_word_embeddings
 
 
 @pytest.mark.parametrize("name,rate", [("glm-4.5-air-layer-2L-fastbias.json", 0.01),

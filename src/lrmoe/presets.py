@@ -67,8 +67,8 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     attn = h * q + 2 * h * kv + q * h + 2 * h  # projections + 2 layer norms
-    if cfg.attention_bias:
-        attn += q + 2 * kv
+    if cfg.attention_bias:  # q/k/v biases; Qwen3's o_proj takes one too (model/layers.py)
+        attn += q + 2 * kv + (h if cfg.model_type == "qwen3_moe" else 0)
     if cfg.use_qk_norm:
         attn += 2 * hd
     dense_mlp = 3 * h * cfg.intermediate_size

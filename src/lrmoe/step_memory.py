@@ -1,0 +1,344 @@
+"""The whole-model step ledger: what one process's training step holds on the GPU and
+on the host, every layer, embedding and head included (docs/design.md §5, "Whole-model
+step"). MODELLED from the code's allocations, not measured.
+
+:class:`lrmoe.memory.Ledger` prices the MoE layers' expert memory per EP rank (what the
+planners trade); this ledger prices the rest of one-process training around it, as
+``lrmoe train`` allocates it, so that a question like "does the whole model train on one
+GPU with host offload" has one answer with its terms. Legend: N tokens of a micro-batch,
+H hidden, F expert width, E experts, K top-k, V vocabulary, D_q = heads·head_dim,
+D_kv = kv heads·head_dim, L decoder layers.
+
+Parameters (:func:`param_breakdown`, equal to the model's ``parameters()``): the
+experts, attention projections, norms, routers, dense MLPs (dense layers and shared
+experts), the embedding and the head (none when tied).
+
+Where the state lives (:meth:`StepLedger.state`), as the trainer builds it: every
+parameter is an fp32 device parameter with an fp32 gradient and AdamW's two fp32
+moments on the device (16 bytes a parameter), except under ``optimizer_offload="host"``
+the experts (:func:`lrmoe.train.offload.offloaded_params`): on the device their weight
+and gradient in the compute dtype (bf16 on CUDA); on the host (pinned) the fp32 master
+and both moments (12 bytes) and the fp32 gradient buffer the host step copies each
+gradient into (4 bytes: ``HostOffloadAdamW._grad_buf``).
+
+Activations of one micro-batch (:meth:`StepLedger.activations`, bf16 autocast on CUDA,
+the residual stream in fp32 as the model keeps it), per token and layer:
+
+==========================  ==============================================  =============
+what autograd keeps         bytes per token                                 kept under
+==========================  ==============================================  =============
+block input (residual)      4H                                              every mode
+attention                   4H + 4 norm + 3·2H (q, k, v each cast the       none
+                            input) + q/k: 2D (SDPA's bf16 cast), with q/k
+                            norm 6D (fp32 copy, bf16 normed) + 4 a head;
+                            v 2D_kv, out 2D_q, logsumexp 4·heads
+mid residual, its norm      4H + 4H + 4                                     none, selective
+router                      2H cast + g·E probs + 8K index                  none, selective
+                            + g·K + g (gate, its sum: norm_topk_prob);
+                            g = 4 (Qwen3: fp32 softmax), 2 (GLM: bf16)
+expert rows                 :class:`lrmoe.memory.Ledger` terms at G=1       none, selective
+                            (x and gate_up rows, combined rows):
+                            K·((H + 2F)·2 + H·2) + (g + 16)·K (gate,
+                            2 indices)
+dense MLP / shared expert   4H + 8·width                                    none, selective
+==========================  ==============================================  =============
+
+Per MoE layer also ``4E`` (expert offsets) and, with Qwen3's aux loss, ``4E`` (its
+expert fractions); the rotary tables (``2·4·S·rotary_dim``) are shared by all layers.
+Checkpointed blocks (``full``) keep only their input; backward re-runs one block at a
+time, so one block's ``none`` set is alive again on top. Besides these: the bf16 weight
+casts autocast keeps for a forward (every non-expert matrix but the embedding; the
+experts too when they are fp32 on the device), kept for backward unless checkpointed;
+the logits (forward: bf16 logits, their fp32 copy and the log-softmax, ``10·N·V``;
+backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
+``12·N·V``); one MoE layer's transients (:meth:`lrmoe.memory.Ledger.plan_buffer_bytes`)
+and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
+on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
+parameters), then the host step's fp32 widening of one offloaded gradient on the GPU.
+Attention is taken to run a flash/efficient SDPA kernel (no ``N × N`` matrix). What a
+layer keeps is checked against autograd's saved tensors under CPU autocast
+(``tests/test_fullsize.py``); the phases' transients are not measured yet.
+
+The GPU's peak is the largest of four phases (:meth:`StepLedger.phases`): the end of the
+forward (loss computed), the loss backward, a block's backward, the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import require
+from lrmoe.memory import DTYPE_BYTES, Ledger
+
+CATEGORIES = ("experts", "attention", "norms", "routers", "dense_mlp", "embedding", "lm_head")
+MODES = ("none", "selective", "full")
+PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
+# what the one-process path (parallel/local.py) keeps per pair besides its gate: its row
+# and the pair of each row (int64); the exchange keeps one more index (memory.py)
+LOCAL_INDEX_BYTES = 2 * 8
+
+
+def layer_params(cfg: ModelConfig, i: int) -> dict[str, int]:
+    """Parameters of decoder layer ``i`` by category."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    out = dict.fromkeys(CATEGORIES, 0)
+    out["attention"] = H * q + 2 * H * kv + q * H
+    if cfg.attention_bias:  # q/k/v biases; Qwen3's o_proj takes one too (model/layers.py)
+        out["attention"] += q + 2 * kv + (H if cfg.model_type == "qwen3_moe" else 0)
+    out["norms"] = 2 * H + (2 * D if cfg.use_qk_norm else 0)
+    if cfg.is_moe_layer(i):
+        out["routers"] = cfg.num_experts * H
+        out["experts"] = cfg.num_experts * 3 * H * cfg.moe_intermediate_size
+        out["dense_mlp"] = 3 * H * cfg.moe_intermediate_size * cfg.n_shared_experts
+    else:
+        out["dense_mlp"] = 3 * H * cfg.intermediate_size
+    return out
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by category, from the shapes alone (the model's ``parameters()``,
+    each tensor once: a tied head adds none)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for i in range(cfg.num_hidden_layers):
+        for k, v in layer_params(cfg, i).items():
+            out[k] += v
+    out["norms"] += cfg.hidden_size  # the final norm
+    out["embedding"] = cfg.vocab_size * cfg.hidden_size
+    out["lm_head"] = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return out
+
+
+@dataclass(frozen=True)
+class StepLedger:
+    """One process's training step: GPU and host bytes by term (module docstring).
+
+    Attributes:
+        cfg: the model (any layer count; every layer is priced).
+        optimizer_offload: ``"device"`` or ``"host"`` (the experts' state on the host).
+        compute_dtype: the device experts' dtype under host offload and the autocast
+            dtype of the activations (``"bf16"``: the trainer on CUDA; ``"fp32"``: on
+            the CPU, where the state terms hold and activations are not priced).
+        router_grad_at_experts: ``--router-grad experts`` (no combined rows kept).
+
+    What-ifs, for what would make a model fit (the trainer does none of these; the
+    defaults are what it does): ``offload_dense`` (every parameter's master and moments
+    on the host, bf16 device weights and grads), ``expert_resident_layers`` /
+    ``expert_grad_resident_layers`` (only that many MoE layers' expert weights / grads
+    on the GPU at a time, the rest streamed to and from the host per layer),
+    ``loss_chunk_tokens`` (the loss over chunks of that many tokens: one chunk's logits
+    alive), ``master_bytes`` / ``moment_bytes`` / ``host_grad_bytes`` (host bytes per
+    offloaded parameter of the master, both moments together and the gradient buffer;
+    ``host_grad_staging``: one fp32 buffer of the largest tensor instead, each gradient
+    going through it in turn).
+    """
+
+    cfg: ModelConfig
+    optimizer_offload: str = "host"
+    compute_dtype: str = "bf16"
+    router_grad_at_experts: bool = False
+    # what-ifs the trainer does not do (yet): what would make a model fit
+    offload_dense: bool = False
+    expert_resident_layers: int | None = None
+    expert_grad_resident_layers: int | None = None
+    loss_chunk_tokens: int | None = None
+    master_bytes: int = 4
+    moment_bytes: int = 8
+    host_grad_bytes: int = 4
+    host_grad_staging: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.optimizer_offload in ("device", "host"),
+                f"optimizer offload {self.optimizer_offload!r}: use device or host")
+        require(self.compute_dtype in ("bf16", "fp32"),
+                f"compute dtype {self.compute_dtype!r}: use bf16 or fp32")
+        require(self.optimizer_offload == "host" or not (
+            self.offload_dense or self.expert_resident_layers or self.expert_grad_resident_layers),
+            "the host-side what-ifs need optimizer_offload='host'")
+
+    # ------------------------------------------------------------------ state
+    @property
+    def params(self) -> dict[str, int]:
+        return param_breakdown(self.cfg)
+
+    @property
+    def offloaded_params(self) -> int:
+        """Parameters whose master and moments live on the host."""
+        if self.optimizer_offload != "host":
+            return 0
+        p = self.params
+        return sum(p.values()) if self.offload_dense else p["experts"]
+
+    @property
+    def device_stepped_params(self) -> int:
+        """Parameters AdamW steps on the GPU (fp32 weight, grad, two moments)."""
+        return sum(self.params.values()) - self.offloaded_params
+
+    def _resident(self, layers: int | None) -> int:
+        """Expert parameters on the GPU when only ``layers`` MoE layers' are resident."""
+        c = self.cfg
+        per = [layer_params(c, i)["experts"] for i in range(c.num_hidden_layers)]
+        if layers is None:
+            return sum(per)
+        return sum(sorted(per, reverse=True)[:layers])
+
+    def state(self) -> dict[str, dict[str, int]]:
+        """``{"gpu": {...}, "host": {...}}``: parameters, gradients and optimizer state
+        by term, as the trainer allocates them (module docstring)."""
+        bw = DTYPE_BYTES[self.compute_dtype]
+        dev, off = self.device_stepped_params, self.offloaded_params
+        dense_off = off - (self.params["experts"] if off else 0)
+        gpu = {"weights_fp32": 4 * dev, "grads_fp32": 4 * dev, "adam_moments": 8 * dev,
+               "offloaded_weights": 0, "offloaded_grads": 0}
+        if off:
+            gpu["offloaded_weights"] = bw * (dense_off + self._resident(self.expert_resident_layers))
+            gpu["offloaded_grads"] = bw * (dense_off
+                                           + self._resident(self.expert_grad_resident_layers))
+        host = {"masters": self.master_bytes * off, "moments": self.moment_bytes * off,
+                "grad_buffer": (self._largest_offloaded() * 4 if self.host_grad_staging
+                                else self.host_grad_bytes * off)}
+        return {"gpu": gpu, "host": host}
+
+    # ------------------------------------------------------------------ activations
+    def _moe_ledger(self) -> Ledger:
+        return Ledger.for_dtype(self.cfg, 1, None, "bf16", num_moe_layers=1,
+                                router_grad_at_experts=self.router_grad_at_experts)
+
+    def layer_saved(self, i: int, tokens: int, mode: str) -> int:
+        """Bytes autograd keeps for backward of layer ``i`` in ``mode`` (module table),
+        its weight casts and the rotary tables all layers share not included."""
+        require(mode in MODES, f"activation checkpoint {mode!r}: use one of {', '.join(MODES)}")
+        c, N = self.cfg, int(tokens)
+        H, D, E, K = c.hidden_size, c.head_dim, c.num_experts, c.num_experts_per_tok
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        q, kv = heads * D, kv_heads * D
+        block_in = 4 * H
+        if mode == "full":
+            return N * block_in
+        # input norm (normed rows, row scale), the q/k/v input casts, q and k (q/k norm:
+        # the fp32 copy, its row scales and the bf16 normed rows; SDPA's bf16 cast), v,
+        # the output and its logsumexp
+        attn = 4 * H + 4 + 3 * 2 * H + 2 * (q + kv) + 2 * kv + 2 * q + 4 * heads
+        if c.use_qk_norm:
+            attn += 6 * (q + kv) + 4 * (heads + kv_heads)
+        per_tok = block_in + 8 * H + 4 + (attn if mode == "none" else 0)  # + mid norm
+        const = rows = 0
+        if c.is_moe_layer(i):  # router: input cast, probabilities, index (gate, its sum)
+            g = 4 if c.router_kind == "softmax" else 2  # GLM's sigmoid runs on bf16 logits
+            per_tok += 2 * H + g * E + 8 * K + ((g * K + g) if c.norm_topk_prob else 0)
+            if c.router_kind == "softmax" and c.router_aux_loss_coef > 0:
+                const += 4 * E  # the aux loss's expert fractions
+            if c.n_shared_experts:
+                per_tok += 4 * H + 8 * c.moe_intermediate_size * c.n_shared_experts
+            P = N * K
+            t = self._moe_ledger().terms(E, P, P, P, exact=True)
+            rows = t["retained_acts"] + t["combine_rows"] + P * (g + LOCAL_INDEX_BYTES) + 4 * E
+        else:
+            per_tok += 4 * H + 8 * c.intermediate_size
+        return N * per_tok + rows + const
+
+    def rotary_tables(self, seq_len: int) -> int:
+        """cos and sin (fp32, ``[S, rotary_dim]``), saved by every layer's attention."""
+        return 2 * 4 * int(seq_len) * self.cfg.rotary_dim
+
+    def weight_casts(self, checkpointed: bool = False) -> int:
+        """bf16 copies autocast makes of fp32 weight matrices in one forward (biases are
+        cast but not kept): every layer's (:meth:`layer_casts`) and the head's; with
+        ``checkpointed`` (full) only the head's, which backward keeps."""
+        if self.compute_dtype != "bf16" or self.offload_dense:  # bf16 weights: no casts
+            return 0
+        p = self.params
+        head = 2 * (p["lm_head"] if p["lm_head"] else p["embedding"])
+        if checkpointed:
+            return head
+        return head + sum(self.layer_casts(i) for i in range(self.cfg.num_hidden_layers))
+
+    def layer_casts(self, i: int) -> int:
+        """One layer's bf16 weight casts (what a re-run block makes again): its
+        attention, router and dense matrices (the experts' too when fp32 on the device)."""
+        if self.compute_dtype != "bf16" or self.offload_dense:
+            return 0
+        c = self.cfg
+        one = layer_params(c, i)
+        H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        experts = one["experts"] if self.optimizer_offload == "device" else 0
+        return 2 * (2 * H * q + 2 * H * kv + one["routers"] + one["dense_mlp"] + experts)
+
+    def _attention_casts(self) -> int:
+        """The attention matrices' casts: a selective checkpoint keeps none of them."""
+        if self.compute_dtype != "bf16" or self.offload_dense:
+            return 0
+        c = self.cfg
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        return 2 * c.num_hidden_layers * (2 * c.hidden_size * q + 2 * c.hidden_size * kv)
+
+    def activations(self, tokens: int, mode: str) -> dict[str, int]:
+        """Per micro-batch of ``tokens`` tokens: the terms the phases add up."""
+        require(self.compute_dtype == "bf16",
+                "activations are priced for the CUDA trainer (bf16 autocast) only")
+        c, N = self.cfg, int(tokens)
+        H, V = c.hidden_size, c.vocab_size
+        L = c.num_hidden_layers
+        saved = sum(self.layer_saved(i, N, mode) for i in range(L))
+        NV = min(N, self.loss_chunk_tokens or N) * V  # a chunked loss: one chunk's logits
+        worst = max(range(L), key=lambda i: self.layer_saved(i, N, "none") + self.layer_casts(i))
+        moe = self._moe_ledger()
+        P = N * c.num_experts_per_tok
+        buffers = moe.plan_buffer_bytes(P, P, P, exact=True) if c.moe_layers else 0
+        expert_grad = (DTYPE_BYTES[self.compute_dtype if self.optimizer_offload == "host"
+                                   else "fp32"] * layer_params(c, worst)["experts"])
+        return {
+            "saved_layers": saved,
+            "head_saved": N * (4 * H + 4 * H + 2 * H),  # final residual, its norm, head input
+            "weight_casts": self.weight_casts(),
+            "weight_casts_kept": self.weight_casts(mode == "full") - (
+                self._attention_casts() if mode == "selective" else 0),
+            "logits_forward": 10 * NV,
+            "logits_backward": 12 * NV,
+            "rerun_block": (self.layer_saved(worst, N, "none") + self.layer_casts(worst)
+                            if mode == "full" else 0),
+            "moe_buffers": buffers,
+            "expert_grad_transient": expert_grad,
+        }
+
+    def phases(self, tokens: int, mode: str) -> dict[str, int]:
+        """GPU bytes at each phase of a step (persistent state included)."""
+        s = sum(self.state()["gpu"].values())
+        a = self.activations(tokens, mode)
+        kept = a["saved_layers"] + a["head_saved"]
+        return {
+            "forward_end": s + kept + a["weight_casts"] + a["logits_forward"],
+            "loss_backward": s + kept + a["weight_casts_kept"] + a["logits_backward"],
+            "block_backward": (s + kept + a["weight_casts_kept"] + a["rerun_block"]
+                               + a["moe_buffers"] + a["expert_grad_transient"]),
+            "optimizer_step": s + max(4 * self.device_stepped_params, self._widen_bytes()),
+        }
+
+    def _widen_bytes(self) -> int:
+        """The host step's copy of a bf16 gradient into its fp32 host buffer widens it on
+        the GPU first (a non-blocking copy converts on the device): the largest offloaded
+        tensor in fp32, one at a time (after the device AdamW's temporaries are gone)."""
+        if self.compute_dtype == "fp32" or not (self.host_grad_bytes or self.host_grad_staging):
+            return 0
+        return 4 * self._largest_offloaded()
+
+    def _largest_offloaded(self) -> int:
+        """Elements of the largest offloaded tensor (an MoE layer's ``gate_up_proj``
+        ``[E, 2F, H]``; with ``offload_dense`` the embedding or head too)."""
+        if not self.offloaded_params:
+            return 0
+        c = self.cfg
+        largest = max((layer_params(c, i)["experts"] for i in c.moe_layers), default=0) * 2 // 3
+        return max(largest, c.vocab_size * c.hidden_size) if self.offload_dense else largest
+
+    def report(self, tokens: int, mode: str) -> dict:
+        """Everything the whole-model table shows for one micro-batch size and mode."""
+        st = self.state()
+        ph = self.phases(tokens, mode)
+        peak = max(ph, key=ph.get)
+        return {"tokens": int(tokens), "mode": mode, "gpu_state": st["gpu"],
+                "host_state": st["host"], "activations": self.activations(tokens, mode),
+                "phases": ph, "gpu_peak": ph[peak], "gpu_peak_phase": peak,
+                "host_total": sum(st["host"].values())}
+

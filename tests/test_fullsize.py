@@ -1,0 +1,198 @@
+"""The whole-model step ledger (``lrmoe.step_memory``) against the model and the trainer:
+its parameter count is the model's, its GPU/host split under host offload is what the
+trainer's optimizer allocates, and what it says a layer keeps for backward is what
+autograd keeps (CPU, bf16 autocast: the CUDA trainer's precision)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from lrmoe.model import MoEForCausalLM
+from lrmoe.presets import get_preset, param_counts
+from lrmoe.step_memory import CATEGORIES, StepLedger, param_breakdown
+
+
+def _category(name: str) -> str:
+    if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
+        return "experts"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".router." in name:
+        return "routers"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return {"embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}[name]
+
+
+CONFIGS = {
+    "tiny-qwen3": get_preset("tiny-qwen3"),
+    "tiny-glm": get_preset("tiny-glm"),  # dense first layer, shared expert, biases
+    "qwen3-tied-sparse": dataclasses.replace(
+        get_preset("tiny-qwen3"), tie_word_embeddings=True, decoder_sparse_step=2,
+        attention_bias=True),
+    "qwen3-mlp-only": dataclasses.replace(get_preset("tiny-qwen3"), mlp_only_layers=[1, 3]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_param_breakdown_is_the_models(name):
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    got = dict.fromkeys(CATEGORIES, 0)
+    for n, p in model.named_parameters():  # each tensor once (a tied head is the embedding)
+        got[_category(n)] += p.numel()
+    assert param_breakdown(cfg) == got
+    assert sum(got.values()) == sum(p.numel() for p in model.parameters())
+    if cfg.model_type == "qwen3_moe":  # GLM's correction bias is a buffer, not a parameter
+        assert sum(got.values()) == param_counts(cfg)[0]
+
+
+def test_full_qwen3_counts():
+    p = param_breakdown(get_preset("qwen3-30b-a3b"))
+    assert p["experts"] == 48 * 128 * 3 * 2048 * 768
+    assert sum(p.values()) == 30_532_122_624
+
+
+def _tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def test_offload_split_is_what_the_trainer_allocates():
+    """After a step of the trainer's own optimizer (host offload, bf16 device experts as
+    on CUDA), every tensor of the state is priced on the side it lives on, term by term,
+    and nothing is left over."""
+    from lrmoe.train.accum import accumulate
+    from lrmoe.train.offload import offloaded_params
+    from lrmoe.train.optim import build_optimizer
+
+    cfg = get_preset("tiny-glm")  # dense layer, shared expert and biases: every category
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    opt = build_optimizer(model, 1e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    batch = torch.randint(0, cfg.vocab_size, (2, 17))
+    opt.zero_grad(set_to_none=True)
+    accumulate(model, lambda m: batch, 2)
+    opt.step()
+    off = {id(p) for p in offloaded_params(model)}
+    params = list(model.parameters())
+    dev = [p for p in params if id(p) not in off]
+    host = [p for p in params if id(p) in off]
+    assert host and all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+                        for p in host)
+
+    def state(ps, keys):
+        return [opt.state[p][k] for p in ps for k in keys]
+
+    got_gpu = {"weights_fp32": _tensor_bytes(dev), "grads_fp32": _tensor_bytes(p.grad for p in dev),
+               "adam_moments": _tensor_bytes(state(dev, ("exp_avg", "exp_avg_sq"))),
+               "offloaded_weights": _tensor_bytes(host),
+               "offloaded_grads": _tensor_bytes(p.grad for p in host)}
+    got_host = {"masters": _tensor_bytes(state(host, ("master",))),
+                "moments": _tensor_bytes(state(host, ("exp_avg", "exp_avg_sq"))),
+                "grad_buffer": _tensor_bytes(opt._grad_buf.values())}
+    led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16").state()
+    assert led["gpu"] == got_gpu
+    assert led["host"] == got_host
+    # nothing else: every state tensor but AdamW's step counters is in one of the terms
+    every = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
+    assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) == \
+        sum(led["host"].values()) + got_gpu["adam_moments"]
+    # device offload: everything fp32 on the GPU, 16 bytes a parameter, nothing on the host
+    d = StepLedger(cfg, optimizer_offload="device", compute_dtype="bf16").state()
+    assert sum(d["gpu"].values()) == 16 * sum(p.numel() for p in params)
+    assert sum(d["host"].values()) == 0
+
+
+def _saved_per_layer(model: MoEForCausalLM, ids: torch.Tensor) -> list[int]:
+    """Bytes each decoder layer keeps for backward: autograd's saved tensors (each
+    storage once, parameters left out) plus the rows the MoE layers' autograd Function
+    keeps as attributes (so its backward can free them one by one)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out, done = [], set()
+
+    def wrap(layer):
+        fwd = layer.forward
+
+        def run(*a, **k):
+            seen: dict[int, int] = {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fwd(*a, **k)
+            kept, todo = 0, [y.grad_fn]
+            while todo:  # the layer's expert Function: its kept rows and indices
+                node = todo.pop()
+                if node is None or id(node) in done:
+                    continue
+                done.add(id(node))
+                if hasattr(node, "kept"):
+                    kept += _tensor_bytes(t for t in node.kept.values() if t is not None)
+                    kept += _tensor_bytes((node.pair_R, node.offs_E))
+                todo += [n for n, _ in node.next_functions]
+            out.append(sum(seen.values()) + kept)
+            return y
+        layer.forward = run
+
+    for layer in model.layers:
+        wrap(layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_layer_saved_is_what_autograd_keeps(preset, mode):
+    cfg = dataclasses.replace(get_preset(preset), num_hidden_layers=3)
+    if preset == "tiny-glm":  # the dense layer and the shared expert are covered too
+        assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1) and cfg.n_shared_experts
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    for m in model.moe_layers:  # host offload on CUDA: bf16 device experts
+        m.experts.to(torch.bfloat16)
+    model.set_activation_checkpoint(mode)
+    model.train()
+    B, S = 2, 48
+    got = _saved_per_layer(model, torch.randint(0, cfg.vocab_size, (B, S)))
+    led = StepLedger(cfg)
+    N = B * S
+    for i, g in enumerate(got):
+        want = led.layer_saved(i, N, mode)
+        want += led.rotary_tables(S) + led.layer_casts(i)  # the shared tables are seen here
+        if mode == "selective":  # the checkpointed attention keeps no casts
+            want -= led._attention_casts() // cfg.num_hidden_layers
+        elif cfg.partial_rotary_factor < 1:  # on the CPU SDPA keeps the layout of the
+            # rotary's cat, so o_proj's input is a copy of its output (CUDA's flash and
+            # efficient kernels return the transposed layout: a view)
+            want += N * 2 * cfg.num_attention_heads * cfg.head_dim
+        assert g == want, (i, g, want)
+
+
+def test_fullsize_tool_reports_the_whole_model(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fullsize.py"
+    spec = importlib.util.spec_from_file_location("fullsize", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path), "--sizes", "1x4096", "--modes", "full"]) == 0
+    res = json.loads((tmp_path / "fullsize.json").read_text())
+    row = res["results"][0]
+    assert row["mode"] == "full" and row["tokens"] == 4096
+    assert row["host_total"] == 16 * 48 * 128 * 3 * 2048 * 768 and not row["fits_host"]
+    assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
+    for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
+        assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
+        assert not (tmp_path / "x").exists()

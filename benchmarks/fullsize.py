@@ -214,9 +214,11 @@ def markdown(cfg, rows, fixes, fix_at, most, gpu, host, refuse) -> str:
               "bytes are pinned memory.",
               "", f"Most layers (real widths) the trainer as it runs fits on both sides at "
               f"{fix_at}: {most}.",
-              f"The trainer's own pre-check (`check_model_fits`: 16 B per dense and 8 B per "
-              f"expert parameter on the GPU) asks {g(refuse)} GiB"
-              + (" and refuses this model on this GPU." if refuse > gpu else ".")]
+              f"The trainer's own pre-check (`check_model_fits`: 16 B per dense and 4 B per "
+              f"expert parameter on the GPU, 16 B per expert parameter on the host) asks "
+              f"{g(refuse[0])} GiB of GPU and {g(refuse[1])} GiB of host"
+              + (" and refuses this model here." if refuse[0] > gpu or refuse[1] > host
+                 else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fullsize: {e}", file=sys.stderr)
         return 2
     meta = {"label": LABEL, "config": a.config, "gpu_bytes": gpu, "host_bytes": host,
-            "trainer_precheck_bytes": refuse, "max_layers_as_is": most,
+            "trainer_precheck_bytes": list(refuse), "max_layers_as_is": most,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     write_outputs(out, "fullsize", meta, rows + [{"remedies_at": fix_at, "remedies": fixes}]

@@ -150,10 +150,15 @@ def test_state_estimate_matches_the_model(preset):
 
     cfg = get_preset(preset)
     params = sum(p.numel() for p in MoEForCausalLM(cfg).parameters())
-    assert state_bytes(cfg, 1) == pytest.approx(16 * params, rel=1e-4)
+    assert state_bytes(cfg, 1) == (pytest.approx(16 * params, rel=1e-4), 0)
     expert = sum(p.numel() for n, p in MoEForCausalLM(cfg).named_parameters()
                  if ".experts." in n)
-    assert state_bytes(cfg, 4) == pytest.approx(16 * (params - expert * 3 // 4), rel=1e-4)
+    assert state_bytes(cfg, 4)[0] == pytest.approx(16 * (params - expert * 3 // 4), rel=1e-4)
+    # host offload on CUDA: bf16 weight and gradient of each expert on the device, fp32
+    # master, two moments and the gradient staging on the host
+    dev, host = state_bytes(cfg, 4, offload=True)
+    assert dev == pytest.approx(16 * (params - expert) + 4 * (expert // 4), rel=1e-4)
+    assert host == pytest.approx(16 * (expert // 4), rel=1e-4)
 
 
 def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, capsys):

@@ -108,16 +108,21 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
 
 
 # ----------------------------------------------------------------------------- memory
-def state_bytes(mcfg, ep_size: int, offload: bool = False) -> int:
-    """Bytes one rank's model state takes where it trains: fp32 parameters, gradients
-    and AdamW's two moments (16 bytes a parameter), experts 1/``ep_size`` of them
-    (with ``offload`` the experts' moments live in host memory: 8 bytes each)."""
+def state_bytes(mcfg, ep_size: int, offload: bool = False) -> tuple[int, int]:
+    """``(device, host)`` bytes of one rank's model state where it trains: fp32
+    parameters, gradients and AdamW's two moments (16 bytes a parameter), experts
+    1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host`` on CUDA) the
+    device holds the experts' bf16 weights and gradients (4 bytes) and the host their
+    fp32 master, moments and gradient staging (16 bytes)."""
     from lrmoe.presets import param_counts
 
     total, _ = param_counts(mcfg)
     n_moe = sum(mcfg.is_moe_layer(i) for i in range(mcfg.num_hidden_layers))
     experts = n_moe * mcfg.num_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
-    return 16 * (total - experts) + (8 if offload else 16) * (experts // ep_size)
+    mine = experts // ep_size
+    if offload:
+        return 16 * (total - experts) + 4 * mine, 16 * mine
+    return 16 * (total - experts) + 16 * mine, 0
 
 
 def _mem_available() -> int | None:
@@ -139,21 +144,26 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     still run out of memory; one that fails could never run."""
     import torch
 
-    need = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_host = "the host has available (MemAvailable)" + (
+        f", for its {local} ranks" if local > 1 else "")
     if ctx.device.type == "cuda":
-        have, where = torch.cuda.mem_get_info(ctx.device)[1], f"GPU {ctx.device} has in all"
-        per = need
-    else:
-        have = _mem_available()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        where = "the host has available (MemAvailable)" + (
-            f", for its {local} ranks" if local > 1 else "")
-        per, need = need, need * local
-    if have is not None and need > have:
-        raise LrmoeError(
-            f"the model needs about {need / 2**30:,.1f} GiB for its parameters, gradients "
-            f"and AdamW state ({per / 2**30:,.1f} GiB a rank at --ep {ctx.ep_size}), more "
-            f"than the {have / 2**30:,.1f} GiB {where}; use a smaller model or a larger --ep")
+        dev, host = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host")
+        checks = [(dev, 1, torch.cuda.mem_get_info(ctx.device)[1],
+                   f"GPU {ctx.device} has in all")]
+        if host:
+            checks.append((host, local, _mem_available(), on_host + " for the offloaded "
+                           "optimizer state"))
+    else:  # parameters, gradients and optimizer state all in host memory
+        dev, host = state_bytes(mcfg, ctx.ep_size)
+        checks = [(dev, local, _mem_available(), on_host)]
+    for per, n, have, where in checks:
+        if have is not None and per * n > have:
+            raise LrmoeError(
+                f"the model needs about {per * n / 2**30:,.1f} GiB for its parameters, "
+                f"gradients and AdamW state ({per / 2**30:,.1f} GiB a rank at --ep "
+                f"{ctx.ep_size}), more than the {have / 2**30:,.1f} GiB {where}; use a "
+                "smaller model or a larger --ep")
 
 
 # ----------------------------------------------------------------------------- run dir

@@ -155,8 +155,8 @@ def test_ledger_equals_what_autograd_keeps(case):
     for me in range(lt.G):
         lay = one_rank_layer(layer, me, counts, Checkpointed(inner))
         xin = x[me * lt.T:(me + 1) * lt.T].clone().requires_grad_()
-        hooked = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: hooked.append(t) or t,
+        hooked: list = []
+        with torch.autograd.graph.saved_tensors_hooks(_keep(hooked),
                                                       lambda t: t):
             out = lay(xin.view(1, lt.T, lt.H))
         mine, other, found = {}, {}, False
@@ -251,3 +251,11 @@ def test_layer_checkpoint_plan_for_planners():
                                                  num_moe_layers=8)) is None
     with pytest.raises(LrmoeError, match="exact"):
         dataclasses.replace(trimmed, layer_checkpoint=True).check(counts)
+
+
+def _keep(into: list):
+    """A pack hook that records every tensor autograd saves."""
+    def pack(t):
+        into.append(t)
+        return t
+    return pack

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -259,3 +260,41 @@ def _keep(into: list):
         into.append(t)
         return t
     return pack
+
+
+def test_emulator_charges_the_rerun_as_measured(monkeypatch):
+    """The emulator re-runs a checkpointed layer's forward in backward: its expert
+    kernels (slowed by a known sleep under a clock only sleeps advance) are charged to
+    ``bwd_recompute`` on every rank, beside the re-sent dispatch and combine; the step
+    costs that much more than without the checkpoint, and the gradients are the same."""
+    import test_stage_charges as sc
+    from lrmoe.sim import virtual
+    from lrmoe.sim.cost import step_times
+    from lrmoe.sim.links import LINKS
+
+    sc.FakeClock(monkeypatch)
+    inner = virtual.swiglu_forward
+
+    def slow_forward(*a, **kw):
+        time.sleep(sc.SLEEP)
+        return inner(*a, **kw)
+    monkeypatch.setattr(virtual, "swiglu_forward", slow_forward)
+    runs = []
+    for on in (False, True):
+        layer, x = sc._layer()
+        v = virtual.VirtualEPLayer(layer, sc.G, Checkpointed(Replicas(), on))
+        x = x.clone().requires_grad_()
+        v(x).sum().backward()
+        runs.append((step_times(v.stats, LINKS["nvlink"]), v.stats, x.grad,
+                     layer.experts.gate_up_proj.grad))
+    (base, bst, bdx, bg), (ck, cst, cdx, cg) = runs
+    torch.testing.assert_close(cdx, bdx)
+    torch.testing.assert_close(cg, bg)
+    assert cst.recompute_mode == "layer" and cst.saved_act_bytes == [0] * sc.G
+    assert cst.expert_ms["recompute"] == pytest.approx([sc.SLEEP * 1e3] * sc.G, rel=1e-9)
+    resend = [a + b for a, b in zip(ck.per_rank["fwd_dispatch"], ck.per_rank["fwd_combine"])]
+    assert min(resend) > 0
+    assert ck.per_rank["bwd_recompute"] == pytest.approx(
+        [sc.SLEEP + s for s in resend], rel=1e-9)
+    assert base.bwd_recompute == 0.0
+    assert ck.total - base.total == pytest.approx(ck.bwd_recompute, rel=1e-9)

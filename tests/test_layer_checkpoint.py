@@ -97,6 +97,7 @@ def test_one_process_checkpoint_is_exact(inner):
     assert st1["layer_checkpoint"] and not st0["layer_checkpoint"]
     assert st0["saved_act_bytes"] > 0 and st1["saved_act_bytes"] == 0
     assert st1["recompute_fwd_rows"] == st1["fwd_rows"] == st1["bwd_rows"] > 0
+    assert st1["recomputed_rows"] == st1["fwd_rows"] and st0["recomputed_rows"] == 0
     if inner == "capacity":
         assert st1["plan_replicas"] == 0 and stats_dropped(layer, x)
 

@@ -106,7 +106,9 @@ def register(sub) -> None:
                    "(default: none)")
     g.add_argument("--recompute", action="store_true",
                    help="static/symi: a rank over --mem-budget recomputes the fewest rows' "
-                        "gate_up outputs in backward instead of stopping")
+                        "gate_up outputs in backward instead of stopping; where that cannot "
+                        "fit, the MoE layer is checkpointed whole (its forward, all-to-alls "
+                        "included, re-run in backward)")
     g.add_argument("--activation-checkpoint", metavar="none|selective|full",
                    help="re-run in backward instead of keeping activations: selective = each "
                         "block's attention, full = each whole block, MoE forward and its "

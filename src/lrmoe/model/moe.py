@@ -210,8 +210,10 @@ class MoELayer(nn.Module):
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
                  # exact plans over a budget: rows whose gate_up output backward recomputes
-                 "recomputed_rows": 0 if plan.recompute_G is None else int(plan.recompute_G[me]),
-                 # a whole-layer checkpoint re-runs every received row's forward
+                 # (a whole-layer checkpoint: every received row, its whole forward)
+                 "recomputed_rows": (int(plan.rank_load()[me]) if plan.layer_checkpoint
+                                     else 0 if plan.recompute_G is None
+                                     else int(plan.recompute_G[me])),
                  "layer_checkpoint": plan.layer_checkpoint}
         if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
             stats["ledger_total_bytes"] = int(plan_totals(rt.ledger, plan)[me])

@@ -299,3 +299,63 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
         [sc.SLEEP + s for s in resend], rel=1e-9)
     assert base.bwd_recompute == 0.0
     assert ck.total - base.total == pytest.approx(ck.bwd_recompute, rel=1e-9)
+
+
+def test_buffers_equal_the_rows_alive():
+    """:meth:`Ledger.layer_buffer_bytes` against the code, as ``test_ledger_truth`` does
+    for the other modes (:class:`live_rows.LiveRows`: the row tensors alive at every line
+    and op of the exchange): the forward without a graph peaks at the exact forward's
+    largest point plus the rows it would keep; the re-run in backward at that beside the
+    output gradient; the backward after it at the exact backward's largest point plus
+    the re-run's kept rows and its output (the layer input, the router's, is counted
+    throughout here and taken off)."""
+    import lrmoe.ops.experts as ops
+    import lrmoe.parallel.exchange as exchange
+    import test_ledger_truth as lt
+    from live_rows import LiveRows
+    from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
+    from lrmoe.parallel.layout import permute_rows, unpermute_rows
+    from lrmoe.sim.onerank import OneRankComm, one_rank_layer
+
+    layer, x, counts = lt._layer_and_tokens()
+    one = Ledger(lt._cfg(), lt.G, num_moe_layers=1)
+    b, Hd, Fd = one.bytes_act, lt.H, lt.F
+    seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
+    fwd_code = [exchange.ExpertExchange.forward, ops.swiglu_forward]
+    bwd_code = [LayerCheckpoint.backward, exchange.ExpertExchange.backward,
+                exchange._experts_backward, ops.swiglu_backward_owned]
+    policy = Checkpointed(StaticPolicy())
+    for me in range(lt.G):
+        lay = one_rank_layer(layer, me, counts, policy)
+        xin = x[me * lt.T:(me + 1) * lt.T].clone().requires_grad_()
+        live = LiveRows((Hd, Fd, 2 * Fd), fwd_code, seams, count=[xin])
+        with live:
+            out = lay(xin.view(1, lt.T, Hd))
+        plan = policy.plan(counts, PlanInputs())
+        n, R, h, _ = one._rank_counts(plan, None)[me]
+        Tt = -(-h // lt.K)
+        kept = R * Hd + R * 2 * Fd + h * Hd  # the rows an exact forward keeps
+        fpts = one.forward_points(Tt, R, h, R, 0, h)
+        assert live.peak() == b * (max(fpts.values()) + kept), me
+        dout = torch.ones_like(out)
+        live = LiveRows((Hd, Fd, 2 * Fd), fwd_code + bwd_code, seams, count=[xin, dout])
+        start = []  # the point where the exact backward begins (after the re-run)
+        inner = exchange.router_grad_home
+
+        def mark(*a, live=live, start=start, inner=inner, **kw):
+            start.append(len(live.points))
+            return inner(*a, **kw)
+        exchange.router_grad_home = mark
+        try:
+            with live:
+                out.backward(dout)
+        finally:
+            exchange.router_grad_home = inner
+        rerun = max(sum(p.values()) for _, p in live.points[:start[0]])
+        back = max(sum(p.values()) for _, p in live.points[start[0]:])
+        assert rerun == b * (Tt * Hd + max(fpts.values()) + kept), me
+        bpts = one.backward_points(Tt, R, h, R, 0, h, False)
+        assert back - b * Tt * Hd == b * (max(bpts.values()) + kept + Tt * Hd), me
+        assert one.layer_buffer_bytes(R, h) == max(
+            b * (max(fpts.values()) + kept), rerun + h * 24,
+            back - b * Tt * Hd + R * 20 + h * 24)

@@ -700,16 +700,16 @@ class Ledger:
         once): the largest of its forward, run without keeping anything (the exact
         forward's points plus the rows it would keep, dropped when it returns), its
         re-run in backward (the same with the output gradient ``T·H`` alive beside) and
-        the exact backward that follows (its points plus the re-run's kept rows and
-        their per-pair indices, 24 bytes: ``pair_index`` less the gate, which the
-        checkpoint keeps)."""
+        the exact backward that follows (its points plus the re-run's kept rows, its
+        output ``T·H``, the root the backward starts from, and its per-pair indices, 24
+        bytes: ``pair_index`` less the gate, which the checkpoint keeps)."""
         R, h = int(received_pairs), int(home_pairs)
         T = -(-h // self.top_k)
         H, F = self.H, self.F
         y = 0 if self.router_grad_at_experts else h
         kept = R * H + R * 2 * F + y * H
         fwd = max(self.forward_points(T, R, h, R, 0, y).values()) + kept
-        back = max(self.backward_points(T, R, h, R, 0, y, False).values()) + kept
+        back = max(self.backward_points(T, R, h, R, 0, y, False).values()) + kept + T * H
         idx = h * (PAIR_INDEX_BYTES - 4)
         return max(fwd * self.bytes_act,
                    (T * H + fwd) * self.bytes_act + idx,

@@ -193,8 +193,8 @@ def test_exact_fit_modes():
     # the least any recompute count needs (not monotone in the count: see above)
     full_rec = [min(free.terms(4, recv[r], int(counts[r].sum()), recv[r], m, True)["total"]
                     for m in range(recv[r] + 1)) for r in range(G)]
-    none_kept = [free.terms(4, recv[r], int(counts[r].sum()), 0, exact=True)["total"]
-                 for r in range(G)]
+    none_kept = [free.layer_terms(4, recv[r], int(counts[r].sum()))["total"]
+                 for r in range(G)]  # the whole-layer checkpoint (Ledger.layer_terms)
     assert Ledger(cfg, G, max(t["total"] for t in plain)).exact_fit(plan)[:2] == ("fits", [0, 0])
     # rank 0 (hot) over, rank 1 fits: only rank 0 recomputes, the fewest pairs
     assert plain[0]["total"] > max(full_rec[0], plain[1]["total"])
@@ -208,6 +208,6 @@ def test_exact_fit_modes():
     led = Ledger(cfg, G, (max(full_rec) + max(none_kept)) // 2)
     mode, rows, terms = led.exact_fit(plan)
     assert mode == "layer" and rows == recv
-    assert all(t["retained_acts"] == 0 for t in terms)
+    assert all(t["retained_acts"] == t["combine_rows"] == 0 for t in terms)
     assert max(t["total"] for t in terms) <= led.budget_bytes
     assert Ledger(cfg, G, max(none_kept) - 1).exact_fit(plan)[0] == "over"

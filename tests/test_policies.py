@@ -388,9 +388,10 @@ def test_symi_best_slots_with_recompute():
             fitted = plan_symi(counts, s, pop, led, recompute=True)
             assert fitted.recompute_G.tolist() == rec
             assert max(t["total"] for t in led.rank_terms(fitted)) <= budget
-        else:  # a whole-layer checkpoint is an emulator fallback only
-            with pytest.raises(LrmoeError, match="even recomputing every pair"):
-                plan_symi(counts, s, pop, led, recompute=True)
+        else:  # the planner checkpoints the whole layer (Plan.layer_checkpoint)
+            fitted = plan_symi(counts, s, pop, led, recompute=True)
+            assert fitted.layer_checkpoint and fitted.recompute_G is None
+            assert max(t["total"] for t in led.rank_terms(fitted)) <= budget
     best, n_fit = best_slots(led, [counts, counts], [pop, pop])
     assert n_fit == 2 and costs[best] == min(costs.values())
     assert best == max(s for s, c in costs.items() if c == costs[best])

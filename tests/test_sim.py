@@ -308,7 +308,9 @@ def test_emulate_step_with_registry_policies():
 def test_recompute_ledger_charges_time_not_math():
     """An exact policy over budget recomputes: same tensors as without; the ledger
     decides the mode and rows; ``pairs`` costs n/R · 2/3 of each rank's forward expert
-    time, a whole-layer checkpoint its forward dispatch + experts + combine."""
+    time; a whole-layer checkpoint runs (``Plan.layer_checkpoint``): its backward
+    re-sends the forward's dispatch and combine and re-runs its expert kernels, and is
+    charged what it measured there."""
     from lrmoe.memory import Ledger
     from lrmoe.sim.cost import rank_stage_seconds
 
@@ -326,7 +328,7 @@ def test_recompute_ledger_charges_time_not_math():
     cnt = free._rank_counts(plan, None)
     all_rec = max(min(free.terms(*c, m, exact=True)["total"] for m in range(c[3] + 1))
                   for c in cnt)
-    none_kept = max(free.terms(*c[:3], 0, exact=True)["total"] for c in cnt)
+    none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint
     assert none_kept < all_rec < plain
     for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer"),
                          (none_kept - 1, "over")):
@@ -343,9 +345,17 @@ def test_recompute_ledger_charges_time_not_math():
             if want == "pairs":
                 exp = (v.stats.expert_ms["fwd"][r] / 1e3 * gate_up_share
                        * rows[r] / v.stats.rows["fwd"][r])
-            else:
-                exp = per["fwd_dispatch"][r] + per["fwd_experts"][r] + per["fwd_combine"][r]
+            else:  # measured in backward: the expert kernels again, the exchanges re-sent
+                exp = (v.stats.expert_ms["recompute"][r] / 1e3 + per["fwd_dispatch"][r]
+                       + per["fwd_combine"][r])
+                assert v.stats.expert_ms["recompute"][r] > 0
             assert per["bwd_recompute"][r] == pytest.approx(exp)
+        assert v.stats.plan.layer_checkpoint == (want != "pairs")
+        if want != "pairs":
+            assert v.stats.saved_act_bytes == [0] * G
+            for a, b in (("recompute_dispatch", "fwd_dispatch"),
+                         ("recompute_combine", "fwd_combine")):
+                assert torch.equal(v.stats.bytes_GG[a], v.stats.bytes_GG[b])
         if want == "pairs":
             assert any(n == 0 for n in rows) and any(n > 0 for n in rows)
             assert all((per["bwd_recompute"][r] > 0) == (rows[r] > 0) for r in range(G))

@@ -120,7 +120,9 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
     _k("mem_budget", "per-rank bytes for all MoE layers' experts, e.g. 40GiB", _bytes,
        metavar="SIZE"),
     _k("recompute", "static/symi: a rank over --mem-budget recomputes the fewest rows' "
-       "gate_up outputs in backward instead of stopping", lambda n, v: None, "recompute",
+       "gate_up outputs in backward instead of stopping; where that cannot fit, the MoE "
+       "layer is checkpointed whole (its forward, all-to-alls included, re-run in "
+       "backward)", lambda n, v: None, "recompute",
        switch=True),
     _k("optimizer_offload", "host: keep the experts' fp32 masters and AdamW moments in host "
        "memory and update them there (same update); --mem-budget then counts only the "

@@ -62,10 +62,14 @@ pair_index           P_home · 28                                  per layer × 
   in backward keeps only its input row, ``H · bytes_act``, and costs one more gate_up
   GEMM (2 of the expert's 3 GEMMs in the forward) in backward. An exact policy over
   budget recomputes the fewest pairs that make each rank fit (:meth:`Ledger.exact_fit`,
-  mode ``"pairs"``). Where even recomputing every pair does not fit, the emulator models
-  a whole-layer checkpoint (mode ``"layer"``): nothing is retained on the expert ranks
-  (the layer's input is the residual stream, saved outside this ledger) and backward
-  re-runs the layer's forward dispatch, experts and combine first.
+  mode ``"pairs"``). Where even recomputing every pair does not fit, a whole-layer
+  checkpoint (mode ``"layer"``, :attr:`lrmoe.policy.plan.Plan.layer_checkpoint`,
+  :meth:`Ledger.layer_terms`): per layer only the gates are kept (``P_home · 4``, the
+  ``pair_index`` term; the layer input and the expert ids are the router's saved
+  tensors, outside this ledger); nothing is retained on the expert ranks and no
+  combined row is kept. Backward re-runs the layer's dispatch, experts and combine,
+  so the rows the other modes keep per layer are alive there once, as transients
+  (:meth:`Ledger.layer_buffer_bytes`).
 
 Plans are per layer; the budget is for all MoE layers together, so the check assumes
 every layer's plan looks like the one checked: per-layer terms × L, buffers once.
@@ -624,6 +628,9 @@ class Ledger:
                 selected rows) instead of :meth:`planned_buffer_bytes` (what the planners
                 price: the same for exact plans, a bound for trimmed ones).
         """
+        if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
+            return [self.layer_terms(n, R, h)
+                    for n, R, h, _ in self._rank_counts(plan, tokens_per_rank_home)]
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact)
                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
@@ -635,6 +642,38 @@ class Ledger:
                 t["buffers"] = buf
         return out
 
+    def layer_buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
+        """The buffers term of a whole-layer checkpoint (one layer's transients, counted
+        once): the largest of its forward, run without keeping anything (the exact
+        forward's points plus the rows it would keep, dropped when it returns), its
+        re-run in backward (the same with the output gradient ``T·H`` alive beside) and
+        the exact backward that follows (its points plus the re-run's kept rows, its
+        output ``T·H``, the root the backward starts from, and its per-pair indices, 24
+        bytes: ``pair_index`` less the gate, which the checkpoint keeps)."""
+        R, h = int(received_pairs), int(home_pairs)
+        T = -(-h // self.top_k)
+        H, F = self.H, self.F
+        y = 0 if self.router_grad_at_experts else h
+        kept = R * H + R * 2 * F + y * H
+        fwd = max(self.forward_points(T, R, h, R, 0, y).values()) + kept
+        back = max(self.backward_points(T, R, h, R, 0, y, False).values()) + kept + T * H
+        idx = h * (PAIR_INDEX_BYTES - 4)
+        return max(fwd * self.bytes_act,
+                   (T * H + fwd) * self.bytes_act + idx,
+                   back * self.bytes_act + self._index_bytes(R, False) + idx)
+
+    def layer_terms(self, n_instances: int, received_pairs: int, home_pairs: int
+                    ) -> dict[str, int]:
+        """One rank's terms under a whole-layer checkpoint (module docstring, "Recompute"):
+        nothing retained, no combined rows, only the gates (fp32) per home pair and
+        layer; the transients of :meth:`layer_buffer_bytes` once."""
+        t = self.terms(n_instances, received_pairs, home_pairs, 0, exact=True)
+        t.update(retained_acts=0, combine_rows=0,
+                 pair_index=self.L * int(home_pairs) * 4,
+                 buffers=self.layer_buffer_bytes(received_pairs, home_pairs))
+        t["total"] = sum(t[k] for k in TERMS)
+        return t
+
     def exact_fit(self, plan, tokens_per_rank_home: int | None = None
                   ) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact (every pair in backward) plan meets the budget, cheapest first.
@@ -642,8 +681,9 @@ class Ledger:
         Returns ``(mode, recomputed rows per rank, terms per rank)``, mode one of:
         ``"fits"`` (nothing recomputed), ``"pairs"`` (the fewest pairs' gate_up outputs
         recomputed per rank, :meth:`recompute_needed`), ``"layer"`` (whole-layer
-        checkpoint: no retained activations, every received row re-run forward in
-        backward), ``"over"`` (even that does not fit; terms of the layer checkpoint).
+        checkpoint, :meth:`layer_terms`: no retained activations, every received row
+        re-run forward in backward), ``"over"`` (even that does not fit; terms of the
+        layer checkpoint).
         With ``router_grad_at_experts`` an exact plan keeps no combined rows (as
         :meth:`rank_terms`).
         """
@@ -652,7 +692,7 @@ class Ledger:
         if min(rec) >= 0:
             terms = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
             return ("fits" if max(rec) == 0 else "pairs"), rec, terms
-        terms = [self.terms(n, R, h, 0, exact=plan.exact) for n, R, h, _ in counts]
+        terms = [self.layer_terms(n, R, h) for n, R, h, _ in counts]
         mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
         return mode, [R for _, R, _, _ in counts], terms
 

@@ -170,7 +170,8 @@ def table(rep: dict) -> str:
               "over MoE layers; non_moe = measured / G). Measured per rank: plan (the "
               "policy's planning, charged to every rank), local, select, gather and the "
               "expert kernels; modelled from bytes: count_exchange and the exchanges; "
-              "bwd_recompute modelled from the forward kernels:", ""]
+              "bwd_recompute: per-row recompute modelled from the forward kernels, a "
+              "whole-layer checkpoint's re-run measured (its exchanges from bytes):", ""]
     stages = list(next(iter(rep["policies"].values()))["steps"][0]["stages_emulated_s"])
     lines += ["| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |",
               "|" + "---|" * (len(stages) + 3)]

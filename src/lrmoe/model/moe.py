@@ -23,6 +23,7 @@ from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
+from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
 from lrmoe.parallel.layout import home_layout, recv_layout, to_device
 from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
 from lrmoe.parallel.weights import instance_weight_list
@@ -142,7 +143,7 @@ class MoELayer(nn.Module):
             # the previous step ran the local path: planners read popularity on the host
             inputs = replace(inputs, prev_counts_E=inputs.prev_counts_E.cpu())
         E = self.cfg.num_experts
-        idx_P, gate_P = idx_TK.reshape(-1), gate_TK.reshape(-1)
+        idx_P = idx_TK.reshape(-1)
         # what the policy plans from the previous step's counts, before the count
         # exchange's host wait (the device still runs the queued work meanwhile)
         inputs = prepare(rt.policy, inputs.prev_counts_E, rt.comm.size, inputs, idx_P.numel())
@@ -162,15 +163,24 @@ class MoELayer(nn.Module):
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         stats["counts_E"] = counts_GE.sum(0).tolist()
         rt.stats[self.moe_index] = stats
-        me = rt.comm.rank
-        st = ExchangeState(
-            comm=rt.comm, plan=plan, home=None, recv=None, top_k=self.cfg.num_experts_per_tok,
-            num_tokens=x_TH.shape[0], opts=self._backward_opts(), gate_P=gate_P.detach(),
-            stats=stats, generator=rt.generator, timing=rt.stage_timing)
-        with st.stage("local", x_TH.device):
-            st.home = home_layout(plan, me, idx_P, gate_P, E)
-            st.recv = recv_layout(plan.assign_GGS[:, me, :], x_TH.device)
-        return ExpertExchange.apply(x_TH.to(dtype), gate_TK, w13, w2, st)
+        me, K, opts = rt.comm.rank, self.cfg.num_experts_per_tok, self._backward_opts()
+        if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use
+            opts = replace(opts, checkpointed=False)
+
+        def run(x: Tensor, gate: Tensor, idx: Tensor, w13: Tensor, w2: Tensor,
+                stats: dict) -> Tensor:
+            gate_P = gate.reshape(-1)
+            st = ExchangeState(
+                comm=rt.comm, plan=plan, home=None, recv=None, top_k=K, num_tokens=x.shape[0],
+                opts=opts, gate_P=gate_P.detach(), stats=stats, generator=rt.generator,
+                timing=rt.stage_timing)
+            with st.stage("local", x.device):
+                st.home = home_layout(plan, me, idx.reshape(-1), gate_P, E)
+                st.recv = recv_layout(plan.assign_GGS[:, me, :], x.device)
+            return ExpertExchange.apply(x.to(dtype), gate, w13, w2, st)
+        if plan.layer_checkpoint:  # whole-layer checkpoint (docs/design.md §5)
+            return LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
+        return run(x_TH, gate_TK, idx_TK, w13, w2, stats)
 
     def _backward_opts(self) -> BackwardOptions:
         opts = self.runtime.backward
@@ -200,7 +210,11 @@ class MoELayer(nn.Module):
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
                  # exact plans over a budget: rows whose gate_up output backward recomputes
-                 "recomputed_rows": 0 if plan.recompute_G is None else int(plan.recompute_G[me])}
+                 # (a whole-layer checkpoint: every received row, its whole forward)
+                 "recomputed_rows": (int(plan.rank_load()[me]) if plan.layer_checkpoint
+                                     else 0 if plan.recompute_G is None
+                                     else int(plan.recompute_G[me])),
+                 "layer_checkpoint": plan.layer_checkpoint}
         if rt.ledger is not None:  # the ledger's prediction for this rank, all MoE layers
             stats["ledger_total_bytes"] = int(plan_totals(rt.ledger, plan)[me])
         return stats

@@ -67,7 +67,8 @@ def _stand_in_counts(E: int, P: int) -> Tensor:
 
 def _if_trivial(plan: Plan, E: int) -> Plan | None:
     trivial = (plan.G == 1 and torch.equal(plan.inst_expert_GS[0], torch.arange(E))
-               and plan.exact and (plan.recompute_G is None or int(plan.recompute_G.sum()) == 0))
+               and plan.exact and not plan.layer_checkpoint
+               and (plan.recompute_G is None or int(plan.recompute_G.sum()) == 0))
     return plan if trivial else None
 
 

@@ -167,8 +167,8 @@ class LedgerView:
             rec[short] = np.where(ok, lo, -1)
         if rec.min() >= 0:
             return ("fits" if rec.max() == 0 else "pairs"), rec, self.totals(n_G, R_G, k_G, rec)
-        zeros = np.zeros_like(k_G)
-        totals = self.totals(n_G, R_G, zeros)
+        totals = np.array([self.ledger.layer_terms(int(n), int(R), int(h))["total"]
+                           for n, R, h in zip(n_G, R_G, self.home)], dtype=np.int64)
         return ("layer" if totals.max() <= self.budget else "over"), R_G.copy(), totals
 
     def _bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,6 +284,8 @@ def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
 
 def plan_totals(ledger, plan) -> np.ndarray:
     """Each rank's total of :meth:`Ledger.rank_terms` for ``plan``, vectorised."""
+    if plan.layer_checkpoint:  # the whole-layer checkpoint's own terms (Ledger.layer_terms)
+        return np.array([t["total"] for t in ledger.rank_terms(plan)], dtype=np.int64)
     view, n, R, k = _plan_view(ledger, plan)
     rec = None if plan.recompute_G is None else plan.recompute_G.numpy()
     if view.budget is None:  # the totals do not depend on the budget

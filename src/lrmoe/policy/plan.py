@@ -36,6 +36,12 @@ class Plan:
         recompute_G: per rank, how many of its retained rows (the first ones in saved,
             i.e. instance-then-home, order) save only their input row and recompute the
             gate_up output in backward, to fit a memory budget (``None``: none).
+        layer_checkpoint: a whole-layer checkpoint (exact plans only, nothing
+            recomputed per row): forward keeps only the layer input and the routing
+            (gates, expert ids); backward re-runs dispatch -> experts -> combine, the
+            dispatch all-to-all included, then runs the exact backward. What an exact
+            policy falls back to where per-row recompute cannot fit the budget
+            (:func:`fit_exact`, :func:`layer_checkpoint_plan`; docs/design.md §5).
     """
 
     inst_expert_GS: Tensor
@@ -44,6 +50,7 @@ class Plan:
     select_GGS: Tensor
     dropped_GE: Tensor | None = None
     recompute_G: Tensor | None = None
+    layer_checkpoint: bool = False
 
     @property
     def G(self) -> int:
@@ -90,6 +97,8 @@ class Plan:
             kept = self.retain_GGS.sum(dim=(0, 2))
             if tuple(rec.shape) != (G,) or (rec < 0).any() or (rec > kept).any():
                 raise LrmoeError("plan.recompute must hold, per rank, 0..retained rows")
+        if self.layer_checkpoint and (not self.exact or self.recompute_G is not None):
+            raise LrmoeError("a layer-checkpointed plan must be exact, with no rows recomputed")
         present = torch.zeros(E, dtype=torch.bool)
         present[ie[ie >= 0]] = True
         if not present.all():
@@ -174,8 +183,9 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     """An exact ``plan`` made to fit ``ledger``'s budget by recompute, or an error.
 
     As is when it fits; else with the fewest rows per rank recomputed
-    (:meth:`lrmoe.memory.Ledger.exact_fit` mode ``pairs``). A plan that would need a
-    whole-layer checkpoint raises: the runtime recomputes per row only.
+    (:meth:`lrmoe.memory.Ledger.exact_fit` mode ``pairs``); where even recomputing every
+    row does not fit, as a whole-layer checkpoint (mode ``layer``,
+    :attr:`Plan.layer_checkpoint`); raises when that does not fit either.
     """
     if ledger is None or ledger.budget_bytes is None:
         return plan
@@ -184,8 +194,11 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
         return plan
     if mode == "pairs":
         return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec))
-    every = dataclasses.replace(plan, recompute_G=plan.rank_load().clone())
-    ledger.raise_if_over(ledger.rank_terms(every), f"{what}, even recomputing every pair,")
+    layer = dataclasses.replace(plan, recompute_G=None, layer_checkpoint=True)
+    if mode == "layer":
+        return layer
+    ledger.raise_if_over(ledger.rank_terms(layer),
+                         f"{what}, even with a whole-layer checkpoint,")
     raise AssertionError("unreachable: exact_fit said it does not fit")
 
 
@@ -197,6 +210,25 @@ def native_plan(counts_GE: Tensor) -> Plan:
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
     a = counts_GE.detach().cpu().long().reshape(G, G, E // G).clone()
     return Plan(torch.arange(E, dtype=torch.long).reshape(G, E // G), a, a.clone(), a.clone())
+
+
+def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
+    """``plan``'s placement and assignment as an exact whole-layer-checkpointed plan
+    (retain = select = assign, nothing recomputed per row, drops kept), or ``None`` when
+    that does not fit ``ledger``'s budget (no ledger or no budget: always fits).
+
+    A planner's last resort before "no plan": the checkpoint keeps per layer only the
+    gates (:meth:`lrmoe.memory.Ledger.layer_terms`), so it fits where no retention
+    does when the kept activations of the L layers are what is over.
+    """
+    a = plan.assign_GGS
+    out = dataclasses.replace(plan, retain_GGS=a.clone(), select_GGS=a.clone(),
+                              recompute_G=None, layer_checkpoint=True)
+    if ledger is None or ledger.budget_bytes is None:
+        return out
+    if max(t["total"] for t in ledger.rank_terms(out)) > ledger.budget_bytes:
+        return None
+    return out
 
 
 def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:

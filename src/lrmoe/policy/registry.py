@@ -28,7 +28,8 @@ class PolicyConfig:
             most slots per rank when ``lrmoe.max_slots_per_rank`` is not set.
         lrmoe: the LRMoE planner's config.
         recompute: ``static`` / ``symi``: a rank over the memory budget recomputes the
-            fewest rows' gate_up outputs in backward instead of stopping the run.
+            fewest rows' gate_up outputs in backward instead of stopping the run; where
+            that cannot fit, the layer is checkpointed whole (``Plan.layer_checkpoint``).
     """
 
     name: str = "static"

@@ -24,7 +24,8 @@ def native_placement(G: int, E: int) -> Tensor:
 @dataclass
 class StaticPolicy:
     """Natives only, every pair in backward; with ``recompute`` a rank over the budget
-    recomputes the fewest rows' gate_up outputs instead of failing (:func:`fit_exact`)."""
+    recomputes the fewest rows' gate_up outputs instead of failing, or, where that cannot
+    fit, the layer is checkpointed whole (:func:`fit_exact`)."""
 
     recompute: bool = False
     name: str = "static"

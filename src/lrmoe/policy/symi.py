@@ -108,7 +108,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
               slots: Slots | None = None) -> Plan:
     """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
     (with ``recompute``: the fewest rows per rank recompute, :func:`fit_exact`, and it
-    raises only if even recomputing every pair does not fit). ``placement``: the
+    raises only if even a whole-layer checkpoint does not fit). ``placement``: the
     :func:`place_symi` of ``prev_counts_E`` when the caller prepared it."""
     G, E = counts_GE.shape
     s = slots_per_rank

@@ -6,8 +6,12 @@ exchange_time` on the exact ``[src, dst]`` bytes. ``bwd_recompute`` (exact polic
 fit a budget) is modelled from the rank's measured forward expert time: recomputing
 ``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
 SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
-checkpoint (``recompute_mode`` ``layer`` or ``over``) costs each rank its forward
-dispatch, experts and combine again. The control plane and the local work are charged
+checkpoint the emulator ran (``Plan.layer_checkpoint``) costs what its backward
+measured: the forward's expert kernels again (``expert_ms["recompute"]``) and the
+re-sent dispatch and combine (:data:`lrmoe.sim.vstats.RECOMPUTE_EXCHANGES`, from their
+bytes; the re-run's local work is in ``local`` and ``gather``, measured); one it did not
+run (``recompute_mode`` ``layer`` or ``over`` of modelled stats) costs each rank its
+forward dispatch, experts and combine again. The control plane and the local work are charged
 too: ``plan`` (the measured planning time, charged to every rank: each computes the
 plan), ``count_exchange`` (modelled from bytes: the count all-gather, E int64 per peer,
 and the sampled estimator's count exchange, S int64 per peer), and the measured
@@ -25,7 +29,7 @@ import torch
 
 from lrmoe.errors import require
 from lrmoe.sim.links import Link, exchange_time
-from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, VirtualStats
+from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, RECOMPUTE_EXCHANGES, VirtualStats
 
 STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
           "select", "gather", "bwd_dispatch", "bwd_experts",
@@ -98,7 +102,12 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
     rec = stats.recompute_rows or [0] * G
     fwd_rows = stats.rows.get("fwd", [0] * G)
-    if stats.recompute_mode in ("layer", "over"):
+    if "recompute" in stats.expert_ms:  # a whole-layer checkpoint, run: measured
+        redo = [exchange_time(stats.bytes_GG[ex], link) if sum(stats.bytes_sent(ex)) else
+                [0.0] * G for ex in RECOMPUTE_EXCHANGES]
+        out["bwd_recompute"] = [ms / 1e3 + sum(v) for ms, *v in
+                                zip(stats.expert_ms["recompute"], *redo)]
+    elif stats.recompute_mode in ("layer", "over"):
         out["bwd_recompute"] = [a + b + c for a, b, c in
                                 zip(out["fwd_dispatch"], out["fwd_experts"], out["fwd_combine"])]
     else:

@@ -21,6 +21,7 @@ E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -101,6 +102,10 @@ class _State:
     timers: Timers
     stats: VirtualStats
     generators: list[torch.Generator | None]
+    # the expert ids of each rank's pairs and E: a whole-layer checkpoint's re-run
+    # rebuilds the layouts from them
+    idx_GP: Tensor | None = None
+    E: int = 0
 
 
 # ------------------------------------------------------------------------- exchange
@@ -115,85 +120,37 @@ class VirtualExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
                 st: _State) -> Tensor:
-        plan, T, K = st.plan, st.T, st.K
-        G, S, H = plan.G, plan.S, x_NH.shape[1]
-        es = x_NH.element_size()
-        dev = x_NH.device
-        x_G, gate_G = x_NH.split(T), gate_NK.split(T)
-        w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
-
-        # dispatch
-        x_send_G = []
-        for g in range(G):
-            with st.timers.time("local", g):
-                x_send_G.append(x_G[g][st.homes[g].src_pair // K])
-        splits_G = [h.splits for h in st.homes]
-        x_recv_G = _links(x_send_G, splits_G)
-        rows = _rows_GG(splits_G)
-        st.stats.rows_GG["fwd_dispatch"] = rows
-        st.stats.bytes_GG["fwd_dispatch"] = rows * H * es
-        st.stats.rows_GG["fwd_combine"] = rows.t().contiguous()
-        st.stats.bytes_GG["fwd_combine"] = rows.t() * H * es
-
-        # experts, per receiving rank; retention as in ExpertExchange
-        y_recv_G, saved = [], []
-        for r in range(G):
-            recv = st.recvs[r]
-            with st.timers.time("local", r):
-                x_inst = permute_rows(x_recv_G[r], recv.to_inst)
-            with st.timers.time("expert_fwd", r):
-                y_inst, gu_inst = swiglu_forward(x_inst, w13_G[r], w2_G[r], recv.counts)
-            ret_GS, asg_GS = plan.retain_GGS[:, r, :], plan.assign_GGS[:, r, :]
-            with st.timers.time("gather", r):
-                if torch.equal(ret_GS, asg_GS):
-                    sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
-                else:
-                    sSG = ret_GS.t().reshape(-1)
-                    keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
-                    sx, sgu = x_inst[keep], gu_inst[keep]
-            saved.append((sx, sgu, sSG))
-            with st.timers.time("local", r):
-                y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
+        plan, G, H = st.plan, st.plan.G, x_NH.shape[1]
+        out, kept = _forward_ranks(st, x_NH, gate_NK, w13_IS, w2_IS, recompute=False)
         st.stats.rows["fwd"] = plan.rank_load().tolist()
         st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
         rec_G = [0] * G if plan.recompute_G is None else plan.recompute_G.tolist()
-        st.stats.saved_act_bytes = [sx.numel() * sx.element_size()
-                                    + (sgu.shape[0] - n) * sgu.shape[1] * sgu.element_size()
-                                    for (sx, sgu, _), n in zip(saved, rec_G)]
-
-        # combine, per home rank
-        y_send_G = _links(y_recv_G, [r.splits for r in st.recvs])
-        outs, w_TK_G, rows_TK_G = [], [], []
-        for g in range(G):
-            y_send = y_send_G[g]
-            with st.timers.time("local", g):
-                row_TK, valid_TK = pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
-                w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
-                if y_send.shape[0] == 0:
-                    outs.append(x_G[g].new_zeros(T, H))
-                else:
-                    outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
-            w_TK_G.append(w_TK)
-            rows_TK_G.append(row_TK)
+        st.stats.saved_act_bytes = [0] * G if plan.layer_checkpoint else [
+            sx.numel() * sx.element_size() + (sgu.shape[0] - n) * sgu.shape[1] * sgu.element_size()
+            for (sx, sgu, _), n in zip(kept["saved"], rec_G)]
         st.timers.resolve()
         st.stats.expert_ms["fwd"] = st.timers.ms.get("expert_fwd", [0.0] * G)
-        ctx.st, ctx.saved = st, saved
         # router_grad "experts" on an exact plan: the router gradient comes from the expert
         # backward, so the combined rows are not kept (as ExpertExchange)
         ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
-        if ctx.dgate_at_experts:
-            y_send_G = [y.new_empty(0, H) for y in y_send_G]
-        ctx.w_TK_G, ctx.y_send_G, ctx.rows_TK_G = w_TK_G, y_send_G, rows_TK_G
-        ctx.save_for_backward(w13_IS, w2_IS)
-        return torch.cat(outs)
+        ctx.st = st
+        if plan.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
+            ctx.save_for_backward(w13_IS, w2_IS, x_NH, gate_NK)
+        else:
+            _keep(ctx, kept, H)
+            ctx.save_for_backward(w13_IS, w2_IS)
+        return out
 
     @staticmethod
     def backward(ctx, dout_NH: Tensor):
         st: _State = ctx.st
-        w13_IS, w2_IS = ctx.saved_tensors
+        w13_IS, w2_IS, *inputs = ctx.saved_tensors
         plan, opts, T, K = st.plan, st.opts, st.T, st.K
         G, S = plan.G, plan.S
         dev, H = dout_NH.device, dout_NH.shape[1]
+        if inputs:  # whole-layer checkpoint: the forward again, measured in backward
+            _keep(ctx, _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1], H)
+            del inputs
         dout_G = [d.to(ctx.y_send_G[0].dtype).contiguous() for d in dout_NH.split(T)]
         es = dout_G[0].element_size()
         w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
@@ -305,6 +262,8 @@ class VirtualExchange(torch.autograd.Function):
                     dx_G.append(fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones))
         st.timers.resolve()
         st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
+        if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
+            st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
         for k in MEASURED_STAGES[1:]:  # forward and backward together
             st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
@@ -312,6 +271,86 @@ class VirtualExchange(torch.autograd.Function):
         grads = torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
         st.stats.bwd_end_s = _now(dev)
         return grads
+
+
+def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
+                   recompute: bool) -> tuple[Tensor, dict]:
+    """Dispatch -> experts -> combine for every virtual rank (ExpertExchange's forward):
+    ``(out, what backward reads)``. ``recompute``: the whole-layer checkpoint's re-run in
+    backward: the layouts are rebuilt, the exchanges' bytes go to ``recompute_dispatch``
+    and ``recompute_combine`` and the expert kernels are timed as ``expert_recompute``
+    (what :mod:`lrmoe.sim.cost` charges as ``bwd_recompute``)."""
+    plan, T, K = st.plan, st.T, st.K
+    G, S, H = plan.G, plan.S, x_NH.shape[1]
+    es = x_NH.element_size()
+    dev = x_NH.device
+    x_G, gate_G = x_NH.split(T), gate_NK.split(T)
+    w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
+    if recompute:  # the runtime's re-run builds its layouts again
+        for g in range(G):
+            with st.timers.time("local", g):
+                st.homes[g] = home_layout(plan, g, st.idx_GP[g], st.gate_P_G[g], st.E)
+                st.recvs[g] = recv_layout(plan.assign_GGS[:, g, :], dev)
+    disp, comb, expert = (("recompute_dispatch", "recompute_combine", "expert_recompute")
+                          if recompute else ("fwd_dispatch", "fwd_combine", "expert_fwd"))
+
+    # dispatch
+    x_send_G = []
+    for g in range(G):
+        with st.timers.time("local", g):
+            x_send_G.append(x_G[g][st.homes[g].src_pair // K])
+    splits_G = [h.splits for h in st.homes]
+    x_recv_G = _links(x_send_G, splits_G)
+    rows = _rows_GG(splits_G)
+    st.stats.rows_GG[disp] = rows
+    st.stats.bytes_GG[disp] = rows * H * es
+    st.stats.rows_GG[comb] = rows.t().contiguous()
+    st.stats.bytes_GG[comb] = rows.t() * H * es
+
+    # experts, per receiving rank; retention as in ExpertExchange
+    y_recv_G, saved = [], []
+    for r in range(G):
+        recv = st.recvs[r]
+        with st.timers.time("local", r):
+            x_inst = permute_rows(x_recv_G[r], recv.to_inst)
+        with st.timers.time(expert, r):
+            y_inst, gu_inst = swiglu_forward(x_inst, w13_G[r], w2_G[r], recv.counts)
+        ret_GS, asg_GS = plan.retain_GGS[:, r, :], plan.assign_GGS[:, r, :]
+        with st.timers.time("gather", r):
+            if torch.equal(ret_GS, asg_GS):
+                sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
+            else:
+                sSG = ret_GS.t().reshape(-1)
+                keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
+                sx, sgu = x_inst[keep], gu_inst[keep]
+        saved.append((sx, sgu, sSG))
+        with st.timers.time("local", r):
+            y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
+
+    # combine, per home rank
+    y_send_G = _links(y_recv_G, [r.splits for r in st.recvs])
+    outs, w_TK_G, rows_TK_G = [], [], []
+    for g in range(G):
+        y_send = y_send_G[g]
+        with st.timers.time("local", g):
+            row_TK, valid_TK = pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
+            w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
+            if y_send.shape[0] == 0:
+                outs.append(x_G[g].new_zeros(T, H))
+            else:
+                outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
+        w_TK_G.append(w_TK)
+        rows_TK_G.append(row_TK)
+    kept = {"saved": saved, "w_TK_G": w_TK_G, "y_send_G": y_send_G, "rows_TK_G": rows_TK_G}
+    return torch.cat(outs), kept
+
+
+def _keep(ctx, kept: dict, H: int) -> None:
+    """What the exchange's backward reads, on ``ctx`` (the combined rows only where the
+    router gradient needs them)."""
+    ctx.saved, ctx.w_TK_G, ctx.rows_TK_G = kept["saved"], kept["w_TK_G"], kept["rows_TK_G"]
+    y_send_G = kept["y_send_G"]
+    ctx.y_send_G = [y.new_empty(0, H) for y in y_send_G] if ctx.dgate_at_experts else y_send_G
 
 
 # --------------------------------------------------------------------- instance weights
@@ -455,7 +494,7 @@ class VirtualEPLayer:
                 recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
         stats.stage_ms["plan"] = [plan_ms] * G
         st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
-                    timers, stats, self.generators)
+                    timers, stats, self.generators, idx_GP, E)
         self.stats = stats
         out = VirtualExchange.apply(x_NH.to(dtype), r.gate_TK, w13, w2, st)
         out = out.view(shape).to(x.dtype)
@@ -485,8 +524,10 @@ class VirtualEPLayer:
                                                              layer.prev_counts_E, None))
             fit_ledger, fallback = self.ledger, True
         fit = None
-        if plan.recompute_G is None and fit_ledger is not None:
+        if plan.recompute_G is None and not plan.layer_checkpoint and fit_ledger is not None:
             fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
+            if fit[0] in ("layer", "over"):  # run the checkpoint (over: as if it fitted)
+                plan = dataclasses.replace(plan, layer_checkpoint=True)
         plan_ms = (time.perf_counter() - t0) * 1e3
         if self.check_plans:
             plan.check(counts_GE)
@@ -494,6 +535,8 @@ class VirtualEPLayer:
         stats.fallback = fallback
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
+        elif plan.layer_checkpoint and fit is None:  # the planner checkpoints the layer
+            stats.recompute_mode, stats.recompute_rows = "layer", plan.rank_load().tolist()
         elif fit is not None:
             mode, rows, totals = fit
             stats.recompute_mode, stats.recompute_rows = mode, rows.tolist()

@@ -17,6 +17,9 @@ from lrmoe.timing import timed
 
 EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
              "weight_scatter", "grad_reduce", "count_allgather", "bwd_count_exchange")
+# a whole-layer checkpoint's re-run in backward re-sends these (Plan.layer_checkpoint):
+# charged in ``bwd_recompute`` (:mod:`lrmoe.sim.cost`)
+RECOMPUTE_EXCHANGES = ("recompute_dispatch", "recompute_combine")
 # Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``):
 # ``plan`` (the policy's plan from this step's counts, and an exact policy's recompute
 # decision; every rank computes it, so every rank is charged; a policy's ``prepare``,
@@ -69,7 +72,8 @@ class VirtualStats:
             weight scatter / grad reduce: expert instances).
         bytes_GG: per exchange, ``[src, dst]`` bytes sent (exact, from the splits; the
             diagonal is a rank's copy to itself, which no link carries).
-        expert_ms: ``fwd`` / ``bwd``: each rank's measured expert kernel time (ms).
+        expert_ms: ``fwd`` / ``bwd`` (and ``recompute``: a whole-layer checkpoint's re-run
+            in backward): each rank's measured expert kernel time (ms).
         stage_ms: each rank's measured time (ms) of the :data:`MEASURED_STAGES`.
         dense_fwd_s: measured wall seconds of the router and the shared experts in
             forward (all ranks' tokens): work that is not the routed experts', which
@@ -84,9 +88,11 @@ class VirtualStats:
             rows each rank re-runs forward in backward to fit, and ``recompute_mode``
             (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
             fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
-            or ``over``: does not fit even so, ``recompute_fits`` False). The emulator
-            does not change the math for it; :mod:`lrmoe.sim.cost` charges the time
-            (modelled).
+            or ``over``: does not fit even so, ``recompute_fits`` False). Per-row
+            recompute does not change the emulator's math: :mod:`lrmoe.sim.cost`
+            models its time. A whole-layer checkpoint (``layer`` and ``over``) runs:
+            the emulator re-runs the forward in backward and measures it
+            (``expert_ms["recompute"]``, :data:`RECOMPUTE_EXCHANGES`).
         prepare_ms: wall ms of the policy's ``prepare`` (its placement from the previous
             step's counts, :func:`lrmoe.policy.base.prepare`): not charged to any stage,
             on the assumption that it overlaps the previous step's or this layer's

@@ -72,8 +72,9 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
             out[k] = float(stats[k])
     out["fwd_bytes"] = float(sum(stats.get(k, 0) for k in (
         "fwd_dispatch_bytes_sent", "fwd_combine_bytes_sent")))
-    out["bwd_bytes"] = float(sum(stats.get(k, 0) for k in (
-        "bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent")))
+    out["bwd_bytes"] = float(sum(stats.get(k, 0) for k in (  # + a layer checkpoint's re-run
+        "bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent",
+        "recompute_fwd_dispatch_bytes_sent", "recompute_fwd_combine_bytes_sent")))
     if "bwd_exact_bytes" in stats:
         out["bwd_exact_bytes"] = float(stats["bwd_exact_bytes"])
     return out

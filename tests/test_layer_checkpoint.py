@@ -148,7 +148,7 @@ def test_ledger_equals_what_autograd_keeps(case):
     parameters themselves on the native plan) and the gates, ``pair_index`` of
     :meth:`Ledger.layer_terms`; nothing else of the exchange (no rows, no layouts)."""
     import test_ledger_truth as lt
-    from lrmoe.sim.onerank import one_rank_layer
+    from onerank import one_rank_layer
 
     layer, x, counts = lt._layer_and_tokens()
     inner = StaticPolicy() if case == "static" else SymiPolicy(slots_per_rank=E // lt.G + 1)
@@ -315,7 +315,7 @@ def test_buffers_equal_the_rows_alive():
     from live_rows import LiveRows
     from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
     from lrmoe.parallel.layout import permute_rows, unpermute_rows
-    from lrmoe.sim.onerank import OneRankComm, one_rank_layer
+    from onerank import OneRankComm, one_rank_layer
 
     layer, x, counts = lt._layer_and_tokens()
     one = Ledger(lt._cfg(), lt.G, num_moe_layers=1)

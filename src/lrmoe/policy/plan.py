@@ -36,6 +36,10 @@ class Plan:
         recompute_G: per rank, how many of its retained rows (the first ones in saved,
             i.e. instance-then-home, order) save only their input row and recompute the
             gate_up output in backward, to fit a memory budget (``None``: none).
+        rung: how the plan meets the memory budget (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`:
+            ``plan``, ``recompute``, ``layer``, each with ``-natives`` when the replicas
+            were given up); ``None``: not decided by the planner (an exact policy's
+            fallback is decided by whoever runs it, :meth:`lrmoe.memory.Ledger.exact_fit`).
     """
 
     inst_expert_GS: Tensor
@@ -44,6 +48,7 @@ class Plan:
     select_GGS: Tensor
     dropped_GE: Tensor | None = None
     recompute_G: Tensor | None = None
+    rung: str | None = None
 
     @property
     def G(self) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate
@@ -489,9 +489,13 @@ def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             # forward and backward of each micro-batch (global batch step * N + m)
-            sums = accumulate(
-                model, lambda m, s=step: batches.batch(s * accum + m, ctx.rank, ctx.world).to(
-                    ctx.device), accum, autocast)
+            try:
+                sums = accumulate(
+                    model, lambda m, s=step: batches.batch(s * accum + m, ctx.rank, ctx.world).to(
+                        ctx.device), accum, autocast)
+            except OutOfMemory as e:  # no plan fits with every fallback: as a GPU would
+                raise LrmoeError(f"{e.verdict(step + 1)}: {e.detail}; stopped "
+                                 f"({_intact(watch)})") from None
             watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
             red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(stops.seen)]), ctx)
             losses, stop_sig = red[:2] / (ctx.world * accum), StopSignals.which(red[2:].tolist())

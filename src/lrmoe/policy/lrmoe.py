@@ -40,8 +40,12 @@ The plan is built in three passes (docs/design.md §4, lrmoe), each deterministi
    ``selection=False`` selects every retained pair.
 
 All rounding is largest-remainder (:func:`lrmoe.policy.capacity.apportion`), so sums are
-exact. The plan never exceeds the ledger's budget; if even the natives with one
-retained pair per instance do not fit, :class:`LrmoeError` names the rank and shortfall.
+exact. The plan never exceeds the ledger's budget; if even its placed instances with one
+retained pair each do not fit, :func:`plan_lrmoe_placed` raises
+:class:`lrmoe.errors.OutOfMemory` naming the rank and shortfall, and :func:`fit_lrmoe`
+(what :class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
+:mod:`lrmoe.policy.lrmoe_ladder` (exact, recompute, without replicas, whole-layer
+checkpoint), naming the rung in ``Plan.rung``; it raises only when no rung fits.
 
 **How it runs fast** (it is on every MoE layer's critical path). The planner works on
 the host counts the runtime already has after its count all-gather (no device work, no
@@ -56,6 +60,7 @@ ledger, re-deriving nothing), and passes 2 and 3 are numpy
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -239,7 +244,10 @@ def fit_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
     def trimmed() -> Plan:
         plan, kept[0] = plan_lrmoe_placed(counts_GE, config, ledger, placement, slots)
         return plan
-    return climb(counts_GE, trimmed, ledger), kept[0]
+    cfg = config or LrmoeConfig()
+    G, E = counts_GE.shape
+    cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
+    return climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap), kept[0]
 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None

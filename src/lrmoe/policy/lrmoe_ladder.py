@@ -9,16 +9,19 @@ one retained pair per instance) does not fit the budget, the planner climbs:
 rung               what runs                                                   extra cost
 =================  ==========================================================  ==========
 ``plan``           the trimmed plan as configured                              none
-``exact``          lrmoe's placement, every pair retained and selected: fits   none
-                   where the trimmed plan's bound does not (§5: an exact
-                   backward gathers and copies no saved rows)
-``recompute``      lrmoe's placement, every pair in backward, the fewest rows  gate_up of
+``exact``          the trimmed plan's placement, every pair retained and       none
+                   selected: fits where the trimmed plan's bound does not
+                   (§5: an exact backward gathers and copies no saved rows)
+``recompute``      that placement, every pair in backward, the fewest rows     gate_up of
                    per rank keep only their input row (``Plan.recompute_G``)   those rows
-``layer``          lrmoe's placement, every pair in backward, nothing          the layer's
-                   retained: a whole-MoE-layer checkpoint re-runs dispatch,    forward
-                   experts and combine in backward (:func:`whole_layer_ckpt`)
-``*-natives``      ``exact``, ``recompute`` or ``layer`` with the replicas     balance
-                   given up
+``exact-natives``, the same two with the replicas given up (static's           balance
+``recompute-       placement)
+natives``
+``layer``          every pair in backward, nothing retained: a whole-MoE-      the layer's
+                   layer checkpoint re-runs dispatch, experts and combine in   forward
+                   backward (:func:`whole_layer_ckpt`); replicas placed again
+                   under that account (:func:`layer_placement`), as many as
+                   fit and help
 =================  ==========================================================  ==========
 
 Why these and in this order: the trimmed plan's minimum is its placed instances with one
@@ -26,14 +29,19 @@ retained pair each (:func:`lrmoe.policy.lrmoe.plan_lrmoe_placed`); neither the k
 floor (``min_keep`` guards replica destinations and trims selection, never the
 retention) nor the placement raises it (a replica goes only where its destination can
 still afford that minimum, and it only takes pairs off its expert's other hosts), so
-lowering the floor or placing fewer replicas never makes a trimmed plan exist. What
-frees memory beyond it is keeping less per pair: the input row only (recompute, 2 of
-the expert's 3 GEMMs again for those rows), then nothing (the whole layer re-run:
-its dispatch, experts and combine). Both keep lrmoe's replicas while they fit; giving
-them up is the last resort, which is static's plan with the same fallback, so lrmoe
-finds a plan wherever static with the whole-layer checkpoint fits. Below that every
-rung is over: :class:`lrmoe.errors.OutOfMemory`, with the natives' whole-layer total
-as what the step needs.
+lowering the floor or placing fewer replicas never makes a *trimmed* plan exist. What
+frees memory beyond it is keeping less per pair: with every pair in backward the saved
+rows are neither gathered nor copied (``exact``), then only the input row of some
+(``recompute``: 2 of the expert's 3 GEMMs again for those rows), then nothing (the whole
+layer re-run: its dispatch, experts and combine, the dearest). Giving up the replicas
+(some forward balance) comes before the whole-layer re-run; the whole-layer rung places
+its own replicas from the natives, each only where every rank still fits, so it exists
+wherever static with the whole-layer checkpoint fits. Below that every rung is over:
+:class:`lrmoe.errors.OutOfMemory`, with the natives' whole-layer total as what the step
+needs. In practice (tests/test_oom.py, the tiny presets priced for 48 layers and
+Qwen3-30B-A3B) the trimmed plan holds down to within ~0.1% of static's whole-layer
+floor and the ``layer`` rung covers the rest: the exact rungs' retained rows cost more
+than the trimmed plan's one pair per instance.
 
 The whole-layer checkpoint is one function, :func:`whole_layer_ckpt`: the plan it
 returns is priced and charged by the ledger's ``layer`` mode
@@ -44,13 +52,14 @@ is wired to it there.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
-from lrmoe.policy.fastops import host_counts, to_plan
-from lrmoe.policy.ledger_view import plan_exact_fit
+from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
+from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit
 from lrmoe.policy.plan import Plan
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
@@ -58,10 +67,9 @@ RUNG_NOTES = {
     "plan": "the trimmed plan as configured",
     "exact": "lrmoe's placement, every pair in backward",
     "recompute": "lrmoe's placement, every pair in backward, the fewest rows recomputed",
-    "layer": "lrmoe's placement, every pair in backward, whole-layer checkpoint",
     "exact-natives": "no replicas, every pair in backward",
     "recompute-natives": "no replicas, every pair in backward, the fewest rows recomputed",
-    "layer-natives": "no replicas, every pair in backward, whole-layer checkpoint",
+    "layer": "every pair in backward, whole-layer checkpoint, replicas that fit it",
 }
 RUNGS = tuple(RUNG_NOTES)
 
@@ -77,7 +85,7 @@ def rung_terms(ledger, plan: Plan) -> list[dict[str, int]]:
     """The ledger's terms per rank for ``plan`` as its rung runs it: a whole-layer
     checkpoint retains nothing (:meth:`lrmoe.memory.Ledger.exact_fit`'s ``layer``
     terms), any other plan as :meth:`lrmoe.memory.Ledger.rank_terms` prices it."""
-    if plan.rung in ("layer", "layer-natives"):
+    if plan.rung == "layer":
         return ledger.exact_fit(plan)[2]
     return ledger.rank_terms(plan)
 
@@ -88,28 +96,80 @@ def _exact(plan: Plan) -> Plan:
     return Plan(plan.inst_expert_GS, a, a.clone(), a.clone())
 
 
-def _fit(plan: Plan, ledger, natives: bool) -> tuple[Plan | None, int]:
-    """The exact ``plan`` as it is or on its cheapest fallback (recompute, else the whole
-    layer), or
-    ``None`` and the smallest total a rank needed."""
-    mode, rec, totals = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
-    tag = "-natives" if natives else ""
+def _fit(plan: Plan, ledger, tag: str) -> tuple[Plan | None, str]:
+    """The exact ``plan`` as it is or with the fewest rows recomputed, named (``tag``:
+    the rung suffix); ``None`` when it needs the whole layer, and ``exact_fit``'s mode."""
+    mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
     if mode == "fits":
-        return dataclasses.replace(plan, rung="exact" + tag), 0
+        return dataclasses.replace(plan, rung="exact" + tag), mode
     if mode == "pairs":
         return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec),
-                                   rung="recompute" + tag), 0
-    if mode == "layer":
-        return dataclasses.replace(whole_layer_ckpt(plan), rung="layer" + tag), 0
-    return None, int(totals.max())
+                                   rung="recompute" + tag), mode
+    return None, mode
 
 
-def climb(counts_GE, plan_fn, ledger) -> Plan:
+def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float = math.inf
+                    ) -> np.ndarray | None:
+    """Replicas for a whole-layer checkpoint: from the natives (``[G, S]``, ``S - E/G``
+    free slots per rank), repeatedly take the expert with the largest per-instance load
+    that has an instance on a rank at the maximum load and add one on the least-loaded
+    rank (ties: lower id) with a free slot that holds none of it, if every rank still
+    fits the ledger's ``layer`` terms (nothing retained, every pair in backward) and
+    the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
+    ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""
+    G, E = counts_GE.shape
+    home = counts_GE.sum(1)
+    total = counts_GE.sum(0)
+    view = LedgerView(ledger, home, exact=True)
+    inst = np.full((G, S), -1, dtype=np.int64)
+    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+
+    def loads(p):
+        return Slots(p, E).even_split(total)
+
+    def fits(p, load):
+        return not view.over((p >= 0).sum(1), load.sum(1), np.zeros(G, dtype=np.int64))
+    load = loads(inst)
+    if not fits(inst, load):
+        return None
+    added = 0
+    while added < max_replicas:
+        rank = load.sum(1)
+        top = int(rank.max())
+        key = (top, int((rank == top).sum()))
+        hot = np.flatnonzero(rank == top)
+        n_of = np.bincount(inst[inst >= 0], minlength=E)
+        cands = sorted({int(e) for e in inst[hot].ravel() if e >= 0 and total[e] > n_of[e]},
+                       key=lambda e: (-total[e] / n_of[e], e))
+        moved = False
+        for e in cands:
+            held = set(np.flatnonzero((inst == e).any(1)).tolist())
+            for d in sorted(range(G), key=lambda r: (rank[r], r)):
+                free = np.flatnonzero(inst[d] < 0)
+                if d in held or free.size == 0:
+                    continue
+                trial = inst.copy()
+                trial[d, free[0]] = e
+                tl = loads(trial)
+                tr = tl.sum(1)
+                if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
+                    inst, load, moved = trial, tl, True
+                break  # only the least-loaded destination, as pass 1
+            if moved:
+                break
+        if not moved:
+            break
+        added += 1
+    return inst
+
+
+def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
+          max_replicas: float = math.inf) -> Plan:
     """The first rung whose plan fits ``ledger`` (see the module docstring).
 
-    ``plan_fn()`` makes the trimmed plan and its placement's plan: it returns the plan
-    (rung ``plan``) or raises :class:`OutOfMemory` with the placement it could not fit
-    attached (``placed``: the exact plan on it).
+    ``plan_fn()`` makes the trimmed plan: it returns the plan (rung ``plan``) or raises
+    :class:`OutOfMemory` with the exact plan on its placement attached (``placed``).
+    ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung.
     """
     try:
         return dataclasses.replace(plan_fn(), rung="plan")
@@ -117,20 +177,26 @@ def climb(counts_GE, plan_fn, ledger) -> Plan:
         first = e
     if ledger is None or ledger.budget_bytes is None:
         raise first
-    tried = []
-    placed = getattr(first, "placed", None)
-    if placed is not None:
-        plan, need = _fit(_exact(placed), ledger, natives=False)
-        if plan is not None:
-            return plan
-        tried.append(need)
     G, E = counts_GE.shape
     if E % G:
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
-    a = host_counts(counts_GE).reshape(G, G, E // G)
-    natives = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
-    plan, need = _fit(natives, ledger, natives=True)
+    c = host_counts(counts_GE)
+    placed = getattr(first, "placed", None)
+    if placed is not None:
+        plan, _ = _fit(_exact(placed), ledger, "")
+        if plan is not None:
+            return plan
+    a = c.reshape(G, G, E // G)
+    plan, _ = _fit(to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy()), ledger,
+                   "-natives")
     if plan is not None:
         return plan
+    inst = layer_placement(c, slots_per_rank, ledger, max_replicas)
+    if inst is not None:
+        idx = Slots(inst, E)
+        assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, slots_per_rank)
+        return whole_layer_ckpt(to_plan(inst, assign, assign.copy(), assign.copy()))
+    need = plan_exact_fit(ledger, to_plan(np.arange(E).reshape(G, E // G), a, a.copy(),
+                                          a.copy()))[2]
     raise OutOfMemory(f"lrmoe: no plan fits mem_budget at any rung ({', '.join(RUNGS)}): "
-                      f"{first.detail}", need, ledger.budget_bytes, first.detail)
+                      f"{first.detail}", int(need.max()), ledger.budget_bytes, first.detail)

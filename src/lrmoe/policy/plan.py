@@ -36,10 +36,11 @@ class Plan:
         recompute_G: per rank, how many of its retained rows (the first ones in saved,
             i.e. instance-then-home, order) save only their input row and recompute the
             gate_up output in backward, to fit a memory budget (``None``: none).
-        rung: how the plan meets the memory budget (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`:
-            ``plan``, ``recompute``, ``layer``, each with ``-natives`` when the replicas
-            were given up); ``None``: not decided by the planner (an exact policy's
-            fallback is decided by whoever runs it, :meth:`lrmoe.memory.Ledger.exact_fit`).
+        rung: how the plan meets the memory budget, lrmoe's ladder
+            (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`: ``plan``, ``exact``, ``recompute``,
+            ``exact-natives``, ``recompute-natives``, ``layer``); ``None``: not decided
+            by the planner (an exact policy's fallback is decided by whoever runs it,
+            :meth:`lrmoe.memory.Ledger.exact_fit`).
     """
 
     inst_expert_GS: Tensor

@@ -251,7 +251,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     modes: list[str] = []
     peak = 0
     for i, plan in enumerate(plans):
-        if name == "lrmoe" and plan.rung in ("layer", "layer-natives"):  # its ladder's
+        if name == "lrmoe" and plan.rung == "layer":  # its ladder's
             mode, rec, terms = ledger.exact_fit(plan)  # whole-layer rung: mode "layer"
             rec = rec.tolist() if hasattr(rec, "tolist") else rec
         elif name == "lrmoe":  # its own recompute rows, if it plans any

@@ -475,7 +475,7 @@ class VirtualEPLayer:
         fit_ledger = self.recompute_ledger
         t0 = time.perf_counter()
         plan = self.policy.plan(counts_GE, inputs)
-        if plan.rung in ("layer", "layer-natives"):  # lrmoe's whole-layer rung
+        if plan.rung == "layer":  # lrmoe's whole-layer rung
             fit_ledger = self.ledger
         fit = None
         if plan.recompute_G is None and fit_ledger is not None:

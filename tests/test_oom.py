@@ -147,7 +147,7 @@ def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys):
     assert rep["ratio_lrmoe_over_symi_time_to_target_emulated"] == "OOM"
     md = (out / "ttl.md").read_text()
     assert "lrmoe / symi emulated time-to-target: OOM" in md
-    assert "| symi | " in md and "out of memory at step 1" in md
+    assert "| symi | " in md and "out of memory at step 1" in md and "| OOM | OOM |" in md
     summ = load_benchmark("summarize_ttl").summarize(out)
     assert "lrmoe / symi time to target (NVLink): OOM" in summ
     ss = load_benchmark("summarize_seeds")

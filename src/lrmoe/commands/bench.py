@@ -178,16 +178,18 @@ def table(rep: dict) -> str:
     for name, r in rep["policies"].items():
         st = r["steps"]
         n = max(len(st), 1)
+        never = "OOM" if r.get("out_of_memory") else "never"  # its run stopped there
+
+        def mean(key: str, spec: str = ".3f", st=st, n=n) -> str:
+            return format(sum(s.get(key, 0.0) for s in st) / n, spec) if st else "-"
         lines.append("| " + " | ".join([
-            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f"),
-            fmt(r["time_to_target_emulated_s"]), f"{r['final_val_loss']:.4f}",
-            f"{r['mean_step_emulated_s'] * 1e3:.3f}",
-            f"{sum(s['expert_load_max_over_mean'] for s in st) / n:.3f}",
-            f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
-            f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
-            f"{sum(s.get('recompute_ratio', 0.0) for s in st) / n:.3f}",
+            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f", never),
+            fmt(r["time_to_target_emulated_s"], ".4f", never), f"{r['final_val_loss']:.4f}",
+            f"{r['mean_step_emulated_s'] * 1e3:.3f}" if st else "-",
+            mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
+            mean("keep_ratio"), mean("recompute_ratio"),
             fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
-            f"{sum(s['replicas'] for s in st) / n:.1f}", rungs_cell(r.get("rungs"))]) + " |")
+            mean("replicas", ".1f"), rungs_cell(r.get("rungs"))]) + " |")
     lines.append("")
     for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
         lines.append(f"{name} / symi emulated time-to-target: {fmt_ratio(ratio)}  ")

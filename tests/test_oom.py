@@ -83,6 +83,28 @@ def test_lrmoe_finds_a_plan_down_to_statics_whole_layer_floor(preset, T, G, L, s
     assert e.value.budget_bytes == own - 1 < e.value.needs_bytes
 
 
+def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
+    """``LrmoeConfig(whole_layer=False)`` (what ``lrmoe train`` builds while its runtime has
+    no whole-layer checkpoint) stops the ladder before that rung: where it would be
+    taken the step is out of memory, needing more than the budget."""
+    from lrmoe.train.config import TrainConfig, build_policy
+
+    cfg = get_preset("tiny-qwen3")
+    G = 4
+    counts = synthetic_counts(G, cfg.num_experts, 64, cfg.num_experts_per_tok, 1.5, 1)
+    free = Ledger.for_dtype(cfg, G, None, "fp32", num_moe_layers=48)
+    static = StaticPolicy().plan(counts, PlanInputs())
+    floor = _lowest(lambda b: plan_exact_fit(dataclasses.replace(free, budget_bytes=b),
+                                             static)[0] != "over", 1 << 40)
+    led = dataclasses.replace(free, budget_bytes=floor)
+    assert fit_lrmoe(counts, LrmoeConfig(), led)[0].rung == "layer"
+    with pytest.raises(OutOfMemory, match="recompute-natives\\)") as e:
+        fit_lrmoe(counts, LrmoeConfig(whole_layer=False), led)
+    assert e.value.needs_bytes > e.value.budget_bytes == floor
+    pol = build_policy(TrainConfig(preset="tiny-qwen3", policy="lrmoe", ep=1), cfg, 1)
+    assert pol.config.whole_layer is False
+
+
 def test_whole_layer_rung_places_replicas_only_where_every_rank_fits():
     """The whole-layer rung's placement: natives at static's whole-layer floor (a replica
     would not fit), replicas that lower the busiest rank's load with room to spare (each

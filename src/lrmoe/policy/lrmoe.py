@@ -113,6 +113,9 @@ class LrmoeConfig:
             critical path); ``previous`` from the previous step's counts, as SYMI does
             (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the split,
             the quotas and the budget check wait on this step's counts.
+        whole_layer: the ladder's last rung, a whole-MoE-layer checkpoint
+            (:mod:`lrmoe.policy.lrmoe_ladder`), is available to whoever runs the plans;
+            False stops the ladder before it (a step that needs it is out of memory).
     """
 
     balance: float = 1.0
@@ -128,6 +131,7 @@ class LrmoeConfig:
     fidelity_every: int = 0
     recompute: bool = False
     placement: str = "current"
+    whole_layer: bool = True
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -247,7 +251,7 @@ def fit_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
     cfg = config or LrmoeConfig()
     G, E = counts_GE.shape
     cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
-    return climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap), kept[0]
+    return climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer), kept[0]
 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None

@@ -46,7 +46,8 @@ than the trimmed plan's one pair per instance.
 The whole-layer checkpoint is one function, :func:`whole_layer_ckpt`: the plan it
 returns is priced and charged by the ledger's ``layer`` mode
 (:meth:`lrmoe.memory.Ledger.exact_fit`) in the emulator; the runtime's checkpoint mode
-is wired to it there.
+is wired to it there. A runner without that mode builds its planner with
+``LrmoeConfig(whole_layer=False)``: the ladder then ends before the rung.
 """
 
 from __future__ import annotations
@@ -164,12 +165,13 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
 
 
 def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
-          max_replicas: float = math.inf) -> Plan:
+          max_replicas: float = math.inf, whole_layer: bool = True) -> Plan:
     """The first rung whose plan fits ``ledger`` (see the module docstring).
 
     ``plan_fn()`` makes the trimmed plan: it returns the plan (rung ``plan``) or raises
     :class:`OutOfMemory` with the exact plan on its placement attached (``placed``).
-    ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung.
+    ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung;
+    ``whole_layer=False``: no whole-layer rung (its runner has no such checkpoint).
     """
     try:
         return dataclasses.replace(plan_fn(), rung="plan")
@@ -187,16 +189,21 @@ def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
         if plan is not None:
             return plan
     a = c.reshape(G, G, E // G)
-    plan, _ = _fit(to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy()), ledger,
-                   "-natives")
+    natives = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
+    plan, _ = _fit(natives, ledger, "-natives")
     if plan is not None:
         return plan
-    inst = layer_placement(c, slots_per_rank, ledger, max_replicas)
+    inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
         idx = Slots(inst, E)
         assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, slots_per_rank)
         return whole_layer_ckpt(to_plan(inst, assign, assign.copy(), assign.copy()))
-    need = plan_exact_fit(ledger, to_plan(np.arange(E).reshape(G, E // G), a, a.copy(),
-                                          a.copy()))[2]
-    raise OutOfMemory(f"lrmoe: no plan fits mem_budget at any rung ({', '.join(RUNGS)}): "
-                      f"{first.detail}", int(need.max()), ledger.budget_bytes, first.detail)
+    if whole_layer:  # what the last rung needed: the natives' whole-layer totals
+        need = int(plan_exact_fit(ledger, natives)[2].max())
+        rungs = RUNGS
+    else:  # what the last rung tried needed: the natives with every row recomputed
+        every = dataclasses.replace(natives, recompute_G=natives.rank_load().clone())
+        need = max(t["total"] for t in ledger.rank_terms(every))
+        rungs = RUNGS[:-1]
+    raise OutOfMemory(f"lrmoe: no plan fits mem_budget at any rung ({', '.join(rungs)}): "
+                      f"{first.detail}", need, ledger.budget_bytes, first.detail)

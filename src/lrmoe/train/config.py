@@ -296,7 +296,10 @@ def build_policy(cfg: TrainConfig, mcfg, G: int):
                      selection=cfg.lrmoe_selection, keep=cfg.lrmoe_keep,
                      target_cosine=cfg.lrmoe_target_cosine,
                      fidelity_every=cfg.lrmoe_fidelity_every, recompute=cfg.lrmoe_recompute,
-                     placement=cfg.lrmoe_placement)
+                     placement=cfg.lrmoe_placement,
+                     # the runtime has no whole-layer checkpoint yet (docs/design.md §10):
+                     # a step that would need it is out of memory, not run over budget
+                     whole_layer=False)
     pc = PolicyConfig(name=cfg.policy, capacity_factor=cfg.capacity_factor,
                       slots_per_rank=cfg.slots_per_rank, lrmoe=lc, recompute=cfg.recompute)
     return make_policy(pc, mcfg, G)

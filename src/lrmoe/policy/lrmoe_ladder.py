@@ -60,7 +60,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
-from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit
+from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.plan import Plan
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
@@ -115,13 +115,12 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     free slots per rank), repeatedly take the expert with the largest per-instance load
     that has an instance on a rank at the maximum load and add one on the least-loaded
     rank (ties: lower id) with a free slot that holds none of it, if every rank still
-    fits the ledger's ``layer`` terms (nothing retained, every pair in backward) and
+    fits the ledger's whole-layer terms (:meth:`lrmoe.memory.Ledger.exact_fit` not
+    ``over``: the same verdict as for static's checkpoint) and
     the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
     ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""
     G, E = counts_GE.shape
-    home = counts_GE.sum(1)
     total = counts_GE.sum(0)
-    view = LedgerView(ledger, home, exact=True)
     inst = np.full((G, S), -1, dtype=np.int64)
     inst[:, :E // G] = np.arange(E).reshape(G, E // G)
 
@@ -129,7 +128,10 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
         return Slots(p, E).even_split(total)
 
     def fits(p, load):
-        return not view.over((p >= 0).sum(1), load.sum(1), np.zeros(G, dtype=np.int64))
+        # the ledger's own verdict on the exact plan (Ledger.exact_fit): "over" exactly
+        # when even the whole-layer checkpoint does not fit, as it decides for static
+        a = blocks_to_GGS(Slots(p, E).overlap_ig(counts_GE, load), G, S)
+        return plan_exact_fit(ledger, to_plan(p, a, a.copy(), a.copy()))[0] != "over"
     load = loads(inst)
     if not fits(inst, load):
         return None

@@ -51,10 +51,14 @@ def seed_row(pol: dict, fraction: float, window: int) -> dict:
     for name, r in pol.items():
         step, t = crossing(r["evals"], target, window)
         out["policies"][name] = {"step": step, "time": t, "final": r["final_val_loss"],
-                                 "steps": len(r["steps"]), "failed": r.get("failed")}
-    t_symi = out["policies"].get("symi", {}).get("time")
-    for p in out["policies"].values():
+                                 "steps": len(r["steps"]), "failed": r.get("failed"),
+                                 "oom": r.get("out_of_memory")}
+    symi = out["policies"].get("symi", {})
+    t_symi = symi.get("time")
+    for name, p in out["policies"].items():
         p["ratio"] = p["time"] / t_symi if p["time"] and t_symi and not p["failed"] else None
+        if p["oom"] or (symi.get("oom") and name != "symi"):  # no time to target: "OOM"
+            p["ratio"] = "OOM"
     return out
 
 
@@ -74,7 +78,7 @@ def _plot(path: Path, runs: list[Path], pols: list[dict], rows: list[dict], name
         color = f"C{names.index(n)}"  # as in the curve panels
         for j, row in enumerate(rows):
             p = row["policies"].get(n)
-            if p is None or p["failed"]:
+            if p is None or p["failed"] or p["ratio"] == "OOM":
                 continue
             y, marker = (p["ratio"], "o") if p["ratio"] is not None else (top, "x")
             ax.plot(j + 0.08 * i, y, marker, color=color, label=n if j == 0 else None)
@@ -117,6 +121,10 @@ def main(argv=None) -> int:
             p = row["policies"].get(n)
             if p is None:
                 cells.append("not run")
+            elif p["oom"]:
+                cells.append(f"OOM at step {p['oom']['step']}")
+            elif p["ratio"] == "OOM":
+                cells.append(f"OOM (symi ran out of memory; final {p['final']:.4f})")
             elif p["failed"]:
                 cells.append(f"stopped at step {p['steps'] + 1}")
             else:
@@ -142,6 +150,8 @@ def main(argv=None) -> int:
     print("|" + "---|" * (len(stages) + 3))
     for n in names:
         st = [s for p in pols if n in p for s in p[n]["steps"]]
+        if not st:  # out of memory at its first step
+            continue
         vals = [statistics.mean(s["stages_emulated_s"][k] for s in st) for k in stages]
         vals += [statistics.mean(s["non_moe_s"] for s in st),
                  statistics.mean(s["step_emulated_s"] for s in st)]

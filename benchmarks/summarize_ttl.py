@@ -96,6 +96,8 @@ def summarize(run: Path) -> str:
         t_ib = [repriced(s, nv, ib, G) for s in st]
         s_nv, tt_nv = reach(rep, name, tg)
         _, tt_ib = reach(rep, name, tg, t_ib)
+        if r.get("out_of_memory"):  # its run stopped: no time to target
+            s_nv = tt_nv = tt_ib = None
         tt[name] = (tt_nv, tt_ib)
         out.append("| " + " | ".join([
             name, r["budget_status"][:60], fmt(s_nv, ".1f"), fmt(tt_nv, ".3f"), fmt(tt_ib, ".3f"),
@@ -107,11 +109,13 @@ def summarize(run: Path) -> str:
             f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
             f"{sum(s.get('recompute_ratio', 0) for s in st) / n:.3f}"]) + " |")
     if "symi" in tt:
+        oom = {n for n, r in rep["policies"].items() if r.get("out_of_memory")}
         for lr in _lrmoe_names(rep):
             for i, link in enumerate(("NVLink", "IB")):
                 a, b = tt[lr][i], tt["symi"][i]
                 out.append(f"\n{lr} / symi time to target ({link}): "
-                           + ("n/a (a policy never reached it)" if None in (a, b)
+                           + ("OOM (a policy ran out of memory)" if oom & {lr, "symi"}
+                              else "n/a (a policy never reached it)" if None in (a, b)
                               else f"{a / b:.3f}"))
     return "\n".join(out)
 

@@ -21,6 +21,7 @@ from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
 from lrmoe.policy.fastops import apportion_np, even_split_np, interval_overlap_np
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
+from lrmoe.policy.lrmoe_ladder import rung_terms
 from lrmoe.policy.plan import even_split, full_plan, interval_overlap
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
@@ -45,6 +46,11 @@ def _same(a, b) -> bool:
         if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
             return False
     return a.layer_checkpoint == b.layer_checkpoint
+
+
+def _fit(counts, cfg, ledger):
+    """What :class:`LrmoePolicy` plans: the trimmed plan, else its ladder's rung."""
+    return lrmoe_mod.fit_lrmoe(counts, cfg, ledger)[0]
 
 
 def _outcome(fn, *args):
@@ -278,7 +284,7 @@ def test_previous_placement_equals_current_when_the_counts_repeat():
     seen = 0
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(40, seed=29):
         counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
-        cur, err = _outcome(plan_lrmoe, counts, cfg, ledger)
+        cur, err = _outcome(_fit, counts, cfg, ledger)  # the policy climbs its ladder
         pol = LrmoePolicy(dataclasses.replace(cfg, placement="previous"))
         for prev in (counts, counts.sum(0)):
             inputs = prepare(pol, prev, G, PlanInputs(ledger=ledger), pairs)
@@ -304,12 +310,12 @@ def test_previous_placement_fits_the_budget_on_the_new_counts():
         pol = LrmoePolicy(pcfg)
         inputs = prepare(pol, prev.sum(0), G, PlanInputs(ledger=ledger), pairs)
         got, err = _outcome(pol.plan, counts, inputs)
-        cur, cur_err = _outcome(plan_lrmoe, counts, cfg, ledger)
+        cur, cur_err = _outcome(_fit, counts, cfg, ledger)
         assert (got is None) == (cur is None), (i, err, cur_err)
         if got is None:
             continue
         got.check(counts)
-        ledger.check(got)  # raises if any rank is over the budget
+        ledger.raise_if_over(rung_terms(ledger, got), "the plan")  # as its rung runs it
         if pol.replaced_placements:
             replaced += 1
             assert _same(got, cur), i

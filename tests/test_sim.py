@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
 from lrmoe.config import ModelConfig
+from lrmoe.errors import OutOfMemory
+from lrmoe.memory import Ledger
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
@@ -24,7 +26,7 @@ from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
-from lrmoe.sim.cost import STAGES, StepTimes, step_times
+from lrmoe.sim.cost import STAGES, StepTimes, rank_stage_seconds, step_times
 from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
@@ -289,7 +291,6 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
 
 
 def test_emulate_step_with_registry_policies():
-    from lrmoe.memory import Ledger
     from lrmoe.policy.registry import PolicyConfig
     from lrmoe.policy.registry import make_policy as registry_policy
 
@@ -312,7 +313,6 @@ def test_recompute_ledger_charges_time_not_math():
     re-sends the forward's dispatch and combine and re-runs its expert kernels, and is
     charged what it measured there."""
     from lrmoe.memory import Ledger
-    from lrmoe.sim.cost import rank_stage_seconds
 
     base, _ = emulate("static", 5)
     layer, idx, x, coeff = make_case(5)
@@ -330,8 +330,12 @@ def test_recompute_ledger_charges_time_not_math():
                   for c in cnt)
     none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint
     assert none_kept < all_rec < plain
-    for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer"),
-                         (none_kept - 1, "over")):
+    led = Ledger(layer.cfg, G, none_kept - 1, num_moe_layers=4)
+    v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+    with pytest.raises(OutOfMemory) as e:  # over even with the whole layer: stops the step
+        run(v, layer, x, coeff)
+    assert (e.value.needs_bytes, e.value.budget_bytes) == (none_kept, none_kept - 1)
+    for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer")):
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4)
         v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
         got = run(v, layer, x, coeff)
@@ -339,7 +343,7 @@ def test_recompute_ledger_charges_time_not_math():
             close(got[k], base[k], k)
         mode, rows, _ = led.exact_fit(v.stats.plan)
         assert mode == want == v.stats.recompute_mode and v.stats.recompute_rows == rows
-        assert v.stats.recompute_fits == (want != "over")
+        assert v.stats.rung == {"pairs": "recompute", "layer": "layer"}[want]
         per = rank_stage_seconds(v.stats, LINKS["nvlink"])
         for r in range(G):
             if want == "pairs":
@@ -367,7 +371,6 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     """An exact policy whose plan needs one byte more than the budget with the combined
     rows kept must recompute with ``router_grad`` "home"; at the experts
     (``Ledger(router_grad_at_experts=True)``) it fits as it is."""
-    from lrmoe.memory import Ledger
 
     layer, idx, x, coeff = make_case(5)
     plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
@@ -386,39 +389,49 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows == [0] * G
 
 
-def test_lrmoe_with_no_feasible_plan_runs_as_static_over_budget():
-    """When no lrmoe plan fits the budget, ``over_budget_fallback`` runs the step as an
-    exact policy over budget (static's plan: same tensors, the ledger's recompute mode,
-    marked); without it the planner's error stops the step, as in the real runtime."""
-    from lrmoe.errors import LrmoeError
-    from lrmoe.memory import Ledger
-    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
+    """At the smallest budget lrmoe meets (4 layers planned: the trimmed plan's retained
+    pairs no longer fit), its ladder's whole-layer rung runs: every pair in backward (the
+    same tensors as static), its own replicas, the ledger's ``layer`` mode charged; one
+    byte less and the step stops with :class:`OutOfMemory` instead of running some other
+    plan."""
+    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, fit_lrmoe
 
     base, _ = emulate("static", 6)
     layer, idx, x, coeff = make_case(6)
-    plan = full_plan(torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)]),
-                     torch.arange(E).reshape(G, E // G))
-    free = Ledger(layer.cfg, G, num_moe_layers=1)
-    none_kept = min(free.terms(*c[:3], 0)["total"] for c in free._rank_counts(plan, None))
-    led = Ledger(layer.cfg, G, none_kept // 2, num_moe_layers=1)  # nothing fits anywhere
-    policy = LrmoePolicy(LrmoeConfig(recompute=True))
-    with pytest.raises(LrmoeError, match="does not fit"):
-        run(VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led), layer, x, coeff)
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led, over_budget_fallback=True)
+    counts = torch.stack([torch.bincount(i, minlength=E) for i in idx.reshape(G, -1)])
+
+    def fits(b):
+        try:
+            return fit_lrmoe(counts, LrmoeConfig(), Ledger(layer.cfg, G, b, num_moe_layers=4))[0]
+        except OutOfMemory:
+            return None
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) is not None else (mid + 1, hi)
+    led = Ledger(layer.cfg, G, lo, num_moe_layers=4)
+    policy = LrmoePolicy(LrmoeConfig())
+    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led)
     got = run(v, layer, x, coeff)
     for k in got:
         close(got[k], base[k], k)
-    assert v.stats.fallback and v.stats.plan.exact
-    assert torch.equal(v.stats.plan.inst_expert_GS, plan.inst_expert_GS)
-    mode, rows, _ = led.exact_fit(v.stats.plan)
-    assert (v.stats.recompute_mode, v.stats.recompute_rows) == (mode, rows) == ("over", rows)
-    assert not v.stats.recompute_fits
-    # a budget lrmoe can meet: no fallback, its own (trimmed) plan
-    roomy = Ledger(layer.cfg, G, 10 * none_kept, num_moe_layers=1)
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=roomy, over_budget_fallback=True)
+    assert v.stats.rung == v.stats.plan.rung == "layer" and v.stats.plan.exact
+    assert policy.rungs == {"layer": 1}
+    mode, rows, terms = led.exact_fit(v.stats.plan)
+    assert (v.stats.recompute_mode, v.stats.recompute_rows) == ("layer", rows)
+    assert max(v.stats.ledger_total_bytes) == max(t["total"] for t in terms) <= lo
+    per = rank_stage_seconds(v.stats, LINKS["nvlink"])
+    assert per["bwd_recompute"] == pytest.approx(
+        [per["fwd_dispatch"][r] + per["fwd_experts"][r] + per["fwd_combine"][r]
+         for r in range(G)])
+    with pytest.raises(OutOfMemory, match="no plan fits mem_budget at any rung"):
+        run(VirtualEPLayer(layer, G, policy, BackwardOptions(),
+                           ledger=Ledger(layer.cfg, G, lo - 1, num_moe_layers=4)), layer, x, coeff)
+    # a roomy budget: the trimmed plan, rung "plan"
+    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
     run(v, layer, x, coeff)
-    assert not v.stats.fallback
-
+    assert v.stats.rung == "plan"
 
 def test_counts_GE_of_plan_recovers_the_routing():
     """The emulator's per-home counts, read back from a plan with replicas (and drops)."""

@@ -298,7 +298,7 @@ def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
     rc, _, _ = cli(common + ["--out", tmp_path / "free"], capsys)
     assert rc == 0
     rc, _, err = cli(common + ["--out", tmp_path / "tight", "--mem-budget", budget], capsys)
-    assert rc == 2 and "does not fit mem_budget" in err
+    assert rc == 2 and "out of memory at step 1 (needs " in err
     rc, _, _ = cli(common + ["--out", tmp_path / "rec", "--mem-budget", budget, "--recompute"],
                    capsys)
     assert rc == 0

@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError, require
+from lrmoe.errors import LrmoeError, OutOfMemory, require
 
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
          "combine_rows", "pair_index")
@@ -725,14 +725,17 @@ class Ledger:
                 for r in range(self.G)]
 
     def raise_if_over(self, terms: list[dict[str, int]], what: str) -> None:
-        """Raise naming the worst rank, its largest terms and the shortfall."""
+        """Raise :class:`lrmoe.errors.OutOfMemory` naming the worst rank, its largest
+        terms and the shortfall."""
         if self.budget_bytes is None:
             return
         over = [(t["total"] - self.budget_bytes, r) for r, t in enumerate(terms)]
         short, r = max(over)
         if short <= 0:
             return
-        raise LrmoeError(f"{what} does not fit mem_budget: {self.describe(r, terms[r])}")
+        detail = self.describe(r, terms[r])
+        raise OutOfMemory(f"{what} does not fit mem_budget: {detail}", terms[r]["total"],
+                          self.budget_bytes, detail)
 
     def describe(self, r: int, t: dict[str, int]) -> str:
         """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...``."""

@@ -111,6 +111,17 @@ def fmt(v, spec: str = ".4f", none: str = "never") -> str:
     return none if v is None else format(v, spec)
 
 
+def fmt_ratio(v) -> str:
+    """A time-to-target ratio: a number, ``OOM`` (a policy ran out of memory) or n/a."""
+    return v if isinstance(v, str) else fmt(v, ".3f", "n/a")
+
+
+def rungs_cell(rungs: dict | None) -> str:
+    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget or from a run
+    recorded before the ladder)."""
+    return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
+
+
 def table(rep: dict) -> str:
     from lrmoe.memory import fmt_bytes
 
@@ -118,7 +129,7 @@ def table(rep: dict) -> str:
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
             "final val", "mean step (emulated ms)", "expert load max/mean",
             "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak",
-            "replicas per step (all MoE layers)"]
+            "replicas per step (all MoE layers)", "rungs (layer-steps)"]
     nz = tg["noise"]
     lines = [f"Target val loss {tg['val_loss']:.4f} (static's val curve smoothed over "
              f"{tg['smooth_window']} evaluations, at step {tg['static_step']}, fraction "
@@ -136,19 +147,21 @@ def table(rep: dict) -> str:
     for name, r in rep["policies"].items():
         st = r["steps"]
         n = max(len(st), 1)
+        never = "OOM" if r.get("out_of_memory") else "never"  # its run stopped there
+
+        def mean(key: str, spec: str = ".3f", st=st, n=n) -> str:
+            return format(sum(s.get(key, 0.0) for s in st) / n, spec) if st else "-"
         lines.append("| " + " | ".join([
-            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f"),
-            fmt(r["time_to_target_emulated_s"]), f"{r['final_val_loss']:.4f}",
-            f"{r['mean_step_emulated_s'] * 1e3:.3f}",
-            f"{sum(s['expert_load_max_over_mean'] for s in st) / n:.3f}",
-            f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
-            f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
-            f"{sum(s.get('recompute_ratio', 0.0) for s in st) / n:.3f}",
+            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f", never),
+            fmt(r["time_to_target_emulated_s"], ".4f", never), f"{r['final_val_loss']:.4f}",
+            f"{r['mean_step_emulated_s'] * 1e3:.3f}" if st else "-",
+            mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
+            mean("keep_ratio"), mean("recompute_ratio"),
             fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
-            f"{sum(s['replicas'] for s in st) / n:.1f}"]) + " |")
+            mean("replicas", ".1f"), rungs_cell(r.get("rungs"))]) + " |")
     lines.append("")
     for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
-        lines.append(f"{name} / symi emulated time-to-target: {fmt(ratio, '.3f', 'n/a')}  ")
+        lines.append(f"{name} / symi emulated time-to-target: {fmt_ratio(ratio)}  ")
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
         E, G = ModelConfig.from_hf_dict(rep["model"]).num_experts, rep["config"]["ep"]

@@ -24,6 +24,7 @@ from lrmoe.errors import LrmoeError, require
 from lrmoe.loads import load_counts, synthetic_counts
 from lrmoe.memory import TERMS, Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.lrmoe_ladder import RUNG_NOTES, rung_terms
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.symi import largest_feasible_slots
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                                      optimizer_offload=args.optimizer_offload,
                                      router_grad_at_experts=args.router_grad == "experts")
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
-    terms = ledger.rank_terms(plan)
+    terms = rung_terms(ledger, plan)
 
     print(f"{args.preset or args.config}: E={E} top_k={k} H={cfg.hidden_size} "
           f"F={cfg.moe_intermediate_size} MoE layers={ledger.L}  EP={G}  policy={args.policy}"
@@ -187,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
           f"(all layers) {fmt_bytes(ledger.L * ledger.A)}")
     if note:
         print(note)
+    if plan.rung is not None:
+        print(f"rung: {plan.rung} ({RUNG_NOTES[plan.rung]})")
     print(format_table(plan, terms, budget))
     print(summary(plan, terms, budget))
     return 0 if budget is None or max(t["total"] for t in terms) <= budget else 1

@@ -40,8 +40,12 @@ The plan is built in three passes (docs/design.md §4, lrmoe), each deterministi
    ``selection=False`` selects every retained pair.
 
 All rounding is largest-remainder (:func:`lrmoe.policy.capacity.apportion`), so sums are
-exact. The plan never exceeds the ledger's budget; if even the natives with one
-retained pair per instance do not fit, :class:`LrmoeError` names the rank and shortfall.
+exact. The plan never exceeds the ledger's budget; if even its placed instances with one
+retained pair each do not fit, :func:`plan_lrmoe_placed` raises
+:class:`lrmoe.errors.OutOfMemory` naming the rank and shortfall, and :func:`fit_lrmoe`
+(what :class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
+:mod:`lrmoe.policy.lrmoe_ladder` (exact, recompute, without replicas, whole-layer
+checkpoint), naming the rung in ``Plan.rung``; it raises only when no rung fits.
 
 **How it runs fast** (it is on every MoE layer's critical path). The planner works on
 the host counts the runtime already has after its count all-gather (no device work, no
@@ -56,12 +60,13 @@ ledger, re-deriving nothing), and passes 2 and 3 are numpy
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 from torch import Tensor
 
-from lrmoe.errors import LrmoeError, require
+from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.policy.base import PlanInputs, Prepared
 from lrmoe.policy.fastops import (
     Slots,
@@ -71,6 +76,7 @@ from lrmoe.policy.fastops import (
     to_plan,
 )
 from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.lrmoe_ladder import climb
 from lrmoe.policy.lrmoe_place import place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
@@ -109,6 +115,9 @@ class LrmoeConfig:
             critical path); ``previous`` from the previous step's counts, as SYMI does
             (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the split,
             the quotas and the budget check wait on this step's counts.
+        whole_layer: the ladder's last rung, a whole-MoE-layer checkpoint
+            (:mod:`lrmoe.policy.lrmoe_ladder`), is available to whoever runs the plans;
+            False stops the ladder before it (a step that needs it is out of memory).
     """
 
     balance: float = 1.0
@@ -125,6 +134,7 @@ class LrmoeConfig:
     fidelity_every: int = 0
     recompute: bool = False
     placement: str = "current"
+    whole_layer: bool = True
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -208,9 +218,14 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
         recv = load.sum(1)
         # Feasibility after placement: replicas may have taken pairs (and so buffer
         # bytes) off a hot rank that the native placement alone could not fit.
-        view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
-                           "the smallest lrmoe plan (its placement, one retained pair per "
-                           "instance)")
+        try:
+            view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
+                               "the smallest lrmoe plan (its placement, one retained pair "
+                               "per instance)")
+        except OutOfMemory as e:  # the ladder goes on from this placement (lrmoe_ladder)
+            a = blocks_to_GGS(assign, G, S)
+            e.placed = to_plan(inst, a, a.copy(), a.copy())
+            raise
     retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
     select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
               else retain)
@@ -223,6 +238,23 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
     if view.over(n_inst, recv, kept_G, rec):
         ledger.check(plan)
     return plan, kept
+
+
+def fit_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
+              placement: np.ndarray | None = None, slots: Slots | None = None
+              ) -> tuple[Plan, bool]:
+    """:func:`plan_lrmoe_placed` with the ladder of fallbacks under a budget
+    (:mod:`lrmoe.policy.lrmoe_ladder`): the first rung that fits, named in ``Plan.rung``,
+    or :class:`lrmoe.errors.OutOfMemory` when none does. What :class:`LrmoePolicy` runs."""
+    kept = [False]
+
+    def trimmed() -> Plan:
+        plan, kept[0] = plan_lrmoe_placed(counts_GE, config, ledger, placement, slots)
+        return plan
+    cfg = config or LrmoeConfig()
+    G, E = counts_GE.shape
+    cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
+    return climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer), kept[0]
 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None
@@ -264,6 +296,8 @@ class LrmoePolicy:
     # plans whose prepared placement did not fit the budget on the step's counts and was
     # made again from them (placement="previous")
     replaced_placements: int = 0
+    # plans per rung of the ladder (lrmoe_ladder.RUNGS) that met the budget
+    rungs: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -304,10 +338,11 @@ class LrmoePolicy:
                 prep = self.prepare(inputs.prev_counts_E, G, inputs,
                                     int(counts_GE.sum()) // G)
         placement = None if prep is None else prep.inst_expert_GS
-        plan, kept = plan_lrmoe_placed(counts_GE, cfg, inputs.ledger, placement,
-                                       None if prep is None else prep.slots)
+        plan, kept = fit_lrmoe(counts_GE, cfg, inputs.ledger, placement,
+                               None if prep is None else prep.slots)
         if placement is not None and not kept:
             self.replaced_placements += 1
+        self.rungs[plan.rung] = self.rungs.get(plan.rung, 0) + 1
         return plan
 
     def observe_fidelity(self, layer: int, cosine: float) -> None:

@@ -42,6 +42,11 @@ class Plan:
             dispatch all-to-all included, then runs the exact backward. What an exact
             policy falls back to where per-row recompute cannot fit the budget
             (:func:`fit_exact`, :func:`layer_checkpoint_plan`; docs/design.md §5).
+        rung: how the plan meets the memory budget, lrmoe's ladder
+            (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`: ``plan``, ``exact``, ``recompute``,
+            ``exact-natives``, ``recompute-natives``, ``layer``); ``None``: not decided
+            by the planner (an exact policy's fallback is decided by whoever runs it,
+            :meth:`lrmoe.memory.Ledger.exact_fit`).
     """
 
     inst_expert_GS: Tensor
@@ -51,6 +56,7 @@ class Plan:
     dropped_GE: Tensor | None = None
     recompute_G: Tensor | None = None
     layer_checkpoint: bool = False
+    rung: str | None = None
 
     @property
     def G(self) -> int:

@@ -251,7 +251,10 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     modes: list[str] = []
     peak = 0
     for i, plan in enumerate(plans):
-        if name == "lrmoe":  # its own recompute rows, if it plans any
+        if name == "lrmoe" and plan.rung == "layer":  # its ladder's
+            mode, rec, terms = ledger.exact_fit(plan)  # whole-layer rung: mode "layer"
+            rec = rec.tolist() if hasattr(rec, "tolist") else rec
+        elif name == "lrmoe":  # its own recompute rows, if it plans any
             rec = None if plan.recompute_G is None else plan.recompute_G.tolist()
             mode, terms = "pairs", ledger.rank_terms(plan)
         else:  # the exact policy's fit to the budget is part of its planning (fit_exact)
@@ -272,8 +275,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         row["reason"] = "over budget even with a whole-layer checkpoint" + (
             f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
         return row
-    if name != "lrmoe":
-        row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
+    row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
     if all(rec is not None for rec in recs):
         row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
     row["planning_ms"] = sum(ms) / len(ms)

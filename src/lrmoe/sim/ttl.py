@@ -38,6 +38,15 @@ neighbouring evaluations at the target. Policy specs may carry lrmoe variants
 own time-to-target ratio over symi. Before the first policy one untimed training step warms the
 process up (allocator, lazy inits), so the first policy is not charged for them.
 
+Memory (docs/design.md §9, "Out of memory"): under a budget every policy fits each step
+with its fallbacks (exact policies: recompute, else a whole-layer checkpoint; lrmoe: its
+ladder, :mod:`lrmoe.policy.lrmoe_ladder`), or its run stops at that step, as a GPU would:
+the result records ``out_of_memory`` (step, bytes needed, budget), its ``budget_status``
+reads "out of memory at step S (needs X GiB, budget Y GiB)", it gets no time to target,
+and every ratio over symi involving it is :data:`OOM`. Each step row counts its layers'
+rungs (``rungs``); a result sums them. static sets the target: if it runs out of memory
+the benchmark stops with that verdict.
+
 ``router_grad`` (``--router-grad``): with ``"experts"`` the exact policies (static,
 symi) run with ``BackwardOptions(router_grad="experts")``: the expert backward computes
 each pair's router gradient and ships it home beside ``dx`` (4 more bytes per row in the
@@ -79,16 +88,17 @@ import gc
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from lrmoe.errors import LrmoeError, require
+from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.memory import Ledger, parse_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
 
-OVER_BUDGET = "over budget even with recompute"
+OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
 
 @dataclass
@@ -209,23 +219,22 @@ def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
 
 
 def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
-    """``(PolicyConfig, planner ledger, recompute ledger, config note, over-budget label)``.
+    """``(PolicyConfig, planner ledger, recompute ledger, config note)``.
 
-    Exact policies (static, symi) never plan against the ledger (that would stop
-    training); under a budget they recompute the fewest pairs that fit instead
-    (``recompute ledger``). symi's ``s`` is :func:`lrmoe.policy.symi.best_slots` over
-    ``profile`` (the static run's counts at evenly spaced steps: the profiling run a
-    SYMI user would tune ``s`` on), so it fits with recompute at every profiled step.
-    lrmoe plans against the ledger (its retention quotas).
+    Exact policies (static, symi) do not plan against the ledger; under a budget the
+    emulator fits their plans with the fewest recomputed pairs, else a whole-layer
+    checkpoint (``recompute ledger``), and a step over even that is out of memory.
+    symi's ``s`` is :func:`lrmoe.sim.ttl_symi.symi_slots` over ``profile`` (the static
+    run's counts at evenly spaced steps: the profiling run a SYMI user would tune ``s``
+    on). lrmoe plans against the ledger (its retention quotas, then its ladder).
     """
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
-    from lrmoe.policy.symi import slot_costs
 
     G, E = cfg.ep, mcfg.num_experts
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
                      placement=cfg.lrmoe_placement)
-    slots, note, label = cfg.slots_per_rank, "", ""
+    slots, note = cfg.slots_per_rank, ""
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
         from lrmoe.sim.links import get_link
@@ -234,8 +243,9 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         try:
             slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
         except LrmoeError:
-            slots, label = E // G, OVER_BUDGET
-            note = f"s={slots} (E/G): no s fits the budget even with recompute"
+            slots = E // G
+            note = (f"s={slots} (E/G): no s fits the profiled steps even with a whole-layer "
+                    "checkpoint")
     elif name == "symi":
         slots = slots if slots is not None else E // G + 2
         note = f"s={slots}"
@@ -248,16 +258,13 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
                    if cfg.lrmoe_placement == "previous" else ""))
     elif name == "static":
         note = f"s={E // G} (natives)"
-        if ledger is not None and not all(E // G in slot_costs(ledger, c, p, E // G)
-                                          for c, p in zip(first_counts, pops)):
-            label = OVER_BUDGET
     if name != "lrmoe" and ledger is not None:
         note += ", recompute to fit"
     if name != "lrmoe" and cfg.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
     exact = name != "lrmoe"
-    return pc, (None if exact else ledger), (ledger if exact else None), note, label
+    return pc, (None if exact else ledger), (ledger if exact else None), note
 
 
 def _val_eval(model, batches, dev, autocast) -> dict:
@@ -327,9 +334,9 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
         row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
         row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
                                   / max(assigned, 1))
-        row["fits"] = all(s.recompute_fits and not s.fallback for s in stats) and \
-            row["ledger_peak_bytes"] <= ledger.budget_bytes
-        row["fallback_layers"] = sum(s.fallback for s in micro[-1][0])
+        row["fits"] = row["ledger_peak_bytes"] <= ledger.budget_bytes  # else out of memory
+        # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
+        row["rungs"] = dict(sorted(Counter(s.rung for s in stats).items()))
     return row
 
 
@@ -351,18 +358,17 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     router_grad = "home" if name == "lrmoe" else cfg.router_grad  # module doc
     if ledger is not None and router_grad == "experts":
         ledger = replace(ledger, router_grad_at_experts=True)
-    pc, planner_ledger, rec_ledger, note, label = _choose(name, cfg, mcfg, ledger, first_counts,
-                                                          profile)
+    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
+                                                   profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
-    # lrmoe plans against the budget; a step where no plan fits runs as the exact
-    # policies do over budget (static's plan, recompute), marked, rather than stopping
+    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
+    # fits is out of memory: the run stops there (OutOfMemory)
     vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator,
                                                         router_grad=router_grad),
-                      planner_ledger, sync, rec_ledger,
-                      over_budget_fallback=planner_ledger is not None)
+                      planner_ledger, sync, rec_ledger)
     trace, trace_GE = [], []
     # with offload: the offload code path with its "host" on the emulating device (its
     # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
@@ -379,7 +385,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     rows, evals, cum = [], [{"step": 0, **_val_eval(model, val_b, dev, autocast),
                              "cum_emulated_s": 0.0}], 0.0
     model.train()
-    failed = None
+    failed = oom = None
     try:
         N = cfg.grad_accum
         for step in range(cfg.steps):
@@ -428,6 +434,14 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                               "cum_emulated_s": cum})
                 log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
+    except OutOfMemory as e:  # as a GPU would: the run stops at that step
+        oom = {"step": len(rows) + 1, "needs_bytes": e.needs_bytes,
+               "budget_bytes": e.budget_bytes, "detail": e.detail}
+        failed = e.verdict(oom["step"])
+        if name == "static":
+            raise LrmoeError(f"static (whose run sets the target) is {failed}: {e.detail}; "
+                             "raise --mem-budget") from None
+        log(f"[{name}] {failed}")
     except LrmoeError as e:  # e.g. a non-finite loss
         if name == "static":
             raise
@@ -437,21 +451,46 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
         note += f", optimizer offload to host ({offload.layout} layout)"
     res = {"policy": name, "config": note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
-           "routing_trace": trace, "failed": failed, "_counts_GE": trace_GE}
+           "routing_trace": trace, "failed": failed, "out_of_memory": oom,
+           "_counts_GE": trace_GE}
+    if ledger is not None and rows:
+        res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
+        res["rungs"] = rung_totals(rows)
     if failed:
         res["budget_status"] = failed
     elif ledger is not None:
-        peak = max(r["ledger_peak_bytes"] for r in rows)
-        over = sum(not r["fits"] for r in rows)
-        fb = sum(r["fallback_layers"] > 0 for r in rows)
-        res["ledger_peak_bytes"], res["over_budget_steps"] = peak, over
-        res["fallback_steps"] = fb
-        res["budget_status"] = label or (f"over budget at {over}/{len(rows)} steps"
-                                         if over else "fits")
-        if fb:
-            res["budget_status"] += (f" (no plan fit at {fb} steps: those ran static's plan"
-                                     " with its recompute)")
+        res["budget_status"] = "fits" + _rung_note(res["rungs"])
     return res
+
+
+def rung_totals(rows: list[dict]) -> dict[str, int]:
+    """Layer-steps per rung over a run's step rows (``{}`` for rows recorded before
+    the ladder)."""
+    tot: Counter = Counter()
+    for r in rows:
+        tot.update(r.get("rungs", {}))
+    return dict(sorted(tot.items()))
+
+
+def _rung_note(rungs: dict[str, int]) -> str:
+    """`` (rungs: recompute 3, layer 1 of 240 layer-steps)`` when any layer-step needed
+    more than its plan, else nothing."""
+    n = sum(rungs.values())
+    more = {k: v for k, v in rungs.items() if k != "plan"}
+    if not more:
+        return ""
+    return " (" + ", ".join(f"{k} {v}" for k, v in more.items()) + f" of {n} layer-steps)"
+
+
+def ratio_over(r: dict, symi: dict | None) -> float | str | None:
+    """``r``'s time to target over symi's: :data:`OOM` when either ran out of memory,
+    ``None`` when there is no symi or either never reached the target."""
+    if symi is None:
+        return None
+    if r.get("out_of_memory") or symi.get("out_of_memory"):
+        return OOM
+    a, b = r["time_to_target_emulated_s"], symi["time_to_target_emulated_s"]
+    return a / b if a is not None and b else None
 
 
 def _max_over_mean(loads: list[torch.Tensor]) -> float:
@@ -593,8 +632,8 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     """Run every policy and return the report dict (see the module docstring).
 
     ``on_policy(name, result)`` is called after each policy (e.g. to save partial
-    results of a long run). A policy whose planner fails mid-run (lrmoe with no
-    feasible plan) is reported with ``failed`` and the steps it made.
+    results of a long run). A policy that runs out of memory (or fails otherwise,
+    e.g. a non-finite loss) is reported with ``failed`` and the steps it made.
     """
     with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
         return _bench_ttl(cfg, log, on_policy)
@@ -705,12 +744,14 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
         r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = time_to_target(
             r, raw_eval["val_loss"], cfg.target_rtol)
+        if r.get("out_of_memory"):  # a run that stopped gets no time to target
+            for k in ("steps_to_target", "time_to_target_emulated_s", "raw_steps_to_target",
+                      "raw_time_to_target_emulated_s"):
+                r[k] = None
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
-    t_symi = results["symi"]["time_to_target_emulated_s"] if "symi" in results else None
-    ratios = {p: (r["time_to_target_emulated_s"] / t_symi
-                  if t_symi and r["time_to_target_emulated_s"] is not None else None)
-              for p, r in results.items() if variants[p][0] == "lrmoe"}
+    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
+              if variants[p][0] == "lrmoe"}
     ratio = ratios.get("lrmoe")
     return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
             "model": mcfg.to_hf_dict(), "data": corpus.source,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import OutOfMemory
 from lrmoe.fused import fused, weighted_gather_sum
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
@@ -54,7 +54,6 @@ from lrmoe.parallel.weights import InstanceRoute
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 
@@ -398,18 +397,15 @@ class VirtualEPLayer:
             ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.
         check_plans: validate each plan against the counts.
         recompute_ledger: for exact policies under a budget: the ledger that decides
-            how many pairs each rank recomputes (``VirtualStats.recompute_rows``).
-        over_budget_fallback: when the planner finds no plan within ``ledger``'s budget
-            (:class:`LrmoeError`), run this step as an exact policy over budget does
-            (static's native plan, recompute per :meth:`Ledger.exact_fit`, the step
-            marked ``VirtualStats.fallback``) instead of raising. ``bench ttl`` sets it
-            for lrmoe so every policy gets the same treatment when nothing fits.
+            how many pairs each rank recomputes (``VirtualStats.recompute_rows``), or
+            that the layer is checkpointed whole; over even that, the step raises
+            :class:`lrmoe.errors.OutOfMemory`.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
                  backward_opts: BackwardOptions | None = None, ledger=None,
                  generators: list[torch.Generator | None] | None = None, check_plans: bool = True,
-                 recompute_ledger=None, over_budget_fallback: bool = False):
+                 recompute_ledger=None):
         E = layer.cfg.num_experts
         if E % G:
             raise ValueError(f"G={G} does not divide the number of experts {E}")
@@ -419,7 +415,6 @@ class VirtualEPLayer:
         self.opts = backward_opts or BackwardOptions()
         self.ledger, self.check_plans = ledger, check_plans
         self.recompute_ledger = recompute_ledger
-        self.over_budget_fallback = over_budget_fallback
         self.generators = generators or [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
@@ -510,29 +505,28 @@ class VirtualEPLayer:
         """The policy's plan and, for an exact policy under a budget, the rows it
         recomputes (what the runtime needs before its dispatch: charged, in ms, the
         third value); then, uncharged, its check (``check_plans``) and its ledger
-        pricing (the stats' bookkeeping, which the runtime need not do on the way)."""
-        layer = self.layer
-        fit_ledger, fallback = self.recompute_ledger, False
+        pricing (the stats' bookkeeping, which the runtime need not do on the way).
+
+        A plan that fits no fallback stops the step, as a GPU would: an exact policy
+        whose plan is over budget even with a whole-layer checkpoint
+        (:meth:`Ledger.exact_fit` mode ``over``) raises :class:`OutOfMemory`, as does a
+        planner that finds no plan (lrmoe: every rung of its ladder over)."""
+        fit_ledger = self.recompute_ledger
         t0 = time.perf_counter()
-        try:
-            plan = self.policy.plan(counts_GE, inputs)
-        except LrmoeError:
-            if not (self.over_budget_fallback and self.ledger is not None):
-                raise
-            # no plan fits: run static's plan, with its recompute, as static does over budget
-            plan = StaticPolicy().plan(counts_GE, PlanInputs(layer.moe_index, self.step,
-                                                             layer.prev_counts_E, None))
-            fit_ledger, fallback = self.ledger, True
+        plan = self.policy.plan(counts_GE, inputs)
+        if plan.rung == "layer":  # lrmoe's whole-layer rung
+            fit_ledger = self.ledger
         fit = None
         if plan.recompute_G is None and not plan.layer_checkpoint and fit_ledger is not None:
             fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
             if fit[0] in ("layer", "over"):  # run the checkpoint (over: as if it fitted)
                 plan = dataclasses.replace(plan, layer_checkpoint=True)
         plan_ms = (time.perf_counter() - t0) * 1e3
+        if fit is not None and fit[0] == "over":
+            raise _out_of_memory(fit_ledger, plan, fit[2])
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
-        stats.fallback = fallback
         if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
         elif plan.layer_checkpoint and fit is None:  # the planner checkpoints the layer
@@ -540,11 +534,27 @@ class VirtualEPLayer:
         elif fit is not None:
             mode, rows, totals = fit
             stats.recompute_mode, stats.recompute_rows = mode, rows.tolist()
-            stats.recompute_fits = mode != "over"
             stats.ledger_total_bytes = totals.tolist()
+        stats.rung = plan.rung or _EXACT_RUNG[stats.recompute_mode]
         if self.ledger is not None and stats.ledger_total_bytes is None:
             stats.ledger_total_bytes = plan_totals(self.ledger, plan).tolist()
         return plan, stats, plan_ms
+
+
+# an exact policy's fallback (Ledger.exact_fit's mode) as a rung of the ladder
+_EXACT_RUNG = {"fits": "plan", "pairs": "recompute", "layer": "layer"}
+
+
+def _out_of_memory(ledger, plan: Plan, totals) -> OutOfMemory:
+    """The verdict for an exact plan over budget even with a whole-layer checkpoint: the
+    ledger's own line for the worst rank's layer-checkpoint terms."""
+    counts = ledger._rank_counts(plan, None)
+    r = int(totals.argmax())
+    n, R, h, _ = counts[r]
+    t = ledger.terms(n, R, h, 0, exact=plan.exact)
+    detail = ledger.describe(r, t)
+    return OutOfMemory(f"the plan does not fit mem_budget even with a whole-layer "
+                       f"checkpoint: {detail}", int(totals.max()), ledger.budget_bytes, detail)
 
 
 def _now(dev: torch.device) -> float:

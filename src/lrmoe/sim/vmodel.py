@@ -26,8 +26,7 @@ def counts_GE_of(plan, E: int) -> torch.Tensor:
 class VirtualModel:
     """Swap every MoE layer's training forward for a :class:`VirtualEPLayer` run."""
 
-    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None,
-                 over_budget_fallback: bool = False):
+    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
         from lrmoe.sim.virtual import VirtualEPLayer
 
         self.layers, self.sync, self.wall = [], sync, 0.0
@@ -35,8 +34,7 @@ class VirtualModel:
         self.counts_GE: list[torch.Tensor] = []  # ... and per home rank
         for m in model.moe_layers:
             v = VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
-                               recompute_ledger=recompute_ledger,
-                               over_budget_fallback=over_budget_fallback)
+                               recompute_ledger=recompute_ledger)
             orig = m.forward
             m.forward = self._wrap(m, v, orig)
             self.layers.append(v)

@@ -88,18 +88,19 @@ class VirtualStats:
             rows each rank re-runs forward in backward to fit, and ``recompute_mode``
             (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
             fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
-            or ``over``: does not fit even so, ``recompute_fits`` False). Per-row
-            recompute does not change the emulator's math: :mod:`lrmoe.sim.cost`
-            models its time. A whole-layer checkpoint (``layer`` and ``over``) runs:
+            or ``over``: does not fit even so, which stops the step with an out-of-memory
+            verdict, so ``recompute_fits`` is always True where stats exist; kept for old
+            readers). Per-row recompute does not change the emulator's math:
+            :mod:`lrmoe.sim.cost` models its time. A whole-layer checkpoint (``layer``) runs:
             the emulator re-runs the forward in backward and measures it
             (``expert_ms["recompute"]``, :data:`RECOMPUTE_EXCHANGES`).
         prepare_ms: wall ms of the policy's ``prepare`` (its placement from the previous
             step's counts, :func:`lrmoe.policy.base.prepare`): not charged to any stage,
             on the assumption that it overlaps the previous step's or this layer's
             earlier work (it needs none of this step's counts).
-        fallback: the planner found no plan within its budget, so the layer ran
-            static's exact native plan with the recompute above (``over_budget_fallback``
-            of :class:`lrmoe.sim.virtual.VirtualEPLayer`).
+        rung: how the plan met the budget (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`):
+            lrmoe's ladder rung (``Plan.rung``), or an exact policy's fallback
+            (``plan``: fits as it is, ``recompute``, ``layer``).
     """
 
     plan: Plan
@@ -115,7 +116,7 @@ class VirtualStats:
     recompute_rows: list[int] | None = None
     recompute_mode: str = "fits"
     recompute_fits: bool = True
-    fallback: bool = False
+    rung: str = "plan"
     prepare_ms: float = 0.0
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:

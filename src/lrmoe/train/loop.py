@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate
@@ -581,10 +581,14 @@ class _Run:
         t0 = time.perf_counter()
         s.opt.zero_grad(set_to_none=True)
         # forward and backward of each micro-batch (global batch step * N + m)
-        sums = accumulate(
-            s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
-                                                      ctx.world).to(ctx.device),
-            accum, self.autocast)
+        try:
+            sums = accumulate(
+                s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
+                                                          ctx.world).to(ctx.device),
+                accum, self.autocast)
+        except OutOfMemory as e:  # no plan fits with every fallback: as a GPU would
+            raise LrmoeError(f"{e.verdict(step + 1)}: {e.detail}; stopped "
+                             f"({_intact(watch)})") from None
         watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
         red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(self.stops.seen)]),
                               ctx)

@@ -1,0 +1,208 @@
+"""lrmoe under a tight budget: the ladder of fallbacks, cheapest first (docs/design.md §4).
+
+Legend: G ranks, S slots per rank, E experts. All arrays int64 on the host.
+
+When the trimmed plan (:func:`lrmoe.policy.lrmoe.plan_lrmoe_placed`: its placement with
+one retained pair per instance) does not fit the budget, the planner climbs:
+
+=================  ==========================================================  ==========
+rung               what runs                                                   extra cost
+=================  ==========================================================  ==========
+``plan``           the trimmed plan as configured                              none
+``exact``          the trimmed plan's placement, every pair retained and       none
+                   selected: fits where the trimmed plan's bound does not
+                   (§5: an exact backward gathers and copies no saved rows)
+``recompute``      that placement, every pair in backward, the fewest rows     gate_up of
+                   per rank keep only their input row (``Plan.recompute_G``)   those rows
+``exact-natives``, the same two with the replicas given up (static's           balance
+``recompute-       placement)
+natives``
+``layer``          every pair in backward, nothing retained: a whole-MoE-      the layer's
+                   layer checkpoint re-runs dispatch, experts and combine in   forward
+                   backward (:func:`whole_layer_ckpt`); replicas placed again
+                   under that account (:func:`layer_placement`), as many as
+                   fit and help
+=================  ==========================================================  ==========
+
+Why these and in this order: the trimmed plan's minimum is its placed instances with one
+retained pair each (:func:`lrmoe.policy.lrmoe.plan_lrmoe_placed`); neither the keep
+floor (``min_keep`` guards replica destinations and trims selection, never the
+retention) nor the placement raises it (a replica goes only where its destination can
+still afford that minimum, and it only takes pairs off its expert's other hosts), so
+lowering the floor or placing fewer replicas never makes a *trimmed* plan exist. What
+frees memory beyond it is keeping less per pair: with every pair in backward the saved
+rows are neither gathered nor copied (``exact``), then only the input row of some
+(``recompute``: 2 of the expert's 3 GEMMs again for those rows), then nothing (the whole
+layer re-run: its dispatch, experts and combine, the dearest). Giving up the replicas
+(some forward balance) comes before the whole-layer re-run; the whole-layer rung places
+its own replicas from the natives, each only where every rank still fits, so it exists
+wherever static with the whole-layer checkpoint fits. Below that every rung is over:
+:class:`lrmoe.errors.OutOfMemory`, with the natives' whole-layer total as what the step
+needs. In practice (tests/test_oom.py, the tiny presets priced for 48 layers and
+Qwen3-30B-A3B) the trimmed plan holds down to within ~0.1% of static's whole-layer
+floor and the ``layer`` rung covers the rest: the exact rungs' retained rows cost more
+than the trimmed plan's one pair per instance.
+
+The whole-layer checkpoint is one function, :func:`whole_layer_ckpt`: the plan it
+returns carries :attr:`Plan.layer_checkpoint`, which the runtime runs (the layer's
+forward re-run in backward, dispatch included) and the ledger prices in its ``layer``
+mode. ``LrmoeConfig(whole_layer=False)`` ends the ladder before the rung.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from lrmoe.errors import LrmoeError, OutOfMemory
+from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
+from lrmoe.policy.ledger_view import plan_exact_fit
+from lrmoe.policy.plan import Plan
+
+# the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
+RUNG_NOTES = {
+    "plan": "the trimmed plan as configured",
+    "exact": "lrmoe's placement, every pair in backward",
+    "recompute": "lrmoe's placement, every pair in backward, the fewest rows recomputed",
+    "exact-natives": "no replicas, every pair in backward",
+    "recompute-natives": "no replicas, every pair in backward, the fewest rows recomputed",
+    "layer": "every pair in backward, whole-layer checkpoint, replicas that fit it",
+}
+RUNGS = tuple(RUNG_NOTES)
+
+
+def whole_layer_ckpt(plan: Plan) -> Plan:
+    """``plan`` (exact) run under a whole-MoE-layer checkpoint: nothing retained on the
+    expert ranks, backward re-runs the layer's forward first (the ledger's ``layer``
+    mode, :attr:`Plan.layer_checkpoint`). The one place the rung is made."""
+    return dataclasses.replace(plan, rung="layer", layer_checkpoint=True)
+
+
+def rung_terms(ledger, plan: Plan) -> list[dict[str, int]]:
+    """The ledger's terms per rank for ``plan`` as its rung runs it: a whole-layer
+    checkpoint retains nothing (:meth:`lrmoe.memory.Ledger.exact_fit`'s ``layer``
+    terms), any other plan as :meth:`lrmoe.memory.Ledger.rank_terms` prices it."""
+    return ledger.rank_terms(plan)  # prices a layer-checkpointed plan in that mode
+
+
+def _exact(plan: Plan) -> Plan:
+    """``plan``'s placement and split with every pair retained and selected."""
+    a = plan.assign_GGS
+    return Plan(plan.inst_expert_GS, a, a.clone(), a.clone())
+
+
+def _fit(plan: Plan, ledger, tag: str) -> tuple[Plan | None, str]:
+    """The exact ``plan`` as it is or with the fewest rows recomputed, named (``tag``:
+    the rung suffix); ``None`` when it needs the whole layer, and ``exact_fit``'s mode."""
+    mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
+    if mode == "fits":
+        return dataclasses.replace(plan, rung="exact" + tag), mode
+    if mode == "pairs":
+        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec),
+                                   rung="recompute" + tag), mode
+    return None, mode
+
+
+def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float = math.inf
+                    ) -> np.ndarray | None:
+    """Replicas for a whole-layer checkpoint: from the natives (``[G, S]``, ``S - E/G``
+    free slots per rank), repeatedly take the expert with the largest per-instance load
+    that has an instance on a rank at the maximum load and add one on the least-loaded
+    rank (ties: lower id) with a free slot that holds none of it, if every rank still
+    fits the ledger's whole-layer terms (:meth:`lrmoe.memory.Ledger.exact_fit` not
+    ``over``: the same verdict as for static's checkpoint) and
+    the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
+    ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""
+    G, E = counts_GE.shape
+    total = counts_GE.sum(0)
+    inst = np.full((G, S), -1, dtype=np.int64)
+    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+
+    def loads(p):
+        return Slots(p, E).even_split(total)
+
+    def fits(p, load):
+        # the ledger's own verdict on the exact plan (Ledger.exact_fit): "over" exactly
+        # when even the whole-layer checkpoint does not fit, as it decides for static
+        a = blocks_to_GGS(Slots(p, E).overlap_ig(counts_GE, load), G, S)
+        return plan_exact_fit(ledger, to_plan(p, a, a.copy(), a.copy()))[0] != "over"
+    load = loads(inst)
+    if not fits(inst, load):
+        return None
+    added = 0
+    while added < max_replicas:
+        rank = load.sum(1)
+        top = int(rank.max())
+        key = (top, int((rank == top).sum()))
+        hot = np.flatnonzero(rank == top)
+        n_of = np.bincount(inst[inst >= 0], minlength=E)
+        cands = sorted({int(e) for e in inst[hot].ravel() if e >= 0 and total[e] > n_of[e]},
+                       key=lambda e: (-total[e] / n_of[e], e))
+        moved = False
+        for e in cands:
+            held = set(np.flatnonzero((inst == e).any(1)).tolist())
+            for d in sorted(range(G), key=lambda r: (rank[r], r)):
+                free = np.flatnonzero(inst[d] < 0)
+                if d in held or free.size == 0:
+                    continue
+                trial = inst.copy()
+                trial[d, free[0]] = e
+                tl = loads(trial)
+                tr = tl.sum(1)
+                if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
+                    inst, load, moved = trial, tl, True
+                break  # only the least-loaded destination, as pass 1
+            if moved:
+                break
+        if not moved:
+            break
+        added += 1
+    return inst
+
+
+def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
+          max_replicas: float = math.inf, whole_layer: bool = True) -> Plan:
+    """The first rung whose plan fits ``ledger`` (see the module docstring).
+
+    ``plan_fn()`` makes the trimmed plan: it returns the plan (rung ``plan``) or raises
+    :class:`OutOfMemory` with the exact plan on its placement attached (``placed``).
+    ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung;
+    ``whole_layer=False``: no whole-layer rung.
+    """
+    try:
+        return dataclasses.replace(plan_fn(), rung="plan")
+    except OutOfMemory as e:
+        first = e
+    if ledger is None or ledger.budget_bytes is None:
+        raise first
+    G, E = counts_GE.shape
+    if E % G:
+        raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
+    c = host_counts(counts_GE)
+    placed = getattr(first, "placed", None)
+    if placed is not None:
+        plan, _ = _fit(_exact(placed), ledger, "")
+        if plan is not None:
+            return plan
+    a = c.reshape(G, G, E // G)
+    natives = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
+    plan, _ = _fit(natives, ledger, "-natives")
+    if plan is not None:
+        return plan
+    inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
+    if inst is not None:
+        idx = Slots(inst, E)
+        assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, slots_per_rank)
+        return whole_layer_ckpt(to_plan(inst, assign, assign.copy(), assign.copy()))
+    if whole_layer:  # what the last rung needed: the natives' whole-layer totals
+        need = int(plan_exact_fit(ledger, natives)[2].max())
+        rungs = RUNGS
+    else:  # what the last rung tried needed: the natives with every row recomputed
+        every = dataclasses.replace(natives, recompute_G=natives.rank_load().clone())
+        need = max(t["total"] for t in ledger.rank_terms(every))
+        rungs = RUNGS[:-1]
+    raise OutOfMemory(f"lrmoe: no plan fits mem_budget at any rung ({', '.join(rungs)}): "
+                      f"{first.detail}", need, ledger.budget_bytes, first.detail)

@@ -84,9 +84,9 @@ def test_lrmoe_finds_a_plan_down_to_statics_whole_layer_floor(preset, T, G, L, s
 
 
 def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
-    """``LrmoeConfig(whole_layer=False)`` (what ``lrmoe train`` builds while its runtime has
-    no whole-layer checkpoint) stops the ladder before that rung: where it would be
-    taken the step is out of memory, needing more than the budget."""
+    """``LrmoeConfig(whole_layer=False)`` stops the ladder before that rung: where it would
+    be taken the step is out of memory, needing more than the budget. ``lrmoe train``
+    climbs to it (its runtime runs the whole-layer checkpoint)."""
     from lrmoe.train.config import TrainConfig, build_policy
 
     cfg = get_preset("tiny-qwen3")
@@ -101,8 +101,8 @@ def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
     with pytest.raises(OutOfMemory, match="recompute-natives\\)") as e:
         fit_lrmoe(counts, LrmoeConfig(whole_layer=False), led)
     assert e.value.needs_bytes > e.value.budget_bytes == floor
-    pol = build_policy(TrainConfig(preset="tiny-qwen3", policy="lrmoe", ep=1), cfg, 1)
-    assert pol.config.whole_layer is False
+    pol = build_policy(TrainConfig.from_flat(preset="tiny-qwen3", policy="lrmoe", ep=1), cfg, 1)
+    assert pol.config.whole_layer is True
 
 
 def test_whole_layer_rung_places_replicas_only_where_every_rank_fits():

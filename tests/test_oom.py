@@ -230,3 +230,27 @@ def test_train_out_of_memory_mid_run_keeps_the_checkpoints(tmp_path, capsys, mon
     assert main(["train", "--out", str(run), "--resume", "--threads", "1"]) == 0
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
     assert steps == [1, 2, 3, 4]
+
+
+def test_train_falls_back_to_the_whole_layer_checkpoint(tmp_path):
+    """``lrmoe train --policy static --recompute`` at a budget below every pair recomputed
+    but above the whole-layer checkpoint's need: the steps run (no verdict), checkpointed
+    whole, with the unbudgeted run's losses."""
+    cfg = get_preset("tiny-qwen3")
+    led = Ledger.for_dtype(cfg, 1, None, "fp32")
+    E, P = cfg.num_experts, 4 * 64 * cfg.num_experts_per_tok
+    every = led.terms(E, P, P, P, P)["total"]
+    layer = led.layer_terms(E, P, P)["total"]
+    assert layer < every
+    common = ["train", "--preset", "tiny-qwen3", "--steps", "3", "--eval-every", "0", *SMALL]
+    assert main(common + ["--out", str(tmp_path / "free")]) == 0
+    assert main(common + ["--out", str(tmp_path / "ckpt"), "--recompute",
+                          "--mem-budget", str((layer + every) // 2)]) == 0
+    rows = {k: [r for r in read_metrics(tmp_path / k / "metrics.jsonl") if r.get("kind") == "train"]
+            for k in ("free", "ckpt")}
+    assert [r["loss"] for r in rows["ckpt"]] == pytest.approx([r["loss"] for r in rows["free"]],
+                                                              rel=1e-5)
+    for r in rows["ckpt"]:  # every MoE layer checkpointed whole: nothing saved, all re-run
+        assert all(m["saved_act_bytes"] == 0 and m["recomputed"] == m["fwd_rows"] > 0
+                   for m in r["moe"])
+    assert all(m["saved_act_bytes"] > 0 for r in rows["free"] for m in r["moe"])

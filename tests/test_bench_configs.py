@@ -38,3 +38,18 @@ def test_glm_variants_change_only_the_bias_rate(name, rate):
         {k: v for k, v in base.items() if k != "lrmoe_bias_update_rate"}
     assert ModelConfig.from_hf_dict(var).bias_update_rate == rate
     assert ModelConfig.from_hf_dict(base).bias_update_rate != rate
+
+
+@pytest.mark.parametrize("name,rate", [("glm-4.5-air-moe-2L.json", 0.001),
+                                       ("glm-4.5-air-moe-2L-bias03.json", 0.03)])
+def test_glm_twin_without_a_dense_layer(name, rate):
+    """The GLM twin of the memory study: both decoder layers MoE (the real model has one
+    dense layer in 46), otherwise the GLM layer config, with its bias rate."""
+    base = json.loads((CONFIGS / "glm-4.5-air-layer-2L.json").read_text())
+    twin = json.loads((CONFIGS / name).read_text())
+    keep = ("first_k_dense_replace", "lrmoe_bias_update_rate")
+    assert {k: v for k, v in twin.items() if k not in keep} == \
+        {k: v for k, v in base.items() if k not in keep}
+    cfg = ModelConfig.from_hf_dict(twin)
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    assert cfg.bias_update_rate == rate

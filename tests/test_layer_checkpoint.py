@@ -2,7 +2,7 @@
 
 Exact: the checkpointed layer's output and gradients equal the layer's without it (one
 process, and EP over gloo). Priced: what autograd keeps for the checkpointed layer is
-what the ledger's ``layer`` mode says (:meth:`lrmoe.memory.Ledger.layer_terms`). Planned:
+what the ledger's ``layer`` mode says (:meth:`lrmoe.ledger.Ledger.layer_terms`). Planned:
 under a budget that per-row recompute cannot meet but the checkpoint can, the exact
 policies return layer-checkpointed plans. Emulated: the emulator re-runs the layer's
 forward in backward and charges what it measured there (``bwd_recompute``).
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_util import FixedRouter, hot_replica_plan, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.groups import ParallelContext, shard_experts

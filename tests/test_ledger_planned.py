@@ -18,11 +18,11 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.loads import synthetic_counts
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.symi import plan_symi
 from lrmoe.presets import get_preset
+from lrmoe.routing_loads import synthetic_counts
 
 
 def _cfg(H: int = 32, F: int = 24, E: int = 8, K: int = 2) -> ModelConfig:

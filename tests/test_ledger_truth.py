@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lrmoe.config import ModelConfig
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer
 from lrmoe.parallel.comm import EPComm
 from lrmoe.policy.base import PlanInputs

@@ -18,7 +18,7 @@ import torch
 
 import test_ledger_truth as truth
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.ops import experts as ops

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.ops.experts import gate_up, offsets, prefix_counts, swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.ops.experts import swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.parallel.exchange import BackwardOptions, _timed
 from lrmoe.policy.plan import Plan, native_plan
 

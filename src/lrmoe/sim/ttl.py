@@ -94,7 +94,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
-from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.ledger import Ledger, parse_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
 

@@ -7,7 +7,7 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import native_placement
 

@@ -302,7 +302,7 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
 
 
 def test_buffers_equal_the_rows_alive():
-    """:meth:`Ledger.layer_buffer_bytes` against the code, as ``test_ledger_truth`` does
+    """:meth:`Ledger.layer_checkpoint_buffer_bytes` against the code, as ``test_ledger_truth`` does
     for the other modes (:class:`live_rows.LiveRows`: the row tensors alive at every line
     and op of the exchange): the forward without a graph peaks at the exact forward's
     largest point plus the rows it would keep; the re-run in backward at that beside the
@@ -356,6 +356,6 @@ def test_buffers_equal_the_rows_alive():
         assert rerun == b * (Tt * Hd + max(fpts.values()) + kept), me
         bpts = one.backward_points(Tt, R, h, R, 0, h, False)
         assert back - b * Tt * Hd == b * (max(bpts.values()) + kept + Tt * Hd), me
-        assert one.layer_buffer_bytes(R, h) == max(
+        assert one.layer_checkpoint_buffer_bytes(R, h) == max(
             b * (max(fpts.values()) + kept), rerun + h * 24,
             back - b * Tt * Hd + R * 20 + h * 24)

@@ -51,7 +51,7 @@ casts autocast keeps for a forward (every non-expert matrix but the embedding; t
 experts too when they are fp32 on the device), kept for backward unless checkpointed;
 the logits (forward: bf16 logits, their fp32 copy and the log-softmax, ``10·N·V``;
 backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
-``12·N·V``); one MoE layer's transients (:meth:`lrmoe.ledger.Ledger.plan_buffer_bytes`)
+``12·N·V``); one MoE layer's transients (:meth:`lrmoe.ledger.Ledger.rows_buffer_bytes`)
 and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
 on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
 parameters), then the host step's fp32 widening of one offloaded gradient on the GPU.
@@ -285,7 +285,7 @@ class StepLedger:
         worst = max(range(L), key=lambda i: self.layer_saved(i, N, "none") + self.layer_casts(i))
         moe = self._moe_ledger()
         P = N * c.num_experts_per_tok
-        buffers = moe.plan_buffer_bytes(P, P, P, exact=True) if c.moe_layers else 0
+        buffers = moe.rows_buffer_bytes(P, P, P, exact=True) if c.moe_layers else 0
         expert_grad = (DTYPE_BYTES[self.compute_dtype if self.optimizer_offload == "host"
                                    else "fp32"] * layer_params(c, worst)["experts"])
         return {

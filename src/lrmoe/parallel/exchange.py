@@ -379,7 +379,7 @@ class ExpertExchange(torch.autograd.Function):
         # The kept rows are the Function's own intermediates (never its inputs or output,
         # so no reference cycle): held in a plain dict rather than save_for_backward,
         # whose tensors live until backward returns, so backward can drop each one at its
-        # last use (Ledger.plan_buffer_bytes, design §5).
+        # last use (Ledger.rows_buffer_bytes, design §5).
         if st.opts.checkpointed:
             ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK, saved_x, saved_gu, y_send)
         else:

@@ -636,7 +636,7 @@ class Ledger:
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact)
                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
-        if plan_buffers:  # the buffers derived from the code, for this plan (§5)
+        if plan_buffers:  # the buffers derived from the code, for this plan (docs/design.md §5)
             counts = self._rank_counts(plan, tokens_per_rank_home)
             for r, (t, (_, R, h, k), n) in enumerate(zip(out, counts, rec)):
                 buf = self.rows_buffer_bytes(R, h, k, n, self.backward_rows(plan, r), plan.exact)

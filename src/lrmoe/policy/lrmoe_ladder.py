@@ -11,7 +11,8 @@ rung               what runs                                                   e
 ``plan``           the trimmed plan as configured                              none
 ``exact``          the trimmed plan's placement, every pair retained and       none
                    selected: fits where the trimmed plan's bound does not
-                   (§5: an exact backward gathers and copies no saved rows)
+                   (an exact backward gathers and copies no saved rows:
+                   docs/design.md §5)
 ``recompute``      that placement, every pair in backward, the fewest rows     gate_up of
                    per rank keep only their input row (``Plan.recompute_G``)   those rows
 ``exact-natives``, the same two with the replicas given up (static's           balance

@@ -65,7 +65,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: 
 from gpu_common import out_dir, write_outputs  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
-from lrmoe.memory import Ledger  # noqa: E402
+from lrmoe.ledger import Ledger  # noqa: E402
 from onerank import OneRankComm  # noqa: E402
 
 STAGES = ("count_exchange_ms", "plan_ms", "local_ms", "select_ms", "gather_ms",

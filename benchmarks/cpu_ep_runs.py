@@ -320,7 +320,7 @@ def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict, plan
             f"(saved_act_bytes).",
         ]
         if "ledger_total_bytes_max" in lr:
-            from lrmoe.memory import parse_bytes
+            from lrmoe.ledger import parse_bytes
 
             lines.append(f"- ledger total per rank (all MoE layers), max over steps and ranks: "
                          f"{lr['ledger_total_bytes_max'] / 2**20:.2f} MiB of the "

@@ -1,6 +1,6 @@
 """Can the whole Qwen3-30B-A3B train on one GPU with host optimizer offload? MODELLED.
 
-The whole-model step ledger (:class:`lrmoe.step_memory.StepLedger`) prices, for every
+The whole-model step ledger (:class:`lrmoe.step_ledger.StepLedger`) prices, for every
 micro-batch size and activation-checkpoint mode asked, the GPU bytes by term (weights,
 gradients and AdamW state where they live, the activations and transients of the
 largest phase of a step) and the host bytes (fp32 masters, moments and the host
@@ -51,10 +51,10 @@ from gpu_common import out_dir, write_outputs  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
-from lrmoe.memory import fmt_bytes, parse_bytes  # noqa: E402
+from lrmoe.ledger import fmt_bytes, parse_bytes  # noqa: E402
 from lrmoe.presets import PRESETS, get_preset  # noqa: E402
 from lrmoe.sim.offload import PCIE5_X16  # noqa: E402
-from lrmoe.step_memory import MODES, StepLedger  # noqa: E402
+from lrmoe.step_ledger import MODES, StepLedger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b-full.json"

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: synthetic peers
 
-from lrmoe.memory import TERMS, Ledger, fmt_bytes  # noqa: E402
+from lrmoe.ledger import TERMS, Ledger, fmt_bytes  # noqa: E402
 from lrmoe.model.moe import MoELayer  # noqa: E402
 from lrmoe.policy.base import PlanInputs  # noqa: E402
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy  # noqa: E402

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the reference planner
 
 from lrmoe.errors import LrmoeError  # noqa: E402
-from lrmoe.memory import Ledger  # noqa: E402
+from lrmoe.ledger import Ledger  # noqa: E402
 from lrmoe.policy import (  # noqa: E402
     CapacityPolicy,
     LrmoeConfig,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from summarize_seeds import load_report  # noqa: E402
 
 from lrmoe.commands.bench import fmt  # noqa: E402
-from lrmoe.memory import fmt_bytes  # noqa: E402
+from lrmoe.ledger import fmt_bytes  # noqa: E402
 from lrmoe.sim.links import Link, get_link  # noqa: E402
 from lrmoe.sim.target import crossing, target_at  # noqa: E402
 

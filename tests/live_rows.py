@@ -1,6 +1,6 @@
 """Which row tensors are alive, at every point of a backward, on the CPU (test helper).
 
-Ground truth for ``Ledger.plan_buffer_bytes`` and for the exchange's early frees: while
+Ground truth for ``Ledger.rows_buffer_bytes`` and for the exchange's early frees: while
 a :class:`LiveRows` is active, a ``TorchDispatchMode`` registers a weak reference to the
 storage of every tensor an op creates (a storage's Python object lives exactly as long
 as the storage), and the bytes of the registered *row* storages still alive are summed

@@ -24,7 +24,7 @@ def tiny(model: str) -> ModelConfig:
 
 
 def runtime(policy: str, cfg: ModelConfig, G: int = 1, comm=None, **kw) -> MoERuntime:
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig, make_policy
 

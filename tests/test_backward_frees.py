@@ -18,7 +18,7 @@ import torch
 import lrmoe.ops.experts as ops
 import test_ledger_truth as truth
 from live_rows import LiveRows
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from onerank import one_rank_layer

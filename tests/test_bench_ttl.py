@@ -365,7 +365,7 @@ def test_symi_gets_more_slots_with_router_grad_at_experts():
     smallest budget where, with the router gradient at the experts, it takes a replica
     slot: the home ledger (combined rows kept: more recompute at every s) does not."""
     from lrmoe.errors import LrmoeError
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
     from lrmoe.presets import get_preset
     from lrmoe.sim.links import get_link
     from lrmoe.sim.ttl_symi import symi_slots
@@ -396,7 +396,7 @@ def test_plan_compare_router_grad_experts(tmp_path, capsys):
     """``plan --compare --router-grad experts``: static and symi are priced without the
     combined rows (lower ledger peak, less recompute, the router gradient in the backward
     combine), lrmoe as with home; a bad value is one line, exit code 2."""
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
     from lrmoe.presets import get_preset
 
     cfg = get_preset("tiny-qwen3")
@@ -499,7 +499,7 @@ def test_symi_note_names_the_rule_that_chose_s():
     """When no s fits every profiled step (the popularity is a previous step's, and the
     hot expert moved), symi's s is the one that fits the most steps, and the note says
     that, not "least modelled time among the s that fit every step"."""
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
     from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
     from lrmoe.presets import get_preset
     from lrmoe.sim.links import get_link

@@ -134,7 +134,7 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
 
 
 def test_binding_budget_binds_lrmoe_and_lets_it_plan():
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
     from lrmoe.policy.lrmoe import LrmoePolicy
 
     cfg = get_preset("tiny-qwen3")

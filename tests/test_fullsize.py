@@ -1,4 +1,4 @@
-"""The whole-model step ledger (``lrmoe.step_memory``) against the model and the trainer:
+"""The whole-model step ledger (``lrmoe.step_ledger``) against the model and the trainer:
 its parameter count is the model's, its GPU/host split under host offload is what the
 trainer's optimizer allocates, and what it says a layer keeps for backward is what
 autograd keeps (CPU, bf16 autocast: the CUDA trainer's precision)."""
@@ -13,7 +13,7 @@ import torch
 
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import get_preset, param_counts
-from lrmoe.step_memory import CATEGORIES, StepLedger, param_breakdown
+from lrmoe.step_ledger import CATEGORIES, StepLedger, param_breakdown
 
 
 def _category(name: str) -> str:

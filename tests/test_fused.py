@@ -1,12 +1,12 @@
-"""lrmoe.fused: the compiled helpers take rows as the only dynamic dimension.
+"""lrmoe.ops.fused: the compiled helpers take rows as the only dynamic dimension.
 
 The compiled path runs on CUDA only; here Dynamo traces the same functions on CPU with
 a recording backend, so the shapes each graph was compiled for can be read back."""
 
 import torch
 
-from lrmoe.fused import gathered_dot, rows_dynamic, weighted_gather_sum
 from lrmoe.ops.experts import _act_grad_rowdot_eager
+from lrmoe.ops.fused import gathered_dot, rows_dynamic, weighted_gather_sum
 
 
 def _recording_backend(graphs: list):

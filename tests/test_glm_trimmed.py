@@ -25,7 +25,7 @@ import torch
 
 import lrmoe.sim.virtual as virtual
 from lrmoe.config import ModelConfig
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.transformer import MoEForCausalLM
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy

@@ -41,7 +41,7 @@ def make_policy(name: str, cfg: ModelConfig, G: int):
 def ledger_for(name: str, cfg: ModelConfig, G: int):
     if name != "lrmoe":
         return None
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
 
     return Ledger.for_dtype(cfg, G, 2**30, "fp32")
 

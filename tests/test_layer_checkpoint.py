@@ -2,7 +2,7 @@
 
 Exact: the checkpointed layer's output and gradients equal the layer's without it (one
 process, and EP over gloo). Priced: what autograd keeps for the checkpointed layer is
-what the ledger's ``layer`` mode says (:meth:`lrmoe.memory.Ledger.layer_terms`). Planned:
+what the ledger's ``layer`` mode says (:meth:`lrmoe.ledger.Ledger.layer_terms`). Planned:
 under a budget that per-row recompute cannot meet but the checkpoint can, the exact
 policies return layer-checkpointed plans. Emulated: the emulator re-runs the layer's
 forward in backward and charges what it measured there (``bwd_recompute``).
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_util import FixedRouter, hot_replica_plan, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.groups import ParallelContext, shard_experts
@@ -302,7 +302,7 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
 
 
 def test_buffers_equal_the_rows_alive():
-    """:meth:`Ledger.layer_buffer_bytes` against the code, as ``test_ledger_truth`` does
+    """:meth:`Ledger.layer_checkpoint_buffer_bytes` against the code, as ``test_ledger_truth`` does
     for the other modes (:class:`live_rows.LiveRows`: the row tensors alive at every line
     and op of the exchange): the forward without a graph peaks at the exact forward's
     largest point plus the rows it would keep; the re-run in backward at that beside the
@@ -356,6 +356,6 @@ def test_buffers_equal_the_rows_alive():
         assert rerun == b * (Tt * Hd + max(fpts.values()) + kept), me
         bpts = one.backward_points(Tt, R, h, R, 0, h, False)
         assert back - b * Tt * Hd == b * (max(bpts.values()) + kept + Tt * Hd), me
-        assert one.layer_buffer_bytes(R, h) == max(
+        assert one.layer_checkpoint_buffer_bytes(R, h) == max(
             b * (max(fpts.values()) + kept), rerun + h * 24,
             back - b * Tt * Hd + R * 20 + h * 24)

@@ -1,9 +1,11 @@
-"""Package layering: ``train/`` does not import ``sim/``, and the runtime
-(``parallel/``) knows the :class:`~lrmoe.policy.plan.Plan` type, never a policy."""
+"""Package layering: ``train/`` does not import ``sim/``, the runtime (``parallel/``)
+knows the :class:`~lrmoe.policy.plan.Plan` type, never a policy, and docs/design.md's
+module map (§1) names every module of the package and only those."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import torch
@@ -50,3 +52,32 @@ def test_native_plan_is_static_unbudgeted_plan():
         for f in ("inst_expert_GS", "assign_GGS", "retain_GGS", "select_GGS"):
             assert torch.equal(getattr(want, f), getattr(got, f)), (G, E, f)
         assert got.recompute_G is None and got.dropped_GE is None
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_map() -> list[str]:
+    """The first-column paths of docs/design.md's module map (§1's package table)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    start = text.index("## 1. Package layout")
+    table = text[start:text.index("\nOutside the package:", start)]
+    out = []
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            out += re.findall(r"`([^`]+)`", line.split("|")[1])
+    return out
+
+
+def test_module_map_names_every_module_and_only_modules():
+    src = ROOT / "src" / "lrmoe"
+    tree = {p.relative_to(src).as_posix() for p in src.rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py")}
+    named = _module_map()
+    assert len(named) == len(set(named)), "a path is named twice in the module map"
+    modules = {p for p in named if p.endswith(".py")}
+    assert tree - modules == set(), "modules missing from docs/design.md §1's module map"
+    assert modules - tree == set(), "docs/design.md §1's module map names modules that do not exist"
+    folders = [p for p in named if not p.endswith(".py")]
+    assert all(p.endswith("/") and (src / p).is_dir() for p in folders), folders
+    assert {p.split("/")[0] + "/" for p in tree if "/" in p} <= set(folders)

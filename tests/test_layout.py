@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrmoe.config import ModelConfig
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.parallel.layout import home_layout, ranges, recv_layout
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity

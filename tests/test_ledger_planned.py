@@ -1,8 +1,8 @@
-"""What the planners price (``Ledger.planned_buffer_bytes``) against the code-derived
+"""What the planners price (``Ledger.counts_buffer_bytes``) against the code-derived
 account of the plans they make, and the ledger's solvers against brute force.
 
 * exact plans (static, SYMI): the planners' buffers term *is* the code-derived one
-  (``Ledger.plan_buffer_bytes`` with the plan's rows, checked against the live row
+  (``Ledger.rows_buffer_bytes`` with the plan's rows, checked against the live row
   tensors in ``tests/test_ledger_truth.py`` and the H200's peak);
 * trimmed plans (LRMoE): the planners' term bounds it from above, for every rank;
 * ``retain_capacity``, ``recompute_needed`` and ``retain_capacity_recompute`` give what
@@ -18,11 +18,11 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.loads import synthetic_counts
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.symi import plan_symi
 from lrmoe.presets import get_preset
+from lrmoe.routing_loads import synthetic_counts
 
 
 def _cfg(H: int = 32, F: int = 24, E: int = 8, K: int = 2) -> ModelConfig:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lrmoe.config import ModelConfig
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer
 from lrmoe.parallel.comm import EPComm
 from lrmoe.policy.base import PlanInputs
@@ -255,7 +255,7 @@ def exchange_node(out: torch.Tensor):
 
 @pytest.mark.parametrize("case", CASES)
 def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
-    """Ledger.plan_buffer_bytes against the code: at every point of one rank's forward
+    """Ledger.rows_buffer_bytes against the code: at every point of one rank's forward
     and backward (every line of the exchange's forward or backward and of the functions
     it hands its rows to, and every op they call; :class:`live_rows.LiveRows`) the row
     tensors alive (``[N, H]``, ``[N, F]``, ``[N, 2F]``, by storage) are summed, the
@@ -310,7 +310,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         missing = {name: v for name, v in fpoints.items() if b * v not in forward}
         assert not missing, (case, me, missing)
         buf = one.rank_terms(plan, plan_buffers=True)[me]["buffers"]
-        assert buf == one.plan_buffer_bytes(R, h, k, rec, bw, plan.exact)
+        assert buf == one.rows_buffer_bytes(R, h, k, rec, bw, plan.exact)
         assert buf == max(max(forward), max(measured) + n * (20 + 16 * gth)), (case, me)
         seen["gathered"] |= bool(gth)
         seen["rec"] |= rec > 0

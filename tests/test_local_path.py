@@ -18,7 +18,7 @@ import torch
 
 import test_ledger_truth as truth
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.ops import experts as ops
@@ -326,7 +326,7 @@ def test_backward_rows_alive_are_the_exchanges():
     P = T * K
     plan = StaticPolicy().plan(torch.tensor([[P] + [0] * (E - 1)]), PlanInputs())
     # the ledger's buffers for that plan: the same largest point (its backward's), plus
-    # the expert backward's 20 index bytes per row (Ledger.plan_buffer_bytes)
+    # the expert backward's 20 index bytes per row (Ledger.rows_buffer_bytes)
     buf = Ledger(cfg, 1, num_moe_layers=1).rank_terms(plan, plan_buffers=True)[0]["buffers"]
     assert peak[True] + 20 * P == buf
 

@@ -84,7 +84,7 @@ def test_build_optimizer_rejects_unknown_offload():
 
 # ----------------------------------------------------------------------------- ledger
 def test_ledger_with_offload_counts_only_the_gpu():
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
 
     cfg = get_preset("qwen3-30b-a3b")
     dev = Ledger.for_dtype(cfg, 8, None, "bf16")
@@ -160,8 +160,8 @@ def test_plan_compare_prices_symi_with_offload():
     """With offload SYMI's E/G slots still pay the sharded weight scatter; a budget the
     on-device optimizer state alone exceeds fits SYMI with replicas on the host design,
     its s the least modelled time among those that fit."""
-    from lrmoe.loads import synthetic_counts
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
+    from lrmoe.routing_loads import synthetic_counts
     from lrmoe.sim.analytic import project_policy
     from lrmoe.sim.links import LINKS
 
@@ -263,8 +263,8 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
     modelled MoE time *with* the offload traffic; on InfiniBand that differs from the
     choice priced without it (the sharded layout gathers even SYMI's natives)."""
     from lrmoe.config import ModelConfig
-    from lrmoe.loads import synthetic_counts
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
+    from lrmoe.routing_loads import synthetic_counts
     from lrmoe.sim.analytic import fastest_symi_slots, project_policy
     from lrmoe.sim.links import LINKS
     cfg = ModelConfig.from_hf_dict({**get_preset("qwen3-30b-a3b").to_hf_dict(),

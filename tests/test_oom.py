@@ -19,14 +19,14 @@ import pytest
 from dist_util import load_benchmark
 from lrmoe.cli import main
 from lrmoe.errors import OutOfMemory
-from lrmoe.loads import synthetic_counts
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.lrmoe import LrmoeConfig, fit_lrmoe
 from lrmoe.policy.lrmoe_ladder import RUNGS, rung_terms
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.presets import get_preset
+from lrmoe.routing_loads import synthetic_counts
 from lrmoe.train.metrics import read_metrics
 
 
@@ -136,7 +136,7 @@ def test_whole_layer_rung_places_replicas_only_where_every_rank_fits():
 
 def whole(inst, c):
     """The exact plan on placement ``inst`` for counts ``c``."""
-    from lrmoe.policy.fastops import Slots, blocks_to_GGS, to_plan
+    from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, to_plan
     idx = Slots(inst, c.shape[1])
     a = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), c.shape[0], inst.shape[1])
     return to_plan(inst, a, a.copy(), a.copy())

@@ -14,8 +14,7 @@ import torch
 from dist_util import FixedRouter
 from lrmoe.cli import main
 from lrmoe.config import ModelConfig
-from lrmoe.loads import RoutingTrace, read_trace, synthetic_counts
-from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.ledger import Ledger, parse_bytes
 from lrmoe.model.moe import MoELayer
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.plan import Plan, full_plan
@@ -23,6 +22,7 @@ from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import plan_symi
 from lrmoe.presets import get_preset
+from lrmoe.routing_loads import RoutingTrace, read_trace, synthetic_counts
 from lrmoe.sim.analytic import mean_step_times, modelled_stats
 from lrmoe.sim.cost import STAGES, step_times
 from lrmoe.sim.links import LINKS

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoePolicy, PlanInputs, StaticPolicy, SymiPolicy
 from lrmoe.policy import lrmoe as lrmoe_mod
 from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
-from lrmoe.policy.fastops import apportion_np, even_split_np, interval_overlap_np
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
 from lrmoe.policy.lrmoe_ladder import rung_terms
 from lrmoe.policy.plan import even_split, full_plan, interval_overlap
+from lrmoe.policy.plan_numpy import apportion_np, even_split_np, interval_overlap_np
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
 from lrmoe.presets import get_preset

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
@@ -437,9 +437,9 @@ def test_plan_recompute_field_checked_and_counted():
         assert a[r]["retained_acts"] - b[r]["retained_acts"] == saved
         # the backward's rebuild points make the transients grow by what the ledger says
         grew = b[r]["buffers"] - a[r]["buffers"]
-        assert grew == free.planned_buffer_bytes(int(load[r]), int(counts[r].sum()),
-                                                 int(load[r]), int(load[r] // 2), True) \
-            - free.planned_buffer_bytes(int(load[r]), int(counts[r].sum()), int(load[r]), 0, True)
+        assert grew == free.counts_buffer_bytes(int(load[r]), int(counts[r].sum()),
+                                                int(load[r]), int(load[r] // 2), True) \
+            - free.counts_buffer_bytes(int(load[r]), int(counts[r].sum()), int(load[r]), 0, True)
         assert a[r]["total"] - b[r]["total"] == saved - grew
     budget = sorted(t["total"] for t in a)[G // 2]
     led = Ledger(cfg, G, budget)

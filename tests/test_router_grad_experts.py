@@ -16,7 +16,7 @@ import onerank
 import test_compile
 import test_ledger_truth as truth
 from dist_util import hot_replica_plan, run_world
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.ops import experts as ex

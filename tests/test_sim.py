@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
 from lrmoe.config import ModelConfig
 from lrmoe.errors import OutOfMemory
-from lrmoe.memory import Ledger
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
@@ -312,7 +312,7 @@ def test_recompute_ledger_charges_time_not_math():
     time; a whole-layer checkpoint runs (``Plan.layer_checkpoint``): its backward
     re-sends the forward's dispatch and combine and re-runs its expert kernels, and is
     charged what it measured there."""
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
 
     base, _ = emulate("static", 5)
     layer, idx, x, coeff = make_case(5)

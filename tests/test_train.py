@@ -287,7 +287,7 @@ def test_api_accepts_a_namespace_and_validates(tmp_path):
 def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
     """static over --mem-budget stops; with --recompute it recomputes just enough rows'
     gate_up outputs to fit, and trains like the unbudgeted run (fp32 tolerance)."""
-    from lrmoe.memory import Ledger
+    from lrmoe.ledger import Ledger
 
     cfg = get_preset("tiny-qwen3")
     led = Ledger.for_dtype(cfg, 1, None, "fp32")

@@ -59,7 +59,7 @@ def check_choice(name: str, v: Any, choices: tuple) -> None:
 
 def _bytes(name: str, v: Any) -> None:
     if v is not None:
-        from lrmoe.memory import parse_bytes
+        from lrmoe.ledger import parse_bytes
         parse_bytes(v)
 
 

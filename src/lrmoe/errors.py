@@ -27,7 +27,7 @@ class OutOfMemory(LrmoeError):
 
     def verdict(self, step: int) -> str:
         """``out of memory at step S (needs X GiB, budget Y GiB)``."""
-        from lrmoe.memory import fmt_bytes
+        from lrmoe.ledger import fmt_bytes
         return (f"out of memory at step {step} (needs {fmt_bytes(self.needs_bytes)}, budget "
                 f"{fmt_bytes(self.budget_bytes)})")
 

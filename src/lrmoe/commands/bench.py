@@ -123,7 +123,7 @@ def rungs_cell(rungs: dict | None) -> str:
 
 
 def table(rep: dict) -> str:
-    from lrmoe.memory import fmt_bytes
+    from lrmoe.ledger import fmt_bytes
 
     tg = rep["target"]
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",

@@ -7,7 +7,7 @@ budget is given) and 1 when the plan shown exceeds it; bad input is exit code 2.
 
 ``--compare`` (:mod:`lrmoe.commands.plan_compare`) projects static, symi and lrmoe to
 several EP sizes and per-rank budgets with **modelled** step times; there ``--loads``
-may also be a routing trace written by ``lrmoe bench ttl`` (:mod:`lrmoe.loads`).
+may also be a routing trace written by ``lrmoe bench ttl`` (:mod:`lrmoe.routing_loads`).
 
 Legend: G ranks (EP size), E experts, k experts per token, T tokens per home rank.
 """
@@ -21,14 +21,14 @@ from torch import Tensor
 from lrmoe.cli_flags import PLAN, add_policy_flags, check_policy_flags, policy_config
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.loads import load_counts, synthetic_counts
-from lrmoe.memory import TERMS, Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import TERMS, Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe_ladder import RUNG_NOTES, rung_terms
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.symi import largest_feasible_slots
 from lrmoe.presets import get_preset
+from lrmoe.routing_loads import load_counts, synthetic_counts
 from lrmoe.sim.links import LINKS
 
 _SHORT = {"owned_state": "owned", "instance_weights": "inst_w", "instance_grads": "inst_g",

@@ -3,7 +3,7 @@
 For each (EP size, per-rank budget, policy): whether it fits, its ledger peak, keep and
 recompute ratios, replicas, symi's ``s``, and a **modelled** MoE step time
 (:mod:`lrmoe.sim.analytic`: a fixed GEMM rate and the link model; nothing runs). Loads
-come from a Zipf skew, a loads file or a routing trace (:mod:`lrmoe.loads`).
+come from a Zipf skew, a loads file or a routing trace (:mod:`lrmoe.routing_loads`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from lrmoe.commands.plan import aligned, model_config, plan_policy
 from lrmoe.errors import LrmoeError, require
-from lrmoe.loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
-from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import Ledger, fmt_bytes, parse_bytes
+from lrmoe.routing_loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
 from lrmoe.sim.analytic import PROJECTED, project_policy
 from lrmoe.sim.cost import STAGES
 from lrmoe.sim.links import get_link

@@ -105,7 +105,7 @@ class MoELayer(nn.Module):
 
         Under ``torch.compile`` this is one graph break: the plan is host data computed
         from the counts every step (a trace would break at each host sync and recompile
-        on each new plan). The expert kernels inside fuse on their own (:mod:`lrmoe.fused`).
+        on each new plan). The expert kernels inside fuse on their own (:mod:`lrmoe.ops.fused`).
         The one-process local path has no host sync but stays eager too: Dynamo stops at
         its expert timing and at the grouped GEMM's operand check (``data_ptr``), and its
         autograd Function frees the kept rows at their last use in backward (what the

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lrmoe.fused import fused as _fused
+from lrmoe.ops.fused import fused as _fused
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_BROKEN: set[tuple] = set()

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.ops.experts import gate_up, offsets, prefix_counts, swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.layout import (
     HomeLayout,
@@ -379,7 +379,7 @@ class ExpertExchange(torch.autograd.Function):
         # The kept rows are the Function's own intermediates (never its inputs or output,
         # so no reference cycle): held in a plain dict rather than save_for_backward,
         # whose tensors live until backward returns, so backward can drop each one at its
-        # last use (Ledger.plan_buffer_bytes, design §5).
+        # last use (Ledger.rows_buffer_bytes, docs/design.md §5).
         if st.opts.checkpointed:
             ctx.save_for_backward(w13_S, w2_S, w_TK, row_TK, saved_x, saved_gu, y_send)
         else:
@@ -535,7 +535,7 @@ def _experts_backward(st: ExchangeState, j_send: Tensor, rows: dict[str, Tensor]
     the saved rows in (s, g, j) order, ``saved_SG`` each (s, g) block's size. Each tensor
     is dropped at its last use (the shipped rows after their all-to-all, the arrival-order
     rows after their permute, the saved rows once gathered, the rest in
-    :func:`swiglu_backward_owned`), so none of them is alive at the dx GEMM (design §5).
+    :func:`swiglu_backward_owned`), so none of them is alive at the dx GEMM (docs/design.md §5).
     ``j_send`` is each row's index inside its block, which locates its saved activations
     on the receiver. With ``recompute_rows = n`` (a plan over a budget) ``gu`` lacks the
     first ``n`` saved rows, recomputed here from their saved inputs.

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused
+from lrmoe.ops.fused import fused
 from lrmoe.policy.plan import Plan
 
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lrmoe.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.ops.experts import swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
 from lrmoe.parallel.exchange import BackwardOptions, _timed
 from lrmoe.policy.plan import Plan, native_plan
 
@@ -176,7 +176,7 @@ class LocalExperts(torch.autograd.Function):
         if ctx.rowdot:
             y_R = None
         # kept rows in a dict (not save_for_backward) so backward drops each at its last
-        # use, as the exchange does (Ledger.plan_buffer_bytes)
+        # use, as the exchange does (Ledger.rows_buffer_bytes)
         ctx.pair_R, ctx.offs_E, ctx.stats = pair_R, offs_E, stats
         if opts.checkpointed:  # through the checkpoint's hooks (BackwardOptions)
             ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK, x_R, gu_R, y_R)

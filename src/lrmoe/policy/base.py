@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 from torch import Tensor
 
-from lrmoe.policy.fastops import Slots
 from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import Slots
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Prepared:
     Attributes:
         policy: the name of the policy that made it (another policy ignores it).
         inst_expert_GS: expert per slot, ``-1`` empty (int64 numpy, ``[G, S]``).
-        slots: its split index (:class:`lrmoe.policy.fastops.Slots`), also computed
+        slots: its split index (:class:`lrmoe.policy.plan_numpy.Slots`), also computed
             ahead.
     """
 
@@ -44,7 +44,7 @@ class PlanInputs:
         step: optimizer step (0-based).
         prev_counts_E: the previous step's global pairs per expert of this layer
             (``None`` on the first step); SYMI's popularity.
-        ledger: the memory ledger (``lrmoe.memory.Ledger``) or ``None`` when no budget.
+        ledger: the memory ledger (``lrmoe.ledger.Ledger``) or ``None`` when no budget.
         prepared: the policy's :meth:`Policy.prepare` result for this layer and step
             (``None``: not prepared; a policy that needs it prepares inside ``plan``).
     """

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.fastops import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
 
 
 def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:

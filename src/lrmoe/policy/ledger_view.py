@@ -5,7 +5,7 @@ home pairs, ``k`` retained pairs, ``rec`` recomputed pairs (ints, or int64 array
 ``[G]``).
 
 The planners ask the ledger for bytes on every candidate move, and
-:meth:`lrmoe.memory.Ledger.terms` builds a dict per call: too slow on the critical
+:meth:`lrmoe.ledger.Ledger.terms` builds a dict per call: too slow on the critical
 path. This view re-derives no formula. For a fixed ``h`` (a rank's home pairs, fixed
 for a whole plan: the counts' row sums) the ledger's total is ``per_slot·n`` plus the
 largest of a few affine pieces in ``(R, k, rec)`` (:meth:`Ledger.total_pieces`: the
@@ -31,7 +31,7 @@ class LedgerView:
     """``ledger`` (or ``None``: no budget) for ranks whose home pairs are ``home_G``.
 
     Args:
-        ledger: a :class:`lrmoe.memory.Ledger` or ``None``.
+        ledger: a :class:`lrmoe.ledger.Ledger` or ``None``.
         home_G: home pairs per rank (the count matrix's row sums).
         exact: the plans priced are exact (static, SYMI): every received row in
             backward, none gathered; otherwise the ledger's bound for trimmed plans.

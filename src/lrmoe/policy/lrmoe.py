@@ -68,18 +68,18 @@ from torch import Tensor
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.policy.base import PlanInputs, Prepared
-from lrmoe.policy.fastops import (
+from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.lrmoe_ladder import climb
+from lrmoe.policy.lrmoe_place import place_replicas
+from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import (
     Slots,
     blocks_to_GGS,
     host_counts,
     interval_overlap_ig,
     to_plan,
 )
-from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.lrmoe_ladder import climb
-from lrmoe.policy.lrmoe_place import place_replicas
-from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
-from lrmoe.policy.plan import Plan
 
 ESTIMATORS = ("topk", "sampled")
 PLACEMENTS = ("current", "previous")

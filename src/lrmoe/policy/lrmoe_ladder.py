@@ -11,7 +11,8 @@ rung               what runs                                                   e
 ``plan``           the trimmed plan as configured                              none
 ``exact``          the trimmed plan's placement, every pair retained and       none
                    selected: fits where the trimmed plan's bound does not
-                   (§5: an exact backward gathers and copies no saved rows)
+                   (an exact backward gathers and copies no saved rows:
+                   docs/design.md §5)
 ``recompute``      that placement, every pair in backward, the fewest rows     gate_up of
                    per rank keep only their input row (``Plan.recompute_G``)   those rows
 ``exact-natives``, the same two with the replicas given up (static's           balance
@@ -58,9 +59,9 @@ import numpy as np
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
-from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
 from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
 RUNG_NOTES = {
@@ -83,8 +84,8 @@ def whole_layer_ckpt(plan: Plan) -> Plan:
 
 def rung_terms(ledger, plan: Plan) -> list[dict[str, int]]:
     """The ledger's terms per rank for ``plan`` as its rung runs it: a whole-layer
-    checkpoint retains nothing (:meth:`lrmoe.memory.Ledger.exact_fit`'s ``layer``
-    terms), any other plan as :meth:`lrmoe.memory.Ledger.rank_terms` prices it."""
+    checkpoint retains nothing (:meth:`lrmoe.ledger.Ledger.exact_fit`'s ``layer``
+    terms), any other plan as :meth:`lrmoe.ledger.Ledger.rank_terms` prices it."""
     return ledger.rank_terms(plan)  # prices a layer-checkpointed plan in that mode
 
 
@@ -112,7 +113,7 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     free slots per rank), repeatedly take the expert with the largest per-instance load
     that has an instance on a rank at the maximum load and add one on the least-loaded
     rank (ties: lower id) with a free slot that holds none of it, if every rank still
-    fits the ledger's whole-layer terms (:meth:`lrmoe.memory.Ledger.exact_fit` not
+    fits the ledger's whole-layer terms (:meth:`lrmoe.ledger.Ledger.exact_fit` not
     ``over``: the same verdict as for static's checkpoint) and
     the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
     ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""

@@ -5,7 +5,7 @@ instance: the plan's ``[home, rank, slot]`` blocks, transposed so that every spl
 along contiguous memory). All arrays int64 numpy on the host. The same arithmetic as the reference
 (``tests/references/lrmoe_planner.py``: ``_retention`` and ``_backward_quotas``), in closed
 form: per-rank capacities from the ledger's vectorised view, largest-remainder
-rounding by :func:`lrmoe.policy.fastops.apportion_rows_np`.
+rounding by :func:`lrmoe.policy.plan_numpy.apportion_rows_np`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from lrmoe.errors import LrmoeError
-from lrmoe.policy.fastops import apportion_rows_np
 from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.plan_numpy import apportion_rows_np
 
 
 def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,

@@ -46,7 +46,7 @@ class Plan:
             (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`: ``plan``, ``exact``, ``recompute``,
             ``exact-natives``, ``recompute-natives``, ``layer``); ``None``: not decided
             by the planner (an exact policy's fallback is decided by whoever runs it,
-            :meth:`lrmoe.memory.Ledger.exact_fit`).
+            :meth:`lrmoe.ledger.Ledger.exact_fit`).
     """
 
     inst_expert_GS: Tensor
@@ -189,7 +189,7 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     """An exact ``plan`` made to fit ``ledger``'s budget by recompute, or an error.
 
     As is when it fits; else with the fewest rows per rank recomputed
-    (:meth:`lrmoe.memory.Ledger.exact_fit` mode ``pairs``); where even recomputing every
+    (:meth:`lrmoe.ledger.Ledger.exact_fit` mode ``pairs``); where even recomputing every
     row does not fit, as a whole-layer checkpoint (mode ``layer``,
     :attr:`Plan.layer_checkpoint`); raises when that does not fit either.
     """
@@ -224,7 +224,7 @@ def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
     that does not fit ``ledger``'s budget (no ledger or no budget: always fits).
 
     A planner's last resort before "no plan": the checkpoint keeps per layer only the
-    gates (:meth:`lrmoe.memory.Ledger.layer_terms`), so it fits where no retention
+    gates (:meth:`lrmoe.ledger.Ledger.layer_terms`), so it fits where no retention
     does when the kept activations of the L layers are what is over.
     """
     a = plan.assign_GGS

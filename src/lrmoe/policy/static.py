@@ -10,9 +10,9 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.fastops import host_counts, to_plan
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact
+from lrmoe.policy.plan_numpy import host_counts, to_plan
 
 
 def native_placement(G: int, E: int) -> Tensor:

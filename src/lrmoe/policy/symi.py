@@ -18,7 +18,7 @@ SYMI (arXiv 2504.19925, NSDI '26), as summarised in docs/design.md §4:
 With a memory budget the plan must fit the ledger; :func:`largest_feasible_slots` picks
 the largest ``s`` that does (what a SYMI user would tune by hand). With ``recompute``
 a rank may instead recompute the gate_up output of some pairs in backward
-(:meth:`lrmoe.memory.Ledger.exact_fit`); :func:`best_slots` then picks the ``s``
+(:meth:`lrmoe.ledger.Ledger.exact_fit`); :func:`best_slots` then picks the ``s``
 with the lowest busiest-rank work (forward + backward + recompute GEMMs), which is how
 the side-by-side benchmark gives SYMI its best configuration under a budget.
 """
@@ -34,9 +34,9 @@ from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.base import PlanInputs, Prepared
-from lrmoe.policy.fastops import Slots, blocks_to_GGS, host_counts, to_plan
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact
+from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
 DEFAULT_EXTRA_SLOTS = 2
 
@@ -175,7 +175,7 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
 
     Work is counted in units of one ``H·F`` multiply-add per pair: forward 3, backward
     6, and per recomputed row 2 (gate_up only) or 3 (a whole-layer checkpoint,
-    :meth:`lrmoe.memory.Ledger.exact_fit`). Infeasible ``s`` are left out.
+    :meth:`lrmoe.ledger.Ledger.exact_fit`). Infeasible ``s`` are left out.
     """
     G, E = counts_GE.shape
     hi = E if max_slots is None else max_slots

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.memory import Ledger, fmt_bytes
+from lrmoe.ledger import Ledger, fmt_bytes
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
@@ -78,7 +78,7 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
         bytes_w: bytes per element of the instance weights and their gradients.
         recompute_rows: per rank, rows re-run forward in backward (exact policies under
             a budget); :mod:`lrmoe.sim.cost` charges them.
-        recompute_mode: :meth:`lrmoe.memory.Ledger.exact_fit`'s mode (``pairs``: gate_up
+        recompute_mode: :meth:`lrmoe.ledger.Ledger.exact_fit`'s mode (``pairs``: gate_up
             of those rows; ``layer``: a whole-layer checkpoint).
         plan_ms: the planning time per layer (measured by the caller), charged to every
             rank (each computes the plan) as the emulator does.
@@ -192,11 +192,11 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     """``name`` (one of :data:`PROJECTED`) under ``ledger``'s budget, for every sample.
 
     static and symi are exact and recompute the fewest pairs that fit
-    (:meth:`lrmoe.memory.Ledger.exact_fit`, as the emulator); symi's ``s`` is
+    (:meth:`lrmoe.ledger.Ledger.exact_fit`, as the emulator); symi's ``s`` is
     :func:`fastest_symi_slots` unless ``slots_per_rank`` fixes it. lrmoe plans against the
     ledger (``slots_per_rank``: its most slots per rank).
     Nothing fits when even the owned state and the native instances
-    (:meth:`lrmoe.memory.Ledger.feasible_minimum`) exceed the budget.
+    (:meth:`lrmoe.ledger.Ledger.feasible_minimum`) exceed the budget.
 
     Args:
         samples: ``[G, E]`` count matrices; popularity is each one's own (steady state).

@@ -99,7 +99,7 @@ class OffloadModel:
 
     @classmethod
     def for_ledger(cls, ledger, layout: str, **kw) -> OffloadModel:
-        """The shapes and compute dtype of ``ledger`` (a :class:`lrmoe.memory.Ledger`)."""
+        """The shapes and compute dtype of ``ledger`` (a :class:`lrmoe.ledger.Ledger`)."""
         return cls(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w, layout, **kw)
 
     @property

@@ -38,7 +38,7 @@ neighbouring evaluations at the target. Policy specs may carry lrmoe variants
 own time-to-target ratio over symi. Before the first policy one untimed training step warms the
 process up (allocator, lazy inits), so the first policy is not charged for them.
 
-Memory (docs/design.md §9, "Out of memory"): under a budget every policy fits each step
+Memory (docs/design.md §9, "Budget rules"; §5, "Out of memory"): under a budget every policy fits each step
 with its fallbacks (exact policies: recompute, else a whole-layer checkpoint; lrmoe: its
 ladder, :mod:`lrmoe.policy.lrmoe_ladder`), or its run stops at that step, as a GPU would:
 the result records ``out_of_memory`` (step, bytes needed, budget), its ``budget_status``
@@ -94,7 +94,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
-from lrmoe.memory import Ledger, parse_bytes
+from lrmoe.ledger import Ledger, parse_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
 

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.fused import fused, weighted_gather_sum
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.router import aux_loss
 from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
+from lrmoe.ops.fused import fused, weighted_gather_sum
 from lrmoe.parallel.exchange import (
     BackwardOptions,
     pair_rows,

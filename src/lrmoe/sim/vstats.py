@@ -86,7 +86,7 @@ class VirtualStats:
             a recompute ledger, the terms after that recompute).
         recompute_rows: with a recompute ledger (exact policies under a budget), the
             rows each rank re-runs forward in backward to fit, and ``recompute_mode``
-            (:meth:`lrmoe.memory.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
+            (:meth:`lrmoe.ledger.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
             fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
             or ``over``: does not fit even so, which stops the step with an out-of-memory
             verdict, so ``recompute_fits`` is always True where stats exist; kept for old

@@ -19,7 +19,7 @@ What stays on the device: the expert parameters in ``compute_dtype`` and their
 gradients (in that dtype too). With ``compute_dtype=torch.bfloat16`` (the trainer's
 choice on CUDA, where autocast computes in bf16) the GPU holds only the bf16 compute
 weights and bf16 gradients of the experts, as SYMI and ZeRO-Offload do and as the
-ledger's offload design (:mod:`lrmoe.memory`) prices it: the fp32 master (state key
+ledger's offload design (:mod:`lrmoe.ledger`) prices it: the fp32 master (state key
 ``master``, so checkpoints carry it exactly) and both moments live on the host; each
 step the bf16 gradient is widened on the host and the updated master is rounded back
 into the bf16 device weight. Without ``compute_dtype`` the device parameters keep the

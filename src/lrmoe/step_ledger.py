@@ -2,7 +2,7 @@
 on the host, every layer, embedding and head included (docs/design.md §5, "Whole-model
 step"). MODELLED from the code's allocations, not measured.
 
-:class:`lrmoe.memory.Ledger` prices the MoE layers' expert memory per EP rank (what the
+:class:`lrmoe.ledger.Ledger` prices the MoE layers' expert memory per EP rank (what the
 planners trade); this ledger prices the rest of one-process training around it, as
 ``lrmoe train`` allocates it, so that a question like "does the whole model train on one
 GPU with host offload" has one answer with its terms. Legend: N tokens of a micro-batch,
@@ -36,7 +36,7 @@ mid residual, its norm      4H + 4H + 4                                     none
 router                      2H cast + g·E probs + 8K index                  none, selective
                             + g·K + g (gate, its sum: norm_topk_prob);
                             g = 4 (Qwen3: fp32 softmax), 2 (GLM: bf16)
-expert rows                 :class:`lrmoe.memory.Ledger` terms at G=1       none, selective
+expert rows                 :class:`lrmoe.ledger.Ledger` terms at G=1       none, selective
                             (x and gate_up rows, combined rows):
                             K·((H + 2F)·2 + H·2) + (g + 16)·K (gate,
                             2 indices)
@@ -51,7 +51,7 @@ casts autocast keeps for a forward (every non-expert matrix but the embedding; t
 experts too when they are fp32 on the device), kept for backward unless checkpointed;
 the logits (forward: bf16 logits, their fp32 copy and the log-softmax, ``10·N·V``;
 backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
-``12·N·V``); one MoE layer's transients (:meth:`lrmoe.memory.Ledger.plan_buffer_bytes`)
+``12·N·V``); one MoE layer's transients (:meth:`lrmoe.ledger.Ledger.rows_buffer_bytes`)
 and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
 on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
 parameters), then the host step's fp32 widening of one offloaded gradient on the GPU.
@@ -69,13 +69,13 @@ from dataclasses import dataclass
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import require
-from lrmoe.memory import DTYPE_BYTES, Ledger
+from lrmoe.ledger import DTYPE_BYTES, Ledger
 
 CATEGORIES = ("experts", "attention", "norms", "routers", "dense_mlp", "embedding", "lm_head")
 MODES = ("none", "selective", "full")
 PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
 # what the one-process path (parallel/local.py) keeps per pair besides its gate: its row
-# and the pair of each row (int64); the exchange keeps one more index (memory.py)
+# and the pair of each row (int64); the exchange keeps one more index (ledger.py)
 LOCAL_INDEX_BYTES = 2 * 8
 
 
@@ -285,7 +285,7 @@ class StepLedger:
         worst = max(range(L), key=lambda i: self.layer_saved(i, N, "none") + self.layer_casts(i))
         moe = self._moe_ledger()
         P = N * c.num_experts_per_tok
-        buffers = moe.plan_buffer_bytes(P, P, P, exact=True) if c.moe_layers else 0
+        buffers = moe.rows_buffer_bytes(P, P, P, exact=True) if c.moe_layers else 0
         expert_grad = (DTYPE_BYTES[self.compute_dtype if self.optimizer_offload == "host"
                                    else "fp32"] * layer_params(c, worst)["experts"])
         return {

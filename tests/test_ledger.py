@@ -7,7 +7,7 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.memory import Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import native_placement
 
@@ -109,13 +109,13 @@ def test_rank_terms_and_check():
         assert t["owned_state"] == 3 * (E // G) * led.P_params * 16
         assert t["instance_weights"] == t["instance_grads"] == 3 * (E // G) * led.P_params * 2
         R, h = int(recv[r]), int(home[r])
-        assert t["buffers"] == led.planned_buffer_bytes(R, h, R, 0, exact=True)  # once
-        assert t["buffers"] == led.plan_buffer_bytes(R, h, R, 0, exact=True)  # exact plan
+        assert t["buffers"] == led.counts_buffer_bytes(R, h, R, 0, exact=True)  # once
+        assert t["buffers"] == led.rows_buffer_bytes(R, h, R, 0, exact=True)  # exact plan
         assert t["retained_acts"] == 3 * int(recv[r]) * led.A
         assert t["total"] == sum(v for k, v in t.items() if k != "total")
     # tokens_per_rank_home sizes the home buffers as tokens * top_k
     t2 = led.rank_terms(plan, tokens_per_rank_home=100)
-    assert t2[0]["buffers"] == led.planned_buffer_bytes(
+    assert t2[0]["buffers"] == led.counts_buffer_bytes(
         int(recv[0]), 100 * cfg.num_experts_per_tok, int(recv[0]), 0, exact=True)
 
     worst = max(t["total"] for t in terms)

@@ -12,7 +12,7 @@ owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer ×
   (offload "host")   2 · (E/G) · 3HF · bytes_w (staging)          once
 instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
 instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
-buffers              see :meth:`Ledger.planned_buffer_bytes`      once (transient)
+buffers              see :meth:`Ledger.counts_buffer_bytes`       once (transient)
 retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer × L
 combine_rows         P_home · H · bytes_act                       per layer × L
 pair_index           P_home · 28                                  per layer × L
@@ -32,7 +32,7 @@ pair_index           P_home · 28                                  per layer × 
   are ignored (4 bytes per tensor).
 * Instances: every occupied slot materialises its expert's weights and a gradient
   buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.
-* Buffers (:meth:`Ledger.planned_buffer_bytes`): the largest set of row tensors alive at
+* Buffers (:meth:`Ledger.counts_buffer_bytes`): the largest set of row tensors alive at
   once in one layer's forward or backward (``parallel/exchange.py``), net of what the
   layer keeps for backward (the backward frees its kept rows as it goes), derived from
   the code point by point (:meth:`Ledger.forward_points`, :meth:`Ledger.backward_points`)
@@ -69,7 +69,7 @@ pair_index           P_home · 28                                  per layer × 
   tensors, outside this ledger); nothing is retained on the expert ranks and no
   combined row is kept. Backward re-runs the layer's dispatch, experts and combine,
   so the rows the other modes keep per layer are alive there once, as transients
-  (:meth:`Ledger.layer_buffer_bytes`).
+  (:meth:`Ledger.layer_checkpoint_buffer_bytes`).
 
 Plans are per layer; the budget is for all MoE layers together, so the check assumes
 every layer's plan looks like the one checked: per-layer terms × L, buffers once.
@@ -282,12 +282,13 @@ class Ledger:
                        self.router_grad_at_experts, self.G, self.E, self.H,
                        self.F, self.top_k)
 
-    def plan_buffer_bytes(self, received_pairs: int, home_pairs: int,
+    def rows_buffer_bytes(self, received_pairs: int, home_pairs: int,
                           retained_pairs: int | None = None, recomputed_pairs: int = 0,
                           bwd: BackwardRows | None = None, exact: bool = False) -> int:
-        """The buffers term derived from the code and checked against it (CPU: the row
-        tensors alive at every point of the backward, ``tests/test_ledger_truth.py``;
-        H200: the measured peak, ``benchmarks/ledger_peak.py``): one layer's transients
+        """The buffers term of a plan whose backward rows are known (``bwd``), derived
+        from the code and checked against it (CPU: the row tensors alive at every point
+        of the backward, ``tests/test_ledger_truth.py``; H200: the measured peak,
+        ``benchmarks/ledger_peak.py``): one layer's transients
         on one rank, at the largest point of its forward or backward
         (``parallel/exchange.py``, ``ops/experts.py``), on top of the layer's kept terms.
         Derivation: ``docs/design.md`` §5.
@@ -301,7 +302,7 @@ class Ledger:
         are the plan's *selected* rows; without it, those of an exact plan (``R``
         received and ``h`` home rows in backward, none gathered). ``exact``: the plan is
         exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
-        :meth:`kept_bytes`). What the planners price is :meth:`planned_buffer_bytes`.
+        :meth:`kept_bytes`). What the planners price is :meth:`counts_buffer_bytes`.
         """
         R, h = int(received_pairs), int(home_pairs)
         k = R if retained_pairs is None else int(retained_pairs)
@@ -316,7 +317,7 @@ class Ledger:
 
     def _planned_points(self, h: int, exact: bool, rec_branch: bool):
         """``(R, k, rec) -> {point: bytes}`` of the account the planners price
-        (:meth:`planned_buffer_bytes`; the backward's points with its per-row index
+        (:meth:`counts_buffer_bytes`; the backward's points with its per-row index
         bytes), with the branch's points fixed (``rec_branch``: the points that exist
         only when rows are recomputed), so that every point is affine in ``(R, k, rec)``:
         what :meth:`buffer_pieces` reads off."""
@@ -339,7 +340,7 @@ class Ledger:
         return at
 
     def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
-        """The planners' buffers term (:meth:`planned_buffer_bytes`) for ``h`` home pairs
+        """The planners' buffers term (:meth:`counts_buffer_bytes`) for ``h`` home pairs
         as affine pieces: int64 ``[P, 4]`` rows ``(const, per R, per k, per rec)`` in
         bytes, whose largest value at ``(R, k, rec)`` is the term (``rec_branch``: the
         pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
@@ -364,13 +365,14 @@ class Ledger:
         self._pieces_memo[key] = out
         return out
 
-    def planned_buffer_bytes(self, received_pairs: int, home_pairs: int, retained_pairs: int,
-                             recomputed_pairs: int = 0, exact: bool = False) -> int:
-        """The buffers term the planners price: the code-derived account
-        (:meth:`plan_buffer_bytes`) of a plan known only by its counts. ``exact``: every
-        received row in backward, none gathered (static, SYMI). Otherwise a bound for any
-        trimmed plan with these counts (LRMoE): every retained row selected (the selection
-        is a subset of the retention), every home row sent, the saved rows gathered and
+    def counts_buffer_bytes(self, received_pairs: int, home_pairs: int, retained_pairs: int,
+                            recomputed_pairs: int = 0, exact: bool = False) -> int:
+        """The buffers term the planners price, from a plan's counts alone: the
+        code-derived account of :meth:`rows_buffer_bytes` with the backward's rows taken
+        from the counts. ``exact``: every received row in backward, none gathered
+        (static, SYMI), the plan's own account. Otherwise a bound for any trimmed plan
+        with these counts (LRMoE): every retained row selected (the selection is a
+        subset of the retention), every home row sent, the saved rows gathered and
         copied."""
         pieces = self.buffer_pieces(home_pairs, exact, int(recomputed_pairs) > 0)
         x = np.array([1, int(received_pairs), int(retained_pairs), int(recomputed_pairs)],
@@ -470,7 +472,7 @@ class Ledger:
         their input row (:attr:`A_recompute`) instead of :attr:`A`. ``exact``: the plan
         is exact (:attr:`lrmoe.policy.plan.Plan.exact`); callers that do not know price a
         trimmed plan (combined rows kept, the transients of
-        :meth:`planned_buffer_bytes`' bound: an upper bound).
+        :meth:`counts_buffer_bytes`' bound: an upper bound).
         """
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
         rec = int(recomputed_pairs)
@@ -480,8 +482,8 @@ class Ledger:
             "owned_state": self.owner_bytes(),
             "instance_weights": inst,
             "instance_grads": inst,
-            "buffers": self.planned_buffer_bytes(received_pairs, home_pairs, retained_pairs,
-                                                 rec, exact),
+            "buffers": self.counts_buffer_bytes(received_pairs, home_pairs, retained_pairs,
+                                                rec, exact),
             "retained_acts": self.L * ((int(retained_pairs) - rec) * self.A
                                        + rec * self.A_recompute),
         }
@@ -624,8 +626,8 @@ class Ledger:
             tokens_per_rank_home: tokens per home rank; its pairs ``tokens · top_k`` size
                 the send/combine buffers. ``None`` takes each home's routed pairs from
                 the plan (assigned + dropped).
-            plan_buffers: price the buffers with :meth:`plan_buffer_bytes` (the plan's
-                selected rows) instead of :meth:`planned_buffer_bytes` (what the planners
+            plan_buffers: price the buffers with :meth:`rows_buffer_bytes` (the plan's
+                selected rows) instead of :meth:`counts_buffer_bytes` (what the planners
                 price: the same for exact plans, a bound for trimmed ones).
         """
         if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
@@ -634,22 +636,22 @@ class Ledger:
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact)
                for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
-        if plan_buffers:  # the buffers derived from the code, for this plan (§5)
+        if plan_buffers:  # the buffers derived from the code, for this plan (docs/design.md §5)
             counts = self._rank_counts(plan, tokens_per_rank_home)
             for r, (t, (_, R, h, k), n) in enumerate(zip(out, counts, rec)):
-                buf = self.plan_buffer_bytes(R, h, k, n, self.backward_rows(plan, r), plan.exact)
+                buf = self.rows_buffer_bytes(R, h, k, n, self.backward_rows(plan, r), plan.exact)
                 t["total"] += buf - t["buffers"]
                 t["buffers"] = buf
         return out
 
-    def layer_buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
-        """The buffers term of a whole-layer checkpoint (one layer's transients, counted
-        once): the largest of its forward, run without keeping anything (the exact
-        forward's points plus the rows it would keep, dropped when it returns), its
-        re-run in backward (the same with the output gradient ``T·H`` alive beside) and
-        the exact backward that follows (its points plus the re-run's kept rows, its
-        output ``T·H``, the root the backward starts from, and its per-pair indices, 24
-        bytes: ``pair_index`` less the gate, which the checkpoint keeps)."""
+    def layer_checkpoint_buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
+        """The buffers term of a whole-layer checkpoint (:meth:`layer_terms`; one layer's
+        transients, counted once): the largest of its forward, run without keeping
+        anything (the exact forward's points plus the rows it would keep, dropped when it
+        returns), its re-run in backward (the same with the output gradient ``T·H`` alive
+        beside) and the exact backward that follows (its points plus the re-run's kept
+        rows, its output ``T·H``, the root the backward starts from, and its per-pair
+        indices, 24 bytes: ``pair_index`` less the gate, which the checkpoint keeps)."""
         R, h = int(received_pairs), int(home_pairs)
         T = -(-h // self.top_k)
         H, F = self.H, self.F
@@ -666,11 +668,11 @@ class Ledger:
                     ) -> dict[str, int]:
         """One rank's terms under a whole-layer checkpoint (module docstring, "Recompute"):
         nothing retained, no combined rows, only the gates (fp32) per home pair and
-        layer; the transients of :meth:`layer_buffer_bytes` once."""
+        layer; the transients of :meth:`layer_checkpoint_buffer_bytes` once."""
         t = self.terms(n_instances, received_pairs, home_pairs, 0, exact=True)
         t.update(retained_acts=0, combine_rows=0,
                  pair_index=self.L * int(home_pairs) * 4,
-                 buffers=self.layer_buffer_bytes(received_pairs, home_pairs))
+                 buffers=self.layer_checkpoint_buffer_bytes(received_pairs, home_pairs))
         t["total"] = sum(t[k] for k in TERMS)
         return t
 

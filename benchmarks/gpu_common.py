@@ -121,17 +121,18 @@ def dense_tflops(dev: str) -> float:
 
 
 def run_meta(dev: str, dense: float | None = None, argv: list[str] | None = None, **more) -> dict:
-    """Device, versions, date and the command (``argv``: as given to ``main``)."""
+    """Device, versions, date and the command (``argv``: as given to ``main``); ``more``
+    added or overriding."""
     try:
         import transformers
         tf = transformers.__version__
     except ImportError:
         tf = None
-    return dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (logic check: not results)",
-                torch=torch.__version__, transformers=tf, python=platform.python_version(),
-                dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                command=" ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv)),
-                **more)
+    return {**dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (logic check: not results)",
+                   torch=torch.__version__, transformers=tf, python=platform.python_version(),
+                   dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command=" ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv))),
+            **more}
 
 
 def out_dir(path: str) -> Path:

@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
                                                     rc, ledger)[1]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    meta = gc.run_meta("cpu", argv=argv, device="cpu", preset=args.preset, tokens_per_rank=args.tokens_per_rank,
-                       numpy=np.__version__, cpu=platform.processor() or platform.machine(),
-                       threads=1, gpu=torch.cuda.get_device_name() if cuda else None,
-                       repeats=args.repeats)
+    meta = gc.run_meta("cpu", argv=argv, device="cpu", preset=args.preset, numpy=np.__version__,
+                       tokens_per_rank=args.tokens_per_rank, repeats=args.repeats, threads=1,
+                       cpu=platform.processor() or platform.machine(),
+                       gpu=torch.cuda.get_device_name() if cuda else None)
     md = markdown(meta, rows)
     gc.write_outputs(out, "plan_speed", meta, rows, md)
     print(md)

@@ -49,7 +49,7 @@ SYNC_CALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
 SDPA = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention|fmha", re.I)
 CAST = re.compile(r"^aten::(_to_copy|to|copy_)$")
 HOST_STEP = "offload:host_step"
-MOE = "MoE emulator (the MoE wall)"
+HOST_CAT = "optimizer: experts' host step (excluded: host_s)"
 
 
 # ------------------------------------------------------------------ trace reading
@@ -121,6 +121,11 @@ def overlap(iv: tuple[float, float], segs: list[tuple[float, float]]) -> list[tu
     return [(max(iv[0], a), min(iv[1], b)) for a, b in segs if min(iv[1], b) > max(iv[0], a)]
 
 
+def ms(segs) -> float:
+    """Total length of ``segs`` (trace µs) in ms."""
+    return sum(b - a for a, b in segs) / 1e3
+
+
 class Trace:
     """A profile's events, with forward/backward links (see module doc)."""
 
@@ -179,7 +184,7 @@ def category(rs: list[str], direction: str, names: str, kernel: str) -> str:
     if not rs and direction == "?":
         return "kernels with no launch found"
     if HOST_STEP in rs:
-        return "optimizer: experts' host step (excluded: host_s)"
+        return HOST_CAT
     if "grad accumulation" in rs:
         return "gradient accumulation (AccumulateGrad)"
     if re.search(r"aten::empty|aten::new_empty", names) and re.search(r"fill", kernel + names,
@@ -247,46 +252,34 @@ def analyse(trace: dict, skip: int = 0) -> dict:
         moe_in = [iv for iv in moe if iv[1] > window[0] and iv[0] < window[1]]
         segs = subtract(window, moe_in)
         cats: dict[str, float] = defaultdict(float)
-        busy = []
-        cover = window[0]
+
+        def add(cat: str, iv, cats=cats) -> None:
+            if iv:
+                cats[cat] += ms(iv)
+        busy, cover = [], window[0]
         for d, op in dev_sorted:
             if d.end <= window[0] or d.ts >= window[1]:
                 continue
-            rs, direction, names = labels(tr, op)
-            c = category(rs, direction, names, d.name)
-            for a, b in overlap((max(d.ts, cover), d.end), segs):
-                cats[c] += (b - a) / 1e3
-                busy.append((a, b))
+            iv = overlap((max(d.ts, cover), d.end), segs)
+            add(category(*labels(tr, op), d.name), iv)
+            busy += iv
             cover = max(cover, d.end)
         busy = union(busy)
-        idle = []
-        for seg in segs:
-            idle += subtract(seg, busy)
-        for a, b in idle:
-            rest = [(a, b)]
-            for lo, hi in host_step:
-                for x0, x1 in overlap((a, b), [(lo, hi)]):
-                    cats["optimizer: experts' host step (excluded: host_s)"] += (x1 - x0) / 1e3
-                rest = [p for r in rest for p in subtract(r, [(lo, hi)])]
-            for r in rest:
-                left = [r]
+        idle = [iv for seg in segs for iv in subtract(seg, busy)]
+        phase_iv = union([(p0, p1) for p0, p1, _ in phases])
+        for gap in idle:
+            add(HOST_CAT, overlap(gap, host_step))
+            for r in subtract(gap, host_step):
                 for p0, p1, name in phases:
-                    for x0, x1 in overlap(r, [(p0, p1)]):
-                        cats[f"host gap (device idle): {name[4:]}"] += (x1 - x0) / 1e3
-                    left = [p for seg_ in left for p in subtract(seg_, [(p0, p1)])]
-                for x0, x1 in left:
-                    cats["host gap (device idle): step glue"] += (x1 - x0) / 1e3
-        n_ms = sum(b - a for a, b in segs) / 1e3
-        host_ms = sum(b - a for iv in host_step for a, b in overlap(iv, segs)) / 1e3
+                    add(f"host gap (device idle): {name[4:]}", overlap(r, [(p0, p1)]))
+                add("host gap (device idle): step glue", subtract(r, phase_iv))
+        n_ms, host_ms = ms(segs), ms(iv for h in host_step for iv in overlap(h, segs))
         in_segs = [s for s in syncs if overlap((s.ts, s.end), segs)]
         out.append({
-            "step_ms": (window[1] - window[0]) / 1e3,
-            "moe_wall_ms": sum(b - a for iv in moe_in for a, b in overlap(iv, [window])) / 1e3,
+            "step_ms": ms([window]), "moe_wall_ms": ms(iv for m in moe_in for iv in overlap(m, [window])),
             "non_moe_ms": n_ms, "host_step_ms": host_ms, "non_moe_less_host_ms": n_ms - host_ms,
-            "busy_ms": sum(b - a for a, b in busy) / 1e3,
-            "idle_ms": sum(b - a for a, b in idle) / 1e3,
-            "syncs": len(in_segs), "sync_host_ms": sum(s.end - s.ts for s in in_segs) / 1e3,
-            "categories": dict(cats)})
+            "busy_ms": ms(busy), "idle_ms": ms(idle), "syncs": len(in_segs),
+            "sync_host_ms": ms((s.ts, s.end) for s in in_segs), "categories": dict(cats)})
     return {"steps": out, "cpu_only": tr.cpu_only}
 
 

@@ -9,7 +9,6 @@ its times are not results and its memory columns are ``None``.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import sys
@@ -23,6 +22,7 @@ import torch
 GiB = 2**30
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.train.checkpoint import atomic_write_text  # noqa: E402
 
 
 def cli(main: Callable[..., int | None]) -> Callable[..., int]:
@@ -55,11 +55,6 @@ def csv(text: str, kind: type = str, name: str = "") -> list:
 def md_head(*cols: str) -> list[str]:
     """A markdown table's header and rule."""
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-
-
-def sync(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.synchronize()
 
 
 def bench(fn: Callable[[], object], dev: str, warmup: int = 3, iters: int = 15) -> float:
@@ -147,11 +142,8 @@ def out_dir(path: str) -> Path:
 def write_outputs(d: Path, stem: str, meta: dict, rows: list[dict], markdown: str) -> None:
     """``d/stem.json`` (every number) and ``d/stem.md`` (the tables), each written whole
     (temporary file, then rename: an interrupted run leaves the previous files)."""
-    for name, text in ((f"{stem}.json", json.dumps(dict(meta=meta, results=rows), indent=1)),
-                       (f"{stem}.md", markdown)):
-        tmp = d / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, d / name)
+    atomic_write_text(d / f"{stem}.json", json.dumps(dict(meta=meta, results=rows), indent=1))
+    atomic_write_text(d / f"{stem}.md", markdown)
 
 
 def fmt(v, spec: str = ".2f") -> str:

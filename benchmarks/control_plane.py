@@ -280,13 +280,9 @@ def layer_syncs(layer, x, dy) -> dict:
     layer.runtime.stats.clear()
     x.grad = None
     torch.cuda.synchronize()
-    box = {}
-
-    def fwd():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            box["out"] = layer(x)
-    f = count_syncs(fwd)[1]
-    b = count_syncs(lambda: box["out"].backward(dy))[1]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, f = count_syncs(lambda: layer(x))
+    b = count_syncs(lambda: out.backward(dy))[1]
     torch.cuda.synchronize()
     layer.runtime.stats.clear()  # drop the unresolved events of this pass
     return {"forward": f, "backward": b}

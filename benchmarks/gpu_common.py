@@ -37,11 +37,12 @@ def cli(main: Callable[..., int | None]) -> Callable[..., int]:
     return run
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, cpu: str = "--device cpu") -> None:
+    """``device`` is cuda or cpu and there if cuda; ``cpu``: the flag of the CPU logic check."""
     if device not in ("cuda", "cpu"):
         raise LrmoeError(f"--device {device!r}: use cuda or cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise LrmoeError("--device cuda but no GPU is visible; --device cpu for the logic check")
+        raise LrmoeError(f"no GPU is visible: run on the GPU, or {cpu} for the logic check")
 
 
 def csv(text: str, kind: type = str, name: str = "") -> list:

@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = gc.csv(a.tokens or ("64" if a.smoke else "16384,65536"), int, "--tokens")
     if bad := [s for s in shapes if s not in SHAPES]:
         raise gc.LrmoeError(f"--shapes: unknown {bad}; valid: {sorted(SHAPES)}")
-    gc.check_device(DEV)
+    gc.check_device(DEV, "--smoke")
     a.compile_backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
     PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.profile_dir, a.profile_keep, a.profile_only
     d = gc.out_dir(a.out)

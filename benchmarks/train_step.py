@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, given, valid in (("--shapes", shapes, SHAPES), ("--regimes", regimes, REGIMES)):
         if bad := [s for s in given if s not in valid]:
             raise gc.LrmoeError(f"{name}: unknown {bad}; valid: {sorted(valid)}")
-    gc.check_device(dev)
+    gc.check_device(dev, "--smoke")
     a.vocab = a.vocab or (256 if a.smoke else 32000)
     a.batch = a.batch or (2 if a.smoke else 4)
     a.seq = a.seq or (32 if a.smoke else 2048)

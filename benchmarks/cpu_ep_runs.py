@@ -96,12 +96,7 @@ def extras(a: argparse.Namespace) -> dict[str, str]:
 
 def shown(cmd: list[str]) -> str:
     """The command as someone would type it from the repository root."""
-    out = []
-    for c in cmd:
-        if c == torchrun():
-            c = ".venv/bin/torchrun"
-        out.append(shlex.quote(c))
-    return " ".join(out)
+    return " ".join(shlex.quote(".venv/bin/torchrun" if c == torchrun() else c) for c in cmd)
 
 
 def read_rows(run: Path) -> list[dict]:

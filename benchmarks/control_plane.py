@@ -1,44 +1,26 @@
 """The control plane's cost per MoE layer, stage by stage, on one rank's real runtime path.
 
 For each preset (one MoE layer of its shapes), EP size G (virtual), tokens per rank T,
-policy and memory budget, ONE rank of the G-rank group runs the real runtime
-(``MoELayer`` → ``ExpertExchange``, forward and backward) with synthetic peers
-(:class:`onerank.OneRankComm`, ``tests/onerank.py``): the count all-gather returns the group's
-counts, every all-to-all allocates what a real exchange would (the peers' rows are
-zeros). The rank run is the **busiest** one: the largest planned forward load (received
-pairs) in that policy's plan, ties broken by backward load, then by index.
+policy (a ``bench ttl`` spec, :func:`lrmoe.sim.ttl.policy_variant`; symi with ``E/G + 2``
+slots) and budget, ONE rank runs the real runtime (``MoELayer`` → ``ExpertExchange``,
+forward and backward) with synthetic peers (``tests/onerank.py``: the count all-gather
+returns the group's counts, every all-to-all allocates what a real one would). That rank
+is the plan's **busiest**: largest forward load, then backward load, then index.
 
-Per-stage times are what the runtime itself records in ``MoERuntime.stats[0]``
-(``count_exchange_ms``, ``plan_ms``, ``local_ms``, ``select_ms``, ``gather_ms``,
-``expert_fwd_ms``, ``expert_bwd_ms``; CUDA event pairs resolved after a sync as the
-trainer does, :func:`lrmoe.train.loop._snapshot_stats`). A stage the runtime does not
-record is reported as missing, never estimated. The control plane is plan + count
-exchange + local + select + gather (the recorded ones), given as a fraction of the
-expert kernel time (forward + backward). The layer's synchronised forward + backward
-wall is timed beside them, so the recorded stages can be checked against it (the rest,
-``unaccounted``, is the router, the casts of the owned experts, the stand-in exchanges'
-copies and whatever stage is not recorded). Host waits are counted on CUDA with
-``torch.cuda.set_sync_debug_mode`` over one more forward and backward, separately.
-Warm-up calls, then the median of ``--repeats`` (>= 5 on the GPU).
+Stage times are what the runtime records in ``MoERuntime.stats[0]`` (CUDA event pairs
+resolved as the trainer does, :func:`lrmoe.train.loop._snapshot_stats`); a stage it does
+not record is reported missing, never estimated. Control plane = plan + count exchange +
+local + select + gather, as a fraction of the expert kernels (forward + backward). The
+synchronised layer wall beside them leaves ``unaccounted`` (router, casts, the stand-in
+exchanges' copies). Host waits: ``torch.cuda.set_sync_debug_mode`` over one more pass.
+Median of ``--repeats`` after ``--warmup`` calls.
 
-Routing: every one of the G·T tokens picks ``top_k`` distinct experts with popularity
-``∝ 1/rank^skew`` over a seeded random order of the experts
-(:func:`onerank.zipf_routing`); the run rank's router returns its own tokens'
-table, so its counts are exactly its row of the ``[G, E]`` matrix the peers report. The
-default skew 0.65 gives an expert max/mean load of about 7–8, the median of the
-registered Qwen3 workload's static run (7.6, steps 1–120; 4.9–13.3 at its 10th/90th
-percentiles); the realised value is reported.
-
-Budgets: ``ample`` (no budget) and ``binding`` (:func:`binding_budget`: lrmoe's fixed
-bytes plus the smallest of 40/55/70/85/95% of its largest retained activations in which
-the headline variant plans; a fraction of static's need does not bind lrmoe at EP 64,
-where static's hot rank dwarfs a balanced one, and fits nobody at EP 8), so lrmoe trims
-or recomputes and the exact policies recompute (``StaticPolicy``/``SymiPolicy`` with
-``recompute=True``, as under a budget in ``bench ttl``; one that does not fit even so is
-timed unbudgeted and marked "over"); an lrmoe variant with no plan in the budget is
-reported as such. Policies are ``bench ttl`` specs (:func:`lrmoe.sim.ttl.policy_variant`):
-``symi`` runs with ``E/G + 2`` slots; ``lrmoe:recompute+estimator=sampled`` is the
-headline variant and ``lrmoe:recompute`` the same with top-k selection.
+Routing: each of the G·T tokens picks ``top_k`` distinct experts, popularity ``∝
+1/rank^skew`` over a seeded order of the experts; skew 0.65 gives an expert max/mean of
+about 7–8, the median of the registered Qwen3 workload's static run (the realised value
+is reported). Budgets: ``ample`` (none) and ``binding`` (:func:`binding_budget`), under
+which lrmoe trims or recomputes and the exact policies recompute (one that does not fit
+even so is timed unbudgeted and marked "over").
 
     python3 benchmarks/control_plane.py --out DIR                     # GPU, bf16, ~2-3 min
     python3 benchmarks/control_plane.py --out DIR --preset tiny-qwen3 --eps 4 \\
@@ -53,7 +35,6 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -62,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: synthetic peers
 
-from gpu_common import out_dir, write_outputs  # noqa: E402
+from gpu_common import check_device, cli, count_syncs, csv, md_head, out_dir, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.ledger import Ledger  # noqa: E402
@@ -157,11 +138,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     if missing:
         lines += [f"Not recorded by the runtime (shown n/a, not in control): "
                   f"{', '.join(missing)}.", ""]
-    lines += ["| preset | EP | tok/rank | expert max/mean | policy | budget | rank | fwd rows "
-              "| bwd rows | keep / retain / recomputed | count exch | plan | local | select "
-              "| gather | **control** | expert fwd | expert bwd | **ctl/exp** | layer wall "
-              "| unacc. | syncs f/b |",
-              "|" + "---|" * 22]
+    lines += md_head("preset", "EP", "tok/rank", "expert max/mean", "policy", "budget", "rank",
+                     "fwd rows", "bwd rows", "keep / retain / recomputed", "count exch", "plan",
+                     "local", "select", "gather", "**control**", "expert fwd", "expert bwd",
+                     "**ctl/exp**", "layer wall", "unacc.", "syncs f/b")
     for r in rows:
         head = (f"| {r['preset']} | {r['ep']} | {r['tokens_per_rank']} | "
                 f"{r['expert_max_over_mean']:.2f} | {r['policy']} | {r['budget']} | ")
@@ -295,28 +275,14 @@ def run_once(layer, x, dy, cuda: bool) -> dict:
     return row
 
 
-def count_syncs(layer, x, dy) -> dict:
-    """Host waits in one forward and one backward (CUDA sync debug mode warnings)."""
-    def counted(fn) -> int:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        return sum("synchroniz" in str(w.message) for w in caught)
-
+def layer_syncs(layer, x, dy) -> dict:
+    """Host waits in one forward and one backward."""
     layer.runtime.stats.clear()
     x.grad = None
     torch.cuda.synchronize()
-    box = {}
-
-    def fwd():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            box["out"] = layer(x)
-    f = counted(fwd)
-    b = counted(lambda: box["out"].backward(dy))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, f = count_syncs(lambda: layer(x))
+    b = count_syncs(lambda: out.backward(dy))[1]
     torch.cuda.synchronize()
     layer.runtime.stats.clear()  # drop the unresolved events of this pass
     return {"forward": f, "backward": b}
@@ -359,14 +325,15 @@ def measure(cfg, G: int, T: int, spec: str, budget_name: str, budget: int | None
     row["stages"] = stage_row(samples)
     row["samples"] = [{k: v for k, v in s.items() if k != "_stats"} for s in samples]
     row["runtime_stat_keys"] = sorted(k for k in samples[-1]["_stats"] if k.endswith("_ms"))
-    row["syncs"] = count_syncs(layer, x, dy) if cuda else None
+    row["syncs"] = layer_syncs(layer, x, dy) if cuda else None
     del layer, x, dy
     if cuda:
         torch.cuda.empty_cache()
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+@cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for control_plane.json and .md")
     ap.add_argument("--preset", default="qwen3-30b-a3b,glm-4.5-air",
@@ -381,44 +348,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    try:
-        from lrmoe.presets import get_preset
-        from lrmoe.sim.ttl import TTLConfig, policy_variant
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.ttl import TTLConfig, policy_variant
 
-        presets = {n: get_preset(n) for n in a.preset.split(",") if n}
-        eps = [int(v) for v in a.eps.split(",") if v]
-        toks = [int(v) for v in a.tokens.split(",") if v]
-        specs = [p for p in a.policies.split(",") if p]
-        for s in specs:
-            policy_variant(s, TTLConfig())
-        budgets = [b for b in a.budgets.split(",") if b]
-        for n, c in presets.items():
-            bad = [G for G in eps if G < 2 or c.num_experts % G]
-            if bad:
-                raise LrmoeError(f"--eps {bad}: each must be >= 2 and divide {n}'s "
-                                 f"{c.num_experts} experts")
-        if any(t < 1 for t in toks) or a.repeats < 1 or a.warmup < 0:
-            raise LrmoeError(f"--tokens {a.tokens} must be >= 1, --repeats {a.repeats} >= 1, "
-                             f"--warmup {a.warmup} >= 0")
-        if not set(budgets) <= {"ample", "binding"} or not budgets:
-            raise LrmoeError(f"--budgets {a.budgets!r}: use ample, binding or both")
-        if a.device not in ("cuda", "cpu"):
-            raise LrmoeError(f"--device {a.device!r}: use cuda or cpu")
-        if a.device == "cuda" and not torch.cuda.is_available():
-            raise LrmoeError("--device cuda but no GPU is visible; --device cpu for the "
-                             "logic check")
-        out = out_dir(a.out)
-    except (LrmoeError, ValueError) as e:
-        print(f"lrmoe: error: {e}", file=sys.stderr)
-        return 2
+    presets = {n: get_preset(n) for n in csv(a.preset)}
+    eps, toks = csv(a.eps, int, "--eps"), csv(a.tokens, int, "--tokens")
+    specs, budgets = csv(a.policies), csv(a.budgets)
+    for s in specs:
+        policy_variant(s, TTLConfig())
+    for n, c in presets.items():
+        if bad := [G for G in eps if G < 2 or c.num_experts % G]:
+            raise LrmoeError(f"--eps {bad}: each must be >= 2 and divide {n}'s "
+                             f"{c.num_experts} experts")
+    if any(t < 1 for t in toks) or a.repeats < 1 or a.warmup < 0:
+        raise LrmoeError(f"--tokens {a.tokens} must be >= 1, --repeats {a.repeats} >= 1, "
+                         f"--warmup {a.warmup} >= 0")
+    if not set(budgets) <= {"ample", "binding"} or not budgets:
+        raise LrmoeError(f"--budgets {a.budgets!r}: use ample, binding or both")
+    check_device(a.device)
+    out = out_dir(a.out)
     dev = torch.device(a.device)
     dtype = "bf16" if dev.type == "cuda" else "fp32"
-    meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (logic check)",
-            "dtype": dtype, "torch": torch.__version__, "skew": a.skew,
-            "repeats": a.repeats, "warmup": a.warmup, "binding_fractions": BINDING_FRACTIONS,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None
-                                                            else argv))}
+    meta = run_meta(a.device, argv=argv, dtype=dtype, skew=a.skew, repeats=a.repeats,
+                    warmup=a.warmup, binding_fractions=BINDING_FRACTIONS)
     rows, t0 = [], time.perf_counter()
     n_total = len(presets) * len(eps) * len(toks) * len(specs) * len(budgets)
     for pname, cfg in presets.items():
@@ -453,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(meta, rows)
     write_outputs(out, "control_plane", meta, rows, md)
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,28 +1,15 @@
 """Expert parallelism on the CPU (gloo): static vs SYMI vs LRMoE on 4 ranks, tiny-qwen3.
 
-Runs ``torchrun --standalone --nproc-per-node 4 -m lrmoe train --ep 4`` once per policy,
-with the same seed, data and global batch, then reads every run's ``metrics.jsonl`` and
-writes a summary (``--json``, default ``OUT/results.json``), a markdown report (``--md``,
-default ``OUT/results.md``, also printed) and a loss plot (``--png``, default
-``benchmarks/cpu_ep_loss.png``: train loss per step, validation points).
-
-What is measured, per run:
-
-* final validation loss and the train loss curve;
-* per-rank forward load imbalance: ``max/mean`` of ``rank_load`` (pairs each rank's
-  experts process) per step and MoE layer, averaged and maxed over steps x layers; the
-  backward counterpart from the plan's backward loads;
-* step time (median and mean ``step_s`` after the first 5 steps) and tokens/s;
-* lrmoe: keep ratio (selected/pairs) and retained ratio (retained/pairs), backward
-  all-to-all bytes against the exact backward (``bwd_bytes`` / ``bwd_exact_bytes``),
-  and the ledger's prediction against what the runtime saved: retained pairs x A
-  (A = (H + 2F)·4 bytes per pair and layer) vs ``saved_act_bytes``, the ledger's total
-  per rank vs the budget, and ``lrmoe plan --loads`` on the static run's measured expert
-  loads vs the retained fraction the training run reached.
-
-Timings are CPU timings of 4 processes sharing 2 cores through gloo on loopback: step
-time is dominated by CPU contention and Python overhead, not by the expert math, so
-they say nothing about GPU speed. Run from the repository root::
+Runs ``torchrun --standalone --nproc-per-node 4 -m lrmoe train --ep 4`` once per policy
+(and per ``--extra`` ablation), same seed, data and global batch, then reads every run's
+``metrics.jsonl``: final validation loss and train loss curve; per-rank forward and
+backward load imbalance (``max/mean`` per step and MoE layer, mean and worst); step time
+(after the first 5 steps) and tokens/s; lrmoe's keep and retained ratios, backward
+all-to-all bytes against the exact backward, and the ledger's retained bytes (retained
+pairs x A, A = (H + 2F)·4 bytes a pair and layer) against what the runtime saved
+(``saved_act_bytes``). Writes ``OUT/results.json``, ``OUT/results.md`` (also printed)
+and the loss plot ``--png``. The times are of 4 processes sharing 2 cores through gloo
+on loopback: CPU contention and Python overhead, nothing about GPU speed.
 
     .venv/bin/python benchmarks/cpu_ep_runs.py            # ~10 min on 2 cores
     .venv/bin/python benchmarks/cpu_ep_runs.py --reuse    # re-analyse finished runs
@@ -68,8 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--lrmoe-selection off' (repeatable)")
     p.add_argument("--reuse", action="store_true",
                    help="reuse runs whose metrics already reach --steps")
-    p.add_argument("--json", default=None, help="summary JSON (default OUT/results.json)")
-    p.add_argument("--md", default=None, help="markdown report (default OUT/results.md)")
     p.add_argument("--png", default="benchmarks/cpu_ep_loss.png")
     p.add_argument("--plot", default=",".join(POLICIES),
                    help="runs drawn in --png, comma-separated (default: the three policies)")
@@ -111,12 +96,7 @@ def extras(a: argparse.Namespace) -> dict[str, str]:
 
 def shown(cmd: list[str]) -> str:
     """The command as someone would type it from the repository root."""
-    out = []
-    for c in cmd:
-        if c == torchrun():
-            c = ".venv/bin/torchrun"
-        out.append(shlex.quote(c))
-    return " ".join(out)
+    return " ".join(shlex.quote(".venv/bin/torchrun" if c == torchrun() else c) for c in cmd)
 
 
 def read_rows(run: Path) -> list[dict]:
@@ -212,20 +192,6 @@ def analyse(run: Path, warm: int = 5) -> dict:
     if ledger:
         out["ledger_total_bytes_max"] = max(ledger)
         out["ledger_budget_bytes"] = tr[-1].get("ledger_budget_bytes")
-    # per MoE layer, the last 50 steps: mean counts (for `lrmoe plan --loads`) and retention
-    last = tr[-50:]
-    n_layers = len(tr[-1]["moe"])
-    out["layers"] = []
-    for k in range(n_layers):
-        cnt = [_mean(r["counts"][k][e] for r in last) for e in range(len(last[0]["counts"][k]))]
-        out["layers"].append({
-            "mean_counts_last50": cnt,
-            "retained_ratio_last50": _mean(r["moe"][k]["retained"] / r["moe"][k]["pairs"]
-                                           for r in last),
-            "keep_ratio_last50": _mean(r["moe"][k]["selected"] / r["moe"][k]["pairs"]
-                                       for r in last),
-            "replicas_last50": _mean(r["moe"][k].get("replicas", 0) for r in last),
-        })
     return out
 
 
@@ -237,30 +203,6 @@ def model_shape() -> dict:
             "k": c.num_experts_per_tok, "L": len(c.moe_layers)}
 
 
-def plan_with_loads(a: argparse.Namespace, counts: list[float], out_dir: Path, k: int) -> dict:
-    """``lrmoe plan`` for the lrmoe budget on one layer's measured (static-run) loads."""
-    ints = [int(round(x)) for x in counts]
-    path = out_dir / f"loads-layer{k}.json"
-    path.write_text(json.dumps({"counts": ints}))
-    tokens = a.batch_size // a.nproc * a.seq_len
-    cmd = [sys.executable, "-m", "lrmoe", "plan", "--preset", PRESET, "--ep", str(a.nproc),
-           "--policy", "lrmoe", "--mem-budget", str(a.mem_budget), "--tokens-per-rank",
-           str(tokens), "--dtype", "fp32", "--loads", str(path)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    got = {"command": "lrmoe " + " ".join(shlex.quote(c) for c in cmd[3:]), "output": text,
-           "rc": res.returncode}
-    for line in text.splitlines():
-        if line.startswith("replicas"):
-            parts = line.split()
-            ret = parts[parts.index("retained") + 1].split("/")
-            sel = parts[parts.index("selected") + 1].split("/")
-            got["retained_ratio"] = int(ret[0]) / int(ret[1])
-            got["keep_ratio"] = int(sel[0]) / int(sel[1])
-            got["replicas"] = int(parts[1])
-    return got
-
-
 # ----------------------------------------------------------------------------- report
 def fmt(x, nd=3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -270,7 +212,7 @@ def fmt(x, nd=3) -> str:
     return str(x)
 
 
-def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict, plans: list) -> str:
+def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict) -> str:
     shape = model_shape()
     A = (shape["H"] + 2 * shape["F"]) * 4
     st = res.get("static")
@@ -326,22 +268,7 @@ def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict, plan
                          f"{lr['ledger_total_bytes_max'] / 2**20:.2f} MiB of the "
                          f"{parse_bytes(a.mem_budget) / 2**20:.2f} MiB budget (the CPU has no "
                          "allocator peak to compare it with).")
-        if plans:
-            lines += ["", "`lrmoe plan` on the static run's measured expert loads (mean counts "
-                      "of the last 50 steps, spread evenly over home ranks) vs the lrmoe "
-                      "run's last 50 steps:", "",
-                      "| MoE layer | plan: replicas | plan: retained | plan: keep | run: "
-                      "replicas | run: retained | run: keep |", "|---|---|---|---|---|---|---|"]
-            for k, pl in enumerate(plans):
-                lay = lr["layers"][k]
-                lines.append(f"| {k} | {pl.get('replicas', '-')} | "
-                             f"{fmt(pl.get('retained_ratio'))} | {fmt(pl.get('keep_ratio'))} | "
-                             f"{fmt(lay['replicas_last50'], 2)} | "
-                             f"{fmt(lay['retained_ratio_last50'])} | "
-                             f"{fmt(lay['keep_ratio_last50'])} |")
     lines += ["", "Commands:", "", "```"] + [commands[p] for p in res] + ["```"]
-    if plans:
-        lines += ["", "```", plans[0]["command"], "```"]
     return "\n".join(lines)
 
 
@@ -393,16 +320,11 @@ def main(argv=None) -> int:
     walls = {p: launch(a, p) for p in policies}
     res = {p: analyse(out / p) for p in policies}
     commands = {p: shown(train_command(a, p)) for p in policies}
-    plans = []
-    if "lrmoe" in res and "static" in res:
-        plans = [plan_with_loads(a, lay["mean_counts_last50"], out, k)
-                 for k, lay in enumerate(res["static"]["layers"])]
-    md = markdown(a, res, commands, walls, plans)
+    md = markdown(a, res, commands, walls)
     print(md)
-    Path(a.md or out / "results.md").write_text(md + "\n")
-    summary = {"args": vars(a), "results": res, "walls": walls, "plans": plans,
-               "commands": commands}
-    Path(a.json or out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "results.md").write_text(md + "\n")
+    summary = {"args": vars(a), "results": res, "walls": walls, "commands": commands}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
     if a.png:
         plot(res, Path(a.png), [p.strip() for p in a.plot.split(",") if p.strip()])
     return 0

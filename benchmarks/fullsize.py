@@ -1,31 +1,26 @@
 """Can the whole Qwen3-30B-A3B train on one GPU with host optimizer offload? MODELLED.
 
-The whole-model step ledger (:class:`lrmoe.step_ledger.StepLedger`) prices, for every
-micro-batch size and activation-checkpoint mode asked, the GPU bytes by term (weights,
-gradients and AdamW state where they live, the activations and transients of the
-largest phase of a step) and the host bytes (fp32 masters, moments and the host
-gradient buffer of the offloaded experts), against the GPU's and the host's memory;
-then, for the first size and the last mode, what would make it fit (the GPU side's
-and the host side's changes, each chain cumulative, and the smallest set that fits
-both), each with its numbers. Nothing big is built: the ledger works from the config alone.
-Everything it prints is MODELLED (ledger), not measured.
+The whole-model step ledger (:class:`lrmoe.step_ledger.StepLedger`, from the config
+alone) prices, for every micro-batch size and checkpoint mode asked, the GPU bytes by
+term (weights, gradients, AdamW state where they live, the activations and transients
+of a step's largest phase) and the host bytes (fp32 masters, moments and gradient buffer
+of the offloaded experts) against the GPU's and the host's memory; then, for the first
+size and the last mode, what would make it fit (each side's changes cumulative, and the
+smallest set that fits both).
 
     python3 benchmarks/fullsize.py --out runs/fullsize              # the table (CPU)
 
-``--measure`` runs ``lrmoe train`` on a copy of the config cut to ``--layers`` layers
-(real widths and vocabulary; random init; the byte tokenizer's corpus) with host
-offload, a checkpoint mode and gradient accumulation for a few steps, and writes its
-measured tokens/s, ``torch.cuda.max_memory_allocated`` (the trainer's per-step
-``cuda_max_mem_bytes``) and the host's peak RSS beside the ledger's prediction for the
-same run:
+``--measure`` also runs ``lrmoe train`` (host offload, the checkpoint mode, gradient
+accumulation, a few steps) on the config cut to ``--layers`` layers (real widths and
+vocabulary) and writes its tokens/s, ``cuda_max_mem_bytes`` and host peak RSS beside
+the ledger's prediction. Its final checkpoint lands in a temporary folder under
+``--run-root`` (size printed first), removed afterwards:
 
     python3 benchmarks/fullsize.py --out runs/fullsize_4L --measure --layers 4 \\
         --device cuda                                              # H200, ~3-5 min
     python3 benchmarks/fullsize.py --out /tmp/fs --measure --config tiny-qwen3 \\
         --layers 2 --device cpu --seq-len 64 --micro-batches 1    # logic check only
 
-The run ends with the trainer's checkpoint (its size is printed first; the run
-directory is a temporary folder under ``--run-root``, removed afterwards).
 Writes ``fullsize.json`` and ``fullsize.md`` into ``--out``.
 """
 
@@ -47,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import out_dir, write_outputs  # noqa: E402
+import gpu_common as gc  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
@@ -318,7 +313,8 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+@gc.cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default=str(FULL_CONFIG), help="HF config.json or preset")
@@ -337,49 +333,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--run-root", default=tempfile.gettempdir())
     a = ap.parse_args(argv)
-    try:
-        if a.device not in ("cuda", "cpu"):
-            raise LrmoeError(f"--device {a.device!r}: use cuda or cpu")
-        modes = [m.strip() for m in a.modes.split(",")]
-        bad = [m for m in modes + [a.measure_mode] if m not in MODES]
-        if bad:
-            raise LrmoeError(f"--modes/--measure-mode {bad[0]!r}: use {', '.join(MODES)}")
-        for name in ("micro_batches", "seq_len", "grad_accum", "steps"):
-            if getattr(a, name) < 1:
-                raise LrmoeError(f"--{name.replace('_', '-')} must be >= 1")
-        if a.measure and a.device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise LrmoeError("--measure --device cuda but no GPU is visible; use "
-                                 "--device cpu for the logic check")
-        sizes = _sizes(a.sizes)
-        gpu, host = parse_bytes(a.gpu_bytes), parse_bytes(a.host_bytes)
-        whole = load_config(a.config, None)
-        cut = load_config(a.config, a.layers) if a.measure else None
-        out = out_dir(a.out)
-        from lrmoe.train.setup import state_bytes
-        rows = rows_for(whole, sizes, modes, gpu, host)
-        (b0, s0), m0 = sizes[0], modes[-1]
-        fix_at = f"{b0}×{s0} tokens × {a.grad_accum} micro-batches, checkpoint {m0}"
-        fixes = remedies(whole, b0 * s0, m0, gpu, host, a.grad_accum)
-        most = max_layers(whole, b0 * s0, m0, gpu, host)
-        refuse = state_bytes(whole, 1, offload=True)
-        md = markdown(whole, rows, fixes, fix_at, most, gpu, host, refuse)
-        meas = None
-        if a.measure:
-            meas = measure(cut, a, out)
-            md += "\n" + measure_markdown(meas)
-    except LrmoeError as e:
-        print(f"fullsize: {e}", file=sys.stderr)
-        return 2
-    meta = {"label": LABEL, "config": a.config, "gpu_bytes": gpu, "host_bytes": host,
-            "trainer_precheck_bytes": list(refuse), "max_layers_as_is": most,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    write_outputs(out, "fullsize", meta, rows + [{"remedies_at": fix_at, "remedies": fixes}]
-                  + ([{"measure": meas}] if meas else []), md)
+    modes = gc.csv(a.modes.replace(" ", ""))
+    if bad := [m for m in modes + [a.measure_mode] if m not in MODES]:
+        raise LrmoeError(f"--modes/--measure-mode {bad[0]!r}: use {', '.join(MODES)}")
+    for name in ("micro_batches", "seq_len", "grad_accum", "steps"):
+        if getattr(a, name) < 1:
+            raise LrmoeError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.measure:
+        gc.check_device(a.device)
+    sizes = _sizes(a.sizes)
+    gpu, host = parse_bytes(a.gpu_bytes), parse_bytes(a.host_bytes)
+    whole = load_config(a.config, None)
+    cut = load_config(a.config, a.layers) if a.measure else None
+    out = gc.out_dir(a.out)
+    from lrmoe.train.setup import state_bytes
+    rows = rows_for(whole, sizes, modes, gpu, host)
+    (b0, s0), m0 = sizes[0], modes[-1]
+    fix_at = f"{b0}×{s0} tokens × {a.grad_accum} micro-batches, checkpoint {m0}"
+    fixes = remedies(whole, b0 * s0, m0, gpu, host, a.grad_accum)
+    most = max_layers(whole, b0 * s0, m0, gpu, host)
+    refuse = state_bytes(whole, 1, offload=True)
+    md = markdown(whole, rows, fixes, fix_at, most, gpu, host, refuse)
+    meas = measure(cut, a, out) if a.measure else None
+    if meas:
+        md += "\n" + measure_markdown(meas)
+    meta = gc.run_meta("cpu", argv=argv, device=None, label=LABEL, config=a.config,
+                       gpu_bytes=gpu, host_bytes=host, trainer_precheck_bytes=list(refuse),
+                       max_layers_as_is=most)
+    gc.write_outputs(out, "fullsize", meta, rows + [{"remedies_at": fix_at, "remedies": fixes}]
+                     + ([{"measure": meas}] if meas else []), md)
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

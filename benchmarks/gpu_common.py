@@ -1,5 +1,6 @@
-"""What the one-GPU benchmarks share: CUDA-event timing, peak memory of one call, the
-dense bf16 ceiling, run metadata, and writing JSON + markdown into ``--out DIR``.
+"""What the benchmarks share: CUDA-event timing, peak memory of one call, the dense bf16
+ceiling, run metadata, argument checks (one ``lrmoe: error:`` line, exit code 2),
+comma lists, markdown table heads, and writing JSON + markdown into ``--out DIR``.
 
 On the CPU (``--smoke``) the same code runs once per call, for the script's logic only:
 its times are not results and its memory columns are ``None``.
@@ -8,22 +9,53 @@ its times are not results and its memory columns are ``None``.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 GiB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.train.checkpoint import atomic_write_text  # noqa: E402
 
 
-def sync(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.synchronize()
+def cli(main: Callable[..., int | None]) -> Callable[..., int]:
+    """``main`` returning 0, or 2 after one ``lrmoe: error:`` line where it raises
+    :class:`LrmoeError` (bad input: raised before any output is written)."""
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv) or 0
+        except LrmoeError as e:
+            print(f"lrmoe: error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def check_device(device: str, cpu: str = "--device cpu") -> None:
+    """``device`` is cuda or cpu and there if cuda; ``cpu``: the flag of the CPU logic check."""
+    if device not in ("cuda", "cpu"):
+        raise LrmoeError(f"--device {device!r}: use cuda or cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LrmoeError(f"no GPU is visible: run on the GPU, or {cpu} for the logic check")
+
+
+def csv(text: str, kind: type = str, name: str = "") -> list:
+    """A comma list (``kind`` each; empty items skipped)."""
+    try:
+        return [kind(v) for v in text.split(",") if v]
+    except ValueError:
+        raise LrmoeError(f"{name or 'list'} {text!r}: want a comma list of {kind.__name__}") from None
+
+
+def md_head(*cols: str) -> list[str]:
+    """A markdown table's header and rule."""
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
 def bench(fn: Callable[[], object], dev: str, warmup: int = 3, iters: int = 15) -> float:
@@ -63,6 +95,18 @@ def peak_of(fn: Callable[[], object], dev: str) -> tuple[int | None, int | None]
     return torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
 
 
+def count_syncs(fn: Callable[[], object]) -> tuple[object, int]:
+    """``(fn(), host syncs inside it)``, from CUDA's sync debug mode warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            r = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return r, sum("synchroniz" in str(w.message) for w in caught)
+
+
 def dense_tflops(dev: str) -> float:
     """bf16 ``n x n x n`` matmul rate (TFLOP/s): the ceiling the expert GEMMs are held to."""
     n = 8192 if dev == "cuda" else 256
@@ -72,24 +116,26 @@ def dense_tflops(dev: str) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def run_meta(dev: str, dense: float) -> dict:
+def run_meta(dev: str, dense: float | None = None, argv: list[str] | None = None, **more) -> dict:
+    """Device, versions, date and the command (``argv``: as given to ``main``); ``more``
+    added or overriding."""
     try:
         import transformers
         tf = transformers.__version__
     except ImportError:
         tf = None
-    return dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke run: not results)",
-                torch=torch.__version__, transformers=tf, python=platform.python_version(),
-                dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+    return {**dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (logic check: not results)",
+                   torch=torch.__version__, transformers=tf, python=platform.python_version(),
+                   dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command=" ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv))),
+            **more}
 
 
 def out_dir(path: str) -> Path:
     """``--out DIR``: created if missing; an existing file there is a usage error."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        print(f"error: --out {path} is a file; give a directory", file=sys.stderr)
-        sys.exit(2)
+        raise LrmoeError(f"--out {path} is a file; give a directory")
     p.mkdir(parents=True, exist_ok=True)
     return p
 
@@ -97,11 +143,8 @@ def out_dir(path: str) -> Path:
 def write_outputs(d: Path, stem: str, meta: dict, rows: list[dict], markdown: str) -> None:
     """``d/stem.json`` (every number) and ``d/stem.md`` (the tables), each written whole
     (temporary file, then rename: an interrupted run leaves the previous files)."""
-    for name, text in ((f"{stem}.json", json.dumps(dict(meta=meta, results=rows), indent=1)),
-                       (f"{stem}.md", markdown)):
-        tmp = d / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, d / name)
+    atomic_write_text(d / f"{stem}.json", json.dumps(dict(meta=meta, results=rows), indent=1))
+    atomic_write_text(d / f"{stem}.md", markdown)
 
 
 def fmt(v, spec: str = ".2f") -> str:

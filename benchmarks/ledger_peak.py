@@ -21,7 +21,6 @@ Writes ``ledger_peak.json`` and ``ledger_peak.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: synthetic peers
+
+import gpu_common as gc  # noqa: E402
 
 from lrmoe.ledger import TERMS, Ledger, fmt_bytes  # noqa: E402
 from lrmoe.model.moe import MoELayer  # noqa: E402
@@ -91,7 +93,8 @@ def measure_rank(base: MoELayer, me: int, counts_GE, idx_NK, T: int, policy, led
     return {"peak": peak, "plan": plan}
 
 
-def main(argv: list[str] | None = None) -> int:
+@gc.cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -104,17 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    out = Path(a.out)
     cfg = get_preset(a.preset)
     G, T, E, K = a.ep, a.tokens_per_rank, cfg.num_experts, cfg.num_experts_per_tok
-    if E % G or G < 1 or T < 1 or a.device not in ("cuda", "cpu") or not 0 < a.retain <= 1:
-        print(f"ledger_peak: --ep {G} must divide E={E}, --tokens-per-rank >= 1, --device "
-              "cuda|cpu, --retain in (0, 1]", file=sys.stderr)
-        return 2
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("ledger_peak: --device cuda but no GPU is visible; use --device cpu for the "
-              "logic check", file=sys.stderr)
-        return 2
+    if E % G or G < 1 or T < 1 or not 0 < a.retain <= 1:
+        raise gc.LrmoeError(f"--ep {G} must divide E={E}, --tokens-per-rank >= 1, "
+                            "--retain in (0, 1]")
+    gc.check_device(a.device)
+    out = gc.out_dir(a.out)
     device = torch.device(a.device)
     dname = "bf16" if device.type == "cuda" else "fp32"
     gen = torch.Generator().manual_seed(a.seed)
@@ -153,22 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                 "instances": int((plan.inst_expert_GS[me] >= 0).sum())})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    rep = {"label": "measured peak (CUDA max_memory_allocated) vs ledger", "preset": a.preset,
-           "ep": G, "tokens_per_rank": T, "skew": a.skew, "dtype": dname,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "command": " ".join(sys.argv),
-           "lrmoe_budget_bytes": pols["lrmoe"][1].budget_bytes, "rows": rows,
-           "wall_s": time.perf_counter() - t0}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ledger_peak.json").write_text(json.dumps(rep, indent=1))
+    meta = gc.run_meta(a.device, argv=argv, label="measured peak (CUDA max_memory_allocated) vs ledger",
+                       preset=a.preset, ep=G, tokens_per_rank=T, skew=a.skew, dtype=dname,
+                       lrmoe_budget_bytes=pols["lrmoe"][1].budget_bytes,
+                       wall_s=time.perf_counter() - t0)
     lines = [f"# Ledger vs measured peak, one {a.preset} MoE layer, EP {G} (one rank at a time)",
-             "", f"{T} tokens/rank, Zipf skew {a.skew}, {dname}, device {rep['device']}, "
-             f"torch {rep['torch']}; lrmoe budget {fmt_bytes(rep['lrmoe_budget_bytes'])} "
+             "", f"{T} tokens/rank, Zipf skew {a.skew}, {dname}, device {meta['device']}, "
+             f"torch {meta['torch']}; lrmoe budget {fmt_bytes(meta['lrmoe_budget_bytes'])} "
              "(L = 1). Measured: peak allocated during forward+backward above the layer "
              "input, its output gradient and the router.", "",
-             "| policy | rank | instances | received | retained | ledger | measured | measured/ledger "
-             "| ledger, plan-priced buffers | measured/that |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             *gc.md_head("policy", "rank", "instances", "received", "retained", "ledger", "measured",
+                         "measured/ledger", "ledger, plan-priced buffers", "measured/that")]
     for r in rows:
         m = r["measured_peak_bytes"]
         lines.append(f"| {r['policy']} | {r['rank']} | {r['instances']} | {r['received_pairs']} "
@@ -177,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{'-' if m is None else format(r['measured_over_ledger'], '.3f')} | "
                      f"{fmt_bytes(r['ledger_plan_bytes'])} | "
                      f"{'-' if m is None else format(r['measured_over_ledger_plan'], '.3f')} |")
-    (out / "ledger_peak.md").write_text("\n".join(lines) + "\n")
+    gc.write_outputs(out, "ledger_peak", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

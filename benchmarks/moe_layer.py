@@ -1,22 +1,14 @@
 """One MoE layer on one GPU: ours vs HF transformers' MoE block (eager and under
 ``torch.compile``), vs the dense GEMM ceiling.
 
-Times forward and forward+backward (router through combine) at the full layer shapes of
-Qwen3-30B-A3B and GLM-4.5-Air for N tokens, with routing drawn uniform or Zipf-skewed
-(s = 1), using CUDA events (median of many runs after warm-up). Same weights and the
-same routing for every variant. Memory columns, from one forward+backward after
-``reset_peak_memory_stats``: ``peak`` = the highest allocation above the weights and
-inputs, ``act`` = ``peak`` minus the gradients the call leaves behind (the goal's
-"peak minus weights and gradients"). Also times LRMoE's backward at keep ratios
-(everything retained, topk selection) and the expert grouped GEMMs alone.
-``host`` = median host milliseconds to enqueue one forward+backward (no sync inside the
-call; the device may still be working after it): when it is close to the CUDA-event
-time, the layer is bound by its host work, not its kernels. ``ours graphed``: a
-DIAGNOSTIC, our layer captured into CUDA graphs (``torch.cuda.make_graphed_callables``,
-forward and backward), which replays the same kernels with no host work between them;
-its time bounds what removing our host overhead could give. It is not a lrmoe feature
-and is not compared with HF for the goal; its memory is not measured (graph pools).
-Writes ``moe_layer.json`` (every number) and ``moe_layer.md`` (the table) into --out.
+Forward and forward+backward (router through combine) at Qwen3-30B-A3B's and
+GLM-4.5-Air's layer shapes for N tokens, routing uniform or Zipf-skewed, same weights and
+routing for every variant; median CUDA-event times after warm-up. Memory of one
+forward+backward: ``peak`` above the weights and inputs, ``act`` = that minus the
+gradients left behind. Also LRMoE's backward at keep ratios, the expert grouped GEMMs
+alone, ``host`` = median host ms to enqueue one forward+backward (close to the CUDA-event
+time: host-bound), and ``ours graphed``, a DIAGNOSTIC (our layer in CUDA graphs, no host
+work between kernels; not a lrmoe feature, not compared for the goal, memory unmeasured).
 
 Usage (GPU):  python3 benchmarks/moe_layer.py --out DIR [--tokens 16384,65536]
 Smoke (CPU):  python3 benchmarks/moe_layer.py --out DIR --smoke   (tiny shapes; logic only)
@@ -39,8 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import bench as _bench  # noqa: E402
-from gpu_common import dense_tflops, fmt, gib, out_dir, peak_of, run_meta, write_outputs  # noqa: E402
+import gpu_common as gc  # noqa: E402
+from gpu_common import fmt, gib  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.model.moe import MoELayer, MoERuntime  # noqa: E402
@@ -55,15 +47,7 @@ SHAPES = {
     "glm": dict(model_type="glm4_moe", hidden_size=4096, moe_intermediate_size=1408,
                 num_experts=128, num_experts_per_tok=8, n_shared_experts=1),
 }
-
-
-# --smoke: the same code at toy shapes on the CPU
-SMOKE_SHAPES = {
-    "qwen3": dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32,
-                  num_experts=8, num_experts_per_tok=2, n_shared_experts=0),
-    "glm": dict(model_type="glm4_moe", hidden_size=64, moe_intermediate_size=32,
-                num_experts=8, num_experts_per_tok=2, n_shared_experts=1),
-}
+SMOKE = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -73,7 +57,7 @@ PROFILE_ONLY = False
 
 
 def bench(fn, warmup: int = 3, iters: int = 15) -> float:
-    return _bench(fn, DEV, warmup, iters)
+    return gc.bench(fn, DEV, warmup, iters)
 
 
 def draw_routing(T: int, E: int, K: int, skew: float, gen: torch.Generator) -> torch.Tensor:
@@ -127,21 +111,19 @@ class SaveInputPolicy:
 
 def hf_block(shape: str, cfg: ModelConfig, impl: str):
     """HF's MoE block at the same shapes, with the given experts implementation."""
+    kw = dict(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
+              num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=True)
     if shape == "qwen3":
-        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-        hc = Qwen3MoeConfig(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
-                            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                            norm_topk_prob=True)
-        hc._experts_implementation = impl
-        return Qwen3MoeSparseMoeBlock(hc)
-    from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-    hc = Glm4MoeConfig(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
-                       n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                       n_shared_experts=cfg.n_shared_experts, n_group=1, topk_group=1, norm_topk_prob=True)
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+        hc = m.Qwen3MoeConfig(num_experts=cfg.num_experts, **kw)
+        block = m.Qwen3MoeSparseMoeBlock
+    else:
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+        hc = m.Glm4MoeConfig(n_routed_experts=cfg.num_experts, n_shared_experts=cfg.n_shared_experts,
+                             n_group=1, topk_group=1, **kw)
+        block = m.Glm4MoeMoE
     hc._experts_implementation = impl
-    return Glm4MoeMoE(hc)
+    return block(hc)
 
 
 def patch_hf_routing(block, idx):
@@ -149,12 +131,9 @@ def patch_hf_routing(block, idx):
     gate = block.gate
 
     def fwd(hidden):
-        h = hidden.reshape(-1, gate.weight.shape[1])
-        logits = F.linear(h, gate.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        g = probs.gather(1, idx)
-        g = (g / g.sum(-1, keepdim=True)).to(h.dtype)
-        return logits, g, idx
+        logits = F.linear(hidden.reshape(-1, gate.weight.shape[1]), gate.weight)
+        g = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+        return logits, (g / g.sum(-1, keepdim=True)).to(hidden.dtype), idx
     gate.forward = fwd
 
 
@@ -235,7 +214,7 @@ def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, ref: torch.Tensor
     clear()
     if not memory:
         return out
-    peak, kept = peak_of(fwdbwd, DEV)  # the gradients stay allocated: ``kept``
+    peak, kept = gc.peak_of(fwdbwd, DEV)  # the gradients stay allocated: ``kept``
     clear()
     out["peak_gib"], out["act_gib"] = gib(peak), gib(None if peak is None else peak - kept)
     return out
@@ -248,7 +227,7 @@ def build_layer(shape: str, T: int, smoke: bool):
     torch.manual_seed(0)
     base = dict(vocab_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                 num_hidden_layers=1, intermediate_size=1024)
-    cfg = ModelConfig(**base, **(SMOKE_SHAPES if smoke else SHAPES)[shape])
+    cfg = ModelConfig(**base, **{**SHAPES[shape], **(SMOKE if smoke else {})})
     K, H = cfg.num_experts_per_tok, cfg.hidden_size
     idx = torch.zeros(T, K, dtype=torch.long, device=DEV)
     layer = MoELayer(cfg, 0).to(DEV).to(DTYPE)
@@ -358,17 +337,19 @@ def gemm_rates(layer: MoELayer, counts: list[int], P: int, H: int, Fd: int, dens
                 gemm_fwdbwd_frac_of_dense=18 * P * H * Fd / ((gf + gb) * 1e-3) / 1e12 / dense)
 
 
-def keep_sweep(layer: MoELayer, x, dy, keeps: list[float], fwd_ms: float) -> dict:
-    """LRMoE backward time (forward+backward minus forward) at each keep ratio, and at
-    the smallest keep with compaction off."""
-
-    def fwdbwd():
+def _fwdbwd(layer, x, dy):
+    def step():
         layer(x).backward(dy)
         x.grad = None
         for p in layer.parameters():
             p.grad = None
+    return step
 
-    out = {}
+
+def keep_sweep(layer: MoELayer, x, dy, keeps: list[float], fwd_ms: float) -> dict:
+    """LRMoE backward time (forward+backward minus forward) at each keep ratio, and at
+    the smallest keep with compaction off."""
+    fwdbwd, out = _fwdbwd(layer, x, dy), {}
     for keep in keeps:
         layer.runtime = MoERuntime(policy=KeepPolicy(keep))
         out[f"keep{keep}_bwd_ms"] = bench(fwdbwd) - fwd_ms
@@ -383,12 +364,7 @@ def keep_sweep(layer: MoELayer, x, dy, keeps: list[float], fwd_ms: float) -> dic
 def profile_layer(layer: MoELayer, x, dy, shape: str, skew: float) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    def fwdbwd():
-        layer(x).backward(dy)
-        x.grad = None
-        for p in layer.parameters():
-            p.grad = None
-
+    fwdbwd = _fwdbwd(layer, x, dy)
     layer.runtime = MoERuntime(policy=KeepPolicy(PROFILE_KEEP))
     fwdbwd()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -415,17 +391,15 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "`host ours / HF compiled`: median host ms to enqueue one forward+backward. "
              "`ours graphed`: DIAGNOSTIC, ours captured in CUDA graphs (no host work between "
              "kernels; not a lrmoe feature, not the goal's comparison).", "",
-             f"| shape | tokens | skew | max/mean load | ours | ours compiled | ours rg@e "
-             f"| ours x-only | HF {pc_impl} compiled | × HF compiled | host ours / HF compiled "
-             "| ours graphed (diag.) | ours act / peak "
-             "| ours rg@e act / peak | ours x-only act / peak | HF compiled act / peak "
-             "| act ratio | GEMM % dense | bwd keep 0.5 / 1.0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             *gc.md_head("shape", "tokens", "skew", "max/mean load", "ours", "ours compiled",
+                      "ours rg@e", "ours x-only", f"HF {pc_impl} compiled", "× HF compiled",
+                      "host ours / HF compiled", "ours graphed (diag.)", "ours act / peak",
+                      "ours rg@e act / peak", "ours x-only act / peak", "HF compiled act / peak",
+                      "act ratio", "GEMM % dense", "bwd keep 0.5 / 1.0")]
     for r in results:
-        o, oc, pc = r["ours"], r.get("ours_compiled", {}), r.get("peer_compiled", {})
-        ol = r.get("ours_router_grad_experts", {})
-        ox = r.get("ours_save_input", {})
-        og = r.get("ours_graphed", {})
+        o, oc, pc, ol, ox, og = (r.get(k, {}) for k in (
+            "ours", "ours_compiled", "peer_compiled", "ours_router_grad_experts", "ours_save_input",
+            "ours_graphed"))
         k1, k5 = r.get("keep1.0_bwd_ms"), r.get("keep0.5_bwd_ms")
         lines.append(
             f"| {r['shape']} | {r['tokens']:,} | {r['skew']:g} | {r['load_max_over_mean']:.2f} "
@@ -433,11 +407,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
             f"| {fmt(ox.get('fwdbwd_ms'))} | {fmt(pc.get('fwdbwd_ms'))} "
             f"| {fmt(r.get('speedup_fwdbwd_vs_peer_compiled'))} "
             f"| {fmt(o.get('host_ms'))} / {fmt(pc.get('host_ms'))} | {fmt(og.get('fwdbwd_ms'))} "
-            f"| {fmt(o.get('act_gib'))} / {fmt(o.get('peak_gib'))} "
-            f"| {fmt(ol.get('act_gib'))} / {fmt(ol.get('peak_gib'))} "
-            f"| {fmt(ox.get('act_gib'))} / {fmt(ox.get('peak_gib'))} "
-            f"| {fmt(pc.get('act_gib'))} / {fmt(pc.get('peak_gib'))} "
-            f"| {fmt(r.get('act_ratio_vs_peer_compiled'))} "
+            + "".join(f"| {fmt(v.get('act_gib'))} / {fmt(v.get('peak_gib'))} " for v in (o, ol, ox, pc))
+            + f"| {fmt(r.get('act_ratio_vs_peer_compiled'))} "
             f"| {fmt(100 * r['gemm_fwdbwd_frac_of_dense'], '.0f')} "
             f"| {fmt(k5 / k1 if k1 and k5 else None)} |")
     lines += ["", "Eager HF peers (forward+backward ms, act / peak GiB, rel. error vs ours):", ""]
@@ -459,7 +430,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+@gc.cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for moe_layer.json and moe_layer.md")
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (logic only)")
@@ -477,34 +449,33 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-keep", type=float, default=1.0)
     ap.add_argument("--profile-only", action="store_true")
-    a = ap.parse_args()
-    global DEV, DTYPE, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY
+    a = ap.parse_args(argv)
+    global DEV, PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY
     DEV = "cpu" if a.smoke else "cuda"
-    if DEV == "cuda" and not torch.cuda.is_available():
-        ap.error("no CUDA device: run on the GPU, or pass --smoke for the CPU logic check")
-    bad = [s for s in a.shapes.split(",") if s not in SHAPES]
-    if bad:
-        ap.error(f"--shapes: unknown {bad}; valid: {sorted(SHAPES)}")
-    tokens = [int(t) for t in (a.tokens or ("64" if a.smoke else "16384,65536")).split(",")]
+    shapes, skews = gc.csv(a.shapes), gc.csv(a.skews, float, "--skews")
+    tokens = gc.csv(a.tokens or ("64" if a.smoke else "16384,65536"), int, "--tokens")
+    if bad := [s for s in shapes if s not in SHAPES]:
+        raise gc.LrmoeError(f"--shapes: unknown {bad}; valid: {sorted(SHAPES)}")
+    gc.check_device(DEV, "--smoke")
     a.compile_backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
     PROFILE_DIR, PROFILE_KEEP, PROFILE_ONLY = a.profile_dir, a.profile_keep, a.profile_only
-    d = out_dir(a.out)
+    d = gc.out_dir(a.out)
     deadline = None if a.budget_s is None else time.time() + a.budget_s
-    dense = dense_tflops(DEV)
+    dense = gc.dense_tflops(DEV)
     results: list = []
     skipped = []
-    for shape in a.shapes.split(","):
+    for shape in shapes:
         for T in tokens:
             if deadline is not None and time.time() > deadline:
                 skipped.append(f"{shape} T={T}")
                 continue
-            run_tokens(shape, T, [float(s) for s in a.skews.split(",")], a, results, dense)
-    meta = run_meta(DEV, dense)
+            run_tokens(shape, T, skews, a, results, dense)
+    meta = gc.run_meta(DEV, dense)
     meta["skipped_by_budget"] = skipped
     md = markdown(meta, results)
-    write_outputs(d, "moe_layer", meta, results, md)
+    gc.write_outputs(d, "moe_layer", meta, results, md)
     print(md)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,38 +1,32 @@
 """What the ``non_moe`` time of ``lrmoe bench ttl`` is made of, from a profile.
 
-``bench ttl`` charges each step ``non_moe_s = (step wall − the emulator's MoE wall −
-the offloaded optimizer's host part) / G`` (:mod:`lrmoe.sim.ttl`). This script runs a
-few training steps of a workload exactly as ``bench ttl`` does (:func:`lrmoe.sim.ttl.
-bench_ttl` itself, static policy, every other setting the registered one) under
-``torch.profiler`` and splits the measured non-MoE wall of each step into categories.
+``bench ttl`` charges each step ``non_moe_s = (step wall − the emulator's MoE wall − the
+offloaded optimizer's host part) / G`` (:mod:`lrmoe.sim.ttl`). This runs a few steps of a
+workload through :func:`lrmoe.sim.ttl.bench_ttl` itself (static, registered settings)
+under ``torch.profiler`` and splits each step's non-MoE wall into categories.
 
-How the wall is split (:func:`analyse`, pure, over the Chrome trace). A step is its
-``ttl:step`` range; the MoE wall is the ``ttl:moe_forward`` ranges less their
-``stage:route`` parts (router and shared experts, which ``bench ttl`` leaves in the
-non-MoE time) plus each ``VirtualExchangeBackward`` node; the offloaded optimizer's host
-part is the ``offload:host_step`` range this script puts around it. What is left is the
-non-MoE time. Every device kernel (on the CPU: every leaf operator) is placed by the
-operator that launched it: its profiler ranges (``ttl:*`` phase; ``mod:<class>`` of the
-module whose forward ran it, which this script records with global module hooks;
-``stage:*``), and for a backward operator those of the forward operator with the same
-autograd sequence number. The device's busy time inside the non-MoE time goes to the
-categories of the kernels running then (the first one where they overlap); its idle
-time goes to "host gap" of the phase the host was in. The categories add up to the
-non-MoE time of the trace, which is compared with the run's recorded one.
+:func:`analyse` (pure, over the Chrome trace): a step is its ``ttl:step`` range; the MoE
+wall is the ``ttl:moe_forward`` ranges less their ``stage:route`` parts (router and
+shared experts, non-MoE for ``bench ttl``) plus each ``VirtualExchangeBackward`` node;
+the host optimizer step is the ``offload:host_step`` range put around it here. Every
+device kernel (on the CPU: every leaf operator) is placed by the operator that launched
+it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
+and for a backward operator those of the forward operator with the same autograd
+sequence number. Device busy time goes to the categories of the kernels running then
+(the first where they overlap), idle time to "host gap" of the host's phase; the
+categories add up to the trace's non-MoE time, shown beside the run's recorded one.
 
     python3 benchmarks/non_moe_profile.py --out DIR               # GPU, ~2-3 min
     python3 benchmarks/non_moe_profile.py --out DIR --device cpu --preset tiny-qwen3 \\
         --config '' --batch-size 8 --seq-len 32 --ep 4 --mem-budget '' --steps 3
 
-Writes ``non_moe_profile.json`` and ``non_moe_profile.md`` into ``--out`` (with
-``--save-trace`` also each profiled run's trace, ``trace_<offload>.json.gz``).
+Writes ``non_moe_profile.json`` and ``non_moe_profile.md`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import json
 import re
 import sys
@@ -46,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import out_dir, write_outputs  # noqa: E402
+from gpu_common import check_device, cli, csv, md_head, out_dir, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 
@@ -55,7 +49,7 @@ SYNC_CALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
 SDPA = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention|fmha", re.I)
 CAST = re.compile(r"^aten::(_to_copy|to|copy_)$")
 HOST_STEP = "offload:host_step"
-MOE = "MoE emulator (the MoE wall)"
+HOST_CAT = "optimizer: experts' host step (excluded: host_s)"
 
 
 # ------------------------------------------------------------------ trace reading
@@ -127,6 +121,11 @@ def overlap(iv: tuple[float, float], segs: list[tuple[float, float]]) -> list[tu
     return [(max(iv[0], a), min(iv[1], b)) for a, b in segs if min(iv[1], b) > max(iv[0], a)]
 
 
+def ms(segs) -> float:
+    """Total length of ``segs`` (trace µs) in ms."""
+    return sum(b - a for a, b in segs) / 1e3
+
+
 class Trace:
     """A profile's events, with forward/backward links (see module doc)."""
 
@@ -185,7 +184,7 @@ def category(rs: list[str], direction: str, names: str, kernel: str) -> str:
     if not rs and direction == "?":
         return "kernels with no launch found"
     if HOST_STEP in rs:
-        return "optimizer: experts' host step (excluded: host_s)"
+        return HOST_CAT
     if "grad accumulation" in rs:
         return "gradient accumulation (AccumulateGrad)"
     if re.search(r"aten::empty|aten::new_empty", names) and re.search(r"fill", kernel + names,
@@ -253,46 +252,34 @@ def analyse(trace: dict, skip: int = 0) -> dict:
         moe_in = [iv for iv in moe if iv[1] > window[0] and iv[0] < window[1]]
         segs = subtract(window, moe_in)
         cats: dict[str, float] = defaultdict(float)
-        busy = []
-        cover = window[0]
+
+        def add(cat: str, iv, cats=cats) -> None:
+            if iv:
+                cats[cat] += ms(iv)
+        busy, cover = [], window[0]
         for d, op in dev_sorted:
             if d.end <= window[0] or d.ts >= window[1]:
                 continue
-            rs, direction, names = labels(tr, op)
-            c = category(rs, direction, names, d.name)
-            for a, b in overlap((max(d.ts, cover), d.end), segs):
-                cats[c] += (b - a) / 1e3
-                busy.append((a, b))
+            iv = overlap((max(d.ts, cover), d.end), segs)
+            add(category(*labels(tr, op), d.name), iv)
+            busy += iv
             cover = max(cover, d.end)
         busy = union(busy)
-        idle = []
-        for seg in segs:
-            idle += subtract(seg, busy)
-        for a, b in idle:
-            rest = [(a, b)]
-            for lo, hi in host_step:
-                for x0, x1 in overlap((a, b), [(lo, hi)]):
-                    cats["optimizer: experts' host step (excluded: host_s)"] += (x1 - x0) / 1e3
-                rest = [p for r in rest for p in subtract(r, [(lo, hi)])]
-            for r in rest:
-                left = [r]
+        idle = [iv for seg in segs for iv in subtract(seg, busy)]
+        phase_iv = union([(p0, p1) for p0, p1, _ in phases])
+        for gap in idle:
+            add(HOST_CAT, overlap(gap, host_step))
+            for r in subtract(gap, host_step):
                 for p0, p1, name in phases:
-                    for x0, x1 in overlap(r, [(p0, p1)]):
-                        cats[f"host gap (device idle): {name[4:]}"] += (x1 - x0) / 1e3
-                    left = [p for seg_ in left for p in subtract(seg_, [(p0, p1)])]
-                for x0, x1 in left:
-                    cats["host gap (device idle): step glue"] += (x1 - x0) / 1e3
-        n_ms = sum(b - a for a, b in segs) / 1e3
-        host_ms = sum(b - a for iv in host_step for a, b in overlap(iv, segs)) / 1e3
+                    add(f"host gap (device idle): {name[4:]}", overlap(r, [(p0, p1)]))
+                add("host gap (device idle): step glue", subtract(r, phase_iv))
+        n_ms, host_ms = ms(segs), ms(iv for h in host_step for iv in overlap(h, segs))
         in_segs = [s for s in syncs if overlap((s.ts, s.end), segs)]
         out.append({
-            "step_ms": (window[1] - window[0]) / 1e3,
-            "moe_wall_ms": sum(b - a for iv in moe_in for a, b in overlap(iv, [window])) / 1e3,
+            "step_ms": ms([window]), "moe_wall_ms": ms(iv for m in moe_in for iv in overlap(m, [window])),
             "non_moe_ms": n_ms, "host_step_ms": host_ms, "non_moe_less_host_ms": n_ms - host_ms,
-            "busy_ms": sum(b - a for a, b in busy) / 1e3,
-            "idle_ms": sum(b - a for a, b in idle) / 1e3,
-            "syncs": len(in_segs), "sync_host_ms": sum(s.end - s.ts for s in in_segs) / 1e3,
-            "categories": dict(cats)})
+            "busy_ms": ms(busy), "idle_ms": ms(idle), "syncs": len(in_segs),
+            "sync_host_ms": ms((s.ts, s.end) for s in in_segs), "categories": dict(cats)})
     return {"steps": out, "cpu_only": tr.cpu_only}
 
 
@@ -327,8 +314,8 @@ def real_rank_share(cat: str, G: int, dense_share: float, offload: str) -> tuple
 
 def markdown_table(cats: dict[str, float], G: int, dense_share: float = 0.0,
                    offload: str = "host") -> list[str]:
-    lines = ["| category | ms per step (all G ranks' tokens) | ms per rank (/G, as charged) "
-             "| a real rank (reading the code) | rule |", "|---|---|---|---|---|"]
+    lines = md_head("category", "ms per step (all G ranks' tokens)", "ms per rank (/G, as charged)",
+                    "a real rank (reading the code)", "rule")
     real = charged = 0.0
     for k, v in cats.items():
         f, rule = real_rank_share(k, G, dense_share, offload)
@@ -403,16 +390,12 @@ def recorded(rep: dict, skip: int) -> dict:
     return out
 
 
-def _recorded_line(res: dict, skip: int, steps: int, G: int) -> str:
-    """What bench ttl recorded for the analysed steps, unprofiled (if run) and profiled."""
-    def part(r: dict, label: str) -> str:
-        return (f"{label}: wall {r['wall_ms']:.1f}, MoE wall {r['moe_wall_ms']:.1f}, host step "
-                f"{r['host_s_ms']:.1f}, **non_moe_measured {r['non_moe_measured_ms']:.1f} → "
-                f"non_moe_s {r['non_moe_ms']:.2f} per rank**")
-    parts = [part(r, label) for r, label in ((res["recorded_unprofiled"], "unprofiled"),
-                                              (res["recorded_profiled"], "profiled")) if r]
+def _recorded_line(r: dict, skip: int, steps: int, G: int) -> str:
+    """What bench ttl recorded for the analysed steps of the profiled run."""
     return (f"Recorded by bench ttl, mean of steps {skip + 1}–{steps} (ms a step, all G = {G} "
-            f"ranks' tokens): " + "; ".join(parts) + ".")
+            f"ranks' tokens): profiled: wall {r['wall_ms']:.1f}, MoE wall {r['moe_wall_ms']:.1f}, "
+            f"host step {r['host_s_ms']:.1f}, **non_moe_measured {r['non_moe_measured_ms']:.1f} → "
+            f"non_moe_s {r['non_moe_ms']:.2f} per rank**.")
 
 
 def param_split(cfg) -> dict[str, int]:
@@ -432,7 +415,8 @@ def param_split(cfg) -> dict[str, int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+@cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="benchmarks/configs/qwen3-30b-a3b-layer-2L.json")
@@ -448,96 +432,66 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-deterministic", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--calibrate", action="store_true",
-                    help="also run the first setting unprofiled (the profiler's own cost)")
-    ap.add_argument("--save-trace", action="store_true",
-                    help="also write each profiled run's trace (large)")
     a = ap.parse_args(argv)
+    from dataclasses import replace
+
     from lrmoe.sim.ttl import TTLConfig
-    try:
-        offloads = [o for o in a.offload.split(",") if o]
-        if not offloads or not set(offloads) <= {"host", "device"}:
-            raise LrmoeError(f"--offload {a.offload!r}: use host, device or both")
-        if a.steps <= a.skip or a.skip < 0:
-            raise LrmoeError(f"--steps {a.steps} must exceed --skip {a.skip} (>= 0)")
-        if a.device == "cuda" and not torch.cuda.is_available():
-            raise LrmoeError("--device cuda but no GPU is visible; use --device cpu")
-        out = out_dir(a.out)
-    except LrmoeError as e:
-        print(f"lrmoe: error: {e}", file=sys.stderr)
-        return 2
+    offloads = csv(a.offload)
+    if not offloads or not set(offloads) <= {"host", "device"}:
+        raise LrmoeError(f"--offload {a.offload!r}: use host, device or both")
+    if a.steps <= a.skip or a.skip < 0:
+        raise LrmoeError(f"--steps {a.steps} must exceed --skip {a.skip} (>= 0)")
+    check_device(a.device)
+    out = out_dir(a.out)
     base = TTLConfig(preset=a.preset or None, config=a.config or None, ep=a.ep,
                      policies=("static",), mem_budget=a.mem_budget or None, steps=a.steps,
                      batch_size=a.batch_size, seq_len=a.seq_len, lr=1e-3, device=a.device,
                      eval_every=0, eval_batches=8, seed=a.seed, link="nvlink",
                      deterministic=not a.no_deterministic)
     G, t0 = a.ep, time.perf_counter()
+    params = param_split(base)
+    dense = params["dense"] / max(params["dense"] + params["expert"], 1)
     results, md = [], []
-    try:
-        params = param_split(base)
-    except LrmoeError as e:
-        print(f"lrmoe: error: {e}", file=sys.stderr)
-        return 2
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:.0f}s] {msg}", flush=True)
-    try:
-        for off in offloads:
-            from dataclasses import replace
-            cfg = replace(base, optimizer_offload=off)
-            plain = None
-            if a.calibrate and off == offloads[0]:  # the profiler's own cost, once
-                log(f"offload {off}: unprofiled run ({a.steps} steps)")
-                plain, _ = run(cfg, False, log)
-            log(f"offload {off}: profiled run")
-            rep, trace = run(cfg, True, log)
-            an = analyse(trace, a.skip)
-            cats = mean_table(an["steps"])
-            res = {"optimizer_offload": off,
-                   "recorded_unprofiled": None if plain is None else recorded(plain, a.skip),
-                   "recorded_profiled": recorded(rep, a.skip), "analysis": an,
-                   "categories_ms": cats, "cpu_only": an["cpu_only"]}
-            results.append(res)
-            if a.save_trace:
-                with gzip.open(out / f"trace_{off}.json.gz", "wt") as f:
-                    json.dump(trace, f)
-            s = an["steps"]
-            mean = {k: sum(x[k] for x in s) / len(s) for k in
-                    ("step_ms", "moe_wall_ms", "non_moe_ms", "host_step_ms",
-                     "non_moe_less_host_ms", "busy_ms", "idle_ms", "syncs", "sync_host_ms")}
-            res["trace_means"] = mean
-            md += [f"## optimizer offload: {off}", "", _recorded_line(res, a.skip, a.steps, G),
-                   f"Trace (profiled run): step {mean['step_ms']:.1f}, MoE wall "
-                   f"{mean['moe_wall_ms']:.1f}, non-MoE {mean['non_moe_ms']:.1f} of which host step "
-                   f"{mean['host_step_ms']:.1f} → **non-MoE less host step "
-                   f"{mean['non_moe_less_host_ms']:.1f}** (device busy {mean['busy_ms']:.1f}, idle "
-                   f"{mean['idle_ms']:.1f}; {mean['syncs']:.0f} host syncs taking "
-                   f"{mean['sync_host_ms']:.1f} ms of host time)."
-                   + (" CPU run: leaf operators stand in for kernels (logic check only)."
-                      if an["cpu_only"] else ""), ""]
-            dense = params["dense"] / max(params["dense"] + params["expert"], 1)
-            md += markdown_table(cats, G, dense, off) + [""]
-            log(f"offload {off}: non-MoE {mean['non_moe_less_host_ms']:.1f} ms a step (trace), "
-                f"{res['recorded_profiled']['non_moe_measured_ms']:.1f} recorded")
-    except LrmoeError as e:
-        print(f"lrmoe: error: {e}", file=sys.stderr)
-        return 2
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (logic check)",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None
-                                                            else argv)),
-            "config": vars(a), "params": params, "wall_s": time.perf_counter() - t0}
-    head = [f"# non-MoE time of bench ttl, by category ({meta['device']})", "",
-            f"Command: `{meta['command']}`; {meta['date']}; torch {meta['torch']}. Static "
-            "policy, registered settings otherwise. Categories add up to the trace's non-MoE "
-            "time (module doc of benchmarks/non_moe_profile.py). Parameters: "
-            f"{params['expert'] / 1e6:.1f} M in experts (a real rank holds 1/G of them), "
-            f"{params['dense'] / 1e6:.1f} M dense (every rank clips and steps all of them).",
-            ""]
-    text = "\n".join(head + md) + "\n"
+    for off in offloads:
+        log(f"offload {off}: profiled run")
+        rep, trace = run(replace(base, optimizer_offload=off), True, log)
+        an = analyse(trace, a.skip)
+        s = an["steps"]
+        mean = {k: sum(x[k] for x in s) / len(s) for k in
+                ("step_ms", "moe_wall_ms", "non_moe_ms", "host_step_ms",
+                 "non_moe_less_host_ms", "busy_ms", "idle_ms", "syncs", "sync_host_ms")}
+        res = {"optimizer_offload": off, "recorded_profiled": recorded(rep, a.skip),
+               "analysis": an, "categories_ms": mean_table(s), "cpu_only": an["cpu_only"],
+               "trace_means": mean}
+        results.append(res)
+        md += [f"## optimizer offload: {off}", "",
+               _recorded_line(res["recorded_profiled"], a.skip, a.steps, G),
+               f"Trace (profiled run): step {mean['step_ms']:.1f}, MoE wall "
+               f"{mean['moe_wall_ms']:.1f}, non-MoE {mean['non_moe_ms']:.1f} of which host step "
+               f"{mean['host_step_ms']:.1f} → **non-MoE less host step "
+               f"{mean['non_moe_less_host_ms']:.1f}** (device busy {mean['busy_ms']:.1f}, idle "
+               f"{mean['idle_ms']:.1f}; {mean['syncs']:.0f} host syncs taking "
+               f"{mean['sync_host_ms']:.1f} ms of host time)."
+               + (" CPU run: leaf operators stand in for kernels (logic check only)."
+                  if an["cpu_only"] else ""), "",
+               *markdown_table(res["categories_ms"], G, dense, off), ""]
+        log(f"offload {off}: non-MoE {mean['non_moe_less_host_ms']:.1f} ms a step (trace), "
+            f"{res['recorded_profiled']['non_moe_measured_ms']:.1f} recorded")
+    meta = run_meta(a.device, argv=argv, config=vars(a), params=params,
+                    wall_s=time.perf_counter() - t0)
+    text = "\n".join([
+        f"# non-MoE time of bench ttl, by category ({meta['device']})", "",
+        f"Command: `{meta['command']}`; {meta['date']}; torch {meta['torch']}. Static "
+        "policy, registered settings otherwise. Categories add up to the trace's non-MoE "
+        "time (module doc of benchmarks/non_moe_profile.py). Parameters: "
+        f"{params['expert'] / 1e6:.1f} M in experts (a real rank holds 1/G of them), "
+        f"{params['dense'] / 1e6:.1f} M dense (every rank clips and steps all of them).",
+        "", *md]) + "\n"
     write_outputs(out, "non_moe_profile", meta, results, text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,36 +1,20 @@
 """Planning time per MoE layer on its critical path: every policy at EP 8..64.
 
-For each EP size × Zipf skew × budget (loose: everything retained; binding: the
-ledger leaves room to retain ~40% of the busiest rank's pairs) and each policy, the
-median time of the part of planning that waits on the step's counts: ``policy.plan
-(counts_GE, inputs)`` on one CPU thread (``torch.set_num_threads(1)``), with the
-inputs the runtime hands it (:func:`lrmoe.policy.base.prepare` already run on the
-previous step's counts). Both the wall time and the thread's CPU time (robust to a
-shared, loaded machine) are recorded, and, off the critical path:
+For each EP size × Zipf skew × budget (loose: everything retained; binding: room to
+retain ~40% of the busiest rank's pairs) and policy, the median time of the part of
+planning that waits on the step's counts: ``policy.plan(counts_GE, inputs)`` on one CPU
+thread, after :func:`lrmoe.policy.base.prepare` ran on the previous step's counts (a
+fresh draw from the same weights). Wall and thread-CPU time (robust to a loaded machine),
+and off the critical path: ``prepare`` (SYMI's placement, lrmoe's with
+``placement=previous``: none of this step's counts), ``check`` / ``pricing``
+(``Plan.check`` and the ledger's pricing, which the runtime skips). ``replaced``: a
+prepared placement that did not fit this step's counts and was made again.
 
-* ``prepare ms``: the policy's ``prepare`` (SYMI's placement from the previous step's
-  popularity; lrmoe's with ``placement=previous``), which needs none of this step's
-  counts, so it can overlap the previous step or the layer's earlier work;
-* ``check ms`` / ``pricing ms``: ``Plan.check`` and the ledger's per-rank pricing
-  (``Ledger.rank_terms``, or ``exact_fit`` for the exact policies) that the emulator
-  used to charge as planning; the runtime does neither on the way to its dispatch.
-
-Policies: static and symi (each with recompute to fit a budget, as ``bench ttl`` runs
-them), capacity, and lrmoe with and without ``recompute``, each with ``placement``
-``current`` (replicas from this step's counts: the whole planner on the critical path)
-and ``previous`` (from the previous step's, prepared ahead; ``replaced``: the prepared
-placement did not fit on this step's counts and was made again, on the critical path).
-
-Counts: every home rank draws ``tokens_per_rank · top_k`` pairs from Zipf(skew) weights
-over a seeded expert permutation (multinomial); the previous step's counts are a fresh
-draw from the same weights (routing that drifts a little, as between two steps).
-
-With CUDA, also "from device counts": the counts start on the GPU, the timed region
-copies them to the host (the one synchronisation the runtime already makes after its
-count all-gather) and plans; host syncs inside ``plan`` are counted with
-``torch.cuda.set_sync_debug_mode`` (0 expected: the planners run on the host).
-``--reference`` also times the loop-by-loop lrmoe planner
-(``tests/references/lrmoe_planner.py``) for the speed-up.
+Policies: static and symi (recompute to fit, as ``bench ttl`` runs them), capacity, and
+lrmoe with and without ``recompute``, placement ``current`` or ``previous``. With CUDA,
+also "from device counts" (copy to the host, the runtime's one sync, then plan) and the
+host syncs inside ``plan`` (0 expected). ``--reference`` also times the loop-by-loop
+lrmoe planner (``tests/references/lrmoe_planner.py``).
 
     python3 benchmarks/plan_speed.py --out DIR [--preset qwen3-30b-a3b] [--reference]
 """
@@ -43,14 +27,16 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the reference planner
+
+import gpu_common as gc  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.ledger import Ledger  # noqa: E402
@@ -131,6 +117,13 @@ def timed(repeats: int, fn, *args) -> tuple[float, float, str | None, float]:
     return statistics.median(wall), statistics.median(cpu), err, min(cpu)
 
 
+def _plan(policy, counts, inputs) -> None:
+    try:
+        policy.plan(counts, inputs)
+    except LrmoeError:
+        pass
+
+
 def gpu_timed(policy, counts_dev: torch.Tensor, inputs: PlanInputs, repeats: int
               ) -> tuple[float, int]:
     """Median ms of copy-to-host + plan from device counts, and host syncs inside plan."""
@@ -138,26 +131,11 @@ def gpu_timed(policy, counts_dev: torch.Tensor, inputs: PlanInputs, repeats: int
     for i in range(repeats + 2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        host = counts_dev.cpu()  # the runtime's own sync after its count all-gather
-        try:
-            policy.plan(host, inputs)
-        except LrmoeError:
-            pass
+        _plan(policy, counts_dev.cpu(), inputs)  # .cpu(): the runtime's own sync
         if i >= 2:
             out.append((time.perf_counter() - t0) * 1e3)
     host = counts_dev.cpu()
-    torch.cuda.set_sync_debug_mode(1)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                policy.plan(host, inputs)
-            except LrmoeError:
-                pass
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return statistics.median(out), syncs
+    return statistics.median(out), gc.count_syncs(lambda: _plan(policy, host, inputs))[1]
 
 
 def off_path(name: str, pol, counts, inputs, ledger, repeats: int) -> dict:
@@ -179,7 +157,8 @@ def off_path(name: str, pol, counts, inputs, ledger, repeats: int) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+@gc.cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for plan_speed.json and plan_speed.md")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -194,24 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the reference lrmoe planner (slow: 3 repeats)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the device-counts timing")
     args = ap.parse_args(argv)
-    try:
-        cfg = get_preset(args.preset)
-        eps = [int(x) for x in args.eps.split(",")]
-        skews = [float(x) for x in args.skews.split(",")]
-        policies = args.policies.split(",")
-        bad = [G for G in eps if G < 1 or cfg.num_experts % G]
-        if bad or args.repeats < 1 or args.tokens_per_rank < 1:
-            raise LrmoeError(f"--eps {bad} must divide E={cfg.num_experts}; --repeats and "
-                             "--tokens-per-rank must be >= 1")
-        unknown = [p for p in policies if p not in POLICIES]
-        if unknown:
-            raise LrmoeError(f"--policies {unknown}: use some of {', '.join(POLICIES)}")
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise LrmoeError(f"--out {out} exists and is not a folder")
-    except (LrmoeError, ValueError) as e:
-        print(f"plan_speed: {e}", file=sys.stderr)
-        return 2
+    cfg = get_preset(args.preset)
+    eps, skews = gc.csv(args.eps, int, "--eps"), gc.csv(args.skews, float, "--skews")
+    policies = gc.csv(args.policies)
+    bad = [G for G in eps if G < 1 or cfg.num_experts % G]
+    if bad or args.repeats < 1 or args.tokens_per_rank < 1:
+        raise LrmoeError(f"--eps {bad} must divide E={cfg.num_experts}; --repeats and "
+                         "--tokens-per-rank must be >= 1")
+    if unknown := [p for p in policies if p not in POLICIES]:
+        raise LrmoeError(f"--policies {unknown}: use some of {', '.join(POLICIES)}")
+    out = gc.out_dir(args.out)
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available() and not args.no_gpu
     pairs = args.tokens_per_rank * cfg.num_experts_per_tok
@@ -233,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"ep": G, "skew": skew, "budget": bname, "budget_bytes": budget,
                            "policy": name, "exact": exact, "cpu_wall_ms": wall,
                            "cpu_thread_ms": cpu, "cpu_thread_min_ms": best, "error": err,
-                           "gpu_ms": None,
-                           "host_syncs_in_plan": None, "reference_ms": None,
+                           "gpu_ms": None, "host_syncs_in_plan": None, "reference_ms": None,
                            **off_path(name, pol, counts, inputs, ledger, args.repeats)}
                     if cuda:
                         row["gpu_ms"], row["host_syncs_in_plan"] = gpu_timed(
@@ -245,16 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     rc, ledger)[1]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    meta = {"command": " ".join(sys.argv), "preset": args.preset,
-            "tokens_per_rank": args.tokens_per_rank, "torch": torch.__version__,
-            "numpy": np.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "threads": 1,
-            "gpu": torch.cuda.get_device_name() if cuda else None, "repeats": args.repeats}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "plan_speed.md").write_text(markdown(meta, rows))
-    print(markdown(meta, rows))
-    return 0
+    meta = gc.run_meta("cpu", argv=argv, device="cpu", preset=args.preset, numpy=np.__version__,
+                       tokens_per_rank=args.tokens_per_rank, repeats=args.repeats, threads=1,
+                       cpu=platform.processor() or platform.machine(),
+                       gpu=torch.cuda.get_device_name() if cuda else None)
+    md = markdown(meta, rows)
+    gc.write_outputs(out, "plan_speed", meta, rows, md)
+    print(md)
 
 
 def _f(x) -> str:
@@ -290,9 +257,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "medians:", "", *summary(rows), "",
              "... and the least of the repeats (a quiet machine's):", "",
              *summary(rows, "cpu_thread_min_ms"), "",
-             "| EP | skew | budget | policy | plan ms | wall ms | prepare ms | check ms "
-             "| pricing ms | gpu ms | syncs | reference ms | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             *gc.md_head("EP", "skew", "budget", "policy", "plan ms", "wall ms", "prepare ms",
+                         "check ms", "pricing ms", "gpu ms", "syncs", "reference ms", "note")]
     for r in rows:
         note = "does not fit" if r["error"] else ("placement replaced" if r["replaced"] else "")
         lines.append(f"| {r['ep']} | {r['skew']:g} | {r['budget']} | {r['policy']} | "

@@ -1,56 +1,59 @@
-"""One ``lrmoe bench ttl`` run (``ttl.json``) as markdown, with the exchanges re-priced
-for another link. Everything here is EMULATED.
+"""``lrmoe bench ttl`` runs as markdown, one run at a time or over seeds. EMULATED times.
 
-    python benchmarks/summarize_ttl.py RUN_DIR [RUN_DIR ...] [--sensitivity]
+    python3 benchmarks/summarize_ttl.py RUN [RUN ...]               # a table per run
+    python3 benchmarks/summarize_ttl.py --seeds OUT/ttl/qwen3/s{0,1,2}  # over seeds
 
-Per policy: steps and emulated time to the target, final validation loss, mean emulated
-step and MoE time, routing skew, keep / recompute ratios, budget status; the same
-emulated times with every exchange re-priced for InfiniBand from the per-step critical
-bytes the run recorded (``exchange_critical_bytes``). Steps and time to the target are
-read as ``bench ttl`` reads them (:mod:`lrmoe.sim.target`: static's smoothed validation
-curve at ``ceil(fraction · steps)``, a policy's own smoothed curve's first crossing,
-linear between evaluations), so they equal the run's ``ttl.md`` and
-``summarize_seeds.py``.
+A RUN folder holds ``ttl.json``, ``ttl.json.gz`` (as kept under ``benchmarks/results``)
+or, for a run cut short, ``ttl_partial.json`` (the policies that finished). Targets and
+crossings are read as ``bench ttl`` reads them (:mod:`lrmoe.sim.target`: static's
+validation curve smoothed over the run's window, read at ``ceil(fraction · steps)``; a
+policy's own smoothed curve's first crossing, linear between evaluations), so both views
+equal the run's ``ttl.md``.
 
-``--sensitivity``: each lrmoe variant's ratio over symi for other target fractions of
-the same run (post hoc: the run's rule fixes one fraction).
+Per run: each policy's steps and emulated time to the target, final validation loss,
+mean emulated step and MoE time, routing skew, keep / recompute ratios and budget
+status, with every exchange also re-priced for InfiniBand from the per-step critical
+bytes the run recorded (``exchange_critical_bytes``). ``--seeds``: each policy's ratio
+over symi per seed with their mean and min–max, one evaluation's noise at the target,
+and the mean emulated ms per stage and policy over the seeds.
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
+import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from summarize_seeds import load_report  # noqa: E402
 
 from lrmoe.commands.bench import fmt  # noqa: E402
 from lrmoe.ledger import fmt_bytes  # noqa: E402
 from lrmoe.sim.links import Link, get_link  # noqa: E402
-from lrmoe.sim.target import crossing, target_at  # noqa: E402
+from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
 
 
-def repriced(step: dict, old, new, G: int) -> float:
-    """``step_emulated_s`` with every exchange re-priced from ``old`` to ``new`` link."""
-    t = step["step_emulated_s"]
-    for crit, n in step["exchange_critical_bytes"].values():
-        if n:
-            t += (crit / new.effective_Bps + n * new.latency_s * (G - 1)
-                  - crit / old.effective_Bps - n * old.latency_s * (G - 1))
-    return t
+def load_report(run: Path) -> dict:
+    """The run folder's whole ``bench ttl`` record."""
+    for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json"):
+        f = run / name
+        if f.exists():
+            raw = gzip.decompress(f.read_bytes()) if name.endswith(".gz") else f.read_bytes()
+            return json.loads(raw)
+    raise SystemExit(f"summarize_ttl: {run} holds none of ttl.json, ttl.json.gz, "
+                     "ttl_partial.json")
 
 
 def window(rep: dict) -> int:
-    return rep["target"].get("smooth_window", 3)
+    return rep.get("target", {}).get("smooth_window", 3)
 
 
-def target(rep: dict, fraction: float | None = None) -> float:
-    """Static's smoothed validation loss at ``ceil(fraction · steps)`` (the run's own
-    fraction by default)."""
-    f = rep["target"].get("fraction", 0.8) if fraction is None else fraction
+def target(rep: dict) -> float:
+    """Static's smoothed validation loss at ``ceil(fraction · steps)``."""
+    f = rep.get("target", {}).get("fraction", 0.8)
     steps = len(rep["policies"]["static"]["steps"])
     return target_at(rep["policies"]["static"]["evals"], math.ceil(f * steps), window(rep))
 
@@ -66,20 +69,26 @@ def reach(rep: dict, name: str, tgt: float, step_s: list[float] | None = None
     return crossing(evals, tgt, window(rep))
 
 
-def _lrmoe_names(rep: dict) -> list[str]:
-    return [n for n in rep["policies"] if n.split(":")[0] == "lrmoe"]
+def repriced(step: dict, old, new, G: int) -> float:
+    """``step_emulated_s`` with every exchange re-priced from ``old`` to ``new`` link."""
+    t = step["step_emulated_s"]
+    for crit, n in step["exchange_critical_bytes"].values():
+        if n:
+            t += (crit / new.effective_Bps + n * new.latency_s * (G - 1)
+                  - crit / old.effective_Bps - n * old.latency_s * (G - 1))
+    return t
 
 
 def summarize(run: Path) -> str:
     rep = load_report(run)
-    G, tg = rep["config"]["ep"], target(rep)
+    G, tg, pols = rep["config"]["ep"], target(rep), rep["policies"]
     budget = "none" if rep["budget_bytes"] is None else fmt_bytes(rep["budget_bytes"])
     # re-priced from the link the run was priced with (its recorded figures: a run made
     # before the presets carried their all-to-all efficiencies was priced at peak)
     lk = rep["link"]
     nv = (Link(**{k: v for k, v in lk.items() if k != "inter"}) if "bandwidth_Bps" in lk
           else get_link(lk["name"]))
-    ib = get_link(rep["link"]["name"] == "ib" and "nvlink" or "ib")
+    ib = get_link("nvlink" if lk["name"] == "ib" else "ib")
     out = [f"### {run.name}", "",
            f"target val {tg:.4f} (static's smoothed curve at step "
            f"{rep['target']['static_step']}); budget {budget} per rank; "
@@ -89,28 +98,26 @@ def summarize(run: Path) -> str:
            "expert max/mean | rank max/mean (fwd) | keep | recompute |",
            "|" + "---|" * 13]
     tt = {}
-    for name, r in rep["policies"].items():
+    for name, r in pols.items():
         st = r["steps"]
         n = max(len(st), 1)
-        t_nv = [s["step_emulated_s"] for s in st]
         t_ib = [repriced(s, nv, ib, G) for s in st]
         s_nv, tt_nv = reach(rep, name, tg)
-        _, tt_ib = reach(rep, name, tg, t_ib)
+        tt_ib = reach(rep, name, tg, t_ib)[1]
         if r.get("out_of_memory"):  # its run stopped: no time to target
             s_nv = tt_nv = tt_ib = None
         tt[name] = (tt_nv, tt_ib)
+        means = [sum(s.get(k, 0) for s in st) / n for k in
+                 ("moe_emulated_s", "expert_load_max_over_mean", "fwd_load_max_over_mean",
+                  "keep_ratio", "recompute_ratio")]
         out.append("| " + " | ".join([
             name, r["budget_status"][:60], fmt(s_nv, ".1f"), fmt(tt_nv, ".3f"), fmt(tt_ib, ".3f"),
-            f"{r['final_val_loss']:.4f}", f"{sum(t_nv) / n * 1e3:.2f}",
-            f"{sum(s['moe_emulated_s'] for s in st) / n * 1e3:.2f}",
-            f"{sum(t_ib) / n * 1e3:.2f}",
-            f"{sum(s['expert_load_max_over_mean'] for s in st) / n:.2f}",
-            f"{sum(s['fwd_load_max_over_mean'] for s in st) / n:.3f}",
-            f"{sum(s['keep_ratio'] for s in st) / n:.3f}",
-            f"{sum(s.get('recompute_ratio', 0) for s in st) / n:.3f}"]) + " |")
+            f"{r['final_val_loss']:.4f}", f"{sum(s['step_emulated_s'] for s in st) / n * 1e3:.2f}",
+            f"{means[0] * 1e3:.2f}", f"{sum(t_ib) / n * 1e3:.2f}", f"{means[1]:.2f}",
+            f"{means[2]:.3f}", f"{means[3]:.3f}", f"{means[4]:.3f}"]) + " |")
     if "symi" in tt:
-        oom = {n for n, r in rep["policies"].items() if r.get("out_of_memory")}
-        for lr in _lrmoe_names(rep):
+        oom = {n for n, r in pols.items() if r.get("out_of_memory")}
+        for lr in [n for n in pols if n.split(":")[0] == "lrmoe"]:
             for i, link in enumerate(("NVLink", "IB")):
                 a, b = tt[lr][i], tt["symi"][i]
                 out.append(f"\n{lr} / symi time to target ({link}): "
@@ -120,31 +127,82 @@ def summarize(run: Path) -> str:
     return "\n".join(out)
 
 
-def _cell(reached) -> str:
-    return "never" if reached[0] is None else f"{reached[0]:.1f} / {reached[1]:.2f}"
+def seed_row(rep: dict) -> dict:
+    """One seed: the target, the evaluation noise there, and each policy's crossing and
+    ratio over symi's time (``"OOM"`` where it or symi ran out of memory)."""
+    base, tg = rep["policies"]["static"], target(rep)
+    at = math.ceil(rep.get("target", {}).get("fraction", 0.8) * len(base["steps"]))
+    out = {"target": tg, "noise": eval_noise(base["evals"], at, window(rep)), "policies": {}}
+    for name, r in rep["policies"].items():
+        step, t = reach(rep, name, tg)
+        out["policies"][name] = {"step": step, "time": t, "final": r["final_val_loss"],
+                                 "steps": len(r["steps"]), "failed": r.get("failed"),
+                                 "oom": r.get("out_of_memory")}
+    symi = out["policies"].get("symi", {})
+    for name, p in out["policies"].items():
+        p["ratio"] = (p["time"] / symi["time"] if p["time"] and symi.get("time")
+                      and not p["failed"] else None)
+        if p["oom"] or (symi.get("oom") and name != "symi"):
+            p["ratio"] = "OOM"
+    return out
 
 
-def sensitivity(run: Path, fractions=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -> str:
-    """Each lrmoe variant's time to target over symi's for other target fractions."""
-    rep = load_report(run)
-    out = []
-    for lr in _lrmoe_names(rep):
-        out += [f"{lr}:", "", "| target fraction | target val | symi steps / time (s) | "
-                f"{lr} steps / time (s) | ratio |", "|---|---|---|---|---|"]
-        for f in fractions:
-            t = target(rep, f)
-            sy, me = reach(rep, "symi", t), reach(rep, lr, t)
-            both = None not in (sy[1], me[1])
-            out.append(f"| {f} | {t:.4f} | {_cell(sy)} | {_cell(me)} | "
-                       f"{fmt(me[1] / sy[1] if both else None, '.3f', 'n/a')} |")
-        out.append("")
+def _seed_cell(p: dict | None) -> str:
+    if p is None:
+        return "not run"
+    if p["oom"]:
+        return f"OOM at step {p['oom']['step']}"
+    if p["ratio"] == "OOM":
+        return f"OOM (symi ran out of memory; final {p['final']:.4f})"
+    if p["failed"]:
+        return f"stopped at step {p['steps'] + 1}"
+    return f"{fmt(p['ratio'], '.3f', 'never')} ({p['final']:.4f})"
+
+
+def seeds(runs: list[Path]) -> str:
+    reps = [load_report(r) for r in runs]
+    pols = [rep["policies"] for rep in reps]
+    rows = [seed_row(rep) for rep in reps]
+    names = list(dict.fromkeys(n for p in pols for n in p))
+    out = ["| policy | " + " | ".join(f"{r.name} ratio (final val)" for r in runs)
+           + " | mean ratio | min–max | seeds with a ratio |", "|" + "---|" * (len(runs) + 4)]
+    for n in names:
+        ps = [row["policies"].get(n) for row in rows]
+        rs = [p["ratio"] for p in ps if p and not p["oom"] and not p["failed"]
+              and p["ratio"] not in (None, "OOM")]
+        out.append(f"| {n} | " + " | ".join(map(_seed_cell, ps))
+                   + (f" | {statistics.mean(rs):.3f} | {min(rs):.3f}–{max(rs):.3f}" if rs
+                      else " | n/a | n/a") + f" | {len(rs)} of {len(rows)} |")
+    out.append("")
+    for r, row in zip(runs, rows):
+        nz = row["noise"]
+        out.append(f"- {r.name}: target {row['target']:.4f}; one evaluation's std error "
+                   f"{nz['std_error']:.3f} vs smoothed change between neighbouring evaluations "
+                   f"{nz['neighbour_change']:.4f} ({'below' if nz['ok'] else 'NOT below'} a "
+                   "quarter); paired std error of the change from the previous evaluation "
+                   f"(same batches) {nz['paired_std_error']:.4f} "
+                   f"({'below' if nz['paired_ok'] else 'NOT below'} a quarter)")
+    stages = list(next(iter(pols[0].values()))["steps"][0]["stages_emulated_s"])
+    out += ["", "Mean emulated ms per step by stage over the seeds (all steps each policy ran):",
+            "", "| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |",
+            "|" + "---|" * (len(stages) + 3)]
+    for n in names:
+        st = [s for p in pols if n in p for s in p[n]["steps"]]
+        if st:  # none: out of memory at its first step
+            vals = [statistics.mean(s["stages_emulated_s"][k] for s in st) for k in stages]
+            vals += [statistics.mean(s[k] for s in st) for k in ("non_moe_s", "step_emulated_s")]
+            out.append(f"| {n} | " + " | ".join(f"{v * 1e3:.2f}" for v in vals) + " |")
     return "\n".join(out)
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--seeds", action="store_true", help="one table over the runs (seeds)")
+    a = ap.parse_args(argv)
+    print(seeds(a.runs) if a.seeds else "\n\n".join(summarize(r) for r in a.runs))
+    return 0
+
+
 if __name__ == "__main__":
-    for p in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        print(summarize(Path(p)))
-        if "--sensitivity" in sys.argv:
-            print("\ntime to target over symi's at other target fractions (post hoc):\n")
-            print(sensitivity(Path(p)))
-        print()
+    raise SystemExit(main())

@@ -2,21 +2,16 @@
 Glm4MoeForCausalLM), eager and under ``torch.compile``, with the same weights.
 
 A few full-width layers of Qwen3-30B-A3B (4, all MoE) and GLM-4.5-Air (3: one dense, two
-MoE), vocabulary 32k, batch 4 x 2,048 tokens, in two regimes:
-  - ``fp32-autocast``: fp32 master weights, bf16 autocast, fused AdamW (HF Trainer with
-    ``bf16=True``);
-  - ``bf16``: bf16 weights, fused AdamW on them.
-One step = forward, loss (cross entropy in fp32; Qwen3 adds its router aux loss in both
-models), backward, optimizer step, zero_grad. Reported: median step time (CUDA events,
-after warm-up steps that include compilation), tokens/s, model TFLOP/s (6 x active
-non-embedding parameters x tokens: attention's T^2 term excluded, a label not a
-measure), and the absolute peak of one step (``max_memory_allocated`` after a reset).
-The dense bf16 matmul ceiling is measured in the same run. HF's experts
-implementations are run eager (each in ``--hf-impls``); the compiled HF model uses
-``--hf-compile-impl``. Ours compiled is :func:`lrmoe.model.compile.compile_model`
-(what ``lrmoe train --compile`` does); HF compiled is ``model.compile()``.
+MoE), vocabulary 32k, batch 4 x 2,048 tokens, in two regimes: ``fp32-autocast`` (fp32
+master weights, bf16 autocast, fused AdamW: HF Trainer's ``bf16=True``) and ``bf16``
+(bf16 weights, fused AdamW on them). A step = forward, loss (fp32 cross entropy, plus
+Qwen3's router aux loss in both models), backward, optimizer step, zero_grad. Reported:
+median step time (CUDA events, after warm-up steps that include compilation), tokens/s,
+model TFLOP/s (6 x active non-embedding parameters x tokens: a label, attention's T^2
+excluded), the absolute peak of one step, and the dense bf16 ceiling of the same run.
+HF's ``--hf-impls`` run eager and ``--hf-compile-impl`` under ``model.compile()``; ours
+compiled is :func:`lrmoe.model.compile.compile_model` (``lrmoe train --compile``).
 
-Writes ``train_step.json`` and ``train_step.md`` into --out.
 Usage (GPU):  python3 benchmarks/train_step.py --out DIR
 Smoke (CPU):  python3 benchmarks/train_step.py --out DIR --smoke   (tiny models; logic only)
 """
@@ -24,10 +19,11 @@ Smoke (CPU):  python3 benchmarks/train_step.py --out DIR --smoke   (tiny models;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import gc
 import sys
 import time
+from gc import collect
 from pathlib import Path
 
 import torch
@@ -35,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import bench, dense_tflops, fmt, gib, out_dir, peak_of, run_meta, write_outputs  # noqa: E402
+import gpu_common as gc  # noqa: E402
+from gpu_common import bench, fmt, gib, peak_of  # noqa: E402
 
 from lrmoe.hf import _hf_name, hf_config_dict  # noqa: E402
 from lrmoe.model import MoEForCausalLM  # noqa: E402
@@ -87,11 +84,8 @@ def run_variant(name: str, model, loss_fn, batch: torch.Tensor, dtype: torch.dty
     end_step = getattr(model, "end_step", None)
 
     def step():
-        if ctx is None:
+        with ctx() if ctx else contextlib.nullcontext():
             loss = loss_fn(model, batch)
-        else:
-            with ctx():
-                loss = loss_fn(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -106,10 +100,9 @@ def run_variant(name: str, model, loss_fn, batch: torch.Tensor, dtype: torch.dty
     start = torch.cuda.memory_allocated() if dev == "cuda" else None
     peak, _ = peak_of(step, dev)
     tokens = batch.shape[0] * (batch.shape[1] - 1)
-    out = dict(variant=name, step_ms=ms, tokens_per_s=tokens / (ms * 1e-3), first_step_s=first_s,
-               first_loss=first, peak_gib=gib(None if peak is None else peak + start),
-               resident_gib=gib(start))
-    return out
+    return dict(variant=name, step_ms=ms, tokens_per_s=tokens / (ms * 1e-3), first_step_s=first_s,
+                first_loss=first, peak_gib=gib(None if peak is None else peak + start),
+                resident_gib=gib(start))
 
 
 def ours_loss(model, ids):
@@ -118,8 +111,7 @@ def ours_loss(model, ids):
 
 def hf_loss(model, ids):
     x = ids[:, :-1]  # the same T inputs; HF shifts the labels itself (T-1 targets)
-    out = model(input_ids=x, labels=x)
-    return out.loss
+    return model(input_ids=x, labels=x).loss
 
 
 def run_shape_regime(shape: str, regime: str, a, dev: str, dense: float, rows: list) -> None:
@@ -150,19 +142,17 @@ def run_shape_regime(shape: str, regime: str, a, dev: str, dense: float, rows: l
     state = {k: v.detach().to("cpu", copy=True) for k, v in ours.state_dict().items()}  # for HF
     with torch.no_grad():
         ref_logits = ours(batch[:1, :-1]).float()
-    add(guarded("ours eager", lambda: run_variant("ours eager", ours, ours_loss, batch, dtype, a, dev)))
+    def mine(name: str) -> dict:
+        return guarded(name, lambda: run_variant(name, ours, ours_loss, batch, dtype, a, dev))
+    add(mine("ours eager"))
     if a.router_grad_experts:  # the lever: no combined expert outputs kept (exact plans)
         ours.set_runtime(MoERuntime(backward=BackwardOptions(router_grad="experts")))
-        name = "ours eager, router grad at experts"
-        add(guarded(name, lambda: run_variant(name, ours, ours_loss, batch, dtype, a, dev)))
+        add(mine("ours eager, router grad at experts"))
         ours.set_runtime(MoERuntime())
     if a.compile:
         torch._dynamo.reset()
         compile_model(ours, backend=a.compile_backend)
-        r = guarded("ours compiled",
-                    lambda: run_variant("ours compiled", ours, ours_loss, batch, dtype, a, dev))
-        r["compile_counts"] = compile_counts()
-        add(r)
+        add({**mine("ours compiled"), "compile_counts": compile_counts()})
     ours = None  # HF starts from the weights ours started from (``state``)
     free(dev)
     impls = a.hf_impls.split(",") if a.hf_impls else []
@@ -200,7 +190,7 @@ def guarded(name: str, fn) -> dict:
 
 
 def free(dev: str) -> None:
-    gc.collect()
+    collect()
     torch._dynamo.reset()
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -212,9 +202,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['date']}. Dense bf16 ceiling {meta['dense_bf16_tflops']:.0f} TFLOP/s, measured "
              "in this run. Model TFLOP/s = 6 × active non-embedding parameters × tokens / step "
              "time (attention's T² term excluded).", "",
-             "| shape | regime | model | step ms | tokens/s | peak GiB | model TFLOP/s | % of dense "
-             "| first step s | logits rel. err vs ours |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             *gc.md_head("shape", "regime", "model", "step ms", "tokens/s", "peak GiB",
+                         "model TFLOP/s", "% of dense", "first step s", "logits rel. err vs ours")]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['regime']} | {r['variant']} | error: {r['error']} "
@@ -228,7 +217,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+@gc.cli
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for train_step.json and train_step.md")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (logic only)")
@@ -252,31 +242,30 @@ def main() -> None:
                          "as skipped); order: shapes, then regimes, as given")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=6)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     dev = "cpu" if a.smoke else "cuda"
-    if dev == "cuda" and not torch.cuda.is_available():
-        ap.error("no CUDA device: run on the GPU, or pass --smoke for the CPU logic check")
-    for name, given, valid in (("--shapes", a.shapes, SHAPES), ("--regimes", a.regimes, REGIMES)):
-        bad = [s for s in given.split(",") if s not in valid]
-        if bad:
-            ap.error(f"{name}: unknown {bad}; valid: {sorted(valid)}")
+    shapes, regimes = gc.csv(a.shapes), gc.csv(a.regimes)
+    for name, given, valid in (("--shapes", shapes, SHAPES), ("--regimes", regimes, REGIMES)):
+        if bad := [s for s in given if s not in valid]:
+            raise gc.LrmoeError(f"{name}: unknown {bad}; valid: {sorted(valid)}")
+    gc.check_device(dev, "--smoke")
     a.vocab = a.vocab or (256 if a.smoke else 32000)
     a.batch = a.batch or (2 if a.smoke else 4)
     a.seq = a.seq or (32 if a.smoke else 2048)
     a.compile_backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
-    d = out_dir(a.out)
+    d = gc.out_dir(a.out)
     global DEADLINE
     DEADLINE = None if a.budget_s is None else time.time() + a.budget_s
-    dense = dense_tflops(dev)
+    dense = gc.dense_tflops(dev)
     rows: list[dict] = []
-    for shape in a.shapes.split(","):
-        for regime in a.regimes.split(","):
+    for shape in shapes:
+        for regime in regimes:
             run_shape_regime(shape, regime, a, dev, dense, rows)
-    meta = run_meta(dev, dense)
+    meta = gc.run_meta(dev, dense)
     md = markdown(meta, rows)
-    write_outputs(d, "train_step", meta, rows, md)
+    gc.write_outputs(d, "train_step", meta, rows, md)
     print(md)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

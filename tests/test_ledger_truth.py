@@ -232,10 +232,10 @@ def test_ledger_peak_script_logic_on_cpu(tmp_path):
     out = tmp_path / "lp"
     assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
                      "--tokens-per-rank", "32", "--ep", "4"]) == 0
-    rep = json.loads((out / "ledger_peak.json").read_text())
-    assert [(r["policy"], r["rank"]) for r in rep["rows"]] == [
+    rows = json.loads((out / "ledger_peak.json").read_text())["results"]
+    assert [(r["policy"], r["rank"]) for r in rows] == [
         (p, g) for p in ("static", "symi", "lrmoe") for g in range(4)]
-    for r in rep["rows"]:
+    for r in rows:
         assert r["measured_peak_bytes"] is None  # CPU: nothing measured
         assert r["ledger_bytes"] == sum(r["ledger_terms"].values())
         assert r["ledger_plan_bytes"] == (r["ledger_bytes"] - r["ledger_terms"]["buffers"]

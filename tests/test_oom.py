@@ -170,13 +170,12 @@ def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys):
     md = (out / "ttl.md").read_text()
     assert "lrmoe / symi emulated time-to-target: OOM" in md
     assert "| symi | " in md and "out of memory at step 1" in md and "| OOM | OOM |" in md
-    summ = load_benchmark("summarize_ttl").summarize(out)
-    assert "lrmoe / symi time to target (NVLink): OOM" in summ
-    ss = load_benchmark("summarize_seeds")
-    row = ss.seed_row(rep["policies"], 0.8, 3)
+    ss = load_benchmark("summarize_ttl")
+    assert "lrmoe / symi time to target (NVLink): OOM" in ss.summarize(out)
+    row = ss.seed_row(rep)
     assert row["policies"]["symi"]["ratio"] == row["policies"]["lrmoe"]["ratio"] == "OOM"
     capsys.readouterr()
-    assert ss.main([str(out)]) == 0
+    assert ss.main(["--seeds", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| symi | OOM at step 1 |" in table
 

@@ -243,7 +243,7 @@ def test_plan_speed_benchmark_writes_its_table(tmp_path, capsys):
     assert mod.main(["--out", str(out), "--eps", "8", "--skews", "1", "--repeats", "1",
                      "--tokens-per-rank", "256", "--reference", "--no-gpu"]) == 0
     import json
-    rows = json.loads((out / "plan_speed.json").read_text())["rows"]
+    rows = json.loads((out / "plan_speed.json").read_text())["results"]
     assert {(r["policy"], r["budget"]) for r in rows} == {
         (p, b) for p in mod.POLICIES for b in ("loose", "binding")}
     assert all(r["cpu_thread_ms"] >= 0 and r["gpu_ms"] is None for r in rows)

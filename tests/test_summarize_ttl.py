@@ -1,4 +1,4 @@
-"""benchmarks/summarize_ttl.py and summarize_seeds.py read a run's time to target as
+"""benchmarks/summarize_ttl.py, per run and over seeds, reads a run's time to target as
 ``bench ttl`` recorded it (lrmoe.sim.target's smoothed crossing), on a recorded H200 run
 and on a hand-made run whose raw and smoothed readings differ."""
 
@@ -16,9 +16,9 @@ RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ttl_qwen
 
 
 def test_recorded_run_read_the_same_by_every_tool():
-    st, ss = load_benchmark("summarize_ttl"), load_benchmark("summarize_seeds")
-    rep = ss.load_report(RUN)
-    row = ss.seed_row(rep["policies"], rep["target"]["fraction"], rep["target"]["smooth_window"])
+    st = load_benchmark("summarize_ttl")
+    rep = st.load_report(RUN)
+    row = st.seed_row(rep)
     tg = st.target(rep)
     assert tg == pytest.approx(rep["target"]["val_loss"], rel=1e-12)
     for name, rec in rep["policies"].items():
@@ -30,6 +30,10 @@ def test_recorded_run_read_the_same_by_every_tool():
     # the run's ttl.md: steps to target 96.0 / 92.7 / 100.8 and the ratio 1.173
     assert "| symi | over budget at 14/120 steps | 92.7 |" in md
     assert "/ symi time to target (NVLink): 1.173" in md
+    lr = next(n for n in rep["policies"] if n.startswith("lrmoe"))
+    over = st.seeds([RUN, RUN])  # --seeds: the same ratio, per seed and as their mean
+    assert f"| {lr} | 1.173 (" in over and "| 1.173 | 1.173–1.173 | 2 of 2 |" in over
+    assert "| symi | 1.000 (" in over
     ttl_md = (RUN / "ttl.md").read_text()
     assert "| 92.7 | 10.7829 |" in ttl_md and "1.173" in ttl_md
 
@@ -55,10 +59,10 @@ def test_smoothed_crossing_not_the_first_raw_evaluation(tmp_path):
     run = tmp_path / "s0"
     run.mkdir()
     (run / "ttl.json.gz").write_bytes(gzip.compress(json.dumps(rep).encode()))
-    st, ss = load_benchmark("summarize_ttl"), load_benchmark("summarize_seeds")
-    tg = st.target(ss.load_report(run))
+    st = load_benchmark("summarize_ttl")
+    tg = st.target(st.load_report(run))
     step, t = st.reach(rep, "symi", tg)
-    row = ss.seed_row(pol, 0.75, 3)
+    row = st.seed_row(rep)
     assert row["target"] == pytest.approx(tg)
     assert (step, t) == (row["policies"]["symi"]["step"], row["policies"]["symi"]["time"])
     raw_first = next(e["step"] for e in pol["symi"]["evals"] if e["val_loss"] <= tg)

@@ -9,7 +9,8 @@
 #   NAME              any other benchmarks/NAME.py that takes --out DIR
 #   checks            the GPU correctness tests: pytest -m gpu tests/gpu
 #   ttl:WORKLOAD:SEED one `lrmoe bench ttl` time-to-target run (EMULATED times), EP 8
-#                     virtual ranks; WORKLOAD: qwen3, glm_fastbias or glm_bias03
+#                     virtual ranks; WORKLOAD: qwen3, glm_fastbias, glm_bias03, or the
+#                     two-MoE-layer GLM twin glm_moe / glm_moe_bias03
 # Results: OUTDIR/NAME/ (checks: OUTDIR/checks/; ttl: OUTDIR/ttl/WORKLOAD/sSEED/) and the
 # log OUTDIR/NAME.log. More flags for a python benchmark: ARGS_NAME, e.g.
 # ARGS_layer="--shapes glm --tokens 16384".
@@ -35,7 +36,10 @@ ttl() {  # WORKLOAD SEED LOG
     qwen3) cfg=qwen3-30b-a3b-layer-2L.json ;;
     glm_fastbias) cfg=glm-4.5-air-layer-2L-fastbias.json ;;
     glm_bias03) cfg=glm-4.5-air-layer-2L-bias03.json ;;
-    *) echo "gpu_run.sh: error: workload '$w' (qwen3, glm_fastbias, glm_bias03)" >&2; return 2 ;;
+    glm_moe) cfg=glm-4.5-air-moe-2L.json ;;
+    glm_moe_bias03) cfg=glm-4.5-air-moe-2L-bias03.json ;;
+    *) echo "gpu_run.sh: error: workload '$w' (qwen3, glm_fastbias, glm_bias03, glm_moe," \
+            "glm_moe_bias03)" >&2; return 2 ;;
   esac
   d=$OUT/ttl/$w/s$seed
   mkdir -p "$d"

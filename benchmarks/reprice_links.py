@@ -130,7 +130,7 @@ def fmt(v, spec: str) -> str:
     return "n/a" if v is None else v if isinstance(v, str) else format(v, spec)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--link", required=True, help="link preset (lrmoe.sim.links.LINKS)")
@@ -168,5 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+main = cli(run)  # exit 2 after one line on bad input
+
 if __name__ == "__main__":
-    raise SystemExit(cli(main)())
+    raise SystemExit(main())

@@ -24,6 +24,9 @@ Per step this records:
 * ``non_moe_s = non_moe_measured_s / G``: the per-rank share (modelled: assumes that
   work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
   non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.
+* ``link_terms``: each link-priced stage's charges as link-free terms (bytes per rank,
+  messages, compute seconds; :func:`lrmoe.sim.cost.accumulated_times`), so the step can be
+  re-priced exactly for another link (``benchmarks/reprice_links.py``).
 
 Target (:mod:`lrmoe.sim.target`): every validation curve is smoothed by a centred
 moving average of ``smooth_window`` evaluations; the target is the static run's

@@ -13,10 +13,12 @@ link) and the non-MoE time stay as recorded, so one step costs
 and steps and time to target are read as ``bench ttl`` reads them
 (:mod:`lrmoe.sim.target`: the run's recorded fraction and smoothing window).
 
-Assumes: the same routing, loss curve, kernels and planning as the run (only the link
-changes: a slower link would not change what the policies do, which holds for policies
-that do not plan by link cost); a flat link, or a two-level one whose node holds all
-the ranks (the recorded bytes are not split into intra- and inter-node).
+Assumes: the same routing, loss curve, kernels and plans as the run (only the link
+changes); static and lrmoe do not plan by link cost, but symi's slots per rank were
+chosen by least modelled time on the run's link (``lrmoe.sim.ttl_symi``): on a slower
+link it would choose again (likely fewer replicas), so its re-priced time likely
+overstates it. A flat link, or a two-level one whose node holds all the ranks (the
+recorded bytes are not split into intra- and inter-node).
 
 Guard: before printing anything, the run is re-priced on its own link and must give its
 recorded per-step totals, times to target and ratios to 1e-9; else (or for a run
@@ -142,7 +144,8 @@ def run(argv: list[str] | None = None) -> int:
     results = [(run, rep, reprice(rep, link, run)) for run, rep in reps]
     lines = [f"MODELLED (re-priced): each run's exchanges priced again on --link {link.name} "
              f"({link.effective_Bps / 1e9:g} GB/s effective, {link.latency_s * 1e6:g} us); "
-             "everything else as the run recorded (EMULATED)", ""]
+             "everything else as the run recorded (EMULATED); symi keeps the slots it chose "
+             "for the run's link", ""]
     ratios: dict[str, list[float]] = {}
     for run, rep, res in results:
         lines += [f"### {run} (ran on {rep['link']['name']})", "",

@@ -116,6 +116,74 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     return out
 
 
+# Stages priced on the EP link: their seconds follow from the terms below and the link
+LINK_STAGES = ("count_exchange", "fwd_dispatch", "fwd_combine", "bwd_dispatch",
+               "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
+
+
+def rank_bytes(bytes_GG) -> list[float]:
+    """Each rank's ``max(sent, received)`` bytes of one exchange ``[src, dst]``, its copy
+    to itself left out: what :func:`lrmoe.sim.links.alltoall_time` prices."""
+    b = torch.as_tensor(bytes_GG, dtype=torch.float64)
+    b = b - torch.diag(torch.diagonal(b))
+    return [max(x, y) for x, y in zip(b.sum(1).tolist(), b.sum(0).tolist())]
+
+
+def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], list[float]]]:
+    """Per :data:`LINK_STAGES` stage, the link-free terms of :func:`rank_stage_seconds`:
+    ``(messages, bytes per rank, fixed seconds per rank)``, so that on a flat link each
+    rank's seconds are ``fixed + bytes / bandwidth + messages · latency · (G - 1)``
+    (:func:`price_terms`): ``messages`` counts the stage's exchanges with traffic,
+    ``bytes`` sums their :func:`rank_bytes`, ``fixed`` is the measured or modelled
+    compute of ``bwd_recompute`` (0 elsewhere)."""
+    G = stats.plan.G
+
+    def ex_terms(names, fixed=None):
+        live = [ex for ex in names if ex in stats.bytes_GG and sum(stats.bytes_sent(ex))]
+        per = [rank_bytes(stats.bytes_GG[ex]) for ex in live]
+        return len(live), [sum(v) for v in zip(*per)] if per else [0.0] * G, \
+            fixed or [0.0] * G
+
+    out = {ex: ex_terms([ex]) for ex in LINK_STAGES if ex in EXCHANGES}
+    out["count_exchange"] = ex_terms(["count_allgather", "bwd_count_exchange"])
+    fwd = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
+    if "recompute" in stats.expert_ms:
+        out["bwd_recompute"] = ex_terms(RECOMPUTE_EXCHANGES,
+                                        [ms / 1e3 for ms in stats.expert_ms["recompute"]])
+    elif stats.recompute_mode in ("layer", "over"):
+        out["bwd_recompute"] = ex_terms(["fwd_dispatch", "fwd_combine"], fwd)
+    else:
+        rec, rows = stats.recompute_rows or [0] * G, stats.rows.get("fwd", [0] * G)
+        out["bwd_recompute"] = ex_terms([], [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
+                                             for f, n, r in zip(fwd, rec, rows)])
+    return out
+
+
+def price_terms(charge: list, link: Link, G: int) -> float:
+    """Emulated seconds of one recorded charge (``[messages, critical bytes]`` or
+    ``[messages, bytes per rank, fixed per rank]``, see :func:`accumulated_times`) on
+    ``link``: its slowest rank. A two-level link prices it only when the G ranks fit in
+    one node (then it is its intra-node link); else the charge lacks the split."""
+    require(not link.node_size or G <= link.node_size,
+            f"--link {link.name}: {G} ranks span nodes of {link.node_size}, and the "
+            "recorded bytes are not split into intra- and inter-node")
+    lat = charge[0] * link.latency_s * max(G - 1, 0)
+    if len(charge) == 2:
+        return charge[1] / link.effective_Bps + lat
+    return max(f + b / link.effective_Bps + lat for b, f in zip(charge[1], charge[2]))
+
+
+def _record(terms: dict | None, t: dict) -> None:
+    """Append one layer's link terms (:func:`rank_link_terms`) to ``terms``, compactly."""
+    if terms is None:
+        return
+    for k, (m, b, f) in ((k, v) for k, v in t.items() if v is not None):
+        if any(f):
+            terms.setdefault(k, []).append([m, b, f])
+        elif m:
+            terms.setdefault(k, []).append([m, max(b)])
+
+
 def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
                non_moe_s: float = 0.0, offload=None) -> StepTimes:
     """Turn one or several layers' emulator stats into a :class:`StepTimes`.
@@ -152,7 +220,8 @@ _PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
 
 def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
-                      offload=None) -> tuple[list[StepTimes], StepTimes]:
+                      offload=None, terms: dict | None = None
+                      ) -> tuple[list[StepTimes], StepTimes]:
     """One optimizer step of N micro-batches (gradient accumulation): ``(per micro-batch
     StepTimes, the per-optimizer-step StepTimes)``; the step costs their sum.
 
@@ -173,6 +242,12 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
     ``non_moe_micro_s`` (per micro-batch) and ``non_moe_step_s`` (the optimizer's
     measured part) are the caller's per-rank non-MoE seconds. With one micro-batch the
     sum equals :func:`step_times` of that micro-batch.
+
+    ``terms`` (a dict, filled): per :data:`LINK_STAGES` stage, the charges the step adds
+    up, each one layer's slowest rank as link-free terms (``[messages, critical bytes]``,
+    or ``[messages, bytes per rank, fixed seconds per rank]`` where the stage has compute
+    too); :func:`price_terms` prices one on any flat link, so a recorded step can be
+    re-priced for another link (``benchmarks/reprice_links.py``).
     """
     N = len(micro)
     require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
@@ -186,16 +261,22 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
         fixed = all(torch.equal(s.plan.inst_expert_GS, stats[0].plan.inst_expert_GS)
                     for s in stats)
         once: dict[str, list[float]] = {}
+        once_t: dict = {}
         for m, s in enumerate(stats):
             per = rank_stage_seconds(s, link)
+            t = rank_link_terms(s) if terms is not None else {}
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
                 if m == 0:
                     once["weight_scatter"] = per.get("weight_scatter", [0.0] * G)
+                    once_t["weight_scatter"] = t.get("weight_scatter")
                 if m == N - 1:
                     once["grad_reduce"] = per.get("grad_reduce", [0.0] * G)
+                    once_t["grad_reduce"] = t.get("grad_reduce")
                 for k in _PLACEMENT_STAGES:
                     per[k] = [0.0] * G
+                    t.pop(k, None)
             _charge(outs[m], per, G)
+            _record(terms, t)
         if offload is not None:
             off = offload.rank_seconds(stats[-1].plan.inst_expert_GS, link)
             if any(k in off for k in _PLACEMENT_STAGES):
@@ -203,5 +284,8 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                                "step (SYMI's); this layer's placement changed between "
                                "micro-batches")
             once.update(off)
+            if terms is not None:
+                once_t.update(offload.link_terms(stats[-1].plan.inst_expert_GS))
         _charge(step, once, G)
+        _record(terms, once_t)
     return outs, step

@@ -136,13 +136,26 @@ class OffloadModel:
         out = {"opt_d2h": [x / hl.effective_Bps + hl.latency_s for x in b["opt_d2h"]],
                "opt_h2d": [x / hl.effective_Bps + hl.latency_s for x in b["opt_h2d"]],
                "opt_host_update": [x / self.host_mem_Bps for x in b["opt_host_update"]]}
-        if self.layout == "sharded":
-            # [src, dst]: each slot on dst gathers its expert's shard from every other rank
-            occ = torch.as_tensor((inst_expert_GS >= 0).sum(1)).double()
-            scatter = occ[None, :].expand(self.G, self.G) * self.P_params * self.bytes_w / self.G
-            for ex, m in (("weight_scatter", scatter), ("grad_reduce", scatter.t())):
-                out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
+        for ex, m in self._sharded_GG(inst_expert_GS).items():
+            out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out
+
+    def _sharded_GG(self, inst_expert_GS) -> dict:
+        """The sharded layout's ``weight_scatter`` and ``grad_reduce`` bytes ``[src, dst]``
+        ({} for the owner layout)."""
+        if self.layout != "sharded":
+            return {}
+        # [src, dst]: each slot on dst gathers its expert's shard from every other rank
+        occ = torch.as_tensor((inst_expert_GS >= 0).sum(1)).double()
+        scatter = occ[None, :].expand(self.G, self.G) * self.P_params * self.bytes_w / self.G
+        return {"weight_scatter": scatter, "grad_reduce": scatter.t()}
+
+    def link_terms(self, inst_expert_GS) -> dict:
+        """The sharded exchanges of :meth:`rank_seconds` as link-free terms
+        (:func:`lrmoe.sim.cost.rank_link_terms`)."""
+        from lrmoe.sim.cost import rank_bytes
+        return {ex: (int(self.G > 1), rank_bytes(m), [0.0] * self.G)
+                for ex, m in self._sharded_GG(inst_expert_GS).items()}
 
     def describe(self) -> str:
         return f"optimizer offload to host ({self.layout} layout), modelled: {assumptions()}"

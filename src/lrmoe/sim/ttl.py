@@ -24,6 +24,9 @@ Per step this records:
 * ``non_moe_s = non_moe_measured_s / G``: the per-rank share (modelled: assumes that
   work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
   non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.
+* ``link_terms``: each link-priced stage's charges as link-free terms (bytes per rank,
+  messages, compute seconds; :func:`lrmoe.sim.cost.accumulated_times`), so the step can be
+  re-priced exactly for another link (``benchmarks/reprice_links.py``).
 
 Target (:mod:`lrmoe.sim.target`): every validation curve is smoothed by a centred
 moving average of ``smooth_window`` evaluations; the target is the static run's
@@ -290,8 +293,10 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
     non_moe_opt = max(opt_wall - host_s, 0.0)
+    terms: dict = {}
     outs, once = accumulated_times([m[0] for m in micro], link,
-                                   [x / G for x in non_moe_micro], non_moe_opt / G, offload)
+                                   [x / G for x in non_moe_micro], non_moe_opt / G, offload,
+                                   terms)
     total = sum(o.total for o in outs) + once.total
     moe = sum(o.moe for o in outs) + once.moe
     fwd = [s.plan.rank_load().double() for s in stats]
@@ -329,6 +334,9 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
                  for s in stats if ex in s.bytes_GG),
              sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
         for ex in EXCHANGES}
+    # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
+    # what benchmarks/reprice_links.py re-prices exactly for another link
+    row["link_terms"] = {"G": G, "stages": terms}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
         row["recompute_modes"] = [s.recompute_mode for s in micro[-1][0]]
         row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)

@@ -12,8 +12,7 @@ equal the run's ``ttl.md``.
 
 Per run: each policy's steps and emulated time to the target, final validation loss,
 mean emulated step and MoE time, routing skew, keep / recompute ratios and budget
-status, with every exchange also re-priced for InfiniBand from the per-step critical
-bytes the run recorded (``exchange_critical_bytes``). ``--seeds``: each policy's ratio
+status (another link's times: ``reprice_links.py``). ``--seeds``: each policy's ratio
 over symi per seed with their mean and min–max, one evaluation's noise at the target,
 and the mean emulated ms per stage and policy over the seeds.
 """
@@ -32,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lrmoe.commands.bench import fmt  # noqa: E402
 from lrmoe.ledger import fmt_bytes  # noqa: E402
-from lrmoe.sim.links import Link, get_link  # noqa: E402
 from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
 
 
@@ -58,72 +56,47 @@ def target(rep: dict) -> float:
     return target_at(rep["policies"]["static"]["evals"], math.ceil(f * steps), window(rep))
 
 
-def reach(rep: dict, name: str, tgt: float, step_s: list[float] | None = None
-          ) -> tuple[float | None, float | None]:
-    """``(steps, emulated s)`` where policy ``name``'s smoothed curve first reaches
-    ``tgt``; with ``step_s`` (one time per step, e.g. re-priced) the time is read on
-    those times instead of the recorded ones."""
-    evals = rep["policies"][name]["evals"]
-    if step_s is not None:
-        evals = [dict(e, cum_emulated_s=sum(step_s[:e["step"]])) for e in evals]
-    return crossing(evals, tgt, window(rep))
-
-
-def repriced(step: dict, old, new, G: int) -> float:
-    """``step_emulated_s`` with every exchange re-priced from ``old`` to ``new`` link."""
-    t = step["step_emulated_s"]
-    for crit, n in step["exchange_critical_bytes"].values():
-        if n:
-            t += (crit / new.effective_Bps + n * new.latency_s * (G - 1)
-                  - crit / old.effective_Bps - n * old.latency_s * (G - 1))
-    return t
+def reach(rep: dict, name: str, tgt: float) -> tuple[float | None, float | None]:
+    """``(steps, emulated s)`` where policy ``name``'s smoothed curve first reaches ``tgt``."""
+    return crossing(rep["policies"][name]["evals"], tgt, window(rep))
 
 
 def summarize(run: Path) -> str:
     rep = load_report(run)
     G, tg, pols = rep["config"]["ep"], target(rep), rep["policies"]
     budget = "none" if rep["budget_bytes"] is None else fmt_bytes(rep["budget_bytes"])
-    # re-priced from the link the run was priced with (its recorded figures: a run made
-    # before the presets carried their all-to-all efficiencies was priced at peak)
-    lk = rep["link"]
-    nv = (Link(**{k: v for k, v in lk.items() if k != "inter"}) if "bandwidth_Bps" in lk
-          else get_link(lk["name"]))
-    ib = get_link("nvlink" if lk["name"] == "ib" else "ib")
+    link = rep["link"]["name"] if isinstance(rep.get("link"), dict) else rep.get("link")
     out = [f"### {run.name}", "",
            f"target val {tg:.4f} (static's smoothed curve at step "
            f"{rep['target']['static_step']}); budget {budget} per rank; "
-           f"{rep['config']['steps']} steps; EP {G} virtual ranks", "",
-           "| policy | status | steps→target | time→target NVLink (s) | time→target IB (s) | "
-           "final val | mean step NVLink (ms) | mean MoE NVLink (ms) | mean step IB (ms) | "
-           "expert max/mean | rank max/mean (fwd) | keep | recompute |",
-           "|" + "---|" * 13]
+           f"{rep['config']['steps']} steps; EP {G} virtual ranks; link {link}", "",
+           "| policy | status | steps→target | time→target (s) | final val | mean step (ms) | "
+           "mean MoE (ms) | expert max/mean | rank max/mean (fwd) | keep | recompute |",
+           "|" + "---|" * 11]
     tt = {}
     for name, r in pols.items():
         st = r["steps"]
         n = max(len(st), 1)
-        t_ib = [repriced(s, nv, ib, G) for s in st]
         s_nv, tt_nv = reach(rep, name, tg)
-        tt_ib = reach(rep, name, tg, t_ib)[1]
         if r.get("out_of_memory"):  # its run stopped: no time to target
-            s_nv = tt_nv = tt_ib = None
-        tt[name] = (tt_nv, tt_ib)
+            s_nv = tt_nv = None
+        tt[name] = tt_nv
         means = [sum(s.get(k, 0) for s in st) / n for k in
                  ("moe_emulated_s", "expert_load_max_over_mean", "fwd_load_max_over_mean",
                   "keep_ratio", "recompute_ratio")]
         out.append("| " + " | ".join([
-            name, r["budget_status"][:60], fmt(s_nv, ".1f"), fmt(tt_nv, ".3f"), fmt(tt_ib, ".3f"),
+            name, r["budget_status"][:60], fmt(s_nv, ".1f"), fmt(tt_nv, ".3f"),
             f"{r['final_val_loss']:.4f}", f"{sum(s['step_emulated_s'] for s in st) / n * 1e3:.2f}",
-            f"{means[0] * 1e3:.2f}", f"{sum(t_ib) / n * 1e3:.2f}", f"{means[1]:.2f}",
+            f"{means[0] * 1e3:.2f}", f"{means[1]:.2f}",
             f"{means[2]:.3f}", f"{means[3]:.3f}", f"{means[4]:.3f}"]) + " |")
     if "symi" in tt:
         oom = {n for n, r in pols.items() if r.get("out_of_memory")}
         for lr in [n for n in pols if n.split(":")[0] == "lrmoe"]:
-            for i, link in enumerate(("NVLink", "IB")):
-                a, b = tt[lr][i], tt["symi"][i]
-                out.append(f"\n{lr} / symi time to target ({link}): "
-                           + ("OOM (a policy ran out of memory)" if oom & {lr, "symi"}
-                              else "n/a (a policy never reached it)" if None in (a, b)
-                              else f"{a / b:.3f}"))
+            a, b = tt[lr], tt["symi"]
+            out.append(f"\n{lr} / symi time to target: "
+                       + ("OOM (a policy ran out of memory)" if oom & {lr, "symi"}
+                          else "n/a (a policy never reached it)" if None in (a, b)
+                          else f"{a / b:.3f}"))
     return "\n".join(out)
 
 

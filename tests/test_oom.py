@@ -171,7 +171,7 @@ def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys):
     assert "lrmoe / symi emulated time-to-target: OOM" in md
     assert "| symi | " in md and "out of memory at step 1" in md and "| OOM | OOM |" in md
     ss = load_benchmark("summarize_ttl")
-    assert "lrmoe / symi time to target (NVLink): OOM" in ss.summarize(out)
+    assert "lrmoe / symi time to target: OOM" in ss.summarize(out)
     row = ss.seed_row(rep)
     assert row["policies"]["symi"]["ratio"] == row["policies"]["lrmoe"]["ratio"] == "OOM"
     capsys.readouterr()

@@ -29,7 +29,7 @@ def test_recorded_run_read_the_same_by_every_tool():
     md = st.summarize(RUN)
     # the run's ttl.md: steps to target 96.0 / 92.7 / 100.8 and the ratio 1.173
     assert "| symi | over budget at 14/120 steps | 92.7 |" in md
-    assert "/ symi time to target (NVLink): 1.173" in md
+    assert "/ symi time to target: 1.173" in md
     lr = next(n for n in rep["policies"] if n.startswith("lrmoe"))
     over = st.seeds([RUN, RUN])  # --seeds: the same ratio, per seed and as their mean
     assert f"| {lr} | 1.173 (" in over and "| 1.173 | 1.173–1.173 | 2 of 2 |" in over

@@ -150,7 +150,8 @@ class MoELayer(nn.Module):
         t0 = time.perf_counter()
         counts_GE = rt.comm.all_gather_counts(counts_E)  # popularity exchange (+ the host sync)
         t1 = time.perf_counter()
-        self._count(counts_GE.sum(0), probs_TE, x_TH.shape[0])
+        counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
+        self._count(counts_E_all, probs_TE, x_TH.shape[0])
         # plan
         plan = rt.policy.plan(counts_GE, inputs)
         if rt.check_plans:
@@ -161,7 +162,7 @@ class MoELayer(nn.Module):
         w13, w2 = instance_weight_list([self.experts.gate_up_proj.to(dtype),
                                         self.experts.down_proj.to(dtype)], plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
-        stats["counts_E"] = counts_GE.sum(0).tolist()
+        stats["counts_E"] = counts_E_all.tolist()
         rt.stats[self.moe_index] = stats
         me, K, opts = rt.comm.rank, self.cfg.num_experts_per_tok, self._backward_opts()
         if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dist_util import load_benchmark
+from lrmoe.cli import main as lrmoe_main
 from lrmoe.errors import OutOfMemory
 from lrmoe.policy.plan import fit_exact, native_plan
 from lrmoe.presets import get_preset
@@ -69,6 +70,24 @@ def test_floor_is_the_least_budget_fit_exact_accepts():
     assert b - step < r["F"] <= b  # the search's first budget that fits brackets F
     assert fits(r["F"]) and not fits(r["F"] - 1)  # and F to the byte
     assert r["fit_floor"] == r["F"]
+
+
+def test_the_emulator_agrees_at_the_floor(tmp_path, capsys):
+    """A ``bench ttl`` run's recorded peak is the tool's as-is peak; re-run at the
+    any-fallback floor static fits, one byte below it runs out of memory."""
+    args = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "4", "--steps", "4", "--policies",
+            "static", "--batch-size", "8", "--seq-len", "32", "--eval-every", "2",
+            "--eval-batches", "1"]
+    assert lrmoe_main(args + ["--mem-budget", "1GiB", "--out", str(tmp_path / "a")]) == 0
+    assert fb.run([str(tmp_path / "a"), "--out", str(tmp_path / "f")]) == 0
+    (r,) = json.loads((tmp_path / "f" / "floor_budget.json").read_text())["results"]
+    rec = json.loads((tmp_path / "a" / "ttl.json").read_text())["policies"]["static"]
+    assert r["as_is"] == rec["ledger_peak_bytes"] and r["dtype"] == "fp32"
+    assert r["fit_floor"] < r["row_floor"] < r["as_is"]  # the floor needs the checkpoint
+    capsys.readouterr()
+    at = lrmoe_main(args + ["--mem-budget", str(r["fit_floor"]), "--out", str(tmp_path / "b")])
+    below = lrmoe_main(args + ["--mem-budget", str(r["fit_floor"] - 1), "--out", str(tmp_path / "c")])
+    assert (at, below) == (0, 2) and "out of memory" in capsys.readouterr().err
 
 
 def test_counts_matrix_keeps_expert_and_home_sums():

@@ -1,6 +1,6 @@
 """What the benchmarks share: CUDA-event timing, peak memory of one call, the dense bf16
 ceiling, run metadata, argument checks (one ``lrmoe: error:`` line, exit code 2),
-comma lists, markdown table heads, and writing JSON + markdown into ``--out DIR``.
+comma lists, markdown table heads, reading (gzipped) JSON, and writing JSON + markdown into ``--out DIR``.
 
 On the CPU (``--smoke``) the same code runs once per call, for the script's logic only:
 its times are not results and its memory columns are ``None``.
@@ -8,6 +8,7 @@ its times are not results and its memory columns are ``None``.
 
 from __future__ import annotations
 
+import gzip
 import json
 import platform
 import statistics
@@ -129,6 +130,16 @@ def run_meta(dev: str, dense: float | None = None, argv: list[str] | None = None
                    dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    command=" ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv))),
             **more}
+
+
+def read_json(f: Path):
+    """The JSON in ``f`` (gzipped where its name ends ``.gz``); unreadable: one
+    :class:`LrmoeError` naming the file."""
+    try:
+        raw = f.read_bytes()
+        return json.loads(gzip.decompress(raw) if f.name.endswith(".gz") else raw)
+    except (OSError, ValueError, EOFError) as e:
+        raise LrmoeError(f"{f}: not readable JSON ({type(e).__name__}: {e})") from None
 
 
 def out_dir(path: str) -> Path:

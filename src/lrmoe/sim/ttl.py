@@ -353,6 +353,26 @@ def _phase(name: str):
     return torch.profiler.record_function(f"ttl:{name}")
 
 
+def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
+    """The ledger a run prices its budget with: ``cfg.ep`` ranks, bf16 on CUDA (fp32 on
+    the CPU), ``cfg.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
+    dtype = "bf16" if cfg.device == "cuda" else "fp32"
+    return Ledger.for_dtype(mcfg, cfg.ep, budget, dtype, optimizer_offload=cfg.optimizer_offload)
+
+
+def policy_router_grad(name: str, cfg: TTLConfig) -> str:
+    """Where policy ``name`` takes the router gradient (module doc: lrmoe always home)."""
+    return "home" if name == "lrmoe" else cfg.router_grad
+
+
+def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | None:
+    """``ledger`` as policy ``name`` is priced (no combined rows kept where it takes the
+    router gradient at the experts)."""
+    if ledger is not None and policy_router_grad(name, cfg) == "experts":
+        return replace(ledger, router_grad_at_experts=True)
+    return ledger
+
+
 def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
                profile=None) -> dict:
     from lrmoe.model import MoEForCausalLM
@@ -363,9 +383,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
 
     dev, G = torch.device(cfg.device), cfg.ep
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    router_grad = "home" if name == "lrmoe" else cfg.router_grad  # module doc
-    if ledger is not None and router_grad == "experts":
-        ledger = replace(ledger, router_grad_at_experts=True)
+    router_grad = policy_router_grad(name, cfg)
+    ledger = policy_ledger(ledger, name, cfg)
     pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
                                                    profile)
     policy = make_policy(pc, mcfg, G)
@@ -691,7 +710,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
                   balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype,
                                   cfg.optimizer_offload))
-        ledger = Ledger.for_dtype(mcfg, G, budget, dtype, optimizer_offload=cfg.optimizer_offload)
+        ledger = budget_ledger(cfg, mcfg, budget)
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)

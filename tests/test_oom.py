@@ -23,7 +23,7 @@ from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.lrmoe import LrmoeConfig, fit_lrmoe
-from lrmoe.policy.lrmoe_ladder import RUNGS, rung_terms
+from lrmoe.policy.lrmoe_ladder import RUNGS
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.presets import get_preset
 from lrmoe.routing_loads import synthetic_counts
@@ -69,7 +69,7 @@ def test_lrmoe_finds_a_plan_down_to_statics_whole_layer_floor(preset, T, G, L, s
         assert plan is not None, f"no lrmoe plan at {b} (static's floor {floor})"
         assert plan.rung in RUNGS
         plan.check(counts)
-        assert max(t["total"] for t in rung_terms(led, plan)) <= b, plan.rung
+        assert max(t["total"] for t in led.rank_terms(plan)) <= b, plan.rung
         if plan.rung.startswith("layer"):  # the whole layer: every pair in backward
             assert plan.exact and plan_exact_fit(led, plan)[0] == "layer"
         seen.add(plan.rung)

@@ -20,7 +20,6 @@ from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
-from lrmoe.policy.lrmoe_ladder import rung_terms
 from lrmoe.policy.plan import even_split, full_plan, interval_overlap
 from lrmoe.policy.plan_numpy import apportion_np, even_split_np, interval_overlap_np
 from lrmoe.policy.static import native_placement
@@ -315,7 +314,7 @@ def test_previous_placement_fits_the_budget_on_the_new_counts():
         if got is None:
             continue
         got.check(counts)
-        ledger.raise_if_over(rung_terms(ledger, got), "the plan")  # as its rung runs it
+        ledger.raise_if_over(ledger.rank_terms(got), "the plan")  # as its rung runs it
         if pol.replaced_placements:
             replaced += 1
             assert _same(got, cur), i

@@ -23,7 +23,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.ledger import TERMS, Ledger, fmt_bytes, parse_bytes
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.lrmoe_ladder import RUNG_NOTES, rung_terms
+from lrmoe.policy.lrmoe_ladder import RUNG_NOTES
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.symi import largest_feasible_slots
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                                      optimizer_offload=args.optimizer_offload,
                                      router_grad_at_experts=args.router_grad == "experts")
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
-    terms = rung_terms(ledger, plan)
+    terms = ledger.rank_terms(plan)  # a layer-checkpointed plan in the ledger's layer mode
 
     print(f"{args.preset or args.config}: E={E} top_k={k} H={cfg.hidden_size} "
           f"F={cfg.moe_intermediate_size} MoE layers={ledger.L}  EP={G}  policy={args.policy}"

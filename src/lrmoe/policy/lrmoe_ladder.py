@@ -60,7 +60,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
-from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan import Plan, layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
@@ -79,14 +79,7 @@ def whole_layer_ckpt(plan: Plan) -> Plan:
     """``plan`` (exact) run under a whole-MoE-layer checkpoint: nothing retained on the
     expert ranks, backward re-runs the layer's forward first (the ledger's ``layer``
     mode, :attr:`Plan.layer_checkpoint`). The one place the rung is made."""
-    return dataclasses.replace(plan, rung="layer", layer_checkpoint=True)
-
-
-def rung_terms(ledger, plan: Plan) -> list[dict[str, int]]:
-    """The ledger's terms per rank for ``plan`` as its rung runs it: a whole-layer
-    checkpoint retains nothing (:meth:`lrmoe.ledger.Ledger.exact_fit`'s ``layer``
-    terms), any other plan as :meth:`lrmoe.ledger.Ledger.rank_terms` prices it."""
-    return ledger.rank_terms(plan)  # prices a layer-checkpointed plan in that mode
+    return dataclasses.replace(layer_checkpoint_plan(plan, None), rung="layer")
 
 
 def _exact(plan: Plan) -> Plan:

@@ -514,12 +514,10 @@ class VirtualEPLayer:
         fit_ledger = self.recompute_ledger
         t0 = time.perf_counter()
         plan = self.policy.plan(counts_GE, inputs)
-        if plan.rung == "layer":  # lrmoe's whole-layer rung
-            fit_ledger = self.ledger
-        fit = None
+        fit = None  # a planner's own fallback (recompute_G, layer_checkpoint) is kept
         if plan.recompute_G is None and not plan.layer_checkpoint and fit_ledger is not None:
             fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
-            if fit[0] in ("layer", "over"):  # run the checkpoint (over: as if it fitted)
+            if fit[0] == "layer":  # run the whole-layer checkpoint
                 plan = dataclasses.replace(plan, layer_checkpoint=True)
         plan_ms = (time.perf_counter() - t0) * 1e3
         if fit is not None and fit[0] == "over":

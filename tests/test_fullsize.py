@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lrmoe.model import MoEForCausalLM
-from lrmoe.presets import get_preset, param_counts
-from lrmoe.step_ledger import CATEGORIES, StepLedger, param_breakdown
+from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
+from lrmoe.step_ledger import StepLedger
 
 
 def _category(name: str) -> str:

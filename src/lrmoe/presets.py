@@ -62,29 +62,48 @@ def get_preset(name: str) -> ModelConfig:
     return ModelConfig(**PRESETS[name])
 
 
-def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active-per-token) parameter counts, computed from the shapes alone."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    attn = h * q + 2 * h * kv + q * h + 2 * h  # projections + 2 layer norms
+# parameter categories of :func:`param_breakdown`
+CATEGORIES = ("experts", "attention", "norms", "routers", "dense_mlp", "embedding", "lm_head")
+
+
+def layer_params(cfg: ModelConfig, i: int) -> dict[str, int]:
+    """Parameters of decoder layer ``i`` by category."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    out = dict.fromkeys(CATEGORIES, 0)
+    out["attention"] = H * q + 2 * H * kv + q * H
     if cfg.attention_bias:  # q/k/v biases; Qwen3's o_proj takes one too (model/layers.py)
-        attn += q + 2 * kv + (h if cfg.model_type == "qwen3_moe" else 0)
-    if cfg.use_qk_norm:
-        attn += 2 * hd
-    dense_mlp = 3 * h * cfg.intermediate_size
-    expert = 3 * h * cfg.moe_intermediate_size
-    shared = expert * cfg.n_shared_experts
-    router = cfg.num_experts * h + (cfg.num_experts if cfg.model_type == "glm4_moe" else 0)
-    total = active = 0
+        out["attention"] += q + 2 * kv + (H if cfg.model_type == "qwen3_moe" else 0)
+    out["norms"] = 2 * H + (2 * D if cfg.use_qk_norm else 0)
+    if cfg.is_moe_layer(i):
+        out["routers"] = cfg.num_experts * H
+        out["experts"] = cfg.num_experts * 3 * H * cfg.moe_intermediate_size
+        out["dense_mlp"] = 3 * H * cfg.moe_intermediate_size * cfg.n_shared_experts
+    else:
+        out["dense_mlp"] = 3 * H * cfg.intermediate_size
+    return out
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by category, from the shapes alone (the model's ``parameters()``,
+    each tensor once: a tied head adds none)."""
+    out = dict.fromkeys(CATEGORIES, 0)
     for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            total += attn + router + cfg.num_experts * expert + shared
-            active += attn + router + cfg.num_experts_per_tok * expert + shared
-        else:
-            total += attn + dense_mlp
-            active += attn + dense_mlp
-    emb = cfg.vocab_size * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    total += emb + head + h
-    active += emb + head + h
-    return total, active
+        for k, v in layer_params(cfg, i).items():
+            out[k] += v
+    out["norms"] += cfg.hidden_size  # the final norm
+    out["embedding"] = cfg.vocab_size * cfg.hidden_size
+    out["lm_head"] = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return out
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active-per-token) parameter counts, computed from the shapes alone
+    (:func:`param_breakdown`; GLM's per-expert router correction bias, a buffer, is
+    counted with the routers)."""
+    p = param_breakdown(cfg)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    bias = n_moe * cfg.num_experts if cfg.model_type == "glm4_moe" else 0
+    total = sum(p.values()) + bias
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return total, total - p["experts"] + n_moe * cfg.num_experts_per_tok * per_expert

@@ -9,7 +9,7 @@ GPU with host offload" has one answer with its terms. Legend: N tokens of a micr
 H hidden, F expert width, E experts, K top-k, V vocabulary, D_q = heads·head_dim,
 D_kv = kv heads·head_dim, L decoder layers.
 
-Parameters (:func:`param_breakdown`, equal to the model's ``parameters()``): the
+Parameters (:func:`lrmoe.presets.param_breakdown`, equal to the model's ``parameters()``): the
 experts, attention projections, norms, routers, dense MLPs (dense layers and shared
 experts), the embedding and the head (none when tied).
 
@@ -70,44 +70,13 @@ from dataclasses import dataclass
 from lrmoe.config import ModelConfig
 from lrmoe.errors import require
 from lrmoe.ledger import DTYPE_BYTES, Ledger
+from lrmoe.presets import layer_params, param_breakdown
 
-CATEGORIES = ("experts", "attention", "norms", "routers", "dense_mlp", "embedding", "lm_head")
 MODES = ("none", "selective", "full")
 PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
 # what the one-process path (parallel/local.py) keeps per pair besides its gate: its row
 # and the pair of each row (int64); the exchange keeps one more index (ledger.py)
 LOCAL_INDEX_BYTES = 2 * 8
-
-
-def layer_params(cfg: ModelConfig, i: int) -> dict[str, int]:
-    """Parameters of decoder layer ``i`` by category."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    out = dict.fromkeys(CATEGORIES, 0)
-    out["attention"] = H * q + 2 * H * kv + q * H
-    if cfg.attention_bias:  # q/k/v biases; Qwen3's o_proj takes one too (model/layers.py)
-        out["attention"] += q + 2 * kv + (H if cfg.model_type == "qwen3_moe" else 0)
-    out["norms"] = 2 * H + (2 * D if cfg.use_qk_norm else 0)
-    if cfg.is_moe_layer(i):
-        out["routers"] = cfg.num_experts * H
-        out["experts"] = cfg.num_experts * 3 * H * cfg.moe_intermediate_size
-        out["dense_mlp"] = 3 * H * cfg.moe_intermediate_size * cfg.n_shared_experts
-    else:
-        out["dense_mlp"] = 3 * H * cfg.intermediate_size
-    return out
-
-
-def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by category, from the shapes alone (the model's ``parameters()``,
-    each tensor once: a tied head adds none)."""
-    out = dict.fromkeys(CATEGORIES, 0)
-    for i in range(cfg.num_hidden_layers):
-        for k, v in layer_params(cfg, i).items():
-            out[k] += v
-    out["norms"] += cfg.hidden_size  # the final norm
-    out["embedding"] = cfg.vocab_size * cfg.hidden_size
-    out["lm_head"] = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return out
 
 
 @dataclass(frozen=True)

@@ -114,11 +114,10 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False) -> tuple[int, int]:
     1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host`` on CUDA) the
     device holds the experts' bf16 weights and gradients (4 bytes) and the host their
     fp32 master, moments and gradient staging (16 bytes)."""
-    from lrmoe.presets import param_counts
+    from lrmoe.presets import param_breakdown, param_counts
 
     total, _ = param_counts(mcfg)
-    n_moe = sum(mcfg.is_moe_layer(i) for i in range(mcfg.num_hidden_layers))
-    experts = n_moe * mcfg.num_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
+    experts = param_breakdown(mcfg)["experts"]
     mine = experts // ep_size
     if offload:
         return 16 * (total - experts) + 4 * mine, 16 * mine

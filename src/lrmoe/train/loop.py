@@ -594,8 +594,7 @@ class _Run:
                               ctx)
         losses, stop_sig = red[:2] / (ctx.world * accum), StopSignals.which(red[2:].tolist())
         loss, aux = float(losses[0]), float(losses[1] - losses[0])
-        intact = (f"the last checkpoint, {ckpt.ckpt_dir(self.inp.run_dir, self.last_ckpt)}, "
-                  "is intact" if self.last_ckpt else "no checkpoint was written")
+        intact = _intact(watch)
         if not math.isfinite(loss) or not math.isfinite(float(losses[1])):
             raise LrmoeError(f"training loss is {loss} at step {step + 1}; stopped "
                              f"({intact}). Lower --lr or raise --warmup")

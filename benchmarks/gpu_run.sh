@@ -15,11 +15,11 @@
 # log OUTDIR/NAME.log. More flags for a python benchmark: ARGS_NAME, e.g.
 # ARGS_layer="--shapes glm --tokens 16384".
 # ttl settings (environment, default in brackets): STEPS [120]; POLICIES
-# [static,symi,lrmoe:recompute+estimator=sampled]; MEM_BUDGET [--budget-retain-fraction
-# 0.8 when unset]; ROUTER_GRAD, static's and symi's router gradient [home]; ROUTER_LR_SCALE
-# [1]; DETERMINISTIC=1 for --deterministic; REUSE=DIR to take the finished policies of
-# DIR/sSEED/ttl.json (checked by `bench ttl --reuse`), REUSE_ONLY=static,symi to take
-# only those; TTL_ARGS, more `bench ttl` flags. MODEL_ARGS, DEVICE [cuda], EP [8],
+# [static,symi,lrmoe:recompute+estimator=sampled]; MEM_BUDGET, a size or none for no
+# budget [--budget-retain-fraction 0.8 when unset]; ROUTER_GRAD, static's and symi's
+# router gradient [home]; ROUTER_LR_SCALE [1]; DETERMINISTIC=1 for --deterministic;
+# REUSE=DIR to take the finished policies of DIR/sSEED/ttl.json (checked by `bench ttl
+# --reuse`), REUSE_ONLY=static,symi to take only those; TTL_ARGS, more `bench ttl` flags. MODEL_ARGS, DEVICE [cuda], EP [8],
 # BATCH [128], SEQ [256] override the workload (for a CPU smoke run).
 # TIMEOUT: seconds per benchmark [3000]. Exit code: the number of benchmarks that failed.
 set -uo pipefail
@@ -44,7 +44,8 @@ ttl() {  # WORKLOAD SEED LOG
   d=$OUT/ttl/$w/s$seed
   mkdir -p "$d"
   local steps=${STEPS:-120}
-  if [ -n "${MEM_BUDGET:-}" ]; then budget=(--mem-budget "$MEM_BUDGET")
+  if [ "${MEM_BUDGET:-}" = none ]; then budget=()
+  elif [ -n "${MEM_BUDGET:-}" ]; then budget=(--mem-budget "$MEM_BUDGET")
   else budget=(--budget-retain-fraction 0.8); fi
   if [ -n "${REUSE:-}" ] && [ -f "$REUSE/s$seed/ttl.json" ]; then
     reuse=(--reuse "$REUSE/s$seed/ttl.json")
@@ -59,7 +60,7 @@ json.dump(r, open(sys.argv[3], 'w'))" "${reuse[1]}" "$REUSE_ONLY" "$d.reuse.json
   timeout "${TIMEOUT:-3000}" "$PY" -m lrmoe bench ttl ${MODEL_ARGS:---config benchmarks/configs/$cfg} \
     --ep "${EP:-8}" --batch-size "${BATCH:-128}" --seq-len "${SEQ:-256}" --lr 1e-3 \
     --device "${DEVICE:-cuda}" --eval-batches 8 --eval-every $(( steps / 20 > 0 ? steps / 20 : 1 )) \
-    --steps "$steps" --seed "$seed" "${budget[@]}" --router-grad "${ROUTER_GRAD:-home}" \
+    --steps "$steps" --seed "$seed" ${budget[@]+"${budget[@]}"} --router-grad "${ROUTER_GRAD:-home}" \
     --router-lr-scale "${ROUTER_LR_SCALE:-1}" --optimizer-offload host --link nvlink \
     --policies "${POLICIES:-static,symi,lrmoe:recompute+estimator=sampled}" \
     ${reuse[@]+"${reuse[@]}"} ${DETERMINISTIC:+--deterministic} ${TTL_ARGS:-} --out "$d" > "$log" 2>&1

@@ -11,8 +11,9 @@ policy's own smoothed curve's first crossing, linear between evaluations), so bo
 equal the run's ``ttl.md``.
 
 Per run: each policy's steps and emulated time to the target, final validation loss,
-mean emulated step and MoE time, routing skew, keep / recompute ratios and budget
-status (another link's times: ``reprice_links.py``). ``--seeds``: each policy's ratio
+mean emulated step and MoE time, the non-MoE share of a micro-batch (its non-MoE time
+over its non-MoE plus MoE time, the optimizer step left out, the first two steps too),
+routing skew, keep / recompute ratios and budget status (another link's times: ``reprice_links.py``). ``--seeds``: each policy's ratio
 over symi per seed with their mean and min–max, one evaluation's noise at the target,
 and the mean emulated ms per stage and policy over the seeds.
 """
@@ -61,6 +62,14 @@ def reach(rep: dict, name: str, tgt: float) -> tuple[float | None, float | None]
     return crossing(rep["policies"][name]["evals"], tgt, window(rep))
 
 
+def non_moe_share(steps: list[dict], skip: int = 2) -> float | None:
+    """Mean over micro-batches (after the first ``skip`` steps) of non-MoE / (non-MoE +
+    MoE) emulated time: how much of a layer's work the MoE part is, optimizer aside."""
+    mbs = [m for s in steps[skip:] for m in s.get("micro_batch_emulated_s", [])]
+    shares = [m["non_moe_s"] / (m["non_moe_s"] + m["moe_emulated_s"]) for m in mbs]
+    return statistics.mean(shares) if shares else None
+
+
 def summarize(run: Path) -> str:
     rep = load_report(run)
     G, tg, pols = rep["config"]["ep"], target(rep), rep["policies"]
@@ -71,8 +80,8 @@ def summarize(run: Path) -> str:
            f"{rep['target']['static_step']}); budget {budget} per rank; "
            f"{rep['config']['steps']} steps; EP {G} virtual ranks; link {link}", "",
            "| policy | status | steps→target | time→target (s) | final val | mean step (ms) | "
-           "mean MoE (ms) | expert max/mean | rank max/mean (fwd) | keep | recompute |",
-           "|" + "---|" * 11]
+           "mean MoE (ms) | non-MoE share | expert max/mean | rank max/mean (fwd) | keep | "
+           "recompute |", "|" + "---|" * 12]
     tt = {}
     for name, r in pols.items():
         st = r["steps"]
@@ -87,7 +96,7 @@ def summarize(run: Path) -> str:
         out.append("| " + " | ".join([
             name, r["budget_status"][:60], fmt(s_nv, ".1f"), fmt(tt_nv, ".3f"),
             f"{r['final_val_loss']:.4f}", f"{sum(s['step_emulated_s'] for s in st) / n * 1e3:.2f}",
-            f"{means[0] * 1e3:.2f}", f"{means[1]:.2f}",
+            f"{means[0] * 1e3:.2f}", fmt(non_moe_share(st), ".3f", "n/a"), f"{means[1]:.2f}",
             f"{means[2]:.3f}", f"{means[3]:.3f}", f"{means[4]:.3f}"]) + " |")
     if "symi" in tt:
         oom = {n for n, r in pols.items() if r.get("out_of_memory")}

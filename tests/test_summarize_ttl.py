@@ -68,3 +68,18 @@ def test_smoothed_crossing_not_the_first_raw_evaluation(tmp_path):
     raw_first = next(e["step"] for e in pol["symi"]["evals"] if e["val_loss"] <= tg)
     assert raw_first == 4 and 8 < step < 10
     assert f"| symi | fits | {step:.1f} |" in st.summarize(run)
+
+
+def test_non_moe_share_per_micro_batch():
+    """The share is each micro-batch's non-MoE over its non-MoE plus MoE time (the
+    optimizer step, recorded apart, plays no part), averaged after the first steps."""
+    mod = load_benchmark("summarize_ttl")
+
+    def step(*mbs):
+        return {"micro_batch_emulated_s": [{"non_moe_s": a, "moe_emulated_s": b} for a, b in mbs],
+                "optimizer_step_emulated_s": {"moe_emulated_s": 9.0, "non_moe_s": 9.0}}
+
+    steps = [step((9.0, 1.0)), step((9.0, 1.0)), step((1.0, 3.0), (3.0, 1.0)), step((1.0, 4.0))]
+    assert mod.non_moe_share(steps) == pytest.approx((0.25 + 0.75 + 0.2) / 3)
+    assert mod.non_moe_share(steps, skip=0) == pytest.approx((0.9 + 0.9 + 0.25 + 0.75 + 0.2) / 5)
+    assert mod.non_moe_share(steps[:2]) is None

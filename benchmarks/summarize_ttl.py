@@ -13,8 +13,10 @@ equal the run's ``ttl.md``.
 Per run: each policy's steps and emulated time to the target, final validation loss,
 mean emulated step and MoE time, the non-MoE share of a micro-batch (its non-MoE time
 over its non-MoE plus MoE time, the optimizer step left out, the first two steps too),
-routing skew, keep / recompute ratios and budget status (another link's times: ``reprice_links.py``). ``--seeds``: each policy's ratio
-over symi per seed with their mean and min–max, one evaluation's noise at the target,
+routing skew, keep / recompute ratios and budget status (another link's times:
+``reprice_links.py``). ``--seeds``: each policy's ratio over symi per seed with their
+mean, min–max and 95% confidence interval (Student t, n − 1 degrees of freedom), one
+evaluation's noise at the target,
 and the mean emulated ms per stage and policy over the seeds.
 """
 
@@ -129,6 +131,21 @@ def seed_row(rep: dict) -> dict:
     return out
 
 
+# Student t's 0.975 quantile by degrees of freedom (the two-sided 95% interval)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}
+
+
+def ci95(xs: list[float]) -> tuple[float, float] | None:
+    """The mean's two-sided 95% interval, Student t with ``n − 1`` degrees of freedom
+    (``None`` below 2 values or above the table)."""
+    n = len(xs)
+    if n < 2 or n - 1 not in T975:
+        return None
+    m, h = statistics.mean(xs), T975[n - 1] * statistics.stdev(xs) / math.sqrt(n)
+    return m - h, m + h
+
+
 def _seed_cell(p: dict | None) -> str:
     if p is None:
         return "not run"
@@ -147,14 +164,18 @@ def seeds(runs: list[Path]) -> str:
     rows = [seed_row(rep) for rep in reps]
     names = list(dict.fromkeys(n for p in pols for n in p))
     out = ["| policy | " + " | ".join(f"{r.name} ratio (final val)" for r in runs)
-           + " | mean ratio | min–max | seeds with a ratio |", "|" + "---|" * (len(runs) + 4)]
+           + " | mean ratio | min–max | 95% CI (t) | seeds with a ratio |",
+           "|" + "---|" * (len(runs) + 5)]
     for n in names:
         ps = [row["policies"].get(n) for row in rows]
         rs = [p["ratio"] for p in ps if p and not p["oom"] and not p["failed"]
               and p["ratio"] not in (None, "OOM")]
+        ci = ci95(rs)
         out.append(f"| {n} | " + " | ".join(map(_seed_cell, ps))
                    + (f" | {statistics.mean(rs):.3f} | {min(rs):.3f}–{max(rs):.3f}" if rs
-                      else " | n/a | n/a") + f" | {len(rs)} of {len(rows)} |")
+                      else " | n/a | n/a")
+                   + (f" | {ci[0]:.3f}–{ci[1]:.3f}" if ci else " | n/a")
+                   + f" | {len(rs)} of {len(rows)} |")
     out.append("")
     for r, row in zip(runs, rows):
         nz = row["noise"]

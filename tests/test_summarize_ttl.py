@@ -32,7 +32,7 @@ def test_recorded_run_read_the_same_by_every_tool():
     assert "/ symi time to target: 1.173" in md
     lr = next(n for n in rep["policies"] if n.startswith("lrmoe"))
     over = st.seeds([RUN, RUN])  # --seeds: the same ratio, per seed and as their mean
-    assert f"| {lr} | 1.173 (" in over and "| 1.173 | 1.173–1.173 | 2 of 2 |" in over
+    assert f"| {lr} | 1.173 (" in over and "| 1.173 | 1.173–1.173 | 1.173–1.173 | 2 of 2 |" in over
     assert "| symi | 1.000 (" in over
     ttl_md = (RUN / "ttl.md").read_text()
     assert "| 92.7 | 10.7829 |" in ttl_md and "1.173" in ttl_md
@@ -83,3 +83,13 @@ def test_non_moe_share_per_micro_batch():
     assert mod.non_moe_share(steps) == pytest.approx((0.25 + 0.75 + 0.2) / 3)
     assert mod.non_moe_share(steps, skip=0) == pytest.approx((0.9 + 0.9 + 0.25 + 0.75 + 0.2) / 5)
     assert mod.non_moe_share(steps[:2]) is None
+
+
+def test_ci95_student_t():
+    """Five paired ratios: mean ± t(0.975, 4 df) · s / √5, s the sample deviation."""
+    mod = load_benchmark("summarize_ttl")
+    xs = [0.8, 0.9, 1.0, 0.85, 0.95]
+    s = (sum((x - 0.9) ** 2 for x in xs) / 4) ** 0.5
+    lo, hi = mod.ci95(xs)
+    assert (lo, hi) == pytest.approx((0.9 - 2.776 * s / 5 ** 0.5, 0.9 + 2.776 * s / 5 ** 0.5))
+    assert mod.ci95([1.0]) is None

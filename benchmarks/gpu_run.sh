@@ -17,10 +17,11 @@
 # ttl settings (environment, default in brackets): STEPS [120]; POLICIES
 # [static,symi,lrmoe:recompute+estimator=sampled]; MEM_BUDGET, a size or none for no
 # budget [--budget-retain-fraction 0.8 when unset]; ROUTER_GRAD, static's and symi's
-# router gradient [home]; ROUTER_LR_SCALE [1]; DETERMINISTIC=1 for --deterministic;
-# REUSE=DIR to take the finished policies of DIR/sSEED/ttl.json (checked by `bench ttl
-# --reuse`), REUSE_ONLY=static,symi to take only those; TTL_ARGS, more `bench ttl` flags. MODEL_ARGS, DEVICE [cuda], EP [8],
-# BATCH [128], SEQ [256] override the workload (for a CPU smoke run).
+# router gradient [home]; ROUTER_LR_SCALE [1]; LINK [nvlink]; DETERMINISTIC=1 for
+# --deterministic; REUSE=DIR to take the finished policies of DIR/sSEED/ttl.json
+# (checked by `bench ttl --reuse`), REUSE_ONLY=static,symi to take only those; TTL_ARGS,
+# more `bench ttl` flags. MODEL_ARGS, DEVICE [cuda], EP [8], BATCH [128], SEQ [256]
+# override the workload (for a CPU smoke run).
 # TIMEOUT: seconds per benchmark [3000]. Exit code: the number of benchmarks that failed.
 set -uo pipefail
 OUT=${1:?usage: gpu_run.sh OUTDIR BENCH [BENCH ...]}; shift
@@ -61,7 +62,7 @@ json.dump(r, open(sys.argv[3], 'w'))" "${reuse[1]}" "$REUSE_ONLY" "$d.reuse.json
     --ep "${EP:-8}" --batch-size "${BATCH:-128}" --seq-len "${SEQ:-256}" --lr 1e-3 \
     --device "${DEVICE:-cuda}" --eval-batches 8 --eval-every $(( steps / 20 > 0 ? steps / 20 : 1 )) \
     --steps "$steps" --seed "$seed" ${budget[@]+"${budget[@]}"} --router-grad "${ROUTER_GRAD:-home}" \
-    --router-lr-scale "${ROUTER_LR_SCALE:-1}" --optimizer-offload host --link nvlink \
+    --router-lr-scale "${ROUTER_LR_SCALE:-1}" --optimizer-offload host --link "${LINK:-nvlink}" \
     --policies "${POLICIES:-static,symi,lrmoe:recompute+estimator=sampled}" \
     ${reuse[@]+"${reuse[@]}"} ${DETERMINISTIC:+--deterministic} ${TTL_ARGS:-} --out "$d" > "$log" 2>&1
 }

@@ -69,7 +69,7 @@ def test_gpu_runner_ttl_on_cpu(tmp_path):
     """benchmarks/gpu_run.sh end to end on a tiny model (its CPU overrides): a ttl run
     lands in OUTDIR/ttl/WORKLOAD/sSEED with its routing trace, which
     routing_concentration.py reads; an unknown benchmark fails with one line and counts
-    in the exit code, after the others ran; MEM_BUDGET=none runs with no budget."""
+    in the exit code, after the others ran; MEM_BUDGET=none runs with no budget, LINK picks the link."""
     import os
     import subprocess
     import sys
@@ -77,7 +77,7 @@ def test_gpu_runner_ttl_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {"MODEL_ARGS": "--preset tiny-glm", "DEVICE": "cpu", "EP": "2", "BATCH": "4",
-           "SEQ": "32", "STEPS": "4", "POLICIES": "static", "MEM_BUDGET": "none", "PATH": os.environ["PATH"],
+           "SEQ": "32", "STEPS": "4", "POLICIES": "static", "MEM_BUDGET": "none", "LINK": "ib", "PATH": os.environ["PATH"],
            "PYTHON": sys.executable, "PYTHONPATH": str(root / "src")}
     p = subprocess.run(["bash", "benchmarks/gpu_run.sh", str(tmp_path), "nosuch",
                         "ttl:glm_bias03:1"], cwd=root, env=env, capture_output=True,
@@ -89,5 +89,6 @@ def test_gpu_runner_ttl_on_cpu(tmp_path):
     assert rep["config"]["seed"] == 1 and rep["config"]["steps"] == 4
     assert list(rep["policies"]) == ["static"]
     assert rep["budget_bytes"] is None and rep["config"]["budget_retain_fraction"] is None
+    assert rep["config"]["link"] == "ib"
     mod = load_benchmark("routing_concentration")
     assert mod.main([str(run / "routing_trace_static.json"), "--steps", "0,3"]) == 0

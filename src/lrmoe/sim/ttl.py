@@ -99,7 +99,7 @@ import torch
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger, parse_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
-from lrmoe.sim.vmodel import VirtualModel, routed_counts, warm_up
+from lrmoe.sim.vmodel import VirtualModel, release_graph, routed_counts, warm_up
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
@@ -435,6 +435,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                     sync()
                     micro.append(([v.stats for v in vm.layers], time.perf_counter() - t0, vm.wall))
                     lm_sum += float(lm.detach())
+                    # the graph's nodes keep what the exchanges' contexts hold (the rows
+                    # their backward read) until the losses that reach it go
+                    del lm, obj
+                    release_graph(model)
                 t0 = time.perf_counter()
                 if cfg.clip > 0:
                     with _phase("clip"):
@@ -734,7 +738,10 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
     with _compile_mode(cfg.compile):
         warm_up(probe, G, batches.batch(0).to(cfg.device))
+    # the warm-up's wrapped MoE layers refer to themselves (their forward closes over
+    # them): only a collection frees the probe's experts and their gradients
     del probe
+    gc.collect()
 
     results, profile = {}, None
     with _compile_mode(cfg.compile):

@@ -74,7 +74,8 @@ class VirtualModel:
             t0 = t_now()
             with torch.profiler.record_function("ttl:moe_forward"):  # the timed span
                 out = v(x)
-                m.last_aux_loss = v.last_aux_loss
+                # handed over, not shared: the layer's is dropped after the backward
+                m.last_aux_loss, v.last_aux_loss = v.last_aux_loss, None
                 cge = counts_GE_of(v.stats.plan, m.cfg.num_experts)
                 self.counts_GE.append(cge)
                 c = cge.sum(0)
@@ -115,3 +116,13 @@ def warm_up(model, G: int, batch) -> None:
     VirtualModel(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
     model.train()
     model.loss(batch[:, :-1], batch[:, 1:])[1].backward()
+    release_graph(model)
+
+
+def release_graph(model) -> None:
+    """Drop the MoE layers' aux losses after the backward: each holds its step's autograd
+    graph, whose nodes keep the rows the exchanges' contexts saved and the grad hooks of
+    :class:`VirtualModel` (which refer back to the layer, a cycle the collector cannot
+    see through the graph)."""
+    for m in model.moe_layers:
+        m.last_aux_loss = None

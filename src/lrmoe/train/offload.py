@@ -24,6 +24,12 @@ ledger's offload design (:mod:`lrmoe.ledger`) prices it: the fp32 master (state 
 step the bf16 gradient is widened on the host and the updated master is rounded back
 into the bf16 device weight. Without ``compute_dtype`` the device parameters keep the
 model's dtype (fp32).
+
+When the "host" is the parameters' own device and a parameter is fp32 (the emulator's
+case, and a CPU run), a separate master would be a second copy of the same numbers and a
+host gradient buffer a second copy of the gradient: the master is then the parameter
+itself and the update reads the gradient in place. The update is the same fused AdamW on
+the same values, so the trajectory is bitwise that of a separate master.
 """
 
 from __future__ import annotations
@@ -68,12 +74,16 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 "optimizer offload: some offloaded parameters are not in the optimizer")
         self._host = {id(p) for p in mine if id(p) in ids}
         self._host_dev = torch.device(host)
+        if self._host_dev.type == "cuda" and self._host_dev.index is None:
+            # "cuda" as the parameters report it, so a same-device check compares alike
+            self._host_dev = torch.device("cuda", torch.cuda.current_device())
         cuda = any(p.is_cuda for p in mine if id(p) in ids)
         self._pin = self._host_dev.type == "cpu" and cuda and torch.cuda.is_available()
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
         self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}
         self.host_s = 0.0
+        self._compute_dtype = compute_dtype
         self._refresh_masters()
         if compute_dtype is not None:  # the masters hold the fp32 values from here on
             for p in mine:
@@ -85,14 +95,26 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return torch.empty(like.shape, dtype=torch.float32, device=self._host_dev,
                            pin_memory=self._pin)
 
+    def _in_place(self, p: Tensor) -> bool:
+        """Whether ``p`` is its own master: fp32, on the host device, and kept in fp32."""
+        return (p.device == self._host_dev and p.dtype == torch.float32
+                and self._compute_dtype in (None, torch.float32))
+
     def _refresh_masters(self) -> None:
         """fp32 host masters: the state's ``master`` when it has one (a loaded
-        checkpoint), else a copy of the device parameter (exact while it is fp32)."""
+        checkpoint), else a copy of the device parameter (exact while it is fp32). A
+        parameter that is its own master (:meth:`_in_place`) takes a loaded master's
+        values and then stands for it."""
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in self._host:
                     st = self.state[p]
-                    if "master" not in st:
+                    if self._in_place(p):
+                        m = p.detach()
+                        if "master" in st and st["master"].data_ptr() != m.data_ptr():
+                            m.copy_(st["master"])
+                        st["master"] = m
+                    elif "master" not in st:
                         st["master"] = self._host_empty(p)
                         st["master"].copy_(p.detach())
                     self._master[id(p)] = st["master"]
@@ -140,6 +162,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
             for p in g["params"]:
                 if id(p) not in self._host or p.grad is None:
                     continue
+                if p.grad.device == self._host_dev and p.grad.dtype == torch.float32:
+                    rows.append((p, self._master[id(p)], p.grad.detach()))  # read in place
+                    continue
                 buf = self._grad_buf.get(id(p))
                 if buf is None:
                     buf = self._grad_buf[id(p)] = self._host_empty(p)
@@ -158,7 +183,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
                   beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
                   eps=g["eps"], maximize=False)
             for p, m, _ in rows:  # updated weights back to the device
-                p.detach().copy_(m, non_blocking=self._pin)
+                if m.data_ptr() != p.data_ptr():
+                    p.detach().copy_(m, non_blocking=self._pin)
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:

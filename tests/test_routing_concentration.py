@@ -77,7 +77,8 @@ def test_gpu_runner_ttl_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {"MODEL_ARGS": "--preset tiny-glm", "DEVICE": "cpu", "EP": "2", "BATCH": "4",
-           "SEQ": "32", "STEPS": "4", "POLICIES": "static", "MEM_BUDGET": "none", "LINK": "ib", "PATH": os.environ["PATH"],
+           "SEQ": "32", "STEPS": "4", "POLICIES": "static", "MEM_BUDGET": "none", "LINK": "ib",
+           "PATH": os.environ["PATH"],
            "PYTHON": sys.executable, "PYTHONPATH": str(root / "src")}
     p = subprocess.run(["bash", "benchmarks/gpu_run.sh", str(tmp_path), "nosuch",
                         "ttl:glm_bias03:1"], cwd=root, env=env, capture_output=True,

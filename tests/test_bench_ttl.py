@@ -34,6 +34,7 @@ def test_ttl_outputs(ttl_run, capsys):
     assert list(rep["policies"]) == ["static", "symi", "lrmoe"]
     for name, r in rep["policies"].items():
         assert f"| {name} |" in md
+        assert r["emulator_device_peak_bytes"] is None  # a CUDA figure (tests/gpu)
         assert len(r["steps"]) == 6 and [e["step"] for e in r["evals"]] == [0, 3, 6]
         for s in r["steps"]:
             assert s["moe_emulated_s"] > 0 and s["step_emulated_s"] > 0

@@ -383,6 +383,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
 
     dev, G = torch.device(cfg.device), cfg.ep
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    if dev.type == "cuda":  # this policy's own peak of the emulating process
+        torch.cuda.reset_peak_memory_stats(dev)
     router_grad = policy_router_grad(name, cfg)
     ledger = policy_ledger(ledger, name, cfg)
     pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
@@ -483,7 +485,11 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     res = {"policy": name, "config": note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
            "routing_trace": trace, "failed": failed, "out_of_memory": oom,
-           "_counts_GE": trace_GE}
+           "_counts_GE": trace_GE,
+           # every virtual rank at once on one device: whether the emulation fits the
+           # device, not a rank's memory (that is the ledger's)
+           "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
+                                          if dev.type == "cuda" else None)}
     if ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
         res["rungs"] = rung_totals(rows)

@@ -5,6 +5,7 @@ graph (the rows the exchanges' contexts kept) outlives the backward."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -78,3 +79,33 @@ def test_bench_ttl_optimizer_step_sees_no_probe_and_no_graph(monkeypatch):
         if was:
             gc.enable()
     assert seen == [(0, 0)]
+
+
+def test_warm_up_runs_its_forward_under_the_steps_autocast():
+    """The untimed warm-up step runs the kernels the timed steps run: its forward inside
+    their autocast (in fp32, grouped-query attention falls back to a kernel that keeps
+    the whole score matrix), its backward outside, as the steps do."""
+    from lrmoe.config import ModelConfig
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.presets import PRESETS
+    from lrmoe.sim.vmodel import warm_up
+
+    cfg = ModelConfig.from_hf_dict(dict(PRESETS["tiny-qwen3"], num_hidden_layers=2))
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    inside, seen = [False], []
+
+    @contextlib.contextmanager
+    def autocast():
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    model.lm_head.register_forward_hook(lambda *a: seen.append(("forward", inside[0])))
+    model.lm_head.weight.register_hook(lambda g: seen.append(("backward", inside[0])))
+    batch = torch.randint(0, cfg.vocab_size, (4, 17))
+    warm_up(model, 2, batch, autocast)
+    assert seen == [("forward", True), ("backward", False)]
+    assert model.lm_head.weight.grad is not None

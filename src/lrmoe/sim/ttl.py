@@ -734,16 +734,16 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
 
     torch.manual_seed(cfg.seed)
     probe = MoEForCausalLM(mcfg).to(cfg.device)
+    from lrmoe.train.loop import make_autocast
+    autocast = make_autocast(torch.device(cfg.device))
     reused = {}
     if cfg.reuse:
-        from lrmoe.train.loop import make_autocast
-        v0 = _val_eval(probe, val_b, torch.device(cfg.device),
-                       make_autocast(torch.device(cfg.device)))["val_loss"]
+        v0 = _val_eval(probe, val_b, torch.device(cfg.device), autocast)["val_loss"]
         reused = load_reused(cfg, policies, v0)
         probe.train()
     first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
     with _compile_mode(cfg.compile):
-        warm_up(probe, G, batches.batch(0).to(cfg.device))
+        warm_up(probe, G, batches.batch(0).to(cfg.device), autocast)
     # the warm-up's wrapped MoE layers refer to themselves (their forward closes over
     # them): only a collection frees the probe's experts and their gradients
     del probe

@@ -108,14 +108,18 @@ def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
                          for i in idx.reshape(G, -1)]).long() for idx in got]
 
 
-def warm_up(model, G: int, batch) -> None:
-    """One untimed static training step (fills the allocator, lazy inits)."""
+def warm_up(model, G: int, batch, autocast) -> None:
+    """One untimed static training step (fills the allocator, lazy inits), its forward
+    under the timed steps' ``autocast``: the same kernels, the same memory (in fp32 a
+    grouped-query attention has no fused kernel and keeps its whole score matrix)."""
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.static import StaticPolicy
 
     VirtualModel(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
     model.train()
-    model.loss(batch[:, :-1], batch[:, 1:])[1].backward()
+    with autocast():
+        loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
+    loss.backward()
     release_graph(model)
 
 

@@ -28,8 +28,6 @@ recorded without ``link_terms``) one line, exit 2.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import statistics
 import sys
@@ -38,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import cli  # noqa: E402
+from gpu_common import cli, read_json  # noqa: E402
 
 from lrmoe.errors import LrmoeError, require  # noqa: E402
 from lrmoe.sim.cost import LINK_STAGES, price_terms  # noqa: E402
@@ -54,11 +52,7 @@ def load(run: Path) -> dict:
     for name in ("ttl.json", "ttl.json.gz"):
         f = run / name
         if f.is_file():
-            try:
-                raw = f.read_bytes()
-                return json.loads(gzip.decompress(raw) if name.endswith(".gz") else raw)
-            except (OSError, ValueError) as e:
-                raise LrmoeError(f"{f}: not a readable ttl record ({e})") from None
+            return read_json(f)
     raise LrmoeError(f"{run}: holds neither ttl.json nor ttl.json.gz")
 
 

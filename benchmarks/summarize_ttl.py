@@ -23,29 +23,30 @@ and the mean emulated ms per stage and policy over the seeds.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from gpu_common import cli, read_json  # noqa: E402
+
 from lrmoe.commands.bench import fmt  # noqa: E402
+from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.ledger import fmt_bytes  # noqa: E402
 from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
 
 
 def load_report(run: Path) -> dict:
-    """The run folder's whole ``bench ttl`` record."""
+    """The run folder's whole ``bench ttl`` record, from the first of ``ttl.json``,
+    ``ttl.json.gz``, ``ttl_partial.json`` there; none, or unreadable: :class:`LrmoeError`."""
     for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json"):
         f = run / name
         if f.exists():
-            raw = gzip.decompress(f.read_bytes()) if name.endswith(".gz") else f.read_bytes()
-            return json.loads(raw)
-    raise SystemExit(f"summarize_ttl: {run} holds none of ttl.json, ttl.json.gz, "
-                     "ttl_partial.json")
+            return read_json(f)
+    raise LrmoeError(f"{run}: holds none of ttl.json, ttl.json.gz, ttl_partial.json")
 
 
 def window(rep: dict) -> int:
@@ -198,7 +199,7 @@ def seeds(runs: list[Path]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--seeds", action="store_true", help="one table over the runs (seeds)")
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(seeds(a.runs) if a.seeds else "\n\n".join(summarize(r) for r in a.runs))
     return 0
 
+
+main = cli(run)  # exit 2 after one line on bad input
 
 if __name__ == "__main__":
     raise SystemExit(main())

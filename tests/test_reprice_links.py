@@ -114,7 +114,7 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert "neither ttl.json nor ttl.json.gz" in capsys.readouterr().err
     (tmp_path / "ttl.json").write_text("{not json")
     assert rl.main(["--link", "ib", str(tmp_path)]) == 2
-    assert "not a readable ttl record" in capsys.readouterr().err
+    assert "ttl.json: not readable JSON" in capsys.readouterr().err
     assert rl.main(["--link", "carrier-pigeon", str(OLD)]) == 2
     assert "--link 'carrier-pigeon' is not known" in capsys.readouterr().err
     rep = synthetic()

@@ -93,3 +93,15 @@ def test_ci95_student_t():
     lo, hi = mod.ci95(xs)
     assert (lo, hi) == pytest.approx((0.9 - 2.776 * s / 5 ** 0.5, 0.9 + 2.776 * s / 5 ** 0.5))
     assert mod.ci95([1.0]) is None
+
+
+def test_bad_run_folder_one_line_exit_2(tmp_path, capsys):
+    mod = load_benchmark("summarize_ttl")
+    assert mod.main([str(tmp_path / "nowhere")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1
+    assert cap.err.startswith("lrmoe: error:") and "holds none of ttl.json" in cap.err
+    (tmp_path / "ttl.json.gz").write_bytes(gzip.compress(b"{not json"))
+    assert mod.main(["--seeds", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ttl.json.gz: not readable JSON" in err

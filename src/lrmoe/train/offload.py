@@ -83,7 +83,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
         self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}
         self.host_s = 0.0
-        self._compute_dtype = compute_dtype
+        # one decision per parameter, taken once: fp32 on the host device and kept in fp32,
+        # it is its own master and the update reads its gradient in place (no host copies)
+        self._own_master = {id(p) for p in mine if id(p) in self._host
+                            and p.device == self._host_dev and p.dtype == torch.float32
+                            and compute_dtype in (None, torch.float32)}
         self._refresh_masters()
         if compute_dtype is not None:  # the masters hold the fp32 values from here on
             for p in mine:
@@ -95,21 +99,16 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return torch.empty(like.shape, dtype=torch.float32, device=self._host_dev,
                            pin_memory=self._pin)
 
-    def _in_place(self, p: Tensor) -> bool:
-        """Whether ``p`` is its own master: fp32, on the host device, and kept in fp32."""
-        return (p.device == self._host_dev and p.dtype == torch.float32
-                and self._compute_dtype in (None, torch.float32))
-
     def _refresh_masters(self) -> None:
         """fp32 host masters: the state's ``master`` when it has one (a loaded
         checkpoint), else a copy of the device parameter (exact while it is fp32). A
-        parameter that is its own master (:meth:`_in_place`) takes a loaded master's
+        parameter that is its own master (``_own_master``) takes a loaded master's
         values and then stands for it."""
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in self._host:
                     st = self.state[p]
-                    if self._in_place(p):
+                    if id(p) in self._own_master:
                         m = p.detach()
                         if "master" in st and st["master"].data_ptr() != m.data_ptr():
                             m.copy_(st["master"])
@@ -162,7 +161,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
             for p in g["params"]:
                 if id(p) not in self._host or p.grad is None:
                     continue
-                if p.grad.device == self._host_dev and p.grad.dtype == torch.float32:
+                if id(p) in self._own_master:
                     rows.append((p, self._master[id(p)], p.grad.detach()))  # read in place
                     continue
                 buf = self._grad_buf.get(id(p))

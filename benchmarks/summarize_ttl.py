@@ -2,6 +2,7 @@
 
     python3 benchmarks/summarize_ttl.py RUN [RUN ...]               # a table per run
     python3 benchmarks/summarize_ttl.py --seeds OUT/ttl/qwen3/s{0,1,2}  # over seeds
+    python3 benchmarks/summarize_ttl.py --seeds OUT/ttl/qwen3/s{0,1,2} --plot ratios.png
 
 A RUN folder holds ``ttl.json``, ``ttl.json.gz`` (as kept under ``benchmarks/results``)
 or, for a run cut short, ``ttl_partial.json`` (the policies that finished). Targets and
@@ -17,7 +18,8 @@ routing skew, keep / recompute ratios and budget status (another link's times:
 ``reprice_links.py``). ``--seeds``: each policy's ratio over symi per seed with their
 mean, min–max and 95% confidence interval (Student t, n − 1 degrees of freedom), one
 evaluation's noise at the target,
-and the mean emulated ms per stage and policy over the seeds.
+and the mean emulated ms per stage and policy over the seeds; ``--plot PNG`` draws the
+per-seed ratios with their mean and interval.
 """
 
 from __future__ import annotations
@@ -159,6 +161,51 @@ def _seed_cell(p: dict | None) -> str:
     return f"{fmt(p['ratio'], '.3f', 'never')} ({p['final']:.4f})"
 
 
+def seed_ratios(ps: list[dict | None]) -> list[float]:
+    """The ratios over symi of the seeds where the policy reached the target (no
+    out-of-memory verdict, not stopped)."""
+    return [p["ratio"] for p in ps if p and not p["oom"] and not p["failed"]
+            and p["ratio"] not in (None, "OOM")]
+
+
+def plot_seeds(runs: list[Path], path: Path) -> dict:
+    """Each policy's per-seed time-to-target ratio over symi (points), their mean and 95%
+    interval (bar), to ``path`` (PNG). Returns what it drew: ``{policy: (ratios, mean,
+    (lo, hi) or None)}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reps = [load_report(r) for r in runs]
+    rows = [seed_row(rep) for rep in reps]
+    names = [n for n in dict.fromkeys(n for rep in reps for n in rep["policies"]) if n != "symi"]
+    drawn = {}
+    fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.7 * len(names)))
+    for y, n in enumerate(names):
+        rs = seed_ratios([row["policies"].get(n) for row in rows])
+        ci = ci95(rs)
+        mean = statistics.mean(rs) if rs else None
+        drawn[n] = (rs, mean, ci)
+        ax.scatter(rs, [y] * len(rs), color="0.6", zorder=2,
+                   label="one seed" if y == 0 else None)
+        if mean is not None:
+            err = None if ci is None else [[mean - ci[0]], [ci[1] - mean]]
+            ax.errorbar([mean], [y], xerr=err, fmt="o", color="C0", capsize=4, zorder=3,
+                        label="mean, 95% interval (t)" if y == 0 else None)
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(names)), [n.replace(":", ":\n") for n in names])
+    ax.set_ylim(-0.7, len(names) - 0.3)
+    ax.set_xlabel("emulated time to target / symi's (per seed, paired)")
+    link = reps[0].get("link", {}).get("name", "?")
+    ax.set_title(f"{len(runs)} seeds, link {link} (EMULATED)", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return drawn
+
+
 def seeds(runs: list[Path]) -> str:
     reps = [load_report(r) for r in runs]
     pols = [rep["policies"] for rep in reps]
@@ -169,8 +216,7 @@ def seeds(runs: list[Path]) -> str:
            "|" + "---|" * (len(runs) + 5)]
     for n in names:
         ps = [row["policies"].get(n) for row in rows]
-        rs = [p["ratio"] for p in ps if p and not p["oom"] and not p["failed"]
-              and p["ratio"] not in (None, "OOM")]
+        rs = seed_ratios(ps)
         ci = ci95(rs)
         out.append(f"| {n} | " + " | ".join(map(_seed_cell, ps))
                    + (f" | {statistics.mean(rs):.3f} | {min(rs):.3f}–{max(rs):.3f}" if rs
@@ -203,8 +249,14 @@ def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--seeds", action="store_true", help="one table over the runs (seeds)")
+    ap.add_argument("--plot", type=Path, metavar="PNG",
+                    help="with --seeds: also plot each policy's per-seed ratios over symi")
     a = ap.parse_args(argv)
+    if a.plot and not a.seeds:
+        raise LrmoeError("--plot draws the seeds: give --seeds too")
     print(seeds(a.runs) if a.seeds else "\n\n".join(summarize(r) for r in a.runs))
+    if a.plot:
+        plot_seeds(a.runs, a.plot)
     return 0
 
 

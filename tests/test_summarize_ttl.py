@@ -105,3 +105,31 @@ def test_bad_run_folder_one_line_exit_2(tmp_path, capsys):
     assert mod.main(["--seeds", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ttl.json.gz: not readable JSON" in err
+
+
+def test_seeds_plot_draws_each_runs_recorded_ratio(tmp_path, capsys):
+    """--seeds --plot: the points are the ratios each run recorded (the 5-seed headline),
+    the bar their mean and Student-t interval; --plot alone is a usage error."""
+    mod = load_benchmark("summarize_ttl")
+    runs = [RUN.parents[1] / "headline_qwen3_ib_h200" / f"s{s}" for s in range(5)]
+    png = tmp_path / "ratios.png"
+    assert mod.main(["--seeds", *map(str, runs), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    drawn = mod.plot_seeds(runs, tmp_path / "again.png")
+    assert "symi" not in drawn and set(drawn) >= {"static"}
+    recorded = []
+    for r in runs:
+        rep = json.loads(gzip.decompress((r / "ttl.json.gz").read_bytes()))
+        recorded.append(rep["ratios_over_symi_time_to_target_emulated"])
+    for name, (ratios, mean, (lo, hi)) in drawn.items():
+        if name.startswith("lrmoe"):
+            assert ratios == pytest.approx([x[name] for x in recorded], rel=1e-9)
+        m = sum(ratios) / 5
+        s = (sum((x - m) ** 2 for x in ratios) / 4) ** 0.5
+        assert mean == pytest.approx(m)
+        assert (lo, hi) == pytest.approx((m - 2.776 * s / 5 ** 0.5, m + 2.776 * s / 5 ** 0.5))
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        assert f"| {mean:.3f} | " in row and f"| {lo:.3f}–{hi:.3f} |" in row
+    assert mod.main([str(runs[0]), "--plot", str(png)]) == 2
+    assert "--plot draws the seeds" in capsys.readouterr().err

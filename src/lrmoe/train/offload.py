@@ -182,7 +182,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
                   beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
                   eps=g["eps"], maximize=False)
             for p, m, _ in rows:  # updated weights back to the device
-                if m.data_ptr() != p.data_ptr():
+                if id(p) not in self._own_master:
                     p.detach().copy_(m, non_blocking=self._pin)
 
     # ------------------------------------------------------------------ checkpoints

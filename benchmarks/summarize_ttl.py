@@ -168,16 +168,21 @@ def seed_ratios(ps: list[dict | None]) -> list[float]:
             and p["ratio"] not in (None, "OOM")]
 
 
-def plot_seeds(runs: list[Path], path: Path) -> dict:
+def loaded(runs: list[Path] | list[dict]) -> list[dict]:
+    """The runs' reports: folders are read, reports already read are kept."""
+    return [r if isinstance(r, dict) else load_report(r) for r in runs]
+
+
+def plot_seeds(runs: list[Path] | list[dict], path: Path) -> dict:
     """Each policy's per-seed time-to-target ratio over symi (points), their mean and 95%
-    interval (bar), to ``path`` (PNG). Returns what it drew: ``{policy: (ratios, mean,
-    (lo, hi) or None)}``."""
+    interval (bar), to ``path`` (PNG); ``runs`` as folders or their loaded reports.
+    Returns what it drew: ``{policy: (ratios, mean, (lo, hi) or None)}``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reps = [load_report(r) for r in runs]
+    reps = loaded(runs)
     rows = [seed_row(rep) for rep in reps]
     names = [n for n in dict.fromkeys(n for rep in reps for n in rep["policies"]) if n != "symi"]
     drawn = {}
@@ -198,7 +203,7 @@ def plot_seeds(runs: list[Path], path: Path) -> dict:
     ax.set_ylim(-0.7, len(names) - 0.3)
     ax.set_xlabel("emulated time to target / symi's (per seed, paired)")
     link = reps[0].get("link", {}).get("name", "?")
-    ax.set_title(f"{len(runs)} seeds, link {link} (EMULATED)", fontsize=10)
+    ax.set_title(f"{len(reps)} seeds, link {link} (EMULATED)", fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -206,8 +211,9 @@ def plot_seeds(runs: list[Path], path: Path) -> dict:
     return drawn
 
 
-def seeds(runs: list[Path]) -> str:
-    reps = [load_report(r) for r in runs]
+def seeds(runs: list[Path], reps: list[dict] | None = None) -> str:
+    """The table over seeds (``--seeds``); ``reps``: the runs' reports, if already read."""
+    reps = loaded(reps if reps is not None else runs)
     pols = [rep["policies"] for rep in reps]
     rows = [seed_row(rep) for rep in reps]
     names = list(dict.fromkeys(n for p in pols for n in p))
@@ -254,9 +260,13 @@ def run(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.plot and not a.seeds:
         raise LrmoeError("--plot draws the seeds: give --seeds too")
-    print(seeds(a.runs) if a.seeds else "\n\n".join(summarize(r) for r in a.runs))
+    if not a.seeds:
+        print("\n\n".join(summarize(r) for r in a.runs))
+        return 0
+    reps = loaded(a.runs)  # read once for the table and the plot
+    print(seeds(a.runs, reps))
     if a.plot:
-        plot_seeds(a.runs, a.plot)
+        plot_seeds(reps, a.plot)
     return 0
 
 

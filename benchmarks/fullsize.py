@@ -4,7 +4,8 @@ The whole-model step ledger (:class:`lrmoe.step_ledger.StepLedger`, from the con
 alone) prices, for every micro-batch size and checkpoint mode asked, the GPU bytes by
 term (weights, gradients, AdamW state where they live, the activations and transients
 of a step's largest phase) and the host bytes (fp32 masters, moments and gradient buffer
-of the offloaded experts) against the GPU's and the host's memory; then, for the first
+of the offloaded experts; the pinned ones at the caching host allocator's power-of-two
+sizes) against the GPU's and the host's memory; then, for the first
 size and the last mode, what would make it fit (each side's changes cumulative, and the
 smallest set that fits both).
 
@@ -12,8 +13,11 @@ smallest set that fits both).
 
 ``--measure`` also runs ``lrmoe train`` (host offload, the checkpoint mode, gradient
 accumulation, a few steps) on the config cut to ``--layers`` layers (real widths and
-vocabulary) and writes its tokens/s, ``cuda_max_mem_bytes`` and host peak RSS beside
-the ledger's prediction. Its final checkpoint lands in a temporary folder under
+vocabulary) and writes its tokens/s, ``cuda_max_mem_bytes`` and host memory beside the
+ledger's prediction: the resident set over the training steps (the metrics rows'
+``host_rss_bytes``) against the ledger's host state plus the process's resident set
+before the model was built, and the whole process's peak (model build and final
+checkpoint save included). Its final checkpoint lands in a temporary folder under
 ``--run-root`` (size printed first), removed afterwards:
 
     python3 benchmarks/fullsize.py --out runs/fullsize_4L --measure --layers 4 \\
@@ -205,12 +209,13 @@ def markdown(cfg, rows, fixes, fix_at, most, gpu, host, refuse) -> str:
                      f"{f['link_bytes_per_step'] / 1e9:,.0f} GB, {f['link_s_per_step']:.1f} s |")
     lines += ["", f"The trainer builds the fp32 model on the CPU before moving it: "
               f"{g(4 * sum(p.values()))} GiB of host at build, and as much on the GPU until "
-              "the optimizer casts the experts to bf16 (both below the capacities). Host "
-              "bytes are pinned memory.",
+              "the optimizer casts the experts to bf16 (both below the capacities). The host "
+              "masters and gradient buffer are pinned, priced at the caching host "
+              "allocator's power-of-two size per tensor; the moments are pageable.",
               "", f"Most layers (real widths) the trainer as it runs fits on both sides at "
               f"{fix_at}: {most}.",
               f"The trainer's own pre-check (`check_model_fits`: 16 B per dense and 4 B per "
-              f"expert parameter on the GPU, 16 B per expert parameter on the host) asks "
+              f"expert parameter on the GPU, the ledger's host state on the host) asks "
               f"{g(refuse[0])} GiB of GPU and {g(refuse[1])} GiB of host"
               + (" and refuses this model here." if refuse[0] > gpu or refuse[1] > host
                  else ".")]
@@ -232,7 +237,7 @@ def train_command(cfg_path: Path, run_dir: Path, a) -> list[str]:
 def measure(cfg, a, out: Path) -> dict:
     """Run the trainer on ``cfg`` and read its metrics; the ledger's numbers beside."""
     cuda = a.device == "cuda"
-    led = StepLedger(cfg, compute_dtype="bf16" if cuda else "fp32")
+    led = StepLedger(cfg, compute_dtype="bf16" if cuda else "fp32", pinned_host=cuda)
     tokens = a.micro_batches * a.seq_len
     pred = led.report(tokens, a.measure_mode) if cuda else {
         "gpu_state": led.state()["gpu"], "host_state": led.state()["host"]}
@@ -269,6 +274,11 @@ def measure(cfg, a, out: Path) -> dict:
     steps = [r for r in rows if r.get("kind", "train") == "train" and "tokens_per_s" in r]
     later = steps[1:] or steps  # the first step allocates the moments and warms up
     mem = [r["cuda_max_mem_bytes"] for r in steps if "cuda_max_mem_bytes" in r]
+
+    def most(rs, key):
+        got = [r[key] for r in rs if r.get(key) is not None]
+        return max(got) if got else None
+    base = most(steps[:1], "host_rss_before_build_bytes")
     return {
         "command": " ".join(cmd), "device": a.device, "layers": cfg.num_hidden_layers,
         "tokens_per_micro_batch": tokens, "grad_accum": a.grad_accum,
@@ -276,10 +286,14 @@ def measure(cfg, a, out: Path) -> dict:
         "measured": {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later)
                      if later else None,
                      "cuda_max_mem_bytes": max(mem) if mem else None,
-                     "host_max_rss_bytes": rss, "steps": len(steps)},
+                     "host_max_rss_bytes": rss,
+                     "host_rss_steps_bytes": most(steps, "host_rss_bytes"),
+                     "host_rss_later_steps_bytes": most(later, "host_rss_bytes"),
+                     "host_rss_before_build_bytes": base, "steps": len(steps)},
         "ledger": {"gpu_peak": pred.get("gpu_peak"), "phase": pred.get("gpu_peak_phase"),
                    "phases": pred.get("phases"), "gpu_state": pred["gpu_state"],
-                   "host_total": host_pred,
+                   "host_total": host_pred, "host_state": led.state()["host"],
+                   "host_pinned": led.pinned_host,
                    "host_at_build": 4 * sum(led.params.values())},
     }
 
@@ -290,6 +304,9 @@ def measure_markdown(m: dict) -> str:
     def b(v):
         return "—" if v is None else fmt_bytes(v)
     tps = "—" if me["tokens_per_s"] is None else f"{me['tokens_per_s']:,.0f}"
+    base = me["host_rss_before_build_bytes"]
+    steady = None if base is None else base + le["host_total"]
+    pinned = "pinned at power-of-two sizes" if le["host_pinned"] else "nothing pinned"
     return "\n".join([
         f"## Measured run ({m['device']}, {m['layers']} layers, {m['tokens_per_micro_batch']} "
         f"tokens × {m['grad_accum']} micro-batches, checkpoint {m['mode']})", "",
@@ -298,8 +315,13 @@ def measure_markdown(m: dict) -> str:
         f"| tokens/s (median, steps 2..) | {tps} | — |",
         f"| GPU peak (max_memory_allocated) | {b(me['cuda_max_mem_bytes'])} | "
         f"{b(le['gpu_peak'])} ({le['phase'] or '—'}) |",
-        f"| host peak RSS (whole process) | {b(me['host_max_rss_bytes'])} | "
-        f"{b(le['host_total'])} state; {b(le['host_at_build'])} at build |", ""])
+        f"| host RSS before the model is built | {b(base)} | — |",
+        f"| host RSS at the end of a step, max over steps 2.. | "
+        f"{b(me['host_rss_later_steps_bytes'])} | {b(steady)} (state + RSS before build) |",
+        f"| host RSS at the end of a step, max over all steps | "
+        f"{b(me['host_rss_steps_bytes'])} | {b(le['host_total'])} state ({pinned}) |",
+        f"| host peak RSS (whole process: model build, steps, final checkpoint save) | "
+        f"{b(me['host_max_rss_bytes'])} | {b(le['host_at_build'])} at build |", ""])
 
 
 # ----------------------------------------------------------------------------- main

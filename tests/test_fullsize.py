@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
-from lrmoe.step_ledger import StepLedger
+from lrmoe.step_ledger import StepLedger, pinned_bytes
 
 
 def _category(name: str) -> str:
@@ -97,7 +98,9 @@ def test_offload_split_is_what_the_trainer_allocates():
     got_host = {"masters": _tensor_bytes(state(host, ("master",))),
                 "moments": _tensor_bytes(state(host, ("exp_avg", "exp_avg_sq"))),
                 "grad_buffer": _tensor_bytes(opt._grad_buf.values())}
-    led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16").state()
+    # on the CPU nothing is pinned: every host tensor at its exact size
+    led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16",
+                     pinned_host=False).state()
     assert led["gpu"] == got_gpu
     assert led["host"] == got_host
     # nothing else: every state tensor but AdamW's step counters is in one of the terms
@@ -191,8 +194,55 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     res = json.loads((tmp_path / "fullsize.json").read_text())
     row = res["results"][0]
     assert row["mode"] == "full" and row["tokens"] == 4096
-    assert row["host_total"] == 16 * 48 * 128 * 3 * 2048 * 768 and not row["fits_host"]
+    # per layer: gate_up_proj 1.5 GiB and down_proj 0.75 GiB in fp32, master and gradient
+    # buffer pinned at 2 GiB and 1 GiB; the moments 8 B a parameter, pageable
+    per_layer = 2 * (2**31 + 2**30) + 8 * 128 * 3 * 2048 * 768
+    assert row["host_total"] == 48 * per_layer and not row["fits_host"]
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
     for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
         assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
         assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- pinned host memory
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def test_pinned_bytes_is_the_allocators_power_of_two():
+    cases = {0: 0, 1: 1, 2: 2, 3: 4, 5: 8, 1000: 1024, 1024: 1024, 1025: 2048,
+             4 * 128 * 1536 * 2048: 2**31, 4 * 128 * 2048 * 768: 2**30, 2**40 + 1: 2**41}
+    assert {n: pinned_bytes(n) for n in cases} == cases
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-glm", "qwen3-tied-sparse"])
+def test_host_state_prices_each_pinned_tensor_at_its_rounded_size(name):
+    """On CUDA the masters and gradient buffers are pinned, one allocation per expert
+    tensor of the model the trainer builds, each rounded up to a power of two; the
+    moments are pageable."""
+    from lrmoe.train.offload import offloaded_params
+    from lrmoe.train.setup import state_bytes
+
+    cfg = dataclasses.replace(CONFIGS[name], moe_intermediate_size=40)  # not a power of 2
+    model = MoEForCausalLM(cfg)
+    shapes = [tuple(p.shape) for p in offloaded_params(model)]
+    assert len(shapes) == 2 * len(cfg.moe_layers)
+    numels = [math.prod(s) for s in shapes]
+    pinned = sum(_next_pow2(4 * n) for n in numels)
+    assert pinned > 4 * sum(numels)  # the rounding is seen
+    led = StepLedger(cfg)  # the trainer on CUDA
+    assert led.state()["host"] == {"masters": pinned, "moments": 8 * sum(numels),
+                                   "grad_buffer": pinned}
+    staged = StepLedger(cfg, host_grad_staging=True).state()["host"]["grad_buffer"]
+    assert staged == _next_pow2(4 * max(numels))
+    exact = StepLedger(cfg, pinned_host=False).state()["host"]
+    assert exact == {"masters": 4 * sum(numels), "moments": 8 * sum(numels),
+                     "grad_buffer": 4 * sum(numels)}
+    # the trainer's pre-check asks the same host bytes, per EP rank's shard of each tensor
+    for ep in (1, 2, 4):
+        mine = [s[0] // ep * math.prod(s[1:]) for s in shapes]
+        want = 2 * sum(_next_pow2(4 * n) for n in mine) + 8 * sum(mine)
+        assert state_bytes(cfg, ep, offload=True)[1] == want

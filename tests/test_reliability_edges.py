@@ -155,10 +155,11 @@ def test_state_estimate_matches_the_model(preset):
                  if ".experts." in n)
     assert state_bytes(cfg, 4)[0] == pytest.approx(16 * (params - expert * 3 // 4), rel=1e-4)
     # host offload on CUDA: bf16 weight and gradient of each expert on the device, fp32
-    # master, two moments and the gradient staging on the host
+    # master, two moments and the gradient buffer on the host (the pinned master and
+    # buffer at the allocator's power-of-two sizes: tests/test_fullsize.py)
     dev, host = state_bytes(cfg, 4, offload=True)
     assert dev == pytest.approx(16 * (params - expert) + 4 * (expert // 4), rel=1e-4)
-    assert host == pytest.approx(16 * (expert // 4), rel=1e-4)
+    assert 16 * (expert // 4) <= host <= 24 * (expert // 4)
 
 
 def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, capsys):

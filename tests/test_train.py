@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,28 @@ def test_metrics_rows(qwen_run):
             assert m["replicas"] == 0 and m["rank_load_max_over_mean"] == 1.0
             assert m["fwd_bytes"] > 0 and m["bwd_bytes"] > 0 and m["expert_fwd_ms"] >= 0
         assert "rank_load" not in r  # one process
+        if sys.platform == "linux":  # the process's resident set, in bytes
+            assert 2**20 < r["host_rss_bytes"] <= r["host_peak_rss_bytes"]
+            assert ("host_rss_before_build_bytes" in r) == (i == 0)
+    if sys.platform == "linux":
+        assert 2**20 < tr[0]["host_rss_before_build_bytes"] <= tr[0]["host_peak_rss_bytes"]
     assert tr[0]["lr"] == pytest.approx(3e-3 / 5)  # warmup 5
     assert all(b["elapsed_s"] >= a["elapsed_s"] for a, b in zip(tr, tr[1:]))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/statm")
+def test_host_memory_is_in_bytes():
+    """A 64 MiB tensor, written, raises the resident set by about 64 MiB, and the peak
+    keeps it after the tensor is freed."""
+    from lrmoe.train.metrics import host_memory
+
+    before = host_memory()["host_rss_bytes"]
+    x = torch.ones(2**24)  # 64 MiB, every page touched
+    during = host_memory()["host_rss_bytes"]
+    del x
+    after = host_memory()
+    assert 48 * 2**20 < during - before < 80 * 2**20
+    assert after["host_peak_rss_bytes"] >= during - 2**20  # its counters lag a few pages
 
 
 def test_run_config_and_checkpoints(qwen_run):

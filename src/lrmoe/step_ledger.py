@@ -17,9 +17,15 @@ Where the state lives (:meth:`StepLedger.state`), as the trainer builds it: ever
 parameter is an fp32 device parameter with an fp32 gradient and AdamW's two fp32
 moments on the device (16 bytes a parameter), except under ``optimizer_offload="host"``
 the experts (:func:`lrmoe.train.offload.offloaded_params`): on the device their weight
-and gradient in the compute dtype (bf16 on CUDA); on the host (pinned) the fp32 master
-and both moments (12 bytes) and the fp32 gradient buffer the host step copies each
-gradient into (4 bytes: ``HostOffloadAdamW._grad_buf``).
+and gradient in the compute dtype (bf16 on CUDA); on the host the fp32 master (4 bytes),
+both moments (8 bytes) and the fp32 gradient buffer the host step copies each gradient
+into (4 bytes: ``HostOffloadAdamW._grad_buf``). With the parameters on CUDA the masters
+and gradient buffers are pinned, and the caching host allocator takes the next power of
+two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]`` of 1.5 GiB
+takes 2 GiB); the moments (``zeros_like`` of a master, which does not pin) are pageable,
+at their exact size. So the host terms are summed per offloaded tensor, over the shapes
+the trainer builds (:func:`offloaded_numels`). A resumed run loads its host state into
+pageable memory (``HostOffloadAdamW.load_state_dict``); the ledger prices a fresh one.
 
 Activations of one micro-batch (:meth:`StepLedger.activations`, bf16 autocast on CUDA,
 the residual stream in fp32 as the model keeps it), per token and layer:
@@ -66,6 +72,7 @@ forward (loss computed), the loss backward, a block's backward, the optimizer st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import require
@@ -79,6 +86,47 @@ PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
 LOCAL_INDEX_BYTES = 2 * 8
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator
+    (``CachingHostAllocator.h``, behind ``torch.empty(..., pin_memory=True)``) rounds
+    every request up to the next power of two (``PowerOf2Ceil``) to reuse its blocks,
+    and pinned pages are all resident. Newer releases skip the rounding above
+    ``pinned_max_round_threshold`` in ``PYTORCH_CUDA_ALLOC_CONF``; by default (no
+    threshold) every request is rounded, as priced here."""
+    n = int(nbytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
+    """Elements of each tensor ``--optimizer-offload host`` keeps on the host, one EP
+    rank's of ``ep_size``: the expert parameters of the model the trainer builds (per MoE
+    layer ``gate_up_proj [E/ep, 2F, H]`` and ``down_proj [E/ep, H, F]``), read from the
+    model built on the meta device; with ``dense`` every parameter (no EP split)."""
+    import torch
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.train.offload import offloaded_params
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    if dense:
+        return [p.numel() for p in model.parameters()]
+    return [p.numel() // ep_size for p in offloaded_params(model)]
+
+
+def host_state(numels: list[int], pinned: bool, master_bytes: int = 4, moment_bytes: int = 8,
+               grad_bytes: int = 4, staging: bool = False) -> dict[str, int]:
+    """Host bytes of the offloaded tensors of ``numels`` elements, by term: the masters
+    and gradient buffers (pinned when the parameters are on CUDA: :func:`pinned_bytes`
+    per tensor) and both moments (pageable). ``staging``: one fp32 gradient buffer of the
+    largest tensor instead of one per tensor."""
+    size = pinned_bytes if pinned else int
+    grads = [max(numels, default=0) * 4] if staging else [grad_bytes * n for n in numels]
+    return {"masters": sum(size(master_bytes * n) for n in numels),
+            "moments": moment_bytes * sum(numels),
+            "grad_buffer": sum(size(b) for b in grads if b)}
+
+
 @dataclass(frozen=True)
 class StepLedger:
     """One process's training step: GPU and host bytes by term (module docstring).
@@ -90,6 +138,9 @@ class StepLedger:
             dtype of the activations (``"bf16"``: the trainer on CUDA; ``"fp32"``: on
             the CPU, where the state terms hold and activations are not priced).
         router_grad_at_experts: ``--router-grad experts`` (no combined rows kept).
+        pinned_host: the host masters and gradient buffers are pinned (the trainer on
+            CUDA; ``False``: on the CPU, where nothing is pinned) and priced at the
+            allocator's power-of-two sizes (:func:`pinned_bytes`).
 
     What-ifs, for what would make a model fit (the trainer does none of these; the
     defaults are what it does): ``offload_dense`` (every parameter's master and moments
@@ -107,6 +158,7 @@ class StepLedger:
     optimizer_offload: str = "host"
     compute_dtype: str = "bf16"
     router_grad_at_experts: bool = False
+    pinned_host: bool = True
     # what-ifs the trainer does not do (yet): what would make a model fit
     offload_dense: bool = False
     expert_resident_layers: int | None = None
@@ -164,10 +216,15 @@ class StepLedger:
             gpu["offloaded_weights"] = bw * (dense_off + self._resident(self.expert_resident_layers))
             gpu["offloaded_grads"] = bw * (dense_off
                                            + self._resident(self.expert_grad_resident_layers))
-        host = {"masters": self.master_bytes * off, "moments": self.moment_bytes * off,
-                "grad_buffer": (self._largest_offloaded() * 4 if self.host_grad_staging
-                                else self.host_grad_bytes * off)}
+        host = host_state(self._offloaded_numels if off else [], self.pinned_host,
+                          self.master_bytes, self.moment_bytes, self.host_grad_bytes,
+                          self.host_grad_staging)
         return {"gpu": gpu, "host": host}
+
+    @cached_property
+    def _offloaded_numels(self) -> list[int]:
+        """Elements of each offloaded tensor (:func:`offloaded_numels`)."""
+        return offloaded_numels(self.cfg, dense=self.offload_dense)
 
     # ------------------------------------------------------------------ activations
     def _moe_ledger(self) -> Ledger:
@@ -297,9 +354,7 @@ class StepLedger:
         ``[E, 2F, H]``; with ``offload_dense`` the embedding or head too)."""
         if not self.offloaded_params:
             return 0
-        c = self.cfg
-        largest = max((layer_params(c, i)["experts"] for i in c.moe_layers), default=0) * 2 // 3
-        return max(largest, c.vocab_size * c.hidden_size) if self.offload_dense else largest
+        return max(self._offloaded_numels, default=0)
 
     def report(self, tokens: int, mode: str) -> dict:
         """Everything the whole-model table shows for one micro-batch size and mode."""

@@ -54,6 +54,8 @@ from lrmoe.train.faults import SignalStop, StopSignals, Watch, is_peer_failure
 from lrmoe.train.metrics import (
     METRICS_FILE,
     MetricsWriter,
+    host_memory,
+    host_rss_bytes,
     rank_summary,
     train_row,
 )
@@ -410,6 +412,7 @@ class _State:
     tokens: int = 0
     elapsed: float = 0.0
     last_val: float | None = None
+    rss_before_build: int | None = None  # the process's resident set before the model
 
 
 def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
@@ -418,6 +421,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     from lrmoe.parallel.groups import shard_experts
 
     agree(lambda: check_model_fits(inp.mcfg, cfg, ctx), ctx)  # before a byte is allocated
+    rss = host_rss_bytes()
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(inp.mcfg)
     if ctx.ep_size > 1:
@@ -435,7 +439,8 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
                           compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     if inp.ck is None:
-        return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None))
+        return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None),
+                      rss_before_build=rss)
     ck = inp.ck
     st = ckpt.load_checkpoint(  # verified above; any world and EP size
         ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
@@ -448,7 +453,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     return _State(model, rt, opt, sched, gen,
                   DivergenceGuard(cfg.divergence_factor, prog.get("divergence")),
                   start=ck.step, tokens=int(prog["tokens"]), elapsed=float(prog["elapsed_s"]),
-                  last_val=prog.get("val_loss"))
+                  last_val=prog.get("val_loss"), rss_before_build=rss)
 
 
 def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
@@ -628,17 +633,22 @@ class _Run:
         self.watch.phase = "stats all-gather"
         stats = _snapshot_stats(s.rt)
         mine = {k: rank_summary(v, ctx.ep_rank) for k, v in stats.items()}
-        per_rank = _all_gather(mine, ctx) if ctx.distributed else [mine]
+        mem = (int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda"
+               else None)
+        host = host_memory()
+        if done == s.start + 1:  # this process's first row
+            host["host_rss_before_build_bytes"] = s.rss_before_build
+        got = _all_gather((mine, mem, host), ctx) if ctx.distributed else [(mine, mem, host)]
+        per_rank = [g[0] for g in got]
         _observe_fidelity(self.inp.policy, stats, per_rank)
-        mem = None
-        if ctx.device.type == "cuda":
-            mem = int(torch.cuda.max_memory_allocated(ctx.device))
-            mem = max(_all_gather(mem, ctx)) if ctx.distributed else mem
+        mem = None if mem is None else max(g[1] for g in got)
+        host = {k: max((g[2][k] for g in got if g[2][k] is not None), default=None)
+                for k in host}
         ledger = self.inp.ledger
         self.writer.write(train_row(
             step=done, tokens=s.tokens, elapsed=s.elapsed, step_tokens=self.step_tokens,
             stats=stats, per_rank=per_rank, world=ctx.world, cuda_mem=mem,
-            micro_batches=self.cfg.grad_accum,
+            micro_batches=self.cfg.grad_accum, host_mem=host,
             budget=None if ledger is None else ledger.budget_bytes, **row))
         loss, dt = row["loss"], row["dt"]
         if self.bar is not None:

@@ -14,6 +14,10 @@ which is ``aux_loss``); ``tokens`` counts the global tokens trained on so far;
 ``elapsed_s`` is the training time so far (forward, backward, optimizer; not validation
 or checkpointing), carried across resumes. On CUDA ``cuda_max_mem_bytes`` holds the
 peak allocated memory (max over ranks) next to ``ledger_bytes`` when a budget is set.
+``host_rss_bytes`` is the process's resident set size at the end of the step and
+``host_peak_rss_bytes`` its high-water mark so far (max over ranks; absent where the
+platform does not tell); the first row a process writes also carries
+``host_rss_before_build_bytes``, its resident set size before the model was built.
 
 Validation rows are separate: ``{"kind": "val", "step": 50, "val_loss": 2.71,
 "val_tokens": 32768, "elapsed_s": 15.2}``.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -40,6 +45,37 @@ _MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms",
              "weight_scatter_bytes": "weight_scatter_bytes",
              "ledger_total_bytes": "ledger_total_bytes"}
 _MEAN_KEYS = {"fidelity_cosine": "fidelity_cosine", "fidelity_rel_err": "fidelity_rel_err"}
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident set size now, in bytes (``/proc/self/statm``'s resident
+    pages; None where there is no such file)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def host_peak_rss_bytes() -> int | None:
+    """This process's largest resident set size so far, in bytes (``ru_maxrss``: KiB on
+    Linux, bytes on macOS; None without the ``resource`` module)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def host_memory() -> dict[str, int | None]:
+    """A train row's ``host_rss_bytes`` and ``host_peak_rss_bytes`` (the kernel sums its
+    resident counters lazily, so the high-water mark read a moment after can be a few
+    pages short of the resident set: the peak is at least that)."""
+    rss, peak = host_rss_bytes(), host_peak_rss_bytes()
+    if peak is not None and rss is not None:
+        peak = max(peak, rss)
+    return {"host_rss_bytes": rss, "host_peak_rss_bytes": peak}
 
 
 def _r(x: float, nd: int = 4) -> float:
@@ -179,14 +215,15 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
               dt: float, step_tokens: int, grad_norm: float, counts: list, stats: dict,
               per_rank: list[dict], world: int, cuda_mem: int | None = None,
               budget: int | None = None, fidelity_step: bool = False,
-              micro_batches: int = 1) -> dict:
+              micro_batches: int = 1, host_mem: dict | None = None) -> dict:
     """The train row of one optimizer step (see the module docstring).
 
     ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s, summed
     over the step's micro-batches); ``stats``: rank 0's runtime stats per layer;
     ``per_rank``: every rank's :func:`rank_summary` per layer. Under gradient
     accumulation (``micro_batches`` > 1) the per-layer ``moe`` rows are the last
-    micro-batch's (its plan, pairs and bytes).
+    micro-batch's (its plan, pairs and bytes). ``host_mem``: the ``host_*_bytes``
+    fields (those that are None are left out).
     """
     layers = sorted(stats)
     row: dict[str, Any] = {
@@ -208,4 +245,5 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
         row["cuda_max_mem_bytes"] = cuda_mem
         if budget is not None:
             row["ledger_budget_bytes"] = int(budget)
+    row.update({k: int(v) for k, v in (host_mem or {}).items() if v is not None})
     return row

@@ -25,6 +25,11 @@ step the bf16 gradient is widened on the host and the updated master is rounded 
 into the bf16 device weight. Without ``compute_dtype`` the device parameters keep the
 model's dtype (fp32).
 
+Host memory, with the parameters on CUDA: the masters and the gradient buffers are
+pinned (so the copies run asynchronously), and the caching host allocator rounds each
+up to a power of two; the moments (``zeros_like`` of a master) are pageable. The step
+ledger prices them so (:func:`lrmoe.step_ledger.pinned_bytes`).
+
 When the "host" is the parameters' own device and a parameter is fp32 (the emulator's
 case, and a CPU run), a separate master would be a second copy of the same numbers and a
 host gradient buffer a second copy of the gradient: the master is then the parameter

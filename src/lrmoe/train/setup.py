@@ -112,15 +112,18 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False) -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: fp32
     parameters, gradients and AdamW's two moments (16 bytes a parameter), experts
     1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host`` on CUDA) the
-    device holds the experts' bf16 weights and gradients (4 bytes) and the host their
-    fp32 master, moments and gradient staging (16 bytes)."""
+    device holds the experts' bf16 weights and gradients (4 bytes) and the host what the
+    step ledger prices (:func:`lrmoe.step_ledger.host_state`): their fp32 masters and
+    gradient buffers, pinned at the allocator's power-of-two sizes, and both moments."""
     from lrmoe.presets import param_breakdown, param_counts
+    from lrmoe.step_ledger import host_state, offloaded_numels
 
     total, _ = param_counts(mcfg)
     experts = param_breakdown(mcfg)["experts"]
     mine = experts // ep_size
     if offload:
-        return 16 * (total - experts) + 4 * mine, 16 * mine
+        host = host_state(offloaded_numels(mcfg, ep_size), pinned=True)
+        return 16 * (total - experts) + 4 * mine, sum(host.values())
     return 16 * (total - experts) + 16 * mine, 0
 
 

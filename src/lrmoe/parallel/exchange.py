@@ -117,28 +117,30 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     get ``(q - c) * m / M`` with ``M`` their mass: the unique fixed point of capping
     every row whose share reaches 1 (a row whose share is exactly 1 is left free, with
     the same result). Free rows with no metric mass share the rest of the quota
-    uniformly. Negative metrics count as 0; rows need not come grouped by block.
-    ``size_B`` (rows per block, host) spares a device count when the caller knows it.
+    uniformly. Negative metrics count as 0; rows need not come grouped by block; equal
+    metrics of a block rank in row order (so the result, to the last bit, does not hang
+    on a sort's tie order). ``size_B`` (rows per block, host) spares a device count when
+    the caller knows it.
 
     Built for few kernels (the select stage is host-bound: each op costs ~30 us of launch
-    on the H200's host against ~0.5 ms of device work in all, RESULTS.md). The suffix
-    test is one global scan of metrics normalised per block (a light block's sums do
-    not round against a heavy block's mass): with ``C`` that inclusive scan,
-    ``(q - r) u_r > R_r`` reads ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
+    on the H200's host against ~0.5 ms of device work in all, RESULTS.md): one sort for
+    a float32 metric (:func:`_block_order`). The suffix test is one global scan of
+    metrics normalised per block (a light block's sums do not round against a heavy
+    block's mass): with ``C`` that inclusive scan, ``(q - r) u_r > R_r`` reads
+    ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
     Block quantities stay on the device: no host wait.
-    Only sorts, gathers, scans and segmented reductions: none of the ops that
+    Only sorts, searches, gathers, scans and segmented reductions: none of the ops that
     ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
-    ``index_put_``, ``scatter``).
+    ``index_put_``, ``index_copy_``, ``scatter``).
     """
     dev = metric_N.device
-    m = metric_N.double().clamp(min=0)
-    N = m.numel()
+    N = metric_N.numel()
     if N == 0:
-        return m
+        return metric_N.double()
     B = quota_B.numel()
     blk = block_N.to(dev).long()
-    order = torch.argsort(m, descending=True)
-    order = order[torch.sort(blk[order], stable=True).indices]  # block asc, metric desc
+    rows = torch.arange(N, device=dev)
+    m, order, inverse = _block_order(metric_N, blk, rows, B)
     m_s, b_s = m[order], blk[order]
     n_B = (torch.bincount(b_s, minlength=B) if size_B is None else size_B).cpu().numpy()
     if n_B.size != B or int(n_B.sum()) != N:  # host values: no sync
@@ -152,18 +154,43 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
     nl, last_B = tab[:2].long()
     u_s = m_s / torch.segment_reduce(m_s, "sum", lengths=nl, unsafe=True).clamp(min=1e-300)[b_s]
     C_s = torch.cumsum(u_s, 0)
-    capped_s = torch.addcmul(C_s, tab[2][b_s] - torch.arange(N, device=dev), u_s) > C_s[last_B][b_s]
+    capped_s = torch.addcmul(C_s, tab[2][b_s] - rows, u_s) > C_s[last_B][b_s]
     c = torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True)
     mass = torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True)
     # per block, on the device (no host wait): free rows get rem * m / M, or rem / n_free
-    # when the block's free rows carry no metric mass
+    # when the block's free rows carry no metric mass (a scalar fill goes in place on a
+    # fresh tensor: one kernel)
     rem = (tab[3] - c).clamp(min=0.0)
     has = mass > 0
-    per_mass = torch.where(has, rem / torch.where(has, mass, 1.0), 0.0)
-    uniform = torch.where(has, 0.0, rem / (tab[0] - c).clamp(min=1.0))
+    per_mass = torch.where(has, rem / mass, 0.0)
+    uniform = (rem / (tab[0] - c).clamp(min=1.0)).masked_fill_(has, 0.0)
     fg = torch.stack((per_mass, uniform), 1)[b_s]
-    pi_s = torch.where(capped_s, 1.0, torch.addcmul(fg[:, 1], fg[:, 0], m_s)).clamp_(0.0, 1.0)
-    return pi_s[torch.argsort(order)]  # back to the input's row order (a gather)
+    pi_s = torch.addcmul(fg[:, 1], fg[:, 0], m_s).masked_fill_(capped_s, 1.0).clamp_(0.0, 1.0)
+    return pi_s[inverse]  # back to the input's row order (a gather)
+
+
+def _block_order(metric_N: Tensor, blk: Tensor, rows: Tensor, B: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(m, order, inverse)``: the metric clamped at 0 in float64; the rows ordered by
+    block (ascending), then metric (descending), then row (ascending); and the inverse
+    permutation (``order[inverse] = rows``, with ``rows = arange(N)``).
+
+    A float32 (or narrower) metric takes one sort, on a unique int64 key: the bits of a
+    non-negative float32 read as an int32 grow with its value, so ``N * (2^31 * block -
+    bits) + row`` orders the rows as wanted while ``B * N < 2^32``; the inverse is where
+    each row's key falls among the sorted keys (a search, no scatter). Another metric
+    takes two stable sorts and an ``argsort`` of the order.
+    """
+    N = rows.numel()
+    if metric_N.dtype in (torch.float32, torch.bfloat16, torch.float16) and B * N < 2**32:
+        # a negative metric (and -0.0) reads as +0.0: the clamp at 0, on the bits
+        bits = metric_N.float().view(torch.int32).clamp(min=0)
+        key = torch.add(torch.sub(rows, bits, alpha=N), blk, alpha=N << 31)
+        key_s, order = torch.sort(key)
+        return bits.view(torch.float32).double(), order, torch.searchsorted(key_s, key)
+    m = metric_N.double().clamp(min=0)
+    order = torch.sort(m, descending=True, stable=True).indices
+    order = order[torch.sort(blk[order], stable=True).indices]
+    return m, order, torch.argsort(order)
 
 
 def ht_weight(pi: Tensor) -> Tensor:
@@ -249,25 +276,29 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
         w = keep.float() if pi is None else torch.where(keep, ht_weight(pi), 0.0).float()
         return tok_c, g_c * w, home.retain_I, None, keep, None
     sent_I, recv_GS = home.select_I, None
-    if sel_idx is None:  # sampled: count and compact the kept rows on the device
-        rank_N = torch.cumsum(keep, 0)
-        lengths = to_device(home.retain_I, keep.device)
-        sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
-        recv_dev = (exchange_counts(sent_dev.reshape(home.splits_shape)) if exchange_counts
-                    else sent_dev.new_zeros(0))
-        both = torch.cat((sent_dev, recv_dev.reshape(-1))).cpu()  # the one host wait
-        B = sent_dev.numel()
-        sent_I = both[:B]
-        recv_GS = both[B:].reshape(home.splits_shape) if exchange_counts else None
-        n_sel = int(sent_I.sum())
-        dest = torch.where(keep, rank_N - 1, n_sel)
-        sel_idx = torch.empty(n_sel + 1, dtype=torch.long, device=keep.device)
-        sel_idx[dest] = torch.arange(keep.numel(), device=keep.device)
-        sel_idx = sel_idx[:n_sel]
+    if sel_idx is None:  # sampled: count the kept rows, then compact them
+        sent_I, recv_GS = kept_counts(keep, home, exchange_counts)
+        # the kept count is on the host now: compacting needs no second wait
+        sel_idx = torch.nonzero_static(keep, size=int(sent_I.sum())).view(-1)
     scale = g_c[sel_idx]
     if pi is not None:
         scale = scale * ht_weight(pi[sel_idx]).float()
     return tok_c[sel_idx], scale, sent_I, recv_GS, keep, sel_idx
+
+
+def kept_counts(keep: Tensor, home: HomeLayout,
+                exchange_counts: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor | None]:
+    """``(sent_I, recv_GS)``: the kept rows of each block and, with ``exchange_counts``,
+    the rows each (source, slot) block sends this rank (else ``None``), both on the host.
+    Counted and exchanged on the device, then read in one copy: the select stage's one
+    host wait."""
+    lengths = to_device(home.retain_I, keep.device)
+    sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
+    recv_dev = (exchange_counts(sent_dev.reshape(home.splits_shape)) if exchange_counts
+                else sent_dev.new_zeros(0))
+    both = torch.cat((sent_dev, recv_dev.reshape(-1))).cpu()  # the one host wait
+    B = sent_dev.numel()
+    return both[:B], both[B:].reshape(home.splits_shape) if exchange_counts else None
 
 
 def send_blocks(plan: Plan, me: int, device: torch.device) -> Tensor:

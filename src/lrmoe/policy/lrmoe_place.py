@@ -68,8 +68,8 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
     cap, kept, ratio = [0] * G, [0] * G, [inf] * G
     sum_kept = 0
     if budget:
+        cap = view.capacity(n_inst, load).tolist()  # all ranks at once: cap_fn's answers
         for r in range(G):
-            cap[r] = cap_fn(r, n_inst[r], load[r])
             kept[r] = min(load[r], max(cap[r], 0))
             ratio[r] = kept[r] / load[r] if load[r] else inf
         sum_kept = sum(kept)

@@ -83,16 +83,17 @@ class LedgerView:
         """A fast ``(rank, n, R) -> retain_capacity`` on Python ints."""
         if self.budget is None:
             return lambda r, n, R: R
-        # per rank, the rec = 0 pieces as Python tuples (c0, cR, ck)
-        rows_h = [[(int(c), int(a), int(k)) for c, a, k, _ in v[0][1].tolist()]
+        # per rank, the rec = 0 pieces as Python tuples (B - c0, cR, ck)
+        B, cn = self.budget, self.cn
+        rows_h = [[(B - int(c), int(a), int(k)) for c, a, k, _ in v[0][1].tolist()]
                   for v in self._by_h]
-        B, cn, rows = self.budget, self.cn, [rows_h[i] for i in self._inv.tolist()]
+        rows = [rows_h[i] for i in self._inv.tolist()]
 
         def cap(r, n, R):
-            base = B - cn * n
+            used = cn * n
             best = _BIG
-            for c0, cR, ck in rows[r]:
-                room = base - c0 - cR * R
+            for lim, cR, ck in rows[r]:
+                room = lim - used - cR * R
                 if room < 0:
                     return -1
                 if ck > 0:
@@ -101,6 +102,17 @@ class LedgerView:
                         best = q
             return R if best == _BIG else best
         return cap
+
+    def monotone(self) -> bool:
+        """Whether every rank's ``rec = 0`` pieces are non-decreasing in ``R`` and ``k``:
+        then a rank's retention capacity only falls as it receives more pairs, and
+        :meth:`fits` holds for fewer received pairs wherever it holds for more."""
+        if self.budget is None:
+            return True
+        hit = self._extra.get("monotone")
+        if hit is None:
+            self._extra["monotone"] = hit = bool((self.pieces[0][:, :, 1:3] >= 0).all())
+        return hit
 
     def capacity(self, n_G, R_G) -> np.ndarray:
         """:meth:`Ledger.retain_capacity` of every rank, int64 ``[G]``."""
@@ -121,6 +133,25 @@ class LedgerView:
         R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
         top = (self._c0 + self._cR * R_G[:, None] + self._ck * k_G[:, None]).max(1)
         return top + self.cn * np.asarray(n_G, dtype=np.int64) <= self.budget
+
+    def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
+        """An upper bound on the pairs each rank can receive with ``n_G`` instances
+        while it retains at least ``fn/fd`` of them with nothing recomputed (``fn >= 0``,
+        ``fd > 0``), int64 ``[G]``: every ``(n, R, k >= min(1, fn/fd)·R)`` that
+        :meth:`fits` has ``R`` at most it (with :meth:`monotone` pieces, each piece
+        bounds ``R`` linearly). ``None`` where the integer arithmetic could overflow."""
+        if self.budget is None:
+            return np.full(len(self.home), _BIG, dtype=np.int64)
+        c0 = self._extra.get("c0")
+        if c0 is None:  # padding pieces: a constant that keeps L small and positive
+            self._extra["c0"] = c0 = np.where(self._c0 == _NEVER, -(1 << 40), self._c0)
+        fn = min(fn, fd)
+        L = (self.budget - self.cn * np.asarray(n_G, dtype=np.int64))[:, None] - c0
+        if fd * int(np.abs(L).max()) >= 1 << 62:
+            return None
+        den = self._cR * fd + self._ck * fn  # (cR + ck·fn/fd)·R <= L, times fd
+        return np.where(den > 0, L * fd // np.maximum(den, 1),
+                        np.where(L >= 0, _BIG, -1)).min(1)
 
     def totals(self, n_G, R_G, k_G, rec_G=None) -> np.ndarray:
         """:meth:`Ledger.terms`' total of every rank, int64 ``[G]``."""

@@ -13,11 +13,20 @@ and expert with a ledger call each:
   and kept fraction from the ledger's vectorised view
   (:class:`lrmoe.policy.ledger_view.LedgerView`), with a running sum; max, count and
   sort of the per-rank lists run in C (``max``, ``list.count``, ``sorted``);
+* a host that retained everything still does after its expert gains an instance (its
+  share never grows, and capacity only grows as the load falls): its capacity is not
+  asked again, nor the new host's, which the destination test priced;
 * the smallest kept fraction is found by float comparison and used exactly (an integer
   fraction): floats order such fractions exactly while ranks hold < 2^26 pairs (beyond
   that the exact :class:`fractions.Fraction` minimum is taken);
 * destinations: ranks sorted once per move by a ``load·G + id`` key; if the first can
-  not afford the replica, all ranks are tested at once in numpy (:class:`_Dests`).
+  not afford the replica, one numpy pass per move bounds the pairs each rank could
+  still take (:func:`_room`, a bound for every candidate of the move), and only the
+  ranks with room for the candidate's share are tested, one by one in key order.
+
+The plainer bookkeeping (every capacity asked again, every rank tested in numpy per
+candidate) is ``tests/references/lrmoe_place_numpy.py``; tests/test_place_fast.py
+compares the two.
 """
 
 from __future__ import annotations
@@ -51,30 +60,36 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
     key = [load[r] * G + r if n_free[r] > 0 else full for r in range(G)]
     limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
     budget = view.budget is not None
+    monotone = view.monotone()
     cap_fn = view.capacity_fn()
     inf = math.inf
+    # cap[r]: the rank's retention capacity, or (once it retains everything) a lower
+    # bound of it that is >= its load: the rule reads only min(cap, load)
     cap, kept, ratio = [0] * G, [0] * G, [inf] * G
     sum_kept = 0
     if budget:
+        cap = view.capacity(n_inst, load).tolist()  # all ranks at once: cap_fn's answers
         for r in range(G):
-            cap[r] = cap_fn(r, n_inst[r], load[r])
             kept[r] = min(load[r], max(cap[r], 0))
             ratio[r] = kept[r] / load[r] if load[r] else inf
         sum_kept = sum(kept)
-    vec = _Dests(view, load, n_inst, n_free, total, inst_of) if budget else None
 
     def try_dest(e: int, d: int, level: int, fn: int, fd: int):
-        """The new instance list and even split if rank ``d`` can afford a replica of
-        ``e``: it must still retain ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
+        """``(instances, q, m, capacity)``: the new instance list, its even split ``q``
+        (+1 for the first ``m``) and rank ``d``'s capacity with the replica (``None``
+        without a budget), if ``d`` can afford a replica of ``e``: it must still retain
+        ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
         slot = (d, slots[d].index(-1))
         inst = sorted(inst_of[e] + [slot])  # global slot order, as even_split
         q, m = divmod(total[e], len(inst))
+        c = None
         if budget:
             n, R = n_inst[d] + 1, load[d] + q + (inst.index(slot) < m)
             need = max(n, level, -(-(fn * R) // fd))
-            if cap_fn(d, n, R) < min(R, need):
+            c = cap_fn(d, n, R)
+            if c < min(R, need):
                 return None
-        return inst, q, m
+        return inst, q, m, c
 
     added = 0
     while added < limit:
@@ -97,6 +112,8 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
             if any(cap[r] < min(n_inst[r], load[r]) for r in hot):
                 level, fn, fd = 0, 0, 1  # a hot rank does not fit yet: any feasible dest
         dests = sorted(key)  # least-loaded first, as the reference's sorted dests
+        n_free_ranks = G - key.count(full)
+        room = None  # per rank, at most the pairs a replica may bring it (lazily)
 
         done = False
         for e in cands:
@@ -109,14 +126,20 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                 if d in held:
                     continue
                 found = try_dest(e, d, level, fn, fd)
-                if found is None and vec is not None:  # the rest at once
-                    d = vec.first_affordable(e, held, level, fn, fd)
-                    found = None if d is None else try_dest(e, d, level, fn, fd)
-                if found is not None or vec is not None or not budget:
-                    break
+                if found is None and budget:  # the next least-loaded that affords it
+                    if room is None:
+                        room = _room(view, load, n_inst, fn, fd, monotone)
+                    q = total[e] // (len(inst_of[e]) + 1)  # the least the replica brings
+                    for r in dests[:n_free_ranks]:
+                        r %= G
+                        if room[r] >= q and r not in held and r != d:
+                            found = try_dest(e, r, level, fn, fd)
+                            if found is not None:
+                                break
+                break
             if found is None:
                 continue
-            inst, q, m = found
+            inst, q, m, cap_d = found
             new_load = [q + (i < m) for i in range(len(inst))]
             loads = load.copy()
             for (r, _), x in zip(inst_of[e], inst_load[e]):
@@ -131,17 +154,21 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                 n_free[d] -= 1
                 inst_of[e], inst_load[e] = inst, new_load
                 for r, _ in inst:  # the touched ranks: e's hosts (one instance each)
-                    R = loads[r]
+                    R, was = loads[r], load[r]
                     load[r] = R
                     key[r] = R * G + r if n_free[r] > 0 else full
                     if budget:
-                        cap[r] = c = cap_fn(r, n_inst[r], R)
+                        if r == d:
+                            c = cap_d  # try_dest priced it at these (n, R)
+                        elif monotone and R <= was <= cap[r]:
+                            c = cap[r]  # retained everything, no more pairs: still does
+                        else:
+                            c = cap_fn(r, n_inst[r], R)
+                        cap[r] = c
                         k = R if c >= R else max(c, 0)
                         sum_kept += k - kept[r]
                         kept[r] = k
                         ratio[r] = k / R if R else inf
-                if vec is not None:
-                    vec.update(inst, d)
                 added += 1
                 done = True
                 break
@@ -154,39 +181,13 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
     return np.array(slots, dtype=np.int64), np.array(load_GS, dtype=np.int64)
 
 
-class _Dests:
-    """Numpy mirror of the ranks' loads, instances and free slots: which destinations
-    can afford a replica, all ranks at once (with a budget only)."""
-
-    def __init__(self, view: LedgerView, rank_load, n_inst, n_free, total, inst_of) -> None:
-        self.view, self.total, self.inst_of = view, total, inst_of
-        self.rank_load = rank_load  # the caller's list, kept current by it
-        self.load = np.array(rank_load, dtype=np.int64)
-        self.n = np.array(n_inst, dtype=np.int64)
-        self.n_free = n_free  # the caller's list, kept current by it
-        self.free = np.array(n_free) > 0
-        self.G = len(rank_load)
-        self.ranks = np.arange(self.G)
-
-    def update(self, inst: list[tuple[int, int]], d: int) -> None:
-        """After a replica of an expert now on ``inst`` went to rank ``d``."""
-        self.load[[r for r, _ in inst]] = [self.rank_load[r] for r, _ in inst]
-        self.n[d] += 1
-        self.free[d] = self.n_free[d] > 0
-
-    def first_affordable(self, e: int, held: set[int], level: int, fn: int, fd: int
-                         ) -> int | None:
-        """The least-loaded rank (ties: lower id) with a free slot, no instance of ``e``,
-        that can afford one: as ``try_dest``'s test, vectorised."""
-        v = self.view
-        q, m = divmod(self.total[e], len(self.inst_of[e]) + 1)
-        # the new instance's position in global slot order: held ranks before it
-        pos = np.searchsorted(np.array(sorted(held)), self.ranks)
-        R = self.load + q + (pos < m)
-        n = self.n + 1
-        need = np.maximum(np.maximum(n, level), -(-(fn * R) // fd))
-        ok = self.free & v.fits(n, R, np.minimum(R, need))
-        ok[list(held)] = False
-        if not ok.any():
-            return None
-        return int(np.where(ok, self.load * self.G + self.ranks, np.iinfo(np.int64).max).argmin())
+def _room(view: LedgerView, load: list[int], n_inst: list[int], fn: int, fd: int,
+          monotone: bool) -> list[float]:
+    """Per rank, an upper bound on the pairs a replica may bring it and still pass
+    ``try_dest``'s test, which keeps at least ``fn/fd`` of them: one numpy pass over the
+    ranks (:meth:`~lrmoe.policy.ledger_view.LedgerView.received_bound`); no bound (inf)
+    where the ledger's pieces are not monotone or the arithmetic could overflow."""
+    R = view.received_bound(np.array(n_inst, dtype=np.int64) + 1, fn, fd) if monotone else None
+    if R is None:
+        return [math.inf] * len(load)
+    return (R - np.array(load, dtype=np.int64)).tolist()

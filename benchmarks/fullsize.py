@@ -237,11 +237,11 @@ def train_command(cfg_path: Path, run_dir: Path, a) -> list[str]:
 def measure(cfg, a, out: Path) -> dict:
     """Run the trainer on ``cfg`` and read its metrics; the ledger's numbers beside."""
     cuda = a.device == "cuda"
-    led = StepLedger(cfg, compute_dtype="bf16" if cuda else "fp32", pinned_host=cuda)
+    led = StepLedger(cfg, compute_dtype="bf16" if cuda else "fp32", device=a.device)
     tokens = a.micro_batches * a.seq_len
     pred = led.report(tokens, a.measure_mode) if cuda else {
         "gpu_state": led.state()["gpu"], "host_state": led.state()["host"]}
-    host_pred = sum(led.state()["host"].values())
+    host_pred = led.host_bytes()
     ckpt = (2 * led.offloaded_params + 4 * led.device_stepped_params  # weights
             + (led.master_bytes + led.moment_bytes) * led.offloaded_params
             + 8 * led.device_stepped_params)  # optimizer state
@@ -306,7 +306,8 @@ def measure_markdown(m: dict) -> str:
     tps = "—" if me["tokens_per_s"] is None else f"{me['tokens_per_s']:,.0f}"
     base = me["host_rss_before_build_bytes"]
     steady = None if base is None else base + le["host_total"]
-    pinned = "pinned at power-of-two sizes" if le["host_pinned"] else "nothing pinned"
+    pinned = ("pinned at power-of-two sizes" if le["host_pinned"]
+              else "nothing pinned; on the CPU every parameter's")
     return "\n".join([
         f"## Measured run ({m['device']}, {m['layers']} layers, {m['tokens_per_micro_batch']} "
         f"tokens × {m['grad_accum']} micro-batches, checkpoint {m['mode']})", "",

@@ -100,7 +100,7 @@ def test_offload_split_is_what_the_trainer_allocates():
                 "grad_buffer": _tensor_bytes(opt._grad_buf.values())}
     # on the CPU nothing is pinned: every host tensor at its exact size
     led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16",
-                     pinned_host=False).state()
+                     device="cpu").state()
     assert led["gpu"] == got_gpu
     assert led["host"] == got_host
     # nothing else: every state tensor but AdamW's step counters is in one of the terms
@@ -111,6 +111,73 @@ def test_offload_split_is_what_the_trainer_allocates():
     d = StepLedger(cfg, optimizer_offload="device", compute_dtype="bf16").state()
     assert sum(d["gpu"].values()) == 16 * sum(p.numel() for p in params)
     assert sum(d["host"].values()) == 0
+
+
+def _tensors(obj, seen=None):
+    """Every tensor ``obj`` reaches through its attributes, dicts, lists and tuples."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, seen)
+    elif isinstance(obj, torch.optim.Optimizer):
+        yield from _tensors(vars(obj), seen)
+
+
+def _storage_bytes(ts) -> int:
+    """Bytes of the distinct storages of ``ts``, each once; 0-dim tensors (AdamW's step
+    counters, which the ledgers leave out) not counted."""
+    got = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t.dim()}
+    return sum(got.values())
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_cpu_host_state_is_what_the_optimizer_holds(compute):
+    """``lrmoe train --device cpu --optimizer-offload host``: the ledger's host state is
+    the bytes of the distinct storages the trainer's optimizer holds beyond the
+    parameters and their gradients, and with those every byte of the state. In fp32
+    (the trainer on the CPU) each expert is its own master and its gradient is read in
+    place, so only the moments are extra; bf16 device experts (forced) have separate
+    masters and gradient buffers."""
+    from lrmoe.train.accum import accumulate
+    from lrmoe.train.offload import offloaded_params
+    from lrmoe.train.optim import build_optimizer
+
+    cfg = get_preset("tiny-glm")
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    dtype = torch.bfloat16 if compute == "bf16" else None
+    opt = build_optimizer(model, 1e-3, 0.1, offload="host", compute_dtype=dtype)
+    batch = torch.randint(0, cfg.vocab_size, (2, 17))
+    for _ in range(2):  # the second step runs on what the first allocated
+        opt.zero_grad(set_to_none=True)
+        accumulate(model, lambda m: batch, 1)
+        opt.step()
+    params = list(model.parameters())
+    off = {id(p) for p in offloaded_params(model)}
+    # the parameters, their gradients and the device-stepped ones' AdamW state: the
+    # ledger's "gpu" terms (on the CPU, host memory too)
+    dev = params + [p.grad for p in params] + [
+        t for p in params if id(p) not in off for t in _tensors(opt.state[p])]
+    priced = {t.untyped_storage().data_ptr() for t in dev}
+    held = [t for t in _tensors(opt) if t.untyped_storage().data_ptr() not in priced]
+    led = StepLedger(cfg, compute_dtype=compute, device="cpu")
+    host = led.state()["host"]
+    assert sum(host.values()) == _storage_bytes(held)
+    assert (host["masters"] == 0) == (compute == "fp32")
+    everything = params + [p.grad for p in params] + list(_tensors(opt))
+    assert led.host_bytes() == _storage_bytes(everything)
+    # the trainer's pre-check on the CPU asks the same host state
+    from lrmoe.train.setup import state_bytes
+    if compute == "fp32":
+        assert state_bytes(cfg, 1, offload=True, device="cpu")[1] == sum(host.values())
 
 
 def _saved_per_layer(model: MoEForCausalLM, ids: torch.Tensor) -> list[int]:
@@ -238,7 +305,7 @@ def test_host_state_prices_each_pinned_tensor_at_its_rounded_size(name):
                                    "grad_buffer": pinned}
     staged = StepLedger(cfg, host_grad_staging=True).state()["host"]["grad_buffer"]
     assert staged == _next_pow2(4 * max(numels))
-    exact = StepLedger(cfg, pinned_host=False).state()["host"]
+    exact = StepLedger(cfg, device="cpu").state()["host"]
     assert exact == {"masters": 4 * sum(numels), "moments": 8 * sum(numels),
                      "grad_buffer": 4 * sum(numels)}
     # the trainer's pre-check asks the same host bytes, per EP rank's shard of each tensor

@@ -378,6 +378,43 @@ def test_bf16_offload_state_reloads_exactly():
         assert torch.equal(p, q)
 
 
+def test_loaded_host_state_is_allocated_as_a_fresh_runs(monkeypatch):
+    """A reload puts the masters in memory from the allocation a fresh run's masters and
+    gradient buffers come from (pinned when the parameters are on CUDA:
+    ``tests/gpu/test_gpu_offload.py``), the moments in a fresh run's pageable memory,
+    and continues bit for bit."""
+    made = []  # kept alive, so no other tensor can reuse an address
+
+    def recorded(self, like):
+        made.append(real(self, like))
+        return made[-1]
+    real = HostOffloadAdamW._host_empty
+    monkeypatch.setattr(HostOffloadAdamW, "_host_empty", recorded)
+    model = _model()
+    opt = build_optimizer(model, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    for step in range(2):
+        _bf16_grads(model, step)
+        opt.step()
+    fresh = _model(seed=7)
+    fopt = build_optimizer(fresh, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    fresh.load_state_dict(model.state_dict())
+    fopt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for m in (model, fresh):
+        _bf16_grads(m, 9)
+    opt.step()
+    fopt.step()
+    pinnable = {t.untyped_storage().data_ptr() for t in made}
+    for o, m in ((opt, model), (fopt, fresh)):
+        for p in offloaded_params(m):
+            st = o.state[p]
+            assert st["master"].untyped_storage().data_ptr() in pinnable
+            assert o._grad_buf[id(p)].untyped_storage().data_ptr() in pinnable
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert st[k].untyped_storage().data_ptr() not in pinnable, k
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_train_with_bf16_device_experts_resumes_bit_exact(tmp_path, monkeypatch):
     """The trainer's CUDA setting (bf16 expert weights on the device, fp32 masters on
     the host) forced on the CPU: a resumed run repeats the uninterrupted one bit for bit

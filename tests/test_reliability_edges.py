@@ -160,6 +160,34 @@ def test_state_estimate_matches_the_model(preset):
     dev, host = state_bytes(cfg, 4, offload=True)
     assert dev == pytest.approx(16 * (params - expert) + 4 * (expert // 4), rel=1e-4)
     assert 16 * (expert // 4) <= host <= 24 * (expert // 4)
+    # on the CPU (fp32: each expert its own master, its gradient read in place) the
+    # experts' fp32 weights and gradients, and on the host side only their moments
+    dev, host = state_bytes(cfg, 4, offload=True, device="cpu")
+    assert host == 8 * (expert // 4)
+    assert dev + host == sum(state_bytes(cfg, 4))
+
+
+def test_cpu_offload_precheck_asks_the_whole_state(monkeypatch):
+    """On the CPU the parameters, gradients and host state share the host's memory: the
+    pre-check asks all of it, and refuses a host one byte short."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import lrmoe.train.setup as setup
+    from lrmoe.errors import LrmoeError
+    from lrmoe.presets import get_preset
+
+    cfg = get_preset("tiny-qwen3")
+    need = sum(setup.state_bytes(cfg, 1, offload=True, device="cpu"))
+    run = SimpleNamespace(optimizer_offload="host")
+    ctx = SimpleNamespace(device=torch.device("cpu"), ep_size=1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(setup, "_mem_available", lambda: need)
+    setup.check_model_fits(cfg, run, ctx)
+    monkeypatch.setattr(setup, "_mem_available", lambda: need - 1)
+    with pytest.raises(LrmoeError, match="MemAvailable"):
+        setup.check_model_fits(cfg, run, ctx)
 
 
 def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, capsys):

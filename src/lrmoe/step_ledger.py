@@ -16,16 +16,22 @@ experts), the embedding and the head (none when tied).
 Where the state lives (:meth:`StepLedger.state`), as the trainer builds it: every
 parameter is an fp32 device parameter with an fp32 gradient and AdamW's two fp32
 moments on the device (16 bytes a parameter), except under ``optimizer_offload="host"``
-the experts (:func:`lrmoe.train.offload.offloaded_params`): on the device their weight
-and gradient in the compute dtype (bf16 on CUDA); on the host the fp32 master (4 bytes),
-both moments (8 bytes) and the fp32 gradient buffer the host step copies each gradient
-into (4 bytes: ``HostOffloadAdamW._grad_buf``). With the parameters on CUDA the masters
-and gradient buffers are pinned, and the caching host allocator takes the next power of
-two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]`` of 1.5 GiB
-takes 2 GiB); the moments (``zeros_like`` of a master, which does not pin) are pageable,
-at their exact size. So the host terms are summed per offloaded tensor, over the shapes
-the trainer builds (:func:`offloaded_numels`). A resumed run loads its host state into
-pageable memory (``HostOffloadAdamW.load_state_dict``); the ledger prices a fresh one.
+the experts (:func:`lrmoe.train.offload.offloaded_params`), whose host state
+:func:`host_state` prices as ``HostOffloadAdamW`` allocates it for the parameters'
+device. On CUDA: on the device their weight and gradient in the compute dtype (bf16);
+on the host the fp32 master (4 bytes), both moments (8 bytes) and the fp32 gradient
+buffer the host step copies each gradient into (4 bytes: ``HostOffloadAdamW._grad_buf``).
+The masters and gradient buffers are pinned, and the caching host allocator takes the
+next power of two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]``
+of 1.5 GiB takes 2 GiB); the moments (never copied to the device) are pageable, at
+their exact size. So the host terms are summed per offloaded tensor, over the shapes the
+trainer builds (:func:`offloaded_numels`). A resumed run loads its host state into
+memory allocated the same way (``HostOffloadAdamW.load_state_dict``). On the CPU
+(``device="cpu"``, fp32 compute) the host is the parameters' own device: each fp32
+parameter is its own master and the host step reads its gradient in place, so the
+host terms are the moments alone, beside the parameters and gradients of the "gpu"
+terms (which there are host memory too: :meth:`StepLedger.host_bytes`); nothing is
+pinned.
 
 Activations of one micro-batch (:meth:`StepLedger.activations`, bf16 autocast on CUDA,
 the residual stream in fp32 as the model keeps it), per token and layer:
@@ -114,16 +120,24 @@ def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) ->
     return [p.numel() // ep_size for p in offloaded_params(model)]
 
 
-def host_state(numels: list[int], pinned: bool, master_bytes: int = 4, moment_bytes: int = 8,
-               grad_bytes: int = 4, staging: bool = False) -> dict[str, int]:
-    """Host bytes of the offloaded tensors of ``numels`` elements, by term: the masters
-    and gradient buffers (pinned when the parameters are on CUDA: :func:`pinned_bytes`
-    per tensor) and both moments (pageable). ``staging``: one fp32 gradient buffer of the
-    largest tensor instead of one per tensor."""
-    size = pinned_bytes if pinned else int
+def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
+               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int = 4,
+               staging: bool = False) -> dict[str, int]:
+    """Host bytes of the offloaded tensors of ``numels`` elements, by term, as
+    ``HostOffloadAdamW`` allocates them for parameters on ``device`` computing in
+    ``compute_dtype``: both moments (pageable), and unless each parameter is its own
+    master (fp32 on the CPU: no masters, the gradient read in place) the masters and
+    gradient buffers, pinned when the parameters are on CUDA (:func:`pinned_bytes` per
+    tensor). ``staging``: one fp32 gradient buffer of the largest tensor instead of one
+    per tensor."""
+    require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
+    moments = moment_bytes * sum(numels)
+    if device == "cpu" and compute_dtype == "fp32":  # HostOffloadAdamW._own_master
+        return {"masters": 0, "moments": moments, "grad_buffer": 0}
+    size = pinned_bytes if device == "cuda" else int
     grads = [max(numels, default=0) * 4] if staging else [grad_bytes * n for n in numels]
     return {"masters": sum(size(master_bytes * n) for n in numels),
-            "moments": moment_bytes * sum(numels),
+            "moments": moments,
             "grad_buffer": sum(size(b) for b in grads if b)}
 
 
@@ -138,9 +152,11 @@ class StepLedger:
             dtype of the activations (``"bf16"``: the trainer on CUDA; ``"fp32"``: on
             the CPU, where the state terms hold and activations are not priced).
         router_grad_at_experts: ``--router-grad experts`` (no combined rows kept).
-        pinned_host: the host masters and gradient buffers are pinned (the trainer on
-            CUDA; ``False``: on the CPU, where nothing is pinned) and priced at the
-            allocator's power-of-two sizes (:func:`pinned_bytes`).
+        device: where the parameters live, ``"cuda"`` or ``"cpu"`` (``lrmoe train
+            --device``): on CUDA the host masters and gradient buffers are pinned and
+            priced at the allocator's power-of-two sizes (:func:`pinned_bytes`); on the
+            CPU nothing is pinned, and in fp32 there are no separate masters or
+            gradient buffers (:func:`host_state`).
 
     What-ifs, for what would make a model fit (the trainer does none of these; the
     defaults are what it does): ``offload_dense`` (every parameter's master and moments
@@ -158,7 +174,7 @@ class StepLedger:
     optimizer_offload: str = "host"
     compute_dtype: str = "bf16"
     router_grad_at_experts: bool = False
-    pinned_host: bool = True
+    device: str = "cuda"
     # what-ifs the trainer does not do (yet): what would make a model fit
     offload_dense: bool = False
     expert_resident_layers: int | None = None
@@ -174,11 +190,17 @@ class StepLedger:
                 f"optimizer offload {self.optimizer_offload!r}: use device or host")
         require(self.compute_dtype in ("bf16", "fp32"),
                 f"compute dtype {self.compute_dtype!r}: use bf16 or fp32")
+        require(self.device in ("cuda", "cpu"), f"device {self.device!r}: use cuda or cpu")
         require(self.optimizer_offload == "host" or not (
             self.offload_dense or self.expert_resident_layers or self.expert_grad_resident_layers),
             "the host-side what-ifs need optimizer_offload='host'")
 
     # ------------------------------------------------------------------ state
+    @property
+    def pinned_host(self) -> bool:
+        """The host masters and gradient buffers are pinned (the parameters on CUDA)."""
+        return self.device == "cuda"
+
     @property
     def params(self) -> dict[str, int]:
         return param_breakdown(self.cfg)
@@ -216,10 +238,16 @@ class StepLedger:
             gpu["offloaded_weights"] = bw * (dense_off + self._resident(self.expert_resident_layers))
             gpu["offloaded_grads"] = bw * (dense_off
                                            + self._resident(self.expert_grad_resident_layers))
-        host = host_state(self._offloaded_numels if off else [], self.pinned_host,
-                          self.master_bytes, self.moment_bytes, self.host_grad_bytes,
-                          self.host_grad_staging)
+        host = host_state(self._offloaded_numels if off else [], self.device,
+                          self.compute_dtype, self.master_bytes, self.moment_bytes,
+                          self.host_grad_bytes, self.host_grad_staging)
         return {"gpu": gpu, "host": host}
+
+    def host_bytes(self) -> int:
+        """Host memory the state takes: the host terms, and on the CPU the "gpu" terms
+        too (the parameters' device is the host there)."""
+        st = self.state()
+        return sum(st["host"].values()) + (sum(st["gpu"].values()) if self.device == "cpu" else 0)
 
     @cached_property
     def _offloaded_numels(self) -> list[int]:
@@ -364,5 +392,5 @@ class StepLedger:
         return {"tokens": int(tokens), "mode": mode, "gpu_state": st["gpu"],
                 "host_state": st["host"], "activations": self.activations(tokens, mode),
                 "phases": ph, "gpu_peak": ph[peak], "gpu_peak_phase": peak,
-                "host_total": sum(st["host"].values())}
+                "host_total": self.host_bytes()}
 

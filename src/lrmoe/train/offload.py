@@ -27,8 +27,9 @@ model's dtype (fp32).
 
 Host memory, with the parameters on CUDA: the masters and the gradient buffers are
 pinned (so the copies run asynchronously), and the caching host allocator rounds each
-up to a power of two; the moments (``zeros_like`` of a master) are pageable. The step
-ledger prices them so (:func:`lrmoe.step_ledger.pinned_bytes`).
+up to a power of two; the moments (never copied to the device) are pageable. A load
+allocates them the same way (:meth:`HostOffloadAdamW._host_alloc`). The step ledger
+prices them so (:func:`lrmoe.step_ledger.host_state`).
 
 When the "host" is the parameters' own device and a parameter is fp32 (the emulator's
 case, and a CPU run), a separate master would be a second copy of the same numbers and a
@@ -101,8 +102,18 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor) -> Tensor:
+        """fp32 host memory for a master or a gradient buffer, the tensors that cross to
+        and from the device each step: pinned when the parameters are on CUDA."""
         return torch.empty(like.shape, dtype=torch.float32, device=self._host_dev,
                            pin_memory=self._pin)
+
+    def _host_alloc(self, key: str, like: Tensor) -> Tensor:
+        """Host memory for state ``key`` shaped as ``like``, fresh or loaded alike: the
+        master as :meth:`_host_empty`; the moments and ``step``, which never leave the
+        host, pageable and zeroed."""
+        if key == "master":
+            return self._host_empty(like)
+        return torch.zeros(like.shape, dtype=torch.float32, device=self._host_dev)
 
     def _refresh_masters(self) -> None:
         """fp32 host masters: the state's ``master`` when it has one (a loaded
@@ -119,16 +130,15 @@ class HostOffloadAdamW(torch.optim.AdamW):
                             m.copy_(st["master"])
                         st["master"] = m
                     elif "master" not in st:
-                        st["master"] = self._host_empty(p)
-                        st["master"].copy_(p.detach())
+                        st["master"] = self._host_alloc("master", p).copy_(p.detach())
                     self._master[id(p)] = st["master"]
 
     def _host_state(self, p: Tensor) -> dict:
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=self._host_dev)
-            st["exp_avg"] = torch.zeros_like(self._master[id(p)])
-            st["exp_avg_sq"] = torch.zeros_like(self._master[id(p)])
+            st["exp_avg"] = self._host_alloc("exp_avg", p)
+            st["exp_avg_sq"] = self._host_alloc("exp_avg_sq", p)
         return st
 
     # ------------------------------------------------------------------ step
@@ -194,8 +204,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         """AdamW's load for the device parameters; the offloaded parameters' state goes
         straight to host memory in fp32 (AdamW's load would cast it to the parameter's
-        dtype, bf16 under ``compute_dtype``). A state without ``master`` (an older
-        checkpoint) takes the master from the (already loaded) device parameter."""
+        dtype, bf16 under ``compute_dtype``), allocated as a fresh run's
+        (:meth:`_host_alloc`: the masters pinned when the parameters are on CUDA, so a
+        resumed run's copies stay asynchronous and its memory is what the step ledger
+        prices). A state without ``master`` (an older checkpoint) takes the master from
+        the (already loaded) device parameter."""
         mine = [p for g in self.param_groups for p in g["params"]]
         order = [i for g in state_dict["param_groups"] for i in g["params"]]
         rest, host = dict(state_dict["state"]), {}
@@ -205,7 +218,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
         super().load_state_dict({**state_dict, "state": rest})
         for p in mine:
             if id(p) in self._host:
-                self.state[p] = {k: v.detach().to(self._host_dev, torch.float32).clone()
+                self.state[p] = {k: self._host_alloc(k, v).copy_(v.detach())
                                  for k, v in host.get(id(p), {}).items()}
         self._refresh_masters()
 

@@ -108,13 +108,17 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
 
 
 # ----------------------------------------------------------------------------- memory
-def state_bytes(mcfg, ep_size: int, offload: bool = False) -> tuple[int, int]:
+def state_bytes(mcfg, ep_size: int, offload: bool = False,
+                device: str = "cuda") -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: fp32
     parameters, gradients and AdamW's two moments (16 bytes a parameter), experts
-    1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host`` on CUDA) the
-    device holds the experts' bf16 weights and gradients (4 bytes) and the host what the
-    step ledger prices (:func:`lrmoe.step_ledger.host_state`): their fp32 masters and
-    gradient buffers, pinned at the allocator's power-of-two sizes, and both moments."""
+    1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host``) the host holds
+    what the step ledger prices for the parameters' ``device``
+    (:func:`lrmoe.step_ledger.host_state`), and the device the experts' weights and
+    gradients: on CUDA bf16 (4 bytes), beside fp32 masters and gradient buffers on the
+    host, pinned at the allocator's power-of-two sizes, and both moments; on the CPU
+    fp32 (8 bytes), their own masters, and only the moments on the host."""
+    from lrmoe.ledger import DTYPE_BYTES
     from lrmoe.presets import param_breakdown, param_counts
     from lrmoe.step_ledger import host_state, offloaded_numels
 
@@ -122,8 +126,9 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False) -> tuple[int, int]:
     experts = param_breakdown(mcfg)["experts"]
     mine = experts // ep_size
     if offload:
-        host = host_state(offloaded_numels(mcfg, ep_size), pinned=True)
-        return 16 * (total - experts) + 4 * mine, sum(host.values())
+        dtype = "bf16" if device == "cuda" else "fp32"  # the trainer's compute dtype
+        host = host_state(offloaded_numels(mcfg, ep_size), device, dtype)
+        return 16 * (total - experts) + 2 * DTYPE_BYTES[dtype] * mine, sum(host.values())
     return 16 * (total - experts) + 16 * mine, 0
 
 
@@ -149,16 +154,16 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     on_host = "the host has available (MemAvailable)" + (
         f", for its {local} ranks" if local > 1 else "")
+    dev, host = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host",
+                            ctx.device.type)
     if ctx.device.type == "cuda":
-        dev, host = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host")
         checks = [(dev, 1, torch.cuda.mem_get_info(ctx.device)[1],
                    f"GPU {ctx.device} has in all")]
         if host:
             checks.append((host, local, _mem_available(), on_host + " for the offloaded "
                            "optimizer state"))
     else:  # parameters, gradients and optimizer state all in host memory
-        dev, host = state_bytes(mcfg, ctx.ep_size)
-        checks = [(dev, local, _mem_available(), on_host)]
+        checks = [(dev + host, local, _mem_available(), on_host)]
     for per, n, have, where in checks:
         if have is not None and per * n > have:
             raise LrmoeError(

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch import Tensor
 
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import get_preset
@@ -443,3 +444,77 @@ def test_train_with_bf16_device_experts_resumes_bit_exact(tmp_path, monkeypatch)
     assert losses[0] == losses[1] and a["final_val_loss"] == b["final_val_loss"]
     assert evaluate_run(Path(a["run_dir"]))["val_loss"] == pytest.approx(a["final_val_loss"],
                                                                          rel=1e-6)
+
+
+def _autocast_step(model, opt, ids, clip: float) -> Tensor:
+    """The trainer's step under CUDA's numerics, on the CPU: bf16 autocast, backward, the
+    trainer's clip (with the optimizer's ``scale_grads`` where it has one), AdamW."""
+    from lrmoe.parallel.groups import ParallelContext, clip_grad_norm
+
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, obj = model.loss(ids[:, :-1], ids[:, 1:])
+    obj.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    assert clip_grad_norm(model, clip, ParallelContext(), getattr(opt, "scale_grads", None)) > clip
+    opt.step()
+    return grads
+
+
+def test_bf16_host_offload_follows_the_device_path_under_autocast():
+    """The trainer's CUDA setting on the CPU, several clipped steps on fresh inputs. Under
+    bf16 autocast the device path (fp32 expert weights) computes its experts in bf16
+    too, so both paths get the same bf16 expert gradients; the device path widens them
+    to fp32 and clips there, and the host path must clip the same fp32 values (a clip
+    multiplied into the bf16 gradient in place rounds every product to bf16). Then the
+    masters are the device path's fp32 weights bit for bit, and the device weights their
+    rounding. The reference steps its fp32 experts with the host path's AdamW kernel
+    (``offload="host"`` on fp32 weights; it equals torch's AdamW, as tested above): one
+    rounding apart, the bf16 forward of the next step would differ and the trajectories
+    part."""
+    ref, off = _model(), _model()
+    ropt = build_optimizer(ref, 3e-3, 0.1, offload="host")
+    opt = build_optimizer(off, 3e-3, 0.1, offload="host", compute_dtype=torch.bfloat16)
+    experts = {id(p) for p in offloaded_params(off)}
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (4, 33), generator=gen)
+        # clip at a tenth of the norm: every gradient is scaled, by a coefficient far from 1
+        g_ref = _autocast_step(ref, ropt, ids, 0.1)
+        g_off = _autocast_step(off, opt, ids, 0.1)
+        for (n, a), b in zip(ref.named_parameters(), off.parameters()):
+            assert torch.equal(g_off[n], g_ref[n]), n  # the same bf16 expert compute
+            if id(b) in experts:
+                assert torch.equal(opt.state[b]["master"], a.detach()), n
+                assert torch.equal(b.detach(), a.detach().to(torch.bfloat16)), n
+            else:
+                assert torch.equal(b, a), n
+
+
+def test_trainer_clips_bf16_offloaded_gradients_on_the_host(tmp_path, monkeypatch):
+    """The trainer under CUDA's numerics on the CPU (bf16 autocast; host offload with bf16
+    device experts against fp32 experts stepped by the same AdamW kernel): its clip hands
+    the bf16 gradients' coefficient to the host, so the clipped runs train alike, loss
+    for loss."""
+    import lrmoe.train.loop as loop
+    from lrmoe.train import TrainConfig, train
+    from lrmoe.train.metrics import read_metrics
+
+    real, bf16 = loop.build_optimizer, [False]
+
+    def build(*a, **k):
+        return real(*a, **{**k, "compute_dtype": torch.bfloat16 if bf16[0] else None})
+    monkeypatch.setattr(loop, "build_optimizer", build)
+    monkeypatch.setattr(loop, "make_autocast",
+                        lambda device: lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    base = dict(preset="tiny-qwen3", steps=3, batch_size=2, seq_len=32, max_data_bytes=100_000,
+                eval_batches=1, eval_every=0, ckpt_every=0, threads=1, warmup=1,
+                optimizer_offload="host")
+    rows = {}
+    for name in ("fp32", "bf16"):
+        bf16[0] = name == "bf16"
+        train(TrainConfig.from_flat(out=str(tmp_path / name), **base))
+        rows[name] = [r for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                      if r["kind"] == "train"]
+    assert all(r["grad_norm"] > 1.0 for r in rows["fp32"])  # every step clipped
+    assert [r["loss"] for r in rows["bf16"]] == [r["loss"] for r in rows["fp32"]]

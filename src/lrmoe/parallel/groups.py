@@ -186,10 +186,15 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext,
+                   scale_grads: Callable[[list[torch.Tensor], float], None] | None = None,
+                   ) -> float:
     """Clip by the global gradient norm (expert shards counted once across the EP group).
 
-    Call after :func:`sync_grads`. Returns the norm before clipping.
+    Call after :func:`sync_grads`. Returns the norm before clipping. ``scale_grads(params,
+    coef)`` applies the clip coefficient instead of an in-place multiply (the host
+    offload's :meth:`~lrmoe.train.offload.HostOffloadAdamW.scale_grads`: it scales bf16
+    gradients in fp32 on the host, where an in-place multiply would round each product).
     """
     dense_sq = torch.zeros((), dtype=torch.float64, device=ctx.device)
     expert_sq = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -208,8 +213,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> f
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
+        if scale_grads is not None:
+            scale_grads(params, scale)
+        else:
+            for p in params:
+                p.grad.mul_(scale)
     return norm
 
 

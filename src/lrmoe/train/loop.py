@@ -610,7 +610,7 @@ class _Run:
                              "--warmup; --divergence-factor 0 disables this check")
         watch.phase = "gradient sync"
         sync_grads(s.model, ctx)
-        gnorm = clip_grad_norm(s.model, cfg.clip, ctx)
+        gnorm = clip_grad_norm(s.model, cfg.clip, ctx, getattr(s.opt, "scale_grads", None))
         watch.phase = "optimizer step and router counts"
         if not math.isfinite(gnorm):
             raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "

@@ -315,6 +315,51 @@ def test_offload_check_benchmark_logic(tmp_path):
     modes["h0"]["final_val_loss"] = 2.05
     assert not mod.summarize(modes, losses)["host_mean_outside_device_range"]
     assert mod.main(["--out", str(out), "--device", "cpu"]) == 2  # never overwrites
+    assert mod.main(["--out", str(tmp_path / "new"), "--seeds", "0,x"]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_offload_check_pairs_the_modes_by_seed(tmp_path):
+    """The paired verdict: host − device per seed over each mode's repeats, its mean and
+    the t interval; a run at two seeds names and seeds its runs."""
+    import json
+    import math
+
+    from dist_util import load_benchmark
+
+    mod = load_benchmark("offload_check", "tests/gpu")
+    modes = {}
+    for s, (dev, host) in enumerate([((2.0, 2.2), 2.2), ((3.0, 3.0), 3.2), ((1.0, 1.0), 1.3)]):
+        for r, v in enumerate(dev):
+            modes[f"device_s{s}_{r}"] = {"mode": "device", "seed": s, "final_val_loss": v}
+        modes[f"host_s{s}_0"] = {"mode": "host", "seed": s, "final_val_loss": host}
+    pr = mod.paired(modes)
+    diffs = pr["host_minus_device_by_seed"]
+    assert list(diffs) == [0, 1, 2]
+    assert [round(d, 12) for d in diffs.values()] == [0.1, 0.2, 0.3]
+    assert math.isclose(pr["mean"], 0.2)
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert math.isclose(pr["ci95"][0], 0.2 - half) and math.isclose(pr["ci95"][1], 0.2 + half)
+    one = mod.paired({k: v for k, v in modes.items() if v["seed"] == 0})
+    assert one["ci95"] is None and math.isclose(one["mean"], 0.1)
+
+    out = tmp_path / "oc"
+    assert mod.main(["--out", str(out), "--preset", "tiny-qwen3", "--device", "cpu",
+                     "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                     "--max-data-bytes", "200000", "--threads", "1", "--repeats", "1",
+                     "--seeds", "0,1"]) == 0
+    res = json.loads((out / "offload_check.json").read_text())
+    assert {k: v["seed"] for k, v in res["modes"].items()} == {
+        "device_s0_0": 0, "host_s0_0": 0, "device_s1_0": 1, "host_s1_0": 1}
+    v = {k: m["final_val_loss"] for k, m in res["modes"].items()}
+    assert v["device_s0_0"] != v["device_s1_0"]  # the seed reached the run
+    sm = res["summary"]
+    assert sorted(sm["paired"]["host_minus_device_by_seed"]) == ["0", "1"]
+    # runs are compared within a seed only: no two runs of one mode share one here, and
+    # host against device at the same seed agrees as on one seed
+    assert sm["max_rel_train_loss_diff_within_mode"] is None
+    assert 0 <= sm["max_rel_train_loss_diff_device_vs_host"] < 1e-4
+    assert "per seed" in (out / "offload_check.md").read_text()
 
 
 # ----------------------------------------------------------------------------- bf16 on device

@@ -2,17 +2,22 @@
 
 Trains the same model with ``lrmoe train`` (one process), the experts' AdamW on the
 device and in host memory (``HostOffloadAdamW``: gradients to pinned host buffers, fused
-CPU AdamW on fp32 masters, weights back), each ``--repeats`` times (default 3) in turn,
-and writes ``offload_check.json`` and ``offload_check.md`` into ``--out``: per run the
-mean measured step time (first 3 steps dropped), the measured peak CUDA memory and the
-final validation loss; per mode the final validation loss's mean and range; the largest
-relative difference of the training losses between two runs of the same mode (bf16
-non-determinism) and between the modes; and whether host's mean lies outside the device
-runs' range. The training runs live in a temporary folder (only the summary is kept).
-Everything here is measured, on whatever device runs it.
+CPU AdamW on fp32 masters, weights back), at each seed of ``--seeds`` (default 0) each
+``--repeats`` times (default 3) in turn, and writes ``offload_check.json`` and
+``offload_check.md`` into ``--out``: per run the mean measured step time (first 3 steps
+dropped), the measured peak CUDA memory and the final validation loss; per mode the
+final validation loss's mean and range; the largest relative difference of the training
+losses between two runs of the same mode (bf16 non-determinism) and between the modes;
+whether host's mean lies outside the device runs' range; and the paired difference
+host − device of the final validation loss per seed (each mode's mean over its repeats),
+with its mean and, from 2 seeds, its 95% interval (Student t). Runs that differ in one
+rounding drift apart over tens of bf16 steps in either direction, so only the paired
+difference over several seeds tells a bias from that drift. The training runs live in a
+temporary folder (only the summary is kept). Everything here is measured, on whatever
+device runs it.
 
     PYTHONPATH=src python3 tests/gpu/offload_check.py --out DIR [--preset small-qwen3]
-        [--device cuda] [--repeats 3]
+        [--device cuda] [--repeats 3] [--seeds 0,1,2]
 
 ``tests/gpu/test_gpu_offload.py`` runs it on CUDA (``pytest -m gpu tests/gpu``);
 ``tests/test_offload.py`` runs it on the CPU at tiny shapes.
@@ -47,11 +52,12 @@ def run(args) -> dict:
     # The training runs (checkpoints included) live in a temporary folder: only the
     # summary is written to --out.
     with tempfile.TemporaryDirectory() as td:
-        for r in range(args.repeats):
+        for seed, r in [(s, r) for s in args.seeds for r in range(args.repeats)]:
             for mode in ("device", "host"):
-                name = f"{mode}_{r}"
+                name = f"{mode}_{r}" if args.seeds == [0] else f"{mode}_s{seed}_{r}"
                 run_dir = Path(td, f"run_{name}")
                 cfg = TrainConfig.from_flat(preset=args.preset, out=str(run_dir), steps=args.steps,
+                                  seed=seed,
                                   batch_size=args.batch_size, seq_len=args.seq_len,
                                   device=args.device, warmup=max(1, args.steps // 10),
                                   eval_every=0, eval_batches=2, ckpt_every=0, keep_ckpts=1,
@@ -63,7 +69,8 @@ def run(args) -> dict:
                 losses[name] = [x["loss"] for x in rows]
                 steady = [x["step_s"] for x in rows[3:]] or [x["step_s"] for x in rows]
                 mem = [x["cuda_max_mem_bytes"] for x in rows if "cuda_max_mem_bytes" in x]
-                res["modes"][name] = {"mode": mode, "final_val_loss": rep["final_val_loss"],
+                res["modes"][name] = {"mode": mode, "seed": seed,
+                                      "final_val_loss": rep["final_val_loss"],
                                       "mean_step_s": statistics.mean(steady),
                                       "peak_cuda_mem_bytes": max(mem) if mem else None}
     res["summary"] = summarize(res["modes"], losses)
@@ -72,25 +79,45 @@ def run(args) -> dict:
 
 def summarize(modes: dict, losses: dict) -> dict:
     """Per mode: final validation losses (mean, min, max); the largest relative
-    training-loss difference between two runs of the same mode, and between modes."""
+    training-loss difference between two runs of the same mode, and between modes (runs
+    of one seed); the paired difference by seed (:func:`paired`)."""
     def diff(x, y):
         return max(abs(a - b) / abs(a) for a, b in zip(losses[x], losses[y]))
     out = {}
     names = list(modes)
+    same_seed = {(a, b) for a in names for b in names
+                 if modes[a].get("seed", 0) == modes[b].get("seed", 0)}
     for mode in ("device", "host"):
         v = [m["final_val_loss"] for m in modes.values() if m["mode"] == mode]
         out[mode] = {"final_val_mean": statistics.mean(v), "final_val_min": min(v),
                      "final_val_max": max(v)}
     within = [diff(a, b) for i, a in enumerate(names) for b in names[i + 1:]
-              if modes[a]["mode"] == modes[b]["mode"]]
-    across = [diff(a, b) for a in names for b in names
+              if modes[a]["mode"] == modes[b]["mode"] and (a, b) in same_seed]
+    across = [diff(a, b) for a, b in same_seed
               if modes[a]["mode"] == "device" and modes[b]["mode"] == "host"]
     out["max_rel_train_loss_diff_within_mode"] = max(within) if within else None
     out["max_rel_train_loss_diff_device_vs_host"] = max(across)
     d, h = out["device"], out["host"]
     out["host_mean_outside_device_range"] = not (d["final_val_min"] <= h["final_val_mean"]
                                                  <= d["final_val_max"])
+    out["paired"] = paired(modes)
     return out
+
+
+def paired(modes: dict) -> dict:
+    """host − device final validation loss per seed (each mode's mean over its repeats),
+    their mean and, from 2 seeds, the mean's 95% interval (Student t)."""
+    from lrmoe.sim.target import ci95
+
+    by: dict[int, dict[str, list[float]]] = {}
+    for m in modes.values():
+        by.setdefault(m.get("seed", 0), {}).setdefault(m["mode"], []).append(m["final_val_loss"])
+    diffs = {s: statistics.mean(v["host"]) - statistics.mean(v["device"])
+             for s, v in sorted(by.items()) if "host" in v and "device" in v}
+    ci = ci95(list(diffs.values()))
+    return {"host_minus_device_by_seed": diffs,
+            "mean": statistics.mean(diffs.values()) if diffs else None,
+            "ci95": list(ci) if ci else None}
 
 
 def markdown(res: dict) -> str:
@@ -113,6 +140,12 @@ def markdown(res: dict) -> str:
                   "mode " + ("—" if within is None else f"{within:.2e}") + ". Host's mean final "
                   "val loss is " + ("OUTSIDE" if sm["host_mean_outside_device_range"] else
                                     "inside") + " the device runs' range."]
+    pr = sm["paired"]
+    lines += ["", "Final val loss, host − device, per seed (mean over the repeats): "
+              + ", ".join(f"seed {s}: {d:+.4f}" for s, d in pr["host_minus_device_by_seed"].items())
+              + f"; mean {pr['mean']:+.4f}"
+              + (f", 95% interval {pr['ci95'][0]:+.4f} to {pr['ci95'][1]:+.4f} (t)"
+                 if pr["ci95"] else " (one seed: no interval)") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +159,15 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-data-bytes", type=int, default=4 * 2**20)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=3, help="runs per mode (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode and seed (default 3)")
+    p.add_argument("--seeds", default="0", help="comma-separated training seeds (default 0)")
     args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"offload_check: --seeds {args.seeds!r}: give integers, e.g. 0,1,2",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         print(f"offload_check: --out {out} is not empty; give a new folder", file=sys.stderr)

@@ -145,12 +145,10 @@ def _ranks(tmp_path: Path, extra: list[list[str]], setup=None) -> list[dict]:
 
 
 def _full_disk_on_rank_1(rank: int) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from test_reliability_edges import FullDiskWriter
 
     if rank == 1:
-        dcp.FileSystemWriter = FullDiskWriter
+        ckpt.BoundedFileWriter = FullDiskWriter
 
 
 def test_full_disk_on_one_rank_is_one_line_for_the_job(tmp_path):

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed.checkpoint as dcp
 
 from lrmoe.cli import main
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
+from lrmoe.train.ckpt_write import BoundedFileWriter
 from test_reliability import TINY, digest, one_error_line, train, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +30,9 @@ def text(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("data"))
 
 
-class FullDiskWriter(dcp.FileSystemWriter):
-    """DCP's writer on a disk that fills up while the checkpoint of step 4 is written."""
+class FullDiskWriter(BoundedFileWriter):
+    """The checkpoint's writer on a disk that fills up while the checkpoint of step 4 is
+    written."""
 
     def write_data(self, plan, planner):
         if "00000004" in str(self.path):
@@ -42,7 +43,7 @@ class FullDiskWriter(dcp.FileSystemWriter):
 # ----------------------------------------------------------------------------- 4. disk full
 def test_full_disk_during_a_checkpoint_keeps_the_last_one(tmp_path, text, capsys,
                                                           monkeypatch):
-    monkeypatch.setattr(dcp, "FileSystemWriter", FullDiskWriter)
+    monkeypatch.setattr(ckpt, "BoundedFileWriter", FullDiskWriter)
     out = tmp_path / "run"
     assert train(out, text, "--steps", "6", "--ckpt-every", "2") == 2
     line = one_error_line(capsys.readouterr().err, "cannot write checkpoint ckpt-00000004",

@@ -4,8 +4,9 @@
 Layout (``RUN/checkpoints/ckpt-00000300/``)::
 
     .metadata          # DCP: every key's shape, dtype and where its bytes are
-    __0_0.distcp       # DCP: the bytes rank 0 wrote (each key is written by one rank)
-    __1_0.distcp
+    __0_0_0.distcp     # DCP: the bytes rank 0 wrote (each key is written by one rank),
+    __0_1_0.distcp     # in files of at most 1 GiB each (lrmoe.train.ckpt_write)
+    __1_0_0.distcp
     manifest.json      # format, step, the writing world and EP size, SHA-256 of each file
 
 What the keys are (:mod:`lrmoe.train.ckpt_state`): replicated parameters once, expert
@@ -45,6 +46,7 @@ import torch
 
 from lrmoe.errors import LrmoeError
 from lrmoe.train import ckpt_state
+from lrmoe.train.ckpt_write import BoundedFileWriter
 
 FORMAT = "lrmoe-checkpoint-v2"
 OLD_FORMATS = {"lrmoe-checkpoint-v1": "one torch.save shard per rank"}
@@ -322,7 +324,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
     try:
         with _one_process_is_fine():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)),
+            dcp.save(state, storage_writer=BoundedFileWriter(str(tmp)),
                      planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=all_gather is None)

@@ -239,8 +239,9 @@ def measure(cfg, a, out: Path) -> dict:
     cuda = a.device == "cuda"
     led = StepLedger(cfg, compute_dtype="bf16" if cuda else "fp32", device=a.device)
     tokens = a.micro_batches * a.seq_len
+    state = led.state()
     pred = led.report(tokens, a.measure_mode) if cuda else {
-        "gpu_state": led.state()["gpu"], "host_state": led.state()["host"]}
+        "gpu_state": state["gpu"], "host_state": state["host"]}
     host_pred = led.host_bytes()
     ckpt = (2 * led.offloaded_params + 4 * led.device_stepped_params  # weights
             + (led.master_bytes + led.moment_bytes) * led.offloaded_params
@@ -273,7 +274,6 @@ def measure(cfg, a, out: Path) -> dict:
         raise LrmoeError(f"lrmoe train exited {proc.returncode}: {' | '.join(tail)}")
     steps = [r for r in rows if r.get("kind", "train") == "train" and "tokens_per_s" in r]
     later = steps[1:] or steps  # the first step allocates the moments and warms up
-    mem = [r["cuda_max_mem_bytes"] for r in steps if "cuda_max_mem_bytes" in r]
 
     def most(rs, key):
         got = [r[key] for r in rs if r.get(key) is not None]
@@ -285,14 +285,14 @@ def measure(cfg, a, out: Path) -> dict:
         "mode": a.measure_mode, "wall_s": round(wall, 1),
         "measured": {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later)
                      if later else None,
-                     "cuda_max_mem_bytes": max(mem) if mem else None,
+                     "cuda_max_mem_bytes": most(steps, "cuda_max_mem_bytes"),
                      "host_max_rss_bytes": rss,
                      "host_rss_steps_bytes": most(steps, "host_rss_bytes"),
                      "host_rss_later_steps_bytes": most(later, "host_rss_bytes"),
                      "host_rss_before_build_bytes": base, "steps": len(steps)},
         "ledger": {"gpu_peak": pred.get("gpu_peak"), "phase": pred.get("gpu_peak_phase"),
                    "phases": pred.get("phases"), "gpu_state": pred["gpu_state"],
-                   "host_total": host_pred, "host_state": led.state()["host"],
+                   "host_total": host_pred, "host_state": state["host"],
                    "host_pinned": led.pinned_host,
                    "host_at_build": 4 * sum(led.params.values())},
     }

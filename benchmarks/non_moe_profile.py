@@ -190,9 +190,9 @@ def category(rs: list[str], direction: str, names: str, kernel: str) -> str:
     if re.search(r"aten::empty|aten::new_empty", names) and re.search(r"fill", kernel + names,
                                                                         re.I):
         return "deterministic fill of new tensors"
-    if "ttl:clip" in rs:
+    if "step:clip" in rs:
         return "gradient clipping"
-    if "ttl:optimizer" in rs:
+    if "step:optimizer" in rs:
         return "optimizer: AdamW on the device"
     d = f" ({direction})"
     if "ttl:moe_forward" in rs:
@@ -216,7 +216,7 @@ def category(rs: list[str], direction: str, names: str, kernel: str) -> str:
         return "norms" + d
     if "MLP" in mods:
         return "dense MLP" + d
-    if "ttl:forward" in rs or "ttl:backward" in rs or mods or direction == "bwd":
+    if "step:forward" in rs or "step:backward" in rs or mods or direction == "bwd":
         return "embedding, head, loss, residual adds" + d
     return "step glue (batch, zero_grad, scheduler, end_step)"
 
@@ -242,7 +242,7 @@ def analyse(trace: dict, skip: int = 0) -> dict:
     moe = union(moe)
     host_step = union([(e.ts, e.end) for e in tr.named(HOST_STEP)])
     phases = [(e.ts, e.end, e.name) for e in tr.ranges
-              if e.name in ("ttl:forward", "ttl:backward", "ttl:clip", "ttl:optimizer")]
+              if e.name in ("step:forward", "step:backward", "step:clip", "step:optimizer")]
     dev_sorted = sorted(tr.device, key=lambda d: d[0].ts)
     syncs = [e for e in tr.host if e.cat in ("cuda_runtime", "cuda_driver")
              and SYNC_CALLS.search(e.name)]
@@ -271,7 +271,7 @@ def analyse(trace: dict, skip: int = 0) -> dict:
             add(HOST_CAT, overlap(gap, host_step))
             for r in subtract(gap, host_step):
                 for p0, p1, name in phases:
-                    add(f"host gap (device idle): {name[4:]}", overlap(r, [(p0, p1)]))
+                    add(f"host gap (device idle): {name.split(':', 1)[1]}", overlap(r, [(p0, p1)]))
                 add("host gap (device idle): step glue", subtract(r, phase_iv))
         n_ms, host_ms = ms(segs), ms(iv for h in host_step for iv in overlap(h, segs))
         in_segs = [s for s in syncs if overlap((s.ts, s.end), segs)]

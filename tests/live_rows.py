@@ -119,3 +119,18 @@ class LiveRows(TorchDispatchMode):
 
     def peak(self) -> int:
         return max(sum(p.values()) for _, p in self.points)
+
+
+def exchange_code() -> tuple[list[Callable], list[Callable]]:
+    """``(forward, backward)``: the functions that hold one layer's rows in the
+    exchange (:class:`lrmoe.parallel.exchange.ExpertExchange` and the stages it hands
+    its rows to), the ones :class:`LiveRows` traces line by line."""
+    import lrmoe.ops.experts as ops
+    import lrmoe.parallel.exchange as exchange
+    import lrmoe.parallel.stages as stages
+
+    forward = [exchange.ExpertExchange.forward, stages.experts_forward, ops.swiglu_forward]
+    backward = [exchange.ExpertExchange.backward, stages.home_backward,
+                exchange._experts_backward_exchange, stages.experts_backward,
+                stages._rebuild_gate_up, ops.swiglu_backward_owned, stages.home_finish]
+    return forward, backward

@@ -3,7 +3,7 @@
 The model ``bench ttl`` trains: a dense layer, then two MoE layers with sigmoid scores,
 the selection-only ``e_score_correction_bias`` (set here so a few experts are hot),
 ``norm_topk_prob``, ``routed_scaling_factor != 1``, group-limited top-k and a shared
-expert, every MoE layer run by :class:`lrmoe.sim.vmodel.VirtualModel` over G virtual
+expert, every MoE layer run by :class:`lrmoe.sim.vmodel.Emulator` over G virtual
 ranks. With lrmoe's plans (replicas, backward quotas well below 1; under a budget also
 retention quotas and recompute) every parameter's gradient must equal, in fp32, that of
 a one-process model whose MoE layers are :func:`moe_layer_reference` with the pairs the
@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 
-import lrmoe.sim.virtual as virtual
+import lrmoe.parallel.stages as stages
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
 from lrmoe.model.transformer import MoEForCausalLM
@@ -32,7 +32,7 @@ from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
 from lrmoe.sim.ttl import balanced_budget
-from lrmoe.sim.vmodel import VirtualModel
+from lrmoe.sim.vmodel import Emulator
 from references.moe import moe_layer_reference
 
 G, B, L = 4, 8, 33  # virtual ranks; batch x (sequence + 1): 256 tokens, T = 64 per rank
@@ -61,9 +61,9 @@ def make_model(seed: int) -> tuple[MoEForCausalLM, torch.Tensor]:
 def emulated(model, ids, policy, opts, ledger=None):
     """Gradients of ``model`` trained through the emulator, the plan of each MoE layer
     and, per MoE layer, the mask ``[N, K]`` of the pairs its backward sent to an expert."""
-    vm = VirtualModel(model, G, policy, opts, ledger, lambda: None)
+    vm = Emulator(model, G, policy, opts, ledger, lambda: None)
     calls: list = []  # shipped candidates, per call: G home ranks in turn, layer by layer
-    real = virtual.select_and_compact
+    real = stages.select_and_compact
 
     def spy(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest):
         out = real(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest)
@@ -72,12 +72,12 @@ def emulated(model, ids, policy, opts, ledger=None):
         calls.append(cand if out[5] is None else cand[out[5]])  # out[5]: the shipped candidates
         return out
 
-    virtual.select_and_compact = spy
+    stages.select_and_compact = spy
     try:
         model.train()
         model.loss(ids[:, :-1], ids[:, 1:])[1].backward()
     finally:
-        virtual.select_and_compact = real
+        stages.select_and_compact = real
     # the backward runs the MoE layers last to first, each over its G home ranks in order
     assert len(calls) == G * len(vm.layers)
     sent = {id(v.stats.plan): [(g, calls[j * G + g]) for g in range(G)]

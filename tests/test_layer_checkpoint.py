@@ -269,17 +269,18 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
     ``bwd_recompute`` on every rank, beside the re-sent dispatch and combine; the step
     costs that much more than without the checkpoint, and the gradients are the same."""
     import test_stage_charges as sc
+    from lrmoe.parallel import stages
     from lrmoe.sim import virtual
     from lrmoe.sim.cost import step_times
     from lrmoe.sim.links import LINKS
 
     sc.FakeClock(monkeypatch)
-    inner = virtual.swiglu_forward
+    inner = stages.swiglu_forward
 
     def slow_forward(*a, **kw):
         time.sleep(sc.SLEEP)
         return inner(*a, **kw)
-    monkeypatch.setattr(virtual, "swiglu_forward", slow_forward)
+    monkeypatch.setattr(stages, "swiglu_forward", slow_forward)
     runs = []
     for on in (False, True):
         layer, x = sc._layer()
@@ -309,10 +310,9 @@ def test_buffers_equal_the_rows_alive():
     output gradient; the backward after it at the exact backward's largest point plus
     the re-run's kept rows and its output (the layer input, the router's, is counted
     throughout here and taken off)."""
-    import lrmoe.ops.experts as ops
-    import lrmoe.parallel.exchange as exchange
+    import lrmoe.parallel.stages as stages
     import test_ledger_truth as lt
-    from live_rows import LiveRows
+    from live_rows import LiveRows, exchange_code
     from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
     from lrmoe.parallel.layout import permute_rows, unpermute_rows
     from onerank import OneRankComm, one_rank_layer
@@ -321,9 +321,8 @@ def test_buffers_equal_the_rows_alive():
     one = Ledger(lt._cfg(), lt.G, num_moe_layers=1)
     b, Hd, Fd = one.bytes_act, lt.H, lt.F
     seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
-    fwd_code = [exchange.ExpertExchange.forward, ops.swiglu_forward]
-    bwd_code = [LayerCheckpoint.backward, exchange.ExpertExchange.backward,
-                exchange._experts_backward, ops.swiglu_backward_owned]
+    fwd_code, bwd_code = exchange_code()
+    bwd_code = [LayerCheckpoint.backward] + bwd_code
     policy = Checkpointed(StaticPolicy())
     for me in range(lt.G):
         lay = one_rank_layer(layer, me, counts, policy)
@@ -340,17 +339,17 @@ def test_buffers_equal_the_rows_alive():
         dout = torch.ones_like(out)
         live = LiveRows((Hd, Fd, 2 * Fd), fwd_code + bwd_code, seams, count=[xin, dout])
         start = []  # the point where the exact backward begins (after the re-run)
-        inner = exchange.router_grad_home
+        inner = stages.router_grad_home
 
         def mark(*a, live=live, start=start, inner=inner, **kw):
             start.append(len(live.points))
             return inner(*a, **kw)
-        exchange.router_grad_home = mark
+        stages.router_grad_home = mark
         try:
             with live:
                 out.backward(dout)
         finally:
-            exchange.router_grad_home = inner
+            stages.router_grad_home = inner
         rerun = max(sum(p.values()) for _, p in live.points[:start[0]])
         back = max(sum(p.values()) for _, p in live.points[start[0]:])
         assert rerun == b * (Tt * Hd + max(fpts.values()) + kept), me

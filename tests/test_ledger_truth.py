@@ -118,8 +118,8 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
             _tensors(n.st, ts, set())
             plan = n.st.plan
             # plan-derived tensors: host memory on a GPU (the plan is built on the CPU)
-            host = [n.saved_SG]
-            _tensors(plan, host, set())
+            host: list = []
+            _tensors([n.keep, plan], host, set())
             for t in host:
                 by["host"].setdefault(*_storage(t))
             dest = "exchange"
@@ -265,9 +265,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     selected rows), every one of those points must occur, and the ledger's plan-priced
     buffers must be the larger of the two passes' largest sums (the backward's plus its
     per-row index bytes)."""
-    import lrmoe.ops.experts as ops
-    import lrmoe.parallel.exchange as exchange
-    from live_rows import LiveRows
+    from live_rows import LiveRows, exchange_code
     from lrmoe.parallel.layout import permute_rows, unpermute_rows
     from onerank import OneRankComm
 
@@ -275,15 +273,13 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     policy, ledger = _policy_and_ledger(case, counts)
     one = Ledger(_cfg(), G, num_moe_layers=1)
     b = one.bytes_act
-    traced = [exchange.ExpertExchange.backward, exchange._experts_backward,
-              exchange._rebuild_gate_up, ops.swiglu_backward_owned]
+    fwd_code, traced = exchange_code()
     seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
     seen = {"gathered": False, "rec": False, "copy": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)
         xin = x[me * T:(me + 1) * T].clone().requires_grad_()
-        live_fwd = LiveRows((H, F, 2 * F), [exchange.ExpertExchange.forward, ops.swiglu_forward],
-                            seams, count=[xin])
+        live_fwd = LiveRows((H, F, 2 * F), fwd_code, seams, count=[xin])
         with live_fwd:
             out = lay(xin.view(1, T, H))
         node = exchange_node(out)

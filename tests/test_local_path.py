@@ -255,7 +255,7 @@ def _kept(node) -> dict[int, int]:
     out, host = list(node.saved_tensors), []
     truth._tensors(attrs, out, set())
     if hasattr(node, "st"):  # the exchange: its plan and what it derives from it
-        truth._tensors([node.st.plan, node.saved_SG], host, set())
+        truth._tensors([node.st.plan, node.keep], host, set())
     hs = {truth._storage(t)[0] for t in host}
     return {p: nb for p, nb in map(truth._storage, out) if p not in hs}
 
@@ -300,15 +300,14 @@ def test_backward_rows_alive_are_the_exchanges():
     """The rows alive at every point of the backward (``live_rows.LiveRows``, as in
     ``test_ledger_truth``): the local path's largest set equals the exchange's on one
     process, and the ledger's buffers for that plan."""
-    import lrmoe.parallel.exchange as exchange
-    from live_rows import LiveRows
+    import lrmoe.parallel.stages as stages
+    from live_rows import LiveRows, exchange_code
     from lrmoe.parallel.layout import permute_rows, unpermute_rows
 
     layer, x, _ = truth._layer_and_tokens()
     cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
-    traced = {True: [LocalExperts.backward, ops.swiglu_backward_owned],
-              False: [exchange.ExpertExchange.backward, exchange._experts_backward,
-                      ops.swiglu_backward_owned]}
+    traced = {True: [LocalExperts.backward, stages.experts_backward, ops.swiglu_backward_owned],
+              False: exchange_code()[1]}
     peak = {}
     for fast, name in ((True, "LocalExpertsBackward"), (False, "ExpertExchangeBackward")):
         layer.runtime = MoERuntime(fast_local=fast)
@@ -354,8 +353,8 @@ def test_only_dgu_and_dout_alive_at_the_dx_gemm(opts, monkeypatch):
     monkeypatch.setattr(ops, "_gmm", hook)
     layer.runtime = MoERuntime(backward=opts)
     out = layer(x[:T].view(1, T, H))
-    rows = {k: t for k, t in _node(out, "LocalExpertsBackward").kept.items() if t is not None}
-    assert set(rows) == ({"x", "gu"} if opts.router_grad == "experts" else {"x", "gu", "y"})
+    rows = {k: t for k, t in _node(out, "LocalExpertsBackward").kept.items() if t.numel()}
+    assert set(rows) == ({"x", "gu"} if opts.router_grad == "experts" else {"x", "gu", "y_send"})
     state["kept"] = {k: weakref.ref(t.untyped_storage()) for k, t in rows.items()}
     dout = torch.ones_like(out)
     state["live"] = live = LiveRows((H, F, 2 * F), [], count=[*rows.values(), dout])

@@ -51,7 +51,7 @@ def _step(t: _Trace, t0: float) -> None:
     on the autograd thread; the MoE backward 400-600), clip 700-800, optimizer 800-1000
     (host step 900-1000)."""
     t.rng("ttl:step", t0, 1000)
-    t.rng("ttl:forward", t0, 300)
+    t.rng("step:forward", t0, 300)
     t.rng("mod:Attention", t0, 100)
     t.rng("mod:Linear", t0 + 5, 20)
     t.op("aten::linear", t0 + 6, 10, seq=1)
@@ -65,7 +65,7 @@ def _step(t: _Trace, t0: float) -> None:
     t.kernel("router_gemm", t0 + 102, t0 + 105, 15)  # runs past its range: 105-120
     t.op("aten::mm", t0 + 130, 5, seq=4)
     t.kernel("expert_gemm", t0 + 131, t0 + 130, 100)  # MoE: excluded
-    t.rng("ttl:backward", t0 + 300, 400)
+    t.rng("step:backward", t0 + 300, 400)
     t.op("autograd::engine::evaluate_function: ScaledDotProductFlashAttentionBackward0",
          t0 + 310, 20, tid=BWD, seq=2)
     t.kernel("flash_bwd_kernel", t0 + 312, t0 + 320, 40, tid=BWD)  # 320-360
@@ -75,11 +75,11 @@ def _step(t: _Trace, t0: float) -> None:
     t.op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", t0 + 610,
          5, tid=BWD)
     t.kernel("copy_kernel", t0 + 611, t0 + 620, 10, tid=BWD)  # 620-630
-    t.rng("ttl:clip", t0 + 700, 100)
+    t.rng("step:clip", t0 + 700, 100)
     t.op("aten::_foreach_norm", t0 + 701, 5)
     t.kernel("multi_tensor_apply", t0 + 702, t0 + 710, 80)  # 710-790
     t.kernel("multi_tensor_apply", t0 + 703, t0 + 780, 15)  # overlaps: only 790-795 counts
-    t.rng("ttl:optimizer", t0 + 800, 200)
+    t.rng("step:optimizer", t0 + 800, 200)
     t.op("aten::_foreach_add_", t0 + 801, 5)
     t.kernel("multi_tensor_apply", t0 + 802, t0 + 810, 40)  # 810-850; idle 850-900
     t.rng(nm.HOST_STEP, t0 + 900, 100)
@@ -147,7 +147,7 @@ def test_cpu_trace_uses_leaf_operators():
     """Without device events each leaf operator stands in for a kernel."""
     t = _Trace()
     t.rng("ttl:step", 0, 100)
-    t.rng("ttl:forward", 0, 100)
+    t.rng("step:forward", 0, 100)
     t.rng("mod:RMSNorm", 10, 30)
     t.op("aten::mul", 10, 30)
     t.op("aten::empty", 12, 3)  # a leaf inside mul: mul is not a leaf

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lrmoe.parallel import exchange
-from lrmoe.parallel.exchange import BackwardOptions, inclusion_probs, select_and_compact
+from lrmoe.parallel import stages
+from lrmoe.parallel.select import BackwardOptions, inclusion_probs, select_and_compact
 from references.select_stage import inclusion_probs_reference, select_and_compact_reference
 from test_select_stage import home_case
 
@@ -205,7 +205,7 @@ def test_sampled_layer_backward_is_unchanged(monkeypatch):
         return select_and_compact_reference(*args, **kwargs)
 
     fast = grads()
-    monkeypatch.setattr(exchange, "select_and_compact", reference)
+    monkeypatch.setattr(stages, "select_and_compact", reference)
     slow = grads()
     assert len(calls) == 3 and len(fast) == len(slow) > 1
     for a, b in zip(fast, slow):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lrmoe.parallel.exchange import BackwardOptions, select_and_compact
+from lrmoe.parallel.select import BackwardOptions, select_and_compact
 
 
 def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep: float,
@@ -62,7 +62,8 @@ def test_select_stage_sampled_branch_matches_select_sampled():
     """The select stage's sampled branch keeps the rows select_sampled keeps (same
     generator state) and ships each with scale g / pi (the Horvitz-Thompson weight),
     in send order, with the kept count of every block."""
-    from lrmoe.parallel.exchange import metric_grad_norm, send_blocks
+    from lrmoe.parallel.exchange import send_blocks
+    from lrmoe.parallel.select import metric_grad_norm
     from references.selection import select_sampled
     case = home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
     tok_s, scale, sent_I, _, keep, sel_idx = run_select(case, "sampled",

@@ -16,7 +16,7 @@ import torch
 from dist_util import FixedRouter, hot_replica_plan, trimmed
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer
-from lrmoe.sim import virtual
+from lrmoe.parallel import stages
 from lrmoe.sim.cost import step_times
 from lrmoe.sim.links import LINKS
 from lrmoe.sim.virtual import VirtualEPLayer
@@ -92,12 +92,12 @@ def test_slow_planner_raises_the_step_time_by_at_least_the_delay(monkeypatch):
 def test_slow_selection_raises_the_step_time_by_at_least_the_delay(monkeypatch):
     FakeClock(monkeypatch)
     base = _step(PartialPolicy())
-    inner = virtual.select_and_compact
+    inner = stages.select_and_compact
 
     def slow_select(*a, **kw):
         time.sleep(SLEEP)
         return inner(*a, **kw)
-    monkeypatch.setattr(virtual, "select_and_compact", slow_select)
+    monkeypatch.setattr(stages, "select_and_compact", slow_select)
     slow = _step(PartialPolicy())
     assert slow.per_rank["select"] == pytest.approx([SLEEP] * G, rel=1e-9)  # every home rank
     assert slow.total - base.total == pytest.approx(SLEEP, rel=1e-9)

@@ -64,7 +64,7 @@ def _bytes(name: str, v: Any) -> None:
 
 
 def _metric(name: str, v: Any) -> None:
-    from lrmoe.parallel.exchange import METRICS
+    from lrmoe.parallel.select import METRICS
     check_choice(name, v, tuple(METRICS))
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.exchange import (
+from lrmoe.parallel.layout import HomeLayout, block_ids, to_device
+from lrmoe.parallel.select import (
     METRICS,
     BackwardOptions,
     ht_weight,
@@ -24,7 +25,6 @@ from lrmoe.parallel.exchange import (
     poisson_keep,
     select_and_compact,
 )
-from lrmoe.parallel.layout import HomeLayout, block_ids, to_device
 
 
 def inclusion_probs_reference(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,

@@ -82,8 +82,8 @@ def register(sub) -> None:
     add_policy_flags(g, BENCH)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.add_argument("--compile", action="store_true",
-                   help="torch.compile the fused elementwise kernels on CUDA (default: eager, "
-                        "so no compilation lands inside a timed kernel)")
+                   help="torch.compile the model as lrmoe train --compile does (all but the "
+                        "routed experts; compiled in the untimed warm-up step)")
     t.add_argument("--router-lr-scale", type=float, default=1.0,
                    help="the MoE routers' learning rate as a multiple of --lr, for every "
                         "policy (a wide router's logits move by up to ~lr·|x|_1 a step)")

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lrmoe.config import ModelConfig
+from lrmoe.parallel.weights import compute_copy
 
 
 class Experts(nn.Module):
@@ -25,3 +26,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(count, H, Fd))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        self._casts: dict = {}  # the weights in the compute dtype, cast once per update
+
+    def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up_proj, down_proj)`` in ``dtype``, cast once for as long as the
+        weights are unchanged (the micro-batches of one optimizer step share the cast;
+        the gradients are the cast's, in the weights' dtype)."""
+        return (compute_copy(self.gate_up_proj, dtype, self._casts),
+                compute_copy(self.down_proj, dtype, self._casts))

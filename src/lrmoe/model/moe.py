@@ -10,6 +10,7 @@ Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -22,13 +23,14 @@ from lrmoe.model.experts import Experts
 from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange
+from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange, _timed
 from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
 from lrmoe.parallel.layout import home_layout, recv_layout, to_device
 from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
 from lrmoe.parallel.weights import instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
+from lrmoe.policy.plan import checks_on
 from lrmoe.policy.static import StaticPolicy
 
 
@@ -43,7 +45,8 @@ class MoERuntime:
         ledger: memory ledger handed to the planner (``None``: no budget).
         step: the optimizer step, set by the trainer.
         stats: per MoE layer, the last step's counters (filled in forward and backward).
-        check_plans: validate each plan against the counts (cheap; on by default).
+        check_plans: validate each plan against the counts (a debugging aid, host work
+            on the critical path: on with ``LRMOE_CHECK_PLANS=1``, :func:`checks_on`).
         fast_local: on one process with the static policy's trivial plan, run the
             layer's stages from device tensors alone, with no host wait
             (:mod:`lrmoe.parallel.local`; same results). ``False`` always runs the
@@ -56,7 +59,7 @@ class MoERuntime:
     ledger: Any = None
     step: int = 0
     stats: dict[int, dict] = field(default_factory=dict)
-    check_plans: bool = True
+    check_plans: bool = field(default_factory=checks_on)
     generator: torch.Generator | None = None
     # Under DP x EP: sums a count tensor over the expert-DP group (the other EP groups'
     # matching ranks), so the aux loss sees the whole global batch; ``None`` otherwise.
@@ -66,6 +69,9 @@ class MoERuntime:
     # also time the exchange's control-plane stages (local, select, gather) per layer
     # (``benchmarks/control_plane.py``); off in training: each region costs event records
     stage_timing: bool = False
+    # ``lrmoe bench ttl``: the routed experts of every layer run over G virtual ranks
+    # (:class:`lrmoe.sim.vmodel.Emulator`) instead of this process's exchange
+    emulator: Any = None
 
 
 class MoELayer(nn.Module):
@@ -112,6 +118,8 @@ class MoELayer(nn.Module):
         ledger prices), which a traced joint graph would not do.
         """
         rt = self.runtime
+        if rt.emulator is not None and self.training:
+            return rt.emulator.routed(self, x_TH, idx_TK, gate_TK, probs_TE)
         E = self.cfg.num_experts
         # count (on the device: no host sync yet)
         counts_E = expert_counts(idx_TK.reshape(-1), E)
@@ -131,8 +139,8 @@ class MoELayer(nn.Module):
         stats = DeviceStats(cached[2], plan_ms=(t1 - t0) * 1e3,
                             counts_E=counts_E)  # read (and copied to the host) lazily
         rt.stats[self.moe_index] = stats
-        return LocalExperts.apply(x_TH.to(dtype), gate_TK, self.experts.gate_up_proj.to(dtype),
-                                  self.experts.down_proj.to(dtype), idx_TK, counts_E,
+        w13, w2 = self.experts.compute_weights(dtype)
+        return LocalExperts.apply(x_TH.to(dtype), gate_TK, w13, w2, idx_TK, counts_E,
                                   self._backward_opts(), stats)
 
     def _exchange(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
@@ -159,8 +167,7 @@ class MoELayer(nn.Module):
         t2 = time.perf_counter()
         # dispatch -> experts -> combine
         dtype = _compute_dtype(x_TH)
-        w13, w2 = instance_weight_list([self.experts.gate_up_proj.to(dtype),
-                                        self.experts.down_proj.to(dtype)], plan, rt.comm, E)
+        w13, w2 = instance_weight_list(list(self.experts.compute_weights(dtype)), plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         stats["counts_E"] = counts_E_all.tolist()
         rt.stats[self.moe_index] = stats
@@ -170,14 +177,12 @@ class MoELayer(nn.Module):
 
         def run(x: Tensor, gate: Tensor, idx: Tensor, w13: Tensor, w2: Tensor,
                 stats: dict) -> Tensor:
-            gate_P = gate.reshape(-1)
-            st = ExchangeState(
-                comm=rt.comm, plan=plan, home=None, recv=None, top_k=K, num_tokens=x.shape[0],
-                opts=opts, gate_P=gate_P.detach(), stats=stats, generator=rt.generator,
-                timing=rt.stage_timing)
-            with st.stage("local", x.device):
-                st.home = home_layout(plan, me, idx.reshape(-1), gate_P, E)
-                st.recv = recv_layout(plan.assign_GGS[:, me, :], x.device)
+            gate_P = gate.reshape(-1).detach()
+            with _timed_if(rt.stage_timing, stats, x.device):
+                home = home_layout(plan, me, idx.reshape(-1), gate_P, E)
+                recv = recv_layout(plan.assign_GGS[:, me, :], x.device)
+            st = ExchangeState(rt.comm, plan, home, recv, K, opts, gate_P, stats, rt.generator,
+                               rt.stage_timing)
             return ExpertExchange.apply(x.to(dtype), gate, w13, w2, st)
         if plan.layer_checkpoint:  # whole-layer checkpoint (docs/design.md §5)
             return LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
@@ -230,6 +235,11 @@ class MoELayer(nn.Module):
         return c
 
 
+def _timed_if(on: bool, stats: dict, device: torch.device):
+    """The layouts' time as ``local_ms`` when the control plane is timed."""
+    return _timed(stats, "local_ms", device) if on else contextlib.nullcontext()
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The experts' compute dtype: autocast's when it is on, else the input's."""
     dev = x.device.type
@@ -240,8 +250,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.dtype) -> int:
     """Bytes of expert weights this rank receives for slots whose owner is another rank
     (SYMI's weight scatter; zero for the static plan)."""
-    per = E // plan.G
-    ie = plan.inst_expert_GS[me]
-    remote = int(((ie >= 0) & (ie // per != me)).sum())
+    ie = plan.inst_expert_GS.numpy()[me]
+    remote = int(((ie >= 0) & (ie // (E // plan.G) != me)).sum())
     per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
     return remote * per_expert * torch.empty((), dtype=dtype).element_size()

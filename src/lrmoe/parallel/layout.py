@@ -82,13 +82,14 @@ class RecvLayout:
 
 
 def recv_layout(block_GS: Tensor, device: torch.device | str = "cpu") -> RecvLayout:
-    """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]``."""
-    G, S = block_GS.shape
+    """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]`` (host)."""
+    b = np.asarray(block_GS, dtype=np.int64)
+    G, S = b.shape
     to_inst = None
     if G > 1:
-        start_GS = excl_cumsum(block_GS.reshape(-1)).reshape(G, S)
-        to_inst = ranges(start_GS.t().reshape(-1), block_GS.t().reshape(-1), device)
-    return RecvLayout(block_GS.sum(1).tolist(), block_GS.sum(0).tolist(), to_inst)
+        start_GS = (np.cumsum(b) - b.ravel()).reshape(G, S)
+        to_inst = ranges(start_GS.T.ravel(), b.T.ravel(), device)
+    return RecvLayout(b.sum(1).tolist(), b.sum(0).tolist(), to_inst)
 
 
 def permute_rows(x: Tensor, idx: Tensor | None) -> Tensor:

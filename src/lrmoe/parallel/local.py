@@ -14,6 +14,7 @@ Legend: T tokens, K top-k, P = T*K pairs, R = P expert-sorted rows, H hidden, E 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -21,9 +22,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lrmoe.ops.experts import swiglu_backward_owned, swiglu_forward
-from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.parallel.exchange import BackwardOptions, _timed
+from lrmoe.parallel.exchange import BackwardOptions, _timed, kept_rows
+from lrmoe.parallel.layout import RecvLayout
+from lrmoe.parallel.stages import (
+    Combined,
+    Retention,
+    Timer,
+    combine,
+    experts_backward,
+    experts_forward,
+    router_grad_home,
+)
 from lrmoe.policy.plan import Plan, native_plan
 
 
@@ -142,8 +151,8 @@ class DeviceStats(dict):
 
 class LocalExperts(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_E, w2_E, idx_TK, counts_E) -> out_TH``: the exchange's
-    forward and backward for the trivial one-rank plan, with the same kernels in the same
-    order (:class:`lrmoe.parallel.exchange.ExpertExchange`).
+    stages (:mod:`lrmoe.parallel.stages`) for the trivial one-rank plan, over a layout
+    built on the device, in the same order (:class:`lrmoe.parallel.exchange.ExpertExchange`).
 
     Kept for backward: the ``x`` and ``gu`` rows, the expert outputs (not with
     ``router_grad="experts"``), and per pair its gate (4 bytes) and two int64 indices
@@ -155,69 +164,62 @@ class LocalExperts(torch.autograd.Function):
                 counts_E: Tensor, opts: BackwardOptions, stats: dict) -> Tensor:
         T, K = gate_TK.shape
         H, P, dev = x_TH.shape[1], gate_TK.numel(), x_TH.device
+        tm = _timer(stats, dev)
         # dispatch: pairs sorted by expert, stably (home_layout's order on one rank)
         pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
-        row_TK = torch.empty_like(pair_R).scatter_(
-            0, pair_R, torch.arange(P, device=dev)).view(T, K)
+        row_P = torch.empty_like(pair_R).scatter_(0, pair_R, torch.arange(P, device=dev))
         offs_E = counts_E.cumsum(0).to(torch.int32)
-        x_R = x_TH[pair_R // K]
-        with _timed(stats, "expert_fwd_ms", dev):
-            y_R, gu_R = swiglu_forward(x_R, w13_E, w2_E, HostCounts(offs_E), offs_E)
-        # combine
-        out = fused("combine", weighted_gather_sum, y_R)(y_R, row_TK, gate_TK)
+        counts = HostCounts(offs_E)
+        rows = {"x": x_TH[pair_R // K]}
+        y_R = experts_forward(rows, _IDENTITY, w13_E, w2_E, counts, _ALL, tm, offs=offs_E)
+        comb = combine(y_R, row_P, gate_TK, H)
         es = x_TH.element_size()
         # the exchange's counters, for its one-rank case (the all-to-all bytes are what
         # it counts for identity exchanges)
         stats.update(fwd_rows=P, retained_rows=P, fwd_dispatch_bytes_sent=P * H * es,
                      fwd_dispatch_bytes_recv=P * H * es, fwd_combine_bytes_sent=P * H * es,
                      fwd_combine_bytes_recv=P * H * es,
-                     saved_act_bytes=x_R.numel() * es + gu_R.numel() * gu_R.element_size())
+                     saved_act_bytes=sum(t.numel() * t.element_size() for t in rows.values()))
         ctx.rowdot = opts.router_grad == "experts"
-        if ctx.rowdot:
-            y_R = None
+        rows["y_send"] = y_R.new_empty(0, H) if ctx.rowdot else y_R
+        del y_R
         # kept rows in a dict (not save_for_backward) so backward drops each at its last
         # use, as the exchange does (Ledger.rows_buffer_bytes)
         ctx.pair_R, ctx.offs_E, ctx.stats = pair_R, offs_E, stats
         if opts.checkpointed:  # through the checkpoint's hooks (BackwardOptions)
-            ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK, x_R, gu_R, y_R)
+            ctx.save_for_backward(w13_E, w2_E, gate_TK, comb.row_TK, rows["x"], rows["gu"],
+                                  rows["y_send"])
         else:
-            ctx.kept = {"x": x_R, "gu": gu_R, "y": y_R}
-            ctx.save_for_backward(w13_E, w2_E, gate_TK, row_TK)
-        return out
+            ctx.kept = rows
+            ctx.save_for_backward(w13_E, w2_E, gate_TK, comb.row_TK)
+        return comb.out_TH
 
     @staticmethod
     def backward(ctx, dout_TH: Tensor):
-        w13_E, w2_E, gate_TK, row_TK, *rows = ctx.saved_tensors
-        if rows:  # checkpointed: restored by the checkpoint's re-run
-            ctx.kept = dict(zip(("x", "gu", "y"), rows))
-            del rows
-        if not hasattr(ctx, "kept"):
-            raise RuntimeError("LocalExperts' backward frees the rows its forward kept as it "
-                               "goes, so it runs once per forward (no retain_graph=True)")
-        kept = ctx.kept
-        del ctx.kept
-        y_R = kept.pop("y")
+        w13_E, w2_E, gate_TK, row_TK, *saved = ctx.saved_tensors
+        rows = kept_rows(ctx, saved, "LocalExperts")
+        del saved
         pair_R, offs_E, stats = ctx.pair_R, ctx.offs_E, ctx.stats
         T, K = gate_TK.shape
         H, P, dev = dout_TH.shape[1], gate_TK.numel(), dout_TH.device
+        tm = _timer(stats, dev)
         dout_TH = dout_TH.to(w13_E.dtype).contiguous()
         es = dout_TH.element_size()
-        # combine^-1: the router gradient from the kept outputs ...
-        dgate = None
-        if y_R is not None:
-            dgate = fused("combine_bwd", gathered_dot, y_R)(y_R, row_TK, dout_TH).to(gate_TK.dtype)
+        comb = Combined(None, row_TK, gate_TK)
+        # combine^-1: the router gradient from the kept outputs, and each row's output
+        # gradient: dout of its token, scaled by its gate
+        y_R = rows.pop("y_send")
+        dgate = None if ctx.rowdot else router_grad_home(y_R, comb, dout_TH, row_TK.reshape(-1))
         del y_R
-        # ... and each row's output gradient: dout of its token, scaled by its gate
         scale_R = gate_TK.reshape(-1)[pair_R].float()
-        kept["dy"] = dout_TH[pair_R // K]
-        with _timed(stats, "expert_bwd_ms", dev):
-            dx_R, dw13, dw2, *dot = swiglu_backward_owned(
-                kept, w13_E, w2_E, HostCounts(offs_E), offs_E, scale=scale_R, rowdot=ctx.rowdot)
+        rows["dy"] = dout_TH[pair_R // K]
+        dx_R, dw13, dw2, dot = experts_backward(rows, None, scale_R, _IDENTITY, None, _ALL,
+                                                w13_E, w2_E, HostCounts(offs_E), offs_E,
+                                                ctx.rowdot, tm)
         if ctx.rowdot:  # <dout[t], y[t,k]> from the expert backward, back to pair order
-            dgate = torch.zeros(P, dtype=torch.float32, device=dev).scatter_(0, pair_R, dot[0])
+            dgate = torch.zeros(P, dtype=torch.float32, device=dev).scatter_(0, pair_R, dot)
             dgate = dgate.view(T, K).to(gate_TK.dtype)
-        dx_TH = fused("combine", weighted_gather_sum, dx_R)(dx_R, row_TK,
-                                                           torch.ones(T, K, device=dev))
+        dx_TH = combine(dx_R, row_TK.reshape(-1), torch.ones(T, K, device=dev), H).out_TH
         rd = 4 * ctx.rowdot
         stats.update(bwd_rows=P, selected_rows=P, bwd_dispatch_bytes_sent=P * (H * es + 12),
                      bwd_dispatch_bytes_recv=P * (H * es + 12),
@@ -225,3 +227,14 @@ class LocalExperts(torch.autograd.Function):
                      bwd_combine_bytes_recv=P * (H * es + rd),
                      bwd_exact_bytes=P * (2 * H * es + 12), bwd_flops=6 * P * H * w2_E.shape[-1] * 2)
         return dx_TH, dgate, dw13, dw2, None, None, None, None
+
+
+# one rank's layouts: the rows arrive in instance order, every one is kept
+_IDENTITY = RecvLayout([], [], None)
+_ALL = Retention(None)
+
+
+def _timer(stats: dict, dev: torch.device) -> Timer:
+    """The stages' ``tm``: only the expert kernels are timed on this path."""
+    return lambda key: (_timed(stats, key + "_ms", dev) if key.startswith("expert")
+                        else contextlib.nullcontext())

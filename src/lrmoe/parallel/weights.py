@@ -1,14 +1,21 @@
-"""Instance weights: materialise each local slot's expert weights from their owners.
+"""Instance weights: each local slot's expert weights, from their owners, in the compute dtype.
 
 Expert e's master weights live on its owner rank ``e // (E/G)`` (the native rank).
 Every step the runtime gathers, for each local slot, a copy of its expert's weights
 (``GatherInstances``); autograd's backward of that gather sums every instance's weight
 gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
 across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
+
+The owned weights are cast to the compute dtype once per optimizer step
+(:func:`compute_copy`): micro-batches of one step reuse the cast, and their gradients
+still accumulate in the master dtype.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,60 +25,67 @@ from lrmoe.policy.plan import Plan
 
 
 class InstanceRoute:
-    """Which owned rows go where, and where arriving rows land, for one plan.
+    """Which owned rows go where, and where arriving rows land, for one placement.
 
-    Only occupied slots get weights: arriving rows land at ``recv_slots``, positions
-    among this rank's occupied slots (slot order), so an empty slot allocates nothing.
+    Only occupied slots get weights: the rows arrive grouped by owner rank (slot order
+    within an owner); ``recv_order`` takes them back to this rank's occupied slots in
+    slot order, so an empty slot allocates nothing. Built with numpy from the placement
+    alone and cached per (placement, rank) (:func:`instance_route`).
     """
 
-    def __init__(self, plan: Plan, me: int, E: int):
-        G, S = plan.G, plan.S
+    def __init__(self, inst_expert_GS: np.ndarray, me: int, E: int):
+        G = inst_expert_GS.shape[0]
         per = E // G
-        ie = plan.inst_expert_GS
-        owner = torch.where(ie >= 0, ie // per, torch.full_like(ie, -1))
-        # Send: rank-major over (r, s), rows of my owned experts.
+        owner = np.where(inst_expert_GS >= 0, inst_expert_GS // per, -1)
         mine = owner == me
-        self.send_rows = (ie[mine] - me * per).tolist()
+        # send: rank-major over (r, s), rows of my owned experts
+        self.send_rows = inst_expert_GS[mine] - me * per
         self.send_splits = mine.sum(1).tolist()
-        # Receive: my slots sorted by owner rank (stable in slot order).
-        my_owner = owner[me]
-        occupied = [s for s in range(S) if my_owner[s] >= 0]
-        pos = {s: i for i, s in enumerate(occupied)}
-        slots = sorted(occupied, key=lambda s: (int(my_owner[s]), s))
-        self.recv_slots = [pos[s] for s in slots]
-        self.recv_splits = [int((my_owner == g).sum()) for g in range(G)]
-        self.S = len(occupied)
+        # receive: my occupied slots, grouped by owner (stable in slot order)
+        my_owner = owner[me][owner[me] >= 0]
+        self.arrival_slot = np.argsort(my_owner, kind="stable")  # arrival -> occupied slot
+        self.recv_order = np.argsort(self.arrival_slot)  # occupied slot -> arrival
+        self.recv_splits = np.bincount(my_owner, minlength=G).tolist()
+        self.S = int(my_owner.size)
         self._index: dict = {}
 
-    def index(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(send_rows, recv_slots)`` as index tensors on ``device``: copied once per
-        route through pinned memory (indexing with a host list would make a pageable
-        copy, which waits for the device)."""
+    def index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(send_rows, recv_order, arrival_slot)`` as index tensors on ``device``:
+        copied once per route, in one pinned copy (indexing with a host tensor would make
+        a pageable copy, which waits for the device)."""
         if device not in self._index:
-            both = torch.tensor(self.send_rows + self.recv_slots, dtype=torch.long)
-            both = to_device(both, device)
-            n = len(self.send_rows)
-            self._index[device] = (both[:n], both[n:])
+            tab = np.concatenate((self.send_rows, self.recv_order, self.arrival_slot))
+            n, m = self.send_rows.size, self.recv_order.size
+            both = to_device(torch.from_numpy(tab), device)
+            self._index[device] = (both[:n], both[n:n + m], both[n + m:])
         return self._index[device]
+
+
+@functools.lru_cache(maxsize=256)
+def _route(key: bytes, shape: tuple[int, int], me: int, E: int) -> InstanceRoute:
+    return InstanceRoute(np.frombuffer(key, dtype=np.int64).reshape(shape), me, E)
+
+
+def instance_route(plan: Plan, me: int, E: int) -> InstanceRoute:
+    """The route of ``plan``'s placement for rank ``me`` (cached: placements repeat
+    across micro-batches, layers and steps)."""
+    ie = plan.inst_expert_GS.numpy().astype(np.int64, copy=False)
+    return _route(ie.tobytes(), ie.shape, me, E)
 
 
 class GatherInstances(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w_own: Tensor, route: InstanceRoute, comm: EPComm) -> Tensor:
-        send_rows, recv_slots = route.index(w_own.device)
-        send = w_own[send_rows]
-        recv = comm.all_to_all(send, route.send_splits, route.recv_splits)
-        out = w_own.new_zeros((route.S,) + tuple(w_own.shape[1:]))
-        out[recv_slots] = recv
+        send_rows, recv_order, _ = route.index(w_own.device)
+        recv = comm.all_to_all(w_own[send_rows], route.send_splits, route.recv_splits)
         ctx.route, ctx.comm, ctx.n_own = route, comm, w_own.shape[0]
-        return out
+        return recv[recv_order]
 
     @staticmethod
     def backward(ctx, g_S: Tensor):
         route, comm = ctx.route, ctx.comm
-        send_rows, recv_slots = route.index(g_S.device)
-        back = comm.all_to_all(g_S[recv_slots].contiguous(), route.recv_splits,
-                               route.send_splits)
+        send_rows, _, arrival_slot = route.index(g_S.device)
+        back = comm.all_to_all(g_S[arrival_slot], route.recv_splits, route.send_splits)
         g_own = g_S.new_zeros((ctx.n_own,) + tuple(g_S.shape[1:]))
         g_own.index_add_(0, send_rows, back)
         return g_own, None, None
@@ -80,7 +94,7 @@ class GatherInstances(torch.autograd.Function):
 def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
     """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from the
     owned experts ``[E/G, ...]``; empty slots get no weights (the exchange runs its
-    grouped GEMMs over the occupied slots, :func:`lrmoe.parallel.exchange.occupied_counts`).
+    grouped GEMMs over the occupied slots, :func:`lrmoe.parallel.stages.occupied_counts`).
 
     When the occupied slots are exactly the owned experts in order (the static plan, or
     any plan that places no replica on this rank) and no other rank holds a replica of
@@ -91,19 +105,44 @@ def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
 
 def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int) -> list[Tensor]:
     """:func:`instance_weights` of several owned tensors for one plan (one route)."""
-    me, per = comm.rank, E // plan.G
-    row = plan.inst_expert_GS[me]
-    if (torch.equal(row[row >= 0], torch.arange(me * per, (me + 1) * per))
-            and _no_replicas(plan)):
+    if _natives_only(plan.inst_expert_GS.numpy(), E):
         return list(ws_own)
-    route = InstanceRoute(plan, me, E)
+    route = instance_route(plan, comm.rank, E)
     return [GatherInstances.apply(w, route, comm) for w in ws_own]
 
 
-def _no_replicas(plan: Plan) -> bool:
+def _natives_only(ie: np.ndarray, E: int) -> bool:
     """Every rank's occupied slots are exactly its natives, in order: no rank needs a
     weight from another (every rank takes the same branch, so all skip the all-to-all)."""
-    ie = plan.inst_expert_GS
-    occ = (ie >= 0).sum(1)
-    return (bool((occ == occ[0]).all())
-            and torch.equal(ie[ie >= 0], torch.arange(int(occ.sum()))))
+    occ = ie[ie >= 0]
+    per_rank = (ie >= 0).sum(1)
+    return occ.size == E and bool((per_rank == per_rank[0]).all()) and bool(
+        (occ == np.arange(E)).all())
+
+
+class _CastOnce(torch.autograd.Function):
+    """``w`` in the compute dtype from a copy cast once: the forward hands out a view of
+    ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, cast: Tensor) -> Tensor:
+        ctx.dtype = w.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g.to(ctx.dtype), None
+
+
+def compute_copy(w: Tensor, dtype: torch.dtype, cache: dict) -> Tensor:
+    """``w.to(dtype)``, the cast made once for as long as ``w`` is unchanged (an
+    optimizer step's in-place update bumps its version), so the micro-batches of one
+    step share it; the same values and the same gradients as ``w.to(dtype)``.
+    ``cache`` holds the cast between calls (one entry per tensor)."""
+    if w.dtype == dtype:
+        return w
+    key = id(w)
+    hit = cache.get(key)
+    if hit is None or hit[0] != w._version or hit[1].dtype != dtype:
+        hit = cache[key] = (w._version, w.detach().to(dtype))
+    return _CastOnce.apply(w, hit[1]) if w.requires_grad and torch.is_grad_enabled() else hit[1]

@@ -10,8 +10,11 @@ all-gathered count matrix, so nothing about it is communicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,23 +69,33 @@ class Plan:
     def S(self) -> int:
         return self.inst_expert_GS.shape[1]
 
-    @property
+    @functools.cached_property
     def exact(self) -> bool:
         """True when every pair is retained and selected (the backward is exact)."""
-        return bool(torch.equal(self.assign_GGS, self.retain_GGS)
-                    and torch.equal(self.retain_GGS, self.select_GGS))
+        return self.all_retained and self.all_selected
+
+    @functools.cached_property
+    def all_retained(self) -> bool:
+        """Every assigned pair keeps its activations (retain = assign)."""
+        return bool(np.array_equal(self.assign_GGS.numpy(), self.retain_GGS.numpy()))
+
+    @functools.cached_property
+    def all_selected(self) -> bool:
+        """Every retained pair enters backward (select = retain)."""
+        return bool(np.array_equal(self.retain_GGS.numpy(), self.select_GGS.numpy()))
 
     def rank_load(self) -> Tensor:
         """Pairs each rank processes in forward, ``[G]``."""
-        return self.assign_GGS.sum(dim=(0, 2))
+        return torch.from_numpy(self.assign_GGS.numpy().sum(axis=(0, 2)))
 
     def rank_backward_load(self) -> Tensor:
         """Pairs each rank processes in backward, ``[G]``."""
-        return self.select_GGS.sum(dim=(0, 2))
+        return torch.from_numpy(self.select_GGS.numpy().sum(axis=(0, 2)))
 
     def num_replicas(self) -> int:
-        used = self.inst_expert_GS[self.inst_expert_GS >= 0]
-        return int(used.numel() - torch.unique(used).numel())
+        used = self.inst_expert_GS.numpy()
+        used = used[used >= 0]
+        return int(used.size - np.unique(used).size)
 
     def check(self, counts_GE: Tensor) -> None:
         """Raise if the plan does not route exactly the counted pairs."""
@@ -121,6 +134,13 @@ class Plan:
             routed = routed + self.dropped_GE.long()
         if not torch.equal(routed, counts_GE.long()):
             raise LrmoeError("plan does not route exactly the counted pairs")
+
+
+def checks_on() -> bool:
+    """Whether the runtime checks every plan against its counts (:meth:`Plan.check`): a
+    debugging aid, off the training path unless ``LRMOE_CHECK_PLANS=1`` (the test suite
+    sets it)."""
+    return os.environ.get("LRMOE_CHECK_PLANS") == "1"
 
 
 def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:

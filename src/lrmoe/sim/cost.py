@@ -2,11 +2,10 @@
 
 Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
 measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
-exchange_time` on the exact ``[src, dst]`` bytes. ``bwd_recompute`` (exact policies that recompute to
-fit a budget) is modelled from the rank's measured forward expert time: recomputing
-``n`` of its ``R`` forward rows costs ``n/R · 2/3`` of it (the gate_up GEMM is 2 of the
-SwiGLU expert's 3 equal-sized GEMMs; the elementwise work is ignored); a whole-layer
-checkpoint the emulator ran (``Plan.layer_checkpoint``) costs what its backward
+exchange_time` on the exact ``[src, dst]`` bytes. Rows recomputed to fit a budget
+(``Plan.recompute_G``) are run by the emulator as by the runtime, inside the expert
+backward: their gate_up GEMM is measured in ``bwd_experts``. ``bwd_recompute`` is a
+whole-layer checkpoint: one the emulator ran (``Plan.layer_checkpoint``) costs what its backward
 measured: the forward's expert kernels again (``expert_ms["recompute"]``) and the
 re-sent dispatch and combine (:data:`lrmoe.sim.vstats.RECOMPUTE_EXCHANGES`, from their
 bytes; the re-run's local work is in ``local`` and ``gather``, measured); one it did not
@@ -35,7 +34,6 @@ STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd
           "select", "gather", "bwd_dispatch", "bwd_experts",
           "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce",
           "opt_d2h", "opt_host_update", "opt_h2d")  # opt_*: --optimizer-offload host
-RECOMPUTE_SHARE = 2 / 3  # gate_up's share of a SwiGLU expert's forward GEMMs
 
 
 @dataclass
@@ -100,8 +98,6 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
         out[k] = [ms / 1e3 for ms in stats.stage_ms.get(k, [0.0] * G)]
     out["fwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
     out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
-    rec = stats.recompute_rows or [0] * G
-    fwd_rows = stats.rows.get("fwd", [0] * G)
     if "recompute" in stats.expert_ms:  # a whole-layer checkpoint, run: measured
         redo = [exchange_time(stats.bytes_GG[ex], link) if sum(stats.bytes_sent(ex)) else
                 [0.0] * G for ex in RECOMPUTE_EXCHANGES]
@@ -110,9 +106,8 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     elif stats.recompute_mode in ("layer", "over"):
         out["bwd_recompute"] = [a + b + c for a, b, c in
                                 zip(out["fwd_dispatch"], out["fwd_experts"], out["fwd_combine"])]
-    else:
-        out["bwd_recompute"] = [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
-                                for f, n, r in zip(out["fwd_experts"], rec, fwd_rows)]
+    else:  # nothing, or rows recomputed inside the expert backward (measured there)
+        out["bwd_recompute"] = [0.0] * G
     return out
 
 
@@ -152,10 +147,8 @@ def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], li
                                         [ms / 1e3 for ms in stats.expert_ms["recompute"]])
     elif stats.recompute_mode in ("layer", "over"):
         out["bwd_recompute"] = ex_terms(["fwd_dispatch", "fwd_combine"], fwd)
-    else:
-        rec, rows = stats.recompute_rows or [0] * G, stats.rows.get("fwd", [0] * G)
-        out["bwd_recompute"] = ex_terms([], [f * RECOMPUTE_SHARE * n / r if n and r else 0.0
-                                             for f, n, r in zip(fwd, rec, rows)])
+    else:  # rows recomputed inside the expert backward are measured there
+        out["bwd_recompute"] = ex_terms([])
     return out
 
 

@@ -99,7 +99,7 @@ import torch
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger, parse_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
-from lrmoe.sim.vmodel import VirtualModel, release_graph, routed_counts, warm_up
+from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
@@ -135,7 +135,7 @@ class TTLConfig:
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
     lrmoe_placement: str = "current"  # lrmoe replicas from this step's or the previous step's counts
-    compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
+    compile: bool = False  # torch.compile the model as lrmoe train --compile
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
@@ -280,7 +280,7 @@ def _val_eval(model, batches, dev, autocast) -> dict:
     return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
 
 
-def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=None,
+def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
               host_s=0.0) -> dict:
     """One optimizer step's record: emulated stage times, loads, ratios, ledger peak (see
     module doc). ``micro``: per micro-batch ``(its layers' stats, wall s, MoE wall s)``;
@@ -325,8 +325,8 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
-           "expert_load_max_over_mean": sum(float(c.max() / c.double().mean().clamp(min=1e-9))
-                                            for c in vm.counts_E) / len(vm.counts_E)}
+           "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
+                                            for s in stats) / len(stats)}
     # per exchange: sum over layers of the critical rank's max(sent, received) bytes and
     # the number of layers with traffic, so the link model can be re-applied offline
     row["exchange_critical_bytes"] = {
@@ -376,8 +376,11 @@ def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | 
 def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
                profile=None) -> dict:
     from lrmoe.model import MoEForCausalLM
+    from lrmoe.model.compile import compile_model
     from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.parallel.groups import ParallelContext
     from lrmoe.policy.registry import make_policy
+    from lrmoe.train.accum import accumulate, update
     from lrmoe.train.loop import make_autocast
     from lrmoe.train.optim import build_optimizer, build_scheduler
 
@@ -390,21 +393,26 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
                                                    profile)
     policy = make_policy(pc, mcfg, G)
+    # the model and optimizer as the trainer builds them (lrmoe.train.loop._build): with
+    # host offload the device keeps the experts in bf16 on CUDA, their fp32 masters on
+    # the "host" (here the emulating device: its cost is modelled per rank)
     torch.manual_seed(cfg.seed)
     model = MoEForCausalLM(mcfg).to(dev)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
+    if cfg.compile:  # as lrmoe train --compile: all but the routed experts
+        compile_model(model)
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
-    vm = VirtualModel(model, G, policy, BackwardOptions(estimator=cfg.estimator,
-                                                        router_grad=router_grad),
-                      planner_ledger, sync, rec_ledger)
+    em = Emulator(model, G, policy, BackwardOptions(estimator=cfg.estimator,
+                                                    router_grad=router_grad),
+                  planner_ledger, sync, rec_ledger)
     trace, trace_GE = [], []
-    # with offload: the offload code path with its "host" on the emulating device (its
-    # cost is modelled per rank; a CPU update of every virtual rank's experts is not)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          host=dev, router_lr_scale=cfg.router_lr_scale)
+                          host=dev, router_lr_scale=cfg.router_lr_scale,
+                          compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
+    ctx = ParallelContext(device=dev)
     offload = None
     if cfg.optimizer_offload == "host":
         from lrmoe.sim.offload import OffloadModel, policy_layout
@@ -418,48 +426,39 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     try:
         N = cfg.grad_accum
         for step in range(cfg.steps):
-            vm.set_step(step)
-            vm.counts_E, vm.counts_GE = [], []
+            em.set_step(step)
             opt.zero_grad(set_to_none=True)
-            micro, lm_sum = [], 0.0
+            micro, clock = [], {}
+
+            def on_micro(m: int, pair, micro=micro, clock=clock) -> None:
+                """Each micro-batch's wall (batch fetch .. after its backward), its routed
+                experts' wall and its layers' stats (timed: device work synchronised)."""
+                sync()
+                if pair is None:
+                    em.wall, clock["t0"] = 0.0, time.perf_counter()
+                    return
+                micro.append((em.stats(), time.perf_counter() - clock["t0"], em.wall))
+                release_graph(model)  # the aux losses hold the step's graph
             # profiler ranges (free without a profiler): the step and its phases, which
             # benchmarks/non_moe_profile.py reads
             with _phase("step"):
-                for m in range(N):  # micro-batch m of step s: global batch s * N + m
-                    vm.wall = 0.0
-                    sync()
-                    t0 = time.perf_counter()
-                    batch = batches.batch(step * N + m).to(dev)
-                    with _phase("forward"), autocast():
-                        lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-                    with _phase("backward"):
-                        (obj / N).backward()  # lrmoe.train.accum: the mean over the micro-batches
-                    sync()
-                    micro.append(([v.stats for v in vm.layers], time.perf_counter() - t0, vm.wall))
-                    lm_sum += float(lm.detach())
-                    # the graph's nodes keep what the exchanges' contexts hold (the rows
-                    # their backward read) until the losses that reach it go
-                    del lm, obj
-                    release_graph(model)
+                # micro-batch m of step s: global batch s * N + m (the trainer's order)
+                sums = accumulate(model, lambda m, s=step: batches.batch(s * N + m).to(dev), N,
+                                  autocast, on_micro)
                 t0 = time.perf_counter()
-                if cfg.clip > 0:
-                    with _phase("clip"):
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-                with _phase("optimizer"):
-                    opt.step()
-                sched.step()
-                model.end_step()
+                update(model, opt, sched, cfg.clip, ctx)
                 sync()
-            opt_wall, loss = time.perf_counter() - t0, lm_sum / N
+            opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
             if not math.isfinite(loss):
                 raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload,
+            row = _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload,
                             getattr(opt, "host_s", 0.0))
             cum = row["cum_emulated_s"]
-            L = len(vm.layers)  # counts_E holds N micro-batches x L layers, in order
-            trace.append([sum(vm.counts_E[m * L + k] for m in range(N)).tolist()
-                          for k in range(L)])  # the optimizer step's counts
-            trace_GE.append(vm.counts_GE[:L])  # the first micro-batch's (what a plan sees)
+            # the optimizer step's counts per layer, and the first micro-batch's per home
+            # rank (what a plan sees)
+            trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
+                          for layer in zip(*[m[0] for m in micro])])
+            trace_GE.append([st.counts_GE for st in micro[0][0]])
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -588,22 +587,6 @@ def deterministic_mode(on: bool, fill: bool = True):
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
         tud.fill_uninitialized_memory = was_fill
-
-
-@contextlib.contextmanager
-def _compile_mode(on: bool):
-    """Eager fused kernels unless ``on``: compiling on the first call of each new shape
-    would land inside the timed expert kernels of whichever policy meets it first."""
-    old = os.environ.get("LRMOE_NO_COMPILE")
-    if not on:
-        os.environ["LRMOE_NO_COMPILE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("LRMOE_NO_COMPILE", None)
-        else:
-            os.environ["LRMOE_NO_COMPILE"] = old
 
 
 def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
@@ -742,37 +725,35 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         reused = load_reused(cfg, policies, v0)
         probe.train()
     first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
-    with _compile_mode(cfg.compile):
-        warm_up(probe, G, batches.batch(0).to(cfg.device), autocast)
-    # the warm-up's wrapped MoE layers refer to themselves (their forward closes over
-    # them): only a collection frees the probe's experts and their gradients
+    warm_up(probe, G, batches.batch(0).to(cfg.device), autocast, cfg.compile)
+    # the probe's emulator refers back to its layers: only a collection frees the probe's
+    # experts and their gradients
     del probe
     gc.collect()
 
     results, profile = {}, None
-    with _compile_mode(cfg.compile):
-        for p in policies:
-            base, vcfg = variants[p]
-            if p in reused:
-                log(f"[{p}] reused from {cfg.reuse}")
-                results[p] = reused[p]
-                if on_policy is not None:
-                    on_policy(p, results[p])
-                continue
-            results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
-                                    profile)
-            results[p]["policy"] = p
-            counts_GE = results[p].pop("_counts_GE")
-            if p == "static":
-                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
-                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
-                                            mcfg.moe_intermediate_size)
-                profile = (*_profile(counts_GE), rate)
-            gc.collect()
-            if cfg.device == "cuda":
-                torch.cuda.empty_cache()
+    for p in policies:
+        base, vcfg = variants[p]
+        if p in reused:
+            log(f"[{p}] reused from {cfg.reuse}")
+            results[p] = reused[p]
             if on_policy is not None:
                 on_policy(p, results[p])
+            continue
+        results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
+                                profile)
+        results[p]["policy"] = p
+        counts_GE = results[p].pop("_counts_GE")
+        if p == "static":
+            from lrmoe.sim.ttl_symi import calibrated_gemm_rate
+            rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
+                                        mcfg.moe_intermediate_size)
+            profile = (*_profile(counts_GE), rate)
+        gc.collect()
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+        if on_policy is not None:
+            on_policy(p, results[p])
     from lrmoe.sim.target import crossing, eval_noise, target_at
 
     w = cfg.smooth_window

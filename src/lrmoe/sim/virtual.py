@@ -29,31 +29,28 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.model.moe import MoELayer
-from lrmoe.model.router import aux_loss
-from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward
-from lrmoe.ops.fused import fused, weighted_gather_sum
-from lrmoe.parallel.exchange import (
-    BackwardOptions,
-    pair_rows,
-    router_grad_home,
-    select_and_compact,
+from lrmoe.model.moe import MoELayer, _compute_dtype
+from lrmoe.ops.experts import offsets
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
+from lrmoe.parallel.local import expert_counts
+from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.stages import (
+    Combined,
+    Retention,
+    Timer,
+    combine,
+    dispatch_rows,
+    experts_backward,
+    experts_forward,
+    home_backward,
+    home_finish,
+    retention,
+    router_grad_experts,
 )
-from lrmoe.parallel.layout import (
-    HomeLayout,
-    RecvLayout,
-    excl_cumsum,
-    home_layout,
-    permute_rows,
-    ranges,
-    recv_layout,
-    to_device,
-    unpermute_rows,
-)
-from lrmoe.parallel.weights import InstanceRoute
+from lrmoe.parallel.weights import instance_route
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
-from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 
@@ -106,37 +103,37 @@ class _State:
     idx_GP: Tensor | None = None
     E: int = 0
 
+    def timer(self, g: int) -> Timer:
+        """The stages' ``tm`` for virtual rank ``g``."""
+        return lambda key: self.timers.time(key, g)
+
 
 # ------------------------------------------------------------------------- exchange
 class VirtualExchange(torch.autograd.Function):
     """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``.
 
     Each rank's slice of the weights is its slots' instance weights. Forward and
-    backward follow :class:`lrmoe.parallel.exchange.ExpertExchange` stage by stage for
-    every virtual rank; see the module doc.
+    backward compose the runtime's stages (:mod:`lrmoe.parallel.stages`) for every
+    virtual rank in turn, with the virtual all-to-all between them; see the module doc.
     """
 
     @staticmethod
     def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
                 st: _State) -> Tensor:
-        plan, G, H = st.plan, st.plan.G, x_NH.shape[1]
+        plan, G = st.plan, st.plan.G
         out, kept = _forward_ranks(st, x_NH, gate_NK, w13_IS, w2_IS, recompute=False)
         st.stats.rows["fwd"] = plan.rank_load().tolist()
         st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
-        rec_G = [0] * G if plan.recompute_G is None else plan.recompute_G.tolist()
         st.stats.saved_act_bytes = [0] * G if plan.layer_checkpoint else [
-            sx.numel() * sx.element_size() + (sgu.shape[0] - n) * sgu.shape[1] * sgu.element_size()
-            for (sx, sgu, _), n in zip(kept["saved"], rec_G)]
+            sum(t.numel() * t.element_size() for k, t in rows.items() if k != "y_send")
+            for rows in kept.rows_G]
         st.timers.resolve()
         st.stats.expert_ms["fwd"] = st.timers.ms.get("expert_fwd", [0.0] * G)
-        # router_grad "experts" on an exact plan: the router gradient comes from the expert
-        # backward, so the combined rows are not kept (as ExpertExchange)
-        ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
         ctx.st = st
         if plan.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
             ctx.save_for_backward(w13_IS, w2_IS, x_NH, gate_NK)
         else:
-            _keep(ctx, kept, H)
+            ctx.kept = kept
             ctx.save_for_backward(w13_IS, w2_IS)
         return out
 
@@ -148,117 +145,75 @@ class VirtualExchange(torch.autograd.Function):
         G, S = plan.G, plan.S
         dev, H = dout_NH.device, dout_NH.shape[1]
         if inputs:  # whole-layer checkpoint: the forward again, measured in backward
-            _keep(ctx, _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1], H)
+            ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1]
             del inputs
-        dout_G = [d.to(ctx.y_send_G[0].dtype).contiguous() for d in dout_NH.split(T)]
+        kept: _Kept = ctx.kept
+        del ctx.kept
+        rows_G = kept.rows_G
+        dtype = w13_IS.dtype
+        dout_G = [d.to(dtype).contiguous() for d in dout_NH.split(T)]
         es = dout_G[0].element_size()
         w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
-        exact = torch.equal(plan.select_GGS, plan.retain_GGS)
+        exact = plan.all_selected
+        at_experts = st.opts.router_grad == "experts" and plan.exact
 
-        # --- per home rank: combine^-1, select, compact (ExpertExchange.backward)
-        dgate_G, rows_G, j_G, scale_G, sent_G, sel_pos_G, keep_G = [], [], [], [], [], [], []
+        # --- per home rank: combine^-1, select, compact
+        dgate_G, sh_G = [], []
         for g in range(G):
-            home, y_send, w_TK, row_TK = st.homes[g], ctx.y_send_G[g], ctx.w_TK_G[g], ctx.rows_TK_G[g]
-            dout = dout_G[g]
-            with st.timers.time("local", g):
-                dgate_G.append(router_grad_home(y_send, row_TK, w_TK, dout, home,
-                                                ctx.dgate_at_experts))
-            with st.timers.time("select", g):
-                ret_pos = home.retained_positions(dev)
-                pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-                tok_c, g_c = pairs // K, w_TK.reshape(-1)[pairs].float()
-                tok_s, scale, sent_I, _, keep, sel_idx = select_and_compact(
-                    dout, tok_c, g_c, st.gate_P_G[g][pairs], home, opts, st.generators[g], exact)
-                cand_pos = (ret_pos if ret_pos is not None
-                            else torch.arange(home.src_pair.numel(), device=dev))
-                sel_pos = cand_pos if sel_idx is None else cand_pos[sel_idx]
-                rows_G.append(dout[tok_s].contiguous())
-                j_G.append(home.j_in_block[sel_pos])
-            scale_G.append(scale.float())
-            sent_G.append(sent_I.reshape(G, S))
-            sel_pos_G.append((sel_pos, sel_idx))
-            keep_G.append(keep)
+            dgate, sh = home_backward(
+                dout_G[g], kept.comb_G[g], st.homes[g], st.gate_P_G[g],
+                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], exact, opts, rows_G[g],
+                st.generators[g], None, at_experts, st.timer(g))
+            dgate_G.append(dgate)
+            sh_G.append(sh)
 
-        # --- the reverse exchange (_experts_backward for all ranks at once)
-        send_splits_G = [s.sum(1).tolist() for s in sent_G]
-        recv_GS_G = [torch.stack([sent_G[g][r] for g in range(G)]) for r in range(G)]
-        if keep_G[0] is not None and opts.compaction and opts.estimator == "sampled":
+        # --- the reverse exchange: every rank receives what the homes ship it
+        send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
+        recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
+        if not exact and opts.compaction and opts.estimator == "sampled":
             # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
             st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
             st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
-        rls = []
+        rls, counts_G = [], []
         for r in range(G):
             with st.timers.time("local", r):
                 rls.append(recv_layout(recv_GS_G[r], dev))
-        dy_recv_G = _links(rows_G, send_splits_G)
-        j_recv_G = _links(j_G, send_splits_G)
-        sc_recv_G = _links(scale_G, send_splits_G)
-        rows = _rows_GG(send_splits_G)
+                counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
+        for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
+            rows_G[r]["dy"] = dy
+        del dy
+        j_recv_G = _links([sh.j for sh in sh_G], send_G)
+        sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
+        rows = _rows_GG(send_G)
         st.stats.rows_GG["bwd_dispatch"] = rows
         st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
         st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
         # + each row's router gradient (fp32) when the experts compute it
-        st.stats.bytes_GG["bwd_combine"] = rows.t() * (H * es + 4 * ctx.dgate_at_experts)
+        st.stats.bytes_GG["bwd_combine"] = rows.t() * (H * es + 4 * at_experts)
+        st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
         dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
         for r in range(G):
-            rl, recv_GS = rls[r], recv_GS_G[r]
-            saved_x, saved_gu, saved_SG = ctx.saved[r]
-            with st.timers.time("local", r):
-                scale_inst = permute_rows(sc_recv_G[r], rl.to_inst)
-                dy_inst = permute_rows(dy_recv_G[r], rl.to_inst)
-                offs = offsets(rl.counts, dev)
-            with st.timers.time("gather", r):
-                if torch.equal(saved_SG, recv_GS.t().reshape(-1)):
-                    x_sel, gu_sel = saved_x, saved_gu
-                else:
-                    n = int(recv_GS.sum())
-                    blk = torch.repeat_interleave(torch.arange(S * G, device=dev),
-                                                  to_device(recv_GS.t().reshape(-1), dev),
-                                                  output_size=n)
-                    rows_saved = (to_device(excl_cumsum(saved_SG), dev)[blk]
-                                  + permute_rows(j_recv_G[r], rl.to_inst))
-                    x_sel, gu_sel = saved_x[rows_saved], saved_gu[rows_saved]
-            with st.timers.time("expert_bwd", r):
-                dx_inst, dw13, dw2, *dot = swiglu_backward(
-                    x_sel, gu_sel, dy_inst, w13_G[r], w2_G[r], rl.counts, offs,
-                    scale=scale_inst, rowdot=ctx.dgate_at_experts)
-            with st.timers.time("local", r):
-                dx_recv_G.append(unpermute_rows(dx_inst, rl.to_inst))
-                if dot:
-                    dot_recv_G.append(unpermute_rows(dot[0], rl.to_inst))
+            counts, offs = counts_G[r]
+            dx_recv, dw13, dw2, dot = experts_backward(
+                rows_G[r], j_recv_G[r], sc_recv_G[r], rls[r], recv_GS_G[r], kept.keep_G[r],
+                w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
+            dx_recv_G.append(dx_recv)
+            dot_recv_G.append(dot)
             dw13_G.append(dw13)
             dw2_G.append(dw2)
         dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
-        if ctx.dgate_at_experts:  # every send row came back, in send order
+        if at_experts:  # every send row came back, in send order
             dg_back_G = _links(dot_recv_G, [rl.splits for rl in rls])
-            for g in range(G):
-                with st.timers.time("local", g):
-                    dgate = torch.zeros(T * K, dtype=torch.float32, device=dev)
-                    dgate[st.homes[g].src_pair] = dg_back_G[g]
-                    dgate_G[g] = dgate.view(T, K).to(ctx.w_TK_G[g].dtype)
-        st.stats.rows["bwd"] = [int(d.shape[0]) for d in dy_recv_G]
+            dgate_G = [router_grad_experts(dg_back_G[g], st.homes[g], T, K,
+                                           kept.comb_G[g].w_TK.dtype, st.timer(g))
+                       for g in range(G)]
         st.stats.rows["selected"] = [
-            int(recv_GS_G[r].sum()) if keep_G[0] is None or opts.compaction
+            int(recv_GS_G[r].sum()) if exact or opts.compaction
             else int(plan.select_GGS[:, r, :].sum()) for r in range(G)]
 
         # --- dx per home rank: shipped rows back to pair order, summed over k
-        dx_G = []
-        for g in range(G):
-            home, dx_back = st.homes[g], dx_back_G[g]
-            sel_pos, sel_idx = sel_pos_G[g]
-            n_rows = dx_back.shape[0]
-            with st.timers.time("local", g):
-                if home.all_retained and sel_idx is None and not home.dropped:
-                    row, valid = ctx.rows_TK_G[g], None
-                else:
-                    row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
-                    row_of_pair[home.src_pair[sel_pos]] = torch.arange(n_rows, device=dev)
-                    row, valid = pair_rows(row_of_pair, n_rows, T, K)
-                if n_rows == 0:
-                    dx_G.append(dout_G[g].new_zeros(T, H))
-                else:
-                    ones = torch.ones(T, K, device=dev) if valid is None else valid
-                    dx_G.append(fused("combine", weighted_gather_sum, dx_back)(dx_back, row, ones))
+        dx_G = [home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g], st.timer(g))
+                for g in range(G)]
         st.timers.resolve()
         st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
         if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
@@ -272,8 +227,19 @@ class VirtualExchange(torch.autograd.Function):
         return grads
 
 
+@dataclass
+class _Kept:
+    """What the emulated forward keeps for backward, per virtual rank: its rows (the
+    receiver's kept ``x``/``gu``, the home's combined ``y_send``), its retention and
+    its combine."""
+
+    rows_G: list[dict]
+    keep_G: list[Retention]
+    comb_G: list[Combined]
+
+
 def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
-                   recompute: bool) -> tuple[Tensor, dict]:
+                   recompute: bool) -> tuple[Tensor, _Kept]:
     """Dispatch -> experts -> combine for every virtual rank (ExpertExchange's forward):
     ``(out, what backward reads)``. ``recompute``: the whole-layer checkpoint's re-run in
     backward: the layouts are rebuilt, the exchanges' bytes go to ``recompute_dispatch``
@@ -297,59 +263,33 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     x_send_G = []
     for g in range(G):
         with st.timers.time("local", g):
-            x_send_G.append(x_G[g][st.homes[g].src_pair // K])
+            x_send_G.append(dispatch_rows(x_G[g], st.homes[g], K))
     splits_G = [h.splits for h in st.homes]
-    x_recv_G = _links(x_send_G, splits_G)
+    rows_G = [{"x": x} for x in _links(x_send_G, splits_G)]
+    del x_send_G
     rows = _rows_GG(splits_G)
     st.stats.rows_GG[disp] = rows
     st.stats.bytes_GG[disp] = rows * H * es
     st.stats.rows_GG[comb] = rows.t().contiguous()
     st.stats.bytes_GG[comb] = rows.t() * H * es
 
-    # experts, per receiving rank; retention as in ExpertExchange
-    y_recv_G, saved = [], []
-    for r in range(G):
-        recv = st.recvs[r]
-        with st.timers.time("local", r):
-            x_inst = permute_rows(x_recv_G[r], recv.to_inst)
-        with st.timers.time(expert, r):
-            y_inst, gu_inst = swiglu_forward(x_inst, w13_G[r], w2_G[r], recv.counts)
-        ret_GS, asg_GS = plan.retain_GGS[:, r, :], plan.assign_GGS[:, r, :]
-        with st.timers.time("gather", r):
-            if torch.equal(ret_GS, asg_GS):
-                sx, sgu, sSG = x_inst, gu_inst, asg_GS.t().reshape(-1)
-            else:
-                sSG = ret_GS.t().reshape(-1)
-                keep = ranges(excl_cumsum(asg_GS.t().reshape(-1)), sSG, dev)
-                sx, sgu = x_inst[keep], gu_inst[keep]
-        saved.append((sx, sgu, sSG))
-        with st.timers.time("local", r):
-            y_recv_G.append(unpermute_rows(y_inst, recv.to_inst))
+    # experts, per receiving rank
+    keep_G = [retention(plan, r) for r in range(G)]
+    y_recv_G = [experts_forward(rows_G[r], st.recvs[r], w13_G[r], w2_G[r], st.recvs[r].counts,
+                                keep_G[r], st.timer(r), expert) for r in range(G)]
 
     # combine, per home rank
     y_send_G = _links(y_recv_G, [r.splits for r in st.recvs])
-    outs, w_TK_G, rows_TK_G = [], [], []
+    del y_recv_G
+    outs, comb_G = [], []
     for g in range(G):
-        y_send = y_send_G[g]
         with st.timers.time("local", g):
-            row_TK, valid_TK = pair_rows(st.homes[g].send_row_P, y_send.shape[0], T, K)
-            w_TK = gate_G[g] if valid_TK is None else gate_G[g] * valid_TK
-            if y_send.shape[0] == 0:
-                outs.append(x_G[g].new_zeros(T, H))
-            else:
-                outs.append(fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK))
-        w_TK_G.append(w_TK)
-        rows_TK_G.append(row_TK)
-    kept = {"saved": saved, "w_TK_G": w_TK_G, "y_send_G": y_send_G, "rows_TK_G": rows_TK_G}
-    return torch.cat(outs), kept
-
-
-def _keep(ctx, kept: dict, H: int) -> None:
-    """What the exchange's backward reads, on ``ctx`` (the combined rows only where the
-    router gradient needs them)."""
-    ctx.saved, ctx.w_TK_G, ctx.rows_TK_G = kept["saved"], kept["w_TK_G"], kept["rows_TK_G"]
-    y_send_G = kept["y_send_G"]
-    ctx.y_send_G = [y.new_empty(0, H) for y in y_send_G] if ctx.dgate_at_experts else y_send_G
+            comb_G.append(combine(y_send_G[g], st.homes[g].send_row_P, gate_G[g], H))
+        outs.append(comb_G[g].out_TH)
+        comb_G[g].out_TH = None
+        at_experts = st.opts.router_grad == "experts" and plan.exact
+        rows_G[g]["y_send"] = y_send_G[g].new_empty(0, H) if at_experts else y_send_G[g]
+    return torch.cat(outs), _Kept(rows_G, keep_G, comb_G)
 
 
 # --------------------------------------------------------------------- instance weights
@@ -371,7 +311,7 @@ def replica_rows_GG(plan: Plan, E: int) -> Tensor:
     """``[owner, dst]`` expert instances the owners send for the weight scatter (the
     same counts go back in the gradient reduce), from the runtime's own routing."""
     G = plan.G
-    return torch.tensor([InstanceRoute(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
+    return torch.tensor([instance_route(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------- layer
@@ -395,7 +335,8 @@ class VirtualEPLayer:
         ledger: memory ledger handed to the planner (``None``: no budget).
         generators: per virtual rank, the generator for the ``sampled`` estimator (as
             ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.
-        check_plans: validate each plan against the counts.
+        check_plans: validate each plan against the counts (``None``: as the runtime,
+            :func:`lrmoe.policy.plan.checks_on`).
         recompute_ledger: for exact policies under a budget: the ledger that decides
             how many pairs each rank recomputes (``VirtualStats.recompute_rows``), or
             that the layer is checkpointed whole; over even that, the step raises
@@ -404,7 +345,7 @@ class VirtualEPLayer:
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
                  backward_opts: BackwardOptions | None = None, ledger=None,
-                 generators: list[torch.Generator | None] | None = None, check_plans: bool = True,
+                 generators: list[torch.Generator | None] | None = None, check_plans: bool | None = None,
                  recompute_ledger=None):
         E = layer.cfg.num_experts
         if E % G:
@@ -413,7 +354,8 @@ class VirtualEPLayer:
             raise ValueError("VirtualEPLayer needs the full (unsharded) experts")
         self.layer, self.G, self.policy = layer, G, policy
         self.opts = backward_opts or BackwardOptions()
-        self.ledger, self.check_plans = ledger, check_plans
+        self.ledger = ledger
+        self.check_plans = checks_on() if check_plans is None else check_plans
         self.recompute_ledger = recompute_ledger
         self.generators = generators or [None] * G
         self.step = 0
@@ -424,10 +366,22 @@ class VirtualEPLayer:
         return self.forward(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        layer, G = self.layer, self.G
-        shape = x.shape
-        H = shape[-1]
+        """The whole layer on the global tokens: the router, the routed experts over the G
+        virtual ranks (:meth:`routed`), the shared experts."""
+        layer, H = self.layer, x.shape[-1]
         x_NH = x.reshape(-1, H)
+        r = layer.router(x_NH)
+        out = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE).view(x.shape).to(x.dtype)
+        if layer.shared_experts is not None:
+            out = out + layer.shared_experts(x)
+        return out
+
+    def routed(self, x_NH: Tensor, idx_NK: Tensor, gate_NK: Tensor, probs_NE: Tensor | None
+               ) -> Tensor:
+        """count -> plan -> dispatch -> experts -> combine of the routed experts, over the
+        G virtual ranks (:meth:`MoELayer._routed`'s work on G ranks at once); the layer's
+        aux loss and step counts as the runtime records them."""
+        layer, G = self.layer, self.G
         N = x_NH.shape[0]
         if N % G:
             raise ValueError(f"{N} tokens do not split over G={G} virtual ranks")
@@ -439,43 +393,34 @@ class VirtualEPLayer:
         # to no stage; reported as VirtualStats.prepare_ms)
         with torch.profiler.record_function("stage:prepare"):
             t1 = time.perf_counter()
-            inputs = prepare(self.policy, layer.prev_counts_E, G,
-                             PlanInputs(layer.moe_index, self.step, layer.prev_counts_E,
-                                        self.ledger), T * K)
+            prev = layer.prev_counts_E
+            prev = prev.cpu() if prev is not None else None
+            inputs = prepare(self.policy, prev, G,
+                             PlanInputs(layer.moe_index, self.step, prev, self.ledger), T * K)
             prepare_ms = (time.perf_counter() - t1) * 1e3
-        t0 = _now(dev)
-        # route (row-wise, so routing all tokens at once equals routing each shard)
-        with torch.profiler.record_function("stage:route"):
-            r = layer.router(x_NH)
-        dense_s = _now(dev) - t0
-        idx_GP = r.idx_TK.reshape(G, T * K)
-        gate_GP = r.gate_TK.reshape(G, T * K)
+        idx_GP = idx_NK.reshape(G, T * K)
+        gate_GP = gate_NK.reshape(G, T * K)
         # count
         counts = []
         for g in range(G):
             with timers.time("local", g):
-                counts.append(torch.bincount(idx_GP[g], minlength=E))
-        counts_GE = torch.stack(counts).long().cpu()
-        glob = counts_GE.sum(0)
-        self.last_aux_loss = None
-        if r.probs_TE is not None and layer.training:
-            # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
-            with torch.profiler.record_function("stage:route"):
-                t1 = _now(dev)
-                self.last_aux_loss = aux_loss(r.probs_TE, glob, N, layer.cfg.router_aux_loss_coef)
-                dense_s += _now(dev) - t1
+                counts.append(expert_counts(idx_GP[g], E))
+        counts_GE = torch.stack(counts).cpu()  # the count all-gather's host copy
+        # the step's counts and the aux loss, from the group's counts (as the runtime);
+        # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
+        with torch.profiler.record_function("stage:route"):
+            layer._count(counts_GE.sum(0), probs_NE, N)
         # plan: every rank computes the same plan, so every rank is charged its time
         with torch.profiler.record_function("stage:plan"):
             plan, stats, plan_ms = self._plan(counts_GE, inputs)
-        stats.prepare_ms = prepare_ms
-        stats.dense_fwd_s = dense_s
+        stats.prepare_ms, stats.counts_GE = prepare_ms, counts_GE
         # the count all-gather (comm.all_gather_counts): E int64 to every peer
         stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
         stats.bytes_GG["count_allgather"] = torch.full((G, G), E * 8, dtype=torch.long)
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x_NH.dtype
+        dtype = _compute_dtype(x_NH)
         with torch.profiler.record_function("stage:weight_scatter"):
-            w13 = virtual_instance_weights(layer.experts.gate_up_proj.to(dtype), plan)
-            w2 = virtual_instance_weights(layer.experts.down_proj.to(dtype), plan)
+            w13, w2 = (virtual_instance_weights(w, plan)
+                       for w in layer.experts.compute_weights(dtype))
         rep = replica_rows_GG(plan, E)
         per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
         stats.rows_GG["weight_scatter"] = rep
@@ -491,14 +436,7 @@ class VirtualEPLayer:
         st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
                     timers, stats, self.generators, idx_GP, E)
         self.stats = stats
-        out = VirtualExchange.apply(x_NH.to(dtype), r.gate_TK, w13, w2, st)
-        out = out.view(shape).to(x.dtype)
-        if layer.shared_experts is not None:
-            with torch.profiler.record_function("stage:route"):
-                t1 = _now(dev)
-                out = out + layer.shared_experts(x)
-                stats.dense_fwd_s += _now(dev) - t1
-        return out
+        return VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs
               ) -> tuple[Plan, VirtualStats, float]:
@@ -519,20 +457,22 @@ class VirtualEPLayer:
             fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
             if fit[0] == "layer":  # run the whole-layer checkpoint
                 plan = dataclasses.replace(plan, layer_checkpoint=True)
+            elif fit[0] == "pairs":  # run the recompute, as the runtime's --recompute does
+                plan = dataclasses.replace(plan, recompute_G=torch.from_numpy(fit[1]))
         plan_ms = (time.perf_counter() - t0) * 1e3
         if fit is not None and fit[0] == "over":
             raise _out_of_memory(fit_ledger, plan, fit[2])
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
-        if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
-            stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
-        elif plan.layer_checkpoint and fit is None:  # the planner checkpoints the layer
-            stats.recompute_mode, stats.recompute_rows = "layer", plan.rank_load().tolist()
-        elif fit is not None:
+        if fit is not None:  # the fallback decided here
             mode, rows, totals = fit
             stats.recompute_mode, stats.recompute_rows = mode, rows.tolist()
             stats.ledger_total_bytes = totals.tolist()
+        elif plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
+            stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
+        elif plan.layer_checkpoint:  # the planner checkpoints the layer
+            stats.recompute_mode, stats.recompute_rows = "layer", plan.rank_load().tolist()
         stats.rung = plan.rung or _EXACT_RUNG[stats.recompute_mode]
         if self.ledger is not None and stats.ledger_total_bytes is None:
             stats.ledger_total_bytes = plan_totals(self.ledger, plan).tolist()

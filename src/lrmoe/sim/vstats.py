@@ -75,9 +75,6 @@ class VirtualStats:
         expert_ms: ``fwd`` / ``bwd`` (and ``recompute``: a whole-layer checkpoint's re-run
             in backward): each rank's measured expert kernel time (ms).
         stage_ms: each rank's measured time (ms) of the :data:`MEASURED_STAGES`.
-        dense_fwd_s: measured wall seconds of the router and the shared experts in
-            forward (all ranks' tokens): work that is not the routed experts', which
-            ``bench ttl`` charges to the non-MoE time, as for attention.
         bwd_end_s: ``perf_counter`` when the exchange's backward ended, its gradients
             concatenated over the virtual ranks (after a device sync); what follows in
             the layer's backward is the router's and the shared experts' (non-MoE) work.
@@ -110,7 +107,6 @@ class VirtualStats:
     expert_ms: dict[str, list[float]] = field(default_factory=dict)
     saved_act_bytes: list[int] = field(default_factory=list)
     stage_ms: dict[str, list[float]] = field(default_factory=dict)
-    dense_fwd_s: float = 0.0
     bwd_end_s: float | None = None
     ledger_total_bytes: list[int] | None = None
     recompute_rows: list[int] | None = None
@@ -118,6 +114,7 @@ class VirtualStats:
     recompute_fits: bool = True
     rung: str = "plan"
     prepare_ms: float = 0.0
+    counts_GE: Tensor | None = None
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
         """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""

@@ -1,4 +1,5 @@
-"""Gradient accumulation: N micro-batches, one optimizer step.
+"""One optimizer step, as ``lrmoe train`` and ``lrmoe bench ttl`` both run it: N
+micro-batches accumulated (:func:`accumulate`), then one update (:func:`update`).
 
 ``--batch-size`` is the micro-batch (one forward and one backward, what the memory
 ledger and every policy's plan see); ``--grad-accum N`` runs N of them before each
@@ -30,22 +31,56 @@ from torch import Tensor, nn
 
 
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
-               autocast=None) -> Tensor:
+               autocast=None, on_micro: Callable[[int, Tensor | None], None] | None = None
+               ) -> Tensor:
     """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
 
     ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
     targets ``[:, 1:]``). Returns ``[lm, objective]`` summed over the micro-batches
     (detached, fp32, on the model's device): divide by ``n`` for the step's mean.
-    Gradients add to what ``.grad`` holds (zero it before the step).
+    Gradients add to what ``.grad`` holds (zero it before the step). ``on_micro(m,
+    None)`` is called before micro-batch ``m`` and ``on_micro(m, pair)`` after its
+    backward (``pair``: its ``[lm, objective]``), e.g. to time it.
     """
     sums = None
     for m in range(n):
+        if on_micro is not None:
+            on_micro(m, None)
         batch = micro_batch(m)
-        with (autocast() if autocast is not None else contextlib.nullcontext()):
+        with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
             lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
-        (obj / n).backward()
+        with _range("backward"):
+            (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()
+        del lm, obj
+        if on_micro is not None:
+            on_micro(m, pair)
         sums = pair if sums is None else sums + pair
     assert sums is not None
     return sums
 
+
+def update(model: nn.Module, opt, sched, clip: float, ctx,
+           check_norm: Callable[[float], None] | None = None, reduce=None) -> tuple[float, list]:
+    """The step's update after :func:`accumulate`: gradient sync over the data-parallel
+    ranks, clipping by the global norm (the host optimizer scales its own copies), the
+    optimizer and the schedule, and the step's router counts closed
+    (``model.end_step``). ``check_norm(norm)`` may refuse the update (raise) before the
+    weights change. Returns ``(norm before clipping, per MoE layer the step's counts)``."""
+    from lrmoe.parallel.groups import clip_grad_norm, sync_grads
+
+    with _range("clip"):
+        sync_grads(model, ctx)
+        gnorm = clip_grad_norm(model, clip, ctx, getattr(opt, "scale_grads", None))
+    if check_norm is not None:
+        check_norm(gnorm)
+    with _range("optimizer"):
+        opt.step()
+        sched.step()
+        return gnorm, model.end_step(reduce=reduce)
+
+
+def _range(phase: str):
+    """A ``step:<phase>`` profiler range (free without a profiler): what
+    ``benchmarks/non_moe_profile.py`` reads a step's phases from."""
+    return torch.profiler.record_function(f"step:{phase}")

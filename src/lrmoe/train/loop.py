@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
-from lrmoe.train.accum import accumulate
+from lrmoe.train.accum import accumulate, update
 from lrmoe.train.config import (
     RUN_CONFIG,
     RUN_FORMAT,
@@ -573,8 +573,6 @@ class _Run:
         """One optimizer step: forward and backward of each micro-batch, the checks of
         the loss and gradient norm, the update. Returns the metrics row's inputs and the
         signal a rank received (``None``: none)."""
-        from lrmoe.parallel.groups import clip_grad_norm, sync_grads
-
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
         s.rt.step = watch.step = step
         watch.phase = "forward and backward"
@@ -608,17 +606,14 @@ class _Run:
             raise LrmoeError(f"training diverged at step {step + 1}: {blowup}; stopped "
                              f"before updating the weights ({intact}). Lower --lr or raise "
                              "--warmup; --divergence-factor 0 disables this check")
-        watch.phase = "gradient sync"
-        sync_grads(s.model, ctx)
-        gnorm = clip_grad_norm(s.model, cfg.clip, ctx, getattr(s.opt, "scale_grads", None))
-        watch.phase = "optimizer step and router counts"
-        if not math.isfinite(gnorm):
-            raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
-                             f"({intact}). Lower --lr or raise --warmup")
+        watch.phase = "gradient sync, clipping, optimizer step and router counts"
+
+        def check_norm(gnorm: float) -> None:
+            if not math.isfinite(gnorm):
+                raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
+                                 f"({intact}). Lower --lr or raise --warmup")
         lr = s.opt.param_groups[0]["lr"]
-        s.opt.step()
-        s.sched.step()
-        counts = s.model.end_step(reduce=self.reduce)
+        gnorm, counts = update(s.model, s.opt, s.sched, cfg.clip, ctx, check_norm, self.reduce)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         dt = time.perf_counter() - t0

@@ -25,6 +25,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from triton.runtime import interpreter as _interp  # noqa: E402
 
+from bits import same_bits  # noqa: E402
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.parallel.exchange import BackwardOptions, select_and_compact  # noqa: E402
 from test_select_fast import metric_case  # noqa: E402
@@ -44,15 +45,6 @@ _interp._patch_lang_tensor = _patch_index
 
 assert rowops.on_kernels(torch.zeros(1)), "the kernels should serve CPU tensors here"
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bits (so -0.0 differs from 0.0, and NaNs compare)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(view), b.view(view))
-    return torch.equal(a, b)
 
 
 def runs_case(g: torch.Generator, n_src: int, n_runs: int, idx_dtype: torch.dtype):

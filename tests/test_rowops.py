@@ -8,19 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bits import same_bits
 from lrmoe.ops import rowops
 from lrmoe.ops.fused import gathered_dot, weighted_gather_sum
 from lrmoe.parallel.exchange import metric_grad_norm, pair_rows
 from lrmoe.parallel.layout import ranges
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(view), b.view(view))
-    return torch.equal(a, b)
 
 
 def test_gather_runs_follows_its_definition_and_ranges():

@@ -27,7 +27,8 @@ def _select(case, opts, seed, exchange):
     home = case["home"]
     args = (opts.metric, norm, case["tok"], case["g"], case["gate"], home.retain_I, home.select_I)
     if opts.estimator == "sampled":
-        return selection.select_sampled(*args, gen, exchange, home.splits_shape, case["dout"]), gen.get_state()
+        got = selection.select_sampled(*args, gen, exchange, home.splits_shape, case["dout"])
+        return got, gen.get_state()
     return selection.select_topk(*args, case["dout"]), gen.get_state()
 
 
@@ -36,12 +37,13 @@ def test_selection_is_the_select_stage_bit_for_bit(shape):
     T, K, E, G, S, keep = shape
     for seed in range(2):
         case = home_case(T, K, 16, E, G, S, 0.65, keep, torch.device("cpu"), seed=seed)
-        for opts in (BackwardOptions(), BackwardOptions(metric="gate"),
-                     BackwardOptions(estimator="sampled"), BackwardOptions(estimator="sampled", metric="gate")):
+        for opts in (BackwardOptions(), BackwardOptions(metric="gate"), BackwardOptions(estimator="sampled"),
+                     BackwardOptions(estimator="sampled", metric="gate")):
             for exchange in (None, lambda s: s.flip(0) + 1):
                 got, state = _select(case, opts, seed, exchange)
                 for fn in (select_and_compact, select_and_compact_reference):
-                    (tok_s, scale, sent, recv, keep_m, sel_idx), ref_state = _run(fn, case, opts, seed, exchange)
+                    ref, ref_state = _run(fn, case, opts, seed, exchange)
+                    tok_s, scale, sent, recv, keep_m, sel_idx = ref
                     assert torch.equal(state, ref_state)
                     for a, b in ((got.tok_S, tok_s), (got.scale_S, scale), (got.sent_B, sent),
                                  (got.keep_N, keep_m), (got.sel_idx_S, sel_idx)):

@@ -143,7 +143,7 @@ def _home(shape, seed):
 def test_select_topk_is_the_runtime_bit_for_bit(shape):
     case = _home(shape, 0)
     norm = rowops.token_norm(case["dout"])
-    for metric in ("grad_norm", "gate"):
+    for metric in ("grad_norm", "gate")[: 2 if shape == CASES[0] else 1]:
         ref = select_and_compact(case["dout"], case["tok"], case["g"], case["gate"], case["home"],
                                  BackwardOptions(metric=metric), None, False)
         got = selection.select_topk(metric, norm, case["tok"], case["g"], case["gate"],
@@ -174,7 +174,7 @@ def test_select_sampled_keeps_the_runtime_rows(shape):
     case = _home(shape, 1)
     norm = rowops.token_norm(case["dout"])
     exchange = lambda s: s.flip(0) + 1  # noqa: E731
-    for metric in ("grad_norm", "gate"):
+    for metric in ("grad_norm", "gate")[: 2 if shape == CASES[0] else 1]:
         gen_ref, gen = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
         ref = select_and_compact(case["dout"], case["tok"], case["g"], case["gate"], case["home"],
                                  BackwardOptions(estimator="sampled", metric=metric), gen_ref, False,
@@ -219,28 +219,27 @@ def exact_inclusion_probs(m: torch.Tensor, size: torch.Tensor, quota: torch.Tens
     return out
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_inclusion_probabilities(seed):
+@pytest.mark.parametrize("dtype", (torch.float16, torch.float32), ids=str)
+def test_inclusion_probabilities(dtype):
     """Blocks of 0 to 40 rows with many exact ties, zeros, -0.0 and negatives, quotas 0,
     full and past the block. Over metrics within a few orders of magnitude the kernel's
     probabilities are the reference's to float64 rounding; over metrics spread across 30
     orders (where the reference's running sum rounds a tiny row's cap test away) they
     are the exact water-filling's, and each block's sum is its quota (at most its rows)."""
-    for dtype in (torch.float16, torch.float32):  # metric_case spreads fp32 the widest
-        g = torch.Generator().manual_seed(seed)
-        m, blk, quota, size = metric_case(g, 7, dtype, grouped=True)
-        m, N = m.float(), m.numel()
-        got = selection.select_sampled("gate", None, torch.arange(N), torch.ones(N), m, size, quota,
-                                       torch.Generator().manual_seed(seed))
-        exact = torch.tensor([float(p) for p in exact_inclusion_probs(m, size, quota)], dtype=torch.float64)
-        torch.testing.assert_close(got.pi_N, exact, rtol=1e-12, atol=1e-15)
-        sums = torch.zeros(size.numel(), dtype=torch.float64).index_add_(0, blk, got.pi_N)
-        torch.testing.assert_close(sums, torch.minimum(quota, size).double(), rtol=1e-12, atol=1e-12)
-        u = torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        assert torch.equal(got.keep_N, u < got.pi_N)
-        if dtype == torch.float16:
-            torch.testing.assert_close(got.pi_N, selection.inclusion_probs(m, size, quota),
-                                       rtol=1e-12, atol=1e-15)
+    g = torch.Generator().manual_seed(0)
+    m, blk, quota, size = metric_case(g, 7, dtype, grouped=True)  # fp32: spread the widest
+    m, N = m.float(), m.numel()
+    got = selection.select_sampled("gate", None, torch.arange(N), torch.ones(N), m, size, quota,
+                                   torch.Generator().manual_seed(1))
+    exact = torch.tensor([float(p) for p in exact_inclusion_probs(m, size, quota)], dtype=torch.float64)
+    torch.testing.assert_close(got.pi_N, exact, rtol=1e-12, atol=1e-15)
+    sums = torch.zeros(size.numel(), dtype=torch.float64).index_add_(0, blk, got.pi_N)
+    torch.testing.assert_close(sums, torch.minimum(quota, size).double(), rtol=1e-12, atol=1e-12)
+    u = torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(got.keep_N, u < got.pi_N)
+    if dtype == torch.float16:
+        ref = selection.inclusion_probs(m, size, quota)
+        torch.testing.assert_close(got.pi_N, ref, rtol=1e-12, atol=1e-15)
 
 
 class _Count(TorchDispatchMode):

@@ -21,7 +21,7 @@ def test_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS.parent / "src"), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
                         str(TESTS / "rowops_interp_cases.py")],
                        env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     tail = (r.stdout + r.stderr)[-6000:]

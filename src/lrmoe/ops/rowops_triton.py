@@ -33,14 +33,17 @@ def direct(kernel):
     return kernel
 
 
-def _search_steps(n: int) -> int:
-    """Steps of :func:`last_at_or_below` over ``n`` sorted entries."""
-    return max(n, 1).bit_length()
+def _search_steps(n) -> int:
+    """Steps of :func:`last_at_or_below` over ``n`` sorted entries (32, enough for any
+    table, when ``n`` is symbolic under ``torch.compile``)."""
+    return max(n, 1).bit_length() if isinstance(n, int) else 32
 
 
-def _rows_tile(H: int) -> tuple[int, int]:
+def _rows_tile(H) -> tuple[int, int]:
     """``(BLOCK_Q, BLOCK_H)`` for copying rows of width ``H``: 1-D data as long strips,
-    rows as up to 1,024-wide chunks (2 KB of bf16)."""
+    rows as up to 1,024-wide chunks (2 KB of bf16). Widths are compile-time constants
+    (``int`` specialises a symbolic width: it never changes within a run)."""
+    H = int(H)
     if H == 1:
         return 1024, 1
     bh = min(triton.next_power_of_2(H), 1024)
@@ -219,7 +222,7 @@ def launch_combine(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor, wrap=direct) ->
         return out.zero_()
     bf16 = src_NH.dtype == torch.bfloat16
     s, o = (src_NH.view(torch.int16), out.view(torch.int16)) if bf16 else (src_NH, out)
-    bh = min(triton.next_power_of_2(H), 512)
+    K, bh = int(K), min(triton.next_power_of_2(int(H)), 512)
     bt = max(1, 2048 // bh)
     wrap(_combine_kernel)[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
         s, row_TK.contiguous(), w_TK.contiguous(), o, T, N, H, s.stride(0), o.stride(0), K=K,
@@ -267,8 +270,7 @@ def launch_combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor, norm:
     sb, db = src_NH.dtype == torch.bfloat16, d_TH.dtype == torch.bfloat16
     s = src_NH.view(torch.int16) if sb else src_NH
     d = d_TH.view(torch.int16) if db else d_TH
-    bh = min(triton.next_power_of_2(max(H, 1)), 256)
-    bt = 16
+    K, bh, bt = int(K), min(triton.next_power_of_2(max(int(H), 1)), 256), 16
     # with no source rows (N = 0) every row is past the end: each dot is 0, the norms stand
     wrap(_combine_dot_kernel)[(triton.cdiv(T, bt),)](
         s, row_TK.contiguous(), d, dot, nrm if norm else dot, T, src_NH.shape[0], H,

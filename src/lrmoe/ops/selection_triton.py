@@ -71,7 +71,7 @@ def _topk_select_kernel(bits_ptr, pmax_ptr, n_pmax, tab_ptr, B, keep_ptr, slot_p
     first = tl.load(tab_ptr + b)
     n = tl.load(tab_ptr + B + b)
     q = tl.minimum(tl.load(tab_ptr + 2 * B + b), n)
-    mx = 0
+    mx = tl.zeros([], dtype=tl.int32)
     for j in range(0, n_pmax, CH):
         jj = j + tl.arange(0, CH)
         mx = tl.maximum(mx, tl.max(tl.load(pmax_ptr + jj, mask=jj < n_pmax, other=0), axis=0))
@@ -82,7 +82,7 @@ def _topk_select_kernel(bits_ptr, pmax_ptr, n_pmax, tab_ptr, B, keep_ptr, slot_p
     hi = lo + 0x7F800001  # past the bits of +inf: above every metric
     for _ in range(31):
         mid = (lo + hi) // 2
-        cnt = 0
+        cnt = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, n, CH):
             i = c0 + tl.arange(0, CH)
             x = tl.load(bits_ptr + first + i, mask=i < n, other=0)
@@ -90,14 +90,14 @@ def _topk_select_kernel(bits_ptr, pmax_ptr, n_pmax, tab_ptr, B, keep_ptr, slot_p
         lo = tl.where(cnt >= q, mid, lo)
         hi = tl.where(cnt >= q, hi, mid)
     kstar = bf + 0.5 * (1.0 - _bits_f64(lo.to(tl.int32)) / mp)
-    below = 0
+    below = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, CH):
         i = c0 + tl.arange(0, CH)
         key = bf + 0.5 * (1.0 - _bits_f64(tl.load(bits_ptr + first + i, mask=i < n, other=0)) / mp)
         below += tl.sum(((i < n) & (key < kstar)).to(tl.int32), axis=0)
     need = q - below  # rows of key == kstar to keep, in row order
-    n_eq = 0
-    n_kept = 0
+    n_eq = tl.zeros([], dtype=tl.int32)
+    n_kept = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, CH):
         i = c0 + tl.arange(0, CH)
         im = i < n
@@ -126,7 +126,7 @@ def _sampled_select_kernel(tok_ptr, gate_ptr, norm_ptr, u_ptr, tab_ptr, B, pi_pt
     hi = lo + 0x7F800000  # the bits of +inf: no finite metric capped
     for _ in range(31):
         mid = (lo + hi) // 2
-        cnt = 0
+        cnt = tl.zeros([], dtype=tl.int32)
         low = tl.zeros([], dtype=tl.float64)
         for c0 in range(0, n, CH):
             i = c0 + tl.arange(0, CH)
@@ -138,7 +138,7 @@ def _sampled_select_kernel(tok_ptr, gate_ptr, norm_ptr, u_ptr, tab_ptr, B, pi_pt
         f = (q - cnt.to(tl.float64)) * _bits_f64(mid.to(tl.int32)) - low
         hi = tl.where(f > 0, mid, hi)
         lo = tl.where(f > 0, lo, mid)
-    capped = 0
+    capped = tl.zeros([], dtype=tl.int32)
     mass = tl.zeros([], dtype=tl.float64)
     for c0 in range(0, n, CH):
         i = c0 + tl.arange(0, CH)
@@ -151,7 +151,7 @@ def _sampled_select_kernel(tok_ptr, gate_ptr, norm_ptr, u_ptr, tab_ptr, B, pi_pt
     has = mass > 0
     per_mass = tl.where(has, rem / tl.where(has, mass, 1.0), 0.0)
     uniform = tl.where(has, 0.0, rem / tl.maximum((n - capped).to(tl.float64), 1.0))
-    n_kept = 0
+    n_kept = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, CH):
         i = c0 + tl.arange(0, CH)
         im = i < n
@@ -254,12 +254,12 @@ def launch_compact(slot_N: Tensor, tab_3B: Tensor, sent_B: Tensor, tok_N: Tensor
     d2 = _as_rows(dout_TH) if dout_TH is not None else None
     H = d2.shape[1] if d2 is not None else 1
     dy2 = _as_rows(dy) if d2 is not None else None
-    bn, bh = 32, min(triton.next_power_of_2(H), 1024) if d2 is not None else 1
+    bn, bh = 32, min(triton.next_power_of_2(int(H)), 1024) if d2 is not None else 1
     if d2 is None:
         d2 = dy2 = g_N  # unread without DY
     wrap(_compact_kernel)[(triton.cdiv(N, bn),)](
         slot_N, tab_3B, B, _search_steps(B), sent_B, tok_N, g_N, g_N if pi_N is None else pi_N, d2,
-        sel, tok, scale, dy2, N, H, d2.stride(0), dy2.stride(0), BP=triton.next_power_of_2(B),
+        sel, tok, scale, dy2, N, H, d2.stride(0), dy2.stride(0), BP=triton.next_power_of_2(int(B)),
         BLOCK_N=bn, BLOCK_H=bh, SAMPLED=pi_N is not None, DY=dout_TH is not None)
     return sel, tok, scale, dy
 

@@ -159,8 +159,8 @@ def test_select_topk_ties_and_keys_that_round_together():
     quota = torch.tensor([0, 1, 20, 33, 12, 5])
     N = int(size.sum())
     m = torch.randint(0, 4, (N,), generator=g).float()
-    m[::5] = torch.rand(int(m[::5].numel()), generator=g) * 1e-30  # all key 0.5 above the block
-    m[-1] = 1e30
+    # far below the largest metric (3): their keys all round to block + 0.5, as zeros do
+    m[::5] = torch.rand(int(m[::5].numel()), generator=g) * 1e-30
     sel = selection.select_topk("gate", None, torch.arange(N), torch.rand(N, generator=g), m, size, quota)
     assert torch.equal(sel.sel_idx_S, selection.topk_indices(m, size, quota))
     assert torch.equal(sel.keep_N.nonzero().view(-1), sel.sel_idx_S)
@@ -228,7 +228,11 @@ def test_inclusion_probabilities(dtype):
     are the exact water-filling's, and each block's sum is its quota (at most its rows)."""
     g = torch.Generator().manual_seed(0)
     m, blk, quota, size = metric_case(g, 7, dtype, grouped=True)  # fp32: spread the widest
-    m, N = m.float(), m.numel()
+    # and a block where negative metrics (read as 0) would otherwise be kept
+    m = torch.cat((m.float(), torch.tensor([5.0, -3.0, 2.0, -0.0, 1.0, -7.0])))
+    blk, size, quota = torch.cat((blk, torch.full((6,), 7))), torch.cat((size, torch.tensor([6]))), \
+        torch.cat((quota, torch.tensor([2])))
+    N = m.numel()
     got = selection.select_sampled("gate", None, torch.arange(N), torch.ones(N), m, size, quota,
                                    torch.Generator().manual_seed(1))
     exact = torch.tensor([float(p) for p in exact_inclusion_probs(m, size, quota)], dtype=torch.float64)

@@ -209,7 +209,7 @@ def select_topk(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tensor, 
         return _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, dout_TH)
     tab = _table(size_B, quota_B, tok_N.device)
     keep, slot, sent = torch.ops.lrmoe.topk_select(metric, tok_N, gate_N, norm_T, tab)
-    n_sel = int(torch.minimum(quota_B, size_B).sum())
+    n_sel = int(np.minimum(quota_B.numpy(), size_B.numpy()).sum())  # host arithmetic
     sel, tok, scale, dy = torch.ops.lrmoe.compact_selected(slot, tab, sent, tok_N, g_N, None,
                                                            dout_TH, n_sel)
     return Selection(sel, tok, scale, keep, quota_B, None, None if dout_TH is None else dy)
@@ -234,7 +234,7 @@ def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tenso
     pi, keep, slot, sent_dev = torch.ops.lrmoe.sampled_select(metric, tok_N, gate_N, norm_T, u, tab)
     sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
     sel, tok, scale, dy = torch.ops.lrmoe.compact_selected(slot, tab, sent_dev, tok_N, g_N, pi,
-                                                           dout_TH, int(sent.sum()))
+                                                           dout_TH, int(sent.numpy().sum()))
     return Selection(sel, tok, scale, keep, sent, recv, None if dout_TH is None else dy, pi)
 
 

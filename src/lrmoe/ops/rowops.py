@@ -1,0 +1,227 @@
+"""Row operations of the MoE layer's control plane, each one kernel on CUDA.
+
+Every operation here is written twice: a torch reference (``*_reference``; what the CPU
+runs, and what the CUDA kernel is tested against) and a Triton kernel
+(:mod:`lrmoe.ops.rowops_triton`) registered as a custom op (``torch.library.triton_op``),
+so ``torch.compile`` traces through it and a CPU tensor never reaches it. Sizes come from
+host arguments: nothing here waits for the device. ``LRMOE_NO_TRITON=1`` makes CUDA run
+the references too.
+
+Exactness: the gathers and :func:`invert_permutation` move bits. :func:`combine` is bit
+for bit the eager :func:`~lrmoe.ops.fused.weighted_gather_sum` (products rounded to fp32,
+summed in k order, cast once) on both devices; the ``torch.compile``'d form of that
+function (CUDA) may contract a product into an FMA, so it can differ from both in the
+last bit. :func:`combine_grad_gate` and its norms reduce over H in the kernel's own order:
+equal to the reference to fp32 rounding, not bit for bit.
+
+Legend: N source rows, R runs, T tokens, K top-k, P = T*K pairs, H row width.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lrmoe.ops.fused import gathered_dot, weighted_gather_sum
+
+try:
+    from torch.library import triton_op, wrap_triton
+
+    from lrmoe.ops import rowops_triton as _k
+except ImportError:  # no Triton on this install: the references serve every device
+    _k = None
+
+USE_TRITON = _k is not None and os.environ.get("LRMOE_NO_TRITON") != "1"
+# under Triton's interpreter (TRITON_INTERPRET=1) the kernels also serve CPU tensors: how
+# they are checked on a machine without a GPU
+INTERPRET = _k is not None and _k.INTERPRET
+
+
+def on_kernels(t: Tensor) -> bool:
+    """Whether the Triton kernels serve ``t``: a CUDA tensor with Triton installed (or a
+    CPU tensor under Triton's interpreter)."""
+    return USE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A small host tensor on ``device`` without a stream sync (staged in pinned memory,
+    the copy queues behind the running kernels)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def run_table(starts_R, lengths_R, device: torch.device | str) -> tuple[Tensor, Tensor, int]:
+    """``(dst_first_R, src_first_R, n_out)`` for :func:`gather_runs` from host run starts
+    and lengths (runs concatenated in the given order): one copy to ``device``."""
+    st, ln = np.asarray(starts_R, dtype=np.int64), np.asarray(lengths_R, dtype=np.int64)
+    tab = to_device(torch.from_numpy(np.stack((np.cumsum(ln) - ln, st))), device)
+    return tab[0], tab[1], int(ln.sum())
+
+
+# ------------------------------------------------------------------------ gather_runs
+def run_positions(dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
+    """``src_first[k] + q - dst_first[k]`` for each ``q < n_out``, ``k`` the run holding
+    ``q`` (the last with ``dst_first[k] <= q``): the source position of each output row."""
+    q = torch.arange(n_out, device=dst_first_R.device, dtype=dst_first_R.dtype)
+    k = (torch.searchsorted(dst_first_R, q, right=True) - 1).clamp(min=0)
+    return src_first_R[k] + (q - dst_first_R[k])
+
+
+def gather_runs_reference(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
+    if n_out == 0:
+        return src.new_empty((0,) + tuple(src.shape[1:]))
+    return src[run_positions(dst_first_R, src_first_R, n_out)]
+
+
+def gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
+    """Run-wise row copy: ``out[q] = src[src_first[k] + q - dst_first[k]]`` for the run
+    ``k`` holding ``q``.
+
+    Runs are ordered by destination and cover ``[0, n_out)``: ``dst_first_R`` ascends
+    from 0; empty runs (equal consecutive starts) are allowed. ``src`` is 1-D (ints or
+    floats) or rows ``[N, H]`` with unit column stride. Serves every permutation made of
+    contiguous chunks: the home side's send order, the receiver's arrival -> instance
+    reorder and its inverse, the retention gather, the gathers of selected saved rows.
+    """
+    if on_kernels(src):
+        return torch.ops.lrmoe.gather_runs(src, dst_first_R, src_first_R, n_out)
+    return gather_runs_reference(src, dst_first_R, src_first_R, n_out)
+
+
+# ----------------------------------------------------------------------- gather_pairs
+def gather_pairs(x_TH: Tensor, pair_N: Tensor, K: int) -> Tensor:
+    """``x[pair // K]``: each pair's token row (the dispatch rows; with ``K = 1`` any row
+    gather ``x[idx]``)."""
+    if on_kernels(x_TH):
+        return torch.ops.lrmoe.gather_pairs(x_TH, pair_N, K)
+    return x_TH[pair_N // K]
+
+
+def gather_pairs_scaled(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x[pair // K], w[pair].float())`` in one kernel: the backward's output-gradient
+    rows of the pairs and their gate scales (two gathers by the same index)."""
+    if on_kernels(x_TH):
+        return torch.ops.lrmoe.gather_pairs_scaled(x_TH, pair_N, K, w_P)
+    return x_TH[pair_N // K], w_P[pair_N].float()
+
+
+# ---------------------------------------------------------------- invert_permutation
+def invert_permutation_reference(perm_N: Tensor, n_out: int, fill: int | None = None) -> Tensor:
+    inv = torch.full((n_out + 1,), 0 if fill is None else fill, dtype=torch.long, device=perm_N.device)
+    idx = torch.where((perm_N >= 0) & (perm_N < n_out), perm_N.long(), n_out)
+    inv.scatter_(0, idx, torch.arange(perm_N.numel(), device=perm_N.device))
+    return inv[:n_out]
+
+
+def invert_permutation(perm_N: Tensor, n_out: int, fill: int | None = None) -> Tensor:
+    """``inv[perm[i]] = i`` (int64, length ``n_out``); positions no ``i`` maps to hold
+    ``fill`` (unspecified when ``fill`` is None: the caller knows ``perm`` covers them).
+
+    Entries of ``perm`` outside ``[0, n_out)`` (dropped pairs) are ignored; the others
+    must be distinct. A plain store per entry: no atomics, no sort (what
+    ``index_put_``/``scatter_`` become under ``torch.use_deterministic_algorithms``).
+    """
+    if on_kernels(perm_N):
+        return torch.ops.lrmoe.invert_permutation(perm_N, n_out, fill)
+    return invert_permutation_reference(perm_N, n_out, fill)
+
+
+# -------------------------------------------------------------------------- combine
+def combine_reference(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
+    N = src_NH.shape[0]
+    if N == 0:
+        return src_NH.new_zeros(row_TK.shape[0], src_NH.shape[1])
+    # a row past the end reads the last row with weight w * 0 (the runtime's clamp and mask)
+    w = w_TK.float()
+    return weighted_gather_sum(src_NH, row_TK.clamp(max=N - 1), torch.where(row_TK < N, w, w * 0.0))
+
+
+def combine(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
+    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32 (k in order), in ``src``'s dtype;
+    rows ``>= N`` (dropped pairs) weigh 0. Bit for bit the eager
+    :func:`~lrmoe.ops.fused.weighted_gather_sum` over clamped rows and masked weights."""
+    if on_kernels(src_NH):
+        return torch.ops.lrmoe.combine(src_NH, row_TK, w_TK)
+    return combine_reference(src_NH, row_TK, w_TK)
+
+
+def combine_grad_gate_reference(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
+    N = src_NH.shape[0]
+    if N == 0:
+        return torch.zeros(row_TK.shape, dtype=torch.float32, device=d_TH.device)
+    return gathered_dot(src_NH, row_TK.clamp(max=N - 1), d_TH) * (row_TK < N).float()
+
+
+def token_norm(d_TH: Tensor) -> Tensor:
+    """``||d[t]||`` in fp32 (torch's reduction: the metric's norm, bit for bit)."""
+    return torch.linalg.vector_norm(d_TH, dim=1, dtype=torch.float32)
+
+
+def combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
+    """``dot[t,k] = <d[t], src[row[t,k]]>`` in fp32, 0 for rows ``>= N``: the router
+    gradient of each pair from the combined rows (fp32 rounding apart from the reference
+    on CUDA: the kernel sums H in its own order)."""
+    if on_kernels(src_NH):
+        return torch.ops.lrmoe.combine_grad_gate(src_NH, row_TK, d_TH)
+    return combine_grad_gate_reference(src_NH, row_TK, d_TH)
+
+
+def combine_grad_gate_and_norm(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dot_TK, norm_T)``: :func:`combine_grad_gate` and each token's ``||d[t]||`` from
+    the same pass over ``d`` (on CUDA the norms round apart from :func:`token_norm`)."""
+    if on_kernels(src_NH):
+        return torch.ops.lrmoe.combine_grad_gate_and_norm(src_NH, row_TK, d_TH)
+    return combine_grad_gate_reference(src_NH, row_TK, d_TH), token_norm(d_TH)
+
+
+# ------------------------------------------------------------------- custom operators
+if _k is not None:
+    @triton_op("lrmoe::gather_runs", mutates_args=())
+    def _gather_runs_op(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
+        return _k.launch_gather_runs(src, dst_first_R, src_first_R, n_out, wrap_triton)
+
+    @triton_op("lrmoe::gather_pairs", mutates_args=())
+    def _gather_pairs_op(x_TH: Tensor, pair_N: Tensor, K: int) -> Tensor:
+        return _k.launch_gather_pairs(x_TH, pair_N, K, None, wrap_triton)[0]
+
+    @triton_op("lrmoe::gather_pairs_scaled", mutates_args=())
+    def _gather_pairs_scaled_op(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tuple[Tensor, Tensor]:
+        return _k.launch_gather_pairs(x_TH, pair_N, K, w_P, wrap_triton)
+
+    @triton_op("lrmoe::invert_permutation", mutates_args=())
+    def _invert_op(perm_N: Tensor, n_out: int, fill: int | None) -> Tensor:
+        return _k.launch_invert_permutation(perm_N, n_out, fill, wrap_triton)
+
+    @triton_op("lrmoe::combine", mutates_args=())
+    def _combine_op(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
+        return _k.launch_combine(src_NH, row_TK, w_TK, wrap_triton)
+
+    @triton_op("lrmoe::combine_grad_gate", mutates_args=())
+    def _combine_grad_gate_op(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
+        return _k.launch_combine_grad_gate(src_NH, row_TK, d_TH, False, wrap_triton)[0]
+
+    @triton_op("lrmoe::combine_grad_gate_and_norm", mutates_args=())
+    def _combine_grad_gate_and_norm_op(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> tuple[Tensor, Tensor]:
+        return _k.launch_combine_grad_gate(src_NH, row_TK, d_TH, True, wrap_triton)
+
+    # a CPU tensor handed to an operator takes the reference (the interpreted kernel
+    # under Triton's interpreter)
+    def _cpu(op, reference, launch):
+        op.register_kernel("cpu")(launch if INTERPRET else reference)
+
+    _cpu(_gather_runs_op, gather_runs_reference, _k.launch_gather_runs)
+    _cpu(_gather_pairs_op, lambda x, p, K: x[p // K],
+         lambda x, p, K: _k.launch_gather_pairs(x, p, K)[0])
+    _cpu(_gather_pairs_scaled_op, lambda x, p, K, w: (x[p // K], w[p].float()), _k.launch_gather_pairs)
+    _cpu(_invert_op, invert_permutation_reference, _k.launch_invert_permutation)
+    _cpu(_combine_op, combine_reference, _k.launch_combine)
+    _cpu(_combine_grad_gate_op, combine_grad_gate_reference,
+         lambda s, r, d: _k.launch_combine_grad_gate(s, r, d, False)[0])
+    _cpu(_combine_grad_gate_and_norm_op,
+         lambda s, r, d: (combine_grad_gate_reference(s, r, d), token_norm(d)),
+         lambda s, r, d: _k.launch_combine_grad_gate(s, r, d, True))

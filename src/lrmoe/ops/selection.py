@@ -1,0 +1,262 @@
+"""lrmoe's backward selection on one home rank: score, select, compact.
+
+The candidates are a home rank's retained rows in send order, grouped by block (block
+``b`` holds ``size_B[b]`` consecutive rows, sizes on the host): token ``tok_N``, output-
+gradient scale ``g_N`` (fp32), gate ``gate_N``. The metric scores each:
+``|gate| * ||dout[tok]||`` (``grad_norm``, from the per-token fp32 norms ``norm_T``) or
+the gate alone (``gate``). Per block, ``quota_B[b]`` rows are kept:
+
+- :func:`select_topk`: the highest-metric rows (ties in row order);
+- :func:`select_sampled`: each row independently with probability ``pi ∝ metric``,
+  capped at 1, ``sum(pi) = quota`` per block, the kept rows weighted by ``1 / pi``.
+
+Both return a :class:`Selection`: the kept rows' indices (ascending, so block-grouped
+and in send order), tokens and scales, and optionally their output-gradient rows
+``dout[tok]`` (the gather of dy, done by the compaction).
+
+On CUDA each runs as three kernels (:mod:`lrmoe.ops.selection_triton`): top-k as
+metric, select, compact; sampled as the uniform draws (``torch.rand`` on the caller's
+generator, the same numbers as the reference), select, compact, with the one host read
+(the kept counts, exchanged with the peers) in between. Elsewhere the torch reference
+runs: the select stage as written in the runtime before these kernels (same ops, so the
+same bits).
+
+Exactness of the kernels against the reference: ``topk`` is bit for bit (the same
+float64 sort keys; the kept set follows from them). ``sampled`` keeps the reference's
+capped set and formula, but sums each block's metric mass in its own order (the
+reference sums sorted rows in sequence on the CPU and through CUB on CUDA), so ``pi``
+can differ in the last bits of float64 and, through ``1/pi``, a scale in its last fp32
+bit; a row's keep decision changes only if its uniform draw falls within that rounding
+of ``pi``, and a cap decision only where the reference's own test is a tie within
+rounding.
+
+Legend: N candidates, B blocks (= G ranks x S slots), T tokens, H width, S kept rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lrmoe.ops.rowops import on_kernels, run_positions, run_table, to_device
+
+try:
+    from torch.library import triton_op, wrap_triton
+
+    from lrmoe.ops import selection_triton as _k
+except ImportError:
+    _k = None
+
+
+@dataclass
+class Selection:
+    """One home rank's kept candidates.
+
+    Attributes:
+        sel_idx_S: indices of the kept candidates, ascending (int64).
+        tok_S: their tokens.
+        scale_S: their output-gradient scales (fp32): ``g``, times ``1/pi`` when sampled.
+        keep_N: the keep mask over the candidates.
+        sent_B: kept rows per block (host int64); top-k reports the quotas.
+        recv_GS: rows each (source rank, slot) block sends this rank (host), from the
+            count exchange; ``None`` without one (top-k: known from the plan).
+        dy_SH: ``dout[tok_S]`` when ``dout_TH`` was given, else ``None``.
+        pi_N: the sampled estimator's inclusion probabilities (float64), else ``None``.
+    """
+
+    sel_idx_S: Tensor
+    tok_S: Tensor
+    scale_S: Tensor
+    keep_N: Tensor
+    sent_B: Tensor
+    recv_GS: Tensor | None = None
+    dy_SH: Tensor | None = None
+    pi_N: Tensor | None = None
+
+
+# ----------------------------------------------------------------- torch reference
+METRICS = ("grad_norm", "gate")
+
+
+def check_metric(metric: str, norm_T: Tensor | None) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"selection metric {metric!r}: expected one of {METRICS}")
+    if metric == "grad_norm" and norm_T is None:
+        raise ValueError("selection metric 'grad_norm' needs the token norms (norm_T)")
+
+
+def metric_reference(metric: str, norm_T: Tensor | None, tok_N: Tensor, gate_N: Tensor) -> Tensor:
+    """The candidates' metric (fp32): ``|gate| * norm[tok]`` or ``gate``."""
+    if metric == "grad_norm":
+        return gate_N.float().abs() * norm_T[tok_N]
+    return gate_N.float()
+
+
+def topk_indices(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
+    """Indices of the ``quota[b]`` highest-metric rows of each block, ascending: one
+    stable sort on ``block + 0.5 * (1 - metric / max)`` orders each block by descending
+    metric (ties in row order); each block keeps its prefix, whose length the host knows."""
+    dev, n = metric_N.device, metric_N.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=dev)
+    blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=dev), to_device(size_B, dev),
+                                  output_size=n)
+    m = metric_N.double().clamp(min=0)
+    key = blk.double() + 0.5 * (1 - m / (m.max() + 1e-300))
+    order = torch.argsort(key, stable=True)
+    first = (size_B.cumsum(0) - size_B).numpy()
+    dst, src, n_out = run_table(first, torch.minimum(quota_B, size_B).numpy(), dev)
+    return torch.sort(order[run_positions(dst, src, n_out)]).values
+
+
+def inclusion_probs(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
+    """``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block (rows grouped by
+    block): water-filling in closed form, as ``lrmoe.parallel.exchange.inclusion_probs``
+    (one sort on a (block, metric, row) key; see there for the derivation)."""
+    dev = metric_N.device
+    N = metric_N.numel()
+    if N == 0:
+        return metric_N.double()
+    B = quota_B.numel()
+    rows = torch.arange(N, device=dev)
+    blk = torch.repeat_interleave(torch.arange(B, device=dev), to_device(size_B, dev), output_size=N)
+    bits = metric_N.float().view(torch.int32).clamp(min=0)
+    if B * N < 2**32:
+        key = torch.add(torch.sub(rows, bits, alpha=N), blk, alpha=N << 31)
+        key_s, order = torch.sort(key)
+        m, inverse = bits.view(torch.float32).double(), torch.searchsorted(key_s, key)
+    else:
+        m = metric_N.double().clamp(min=0)
+        order = torch.sort(m, descending=True, stable=True).indices
+        order = order[torch.sort(blk[order], stable=True).indices]
+        inverse = torch.argsort(order)
+    m_s, b_s = m[order], blk[order]
+    n_B = size_B.numpy()
+    first = np.cumsum(n_B) - n_B
+    q = quota_B.double().numpy()
+    tab = to_device(torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0), q + first - 1, q))
+                                     .astype(np.float64)), dev)
+    nl, last_B = tab[:2].long()
+    u_s = m_s / torch.segment_reduce(m_s, "sum", lengths=nl, unsafe=True).clamp(min=1e-300)[b_s]
+    C_s = torch.cumsum(u_s, 0)
+    capped_s = torch.addcmul(C_s, tab[2][b_s] - rows, u_s) > C_s[last_B][b_s]
+    c = torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True)
+    mass = torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True)
+    rem = (tab[3] - c).clamp(min=0.0)
+    has = mass > 0
+    per_mass = torch.where(has, rem / mass, 0.0)
+    uniform = (rem / (tab[0] - c).clamp(min=1.0)).masked_fill_(has, 0.0)
+    fg = torch.stack((per_mass, uniform), 1)[b_s]
+    pi_s = torch.addcmul(fg[:, 1], fg[:, 0], m_s).masked_fill_(capped_s, 1.0).clamp_(0.0, 1.0)
+    return pi_s[inverse]
+
+
+def ht_weight(pi: Tensor) -> Tensor:
+    """The Horvitz-Thompson weight ``1/pi`` of a kept row (the floor guards the division)."""
+    return 1.0 / pi.clamp(min=1e-12)
+
+
+def _read_counts(sent_B: Tensor, exchange_counts: Callable[[Tensor], Tensor] | None,
+                 shape_GS: tuple[int, int] | None) -> tuple[Tensor, Tensor | None]:
+    """``(sent_B, recv_GS)`` on the host: the kept counts, exchanged with the peers on the
+    device when ``exchange_counts`` is given, and read in one copy (the one host wait)."""
+    recv = exchange_counts(sent_B.reshape(shape_GS)) if exchange_counts else sent_B.new_zeros(0)
+    both = torch.cat((sent_B, recv.reshape(-1))).cpu()
+    B = sent_B.numel()
+    return both[:B], both[B:].reshape(shape_GS) if exchange_counts else None
+
+
+def _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, dout_TH) -> Selection:
+    m = metric_reference(metric, norm_T, tok_N, gate_N)
+    sel = topk_indices(m, size_B, quota_B)
+    keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device).index_fill_(0, sel, True)
+    tok = tok_N[sel]
+    return Selection(sel, tok, g_N[sel], keep, quota_B, None,
+                     None if dout_TH is None else dout_TH[tok])
+
+
+def _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator,
+                              exchange_counts, shape_GS, dout_TH) -> Selection:
+    m = metric_reference(metric, norm_T, tok_N, gate_N)
+    pi = inclusion_probs(m, size_B, quota_B)
+    keep = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
+    lengths = to_device(size_B, keep.device)
+    sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
+    sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
+    sel = torch.nonzero_static(keep, size=int(sent.sum())).view(-1)
+    tok = tok_N[sel]
+    return Selection(sel, tok, g_N[sel] * ht_weight(pi[sel]).float(), keep, sent, recv,
+                     None if dout_TH is None else dout_TH[tok], pi)
+
+
+# ------------------------------------------------------------------------ public
+def _table(size_B: Tensor, quota_B: Tensor, device) -> Tensor:
+    """``[3, B]`` int64 on ``device`` (one copy): each block's first row, size, quota."""
+    n = size_B.numpy().astype(np.int64)
+    return to_device(torch.from_numpy(np.stack((np.cumsum(n) - n, n, quota_B.numpy()))), device)
+
+
+def select_topk(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tensor, gate_N: Tensor,
+                size_B: Tensor, quota_B: Tensor, dout_TH: Tensor | None = None) -> Selection:
+    """Keep each block's ``quota`` highest-metric candidates (see module doc). No host
+    wait: the kept counts are the quotas (capped at the block sizes)."""
+    check_metric(metric, norm_T)
+    if not on_kernels(tok_N):
+        return _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, dout_TH)
+    tab = _table(size_B, quota_B, tok_N.device)
+    keep, slot, sent = torch.ops.lrmoe.topk_select(metric, tok_N, gate_N, norm_T, tab)
+    n_sel = int(np.minimum(quota_B.numpy(), size_B.numpy()).sum())  # host arithmetic
+    sel, tok, scale, dy = torch.ops.lrmoe.compact_selected(slot, tab, sent, tok_N, g_N, None,
+                                                           dout_TH, n_sel)
+    return Selection(sel, tok, scale, keep, quota_B, None, None if dout_TH is None else dy)
+
+
+def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tensor, gate_N: Tensor,
+                   size_B: Tensor, quota_B: Tensor, generator: torch.Generator | None,
+                   exchange_counts: Callable[[Tensor], Tensor] | None = None,
+                   shape_GS: tuple[int, int] | None = None,
+                   dout_TH: Tensor | None = None) -> Selection:
+    """Keep each candidate with its inclusion probability (see module doc); the uniform
+    draws are ``torch.rand(N, float64, generator)``, as the reference's. One host wait:
+    the kept counts per block, with ``exchange_counts`` (``[G, S]`` sent -> received,
+    ``shape_GS``) run on the device first so both arrive in one copy."""
+    check_metric(metric, norm_T)
+    if not on_kernels(tok_N):
+        return _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B,
+                                         generator, exchange_counts, shape_GS, dout_TH)
+    dev = tok_N.device
+    tab = _table(size_B, quota_B, dev)
+    u = torch.rand(tok_N.shape, dtype=torch.float64, device=dev, generator=generator)
+    pi, keep, slot, sent_dev = torch.ops.lrmoe.sampled_select(metric, tok_N, gate_N, norm_T, u, tab)
+    sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
+    sel, tok, scale, dy = torch.ops.lrmoe.compact_selected(slot, tab, sent_dev, tok_N, g_N, pi,
+                                                           dout_TH, int(sent.numpy().sum()))
+    return Selection(sel, tok, scale, keep, sent, recv, None if dout_TH is None else dy, pi)
+
+
+if _k is not None:
+    @triton_op("lrmoe::topk_select", mutates_args=())
+    def _topk_op(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tensor | None,
+                 tab_3B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return _k.launch_topk_select(metric, tok_N, gate_N, norm_T, tab_3B, wrap_triton)
+
+    @triton_op("lrmoe::sampled_select", mutates_args=())
+    def _sampled_op(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tensor | None, u_N: Tensor,
+                    tab_3B: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _k.launch_sampled_select(metric, tok_N, gate_N, norm_T, u_N, tab_3B, wrap_triton)
+
+    @triton_op("lrmoe::compact_selected", mutates_args=())
+    def _compact_op(slot_N: Tensor, tab_3B: Tensor, sent_B: Tensor, tok_N: Tensor, g_N: Tensor,
+                    pi_N: Tensor | None, dout_TH: Tensor | None, n_sel: int
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _k.launch_compact(slot_N, tab_3B, sent_B, tok_N, g_N, pi_N, dout_TH, n_sel, wrap_triton)
+
+    # CPU tensors reach these operators only under Triton's interpreter (the public
+    # functions take the reference on the CPU otherwise)
+    _topk_op.register_kernel("cpu")(_k.launch_topk_select)
+    _sampled_op.register_kernel("cpu")(_k.launch_sampled_select)
+    _compact_op.register_kernel("cpu")(_k.launch_compact)

@@ -26,7 +26,12 @@ from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
 from lrmoe.presets import get_preset
 from references import lrmoe_planner
-from references.plans import contiguous_placement, plan_capacity_reference, replica_counts
+from references.plans import (
+    contiguous_placement,
+    plan_capacity_reference,
+    replica_counts,
+    symi_fewer_placement,
+)
 
 PRESETS = ("qwen3-30b-a3b", "glm-4.5-air")
 FIELDS = ("inst_expert_GS", "assign_GGS", "retain_GGS", "select_GGS", "recompute_G", "dropped_GE")
@@ -44,7 +49,8 @@ def _same(a, b) -> bool:
         x, y = getattr(a, f), getattr(b, f)
         if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
             return False
-    return a.layer_checkpoint == b.layer_checkpoint
+    return all(getattr(a, f) == getattr(b, f) for f in ("layer_checkpoint", "rung",
+                                                        "replicas_given_up", "given_up_for"))
 
 
 def _fit(counts, cfg, ledger):
@@ -197,7 +203,20 @@ def _symi_reference(counts, s, prev, ledger, recompute):
     G, E = counts.shape
     plan = full_plan(counts, contiguous_placement(replica_counts(prev, E, G * s), G, s))
     if recompute:
-        return _fit_exact_reference(plan, ledger, f"symi with slots_per_rank={s}")
+        what = f"symi with slots_per_rank={s}"
+        if G * s == E or ledger.exact_fit(plan)[0] != "over":
+            return _fit_exact_reference(plan, ledger, what)
+        for k in range(1, G * s - E + 1):  # its most replicas that fit (the loop reading)
+            fewer = full_plan(counts, symi_fewer_placement(prev, G, s, k))
+            mode = ledger.exact_fit(fewer)[0]
+            if mode != "over":
+                return dataclasses.replace(
+                    _fit_exact_reference(fewer, ledger, what), replicas_given_up=k,
+                    given_up_for="memory", rung={"fits": "fewer-replicas",
+                                                 "pairs": "recompute-fewer-replicas",
+                                                 "layer": "layer-fewer-replicas"}[mode])
+        return _fit_exact_reference(fewer, ledger, f"{what}, every replica given up "
+                                                   "(static's placement),")
     if ledger is not None and ledger.budget_bytes is not None:
         ledger.raise_if_over(ledger.rank_terms(plan), f"symi with slots_per_rank={s}")
     return plan

@@ -206,18 +206,22 @@ def _checked(spec: str, base: str, cfg: "TTLConfig") -> "TTLConfig":
     return cfg
 
 
-def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
+def _profile(counts_GE_steps: list[list[list[torch.Tensor]]], n: int = 24
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Up to ``n`` evenly spaced steps of a run's ``[G, E]`` counts (all layers), each
-    with its popularity (the previous step's global counts, as SYMI uses them)."""
+    """Every micro-batch's ``[G, E]`` counts (all layers) of up to ``n`` evenly spaced
+    steps of a run (``counts_GE_steps[step][micro_batch][layer]``), each with its
+    popularity: the previous step's global counts, summed over its micro-batches (what
+    the runtime keeps, and SYMI uses)."""
     T = len(counts_GE_steps)
     picks = sorted({min(T - 1, 1 + round(i * (T - 2) / max(n - 1, 1))) for i in range(n)}) \
         if T > 1 else [0]
     counts, pops = [], []
     for t in picks:
-        for layer, c in enumerate(counts_GE_steps[t]):
-            counts.append(c)
-            pops.append(counts_GE_steps[max(t - 1, 0)][layer].sum(0))
+        prev = counts_GE_steps[max(t - 1, 0)]
+        for micro in counts_GE_steps[t]:
+            for layer, c in enumerate(micro):
+                counts.append(c)
+                pops.append(sum(m[layer] for m in prev).sum(0))
     return counts, pops
 
 
@@ -229,7 +233,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     checkpoint (``recompute ledger``), and a step over even that is out of memory.
     symi's ``s`` is :func:`lrmoe.sim.ttl_symi.symi_slots` over ``profile`` (the static
     run's counts at evenly spaced steps: the profiling run a SYMI user would tune ``s``
-    on). lrmoe plans against the ledger (its retention quotas, then its ladder).
+    on). With a budget symi plans against the ledger too: at a step its ``s`` does not
+    fit even with recompute and a whole-layer checkpoint, it gives replicas up
+    (:func:`lrmoe.policy.symi.fewer_replicas`, charged as planning). lrmoe plans against
+    the ledger (its retention quotas, then its ladder).
     """
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
@@ -265,9 +272,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note += ", recompute to fit"
     if name != "lrmoe" and cfg.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
-    pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
+    pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
+                      recompute=name == "symi" and ledger is not None)
     exact = name != "lrmoe"
-    return pc, (None if exact else ledger), (ledger if exact else None), note
+    return pc, (None if name == "static" else ledger), (ledger if exact else None), note
 
 
 def _val_eval(model, batches, dev, autocast) -> dict:
@@ -323,6 +331,12 @@ def _step_row(step, loss, micro, opt_wall, vm, link, G, ledger, cum, offload=Non
            "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
            "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
+           # every micro-batch's layers: replicas placed, and those a policy's own rule
+           # chose but gave up, per reason (Plan.given_up_for): [layer-micro-batches,
+           # replicas, most in one]
+           "replicas_placed": sum(s.plan.num_replicas() for s in stats),
+           "layer_micro_batches": len(stats),
+           "replicas_given_up": _given_up(s.plan for s in stats),
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(float(c.max() / c.double().mean().clamp(min=1e-9))
@@ -459,7 +473,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             L = len(vm.layers)  # counts_E holds N micro-batches x L layers, in order
             trace.append([sum(vm.counts_E[m * L + k] for m in range(N)).tolist()
                           for k in range(L)])  # the optimizer step's counts
-            trace_GE.append(vm.counts_GE[:L])  # the first micro-batch's (what a plan sees)
+            # every micro-batch's, as a plan sees them (symi's profile)
+            trace_GE.append([vm.counts_GE[m * L:(m + 1) * L] for m in range(N)])
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -490,6 +505,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
            # device, not a rank's memory (that is the ledger's)
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
                                           if dev.type == "cuda" else None)}
+    if rows:
+        res["replicas_given_up"] = given_up_totals(rows)
+        res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
+        res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
     if ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
         res["rungs"] = rung_totals(rows)
@@ -498,6 +517,30 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     elif ledger is not None:
         res["budget_status"] = "fits" + _rung_note(res["rungs"])
     return res
+
+
+def _given_up(plans) -> dict[str, list[int]]:
+    """Per reason a plan gave replicas up: ``[plans, replicas, most in one plan]``."""
+    out: dict[str, list[int]] = {}
+    for p in plans:
+        if p.replicas_given_up:
+            n, k, most = out.get(p.given_up_for, [0, 0, 0])
+            out[p.given_up_for] = [n + 1, k + p.replicas_given_up,
+                                   max(most, p.replicas_given_up)]
+    return dict(sorted(out.items()))
+
+
+def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
+    the replicas given up and the most in one (``{}`` when none, or for rows recorded
+    before the count)."""
+    tot: dict[str, list[int]] = {}
+    for r in rows:
+        for why, (n, k, most) in r.get("replicas_given_up", {}).items():
+            a = tot.setdefault(why, [0, 0, 0])
+            a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
+            for why, (n, k, most) in sorted(tot.items())}
 
 
 def rung_totals(rows: list[dict]) -> dict[str, int]:

@@ -155,6 +155,6 @@ def test_fewer_replicas_equals_the_loop_reference_on_full_presets():
         led = Ledger.for_dtype(mcfg, G, int(lo + rng.uniform(-0.02, 1.0) * (hi - lo)))
         fast, err = _outcome(plan_symi, counts, s, pop, led, True)
         ref, ref_err = _outcome(_symi_reference, counts, s, pop, led, True)
-        assert err == ref_err and (ref is None or _same(fast, ref)), (i, err, ref_err)
+        assert err == ref_err and (ref is None or _same(fast, ref, rung=True)), (i, err, ref_err)
         gave += int(fast is not None and 0 < fast.replicas_given_up < G * s - 128)
     assert gave >= 6

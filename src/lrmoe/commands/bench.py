@@ -39,7 +39,8 @@ def register(sub) -> None:
     t.add_argument("--policies", default="static,symi,lrmoe",
                    help="comma list of static, symi, lrmoe and lrmoe variants such as "
                         "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
-                        "recompute, min_keep, balance, estimator, max_slots); static always "
+                        "recompute, min_keep, balance, estimator, max_slots, placement, "
+                        "link_cost=on|off); static always "
                         "runs: it sets the target")
     t.add_argument("--budget-retain-fraction", type=float, default=None, metavar="F",
                    help="instead of --mem-budget: the bytes of a perfectly balanced static rank "

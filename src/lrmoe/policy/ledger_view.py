@@ -126,12 +126,12 @@ class LedgerView:
 
     def fits(self, n_G, R_G, k_G) -> np.ndarray:
         """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool
-        ``[G]``: ``capacity(n, R) >= k`` (every piece is non-decreasing in ``k``), without
-        the divisions."""
-        if self.budget is None:
-            return np.ones(len(self.home), dtype=bool)
+        ``[..., G]`` (leading axes: several states of the ranks at once): ``capacity(n,
+        R) >= k`` (every piece is non-decreasing in ``k``), without the divisions."""
         R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
-        top = (self._c0 + self._cR * R_G[:, None] + self._ck * k_G[:, None]).max(1)
+        if self.budget is None:
+            return np.ones(R_G.shape, dtype=bool)
+        top = (self._c0 + self._cR * R_G[..., None] + self._ck * k_G[..., None]).max(-1)
         return top + self.cn * np.asarray(n_G, dtype=np.int64) <= self.budget
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:

@@ -32,6 +32,7 @@ compares the two.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
@@ -41,11 +42,30 @@ from lrmoe.policy.ledger_view import LedgerView
 _FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exact
 
 
-def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
-                   ) -> tuple[np.ndarray, np.ndarray]:
+@dataclass
+class MoveLog:
+    """The greedy's moves, for a rule that keeps only a prefix of them
+    (:func:`lrmoe.policy.lrmoe.worth_their_link`).
+
+    Attributes:
+        load_KG: each rank's received pairs before the first move and after each.
+        kept_KG: ... and the pairs it can retain (its load, without a budget).
+        expert_K, rank_K, slot_K: each move's replica: its expert and where it went.
+    """
+
+    load_KG: list[list[int]] = field(default_factory=list)
+    kept_KG: list[list[int]] = field(default_factory=list)
+    expert_K: list[int] = field(default_factory=list)
+    rank_K: list[int] = field(default_factory=list)
+    slot_K: list[int] = field(default_factory=list)
+
+
+def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
+                   log: MoveLog | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1 from each expert's total pairs (the count matrix's column sums: all the
     placement looks at, besides the ledger's view of the home pairs); returns
-    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split)."""
+    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split). ``log``: filled with
+    the moves and the ranks' loads after each."""
     E = len(total_E)
     n_nat = E // G
     slots = [list(range(r * n_nat, (r + 1) * n_nat)) + [-1] * (S - n_nat) for r in range(G)]
@@ -91,6 +111,9 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                 return None
         return inst, q, m, c
 
+    if log is not None:
+        log.load_KG.append(load.copy())
+        log.kept_KG.append(kept.copy() if budget else load.copy())
     added = 0
     while added < limit:
         top = max(load)
@@ -171,6 +194,12 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                         ratio[r] = k / R if R else inf
                 added += 1
                 done = True
+                if log is not None:
+                    log.load_KG.append(load.copy())
+                    log.kept_KG.append(kept.copy() if budget else load.copy())
+                    log.expert_K.append(e)
+                    log.rank_K.append(d)
+                    log.slot_K.append(s)
                 break
         if not done:
             break

@@ -134,7 +134,8 @@ class TTLConfig:
     lrmoe_max_slots: int | None = None
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
-    lrmoe_placement: str = "current"  # lrmoe replicas from this step's or the previous step's counts
+    lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
+    lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
     compile: bool = False  # torch.compile the fused elementwise kernels (CUDA)
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
@@ -151,7 +152,10 @@ class TTLConfig:
 # settings no longer chosen, still recorded with the one value today's code runs, so that
 # --reuse tells files apart: the ledger prices a layer's transients as the code holds its
 # rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
-RETIRED_SETTINGS = {"ledger_transients": "code"}
+RETIRED_SETTINGS = {"ledger_transients": "code",
+                    # before 2026-12-05 symi stopped out of memory where its slots did not
+                    # fit, and lrmoe placed replicas whatever their link cost
+                    "replica_rules": "symi-fewer-replicas,lrmoe-link-cost"}
 
 
 def recorded_settings(cfg: TTLConfig) -> dict:
@@ -159,11 +163,21 @@ def recorded_settings(cfg: TTLConfig) -> dict:
     return asdict(cfg) | RETIRED_SETTINGS
 
 
+def _on_off(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise ValueError(v)
+    return v == "on"
+
+
+_on_off.__name__ = "value (use on or off)"
+
+
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
 VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
                    "balance": ("balance", float), "estimator": ("estimator", str),
                    "max_slots": ("lrmoe_max_slots", int),
-                   "placement": ("lrmoe_placement", str)}
+                   "placement": ("lrmoe_placement", str),
+                   "link_cost": ("lrmoe_link_cost", _on_off)}
 
 
 def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
@@ -225,6 +239,13 @@ def _profile(counts_GE_steps: list[list[list[torch.Tensor]]], n: int = 24
     return counts, pops
 
 
+PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous step's counts",
+                   "step": ", placement held for the optimizer step (from its first "
+                           "micro-batch's counts)",
+                   "step-previous": ", placement held for the optimizer step (from the "
+                                    "previous step's counts)"}
+
+
 def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     """``(PolicyConfig, planner ledger, recompute ledger, config note)``.
 
@@ -245,6 +266,14 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
                      placement=cfg.lrmoe_placement)
     slots, note = cfg.slots_per_rank, ""
+    rate = profile[2] if profile else None
+    if name == "lrmoe" and cfg.lrmoe_link_cost and rate is not None:
+        from lrmoe.policy.lrmoe import HELD
+        from lrmoe.sim.links import get_link, link_cost
+        wb = 2 if cfg.device == "cuda" else 4  # budget_ledger's dtype
+        share = cfg.grad_accum if cfg.lrmoe_placement in HELD else 1
+        lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
+                                        mcfg.moe_intermediate_size, wb, wb, share))
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
         from lrmoe.sim.links import get_link
@@ -264,8 +293,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
                 f"{cfg.min_keep}, {cfg.estimator}"
                 + (", recompute" if cfg.lrmoe_recompute else "")
-                + (", placement from the previous step's counts"
-                   if cfg.lrmoe_placement == "previous" else ""))
+                + PLACEMENT_NOTES[cfg.lrmoe_placement]
+                + (f", replicas weighed against their {cfg.link} link cost (GEMMs at the "
+                   f"static run's {rate / 1e9:.3g} GFLOP/s)" if lc.link is not None else
+                   ", replicas not weighed against their link cost"))
     elif name == "static":
         note = f"s={E // G} (natives)"
     if name != "lrmoe" and ledger is not None:

@@ -184,6 +184,27 @@ def test_numpy_primitives_equal_torch():
                               interval_overlap(c, ti, load).numpy())
 
 
+def test_apportion_of_large_blocks_equals_torch():
+    """The split of many rows (the float-division quotient and the narrow sort keys it
+    takes from 2,048 entries on) against the torch reading: small and large weights,
+    totals from none to all, keys near the int32 and float limits of their paths."""
+    from lrmoe.policy.plan_numpy import apportion_rows_np
+
+    rng = np.random.default_rng(4)
+    for i in range(60):
+        K, N = int(rng.integers(30, 300)), int(rng.integers(8, 70))
+        hi = int(rng.choice([3, 1000, 10**6, 3 * 10**7, (1 << 31) // 64, 10**9]))
+        w = rng.integers(0, hi, size=(K, N)) * (rng.random((K, N)) < 0.9)
+        t = (w.sum(1) * rng.random(K)).astype(np.int64)
+        t[rng.random(K) < 0.1] = 0
+        full = rng.random(K) < 0.1
+        t[full] = w.sum(1)[full]
+        if int(w.sum(1).max()) * int(w.max(initial=0)) >= 1 << 63:
+            continue  # t·w must fit int64 (any caller's counts do)
+        want = apportion(torch.from_numpy(t), torch.from_numpy(w.T)).numpy().T
+        assert np.array_equal(apportion_rows_np(t, w), want), i
+
+
 def _fit_exact_reference(plan, ledger, what):
     """:func:`lrmoe.policy.plan.fit_exact` on the ledger's own per-rank exact_fit."""
     if ledger is None or ledger.budget_bytes is None:

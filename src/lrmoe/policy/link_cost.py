@@ -94,6 +94,17 @@ class LinkCost:
         """One instance's weights (SwiGLU: three H×F matrices); its gradient the same."""
         return 3 * self.hidden * self.intermediate * self.bytes_w
 
+    def rows_seconds(self, rows_GG: np.ndarray):
+        """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows ``[src, dst]``:
+        :meth:`exchange_seconds` of ``rows_GG·bytes_per_row``, its row sums taken once."""
+        G = rows_GG.shape[0]
+        if self.node_size and G > self.node_size:
+            return lambda nbytes: self.exchange_seconds(rows_GG * nbytes)
+        d = np.diagonal(rows_GG)
+        top = max(int((rows_GG.sum(1) - d).max()), int((rows_GG.sum(0) - d).max()))
+        lat = self.latency_s * (G - 1)
+        return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
+
     def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
         """The busiest rank's seconds in one exchange of ``bytes_GG`` (its copy to itself
         crosses no link; no traffic costs nothing):
@@ -138,19 +149,16 @@ def plan_seconds(cost: LinkCost, plan, E: int) -> float:
     inst_GS = plan.inst_expert_GS.numpy()
     fwd_GG = plan.assign_GGS.numpy().sum(2)  # [home, rank]
     bwd_GG = plan.select_GGS.numpy().sum(2)
-    recompute_G = None if plan.recompute_G is None else plan.recompute_G.numpy()
-    fwd_G, bwd_G = fwd_GG.sum(0), bwd_GG.sum(0)
     row = cost.hidden * cost.bytes_act
-    t = (float(fwd_G.max()) * FWD_FLOPS_PER_HF + float(bwd_G.max()) * BWD_FLOPS_PER_HF) \
-        * cost.hf / cost.gemm_flops
-    if recompute_G is not None:
-        t += float(np.asarray(recompute_G).max()) * RECOMPUTE_FLOPS_PER_HF * cost.hf \
+    t = (float(fwd_GG.sum(0).max()) * FWD_FLOPS_PER_HF
+         + float(bwd_GG.sum(0).max()) * BWD_FLOPS_PER_HF) * cost.hf / cost.gemm_flops
+    if plan.recompute_G is not None:
+        t += float(plan.recompute_G.numpy().max()) * RECOMPUTE_FLOPS_PER_HF * cost.hf \
             / cost.gemm_flops
-    t += 2 * cost.exchange_seconds(fwd_GG * row)  # dispatch and combine: the same bytes
-    t += cost.exchange_seconds(bwd_GG * (row + BWD_ROW_EXTRA_BYTES))
-    t += cost.exchange_seconds(bwd_GG * row)
-    return t + 2 * cost.exchange_seconds(replica_rows_GG(inst_GS, E) * cost.instance_bytes) \
-        / cost.share
+    f, b = cost.rows_seconds(fwd_GG), cost.rows_seconds(bwd_GG)
+    t += 2 * f(row) + b(row + BWD_ROW_EXTRA_BYTES) + b(row)  # fwd dispatch and combine
+    rep = cost.rows_seconds(replica_rows_GG(inst_GS, E))(cost.instance_bytes)
+    return t + 2 * rep / cost.share
 
 
 def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,

@@ -32,7 +32,7 @@ import numpy as np
 
 from lrmoe.errors import OutOfMemory
 from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.link_cost import plan_seconds, prefix_seconds
+from lrmoe.policy.link_cost import plan_seconds, prefix_seconds, replica_rows_GG
 from lrmoe.policy.lrmoe_place import MoveLog
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import Slots
@@ -66,11 +66,12 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
     n = E // G + recv
     t = prefix_seconds(cfg.link, load, np.asarray(log.kept_KG, dtype=np.int64), sent, recv,
                        view.home, cfg.balance, cfg.min_keep, cfg.selection)
-    # the greedy may pass through placements over the budget (while its hot rank does
-    # not fit, any feasible destination helps); its last one the caller checked
-    fits = view.fits(n, load, np.minimum(n, load)).all(1)
-    fits[K] = True
-    k = int(np.argmin(np.where(fits, t, np.inf)))
+    # the shortest prefix that fits the budget (the greedy may pass through placements
+    # over it while its hot rank does not fit; its last one the caller checked); ties to
+    # fewer replicas (a stable sort)
+    for k in np.argsort(t, kind="stable").tolist():
+        if k == K or view.fits(n[k], load[k], np.minimum(n[k], load[k])).all():
+            break
     if k == K:
         return None
     inst = natives_GS(G, S, E)
@@ -81,9 +82,11 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
 def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Plan:
     """Rule 2: ``plan``, or the plan on static's placement with lrmoe's retention and
     trimming (``trimmed_on(placement)``) where ``plan``'s modelled step is not faster
-    (and that plan fits the budget)."""
+    (and that plan fits the budget). The exact comparison (both plans priced on their
+    blocks) runs unless the per-rank estimate already puts ``plan`` more than
+    :data:`CLEAR_GAIN` ahead (:func:`_clearly_faster`)."""
     G, E = counts_GE.shape
-    if plan.num_replicas() == 0:
+    if plan.num_replicas() == 0 or _clearly_faster(counts_GE, cfg, ledger, plan):
         return plan
     try:
         alt = trimmed_on(natives_GS(G, plan.S, E))
@@ -93,3 +96,32 @@ def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Pla
         return plan
     return dataclasses.replace(alt, rung=plan.rung, given_up_for="static",
                                replicas_given_up=plan.num_replicas() + plan.replicas_given_up)
+
+
+# the modelled gain above which the estimate alone keeps the replicas: the estimate's
+# ratio of a plan's step to static's has stayed within 0.08 of the exact ratio on 141
+# random layers (EP 8-64, skew 0-2, NVLink/IB/PCIe, budgets loose to binding; 0.05 at the
+# 99th percentile), so a plan estimated this far ahead is ahead exactly
+CLEAR_GAIN = 0.10
+
+
+def _clearly_faster(counts_GE, cfg, ledger, plan: Plan) -> bool:
+    """Whether :func:`lrmoe.policy.link_cost.prefix_seconds` puts ``plan`` more than
+    :data:`CLEAR_GAIN` ahead of static's placement: two states of the ranks, the natives
+    (their loads, what the budget lets them retain) and the plan's, from per-rank sums."""
+    c = np.asarray(counts_GE.numpy() if hasattr(counts_GE, "numpy") else counts_GE)
+    G, E = c.shape
+    view = LedgerView(ledger, c.sum(1))
+    load0 = c.sum(0).reshape(G, E // G).sum(1)
+    kept0 = load0 if view.budget is None else np.minimum(
+        load0, np.maximum(view.capacity(np.full(G, E // G), load0), 0))
+    a = plan.assign_GGS.numpy()
+    rep = replica_rows_GG(plan.inst_expert_GS.numpy(), E)
+    np.fill_diagonal(rep, 0)
+    zero = np.zeros(G, dtype=np.int64)
+    t = prefix_seconds(cfg.link, np.stack([load0, a.sum((0, 2))]),
+                       np.stack([kept0, plan.retain_GGS.numpy().sum((0, 2))]),
+                       np.stack([zero, rep.sum(1)]), np.stack([zero, rep.sum(0)]),
+                       c.sum(1), cfg.balance, cfg.min_keep, cfg.selection)
+    return bool(t[1] < (1.0 - CLEAR_GAIN) * t[0])
+

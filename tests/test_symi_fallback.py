@@ -108,7 +108,7 @@ def test_symi_that_fits_gives_nothing_up():
 def test_bench_ttl_symi_never_out_of_memory_where_static_runs(tmp_path, capsys):
     """All 16 slots a rank for SYMI, a budget between static's whole-layer floor and
     SYMI's: it used to stop at step 1; now every step fits, with replicas given up, and
-    ttl.md and ttl.json say how many."""
+    ttl.md and ttl.json say how many (and lrmoe's replicas placed on the run's link)."""
     counts = torch.full((G, E), 4 * 32 // G * CFG.num_experts_per_tok // E)
     static = StaticPolicy().plan(counts, PlanInputs())
     full = plan_symi(counts, E, None)
@@ -116,8 +116,9 @@ def test_bench_ttl_symi_never_out_of_memory_where_static_runs(tmp_path, capsys):
     out = tmp_path / "t"
     rc = main(["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "3",
                "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
-               "--max-data-bytes", "200000", "--threads", "1", "--policies", "static,symi",
-               "--slots-per-rank", str(E), "--mem-budget", str(budget), "--out", str(out)])
+               "--max-data-bytes", "200000", "--threads", "1", "--policies",
+               "static,symi,lrmoe", "--link", "ib", "--slots-per-rank", str(E),
+               "--mem-budget", str(budget), "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "ttl.json").read_text())
     sy = rep["policies"]["symi"]
@@ -129,6 +130,11 @@ def test_bench_ttl_symi_never_out_of_memory_where_static_runs(tmp_path, capsys):
     assert all(s["replicas_given_up"]["memory"][0] == 4 for s in sy["steps"])
     md = (out / "ttl.md").read_text()
     assert "symi gave up replicas for memory at 12 of 12 layer-micro-batches" in md
+    # lrmoe weighs its replicas against the IB link at the static run's GEMM rate
+    lr = rep["policies"]["lrmoe"]
+    assert "replicas weighed against their ib link cost" in lr["config"]
+    assert lr["layer_micro_batches"] == 12 and "Replicas on link ib:" in md
+    assert f"lrmoe placed {lr['replicas_placed'] / 12:.2f} replicas per layer-micro-batch" in md
 
 
 def test_fewer_replicas_equals_the_loop_reference_on_full_presets():

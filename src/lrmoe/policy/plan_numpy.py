@@ -26,8 +26,8 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     entry). The layout the planners keep their blocks in (one row per instance), so that
     every step runs along contiguous memory.
 
-    Only the rows that are split (``0 < total < weight``) are computed: the others
-    take all or nothing. Within those, each entry's key ``remainder·N + (N-1-n)`` is
+    Only the rows that are split (``0 < total < weight``) are computed, unless they are
+    most of a large array: the others take all or nothing. Within those, each entry's key ``remainder·N + (N-1-n)`` is
     unique, so the ``left`` largest keys of a row (one sort of its N entries) are
     exactly the entries a stable largest-remainder sort would give +1."""
     w = np.asarray(weight_KN, dtype=np.int64)
@@ -36,8 +36,10 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     if (total > W).any() or (total < 0).any():
         raise LrmoeError("apportion: totals must lie between 0 and the column weight")
     part = (total > 0) & (total < W)
-    if part.all():
-        out, rows, wc, tc, Wc = None, None, w, total[:, None], W[:, None]
+    if part.all() or (w.size >= _BIG_SPLIT and 2 * np.count_nonzero(part) >= len(part)):
+        # every row at once (a row taking all or nothing splits to exactly that, and an
+        # empty one to zeros): no gather and scatter of the rows that split
+        out, rows, wc, tc, Wc = None, None, w, total[:, None], np.maximum(W, 1)[:, None]
     else:
         out = w * (total == W)[:, None]
         rows = np.flatnonzero(part)

@@ -27,9 +27,10 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     every step runs along contiguous memory.
 
     Only the rows that are split (``0 < total < weight``) are computed, unless they are
-    most of a large array: the others take all or nothing. Within those, each entry's key ``remainder·N + (N-1-n)`` is
-    unique, so the ``left`` largest keys of a row (one sort of its N entries) are
-    exactly the entries a stable largest-remainder sort would give +1."""
+    most of a large array: the others take all or nothing. Within those, each entry's
+    key ``remainder·N + (N-1-n)`` is unique, so the ``left`` largest keys of a row (one
+    sort of its N entries) are exactly the entries a stable largest-remainder sort would
+    give +1."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)

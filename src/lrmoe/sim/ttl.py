@@ -153,7 +153,7 @@ class TTLConfig:
 # --reuse tells files apart: the ledger prices a layer's transients as the code holds its
 # rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
 RETIRED_SETTINGS = {"ledger_transients": "code",
-                    # before 2026-12-05 symi stopped out of memory where its slots did not
+                    # before 2026-12-03 symi stopped out of memory where its slots did not
                     # fit, and lrmoe placed replicas whatever their link cost
                     "replica_rules": "symi-fewer-replicas,lrmoe-link-cost"}
 

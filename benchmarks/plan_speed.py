@@ -11,10 +11,14 @@ and off the critical path: ``prepare`` (SYMI's placement, lrmoe's with
 prepared placement that did not fit this step's counts and was made again.
 
 Policies: static and symi (recompute to fit, as ``bench ttl`` runs them), capacity, and
-lrmoe with and without ``recompute``, placement ``current`` or ``previous``. With CUDA,
-also "from device counts" (copy to the host, the runtime's one sync, then plan) and the
-host syncs inside ``plan`` (0 expected). ``--reference`` also times the loop-by-loop
-lrmoe planner (``tests/references/lrmoe_planner.py``).
+lrmoe with and without ``recompute``, placement ``current``, ``previous``, or held for
+the optimizer step (``step``, ``step-previous``: the critical part is a later
+micro-batch's plan on the held placement, ``micro-batch 0 ms`` beside it the step's
+first, which places), and with ``link`` its link-cost rules (``--link``, GEMMs at
+``--gemm-tflops``: a modelled rate; it only steers which replicas pay). With CUDA, also
+"from device counts" (copy to the host, the runtime's one sync, then plan) and the host
+syncs inside ``plan`` (0 expected). ``--reference`` also times the loop-by-loop lrmoe
+planner (``tests/references/lrmoe_planner.py``).
 
     python3 benchmarks/plan_speed.py --out DIR [--preset qwen3-30b-a3b] [--reference]
 """
@@ -27,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +55,13 @@ from lrmoe.policy import (  # noqa: E402
 )
 from lrmoe.policy.base import prepare  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
+from lrmoe.sim.links import get_link, link_cost  # noqa: E402
 from references import lrmoe_planner  # noqa: E402
 
 POLICIES = ("static", "symi", "capacity", "lrmoe", "lrmoe:recompute", "lrmoe:previous",
-            "lrmoe:recompute+previous")
+            "lrmoe:recompute+previous", "lrmoe:link", "lrmoe:link+previous", "lrmoe:step",
+            "lrmoe:step-previous", "lrmoe:link+step", "lrmoe:link+step-previous")
+HELD_MICRO_BATCHES = 4  # a held placement's link cost is shared by this many
 CRITICAL_MS = 0.5  # the target for the critical part, ms per layer
 
 
@@ -87,12 +95,18 @@ def budgets(cfg, G: int, counts: torch.Tensor, dtype: str) -> dict[str, int]:
     return {"loose": int(1.5 * max(t["total"] for t in terms)), "binding": binding}
 
 
-def make(name: str):
+def make(name: str, cfg=None, link: str = "ib", tflops: float = 400.0):
     """The policy of a row; the exact ones recompute to fit a budget (as ``bench ttl``)."""
     if name.startswith("lrmoe"):
         opts = name.partition(":")[2].split("+")
-        return LrmoePolicy(LrmoeConfig(recompute="recompute" in opts,
-                                       placement="previous" if "previous" in opts else "current"))
+        where = next((o for o in opts if o in ("previous", "step", "step-previous")), "current")
+        cost = None
+        if "link" in opts:
+            share = HELD_MICRO_BATCHES if where.startswith("step") else 1
+            cost = link_cost(get_link(link), tflops * 1e12, cfg.hidden_size,
+                             cfg.moe_intermediate_size, 2, 2, share)
+        return LrmoePolicy(LrmoeConfig(recompute="recompute" in opts, placement=where,
+                                       link=cost))
     if name == "symi":
         return SymiPolicy(None, recompute=True)  # E/G + 2 slots
     if name == "static":
@@ -172,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reference", action="store_true",
                     help="also time the reference lrmoe planner (slow: 3 repeats)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the device-counts timing")
+    ap.add_argument("--link", default="ib", help="the link the link-cost rules price (lrmoe:link)")
+    ap.add_argument("--gemm-tflops", type=float, default=400.0,
+                    help="the expert GEMM rate the link-cost rules assume (modelled)")
     args = ap.parse_args(argv)
     cfg = get_preset(args.preset)
     eps, skews = gc.csv(args.eps, int, "--eps"), gc.csv(args.skews, float, "--skews")
@@ -190,21 +207,31 @@ def main(argv: list[str] | None = None) -> None:
     for G in eps:
         for skew in skews:
             seed = G * 100 + int(skew * 10)
-            counts = zipf_counts(G, cfg.num_experts, pairs, skew, seed)
+            first = zipf_counts(G, cfg.num_experts, pairs, skew, seed)
             prev = zipf_counts(G, cfg.num_experts, pairs, skew, seed, draw=1).sum(0)
-            for bname, budget in budgets(cfg, G, counts, args.dtype).items():
+            # a held step's later micro-batch: another draw from the same weights
+            later = zipf_counts(G, cfg.num_experts, pairs, skew, seed, draw=2)
+            for bname, budget in budgets(cfg, G, first, args.dtype).items():
                 ledger = Ledger.for_dtype(cfg, G, budget, args.dtype)
                 for name in policies:
-                    pol = make(name)
+                    counts = first
+                    pol = make(name, cfg, args.link, args.gemm_tflops)
                     exact = name in ("static", "symi", "capacity")
                     # static and symi price the budget by recompute; capacity by a check
-                    inputs = prepare(pol, prev, G, PlanInputs(prev_counts_E=prev,
+                    inputs = prepare(pol, prev, G, PlanInputs(step=1, prev_counts_E=prev,
                                                               ledger=ledger), pairs)
+                    micro0 = None
+                    if "step" in name:  # held: micro-batch 0 places, a later one reuses
+                        micro0 = timed(args.repeats, pol.plan, counts, inputs)[1]
+                        _plan(pol, counts, inputs)
+                        inputs = prepare(pol, prev, G, replace(inputs, micro=1), pairs)
+                        counts = later
                     wall, cpu, err, best = timed(args.repeats, pol.plan, counts, inputs)
                     row = {"ep": G, "skew": skew, "budget": bname, "budget_bytes": budget,
                            "policy": name, "exact": exact, "cpu_wall_ms": wall,
                            "cpu_thread_ms": cpu, "cpu_thread_min_ms": best, "error": err,
                            "gpu_ms": None, "host_syncs_in_plan": None, "reference_ms": None,
+                           "micro0_thread_ms": micro0,
                            **off_path(name, pol, counts, inputs, ledger, args.repeats)}
                     if cuda:
                         row["gpu_ms"], row["host_syncs_in_plan"] = gpu_timed(
@@ -217,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps(row), flush=True)
     meta = gc.run_meta("cpu", argv=argv, device="cpu", preset=args.preset, numpy=np.__version__,
                        tokens_per_rank=args.tokens_per_rank, repeats=args.repeats, threads=1,
+                       link=args.link, gemm_tflops=args.gemm_tflops,
                        cpu=platform.processor() or platform.machine(),
                        gpu=torch.cuda.get_device_name() if cuda else None)
     md = markdown(meta, rows)
@@ -253,12 +281,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "path; `gpu ms` = copy device counts to the host (the runtime's one sync) + "
              "plan; `syncs` = host syncs inside plan.", "",
              f"command: `{meta['command']}`", "",
+             f"Held placements (`step`, `step-previous`): `plan` is a later micro-batch's "
+             "plan on the held placement; `micro-batch 0 ms` the step's first (which places). "
+             f"`link`: lrmoe's link-cost rules on {meta['link']} at {meta['gemm_tflops']:g} "
+             f"TFLOP/s (modelled), a held placement's cost shared by {HELD_MICRO_BATCHES} "
+             "micro-batches.", "",
              f"Largest critical-path ms over skews and budgets (target {CRITICAL_MS} ms), "
              "medians:", "", *summary(rows), "",
              "... and the least of the repeats (a quiet machine's):", "",
              *summary(rows, "cpu_thread_min_ms"), "",
              *gc.md_head("EP", "skew", "budget", "policy", "plan ms", "wall ms", "prepare ms",
-                         "check ms", "pricing ms", "gpu ms", "syncs", "reference ms", "note")]
+                         "check ms", "pricing ms", "gpu ms", "syncs", "reference ms",
+                         "micro-batch 0 ms", "note")]
     for r in rows:
         note = "does not fit" if r["error"] else ("placement replaced" if r["replaced"] else "")
         lines.append(f"| {r['ep']} | {r['skew']:g} | {r['budget']} | {r['policy']} | "
@@ -266,7 +300,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{_f(r['prepare_ms'])} | {_f(r['check_ms'])} | {_f(r['pricing_ms'])} | "
                      f"{_f(r['gpu_ms'])} | "
                      f"{'-' if r['host_syncs_in_plan'] is None else r['host_syncs_in_plan']} | "
-                     f"{_f(r['reference_ms'])} | {note} |")
+                     f"{_f(r['reference_ms'])} | {_f(r.get('micro0_thread_ms'))} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -526,11 +526,11 @@ def test_symi_note_names_the_rule_that_chose_s():
             continue
         s, note = symi_slots(cfg, led, counts, pops, get_link("nvlink"), 1e9)
         if set.intersection(*per):
-            assert "among the s that fit every profiled static step" in note
+            assert "among the s that fit every profiled static micro-batch" in note
             seen.add("all")
         else:
             assert s == best_slots(led, counts, pops)[0]
-            assert "no s fits (with recompute) every profiled static step" in note
+            assert "no s fits (with recompute) every profiled static micro-batch" in note
             seen.add("some")
     assert seen == {"all", "some"}
 

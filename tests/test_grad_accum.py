@@ -6,6 +6,7 @@ a resumed accumulating run repeats the uninterrupted one bit for bit."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -300,6 +301,36 @@ def test_emulator_placement_stages_once_only_when_the_placement_holds():
     for o, s in zip(outs, moving):
         assert o.weight_scatter == step_times(s, link).weight_scatter > 0
         assert o.grad_reduce == step_times(s, link).grad_reduce > 0
+
+
+def test_sharded_offload_charges_a_changing_placement_every_micro_batch():
+    """SYMI under host offload giving replicas up at one micro-batch: its placement
+    changes within the step, so each micro-batch pays the sharded gather and
+    reduce-scatter of its own slots (not a refusal); the host traffic stays once."""
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.cost import accumulated_times
+    from lrmoe.sim.links import LINKS
+    from lrmoe.sim.offload import OffloadModel
+    cfg = get_preset("tiny-qwen3")
+    G, E = 4, cfg.num_experts
+    _, micro = _symi_micro(_pop(cfg, 5), 2, G)
+    fewer = copy.copy(micro[1])  # one slot of rank 0 left empty: a replica given up
+    inst = micro[1].plan.inst_expert_GS.clone()
+    inst[0, -1] = -1
+    fewer.plan = dataclasses.replace(micro[1].plan, inst_expert_GS=inst)
+    link = LINKS["ib"]
+    P = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    off = OffloadModel(E, G, P, 4, "sharded")
+    terms: dict = {}
+    outs, step = accumulated_times([[micro[0]], [fewer]], link, offload=off, terms=terms)
+    assert step.weight_scatter == step.grad_reduce == 0
+    for o, s in zip(outs, (micro[0], fewer)):
+        own = off.rank_seconds(s.plan.inst_expert_GS, link)
+        assert o.weight_scatter == pytest.approx(max(own["weight_scatter"]))
+        assert o.grad_reduce == pytest.approx(max(own["grad_reduce"]))
+    assert outs[1].weight_scatter > 0
+    assert step.opt_d2h > 0 and all(o.opt_d2h == 0 for o in outs)
+    assert len(terms["weight_scatter"]) == 2  # one charge per micro-batch
 
 
 def test_bench_ttl_with_grad_accum(tmp_path):

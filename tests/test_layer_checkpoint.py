@@ -211,7 +211,8 @@ def _budgets(plan, L: int = 8):
 def test_exact_policies_fall_back_to_the_layer_checkpoint(name):
     """A budget that no per-row recompute meets on the hot rank but the checkpoint does:
     static and symi with recompute plan the checkpoint, within the budget (without
-    recompute they refuse, as before); below the checkpoint's need they refuse too."""
+    recompute they refuse, as before); below the checkpoint's need static refuses and
+    symi gives replicas up, refusing only below static's own checkpoint."""
     G = 2
     counts = torch.tensor([[30, 9, 1, 1, 9, 1, 1, 1], [25, 2, 0, 1, 3, 1, 1, 1]])
     make = {"static": StaticPolicy, "symi": lambda recompute=False: SymiPolicy(
@@ -231,6 +232,13 @@ def test_exact_policies_fall_back_to_the_layer_checkpoint(name):
     with pytest.raises(LrmoeError, match="does not fit"):
         make().plan(counts, inputs)
     tight = Ledger(_cfg(), G, max(layer) - 1, num_moe_layers=8)
+    if name == "symi":  # it gives replicas up instead (tests/test_symi_fallback.py) ...
+        fewer = make(recompute=True).plan(counts, dataclasses.replace(inputs, ledger=tight))
+        assert fewer.replicas_given_up > 0 and fewer.given_up_for == "memory"
+        assert max(t["total"] for t in tight.rank_terms(fewer)) <= tight.budget_bytes
+        # ... down to static's placement, whose own checkpoint is the floor
+        static = StaticPolicy().plan(counts, PlanInputs())
+        tight = Ledger(_cfg(), G, max(_budgets(static)[1]) - 1, num_moe_layers=8)
     with pytest.raises(LrmoeError, match="whole-layer checkpoint"):
         make(recompute=True).plan(counts, dataclasses.replace(inputs, ledger=tight))
 

@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from dist_util import load_benchmark
 from lrmoe.cli import main
@@ -147,10 +148,18 @@ TTL = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "4", "-
        "--threads", "1", "--budget-retain-fraction", "0.8"]
 
 
-def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys):
-    """symi with every expert in every slot (s = E) cannot fit the budget even with a
-    whole-layer checkpoint: its run stops at step 1 with the verdict, it gets no time to
-    target, lrmoe's ratio over it reads OOM in ttl.json, ttl.md and the summaries."""
+def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys, monkeypatch):
+    """A policy with no fallback left stops out of memory: here symi with every expert
+    in every slot (s = E), which cannot fit the budget even with a whole-layer
+    checkpoint, and its fallback of giving replicas up switched off. Its run stops at
+    step 1 with the verdict, it gets no time to target, lrmoe's ratio over it reads OOM
+    in ttl.json, ttl.md and the summaries."""
+    from lrmoe.policy import symi
+
+    def none_left(c, s, pop, ledger, view):  # the ledger's own verdict on the full plan
+        plan = symi.plan_symi(torch.from_numpy(c), s, pop)
+        return symi.fit_exact(plan, ledger, "symi")
+    monkeypatch.setattr(symi, "fewer_replicas", none_left)
     out = tmp_path / "o"
     assert main(TTL + ["--policies", "static,symi,lrmoe", "--slots-per-rank", "16",
                        "--out", str(out)]) == 0

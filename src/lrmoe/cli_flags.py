@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lrmoe.errors import LrmoeError
+from lrmoe.policy.lrmoe import PLACEMENTS
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
 
 INT64_MAX = 2**63 - 1
@@ -137,10 +138,12 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
     _k("lrmoe_recompute", "lrmoe: retain more pairs by saving only some pairs' input rows "
        "and recomputing their gate_up outputs in backward", lambda n, v: None,
        "lrmoe.recompute", switch=True),
-    _k("lrmoe_placement", "lrmoe: place replicas from this step's counts (current) or, "
-       "before the count exchange, from the previous step's (previous, as SYMI does)",
-       lambda n, v: check_choice(n, v, ("current", "previous")), "lrmoe.placement",
-       metavar="current|previous"),
+    _k("lrmoe_placement", "lrmoe: place replicas from each micro-batch's counts (current) "
+       "or, before the count exchange, from the previous step's (previous, as SYMI does); "
+       "step and step-previous hold one placement for the optimizer step, placed from its "
+       "first micro-batch's counts or from the previous step's",
+       lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
+       metavar="|".join(PLACEMENTS)),
     _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate", _metric,
        "lrmoe.metric", metavar="grad_norm|gate"),
     _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "

@@ -39,7 +39,8 @@ def register(sub) -> None:
     t.add_argument("--policies", default="static,symi,lrmoe",
                    help="comma list of static, symi, lrmoe and lrmoe variants such as "
                         "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
-                        "recompute, min_keep, balance, estimator, max_slots); static always "
+                        "recompute, min_keep, balance, estimator, max_slots, placement, "
+                        "link_cost=on|off); static always "
                         "runs: it sets the target")
     t.add_argument("--budget-retain-fraction", type=float, default=None, metavar="F",
                    help="instead of --mem-budget: the bytes of a perfectly balanced static rank "
@@ -122,6 +123,36 @@ def rungs_cell(rungs: dict | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
 
 
+# why a policy's own rule chose replicas it did not place (Plan.given_up_for)
+GIVEN_UP = {"memory": ("for memory", "its slots did not fit the budget even with recompute "
+                       "and a whole-layer checkpoint; it placed its most replicas that fit"),
+            "link": ("for their link cost", "their weight scatter and gradient reduce on the "
+                     "link cost more than the straggler time they remove (modelled)"),
+            "static": ("for static's placement", "its modelled step was not faster than on "
+                       "static's placement with its trimming, which it took")}
+
+
+def placement_lines(rep: dict) -> list[str]:
+    """Replicas placed per layer-micro-batch on the run's link, and those each policy's
+    own rule chose but gave up, with why (none for runs recorded before the count)."""
+    pols = {k: r for k, r in rep["policies"].items() if r.get("layer_micro_batches")}
+    if not pols:
+        return []
+    out = ["", f"Replicas on link {rep['link']['name']}:"]
+    seen = set()
+    for name, r in pols.items():
+        n = r["layer_micro_batches"]
+        line = f"{name} placed {r['replicas_placed'] / n:.2f} replicas per layer-micro-batch"
+        for why, g in r.get("replicas_given_up", {}).items():
+            seen.add(why)
+            line += (f"; {name} gave up replicas {GIVEN_UP.get(why, (why,))[0]} at "
+                     f"{g['layer_micro_batches']} of {n} layer-micro-batches "
+                     f"({g['replicas']} in all, at most {g['most_in_one']} in one)")
+        out.append(line + ".  ")
+    out += [f"({GIVEN_UP[w][0]}: {GIVEN_UP[w][1]}.)  " for w in GIVEN_UP if w in seen]
+    return out
+
+
 def table(rep: dict) -> str:
     from lrmoe.ledger import fmt_bytes
 
@@ -162,6 +193,7 @@ def table(rep: dict) -> str:
     lines.append("")
     for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
         lines.append(f"{name} / symi emulated time-to-target: {fmt_ratio(ratio)}  ")
+    lines += placement_lines(rep)
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
         E, G = ModelConfig.from_hf_dict(rep["model"]).num_experts, rep["config"]["ep"]

@@ -44,6 +44,7 @@ class MoERuntime:
         backward: LRMoE backward options (inert for exact plans).
         ledger: memory ledger handed to the planner (``None``: no budget).
         step: the optimizer step, set by the trainer.
+        micro: the micro-batch's index in its optimizer step (``train.accum.accumulate``).
         stats: per MoE layer, the last step's counters (filled in forward and backward).
         check_plans: validate each plan against the counts (a debugging aid, host work
             on the critical path: on with ``LRMOE_CHECK_PLANS=1``, :func:`checks_on`).
@@ -58,6 +59,7 @@ class MoERuntime:
     backward: BackwardOptions = field(default_factory=BackwardOptions)
     ledger: Any = None
     step: int = 0
+    micro: int = 0
     stats: dict[int, dict] = field(default_factory=dict)
     check_plans: bool = field(default_factory=checks_on)
     generator: torch.Generator | None = None
@@ -124,7 +126,7 @@ class MoELayer(nn.Module):
         # count (on the device: no host sync yet)
         counts_E = expert_counts(idx_TK.reshape(-1), E)
         t0 = time.perf_counter()
-        inputs = PlanInputs(self.moe_index, rt.step, self.prev_counts_E, rt.ledger)
+        inputs = PlanInputs(self.moe_index, rt.step, self.prev_counts_E, rt.ledger, micro=rt.micro)
         local = None if idx_TK.numel() == 0 else stand_in_plan(rt, E, idx_TK.numel(), inputs)
         self.last_path = "exchange" if local is None else "local"
         if local is None:

@@ -98,6 +98,12 @@ class MoEForCausalLM(nn.Module):
         for m in self.moe_layers:
             m.runtime = runtime
 
+    def set_micro_batch(self, m: int) -> None:
+        """The index of the micro-batch about to run in its optimizer step (what a
+        placement held for the step plans by, ``PlanInputs.micro``)."""
+        for layer in self.moe_layers:
+            layer.runtime.micro = m
+
     def set_activation_checkpoint(self, mode: str) -> None:
         """``none``, ``selective`` (each block's attention) or ``full`` (each whole block,
         MoE forward included): :mod:`lrmoe.model.checkpoint`."""

@@ -47,6 +47,12 @@ class PlanInputs:
         ledger: the memory ledger (``lrmoe.ledger.Ledger``) or ``None`` when no budget.
         prepared: the policy's :meth:`Policy.prepare` result for this layer and step
             (``None``: not prepared; a policy that needs it prepares inside ``plan``).
+        micro: the micro-batch's index in its optimizer step (0-based; a re-run of a
+            micro-batch's forward, e.g. under an activation checkpoint, passes its
+            index again). A policy that holds one placement for the optimizer step
+            (lrmoe's ``placement="step"``) places at micro-batch 0 and reuses that
+            placement for the step's later ones; the runtime gathers its weights once
+            and reduces its gradients once.
     """
 
     layer: int = 0
@@ -54,6 +60,7 @@ class PlanInputs:
     prev_counts_E: Tensor | None = None
     ledger: Any = None
     prepared: Prepared | None = None
+    micro: int = 0
 
 
 class Policy(Protocol):

@@ -126,12 +126,12 @@ class LedgerView:
 
     def fits(self, n_G, R_G, k_G) -> np.ndarray:
         """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool
-        ``[G]``: ``capacity(n, R) >= k`` (every piece is non-decreasing in ``k``), without
-        the divisions."""
-        if self.budget is None:
-            return np.ones(len(self.home), dtype=bool)
+        ``[..., G]`` (leading axes: several states of the ranks at once): ``capacity(n,
+        R) >= k`` (every piece is non-decreasing in ``k``), without the divisions."""
         R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
-        top = (self._c0 + self._cR * R_G[:, None] + self._ck * k_G[:, None]).max(1)
+        if self.budget is None:
+            return np.ones(R_G.shape, dtype=bool)
+        top = (self._c0 + self._cR * R_G[..., None] + self._ck * k_G[..., None]).max(-1)
         return top + self.cn * np.asarray(n_G, dtype=np.int64) <= self.budget
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
@@ -156,11 +156,12 @@ class LedgerView:
     def totals(self, n_G, R_G, k_G, rec_G=None) -> np.ndarray:
         """:meth:`Ledger.terms`' total of every rank, int64 ``[G]``."""
         n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
-        rec_G = np.zeros_like(k_G) if rec_G is None else np.asarray(rec_G, dtype=np.int64)
-        x = np.stack([np.ones_like(R_G), R_G, k_G, rec_G], 1)[:, :, None]  # [G, 4, 1]
-        t0 = (self.pieces[0] @ x)[:, :, 0].max(1)
-        t1 = (self.pieces[1] @ x)[:, :, 0].max(1)
-        return self.cn * n_G + np.where(rec_G > 0, t1, t0)
+        # the rec = 0 branch alone (what every rank without recomputed rows takes)
+        t = (self._c0 + self._cR * R_G[:, None] + self._ck * k_G[:, None]).max(1)
+        if rec_G is not None and (rec := np.asarray(rec_G, dtype=np.int64)).any():
+            x = np.stack([np.ones_like(R_G), R_G, k_G, rec], 1)[:, :, None]  # [G, 4, 1]
+            t = np.where(rec > 0, (self.pieces[1] @ x)[:, :, 0].max(1), t)
+        return self.cn * n_G + t
 
     def over(self, n_G, R_G, k_G, rec_G=None) -> bool:
         """True if some rank's total exceeds the budget."""

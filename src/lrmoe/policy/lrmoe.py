@@ -69,8 +69,10 @@ from torch import Tensor
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.policy.base import PlanInputs, Prepared
 from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.link_cost import LinkCost
 from lrmoe.policy.lrmoe_ladder import climb
-from lrmoe.policy.lrmoe_place import place_replicas
+from lrmoe.policy.lrmoe_link import natives_GS, no_slower_than_static, worth_their_link
+from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import (
@@ -82,7 +84,7 @@ from lrmoe.policy.plan_numpy import (
 )
 
 ESTIMATORS = ("topk", "sampled")
-PLACEMENTS = ("current", "previous")
+PLACEMENTS = ("current", "previous", "step", "step-previous")
 RETENTION_ORDERS = ("gate",)
 
 
@@ -111,10 +113,18 @@ class LrmoeConfig:
         recompute: retention may also keep pairs whose gate_up output is recomputed in
             backward (only the input row saved): a rank retains as many pairs as fit
             that way, recomputing the fewest (more pairs in backward, more backward work).
-        placement: ``current`` places replicas from this step's counts (pass 1 on the
-            critical path); ``previous`` from the previous step's counts, as SYMI does
-            (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the split,
-            the quotas and the budget check wait on this step's counts.
+        placement: ``current`` places replicas from this micro-batch's counts (pass 1
+            on the critical path); ``previous`` from the previous step's counts, as SYMI
+            does (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the
+            split, the quotas and the budget check wait on this step's counts. ``step``
+            and ``step-previous`` hold one placement for the optimizer step (its weights
+            gathered once, its gradients reduced once), placed from the step's first
+            micro-batch's counts or from the previous step's; quotas and selection stay
+            per micro-batch (:class:`LrmoePolicy`).
+        link: the run's link and expert GEMM rate (:mod:`lrmoe.policy.lrmoe_link`): a
+            replica is placed only where its modelled link cost is below the straggler
+            time it removes, and a step not faster than on static's placement takes
+            static's. ``None`` (the plain trainer): no cost rule.
         whole_layer: the ladder's last rung, a whole-MoE-layer checkpoint
             (:mod:`lrmoe.policy.lrmoe_ladder`), is available to whoever runs the plans;
             False stops the ladder before it (a step that needs it is out of memory).
@@ -135,6 +145,7 @@ class LrmoeConfig:
     recompute: bool = False
     placement: str = "current"
     whole_layer: bool = True
+    link: LinkCost | None = None
 
     def __post_init__(self) -> None:
         require(0.0 <= self.balance <= 1.0, f"lrmoe.balance={self.balance} must be in [0, 1]")
@@ -170,8 +181,22 @@ def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | N
     path, from the previous step's counts)."""
     cfg = config or LrmoeConfig()
     G, E = len(home_G), len(total_E)
-    return place_replicas(np.asarray(total_E, dtype=np.int64), G, _slots(cfg, G, E), cfg,
-                          LedgerView(ledger, home_G))[0]
+    return _place(np.asarray(total_E, dtype=np.int64), _slots(cfg, G, E), cfg,
+                  LedgerView(ledger, home_G))[0]
+
+
+def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView, check=None
+           ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pass 1, then (with ``cfg.link``) the link-cost rule: ``(inst_expert_GS,
+    inst_load_GS, replicas given up for their link cost)``. ``check(inst, load)``: the
+    caller's test of the full placement, before the rule picks among its prefixes."""
+    G, log = len(view.home), MoveLog() if cfg.link is not None else None
+    inst, load = (place_replicas(total_E, G, S, cfg, view) if log is None
+                  else place_replicas(total_E, G, S, cfg, view, log))
+    if check is not None:
+        check(inst, load)
+    fewer = None if log is None else worth_their_link(log, cfg, view, total_E, S)
+    return (inst, load, 0) if fewer is None else fewer
 
 
 def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
@@ -184,14 +209,16 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
 
 
 def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
-                      placement: np.ndarray | None = None, slots: Slots | None = None
-                      ) -> tuple[Plan, bool]:
+                      placement: np.ndarray | None = None, slots: Slots | None = None,
+                      hold: bool = False) -> tuple[Plan, bool]:
     """:func:`plan_lrmoe`, and whether it kept the given ``placement``.
 
     A placement made on other counts may not fit on these: when even its instances with
     one retained pair each exceed the ledger at some rank, the placement is made again
     from these counts (as ``placement=None`` does), so the plan always fits the budget
-    and exists exactly when the current-count plan does."""
+    and exists exactly when the current-count plan does. ``hold``: a placement held for
+    the step is never made again: there it raises :class:`OutOfMemory` with the exact
+    plan on it attached, for the ladder (:mod:`lrmoe.policy.lrmoe_ladder`)."""
     cfg = config or LrmoeConfig()
     G, E = counts_GE.shape
     S = _slots(cfg, G, E)
@@ -211,21 +238,19 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
         n_inst = (inst >= 0).sum(1)
         recv = load.sum(1)
         kept = not view.over(n_inst, recv, np.minimum(n_inst, recv))
+        if hold and not kept:
+            _over(view, c, inst, assign, n_inst, recv)
+    given_up = 0
     if not kept:
-        inst, load = place_replicas(c.sum(0), G, S, cfg, view)
+        # Feasibility after placement: replicas may have taken pairs (and so buffer
+        # bytes) off a hot rank that the native placement alone could not fit.
+        def check(inst, load):
+            n = (inst >= 0).sum(1)
+            _over(view, c, inst, None, n, load.sum(1), load)
+        inst, load, given_up = _place(c.sum(0), S, cfg, view, check)
         assign = interval_overlap_ig(c, inst, load)
         n_inst = (inst >= 0).sum(1)
         recv = load.sum(1)
-        # Feasibility after placement: replicas may have taken pairs (and so buffer
-        # bytes) off a hot rank that the native placement alone could not fit.
-        try:
-            view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
-                               "the smallest lrmoe plan (its placement, one retained pair "
-                               "per instance)")
-        except OutOfMemory as e:  # the ladder goes on from this placement (lrmoe_ladder)
-            a = blocks_to_GGS(assign, G, S)
-            e.placed = to_plan(inst, a, a.copy(), a.copy())
-            raise
     retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
     select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
               else retain)
@@ -234,27 +259,54 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
     r_GGS = a_GGS.copy() if retain is assign else blocks_to_GGS(retain, G, S)
     s_GGS = r_GGS.copy() if select is retain else blocks_to_GGS(select, G, S)
     plan = to_plan(inst, a_GGS, r_GGS, s_GGS, recompute_G=rec)
+    if given_up:
+        plan = dataclasses.replace(plan, replicas_given_up=given_up, given_up_for="link")
     # the plan never exceeds the budget (the ledger's own message if it ever did)
     if view.over(n_inst, recv, kept_G, rec):
         ledger.check(plan)
     return plan, kept
 
 
+def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray | None,
+          n_inst: np.ndarray, recv: np.ndarray, load: np.ndarray | None = None) -> None:
+    """Raise :class:`OutOfMemory` (the ledger's own message) with the exact plan on
+    ``inst`` attached (``placed``: the ladder goes on from this placement) if even its
+    instances with one retained pair each exceed the budget."""
+    try:
+        view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
+                           "the smallest lrmoe plan (its placement, one retained pair "
+                           "per instance)")
+    except OutOfMemory as e:
+        G, S = inst.shape
+        if assign is None:
+            assign = interval_overlap_ig(c, inst, load)
+        a = blocks_to_GGS(assign, G, S)
+        e.placed = to_plan(inst, a, a.copy(), a.copy())
+        raise
+
+
 def fit_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
-              placement: np.ndarray | None = None, slots: Slots | None = None
-              ) -> tuple[Plan, bool]:
+              placement: np.ndarray | None = None, slots: Slots | None = None,
+              hold: bool = False, decide: bool = True) -> tuple[Plan, bool]:
     """:func:`plan_lrmoe_placed` with the ladder of fallbacks under a budget
     (:mod:`lrmoe.policy.lrmoe_ladder`): the first rung that fits, named in ``Plan.rung``,
-    or :class:`lrmoe.errors.OutOfMemory` when none does. What :class:`LrmoePolicy` runs."""
+    or :class:`lrmoe.errors.OutOfMemory` when none does. With ``config.link`` and
+    ``decide``, a trimmed plan not faster than on static's placement takes static's
+    (:func:`lrmoe.policy.lrmoe_link.no_slower_than_static`). What :class:`LrmoePolicy`
+    runs."""
     kept = [False]
+    cfg = config or LrmoeConfig()
 
     def trimmed() -> Plan:
-        plan, kept[0] = plan_lrmoe_placed(counts_GE, config, ledger, placement, slots)
+        plan, kept[0] = plan_lrmoe_placed(counts_GE, cfg, ledger, placement, slots, hold)
         return plan
-    cfg = config or LrmoeConfig()
     G, E = counts_GE.shape
     cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
-    return climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer), kept[0]
+    plan = climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer)
+    if cfg.link is not None and decide and plan.rung == "plan":
+        plan = no_slower_than_static(counts_GE, cfg, ledger, plan, lambda inst: (
+            plan_lrmoe_placed(counts_GE, cfg, ledger, inst, None, True)[0]))
+    return plan, kept[0]
 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None
@@ -287,8 +339,28 @@ def previous_totals(prev_counts, G: int, home_pairs: int | None = None
     return total, np.full(G, int(home_pairs), dtype=np.int64)
 
 
+HELD = ("step", "step-previous")  # placements held for the optimizer step
+
+
+@dataclass(frozen=True)
+class Held:
+    """A layer's placement held for one optimizer step (``placement`` in :data:`HELD`)."""
+
+    step: int
+    inst_expert_GS: np.ndarray
+    slots: Slots
+
+
 @dataclass
 class LrmoePolicy:
+    """The LRMoE planner. With a placement held for the optimizer step (``step``,
+    ``step-previous``) it places at a step's micro-batch 0 (as ``current`` does, or as
+    ``previous`` does from the previous step's counts, the link-cost rules included) and
+    plans the step's later micro-batches on that placement (:attr:`held`): their own
+    split, quotas and selection; where their counts do not fit it, the ladder's rungs
+    (the placement's own exact and recompute rungs first) decide that micro-batch alone.
+    Every rank sees the same counts in the same order, so every rank holds the same."""
+
     config: LrmoeConfig = field(default_factory=LrmoeConfig)
     name: str = "lrmoe"
 
@@ -298,6 +370,8 @@ class LrmoePolicy:
     replaced_placements: int = 0
     # plans per rung of the ladder (lrmoe_ladder.RUNGS) that met the budget
     rungs: dict[str, int] = field(default_factory=dict)
+    # per MoE layer, the placement held for its current optimizer step
+    held: dict[int, Held] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -319,7 +393,7 @@ class LrmoePolicy:
         """With ``placement="previous"``: pass 1 on the previous step's counts (see
         :func:`previous_totals`), off the critical path; ``None`` otherwise or on the
         first step (the plan then places on the current counts)."""
-        if self.config.placement != "previous":
+        if self.config.placement not in ("previous", "step-previous") or self._holding(inputs):
             return None
         prev = previous_totals(prev_counts, G, home_pairs)
         if prev is None:
@@ -328,10 +402,26 @@ class LrmoePolicy:
         inst = place_lrmoe(prev[0], prev[1], cfg, inputs.ledger)
         return Prepared(self.name, inst, Slots(inst, len(prev[0])))
 
+    def _holding(self, inputs: PlanInputs) -> Held | None:
+        """The placement held for this step, at a later micro-batch of a held step."""
+        h = self.held.get(inputs.layer)
+        ok = (self.config.placement in HELD and inputs.micro > 0 and h is not None
+              and h.step == inputs.step)
+        return h if ok else None
+
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         cfg = self._layer_config(inputs.layer)
+        held = self._holding(inputs)
+        if held is not None:  # the step's placement; the decision to hold it was made
+            plan, _ = fit_lrmoe(counts_GE, cfg, inputs.ledger, held.inst_expert_GS,
+                                held.slots, hold=True, decide=False)
+            if not np.array_equal(plan.inst_expert_GS.numpy(), held.inst_expert_GS[
+                    :, :plan.S]) or (held.inst_expert_GS[:, plan.S:] >= 0).any():
+                self.replaced_placements += 1  # a rung placed otherwise, this micro-batch
+            self.rungs[plan.rung] = self.rungs.get(plan.rung, 0) + 1
+            return plan
         prep = None
-        if cfg.placement == "previous":
+        if cfg.placement in ("previous", "step-previous"):
             prep = inputs.prepared
             if prep is None or prep.policy != self.name:  # not prepared: do it here
                 G = counts_GE.shape[0]
@@ -342,6 +432,11 @@ class LrmoePolicy:
                                None if prep is None else prep.slots)
         if placement is not None and not kept:
             self.replaced_placements += 1
+        if cfg.placement in HELD:  # micro-batch 0: hold what it placed for the step
+            G, E = counts_GE.shape
+            inst = natives_GS(G, _slots(cfg, G, E), E)
+            inst[:, :plan.S] = plan.inst_expert_GS.numpy()
+            self.held[inputs.layer] = Held(inputs.step, inst, Slots(inst, E))
         self.rungs[plan.rung] = self.rungs.get(plan.rung, 0) + 1
         return plan
 

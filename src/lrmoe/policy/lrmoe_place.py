@@ -32,26 +32,54 @@ compares the two.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
 
 from lrmoe.policy.ledger_view import LedgerView
+from lrmoe.policy.plan_numpy import Slots
 
 _FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exact
 
 
-def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
-                   ) -> tuple[np.ndarray, np.ndarray]:
+@dataclass
+class MoveLog:
+    """The greedy's moves, for a rule that keeps only a prefix of them
+    (:func:`lrmoe.policy.lrmoe.worth_their_link`).
+
+    Attributes:
+        load_KG: each rank's received pairs before the first move and after each.
+        kept_KG: ... and the pairs it can retain (its load, without a budget).
+        expert_K, rank_K, slot_K: each move's replica: its expert and where it went.
+    """
+
+    load_KG: list[list[int]] = field(default_factory=list)
+    kept_KG: list[list[int]] = field(default_factory=list)
+    expert_K: list[int] = field(default_factory=list)
+    rank_K: list[int] = field(default_factory=list)
+    slot_K: list[int] = field(default_factory=list)
+
+
+def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
+                   log: MoveLog | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1 from each expert's total pairs (the count matrix's column sums: all the
     placement looks at, besides the ledger's view of the home pairs); returns
-    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split)."""
+    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split). ``log``: filled with
+    the moves and the ranks' loads after each."""
     E = len(total_E)
     n_nat = E // G
-    slots = [list(range(r * n_nat, (r + 1) * n_nat)) + [-1] * (S - n_nat) for r in range(G)]
+    inst0 = np.full((G, S), -1, dtype=np.int64)
+    inst0[:, :n_nat] = np.arange(E).reshape(G, n_nat)
+    slots = inst0.tolist()
     total = np.asarray(total_E, dtype=np.int64).tolist()
-    inst_of = [[(e // n_nat, e % n_nat)] for e in range(E)]  # (rank, slot), slot order
-    inst_load = [[t] for t in total]
+    # an expert's instances ((rank, slot), slot order) and their loads, for the experts
+    # that have replicas; the others have their native alone (native_of)
+    inst_of: dict[int, list[tuple[int, int]]] = {}
+    inst_load: dict[int, list[int]] = {}
+
+    def native_of(e: int) -> list[tuple[int, int]]:
+        return [(e // n_nat, e % n_nat)]
     load = np.asarray(total_E, dtype=np.int64).reshape(G, n_nat).sum(1).tolist()
     n_inst = [n_nat] * G
     n_free = [S - n_nat] * G
@@ -80,7 +108,7 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
         without a budget), if ``d`` can afford a replica of ``e``: it must still retain
         ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
         slot = (d, slots[d].index(-1))
-        inst = sorted(inst_of[e] + [slot])  # global slot order, as even_split
+        inst = sorted(inst_of.get(e, native_of(e)) + [slot])  # global slot order, as even_split
         q, m = divmod(total[e], len(inst))
         c = None
         if budget:
@@ -91,13 +119,17 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                 return None
         return inst, q, m, c
 
+    if log is not None:
+        log.load_KG.append(load.copy())
+        log.kept_KG.append(kept.copy() if budget else load.copy())
     added = 0
     while added < limit:
         top = max(load)
         n_top = load.count(top)
         hot = [load.index(top)] if n_top == 1 else [r for r in range(G) if load[r] == top]
-        cands = {e for r in hot for e in slots[r] if e >= 0 and total[e] > len(inst_of[e])}
-        cands = sorted(cands, key=lambda e: (-total[e] / len(inst_of[e]), e))
+        cands = {e for r in hot for e in slots[r]
+                 if e >= 0 and total[e] > len(inst_of.get(e, ()) or (1,))}
+        cands = sorted(cands, key=lambda e: (-total[e] / len(inst_of.get(e, ()) or (1,)), e))
         level, fn, fd = 0, 1, 1  # min_keep level and the smallest kept fraction fn/fd
         if budget:
             level = math.ceil(cfg.min_keep * sum_kept / G)
@@ -111,44 +143,48 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                     fn, fd = f.numerator, f.denominator
             if any(cap[r] < min(n_inst[r], load[r]) for r in hot):
                 level, fn, fd = 0, 0, 1  # a hot rank does not fit yet: any feasible dest
-        dests = sorted(key)  # least-loaded first, as the reference's sorted dests
-        n_free_ranks = G - key.count(full)
+        first = min(key)  # the least-loaded free rank (full ranks sort last)
+        dests = None  # every rank in (load, id) order, sorted when a move needs it
         room = None  # per rank, at most the pairs a replica may bring it (lazily)
 
         done = False
         for e in cands:
-            held = {r for r, _ in inst_of[e]}
-            found = None
-            for k in dests:
-                if k == full:
-                    break
-                d = k % G
-                if d in held:
-                    continue
-                found = try_dest(e, d, level, fn, fd)
-                if found is None and budget:  # the next least-loaded that affords it
-                    if room is None:
-                        room = _room(view, load, n_inst, fn, fd, monotone)
-                    q = total[e] // (len(inst_of[e]) + 1)  # the least the replica brings
-                    for r in dests[:n_free_ranks]:
-                        r %= G
-                        if room[r] >= q and r not in held and r != d:
-                            found = try_dest(e, r, level, fn, fd)
-                            if found is not None:
-                                break
-                break
+            was = inst_of.get(e) or native_of(e)
+            held = {r for r, _ in was}
+            d = first % G
+            if first == full:
+                d = None
+            elif d in held:  # the least-loaded free rank that holds none of e
+                dests = dests or sorted(key)
+                d = next((k % G for k in dests if k != full and k % G not in held), None)
+            if d is None:
+                continue
+            found = try_dest(e, d, level, fn, fd)
+            if found is None and budget:  # the next least-loaded that affords it
+                if room is None:
+                    room = _room(view, load, n_inst, fn, fd, monotone)
+                dests = dests or sorted(key)
+                q = total[e] // (len(was) + 1)  # the least the replica brings
+                for r in dests:
+                    if r == full:
+                        break
+                    r %= G
+                    if room[r] >= q and r not in held and r != d:
+                        found = try_dest(e, r, level, fn, fd)
+                        if found is not None:
+                            break
             if found is None:
                 continue
             inst, q, m, cap_d = found
             new_load = [q + (i < m) for i in range(len(inst))]
             loads = load.copy()
-            for (r, _), x in zip(inst_of[e], inst_load[e]):
+            for (r, _), x in zip(was, inst_load.get(e) or (total[e],)):
                 loads[r] -= x
             for (r, _), x in zip(inst, new_load):
                 loads[r] += x
             mx = max(loads)
             if (mx, loads.count(mx)) < (top, n_top):
-                d, s = next(sl for sl in inst if sl not in inst_of[e])
+                d, s = next(sl for sl in inst if sl not in was)
                 slots[d][s] = e
                 n_inst[d] += 1
                 n_free[d] -= 1
@@ -171,14 +207,18 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView
                         ratio[r] = k / R if R else inf
                 added += 1
                 done = True
+                if log is not None:
+                    log.load_KG.append(load.copy())
+                    log.kept_KG.append(kept.copy() if budget else load.copy())
+                    log.expert_K.append(e)
+                    log.rank_K.append(d)
+                    log.slot_K.append(s)
                 break
         if not done:
             break
-    load_GS = [[0] * S for _ in range(G)]
-    for e in range(E):
-        for (r, s), x in zip(inst_of[e], inst_load[e]):
-            load_GS[r][s] = x
-    return np.array(slots, dtype=np.int64), np.array(load_GS, dtype=np.int64)
+    inst_GS = np.array(slots, dtype=np.int64)
+    # the loads kept move by move are the even split in global slot order: its closed form
+    return inst_GS, Slots(inst_GS, E).even_split(np.asarray(total_E, dtype=np.int64))
 
 
 def _room(view: LedgerView, load: list[int], n_inst: list[int], fn: int, fd: int,

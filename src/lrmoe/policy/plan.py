@@ -47,9 +47,16 @@ class Plan:
             (:func:`fit_exact`, :func:`layer_checkpoint_plan`; docs/design.md §5).
         rung: how the plan meets the memory budget, lrmoe's ladder
             (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`: ``plan``, ``exact``, ``recompute``,
-            ``exact-natives``, ``recompute-natives``, ``layer``); ``None``: not decided
-            by the planner (an exact policy's fallback is decided by whoever runs it,
-            :meth:`lrmoe.ledger.Ledger.exact_fit`).
+            ``exact-natives``, ``recompute-natives``, ``layer``) or SYMI's
+            (:data:`lrmoe.policy.symi.FEWER_RUNGS`, replicas given up); ``None``: not
+            decided by the planner (an exact policy's fallback is decided by whoever
+            runs it, :meth:`lrmoe.ledger.Ledger.exact_fit`).
+        replicas_given_up: replicas the policy's own rule chose for this step but did
+            not place, for the reason ``given_up_for``: ``memory`` (SYMI: its slots do
+            not fit the budget even with recompute and a whole-layer checkpoint),
+            ``link`` (lrmoe: not worth their weight scatter and gradient reduce on the
+            run's link) or ``static`` (lrmoe: its modelled step was not faster than on
+            static's placement, which it took).
     """
 
     inst_expert_GS: Tensor
@@ -60,6 +67,8 @@ class Plan:
     recompute_G: Tensor | None = None
     layer_checkpoint: bool = False
     rung: str | None = None
+    replicas_given_up: int = 0
+    given_up_for: str | None = None
 
     @property
     def G(self) -> int:

@@ -16,7 +16,8 @@ import torch
 from lrmoe.errors import LrmoeError
 from lrmoe.policy.plan import Plan
 
-_NO_KEY = 1 << 62  # above every key: no entry gets +1
+_FLOAT_EXACT = 1 << 53  # integers below this are exact in a double
+_BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay off
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
@@ -25,18 +26,21 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     entry). The layout the planners keep their blocks in (one row per instance), so that
     every step runs along contiguous memory.
 
-    Only the rows that are split (``0 < total < weight``) are computed: the others
-    take all or nothing. Within those, each entry's key ``remainder·N + (N-1-n)`` is
-    unique, so the ``left`` largest keys of a row (one sort of its N entries) are
-    exactly the entries a stable largest-remainder sort would give +1."""
+    Only the rows that are split (``0 < total < weight``) are computed, unless they are
+    most of a large array: the others take all or nothing. Within those, each entry's
+    key ``remainder·N + (N-1-n)`` is unique, so the ``left`` largest keys of a row (one
+    sort of its N entries) are exactly the entries a stable largest-remainder sort would
+    give +1."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)
     if (total > W).any() or (total < 0).any():
         raise LrmoeError("apportion: totals must lie between 0 and the column weight")
     part = (total > 0) & (total < W)
-    if part.all():
-        out, rows, wc, tc, Wc = None, None, w, total[:, None], W[:, None]
+    if part.all() or (w.size >= _BIG_SPLIT and 2 * np.count_nonzero(part) >= len(part)):
+        # every row at once (a row taking all or nothing splits to exactly that, and an
+        # empty one to zeros): no gather and scatter of the rows that split
+        out, rows, wc, tc, Wc = None, None, w, total[:, None], np.maximum(W, 1)[:, None]
     else:
         out = w * (total == W)[:, None]
         rows = np.flatnonzero(part)
@@ -44,12 +48,23 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
             return out
         wc, tc, Wc = w[rows], total[rows, None], W[rows, None]
     N = w.shape[1]
-    base, key = np.divmod(tc * wc, Wc)
+    key = tc * wc
+    top = int(Wc.max())
+    if wc.size >= _BIG_SPLIT and top * int(tc.max()) < _FLOAT_EXACT:
+        # floor(t·w / W) through one float division, exact: t·w < 2^53 is exact in a
+        # double, and a quotient that is not an integer lies >= 1/W from the next one,
+        # farther than the division's rounding (< t·w·2^-53 / W < 1/W)
+        base = (key / Wc).astype(np.int64)
+        key -= base * Wc  # the remainders
+    else:
+        base, key = np.divmod(key, Wc)
     left = tc[:, 0] - base.sum(1)
+    if wc.size >= _BIG_SPLIT and top * N < 1 << 31:
+        key = key.astype(np.int32)  # every key < W·N fits: a narrower sort
     key *= N
-    key += np.arange(N - 1, -1, -1)  # remainder, then the lower entry first
+    key += np.arange(N - 1, -1, -1, dtype=key.dtype)  # remainder, then the lower entry first
     kth = np.sort(key, axis=1)[np.arange(len(key)), N - np.maximum(left, 1)]
-    kth[left <= 0] = _NO_KEY
+    kth[left <= 0] = np.iinfo(kth.dtype).max  # above every key: no entry gets +1
     base += key >= kth[:, None]
     if out is None:
         return base

@@ -25,11 +25,13 @@ the side-by-side benchmark gives SYMI its best configuration under a budget.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
@@ -60,11 +62,10 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     return cnt, [c - g for c, g in zip(cnt, goal)]
 
 
-def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly,
-    with heaps: decrement the largest ``diff`` first (ties to the lower id), then
-    increment the smallest; ``O(log E)`` per step instead of a scan (its loop reading is
-    in ``tests/references/plans.py``)."""
+def _rounded(pop_E: Tensor | None, E: int, total_slots: int
+             ) -> tuple[list[int], list[float]]:
+    """SYMI's rounding, with heaps: ``(cnt, diff)`` after it (see
+    :func:`replica_counts_heap`)."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
     if n > total_slots:
@@ -86,7 +87,51 @@ def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[
             diff[e] += 1.0
             n += 1
             heapq.heappush(heap, (diff[e], e))
-    return cnt
+    return cnt, diff
+
+
+def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
+    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly,
+    with heaps: decrement the largest ``diff`` first (ties to the lower id), then
+    increment the smallest; ``O(log E)`` per step instead of a scan (its loop reading is
+    in ``tests/references/plans.py``)."""
+    return _rounded(pop_E, E, total_slots)[0]
+
+
+def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list[int], list[int]]:
+    """``(cnt, order)``: SYMI's replica counts for ``total_slots`` instances and the
+    experts whose replicas it gives up first when fewer fit: its own decrement loop run on
+    past ``total_slots`` (the largest ``diff`` among experts with more than one instance,
+    ties to the lower id), down to one instance each (``total_slots - E`` entries)."""
+    cnt, diff = _rounded(pop_E, E, total_slots)
+    heap = [(-diff[e], e) for e in range(E) if cnt[e] > 1]
+    heapq.heapify(heap)
+    left, order = list(cnt), []
+    while heap:
+        _, e = heapq.heappop(heap)
+        left[e] -= 1
+        diff[e] -= 1.0
+        order.append(e)
+        if left[e] > 1:
+            heapq.heappush(heap, (-diff[e], e))
+    return cnt, order
+
+
+def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
+    """``[G, s]``: expert 0's instances first, then expert 1's, ..., rank by rank; with
+    ``n = sum(cnt) < G·s`` instances rank ``r`` holds ``n // G`` (the first ``n % G``
+    ranks one more) and its empty slots (``-1``) come last, so at one instance each
+    (``n = E``) it is static's native placement."""
+    cnt_E = np.asarray(cnt_E, dtype=np.int64)
+    n = int(cnt_E.sum())
+    if n == G * s:
+        return np.repeat(np.arange(cnt_E.size), cnt_E).reshape(G, s)
+    per_G = n // G + (np.arange(G) < n % G)
+    rank = np.repeat(np.arange(G), per_G)
+    col = np.arange(n) - np.repeat(np.cumsum(per_G) - per_G, per_G)
+    out = np.full((G, s), -1, dtype=np.int64)
+    out[rank, col] = np.repeat(np.arange(cnt_E.size), cnt_E)
+    return out
 
 
 def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
@@ -99,17 +144,18 @@ def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
     require(isinstance(s, int) and s >= E // G,
             f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
             "its native experts)")
-    cnt = replica_counts_heap(prev_counts_E, E, G * s)
-    return np.repeat(np.arange(E), cnt).reshape(G, s)  # contiguous: expert 0 first, rank by rank
+    return contiguous(replica_counts_heap(prev_counts_E, E, G * s), G, s)
 
 
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
               ledger=None, recompute: bool = False, placement: np.ndarray | None = None,
               slots: Slots | None = None) -> Plan:
-    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger
-    (with ``recompute``: the fewest rows per rank recompute, :func:`fit_exact`, and it
-    raises only if even a whole-layer checkpoint does not fit). ``placement``: the
-    :func:`place_symi` of ``prev_counts_E`` when the caller prepared it."""
+    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger.
+    With ``recompute`` it fits instead: the fewest rows per rank recompute, else a
+    whole-layer checkpoint (:func:`fit_exact`), else it gives replicas up until that
+    fits (:func:`fewer_replicas`); it raises only where static's placement does not fit
+    either. ``placement``: the :func:`place_symi` of ``prev_counts_E`` when the caller
+    prepared it."""
     G, E = counts_GE.shape
     s = slots_per_rank
     inst = placement if placement is not None else place_symi(prev_counts_E, G, E, s)
@@ -128,9 +174,59 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     if not view.over(n_inst, recv, recv):
         return plan
     if recompute:
-        return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
+        mode, rec, _ = view.exact_fit(n_inst, recv, recv)
+        if mode != "over":
+            return _fitted(plan, mode, rec)
+        if G * s == E:  # no replica to give up: static's verdict
+            return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
+        return fewer_replicas(c, s, prev_counts_E, ledger, view)
     view.raise_if_over(n_inst, recv, recv, None, f"symi with slots_per_rank={s}")
     return plan
+
+
+# a plan's rung when SYMI gave replicas up, by Ledger.exact_fit's mode
+FEWER_RUNGS = {"fits": "fewer-replicas", "pairs": "recompute-fewer-replicas",
+               "layer": "layer-fewer-replicas"}
+
+
+def _fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
+    """The exact ``plan`` with the fallback ``Ledger.exact_fit`` chose (``mode``): as is,
+    the fewest rows recomputed (``rec``) or a whole-layer checkpoint."""
+    if mode == "pairs":
+        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec), **extra)
+    return dataclasses.replace(plan, layer_checkpoint=mode == "layer", **extra)
+
+
+def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledger,
+                   view: LedgerView) -> Plan:
+    """SYMI's plan at a step whose ``s`` slots do not fit the budget even with recompute
+    and a whole-layer checkpoint: its most replicas that fit (with that fallback). It
+    gives replicas up one at a time in :func:`given_up_order` (its own rounding rule run
+    on), lays the rest out contiguously (:func:`contiguous`) and takes the first count
+    that fits; with every replica given up its placement is static's, so it fits wherever
+    static's does (else :class:`lrmoe.errors.OutOfMemory`, as static's). A rare step's
+    path: one placement and one vectorised ledger query per count tried."""
+    G, E = c_GE.shape
+    total_E = c_GE.sum(0)
+    cnt, order = given_up_order(prev_counts_E, E, G * s)
+    cnt = np.asarray(cnt, dtype=np.int64)
+    for k, e in enumerate(order, start=1):
+        cnt[e] -= 1
+        inst = contiguous(cnt, G, s)
+        idx = Slots(inst, E)
+        load = idx.even_split(total_E)
+        n_inst, recv = (inst >= 0).sum(1), load.sum(1)
+        mode, rec, _ = view.exact_fit(n_inst, recv, recv)
+        if mode == "over" and k < len(order):
+            continue
+        assign = blocks_to_GGS(idx.overlap_ig(c_GE, load), G, s)
+        plan = to_plan(inst, assign, assign.copy(), assign.copy())
+        if mode == "over":  # the natives alone: static's verdict, static's message
+            return fit_exact(plan, ledger, f"symi with slots_per_rank={s}, every replica "
+                                           "given up (static's placement),")
+        return _fitted(plan, mode, rec, rung=FEWER_RUNGS[mode], replicas_given_up=k,
+                       given_up_for="memory")
+    raise LrmoeError("symi: no replica to give up (internal error: please report)")
 
 
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,

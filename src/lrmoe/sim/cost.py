@@ -229,8 +229,10 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
       previous step's popularity; static's): the slots keep their weights and add up
       their gradients over the micro-batches, so the replicas' weights arrive once and
       their gradients go home once. A layer whose placement changes between micro-batches
-      (lrmoe plans each from its own counts) pays both in every micro-batch. Under the
-      sharded offload layout (SYMI) they are the offload model's sharded exchanges, once.
+      (lrmoe plans each from its own counts; SYMI gives replicas up at a micro-batch
+      that does not fit) pays both in every micro-batch. Under the sharded offload layout
+      (SYMI) they are the offload model's sharded exchanges: once, or every micro-batch
+      (for its own placement) where the placement changed.
 
     ``non_moe_micro_s`` (per micro-batch) and ``non_moe_step_s`` (the optimizer's
     measured part) are the caller's per-rank non-MoE seconds. With one micro-batch the
@@ -258,6 +260,11 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
         for m, s in enumerate(stats):
             per = rank_stage_seconds(s, link)
             t = rank_link_terms(s) if terms is not None else {}
+            if offload is not None and not fixed:  # its own slots' sharded exchanges
+                off = offload.rank_seconds(s.plan.inst_expert_GS, link)
+                per.update({k: off[k] for k in _PLACEMENT_STAGES if k in off})
+                if terms is not None:
+                    t.update(offload.link_terms(s.plan.inst_expert_GS))
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
                 if m == 0:
                     once["weight_scatter"] = per.get("weight_scatter", [0.0] * G)
@@ -272,12 +279,10 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             _record(terms, t)
         if offload is not None:
             off = offload.rank_seconds(stats[-1].plan.inst_expert_GS, link)
-            if any(k in off for k in _PLACEMENT_STAGES):
-                require(fixed, "the sharded offload layout needs one placement per optimizer "
-                               "step (SYMI's); this layer's placement changed between "
-                               "micro-batches")
+            if not fixed:  # charged with each micro-batch above
+                off = {k: v for k, v in off.items() if k not in _PLACEMENT_STAGES}
             once.update(off)
-            if terms is not None:
+            if terms is not None and fixed:
                 once_t.update(offload.link_terms(stats[-1].plan.inst_expert_GS))
         _charge(step, once, G)
         _record(terms, once_t)

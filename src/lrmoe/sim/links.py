@@ -139,3 +139,17 @@ def exchange_time(bytes_GG, link: Link) -> list[float]:
     t_out = alltoall_time(inter.sum(1).tolist(), inter.sum(0).tolist(), link.inter,
                           G - link.node_size + 1)
     return [max(a, c) for a, c in zip(t_in, t_out)]
+
+
+def link_cost(link: Link, gemm_flops: float, hidden: int, intermediate: int,
+              bytes_act: int, bytes_w: int, share: int = 1):
+    """``link`` and an expert GEMM rate as the plain numbers the lrmoe planner prices
+    replicas with (:class:`lrmoe.policy.link_cost.LinkCost`); ``share``: micro-batches a
+    held placement serves."""
+    from lrmoe.policy.link_cost import LinkCost
+
+    inter = link.inter
+    return LinkCost(link.effective_Bps, link.latency_s, gemm_flops, hidden, intermediate,
+                    bytes_act, bytes_w, link.node_size,
+                    0.0 if inter is None else inter.effective_Bps,
+                    0.0 if inter is None else inter.latency_s, share)

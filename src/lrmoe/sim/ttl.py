@@ -134,7 +134,8 @@ class TTLConfig:
     lrmoe_max_slots: int | None = None
     estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
-    lrmoe_placement: str = "current"  # lrmoe replicas from this step's or the previous step's counts
+    lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
+    lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
     compile: bool = False  # torch.compile the model as lrmoe train --compile
     budget_retain_fraction: float | None = None  # budget from static's step-1 plan
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
@@ -151,7 +152,10 @@ class TTLConfig:
 # settings no longer chosen, still recorded with the one value today's code runs, so that
 # --reuse tells files apart: the ledger prices a layer's transients as the code holds its
 # rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
-RETIRED_SETTINGS = {"ledger_transients": "code"}
+RETIRED_SETTINGS = {"ledger_transients": "code",
+                    # before 2026-12-03 symi stopped out of memory where its slots did not
+                    # fit, and lrmoe placed replicas whatever their link cost
+                    "replica_rules": "symi-fewer-replicas,lrmoe-link-cost"}
 
 
 def recorded_settings(cfg: TTLConfig) -> dict:
@@ -159,11 +163,21 @@ def recorded_settings(cfg: TTLConfig) -> dict:
     return asdict(cfg) | RETIRED_SETTINGS
 
 
+def _on_off(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise ValueError(v)
+    return v == "on"
+
+
+_on_off.__name__ = "value (use on or off)"
+
+
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
 VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
                    "balance": ("balance", float), "estimator": ("estimator", str),
                    "max_slots": ("lrmoe_max_slots", int),
-                   "placement": ("lrmoe_placement", str)}
+                   "placement": ("lrmoe_placement", str),
+                   "link_cost": ("lrmoe_link_cost", _on_off)}
 
 
 def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
@@ -206,19 +220,30 @@ def _checked(spec: str, base: str, cfg: "TTLConfig") -> "TTLConfig":
     return cfg
 
 
-def _profile(counts_GE_steps: list[list[torch.Tensor]], n: int = 24
+def _profile(counts_GE_steps: list[list[list[torch.Tensor]]], n: int = 24
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Up to ``n`` evenly spaced steps of a run's ``[G, E]`` counts (all layers), each
-    with its popularity (the previous step's global counts, as SYMI uses them)."""
+    """Every micro-batch's ``[G, E]`` counts (all layers) of up to ``n`` evenly spaced
+    steps of a run (``counts_GE_steps[step][micro_batch][layer]``), each with its
+    popularity: the previous step's global counts, summed over its micro-batches (what
+    the runtime keeps, and SYMI uses)."""
     T = len(counts_GE_steps)
     picks = sorted({min(T - 1, 1 + round(i * (T - 2) / max(n - 1, 1))) for i in range(n)}) \
         if T > 1 else [0]
     counts, pops = [], []
     for t in picks:
-        for layer, c in enumerate(counts_GE_steps[t]):
-            counts.append(c)
-            pops.append(counts_GE_steps[max(t - 1, 0)][layer].sum(0))
+        prev = counts_GE_steps[max(t - 1, 0)]
+        for micro in counts_GE_steps[t]:
+            for layer, c in enumerate(micro):
+                counts.append(c)
+                pops.append(sum(m[layer] for m in prev).sum(0))
     return counts, pops
+
+
+PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous step's counts",
+                   "step": ", placement held for the optimizer step (from its first "
+                           "micro-batch's counts)",
+                   "step-previous": ", placement held for the optimizer step (from the "
+                                    "previous step's counts)"}
 
 
 def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
@@ -229,7 +254,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     checkpoint (``recompute ledger``), and a step over even that is out of memory.
     symi's ``s`` is :func:`lrmoe.sim.ttl_symi.symi_slots` over ``profile`` (the static
     run's counts at evenly spaced steps: the profiling run a SYMI user would tune ``s``
-    on). lrmoe plans against the ledger (its retention quotas, then its ladder).
+    on). With a budget symi plans against the ledger too: at a step its ``s`` does not
+    fit even with recompute and a whole-layer checkpoint, it gives replicas up
+    (:func:`lrmoe.policy.symi.fewer_replicas`, charged as planning). lrmoe plans against
+    the ledger (its retention quotas, then its ladder).
     """
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
@@ -238,6 +266,14 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
                      placement=cfg.lrmoe_placement)
     slots, note = cfg.slots_per_rank, ""
+    rate = profile[2] if profile else None
+    if name == "lrmoe" and cfg.lrmoe_link_cost and rate is not None:
+        from lrmoe.policy.lrmoe import HELD
+        from lrmoe.sim.links import get_link, link_cost
+        wb = 2 if cfg.device == "cuda" else 4  # budget_ledger's dtype
+        share = cfg.grad_accum if cfg.lrmoe_placement in HELD else 1
+        lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
+                                        mcfg.moe_intermediate_size, wb, wb, share))
     pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
         from lrmoe.sim.links import get_link
@@ -257,17 +293,20 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
                 f"{cfg.min_keep}, {cfg.estimator}"
                 + (", recompute" if cfg.lrmoe_recompute else "")
-                + (", placement from the previous step's counts"
-                   if cfg.lrmoe_placement == "previous" else ""))
+                + PLACEMENT_NOTES[cfg.lrmoe_placement]
+                + (f", replicas weighed against their {cfg.link} link cost (GEMMs at the "
+                   f"static run's {rate / 1e9:.3g} GFLOP/s)" if lc.link is not None else
+                   ", replicas not weighed against their link cost"))
     elif name == "static":
         note = f"s={E // G} (natives)"
     if name != "lrmoe" and ledger is not None:
         note += ", recompute to fit"
     if name != "lrmoe" and cfg.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
-    pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc)
+    pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
+                      recompute=name == "symi" and ledger is not None)
     exact = name != "lrmoe"
-    return pc, (None if exact else ledger), (ledger if exact else None), note
+    return pc, (None if name == "static" else ledger), (ledger if exact else None), note
 
 
 def _val_eval(model, batches, dev, autocast) -> dict:
@@ -323,6 +362,12 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
            "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
+           # every micro-batch's layers: replicas placed, and those a policy's own rule
+           # chose but gave up, per reason (Plan.given_up_for): [layer-micro-batches,
+           # replicas, most in one]
+           "replicas_placed": sum(s.plan.num_replicas() for s in stats),
+           "layer_micro_batches": len(stats),
+           "replicas_given_up": _given_up(s.plan for s in stats),
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
@@ -454,11 +499,11 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             row = _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload,
                             getattr(opt, "host_s", 0.0))
             cum = row["cum_emulated_s"]
-            # the optimizer step's counts per layer, and the first micro-batch's per home
-            # rank (what a plan sees)
+            # the optimizer step's counts per layer, and every micro-batch's per home rank
+            # (what a plan sees: symi's profile)
             trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
                           for layer in zip(*[m[0] for m in micro])])
-            trace_GE.append([st.counts_GE for st in micro[0][0]])
+            trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -489,6 +534,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
            # device, not a rank's memory (that is the ledger's)
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
                                           if dev.type == "cuda" else None)}
+    if rows:
+        res["replicas_given_up"] = given_up_totals(rows)
+        res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
+        res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
     if ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
         res["rungs"] = rung_totals(rows)
@@ -497,6 +546,30 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     elif ledger is not None:
         res["budget_status"] = "fits" + _rung_note(res["rungs"])
     return res
+
+
+def _given_up(plans) -> dict[str, list[int]]:
+    """Per reason a plan gave replicas up: ``[plans, replicas, most in one plan]``."""
+    out: dict[str, list[int]] = {}
+    for p in plans:
+        if p.replicas_given_up:
+            n, k, most = out.get(p.given_up_for, [0, 0, 0])
+            out[p.given_up_for] = [n + 1, k + p.replicas_given_up,
+                                   max(most, p.replicas_given_up)]
+    return dict(sorted(out.items()))
+
+
+def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
+    the replicas given up and the most in one (``{}`` when none, or for rows recorded
+    before the count)."""
+    tot: dict[str, list[int]] = {}
+    for r in rows:
+        for why, (n, k, most) in r.get("replicas_given_up", {}).items():
+            a = tot.setdefault(why, [0, 0, 0])
+            a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
+            for why, (n, k, most) in sorted(tot.items())}
 
 
 def rung_totals(rows: list[dict]) -> dict[str, int]:

@@ -396,7 +396,8 @@ class VirtualEPLayer:
             prev = layer.prev_counts_E
             prev = prev.cpu() if prev is not None else None
             inputs = prepare(self.policy, prev, G,
-                             PlanInputs(layer.moe_index, self.step, prev, self.ledger), T * K)
+                             PlanInputs(layer.moe_index, self.step, prev, self.ledger,
+                                        micro=layer.runtime.micro), T * K)
             prepare_ms = (time.perf_counter() - t1) * 1e3
         idx_GP = idx_NK.reshape(G, T * K)
         gate_GP = gate_NK.reshape(G, T * K)

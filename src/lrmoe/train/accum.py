@@ -46,6 +46,7 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     for m in range(n):
         if on_micro is not None:
             on_micro(m, None)
+        model.set_micro_batch(m)
         batch = micro_batch(m)
         with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
             lm, obj = model.loss(batch[:, :-1], batch[:, 1:])

@@ -1,0 +1,205 @@
+"""What a placement costs on the run's link: the emulator's cost model as the planner sees it.
+
+Legend: G ranks, S slots per rank, E experts, H hidden, F expert intermediate size, K
+prefixes of the replica placement's moves; ``_GG`` is ``[src rank, dst rank]``. All
+arrays numpy on the host.
+
+A replica removes straggler time (its expert's pairs spread over more ranks: less GEMM
+work and fewer received rows on the busiest rank) and costs link time (its weights
+scattered from the owner before the forward, its gradient reduced back after the
+backward). :class:`LinkCost` carries the run's link and expert GEMM rate as plain numbers
+(the planner stays pure: no link object, no collective), and two functions price a
+layer's step with them, by the formulas of :mod:`lrmoe.sim.cost` and
+:func:`lrmoe.sim.analytic.modelled_stats` (the model SYMI's ``s`` is chosen by;
+``tests/test_link_cost.py`` checks they agree):
+
+* expert GEMMs at ``gemm_flops``: ``6·H·F`` flops per forward pair, ``12·H·F`` per
+  selected backward pair, ``4·H·F`` per recomputed row (gate_up, 2 of 3 GEMMs), each
+  stage its busiest rank;
+* each exchange (forward dispatch and combine, ``H·bytes_act`` a row; backward dispatch,
+  ``H·bytes_act + 12``; backward combine, ``H·bytes_act``) its busiest rank's
+  ``max(sent, received) / bandwidth + latency·(G - 1)`` off its own rank (two-level
+  links: the intra- and inter-node parts at their own links, the longer);
+* weight scatter and gradient reduce, ``3·H·F·bytes_w`` per instance off its owner rank,
+  divided by ``share``: the micro-batches one placement serves when it is held for the
+  optimizer step (its weights arrive once and its gradients leave once).
+
+:func:`plan_seconds` prices a whole plan (the stages that depend on the placement: the
+count exchange, planning and selection are the same for every placement of a step);
+:func:`prefix_seconds` estimates every prefix of the greedy's moves from per-rank loads
+alone (received rows and selected rows from the loads, see its docstring), which is what
+the placement can afford to ask once per plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lrmoe.errors import require
+
+FWD_FLOPS_PER_HF = 6  # three H·F GEMMs, two flops per multiply-add
+BWD_FLOPS_PER_HF = 12  # input and weight gradients of each
+RECOMPUTE_FLOPS_PER_HF = 4  # gate_up again: 2 of the 3 GEMMs
+BWD_ROW_EXTRA_BYTES = 12  # a backward dispatch row's index (int64) and scale (fp32)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The run's link and expert GEMM rate, as the lrmoe planner prices replicas.
+
+    Attributes:
+        bandwidth_Bps: bytes per second per rank per direction an all-to-all achieves
+            (:attr:`lrmoe.sim.links.Link.effective_Bps`).
+        latency_s: seconds per peer message.
+        gemm_flops: the expert GEMMs' rate, flop/s (``bench ttl``: calibrated on the
+            static run's measured forward kernels, as for SYMI's ``s``).
+        hidden, intermediate: H and the experts' F.
+        bytes_act: bytes per element of exchanged rows.
+        bytes_w: bytes per element of instance weights and gradients.
+        node_size: two-level links: ranks per node (0: a flat link).
+        inter_bandwidth_Bps, inter_latency_s: two-level links: between nodes.
+        share: micro-batches one placement's weight scatter and gradient reduce serve
+            (held for the optimizer step: its micro-batches; else 1).
+    """
+
+    bandwidth_Bps: float
+    latency_s: float
+    gemm_flops: float
+    hidden: int
+    intermediate: int
+    bytes_act: int = 2
+    bytes_w: int = 2
+    node_size: int = 0
+    inter_bandwidth_Bps: float = 0.0
+    inter_latency_s: float = 0.0
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.bandwidth_Bps > 0 and self.gemm_flops > 0,
+                f"link cost: bandwidth {self.bandwidth_Bps} B/s and GEMM rate "
+                f"{self.gemm_flops} flop/s must be > 0")
+        require(self.node_size == 0 or self.inter_bandwidth_Bps > 0,
+                "link cost: a two-level link needs its inter-node bandwidth")
+        require(isinstance(self.share, int) and self.share >= 1,
+                f"link cost: share {self.share!r} must be an integer >= 1")
+
+    @property
+    def hf(self) -> float:
+        return float(self.hidden) * self.intermediate
+
+    @property
+    def instance_bytes(self) -> int:
+        """One instance's weights (SwiGLU: three H×F matrices); its gradient the same."""
+        return 3 * self.hidden * self.intermediate * self.bytes_w
+
+    def rows_seconds(self, rows_GG: np.ndarray):
+        """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows ``[src, dst]``:
+        :meth:`exchange_seconds` of ``rows_GG·bytes_per_row``, its row sums taken once."""
+        G = rows_GG.shape[0]
+        if self.node_size and G > self.node_size:
+            return lambda nbytes: self.exchange_seconds(rows_GG * nbytes)
+        d = np.diagonal(rows_GG)
+        top = max(int((rows_GG.sum(1) - d).max()), int((rows_GG.sum(0) - d).max()))
+        lat = self.latency_s * (G - 1)
+        return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
+
+    def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
+        """The busiest rank's seconds in one exchange of ``bytes_GG`` (its copy to itself
+        crosses no link; no traffic costs nothing):
+        :func:`lrmoe.sim.links.exchange_time`'s maximum."""
+        b = np.asarray(bytes_GG, dtype=np.float64).copy()
+        G = b.shape[0]
+        np.fill_diagonal(b, 0.0)
+        if not b.any():
+            return 0.0
+        if not self.node_size or G <= self.node_size:
+            return _alltoall(b, self.bandwidth_Bps, self.latency_s, G)
+        node = np.arange(G) // self.node_size
+        same = node[:, None] == node[None, :]
+        return float(np.maximum(
+            _alltoall_G(b * same, self.bandwidth_Bps, self.latency_s, self.node_size),
+            _alltoall_G(b * ~same, self.inter_bandwidth_Bps, self.inter_latency_s,
+                        G - self.node_size + 1)).max())
+
+
+def _alltoall_G(b: np.ndarray, bw: float, lat: float, peers: int) -> np.ndarray:
+    return np.maximum(b.sum(1), b.sum(0)) / bw + lat * max(peers - 1, 0)
+
+
+def _alltoall(b: np.ndarray, bw: float, lat: float, peers: int) -> float:
+    return float(_alltoall_G(b, bw, lat, peers).max())
+
+
+def replica_rows_GG(inst_GS: np.ndarray, E: int) -> np.ndarray:
+    """``[owner, dst]`` instances each owner rank's experts have on each rank (the
+    weight scatter's rows; the gradient reduce's transposed)."""
+    G = inst_GS.shape[0]
+    occ = inst_GS >= 0
+    owner = inst_GS[occ] // (E // G)
+    dst = np.broadcast_to(np.arange(G)[:, None], inst_GS.shape)[occ]
+    return np.bincount(owner * G + dst, minlength=G * G).reshape(G, G)
+
+
+def plan_seconds(cost: LinkCost, plan, E: int) -> float:
+    """MODELLED seconds of one layer's step under ``plan`` (a
+    :class:`lrmoe.policy.plan.Plan` of host tensors), over the stages its placement
+    changes (module docstring)."""
+    inst_GS = plan.inst_expert_GS.numpy()
+    fwd_GG = plan.assign_GGS.numpy().sum(2)  # [home, rank]
+    bwd_GG = plan.select_GGS.numpy().sum(2)
+    row = cost.hidden * cost.bytes_act
+    t = (float(fwd_GG.sum(0).max()) * FWD_FLOPS_PER_HF
+         + float(bwd_GG.sum(0).max()) * BWD_FLOPS_PER_HF) * cost.hf / cost.gemm_flops
+    if plan.recompute_G is not None:
+        t += float(plan.recompute_G.numpy().max()) * RECOMPUTE_FLOPS_PER_HF * cost.hf \
+            / cost.gemm_flops
+    f, b = cost.rows_seconds(fwd_GG), cost.rows_seconds(bwd_GG)
+    t += 2 * f(row) + b(row + BWD_ROW_EXTRA_BYTES) + b(row)  # fwd dispatch and combine
+    rep = cost.rows_seconds(replica_rows_GG(inst_GS, E))(cost.instance_bytes)
+    return t + 2 * rep / cost.share
+
+
+def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
+                   sent_KG: np.ndarray, recv_KG: np.ndarray, home_G: np.ndarray,
+                   balance: float, min_keep: float, selection: bool) -> np.ndarray:
+    """MODELLED seconds ``[K]`` of a layer's step after each prefix of the placement's
+    moves, from per-rank numbers alone: ``load`` (received pairs), ``kept`` (retained
+    pairs), and the replicas' instances each rank sends (as owner) and receives. What
+    needs the blocks is estimated: a rank's off-rank received rows are ``(G-1)/G`` of its
+    load and a home's sent rows ``(G-1)/G`` of its pairs; a rank's selected pairs are
+    its retained pairs trimmed as pass 3 trims them (toward the mean retained ``M`` by
+    ``balance``, not below ``min_keep`` of its load), and a home sends its pairs' share
+    of them. Latencies are left out where every prefix pays them alike."""
+    G = load_KG.shape[1]
+    off = (G - 1) / G
+    L = load_KG.astype(np.float64)
+    k = kept_KG.astype(np.float64)
+    if selection:
+        M = k.sum(1, keepdims=True) / G
+        trim = np.maximum(np.ceil(M + (1.0 - balance) * (k - M) - 1e-9),
+                          np.minimum(k, np.ceil(min_keep * L)))
+        sel = np.where(k > M, np.minimum(k, trim), k)
+    else:
+        sel = k
+    row = cost.hidden * cost.bytes_act
+    bw = cost.bandwidth_Bps if not cost.node_size or G <= cost.node_size else \
+        _two_level_Bps(cost, G)
+    lmax, smax = L.max(1), sel.max(1)
+    home = float(np.max(home_G)) * off
+    kappa = sel.sum(1) / np.maximum(L.sum(1), 1.0)
+    t = (lmax * FWD_FLOPS_PER_HF + smax * BWD_FLOPS_PER_HF) * cost.hf / cost.gemm_flops
+    t += 2 * np.maximum(home, lmax * off) * row / bw
+    t += np.maximum(home * kappa, smax * off) * (2 * row + BWD_ROW_EXTRA_BYTES) / bw
+    reps = np.maximum(sent_KG, recv_KG).max(1).astype(np.float64)
+    rep_bw = bw if not cost.node_size or G <= cost.node_size else cost.inter_bandwidth_Bps
+    lat = cost.latency_s * (G - 1)
+    return t + 2 * (reps * cost.instance_bytes / rep_bw + (reps > 0) * lat) / cost.share
+
+
+def _two_level_Bps(cost: LinkCost, G: int) -> float:
+    """The rate at which a rank moves rows spread evenly over its G - 1 peers when those
+    in its node go at the link's rate and the rest between nodes: the slower share."""
+    inside = (cost.node_size - 1) / (G - 1)
+    return 1.0 / max(inside / cost.bandwidth_Bps, (1 - inside) / cost.inter_bandwidth_Bps)

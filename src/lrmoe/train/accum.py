@@ -28,13 +28,17 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from lrmoe.loss_mask import loss_args
+
 
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
                autocast=None) -> Tensor:
     """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
 
     ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
-    targets ``[:, 1:]``). Returns ``[lm, objective]`` summed over the micro-batches
+    targets ``[:, 1:]``), or a :class:`~lrmoe.loss_mask.MaskedBatch` (fine-tuning rows:
+    its loss is its trained targets' share of the step's, so the scaling above stays
+    exact with unequal counts). Returns ``[lm, objective]`` summed over the micro-batches
     (detached, fp32, on the model's device): divide by ``n`` for the step's mean.
     Gradients add to what ``.grad`` holds (zero it before the step).
     """
@@ -42,7 +46,7 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     for m in range(n):
         batch = micro_batch(m)
         with (autocast() if autocast is not None else contextlib.nullcontext()):
-            lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            lm, obj = model.loss(*loss_args(batch))
         (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()
         sums = pair if sums is None else sums + pair

@@ -72,12 +72,15 @@ def train_tokenizer(vocab: int = TOKENIZER_VOCAB):
     return tok
 
 
-def save_tokenizer(d: Path, vocab: int = TOKENIZER_VOCAB) -> None:
+def save_tokenizer(d: Path, added: int = 0) -> None:
     """tokenizer.json + tokenizer_config.json (eos_token <|im_end|>), as transformers
-    writes them, and a generation_config.json naming two end ids."""
+    writes them, and a generation_config.json naming two end ids; ``added`` more special
+    tokens after the BPE's ids."""
     import transformers as tf
 
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(vocab), eos_token=EOS)
+    tok = train_tokenizer()
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(added)])
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.save_pretrained(d)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
 

@@ -46,7 +46,8 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     for m in range(n):
         batch = micro_batch(m)
         with (autocast() if autocast is not None else contextlib.nullcontext()):
-            lm, obj = model.loss(*loss_args(batch))
+            x, y, num = loss_args(batch)
+            lm, obj = model.loss(x, y) if num is None else model.loss(x, y, num)
         (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()
         sums = pair if sums is None else sums + pair

@@ -74,7 +74,8 @@ def train_tokenizer(vocab: int = TOKENIZER_VOCAB):
 
 def save_tokenizer(d: Path, added: int = 0) -> None:
     """tokenizer.json + tokenizer_config.json (eos_token <|im_end|>), as transformers
-    writes them, and a generation_config.json naming two end ids; ``added`` more special
+    writes them, and a generation_config.json naming two end ids, <|endoftext|> first
+    (the tokenizer config's <|im_end|> is the end-of-document id); ``added`` more special
     tokens after the BPE's ids."""
     import transformers as tf
 
@@ -82,7 +83,7 @@ def save_tokenizer(d: Path, added: int = 0) -> None:
     tok.add_special_tokens([f"<|extra_{i}|>" for i in range(added)])
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.save_pretrained(d)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
 
 
 def hf_dir(root: Path, family: str, seed: int = 0, shard: str = SHARD) -> tuple[Path, object]:

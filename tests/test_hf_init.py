@@ -97,6 +97,22 @@ def test_the_run_keeps_the_models_config_and_tokenizer(models, runs, fam):
     assert init["source"] == str(models[fam]) and len(init["ranks"]) == 1
 
 
+def test_end_of_document_id_from_the_tokenizer_config(models, tmp_path):
+    """tokenizer_config.json's eos_token first; generation_config.json's first
+    eos_token_id when the config names none."""
+    from lrmoe.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(models["qwen3"]))
+    assert tok.eos_id == 1 == tok._tok.token_to_id("<|im_end|>")
+    ids = tok.encode_documents(["ab", "c"]).tolist()
+    assert ids == tok.encode("ab") + [1] + tok.encode("c") + [1]
+    d = _copy(models, tmp_path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["eos_token"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(str(d)).eos_id == 0  # generation_config.json's [0, 1]
+
+
 def test_resume_reads_the_checkpoint_not_the_hf_weights(models, runs, tmp_path):
     """Stopped after step 2 and resumed with the HF directory gone: the same steps as
     the uninterrupted run, bit for bit; eval reads the run's tokenizer copy."""

@@ -339,7 +339,7 @@ def load_corpus(
     train, val = col.splits(what, why)
     train_p, val_p = col.split_prompts()
     if train_p is not None:
-        desc += ", trained on the completions of prompt/completion rows"
+        desc = f"prompt/completion rows of {data} (trained on the completions)"
     source = (f"{desc}: {len(train)} train documents ({_mib(train + (train_p or []))}), "
               f"{len(val)} validation documents ({_mib(val + (val_p or []))})")
     return Corpus(train, val, source, notes, train_prompts=train_p, val_prompts=val_p)

@@ -115,7 +115,7 @@ class _ShardReader:
         key, index = self._key(pc)
         t = self.cache[key]
         out = t[index].to(self.out_dtypes[pc.target])
-        # safetensors refuses tensors sharing storage: a slice of a row is copied
+        # a slice of a row is copied: safetensors versions differ on slices sharing storage
         return out.clone() if index and out.data_ptr() == t[index].data_ptr() else out
 
 

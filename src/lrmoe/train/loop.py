@@ -513,8 +513,9 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
         from lrmoe.model.compile import compile_model
         compile_model(state.model)
     m = inp.mcfg
-    name = (cfg.preset or cfg.config or (inp.saved or {}).get("train", {}).get("preset")
-            or "model")
+    saved_train = (inp.saved or {}).get("train", {})
+    name = (cfg.preset or cfg.config or cfg.init_from or saved_train.get("preset")
+            or saved_train.get("init_from") or "model")
     _log(f"lrmoe train: {name} ({m.model_type}, {m.num_hidden_layers} layers, "
          f"{m.num_experts} experts top-{m.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {inp.corpus.source} | tokenizer "

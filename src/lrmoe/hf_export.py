@@ -24,6 +24,7 @@ other contents is refused, never replaced.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,10 +122,7 @@ class _ShardReader:
 
 def _item_bytes(md) -> int:
     """Tensor bytes of a checkpoint key (its storage metadata)."""
-    n = 1
-    for s in md.size:
-        n *= s
-    return n * md.properties.dtype.itemsize
+    return math.prod(md.size) * md.properties.dtype.itemsize
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,

@@ -116,7 +116,7 @@ def make_checkpoint(d: Path, s: dict, a) -> float:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    texts = load_corpus(None, max_bytes=2**20).train_texts
+    texts = load_corpus(None, max_bytes=2**18).train_texts
     tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
         vocab_size=min(a.tokenizer_vocab, s["vocab"]), special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))

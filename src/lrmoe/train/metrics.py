@@ -62,8 +62,17 @@ def host_rss_bytes() -> int | None:
 
 
 def host_peak_rss_bytes() -> int | None:
-    """This process's largest resident set size so far, in bytes (``ru_maxrss``: KiB on
-    Linux, bytes on macOS; None without the ``resource`` module)."""
+    """This process's largest resident set size so far, in bytes: ``VmHWM`` of
+    ``/proc/self/status`` where there is one (Linux's ``ru_maxrss`` also keeps the mark
+    of the process image before ``exec``: a large parent's, copied at ``fork``), else
+    ``ru_maxrss`` (KiB on Linux, bytes on macOS; None without the ``resource`` module)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:

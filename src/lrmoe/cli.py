@@ -16,7 +16,7 @@ import sys
 
 from lrmoe.errors import LrmoeError
 
-COMMANDS = ("train", "eval", "report", "presets", "plan", "bench")
+COMMANDS = ("train", "eval", "export", "report", "presets", "plan", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ Sources accepted by :func:`load_corpus`:
   that is UTF-8 text without NUL bytes; split by file as above.
 - a ``.jsonl`` file: one JSON object per line, documents from its ``text`` field;
   split by the hash of the 1-based line number. Lines without a ``text`` field are
-  skipped and counted (:attr:`Corpus.notes`).
+  skipped and counted (:attr:`Corpus.notes`). A line with ``prompt`` and ``completion``
+  fields instead is a fine-tuning row: it trains on the completion only (below).
 - any other file (``.txt``, ``.md``...): one document; the last ``VAL_FRACTION`` of its
   bytes (moved to the next line start) is validation. A file whose first
   ``SNIFF_BYTES`` hold a NUL byte or invalid UTF-8 is refused as binary.
@@ -23,6 +24,8 @@ training document moves there (a single document is split by lines).
 
 :func:`build_token_streams` appends the tokenizer's ``eos_id`` (0, see
 :mod:`lrmoe.tokenizer`) after every document and concatenates them.
+
+Prompt/completion rows: see :mod:`lrmoe.loss_mask`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.errors import LrmoeError
+from lrmoe.loss_mask import IGNORE, MaskedBatch, build_streams, masked_targets
 from lrmoe.tokenizer import Tokenizer
 
 DEFAULT_MAX_BYTES = 16 * 2**20
@@ -57,6 +61,10 @@ class Corpus:
     val_texts: list[str]
     source: str
     notes: list[str] = dataclasses.field(default_factory=list)  # what was skipped, and why
+    # prompt/completion rows: the prompt of each document ("" for a plain text), the
+    # texts being the completions; None when no row has a prompt (all trained on)
+    train_prompts: list[str] | None = None
+    val_prompts: list[str] | None = None
 
 
 def _is_val(key: str) -> bool:
@@ -82,6 +90,7 @@ class _Collector:
 
     def __init__(self, max_bytes: int | None, val_max_bytes: int | None):
         self.texts: dict[bool, list[str]] = {False: [], True: []}
+        self.prompts: dict[bool, list[str]] = {False: [], True: []}  # "" for a text
         self.left: dict[bool, int | None] = {False: max_bytes, True: val_max_bytes}
 
     def has_room(self, val: bool) -> bool:
@@ -96,6 +105,7 @@ class _Collector:
         if text is None:
             return False
         self.texts[val].append(text)
+        self.prompts[val].append("")
         if self.left[val] is not None:
             self.left[val] -= len(raw)
         return True
@@ -105,18 +115,37 @@ class _Collector:
         cut = room is not None and len(raw) > room
         self.add_raw(val, raw[:room] if cut else raw, truncated=cut, strict=False)
 
+    def add_row(self, val: bool, prompt: str, completion: str) -> None:
+        """A prompt/completion row, whole (a row is never cut by the byte budget)."""
+        self.texts[val].append(completion)
+        self.prompts[val].append(prompt)
+        if self.left[val] is not None:
+            self.left[val] -= len(prompt.encode("utf-8")) + len(completion.encode("utf-8"))
+
     def splits(self, what: str, why: str = "") -> tuple[list[str], list[str]]:
         train, val = self.texts[False], self.texts[True]
         if not train and not val:
             raise LrmoeError(f"{what} holds no text{why}")
         if not train or not val:
             pool = train or val
+            prompts = self.prompts[False] or self.prompts[True]
             if len(pool) >= 2:
                 moved = pool.pop()
                 (val if train else train).append(moved)
+                (self.prompts[True] if train else self.prompts[False]).append(prompts.pop())
+            elif prompts[0]:
+                raise LrmoeError(f"{what} holds one prompt/completion row: too few to split "
+                                 "into training and validation; give at least two")
             else:
                 train, val = _split_text(pool[0], what)
+                self.prompts = {False: [""], True: [""]}
         return train, val
+
+    def split_prompts(self) -> tuple[list[str] | None, list[str] | None]:
+        """The prompts of both splits, or (None, None) when every document is text."""
+        if not any(p for v in self.prompts.values() for p in v):
+            return None, None
+        return self.prompts[False], self.prompts[True]
 
 
 def _split_text(text: str, what: str) -> tuple[list[str], list[str]]:
@@ -169,8 +198,31 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
             col.add_raw(val, *got)
 
 
+def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
+    """A line's ``(prompt, completion)`` (prompt "" for a ``text`` line); None when it
+    has neither form."""
+    text = obj.get("text")
+    pc = [k for k in ("prompt", "completion") if k in obj]
+    if pc and "text" in obj:
+        raise LrmoeError(f"data path {str(path)!r}: line {lineno} has both 'text' and "
+                         f"'{pc[0]}'; a line is either text or a prompt/completion row")
+    if pc and len(pc) == 1:
+        other = "completion" if pc[0] == "prompt" else "prompt"
+        raise LrmoeError(f"data path {str(path)!r}: line {lineno} has '{pc[0]}' without "
+                         f"'{other}'")
+    fields = ("prompt", "completion") if pc else ("text",) if "text" in obj else ()
+    for k in fields:
+        if not isinstance(obj[k], str):
+            raise LrmoeError(f"data path {str(path)!r}: line {lineno}: field '{k}' must be "
+                             f"a string, got {type(obj[k]).__name__}")
+    if not fields:
+        return None
+    return (obj["prompt"], obj["completion"]) if pc else ("", text)
+
+
 def _load_jsonl(path: Path, col: _Collector) -> list[str]:
-    """Read the ``text`` fields; returns notes on the lines skipped."""
+    """Read the ``text`` fields and prompt/completion rows; returns notes on the lines
+    skipped."""
     no_text = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
@@ -185,19 +237,20 @@ def _load_jsonl(path: Path, col: _Collector) -> list[str]:
                                  f"({e.msg} at column {e.colno})") from None
             except UnicodeDecodeError:
                 raise LrmoeError(f"data path {str(path)!r}: line {lineno} is not UTF-8") from None
-            if not isinstance(obj, dict) or "text" not in obj:
+            row = _jsonl_row(path, lineno, obj) if isinstance(obj, dict) else None
+            if row is None:
                 no_text += 1
                 continue
-            text = obj["text"]
-            if not isinstance(text, str):
-                raise LrmoeError(f"data path {str(path)!r}: line {lineno}: field 'text' must be "
-                                 f"a string, got {type(text).__name__}")
+            prompt, text = row
             val = _is_val(str(lineno))
             if text.strip() and col.has_room(val):
-                col.add_text(val, text)
+                if prompt:
+                    col.add_row(val, prompt, text)
+                else:
+                    col.add_text(val, text)
     if not col.texts[False] and not col.texts[True]:
         raise LrmoeError(f"data path {str(path)!r} holds no text: no line has a non-empty "
-                         f"string field 'text'")
+                         f"string field 'text' (or 'completion')")
     if no_text:
         return [f"{path}: skipped {no_text} line(s) without a 'text' field"]
     return []
@@ -284,9 +337,12 @@ def load_corpus(
             raise LrmoeError(f"cannot read data path {str(where)!r}: {e.strerror or e}; "
                              "give --data a file or directory this user can read") from None
     train, val = col.splits(what, why)
-    source = (f"{desc}: {len(train)} train documents ({_mib(train)}), "
-              f"{len(val)} validation documents ({_mib(val)})")
-    return Corpus(train, val, source, notes)
+    train_p, val_p = col.split_prompts()
+    if train_p is not None:
+        desc = f"prompt/completion rows of {data} (trained on the completions)"
+    source = (f"{desc}: {len(train)} train documents ({_mib(train + (train_p or []))}), "
+              f"{len(val)} validation documents ({_mib(val + (val_p or []))})")
+    return Corpus(train, val, source, notes, train_prompts=train_p, val_prompts=val_p)
 
 
 def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,9 +350,8 @@ def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Ten
 
     Every document is followed by ``tokenizer.eos_id``.
     """
-    return tokenizer.encode_documents(corpus.train_texts), tokenizer.encode_documents(
-        corpus.val_texts
-    )
+    s = build_streams(corpus, tokenizer)
+    return s.train_ids, s.val_ids
 
 
 def _check_int(name: str, value: object, low: int = 1) -> int:
@@ -332,13 +387,26 @@ class PackedBatches:
     depends only on ``(ids, seq_len, batch_size, seed, step)``, never on earlier calls.
     """
 
-    def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0):
+    def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0,
+                 target_mask: torch.Tensor | None = None, accum: int = 1):
         self.seq_len = _check_int("seq_len", seq_len)
         self.batch_size = _check_int("batch_size", batch_size)
         self.num_windows = _windows(ids, self.seq_len, "training")
         self.ids = ids.long()
         self.seed = int(seed)
         self._perms: dict[int, torch.Tensor] = {}
+        # with a mask, batch() gives MaskedBatch: each window's trained targets counted
+        # once, a step's total from its accum global batches (cached)
+        self.mask = None if target_mask is None else target_mask.bool()
+        self.accum = _check_int("accum", accum)
+        if self.mask is not None:
+            if self.mask.shape != self.ids.shape:
+                raise LrmoeError(f"target mask of shape {tuple(self.mask.shape)} does not "
+                                 f"match the token stream's {tuple(self.ids.shape)}")
+            c = torch.cat([torch.zeros(1, dtype=torch.long), self.mask.long().cumsum(0)])
+            w = torch.arange(self.num_windows) * self.seq_len
+            self._win_targets = c[w + self.seq_len + 1] - c[w + 1]
+        self._step_total: tuple[int, int] | None = None
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
@@ -373,25 +441,42 @@ class PackedBatches:
             done += take
         return out
 
-    def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor | MaskedBatch:
         """Rank's contiguous rows of global batch ``step``: int64 ``[B // world, L + 1]``.
 
-        Inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+        Inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. With a target mask, a
+        :class:`MaskedBatch` of those rows (``step`` // ``accum`` is the optimizer step).
         """
         starts = self.window_indices(step, rank, world) * self.seq_len
-        return self.ids[starts[:, None] + torch.arange(self.seq_len + 1)]
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        rows = self.ids[idx]
+        if self.mask is None:
+            return rows
+        total = self.step_targets(step // self.accum)
+        return MaskedBatch(rows, masked_targets(rows, self.mask[idx[:, 1:]]),
+                           max(total, 1) / (world * self.accum))
+
+    def step_targets(self, opt_step: int) -> int:
+        """Trained targets of optimizer step ``opt_step`` (its ``accum`` global batches)."""
+        if self._step_total is None or self._step_total[0] != opt_step:
+            first = opt_step * self.accum
+            n = sum(int(self._win_targets[self.window_indices(g)].sum())
+                    for g in range(first, first + self.accum))
+            self._step_total = (opt_step, n)
+        return self._step_total[1]
 
 
 def validation_batches(
     ids: torch.Tensor, seq_len: int, batch_size: int, num_windows: int | None = None,
-    rank: int = 0, world: int = 1,
-) -> list[torch.Tensor]:
+    rank: int = 0, world: int = 1, target_mask: torch.Tensor | None = None,
+) -> list[torch.Tensor] | list[MaskedBatch]:
     """The first ``num_windows`` windows of ``ids`` (all when None) as batches.
 
     Windows are laid out as in :class:`PackedBatches`, in order; rank ``r`` of ``world``
     takes a contiguous share (shares differ by at most one window, so reduce summed
     losses and token counts, not means). Returns int64 tensors ``[b, L + 1]`` with
     ``b <= batch_size``; only the last may be smaller. A rank may get an empty list.
+    With ``target_mask``: :class:`MaskedBatch` es (``num_targets``: their own count).
     """
     seq_len = _check_int("seq_len", seq_len)
     batch_size = _check_int("batch_size", batch_size)
@@ -402,5 +487,10 @@ def validation_batches(
     if num_windows is not None:
         k = min(k, _check_int("num_windows", num_windows))
     mine = torch.tensor_split(torch.arange(k), world)[rank]
-    rows = ids.long()[mine[:, None] * seq_len + torch.arange(seq_len + 1)]
-    return list(torch.split(rows, batch_size)) if len(rows) else []
+    idx = mine[:, None] * seq_len + torch.arange(seq_len + 1)
+    rows = ids.long()[idx]
+    if target_mask is None:
+        return list(torch.split(rows, batch_size)) if len(rows) else []
+    targets = masked_targets(rows, target_mask.bool()[idx[:, 1:]])
+    return [MaskedBatch(r, t, float((t != IGNORE).sum()))
+            for r, t in zip(torch.split(rows, batch_size), torch.split(targets, batch_size))]

@@ -196,18 +196,23 @@ class _Piece:
     shape: tuple[int, ...]
 
 
-def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str]) -> list[_Piece]:
-    """Pieces for ``experts.gate_up_proj`` / ``experts.down_proj`` in either form."""
+def _legacy_pieces(target: str, hf: str, shape: tuple[int, ...]) -> list[_Piece]:
+    """``experts.gate_up_proj`` / ``experts.down_proj`` as HF's per-expert tensors."""
     E, rows, cols = shape
     prefix, kind = hf.rsplit(".", 1)  # "model.layers.N.mlp.experts", "gate_up_proj"
     if kind == "gate_up_proj":
         F = rows // 2
-        legacy = [_Piece(target, (e, slice(h * F, (h + 1) * F)),
-                         f"{prefix}.{e}.{proj}.weight", (F, cols))
-                  for e in range(E) for h, proj in enumerate(("gate_proj", "up_proj"))]
-    else:
-        legacy = [_Piece(target, (e,), f"{prefix}.{e}.down_proj.weight", (rows, cols))
-                  for e in range(E)]
+        return [_Piece(target, (e, slice(h * F, (h + 1) * F)),
+                       f"{prefix}.{e}.{proj}.weight", (F, cols))
+                for e in range(E) for h, proj in enumerate(("gate_proj", "up_proj"))]
+    return [_Piece(target, (e,), f"{prefix}.{e}.down_proj.weight", (rows, cols))
+            for e in range(E)]
+
+
+def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str]) -> list[_Piece]:
+    """Pieces for ``experts.gate_up_proj`` / ``experts.down_proj`` in either form."""
+    legacy = _legacy_pieces(target, hf, shape)
+    prefix = hf.rsplit(".", 1)[0]
     has_legacy = any(p.key in ckpt for p in legacy)
     if hf in ckpt and has_legacy:
         raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert tensors "
@@ -218,16 +223,21 @@ def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str])
 
 
 def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
-          ckpt: set[str]) -> list[_Piece]:
+          ckpt: set[str] | None) -> list[_Piece]:
+    """The model's tensors as checkpoint tensors: experts in the form ``ckpt`` (the
+    checkpoint's names) holds them, or HF's per-expert form to save (``ckpt`` None);
+    a tied head is left out."""
     pieces: list[_Piece] = []
     for name, shape in model_shapes.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         hf = _hf_name(name)
-        if re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
-            pieces += _expert_pieces(name, hf, shape, ckpt)
-        else:
+        if not re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
             pieces.append(_Piece(name, (), hf, shape))
+        elif ckpt is None:
+            pieces += _legacy_pieces(name, hf, shape)
+        else:
+            pieces += _expert_pieces(name, hf, shape, ckpt)
     return pieces
 
 
@@ -364,63 +374,16 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
     anything is copied into the model. The model comes back in eval mode, as from HF's
     ``from_pretrained``; call ``.train()`` to train it.
     """
-    p = _as_dir(path)
+    from lrmoe.hf_load import empty_model, load_owned, open_checkpoint
+
     dt = _as_dtype(dtype)
-    cfg, mtp = _read_config(p)
-    meta, where = _scan(p)
-
-    with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in MoEForCausalLM(cfg).state_dict().items()}
-    pieces = _plan(shapes, cfg, set(meta))
-    used = {pc.key for pc in pieces}
-    missing = [pc.key for pc in pieces if pc.key not in meta]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise LrmoeError(f"checkpoint {p} is missing tensor {missing[0]}{more}, which the "
-                         f"{cfg.model_type} config needs")
-    mtp_re = re.compile(r"^model\.layers\.(\d+)\.")
-
-    def ignorable(k: str) -> bool:
-        if cfg.tie_word_embeddings and k == "lm_head.weight":
-            return True  # tied: HF ties it to the embedding and ignores the stored copy
-        m = mtp_re.match(k)  # GLM multi-token-prediction layers, unused by HF's model too
-        return m is not None and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + mtp
-
-    unexpected = sorted(k for k in meta if k not in used and not ignorable(k))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise LrmoeError(f"checkpoint {p} has unexpected tensor {unexpected[0]}{more}, which "
-                         f"the {cfg.model_type} config does not use")
-    for pc in pieces:
-        sdt, shape = meta[pc.key]
-        if shape != pc.shape:
-            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has shape {list(shape)}, "
-                             f"the config needs {list(pc.shape)}")
-        if sdt not in _DTYPES:
-            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has dtype {sdt}; only "
-                             f"{', '.join(_DTYPES)} checkpoints are supported")
-
-    model = MoEForCausalLM(cfg)
-    sd = model.state_dict()
-    by_file: dict[Path, list[_Piece]] = {}
-    for pc in pieces:
-        by_file.setdefault(where[pc.key], []).append(pc)
+    ck = open_checkpoint(path)  # every check before a byte is copied
+    model = empty_model(ck.config)
+    load_owned(model, ck)
     with torch.no_grad():
-        for file, group in by_file.items():
-            try:
-                f = safetensors.safe_open(str(file), framework="pt")
-            except Exception as e:  # changed since it was checked
-                raise _corrupt(file, str(e)) from None
-            with f:
-                for pc in group:
-                    try:
-                        t = f.get_tensor(pc.key)
-                    except Exception as e:
-                        raise _corrupt(file, f"reading tensor {pc.key}: {e}") from None
-                    sd[pc.target][pc.index].copy_(t)
         if dt != torch.float32:
             # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
-            keep, persistent = _fp32_names(model), set(sd)
+            keep, persistent = _fp32_names(model), set(model.state_dict())
             for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                 if t.is_floating_point() and name in persistent and name not in keep:
                     t.data = t.data.to(dt)
@@ -432,33 +395,17 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
 def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None
                 ) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]:
     """(HF name, shape, dtype, materialise) in model order, legacy per-expert form."""
-    cfg = model.config
     keep32 = _fp32_names(model) if dtype is not None else set()
-    out = []
-
-    def add(hf: str, t: Tensor, name: str) -> None:
-        dt = t.dtype if dtype is None or name in keep32 else dtype
-        out.append((hf, tuple(t.shape), dt,
-                    lambda t=t, dt=dt: t.detach().to("cpu", dt).contiguous().clone()))
-
-    for name, t in model.state_dict(keep_vars=True).items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue  # HF omits the tied head
+    sd = model.state_dict(keep_vars=True)
+    for name, t in sd.items():
         if not t.is_floating_point():
             raise LrmoeError(f"model tensor {name} has dtype {t.dtype}; expected a float tensor")
-        hf = _hf_name(name)
-        m = re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
-        if m is None:
-            add(hf, t, name)
-            continue
-        prefix = hf.rsplit(".", 1)[0]
-        for e in range(t.shape[0]):
-            if m[1] == "gate_up_proj":
-                F = t.shape[1] // 2
-                add(f"{prefix}.{e}.gate_proj.weight", t[e, :F], name)
-                add(f"{prefix}.{e}.up_proj.weight", t[e, F:], name)
-            else:
-                add(f"{prefix}.{e}.down_proj.weight", t[e], name)
+    out = []
+    for pc in _plan({n: tuple(t.shape) for n, t in sd.items()}, model.config, None):
+        t = sd[pc.target][pc.index]
+        dt = t.dtype if dtype is None or pc.target in keep32 else dtype
+        out.append((pc.key, pc.shape, dt,
+                    lambda t=t, dt=dt: t.detach().to("cpu", dt).contiguous().clone()))
     return out
 
 
@@ -552,6 +499,15 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
                 f"layer {m.moe_index} holds {m.experts.count} of {m.experts.num_experts} experts "
                 "(expert-parallel shard); gather the experts first: save_hf needs the full model")
     target = Path(path)
+    check_target(target)
+    entries = _hf_entries(model, dt)
+    cdtype = model.embed_tokens.weight.dtype if dt is None else dt
+    return write_checkpoint(target, model.config, entries, max_shard_bytes, cdtype)
+
+
+def check_target(target: Path) -> None:
+    """Refuse a target that cannot hold a HF checkpoint: a dangling symlink, a file, an
+    lrmoe run directory."""
     if target.is_symlink() and not target.exists():
         raise LrmoeError(f"{target} is a symlink to {os.readlink(target)}, which does not "
                          "exist; create that directory or give another path")
@@ -559,12 +515,23 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
         raise LrmoeError(f"{target} exists and is not a directory")
     from lrmoe.train.rundir import is_run_dir
     if is_run_dir(target):
-        raise LrmoeError(f"{target} is an lrmoe run directory: save_hf would replace its "
-                         "config.json, which lrmoe train --resume and lrmoe eval read; save to "
-                         f"another directory (e.g. {target / 'hf'})")
-    old = _check_target_files(target, model.config) if target.exists() else []
+        raise LrmoeError(f"{target} is an lrmoe run directory: a HF checkpoint there would "
+                         "replace its config.json, which lrmoe train --resume and lrmoe eval "
+                         f"read; save to another directory (e.g. {target / 'hf'})")
 
-    entries = _hf_entries(model, dt)
+
+Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
+
+
+def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard_bytes: int,
+                     cdtype: torch.dtype, extra_files: dict[str, bytes] | None = None,
+                     before_shard: Callable[[list[str]], None] | None = None) -> Path:
+    """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in
+    shards of at most ``max_shard_bytes``, each shard's tensors materialised just before
+    it is written (``before_shard(names)`` first: a reader can fetch them together),
+    then ``extra_files`` and ``config.json`` (``cfg``, ``cdtype``); all atomically, as
+    :func:`save_hf` says. ``target`` is checked with :func:`check_target` first."""
+    old = _check_target_files(target, cfg) if target.exists() else []
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
     shards: list[list[int]] = [[]]
     size = 0
@@ -577,7 +544,6 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [
         f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    cdtype = model.embed_tokens.weight.dtype if dt is None else dt
 
     created = not target.exists()
     written: list[Path] = []  # temporary files, renamed by _commit
@@ -586,6 +552,8 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
         plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}
         for fname, idx in zip(names, shards):
+            if before_shard is not None:
+                before_shard([entries[i][0] for i in idx])
             tensors = {entries[i][0]: entries[i][3]() for i in idx}
             plan.append((_write_atomic(target / fname, lambda t, ts=tensors: safetensors.torch
                                        .save_file(ts, str(t), metadata={"format": "pt"}),
@@ -596,11 +564,12 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
             texts.append((INDEX_NAME, json.dumps(
                 {"metadata": {"total_size": sum(nbytes)},
                  "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"))
-        texts.append((CONFIG_NAME, json.dumps(hf_config_dict(model.config, cdtype), indent=2,
+        texts += list((extra_files or {}).items())
+        texts.append((CONFIG_NAME, json.dumps(hf_config_dict(cfg, cdtype), indent=2,
                                               sort_keys=True) + "\n"))
         for fname, text in texts:
-            plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_text(x),
-                                       written), target / fname))
+            plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_bytes(
+                x if isinstance(x, bytes) else x.encode()), written), target / fname))
         for tmp, final in plan:  # weights first, config.json last
             os.replace(tmp, final)
         new = {final for _, final in plan}

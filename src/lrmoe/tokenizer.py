@@ -10,10 +10,14 @@ Both reserve id 0 as the end-of-document id (``Tokenizer.eos_id``) that
   rest merges. The trained model is cached as ``tokenizer.json`` (HF format) in the run
   directory and reloaded instead of retrained. A small corpus can run out of merges, so
   the actual ``vocab_size`` may be below N (never above).
+
+A pretrained model's own tokenizer is given by its directory (any spec holding a path
+separator or naming a directory): :class:`HfTokenizer` (:mod:`lrmoe.hf_tokenizer`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -26,17 +30,27 @@ EOS_TOKEN = "<|endoftext|>"
 BYTE_VOCAB = 256
 BPE_MIN_VOCAB = BYTE_VOCAB + 1  # byte alphabet + EOS_TOKEN
 TOKENIZER_FILE = "tokenizer.json"
-_SPEC_HELP = f"use 'byte' or 'bpe:N' with N an integer >= {BPE_MIN_VOCAB}"
+_SPEC_HELP = (f"use 'byte', 'bpe:N' with N an integer >= {BPE_MIN_VOCAB}, or a directory "
+              "holding a HF tokenizer.json")
 # Documents longer than this are encoded in pieces so HF can use every core.
 _CHUNK_CHARS = 1 << 20
 
 
+def is_tokenizer_path(spec: str) -> bool:
+    """A spec naming a directory: it holds a path separator or names a directory here
+    (a resumed run's saved path may no longer exist, so existence is not required)."""
+    return os.sep in spec or "/" in spec or (spec not in ("", "byte") and Path(spec).is_dir())
+
+
 def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
-    """Parse ``"byte"`` -> ``("byte", None)`` and ``"bpe:N"`` -> ``("bpe", N)``."""
+    """Parse ``"byte"`` -> ``("byte", None)``, ``"bpe:N"`` -> ``("bpe", N)`` and a
+    directory -> ``("hf", None)``."""
     if not isinstance(spec, str):
         raise LrmoeError(f"tokenizer spec must be a string, got {spec!r}; {_SPEC_HELP}")
     if spec == "byte":
         return "byte", None
+    if is_tokenizer_path(spec):
+        return "hf", None
     kind, sep, num = spec.partition(":")
     if kind != "bpe" or not sep:
         raise LrmoeError(f"tokenizer spec {spec!r} is not valid; {_SPEC_HELP}")
@@ -62,6 +76,11 @@ class Tokenizer:
     eos_id: int = 0
 
     @property
+    def source(self) -> str:
+        """Where it came from, for messages."""
+        return repr(self.spec)
+
+    @property
     def vocab_size(self) -> int:
         raise NotImplementedError
 
@@ -75,6 +94,10 @@ class Tokenizer:
         """All documents' ids, each followed by ``eos_id``: int64 tensor ``[total_tokens]``."""
         parts = [np.asarray(self.encode(t) + [self.eos_id], dtype=np.int64) for t in texts]
         return _concat(parts)
+
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's ids (int64), no ``eos_id`` added."""
+        return [np.asarray(self.encode(t), dtype=np.int64) for t in texts]
 
     def save(self, directory: str | Path) -> Path | None:
         """Write what :func:`load_tokenizer` needs into ``directory``; return the file."""
@@ -133,6 +156,10 @@ class BpeTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(enc.ids, dtype=np.int64)
+                for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_documents(self, texts: Sequence[str]) -> torch.Tensor:
         pieces: list[str] = []
@@ -213,6 +240,9 @@ def load_tokenizer(
     kind, n = parse_tokenizer_spec(spec)
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "hf":
+        from lrmoe.hf_tokenizer import load_hf_tokenizer
+        return load_hf_tokenizer(spec, directory)
     assert n is not None
     path = Path(directory) / TOKENIZER_FILE if directory is not None else None
     if path is not None and path.exists():
@@ -246,8 +276,14 @@ def _load_cached(path: Path, spec: str, n: int) -> BpeTokenizer:
     return tok
 
 
-def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """Raise if a model with ``vocab_size`` embeddings cannot hold every tokenizer id."""
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_from: str | None = None) -> None:
+    """Raise if a model with ``vocab_size`` embeddings cannot hold every tokenizer id
+    (``model_from``: the HF directory the model comes from, named in the message)."""
+    if vocab_size < tokenizer.vocab_size and model_from is not None:
+        raise LrmoeError(
+            f"tokenizer {tokenizer.source} has ids up to {tokenizer.vocab_size - 1}, beyond "
+            f"the embedding of {model_from} ({vocab_size} rows, its config.json's vocab_size); "
+            "give the model's own tokenizer (--tokenizer DIR)")
     if vocab_size < tokenizer.vocab_size:
         raise LrmoeError(
             f"model vocab_size {vocab_size} is smaller than the vocabulary of tokenizer "

@@ -32,7 +32,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     import torch
 
     from lrmoe.config import ModelConfig
-    from lrmoe.data import build_token_streams, load_corpus, validation_batches
+    from lrmoe.data import build_streams, load_corpus, validation_batches
     from lrmoe.model import MoEForCausalLM
     from lrmoe.parallel.groups import ParallelContext
     from lrmoe.tokenizer import load_tokenizer
@@ -65,9 +65,11 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     state, _ = ckpt.merged_model_state(ck, "cpu")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
     tok = load_tokenizer(cfg.tokenizer, run_dir, corpus.train_texts)
-    _, val_ids = build_token_streams(corpus, tok)
+    streams = build_streams(corpus, tok)
+    val_ids = streams.val_ids
     k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ck.world)
-    batches = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k)
+    batches = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k,
+                                 target_mask=streams.val_mask)
     model = MoEForCausalLM(mcfg)
     try:
         model.load_state_dict(state)

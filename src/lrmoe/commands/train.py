@@ -35,12 +35,18 @@ def register(sub) -> None:
     g.add_argument("--preset", help="model preset (see `lrmoe presets`)")
     g.add_argument("--config", help="HF config.json (or its directory) overriding the preset "
                    "(replacing it when model_type differs)")
-    g.add_argument("--data", help="text file, .jsonl ('text' field) or directory; default: the "
-                   "Python stdlib's .py files")
+    g.add_argument("--init-from", metavar="HF_DIR",
+                   help="start from a HF model directory (config.json, safetensors, tokenizer "
+                        "files): its config and weights, each rank reading only the tensors "
+                        "it holds; its tokenizer unless --tokenizer is given")
+    g.add_argument("--data", help="text file, .jsonl ('text' field, or 'prompt' and "
+                   "'completion': trained on the completion only) or directory; default: "
+                   "the Python stdlib's .py files")
     g.add_argument("--max-data-bytes", type=bytes_or_all, metavar="SIZE",
                    help=f"training bytes to read, e.g. 16MiB; 0 or all = all the data "
                         f"(default {_D.max_data_bytes // 2**20}MiB)")
-    g.add_argument("--tokenizer", help="byte or bpe:N (default byte)")
+    g.add_argument("--tokenizer", help="byte, bpe:N, or a directory holding a HF "
+                   "tokenizer.json (default: the --init-from directory's, else byte)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
     g.add_argument("--batch-size", type=int, help=f"global micro-batch, sequences: one "
@@ -79,6 +85,9 @@ def register(sub) -> None:
                    f"(default {_D.keep_ckpts})")
     g.add_argument("--log-every", type=int, help="progress line every N steps when stderr "
                    "is not a terminal (default: about 10 lines per run)")
+    g.add_argument("--log", metavar="tensorboard",
+                   help="also write the metrics as TensorBoard events into OUT/tensorboard "
+                        "(needs pip install 'lrmoe[tensorboard]')")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (attention, norms, routers, head and loss; "

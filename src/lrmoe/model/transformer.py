@@ -124,21 +124,29 @@ class MoEForCausalLM(nn.Module):
         lm, obj = self._objective(logits[:, :-1], labels[:, 1:])
         return CausalLMOutput(obj, logits, lm, obj - lm)
 
-    def _objective(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def _objective(self, logits: Tensor, targets: Tensor, num_targets: float | None = None
+                   ) -> tuple[Tensor, Tensor]:
         """``(lm_loss, lm_loss + aux)``: cross entropy in fp32 (``-100`` ignored) and the
-        training objective."""
-        lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                             ignore_index=-100)
+        training objective. ``num_targets`` (HF's ``num_items_in_batch``): divide the
+        summed cross entropy by it instead of taking the mean over this batch's targets
+        (a masked batch's share of a larger batch: :mod:`lrmoe.loss_mask`)."""
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        if num_targets is None:
+            lm = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
+        else:
+            lm = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100,
+                                 reduction="sum") / num_targets
         return lm, lm + self.aux_loss().to(lm.device)
 
     def aux_loss(self) -> Tensor:
         losses = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
-    def loss(self, input_ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def loss(self, input_ids: Tensor, targets: Tensor, num_targets: float | None = None
+             ) -> tuple[Tensor, Tensor]:
         """``(lm_loss, lm_loss + aux)`` for ``targets`` already shifted (``targets[:, t]``
         follows ``input_ids[:, t]``): the trainer's form of ``model(ids, labels=ids)``."""
-        return self._objective(self(input_ids), targets)
+        return self._objective(self(input_ids), targets, num_targets)
 
     @torch.no_grad()
     def end_step(self, reduce=None) -> list[Tensor | None]:

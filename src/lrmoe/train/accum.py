@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from lrmoe.loss_mask import loss_args
+
 
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
                autocast=None, on_micro: Callable[[int, Tensor | None], None] | None = None
@@ -36,7 +38,9 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
 
     ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
-    targets ``[:, 1:]``). Returns ``[lm, objective]`` summed over the micro-batches
+    targets ``[:, 1:]``), or a :class:`~lrmoe.loss_mask.MaskedBatch` (fine-tuning rows:
+    its loss is its trained targets' share of the step's, so the scaling above stays
+    exact with unequal counts). Returns ``[lm, objective]`` summed over the micro-batches
     (detached, fp32, on the model's device): divide by ``n`` for the step's mean.
     Gradients add to what ``.grad`` holds (zero it before the step). ``on_micro(m,
     None)`` is called before micro-batch ``m`` and ``on_micro(m, pair)`` after its
@@ -49,7 +53,8 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
         model.set_micro_batch(m)
         batch = micro_batch(m)
         with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
-            lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+            x, y, num = loss_args(batch)
+            lm, obj = model.loss(x, y) if num is None else model.loss(x, y, num)
         with _range("backward"):
             (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()

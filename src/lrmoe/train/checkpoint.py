@@ -474,3 +474,28 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
     for name, by_id in rows.items():
         out[name] = torch.stack([by_id[e] for e in sorted(by_id)])
     return {k: v.to(map_location) for k, v in out.items()}, trainer
+
+
+def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of a (verified) checkpoint, read on one process into new CPU
+    tensors: only their bytes are read (``metadata``: :func:`checkpoint_metadata`'s,
+    to skip reading it again)."""
+    import torch.distributed.checkpoint as dcp
+
+    md = checkpoint_metadata(ck) if metadata is None else metadata
+    state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
+    try:
+        with _one_process_is_fine():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ck.path)),
+                     planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
+                                                    flatten_sharded_tensors=False),
+                     no_dist=True)
+    except (Exception, _dcp_failure()) as e:
+        raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
+    return state
+
+
+def checkpoint_metadata(ck: Checkpoint) -> dict:
+    """Every key of a checkpoint: ``{key: TensorStorageMetadata | BytesStorageMetadata}``."""
+    return _metadata(ck)

@@ -46,9 +46,10 @@ class TrainConfig:
 
     preset: str | None = None
     config: str | None = None
+    init_from: str | None = None  # a HF model directory: config, weights and tokenizer
     data: str | None = None
     max_data_bytes: int | None = 16 * 2**20
-    tokenizer: str = "byte"
+    tokenizer: str | None = None  # None: the --init-from directory's, else byte
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -81,6 +82,7 @@ class TrainConfig:
     compile: bool = False
     stop_after: int | None = None
     divergence_factor: float = 10.0
+    log: str | None = None  # "tensorboard": also write TensorBoard events
 
     @classmethod
     def from_flat(cls, values: dict | None = None, /, **kw) -> TrainConfig:
@@ -109,8 +111,9 @@ FLAT_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != 
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
                   "threads", "compile", "device", "stop_after", "divergence_factor", "ep",
-                  "activation_checkpoint"}
-_NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after"}
+                  "activation_checkpoint", "init_from", "log"}
+# init_from: a resume takes the weights from the checkpoint, the model from config.json
+_NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after", "init_from"}
 
 
 def default_out(cfg: TrainConfig) -> str | None:
@@ -118,6 +121,8 @@ def default_out(cfg: TrainConfig) -> str | None:
         return f"runs/{cfg.preset}"
     if cfg.config:
         return f"runs/{Path(cfg.config).stem}"
+    if cfg.init_from:
+        return f"runs/{Path(cfg.init_from).resolve().name}"
     return None
 
 
@@ -135,7 +140,7 @@ def config_from_cli(given: dict) -> TrainConfig:
     kw: dict[str, Any] = {}
     if given.get("resume"):
         out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
-            "preset", "config") if k in given}))
+            "preset", "config", "init_from") if k in given}))
         if out is None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
         saved = read_run_config(Path(out))
@@ -184,13 +189,36 @@ def check_args(cfg: TrainConfig) -> None:
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
                          "is not supported (the checkpointed blocks hold the MoE layers' "
                          "graph breaks); drop one of them")
-    parse_tokenizer_spec(cfg.tokenizer)
-    if cfg.preset is None and cfg.config is None and not cfg.resume:
-        raise LrmoeError("give a model: --preset NAME (see `lrmoe presets`) or --config FILE")
+    check_log(cfg.log)
+    if cfg.init_from is not None and (cfg.preset is not None or cfg.config is not None):
+        flag = "--preset" if cfg.preset is not None else "--config"
+        raise LrmoeError(f"--init-from {cfg.init_from} takes the model from its config.json; "
+                         f"{flag} would describe another: drop {flag}")
+    if cfg.init_from is not None:  # absolute: a resume may run from another directory
+        cfg.init_from = os.path.abspath(cfg.init_from)
+    if cfg.tokenizer is None:
+        cfg.tokenizer = cfg.init_from or "byte"
+    if parse_tokenizer_spec(cfg.tokenizer)[0] == "hf":
+        cfg.tokenizer = os.path.abspath(cfg.tokenizer)
+    if cfg.preset is None and cfg.config is None and cfg.init_from is None and not cfg.resume:
+        raise LrmoeError("give a model: --preset NAME (see `lrmoe presets`), --config FILE "
+                         "or --init-from HF_DIR")
     if cfg.out is None:
         cfg.out = default_out(cfg)
         if cfg.out is None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
+
+
+def check_log(log: str | None) -> None:
+    """``--log tensorboard`` needs the optional ``tensorboard`` package."""
+    if log is None:
+        return
+    _choice("log", log, ("tensorboard",))
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise LrmoeError("--log tensorboard needs the tensorboard package: pip install "
+                         "'lrmoe[tensorboard]'")
 
 
 # Flags that only one policy reads: given to another, they would be silently ignored.
@@ -238,11 +266,16 @@ def _read_model_json(path: str) -> dict:
 
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
-    """The model: the preset's HF dict, overridden by ``--config`` (replaced when the
-    config names another ``model_type``). ``vocab_size`` (the tokenizer's) is used
-    unless ``--config`` sets one. ``None`` when neither flag is given (a resume)."""
+    """The model: ``--init-from``'s ``config.json`` (read as HF reads it), or the
+    preset's HF dict, overridden by ``--config`` (replaced when the config names another
+    ``model_type``). ``vocab_size`` (the tokenizer's) is used unless ``--config`` sets
+    one (never for ``--init-from``). ``None`` when no flag gives one (a resume)."""
     from lrmoe.config import ModelConfig
     from lrmoe.presets import get_preset
+
+    if cfg.init_from is not None:
+        from lrmoe.hf import load_hf_config
+        return load_hf_config(cfg.init_from)
 
     d: dict[str, Any] = get_preset(cfg.preset).to_hf_dict() if cfg.preset else {}
     user = _read_model_json(cfg.config) if cfg.config else None

@@ -118,15 +118,17 @@ def evaluate(model, batches: list[torch.Tensor], ctx, autocast) -> tuple[float, 
     """Mean token cross entropy over ``batches`` (summed over ranks): ``(loss, tokens)``."""
     was = model.training
     model.eval()
+    from lrmoe.loss_mask import IGNORE, loss_args
+
     tot = torch.zeros(2, dtype=torch.float64)
     for b in batches:
-        b = b.to(ctx.device)
+        inputs, targets, _ = loss_args(b.to(ctx.device))  # masked targets: not counted
         with autocast():
-            logits = model(b[:, :-1])
+            logits = model(inputs)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                             b[:, 1:].reshape(-1), reduction="sum")
+                             targets.reshape(-1), reduction="sum", ignore_index=IGNORE)
         tot[0] += float(ce)
-        tot[1] += b[:, 1:].numel()
+        tot[1] += int((targets != IGNORE).sum())
     model.train(was)
     tot = _sum_over_world(tot, ctx)
     return float(tot[0] / tot[1]), int(tot[1])
@@ -170,27 +172,30 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
 
 
 def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
-    from lrmoe.data import PackedBatches, build_token_streams, load_corpus
+    from lrmoe.data import PackedBatches, build_streams, load_corpus
     from lrmoe.tokenizer import load_tokenizer
 
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
     # A new run trains its BPE in memory (the run dir is not created yet); a resumed
-    # one reloads the tokenizer cached in the run dir.
+    # one reloads the tokenizer cached (a model's tokenizer: copied) in the run dir.
     tok = load_tokenizer(cfg.tokenizer, run_dir if cfg.resume else None, corpus.train_texts)
-    train_ids, val_ids = build_token_streams(corpus, tok)
+    streams = build_streams(corpus, tok)
     if ctx.world > 1 and cfg.batch_size % ctx.world:
         raise LrmoeError(f"--batch-size {cfg.batch_size} is not divisible by the world size "
                          f"{ctx.world}")
-    batches = PackedBatches(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
-    return corpus, tok, batches, val_ids
+    batches = PackedBatches(streams.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed,
+                            target_mask=streams.train_mask, accum=cfg.grad_accum)
+    return corpus, tok, batches, streams
 
 
-def _val_batches(cfg: TrainConfig, val_ids: torch.Tensor, ctx) -> list[torch.Tensor]:
+def _val_batches(cfg: TrainConfig, streams, ctx) -> list:
     from lrmoe.data import validation_batches
 
+    val_ids = streams.val_ids
     k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
     return validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
-                              num_windows=k, rank=ctx.rank, world=ctx.world)
+                              num_windows=k, rank=ctx.rank, world=ctx.world,
+                              target_mask=streams.val_mask)
 
 
 def _sha256(ids: torch.Tensor) -> str:
@@ -342,6 +347,7 @@ class _Inputs:
     run_dir: Path
     mcfg: Any
     ck: Any  # the checkpoint to resume from, or None
+    hf: Any  # the checked --init-from checkpoint of a new run (lrmoe.hf_load), or None
     saved: dict | None  # the run's config.json on a resume
     policy: Any
     ledger: Any
@@ -361,6 +367,10 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
     run_dir = Path(cfg.out)
     mcfg = resolve_model_config(cfg, vocab_size=None)  # structure errors before slow work
     ck = _checkpoint_to_resume(cfg, run_dir, ctx)
+    hf = None  # headers and names checked here; a resume never reads the HF weights
+    if cfg.init_from is not None and ck is None:
+        from lrmoe.hf_load import open_checkpoint
+        hf = agree(lambda: open_checkpoint(cfg.init_from), ctx)
     saved = None
     if ck is not None:
         saved = read_run_config(run_dir)
@@ -374,19 +384,23 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
     policy = build_policy(cfg, mcfg, ctx.ep_size)
     ledger = build_ledger(cfg, mcfg, ctx)
-    corpus, tok, batches, val_ids = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
-    if cfg.preset is not None or cfg.config is not None:
-        mcfg = resolve_model_config(cfg, vocab_size=tok.vocab_size)
+    corpus, tok, batches, streams = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
+    val_ids = streams.val_ids
+    if cfg.preset is not None or cfg.config is not None or cfg.init_from is not None:
+        if cfg.init_from is None:
+            mcfg = resolve_model_config(cfg, vocab_size=tok.vocab_size)
         if saved is not None and mcfg.to_hf_dict() != saved["model"]:
             raise LrmoeError(f"--resume: the model config differs from the run's "
-                             f"{run_dir / RUN_CONFIG}; drop --preset/--config or use another "
-                             "--out")
-    check_vocab(tok, mcfg.vocab_size)
-    val_b = _val_batches(cfg, val_ids, ctx)
+                             f"{run_dir / RUN_CONFIG}; drop --preset/--config/--init-from or "
+                             "use another --out")
+    check_vocab(tok, mcfg.vocab_size, cfg.init_from)
+    val_b = _val_batches(cfg, streams, ctx)
     data_fp = {"num_windows": batches.num_windows, "train_tokens": int(batches.ids.numel()),
                "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "seed": cfg.seed,
                "tokenizer": tok.spec, "train_sha256": _sha256(batches.ids),
                "val_sha256": _sha256(val_ids)}
+    if streams.train_mask is not None:  # prompt/completion rows: which targets train
+        data_fp["mask_sha256"] = _sha256(torch.cat([streams.train_mask, streams.val_mask]))
     if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx)):
         raise LrmoeError("the ranks loaded different training data or tokenizers (token "
                          "stream hashes differ); give every rank the same --data")
@@ -394,7 +408,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
         home_tokens = cfg.batch_size // ctx.world * cfg.seq_len
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home_tokens),
                              "even the native experts with one retained pair per instance")
-    return _Inputs(run_dir, mcfg, ck, saved, policy, ledger, corpus, tok, batches, val_ids,
+    return _Inputs(run_dir, mcfg, ck, hf, saved, policy, ledger, corpus, tok, batches, val_ids,
                    val_b, data_fp)
 
 
@@ -413,20 +427,38 @@ class _State:
     elapsed: float = 0.0
     last_val: float | None = None
     rss_before_build: int | None = None  # the process's resident set before the model
+    loaded: dict | None = None  # what --init-from read on this rank (metrics' init row)
+
+
+def _new_model(cfg: TrainConfig, ctx, inp: _Inputs):
+    """This rank's model (experts sharded) and, with ``--init-from``, what it read.
+    Weights that a checkpoint (HF or the run's) fills are never initialised, and no
+    rank builds the whole model then (lrmoe.hf_load); a new run's are random."""
+    from lrmoe.hf_load import empty_model, load_owned
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel.groups import shard_experts
+
+    if inp.hf is None and inp.ck is None:
+        model = MoEForCausalLM(inp.mcfg)
+        if ctx.ep_size > 1:
+            shard_experts(model, ctx)
+        return model.to(ctx.device), None
+    model = empty_model(inp.mcfg, ctx, ctx.device)
+    if inp.hf is None:
+        return model, None
+    report = agree(lambda: load_owned(model, inp.hf), ctx)
+    _log(f"lrmoe train: initialized from {inp.hf.path}: rank {ctx.rank} read "
+         f"{report.tensors} tensors, {report.bytes_read / 2**20:,.1f} MiB in "
+         f"{report.seconds:.1f}s", ctx)
+    return model, {**dataclasses.asdict(report), **host_memory()}
 
 
 def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     """Step 2: build (and restore) in memory; a checkpoint that does not fit fails here."""
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.parallel.groups import shard_experts
-
     agree(lambda: check_model_fits(inp.mcfg, cfg, ctx), ctx)  # before a byte is allocated
     rss = host_rss_bytes()
     torch.manual_seed(cfg.seed)
-    model = MoEForCausalLM(inp.mcfg)
-    if ctx.ep_size > 1:
-        shard_experts(model, ctx)
-    model.to(ctx.device)
+    model, loaded = _new_model(cfg, ctx, inp)
     gen = torch.Generator(device=ctx.device).manual_seed(  # any 64-bit --seed
         (cfg.seed * 1_000_003 + ctx.rank + 1) % 2**64)
     rt = build_runtime(cfg, ctx, inp.policy, inp.ledger, gen)
@@ -440,7 +472,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     if inp.ck is None:
         return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None),
-                      rss_before_build=rss)
+                      rss_before_build=rss, loaded=loaded)
     ck = inp.ck
     st = ckpt.load_checkpoint(  # verified above; any world and EP size
         ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
@@ -472,8 +504,7 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
-    run = _Run(cfg, ctx, inp, state, watch, stops,
-               MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main))
+    run = _Run(cfg, ctx, inp, state, watch, stops, _metrics_writer(cfg, ctx, inp, state))
     run.last_ckpt = state.start if inp.ck is not None else None
     watch.last_ckpt = (None if run.last_ckpt is None
                        else str(ckpt.ckpt_dir(inp.run_dir, run.last_ckpt)))
@@ -482,8 +513,9 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
         from lrmoe.model.compile import compile_model
         compile_model(state.model)
     m = inp.mcfg
-    name = (cfg.preset or cfg.config or (inp.saved or {}).get("train", {}).get("preset")
-            or "model")
+    saved_train = (inp.saved or {}).get("train", {})
+    name = (cfg.preset or cfg.config or cfg.init_from or saved_train.get("preset")
+            or saved_train.get("init_from") or "model")
     _log(f"lrmoe train: {name} ({m.model_type}, {m.num_hidden_layers} layers, "
          f"{m.num_experts} experts top-{m.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {inp.corpus.source} | tokenizer "
@@ -494,6 +526,20 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     for note in inp.corpus.notes:
         _log(f"lrmoe train: note: {note}", ctx)
     return run
+
+
+def _metrics_writer(cfg: TrainConfig, ctx, inp: _Inputs, state: _State) -> MetricsWriter:
+    """``metrics.jsonl`` (and TensorBoard's events with ``--log tensorboard``); a run
+    started from a HF checkpoint first gets the init row: what each rank read."""
+    sinks = []
+    if cfg.log == "tensorboard" and ctx.is_main:
+        from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
+        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
+    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
+    if inp.hf is not None:  # every rank alike
+        ranks = _all_gather(state.loaded, ctx) if ctx.distributed else [state.loaded]
+        writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
+    return writer
 
 
 class _Run:

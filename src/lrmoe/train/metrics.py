@@ -20,7 +20,11 @@ platform does not tell); the first row a process writes also carries
 ``host_rss_before_build_bytes``, its resident set size before the model was built.
 
 Validation rows are separate: ``{"kind": "val", "step": 50, "val_loss": 2.71,
-"val_tokens": 32768, "elapsed_s": 15.2}``.
+"val_tokens": 32768, "elapsed_s": 15.2}``. A run started with ``--init-from`` begins
+with ``{"kind": "init", "step": 0, "source": DIR, "ranks": [...]}``: per rank what it
+read (``tensors``, ``bytes_read``, ``largest_bytes``, ``seconds``) and its
+``host_rss_bytes`` / ``host_peak_rss_bytes`` right after. With ``--log tensorboard``
+the rows are also TensorBoard events (:mod:`lrmoe.train.tensorboard`).
 """
 
 from __future__ import annotations
@@ -58,8 +62,17 @@ def host_rss_bytes() -> int | None:
 
 
 def host_peak_rss_bytes() -> int | None:
-    """This process's largest resident set size so far, in bytes (``ru_maxrss``: KiB on
-    Linux, bytes on macOS; None without the ``resource`` module)."""
+    """This process's largest resident set size so far, in bytes: ``VmHWM`` of
+    ``/proc/self/status`` where there is one (Linux's ``ru_maxrss`` also keeps the mark
+    of the process image before ``exec``: a large parent's, copied at ``fork``), else
+    ``ru_maxrss`` (KiB on Linux, bytes on macOS; None without the ``resource`` module)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:
@@ -158,23 +171,31 @@ def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) 
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl`` (a no-op on ranks other than 0)."""
+    """Appends rows to ``metrics.jsonl`` and hands them to ``sinks`` (objects with
+    ``write(row)`` and ``close()``: the TensorBoard mirror); a no-op on ranks other
+    than 0."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, sinks: list | None = None):
         self.path = Path(path)
         self.enabled = enabled
         self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+        self.sinks = list(sinks or []) if enabled else []
 
     def write(self, row: dict) -> None:
         if self._f is None:
             return
         self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
         self._f.flush()
+        for sink in self.sinks:
+            sink.write(row)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def read_metrics(path: str | os.PathLike, torn: list[int] | None = None) -> list[dict]:

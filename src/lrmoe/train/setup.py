@@ -52,11 +52,12 @@ def agree(fn: Callable[[], Any], ctx) -> Any:
     return out
 
 
-# Flags that may differ between ranks: where files are on this node (the data and the
-# model are compared by content instead: the token streams' hashes, the resolved model
-# config) and how this process runs (threads, collective timeout, progress output).
-PER_RANK_FLAGS = ("out", "data", "preset", "config", "threads", "timeout_s", "log_every",
-                  "progress")
+# Flags that may differ between ranks: where files are on this node (the data, the
+# tokenizer and the model are compared by content instead: the token streams' hashes
+# and the tokenizer's digest, the resolved model config) and how this process runs
+# (threads, collective timeout, progress output).
+PER_RANK_FLAGS = ("out", "data", "preset", "config", "init_from", "tokenizer", "threads",
+                  "timeout_s", "log_every", "progress")
 
 
 def flags_fingerprint(cfg: TrainConfig) -> dict:
@@ -182,9 +183,9 @@ def _checkpoint_bytes(model) -> int:
 
 def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     """``config.json``'s ``train``: the flags, a resume keeping the model's origin
-    (``--preset`` / ``--config`` are not re-given on resume)."""
+    (``--preset`` / ``--config`` / ``--init-from`` are not re-given on resume)."""
     train = cfg.flat()
-    for k in ("preset", "config"):
+    for k in ("preset", "config", "init_from"):
         if train[k] is None and saved is not None:
             train[k] = saved.get("train", {}).get(k)
     return train

@@ -1,0 +1,201 @@
+"""A run's checkpoint written as a HF model directory (``lrmoe export RUN OUT``).
+
+The checkpoint's keys do not depend on the layout that saved it (experts one row per
+global id, :mod:`lrmoe.train.ckpt_state`), so any EP or DP x EP run exports alike. The
+HF tensors are :mod:`lrmoe.hf`'s save mapping of the model's tensors (experts in HF's
+per-expert form), written by :func:`lrmoe.hf.write_checkpoint` with ``save_hf``'s
+rules (temporary files renamed into place, ``config.json`` last; the user's other files
+untouched; a directory holding another model refused). Each weight comes from the
+expert's fp32 master where the run kept one apart (``--optimizer-offload host`` on
+CUDA keeps bf16 weights on the GPU), else from the model's own tensor.
+
+Memory: one output shard at a time. Before a shard is written, the checkpoint tensors
+it needs are read together (only their bytes; an expert's ``gate_up_proj`` row whole,
+which gives two HF tensors); so the host holds one shard's tensors as the checkpoint
+stores them, their cast copies (``--dtype``; a sliced expert row is copied, a whole
+tensor in its own dtype is not), and one checkpoint item in flight.
+
+Tokenizer: the run's copy of a model's tokenizer files (:mod:`lrmoe.hf_tokenizer`), or
+a ``bpe:N`` run's ``tokenizer.json`` with a ``tokenizer_config.json`` naming its
+``<|endoftext|>``; a ``byte`` run has none. A file of that name already in OUT with
+other contents is refused, never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lrmoe.errors import LrmoeError
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_run` wrote and what it held at once."""
+
+    out: Path
+    step: int
+    checkpoint: Path
+    tensors: int = 0
+    files: list[str] = field(default_factory=list)
+    bytes_written: int = 0  # tensor bytes
+    most_read_at_once: int = 0  # tensor bytes read for one shard, the largest
+
+
+def _checkpoint(run_dir: Path, step: int | None):
+    from lrmoe.train import checkpoint as ckpt
+
+    if step is None:
+        ck = ckpt.latest_checkpoint(run_dir)
+        if ck is None:
+            raise LrmoeError(f"{run_dir} has no checkpoint to export")
+        return ck
+    d = ckpt.ckpt_dir(run_dir, step)
+    if not (d / ckpt.MANIFEST).is_file():
+        have = [s for s, p in ckpt.checkpoint_dirs(run_dir) if (p / ckpt.MANIFEST).is_file()]
+        raise LrmoeError(f"{run_dir} has no complete checkpoint of step {step}; it has "
+                         f"{', '.join(map(str, have)) or 'none'}")
+    return ckpt.Checkpoint(d, step, ckpt.read_manifest(d))
+
+
+def _tokenizer_files(run_dir: Path, saved: dict) -> dict[str, bytes]:
+    from lrmoe.hf_tokenizer import FILES, RUN_SUBDIR
+    from lrmoe.tokenizer import EOS_TOKEN, TOKENIZER_FILE
+
+    spec = saved.get("tokenizer", {}).get("spec", "byte")
+    if spec.startswith("hf:"):
+        d = run_dir / RUN_SUBDIR
+        return {n: (d / n).read_bytes() for n in FILES if (d / n).is_file()}
+    if spec.startswith("bpe:") and (run_dir / TOKENIZER_FILE).is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
+        return {TOKENIZER_FILE: (run_dir / TOKENIZER_FILE).read_bytes(),
+                "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    return {}
+
+
+def _source_keys(md: dict, name: str, experts: int | None) -> str:
+    """The checkpoint key prefix holding ``name``'s weight: its fp32 master if the
+    optimizer kept one apart, else the model's tensor."""
+    master = f"optim/{name}/master"
+    if (master if experts is None else f"{master}/e0") in md:
+        return master
+    return f"model/{name}"
+
+
+class _ShardReader:
+    """The checkpoint tensors of one output shard, read together (``load``), handed
+    out as HF tensors (``get``)."""
+
+    def __init__(self, ck, md: dict, sources: dict[str, str], by_key: dict, out_dtypes: dict):
+        self.ck, self.md, self.sources, self.by_key = ck, md, sources, by_key
+        self.out_dtypes = out_dtypes
+        self.cache: dict[str, torch.Tensor] = {}
+        self.most = 0
+
+    def _key(self, pc) -> tuple[str, tuple]:
+        src = self.sources[pc.target]
+        if pc.target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return f"{src}/e{pc.index[0]}", pc.index[1:]
+        return src, pc.index
+
+    def load(self, names: list[str]) -> None:
+        from lrmoe.train.checkpoint import read_tensors
+
+        self.cache = {}  # the previous shard's tensors go before this one's are read
+        keys = sorted({self._key(self.by_key[n])[0] for n in names})
+        self.most = max(self.most, sum(_item_bytes(self.md[k]) for k in keys))
+        self.cache = read_tensors(self.ck, keys, self.md)
+
+    def get(self, name: str) -> torch.Tensor:
+        pc = self.by_key[name]
+        key, index = self._key(pc)
+        t = self.cache[key]
+        out = t[index].to(self.out_dtypes[pc.target])
+        # a slice of a row is copied: safetensors versions differ on slices sharing storage
+        return out.clone() if index and out.data_ptr() == t[index].data_ptr() else out
+
+
+def _item_bytes(md) -> int:
+    """Tensor bytes of a checkpoint key (its storage metadata)."""
+    return math.prod(md.size) * md.properties.dtype.itemsize
+
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
+               max_shard_bytes: int | None = None, dtype: str | None = None) -> ExportReport:
+    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a HF model
+    directory ``out`` (see the module doc); raises :class:`LrmoeError`, writing nothing,
+    on bad input."""
+    from lrmoe.config import ModelConfig
+    from lrmoe.hf import (
+        DEFAULT_MAX_SHARD_BYTES,
+        _as_dtype,
+        _fp32_names,
+        _plan,
+        check_target,
+        write_checkpoint,
+    )
+    from lrmoe.model.transformer import MoEForCausalLM
+    from lrmoe.train import checkpoint as ckpt
+    from lrmoe.train.config import read_run_config
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not run_dir.is_dir():
+        raise LrmoeError(f"run directory {run_dir} does not exist")
+    saved = read_run_config(run_dir)
+    if saved is None:
+        raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
+    max_shard_bytes = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+    if max_shard_bytes < 1:
+        raise LrmoeError(f"--max-shard-size {max_shard_bytes} must be at least 1 byte")
+    out_dt = None if dtype is None else _as_dtype(dtype)
+    ck = _checkpoint(run_dir, step)
+    check_target(out)
+    extra = _tokenizer_files(run_dir, saved)
+    for name, data in extra.items():
+        if (out / name).is_file() and (out / name).read_bytes() != data:
+            raise LrmoeError(f"{out} holds a {name} that is not this run's; export replaces "
+                             "only its own files: give a new or empty directory")
+    ckpt.verify_files(ck)
+    md = ckpt.checkpoint_metadata(ck)
+    cfg = ModelConfig.from_hf_dict(saved["model"])
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    keep32 = _fp32_names(model) if out_dt is not None else set()
+    sources, out_dtypes = {}, {}
+    for name, shape in shapes.items():
+        experts = shape[0] if name.endswith((".experts.gate_up_proj",
+                                             ".experts.down_proj")) else None
+        src = sources[name] = _source_keys(md, name, experts)
+        keys = [src] if experts is None else [f"{src}/e{e}" for e in range(experts)]
+        want = shape if experts is None else shape[1:]
+        for k in keys:
+            if k not in md or not hasattr(md[k], "size") or tuple(md[k].size) != want:
+                got = tuple(md[k].size) if k in md and hasattr(md[k], "size") else "none"
+                raise LrmoeError(f"checkpoint {ck.path} does not match the run's model: "
+                                 f"{k} has shape {got}, the model {want}")
+        src_dt = md[keys[0]].properties.dtype
+        out_dtypes[name] = src_dt if out_dt is None or name in keep32 else out_dt
+    pieces = _plan(shapes, cfg, None)
+    by_key = {pc.key: pc for pc in pieces}
+    reader = _ShardReader(ck, md, sources, by_key, out_dtypes)
+    entries = [(pc.key, pc.shape, out_dtypes[pc.target], lambda k=pc.key: reader.get(k))
+               for pc in pieces]
+    cdtype = out_dtypes["embed_tokens.weight"]
+    write_checkpoint(out, cfg, entries, max_shard_bytes, cdtype, extra_files=extra,
+                     before_shard=reader.load)
+    reader.cache = {}
+    rep = ExportReport(out, ck.step, ck.path, tensors=len(entries),
+                       files=sorted(p.name for p in out.iterdir() if p.name.startswith("model")
+                                    or p.name == "config.json" or p.name in extra),
+                       most_read_at_once=reader.most)
+    rep.bytes_written = sum(torch.Size(s).numel() * d.itemsize for _, s, d, _ in entries)
+    return rep
+
+
+__all__ = ["ExportReport", "export_run"]

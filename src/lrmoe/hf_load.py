@@ -1,0 +1,186 @@
+"""A HF checkpoint read into one rank's part of the model: the dense weights and the
+rank's own experts, one tensor at a time.
+
+:func:`open_checkpoint` reads ``config.json`` and every safetensors header, and checks
+them against the model the config describes (every tensor present with its shape and a
+float dtype, none left unused; names as :mod:`lrmoe.hf` maps them, experts per expert
+or fused): no tensor data is read. :func:`empty_model` builds a rank's model with
+storage but no values (on the meta device first, experts sharded, then allocated), so
+no rank ever holds the whole model. :func:`load_owned` fills it: for each tensor the
+rank holds it opens the file, copies the tensor (of a fused expert tensor only the
+rank's rows) from the memory map into the parameter, and closes the file again, so the
+mapped pages leave the process after each tensor. A rank's host memory while loading
+is therefore its own parameters (on the CPU) plus one tensor's pages: under EP G, 1/G
+of the expert bytes, the dense bytes and one tensor (:class:`LoadReport` counts what
+was read). :func:`lrmoe.hf.load_hf` is the one-process use of the same two steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors
+import torch
+from torch import Tensor
+
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
+from lrmoe.hf import _DTYPES, _ITEMSIZE, _as_dir, _corrupt, _Piece, _plan, _read_config, _scan
+from lrmoe.model.layers import Rotary
+from lrmoe.model.transformer import MoEForCausalLM
+
+_MTP_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass
+class HfCheckpoint:
+    """A checked HF checkpoint directory: its config and, for every tensor the model
+    takes, which checkpoint tensor (and which part of it) fills it and in which file."""
+
+    path: Path
+    config: ModelConfig
+    pieces: list[_Piece]  # in the full (single-process) model's names and indices
+    where: dict[str, Path]  # checkpoint tensor -> its file
+    meta: dict[str, tuple[str, tuple[int, ...]]]  # checkpoint tensor -> (dtype, shape)
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_owned` read: tensors (or row ranges of fused expert tensors),
+    their bytes as stored, the largest single read, and the seconds it took."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+    largest_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def open_checkpoint(path: str | os.PathLike) -> HfCheckpoint:
+    """Read and check a HF checkpoint directory's config and headers (no tensor data).
+
+    Raises :class:`LrmoeError` naming the file or tensor: missing config or weights,
+    corrupt file, a shard missing from the index, a missing / unexpected / misshapen
+    tensor, a non-float dtype."""
+    p = _as_dir(path)
+    cfg, mtp = _read_config(p)
+    meta, where = _scan(p)
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in MoEForCausalLM(cfg).state_dict().items()}
+    pieces = _plan(shapes, cfg, set(meta))
+    used = {pc.key for pc in pieces}
+    missing = [pc.key for pc in pieces if pc.key not in meta]
+    if missing:
+        raise LrmoeError(f"checkpoint {p} is missing tensor {missing[0]}{_more(missing)}, "
+                         f"which the {cfg.model_type} config needs")
+
+    def ignorable(k: str) -> bool:
+        if cfg.tie_word_embeddings and k == "lm_head.weight":
+            return True  # tied: HF ties it to the embedding and ignores the stored copy
+        m = _MTP_RE.match(k)  # GLM multi-token-prediction layers, unused by HF's model too
+        return m is not None and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + mtp
+
+    unexpected = sorted(k for k in meta if k not in used and not ignorable(k))
+    if unexpected:
+        raise LrmoeError(f"checkpoint {p} has unexpected tensor {unexpected[0]}"
+                         f"{_more(unexpected)}, which the {cfg.model_type} config does not use")
+    for pc in pieces:
+        sdt, shape = meta[pc.key]
+        if shape != pc.shape:
+            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has shape {list(shape)}, "
+                             f"the config needs {list(pc.shape)}")
+        if sdt not in _DTYPES:
+            raise LrmoeError(f"tensor {pc.key} in {where[pc.key].name} has dtype {sdt}; only "
+                             f"{', '.join(_DTYPES)} checkpoints are supported")
+    return HfCheckpoint(p, cfg, pieces, where, meta)
+
+
+def empty_model(cfg: ModelConfig, ctx=None, device: torch.device | str = "cpu"
+                ) -> MoEForCausalLM:
+    """This rank's model, allocated on ``device`` but not initialised: built on the meta
+    device, its experts sharded for ``ctx`` (a :class:`~lrmoe.parallel.groups.ParallelContext`;
+    ``None``: one process, every expert), then given storage. Every persistent tensor
+    must then be filled from a checkpoint; the rotary frequencies (not saved) are set."""
+    from lrmoe.parallel.groups import shard_experts
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    if ctx is not None and ctx.ep_size > 1:
+        shard_experts(model, ctx)
+    model.to_empty(device=device)  # new Parameters off the meta device: ties are undone
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
+    return model
+
+
+def _owned(model: MoEForCausalLM, pc: _Piece) -> tuple[tuple, slice | None] | None:
+    """Where piece ``pc`` goes in this rank's tensor: ``(index, rows)``, ``rows`` the
+    range of a fused expert tensor this rank reads (None: the whole tensor); None when
+    the piece is another rank's expert."""
+    if not pc.target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return pc.index, None
+    ex = model.get_submodule(pc.target.rsplit(".", 1)[0])
+    first, count = ex.first, ex.count
+    if pc.index == ():  # fused: the rank's rows of [E, ...]
+        whole = count == ex.num_experts
+        return (), None if whole else slice(first, first + count)
+    e = pc.index[0]
+    if not first <= e < first + count:
+        return None
+    return (e - first, *pc.index[1:]), None
+
+
+def _read_into(dst: Tensor, file: Path, key: str, rows: slice | None) -> None:
+    """Copy checkpoint tensor ``key`` (its ``rows`` only, when given) into ``dst``. The
+    file is opened for this one tensor: closing it unmaps the pages just read."""
+    try:
+        f = safetensors.safe_open(str(file), framework="pt")
+    except Exception as e:  # changed since it was checked
+        raise _corrupt(file, str(e)) from None
+    with f:
+        try:
+            t = f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
+        except Exception as e:
+            raise _corrupt(file, f"reading tensor {key}: {e}") from None
+        dst.copy_(t)
+        del t  # the view holds the mapping open
+
+
+def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
+    """Fill every persistent tensor this rank holds from ``ck`` (see the module doc);
+    another rank's experts are never read. Raises if a tensor would be left unfilled."""
+    t0 = time.perf_counter()
+    report = LoadReport()
+    sd = model.state_dict()
+    filled = dict.fromkeys(sd, 0)
+    with torch.no_grad():
+        for pc in ck.pieces:
+            where = _owned(model, pc)
+            if where is None:
+                continue
+            index, rows = where
+            dst = sd[pc.target][index]
+            _read_into(dst, ck.where[pc.key], pc.key, rows)
+            nbytes = dst.numel() * _ITEMSIZE[ck.meta[pc.key][0]]
+            report.tensors += 1
+            report.bytes_read += nbytes
+            report.largest_bytes = max(report.largest_bytes, nbytes)
+            filled[pc.target] += dst.numel()
+    tied = "lm_head.weight" if ck.config.tie_word_embeddings else None
+    short = [n for n, k in filled.items() if k != sd[n].numel() and n != tied]
+    if short:  # a defect of the mapping, not of the checkpoint: never train on garbage
+        raise LrmoeError(f"loading {ck.path} left {short[0]} unfilled{_more(short)}")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["HfCheckpoint", "LoadReport", "empty_model", "load_owned", "open_checkpoint"]

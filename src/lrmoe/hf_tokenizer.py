@@ -1,0 +1,139 @@
+"""A pretrained model's own tokenizer: ``tokenizer.json`` read with HF ``tokenizers``.
+
+Given a directory (``--tokenizer DIR``; by default the ``--init-from`` directory), the
+tokenizer is its ``tokenizer.json``. Its vocabulary size, for the embedding check, is
+its largest id plus one (added tokens included): the model's embedding may have more
+rows (Qwen3's 151,936 rows hold a 151,669-token tokenizer), never fewer.
+
+The end-of-document id, appended after every document and every prompt/completion row,
+is the tokenizer's own end-of-sequence token: ``eos_token`` of ``tokenizer_config.json``
+(what ``AutoTokenizer``'s ``eos_token_id`` is, and what fine-tuning libraries append to
+a completion), or, when that file names none, the first ``eos_token_id`` of
+``generation_config.json``. Generation stops at it, so a fine-tuned model learns to
+end its completions there. A directory naming neither is refused.
+
+The files in :data:`FILES` that the directory holds are copied, unchanged, into the run
+directory's ``tokenizer/`` (``lrmoe eval`` and ``--resume`` read that copy, never the
+original) and from there into an ``lrmoe export``. ``spec`` is a digest of
+``tokenizer.json`` and the end-of-document id, so the data fingerprint a checkpoint
+keeps does not depend on where the files lie.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lrmoe.errors import LrmoeError
+from lrmoe.tokenizer import TOKENIZER_FILE, BpeTokenizer, _concat
+
+RUN_SUBDIR = "tokenizer"  # in a run directory
+# What a HF model directory holds for its tokenizer (generation_config.json names the
+# end-of-sequence ids generation stops at): copied into runs and exports when present.
+FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+         "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+         "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+class HfTokenizer(BpeTokenizer):
+    """A HF ``tokenizers.Tokenizer`` with the end-of-document id its config names;
+    ``files`` are the directory's tokenizer files (name -> bytes)."""
+
+    def __init__(self, hf_tokenizer, eos_id: int, files: dict[str, bytes], source: str):
+        digest = hashlib.sha256(files[TOKENIZER_FILE] + f"\0eos={eos_id}".encode())
+        super().__init__(hf_tokenizer, f"hf:{digest.hexdigest()[:16]}")
+        self.eos_id = eos_id
+        self.files = files
+        self._source = source
+        self._size = max(hf_tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def encode_documents(self, texts):
+        # whole documents: the newline cuts of the byte-level BPE need not be exact for
+        # another pre-tokenizer
+        eos = np.array([self.eos_id], dtype=np.int64)
+        return _concat([x for ids in self.encode_each(texts) for x in (ids, eos)])
+
+    def save(self, directory: str | Path) -> Path:
+        """Copy the tokenizer files into ``directory/tokenizer/`` (atomically each)."""
+        from lrmoe.train.checkpoint import atomic_write_bytes
+
+        out = Path(directory) / RUN_SUBDIR
+        for name, data in self.files.items():
+            if not (out / name).is_file() or (out / name).read_bytes() != data:
+                atomic_write_bytes(out / name, data)
+        return out / TOKENIZER_FILE
+
+
+def _json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LrmoeError(f"cannot read {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise LrmoeError(f"{path} must hold a JSON object")
+    return d
+
+
+def _eos_id(d: Path, tok) -> int:
+    """The end-of-document id (see the module doc)."""
+    tc = d / "tokenizer_config.json"
+    if tc.is_file():
+        eos = _json(tc).get("eos_token")
+        if isinstance(eos, dict):  # an AddedToken: {"content": "<|im_end|>", ...}
+            eos = eos.get("content")
+        if eos is not None:
+            i = tok.token_to_id(eos) if isinstance(eos, str) else None
+            if i is None:
+                raise LrmoeError(f"{tc} names eos_token {eos!r}, which {d / TOKENIZER_FILE} "
+                                 "does not hold")
+            return i
+    gc = d / "generation_config.json"
+    if gc.is_file():
+        ids = _json(gc).get("eos_token_id")
+        first = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(first, int) and not isinstance(first, bool):
+            if tok.id_to_token(first) is None:
+                raise LrmoeError(f"{gc} names eos_token_id {first}, which "
+                                 f"{d / TOKENIZER_FILE} does not hold")
+            return first
+    raise LrmoeError(f"tokenizer {d} names no end-of-document token: neither "
+                     "tokenizer_config.json's eos_token nor generation_config.json's "
+                     "eos_token_id is set; add eos_token to tokenizer_config.json")
+
+
+def load_hf_tokenizer(spec: str, run_dir: str | Path | None = None) -> HfTokenizer:
+    """The tokenizer of directory ``spec``; with ``run_dir`` the run's copy of it
+    (``run_dir/tokenizer/``) when there is one."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    d = Path(spec)
+    if run_dir is not None and (Path(run_dir) / RUN_SUBDIR / TOKENIZER_FILE).is_file():
+        d = Path(run_dir) / RUN_SUBDIR
+    elif not d.is_dir():
+        what = "is a file" if d.exists() else "does not exist"
+        raise LrmoeError(f"tokenizer {d} {what}; give the directory holding the model's "
+                         f"{TOKENIZER_FILE} (or byte, bpe:N)")
+    path = d / TOKENIZER_FILE
+    if not path.is_file():
+        raise LrmoeError(f"tokenizer directory {d} has no {TOKENIZER_FILE} (a HF fast "
+                         "tokenizer's file); give the model's directory, or byte, bpe:N")
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as e:  # HF raises a bare Exception on bad JSON
+        raise LrmoeError(f"tokenizer {path} cannot be read ({e})") from None
+    files = {n: (d / n).read_bytes() for n in FILES if (d / n).is_file()}
+    return HfTokenizer(tok, _eos_id(d, tok), files, str(d))
+
+
+__all__ = ["FILES", "HfTokenizer", "RUN_SUBDIR", "load_hf_tokenizer"]

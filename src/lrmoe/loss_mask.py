@@ -1,0 +1,97 @@
+"""Prompt/completion rows: the mask of the targets trained on, and exact loss averaging.
+
+A prompt/completion row (a ``.jsonl`` line with ``prompt`` and ``completion`` fields,
+:mod:`lrmoe.data`) is packed like a document: its prompt's ids, then its completion's
+ids (each tokenized on its own, so the boundary is exact), then ``eos_id``; rows
+follow one another in the stream and windows are cut from it as from text, so a window
+may start inside a row (attention is not reset at row boundaries, as it is not at
+document boundaries). A per-token mask marks the targets trained on: the completion's
+ids and the closing ``eos_id`` (the model learns to end the completion), never a
+prompt id. A ``text`` line in the same file is a row with an empty prompt: all of it
+is trained on. The loss is exact: a masked target contributes nothing, and a step's
+loss is the sum over its trained targets (every rank, every micro-batch) divided by
+their number (:class:`MaskedBatch`); a step with none has loss 0 and only the router's
+aux loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lrmoe.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lrmoe.data import Corpus
+
+
+@dataclass
+class Streams:
+    """Both splits' token streams (int64 ``[N]``) and, for prompt/completion rows, the
+    mask of the targets trained on (bool ``[N]``: position ``i`` is trained when
+    ``ids[i]`` is a completion id or a row's closing ``eos_id``); None: every target."""
+
+    train_ids: torch.Tensor
+    val_ids: torch.Tensor
+    train_mask: torch.Tensor | None = None
+    val_mask: torch.Tensor | None = None
+
+
+def _rows(tokenizer: Tokenizer, prompts: list[str], texts: list[str]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``prompt + completion + eos`` packed end to end, and their trained mask."""
+    ps, cs = tokenizer.encode_each(prompts), tokenizer.encode_each(texts)
+    eos = np.array([tokenizer.eos_id], dtype=np.int64)
+    ids, mask = [], []
+    for p, c in zip(ps, cs):
+        ids += [p, c, eos]
+        mask += [np.zeros(len(p), dtype=bool), np.ones(len(c) + 1, dtype=bool)]
+    if not ids:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool)
+    return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(mask))
+
+
+def build_streams(corpus: Corpus, tokenizer: Tokenizer) -> Streams:
+    """Tokenize both splits (see the module doc for prompt/completion rows)."""
+    if corpus.train_prompts is None or corpus.val_prompts is None:
+        return Streams(tokenizer.encode_documents(corpus.train_texts),
+                       tokenizer.encode_documents(corpus.val_texts))
+    train_ids, train_mask = _rows(tokenizer, corpus.train_prompts, corpus.train_texts)
+    val_ids, val_mask = _rows(tokenizer, corpus.val_prompts, corpus.val_texts)
+    return Streams(train_ids, val_ids, train_mask, val_mask)
+
+
+IGNORE = -100  # a target not trained on (``cross_entropy``'s ignore_index, HF's label)
+
+
+@dataclass
+class MaskedBatch:
+    """Packed windows with their loss mask: ``ids [b, L + 1]`` (inputs ``ids[:, :-1]``),
+    ``targets [b, L]`` (``ids[:, 1:]`` with :data:`IGNORE` where not trained) and
+    ``num_targets``, the loss's denominator for this micro-batch: the trained targets of
+    the whole optimizer step (every rank, every micro-batch) divided by ``world x
+    accumulation``. The trainer averages the per-rank, per-micro-batch losses, so the
+    step's loss is the sum over its trained targets divided by their number."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    num_targets: float
+
+    def to(self, device) -> MaskedBatch:
+        return MaskedBatch(self.ids.to(device), self.targets.to(device), self.num_targets)
+
+
+def loss_args(batch: torch.Tensor | MaskedBatch
+              ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """``model.loss``'s arguments for a micro-batch: inputs, targets and the loss's
+    denominator (None for a plain window batch: the mean over its targets)."""
+    if isinstance(batch, MaskedBatch):
+        return batch.ids[:, :-1], batch.targets, batch.num_targets
+    return batch[:, :-1], batch[:, 1:], None
+
+
+def masked_targets(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return rows[:, 1:].masked_fill(~keep, IGNORE)

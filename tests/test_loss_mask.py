@@ -1,0 +1,159 @@
+"""Prompt/completion rows: the mask of the trained targets and the exact loss.
+
+Masked targets contribute nothing; a step's loss is the sum over its trained targets,
+every micro-batch and every rank, divided by their number, so accumulation and data
+parallelism give the gradient of one big batch even when the counts differ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lrmoe.config import ModelConfig
+from lrmoe.data import PackedBatches, build_streams, load_corpus, validation_batches
+from lrmoe.errors import LrmoeError
+from lrmoe.loss_mask import IGNORE, MaskedBatch, loss_args
+from lrmoe.model import MoEForCausalLM
+from lrmoe.tokenizer import load_tokenizer
+from lrmoe.train.accum import accumulate
+
+ROWS = [{"prompt": "Q: 2+2?\nA:", "completion": " 4"},
+        {"text": "plain text, all of it trained"},
+        {"prompt": "Q: capital of France?\nA:", "completion": " Paris"},
+        {"prompt": "say hi", "completion": " hi there"}]
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mask_marks_completions_and_their_end(tmp_path):
+    corpus = load_corpus(_jsonl(tmp_path / "d.jsonl", ROWS * 30))
+    assert corpus.train_prompts is not None and len(corpus.train_prompts) == len(
+        corpus.train_texts)
+    tok = load_tokenizer("byte")
+    s = build_streams(corpus, tok)
+    # rebuild the stream row by row: prompt bytes untrained, completion bytes and the
+    # closing end-of-document id trained; a text line trained in full
+    ids, mask = [], []
+    for p, c in zip(corpus.train_prompts, corpus.train_texts):
+        ids += list(p.encode()) + list(c.encode()) + [tok.eos_id]
+        mask += [False] * len(p.encode()) + [True] * (len(c.encode()) + 1)
+    assert s.train_ids.tolist() == ids and s.train_mask.tolist() == mask
+    assert "" in corpus.train_prompts  # the text line: a row without prompt
+    assert not s.train_mask.all() and s.train_mask.any()
+
+
+def test_plain_text_has_no_mask(tmp_path):
+    corpus = load_corpus(_jsonl(tmp_path / "d.jsonl", [{"text": "abc def"}] * 40))
+    assert corpus.train_prompts is None
+    assert build_streams(corpus, load_tokenizer("byte")).train_mask is None
+
+
+@pytest.mark.parametrize("line,msg", [
+    ({"prompt": "a"}, "'prompt' without 'completion'"),
+    ({"completion": "a"}, "'completion' without 'prompt'"),
+    ({"text": "a", "prompt": "b", "completion": "c"}, "both 'text' and 'prompt'"),
+    ({"prompt": 3, "completion": "c"}, "field 'prompt' must be a string"),
+])
+def test_bad_rows(tmp_path, line, msg):
+    with pytest.raises(LrmoeError, match=msg):
+        load_corpus(_jsonl(tmp_path / "d.jsonl", [ROWS[0], line]))
+
+
+def _model(seed=0) -> MoEForCausalLM:
+    torch.manual_seed(seed)
+    return MoEForCausalLM(ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=2,
+                                      router_aux_loss_coef=0.0))
+
+
+def _batches(tmp_path, batch_size=4, seq_len=16, accum=1):
+    corpus = load_corpus(_jsonl(tmp_path / "d.jsonl", ROWS * 40))
+    s = build_streams(corpus, load_tokenizer("byte"))
+    return PackedBatches(s.train_ids, seq_len, batch_size, 0, target_mask=s.train_mask,
+                         accum=accum)
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_masked_targets_contribute_nothing(tmp_path):
+    """The loss is the mean over the trained targets: a masked position's logits get no
+    gradient, every trained one does, and the value is the masked mean."""
+    b = _batches(tmp_path).batch(0)
+    assert isinstance(b, MaskedBatch)
+    x, y, n = loss_args(b)
+    masked = y == IGNORE
+    assert masked.any() and (~masked).any()
+    assert n == float((~masked).sum())  # one rank, one micro-batch: its own count
+    m = _model()
+    logits = m(x)
+    logits.retain_grad()
+    lm, _ = m._objective(logits, y, n)
+    lm.backward()
+    g = logits.grad.abs().sum(-1)
+    assert (g[masked] == 0).all() and (g[~masked] > 0).all()
+    want = torch.nn.functional.cross_entropy(logits[~masked], y[~masked])
+    torch.testing.assert_close(lm, want, rtol=1e-6, atol=0)
+
+
+def test_accumulation_and_ranks_give_the_big_batch_gradient(tmp_path):
+    """Two micro-batches on each of two ranks (unequal trained counts), averaged as the
+    trainer averages them (divide by accum, then by world), equal one backward of the
+    masked mean over all 16 sequences."""
+    world, accum = 2, 2
+    pb = _batches(tmp_path, batch_size=4, accum=accum)
+    m = _model()
+    counts, per_rank = [], []
+    for r in range(world):
+        m.zero_grad()
+        parts = [pb.batch(0 * accum + k, r, world) for k in range(accum)]
+        counts += [int((p.targets != IGNORE).sum()) for p in parts]
+        sums = accumulate(m, lambda k, parts=parts: parts[k], accum)
+        per_rank.append((_grads(m), float(sums[0])))
+    assert len(set(counts)) > 1  # the micro-batches really hold different counts
+    grads = [sum(g[i] for g, _ in per_rank) / world for i in range(len(per_rank[0][0]))]
+    loss = sum(s for _, s in per_rank) / (world * accum)
+    every = [pb.batch(k, 0, 1) for k in range(accum)]
+    x = torch.cat([b.ids[:, :-1] for b in every])
+    y = torch.cat([b.targets for b in every])
+    m.zero_grad()
+    ref, _ = m.loss(x, y)  # plain masked mean over the whole step
+    ref.backward()
+    torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-6, atol=0)
+    for a, c in zip(grads, _grads(m)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_a_step_without_trained_targets_is_zero_not_nan():
+    ids = torch.randint(0, 256, (2, 9))
+    b = MaskedBatch(ids, torch.full((2, 8), IGNORE), 1.0)
+    m = _model()
+    lm, obj = m.loss(*loss_args(b))
+    obj.backward()
+    assert float(lm.detach()) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_validation_counts_only_trained_targets(tmp_path):
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.train.loop import evaluate
+
+    corpus = load_corpus(_jsonl(tmp_path / "d.jsonl", ROWS * 40))
+    s = build_streams(corpus, load_tokenizer("byte"))
+    vb = validation_batches(s.train_ids, 16, 4, num_windows=8, target_mask=s.train_mask)
+    m = _model()
+    loss, n = evaluate(m, vb, ParallelContext(), lambda: torch.autocast("cpu", enabled=False))
+    assert n == sum(int((b.targets != IGNORE).sum()) for b in vb) < 8 * 16
+    x = torch.cat([b.ids[:, :-1] for b in vb])
+    y = torch.cat([b.targets for b in vb])
+    with torch.no_grad():
+        want = float(m.loss(x, y)[0])
+    assert loss == pytest.approx(want, rel=1e-6)

@@ -30,19 +30,23 @@ from torch import Tensor, nn
 
 
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
-               autocast=None) -> Tensor:
+               autocast=None, before_last_backward: Callable[[], None] | None = None) -> Tensor:
     """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
 
     ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
     targets ``[:, 1:]``). Returns ``[lm, objective]`` summed over the micro-batches
     (detached, fp32, on the model's device): divide by ``n`` for the step's mean.
     Gradients add to what ``.grad`` holds (zero it before the step).
+    ``before_last_backward`` runs just before the last backward, the one that leaves
+    each gradient final (the host offload arms its early sends there).
     """
     sums = None
     for m in range(n):
         batch = micro_batch(m)
         with (autocast() if autocast is not None else contextlib.nullcontext()):
             lm, obj = model.loss(batch[:, :-1], batch[:, 1:])
+        if m == n - 1 and before_last_backward is not None:
+            before_last_backward()
         (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()
         sums = pair if sums is None else sums + pair

@@ -574,6 +574,7 @@ class _Run:
         the loss and gradient norm, the update. Returns the metrics row's inputs and the
         signal a rank received (``None``: none)."""
         from lrmoe.parallel.groups import clip_grad_norm, sync_grads
+        from lrmoe.train.offload import last_backward_hook, presynced
 
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
         s.rt.step = watch.step = step
@@ -590,7 +591,7 @@ class _Run:
             sums = accumulate(
                 s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
                                                           ctx.world).to(ctx.device),
-                accum, self.autocast)
+                accum, self.autocast, last_backward_hook(s.opt, ctx))
         except OutOfMemory as e:  # no plan fits with every fallback: as a GPU would
             raise LrmoeError(f"{e.verdict(step + 1)}: {e.detail}; stopped "
                              f"({_intact(watch)})") from None
@@ -609,7 +610,7 @@ class _Run:
                              f"before updating the weights ({intact}). Lower --lr or raise "
                              "--warmup; --divergence-factor 0 disables this check")
         watch.phase = "gradient sync"
-        sync_grads(s.model, ctx)
+        sync_grads(s.model, ctx, presynced(s.opt))
         gnorm = clip_grad_norm(s.model, cfg.clip, ctx, getattr(s.opt, "scale_grads", None))
         watch.phase = "optimizer step and router counts"
         if not math.isfinite(gnorm):

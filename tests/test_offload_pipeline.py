@@ -253,3 +253,58 @@ def test_two_ranks_train_as_the_serial_update(tmp_path, ep):
     from dist_util import run_world
 
     run_world(2, _ranks_train, str(tmp_path), ep, 2, tmp_path=tmp_path)
+
+
+# ----------------------------------------------------------------------------- the emulator
+def test_emulator_charges_the_measured_overlap(monkeypatch):
+    """No overlap recorded: the offload stages are charged back to back, in full, and the
+    description says the overlap is not measured; a recorded one scales every stage by
+    its exposed fraction and names its source. Bytes: the compute dtype each way."""
+    import lrmoe.sim.offload as so
+
+    E, G, P = 8, 4, 1000
+    serial = so.OffloadModel(E, G, P, 2, "owner")
+    assert serial.overlap is None and "not measured yet" in serial.describe()
+    b = serial.rank_bytes(None)
+    assert b["opt_d2h"] == b["opt_h2d"] == [E // G * P * 2] * G  # bf16 down and up
+    full = serial.rank_seconds(None, None)
+    link = serial.host_link
+    assert full["opt_d2h"][0] == pytest.approx(E // G * P * 2 / link.effective_Bps
+                                               + link.latency_s)
+    monkeypatch.setattr(so, "MEASURED_OVERLAP", so.MeasuredOverlap(0.4, "offload_step.py, test"))
+    m = so.OffloadModel(E, G, P, 2, "owner")
+    part = m.rank_seconds(None, None)
+    for k in so.OFFLOAD_STAGES:
+        assert part[k][0] == pytest.approx(0.4 * full[k][0]), k
+    assert "0.400" in m.describe() and "offload_step.py, test" in m.describe()
+    assert "0.400" in so.assumptions()
+    assert so.OffloadModel(E, G, P, 2, "owner", overlap=None).rank_seconds(None, None) == full
+    from lrmoe.errors import LrmoeError
+    with pytest.raises(LrmoeError, match="exposed fraction"):
+        so.MeasuredOverlap(0.0, "x")
+
+
+@pytest.mark.slow
+def test_offload_step_benchmark_logic(tmp_path):
+    """benchmarks/offload_step.py on the CPU at tiny shapes (its times are not results):
+    the three modes run the trainer, the pipeline and serial modes train alike, and the
+    tables are written; bad input is one line, exit 2, nothing written."""
+    import json
+
+    from dist_util import load_benchmark
+
+    mod = load_benchmark("offload_step", "benchmarks")
+    out = tmp_path / "os"
+    assert mod.main(["--out", str(out), "--device", "cpu", "--workloads", "tiny", "--steps", "3",
+                     "--warmup", "1", "--batch-size", "2", "--seq-len", "32",
+                     "--max-data-bytes", "100000", "--threads", "1"]) == 0
+    res = json.loads((out / "offload_step.json").read_text())["results"]
+    modes = {r["mode"]: r for r in res if "mode" in r}
+    assert set(modes) == {"pipeline", "serial", "none"}
+    assert modes["pipeline"]["median_busy_ms"] > 0 and "median_host_ms" in modes["serial"]
+    summary = [r for r in res if "exposed_fraction" in r]
+    assert summary and summary[0]["same_losses_pipeline_serial"]
+    assert modes["none"]["losses"] != modes["pipeline"]["losses"]  # its experts stood still
+    assert "exposed fraction" in (out / "offload_step.md").read_text()
+    assert mod.main(["--out", str(tmp_path / "x"), "--workloads", "nope", "--device", "cpu"]) == 2
+    assert not (tmp_path / "x").exists()

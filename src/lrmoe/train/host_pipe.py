@@ -51,6 +51,7 @@ copies, the update still on the worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -87,11 +88,24 @@ class HostJob:
 
 @dataclass
 class PipeTimes:
-    """Wall seconds of the last step's pipeline (host clock)."""
+    """The last step's pipeline. Host clock: ``worker_s`` (the worker's run, first
+    parameter to last), of which ``grad_wait_s`` waiting for gradients to land and
+    ``ring_wait_s`` for a staging slot to empty; ``exposed_s`` (the step waiting for the
+    worker: what its caller sees). With :attr:`HostPipeline.timing`, the device's copy
+    times, summed over the step's copies (CUDA events; :meth:`HostPipeline.copy_ms`):
+    ``d2h_ms`` and ``h2d_ms``."""
 
-    worker_s: float = 0.0  # the worker's run, first parameter to last
-    grad_wait_s: float = 0.0  # of which waiting for gradients to land on the host
-    exposed_s: float = 0.0  # the step waiting for the worker: what its caller sees
+    worker_s: float = 0.0
+    grad_wait_s: float = 0.0
+    ring_wait_s: float = 0.0
+    exposed_s: float = 0.0
+    d2h_ms: float | None = None
+    h2d_ms: float | None = None
+
+    @property
+    def busy_s(self) -> float:
+        """The worker's own work: widening, clipping, AdamW, rounding, issuing copies."""
+        return self.worker_s - self.grad_wait_s - self.ring_wait_s
 
 
 class HostPipeline:
@@ -120,6 +134,8 @@ class HostPipeline:
         self._pool: ThreadPoolExecutor | None = None
         self._running: Future | None = None
         self.times = PipeTimes()
+        self.timing = False  # time each copy with CUDA events (benchmarks)
+        self._copies: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._span = max(1, min(chunk, max(p.numel() for p in params)))  # a chunk's elements
         me = weakref.WeakMethod(self._on_final)  # the hooks must not keep the pipeline alive
 
@@ -159,15 +175,18 @@ class HostPipeline:
             self._landed[id(p)] = None
             return
         self._d2h.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._d2h):
+        with self._timed("d2h", self._d2h) as ev:
             buf.copy_(g, non_blocking=True)
         g.record_stream(self._d2h)  # its memory is not reused before the copy has read it
-        ev = torch.cuda.Event()
-        ev.record(self._d2h)
         self._landed[id(p)] = ev
 
     def reset(self) -> None:
-        """Forget this step's sends and disarm (the gradients are being dropped)."""
+        """Forget the last step: its sends, copy timings, and disarm (the gradients are
+        being dropped)."""
+        self._disarm()
+        self._copies.clear()
+
+    def _disarm(self) -> None:
         self._finish = None
         self._landed.clear()
         self._early.clear()
@@ -203,10 +222,11 @@ class HostPipeline:
             self.times.exposed_s = time.perf_counter() - t0
             if self._cuda:
                 torch.cuda.current_stream(self._device).wait_stream(self._h2d)
-            self.reset()
+            self._disarm()
 
     def _work(self, jobs: list[HostJob]) -> None:
         t0, waited = time.perf_counter(), 0.0
+        self.times.ring_wait_s = 0.0
         for j in jobs:
             ev = self._landed[id(j.param)]
             if ev is not None:
@@ -251,13 +271,38 @@ class HostPipeline:
                           for _ in range(RING)]
             self._ring_ev = [None] * RING
         if self._ring_ev[k] is not None:
+            t = time.perf_counter()
             self._ring_ev[k].synchronize()  # the slot's last copy has left it
+            self.times.ring_wait_s += time.perf_counter() - t
         out = self._ring[k][:b - a].copy_(master[a:b])
-        with torch.cuda.stream(self._h2d):
+        with self._timed("h2d", self._h2d) as ev:
             weight[a:b].copy_(out, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(self._h2d)
         self._ring_ev[k] = ev
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str, stream: torch.cuda.Stream):
+        """Run the body's copy on ``stream``; yields the event recorded after it (timed,
+        and the pair kept for :meth:`copy_ms`, with :attr:`timing`)."""
+        end = torch.cuda.Event(enable_timing=self.timing)
+        start = None
+        if self.timing:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        with torch.cuda.stream(stream):
+            yield end
+        end.record(stream)
+        if start is not None:
+            self._copies.append((kind, start, end))
+
+    def copy_ms(self) -> dict[str, float]:
+        """Device milliseconds of the last step's copies by direction (with
+        :attr:`timing`; waits for them to finish), also put in :attr:`times`."""
+        ms = {"d2h": 0.0, "h2d": 0.0}
+        for kind, a, b in self._copies:
+            b.synchronize()
+            ms[kind] += a.elapsed_time(b)
+        self.times.d2h_ms, self.times.h2d_ms = ms["d2h"], ms["h2d"]
+        return ms
 
     def staging_bytes(self) -> int:
         """Host bytes of the pipeline's own buffers (scratch and ring), as allocated."""

@@ -8,9 +8,9 @@ under ``torch.profiler`` and splits each step's non-MoE wall into categories.
 :func:`analyse` (pure, over the Chrome trace): a step is its ``ttl:step`` range; the MoE
 wall is the ``ttl:moe_forward`` ranges less their ``stage:route`` parts (router and
 shared experts, non-MoE for ``bench ttl``) plus each ``VirtualExchangeBackward`` node;
-the host optimizer step is the ``offload:host_step`` range put around it here. Every
-device kernel (on the CPU: every leaf operator) is placed by the operator that launched
-it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
+the host optimizer step is its ``offload:host_step`` range (``HostOffloadAdamW`` marks
+it). Every device kernel (on the CPU: every leaf operator) is placed by the operator
+that launched it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
 and for a backward operator those of the forward operator with the same autograd
 sequence number. Device busy time goes to the categories of the kernels running then
 (the first where they overlap), idle time to "host gap" of the host's phase; the
@@ -43,12 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gpu_common import check_device, cli, csv, md_head, out_dir, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.train.offload import HOST_STEP_RANGE  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNC_CALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
 SDPA = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention|fmha", re.I)
 CAST = re.compile(r"^aten::(_to_copy|to|copy_)$")
-HOST_STEP = "offload:host_step"
+HOST_STEP = HOST_STEP_RANGE  # the host part of HostOffloadAdamW.step
 HOST_CAT = "optimizer: experts' host step (excluded: host_s)"
 
 
@@ -331,11 +332,9 @@ def markdown_table(cats: dict[str, float], G: int, dense_share: float = 0.0,
 # ----------------------------------------------------------------------- running
 @contextlib.contextmanager
 def instrumented():
-    """Module ranges (``mod:<class>``) for every module call, and the offloaded
-    optimizer's host part as ``offload:host_step``; removed after."""
+    """Module ranges (``mod:<class>``) for every module call; removed after. (The
+    offloaded optimizer marks its host part as ``offload:host_step`` itself.)"""
     from torch.nn.modules import module as mm
-
-    from lrmoe.train.offload import HostOffloadAdamW
 
     stack: list = []
 
@@ -349,18 +348,11 @@ def instrumented():
             stack.pop().__exit__(None, None, None)
     h1 = mm.register_module_forward_pre_hook(pre)
     h2 = mm.register_module_forward_hook(post)
-    orig = HostOffloadAdamW._host_step
-
-    def host_step(self):
-        with torch.profiler.record_function(HOST_STEP):
-            return orig(self)
-    HostOffloadAdamW._host_step = host_step
     try:
         yield
     finally:
         h1.remove()
         h2.remove()
-        HostOffloadAdamW._host_step = orig
 
 
 def run(cfg, profile: bool, log) -> tuple[dict, dict | None]:

@@ -77,6 +77,7 @@ from lrmoe.errors import require
 from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
 
 OFFLOAD_CHOICES = ("device", "host")
+HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
@@ -242,7 +243,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
             if own:
                 self._sync()  # the device step's work is not the host part's
             t0 = time.perf_counter()
-            with torch.profiler.record_function("offload:host_step"):
+            with torch.profiler.record_function(HOST_STEP_RANGE):
                 if own:
                     self._own_step(own)
                 waited = True

@@ -145,10 +145,16 @@ class HostPipeline:
                 f(p)
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
 
+    def __del__(self) -> None:
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+
     # ------------------------------------------------------------------ stage 1
     def arm(self, finish: Callable[[Tensor], None]) -> None:
         """The next backward leaves these gradients final: as each arrives, apply
-        ``finish`` to it and send it to the host."""
+        ``finish`` to it and send it to the host. What sent is what the update reads:
+        from then on a gradient may change only through the clip coefficient the step
+        is given (``HostOffloadAdamW.scale_grads``), never in place."""
         self._finish = finish
 
     @property

@@ -88,9 +88,10 @@ class HostOffloadAdamW(torch.optim.AdamW):
         host_params: the parameters to offload (a subset of ``params``).
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group as usual).
         host: where the offloaded state lives: ``"cpu"`` (the real offload), or the
-            parameters' own device (the same code path without the host transfers; the
-            emulator uses it so that one process holding every virtual rank's experts
-            does not spend its device time in a CPU update whose cost it models).
+            parameters' own device with fp32 parameters (each its own master, updated in
+            place, no transfers; the emulator uses it so that one process holding every
+            virtual rank's experts does not spend its device time in a CPU update whose
+            cost it models).
         compute_dtype: the dtype the device keeps the offloaded weights in.
         chunk: elements of a host-update chunk (:mod:`lrmoe.train.host_pipe`).
 
@@ -133,6 +134,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 if id(p) in self._host and p.dtype != compute_dtype:
                     p.data = p.data.to(compute_dtype)
         piped = [p for p in mine if id(p) in self._host and id(p) not in self._own_master]
+        require(not piped or self._host_dev.type == "cpu",
+                f"optimizer offload to {self._host_dev}: a host other than the CPU takes "
+                "parameters of its own device in fp32 (each its own master)")
         self._piped = {id(p) for p in piped}
         self._pipe = (HostPipeline(piped, self._host_empty, self._grad_buf, chunk)
                       if piped else None)

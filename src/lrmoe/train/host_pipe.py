@@ -311,7 +311,8 @@ class HostPipeline:
         return ms
 
     def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's own buffers (scratch and ring), as allocated."""
+        """Host bytes of the pipeline's own tensors (scratch and ring; the ring's pinned
+        allocations are rounded up beyond these, as the step ledger prices them)."""
         return sum(t.numel() * t.element_size()
                    for t in ([self._scratch] if self._scratch is not None else []) + self._ring)
 

@@ -97,13 +97,12 @@ def rows_for(cfg, sizes: list[tuple[int, int]], modes: list[str], gpu: int, host
 
 def link_bytes(led: StepLedger, mode: str, accum: int) -> int:
     """Host-link bytes a step moves (both directions): the offloaded gradients down and
-    the bf16 weights up once a step, as the trainer does (its copy into the fp32 host
-    buffer widens each gradient on the GPU first: 4 bytes a parameter; 2 with a bf16
-    buffer); streamed expert gradients go down every micro-batch, streamed expert
-    weights come up for every pass of every micro-batch (three with full checkpointing:
-    forward, re-run, backward)."""
+    the bf16 weights up once a step, as the trainer does (each gradient in its own
+    dtype, bf16: :attr:`StepLedger.grad_link_bytes`); streamed expert gradients go down
+    every micro-batch, streamed expert weights come up for every pass of every
+    micro-batch (three with full checkpointing: forward, re-run, backward)."""
     off, ex = led.offloaded_params, led.params["experts"]
-    down = 4 if led.host_grad_bytes == 4 else 2
+    down = led.grad_link_bytes
     grads = down * (off + (accum - 1) * ex if led.expert_grad_resident_layers else off)
     passes = 3 if mode == "full" else 2
     weights = 2 * (off + (accum * passes - 1) * ex if led.expert_resident_layers else off)

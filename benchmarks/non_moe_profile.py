@@ -8,13 +8,15 @@ under ``torch.profiler`` and splits each step's non-MoE wall into categories.
 :func:`analyse` (pure, over the Chrome trace): a step is its ``ttl:step`` range; the MoE
 wall is the ``ttl:moe_forward`` ranges less their ``stage:route`` parts (router and
 shared experts, non-MoE for ``bench ttl``) plus each ``VirtualExchangeBackward`` node;
-the host optimizer step is the ``offload:host_step`` range put around it here. Every
-device kernel (on the CPU: every leaf operator) is placed by the operator that launched
-it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
+the host optimizer step is its ``offload:host_step`` range (``HostOffloadAdamW`` marks
+it). Every device kernel (on the CPU: every leaf operator) is placed by the operator
+that launched it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
 and for a backward operator those of the forward operator with the same autograd
 sequence number. Device busy time goes to the categories of the kernels running then
 (the first where they overlap), idle time to "host gap" of the host's phase; the
 categories add up to the trace's non-MoE time, shown beside the run's recorded one.
+Beside them, the part's FLOP floor (:func:`flop_floor`: its matmuls at the bf16 matmul
+rate measured in the run) and the trace's non-MoE time as a multiple of it.
 
     python3 benchmarks/non_moe_profile.py --out DIR               # GPU, ~2-3 min
     python3 benchmarks/non_moe_profile.py --out DIR --device cpu --preset tiny-qwen3 \\
@@ -40,15 +42,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import check_device, cli, csv, md_head, out_dir, run_meta, write_outputs  # noqa: E402
+from gpu_common import (  # noqa: E402
+    check_device,
+    cli,
+    csv,
+    dense_tflops,
+    md_head,
+    out_dir,
+    run_meta,
+    write_outputs,
+)
 
 from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.train.offload import HOST_STEP_RANGE  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNC_CALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
 SDPA = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention|fmha", re.I)
 CAST = re.compile(r"^aten::(_to_copy|to|copy_)$")
-HOST_STEP = "offload:host_step"
+HOST_STEP = HOST_STEP_RANGE  # the host part of HostOffloadAdamW.step
 HOST_CAT = "optimizer: experts' host step (excluded: host_s)"
 
 
@@ -211,7 +223,7 @@ def category(rs: list[str], direction: str, names: str, kernel: str) -> str:
                     else "attention projections" + d)
         if SDPA.search(kernel) or SDPA.search(names):
             return "attention SDPA" + d
-        return "attention other (rotary, layout copies)" + d
+        return "attention other (q/k norms, rotary, layout copies)" + d
     if inner == "RMSNorm":
         return "norms" + d
     if "MLP" in mods:
@@ -331,11 +343,9 @@ def markdown_table(cats: dict[str, float], G: int, dense_share: float = 0.0,
 # ----------------------------------------------------------------------- running
 @contextlib.contextmanager
 def instrumented():
-    """Module ranges (``mod:<class>``) for every module call, and the offloaded
-    optimizer's host part as ``offload:host_step``; removed after."""
+    """Module ranges (``mod:<class>``) for every module call; removed after. (The
+    offloaded optimizer marks its host part as ``offload:host_step`` itself.)"""
     from torch.nn.modules import module as mm
-
-    from lrmoe.train.offload import HostOffloadAdamW
 
     stack: list = []
 
@@ -349,18 +359,11 @@ def instrumented():
             stack.pop().__exit__(None, None, None)
     h1 = mm.register_module_forward_pre_hook(pre)
     h2 = mm.register_module_forward_hook(post)
-    orig = HostOffloadAdamW._host_step
-
-    def host_step(self):
-        with torch.profiler.record_function(HOST_STEP):
-            return orig(self)
-    HostOffloadAdamW._host_step = host_step
     try:
         yield
     finally:
         h1.remove()
         h2.remove()
-        HostOffloadAdamW._host_step = orig
 
 
 def run(cfg, profile: bool, log) -> tuple[dict, dict | None]:
@@ -398,17 +401,60 @@ def _recorded_line(r: dict, skip: int, steps: int, G: int) -> str:
             f"non_moe_s {r['non_moe_ms']:.2f} per rank**.")
 
 
+def flop_floor(mcfg, batch: int, seq: int, tflops: float) -> dict:
+    """The non-MoE part's FLOP floor of one step (one micro-batch of ``batch x seq``
+    tokens: all G ranks' tokens, as the trace): its matmul FLOPs, forward + backward
+    (3x the forward: the backward computes two products per forward one), at the dense
+    bf16 rate ``tflops`` measured in this run. Forward FLOPs per token: the attention
+    projections ``2H(Dq + 2Dkv) + 2DqH``, causal SDPA ``2 T Dq`` (its two products over
+    the T/2 earlier tokens on average), the router ``2HE``, dense MLPs and shared experts
+    ``6HI``, the head ``2HV``. Norms, rotary, casts and the rest move bytes and count no
+    FLOPs: the floor is what the part's matmuls cost at the ceiling, and what it takes
+    above that is its overhead."""
+    H, D = mcfg.hidden_size, mcfg.head_dim
+    dq, dkv = mcfg.num_attention_heads * D, mcfg.num_key_value_heads * D
+    moe = set(mcfg.moe_layers)
+    per_tok = {"attention projections": 0, "attention SDPA": 0, "routers": 0,
+               "dense MLPs and shared experts": 0, "head": 2 * H * mcfg.vocab_size}
+    for layer in range(mcfg.num_hidden_layers):
+        per_tok["attention projections"] += 2 * H * (dq + 2 * dkv) + 2 * dq * H
+        per_tok["attention SDPA"] += 2 * seq * dq
+        if layer in moe:
+            per_tok["routers"] += 2 * H * mcfg.num_experts
+            per_tok["dense MLPs and shared experts"] += (
+                6 * H * mcfg.moe_intermediate_size * mcfg.n_shared_experts)
+        else:
+            per_tok["dense MLPs and shared experts"] += 6 * H * mcfg.intermediate_size
+    flops = {k: 3 * v * batch * seq for k, v in per_tok.items()}
+    total = sum(flops.values())
+    return {"flops": flops, "total_flops": total, "dense_bf16_tflops": tflops,
+            "floor_ms": total / (tflops * 1e12) * 1e3}
+
+
+def _floor_line(fl: dict, measured_ms: float, G: int) -> str:
+    """The floor against the trace's non-MoE time (less the host step)."""
+    return (f"**FLOP floor** of the non-MoE part (module doc of `flop_floor`): "
+            f"{fl['total_flops'] / 1e9:,.1f} GFLOP a step at {fl['dense_bf16_tflops']:.3g} "
+            f"TFLOP/s (bf16 matmul, measured here) = **{fl['floor_ms']:.3g} ms a step** "
+            f"({fl['floor_ms'] / G:.3f} per rank); the trace's non-MoE time less the host "
+            f"step is **{measured_ms / fl['floor_ms']:.1f}x the floor** (goal: at most 2x).")
+
+
+def _model_config(cfg):
+    from lrmoe.train.config import TrainConfig, resolve_model_config
+
+    return resolve_model_config(TrainConfig.from_flat(preset=cfg.preset, config=cfg.config),
+                                vocab_size=None)
+
+
 def param_split(cfg) -> dict[str, int]:
     """Parameters of the workload's model: the experts' (a real rank holds E/G of them)
     and the rest (every rank holds, clips and steps all of them)."""
     from lrmoe.model import MoEForCausalLM
     from lrmoe.parallel.groups import is_expert_param
-    from lrmoe.train.config import TrainConfig, resolve_model_config
 
-    mcfg = resolve_model_config(TrainConfig.from_flat(preset=cfg.preset, config=cfg.config),
-                                vocab_size=None)
     with torch.device("meta"):
-        model = MoEForCausalLM(mcfg)
+        model = MoEForCausalLM(_model_config(cfg))
     out = {"expert": 0, "dense": 0}
     for n, p in model.named_parameters():
         out["expert" if is_expert_param(n) else "dense"] += p.numel()
@@ -450,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
                      deterministic=not a.no_deterministic)
     G, t0 = a.ep, time.perf_counter()
     params = param_split(base)
+    floor = flop_floor(_model_config(base), a.batch_size, a.seq_len, dense_tflops(a.device))
     dense = params["dense"] / max(params["dense"] + params["expert"], 1)
     results, md = [], []
 
@@ -465,7 +512,8 @@ def main(argv: list[str] | None = None) -> None:
                  "non_moe_less_host_ms", "busy_ms", "idle_ms", "syncs", "sync_host_ms")}
         res = {"optimizer_offload": off, "recorded_profiled": recorded(rep, a.skip),
                "analysis": an, "categories_ms": mean_table(s), "cpu_only": an["cpu_only"],
-               "trace_means": mean}
+               "trace_means": mean, "flop_floor": floor,
+               "non_moe_over_floor": mean["non_moe_less_host_ms"] / floor["floor_ms"]}
         results.append(res)
         md += [f"## optimizer offload: {off}", "",
                _recorded_line(res["recorded_profiled"], a.skip, a.steps, G),
@@ -477,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
                f"{mean['sync_host_ms']:.1f} ms of host time)."
                + (" CPU run: leaf operators stand in for kernels (logic check only)."
                   if an["cpu_only"] else ""), "",
+               _floor_line(floor, mean["non_moe_less_host_ms"], G), "",
                *markdown_table(res["categories_ms"], G, dense, off), ""]
         log(f"offload {off}: non-MoE {mean['non_moe_less_host_ms']:.1f} ms a step (trace), "
             f"{res['recorded_profiled']['non_moe_measured_ms']:.1f} recorded")

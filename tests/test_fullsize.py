@@ -15,6 +15,7 @@ import torch
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
 from lrmoe.step_ledger import StepLedger, pinned_bytes
+from lrmoe.train.host_pipe import HOST_CHUNK, RING, HostPipeline
 
 
 def _category(name: str) -> str:
@@ -97,7 +98,9 @@ def test_offload_split_is_what_the_trainer_allocates():
                "offloaded_grads": _tensor_bytes(p.grad for p in host)}
     got_host = {"masters": _tensor_bytes(state(host, ("master",))),
                 "moments": _tensor_bytes(state(host, ("exp_avg", "exp_avg_sq"))),
-                "grad_buffer": _tensor_bytes(opt._grad_buf.values())}
+                "grad_buffer": _tensor_bytes(opt._grad_buf.values()),
+                "pipeline_staging": opt.staging_bytes()}
+    assert all(b.dtype == torch.bfloat16 for b in opt._grad_buf.values())  # as computed
     # on the CPU nothing is pinned: every host tensor at its exact size
     led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16",
                      device="cpu").state()
@@ -105,8 +108,8 @@ def test_offload_split_is_what_the_trainer_allocates():
     assert led["host"] == got_host
     # nothing else: every state tensor but AdamW's step counters is in one of the terms
     every = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
-    assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) == \
-        sum(led["host"].values()) + got_gpu["adam_moments"]
+    assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) + \
+        opt.staging_bytes() == sum(led["host"].values()) + got_gpu["adam_moments"]
     # device offload: everything fp32 on the GPU, 16 bytes a parameter, nothing on the host
     d = StepLedger(cfg, optimizer_offload="device", compute_dtype="bf16").state()
     assert sum(d["gpu"].values()) == 16 * sum(p.numel() for p in params)
@@ -127,7 +130,7 @@ def _tensors(obj, seen=None):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v, seen)
-    elif isinstance(obj, torch.optim.Optimizer):
+    elif isinstance(obj, (torch.optim.Optimizer, HostPipeline)):
         yield from _tensors(vars(obj), seen)
 
 
@@ -261,10 +264,12 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     res = json.loads((tmp_path / "fullsize.json").read_text())
     row = res["results"][0]
     assert row["mode"] == "full" and row["tokens"] == 4096
-    # per layer: gate_up_proj 1.5 GiB and down_proj 0.75 GiB in fp32, master and gradient
-    # buffer pinned at 2 GiB and 1 GiB; the moments 8 B a parameter, pageable
-    per_layer = 2 * (2**31 + 2**30) + 8 * 128 * 3 * 2048 * 768
-    assert row["host_total"] == 48 * per_layer and not row["fits_host"]
+    # per layer: gate_up_proj 1.5 GiB and down_proj 0.75 GiB in fp32, the masters pinned
+    # at 2 GiB and 1 GiB, the bf16 gradient buffers at 1 GiB and 0.5 GiB; the moments 8 B
+    # a parameter, pageable; once, the pipeline's fp32 chunk and ring of 4 bf16 chunks
+    per_layer = (2**31 + 2**30) + (2**30 + 2**29) + 8 * 128 * 3 * 2048 * 768
+    staging = 4 * HOST_CHUNK + RING * 2 * HOST_CHUNK
+    assert row["host_total"] == 48 * per_layer + staging and not row["fits_host"]
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
     for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
         assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
@@ -299,17 +304,23 @@ def test_host_state_prices_each_pinned_tensor_at_its_rounded_size(name):
     assert len(shapes) == 2 * len(cfg.moe_layers)
     numels = [math.prod(s) for s in shapes]
     pinned = sum(_next_pow2(4 * n) for n in numels)
+    pinned_bf16 = sum(_next_pow2(2 * n) for n in numels)  # the gradients cross as bf16
     assert pinned > 4 * sum(numels)  # the rounding is seen
+    span = min(HOST_CHUNK, max(numels))  # the pipeline's chunk: fp32 scratch, a pinned ring
+
+    def staging(cuda, span=span):
+        return 4 * span + (RING * _next_pow2(2 * span) if cuda else 0)
     led = StepLedger(cfg)  # the trainer on CUDA
     assert led.state()["host"] == {"masters": pinned, "moments": 8 * sum(numels),
-                                   "grad_buffer": pinned}
+                                   "grad_buffer": pinned_bf16, "pipeline_staging": staging(True)}
     staged = StepLedger(cfg, host_grad_staging=True).state()["host"]["grad_buffer"]
-    assert staged == _next_pow2(4 * max(numels))
+    assert staged == _next_pow2(2 * max(numels))
     exact = StepLedger(cfg, device="cpu").state()["host"]
     assert exact == {"masters": 4 * sum(numels), "moments": 8 * sum(numels),
-                     "grad_buffer": 4 * sum(numels)}
+                     "grad_buffer": 2 * sum(numels), "pipeline_staging": staging(False)}
     # the trainer's pre-check asks the same host bytes, per EP rank's shard of each tensor
     for ep in (1, 2, 4):
         mine = [s[0] // ep * math.prod(s[1:]) for s in shapes]
-        want = 2 * sum(_next_pow2(4 * n) for n in mine) + 8 * sum(mine)
+        want = (sum(_next_pow2(4 * n) + _next_pow2(2 * n) for n in mine) + 8 * sum(mine)
+                + staging(True, min(HOST_CHUNK, max(mine))))
         assert state_bytes(cfg, ep, offload=True)[1] == want

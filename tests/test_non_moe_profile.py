@@ -219,3 +219,33 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert nm.main(["--out", str(tmp_path), "--steps", "2", "--skip", "2", "--device",
                     "cpu"]) == 2
     assert not (tmp_path / "non_moe_profile.json").exists()
+
+
+def test_flop_floor_counts_the_non_moe_matmuls():
+    """The floor's matmul FLOPs, forward and backward, against torch's FLOP counter on a
+    real step of tiny-glm (a dense layer, MoE layers with a shared expert): attention
+    projections, routers with shared experts and dense MLPs, and the head alike
+    (the experts' grouped GEMMs are not counted by either; the counter does not count
+    the CPU's SDPA, whose causal term the floor adds as 2·T·Dq a token forward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.presets import get_preset
+
+    cfg = get_preset("tiny-glm")
+    B, T = 2, 32
+    fl = nm.flop_floor(cfg, B, T, 2.0)
+    m = MoEForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    with FlopCounterMode(display=False) as fc:
+        m.loss(ids[:, :-1], ids[:, 1:])[1].backward()
+    c = {k: sum(v.values()) for k, v in fc.get_flop_counts().items()}
+    layers = range(cfg.num_hidden_layers)
+    f = fl["flops"]
+    assert f["attention projections"] == sum(c[f"MoEForCausalLM.layers.{i}.self_attn"] for i in layers)
+    assert f["routers"] + f["dense MLPs and shared experts"] == sum(
+        c[f"MoEForCausalLM.layers.{i}.mlp"] for i in layers)
+    assert f["head"] == c["MoEForCausalLM.lm_head"]
+    Dq = cfg.num_attention_heads * cfg.head_dim
+    assert f["attention SDPA"] == 3 * 2 * T * Dq * B * T * cfg.num_hidden_layers
+    assert fl["floor_ms"] == pytest.approx(fl["total_flops"] / 2e12 * 1e3)

@@ -431,8 +431,8 @@ def test_loaded_host_state_is_allocated_as_a_fresh_runs(monkeypatch):
     and continues bit for bit."""
     made = []  # kept alive, so no other tensor can reuse an address
 
-    def recorded(self, like):
-        made.append(real(self, like))
+    def recorded(self, like, dtype=torch.float32):
+        made.append(real(self, like, dtype))
         return made[-1]
     real = HostOffloadAdamW._host_empty
     monkeypatch.setattr(HostOffloadAdamW, "_host_empty", recorded)

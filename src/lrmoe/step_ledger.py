@@ -19,10 +19,11 @@ moments on the device (16 bytes a parameter), except under ``optimizer_offload="
 the experts (:func:`lrmoe.train.offload.offloaded_params`), whose host state
 :func:`host_state` prices as ``HostOffloadAdamW`` allocates it for the parameters'
 device. On CUDA: on the device their weight and gradient in the compute dtype (bf16);
-on the host the fp32 master (4 bytes), both moments (8 bytes) and the fp32 gradient
-buffer the host step copies each gradient into (4 bytes: ``HostOffloadAdamW._grad_buf``).
-The masters and gradient buffers are pinned, and the caching host allocator takes the
-next power of two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]``
+on the host the fp32 master (4 bytes), both moments (8 bytes) and the gradient buffer
+each gradient crosses into, in its own dtype (bf16: 2 bytes;
+``HostOffloadAdamW._grad_buf``), beside the pipeline's few chunks of staging. The
+masters and gradient buffers are pinned, and the caching host allocator takes the next
+power of two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]``
 of 1.5 GiB takes 2 GiB); the moments (never copied to the device) are pageable, at
 their exact size. So the host terms are summed per offloaded tensor, over the shapes the
 trainer builds (:func:`offloaded_numels`). A resumed run loads its host state into
@@ -66,7 +67,7 @@ backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
 ``12·N·V``); one MoE layer's transients (:meth:`lrmoe.ledger.Ledger.rows_buffer_bytes`)
 and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
 on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
-parameters), then the host step's fp32 widening of one offloaded gradient on the GPU.
+parameters); the offloaded gradients leave the GPU as they are (no widening there).
 Attention is taken to run a flash/efficient SDPA kernel (no ``N × N`` matrix). What a
 layer keeps is checked against autograd's saved tensors under CPU autocast
 (``tests/test_fullsize.py``); the phases' transients are not measured yet.
@@ -121,24 +122,34 @@ def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) ->
 
 
 def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
-               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int = 4,
+               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
                staging: bool = False) -> dict[str, int]:
     """Host bytes of the offloaded tensors of ``numels`` elements, by term, as
     ``HostOffloadAdamW`` allocates them for parameters on ``device`` computing in
     ``compute_dtype``: both moments (pageable), and unless each parameter is its own
-    master (fp32 on the CPU: no masters, the gradient read in place) the masters and
-    gradient buffers, pinned when the parameters are on CUDA (:func:`pinned_bytes` per
-    tensor). ``staging``: one fp32 gradient buffer of the largest tensor instead of one
-    per tensor."""
+    master (fp32 on the CPU: no masters, the gradient read in place) the masters, the
+    gradient buffers (the gradients' dtype, the compute dtype: ``grad_bytes`` a
+    parameter unless given), pinned when the parameters are on CUDA
+    (:func:`pinned_bytes` per tensor), and the pipeline's staging
+    (:mod:`lrmoe.train.host_pipe`: one chunk of fp32 scratch, pageable, and on CUDA a
+    ring of pinned chunks in the compute dtype). ``staging``: one gradient buffer of
+    the largest tensor instead of one per tensor."""
+    from lrmoe.train.host_pipe import HOST_CHUNK, RING
+
     require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
     moments = moment_bytes * sum(numels)
     if device == "cpu" and compute_dtype == "fp32":  # HostOffloadAdamW._own_master
-        return {"masters": 0, "moments": moments, "grad_buffer": 0}
+        return {"masters": 0, "moments": moments, "grad_buffer": 0, "pipeline_staging": 0}
     size = pinned_bytes if device == "cuda" else int
-    grads = [max(numels, default=0) * 4] if staging else [grad_bytes * n for n in numels]
+    bw = DTYPE_BYTES[compute_dtype]
+    gb = bw if grad_bytes is None else grad_bytes
+    grads = [max(numels, default=0) * gb] if staging else [gb * n for n in numels]
+    span = min(HOST_CHUNK, max(numels, default=0))
+    pipe = 4 * span + (RING * pinned_bytes(bw * span) if device == "cuda" else 0)
     return {"masters": sum(size(master_bytes * n) for n in numels),
             "moments": moments,
-            "grad_buffer": sum(size(b) for b in grads if b)}
+            "grad_buffer": sum(size(b) for b in grads if b),
+            "pipeline_staging": pipe}
 
 
 @dataclass(frozen=True)
@@ -166,8 +177,8 @@ class StepLedger:
     ``loss_chunk_tokens`` (the loss over chunks of that many tokens: one chunk's logits
     alive), ``master_bytes`` / ``moment_bytes`` / ``host_grad_bytes`` (host bytes per
     offloaded parameter of the master, both moments together and the gradient buffer;
-    ``host_grad_staging``: one fp32 buffer of the largest tensor instead, each gradient
-    going through it in turn).
+    ``None``: the compute dtype's, as the trainer; ``host_grad_staging``: one buffer of
+    the largest tensor instead, each gradient going through it in turn).
     """
 
     cfg: ModelConfig
@@ -182,7 +193,7 @@ class StepLedger:
     loss_chunk_tokens: int | None = None
     master_bytes: int = 4
     moment_bytes: int = 8
-    host_grad_bytes: int = 4
+    host_grad_bytes: int | None = None
     host_grad_staging: bool = False
 
     def __post_init__(self) -> None:
@@ -366,23 +377,16 @@ class StepLedger:
             "loss_backward": s + kept + a["weight_casts_kept"] + a["logits_backward"],
             "block_backward": (s + kept + a["weight_casts_kept"] + a["rerun_block"]
                                + a["moe_buffers"] + a["expert_grad_transient"]),
-            "optimizer_step": s + max(4 * self.device_stepped_params, self._widen_bytes()),
+            "optimizer_step": s + 4 * self.device_stepped_params,
         }
 
-    def _widen_bytes(self) -> int:
-        """The host step's copy of a bf16 gradient into its fp32 host buffer widens it on
-        the GPU first (a non-blocking copy converts on the device): the largest offloaded
-        tensor in fp32, one at a time (after the device AdamW's temporaries are gone)."""
-        if self.compute_dtype == "fp32" or not (self.host_grad_bytes or self.host_grad_staging):
-            return 0
-        return 4 * self._largest_offloaded()
-
-    def _largest_offloaded(self) -> int:
-        """Elements of the largest offloaded tensor (an MoE layer's ``gate_up_proj``
-        ``[E, 2F, H]``; with ``offload_dense`` the embedding or head too)."""
-        if not self.offloaded_params:
-            return 0
-        return max(self._offloaded_numels, default=0)
+    @property
+    def grad_link_bytes(self) -> int:
+        """Bytes an offloaded gradient element takes over the host link and in its host
+        buffer: the compute dtype's (the gradient goes as it is, widened on the host),
+        or the what-if's ``host_grad_bytes``."""
+        bw = DTYPE_BYTES[self.compute_dtype]
+        return bw if self.host_grad_bytes is None else self.host_grad_bytes
 
     def report(self, tokens: int, mode: str) -> dict:
         """Everything the whole-model table shows for one micro-batch size and mode."""

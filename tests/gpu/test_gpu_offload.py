@@ -1,14 +1,19 @@
 """``--optimizer-offload host`` on CUDA (:mod:`offload_check`): the host optimizer lowers
 the peak CUDA memory and trains to the same losses as the device optimizer, within the
-spread of bf16 kernels."""
+spread of bf16 kernels; its pipeline (side streams, pinned buffers, events) leaves what
+the serial update leaves, bit for bit, with no device-wide synchronisation."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
-import offload_check
-from gpu_util import needs_cuda, report_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the references
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import offload_check  # noqa: E402
+from gpu_util import needs_cuda, report_dir  # noqa: E402
 
 pytestmark = needs_cuda
 
@@ -67,3 +72,78 @@ def test_resumed_host_state_is_pinned_as_a_fresh_runs():
             assert not st["exp_avg"].is_pinned() and not st["exp_avg_sq"].is_pinned()
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
+
+
+def test_pipeline_on_cuda_steps_as_the_serial_update(monkeypatch):
+    """tiny-qwen3 with bf16 device experts under bf16 autocast, 2 micro-batches a step,
+    clipped. Each step's gradients come from one backward (the pipelined model's, its
+    hooks armed before the last micro-batch) and are copied into the serial model, so
+    both optimizers see the same gradients. Every expert gradient is in its pinned host
+    buffer before the step; the step makes no device-wide synchronisation (the serial
+    update makes two); masters, moments, steps and device weights are equal bit for bit
+    after every step; the staging ring is pinned and the copies are timed."""
+    import copy
+
+    import torch
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel.groups import ParallelContext, clip_grad_norm
+    from lrmoe.presets import get_preset
+    from lrmoe.train.accum import accumulate
+    from lrmoe.train.offload import (
+        HostOffloadAdamW,
+        last_backward_hook,
+        offloaded_params,
+        presynced,
+    )
+    from lrmoe.train.optim import param_groups
+    from references.offload_adamw import SerialHostOffloadAdamW
+
+    bf16, dev = torch.bfloat16, torch.device("cuda")
+    cfg = get_preset("tiny-qwen3")
+    torch.manual_seed(0)
+    a = MoEForCausalLM(cfg).to(dev)
+    b = copy.deepcopy(a)
+    oa = HostOffloadAdamW(param_groups(a, 0.1), offloaded_params(a), lr=3e-3,
+                          compute_dtype=bf16, chunk=7 * 64 * 64)
+    ob = SerialHostOffloadAdamW(param_groups(b, 0.1), offloaded_params(b), lr=3e-3,
+                                compute_dtype=bf16)
+    experts = offloaded_params(a)
+    ctx = ParallelContext(device=dev)
+    syncs = []
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *x: (syncs.append(1), real_sync(*x))[1])
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        oa._pipe.timing = step == 3
+        for o in (oa, ob):
+            o.zero_grad(set_to_none=True)
+        mbs = [torch.randint(0, cfg.vocab_size, (4, 33), generator=gen).to(dev) for _ in range(2)]
+        accumulate(a, lambda m, mbs=mbs: mbs[m], 2, lambda: torch.autocast("cuda", dtype=bf16),
+                   last_backward_hook(oa, ctx))
+        assert presynced(oa) == {id(p) for p in experts}  # sent during the last backward
+        for ev in oa._pipe._landed.values():
+            ev.synchronize()
+        for p in experts:
+            host = oa._grad_buf[id(p)]
+            assert host.is_pinned() and host.dtype == bf16
+            assert torch.equal(host, p.grad.cpu())
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()
+        norms = [clip_grad_norm(m, 0.05, ctx, o.scale_grads) for m, o in ((a, oa), (b, ob))]
+        assert norms[0] == norms[1] > 0.05
+        syncs.clear()
+        oa.step()
+        assert not syncs, "the pipelined step synchronised the device"
+        ob.step()
+        assert len(syncs) == 2  # the serial update's two waits (the counter counts)
+        real_sync()
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), (step, n)
+            for k, t in oa.state[p].items():
+                assert torch.equal(t, ob.state[q][k]), (step, n, k)
+    assert oa._pipe._ring and all(t.is_pinned() for t in oa._pipe._ring)
+    ms = oa._pipe.copy_ms()
+    assert ms["d2h"] > 0 and ms["h2d"] > 0
+    assert oa.pipe_times.worker_s > 0

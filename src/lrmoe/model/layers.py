@@ -11,6 +11,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lrmoe.config import ModelConfig
+from lrmoe.ops.fused import fused
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm, ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, through
+    torch's ``rms_norm`` (one fused kernel on CUDA, forward and backward; on the CPU
+    the same ops as the formula, bit for bit). An fp32 input (the residual stream) takes
+    the weight inside the kernel; a reduced-precision one (q/k under autocast, where
+    ``rms_norm`` computes in fp32 on CUDA) is rounded back to its dtype before the
+    weight, as HF rounds it."""
+    shape = (weight.shape[0],)
+    if x.dtype == weight.dtype:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x, shape, eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -54,6 +65,18 @@ def apply_rotary(x_BNTD: Tensor, cos_TR: Tensor, sin_TR: Tensor) -> Tensor:
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
+def qk_rotary(q_BTND: Tensor, k_BTKD: Tensor, cos_TR: Tensor, sin_TR: Tensor,
+              q_w: Tensor | None, k_w: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """q and k from their projections' layout to SDPA's (``[B, heads, T, D]``): the q/k
+    RMSNorm (with weights ``q_w``, ``k_w``; none without), the transpose and the
+    rotary embedding. The glue between the projections and SDPA, written once: one
+    compiled region on CUDA (:meth:`Attention.forward`), these ops elsewhere."""
+    if q_w is not None:
+        q_BTND, k_BTKD = rms_norm(q_BTND, q_w, eps), rms_norm(k_BTKD, k_w, eps)
+    q, k = q_BTND.transpose(1, 2), k_BTKD.transpose(1, 2)
+    return apply_rotary(q, cos_TR, sin_TR), apply_rotary(k, cos_TR, sin_TR)
+
+
 class Attention(nn.Module):
     """Causal GQA attention through SDPA, with optional q/k RMSNorm and q/k/v bias."""
 
@@ -76,11 +99,13 @@ class Attention(nn.Module):
         B, T, _ = x_BTH.shape
         q = self.q_proj(x_BTH).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, T, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.use_qk_norm
+                else (None, None, 0.0))
+        # in eager mode on CUDA the glue runs as one compiled region (a few fused kernels
+        # instead of ~20 small ones); inside an outer torch.compile it is traced as is
+        glue = qk_rotary if torch.compiler.is_compiling() else fused("qk_rotary", qk_rotary, q)
+        q, k = glue(q, k, cos, sin, *norm)  # [B, N, T, D]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

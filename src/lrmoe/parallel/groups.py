@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.comm import EPComm
 
 
@@ -152,20 +152,46 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
             ex.first, ex.count = r * per, per
 
 
-def sync_grads(model: nn.Module, ctx: ParallelContext) -> None:
-    """Average non-expert gradients over the world; reduce expert gradients (see module doc)."""
+def sync_grads(model: nn.Module, ctx: ParallelContext, finished: Collection[int] = ()) -> None:
+    """Average non-expert gradients over the world; reduce expert gradients (see module
+    doc). ``finished``: ``id``s of expert parameters whose gradient
+    :func:`expert_grad_finish` already synced as it became final (left alone here)."""
     if not ctx.distributed:
         return
-    dense, expert = [], []
+    dense, expert, done = [], [], []
     for name, p in model.named_parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        (expert if is_expert_param(name) else dense).append(p.grad)
+        if not is_expert_param(name):
+            dense.append(p.grad)
+        else:
+            (done if id(p) in finished else expert).append(p.grad)
+    require(not done or ctx.world == ctx.ep_size,
+            "sync_grads: expert gradients synced early under DP x EP")
     _allreduce_flat(dense, None)
     if ctx.world > ctx.ep_size:
         _allreduce_flat(expert, ctx.expert_dp_group)
     for g in dense + expert:
         g.div_(ctx.world)
+
+
+def expert_grad_finish(ctx: ParallelContext) -> Callable[[torch.Tensor], None] | None:
+    """What :func:`sync_grads` does to one expert gradient, as a function to apply as
+    soon as that gradient is final (the host offload sends it to the host then): nothing
+    on one process; under expert parallelism alone the division by the world size (the
+    same in-place division, so the same values). ``None`` under DP x EP: there the
+    expert gradients are all-reduced together in one flat buffer after backward, and
+    all-reduced one by one they could be summed in another order."""
+    if not ctx.distributed:
+        return _unchanged
+    if ctx.world > ctx.ep_size:
+        return None
+    world = ctx.world
+    return lambda g: g.div_(world)
+
+
+def _unchanged(g: torch.Tensor) -> None:
+    return None
 
 
 def _allreduce_flat(grads: list[torch.Tensor], group) -> None:

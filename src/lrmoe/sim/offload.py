@@ -35,18 +35,30 @@ same host and PCIe bytes; its weight scatter and gradient reduce are the emulato
 owner-to-instance exchanges (``lrmoe.sim.virtual``), left as they are. Static under the
 owner layout has no network traffic at all: its natives never move.
 
+These are the bytes the trainer moves (:mod:`lrmoe.train.host_pipe`): the compute-dtype
+gradient down and the compute-dtype weight up (bf16 each way on CUDA), the widening and
+rounding done on the host chunk by chunk, in cache, so that host memory sees the
+gradient and weight once each beside the fp32 state.
+
 Presets (numbers are datasheet peaks, not measurements): the host link is PCIe 5.0
 x16, 32 GT/s per lane = 64 GB/s per direction before encoding and protocol overheads;
 the host memory bandwidth per rank assumes a two-socket host with eight DDR5-4800
 channels per socket (8 × 38.4 GB/s = 307 GB/s per socket) shared by eight GPUs:
-76.8 GB/s per rank. The host update is taken to be memory-bound at that rate. Stages
-run in sequence, as every stage of the emulator: overlap of the host update with the
-backward of other layers is not modelled.
+76.8 GB/s per rank. The host update is taken to be memory-bound at that rate.
+
+Overlap: the trainer pipelines the three stages per parameter and sends the gradients
+during the last backward (:mod:`lrmoe.train.host_pipe`), so less than their sum stays on
+the step's critical path. How much is a measured input, never assumed: the fraction of
+the stages' back-to-back time the trainer leaves exposed, measured with the real
+trainer by ``benchmarks/offload_step.py`` and recorded in :data:`MEASURED_OVERLAP` with
+its provenance; each ``opt_*`` stage is charged that fraction of its modelled time.
+While none is recorded the stages are charged back to back, in full (as every stage of
+the emulator), and the offload model's description says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +75,26 @@ HOST_MEM_BPS = 8 * 38.4e9 * 2 / 8
 HOST_MEM_SOURCE = ("2 sockets x 8 channels DDR5-4800 (38.4 GB/s each, JEDEC peak) shared by "
                    "8 GPUs: 76.8 GB/s per rank; the host AdamW taken as memory-bound")
 HOST_UPDATE_FP32_BYTES = 24  # master, exp_avg, exp_avg_sq: read and written, 4 bytes each
+
+
+@dataclass(frozen=True)
+class MeasuredOverlap:
+    """The fraction of the host optimizer's stages (gradient down, host update, weight
+    up; their back-to-back time) that the trainer's pipeline leaves on the step's
+    critical path, measured, and where: the command, code, date, device and results
+    folder of the ``benchmarks/offload_step.py`` run it comes from."""
+
+    exposed_fraction: float
+    source: str
+
+    def __post_init__(self) -> None:
+        require(0 < self.exposed_fraction <= 1.5,
+                f"measured exposed fraction {self.exposed_fraction}: want (0, 1.5]")
+
+
+# None until measured on the H200 (benchmarks/offload_step.py prints the candidate):
+# the offload stages are charged back to back, in full.
+MEASURED_OVERLAP: MeasuredOverlap | None = None
 
 
 def policy_layout(policy: str) -> str:
@@ -82,6 +114,8 @@ class OffloadModel:
         layout: ``sharded`` (SYMI: 1/G of every expert per rank) or ``owner``.
         host_link: the GPU's link to its host (one direction per stage).
         host_mem_Bps: host memory bandwidth available to one rank's AdamW.
+        overlap: the measured share of the stages left exposed (module doc); ``None``:
+            back to back, in full. Defaults to :data:`MEASURED_OVERLAP`.
     """
 
     E: int
@@ -91,6 +125,7 @@ class OffloadModel:
     layout: str = "sharded"
     host_link: Link = PCIE5_X16
     host_mem_Bps: float = HOST_MEM_BPS
+    overlap: MeasuredOverlap | None = field(default_factory=lambda: MEASURED_OVERLAP)
 
     def __post_init__(self) -> None:
         require(self.layout in LAYOUTS, f"offload layout {self.layout!r}: use one of {LAYOUTS}")
@@ -133,9 +168,10 @@ class OffloadModel:
         replace the emulator's owner-to-instance exchanges)."""
         b = self.rank_bytes(inst_expert_GS)
         hl = self.host_link
-        out = {"opt_d2h": [x / hl.effective_Bps + hl.latency_s for x in b["opt_d2h"]],
-               "opt_h2d": [x / hl.effective_Bps + hl.latency_s for x in b["opt_h2d"]],
-               "opt_host_update": [x / self.host_mem_Bps for x in b["opt_host_update"]]}
+        f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
+        out = {"opt_d2h": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_d2h"]],
+               "opt_h2d": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_h2d"]],
+               "opt_host_update": [f * x / self.host_mem_Bps for x in b["opt_host_update"]]}
         for ex, m in self._sharded_GG(inst_expert_GS).items():
             out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out
@@ -158,15 +194,27 @@ class OffloadModel:
                 for ex, m in self._sharded_GG(inst_expert_GS).items()}
 
     def describe(self) -> str:
-        return f"optimizer offload to host ({self.layout} layout), modelled: {assumptions()}"
+        return (f"optimizer offload to host ({self.layout} layout), modelled: "
+                f"{assumptions(self.host_link, self.host_mem_Bps, self.overlap)}")
 
 
-def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS) -> str:
-    """One line: the host link and host memory bandwidth the offload stages assume."""
+_RECORDED = object()  # assumptions(): whatever MEASURED_OVERLAP holds
+
+
+def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
+                overlap: MeasuredOverlap | None | object = _RECORDED) -> str:
+    """One line: the host link and host memory bandwidth the offload stages assume, and
+    how much of them is charged (``overlap``; by default what :data:`MEASURED_OVERLAP`
+    holds)."""
+    overlap = MEASURED_OVERLAP if overlap is _RECORDED else overlap
+    charged = ("stages charged back to back, in full (the trainer's overlap is not measured "
+               "yet)" if overlap is None else
+               f"stages charged at {overlap.exposed_fraction:.3f} of their back-to-back time, "
+               f"the exposed share measured in the trainer ({overlap.source})")
     return (f"host link {host_link.name} {host_link.bandwidth_Bps / 1e9:g} GB/s per direction "
             f"({host_link.source}); host memory {host_mem_Bps / 1e9:g} GB/s per rank "
-            f"({HOST_MEM_SOURCE}); symi shards every expert 1/G over all ranks' hosts, "
-            "static and lrmoe keep each expert's state with its owner")
+            f"({HOST_MEM_SOURCE}); {charged}; symi shards every expert 1/G over all ranks' "
+            "hosts, static and lrmoe keep each expert's state with its owner")
 
 
 def offload_for(ledger, policy: str) -> OffloadModel | None:

@@ -427,6 +427,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     from lrmoe.policy.registry import make_policy
     from lrmoe.train.accum import accumulate, update
     from lrmoe.train.loop import make_autocast
+    from lrmoe.train.offload import last_backward_hook
     from lrmoe.train.optim import build_optimizer, build_scheduler
 
     dev, G = torch.device(cfg.device), cfg.ep
@@ -489,7 +490,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             with _phase("step"):
                 # micro-batch m of step s: global batch s * N + m (the trainer's order)
                 sums = accumulate(model, lambda m, s=step: batches.batch(s * N + m).to(dev), N,
-                                  autocast, on_micro)
+                                  autocast, on_micro, last_backward_hook(opt, ctx))
                 t0 = time.perf_counter()
                 update(model, opt, sched, cfg.clip, ctx)
                 sync()

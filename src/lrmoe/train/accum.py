@@ -33,8 +33,8 @@ from lrmoe.loss_mask import loss_args
 
 
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
-               autocast=None, on_micro: Callable[[int, Tensor | None], None] | None = None
-               ) -> Tensor:
+               autocast=None, on_micro: Callable[[int, Tensor | None], None] | None = None,
+               before_last_backward: Callable[[], None] | None = None) -> Tensor:
     """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
 
     ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
@@ -45,6 +45,8 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     Gradients add to what ``.grad`` holds (zero it before the step). ``on_micro(m,
     None)`` is called before micro-batch ``m`` and ``on_micro(m, pair)`` after its
     backward (``pair``: its ``[lm, objective]``), e.g. to time it.
+    ``before_last_backward`` runs just before the last backward, the one that leaves
+    each gradient final (the host offload arms its early sends there).
     """
     sums = None
     for m in range(n):
@@ -55,6 +57,8 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
         with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
             x, y, num = loss_args(batch)
             lm, obj = model.loss(x, y) if num is None else model.loss(x, y, num)
+        if m == n - 1 and before_last_backward is not None:
+            before_last_backward()
         with _range("backward"):
             (obj / n).backward()
         pair = torch.stack([lm.detach(), obj.detach()]).float()
@@ -74,9 +78,10 @@ def update(model: nn.Module, opt, sched, clip: float, ctx,
     (``model.end_step``). ``check_norm(norm)`` may refuse the update (raise) before the
     weights change. Returns ``(norm before clipping, per MoE layer the step's counts)``."""
     from lrmoe.parallel.groups import clip_grad_norm, sync_grads
+    from lrmoe.train.offload import presynced
 
     with _range("clip"):
-        sync_grads(model, ctx)
+        sync_grads(model, ctx, presynced(opt))
         gnorm = clip_grad_norm(model, clip, ctx, getattr(opt, "scale_grads", None))
     if check_norm is not None:
         check_norm(gnorm)

@@ -619,6 +619,8 @@ class _Run:
         """One optimizer step: forward and backward of each micro-batch, the checks of
         the loss and gradient norm, the update. Returns the metrics row's inputs and the
         signal a rank received (``None``: none)."""
+        from lrmoe.train.offload import last_backward_hook
+
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
         s.rt.step = watch.step = step
         watch.phase = "forward and backward"
@@ -634,7 +636,7 @@ class _Run:
             sums = accumulate(
                 s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
                                                           ctx.world).to(ctx.device),
-                accum, self.autocast)
+                accum, self.autocast, before_last_backward=last_backward_hook(s.opt, ctx))
         except OutOfMemory as e:  # no plan fits with every fallback: as a GPU would
             raise LrmoeError(f"{e.verdict(step + 1)}: {e.detail}; stopped "
                              f"({_intact(watch)})") from None

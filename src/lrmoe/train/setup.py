@@ -116,8 +116,8 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
     1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host``) the host holds
     what the step ledger prices for the parameters' ``device``
     (:func:`lrmoe.step_ledger.host_state`), and the device the experts' weights and
-    gradients: on CUDA bf16 (4 bytes), beside fp32 masters and gradient buffers on the
-    host, pinned at the allocator's power-of-two sizes, and both moments; on the CPU
+    gradients: on CUDA bf16 (4 bytes), beside fp32 masters and bf16 gradient buffers on
+    the host, pinned at the allocator's power-of-two sizes, and both moments; on the CPU
     fp32 (8 bytes), their own masters, and only the moments on the host."""
     from lrmoe.ledger import DTYPE_BYTES
     from lrmoe.presets import param_breakdown, param_counts

@@ -1,0 +1,324 @@
+"""The host optimizer's pipeline: per offloaded parameter, its gradient to the host, the
+fused CPU AdamW on its fp32 master, the updated weight back to the device.
+
+:class:`lrmoe.train.offload.HostOffloadAdamW` runs it for every offloaded parameter that
+has a master of its own (the trainer on CUDA: bf16 device experts, fp32 host masters).
+Megatron-Core's hybrid CPU optimizer pipelines the same three stages per parameter.
+
+When each stage runs, in one optimizer step:
+
+1. **Gradient to the host**, in the gradient's own dtype (bf16: 2 bytes a parameter over
+   PCIe; the widening to fp32 is the host's), on a side CUDA stream, into a pinned
+   buffer. As soon as the gradient is final: before the last micro-batch's backward the
+   trainer arms the pipeline (:meth:`HostPipeline.arm`), and a post-accumulate-grad hook
+   sends each gradient the moment autograd has added its last contribution, while the
+   backward goes on below. What :func:`lrmoe.parallel.groups.sync_grads` would do to
+   that gradient later is done to it first, on the compute stream (``finish``, from
+   :func:`lrmoe.parallel.groups.expert_grad_finish`: nothing on one process, the division
+   by the world size under expert parallelism alone). Under DP x EP the expert gradients
+   are all-reduced together after backward, so nothing is armed: each is sent at the
+   step, after that sync. A gradient no hook sent is sent at the step too.
+2. **Host update**, on one worker thread (torch's CPU ops release the GIL and run on the
+   process's intra-op threads), parameter by parameter in the order sent, once the clip
+   coefficient is known: the step starts it. Each parameter goes in chunks of
+   ``chunk`` elements, so that the widened gradient stays in cache across its passes:
+   widen the gradient to fp32, multiply by the clip coefficient, torch's fused AdamW on
+   that chunk of the master and moments, round the master into the weight's dtype.
+3. **Weight to the device**, chunk by chunk on a second side stream from a ring of
+   pinned buffers, while the host works on the next chunk.
+
+The step waits for the worker, then makes the compute stream wait for the weight copies
+(a stream wait, not a host wait): no device-wide synchronisation.
+
+Why the host update waits for the clip coefficient instead of speculating on it: the
+coefficient is a function of the global norm, known only once the last gradient is. An
+update speculated at coefficient 1 and redone when the norm clips needs the step's
+masters and moments kept aside until then: 12 bytes a parameter more host memory (what
+binds a full-size model first, ``benchmarks/fullsize.py``) and their copy, which costs
+the memory bandwidth the host update is bound by; and clipping acts on most of the early
+steps. So what overlaps the backward is the gradients' transfer; the update overlaps
+the device's own AdamW and the weights' transfer back.
+
+Bitwise: the widening (exact), the clip (the same fp32 multiply), AdamW (the same fused
+kernel: it splits a tensor into 64-byte units and computes all but the tensor's last few
+elements with vector instructions, so chunks starting at multiples of
+:data:`CHUNK_ALIGN` elements leave every element on the path it takes in one call) and
+the rounding (the same CPU conversion) are those of the serial update
+(``tests/references/offload_adamw.py``): masters, moments and weights are bit for bit
+the same. On the CPU (the host is the parameters' device) the stages run as plain
+copies, the update still on the worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+from lrmoe.errors import require
+
+HOST_CHUNK = 1 << 21  # elements a host-update chunk: 8 MiB of fp32 gradient
+CHUNK_ALIGN = 64  # chunk starts at multiples of this: no vector of AdamW's kernel is split
+RING = 4  # pinned staging buffers for the weights going back
+
+
+@dataclass
+class HostJob:
+    """One parameter's host update, as the step captured it."""
+
+    param: Tensor  # the device parameter, written chunk by chunk
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor  # AdamW's step counter (0-dim fp32, host)
+    coef: float | None  # the clip coefficient due, or None
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+
+
+@dataclass
+class PipeTimes:
+    """The last step's pipeline. Host clock: ``worker_s`` (the worker's run, first
+    parameter to last), of which ``grad_wait_s`` waiting for gradients to land and
+    ``ring_wait_s`` for a staging slot to empty; ``exposed_s`` (the step waiting for the
+    worker: what its caller sees). With :attr:`HostPipeline.timing`, the device's copy
+    times, summed over the step's copies (CUDA events; :meth:`HostPipeline.copy_ms`):
+    ``d2h_ms`` and ``h2d_ms``."""
+
+    worker_s: float = 0.0
+    grad_wait_s: float = 0.0
+    ring_wait_s: float = 0.0
+    exposed_s: float = 0.0
+    d2h_ms: float | None = None
+    h2d_ms: float | None = None
+
+    @property
+    def busy_s(self) -> float:
+        """The worker's own work: widening, clipping, AdamW, rounding, issuing copies."""
+        return self.worker_s - self.grad_wait_s - self.ring_wait_s
+
+
+class HostPipeline:
+    """The three stages for ``params`` (module doc). ``alloc(param, dtype)`` gives host
+    memory shaped as ``param`` (pinned when it crosses to CUDA); ``grad_buf`` (``id(param)
+    -> host gradient buffer``) is filled here, the optimizer's view of that memory."""
+
+    def __init__(self, params: list[Tensor], alloc: Callable[[Tensor, torch.dtype], Tensor],
+                 grad_buf: dict[int, Tensor], chunk: int = HOST_CHUNK):
+        require(chunk > 0 and chunk % CHUNK_ALIGN == 0,
+                f"host update chunk {chunk}: use a positive multiple of {CHUNK_ALIGN}")
+        require(all(p.is_contiguous() for p in params),
+                "optimizer offload: the offloaded parameters must be contiguous")
+        self.chunk, self._alloc, self._grad_buf = chunk, alloc, grad_buf
+        self._device = params[0].device
+        self._cuda = self._device.type == "cuda"
+        self._d2h = torch.cuda.Stream(self._device) if self._cuda else None
+        self._h2d = torch.cuda.Stream(self._device) if self._cuda else None
+        self._landed: dict[int, torch.cuda.Event | None] = {}  # sent this step, in order
+        self._early: set[int] = set()  # sent by the hook, ``finish`` applied
+        self._finish: Callable[[Tensor], None] | None = None  # armed for this backward
+        self._scratch: Tensor | None = None  # one chunk of widened gradient
+        self._ring: list[Tensor] = []
+        self._ring_ev: list[torch.cuda.Event | None] = [None] * RING
+        self._slot = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: Future | None = None
+        self.times = PipeTimes()
+        self.timing = False  # time each copy with CUDA events (benchmarks)
+        self._copies: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._span = max(1, min(chunk, max(p.numel() for p in params)))  # a chunk's elements
+        me = weakref.WeakMethod(self._on_final)  # the hooks must not keep the pipeline alive
+
+        def hook(p: Tensor) -> None:
+            f = me()
+            if f is not None:
+                f(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+    def __del__(self) -> None:
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+
+    # ------------------------------------------------------------------ stage 1
+    def arm(self, finish: Callable[[Tensor], None]) -> None:
+        """The next backward leaves these gradients final: as each arrives, apply
+        ``finish`` to it and send it to the host. What sent is what the update reads:
+        from then on a gradient may change only through the clip coefficient the step
+        is given (``HostOffloadAdamW.scale_grads``), never in place."""
+        self._finish = finish
+
+    @property
+    def presynced(self) -> frozenset[int]:
+        """``id``s of the parameters whose gradient ``finish`` was applied to."""
+        return frozenset(self._early)
+
+    def _on_final(self, p: Tensor) -> None:
+        if self._finish is None or p.grad is None or id(p) in self._landed:
+            return
+        self._finish(p.grad)
+        self._early.add(id(p))
+        self.send(p)
+
+    def send(self, p: Tensor) -> None:
+        """Copy ``p.grad`` into its host buffer: behind everything the compute stream
+        has queued, on the side stream (a plain copy on the CPU)."""
+        g = p.grad.detach()
+        buf = self._grad_buf.get(id(p))
+        if buf is None or buf.dtype != g.dtype:
+            buf = self._grad_buf[id(p)] = self._alloc(p, g.dtype)
+        if not self._cuda:
+            buf.copy_(g)
+            self._landed[id(p)] = None
+            return
+        self._d2h.wait_stream(torch.cuda.current_stream(self._device))
+        with self._timed("d2h", self._d2h) as ev:
+            buf.copy_(g, non_blocking=True)
+        g.record_stream(self._d2h)  # its memory is not reused before the copy has read it
+        self._landed[id(p)] = ev
+
+    def reset(self) -> None:
+        """Forget the last step: its sends, copy timings, and disarm (the gradients are
+        being dropped)."""
+        self._disarm()
+        self._copies.clear()
+
+    def _disarm(self) -> None:
+        self._finish = None
+        self._landed.clear()
+        self._early.clear()
+
+    # ------------------------------------------------------------------ stages 2 and 3
+    def start(self, jobs: list[HostJob]) -> None:
+        """Send the gradients not sent yet, then update the ``jobs`` on the worker in
+        the order their gradients were sent. Every job's gradient is final and the clip
+        coefficient applied to it is in the job."""
+        require(self._running is None, "host optimizer: a step is already running")
+        self._finish = None
+        for j in jobs:
+            if id(j.param) not in self._landed:
+                self.send(j.param)
+        if self._cuda:  # the weights are written once the compute stream is done with them
+            self._h2d.wait_stream(torch.cuda.current_stream(self._device))
+        order = {k: i for i, k in enumerate(self._landed)}
+        jobs = sorted(jobs, key=lambda j: order[id(j.param)])
+        if self._pool is None:
+            dev, threads = self._device, torch.get_num_threads()
+            self._pool = ThreadPoolExecutor(1, "lrmoe-host-adamw", _worker_init,
+                                             (dev if self._cuda else None, threads))
+        self._running = self._pool.submit(self._work, jobs)
+
+    def wait(self) -> None:
+        """Wait for the worker; the compute stream then waits for the weights' copies."""
+        t0 = time.perf_counter()
+        try:
+            if self._running is not None:
+                self._running.result()
+        finally:
+            self._running = None
+            self.times.exposed_s = time.perf_counter() - t0
+            if self._cuda:
+                torch.cuda.current_stream(self._device).wait_stream(self._h2d)
+            self._disarm()
+
+    def _work(self, jobs: list[HostJob]) -> None:
+        t0, waited = time.perf_counter(), 0.0
+        self.times.ring_wait_s = 0.0
+        for j in jobs:
+            ev = self._landed[id(j.param)]
+            if ev is not None:
+                t = time.perf_counter()
+                ev.synchronize()  # this gradient has landed in host memory
+                waited += time.perf_counter() - t
+            self._update(j)
+        self.times.worker_s, self.times.grad_wait_s = time.perf_counter() - t0, waited
+
+    def _update(self, j: HostJob) -> None:
+        """Widen, clip, AdamW and round back, chunk by chunk (module doc: bitwise the
+        serial update's)."""
+        grad = self._grad_buf[id(j.param)].view(-1)
+        master, m1, m2 = (t.view(-1) for t in (j.master, j.exp_avg, j.exp_avg_sq))
+        weight = j.param.detach().view(-1)
+        for a in range(0, grad.numel(), self.chunk):
+            b = min(grad.numel(), a + self.chunk)
+            g = self._widened(b - a).copy_(grad[a:b])
+            if j.coef is not None:
+                g.mul_(j.coef)
+            # AdamW adds one to the step it is given: each chunk gets its own copy
+            adamw([master[a:b]], [g], [m1[a:b]], [m2[a:b]], [], [j.step.clone()],
+                  foreach=False, fused=True, amsgrad=False, beta1=j.beta1, beta2=j.beta2,
+                  lr=j.lr, weight_decay=j.weight_decay, eps=j.eps, maximize=False)
+            self._put(weight, master, a, b)
+        j.step.add_(1)
+
+    def _widened(self, n: int) -> Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self._span, dtype=torch.float32)
+        return self._scratch[:n]
+
+    def _put(self, weight: Tensor, master: Tensor, a: int, b: int) -> None:
+        """The master's chunk ``[a, b)`` rounded into the weight (through a pinned ring
+        slot and the side stream on CUDA)."""
+        if not self._cuda:
+            weight[a:b].copy_(master[a:b])
+            return
+        k, self._slot = self._slot, (self._slot + 1) % RING
+        if not self._ring or self._ring[0].dtype != weight.dtype:
+            self._ring = [torch.empty(self._span, dtype=weight.dtype, pin_memory=True)
+                          for _ in range(RING)]
+            self._ring_ev = [None] * RING
+        if self._ring_ev[k] is not None:
+            t = time.perf_counter()
+            self._ring_ev[k].synchronize()  # the slot's last copy has left it
+            self.times.ring_wait_s += time.perf_counter() - t
+        out = self._ring[k][:b - a].copy_(master[a:b])
+        with self._timed("h2d", self._h2d) as ev:
+            weight[a:b].copy_(out, non_blocking=True)
+        self._ring_ev[k] = ev
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str, stream: torch.cuda.Stream):
+        """Run the body's copy on ``stream``; yields the event recorded after it (timed,
+        and the pair kept for :meth:`copy_ms`, with :attr:`timing`)."""
+        end = torch.cuda.Event(enable_timing=self.timing)
+        start = None
+        if self.timing:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        with torch.cuda.stream(stream):
+            yield end
+        end.record(stream)
+        if start is not None:
+            self._copies.append((kind, start, end))
+
+    def copy_ms(self) -> dict[str, float]:
+        """Device milliseconds of the last step's copies by direction (with
+        :attr:`timing`; waits for them to finish), also put in :attr:`times`."""
+        ms = {"d2h": 0.0, "h2d": 0.0}
+        for kind, a, b in self._copies:
+            b.synchronize()
+            ms[kind] += a.elapsed_time(b)
+        self.times.d2h_ms, self.times.h2d_ms = ms["d2h"], ms["h2d"]
+        return ms
+
+    def staging_bytes(self) -> int:
+        """Host bytes of the pipeline's own tensors (scratch and ring; the ring's pinned
+        allocations are rounded up beyond these, as the step ledger prices them)."""
+        return sum(t.numel() * t.element_size()
+                   for t in ([self._scratch] if self._scratch is not None else []) + self._ring)
+
+
+def _worker_init(device: torch.device | None, threads: int) -> None:
+    """The worker's CUDA device and intra-op threads: the step's own."""
+    torch.set_num_threads(threads)
+    if device is not None:
+        torch.cuda.set_device(device)

@@ -121,6 +121,16 @@ class LiveRows(TorchDispatchMode):
         return max(sum(p.values()) for _, p in self.points)
 
 
+def row_seams() -> list[Callable]:
+    """The row copies the stages call (a permutation by runs, the all-to-all's stand-in):
+    inside each, its input and output coexist."""
+    from lrmoe.ops.rowops import gather_runs_reference
+    from lrmoe.parallel.layout import Runs, permute_rows
+    from onerank import OneRankComm
+
+    return [permute_rows, Runs.apply, gather_runs_reference, OneRankComm.all_to_all]
+
+
 def exchange_code() -> tuple[list[Callable], list[Callable]]:
     """``(forward, backward)``: the functions that hold one layer's rows in the
     exchange (:class:`lrmoe.parallel.exchange.ExpertExchange` and the stages it hands

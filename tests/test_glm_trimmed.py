@@ -62,22 +62,20 @@ def emulated(model, ids, policy, opts, ledger=None):
     """Gradients of ``model`` trained through the emulator, the plan of each MoE layer
     and, per MoE layer, the mask ``[N, K]`` of the pairs its backward sent to an expert."""
     vm = Emulator(model, G, policy, opts, ledger, lambda: None)
-    calls: list = []  # shipped candidates, per call: G home ranks in turn, layer by layer
-    real = stages.select_and_compact
+    calls: list = []  # shipped pairs, per call: G home ranks in turn, layer by layer
+    real = stages.home_backward
 
-    def spy(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest):
-        out = real(dout, tok_c, g_c, gate_c, home, opts_, gen, exact, *rest)
-        ret_pos = home.retained_positions(torch.device("cpu"))
-        cand = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        calls.append(cand if out[5] is None else cand[out[5]])  # out[5]: the shipped candidates
-        return out
+    def spy(dout, comb, home, *a, **kw):
+        dgate, sh = real(dout, comb, home, *a, **kw)
+        calls.append(home.src_pair if sh.pairs is None else sh.pairs)
+        return dgate, sh
 
-    stages.select_and_compact = spy
+    stages.home_backward = spy
     try:
         model.train()
         model.loss(ids[:, :-1], ids[:, 1:])[1].backward()
     finally:
-        stages.select_and_compact = real
+        stages.home_backward = real
     # the backward runs the MoE layers last to first, each over its G home ranks in order
     assert len(calls) == G * len(vm.layers)
     sent = {id(v.stats.plan): [(g, calls[j * G + g]) for g in range(G)]

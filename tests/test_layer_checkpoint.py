@@ -320,15 +320,14 @@ def test_buffers_equal_the_rows_alive():
     throughout here and taken off)."""
     import lrmoe.parallel.stages as stages
     import test_ledger_truth as lt
-    from live_rows import LiveRows, exchange_code
+    from live_rows import LiveRows, exchange_code, row_seams
     from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
-    from lrmoe.parallel.layout import permute_rows, unpermute_rows
-    from onerank import OneRankComm, one_rank_layer
+    from onerank import one_rank_layer
 
     layer, x, counts = lt._layer_and_tokens()
     one = Ledger(lt._cfg(), lt.G, num_moe_layers=1)
     b, Hd, Fd = one.bytes_act, lt.H, lt.F
-    seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
+    seams = row_seams()
     fwd_code, bwd_code = exchange_code()
     bwd_code = [LayerCheckpoint.backward] + bwd_code
     policy = Checkpointed(StaticPolicy())

@@ -9,7 +9,7 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
-from lrmoe.parallel.layout import home_layout, ranges, recv_layout
+from lrmoe.parallel.layout import home_layout, recv_layout, runs
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
@@ -63,14 +63,14 @@ def test_home_layout_equals_reference(G, E, P, gate_dtype, seed):
         for me in range(G):
             got = home_layout(plan, me, idx[me], gate[me], E)
             ref = home_layout_reference(plan, me, idx[me], gate[me], E)
-            for f in ("send_pos_P", "send_row_P", "src_pair", "j_in_block"):
+            for f in ("send_row_P", "src_pair", "j_in_block"):
                 assert torch.equal(getattr(got, f), ref[f]), (name, me, f)
             assert got.dropped == ref["dropped"] and got.splits == ref["splits"], name
-            rp = got.retained_positions(torch.device("cpu"))
+            rp = got.retained(torch.device("cpu"))
             assert (rp is None) == (ref["retained_pos"] is None), name
             if rp is not None:
-                assert torch.equal(rp, ref["retained_pos"]), name
-            assert torch.equal(got.send_blocks(torch.device("cpu")), ref["block_of"]), name
+                n_send = got.src_pair.numel()
+                assert torch.equal(rp.apply(torch.arange(n_send)), ref["retained_pos"]), name
     if G > 1:
         assert trimmed, "no plan trimmed retention: the gate order was not exercised"
 
@@ -86,23 +86,27 @@ def test_dropped_pairs_are_each_experts_lowest_gates():
         h = home_layout(plan, me, idx[me], gate[me], E)
         for e in range(E):
             mine = idx[me] == e
-            dropped = mine & (h.send_pos_P < 0)
-            kept = mine & (h.send_pos_P >= 0)
+            dropped = mine & (h.send_row_P >= h.src_pair.numel())
+            kept = mine & (h.send_row_P < h.src_pair.numel())
             assert int(dropped.sum()) == int(plan.dropped_GE[me, e])
             if dropped.any() and kept.any():
                 assert gate[me][dropped].max() <= gate[me][kept].min()
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_ranges_and_recv_layout_equal_reference(seed):
+def test_runs_and_recv_layout_equal_reference(seed):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 12, (1,), generator=g))
     lengths = torch.randint(0, 5, (n,), generator=g) * (torch.rand(n, generator=g) > 0.3)
     starts = torch.randint(0, 50, (n,), generator=g)
-    assert torch.equal(ranges(starts, lengths), ranges_reference(starts, lengths))
+    got = runs(starts, lengths, "cpu").apply(torch.arange(60) * 10)
+    assert torch.equal(got, ranges_reference(starts, lengths) * 10)
     block_GS = torch.randint(0, 4, (3, 5), generator=g)
     rl = recv_layout(block_GS)
     start_GS = (block_GS.reshape(-1).cumsum(0) - block_GS.reshape(-1)).reshape(3, 5)
     ref = ranges_reference(start_GS.t().reshape(-1), block_GS.t().reshape(-1))
-    assert torch.equal(rl.to_inst, ref)
+    n = int(block_GS.sum())
+    assert torch.equal(rl.to_inst.apply(torch.arange(n)), ref)
+    # the inverse: back to arrival order
+    assert torch.equal(rl.to_arrival.apply(rl.to_inst.apply(torch.arange(n))), torch.arange(n))
     assert rl.splits == block_GS.sum(1).tolist() and rl.counts == block_GS.sum(0).tolist()

@@ -265,16 +265,14 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     selected rows), every one of those points must occur, and the ledger's plan-priced
     buffers must be the larger of the two passes' largest sums (the backward's plus its
     per-row index bytes)."""
-    from live_rows import LiveRows, exchange_code
-    from lrmoe.parallel.layout import permute_rows, unpermute_rows
-    from onerank import OneRankComm
+    from live_rows import LiveRows, exchange_code, row_seams
 
     layer, x, counts = _layer_and_tokens()
     policy, ledger = _policy_and_ledger(case, counts)
     one = Ledger(_cfg(), G, num_moe_layers=1)
     b = one.bytes_act
     fwd_code, traced = exchange_code()
-    seams = [permute_rows, unpermute_rows, OneRankComm.all_to_all]
+    seams = row_seams()
     seen = {"gathered": False, "rec": False, "copy": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)

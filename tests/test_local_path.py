@@ -301,8 +301,7 @@ def test_backward_rows_alive_are_the_exchanges():
     ``test_ledger_truth``): the local path's largest set equals the exchange's on one
     process, and the ledger's buffers for that plan."""
     import lrmoe.parallel.stages as stages
-    from live_rows import LiveRows, exchange_code
-    from lrmoe.parallel.layout import permute_rows, unpermute_rows
+    from live_rows import LiveRows, exchange_code, row_seams
 
     layer, x, _ = truth._layer_and_tokens()
     cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
@@ -316,7 +315,7 @@ def test_backward_rows_alive_are_the_exchanges():
         # no reference held here: backward frees the kept rows as it goes
         nb = sum(k.untyped_storage().nbytes() for k in node.kept.values())
         dout = torch.ones_like(out)
-        live = LiveRows((H, F, 2 * F), traced[fast], [permute_rows, unpermute_rows],
+        live = LiveRows((H, F, 2 * F), traced[fast], row_seams(),
                         count=[*node.kept.values(), dout])
         del node
         with live:

@@ -11,8 +11,8 @@ import torch
 from bits import same_bits
 from lrmoe.ops import rowops
 from lrmoe.ops.fused import gathered_dot, weighted_gather_sum
-from lrmoe.parallel.exchange import metric_grad_norm, pair_rows
-from lrmoe.parallel.layout import ranges
+from references.layout import pair_rows, ranges
+from references.select_runtime import metric_grad_norm
 
 
 def test_gather_runs_follows_its_definition_and_ranges():

@@ -1,6 +1,7 @@
 """lrmoe's selection in lrmoe.ops.selection, on the CPU (its torch reference) against the
-runtime's select stage (``select_and_compact``) and that stage's first form
-(tests/references/select_stage.py), bit for bit on fresh random inputs. The Triton
+select stage as the runtime ran it before these kernels (tests/references/select_runtime.py)
+and that stage's first form (tests/references/select_stage.py), bit for bit on fresh
+random inputs. The Triton
 kernels are checked against the same in tests/test_rowops_triton.py and on CUDA."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from lrmoe.ops import rowops, selection
-from lrmoe.parallel.exchange import BackwardOptions, select_and_compact
+from lrmoe.parallel.select import BackwardOptions
+from references.select_runtime import select_and_compact
 from references.select_stage import select_and_compact_reference
 from test_select_fast import SHAPES, assert_bitwise
 from test_select_stage import home_case

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lrmoe.ops.selection import inclusion_probs
 from lrmoe.parallel import stages
-from lrmoe.parallel.select import BackwardOptions, inclusion_probs, select_and_compact
+from lrmoe.parallel.select import BackwardOptions, Picked, select_and_compact
 from references.select_stage import inclusion_probs_reference, select_and_compact_reference
-from test_select_stage import home_case
+from test_select_stage import assert_picked_is, home_case
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -122,8 +123,9 @@ class OpCount(TorchDispatchMode):
 
 def run_select(fn, case: dict, opts: BackwardOptions, seed: int, exchange_counts=None):
     gen = torch.Generator().manual_seed(seed)
-    out = fn(case["dout"], case["tok"], case["g"], case["gate"], case["home"], opts, gen, False,
-             exchange_counts)
+    args = (case["dout"], case["tok"], case["g"], case["gate"], case["home"], opts, gen)
+    out = (fn(*args, exchange_counts) if fn is select_and_compact
+           else fn(*args, False, exchange_counts))
     return out, gen.get_state()
 
 
@@ -143,12 +145,7 @@ def test_select_and_compact_is_the_reference_bit_for_bit(shape):
                 got, state = run_select(select_and_compact, case, opts, seed, counts)
                 ref, ref_state = run_select(select_and_compact_reference, case, opts, seed, counts)
                 assert torch.equal(state, ref_state)
-                for a, b in zip(got, ref):
-                    assert type(a) is type(b)
-                    if isinstance(a, torch.Tensor):
-                        assert_bitwise(a, b)
-                    else:
-                        assert a == b
+                assert_picked_is(got, ref, case)
 
 
 def test_sampled_select_takes_one_sort_and_no_scatter():
@@ -170,10 +167,8 @@ def test_sampled_select_takes_one_sort_and_no_scatter():
     finally:
         torch.use_deterministic_algorithms(was)
     ref, _ = run_select(select_and_compact_reference, case, opts, 1)
-    for a, b, c in zip(got, again, ref):
-        if isinstance(a, torch.Tensor):
-            assert_bitwise(a, c)
-            assert_bitwise(b, c)
+    assert_picked_is(got, ref, case)
+    assert_picked_is(again, ref, case)
 
 
 def test_sampled_layer_backward_is_unchanged(monkeypatch):
@@ -200,9 +195,11 @@ def test_sampled_layer_backward_is_unchanged(monkeypatch):
 
     calls = []
 
-    def reference(*args, **kwargs):
+    def reference(dout, tok_c, g_c, gate_c, home, opts, gen, exchange_counts=None):
         calls.append(1)
-        return select_and_compact_reference(*args, **kwargs)
+        tok_s, scale, sent, recv, _, idx = select_and_compact_reference(
+            dout, tok_c, g_c, gate_c, home, opts, gen, False, exchange_counts)
+        return Picked(idx, scale, dout[tok_s], sent, recv)
 
     fast = grads()
     monkeypatch.setattr(stages, "select_and_compact", reference)

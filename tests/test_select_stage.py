@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bits import same_bits
 from lrmoe.parallel.select import BackwardOptions, select_and_compact
 
 
@@ -37,7 +38,23 @@ def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep:
 def run_select(case: dict, estimator: str, gen: torch.Generator | None):
     opts = BackwardOptions(estimator=estimator)
     return select_and_compact(case["dout"], case["tok"], case["g"], case["gate"], case["home"],
-                              opts, gen, False)
+                              opts, gen)
+
+
+def assert_picked_is(picked, ref: tuple, case: dict) -> None:
+    """The runtime's :class:`Picked` against the frozen select stage's tuple
+    ``(tok_s, scale, sent_I, recv_GS, keep, sel_idx)``, bit for bit: the same shipped
+    candidates, scales, counts and output-gradient rows."""
+    tok_s, scale, sent_I, recv_GS, _, sel_idx = ref
+    assert (picked.idx is None) == (sel_idx is None)
+    if sel_idx is not None:
+        assert same_bits(picked.idx, sel_idx)
+    assert same_bits(picked.scale, scale)
+    assert torch.equal(picked.sent_B, sent_I)
+    assert (picked.recv_GS is None) == (recv_GS is None)
+    if recv_GS is not None:
+        assert torch.equal(picked.recv_GS, recv_GS)
+    assert same_bits(picked.dy, case["dout"][tok_s])
 
 
 def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
@@ -50,30 +67,29 @@ def test_home_case_is_a_send_layout_and_select_meets_the_quotas():
     assert torch.equal(torch.bincount(c["tok"], minlength=T), torch.full((T,), K))
     # empty slots (S > E/G) stay empty
     assert int(assign.reshape(G, S)[:, E // G:].sum()) == 0
-    tok_s, scale, sent_I, _, keep, sel_idx = run_select(c, "topk", None)
-    assert torch.equal(sent_I, quota) and tok_s.numel() == int(quota.sum())
+    p = run_select(c, "topk", None)
+    assert torch.equal(p.sent_B, quota) and p.idx.numel() == p.dy.shape[0] == int(quota.sum())
     gen = torch.Generator().manual_seed(0)
-    tok_s, scale, sent_I, _, keep, sel_idx = run_select(c, "sampled", gen)
-    assert int(sent_I.sum()) == tok_s.numel() == int(keep.sum())
-    assert bool((scale > 0).all())
+    p = run_select(c, "sampled", gen)
+    assert int(p.sent_B.sum()) == p.idx.numel() == p.scale.numel() > 0
+    assert bool((p.scale > 0).all())
 
 
 def test_select_stage_sampled_branch_matches_select_sampled():
     """The select stage's sampled branch keeps the rows select_sampled keeps (same
     generator state) and ships each with scale g / pi (the Horvitz-Thompson weight),
     in send order, with the kept count of every block."""
-    from lrmoe.parallel.exchange import send_blocks
-    from lrmoe.parallel.select import metric_grad_norm
+    from references.layout import send_blocks
+    from references.select_runtime import metric_grad_norm
     from references.selection import select_sampled
     case = home_case(300, 4, 16, 32, 4, 9, 1.0, 0.6, torch.device("cpu"), seed=3)
-    tok_s, scale, sent_I, _, keep, sel_idx = run_select(case, "sampled",
-                                                        torch.Generator().manual_seed(4))
+    p = run_select(case, "sampled", torch.Generator().manual_seed(4))
     m = metric_grad_norm(case["dout"], case["tok"], case["gate"])
-    blocks = send_blocks(case["plan"], 0, torch.device("cpu"))
+    blocks = send_blocks(case["plan"], 0)
     keep_ref, w_ref = select_sampled(m, blocks, case["home"].select_I,
                                      torch.Generator().manual_seed(4))
-    assert torch.equal(keep, keep_ref) and 0 < int(keep.sum()) < keep.numel()
-    assert torch.equal(sel_idx, torch.nonzero(keep_ref).flatten())
-    torch.testing.assert_close(scale, case["g"][sel_idx] * w_ref[sel_idx].float())
-    assert torch.equal(tok_s, case["tok"][sel_idx])
-    assert torch.equal(sent_I, torch.bincount(blocks[sel_idx], minlength=case["n_blocks"]))
+    assert 0 < int(keep_ref.sum()) < keep_ref.numel()
+    assert torch.equal(p.idx, torch.nonzero(keep_ref).flatten())
+    torch.testing.assert_close(p.scale, case["g"][p.idx] * w_ref[p.idx].float())
+    assert torch.equal(p.dy, case["dout"][case["tok"][p.idx]])
+    assert torch.equal(p.sent_B, torch.bincount(blocks[p.idx], minlength=case["n_blocks"]))

@@ -8,7 +8,8 @@ import torch
 
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
-from lrmoe.parallel.select import BackwardOptions, inclusion_probs
+from lrmoe.ops.selection import inclusion_probs
+from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset
 from references.selection import select_sampled, select_topk
@@ -179,7 +180,7 @@ def test_inclusion_probs_under_deterministic_algorithms():
 def test_inclusion_probs_with_host_sizes_and_poisson_keep():
     """Sizes passed by the caller give the same probabilities as sizes counted on the
     device; rows with pi 0 are never kept and rows with pi 1 always (Poisson sampling)."""
-    from lrmoe.parallel.select import poisson_keep
+    from references.select_runtime import poisson_keep
     g = torch.Generator().manual_seed(11)
     for n, B in ((1, 2), (500, 9), (3000, 18)):
         m, blk, quota, size = _random_case(g, n, B)

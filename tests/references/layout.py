@@ -89,3 +89,23 @@ def home_layout_reference(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E:
     return dict(send_pos_P=send_pos, send_row_P=send_row, dropped=dropped,
                 retained_pos=retained_pos, src_pair=src_pair, block_of=block_of,
                 j_in_block=j_in_block, splits=assign.reshape(G, S).sum(1).tolist())
+
+
+def block_ids(sizes_B: Tensor, device="cpu") -> Tensor:
+    """``b`` repeated ``sizes_B[b]`` times."""
+    return torch.repeat_interleave(torch.arange(sizes_B.numel()), sizes_B.cpu()).to(device)
+
+
+def send_blocks(plan: Plan, me: int, device="cpu") -> Tensor:
+    """Global instance index of each of home rank ``me``'s send rows."""
+    return block_ids(plan.assign_GGS[me].reshape(-1), device)
+
+
+def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:
+    """Rows ``[T, K]`` into an ``n``-row buffer, rows ``>= n`` clamped, with their 0/1
+    weight mask (``None`` when every row is valid): how the runtime masked dropped pairs
+    before its combine kernel took rows past the buffer as weighing 0."""
+    row = row_P.view(T, K)
+    if n == T * K or n == 0:
+        return (row, None) if n else (row.clamp(max=0), torch.zeros(T, K, device=row.device))
+    return row.clamp(max=n - 1), (row < n).float()

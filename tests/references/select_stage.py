@@ -1,7 +1,7 @@
 """The select stage as first written (tests only): water-filling with three sorts and a
 compaction that writes each kept row's index at its rank. The runtime's
-:func:`lrmoe.parallel.exchange.inclusion_probs` and
-:func:`lrmoe.parallel.exchange.select_and_compact` must give the same tensors, bit for
+:func:`lrmoe.ops.selection.inclusion_probs` and
+:func:`lrmoe.parallel.select.select_and_compact` must give the same tensors, bit for
 bit (tests/test_select_fast.py). The water-filling is a copy, not shared with the
 runtime, so that a change there cannot move both sides of the comparison.
 
@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.layout import HomeLayout, block_ids, to_device
-from lrmoe.parallel.select import (
+from lrmoe.parallel.layout import HomeLayout, to_device
+from lrmoe.parallel.select import BackwardOptions
+from references.layout import block_ids
+from references.select_runtime import (
     METRICS,
-    BackwardOptions,
     ht_weight,
     kept_counts,
     poisson_keep,

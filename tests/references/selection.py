@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.select import ht_weight, inclusion_probs, poisson_keep, select_topk_idx
+from references.select_runtime import ht_weight, inclusion_probs, poisson_keep, select_topk_idx
 
 
 def select_topk(metric_N: Tensor, block_N: Tensor, quota_B: Tensor) -> Tensor:

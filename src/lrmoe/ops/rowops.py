@@ -112,10 +112,12 @@ def gather_pairs_scaled(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tu
 
 # ---------------------------------------------------------------- invert_permutation
 def invert_permutation_reference(perm_N: Tensor, n_out: int, fill: int | None = None) -> Tensor:
-    inv = torch.full((n_out + 1,), 0 if fill is None else fill, dtype=torch.long, device=perm_N.device)
+    dev, ar = perm_N.device, torch.arange(perm_N.numel(), device=perm_N.device)
+    if fill is None:  # a full permutation: exactly n_out entries (what a caller may keep)
+        return torch.empty(n_out, dtype=torch.long, device=dev).scatter_(0, perm_N.long(), ar)
+    inv = torch.full((n_out + 1,), fill, dtype=torch.long, device=dev)
     idx = torch.where((perm_N >= 0) & (perm_N < n_out), perm_N.long(), n_out)
-    inv.scatter_(0, idx, torch.arange(perm_N.numel(), device=perm_N.device))
-    return inv[:n_out]
+    return inv.scatter_(0, idx, ar)[:n_out]
 
 
 def invert_permutation(perm_N: Tensor, n_out: int, fill: int | None = None) -> Tensor:

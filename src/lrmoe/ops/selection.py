@@ -113,31 +113,50 @@ def topk_indices(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
     return torch.sort(order[run_positions(dst, src, n_out)]).values
 
 
-def inclusion_probs(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
-    """``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block (rows grouped by
-    block): water-filling in closed form, as ``lrmoe.parallel.exchange.inclusion_probs``
-    (one sort on a (block, metric, row) key; see there for the derivation)."""
+def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
+                    size_B: Tensor | None = None) -> Tensor:
+    """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
+
+    Water-filling in closed form (no loop). With a block's metrics sorted descending,
+    ``m_0 >= m_1 >= ...``, and ``R_r`` the mass from rank ``r`` on, rank ``r`` is capped
+    iff ``(q - r) * m_r > R_r``; that test holds for a prefix of the block (``(q - r) *
+    m_r - R_r`` does not increase with ``r`` while ``r < q``, and is ``<= 0`` from
+    ``r = q`` on), so the capped count ``c`` is how many rows pass it, and the free rows
+    get ``(q - c) * m / M`` with ``M`` their mass: the unique fixed point of capping
+    every row whose share reaches 1 (a row whose share is exactly 1 is left free, with
+    the same result). Free rows with no metric mass share the rest of the quota
+    uniformly. Negative metrics count as 0; rows need not come grouped by block; equal
+    metrics of a block rank in row order (so the result, to the last bit, does not hang
+    on a sort's tie order). ``size_B`` (rows per block, host) spares a device count when
+    the caller knows it.
+
+    Built for few kernels (the select stage is host-bound: each op costs ~30 us of launch
+    on the H200's host against ~0.5 ms of device work in all, RESULTS.md): one sort for
+    a float32 metric (:func:`_block_order`). The suffix test is one global scan of
+    metrics normalised per block (a light block's sums do not round against a heavy
+    block's mass): with ``C`` that inclusive scan, ``(q - r) u_r > R_r`` reads
+    ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
+    Block quantities stay on the device: no host wait.
+    Only sorts, searches, gathers, scans and segmented reductions: none of the ops that
+    ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
+    ``index_put_``, ``index_copy_``, ``scatter``).
+    """
     dev = metric_N.device
     N = metric_N.numel()
     if N == 0:
         return metric_N.double()
     B = quota_B.numel()
+    blk = block_N.to(dev).long()
     rows = torch.arange(N, device=dev)
-    blk = torch.repeat_interleave(torch.arange(B, device=dev), to_device(size_B, dev), output_size=N)
-    bits = metric_N.float().view(torch.int32).clamp(min=0)
-    if B * N < 2**32:
-        key = torch.add(torch.sub(rows, bits, alpha=N), blk, alpha=N << 31)
-        key_s, order = torch.sort(key)
-        m, inverse = bits.view(torch.float32).double(), torch.searchsorted(key_s, key)
-    else:
-        m = metric_N.double().clamp(min=0)
-        order = torch.sort(m, descending=True, stable=True).indices
-        order = order[torch.sort(blk[order], stable=True).indices]
-        inverse = torch.argsort(order)
+    m, order, inverse = _block_order(metric_N, blk, rows, B)
     m_s, b_s = m[order], blk[order]
-    n_B = size_B.numpy()
+    n_B = (torch.bincount(b_s, minlength=B) if size_B is None else size_B).cpu().numpy()
+    if n_B.size != B or int(n_B.sum()) != N:  # host values: no sync
+        raise ValueError(f"inclusion_probs: block sizes {n_B.size} summing to "
+                         f"{int(n_B.sum())}, for {B} blocks and {N} rows")
     first = np.cumsum(n_B) - n_B
-    q = quota_B.double().numpy()
+    q = quota_B.cpu().double().numpy()
+    # one copy of the per-block constants (float64 holds the counts exactly)
     tab = to_device(torch.from_numpy(np.stack((n_B, np.maximum(first + n_B - 1, 0), q + first - 1, q))
                                      .astype(np.float64)), dev)
     nl, last_B = tab[:2].long()
@@ -146,13 +165,40 @@ def inclusion_probs(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor
     capped_s = torch.addcmul(C_s, tab[2][b_s] - rows, u_s) > C_s[last_B][b_s]
     c = torch.segment_reduce(capped_s.double(), "sum", lengths=nl, unsafe=True)
     mass = torch.segment_reduce(torch.where(capped_s, 0.0, m_s), "sum", lengths=nl, unsafe=True)
+    # per block, on the device (no host wait): free rows get rem * m / M, or rem / n_free
+    # when the block's free rows carry no metric mass (a scalar fill goes in place on a
+    # fresh tensor: one kernel)
     rem = (tab[3] - c).clamp(min=0.0)
     has = mass > 0
     per_mass = torch.where(has, rem / mass, 0.0)
     uniform = (rem / (tab[0] - c).clamp(min=1.0)).masked_fill_(has, 0.0)
     fg = torch.stack((per_mass, uniform), 1)[b_s]
     pi_s = torch.addcmul(fg[:, 1], fg[:, 0], m_s).masked_fill_(capped_s, 1.0).clamp_(0.0, 1.0)
-    return pi_s[inverse]
+    return pi_s[inverse]  # back to the input's row order (a gather)
+
+
+def _block_order(metric_N: Tensor, blk: Tensor, rows: Tensor, B: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(m, order, inverse)``: the metric clamped at 0 in float64; the rows ordered by
+    block (ascending), then metric (descending), then row (ascending); and the inverse
+    permutation (``order[inverse] = rows``, with ``rows = arange(N)``).
+
+    A float32 (or narrower) metric takes one sort, on a unique int64 key: the bits of a
+    non-negative float32 read as an int32 grow with its value, so ``N * (2^31 * block -
+    bits) + row`` orders the rows as wanted while ``B * N < 2^32``; the inverse is where
+    each row's key falls among the sorted keys (a search, no scatter). Another metric
+    takes two stable sorts and an ``argsort`` of the order.
+    """
+    N = rows.numel()
+    if metric_N.dtype in (torch.float32, torch.bfloat16, torch.float16) and B * N < 2**32:
+        # a negative metric (and -0.0) reads as +0.0: the clamp at 0, on the bits
+        bits = metric_N.float().view(torch.int32).clamp(min=0)
+        key = torch.add(torch.sub(rows, bits, alpha=N), blk, alpha=N << 31)
+        key_s, order = torch.sort(key)
+        return bits.view(torch.float32).double(), order, torch.searchsorted(key_s, key)
+    m = metric_N.double().clamp(min=0)
+    order = torch.sort(m, descending=True, stable=True).indices
+    order = order[torch.sort(blk[order], stable=True).indices]
+    return m, order, torch.argsort(order)
 
 
 def ht_weight(pi: Tensor) -> Tensor:
@@ -182,7 +228,9 @@ def _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, 
 def _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator,
                               exchange_counts, shape_GS, dout_TH) -> Selection:
     m = metric_reference(metric, norm_T, tok_N, gate_N)
-    pi = inclusion_probs(m, size_B, quota_B)
+    blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=m.device),
+                                  to_device(size_B, m.device), output_size=m.numel())
+    pi = inclusion_probs(m, blk, quota_B, size_B)
     keep = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
     lengths = to_device(size_B, keep.device)
     sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()

@@ -15,32 +15,16 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from lrmoe.ops.experts import offsets
+from lrmoe.parallel import stages
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, block_ids, recv_layout, to_device
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, recv_layout, to_device
 from lrmoe.parallel.select import BackwardOptions
-from lrmoe.parallel.stages import (
-    Combined,
-    Retention,
-    Shipped,
-    Timer,
-    combine,
-    dispatch_rows,
-    experts_backward,
-    experts_forward,
-    home_backward,
-    home_finish,
-    occupied_counts,
-    retention,
-    router_grad_experts,
-    untimed,
-)
 from lrmoe.policy.plan import Plan
 from lrmoe.timing import timed
 
@@ -71,7 +55,7 @@ class ExchangeState:
             return contextlib.nullcontext()
         return _timed(self.stats, key + "_ms", device)
 
-    def timer(self, device: torch.device) -> Timer:
+    def timer(self, device: torch.device) -> stages.Timer:
         """The stages' ``tm``: the expert kernels always, the control plane when timing."""
         return lambda key: (_timed(self.stats, key + "_ms", device) if key.startswith("expert")
                             else self.stage(key, device))
@@ -81,19 +65,6 @@ def _timed(stats: dict, key: str, device: torch.device):
     """Accumulate a region's expert time in ``stats[key]`` (CUDA: events in ``_events``)."""
     return timed(device, lambda ms: stats.__setitem__(key, stats.get(key, 0.0) + ms),
                  lambda ev_a, ev_b: stats.setdefault("_events", []).append((key, ev_a, ev_b)))
-
-
-def send_blocks(plan: Plan, me: int, device: torch.device) -> Tensor:
-    """Global instance index of each of home rank ``me``'s send rows
-    (``HomeLayout.send_blocks``)."""
-    return block_ids(plan.assign_GGS[me].reshape(-1), device)
-
-
-def backward_home(home: HomeLayout) -> HomeLayout:
-    """The part of a send layout the backward reads: ``send_pos_P`` (equal to
-    ``send_row_P`` where the backward looks) is dropped, so it is not kept alive between
-    forward and backward."""
-    return dataclasses.replace(home, send_pos_P=home.send_row_P)
 
 
 class ExpertExchange(torch.autograd.Function):
@@ -113,23 +84,23 @@ class ExpertExchange(torch.autograd.Function):
         home, recv, comm, plan = st.home, st.recv, st.comm, st.plan
         me, K, H = comm.rank, st.top_k, x_TH.shape[1]
         es, tm = x_TH.element_size(), st.timer(x_TH.device)
-        counts = occupied_counts(recv.counts, plan, me, w13_S.shape[0])
+        counts = stages.occupied_counts(recv.counts, plan, me, w13_S.shape[0])
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.
-        keep = retention(plan, me, save_all=st.opts.fidelity and not plan.exact)
+        keep = stages.retention(plan, me, save_all=st.opts.fidelity and not plan.exact)
         rows: dict[str, Tensor] = {}
         with tm("local"):
-            x_send = dispatch_rows(x_TH, home, K)
+            x_send = stages.dispatch_rows(x_TH, home, K)
         n_send = x_send.shape[0]
         rows["x"] = comm.all_to_all(x_send, home.splits, recv.splits)
         del x_send
         n_recv = rows["x"].shape[0]
-        y_recv = experts_forward(rows, recv, w13_S, w2_S, counts, keep, tm)
+        y_recv = stages.experts_forward(rows, recv, w13_S, w2_S, counts, keep, tm)
         y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
         del y_recv
         with tm("local"):
-            comb = combine(y_send, home.send_row_P, gate_TK, H)
+            comb = stages.combine(y_send, home.send_row_P, gate_TK)
         st.stats.update(
             fwd_rows=n_recv, retained_rows=int(keep.saved_SG.sum()),
             fwd_dispatch_bytes_sent=n_send * H * es, fwd_dispatch_bytes_recv=n_recv * H * es,
@@ -138,7 +109,7 @@ class ExpertExchange(torch.autograd.Function):
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
         # row's block are rebuilt from the plan there.
-        st.recv, st.home = None, backward_home(home)
+        st.recv = None
         ctx.st, ctx.keep = st, keep
         ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
         rows["y_send"] = y_send.new_empty(0, H) if ctx.dgate_at_experts else y_send
@@ -167,24 +138,24 @@ class ExpertExchange(torch.autograd.Function):
         K = w_TK.shape[1]
         dout_TH = dout_TH.to(w13_S.dtype).contiguous()
         es, tm = dout_TH.element_size(), st.timer(dev)
-        comb = Combined(None, row_TK, w_TK)
+        comb = stages.Combined(None, row_TK, w_TK)
         # select and compact (global exactness: every rank takes the same collectives;
         # the sampled estimator's count exchange is inside)
         exact = plan.all_selected
         fidelity = opts.fidelity and not plan.exact
         # a fidelity step reads the kept rows twice: the selected backward gets a copy
         kept_all = dict(rows) if fidelity else None
-        dgate, sh = home_backward(
+        dgate, sh = stages.home_backward(
             dout_TH, comb, home, st.gate_P, plan.select_GGS[:, me, :], plan.retain_GGS[:, me, :],
             exact, opts, rows, st.generator, comm.exchange_counts, ctx.dgate_at_experts, tm)
         n_out = rows["dy"].shape[0]
         dx_back, dw13, dw2, n_in, dg_back = _experts_backward_exchange(
             comm, plan, me, rows, sh, keep, w13_S, w2_S, tm, rowdot=dgate is None)
         if dgate is None:  # exact: every send row came back, in send order
-            dgate = router_grad_experts(dg_back, home, T, K, w_TK.dtype, tm)
+            dgate = stages.router_grad_experts(dg_back, home, T, K, w_TK.dtype, tm)
         if fidelity:
             _fidelity(st, kept_all, dout_TH, home, w_TK, keep, w13_S, w2_S, dw13, dw2)
-        dx_TH = home_finish(dx_back, home, sh, comb, tm)
+        dx_TH = stages.home_finish(dx_back, home, sh, comb, tm)
         st.stats.update(
             bwd_rows=n_in, selected_rows=int(sh.recv_GS.sum()) if exact or opts.compaction
             else int(plan.select_GGS[:, me, :].sum()),
@@ -212,8 +183,8 @@ def kept_rows(ctx, saved: list[Tensor], name: str) -> dict[str, Tensor]:
     return rows
 
 
-def _experts_backward_exchange(comm: EPComm, plan: Plan, me: int, rows: dict, sh: Shipped,
-                               keep: Retention, w13_S: Tensor, w2_S: Tensor, tm: Timer,
+def _experts_backward_exchange(comm: EPComm, plan: Plan, me: int, rows: dict, sh: stages.Shipped,
+                               keep: stages.Retention, w13_S: Tensor, w2_S: Tensor, tm: stages.Timer,
                                rowdot: bool = False):
     """Ship the compacted output-gradient rows, run experts^-1 on them, ship ``dx`` (and,
     with ``rowdot``, each row's router gradient) back: ``(dx rows back at home in send
@@ -222,13 +193,13 @@ def _experts_backward_exchange(comm: EPComm, plan: Plan, me: int, rows: dict, sh
     with tm("local"):
         send = sh.sent_GS.sum(1).tolist()
         rl = recv_layout(sh.recv_GS, dev)
-        counts = occupied_counts(rl.counts, plan, me, w13_S.shape[0])
+        counts = stages.occupied_counts(rl.counts, plan, me, w13_S.shape[0])
         offs = offsets(counts, dev)
     rows["dy"] = comm.all_to_all(rows["dy"].contiguous(), send, rl.splits)
     n_in = rows["dy"].shape[0]
     j_recv = comm.all_to_all(sh.j, send, rl.splits)
     scale_recv = comm.all_to_all(sh.scale.float(), send, rl.splits)
-    dx_recv, dw13, dw2, dot_recv = experts_backward(
+    dx_recv, dw13, dw2, dot_recv = stages.experts_backward(
         rows, j_recv, scale_recv, rl, sh.recv_GS, keep, w13_S, w2_S, counts, offs, rowdot, tm)
     dx_back = comm.all_to_all(dx_recv, rl.splits, send)
     del dx_recv
@@ -237,7 +208,7 @@ def _experts_backward_exchange(comm: EPComm, plan: Plan, me: int, rows: dict, sh
 
 
 def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, home: HomeLayout, w_TK: Tensor,
-              keep: Retention, w13_S: Tensor, w2_S: Tensor, dw13: Tensor, dw2: Tensor) -> None:
+              keep: stages.Retention, w13_S: Tensor, w2_S: Tensor, dw13: Tensor, dw2: Tensor) -> None:
     """The exact expert weight gradient over every pair (retained or not, unweighted),
     compared per expert with the selected one (replicas on this rank summed, as the
     optimizer sees them): ``fidelity_cosine`` and ``fidelity_rel_err`` in the stats.
@@ -245,10 +216,10 @@ def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, home: HomeLayout, 
     plan, me, K = st.plan, st.comm.rank, st.top_k
     kept.pop("y_send", None)
     kept["dy"] = dout_TH[home.src_pair // K]
-    every = Shipped(home.j_in_block, w_TK.reshape(-1)[home.src_pair].float(),
-                    plan.assign_GGS[me], plan.assign_GGS[:, me, :], None)
+    every = stages.Shipped(None, home.j_in_block, w_TK.reshape(-1)[home.src_pair].float(),
+                           plan.assign_GGS[me], plan.assign_GGS[:, me, :])
     _, e13, e2, _, _ = _experts_backward_exchange(st.comm, plan, me, kept, every, keep,
-                                                  w13_S, w2_S, untimed)
+                                                  w13_S, w2_S, stages.untimed)
     ie = plan.inst_expert_GS[me]
     ie = ie if w13_S.shape[0] == ie.numel() else ie[ie >= 0]
     idx = to_device(ie.clamp(min=0), dw13.device)

@@ -17,52 +17,44 @@ import torch
 from torch import Tensor
 
 from lrmoe.ops.fused import fused
+from lrmoe.ops.rowops import gather_runs, to_device
 from lrmoe.policy.plan import Plan
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """Copy a small host tensor to ``device`` without a stream sync.
-
-    A copy from pageable host memory makes CUDA drain the stream first; staging it in
-    pinned memory lets the copy queue behind the running kernels instead.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def excl_cumsum(x: Tensor) -> Tensor:
     return x.cumsum(0) - x
 
 
-def ranges(starts: Tensor, lengths: Tensor, device: torch.device | str = "cpu") -> Tensor:
-    """Concatenation of ``arange(starts[k], starts[k] + lengths[k])`` over k.
+@dataclass(frozen=True)
+class Runs:
+    """A row permutation made of contiguous chunks (:func:`lrmoe.ops.rowops.gather_runs`):
+    output rows ``[dst_first[k], dst_first[k+1])`` are source rows from ``src_first[k]``
+    on. The table lives on the device; ``n`` rows come out."""
 
-    ``starts`` and ``lengths`` are small CPU tensors (one entry per block); the result
-    is built on ``device`` without a host sync (its size is known on the host): one copy
-    of a two-row table, then :func:`segment_positions` (one fused kernel on CUDA).
-    """
-    st, ln = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    total = int(ln.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    nz = ln > 0
-    st, ln = st[nz], ln[nz]
-    tab = to_device(torch.from_numpy(np.stack((np.cumsum(ln) - ln, st))), device)
-    # the table's rows go in as separate 1-D tensors, so their length (the number of
-    # runs, new every step) is a dynamic dimension of the compiled kernel, not a recompile
-    return fused("ranges", segment_positions, tab)(tab[0], tab[1],
-                                                  torch.empty(total, device=tab.device))
+    dst_first: Tensor
+    src_first: Tensor
+    n: int
+
+    def apply(self, x: Tensor) -> Tensor:
+        return gather_runs(x, self.dst_first, self.src_first, self.n)
 
 
-def segment_positions(first_N: Tensor, value_N: Tensor, like_R: Tensor) -> Tensor:
-    """Position ``q`` of a concatenation of runs, each run ``n`` starting at
-    ``first[n]`` and mapping linearly onto ``value[n] ...``: ``value[n] + q - first[n]``
-    for the run holding ``q``, for ``q < len(like_R)`` (only its length is read)."""
-    q = torch.arange(like_R.shape[0], device=first_N.device)
-    k = torch.searchsorted(first_N, q, right=True) - 1
-    return value_N[k] + (q - first_N[k])
+def runs(starts, lengths, device: torch.device | str) -> Runs:
+    """The chunks ``[starts[k], starts[k] + lengths[k])`` of a source, concatenated in
+    order (host starts and lengths: one pinned copy of the table)."""
+    return runs_many([(starts, lengths)], device)[0]
+
+
+def runs_many(chunks: list[tuple], device: torch.device | str) -> list[Runs]:
+    """:func:`runs` of several ``(starts, lengths)`` lists, in one copy to ``device``."""
+    rows, n = [], []
+    for st, ln in chunks:
+        st, ln = np.asarray(st, dtype=np.int64), np.asarray(ln, dtype=np.int64)
+        rows += [np.cumsum(ln) - ln, st]
+        n.append(int(ln.sum()))
+    sizes = [r.size for r in rows]
+    flat = to_device(torch.from_numpy(np.concatenate(rows)), device).split(sizes)
+    return [Runs(flat[2 * i], flat[2 * i + 1], n[i]) for i in range(len(chunks))]
 
 
 @dataclass
@@ -72,38 +64,32 @@ class RecvLayout:
     Attributes:
         splits: rows arriving from each source rank (list, G).
         counts: rows per local slot in instance order (list, S).
-        to_inst: instance-order position -> arrival position, or ``None`` when the two
-            orders coincide (one source rank): callers then skip the permutation.
+        to_inst: arrival order -> instance order, and ``to_arrival`` the inverse; both
+            ``None`` when the two orders coincide (one source rank).
     """
 
     splits: list[int]
     counts: list[int]
-    to_inst: Tensor | None
+    to_inst: Runs | None
+    to_arrival: Runs | None = None
 
 
 def recv_layout(block_GS: Tensor, device: torch.device | str = "cpu") -> RecvLayout:
     """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]`` (host)."""
     b = np.asarray(block_GS, dtype=np.int64)
     G, S = b.shape
-    to_inst = None
+    to_inst = to_arrival = None
     if G > 1:
-        start_GS = (np.cumsum(b) - b.ravel()).reshape(G, S)
-        to_inst = ranges(start_GS.T.ravel(), b.T.ravel(), device)
-    return RecvLayout(b.sum(1).tolist(), b.sum(0).tolist(), to_inst)
+        arrival_GS = (np.cumsum(b) - b.ravel()).reshape(G, S)
+        inst_SG = (np.cumsum(b.T) - b.T.ravel()).reshape(S, G)
+        to_inst, to_arrival = runs_many([(arrival_GS.T.ravel(), b.T.ravel()),
+                                         (inst_SG.T.ravel(), b.ravel())], device)
+    return RecvLayout(b.sum(1).tolist(), b.sum(0).tolist(), to_inst, to_arrival)
 
 
-def permute_rows(x: Tensor, idx: Tensor | None) -> Tensor:
-    """``x[idx]``, or ``x`` itself when ``idx`` is None (identity)."""
-    return x if idx is None else x[idx]
-
-
-def unpermute_rows(x: Tensor, idx: Tensor | None) -> Tensor:
-    """The inverse of :func:`permute_rows`: ``out[idx] = x``."""
-    if idx is None:
-        return x
-    out = torch.empty_like(x)
-    out[idx] = x
-    return out
+def permute_rows(x: Tensor, order: Runs | None) -> Tensor:
+    """``x`` in the order of ``order`` (one kernel), or ``x`` itself when ``None``."""
+    return x if order is None else order.apply(x)
 
 
 @dataclass
@@ -111,9 +97,8 @@ class HomeLayout:
     """Send-side layout of one rank's pairs for one plan.
 
     Attributes:
-        send_pos_P: position of each local pair in the send buffer, -1 if dropped.
-        send_row_P: like ``send_pos_P`` but dropped pairs point at row ``N_send`` (a zero
-            row the caller appends), so gathers need no mask.
+        send_row_P: position of each local pair in the send buffer; a dropped pair
+            points at row ``N_send``, past the buffer.
         dropped: whether any local pair is dropped (capacity policy).
         src_pair: send-buffer position -> local pair index (length N_send).
         j_in_block: send-buffer position -> index inside its block.
@@ -122,11 +107,10 @@ class HomeLayout:
         splits: rows to each destination rank.
 
     The send positions of the retained rows and each send row's block are derived on
-    demand (:meth:`retained_positions`, :meth:`send_blocks`), so they are not kept alive
+    demand (:meth:`retained`), so they are not kept alive
     between forward and backward.
     """
 
-    send_pos_P: Tensor
     send_row_P: Tensor
     dropped: bool
     src_pair: Tensor
@@ -143,24 +127,14 @@ class HomeLayout:
 
     @property
     def all_retained(self) -> bool:
-        return bool(torch.equal(self.retain_I, self.assign_I))
+        return bool(np.array_equal(self.retain_I.numpy(), self.assign_I.numpy()))
 
-    def retained_positions(self, device: torch.device) -> Tensor | None:
-        """Send positions of the retained rows (ascending; each block's retained rows
+    def retained(self, device: torch.device) -> Runs | None:
+        """The retained rows among the send rows (ascending; each block's retained rows
         come first), or ``None`` when every row is retained."""
         if self.all_retained:
             return None
-        return ranges(excl_cumsum(self.assign_I), self.retain_I, device)
-
-    def send_blocks(self, device: torch.device) -> Tensor:
-        """Global instance index of each send row."""
-        return block_ids(self.assign_I, device)
-
-
-def block_ids(sizes_B: Tensor, device: torch.device) -> Tensor:
-    """``b`` repeated ``sizes_B[b]`` times, on ``device`` (host sizes: no sync)."""
-    return torch.repeat_interleave(torch.arange(sizes_B.numel(), device=device),
-                                   to_device(sizes_B, device), output_size=int(sizes_B.sum()))
+        return runs(excl_cumsum(self.assign_I), self.retain_I, device)
 
 
 def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> HomeLayout:
@@ -210,8 +184,7 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
     send_row, src_pair, j_in_block = fused("home_positions", home_positions, idx_P)(
         idx_P, gate_P.detach(), tab_dev[0], tab_dev[1], tab_dev[2],
         torch.empty(n_send, dtype=torch.int8, device=dev), by_gate)
-    send_pos = torch.where(send_row < n_send, send_row, -1) if dropped else send_row
-    return HomeLayout(send_pos, send_row, dropped, src_pair, j_in_block,
+    return HomeLayout(send_row, dropped, src_pair, j_in_block,
                       plan.retain_GGS[me].reshape(-1), plan.select_GGS[me].reshape(-1),
                       plan.assign_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())
 

@@ -22,17 +22,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lrmoe.ops.rowops import gather_pairs, gather_pairs_scaled, invert_permutation
+from lrmoe.parallel import stages
 from lrmoe.parallel.exchange import BackwardOptions, _timed, kept_rows
 from lrmoe.parallel.layout import RecvLayout
-from lrmoe.parallel.stages import (
-    Combined,
-    Retention,
-    Timer,
-    combine,
-    experts_backward,
-    experts_forward,
-    router_grad_home,
-)
 from lrmoe.policy.plan import Plan, native_plan
 
 
@@ -167,12 +160,12 @@ class LocalExperts(torch.autograd.Function):
         tm = _timer(stats, dev)
         # dispatch: pairs sorted by expert, stably (home_layout's order on one rank)
         pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
-        row_P = torch.empty_like(pair_R).scatter_(0, pair_R, torch.arange(P, device=dev))
+        row_P = invert_permutation(pair_R, P)
         offs_E = counts_E.cumsum(0).to(torch.int32)
         counts = HostCounts(offs_E)
-        rows = {"x": x_TH[pair_R // K]}
-        y_R = experts_forward(rows, _IDENTITY, w13_E, w2_E, counts, _ALL, tm, offs=offs_E)
-        comb = combine(y_R, row_P, gate_TK, H)
+        rows = {"x": gather_pairs(x_TH, pair_R, K)}
+        y_R = stages.experts_forward(rows, _IDENTITY, w13_E, w2_E, counts, _ALL, tm, offs=offs_E)
+        comb = stages.combine(y_R, row_P, gate_TK)
         es = x_TH.element_size()
         # the exchange's counters, for its one-rank case (the all-to-all bytes are what
         # it counts for identity exchanges)
@@ -205,21 +198,19 @@ class LocalExperts(torch.autograd.Function):
         tm = _timer(stats, dev)
         dout_TH = dout_TH.to(w13_E.dtype).contiguous()
         es = dout_TH.element_size()
-        comb = Combined(None, row_TK, gate_TK)
+        comb = stages.Combined(None, row_TK, gate_TK)
         # combine^-1: the router gradient from the kept outputs, and each row's output
         # gradient: dout of its token, scaled by its gate
         y_R = rows.pop("y_send")
-        dgate = None if ctx.rowdot else router_grad_home(y_R, comb, dout_TH, row_TK.reshape(-1))
+        dgate = None if ctx.rowdot else stages.router_grad_home(y_R, comb, dout_TH)
         del y_R
-        scale_R = gate_TK.reshape(-1)[pair_R].float()
-        rows["dy"] = dout_TH[pair_R // K]
-        dx_R, dw13, dw2, dot = experts_backward(rows, None, scale_R, _IDENTITY, None, _ALL,
+        rows["dy"], scale_R = gather_pairs_scaled(dout_TH, pair_R, K, gate_TK.reshape(-1))
+        dx_R, dw13, dw2, dot = stages.experts_backward(rows, None, scale_R, _IDENTITY, None, _ALL,
                                                 w13_E, w2_E, HostCounts(offs_E), offs_E,
                                                 ctx.rowdot, tm)
         if ctx.rowdot:  # <dout[t], y[t,k]> from the expert backward, back to pair order
-            dgate = torch.zeros(P, dtype=torch.float32, device=dev).scatter_(0, pair_R, dot)
-            dgate = dgate.view(T, K).to(gate_TK.dtype)
-        dx_TH = combine(dx_R, row_TK.reshape(-1), torch.ones(T, K, device=dev), H).out_TH
+            dgate = dot[row_TK].to(gate_TK.dtype)
+        dx_TH = stages.combine(dx_R, row_TK.reshape(-1), torch.ones(T, K, device=dev)).out_TH
         rd = 4 * ctx.rowdot
         stats.update(bwd_rows=P, selected_rows=P, bwd_dispatch_bytes_sent=P * (H * es + 12),
                      bwd_dispatch_bytes_recv=P * (H * es + 12),
@@ -231,10 +222,10 @@ class LocalExperts(torch.autograd.Function):
 
 # one rank's layouts: the rows arrive in instance order, every one is kept
 _IDENTITY = RecvLayout([], [], None)
-_ALL = Retention(None)
+_ALL = stages.Retention(None)
 
 
-def _timer(stats: dict, dev: torch.device) -> Timer:
+def _timer(stats: dict, dev: torch.device) -> stages.Timer:
     """The stages' ``tm``: only the expert kernels are timed on this path."""
     return lambda key: (_timed(stats, key + "_ms", dev) if key.startswith("expert")
                         else contextlib.nullcontext())

@@ -36,16 +36,15 @@ import torch
 from torch import Tensor
 
 from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward_owned, swiglu_forward
-from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum
-from lrmoe.parallel.layout import (
-    HomeLayout,
-    RecvLayout,
-    excl_cumsum,
-    permute_rows,
-    ranges,
+from lrmoe.ops.rowops import combine as combine_rows
+from lrmoe.ops.rowops import (
+    combine_grad_gate,
+    gather_pairs,
+    gather_pairs_scaled,
+    invert_permutation,
     to_device,
-    unpermute_rows,
 )
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, permute_rows, runs_many
 from lrmoe.parallel.select import BackwardOptions, select_and_compact
 from lrmoe.policy.plan import Plan
 
@@ -58,8 +57,8 @@ def untimed(key: str) -> ContextManager:
 
 # ------------------------------------------------------------------------- forward
 def dispatch_rows(x_TH: Tensor, home: HomeLayout, K: int) -> Tensor:
-    """The send buffer: each pair's token row, in send order."""
-    return x_TH[home.src_pair // K]
+    """The send buffer: each pair's token row, in send order (one kernel)."""
+    return gather_pairs(x_TH, home.src_pair, K)
 
 
 @dataclass
@@ -104,14 +103,21 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
     with tm("gather"):
         if keep.retain_SG is None:
             rows["x"], rows["gu"] = x_inst, (gu_inst[n:].clone() if n else gu_inst)
-        else:
-            keep_rows = ranges(excl_cumsum(keep.assign_SG), keep.retain_SG, dev)
-            rows["x"], rows["gu"] = x_inst[keep_rows], gu_inst[keep_rows[n:]]
-            del keep_rows
+        else:  # each block's first retain rows; the first n of them keep x alone
+            first = np.cumsum(keep.assign_SG) - keep.assign_SG
+            keep_x, keep_gu = runs_many([(first, keep.retain_SG),
+                                         _skip(first, keep.retain_SG, n)], dev)
+            rows["x"], rows["gu"] = keep_x.apply(x_inst), keep_gu.apply(gu_inst)
         del gu_inst, x_inst
     with tm("local"):
-        y_recv = unpermute_rows(y_inst, recv.to_inst)
+        y_recv = permute_rows(y_inst, recv.to_arrival)
     return y_recv
+
+
+def _skip(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks ``(starts, lengths)`` without their first ``n`` rows overall."""
+    cut = np.minimum(lengths, np.maximum(n - (np.cumsum(lengths) - lengths), 0))
+    return starts + cut, lengths - cut
 
 
 def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
@@ -142,37 +148,21 @@ class Combined:
 
     Attributes:
         out_TH: ``sum_k w[t,k] * y[row[t,k]]``.
-        row_TK: each pair's row in the combined buffer (dropped pairs: clamped).
-        w_TK: the gates, zero for dropped pairs.
+        row_TK: each pair's row in the combined buffer; a row past the buffer is a
+            dropped pair (the capacity policy's), which weighs 0.
+        w_TK: the gates.
     """
 
-    out_TH: Tensor
+    out_TH: Tensor | None
     row_TK: Tensor
     w_TK: Tensor
 
 
-def combine(y_send: Tensor, send_row_P: Tensor, gate_TK: Tensor, H: int) -> Combined:
+def combine(y_send: Tensor, send_row_P: Tensor, gate_TK: Tensor) -> Combined:
     """Home: the gate-weighted sum of each token's expert outputs ``y_send`` (send
-    order; ``send_row_P``: each pair's row). A row past the buffer is a dropped pair
-    (the capacity policy's): it weighs 0, on a clamped row."""
-    T, K = gate_TK.shape
-    row_TK, valid_TK = pair_rows(send_row_P, y_send.shape[0], T, K)
-    w_TK = gate_TK if valid_TK is None else gate_TK * valid_TK
-    if y_send.shape[0] == 0:
-        out = y_send.new_zeros(T, H)
-    else:
-        out = fused("combine", weighted_gather_sum, y_send)(y_send, row_TK, w_TK)
-    return Combined(out, row_TK, w_TK)
-
-
-def pair_rows(row_P: Tensor, n: int, T: int, K: int) -> tuple[Tensor, Tensor | None]:
-    """Rows ``[T, K]`` into an ``n``-row buffer; rows ``>= n`` mean "no row": they are
-    clamped and a 0/1 weight mask is returned (``None`` when every row is valid)."""
-    row = row_P.view(T, K)
-    if n == T * K or n == 0:
-        return (row, None) if n else (row.clamp(max=0), torch.zeros(T, K, device=row.device))
-    valid = (row < n).float()
-    return row.clamp(max=n - 1), valid
+    order; ``send_row_P``: each pair's row), in one kernel."""
+    row_TK = send_row_P.view(gate_TK.shape)
+    return Combined(combine_rows(y_send, row_TK, gate_TK), row_TK, gate_TK)
 
 
 # ------------------------------------------------------------------------ backward
@@ -181,20 +171,20 @@ class Shipped:
     """What a home rank ships in the backward dispatch (``rows["dy"]`` holds the rows).
 
     Attributes:
+        pairs: the shipped rows' pairs; ``None`` when every send row ships, in send
+            order (an exact plan).
         j: each shipped row's index inside its block (locates its kept activations).
         scale: each shipped row's output-gradient scale (gate, times 1/pi when sampled).
         sent_GS: rows sent to each (rank, slot) block (host).
         recv_GS: rows this rank receives from each (source, slot) block (host): from the
             plan, or the sampled estimator's exchanged counts.
-        sel_pos: the shipped rows' send positions; ``None`` when every send row ships,
-            in send order (an exact plan).
     """
 
+    pairs: Tensor | None
     j: Tensor
     scale: Tensor
     sent_GS: Tensor
     recv_GS: Tensor
-    sel_pos: Tensor | None
 
 
 def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Tensor,
@@ -208,38 +198,37 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
     receives (``[:, me, :]``), the split sizes when every selected row ships."""
     dev = dout_TH.device
     K = comb.w_TK.shape[1]
+    w_P = comb.w_TK.reshape(-1)
     with tm("local"):
         # the router gradient <dout[t], y[t,k]> from the kept combined rows ...
-        dgate = None if at_experts else router_grad_home(rows.pop("y_send"), comb, dout_TH, home.send_row_P)
-        rows.pop("y_send", None)
-        # ... and per retained pair, its token and gate: the rows carry dout[t] unscaled,
-        # the scale g is folded into the receiver's elementwise kernels
-        ret_pos = home.retained_positions(dev)
-        pairs = home.src_pair if ret_pos is None else home.src_pair[ret_pos]
-        tok_c, g_c = pairs // K, comb.w_TK.reshape(-1)[pairs].float()
+        y_send = rows.pop("y_send")
+        dgate = None if at_experts else router_grad_home(y_send, comb, dout_TH)
+        del y_send
+        # ... and the candidates: the retained send rows' pairs and places in their
+        # blocks; each ships dout[t] unscaled, its scale g folded into the receiver's
+        # elementwise kernels
+        ret = home.retained(dev)
+        pairs = home.src_pair if ret is None else ret.apply(home.src_pair)
+        j = home.j_in_block if ret is None else ret.apply(home.j_in_block)
+        sent_GS = home.retain_I.reshape(home.splits_shape)
+        if exact:
+            rows["dy"], scale = gather_pairs_scaled(dout_TH, pairs, K, w_P)
+            return dgate, Shipped(None if ret is None else pairs, j, scale, sent_GS, retain_GS_me)
     with tm("select"):
-        tok_s, scale, sent_I, recv_GS, keep, sel_idx = select_and_compact(
-            dout_TH, tok_c, g_c, gate_P[pairs], home, opts, generator, exact, exchange_counts)
-    if recv_GS is None:  # known from the plan (else: the sampled rows' counts, exchanged)
-        recv_GS = retain_GS_me if keep is None or not opts.compaction else select_GS_me
-    sel_pos = ret_pos if sel_idx is None else sel_idx if ret_pos is None else ret_pos[sel_idx]
-    with tm("local"):
-        rows["dy"] = dout_TH[tok_s]
-    j = home.j_in_block if sel_pos is None else home.j_in_block[sel_pos]
-    return dgate, Shipped(j, scale, sent_I.reshape(home.splits_shape), recv_GS, sel_pos)
+        pick = select_and_compact(dout_TH, pairs // K, w_P[pairs].float(), gate_P[pairs], home,
+                                  opts, generator, exchange_counts)
+    rows["dy"] = pick.dy
+    if pick.idx is not None:
+        pairs, j = pairs[pick.idx], j[pick.idx]
+    recv_GS = (pick.recv_GS if pick.recv_GS is not None
+               else select_GS_me if opts.compaction else retain_GS_me)
+    return dgate, Shipped(pairs, j, pick.scale, pick.sent_B.reshape(home.splits_shape), recv_GS)
 
 
-def router_grad_home(y_send: Tensor, comb: Combined, dout_TH: Tensor, send_row_P: Tensor) -> Tensor:
+def router_grad_home(y_send: Tensor, comb: Combined, dout_TH: Tensor) -> Tensor:
     """combine^-1 on the home side: ``dL/dg[t,k] = <dout[t], y[t,k]>`` from the kept
     combined rows, zero for dropped pairs, in the gates' dtype."""
-    T, K = comb.w_TK.shape
-    if y_send.shape[0] == 0:
-        return comb.w_TK.new_zeros(T, K)
-    dgate = fused("combine_bwd", gathered_dot, y_send)(y_send, comb.row_TK, dout_TH)
-    _, valid_TK = pair_rows(send_row_P, y_send.shape[0], T, K)
-    if valid_TK is not None:  # dropped pairs contributed nothing
-        dgate = dgate * valid_TK
-    return dgate.to(comb.w_TK.dtype)
+    return combine_grad_gate(y_send, comb.row_TK, dout_TH).to(comb.w_TK.dtype)
 
 
 def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvLayout,
@@ -277,9 +266,9 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
         dx_inst, dw13, dw2, *dot = swiglu_backward_owned(rows, w13, w2, counts, offs,
                                                          scale=scale_inst, rowdot=rowdot)
     with tm("local"):
-        dx_recv = unpermute_rows(dx_inst, recv.to_inst)
+        dx_recv = permute_rows(dx_inst, recv.to_arrival)
         del dx_inst
-        dot_recv = unpermute_rows(dot[0], recv.to_inst) if rowdot else None
+        dot_recv = permute_rows(dot[0], recv.to_arrival) if rowdot else None
     return dx_recv, dw13, dw2, dot_recv
 
 
@@ -307,26 +296,20 @@ def home_finish(dx_back: Tensor, home: HomeLayout, sh: Shipped, comb: Combined,
     """Home: the shipped rows' input gradients back to pair order (pairs not shipped
     weigh 0), summed over each token's k pairs: ``dx_TH``."""
     T, K = comb.w_TK.shape
-    dev, n_rows = dx_back.device, dx_back.shape[0]
     with tm("local"):
-        if sh.sel_pos is None and not home.dropped:  # every pair shipped, in send order
-            return combine(dx_back, home.send_row_P, torch.ones(T, K, device=dev),
-                           dx_back.shape[1]).out_TH
-        pos = home.src_pair if sh.sel_pos is None else home.src_pair[sh.sel_pos]
-        row_of_pair = torch.full((T * K,), n_rows, dtype=torch.long, device=dev)
-        row_of_pair[pos] = torch.arange(n_rows, device=dev)
-        row, valid = pair_rows(row_of_pair, n_rows, T, K)
-        if n_rows == 0:
-            return dx_back.new_zeros(T, dx_back.shape[1])
-        w = torch.ones(T, K, device=dev) if valid is None else valid
-        return fused("combine", weighted_gather_sum, dx_back)(dx_back, row, w)
+        ones = torch.ones(T, K, device=dx_back.device)
+        if sh.pairs is None and not home.dropped:  # every pair shipped, in send order
+            return combine_rows(dx_back, comb.row_TK, ones)
+        pairs = home.src_pair if sh.pairs is None else sh.pairs
+        row_of_pair = invert_permutation(pairs, T * K, fill=dx_back.shape[0])
+        return combine_rows(dx_back, row_of_pair.view(T, K), ones)
 
 
 def router_grad_experts(dg_back: Tensor, home: HomeLayout, T: int, K: int,
                         dtype: torch.dtype, tm: Timer = untimed) -> Tensor:
     """The router gradient the experts computed (exact plans: every send row came
-    back, in send order), in pair order ``[T, K]``."""
+    back, in send order), in pair order ``[T, K]``; zero for dropped pairs."""
     with tm("local"):
-        dgate = torch.zeros(T * K, dtype=torch.float32, device=dg_back.device)
-        dgate[home.src_pair] = dg_back
-        return dgate.view(T, K).to(dtype)
+        if home.dropped:
+            dg_back = torch.cat((dg_back, dg_back.new_zeros(1)))
+        return dg_back[home.send_row_P].view(T, K).to(dtype)

@@ -31,22 +31,10 @@ from torch import Tensor
 from lrmoe.errors import OutOfMemory
 from lrmoe.model.moe import MoELayer, _compute_dtype
 from lrmoe.ops.experts import offsets
+from lrmoe.parallel import stages
 from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.parallel.local import expert_counts
 from lrmoe.parallel.select import BackwardOptions
-from lrmoe.parallel.stages import (
-    Combined,
-    Retention,
-    Timer,
-    combine,
-    dispatch_rows,
-    experts_backward,
-    experts_forward,
-    home_backward,
-    home_finish,
-    retention,
-    router_grad_experts,
-)
 from lrmoe.parallel.weights import instance_route
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
@@ -103,7 +91,7 @@ class _State:
     idx_GP: Tensor | None = None
     E: int = 0
 
-    def timer(self, g: int) -> Timer:
+    def timer(self, g: int) -> stages.Timer:
         """The stages' ``tm`` for virtual rank ``g``."""
         return lambda key: self.timers.time(key, g)
 
@@ -160,7 +148,7 @@ class VirtualExchange(torch.autograd.Function):
         # --- per home rank: combine^-1, select, compact
         dgate_G, sh_G = [], []
         for g in range(G):
-            dgate, sh = home_backward(
+            dgate, sh = stages.home_backward(
                 dout_G[g], kept.comb_G[g], st.homes[g], st.gate_P_G[g],
                 plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], exact, opts, rows_G[g],
                 st.generators[g], None, at_experts, st.timer(g))
@@ -194,7 +182,7 @@ class VirtualExchange(torch.autograd.Function):
         dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
         for r in range(G):
             counts, offs = counts_G[r]
-            dx_recv, dw13, dw2, dot = experts_backward(
+            dx_recv, dw13, dw2, dot = stages.experts_backward(
                 rows_G[r], j_recv_G[r], sc_recv_G[r], rls[r], recv_GS_G[r], kept.keep_G[r],
                 w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
             dx_recv_G.append(dx_recv)
@@ -204,7 +192,7 @@ class VirtualExchange(torch.autograd.Function):
         dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
         if at_experts:  # every send row came back, in send order
             dg_back_G = _links(dot_recv_G, [rl.splits for rl in rls])
-            dgate_G = [router_grad_experts(dg_back_G[g], st.homes[g], T, K,
+            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, K,
                                            kept.comb_G[g].w_TK.dtype, st.timer(g))
                        for g in range(G)]
         st.stats.rows["selected"] = [
@@ -212,7 +200,7 @@ class VirtualExchange(torch.autograd.Function):
             else int(plan.select_GGS[:, r, :].sum()) for r in range(G)]
 
         # --- dx per home rank: shipped rows back to pair order, summed over k
-        dx_G = [home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g], st.timer(g))
+        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g], st.timer(g))
                 for g in range(G)]
         st.timers.resolve()
         st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
@@ -234,8 +222,8 @@ class _Kept:
     its combine."""
 
     rows_G: list[dict]
-    keep_G: list[Retention]
-    comb_G: list[Combined]
+    keep_G: list[stages.Retention]
+    comb_G: list[stages.Combined]
 
 
 def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
@@ -263,7 +251,7 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     x_send_G = []
     for g in range(G):
         with st.timers.time("local", g):
-            x_send_G.append(dispatch_rows(x_G[g], st.homes[g], K))
+            x_send_G.append(stages.dispatch_rows(x_G[g], st.homes[g], K))
     splits_G = [h.splits for h in st.homes]
     rows_G = [{"x": x} for x in _links(x_send_G, splits_G)]
     del x_send_G
@@ -274,8 +262,8 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     st.stats.bytes_GG[comb] = rows.t() * H * es
 
     # experts, per receiving rank
-    keep_G = [retention(plan, r) for r in range(G)]
-    y_recv_G = [experts_forward(rows_G[r], st.recvs[r], w13_G[r], w2_G[r], st.recvs[r].counts,
+    keep_G = [stages.retention(plan, r) for r in range(G)]
+    y_recv_G = [stages.experts_forward(rows_G[r], st.recvs[r], w13_G[r], w2_G[r], st.recvs[r].counts,
                                 keep_G[r], st.timer(r), expert) for r in range(G)]
 
     # combine, per home rank
@@ -284,7 +272,7 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     outs, comb_G = [], []
     for g in range(G):
         with st.timers.time("local", g):
-            comb_G.append(combine(y_send_G[g], st.homes[g].send_row_P, gate_G[g], H))
+            comb_G.append(stages.combine(y_send_G[g], st.homes[g].send_row_P, gate_G[g]))
         outs.append(comb_G[g].out_TH)
         comb_G[g].out_TH = None
         at_experts = st.opts.router_grad == "experts" and plan.exact

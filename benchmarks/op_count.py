@@ -6,14 +6,18 @@ without a GPU. One rank of a G-rank group (the plan's busiest, synthetic peers:
 ``tests/onerank.py``, as ``benchmarks/control_plane.py`` runs it) does one forward and
 one backward of one MoE layer; a ``TorchDispatchMode`` counts every ATen op it
 dispatches, attributed to the stage region it runs in (the runtime's own ``local``,
-``select``, ``gather`` and expert regions; ``other``: routing, counting, planning, the
-instance weights, the exchanges' copies) and classed by lineage (``tests/host_waits.py``):
+``select``, ``gather`` and expert regions; ``other``: counting, planning, the instance
+weights, the exchanges, one op each; the router and shared experts are left out) and
+classed by lineage (``tests/host_waits.py``):
 a **device** op touches data computed from the layer's input or weights, or makes a
 tensor on an explicit device (a kernel launch on a GPU); a **host** op works on plan
 data the host holds (small CPU tensors). A fused elementwise helper
 (:mod:`lrmoe.ops.fused`, one compiled kernel on CUDA) counts as one device op, whatever
-its eager version runs on the CPU. numpy and pure-Python work is not counted (it is in
-``plan_ms``).
+its eager version runs on the CPU; with ``--triton-interpret`` the row kernels
+(:mod:`lrmoe.ops.rowops`, :mod:`lrmoe.ops.selection`) run as Triton kernels under Triton's
+interpreter and each launch counts as one device op, as on a GPU (without it they run
+their torch references, several ops each). numpy and pure-Python work is not counted
+(it is in ``plan_ms``).
 
     python3 benchmarks/op_count.py --out DIR                 # Qwen3 routing shapes, ~1 min
     python3 benchmarks/op_count.py --out DIR --tokens 64 --eps 4 --preset tiny-qwen3
@@ -29,8 +33,12 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import os
 import sys
 from pathlib import Path
+
+if "--triton-interpret" in sys.argv:  # read when Triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
@@ -44,8 +52,13 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from host_waits import HostWaits  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interp import patch_interpreter
+
+    patch_interpreter()
+
 POLICIES = ("static", "symi", "lrmoe", "lrmoe:estimator=sampled")
-STAGE_KEYS = ("other", "local", "select", "gather", "expert")
+STAGE_KEYS = ("other", "local", "select", "gather", "expert")  # "dense" is left out
 
 
 class OpCount(HostWaits):
@@ -53,7 +66,7 @@ class OpCount(HostWaits):
 
     def __init__(self):
         super().__init__()
-        self.stage: list[str] = ["other"]
+        self.stage: list[str] = ["dense"]
         self.counts: collections.Counter = collections.Counter()
         self.by_op: collections.Counter = collections.Counter()
         self.muted = 0
@@ -86,34 +99,56 @@ class OpCount(HostWaits):
 
 @contextlib.contextmanager
 def counting(layer):
-    """An :class:`OpCount` over the layer's step, with its stage regions and fused
-    helpers hooked."""
+    """An :class:`OpCount` over the layer's step, with its stage regions, fused helpers
+    and exchanges hooked: ops outside the routed experts' code (the router, the shared
+    experts, the loss) are ``dense`` and left out; each all-to-all of the synthetic
+    peers counts as one device op (a collective launch), whatever its stand-in copies."""
     import lrmoe.model.moe as moe
     import lrmoe.ops.fused as fused_mod
     import lrmoe.parallel.exchange as exchange
+    import lrmoe.parallel.weights as weights
+    from onerank import OneRankComm
 
     oc = OpCount()
+    oc.stage = ["dense"]
     saved = {}
 
     def timed(stats, key, device):
         return oc.region(key)
 
-    def fused(name, fn, x):
-        def once(*a):
+    def once(name, fn):
+        def call(*a, **kw):
             oc.counts[(oc.stage[-1], "device")] += 1
-            oc.by_op[(oc.stage[-1], "device", f"fused:{name}")] += 1
+            oc.by_op[(oc.stage[-1], "device", name)] += 1
             oc.muted += 1
             try:
-                return fn(*a)
+                return fn(*a, **kw)
             finally:
                 oc.muted -= 1
-        return once
+        return call
+
+    def fused(name, fn, x):
+        return once(f"fused:{name}", fn)
+
+    def routed(fn):
+        def call(*a, **kw):
+            oc.stage.append("other")
+            try:
+                return fn(*a, **kw)
+            finally:
+                oc.stage.pop()
+        return call
     patches = [(m, "_timed", timed) for m in (exchange, moe) if hasattr(m, "_timed")]
     patches += [(m, "fused", fused) for m in list(sys.modules.values())
                 if getattr(m, "__name__", "").startswith("lrmoe")
                 and getattr(m, "fused", None) is fused_mod.fused]
+    patches += [(OneRankComm, "all_to_all", once("all_to_all", OneRankComm.all_to_all)),
+                (OneRankComm, "exchange_counts", once("all_to_all", OneRankComm.exchange_counts))]
+    patches += [(moe.MoELayer, "_routed", routed(moe.MoELayer._routed))]
+    for fn in (exchange.ExpertExchange, weights.GatherInstances):
+        patches.append((fn, "backward", staticmethod(routed(fn.backward))))
     for mod, name, new in patches:
-        saved[(mod, name)] = getattr(mod, name)
+        saved[(mod, name)] = mod.__dict__[name] if isinstance(mod, type) else getattr(mod, name)
         setattr(mod, name, new)
     try:
         with oc:
@@ -125,6 +160,7 @@ def counting(layer):
 
 def count_step(cfg, G: int, T: int, spec: str, seed: int) -> dict:
     """One forward + backward of the busiest rank: ops by stage and kind."""
+    import lrmoe.parallel.weights as weights
     from lrmoe.ledger import Ledger
     from lrmoe.policy.base import PlanInputs
 
@@ -139,6 +175,7 @@ def count_step(cfg, G: int, T: int, spec: str, seed: int) -> dict:
     x = torch.randn(1, T, cfg.hidden_size, generator=g).requires_grad_()
     dy = torch.randn(1, T, cfg.hidden_size, generator=g)
     cp.run_once(layer, x, dy, False)  # warm caches (the policy's, the layouts')
+    weights._route.cache_clear()  # a new placement's route is copied in this step
     out_counts = {}
     for phase in ("forward", "backward"):
         with counting(layer) as oc:
@@ -171,7 +208,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['tokens']} tokens a rank, Zipf skew {cp.DEFAULT_SKEW}; the busiest rank. "
              "Counts of dispatched ATen ops (forward + backward); device = on data of the "
              "layer (a kernel launch on a GPU), host = on plan data; a fused helper counts "
-             "once. Expert kernels (GEMMs, activations) are in `expert`.", ""]
+             f"once; row kernels: {meta['row_kernels']}. Expert kernels (GEMMs, activations) "
+             "are in `expert`.", ""]
     lines += md_head("policy", "replicas", "keep", "**total**", "host", "device",
                      *[f"{s} h/d" for s in STAGE_KEYS], "host waits f/b")
     for r in rows:
@@ -199,13 +237,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--triton-interpret", action="store_true",
+                   help="run the row kernels under Triton's interpreter (see module doc)")
     args = p.parse_args(argv)
     out = out_dir(args.out)
     cfg = dataclasses.replace(get_preset(args.preset), hidden_size=64, moe_intermediate_size=32)
     torch.manual_seed(args.seed)
     rows = [count_step(cfg, args.eps, args.tokens, spec, args.seed)
             for spec in args.policies.split(",")]
-    meta = run_meta("cpu", argv=argv, preset=args.preset, ep=args.eps, tokens=args.tokens)
+    meta = run_meta("cpu", argv=argv, preset=args.preset, ep=args.eps, tokens=args.tokens,
+                    row_kernels="triton (interpreted)" if args.triton_interpret else "torch references")
     md = markdown(meta, rows)
     write_outputs(out, "op_count", meta, rows, md)
     print(md)

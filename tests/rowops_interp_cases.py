@@ -23,26 +23,15 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported "
                 "(tests/test_rowops_triton.py runs this file so)", allow_module_level=True)
 
-from triton.runtime import interpreter as _interp  # noqa: E402
-
 from bits import same_bits  # noqa: E402
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.parallel.select import BackwardOptions  # noqa: E402
 from references.select_runtime import select_and_compact  # noqa: E402
 from test_select_fast import metric_case  # noqa: E402
 from test_select_stage import home_case  # noqa: E402
+from triton_interp import patch_interpreter  # noqa: E402
 
-# Triton 3.6's interpreter reads a loop bound with int() of a one-element array, which
-# NumPy >= 2.4 refuses; read its one element instead (later Triton does the same)
-_patch_tensor = _interp._patch_lang_tensor
-
-
-def _patch_index(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-_interp._patch_lang_tensor = _patch_index
+patch_interpreter()
 
 assert rowops.on_kernels(torch.zeros(1)), "the kernels should serve CPU tensors here"
 

@@ -62,7 +62,7 @@ def _trainer_step(model, opt, mbs, clip, arm=True):
     opt.zero_grad(set_to_none=True)
     armed = last_backward_hook(opt, ctx) if arm else None
     accumulate(model, lambda m: mbs[m], len(mbs),
-               lambda: torch.autocast("cpu", dtype=BF16), armed)
+               lambda: torch.autocast("cpu", dtype=BF16), before_last_backward=armed)
     sync_grads(model, ctx, presynced(opt))
     norm = clip_grad_norm(model, clip, ctx, opt.scale_grads)
     opt.step()
@@ -124,7 +124,8 @@ def test_gradients_go_to_the_host_during_the_last_backward_only():
         seen.append(len(pipe._landed))  # sent by the first two backwards: none
         opt.arm(lambda g: None)
     opt.zero_grad(set_to_none=True)
-    accumulate(model, lambda m: mbs[m], 3, lambda: torch.autocast("cpu", dtype=BF16), arm)
+    accumulate(model, lambda m: mbs[m], 3, lambda: torch.autocast("cpu", dtype=BF16),
+               before_last_backward=arm)
     experts = offloaded_params(model)
     assert seen == [0]
     assert presynced(opt) == {id(p) for p in experts}

@@ -26,11 +26,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(count, H, Fd))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
-        self._casts: dict = {}  # the weights in the compute dtype, cast once per update
+        # the weights in the compute dtype, while the micro-batches of one optimizer step
+        # share one cast (``MoEForCausalLM.one_cast``); ``None``: cast at each use
+        self.casts: dict | None = None
 
     def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate_up_proj, down_proj)`` in ``dtype``, cast once for as long as the
-        weights are unchanged (the micro-batches of one optimizer step share the cast;
-        the gradients are the cast's, in the weights' dtype)."""
-        return (compute_copy(self.gate_up_proj, dtype, self._casts),
-                compute_copy(self.down_proj, dtype, self._casts))
+        """``(gate_up_proj, down_proj)`` in ``dtype`` (the gradients are the cast's, in
+        the weights' dtype): cast once while :attr:`casts` holds a cache, else now."""
+        if self.casts is None:
+            return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        return (compute_copy(self.gate_up_proj, dtype, self.casts),
+                compute_copy(self.down_proj, dtype, self.casts))

@@ -7,6 +7,7 @@ H hidden, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,19 @@ class MoEForCausalLM(nn.Module):
     def set_runtime(self, runtime: MoERuntime) -> None:
         for m in self.moe_layers:
             m.runtime = runtime
+
+    @contextlib.contextmanager
+    def one_cast(self):
+        """Inside: every MoE layer casts its expert weights to the compute dtype once
+        and reuses the cast (the weights must not change meanwhile: the micro-batches of
+        one optimizer step, :func:`lrmoe.train.accum.accumulate`)."""
+        for m in self.moe_layers:
+            m.experts.casts = {}
+        try:
+            yield
+        finally:
+            for m in self.moe_layers:
+                m.experts.casts = None
 
     def set_micro_batch(self, m: int) -> None:
         """The index of the micro-batch about to run in its optimizer step (what a

@@ -7,8 +7,8 @@ gradient into its expert's gradient on the owner (inside a rank by ``index_add``
 across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
 
 The owned weights are cast to the compute dtype once per optimizer step
-(:func:`compute_copy`): micro-batches of one step reuse the cast, and their gradients
-still accumulate in the master dtype.
+(:func:`compute_copy`): the micro-batches of one step reuse the cast, and their
+gradients still accumulate in the master dtype.
 """
 
 from __future__ import annotations
@@ -135,14 +135,12 @@ class _CastOnce(torch.autograd.Function):
 
 
 def compute_copy(w: Tensor, dtype: torch.dtype, cache: dict) -> Tensor:
-    """``w.to(dtype)``, the cast made once for as long as ``w`` is unchanged (an
-    optimizer step's in-place update bumps its version), so the micro-batches of one
-    step share it; the same values and the same gradients as ``w.to(dtype)``.
-    ``cache`` holds the cast between calls (one entry per tensor)."""
+    """``w.to(dtype)`` with the cast made once per ``cache`` (which the caller holds
+    while ``w`` does not change: the micro-batches of one optimizer step); the same
+    values and the same gradients as ``w.to(dtype)``."""
     if w.dtype == dtype:
         return w
-    key = id(w)
-    hit = cache.get(key)
-    if hit is None or hit[0] != w._version or hit[1].dtype != dtype:
-        hit = cache[key] = (w._version, w.detach().to(dtype))
-    return _CastOnce.apply(w, hit[1]) if w.requires_grad and torch.is_grad_enabled() else hit[1]
+    cast = cache.get((id(w), dtype))
+    if cast is None:
+        cast = cache[(id(w), dtype)] = w.detach().to(dtype)
+    return _CastOnce.apply(w, cast) if w.requires_grad and torch.is_grad_enabled() else cast

@@ -150,11 +150,12 @@ def plan_seconds(cost: LinkCost, plan, E: int) -> float:
     fwd_GG = plan.assign_GGS.numpy().sum(2)  # [home, rank]
     bwd_GG = plan.select_GGS.numpy().sum(2)
     row = cost.hidden * cost.bytes_act
-    t = (float(fwd_GG.sum(0).max()) * FWD_FLOPS_PER_HF
-         + float(bwd_GG.sum(0).max()) * BWD_FLOPS_PER_HF) * cost.hf / cost.gemm_flops
+    # recomputed rows run their gate_up inside the expert backward of their rank
+    bwd_G = bwd_GG.sum(0) * BWD_FLOPS_PER_HF
     if plan.recompute_G is not None:
-        t += float(plan.recompute_G.numpy().max()) * RECOMPUTE_FLOPS_PER_HF * cost.hf \
-            / cost.gemm_flops
+        bwd_G = bwd_G + plan.recompute_G.numpy() * RECOMPUTE_FLOPS_PER_HF
+    t = (float(fwd_GG.sum(0).max()) * FWD_FLOPS_PER_HF
+         + float(bwd_G.max())) * cost.hf / cost.gemm_flops
     f, b = cost.rows_seconds(fwd_GG), cost.rows_seconds(bwd_GG)
     t += 2 * f(row) + b(row + BWD_ROW_EXTRA_BYTES) + b(row)  # fwd dispatch and combine
     rep = cost.rows_seconds(replica_rows_GG(inst_GS, E))(cost.instance_bytes)

@@ -59,6 +59,7 @@ from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
 
 FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
 BWD_FLOPS_PER_HF = 12   # dX and dW of each of them
+RECOMPUTE_FLOPS_PER_HF = 4  # a recomputed row's gate_up: 2 of the 3 GEMMs
 BWD_ROW_EXTRA_BYTES = 12  # per shipped backward row: its row index (int64) and scale (fp32)
 PROJECTED = ("static", "symi", "lrmoe")
 
@@ -77,7 +78,8 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
         bytes_act: bytes per element of activations and exchanged rows.
         bytes_w: bytes per element of the instance weights and their gradients.
         recompute_rows: per rank, rows re-run forward in backward (exact policies under
-            a budget); :mod:`lrmoe.sim.cost` charges them.
+            a budget): with mode ``pairs`` their gate_up is charged in the expert
+            backward; a ``layer`` checkpoint is charged by :mod:`lrmoe.sim.cost`.
         recompute_mode: :meth:`lrmoe.ledger.Ledger.exact_fit`'s mode (``pairs``: gate_up
             of those rows; ``layer``: a whole-layer checkpoint).
         plan_ms: the planning time per layer (measured by the caller), charged to every
@@ -122,9 +124,14 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     stats.rows = {"fwd": fwd, "retained": retained, "bwd": list(selected),
                   "selected": selected}
     ms_per_flop = 1e3 / rate_flops
+    # rows recomputed per row (mode "pairs") run their gate_up again inside the expert
+    # backward, as the runtime and the emulator run them
+    rec = (stats.recompute_rows if recompute_mode == "pairs" and stats.recompute_rows
+           else [0] * G)
     stats.expert_ms = {
         "fwd": [n * FWD_FLOPS_PER_HF * H * F * ms_per_flop for n in fwd],
-        "bwd": [n * BWD_FLOPS_PER_HF * H * F * ms_per_flop for n in selected],
+        "bwd": [(n * BWD_FLOPS_PER_HF + r * RECOMPUTE_FLOPS_PER_HF) * H * F * ms_per_flop
+                for n, r in zip(selected, rec)],
     }
     stats.saved_act_bytes = [n * (H + 2 * F) * bytes_act for n in retained]
     return stats

@@ -49,23 +49,24 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     each gradient final (the host offload arms its early sends there).
     """
     sums = None
-    for m in range(n):
-        if on_micro is not None:
-            on_micro(m, None)
-        model.set_micro_batch(m)
-        batch = micro_batch(m)
-        with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
-            x, y, num = loss_args(batch)
-            lm, obj = model.loss(x, y) if num is None else model.loss(x, y, num)
-        if m == n - 1 and before_last_backward is not None:
-            before_last_backward()
-        with _range("backward"):
-            (obj / n).backward()
-        pair = torch.stack([lm.detach(), obj.detach()]).float()
-        del lm, obj
-        if on_micro is not None:
-            on_micro(m, pair)
-        sums = pair if sums is None else sums + pair
+    with model.one_cast():  # the expert weights in the compute dtype, cast once
+        for m in range(n):
+            if on_micro is not None:
+                on_micro(m, None)
+            model.set_micro_batch(m)
+            batch = micro_batch(m)
+            with _range("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
+                x, y, num = loss_args(batch)
+                lm, obj = model.loss(x, y) if num is None else model.loss(x, y, num)
+            if m == n - 1 and before_last_backward is not None:
+                before_last_backward()
+            with _range("backward"):
+                (obj / n).backward()
+            pair = torch.stack([lm.detach(), obj.detach()]).float()
+            del lm, obj
+            if on_micro is not None:
+                on_micro(m, pair)
+            sums = pair if sums is None else sums + pair
     assert sums is not None
     return sums
 

@@ -145,7 +145,9 @@ def counting(layer):
     patches += [(OneRankComm, "all_to_all", once("all_to_all", OneRankComm.all_to_all)),
                 (OneRankComm, "exchange_counts", once("all_to_all", OneRankComm.exchange_counts))]
     patches += [(moe.MoELayer, "_routed", routed(moe.MoELayer._routed))]
-    for fn in (exchange.ExpertExchange, weights.GatherInstances):
+    for fn in (exchange.ExpertExchange, weights.GatherInstances, getattr(moe, "LocalExperts", None)):
+        if fn is None:
+            continue
         patches.append((fn, "backward", staticmethod(routed(fn.backward))))
     for mod, name, new in patches:
         saved[(mod, name)] = mod.__dict__[name] if isinstance(mod, type) else getattr(mod, name)
@@ -175,7 +177,8 @@ def count_step(cfg, G: int, T: int, spec: str, seed: int) -> dict:
     x = torch.randn(1, T, cfg.hidden_size, generator=g).requires_grad_()
     dy = torch.randn(1, T, cfg.hidden_size, generator=g)
     cp.run_once(layer, x, dy, False)  # warm caches (the policy's, the layouts')
-    weights._route.cache_clear()  # a new placement's route is copied in this step
+    if hasattr(weights, "_route"):  # a new placement's route is copied in this step
+        weights._route.cache_clear()
     out_counts = {}
     for phase in ("forward", "backward"):
         with counting(layer) as oc:

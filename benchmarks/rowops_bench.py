@@ -32,12 +32,13 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the select stage before
 from gpu_common import bench, check_device, cli, csv, fmt, md_head, out_dir, run_meta, write_outputs  # noqa: E402
 
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum  # noqa: E402
-from lrmoe.parallel.exchange import BackwardOptions, select_and_compact  # noqa: E402
-from lrmoe.parallel.layout import ranges  # noqa: E402
+from lrmoe.parallel.select import BackwardOptions  # noqa: E402
+from references.select_runtime import select_and_compact  # noqa: E402
 
 
 def host_ms(fn, dev: str, n: int = 30) -> float:
@@ -99,7 +100,7 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
     yield ("dispatch gather x[pair // K]", lambda: rowops.gather_pairs(x, pair, K),
            lambda: x[pair // K], "index", (T + P) * row + 8 * P)
     yield ("arrival -> instance reorder", lambda: rowops.gather_runs(y, dst, src, n),
-           lambda: y[ranges(starts, lengths, dev)], "ranges + index", 2 * P * row)
+           lambda: y[rowops.run_positions(dst, src, n)], "positions + index", 2 * P * row)
     yield ("invert permutation", lambda: rowops.invert_permutation(pair, P, -1), invert_today,
            "full + index_put", 3 * 8 * P)
     yield ("combine (forward)", lambda: rowops.combine(y, row_TK, gate),

@@ -78,7 +78,6 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
     """``(name, kernel, today's form, its name, bytes moved)`` for one shape."""
     g = torch.Generator().manual_seed(0)
     P, B = T * K, G * S
-    x = torch.randn(T, H, generator=g).to(dev, dt)
     d = torch.randn(T, H, generator=g).to(dev, dt)
     y = torch.randn(P, H, generator=g).to(dev, dt)
     gate = torch.rand(T, K, generator=g).to(dev, dt)
@@ -97,8 +96,6 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
         inv[pair] = torch.arange(P, device=dev)
         return inv
 
-    yield ("dispatch gather x[pair // K]", lambda: rowops.gather_pairs(x, pair, K),
-           lambda: x[pair // K], "index", (T + P) * row + 8 * P)
     yield ("arrival -> instance reorder", lambda: rowops.gather_runs(y, dst, src, n),
            lambda: y[rowops.run_positions(dst, src, n)], "positions + index", 2 * P * row)
     yield ("invert permutation", lambda: rowops.invert_permutation(pair, P, -1), invert_today,
@@ -108,8 +105,6 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
     yield ("combine grad gate + norm", lambda: rowops.combine_grad_gate_and_norm(y, row_TK, d),
            lambda: (dot_today(y, row_TK, d), rowops.token_norm(d)), "compiled gathered_dot + vector_norm",
            (P + T) * row + 12 * P)
-    yield ("dy rows + gate scales", lambda: rowops.gather_pairs_scaled(d, pair, K, gate.reshape(-1)),
-           lambda: (d[pair // K], gate.reshape(-1)[pair].float()), "2 index", (T + P) * row + 14 * P)
     # selection: every pair a candidate, grouped by block, half of each block kept
     tok = (torch.randperm(P, generator=g) // K).to(dev)
     g_N = torch.rand(P, generator=g).to(dev)

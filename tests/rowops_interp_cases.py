@@ -60,18 +60,6 @@ def test_gather_runs(idx_dtype):
     assert empty.shape == (0, 37)
 
 
-def test_gather_pairs_and_scales():
-    g = torch.Generator().manual_seed(1)
-    for K, H in ((1, 19), (3, 64)):
-        x = torch.randn(12, H, generator=g).bfloat16()
-        pair = torch.randint(0, 12 * K, (29,), generator=g)
-        w = torch.rand(12 * K, generator=g).bfloat16()
-        assert same_bits(rowops.gather_pairs(x, pair, K), x[pair // K])
-        rows, scale = rowops.gather_pairs_scaled(x, pair, K, w)
-        assert same_bits(rows, x[pair // K]) and same_bits(scale, w[pair].float())
-    assert rowops.gather_pairs(x, pair[:0], K).shape == (0, H)
-
-
 def test_invert_permutation():
     g = torch.Generator().manual_seed(2)
     perm = torch.randperm(50, generator=g)[:30]

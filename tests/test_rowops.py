@@ -33,15 +33,6 @@ def test_gather_runs_follows_its_definition_and_ranges():
                            ranges(starts, lengths))
 
 
-def test_gather_pairs_is_the_two_gathers():
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(10, 6, generator=g).bfloat16(), torch.rand(10, 3, generator=g).bfloat16()
-    pair = torch.randperm(30, generator=g)[:17]
-    assert same_bits(rowops.gather_pairs(x, pair, 3), x[pair // 3])
-    rows, scale = rowops.gather_pairs_scaled(x, pair, 3, w.reshape(-1))
-    assert same_bits(rows, x[pair // 3]) and same_bits(scale, w.reshape(-1)[pair].float())
-
-
 def test_invert_permutation_is_the_index_put_it_replaces():
     """``row_of_pair = full(n, fill); row_of_pair[perm] = arange`` (the exchange's dx
     rows), and perm entries past the end (the home layout's dropped pairs) ignored."""

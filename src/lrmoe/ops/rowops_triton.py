@@ -133,39 +133,6 @@ def launch_gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_
 
 
 @triton.jit
-def _gather_pairs_kernel(x_ptr, pair_ptr, w_ptr, out_ptr, scale_ptr, n, K, H, x_stride, out_stride,
-                         BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, SCALE: tl.constexpr):
-    q = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    qm = q < n
-    p = tl.load(pair_ptr + q, mask=qm, other=0).to(tl.int64)
-    t = p // K
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m = qm[:, None] & (h[None, :] < H)
-        v = tl.load(x_ptr + t[:, None] * x_stride + h[None, :], mask=m)
-        tl.store(out_ptr + q[:, None] * out_stride + h[None, :], v, mask=m)
-    if SCALE:
-        tl.store(scale_ptr + q, tl.load(w_ptr + p, mask=qm, other=0).to(tl.float32), mask=qm)
-
-
-def launch_gather_pairs(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor | None = None,
-                        wrap=direct) -> tuple[Tensor, Tensor | None]:
-    n = pair_N.numel()
-    out = x_TH.new_empty((n,) + tuple(x_TH.shape[1:]))
-    scale = None if w_P is None else torch.empty(n, dtype=torch.float32, device=x_TH.device)
-    if n == 0:
-        return out, scale
-    x2, o2 = _as_rows(x_TH), _as_rows(out)
-    H = x2.shape[1]
-    bq, bh = _rows_tile(H)
-    w = w_P if w_P is not None else pair_N  # unread without SCALE
-    wrap(_gather_pairs_kernel)[(triton.cdiv(n, bq),)](
-        x2, pair_N, w, o2, scale if scale is not None else out, n, K, H, x2.stride(0), o2.stride(0),
-        BLOCK_Q=bq, BLOCK_H=bh, SCALE=w_P is not None)
-    return out, scale
-
-
-@triton.jit
 def _invert_kernel(perm_ptr, inv_ptr, n, n_out, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n

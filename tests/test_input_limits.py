@@ -102,7 +102,7 @@ def _broken_reports() -> dict[str, object]:
     bad_evals = json.loads(json.dumps(real))
     bad_evals["policies"]["static"]["evals"] = [{"step": 1}]
     return {"list": [1, 2], "empty": {}, "no static": no_static, "steps a string": bad_steps,
-            "evals without loss": bad_evals, "config a list": dict(real, config=[1])}
+            "evals without loss": bad_evals, "target a list": dict(real, target=[1])}
 
 
 @pytest.mark.parametrize("case", list(_broken_reports()))

@@ -46,8 +46,8 @@ def register(sub) -> None:
                         "over this run's routing (the largest rank total of static's native "
                         "plan with the whole MoE layer checkpointed, over every step, read "
                         "off a calibration run of static without a budget first), so static "
-                        "fits every step and every policy has X - 1 of F to spare; 1.10 is "
-                        "the tight regime of RESULTS.md")
+                        "fits every step by construction; 1.1 is the tight regime of "
+                        "RESULTS.md")
     t.add_argument("--budget-retain-fraction", nargs="?", action=_Replaced,
                    help=argparse.SUPPRESS, default=argparse.SUPPRESS)
     t.add_argument("--steps", type=int, default=100)

@@ -743,15 +743,15 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     # them): only a collection frees the probe's experts and their gradients
     del probe
     gc.collect()
-    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, mcfg, batches, val_b, first, link, log))
-        ledger = budget_ledger(cfg, mcfg, rule.budget_bytes)
-        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's whole-layer "
-            f"floor {rule.floor_bytes} bytes ({rule.source})")
 
     results, profile = {}, None
-    with _compile_mode(cfg.compile):
+    with _compile_mode(cfg.compile):  # the calibration too: the same kernels as static's
+        if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+            rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                    ttl_budget.calibrate(cfg, mcfg, batches, val_b, first, link, log))
+            ledger = budget_ledger(cfg, mcfg, rule.budget_bytes)
+            log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+                f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
         for p in policies:
             base, vcfg = variants[p]
             if p in reused:

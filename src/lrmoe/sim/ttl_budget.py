@@ -5,8 +5,10 @@ this run's own routing: the largest rank total of static's native plan under a
 whole-layer checkpoint (:meth:`lrmoe.ledger.Ledger.layer_terms`, static's last fallback)
 over every step, micro-batch and MoE layer of the run. At a budget ``>= F`` every step
 of static fits (as is, by recomputing rows, or at worst by checkpointing the layer
-whole), and so does lrmoe's ladder (its last rung is that same checkpoint); ``X``
-says how much room above that floor every policy gets. ``benchmarks/floor_budget.py``
+whole); ``X`` says how much room above that floor every policy gets. The other
+policies train on their own routing: lrmoe's last rung is the same checkpoint, but a
+step of its own more skewed than any of static's can need more than ``F`` (at ``X =
+1`` it happens), and symi's replicas add their weights. ``benchmarks/floor_budget.py``
 reads the same ``F`` off a finished run's routing trace.
 
 Static is exact, so its routing does not depend on the budget: ``F`` is read off a

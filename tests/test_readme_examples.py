@@ -148,19 +148,19 @@ def _check_flags_only(argv: list[str]) -> None:
         script = ROOT / argv[argv.index("--nodes") + 2]
         assert script.is_file()
         subprocess.run(["bash", "-n", str(script)], check=True)
-        train = argv[argv.index("--nodes") + 3:]
+        train = ["train", *argv[argv.index("--nodes") + 3:]]  # the script runs lrmoe train
     else:
         from torch.distributed.run import get_args_parser
 
         args = get_args_parser().parse_args(argv[1:])
         assert args.module and args.training_script == "lrmoe"
         train = args.training_script_args
-    ns = build_parser().parse_args(["train", *train])
+    ns = build_parser().parse_args(train)
     assert ns.command == "train"
 
 
 def _one(cwd: Path, command: str) -> None:
-    words = shlex.split(command)
+    words = shlex.split(command, comments=True)
     env = _env()
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value before a command
         k, v = words.pop(0).split("=", 1)

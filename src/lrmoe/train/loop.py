@@ -7,11 +7,12 @@ parallel job, resolve the model config, read (never write) the run directory and
 checkpoint to resume from, load and tokenize the data, and only then create the run
 directory. On one process no ``torch.distributed`` call is made.
 
-Determinism: the global batch of step ``s`` depends only on ``(data, seq_len,
-batch_size, seed, s)`` (with ``--grad-accum N``, micro-batch ``m`` of step ``s`` is
-global batch ``s * N + m``); a checkpoint holds everything else that evolves (weights,
-optimizer, scheduler, RNGs, router counts, policy state), so on the CPU a resumed run
-repeats the uninterrupted one bit for bit.
+Determinism: global batch ``b`` depends only on ``(data, seq_len, batch_size, seed,
+b)``; micro-batch ``m`` of step ``s`` (``--grad-accum N``) is global batch ``b0 + s * N +
+m``, the batches read before this invocation continuing in order (``b0 = 0`` for a run
+that never changed N); a checkpoint holds everything else that evolves (weights,
+optimizer, scheduler, RNGs, router counts, policy state, batches read), so on the CPU a
+resumed run repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations

@@ -193,7 +193,8 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
     if ck is None:
         if read_run_config(run_dir) is None:
             raise LrmoeError(f"--resume: {run_dir} holds no lrmoe run to continue (no "
-                             f"{RUN_CONFIG}); drop --resume to start a new run there")
+                             f"{RUN_CONFIG}, no checkpoint); drop --resume to start a new run "
+                             "there")
         return None  # a run that completed no checkpoint: it starts again
     for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
         if value is not None and value < ck.step:

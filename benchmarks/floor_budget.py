@@ -31,8 +31,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_common as gc  # noqa: E402
 
@@ -42,6 +40,7 @@ from lrmoe.ledger import parse_bytes  # noqa: E402
 from lrmoe.policy.ledger_view import plan_exact_fit  # noqa: E402
 from lrmoe.policy.plan import layer_checkpoint_plan, native_plan  # noqa: E402
 from lrmoe.sim.ttl import TTLConfig, budget_ledger, policy_ledger  # noqa: E402
+from lrmoe.sim.ttl_budget import counts_matrix  # noqa: E402
 from lrmoe.train.config import TrainConfig, resolve_model_config  # noqa: E402
 
 
@@ -57,30 +56,21 @@ def load(path: str, a) -> tuple[dict, TTLConfig, int | None]:
     trace = gc.read_json(f)
     require(isinstance(trace, dict) and {"model", "ep", "tokens_per_rank", "steps"} <= trace.keys(),
             f"{f}: not a bench ttl routing trace (wants model, ep, tokens_per_rank, steps)")
+    require(isinstance(trace["ep"], int) and not isinstance(trace["ep"], bool) and trace["ep"] >= 1,
+            f"{f}: its ep {trace['ep']!r} is not a positive integer")
     run = find(f.parent, "ttl.json")
     if run is not None:
-        rep = gc.read_json(run)
-        c = rep.get("config", {})
-        require(c.get("grad_accum", 1) == 1, f"{run}: {c.get('grad_accum')} micro-batches a step: "
-                "the trace sums them, the ledger prices one")
-        cfg = TTLConfig(ep=trace["ep"], device=c.get("device", "cpu"),
-                        optimizer_offload=c.get("optimizer_offload", "device"),
-                        router_grad=c.get("router_grad", "home"))
-        return trace, cfg, rep.get("budget_bytes")
+        with gc.reading("a bench ttl ttl.json", run):
+            rep = gc.read_json(run)
+            c = rep.get("config", {})
+            require(c.get("grad_accum", 1) == 1, f"{run}: {c.get('grad_accum')} micro-batches a "
+                    "step: the trace sums them, the ledger prices one")
+            cfg = TTLConfig(ep=trace["ep"], device=c.get("device", "cpu"),
+                            optimizer_offload=c.get("optimizer_offload", "device"),
+                            router_grad=c.get("router_grad", "home"))
+            return trace, cfg, rep.get("budget_bytes")
     return trace, TTLConfig(ep=trace["ep"], device=a.device, optimizer_offload=a.optimizer_offload,
                             router_grad=a.router_grad), None
-
-
-def counts_matrix(counts_E: list[int], G: int, home: int) -> torch.Tensor:
-    """``[G, E]`` counts with column sums ``counts_E`` and row sums ``home`` (filled in
-    order: home rank by home rank, expert by expert)."""
-    c = torch.tensor(counts_E, dtype=torch.long)
-    require(int(c.sum()) == G * home and bool((c >= 0).all()),
-            f"a layer's counts sum to {int(c.sum())}, want ep·tokens_per_rank·top_k = {G * home}")
-    hi = c.cumsum(0)
-    lo = hi - c
-    g_lo = torch.arange(G)[:, None] * home
-    return ((torch.minimum(hi[None], g_lo + home) - torch.maximum(lo[None], g_lo)).clamp(min=0))
 
 
 def rows_fit(ledger, plan, budget: int) -> bool:
@@ -148,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     given = [(b, parse_bytes(b)) for b in gc.csv(a.mem_budget, str, "--mem-budget")]
     rows = []
     for path, (trace, cfg, run_budget) in [(p, load(p, a)) for p in a.traces]:
-        r = dict(trace=path, **floors(trace, cfg, model_of(trace, a.config)), run_budget=run_budget)
+        with gc.reading("a bench ttl routing trace", Path(path)):
+            r = dict(trace=path, **floors(trace, cfg, model_of(trace, a.config)),
+                     run_budget=run_budget)
         r["run_budget_over_F"] = None if run_budget is None else run_budget / r["F"]
         r["budgets"] = {f"{x:g}": {"bytes": int(x * r["F"]), "GiB": x * r["F"] / gc.GiB} for x in fracs}
         r["given_over_F"] = {b: v / r["F"] for b, v in given}

@@ -1,6 +1,7 @@
 """What the benchmarks share: CUDA-event timing, peak memory of one call, the dense bf16
 ceiling, run metadata, argument checks (one ``lrmoe: error:`` line, exit code 2),
-comma lists, markdown table heads, reading (gzipped) JSON, and writing JSON + markdown into ``--out DIR``.
+comma lists, markdown table heads, reading (gzipped) JSON and ending a file of the wrong
+shape in one line, and writing JSON + markdown into ``--out DIR``.
 
 On the CPU (``--smoke``) the same code runs once per call, for the script's logic only:
 its times are not results and its memory columns are ``None``.
@@ -8,6 +9,7 @@ its times are not results and its memory columns are ``None``.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import platform
@@ -130,6 +132,27 @@ def run_meta(dev: str, dense: float | None = None, argv: list[str] | None = None
                    dense_bf16_tflops=dense, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    command=" ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv))),
             **more}
+
+
+# what reading a file of the wrong shape raises: a missing key, a list for a dict, a
+# string for a number, an empty list, a zero where a count was due
+SHAPE_ERRORS = (KeyError, TypeError, IndexError, AttributeError, ValueError, ZeroDivisionError)
+
+
+@contextlib.contextmanager
+def reading(what: str, *paths: Path):
+    """Inside the block the content of ``paths`` is read: an error its shape causes (a
+    key missing, a value of another type) becomes one :class:`LrmoeError` naming the
+    file(s) and ``what`` they should be."""
+    names = ", ".join(str(p) for p in paths)
+    try:
+        yield
+    except LrmoeError as e:
+        if all(str(p) not in str(e) for p in paths):
+            raise LrmoeError(f"{names}: {e}") from None
+        raise
+    except SHAPE_ERRORS as e:
+        raise LrmoeError(f"{names}: not {what} ({type(e).__name__}: {e})") from None
 
 
 def read_json(f: Path):

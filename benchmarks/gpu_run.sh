@@ -16,18 +16,20 @@
 # ARGS_layer="--shapes glm --tokens 16384".
 # ttl settings (environment, default in brackets): STEPS [120]; POLICIES
 # [static,symi,lrmoe:recompute+estimator=sampled]; MEM_BUDGET, a size or none for no
-# budget [--budget-retain-fraction 0.8 when unset]; ROUTER_GRAD, static's and symi's
+# budget [--budget-floor-fraction 1.1 when unset: 1.1 x static's whole-layer floor over the
+# run's routing, read off a first static run without a budget]; ROUTER_GRAD, static's and symi's
 # router gradient [home]; ROUTER_LR_SCALE [1]; LINK [nvlink]; DETERMINISTIC=1 for
 # --deterministic; REUSE=DIR to take the finished policies of DIR/sSEED/ttl.json
 # (checked by `bench ttl --reuse`), REUSE_ONLY=static,symi to take only those; TTL_ARGS,
 # more `bench ttl` flags. MODEL_ARGS, DEVICE [cuda], EP [8], BATCH [128], SEQ [256]
 # override the workload (for a CPU smoke run).
-# TIMEOUT: seconds per benchmark [3000]. Exit code: the number of benchmarks that failed.
+# TIMEOUT: seconds per benchmark [3000]. PYTHON: the interpreter [.venv/bin/python where
+# `make` made one, else python3]. Exit code: the number of benchmarks that failed.
 set -uo pipefail
 OUT=${1:?usage: gpu_run.sh OUTDIR BENCH [BENCH ...]}; shift
 [ $# -ge 1 ] || { echo "gpu_run.sh: error: name at least one benchmark" >&2; exit 2; }
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 mkdir -p "$OUT"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
@@ -47,7 +49,7 @@ ttl() {  # WORKLOAD SEED LOG
   local steps=${STEPS:-120}
   if [ "${MEM_BUDGET:-}" = none ]; then budget=()
   elif [ -n "${MEM_BUDGET:-}" ]; then budget=(--mem-budget "$MEM_BUDGET")
-  else budget=(--budget-retain-fraction 0.8); fi
+  else budget=(--budget-floor-fraction 1.1); fi
   if [ -n "${REUSE:-}" ] && [ -f "$REUSE/s$seed/ttl.json" ]; then
     reuse=(--reuse "$REUSE/s$seed/ttl.json")
     if [ -n "${REUSE_ONLY:-}" ]; then  # a copy holding only those policies

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import cli, read_json  # noqa: E402
+from gpu_common import cli, read_json, reading  # noqa: E402
 
 from lrmoe.errors import LrmoeError, require  # noqa: E402
 from lrmoe.sim.cost import LINK_STAGES, price_terms  # noqa: E402
@@ -133,9 +133,11 @@ def run(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     link = get_link(a.link)
     reps = [(run, load(run)) for run in a.runs]
+    results = []
     for run, rep in reps:
-        guard(rep, run)
-    results = [(run, rep, reprice(rep, link, run)) for run, rep in reps]
+        with reading("a bench ttl ttl.json with link_terms", run):
+            guard(rep, run)
+            results.append((run, rep, reprice(rep, link, run)))
     lines = [f"MODELLED (re-priced): each run's exchanges priced again on --link {link.name} "
              f"({link.effective_Bps / 1e9:g} GB/s effective, {link.latency_s * 1e6:g} us); "
              "everything else as the run recorded (EMULATED); symi keeps the slots it chose "

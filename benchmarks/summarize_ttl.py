@@ -33,12 +33,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_common import cli, read_json  # noqa: E402
+from gpu_common import cli, read_json, reading  # noqa: E402
 
 from lrmoe.commands.bench import fmt  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.ledger import fmt_bytes  # noqa: E402
 from lrmoe.sim.target import ci95, crossing, eval_noise, target_at  # noqa: E402
+
+RUN = "a bench ttl run's record (ttl.json, ttl.json.gz or ttl_partial.json)"
 
 
 def load_report(run: Path) -> dict:
@@ -246,12 +248,17 @@ def run(argv: list[str] | None = None) -> int:
     if a.plot and not a.seeds:
         raise LrmoeError("--plot draws the seeds: give --seeds too")
     if not a.seeds:
-        print("\n\n".join(summarize(r) for r in a.runs))
+        tables = []
+        for r in a.runs:
+            with reading(RUN, r):
+                tables.append(summarize(r))
+        print("\n\n".join(tables))
         return 0
     reps = loaded(a.runs)  # read once for the table and the plot
-    print(seeds(a.runs, reps))
-    if a.plot:
-        plot_seeds(reps, a.plot)
+    with reading(RUN, *a.runs):
+        print(seeds(a.runs, reps))
+        if a.plot:
+            plot_seeds(reps, a.plot)
     return 0
 
 

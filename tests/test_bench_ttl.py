@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from lrmoe.cli import main
+from lrmoe.presets import get_preset
+from lrmoe.sim.ttl import balanced_budget
 
 ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
         "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
         "--max-data-bytes", "200000", "--threads", "1"]
+# a budget that binds at these settings: a balanced static rank keeping 80% of its pairs
+BUDGET = str(balanced_budget(get_preset("tiny-qwen3"), 2, 4 * 32 // 2, 0.8, "fp32"))
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +157,7 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
     """Under a binding budget: exact policies are charged recompute (and stay exact),
     lrmoe stays within the budget, and the routing trace feeds `plan --compare`."""
     out = tmp_path / "b"
-    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--budget-retain-fraction", "0.8",
+    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--mem-budget", BUDGET,
                       "--out", str(out)])
     assert rc == 0
     rep = json.loads((out / "ttl.json").read_text())
@@ -163,7 +167,7 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
     for r in (st, sy):
         assert all("recompute_ratio" in s and s["keep_ratio"] == 1 for s in r["steps"])
         assert "recompute to fit" in r["config"]
-    # the balanced budget keeps 80% of a balanced rank: a skewed static rank recomputes
+    # the budget keeps 80% of a balanced rank's pairs: a skewed static rank recomputes
     assert max(s["recompute_ratio"] for s in st["steps"]) > 0
     assert max(s["stages_emulated_s"]["bwd_recompute"] for s in st["steps"]) > 0
     a = torch.tensor([s["train_loss"] for s in st["steps"]])
@@ -193,11 +197,11 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
 
 
 def test_ttl_budget_options_exclusive(tmp_path, capsys):
-    rc = main(ARGS + ["--mem-budget", "1GiB", "--budget-retain-fraction", "0.5",
+    rc = main(ARGS + ["--mem-budget", "1GiB", "--budget-floor-fraction", "1.5",
                       "--out", str(tmp_path / "z")])
     assert rc == 2 and "not both" in capsys.readouterr().err
-    rc = main(ARGS + ["--budget-retain-fraction", "1.5", "--out", str(tmp_path / "z")])
-    assert rc == 2 and "--budget-retain-fraction" in capsys.readouterr().err
+    rc = main(ARGS + ["--budget-floor-fraction", "0.5", "--out", str(tmp_path / "z")])
+    assert rc == 2 and "--budget-floor-fraction" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
 
 
@@ -310,8 +314,8 @@ def test_ttl_router_grad_experts(tmp_path, capsys):
     reps = {}
     for rg in ("home", "experts"):
         out = tmp_path / rg
-        assert main(RG_ARGS + ["--policies", "static,symi,lrmoe", "--budget-retain-fraction",
-                               "0.8", "--router-grad", rg, "--out", str(out)]) == 0
+        assert main(RG_ARGS + ["--policies", "static,symi,lrmoe", "--mem-budget",
+                               BUDGET, "--router-grad", rg, "--out", str(out)]) == 0
         reps[rg] = json.loads((out / "ttl.json").read_text())
         md = (out / "ttl.md").read_text()
         assert ("router gradient at the experts" in md) == (rg == "experts")
@@ -344,7 +348,7 @@ def test_ttl_router_grad_experts(tmp_path, capsys):
     # a home run is not reused by an experts run; a file from before the option is "home"
     capsys.readouterr()
     assert main(RG_ARGS + ["--policies", "static",
-                             "--budget-retain-fraction", "0.8", "--router-grad", "experts",
+                             "--mem-budget", BUDGET, "--router-grad", "experts",
                              "--reuse", str(tmp_path / "home" / "ttl.json"),
                              "--out", str(tmp_path / "r")]) == 2
     assert "router_grad='home', this run has router_grad='experts'" in capsys.readouterr().err
@@ -352,7 +356,7 @@ def test_ttl_router_grad_experts(tmp_path, capsys):
     del old["config"]["router_grad"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main(RG_ARGS + ["--policies", "static",
-                             "--budget-retain-fraction", "0.8", "--reuse",
+                             "--mem-budget", BUDGET, "--reuse",
                              str(tmp_path / "old.json"), "--out", str(tmp_path / "o")]) == 0
     # a bad value: one line, exit code 2, nothing written
     capsys.readouterr()

@@ -214,12 +214,13 @@ def test_trainer_resume_with_accumulation_is_bit_exact(tmp_path):
         assert r["micro_batches"] == 2 and r["tokens"] == (i + 1) * 2 * 2 * 32
         assert all(sum(c) == 2 * 2 * 32 * k for c in r["counts"])
         assert all(m["pairs"] == 2 * 32 * k for m in r["moe"])  # the last micro-batch's
-    # a changed --grad-accum is a different trajectory: refused on --resume
-    from lrmoe.errors import LrmoeError
-
-    with pytest.raises(LrmoeError, match="grad_accum"):
-        train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True, **dict(base, grad_accum=3,
-                                                                       steps=8)))
+    # a resume may change --grad-accum: the change is recorded at the step it continues from
+    train(TrainConfig.from_flat(out=str(tmp_path / "b"), resume=True,
+                                **dict(base, grad_accum=3, steps=7)))
+    rows = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r for r in rows if r["kind"] == "change"] == [
+        {"kind": "change", "step": 6, "changes": {"grad_accum": [2, 3]}}]
+    assert [r["micro_batches"] for r in rows if r["kind"] == "train"][-1] == 3
 
 
 # ----------------------------------------------------------------------------- the emulator

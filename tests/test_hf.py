@@ -493,8 +493,9 @@ def test_save_moves_and_repermissions_only_its_own_files(tmp_path, monkeypatch):
     save_hf(_ours(QWEN, seed=5), d)
     monkeypatch.undo()
     assert moves
-    for a, b in moves:
-        assert a.parent == d == b.parent and a.name.startswith(f".{b.name}.tmp-"), (a, b)
+    for a, b in moves:  # from the save's own staging directory (lrmoe.files)
+        assert a.parent.parent == d == b.parent and a.name == b.name, (a, b)
+        assert a.parent.name.startswith(".lrmoe-save-"), (a, b)
     assert {p: p.read_bytes() for p in mine} == mine
     assert d.stat().st_mode & 0o777 == 0o700
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors",

@@ -145,7 +145,7 @@ def whole(inst, c):
 
 TTL = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "4", "--batch-size",
        "4", "--seq-len", "32", "--eval-every", "2", "--max-data-bytes", "200000",
-       "--threads", "1", "--budget-retain-fraction", "0.8"]
+       "--threads", "1", "--budget-floor-fraction", "1.1"]
 
 
 def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys, monkeypatch):
@@ -167,6 +167,7 @@ def test_bench_ttl_out_of_memory_verdict(tmp_path, capsys, monkeypatch):
     sy, lr, st = (rep["policies"][p] for p in ("symi", "lrmoe", "static"))
     oom = sy["out_of_memory"]
     assert oom["step"] == 1 and oom["budget_bytes"] == rep["budget_bytes"] < oom["needs_bytes"]
+    assert f"needs {oom['needs_bytes'] / 2**20:.1f} MiB >" in oom["detail"]  # one need
     assert sy["budget_status"].startswith("out of memory at step 1 (needs ")
     assert f"budget {oom['budget_bytes'] / 2**20:.1f} MiB)" in sy["budget_status"]
     assert sy["steps"] == [] and sy["time_to_target_emulated_s"] is None

@@ -16,7 +16,9 @@ import pytest
 from dist_util import load_benchmark
 from lrmoe.cli import main as lrmoe_main
 from lrmoe.errors import LrmoeError
+from lrmoe.presets import get_preset
 from lrmoe.sim.links import Link
+from lrmoe.sim.ttl import balanced_budget
 
 rl = load_benchmark("reprice_links")
 OLD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ttl_qwen3_2gib_devcp" / "s0"
@@ -63,6 +65,10 @@ def test_doubling_bandwidth_halves_the_exchanges_closed_form(tmp_path):
     assert got["static"]["ratio"] == pytest.approx(2 * 0.15 / (3 * 0.125), rel=1e-12)
 
 
+# binding at these settings: a balanced static rank (host design) keeping 80% of its pairs
+BUDGET = str(balanced_budget(get_preset("tiny-qwen3"), 2, 4 * 32 // 2, 0.8, "fp32", "host"))
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """A tiny CPU ``bench ttl`` run under a binding budget (recompute, whole-layer
@@ -71,7 +77,7 @@ def recorded(tmp_path_factory):
     rc = lrmoe_main(["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
                      "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
                      "--max-data-bytes", "200000", "--threads", "1",
-                     "--policies", "static,symi,lrmoe", "--budget-retain-fraction", "0.8",
+                     "--policies", "static,symi,lrmoe", "--mem-budget", BUDGET,
                      "--optimizer-offload", "host", "--grad-accum", "2", "--out", str(out)])
     assert rc == 0
     return out

@@ -89,7 +89,7 @@ def test_gpu_runner_ttl_on_cpu(tmp_path):
     rep = json.loads((run / "ttl.json").read_text())
     assert rep["config"]["seed"] == 1 and rep["config"]["steps"] == 4
     assert list(rep["policies"]) == ["static"]
-    assert rep["budget_bytes"] is None and rep["config"]["budget_retain_fraction"] is None
+    assert rep["budget_bytes"] is None and rep["config"]["budget_floor_fraction"] is None
     assert rep["config"]["link"] == "ib"
     mod = load_benchmark("routing_concentration")
     assert mod.main([str(run / "routing_trace_static.json"), "--steps", "0,3"]) == 0

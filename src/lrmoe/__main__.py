@@ -1,5 +1,3 @@
-import sys
+from lrmoe.cli import exit_process, main
 
-from lrmoe.cli import main
-
-sys.exit(main())
+exit_process(main())

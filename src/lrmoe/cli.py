@@ -9,6 +9,7 @@ at any moment prints ``lrmoe: interrupted`` (once under torchrun) and exits 130;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -62,5 +63,20 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
+def exit_process(code: int) -> None:
+    """End ``python -m lrmoe`` with ``code``. A torchrun worker that failed leaves at once
+    (streams flushed, its process group already left by the command): torchrun stops
+    the workers still running with SIGTERM as soon as one has exited non-zero, and an
+    interpreter's teardown can take long enough for a peer's clean exit 2 to become a
+    SIGTERM death."""
+    if code and os.environ.get("WORLD_SIZE", "1") != "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is ending with this code anyway
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

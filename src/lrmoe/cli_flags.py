@@ -40,6 +40,18 @@ def check_int(name: str, v: Any, low: int, allow_none: bool = False,
                          + (f" and <= {high}" if big else ""))
 
 
+def check_tokens_read(steps: int, grad_accum: int, batch_size: int, seq_len: int) -> None:
+    """Raise unless the tokens a run reads (``steps x grad_accum x batch_size x seq_len``,
+    the count its metrics and checkpoints carry) stay within int64: past it a micro-batch
+    count is no longer a count of anything a run could read."""
+    total = steps * grad_accum * batch_size * seq_len
+    if total > INT64_MAX:
+        raise LrmoeError(
+            f"--grad-accum {grad_accum} with --steps {steps}, --batch-size {batch_size} and "
+            f"--seq-len {seq_len} reads {total:.3g} tokens, beyond int64 ({INT64_MAX:.3g}); "
+            "lower --steps or --grad-accum")
+
+
 def check_num(name: str, v: Any, low: float, high: float = math.inf,
               open_low: bool = False) -> None:
     """Raise naming ``--name`` unless ``v`` is a finite number in the range."""

@@ -13,6 +13,7 @@ class LrmoeError(ValueError):
 
     exit_code = 2
     quiet = False  # True: another rank (or the raiser) prints this message
+    agreed = False  # True: every rank of the job raised it, after the same collectives
 
 
 class OutOfMemory(LrmoeError):
@@ -38,6 +39,8 @@ def require(cond: bool, msg: str) -> None:
 
 
 def quiet_unless(err: LrmoeError, speak: bool) -> LrmoeError:
-    """``err``, printed by the CLI only where ``speak`` (rank 0 of an agreed error)."""
+    """``err``, an error every rank raises alike (``agreed``), printed by the CLI only
+    where ``speak`` (rank 0)."""
     err.quiet = not speak
+    err.agreed = True
     return err

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import re
-import uuid
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
+from lrmoe.files import mode_for, remove_dead_leftovers, staging_dir
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.transformer import MoEForCausalLM
 
@@ -455,16 +456,19 @@ def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
     return [target / n for n in ours]
 
 
-def _write_atomic(final: Path, write: Callable[[Path], None], written: list[Path]) -> Path:
-    """Write ``final``'s new contents to a temporary file beside it (``write(tmp)``),
-    fsynced; the rename happens later (:func:`_commit`). The temporary file takes the
-    mode of the file it replaces."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    written.append(tmp)
+# the per-file temporaries of save_hf before it staged its files in one directory
+_OLD_TEMP = re.compile(r"^\.(?:model[^/]*\.safetensors(?:\.index\.json)?|config\.json)"
+                       r"\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Path:
+    """Write ``final``'s new contents to a file in the save's staging directory
+    (``write(tmp)``; safetensors' own temporary file lands there too), fsynced; the
+    rename happens later. It takes the mode of the file it replaces, else the umask's."""
+    tmp = stage / final.name
     write(tmp)
     _fsync(tmp)
-    if final.exists():
-        os.chmod(tmp, final.stat().st_mode & 0o7777)
+    os.chmod(tmp, mode_for(final))
     return tmp
 
 
@@ -477,11 +481,14 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
 
     ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays
-    fp32. Every file is written to a temporary file in ``path`` and renamed over its
-    name once all of them are on disk (``config.json`` last), so a failure leaves an
-    existing checkpoint as it was. save_hf touches only its own files: other files in
-    ``path`` (tokenizer, ...) are left alone, the directory keeps its mode, and a
-    symlinked ``path`` is written through. A directory holding another model's files
+    fp32. Every file is written into a staging directory of this save inside ``path``
+    (:func:`lrmoe.files.staging_dir`) and renamed over its name once all of them are on
+    disk (``config.json`` last), so a failure leaves an existing checkpoint as it was; a
+    save killed part-way leaves the staging directory, which the next save removes (only
+    a dead process's, on this host). New files follow the umask, a replaced file keeps
+    its mode. save_hf touches only its own files: other files in ``path`` (tokenizer,
+    ...) are left alone, the directory keeps its mode, and a symlinked ``path`` is
+    written through. A directory holding another model's files
     (other weight files, or a ``config.json`` of another model) and an lrmoe run
     directory are refused. The model must hold every expert: gather an expert-parallel
     model's experts first.
@@ -546,9 +553,11 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
         f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
     created = not target.exists()
-    written: list[Path] = []  # temporary files, renamed by _commit
+    stage = None  # this save's files until they are renamed into place (lrmoe.files)
     try:
         target.mkdir(parents=True, exist_ok=True)
+        remove_dead_leftovers(target, _OLD_TEMP)  # of an earlier save that was killed
+        stage = staging_dir(target)
         plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}
         for fname, idx in zip(names, shards):
@@ -557,7 +566,7 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
             tensors = {entries[i][0]: entries[i][3]() for i in idx}
             plan.append((_write_atomic(target / fname, lambda t, ts=tensors: safetensors.torch
                                        .save_file(ts, str(t), metadata={"format": "pt"}),
-                                       written), target / fname))
+                                       stage), target / fname))
             weight_map.update({entries[i][0]: fname for i in idx})
         texts = []
         if n > 1:
@@ -569,18 +578,18 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
                                               sort_keys=True) + "\n"))
         for fname, text in texts:
             plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_bytes(
-                x if isinstance(x, bytes) else x.encode()), written), target / fname))
+                x if isinstance(x, bytes) else x.encode()), stage), target / fname))
         for tmp, final in plan:  # weights first, config.json last
             os.replace(tmp, final)
         new = {final for _, final in plan}
         for p in old:  # the old checkpoint's shards and index this save does not write
             if p not in new:
                 p.unlink(missing_ok=True)
+        stage.rmdir()
         _fsync(target)
     except BaseException as e:
-        for tmp in written:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
         if created:
             with contextlib.suppress(OSError):
                 target.rmdir()

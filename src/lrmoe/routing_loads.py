@@ -8,6 +8,7 @@ matrix; a routing trace is what ``lrmoe bench ttl`` writes per policy
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +70,15 @@ def spread_over_homes(total_E: Tensor, G: int) -> Tensor:
 
 
 def read_json(path: str):
+    """``--loads``: JSON, gzipped where the name ends ``.gz`` (as benchmarks/results keeps
+    routing traces)."""
     try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
+        raw = Path(path).read_bytes()
+        return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+    except OSError as e:  # gzip.BadGzipFile too
         raise LrmoeError(f"cannot read --loads {path}: {e.strerror or e}") from None
+    except EOFError:
+        raise LrmoeError(f"cannot read --loads {path}: the gzip stream is cut off") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f": {e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
         raise LrmoeError(f"--loads {path} is not valid JSON{where}") from None

@@ -18,7 +18,14 @@ import argparse
 
 from torch import Tensor
 
-from lrmoe.cli_flags import PLAN, add_policy_flags, check_policy_flags, policy_config
+from lrmoe.cli_flags import (
+    INT64_MAX,
+    PLAN,
+    add_policy_flags,
+    check_int,
+    check_policy_flags,
+    policy_config,
+)
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.ledger import TERMS, Ledger, fmt_bytes, parse_bytes
@@ -140,7 +147,21 @@ def plan_policy(args: argparse.Namespace, slots: int | None = None) -> PolicyCon
     return policy_config(given)
 
 
+# tokens a home rank routes: beyond this, pairs times bytes per pair leave int64
+TOKENS_PER_RANK_MAX = 2**31 - 1
+
+
+def check_ints(args: argparse.Namespace) -> None:
+    """Every integer flag in range (one line naming it): no count beyond int64 reaches
+    the planners' int64 arrays."""
+    check_int("ep", args.ep, 1, allow_none=True)
+    check_int("tokens_per_rank", args.tokens_per_rank, 1, high=TOKENS_PER_RANK_MAX)
+    check_int("seed", args.seed, 0, high=2**64 - 1)
+    check_int("trace_steps", args.trace_steps, 1, high=INT64_MAX)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_ints(args)
     check_policy_flags({k: getattr(args, k) for k in PLAN})
     if args.compare:
         from lrmoe.commands.plan_compare import run_compare

@@ -66,8 +66,6 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ep < 1:
         raise LrmoeError(f"--ep {ep} must be >= 1")
-    if world % ep != 0:
-        raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
     if world == 1:
         if ep != 1:
             raise LrmoeError(f"--ep {ep} needs {ep} processes; launch with "
@@ -81,8 +79,10 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         kw = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     rank = dist.get_rank()
-    if check is not None:
+    if check is not None:  # first: a rank's other --ep is named as a flag that differs
         check(rank, world)
+    if world % ep != 0:  # alike on every rank once the flags agree
+        raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
     to = datetime.timedelta(seconds=timeout_s)  # every group, not just the default one
     ep_group = dp_group = None
     for k in range(world // ep):  # every rank must create every group, in the same order

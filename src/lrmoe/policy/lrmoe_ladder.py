@@ -192,11 +192,13 @@ def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
         assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, slots_per_rank)
         return whole_layer_ckpt(to_plan(inst, assign, assign.copy(), assign.copy()))
     if whole_layer:  # what the last rung needed: the natives' whole-layer totals
-        need = int(plan_exact_fit(ledger, natives)[2].max())
+        last = dataclasses.replace(natives, layer_checkpoint=True)
         rungs = RUNGS
     else:  # what the last rung tried needed: the natives with every row recomputed
-        every = dataclasses.replace(natives, recompute_G=natives.rank_load().clone())
-        need = max(t["total"] for t in ledger.rank_terms(every))
+        last = dataclasses.replace(natives, recompute_G=natives.rank_load().clone())
         rungs = RUNGS[:-1]
+    terms = ledger.rank_terms(last)
+    r = max(range(len(terms)), key=lambda i: terms[i]["total"])
+    detail = ledger.describe(r, terms[r])  # the need, with the terms that make it
     raise OutOfMemory(f"lrmoe: no plan fits mem_budget at any rung ({', '.join(rungs)}): "
-                      f"{first.detail}", need, ledger.budget_bytes, first.detail)
+                      f"{detail}", terms[r]["total"], ledger.budget_bytes, detail)

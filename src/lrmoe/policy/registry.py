@@ -47,13 +47,13 @@ def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
                         f"use a divisor of {E}")
     n_nat = E // G
     s = cfg.slots_per_rank
-    if s is not None:
+    if s is not None and cfg.name in ("symi", "lrmoe"):  # the others do not read it
         require(isinstance(s, int) and s >= n_nat,
                 f"slots_per_rank={s!r} must be an integer >= E/G = {n_nat} "
                 "(each rank holds its native experts)")
     require(not cfg.recompute or cfg.name in ("static", "symi"),
-            f"recompute applies to the exact policies static and symi, not {cfg.name!r} "
-            "(lrmoe fits a budget by its retention quotas)")
+            f"--recompute applies to the exact policies static and symi, not {cfg.name!r} "
+            "(lrmoe fits a budget by its retention quotas; --lrmoe-recompute is its own)")
     if cfg.name == "static":
         return StaticPolicy(cfg.recompute)
     if cfg.name == "capacity":

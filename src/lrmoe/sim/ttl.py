@@ -98,7 +98,9 @@ import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger, parse_bytes
+from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
+from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
@@ -137,7 +139,7 @@ class TTLConfig:
     lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
     lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
     compile: bool = False  # torch.compile the model as lrmoe train --compile
-    budget_retain_fraction: float | None = None  # budget from static's step-1 plan
+    budget_floor_fraction: float | None = None  # budget: this x static's whole-layer floor
     optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
@@ -452,7 +454,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     em = Emulator(model, G, policy, BackwardOptions(estimator=cfg.estimator,
                                                     router_grad=router_grad),
                   planner_ledger, sync, rec_ledger)
-    trace, trace_GE = [], []
+    trace, trace_GE, micro_E = [], [], []
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
                           host=dev, router_lr_scale=cfg.router_lr_scale,
                           compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
@@ -505,6 +507,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
                           for layer in zip(*[m[0] for m in micro])])
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
+            # every micro-batch's per-expert counts, its layers in order (the budget floor's)
+            micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             rows.append(row)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -518,7 +522,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
         failed = e.verdict(oom["step"])
         if name == "static":
             raise LrmoeError(f"static (whose run sets the target) is {failed}: {e.detail}; "
-                             "raise --mem-budget") from None
+                             f"raise {budget_flag(cfg)}") from None
         log(f"[{name}] {failed}")
     except LrmoeError as e:  # e.g. a non-finite loss
         if name == "static":
@@ -530,7 +534,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     res = {"policy": name, "config": note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
            "routing_trace": trace, "failed": failed, "out_of_memory": oom,
-           "_counts_GE": trace_GE,
+           "_counts_GE": trace_GE, "_counts_E_micro": micro_E,
            # every virtual rank at once on one device: whether the emulation fits the
            # device, not a rank's memory (that is the ledger's)
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
@@ -616,16 +620,22 @@ def time_to_target(res: dict, target: float, rtol: float = 0.0
     return None, None
 
 
+def budget_flag(cfg: TTLConfig) -> str:
+    """The flag that set the run's budget (what an out-of-memory line tells to raise)."""
+    return "--budget-floor-fraction" if cfg.budget_floor_fraction is not None else "--mem-budget"
+
+
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
                     optimizer_offload: str = "device") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
     and received pairs) that retains only ``fraction`` of its pairs.
 
-    A benchmark convenience that makes memory bind by construction and does not depend on
-    the routing: below 1 even a balanced exact rank must recompute, and a skewed one more
-    (or, past what recompute can free, it does not fit); lrmoe must trim. With
-    ``optimizer_offload="host"`` the rank is priced on that memory design (no optimizer
-    state on the GPU).
+    A budget where memory binds without a run's routing, for tests of the fallbacks:
+    below 1 even a balanced exact rank must recompute, and a skewed one more (or, past
+    what recompute can free, it does not fit); lrmoe must trim. Not a budget rule of
+    ``bench ttl``: a skewed step can need more than any fraction of it even with a
+    whole-layer checkpoint (:mod:`lrmoe.sim.ttl_budget`). With
+    ``optimizer_offload="host"`` the rank is priced on that memory design.
     """
     led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
@@ -663,19 +673,29 @@ def deterministic_mode(on: bool, fill: bool = True):
         tud.fill_uninitialized_memory = was_fill
 
 
-def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
-    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
-    run (module docstring): raises :class:`LrmoeError` naming the first difference."""
+def load_reused_report(cfg: TTLConfig) -> dict:
+    """The ``--reuse`` file's report (one line naming it when it is not one)."""
     import json
     from pathlib import Path
 
     path = Path(cfg.reuse)
     try:
         rep = json.loads(path.read_text())
-        got = rep["policies"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        require(isinstance(rep.get("policies"), dict), "no policies")
+    except (OSError, ValueError, AttributeError) as e:
         raise LrmoeError(f"--reuse {path}: not a readable ttl.json or ttl_partial.json "
                          f"({type(e).__name__}: {e})") from None
+    return rep
+
+
+def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
+    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
+    run (module docstring): raises :class:`LrmoeError` naming the first difference."""
+    from pathlib import Path
+
+    path = Path(cfg.reuse)
+    rep = load_reused_report(cfg)
+    got = rep["policies"]
     old = rep.get("config")
     if old is not None:
         # a setting the file lacks was added since: its default is the behaviour before it
@@ -741,43 +761,19 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     from lrmoe.train.config import TrainConfig, resolve_model_config
     from lrmoe.train.loop import val_windows
 
+    check_ttl_config(cfg)
     G = cfg.ep
-    require(cfg.preset or cfg.config, "give a model: --preset NAME or --config FILE")
-    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
-        require(isinstance(getattr(cfg, k), int) and getattr(cfg, k) >= 1,
-                f"--{k.replace('_', '-')} {getattr(cfg, k)!r} must be an integer >= 1")
-    require(cfg.eval_every >= 0 and 0 < cfg.target_fraction <= 1,
-            "--eval-every must be >= 0 and --target-fraction in (0, 1]")
-    require(cfg.batch_size % G == 0, f"--batch-size {cfg.batch_size} must be divisible by "
-                                     f"--ep {G} (one home rank per share of the batch)")
-    require(cfg.device in ("cpu", "cuda"), f"--device {cfg.device!r}: use cpu or cuda")
-    require(cfg.optimizer_offload in ("device", "host"),
-            f"--optimizer-offload {cfg.optimizer_offload!r}: use device or host")
-    from lrmoe.model.checkpoint import check_mode
-    check_mode(cfg.activation_checkpoint)
-    require(cfg.router_grad in ("home", "experts"),
-            f"--router-grad {cfg.router_grad!r}: use home or experts")
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
     variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
-    require(isinstance(cfg.smooth_window, int) and cfg.smooth_window >= 1
-            and cfg.smooth_window % 2 == 1,
-            f"--smooth-window {cfg.smooth_window!r} must be an odd integer >= 1")
     link = get_link(cfg.link)
     tc = TrainConfig(preset=cfg.preset, config=cfg.config)
     mcfg = resolve_model_config(tc, vocab_size=None)
     require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
                                        f"{mcfg.num_experts}")
-    require(cfg.mem_budget is None or cfg.budget_retain_fraction is None,
-            "give --mem-budget or --budget-retain-fraction, not both")
-    require(cfg.budget_retain_fraction is None or 0 < cfg.budget_retain_fraction <= 1,
-            f"--budget-retain-fraction {cfg.budget_retain_fraction} must be in (0, 1]")
-    ledger, dtype = None, "bf16" if cfg.device == "cuda" else "fp32"
-    if cfg.mem_budget is not None or cfg.budget_retain_fraction is not None:
+    ledger, rule = None, None
+    if cfg.mem_budget is not None:
         home = cfg.batch_size // G * cfg.seq_len
-        budget = (parse_bytes(cfg.mem_budget) if cfg.mem_budget is not None else
-                  balanced_budget(mcfg, G, home, cfg.budget_retain_fraction, dtype,
-                                  cfg.optimizer_offload))
-        ledger = budget_ledger(cfg, mcfg, budget)
+        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.mem_budget))
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
@@ -806,6 +802,12 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     gc.collect()
 
     results, profile = {}, None
+    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                ttl_budget.calibrate(cfg, mcfg, batches, val_b, first, link, log))
+        ledger = budget_ledger(cfg, mcfg, rule.budget_bytes)
+        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
     for p in policies:
         base, vcfg = variants[p]
         if p in reused:
@@ -818,6 +820,9 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                                 profile)
         results[p]["policy"] = p
         counts_GE = results[p].pop("_counts_GE")
+        results[p].pop("_counts_E_micro")
+        if rule is not None:  # with each result: --reuse takes it with the policy
+            results[p]["budget_rule"] = rule.record()
         if p == "static":
             from lrmoe.sim.ttl_symi import calibrated_gemm_rate
             rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
@@ -851,6 +856,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
             "model": mcfg.to_hf_dict(), "data": corpus.source,
             "budget_bytes": None if ledger is None else ledger.budget_bytes,
+            "budget_rule": None if rule is None else rule.record(),
             "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),
             "target": {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
                        "smooth_window": w, "noise": eval_noise(base, at, w),

@@ -478,8 +478,7 @@ def _out_of_memory(ledger, plan: Plan, totals) -> OutOfMemory:
     counts = ledger._rank_counts(plan, None)
     r = int(totals.argmax())
     n, R, h, _ = counts[r]
-    t = ledger.terms(n, R, h, 0, exact=plan.exact)
-    detail = ledger.describe(r, t)
+    detail = ledger.describe(r, ledger.layer_terms(n, R, h))  # the terms its need counts
     return OutOfMemory(f"the plan does not fit mem_budget even with a whole-layer "
                        f"checkpoint: {detail}", int(totals.max()), ledger.budget_bytes, detail)
 

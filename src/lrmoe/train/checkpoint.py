@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from lrmoe.errors import LrmoeError
+from lrmoe.files import mode_for
 from lrmoe.train import ckpt_state
 from lrmoe.train.ckpt_write import BoundedFileWriter
 
@@ -73,11 +74,13 @@ def _fsync_dir(d: Path) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one
+    (mode: the old file's, else the umask's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode_for(path))  # mkstemp's 0600 would ignore the umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -24,6 +24,7 @@ from lrmoe.cli_flags import (
     check_int,
     check_num,
     check_policy_flags,
+    check_tokens_read,
     flat_policy,
     policy_config,
     policy_fields,
@@ -107,11 +108,19 @@ FLAT_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != 
 
 
 # Fields that leave the loss trajectory alone (``steps`` stretches the cosine schedule:
-# allowed, to extend a run). All others must match the run on --resume.
+# allowed, to extend a run). All others must match the run on --resume, but for
+# RESUME_CHANGES.
 FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "eval_batches",
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
                   "threads", "compile", "device", "stop_after", "divergence_factor", "ep",
-                  "activation_checkpoint", "init_from", "log"}
+                  "init_from", "log"}
+# Fields --resume may change, each recorded in metrics.jsonl as a change at the step the
+# run continues from: what a run stopped out of memory needs (more memory, recompute,
+# smaller activations, another micro-batch count). They leave the model and the data
+# order alone: the micro-batches read the global batches in order whatever their count
+# a step (the checkpoint holds how many were read). They may change the trajectory:
+# lrmoe's plans depend on the budget, a step's gradient on its micro-batch count.
+RESUME_CHANGES = ("mem_budget", "recompute", "activation_checkpoint", "grad_accum")
 # init_from: a resume takes the weights from the checkpoint, the model from config.json
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after", "init_from"}
 
@@ -155,14 +164,26 @@ SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed
 _int, _num, _choice = check_int, check_num, check_choice
 
 
+def check_join_flags(cfg: TrainConfig) -> None:
+    """The flags joining a torchrun job reads: ``--ep``, ``--device``, ``--backend``,
+    ``--timeout-s``."""
+    _int("ep", cfg.ep, 1)
+    _choice("device", cfg.device, ("cpu", "cuda"))
+    if cfg.backend is not None:  # None = the device's default
+        _choice("backend", cfg.backend, ("gloo", "nccl"))
+    _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
+
+
 def check_args(cfg: TrainConfig) -> None:
     """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
     from lrmoe.tokenizer import parse_tokenizer_spec
 
-    for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "ep"):
+    check_join_flags(cfg)
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         _int(name, getattr(cfg, name), 1)
     for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every"):
         _int(name, getattr(cfg, name), 0)
+    check_tokens_read(cfg.steps, cfg.grad_accum, cfg.batch_size, cfg.seq_len)
     _int("seed", cfg.seed, 0, high=SEED_MAX)
     _int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
     _int("stop_after", cfg.stop_after, 1, allow_none=True)
@@ -172,7 +193,6 @@ def check_args(cfg: TrainConfig) -> None:
     _num("weight_decay", cfg.weight_decay, 0.0)
     _num("router_lr_scale", cfg.router_lr_scale, 0.0, open_low=True)
     _num("clip", cfg.clip, 0.0)
-    _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
     _num("divergence_factor", cfg.divergence_factor, 0.0)
     if 0 < cfg.divergence_factor <= 1:
         raise LrmoeError(f"--divergence-factor {cfg.divergence_factor!r} must be > 1 (a multiple "
@@ -180,9 +200,6 @@ def check_args(cfg: TrainConfig) -> None:
     check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad":
                         cfg.router_grad, "mem_budget": cfg.mem_budget,
                         **flat_policy(cfg.policy, TRAIN)})
-    _choice("device", cfg.device, ("cpu", "cuda"))
-    if cfg.backend is not None:  # None = the device's default
-        _choice("backend", cfg.backend, ("gloo", "nccl"))
     from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
     _choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
     if cfg.compile and cfg.activation_checkpoint != "none":
@@ -242,12 +259,24 @@ def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
     if name not in ("symi", "lrmoe") and now["slots_per_rank"] is not None:
         out.append(f"{flag('slots_per_rank')} has no effect with --policy {name} "
                    "(it applies to --policy symi and lrmoe)")
-    if cfg.policy.recompute and cfg.mem_budget is None:
+    if cfg.policy.recompute and cfg.mem_budget is None and name in ("static", "symi"):
         out.append("--recompute has no effect without --mem-budget (it recomputes only on a "
                    "rank over the budget)")
     if cfg.backend == "nccl" and world == 1:
         out.append("--backend nccl has no effect on one process (no collectives run)")
     return out
+
+
+def data_reuse_warning(cfg: TrainConfig, num_windows: int) -> str | None:
+    """A warning when one optimizer step reads more sequences than the training data
+    holds windows (each step then sees every window more than once)."""
+    per_step = cfg.grad_accum * cfg.batch_size
+    if per_step <= num_windows:
+        return None
+    return (f"--grad-accum {cfg.grad_accum} x --batch-size {cfg.batch_size} = {per_step} "
+            f"sequences a step, {per_step / num_windows:.3g} times the {num_windows} windows "
+            f"of {cfg.seq_len} tokens in the training data: every step reads all of it more "
+            "than once")
 
 
 def _read_model_json(path: str) -> dict:
@@ -343,11 +372,20 @@ def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:
     """``"lr=0.001 (run: 0.003), ..."`` for trajectory fields that differ; "" if none."""
     bad = []
     for name, now in cfg.flat().items():
-        if name in FREE_ON_RESUME or name not in saved:
+        if name in FREE_ON_RESUME or name in RESUME_CHANGES or name not in saved:
             continue
         if now != saved[name]:
             bad.append(f"{name}={now!r} (run: {saved[name]!r})")
     return ", ".join(bad)
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> dict[str, list]:
+    """``{"mem_budget": [run's, now], ...}``: the :data:`RESUME_CHANGES` this resume makes
+    (``saved``: the run's ``config.json`` ``train`` fields)."""
+    now = cfg.flat()
+    default = TrainConfig().flat()
+    return {k: [saved.get(k, default[k]), now[k]] for k in RESUME_CHANGES
+            if now[k] != saved.get(k, default[k])}
 
 
 def read_run_config(run_dir: Path) -> dict | None:

@@ -7,11 +7,12 @@ parallel job, resolve the model config, read (never write) the run directory and
 checkpoint to resume from, load and tokenize the data, and only then create the run
 directory. On one process no ``torch.distributed`` call is made.
 
-Determinism: the global batch of step ``s`` depends only on ``(data, seq_len,
-batch_size, seed, s)`` (with ``--grad-accum N``, micro-batch ``m`` of step ``s`` is
-global batch ``s * N + m``); a checkpoint holds everything else that evolves (weights,
-optimizer, scheduler, RNGs, router counts, policy state), so on the CPU a resumed run
-repeats the uninterrupted one bit for bit.
+Determinism: global batch ``b`` depends only on ``(data, seq_len, batch_size, seed,
+b)``; micro-batch ``m`` of step ``s`` (``--grad-accum N``) is global batch ``b0 + s * N +
+m``, the batches read before this invocation continuing in order (``b0 = 0`` for a run
+that never changed N); a checkpoint holds everything else that evolves (weights,
+optimizer, scheduler, RNGs, router counts, policy state, batches read), so on the CPU a
+resumed run repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lrmoe.errors import LrmoeError, OutOfMemory
+from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
 from lrmoe.train.config import (
+    RESUME_CHANGES,
     RUN_CONFIG,
     RUN_FORMAT,
     TrainConfig,
@@ -43,10 +45,13 @@ from lrmoe.train.config import (
     build_policy,
     build_runtime,
     check_args,
+    check_join_flags,
     config_from_cli,
+    data_reuse_warning,
     ignored_flags,
     read_run_config,
     resolve_model_config,
+    resume_changes,
     trajectory_mismatch,
 )
 from lrmoe.train.divergence import DivergenceGuard
@@ -64,10 +69,12 @@ from lrmoe.train.setup import (
     agree,
     check_model_fits,
     check_same_flags,
+    leave_process_group,
     open_run_dir,
     train_fields,
 )
 from lrmoe.train.setup import all_gather as _all_gather
+from lrmoe.train.step_oom import StepMemory, step_memory
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 
@@ -75,9 +82,12 @@ __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 # ----------------------------------------------------------------------------- collectives
 # The trainer's few object-level collectives (the tensor ones are in lrmoe.parallel).
 def _raise_first(errors: list[str | None]) -> None:
+    """Raise the first rank's error on every rank (``errors``: gathered from all)."""
     for e in errors:
         if e:
-            raise LrmoeError(e)
+            err = LrmoeError(e)
+            err.agreed = True
+            raise err
 
 
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
@@ -142,22 +152,22 @@ def make_autocast(device: torch.device):
 
 # ----------------------------------------------------------------------------- setup
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
-    """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues."""
-    has_ck = bool(ckpt.checkpoint_dirs(run_dir))
-    agree(lambda: rundir.check_out(run_dir, cfg.resume, has_ck) if ctx.is_main else None, ctx)
-    if not cfg.resume:
-        if ckpt.checkpoint_dirs(run_dir):
-            raise LrmoeError(f"{run_dir} already holds checkpoints; use --resume to continue "
-                             "that run or another --out")
-        return None
-    ck = ckpt.latest_checkpoint(run_dir)
+    """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues;
+    ``None`` for a new run, or a resume of a run that completed no checkpoint (it starts
+    again from step 0). Every rank reads its own ``--out``: they must find the same."""
+    ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
+    if ctx.distributed:
+        mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
+        seen = _all_gather(mine, ctx)
+        other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
+        if other is not None:
+            raise quiet_unless(LrmoeError(
+                f"rank {other}'s --out holds another run than rank 0's (latest checkpoint "
+                f"step {'none' if seen[other] is None else seen[other][0]} against "
+                f"{'none' if seen[0] is None else seen[0][0]}): every rank must name the "
+                "same run directory, on a file system all ranks share"), ctx.rank == 0)
     if ck is None:
-        raise LrmoeError(f"--resume: no checkpoint in {ckpt.ckpt_root(run_dir)} to resume "
-                         "from; drop --resume to start a new run")
-    for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
-        if value is not None and value < ck.step:
-            raise LrmoeError(f"--resume {flag} {value}: the run in {run_dir} has already "
-                             f"finished step {ck.step}; give {flag} >= {ck.step}")
+        return None
     err = None
     try:  # any rank may read any file (resharding): each checks a share of them all
         ckpt.verify_files(ck, ctx.rank, ctx.world)
@@ -168,6 +178,30 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     elif err:
         raise LrmoeError(err)
     _log(ck.describe(), ctx)
+    return ck
+
+
+def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
+    """The checkpoint to resume from, without collectives (:func:`_checkpoint_to_resume`)."""
+    has_ck = bool(ckpt.checkpoint_dirs(run_dir))
+    if main:
+        rundir.check_out(run_dir, cfg.resume, has_ck)
+    if not cfg.resume:
+        if has_ck:
+            raise LrmoeError(f"{run_dir} already holds checkpoints; use --resume to continue "
+                             "that run or another --out")
+        return None
+    ck = ckpt.latest_checkpoint(run_dir)
+    if ck is None:
+        if read_run_config(run_dir) is None:
+            raise LrmoeError(f"--resume: {run_dir} holds no lrmoe run to continue (no "
+                             f"{RUN_CONFIG}, no checkpoint); drop --resume to start a new run "
+                             "there")
+        return None  # a run that completed no checkpoint: it starts again
+    for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
+        if value is not None and value < ck.step:
+            raise LrmoeError(f"--resume {flag} {value}: the run in {run_dir} has already "
+                             f"finished step {ck.step}; give {flag} >= {ck.step}")
     return ck
 
 
@@ -254,6 +288,10 @@ def train(cfg: TrainConfig | Any) -> dict:
         raise
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _intact(watch: Watch) -> str:
     return (f"the last complete checkpoint, {watch.last_ckpt}, is intact" if watch.last_ckpt
             else "no checkpoint was written")
@@ -285,20 +323,10 @@ def _stopped(e: LrmoeError, ctx, watch: Watch) -> LrmoeError:
 def _run(cfg: TrainConfig | Any) -> dict:
     if not isinstance(cfg, TrainConfig):
         cfg = config_from_cli(cfg if isinstance(cfg, dict) else vars(cfg))
-    check_args(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("RANK", "0") == "0":
-        for warning in ignored_flags(cfg, world):
-            print(f"lrmoe: warning: {warning}", file=sys.stderr, flush=True)
-    if cfg.resume and world % cfg.ep:  # --ep came from the run's config.json
-        raise LrmoeError(f"--resume: the run used --ep {cfg.ep}, which does not divide this "
-                         f"world size {world}; pass --ep N (N divides {world}) to resume on "
-                         "a different layout")
-    if world == 1 and cfg.ep > 1:
-        raise LrmoeError(f"--ep {cfg.ep} needs {cfg.ep} processes (or a multiple); launch with "
-                         f"torchrun --nproc-per-node {cfg.ep} -m lrmoe train ...")
+    early = _checked(cfg, world)  # under torchrun: said once every rank has joined
     threads = torch.get_num_threads()
-    if cfg.threads:
+    if cfg.threads and early is None:
         torch.set_num_threads(cfg.threads)
 
     import torch.distributed as dist
@@ -307,9 +335,10 @@ def _run(cfg: TrainConfig | Any) -> dict:
 
     we_init = not (dist.is_available() and dist.is_initialized())
     stops = StopSignals().install()  # SIGTERM/SIGUSR1: stop at a step boundary
+    ctx, agreed = None, False
     try:
         ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s,
-                            check=lambda rank, world: check_same_flags(cfg, rank, world))
+                            check=lambda rank, world: check_same_flags(cfg, rank, world, early))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
             return _train(cfg, ctx, watch, stops)
@@ -321,15 +350,43 @@ def _run(cfg: TrainConfig | Any) -> dict:
             if ctx.distributed:
                 watch.claim()
             raise _write_error(e, ctx, watch) from None
-        finally:
-            if ctx.is_main:
-                rundir.release_lock(Path(cfg.out))
-            if we_init and ctx.distributed and dist.is_initialized():
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group()
+    except LrmoeError as e:
+        agreed = getattr(e, "agreed", False)
+        raise
     finally:
+        if ctx is not None and ctx.is_main:
+            rundir.release_lock(Path(cfg.out))
+        if we_init:
+            leave_process_group(agreed)
         stops.restore()
         torch.set_num_threads(threads)  # in-process callers get their setting back
+
+
+def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
+    """Check every flag (:func:`check_args`) and warn of those the run ignores. On one
+    process an error is raised; under torchrun it is returned, to be said once every
+    rank has joined (:func:`check_same_flags`): a rank that left before joining would
+    leave the others waiting for it. What joining needs is checked first, alike on every
+    rank."""
+    if world > 1:
+        check_join_flags(cfg)  # alike on every rank, or joining itself would fail
+    try:
+        check_args(cfg)
+    except LrmoeError as e:
+        if world == 1:
+            raise
+        return e
+    if os.environ.get("RANK", "0") == "0":
+        for warning in ignored_flags(cfg, world):
+            print(f"lrmoe: warning: {warning}", file=sys.stderr, flush=True)
+    if cfg.resume and world % cfg.ep:  # --ep came from the run's config.json
+        raise LrmoeError(f"--resume: the run used --ep {cfg.ep}, which does not divide this "
+                         f"world size {world}; pass --ep N (N divides {world}) to resume on "
+                         "a different layout")
+    if world == 1 and cfg.ep > 1:
+        raise LrmoeError(f"--ep {cfg.ep} needs {cfg.ep} processes (or a multiple); launch with "
+                         f"torchrun --nproc-per-node {cfg.ep} -m lrmoe train ...")
+    return None
 
 
 def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
@@ -372,20 +429,28 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
         from lrmoe.hf_load import open_checkpoint
         hf = agree(lambda: open_checkpoint(cfg.init_from), ctx)
     saved = None
-    if ck is not None:
+    if cfg.resume:
         saved = read_run_config(run_dir)
         if saved is None:
             raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing")
+        if ck is None:
+            gone = "".join(f" ({p.name}: an interrupted save)" for p in ckpt.partial_dirs(run_dir))
+            _log(f"lrmoe train: note: {run_dir} holds no complete checkpoint{gone}: --resume "
+                 "starts the run again from step 0 and rewrites its metrics", ctx)
         bad = trajectory_mismatch(cfg, saved.get("train", {}))
         if bad:
             raise LrmoeError(f"--resume: {bad} differ from the run in {run_dir} "
-                             f"({RUN_CONFIG}); drop those flags or use another --out")
+                             f"({RUN_CONFIG}); drop those flags or use another --out (a "
+                             f"resume may change {', '.join(_flag(k) for k in RESUME_CHANGES)})")
         if mcfg is None:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
     policy = build_policy(cfg, mcfg, ctx.ep_size)
     ledger = build_ledger(cfg, mcfg, ctx)
     corpus, tok, batches, streams = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
     val_ids = streams.val_ids
+    reuse = data_reuse_warning(cfg, batches.num_windows)
+    if reuse:
+        _log(f"lrmoe: warning: {reuse}", ctx)
     if cfg.preset is not None or cfg.config is not None or cfg.init_from is not None:
         if cfg.init_from is None:
             mcfg = resolve_model_config(cfg, vocab_size=tok.vocab_size)
@@ -428,6 +493,7 @@ class _State:
     last_val: float | None = None
     rss_before_build: int | None = None  # the process's resident set before the model
     loaded: dict | None = None  # what --init-from read on this rank (metrics' init row)
+    batches: int = 0  # global batches read before ``start``
 
 
 def _new_model(cfg: TrainConfig, ctx, inp: _Inputs):
@@ -482,10 +548,12 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
         raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                          f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
     prog = st["progress"]
+    was = int(inp.saved["train"].get("grad_accum", 1))  # checkpoints before "batches"
     return _State(model, rt, opt, sched, gen,
                   DivergenceGuard(cfg.divergence_factor, prog.get("divergence")),
                   start=ck.step, tokens=int(prog["tokens"]), elapsed=float(prog["elapsed_s"]),
-                  last_val=prog.get("val_loss"), rss_before_build=rss)
+                  last_val=prog.get("val_loss"), rss_before_build=rss,
+                  batches=int(prog.get("batches", ck.step * was)))
 
 
 def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
@@ -505,6 +573,11 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
     run = _Run(cfg, ctx, inp, state, watch, stops, _metrics_writer(cfg, ctx, inp, state))
+    changes = {} if inp.saved is None else resume_changes(cfg, inp.saved.get("train", {}))
+    if changes:  # what a resume changed, at the step it continues from
+        run.writer.write({"kind": "change", "step": state.start, "changes": changes})
+        _log("lrmoe train: resuming with " + ", ".join(
+            f"{_flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()), ctx)
     run.last_ckpt = state.start if inp.ck is not None else None
     watch.last_ckpt = (None if run.last_ckpt is None
                        else str(ckpt.ckpt_dir(inp.run_dir, run.last_ckpt)))
@@ -557,12 +630,38 @@ class _Run:
         self.base_bwd = state.rt.backward
         self.bar = None
         self.step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        # micro-batch m of step s reads global batch batch0 + s * N + m: the batches read
+        # before this invocation continue in order whatever N was then
+        self.batch0 = state.batches - state.start * cfg.grad_accum
+
+    def memory(self, step: int) -> StepMemory:
+        """What an out-of-memory line of ``step`` (0-based) names (:mod:`.step_oom`)."""
+        cfg, ctx, saved = self.cfg, self.ctx, self.inp.saved
+        model = {k: v for k, v in train_fields(cfg, saved).items() if k in ("preset", "config")}
+        name = next(([f"--{k}", str(v)] for k, v in model.items() if v), [])
+        plan = name and [*name, "--ep", str(ctx.ep_size), "--tokens-per-rank",
+                         str(cfg.batch_size // ctx.world * cfg.seq_len), "--policy",
+                         cfg.policy.name, "--dtype",
+                         "bf16" if ctx.device.type == "cuda" else "fp32"]
+        return StepMemory(
+            step=step + 1, micro_batches=cfg.grad_accum,
+            sequences=cfg.batch_size // ctx.world, seq_len=cfg.seq_len,
+            continue_with=["--out", str(self.inp.run_dir), "--resume"], plan_args=plan,
+            intact=_intact(self.watch), full_checkpoint=cfg.activation_checkpoint == "full",
+            exact=cfg.policy.name in ("static", "symi"), recompute=cfg.policy.recompute,
+            batch_size=cfg.batch_size, world=ctx.world)
+
+    def claim(self) -> None:
+        """This rank's own error (its allocation failed): its peers stay quiet."""
+        if self.ctx.distributed:
+            self.watch.claim()
 
     def save(self, step: int) -> None:
         s, ctx = self.s, self.ctx
         self.watch.phase = "checkpoint save"
         progress = {"tokens": s.tokens, "elapsed_s": s.elapsed, "val_loss": s.last_val,
-                    "divergence": s.guard.state()}
+                    "divergence": s.guard.state(),
+                    "batches": self.batch0 + step * self.cfg.grad_accum}
         try:
             ckpt.save_checkpoint(
                 self.inp.run_dir, step, s.model, s.opt,
@@ -631,15 +730,13 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         t0 = time.perf_counter()
         s.opt.zero_grad(set_to_none=True)
-        # forward and backward of each micro-batch (global batch step * N + m)
-        try:
+        # forward and backward of each micro-batch (global batch batch0 + step * N + m);
+        # out of memory (the ledger's verdict, or the allocator's): one line
+        with step_memory(self.memory(step), self.claim) as mem:
             sums = accumulate(
-                s.model, lambda m: self.inp.batches.batch(step * accum + m, ctx.rank,
-                                                          ctx.world).to(ctx.device),
+                s.model, mem.batch_of(lambda m: self.inp.batches.batch(
+                    self.batch0 + step * accum + m, ctx.rank, ctx.world).to(ctx.device)),
                 accum, self.autocast, before_last_backward=last_backward_hook(s.opt, ctx))
-        except OutOfMemory as e:  # no plan fits with every fallback: as a GPU would
-            raise LrmoeError(f"{e.verdict(step + 1)}: {e.detail}; stopped "
-                             f"({_intact(watch)})") from None
         watch.phase = "loss all-reduce"  # with every rank's SIGTERM/SIGUSR1 flags
         red = _sum_over_world(torch.cat([sums.float().cpu(), torch.tensor(self.stops.seen)]),
                               ctx)
@@ -688,6 +785,7 @@ class _Run:
         host = {k: max((g[2][k] for g in got if g[2][k] is not None), default=None)
                 for k in host}
         ledger = self.inp.ledger
+        self.watch.phase = "the metrics row"
         self.writer.write(train_row(
             step=done, tokens=s.tokens, elapsed=s.elapsed, step_tokens=self.step_tokens,
             stats=stats, per_rank=per_rank, world=ctx.world, cuda_mem=mem,

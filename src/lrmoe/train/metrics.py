@@ -29,6 +29,7 @@ the rows are also TensorBoard events (:mod:`lrmoe.train.tensorboard`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -173,26 +174,36 @@ def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) 
 class MetricsWriter:
     """Appends rows to ``metrics.jsonl`` and hands them to ``sinks`` (objects with
     ``write(row)`` and ``close()``: the TensorBoard mirror); a no-op on ranks other
-    than 0."""
+    than 0. A row is written whole or not at all: a write that fails part-way (a full
+    disk, ``ulimit -f``) is cut back to the last whole row, and the error names the file."""
 
     def __init__(self, path: str | os.PathLike, enabled: bool = True, sinks: list | None = None):
         self.path = Path(path)
         self.enabled = enabled
-        self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) \
+            if enabled else None
         self.sinks = list(sinks or []) if enabled else []
 
     def write(self, row: dict) -> None:
-        if self._f is None:
+        if self._fd is None:
             return
-        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
-        self._f.flush()
+        data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         for sink in self.sinks:
             sink.write(row)
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         for sink in self.sinks:
             sink.close()
         self.sinks = []

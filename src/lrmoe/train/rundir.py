@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from lrmoe.errors import LrmoeError
+from lrmoe.files import pid_alive
 
 MARKER = ".lrmoe-run"
 BENCH_MARKER = ".lrmoe-bench"  # lrmoe bench ttl's output directory
@@ -101,8 +102,9 @@ def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
     rows = _metrics_rows(run_dir / "metrics.jsonl")
     if rows:
         raise LrmoeError(f"--out {run_dir} holds the metrics of a run that wrote no checkpoint "
-                         f"({rows} rows in metrics.jsonl; nothing to resume from). Delete the "
-                         "directory or give another --out")
+                         f"({rows} rows in metrics.jsonl). Continue that run with --resume "
+                         "(it starts again from step 0 and rewrites them), delete the "
+                         "directory, or give another --out")
 
 
 def _foreign(d: Path, names: list[str]) -> LrmoeError:
@@ -178,16 +180,6 @@ def _read_lock(p: Path) -> dict | None:
     return d if isinstance(d, dict) else {}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
-
-
 def _holder(info: dict) -> str:
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
 
@@ -196,7 +188,7 @@ def _stale(info: dict) -> bool:
     """A lock left by a process that no longer runs on this host."""
     pid = info.get("pid")
     return (info.get("host") == socket.gethostname() and isinstance(pid, int)
-            and pid != os.getpid() and not _alive(pid))
+            and pid != os.getpid() and not pid_alive(pid))
 
 
 def check_lock(run_dir: Path) -> None:
@@ -232,6 +224,25 @@ def acquire_lock(run_dir: Path) -> Path:
             f.write(json.dumps(me))
         return p
     raise LrmoeError(f"--out {run_dir}: another run took the lock {p} first")
+
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """What ``run_dir``'s lock says of its holder (pid, host, since), None without one."""
+    return _read_lock(run_dir / LOCK)
+
+
+def check_shared(run_dir: Path, holder: dict | None, tries: int = 10) -> None:
+    """Refuse unless ``run_dir`` holds the lock ``holder`` (rank 0's, just taken): then
+    this rank's ``--out`` is rank 0's run directory, on a file system both see. A
+    network file system may show a new file a moment late: a few looks, 0.2 s apart."""
+    for i in range(tries):
+        mine = _read_lock(run_dir / LOCK)
+        if mine == holder:
+            return
+        time.sleep(0.2 if i + 1 < tries else 0)
+    raise LrmoeError(f"--out {run_dir} is not the run directory rank 0 opened (it does not "
+                     f"hold rank 0's lock, {_holder(holder or {})}): every rank must name the "
+                     "same directory, on a file system all ranks share")
 
 
 def release_lock(run_dir: Path) -> None:

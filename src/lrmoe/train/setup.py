@@ -12,6 +12,7 @@ then ``config.json`` (see :mod:`lrmoe.train.rundir`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -81,12 +82,15 @@ def _gather(obj: Any, world: int) -> list:
     return out
 
 
-def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
+def check_same_flags(cfg: TrainConfig, rank: int, world: int,
+                     early: LrmoeError | None = None) -> None:
     """Collective: raise on every rank (printed by rank 0) if any rank's flags or model
-    config differ from rank 0's, naming the first differing one and both values."""
-    err, fp = None, {}
+    config differ from rank 0's, naming the first differing one and both values, or if
+    a rank's flags were refused before it joined (``early``)."""
+    err, fp = None if early is None else str(early), {}
     try:
-        fp = flags_fingerprint(cfg)
+        if err is None:
+            fp = flags_fingerprint(cfg)
     except LrmoeError as e:
         err = str(e)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
@@ -106,6 +110,22 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int) -> None:
     raise quiet_unless(LrmoeError(
         f"rank {r}'s {k} ({fps[r].get(k, '(none)')}) differs from rank 0's "
         f"({fps[0].get(k, '(none)')}): give every rank the same {same}"), rank == 0)
+
+
+def leave_process_group(agreed: bool) -> None:
+    """Leave the job's process group (if one was joined): after an error every rank
+    raised alike (``agreed``), first a barrier, so no rank tears down its connections
+    while a peer is still in a collective with it. A process that exits with the group
+    alive can abort in C++ at exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if agreed:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- memory
@@ -191,10 +211,10 @@ def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     return train
 
 
-def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
-                  need_bytes: int) -> None:
-    """Rank 0: lock, re-check (another run may have written meanwhile), mark, write."""
-    created = rundir.take(run_dir)
+def _write_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
+                   need_bytes: int) -> None:
+    """Rank 0, holding the lock: re-check (another run may have written meanwhile), mark,
+    probe, write."""
     try:
         has_ck = bool(ckpt.checkpoint_dirs(run_dir))
         rundir.check_out(run_dir, cfg.resume, has_ck)
@@ -217,20 +237,29 @@ def _take_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
                       "in part when the run was stopped)", file=sys.stderr, flush=True)
         tok.save(run_dir)
         ckpt.atomic_write_text(run_dir / RUN_CONFIG, json.dumps(run_cfg, indent=1))
-    except (LrmoeError, OSError) as e:
-        rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
-        if isinstance(e, OSError):
-            raise LrmoeError(rundir.os_error_line(e, "cannot write")) from None
-        raise
+    except OSError as e:
+        raise LrmoeError(rundir.os_error_line(e, "cannot write")) from None
 
 
 def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
                  ctx) -> None:
-    """Rank 0 takes and writes the run directory (``ck``: the checkpoint resumed, or
-    None); then every rank checks that it can write its checkpoint shards there."""
+    """Rank 0 takes the run directory (its lock); under torchrun every rank then checks
+    that its ``--out`` is that directory (it holds rank 0's lock: the same directory, on
+    a file system both see), before rank 0 writes it (``ck``: the checkpoint resumed, or
+    None) and every rank checks that it can write its checkpoint shards there. A refusal
+    leaves the directory as it was (a directory created here is removed)."""
     need = _checkpoint_bytes(model)
-    agree(lambda: _take_run_dir(cfg, run_dir, ck, run_cfg, tok, need) if ctx.is_main else None,
-          ctx)
+    created = agree(lambda: rundir.take(run_dir) if ctx.is_main else None, ctx)
+    try:
+        if ctx.distributed:
+            holder = all_gather(rundir.lock_holder(run_dir) if ctx.is_main else None, ctx)[0]
+            agree(lambda: None if ctx.is_main else rundir.check_shared(run_dir, holder), ctx)
+        agree(lambda: _write_run_dir(cfg, run_dir, ck, run_cfg, tok, need)
+              if ctx.is_main else None, ctx)
+    except LrmoeError:
+        if ctx.is_main:
+            rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
+        raise
     if ctx.distributed:
         agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir),
                                                                      need), ctx)

@@ -1,0 +1,101 @@
+"""Files lrmoe writes: the mode a new file gets, and the staging directory of a save.
+
+A temporary file made by ``tempfile.mkstemp`` (or by safetensors' writer) is created
+``0600``; renamed into place it would keep that mode, ignoring the user's umask. Every
+writer here gives a new file ``0666 & ~umask`` (:func:`new_file_mode`), as ``open``
+would, and a file it replaces keeps the mode it had.
+
+A save that writes several files stages them in one directory of its own inside the
+target, ``.lrmoe-save-HOST-PID-TAG`` (:func:`staging_dir`), and renames each into place
+once all are written. A save killed part-way leaves that directory; the next save into
+the same target removes it (:func:`remove_dead_leftovers`) when its host is this host and
+its process no longer runs, and leaves anything else alone: a save still running (its
+pid alive), another host's, and files that only look alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import uuid
+from pathlib import Path
+
+STAGING_PREFIX = ".lrmoe-save-"
+_STAGING = re.compile(r"^\.lrmoe-save-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def umask() -> int:
+    """The process's umask (read without changing it where ``/proc`` tells)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The mode ``open`` gives a new file: ``0666 & ~umask``."""
+    return 0o666 & ~umask()
+
+
+def mode_for(final: Path) -> int:
+    """The mode a file written over ``final`` takes: ``final``'s own where it exists,
+    else that of a new file."""
+    try:
+        return final.stat().st_mode & 0o7777
+    except OSError:
+        return new_file_mode()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or not a pid we can ask about: keep
+    return True
+
+
+def staging_dir(target: Path) -> Path:
+    """Create and return this save's staging directory inside ``target``."""
+    d = target / f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    return d
+
+
+def remove_dead_leftovers(target: Path, legacy: re.Pattern | None = None) -> list[Path]:
+    """Remove the staging directories in ``target`` that a killed save on this host
+    left (its pid no longer runs); ``legacy``: a pattern with a ``pid`` group naming the
+    per-file temporaries of an earlier writer, removed on the same rule. Returns what
+    was removed."""
+    host, gone = socket.gethostname(), []
+    try:
+        names = os.listdir(target)
+    except OSError:
+        return gone
+    for name in names:
+        m = _STAGING.match(name)
+        old = None if m or legacy is None else legacy.match(name)
+        if m is not None and m["host"] != host:
+            continue
+        found = m or old
+        if found is None or int(found["pid"]) == os.getpid() or pid_alive(int(found["pid"])):
+            continue
+        p = target / name
+        with contextlib.suppress(OSError):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            gone.append(p)
+    return gone

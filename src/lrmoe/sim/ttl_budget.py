@@ -1,0 +1,117 @@
+"""``bench ttl --budget-floor-fraction X``: a budget that static fits at every step.
+
+The budget is ``X · F``, ``X >= 1``, where ``F`` is static's **whole-layer floor** over
+this run's own routing: the largest rank total of static's native plan under a
+whole-layer checkpoint (:meth:`lrmoe.ledger.Ledger.layer_terms`, static's last fallback)
+over every step, micro-batch and MoE layer of the run. At a budget ``>= F`` every step
+of static fits (as is, by recomputing rows, or at worst by checkpointing the layer
+whole); ``X`` says how much room above that floor every policy gets. The other
+policies train on their own routing: lrmoe's last rung is the same checkpoint, but a
+step of its own more skewed than any of static's can need more than ``F`` (at ``X =
+1`` it happens), and symi's replicas add their weights. ``benchmarks/floor_budget.py``
+reads the same ``F`` off a finished run's routing trace.
+
+Static is exact, so its routing does not depend on the budget: ``F`` is read off a
+calibration run of static without a budget (same model, seed, data and steps; its
+results are not reported), before the timed runs. The budgeted static run repeats it
+where the arithmetic does: on the CPU and under ``--deterministic`` bit for bit; GPU
+atomics without it may move a near-tie token, and a static step over ``X · F`` then
+stops the benchmark, naming this flag.
+
+Why not a balanced rank (the rule before, ``--budget-retain-fraction``): a skewed step
+sends more pairs to one rank than a balanced one, and the transients a whole-layer
+checkpoint still holds grow with them, so no fraction of a balanced rank's bytes
+covers every step (tiny-qwen3 at EP 4 ran out at step 8 with 0.8 and at step 15 with
+1.0); a bound that covers any routing (every pair on one rank) is several times F, where
+memory no longer binds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.errors import require
+
+FLAG = "--budget-floor-fraction"
+
+
+@dataclass
+class FloorBudget:
+    """The budget of ``--budget-floor-fraction``: ``budget_bytes = int(fraction · floor_bytes)``."""
+
+    fraction: float
+    floor_bytes: int  # F
+    budget_bytes: int
+    source: str  # where F was read: "calibration run" or the --reuse file
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self) | {
+            "rule": "fraction x F, F = the largest rank total of static's whole-layer-"
+                    "checkpointed native plan over every step, micro-batch and MoE layer "
+                    "of static's run (lrmoe.sim.ttl_budget)"}
+
+
+def check_fraction(x: float | None) -> None:
+    require(x is None or (isinstance(x, (int, float)) and math.isfinite(x) and x >= 1),
+            f"{FLAG} {x!r} must be a finite number >= 1 (the budget as a multiple of "
+            "static's whole-layer floor F: below 1 static would run out of memory)")
+
+
+def counts_matrix(counts_E: list[int], G: int, home: int) -> torch.Tensor:
+    """``[G, E]`` counts with column sums ``counts_E`` and row sums ``home`` (filled in
+    order: home rank by home rank, expert by expert). The ledger prices a rank by its
+    received and home pairs, so any such split prices alike."""
+    c = torch.tensor(counts_E, dtype=torch.long)
+    require(int(c.sum()) == G * home and bool((c >= 0).all()),
+            f"a layer's counts sum to {int(c.sum())}, want ep·tokens_per_rank·top_k = {G * home}")
+    hi = c.cumsum(0)
+    lo = hi - c
+    g_lo = torch.arange(G)[:, None] * home
+    return ((torch.minimum(hi[None], g_lo + home) - torch.maximum(lo[None], g_lo)).clamp(min=0))
+
+
+def layer_floor(ledger, counts_E: list, G: int, home: int) -> int:
+    """The largest rank total of static's whole-layer-checkpointed native plan for the
+    per-expert counts ``counts_E`` of one micro-batch's MoE layer (``home`` pairs a rank),
+    priced by ``ledger``."""
+    from lrmoe.policy.plan import layer_checkpoint_plan, native_plan
+
+    plan = layer_checkpoint_plan(native_plan(counts_matrix(counts_E, G, home)), None)
+    return max(t["total"] for t in ledger.rank_terms(plan))
+
+
+def floor_of_run(cfg, mcfg, counts_E: list[list]) -> int:
+    """``F`` over a run's per-micro-batch, per-layer counts (``counts_E[step]``: its
+    micro-batches' layers in order), priced as the emulator prices static."""
+    from lrmoe.sim.ttl import budget_ledger, policy_ledger
+
+    led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
+    home = cfg.batch_size // cfg.ep * cfg.seq_len * mcfg.num_experts_per_tok
+    return max(layer_floor(led, [int(x) for x in c.tolist()], cfg.ep, home)
+               for step in counts_E for c in step)
+
+
+def calibrate(cfg, mcfg, batches, val_b, first, link, log) -> FloorBudget:
+    """Run static without a budget and return ``--budget-floor-fraction``'s budget."""
+    from lrmoe.sim.ttl import run_policy
+
+    log(f"[static, calibration] no budget: reading static's whole-layer floor F for {FLAG}")
+    res = run_policy("static", cfg, mcfg, batches, val_b, None, first, link,
+                     lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
+    require(not res["failed"], f"static's calibration run for {FLAG} stopped: {res['failed']}")
+    F = floor_of_run(cfg, mcfg, res["_counts_E_micro"])
+    x = cfg.budget_floor_fraction
+    return FloorBudget(x, F, int(x * F), "calibration run")
+
+
+def reused(cfg, static: dict) -> FloorBudget:
+    """The budget of the ``--reuse`` file whose static run is taken (same settings)."""
+    rule = static.get("budget_rule") or {}
+    require(rule.get("floor_bytes") is not None and rule.get("budget_bytes") is not None,
+            f"--reuse {cfg.reuse}: its static run records no {FLAG} budget; run static again")
+    return FloorBudget(cfg.budget_floor_fraction, int(rule["floor_bytes"]),
+                       int(rule["budget_bytes"]), f"--reuse {cfg.reuse}")

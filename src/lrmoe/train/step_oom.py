@@ -1,0 +1,129 @@
+"""Out of memory inside a training step, as one line that says how to go on.
+
+Two kinds stop a step:
+
+- the **ledger's verdict** (:class:`lrmoe.errors.OutOfMemory`): under ``--mem-budget`` no
+  plan fits the step with every fallback. The line gives the step, the one need (the
+  verdict's bytes are those its rank's line names), the intact checkpoint, and the
+  command that continues the run: ``lrmoe train --out DIR --resume --mem-budget NEED``
+  (``--resume`` may raise the budget, add ``--recompute`` or ``--activation-checkpoint``
+  and change ``--grad-accum``; :data:`lrmoe.train.config.RESUME_CHANGES`);
+- the **allocator's** (``torch.OutOfMemoryError`` on CUDA, the CPU allocator's
+  ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``): one micro-batch's
+  activations did not fit. The line names the micro-batch and what would fit: a resume
+  with ``--activation-checkpoint full``, a new run with a smaller ``--batch-size`` and a
+  larger ``--grad-accum`` (the same sequences a step), and ``lrmoe plan`` for the
+  experts' share. Only this rank ran out: the error is its own (``local``).
+
+:func:`step_memory` wraps the forward and backward of a step's micro-batches; its
+``micro(get)`` wraps the batch getter so the line can name the micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.errors import LrmoeError, OutOfMemory
+
+_HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def budget_arg(n: int) -> str:
+    """``--mem-budget`` text for at least ``n`` bytes: rounded up to 0.1 of a binary
+    unit (``23.3MiB``), so the value given is never below the need."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{math.ceil(n * 10 / size) / 10:g}{unit}"
+    return str(int(n))
+
+
+def _allocator_words(e: BaseException) -> tuple[str, str] | None:
+    """``(where, the allocator's own first sentences)``: ``where`` is ``GPU`` or
+    ``host``; None when ``e`` is no allocation failure."""
+    text = str(e).strip()
+    if isinstance(e, torch.OutOfMemoryError):
+        return "GPU", text.split(" Of the allocated memory")[0].split(" If reserved")[0] \
+            .rstrip(".")
+    if isinstance(e, RuntimeError) and _HOST_OOM in text:
+        return "host", text[text.index(_HOST_OOM):].split(" Error code")[0].rstrip(".")
+    return None
+
+
+@dataclass
+class StepMemory:
+    """What the out-of-memory lines of one step name (built by :func:`step_memory`).
+
+    ``continue_with``: the ``lrmoe train`` arguments that continue this run (its
+    ``--out`` and ``--resume``); ``plan_args``: ``lrmoe plan``'s model and layout flags
+    for this run; ``intact``: where the last complete checkpoint is."""
+
+    step: int  # 1-based
+    micro_batches: int
+    sequences: int  # a micro-batch's sequences on this rank
+    seq_len: int
+    continue_with: list[str]
+    plan_args: list[str]
+    intact: str
+    full_checkpoint: bool  # --activation-checkpoint full already
+    exact: bool  # static / symi: --recompute is a fallback
+    recompute: bool
+    batch_size: int  # the global --batch-size
+    world: int
+    micro: int = 0  # 0-based: the micro-batch running
+
+    def batch_of(self, get: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        """``get``, noting which micro-batch is running."""
+        def fetch(m: int) -> torch.Tensor:
+            self.micro = m
+            return get(m)
+        return fetch
+
+    def ledger_line(self, e: OutOfMemory) -> str:
+        cmd = shlex.join(["lrmoe", "train", *self.continue_with, "--mem-budget",
+                          budget_arg(e.needs_bytes)])
+        more = "; --recompute instead, if recomputing fits" \
+            if self.exact and not self.recompute else ""
+        return (f"{e.verdict(self.step)}: {e.detail}; stopped ({self.intact}); continue "
+                f"with `{cmd}` (this step's need{more})")
+
+    def allocator_line(self, where: str, words: str) -> str:
+        fixes = []
+        if not self.full_checkpoint:
+            fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
+                                           "--activation-checkpoint", "full"]) + "`")
+        half = self.batch_size // 2
+        if self.batch_size % 2 == 0 and half % self.world == 0:
+            fixes.append(f"a new run with --batch-size {half} and --grad-accum "
+                         f"{2 * self.micro_batches} (the same sequences a step)")
+        else:
+            fixes.append("a new run with a smaller --batch-size (a multiple of the world "
+                         "size) and a larger --grad-accum")
+        return (f"{where} out of memory at step {self.step} in micro-batch {self.micro + 1} "
+                f"of {self.micro_batches} ({self.sequences} sequences x {self.seq_len} tokens "
+                f"on this rank): {words}; stopped ({self.intact}). A micro-batch must fit: "
+                f"{' or '.join(fixes)}; `{shlex.join(['lrmoe', 'plan', *self.plan_args])}` "
+                "prices the experts' share")
+
+
+@contextlib.contextmanager
+def step_memory(mem: StepMemory, claim: Callable[[], None]) -> Iterator[StepMemory]:
+    """Turn an out-of-memory stop inside the block into one line (module docstring);
+    ``claim()`` is called before an error only this rank hit (its peers stay quiet)."""
+    try:
+        yield mem
+    except OutOfMemory as e:  # every rank plans alike: every rank raises it
+        raise LrmoeError(mem.ledger_line(e)) from None
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        found = _allocator_words(e)
+        if found is None:
+            raise
+        err = LrmoeError(mem.allocator_line(*found))
+        err.local = True  # this rank's allocation
+        claim()
+        raise err from None

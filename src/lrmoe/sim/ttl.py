@@ -456,8 +456,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                   planner_ledger, sync, rec_ledger)
     trace, trace_GE, micro_E = [], [], []
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          host=dev, router_lr_scale=cfg.router_lr_scale,
-                          compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
+                          host=dev, router_lr_scale=cfg.router_lr_scale)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     autocast = make_autocast(dev)
     ctx = ParallelContext(device=dev)

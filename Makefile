@@ -20,13 +20,12 @@ run: $(STAMP)
 	$(BIN)/lrmoe train --preset tiny-qwen3 --out runs/tiny-qwen3 --steps 300
 
 # two pytest workers (pytest-xdist): the multi-process tests spend much of their time
-# waiting on timeouts and process start-up, which the other worker fills; tests that
-# share one module-scoped run carry one xdist_group mark (--dist loadgroup) so it runs once
+# waiting on timeouts and process start-up, which the other worker fills
 test: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -p no:cacheprovider -n 2 tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider -n 2 --dist loadgroup -m "not slow and not dist" tests
+	$(BIN)/python -m pytest -p no:cacheprovider -n 2 -m "not slow and not dist" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -12,6 +12,7 @@ import torch
 from lrmoe.cli import main
 from lrmoe.presets import get_preset
 from lrmoe.sim.ttl import balanced_budget
+from shared_run import run_once
 
 ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
         "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
@@ -22,10 +23,13 @@ BUDGET = str(balanced_budget(get_preset("tiny-qwen3"), 2, 4 * 32 // 2, 0.8, "fp3
 
 @pytest.fixture(scope="module")
 def ttl_run(tmp_path_factory):
-    """One three-policy run shared by the tests below (they read its outputs)."""
-    out = tmp_path_factory.mktemp("ttl")
-    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--out", str(out)])
-    return rc, out
+    """One three-policy run shared by the tests below (they read its outputs), made once
+    per session (``shared_run``): ``(exit code, folder)``."""
+    def make(out):
+        return {"rc": main(ARGS + ["--policies", "static,symi,lrmoe", "--out", str(out)])}
+
+    out, rec = run_once(tmp_path_factory, "ttl", make)
+    return rec["rc"], out
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +40,6 @@ def report(ttl_run):
     return json.loads((out / "ttl.json").read_text()), (out / "ttl.md").read_text()
 
 
-# every test reading the shared run goes to one pytest-xdist worker (`--dist loadgroup`),
-# so the run is made once
-SHARED = pytest.mark.xdist_group("ttl_run")
-
-
-@SHARED
 def test_ttl_writes_report_and_plots(ttl_run):
     rc, out = ttl_run
     assert rc == 0, f"bench ttl exited with {rc}"
@@ -49,7 +47,6 @@ def test_ttl_writes_report_and_plots(ttl_run):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f"{f} missing or empty"
 
 
-@SHARED
 def test_ttl_report_is_labelled_emulated_and_lists_every_policy(report):
     rep, md = report
     assert rep["label"] == "emulated", f"label {rep['label']!r}"
@@ -59,7 +56,6 @@ def test_ttl_report_is_labelled_emulated_and_lists_every_policy(report):
         assert f"| {name} |" in md, f"ttl.md has no table row for {name}"
 
 
-@SHARED
 def test_ttl_records_every_step_and_eval(report):
     for name, r in report[0]["policies"].items():
         assert len(r["steps"]) == 6, f"{name}: {len(r['steps'])} steps recorded, ran 6"
@@ -70,7 +66,6 @@ def test_ttl_records_every_step_and_eval(report):
             f"{name}: a device peak on the CPU: {r['emulator_device_peak_bytes']}"
 
 
-@SHARED
 def test_ttl_step_times_are_positive_and_accumulate(report):
     for name, r in report[0]["policies"].items():
         for s in r["steps"]:
@@ -84,7 +79,6 @@ def test_ttl_step_times_are_positive_and_accumulate(report):
         assert all(b > a for a, b in zip(cum, cum[1:])), f"{name}: cumulative times {cum}"
 
 
-@SHARED
 def test_ttl_step_load_and_keep_ratio_are_in_range(report):
     for name, r in report[0]["policies"].items():
         for s in r["steps"]:
@@ -94,7 +88,6 @@ def test_ttl_step_load_and_keep_ratio_are_in_range(report):
             assert 0 < s["keep_ratio"] <= 1, f"{at}: keep ratio {s['keep_ratio']}"
 
 
-@SHARED
 def test_ttl_eval_loss_is_the_mean_of_its_batches(report):
     for name, r in report[0]["policies"].items():
         for e in r["evals"]:
@@ -104,7 +97,6 @@ def test_ttl_eval_loss_is_the_mean_of_its_batches(report):
                 f"{name} eval at step {e['step']}: {e['val_loss']} is not the mean of {b}"
 
 
-@SHARED
 def test_ttl_target_is_read_off_statics_smoothed_curve(report):
     """static's smoothed curve read at ceil(0.8 * 6) = 5 (between evals 3 and 6)."""
     from lrmoe.sim.target import smooth
@@ -122,7 +114,6 @@ def test_ttl_target_is_read_off_statics_smoothed_curve(report):
     assert st["raw_steps_to_target"] == 6, f"raw steps to target {st['raw_steps_to_target']}"
 
 
-@SHARED
 def test_ttl_symi_replicates_with_statics_losses(report):
     """Replication changes placement, never the math."""
     pol = report[0]["policies"]
@@ -139,7 +130,6 @@ def test_ttl_symi_replicates_with_statics_losses(report):
         f"steps to target: symi {sy['steps_to_target']}, static {st['steps_to_target']}"
 
 
-@SHARED
 def test_ttl_lrmoe_trims_the_backward_and_stays_close_to_static(report):
     pol = report[0]["policies"]
     lr, st = pol["lrmoe"], pol["static"]
@@ -150,7 +140,6 @@ def test_ttl_lrmoe_trims_the_backward_and_stays_close_to_static(report):
         f"{st['final_val_loss']}: {gap} apart"
 
 
-@SHARED
 def test_ttl_out_follows_train_rules(ttl_run, tmp_path, capsys):
     """--out: marked and unlocked after a run; someone else's files, a training run, a
     live run's directory and an earlier run's results (without --reuse) are refused,

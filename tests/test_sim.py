@@ -5,6 +5,8 @@ output, input gradient, expert gradients and router gradient must equal the real
 ``--ep 4`` run's per-rank tensors (and, for exact plans, one process), and its byte and
 row counters must equal the real runtime's stats. The ``*_experts`` cases run with
 ``BackwardOptions(router_grad="experts")`` (the router gradient from the expert backward).
+The sampled estimator, with each rank's generator seeded alike, must keep the same pairs
+in both and give the gradients of a one-process Horvitz-Thompson reference.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
 from onerank import TableRouter, zipf_routing
+from shared_run import run_once
 
 T, H, E, K, F, G = 12, 16, 8, 2, 8, 4
 # sampled: partial plan, sampled estimator; *_experts: router_grad "experts"
@@ -179,16 +182,15 @@ def _gloo_worker(rank, world, seed, outdir):
 
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
-    """Every case of ``POLICIES`` on a real ``--ep 4`` gloo group, one spawn shared by the
-    tests below: ``(seed, folder of {policy}_{rank}.pt)``."""
-    out = tmp_path_factory.mktemp("gloo")
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
-    run_world(G, _gloo_worker, seed, str(out), tmp_path=out)
-    return seed, out
+    """Every case of ``POLICIES`` on a real ``--ep 4`` gloo group, one spawn per session
+    (``shared_run``) for the tests below: ``(seed, folder of {policy}_{rank}.pt)``."""
+    def make(out):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
+        run_world(G, _gloo_worker, seed, str(out), tmp_path=out)
+        return {"seed": seed}
 
-
-# the tests on the shared gloo run go to one pytest-xdist worker (--dist loadgroup)
-GLOO = pytest.mark.xdist_group("sim_gloo")
+    out, rec = run_once(tmp_path_factory, "sim_gloo", make)
+    return rec["seed"], out
 
 
 def test_virtual_all_to_all_matches_all_to_all_single_order():
@@ -201,7 +203,6 @@ def test_virtual_all_to_all_matches_all_to_all_single_order():
 
 
 @pytest.mark.dist
-@GLOO
 def test_emulator_matches_one_process_and_gloo(gloo_run):
     seed, tmp_path = gloo_run
     layer, idx, x, coeff = make_case(seed)
@@ -332,7 +333,6 @@ def ht_reference(layer, x, coeff, weight: dict) -> dict:
 
 
 @pytest.mark.dist
-@GLOO
 def test_sampled_estimator_matches_gloo_and_horvitz_thompson(gloo_run):
     """The sampled estimator, emulated and on a real gloo group, each rank's generator
     seeded alike: every home rank keeps the same pairs with the same ``pi`` in both;

@@ -110,7 +110,8 @@ def test_ttl_target_is_read_off_statics_smoothed_curve(report):
         f"target loss {tg['val_loss']}, want {want} (interpolated between evals 3 and 6)"
     assert tg["raw_static_step"] == 6, f"raw target step {tg['raw_static_step']}: first eval >= 5"
     assert 3 < st["steps_to_target"] <= 6, f"static reaches it at {st['steps_to_target']}"
-    assert st["time_to_target_emulated_s"] > 0, st["time_to_target_emulated_s"]
+    assert st["time_to_target_emulated_s"] > 0, \
+        f"static's emulated time to target {st['time_to_target_emulated_s']}"
     assert st["raw_steps_to_target"] == 6, f"raw steps to target {st['raw_steps_to_target']}"
 
 

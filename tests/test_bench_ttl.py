@@ -12,6 +12,7 @@ import torch
 from lrmoe.cli import main
 from lrmoe.presets import get_preset
 from lrmoe.sim.ttl import balanced_budget
+from shared_run import run_once
 
 ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
         "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
@@ -22,57 +23,122 @@ BUDGET = str(balanced_budget(get_preset("tiny-qwen3"), 2, 4 * 32 // 2, 0.8, "fp3
 
 @pytest.fixture(scope="module")
 def ttl_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ttl")
-    rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--out", str(out)])
-    return rc, out
+    """One three-policy run shared by the tests below (they read its outputs), made once
+    per session (``shared_run``): ``(exit code, folder)``."""
+    def make(out):
+        return {"rc": main(ARGS + ["--policies", "static,symi,lrmoe", "--out", str(out)])}
+
+    out, rec = run_once(tmp_path_factory, "ttl", make)
+    return rec["rc"], out
 
 
-def test_ttl_outputs(ttl_run, capsys):
+@pytest.fixture(scope="module")
+def report(ttl_run):
+    """The shared run's ``ttl.json`` and ``ttl.md``."""
     rc, out = ttl_run
-    assert rc == 0
+    assert rc == 0, f"bench ttl exited with {rc}"
+    return json.loads((out / "ttl.json").read_text()), (out / "ttl.md").read_text()
+
+
+def test_ttl_writes_report_and_plots(ttl_run):
+    rc, out = ttl_run
+    assert rc == 0, f"bench ttl exited with {rc}"
     for f in ("ttl.json", "ttl.md", "ttl_loss_vs_time.png", "ttl_loss_vs_step.png"):
-        assert (out / f).stat().st_size > 0, f
-    rep = json.loads((out / "ttl.json").read_text())
-    md = (out / "ttl.md").read_text()
-    assert rep["label"] == "emulated" and "emulated" in md
-    assert list(rep["policies"]) == ["static", "symi", "lrmoe"]
-    for name, r in rep["policies"].items():
-        assert f"| {name} |" in md
-        assert r["emulator_device_peak_bytes"] is None  # a CUDA figure (tests/gpu)
-        assert len(r["steps"]) == 6 and [e["step"] for e in r["evals"]] == [0, 3, 6]
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f"{f} missing or empty"
+
+
+def test_ttl_report_is_labelled_emulated_and_lists_every_policy(report):
+    rep, md = report
+    assert rep["label"] == "emulated", f"label {rep['label']!r}"
+    assert "emulated" in md, "ttl.md does not say its times are emulated"
+    assert list(rep["policies"]) == ["static", "symi", "lrmoe"], list(rep["policies"])
+    for name in rep["policies"]:
+        assert f"| {name} |" in md, f"ttl.md has no table row for {name}"
+
+
+def test_ttl_records_every_step_and_eval(report):
+    for name, r in report[0]["policies"].items():
+        assert len(r["steps"]) == 6, f"{name}: {len(r['steps'])} steps recorded, ran 6"
+        evals = [e["step"] for e in r["evals"]]
+        assert evals == [0, 3, 6], f"{name}: evals at {evals}, --eval-every 3 over 6 steps"
+        # the emulator's device peak is a CUDA figure (tests/gpu)
+        assert r["emulator_device_peak_bytes"] is None, \
+            f"{name}: a device peak on the CPU: {r['emulator_device_peak_bytes']}"
+
+
+def test_ttl_step_times_are_positive_and_accumulate(report):
+    for name, r in report[0]["policies"].items():
         for s in r["steps"]:
-            assert s["moe_emulated_s"] > 0 and s["step_emulated_s"] > 0
-            assert s["non_moe_measured_s"] >= 0 and s["wall_s"] > s["moe_wall_s"] > 0
-            assert s["fwd_load_max_over_mean"] >= 1.0 and 0 < s["keep_ratio"] <= 1
+            at = f"{name} step {s['step']}"
+            assert s["moe_emulated_s"] > 0 and s["step_emulated_s"] > 0, \
+                f"{at}: emulated times {s['moe_emulated_s']}, {s['step_emulated_s']}"
+            assert s["non_moe_measured_s"] >= 0, f"{at}: non-MoE time {s['non_moe_measured_s']}"
+            assert s["wall_s"] > s["moe_wall_s"] > 0, \
+                f"{at}: wall {s['wall_s']} s must exceed the MoE wall {s['moe_wall_s']} s > 0"
         cum = [s["cum_emulated_s"] for s in r["steps"]]
-        assert all(b > a for a, b in zip(cum, cum[1:]))
-    # target: static's smoothed curve read at ceil(0.8 * 6) = 5 (between evals 3 and 6)
+        assert all(b > a for a, b in zip(cum, cum[1:])), f"{name}: cumulative times {cum}"
+
+
+def test_ttl_step_load_and_keep_ratio_are_in_range(report):
+    for name, r in report[0]["policies"].items():
+        for s in r["steps"]:
+            at = f"{name} step {s['step']}"
+            assert s["fwd_load_max_over_mean"] >= 1.0, \
+                f"{at}: max/mean load {s['fwd_load_max_over_mean']} below 1"
+            assert 0 < s["keep_ratio"] <= 1, f"{at}: keep ratio {s['keep_ratio']}"
+
+
+def test_ttl_eval_loss_is_the_mean_of_its_batches(report):
+    for name, r in report[0]["policies"].items():
+        for e in r["evals"]:
+            b = e["val_batch_losses"]
+            assert len(b) >= 1, f"{name} eval at step {e['step']}: no batch losses"
+            assert e["val_loss"] == pytest.approx(sum(b) / len(b)), \
+                f"{name} eval at step {e['step']}: {e['val_loss']} is not the mean of {b}"
+
+
+def test_ttl_target_is_read_off_statics_smoothed_curve(report):
+    """static's smoothed curve read at ceil(0.8 * 6) = 5 (between evals 3 and 6)."""
     from lrmoe.sim.target import smooth
-    st = rep["policies"]["static"]
-    ev = st["evals"]
-    sm = smooth([e["val_loss"] for e in ev[1:]], 3)
-    assert rep["target"]["static_step"] == 5
-    assert rep["target"]["val_loss"] == pytest.approx(sm[0] + (5 - 3) / 3 * (sm[1] - sm[0]))
-    assert rep["target"]["raw_static_step"] == 6  # first eval at/after step 5
-    for e in ev:
-        assert len(e["val_batch_losses"]) >= 1
-        assert e["val_loss"] == pytest.approx(sum(e["val_batch_losses"]) / len(e["val_batch_losses"]))
-    assert 3 < st["steps_to_target"] <= 6 and st["time_to_target_emulated_s"] > 0
-    assert st["raw_steps_to_target"] == 6
-    # exact policies: replication changes placement, never the math
-    sy = rep["policies"]["symi"]
-    assert sy["steps"][0]["replicas"] > 0 and all(s["keep_ratio"] == 1 for s in sy["steps"])
-    a = torch.tensor([s["train_loss"] for s in st["steps"]])
-    b = torch.tensor([s["train_loss"] for s in sy["steps"]])
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    va = torch.tensor([e["val_loss"] for e in st["evals"]])
-    vb = torch.tensor([e["val_loss"] for e in sy["evals"]])
-    torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
-    assert sy["steps_to_target"] == pytest.approx(st["steps_to_target"], abs=1e-3)
-    # lrmoe trims the backward: not exact, but close
-    lr = rep["policies"]["lrmoe"]
-    assert min(s["keep_ratio"] for s in lr["steps"]) < 1
-    assert abs(lr["final_val_loss"] - st["final_val_loss"]) < 0.5
+
+    rep = report[0]
+    st, tg = rep["policies"]["static"], rep["target"]
+    sm = smooth([e["val_loss"] for e in st["evals"][1:]], 3)
+    assert tg["static_step"] == 5, f"target step {tg['static_step']}, want ceil(0.8 * 6) = 5"
+    want = sm[0] + (5 - 3) / 3 * (sm[1] - sm[0])
+    assert tg["val_loss"] == pytest.approx(want), \
+        f"target loss {tg['val_loss']}, want {want} (interpolated between evals 3 and 6)"
+    assert tg["raw_static_step"] == 6, f"raw target step {tg['raw_static_step']}: first eval >= 5"
+    assert 3 < st["steps_to_target"] <= 6, f"static reaches it at {st['steps_to_target']}"
+    assert st["time_to_target_emulated_s"] > 0, \
+        f"static's emulated time to target {st['time_to_target_emulated_s']}"
+    assert st["raw_steps_to_target"] == 6, f"raw steps to target {st['raw_steps_to_target']}"
+
+
+def test_ttl_symi_replicates_with_statics_losses(report):
+    """Replication changes placement, never the math."""
+    pol = report[0]["policies"]
+    st, sy = pol["static"], pol["symi"]
+    assert sy["steps"][0]["replicas"] > 0, "symi placed no replica"
+    assert all(s["keep_ratio"] == 1 for s in sy["steps"]), "symi dropped pairs from backward"
+    for what, a, b in (
+            ("train loss", [s["train_loss"] for s in st["steps"]],
+             [s["train_loss"] for s in sy["steps"]]),
+            ("val loss", [e["val_loss"] for e in st["evals"]], [e["val_loss"] for e in sy["evals"]])):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, w=what: f"symi's {w} vs static's: {m}")
+    assert sy["steps_to_target"] == pytest.approx(st["steps_to_target"], abs=1e-3), \
+        f"steps to target: symi {sy['steps_to_target']}, static {st['steps_to_target']}"
+
+
+def test_ttl_lrmoe_trims_the_backward_and_stays_close_to_static(report):
+    pol = report[0]["policies"]
+    lr, st = pol["lrmoe"], pol["static"]
+    keep = min(s["keep_ratio"] for s in lr["steps"])
+    assert keep < 1, "lrmoe kept every pair in every step: nothing trimmed"
+    gap = abs(lr["final_val_loss"] - st["final_val_loss"])
+    assert gap < 0.5, f"final val loss lrmoe {lr['final_val_loss']} vs static " \
+        f"{st['final_val_loss']}: {gap} apart"
 
 
 def test_ttl_out_follows_train_rules(ttl_run, tmp_path, capsys):

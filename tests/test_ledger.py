@@ -95,28 +95,64 @@ def test_kept_terms_are_per_home_pair_and_per_layer():
     assert t["total"] == sum(v for k, v in t.items() if k != "total")
 
 
+def exact_plan_buffers(T: int, R: int, h: int, H: int, F: int, b: int) -> int:
+    """Hand count of one layer's transients on a rank of an exact plan (every received
+    row retained and in backward, nothing recomputed, the router gradient at home): the
+    row elements alive at each step of the forward and backward, written out tensor by
+    tensor, minus the rows the layer keeps for backward (x ``R·H``, gate_up ``R·2F``,
+    combined rows ``h·H``, counted in their own terms); the largest, in bytes ``b`` per
+    element, plus the expert backward's indices and scales (int64 + int64 + fp32 per
+    received row). T home tokens, R received and h home pairs."""
+    kept = R * H + R * 2 * F + h * H
+    x, gu, act, y_R, y_h, out = R * H, R * 2 * F, R * F, R * H, h * H, T * H
+    fwd = {  # the layer input (T·H) throughout
+        "dispatch": T * H + h * H + R * H,              # rows sent, rows received (x)
+        "experts": T * H + x + gu + act + y_R,          # x, gate_up, act, y
+        "unpermute": T * H + x + gu + 2 * y_R,          # y in instance and arrival order
+        "ship": T * H + x + gu + y_R + y_h,             # y sent and arrived home
+        "combine": T * H + x + gu + y_h + out,          # the layer output
+    }
+    bwd = {  # the output gradient (T·H) throughout; the combined rows until the router grad
+        "router_grad": T * H + kept,
+        "ship": T * H + x + gu + h * H + R * H,         # dout rows sent and arrived
+        "permute": T * H + x + gu + 2 * R * H,          # arrived, and in instance order
+        "dw2": T * H + x + gu + R * H + act,            # x, gate_up, dy, act
+        "dgate_up": T * H + x + gu + act + gu,          # x, gate_up, dact, dgate_up
+        "dx_home": T * H + h * H + out,                 # dx home and combined
+    }
+    return max(max(fwd.values()) * b, max(bwd.values()) * b + R * (8 + 8 + 4)) - kept * b
+
+
 def test_rank_terms_and_check():
+    """Every term of an exact plan from the shapes and dtypes (bf16 instances and
+    activations, fp32 optimizer state, 3 MoE layers)."""
     cfg = _cfg()
-    G, E = 2, cfg.num_experts
-    led = Ledger(cfg, G, bytes_w=2, bytes_act=2, num_moe_layers=3)
+    G, E, L, K = 2, cfg.num_experts, 3, cfg.num_experts_per_tok
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    expert = 2 * F * H + H * F  # gate_up_proj [2F, H] + down_proj [H, F] parameters
+    led = Ledger(cfg, G, bytes_w=2, bytes_act=2, num_moe_layers=L)
     counts = torch.tensor([[5, 0, 3, 1, 0, 0, 2, 9], [1, 1, 1, 1, 4, 4, 4, 4]])
     plan = full_plan(counts, native_placement(G, E))
     terms = led.rank_terms(plan)
-    home = counts.sum(1)
-    recv = plan.rank_load()
+    recv = counts.sum(0).reshape(G, E // G).sum(1)  # natives only: an owner receives its pairs
     for r in range(G):
-        t = terms[r]
-        assert t["owned_state"] == 3 * (E // G) * led.P_params * 16
-        assert t["instance_weights"] == t["instance_grads"] == 3 * (E // G) * led.P_params * 2
-        R, h = int(recv[r]), int(home[r])
-        assert t["buffers"] == led.counts_buffer_bytes(R, h, R, 0, exact=True)  # once
-        assert t["buffers"] == led.rows_buffer_bytes(R, h, R, 0, exact=True)  # exact plan
-        assert t["retained_acts"] == 3 * int(recv[r]) * led.A
-        assert t["total"] == sum(v for k, v in t.items() if k != "total")
+        t, R, h = terms[r], int(recv[r]), int(counts[r].sum())
+        want = {
+            "owned_state": L * (E // G) * expert * (4 + 4 + 4 + 4),  # master, grad, 2 moments
+            "instance_weights": L * (E // G) * expert * 2,
+            "instance_grads": L * (E // G) * expert * 2,
+            "buffers": exact_plan_buffers(-(-h // K), R, h, H, F, 2),  # once, not per layer
+            "retained_acts": L * R * (H + 2 * F) * 2,  # input row + gate_up row per pair
+            "combine_rows": L * h * H * 2,
+            "pair_index": L * h * (4 + 3 * 8),  # gate fp32 + three int64 indices
+        }
+        for k, v in want.items():
+            assert t[k] == v, f"rank {r} {k}: ledger {t[k]}, by hand {v}"
+        assert t["total"] == sum(want.values()), f"rank {r}: total {t['total']}"
     # tokens_per_rank_home sizes the home buffers as tokens * top_k
     t2 = led.rank_terms(plan, tokens_per_rank_home=100)
-    assert t2[0]["buffers"] == led.counts_buffer_bytes(
-        int(recv[0]), 100 * cfg.num_experts_per_tok, int(recv[0]), 0, exact=True)
+    want = exact_plan_buffers(100, int(recv[0]), 100 * K, H, F, 2)
+    assert t2[0]["buffers"] == want, f"buffers at 100 tokens: ledger {t2[0]['buffers']}, {want}"
 
     worst = max(t["total"] for t in terms)
     Ledger(cfg, G, worst, 2, 2, 3).check(plan)  # exactly at budget fits
@@ -137,9 +173,12 @@ def test_feasible_minimum():
     counts = torch.arange(G * E).reshape(G, E) % 5
     mins = led.feasible_minimum(counts)
     recv = counts.sum(0).reshape(G, E // G).sum(1)
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
     for r, t in enumerate(mins):
-        assert t["retained_acts"] == 2 * min(E // G, int(recv[r])) * led.A
-        assert t["instance_weights"] == 2 * (E // G) * led.P_params * 4
+        want = 2 * min(E // G, int(recv[r])) * (H + 2 * F) * 4  # one pair per slot, fp32
+        assert t["retained_acts"] == want, f"rank {r}: {t['retained_acts']}, by hand {want}"
+        want = 2 * (E // G) * 3 * H * F * 4
+        assert t["instance_weights"] == want, f"rank {r}: {t['instance_weights']}, by hand {want}"
     assert led.feasible_minimum()[0]["buffers"] == 0
 
 
@@ -201,7 +240,10 @@ def test_exact_fit_modes():
     budget = (plain[0]["total"] + max(full_rec[0], plain[1]["total"])) // 2
     led = Ledger(cfg, G, budget)
     mode, rec, terms = led.exact_fit(plan)
-    assert rec == [led.recompute_needed(*c, exact=True) for c in led._rank_counts(plan, None)]
+    # the fewest recomputed pairs whose total fits, rank by rank (a brute force)
+    fewest = [next(m for m in range(recv[r] + 1) if free.terms(
+        4, recv[r], int(counts[r].sum()), recv[r], m, True)["total"] <= budget) for r in range(G)]
+    assert rec == fewest, f"recomputed pairs {rec}, fewest that fit {fewest}"
     assert mode == "pairs" and rec[0] > 0 and rec[1] == 0 and terms[1] == plain[1]
     assert max(t["total"] for t in terms) <= budget
     # below what recomputing every pair allows, but above the layer checkpoint's need

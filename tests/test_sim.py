@@ -5,15 +5,19 @@ output, input gradient, expert gradients and router gradient must equal the real
 ``--ep 4`` run's per-rank tensors (and, for exact plans, one process), and its byte and
 row counters must equal the real runtime's stats. The ``*_experts`` cases run with
 ``BackwardOptions(router_grad="experts")`` (the router gradient from the expert backward).
+The sampled estimator, with each rank's generator seeded alike, must keep the same pairs
+in both and give the gradients of a one-process Horvitz-Thompson reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as Fn
 
 from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
 from lrmoe.config import ModelConfig
@@ -31,6 +35,7 @@ from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
 from onerank import TableRouter, zipf_routing
+from shared_run import run_once
 
 T, H, E, K, F, G = 12, 16, 8, 2, 8, 4
 # sampled: partial plan, sampled estimator; *_experts: router_grad "experts"
@@ -48,10 +53,12 @@ class ReplicaPolicy:
 
 
 class PartialPolicy(ReplicaPolicy):
-    """Replicas, 80% retained, 60% of those selected (top-k selection at runtime)."""
+    """Replicas, 80% retained, 60% of those selected (top-k selection at runtime); the
+    last plan made is kept (``last``), for reading which expert each block holds."""
 
     def plan(self, counts_GE, inputs):
-        return trimmed(super().plan(counts_GE, inputs))
+        self.last = trimmed(super().plan(counts_GE, inputs))
+        return self.last
 
 
 def close(a, b, what):
@@ -130,6 +137,30 @@ def emulate(policy_name, seed, opts=None, kept=None):
     return run(fn, layer, x, coeff), v.stats
 
 
+@contextlib.contextmanager
+def recorded_selections():
+    """Each call of the sampled estimator's select (``select_sampled``, as the backward's
+    select stage calls it) in order, as a dict: the candidates' tokens, block sizes and
+    quotas, the generator's state before the draws, the inclusion probabilities and the
+    keep mask."""
+    import lrmoe.parallel.select as select_mod
+
+    real, log = select_mod.select_sampled, []
+
+    def spy(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator, *a, **k):
+        state = generator.get_state()
+        sel = real(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator, *a, **k)
+        log.append({"tok": tok_N.clone(), "size_B": size_B.clone(), "quota_B": quota_B.clone(),
+                    "gen_state": state, "pi": sel.pi_N.clone(), "keep": sel.keep_N.clone()})
+        return sel
+
+    select_mod.select_sampled = spy
+    try:
+        yield log
+    finally:
+        select_mod.select_sampled = real
+
+
 def _gloo_worker(rank, world, seed, outdir):
     for name in POLICIES:
         layer, idx, x, coeff = make_case(seed)
@@ -137,12 +168,29 @@ def _gloo_worker(rank, world, seed, outdir):
         layer.router.idx = idx[sl]
         ctx = ParallelContext(world=world, rank=rank, ep_size=world, ep_group=dist.group.WORLD)
         shard_experts(layer, ctx)
-        layer.runtime = MoERuntime(comm=EPComm(dist.group.WORLD), policy=make_policy(name),
+        policy = make_policy(name)
+        layer.runtime = MoERuntime(comm=EPComm(dist.group.WORLD), policy=policy,
                                    backward=make_opts(name), generator=make_gen(name, seed, rank))
-        out = run(lambda t, m=layer: m(t.unsqueeze(0)).squeeze(0), layer, x[sl], coeff[sl])
+        with recorded_selections() as log:
+            out = run(lambda t, m=layer: m(t.unsqueeze(0)).squeeze(0), layer, x[sl], coeff[sl])
         dist.all_reduce(out["gr"])
         out["stats"] = {k: v for k, v in layer.runtime.stats[0].items() if not k.startswith("_")}
+        if name == "sampled":
+            out["selections"], out["inst_expert_GS"] = log, policy.last.inst_expert_GS
         torch.save(out, f"{outdir}/{name}_{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory):
+    """Every case of ``POLICIES`` on a real ``--ep 4`` gloo group, one spawn per session
+    (``shared_run``) for the tests below: ``(seed, folder of {policy}_{rank}.pt)``."""
+    def make(out):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
+        run_world(G, _gloo_worker, seed, str(out), tmp_path=out)
+        return {"seed": seed}
+
+    out, rec = run_once(tmp_path_factory, "sim_gloo", make)
+    return rec["seed"], out
 
 
 def test_virtual_all_to_all_matches_all_to_all_single_order():
@@ -155,9 +203,8 @@ def test_virtual_all_to_all_matches_all_to_all_single_order():
 
 
 @pytest.mark.dist
-def test_emulator_matches_one_process_and_gloo(tmp_path):
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
-    run_world(G, _gloo_worker, seed, str(tmp_path), tmp_path=tmp_path)
+def test_emulator_matches_one_process_and_gloo(gloo_run):
+    seed, tmp_path = gloo_run
     layer, idx, x, coeff = make_case(seed)
     ref = run(lambda t: layer(t.unsqueeze(0)).squeeze(0), layer, x, coeff)  # one process
     per = E // G
@@ -222,12 +269,117 @@ def test_router_grad_experts_leaves_a_trimmed_plan_alone():
         assert torch.equal(sa.bytes_GG[ex], sb.bytes_GG[ex]), ex
 
 
-def test_sampled_estimator_runs_and_counts():
-    emu, stats = emulate("partial", 7, BackwardOptions(estimator="sampled"))
-    assert torch.isfinite(emu["g13"]).all()
-    # rows each rank receives in backward = rows the homes shipped to it
-    assert stats.rows["bwd"] == stats.rows_GG["bwd_dispatch"].sum(0).tolist()
-    assert stats.rows["selected"] == stats.rows["bwd"]
+def selected_pairs(rec: dict, home: int, inst_expert_GS) -> dict:
+    """``{(token, expert): pi}`` of the pairs one home rank's sampled select kept, from a
+    recorded call: candidate i sits in block ``b`` (blocks of ``size_B`` rows in order,
+    block ``b`` = destination slot ``b`` of ``inst_expert_GS``), token ``tok[i]`` of the
+    home's ``T``."""
+    blk = torch.repeat_interleave(torch.arange(rec["size_B"].numel()), rec["size_B"])
+    exp = inst_expert_GS.reshape(-1)[blk]
+    keep = rec["keep"].nonzero().view(-1).tolist()
+    return {(home * T + int(rec["tok"][i]), int(exp[i])): float(rec["pi"][i]) for i in keep}
+
+
+def check_inclusion_probs(rec: dict, home: int, inst_expert_GS, metric_NE, msg: str) -> None:
+    """The recorded draws against the estimator's definition: ``pi`` capped at 1,
+    ``pi ∝ |gate|·||dout||`` below the cap, ``sum(pi)`` = the block's quota; a
+    candidate is kept iff its uniform draw (``torch.rand(N, float64)`` on the rank's
+    generator) is below its ``pi``."""
+    pi, size_B, quota_B = rec["pi"], rec["size_B"].tolist(), rec["quota_B"].tolist()
+    blk = torch.repeat_interleave(torch.arange(len(size_B)), rec["size_B"])
+    exp = inst_expert_GS.reshape(-1)[blk]
+    m = metric_NE[home * T + rec["tok"], exp].double()
+    gen = torch.Generator()
+    gen.set_state(rec["gen_state"])
+    u = torch.rand(pi.shape, dtype=torch.float64, generator=gen)
+    assert torch.equal(rec["keep"], u < pi), f"{msg}: kept rows are not those with u < pi"
+    first = 0
+    for b, (n, q) in enumerate(zip(size_B, quota_B)):
+        p, mb = pi[first:first + n], m[first:first + n]
+        first += n
+        assert torch.all((p > 0) & (p <= 1) if q > 0 else p == 0), \
+            f"{msg} block {b}: pi {p} with quota {q} (want (0, 1], or 0 without a quota)"
+        assert float(p.sum()) == pytest.approx(min(q, n), rel=1e-9), \
+            f"{msg} block {b}: sum(pi) {float(p.sum())}, quota {q} of {n} rows"
+        free = p < 1
+        if free.any():  # below the cap pi/metric is one constant; capped rows score higher
+            c = p[free] / mb[free]
+            torch.testing.assert_close(c, c[0].expand_as(c), rtol=1e-5, atol=0,
+                                       msg=lambda s, b=b: f"{msg} block {b}: pi not ∝ metric: {s}")
+            assert torch.all(mb[~free] * c[0] >= 1 - 1e-5), f"{msg} block {b}: a capped row " \
+                "scores below the cap"
+
+
+def ht_reference(layer, x, coeff, weight: dict) -> dict:
+    """One process, every expert local: the forward and the router gradient exact, each
+    kept pair's expert path weighted ``weight[(token, expert)]`` (1/pi) in backward, the
+    other pairs' not at all (the Horvitz-Thompson estimator of the expert gradients)."""
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    w13, w2 = layer.experts.gate_up_proj, layer.experts.down_proj
+    probs = torch.softmax(x @ layer.router.weight.t(), dim=-1)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok = (layer.router.idx == e).any(1).nonzero().view(-1)
+        gu = x[tok] @ w13[e].t()
+        y = (Fn.silu(gu[:, :F]) * gu[:, F:]) @ w2[e].t()
+        g = probs[tok, e]
+        w = torch.tensor([weight.get((t, e), 0.0) for t in tok.tolist()])
+        path = (g.detach() * w)[:, None] * (y - y.detach())  # zero forward, weighted backward
+        out = out.index_add(0, tok, g[:, None] * y.detach() + path)
+    (out * coeff).sum().backward()
+    return {"y": out.detach(), "dx": x.grad, "g13": w13.grad.clone(), "g2": w2.grad.clone(),
+            "gr": layer.router.weight.grad.clone()}
+
+
+@pytest.mark.dist
+def test_sampled_estimator_matches_gloo_and_horvitz_thompson(gloo_run):
+    """The sampled estimator, emulated and on a real gloo group, each rank's generator
+    seeded alike: every home rank keeps the same pairs with the same ``pi`` in both;
+    the draws and ``pi`` follow the estimator's definition; and both runs' gradients
+    equal a one-process reference that weights each kept pair's expert path by 1/pi."""
+    seed, folder = gloo_run
+    with recorded_selections() as log:
+        emu, stats = emulate("sampled", seed)
+    real = [torch.load(folder / f"sampled_{r}.pt") for r in range(G)]
+    ie = stats.plan.inst_expert_GS
+    assert len(log) == G and all(len(r["selections"]) == 1 for r in real), \
+        f"select calls: emulated {len(log)}, real {[len(r['selections']) for r in real]}"
+    layer, idx, x, coeff = make_case(seed)
+    with torch.no_grad():
+        gate_NE = torch.softmax(x @ layer.router.weight.t(), dim=-1)
+        metric_NE = gate_NE * coeff.norm(dim=1, keepdim=True)  # dout = coeff
+    weight = {}
+    for g in range(G):
+        msg = f"seed={seed} home {g}"
+        assert torch.equal(real[g]["inst_expert_GS"], ie), f"{msg}: plans differ"
+        mine, theirs = log[g], real[g]["selections"][0]
+        check_inclusion_probs(mine, g, ie, metric_NE, f"{msg} emulated")
+        check_inclusion_probs(theirs, g, ie, metric_NE, f"{msg} gloo")
+        a, b = selected_pairs(mine, g, ie), selected_pairs(theirs, g, ie)
+        assert a.keys() == b.keys(), f"{msg}: kept pairs differ: emulated only " \
+            f"{sorted(a.keys() - b.keys())}, gloo only {sorted(b.keys() - a.keys())}"
+        assert all(a[p] == pytest.approx(b[p], rel=1e-6) for p in a), f"{msg}: pi differ"
+        weight.update({p: 1.0 / pi for p, pi in a.items()})
+    n_kept, n_pairs = len(weight), G * T * K
+    assert 0 < n_kept < n_pairs, f"seed={seed}: kept {n_kept} of {n_pairs} pairs"
+    ref = ht_reference(layer, x, coeff, weight)
+    per, tol = E // G, dict(rtol=1e-4, atol=1e-4)
+    for k in ("y", "dx", "g13", "g2", "gr"):
+        torch.testing.assert_close(emu[k], ref[k], **tol,
+                                   msg=lambda s, k=k: f"seed={seed} emulated {k} vs HT: {s}")
+    for r in range(G):
+        sl, own = slice(r * T, (r + 1) * T), slice(r * per, (r + 1) * per)
+        for k, got, want in (("y", real[r]["y"], ref["y"][sl]), ("dx", real[r]["dx"], ref["dx"][sl]),
+                             ("g13", real[r]["g13"], ref["g13"][own]),
+                             ("g2", real[r]["g2"], ref["g2"][own]), ("gr", real[r]["gr"], ref["gr"])):
+            torch.testing.assert_close(got, want, **tol,
+                                       msg=lambda s, k=k, r=r: f"seed={seed} gloo rank {r} {k} "
+                                       f"vs HT: {s}")
+    # rows each rank receives in backward = rows the homes shipped to it = the kept pairs
+    assert stats.rows["bwd"] == stats.rows_GG["bwd_dispatch"].sum(0).tolist(), stats.rows
+    assert stats.rows["selected"] == stats.rows["bwd"], stats.rows
+    assert sum(stats.rows["bwd"]) == n_kept, f"{sum(stats.rows['bwd'])} rows shipped, {n_kept} kept"
 
 
 def test_step_times_from_stats():

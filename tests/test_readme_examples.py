@@ -1,7 +1,7 @@
-"""Every command in README.md's bash blocks runs as written on a CPU-only machine after
-``make run``, shortened only in ``--steps``.
+"""Every command in the bash blocks of README.md and of the guides it links to (DOCS) runs
+as written on a CPU-only machine after ``make run``, shortened only in ``--steps``.
 
-The blocks are read from the README itself, so the test follows it. They run in order,
+The blocks are read from the files themselves, so the test follows them. They run in order,
 in a directory laid out as a checkout (the repository's files linked, ``.venv`` the
 environment running the tests, ``runs/`` its own) where ``make run`` has run (its
 recipe, read from the Makefile, shortened in ``--steps``). A command that trains gets
@@ -44,15 +44,19 @@ GPU_RUN_ON_CPU = {"DEVICE": "cpu", "MODEL_ARGS": "--preset tiny-qwen3", "EP": "2
                   "BATCH": "4", "SEQ": "32", "STEPS": STEPS}
 
 
+DOCS = ("README.md", "docs/multinode.md", "docs/emulator.md")
+
+
 @dataclass
 class Block:
+    source: str
     heading: str
     commands: list[str]
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The README's ```bash blocks, each with the heading above it; continued lines
-    joined, comment lines dropped."""
+def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
+    """The ```bash blocks of one markdown file, each with the heading above it; continued
+    lines joined, comment lines dropped."""
     blocks, heading, inside, lines = [], "", False, []
     for line in text.splitlines():
         if not inside and line.startswith("#"):
@@ -64,13 +68,13 @@ def readme_blocks(text: str) -> list[Block]:
             joined = "\n".join(lines).replace("\\\n", " ")
             cmds = [c.strip() for c in joined.splitlines()
                     if c.strip() and not c.strip().startswith("#")]
-            blocks.append(Block(heading, cmds))
+            blocks.append(Block(source, heading, cmds))
         elif inside:
             lines.append(line)
     return blocks
 
 
-BLOCKS = readme_blocks((ROOT / "README.md").read_text())
+BLOCKS = [b for doc in DOCS for b in readme_blocks((ROOT / doc).read_text(), doc)]
 
 
 def _free_port() -> int:
@@ -199,9 +203,13 @@ def _split_and(words: list[str]) -> list[list[str]]:
     return out
 
 
-def test_the_readme_has_the_blocks_this_test_reads():
-    assert len(BLOCKS) >= 6 and all(b.commands for b in BLOCKS)
-    assert BLOCKS[0].commands[0].startswith("make run")
+def test_the_docs_have_the_blocks_this_test_reads():
+    assert all(b.commands for b in BLOCKS)
+    assert {b.source for b in BLOCKS} == set(DOCS), "a guide without a bash block"
+    readme = [b for b in BLOCKS if b.source == "README.md"]
+    assert len(readme) >= 5 and readme[0].commands[0].startswith("make run")
+    linked = (ROOT / "README.md").read_text()
+    assert all(f"]({doc})" in linked for doc in DOCS[1:]), "a guide the README no longer links"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{i}-{b.heading[:30]}" for i, b in

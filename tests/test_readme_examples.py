@@ -10,7 +10,9 @@ the run as it was). What cannot run here, and what is checked instead:
 
 - ``make test`` and ``make test-fast`` run this suite: checked to be Makefile targets;
 - a command for a GPU (``--device cuda``): run; on a machine without one it must be
-  refused with one line naming the missing device, exit 2;
+  refused with one line naming the missing device, exit 2 (under ``torchrun``: every
+  worker refuses it, and torchrun exits 1); a later command that reads such a run's
+  ``--out`` must be refused with one line saying it does not exist;
 - the multi-node GPU ``torchrun`` and the ``sbatch`` line: checked for flag validity
   only (torchrun's own parser and ``lrmoe train``'s; the SLURM script exists and parses
   as bash), as there is no cluster here;
@@ -163,6 +165,9 @@ def _check_flags_only(argv: list[str]) -> None:
     assert ns.command == "train"
 
 
+NOT_MADE: set[str] = set()  # the --out of each GPU run refused on this machine
+
+
 def _one(cwd: Path, command: str) -> None:
     words = shlex.split(command, comments=True)
     env = _env()
@@ -179,9 +184,17 @@ def _one(cwd: Path, command: str) -> None:
 
             if torch.cuda.is_available():  # a GPU machine runs it
                 _run(cwd, _shortened(argv), env)
+                continue
+            if Path(argv[0]).name == "torchrun":  # exits 1 when a worker exits non-zero
+                _refused_under_torchrun(_run(cwd, _shortened(argv), env, expect=1))
             else:
                 out = _run(cwd, _shortened(argv), env, expect=2)
                 assert out.count("lrmoe: error:") == 1 and "CUDA" in out, out
+            if "--out" in argv:
+                NOT_MADE.add(argv[argv.index("--out") + 1])
+        elif NOT_MADE & set(argv):  # reads a run a refused GPU command did not make
+            out = _run(cwd, argv, env, expect=2)
+            assert out.count("lrmoe: error:") == 1 and "does not exist" in out, out
         elif argv[:2] == ["bash", "benchmarks/gpu_run.sh"]:
             _run(cwd, argv, {**env, **GPU_RUN_ON_CPU})
         elif "--nnodes" in argv:
@@ -191,6 +204,17 @@ def _one(cwd: Path, command: str) -> None:
             _run(cwd, _shortened(argv), env, copies=n)
         else:
             _run(cwd, _shortened(argv), env)
+
+
+def _refused_under_torchrun(out: str) -> None:
+    """Every worker refused the missing device (exit 2, or torchrun's SIGTERM once a peer
+    had), with no lrmoe traceback. The one line is not demanded: rank 0, which prints it,
+    can be stopped by torchrun before it does when another rank exits first."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert codes and "2" in codes and set(codes) <= {"2", "-15"}, out
+    assert not re.search(r'File ".*/lrmoe/', out), out  # torchrun's own traceback only
+    lines = [ln for ln in out.splitlines() if ln.startswith("lrmoe: error:")]
+    assert len(lines) <= 1 and all("CUDA" in ln for ln in lines), out
 
 
 def _split_and(words: list[str]) -> list[list[str]]:

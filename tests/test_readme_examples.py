@@ -1,7 +1,7 @@
-"""Every command in README.md's bash blocks runs as written on a CPU-only machine after
-``make run``, shortened only in ``--steps``.
+"""Every command in the bash blocks of README.md and of the guides it links to (DOCS) runs
+as written on a CPU-only machine after ``make run``, shortened only in ``--steps``.
 
-The blocks are read from the README itself, so the test follows it. They run in order,
+The blocks are read from the files themselves, so the test follows them. They run in order,
 in a directory laid out as a checkout (the repository's files linked, ``.venv`` the
 environment running the tests, ``runs/`` its own) where ``make run`` has run (its
 recipe, read from the Makefile, shortened in ``--steps``). A command that trains gets
@@ -10,7 +10,9 @@ the run as it was). What cannot run here, and what is checked instead:
 
 - ``make test`` and ``make test-fast`` run this suite: checked to be Makefile targets;
 - a command for a GPU (``--device cuda``): run; on a machine without one it must be
-  refused with one line naming the missing device, exit 2;
+  refused with one line naming the missing device, exit 2 (under ``torchrun``: every
+  worker refuses it, and torchrun exits 1); a later command that reads such a run's
+  ``--out`` must be refused with one line saying it does not exist;
 - the multi-node GPU ``torchrun`` and the ``sbatch`` line: checked for flag validity
   only (torchrun's own parser and ``lrmoe train``'s; the SLURM script exists and parses
   as bash), as there is no cluster here;
@@ -44,15 +46,19 @@ GPU_RUN_ON_CPU = {"DEVICE": "cpu", "MODEL_ARGS": "--preset tiny-qwen3", "EP": "2
                   "BATCH": "4", "SEQ": "32", "STEPS": STEPS}
 
 
+DOCS = ("README.md", "docs/multinode.md", "docs/emulator.md")
+
+
 @dataclass
 class Block:
+    source: str
     heading: str
     commands: list[str]
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The README's ```bash blocks, each with the heading above it; continued lines
-    joined, comment lines dropped."""
+def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
+    """The ```bash blocks of one markdown file, each with the heading above it; continued
+    lines joined, comment lines dropped."""
     blocks, heading, inside, lines = [], "", False, []
     for line in text.splitlines():
         if not inside and line.startswith("#"):
@@ -64,13 +70,13 @@ def readme_blocks(text: str) -> list[Block]:
             joined = "\n".join(lines).replace("\\\n", " ")
             cmds = [c.strip() for c in joined.splitlines()
                     if c.strip() and not c.strip().startswith("#")]
-            blocks.append(Block(heading, cmds))
+            blocks.append(Block(source, heading, cmds))
         elif inside:
             lines.append(line)
     return blocks
 
 
-BLOCKS = readme_blocks((ROOT / "README.md").read_text())
+BLOCKS = [b for doc in DOCS for b in readme_blocks((ROOT / doc).read_text(), doc)]
 
 
 def _free_port() -> int:
@@ -159,6 +165,9 @@ def _check_flags_only(argv: list[str]) -> None:
     assert ns.command == "train"
 
 
+NOT_MADE: set[str] = set()  # the --out of each GPU run refused on this machine
+
+
 def _one(cwd: Path, command: str) -> None:
     words = shlex.split(command, comments=True)
     env = _env()
@@ -175,9 +184,17 @@ def _one(cwd: Path, command: str) -> None:
 
             if torch.cuda.is_available():  # a GPU machine runs it
                 _run(cwd, _shortened(argv), env)
+                continue
+            if Path(argv[0]).name == "torchrun":  # exits 1 when a worker exits non-zero
+                _refused_under_torchrun(_run(cwd, _shortened(argv), env, expect=1))
             else:
                 out = _run(cwd, _shortened(argv), env, expect=2)
                 assert out.count("lrmoe: error:") == 1 and "CUDA" in out, out
+            if "--out" in argv:
+                NOT_MADE.add(argv[argv.index("--out") + 1])
+        elif NOT_MADE & set(argv):  # reads a run a refused GPU command did not make
+            out = _run(cwd, argv, env, expect=2)
+            assert out.count("lrmoe: error:") == 1 and "does not exist" in out, out
         elif argv[:2] == ["bash", "benchmarks/gpu_run.sh"]:
             _run(cwd, argv, {**env, **GPU_RUN_ON_CPU})
         elif "--nnodes" in argv:
@@ -187,6 +204,17 @@ def _one(cwd: Path, command: str) -> None:
             _run(cwd, _shortened(argv), env, copies=n)
         else:
             _run(cwd, _shortened(argv), env)
+
+
+def _refused_under_torchrun(out: str) -> None:
+    """Every worker refused the missing device (exit 2, or torchrun's SIGTERM once a peer
+    had), with no lrmoe traceback. The one line is not demanded: rank 0, which prints it,
+    can be stopped by torchrun before it does when another rank exits first."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert codes and "2" in codes and set(codes) <= {"2", "-15"}, out
+    assert not re.search(r'File ".*/lrmoe/', out), out  # torchrun's own traceback only
+    lines = [ln for ln in out.splitlines() if ln.startswith("lrmoe: error:")]
+    assert len(lines) <= 1 and all("CUDA" in ln for ln in lines), out
 
 
 def _split_and(words: list[str]) -> list[list[str]]:
@@ -199,9 +227,13 @@ def _split_and(words: list[str]) -> list[list[str]]:
     return out
 
 
-def test_the_readme_has_the_blocks_this_test_reads():
-    assert len(BLOCKS) >= 6 and all(b.commands for b in BLOCKS)
-    assert BLOCKS[0].commands[0].startswith("make run")
+def test_the_docs_have_the_blocks_this_test_reads():
+    assert all(b.commands for b in BLOCKS)
+    assert {b.source for b in BLOCKS} == set(DOCS), "a guide without a bash block"
+    readme = [b for b in BLOCKS if b.source == "README.md"]
+    assert len(readme) >= 5 and readme[0].commands[0].startswith("make run")
+    linked = (ROOT / "README.md").read_text()
+    assert all(f"]({doc})" in linked for doc in DOCS[1:]), "a guide the README no longer links"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{i}-{b.heading[:30]}" for i, b in

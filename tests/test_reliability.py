@@ -70,7 +70,7 @@ def one_error_line(err: str, *words: str) -> str:
     return lines[0]
 
 
-# ----------------------------------------------------------------------------- 1. ownership
+# -------------------------------------------------- --out: lrmoe's own directories only
 def test_out_holding_a_hf_model_is_refused(tmp_path, text, capsys):
     from lrmoe.config import ModelConfig
     from lrmoe.hf import load_hf, save_hf
@@ -108,7 +108,7 @@ def test_empty_out_is_taken_and_marked(tmp_path, text):
     assert (out / rundir.MARKER).is_file() and not (out / rundir.LOCK).exists()
 
 
-# ----------------------------------------------------------------------------- 2. save_hf
+# -------------------------------------------------- save_hf: never over a run directory
 def test_save_hf_refuses_a_run_directory(run):
     from lrmoe.hf import save_hf
     from lrmoe.model import MoEForCausalLM
@@ -120,7 +120,7 @@ def test_save_hf_refuses_a_run_directory(run):
     assert digest(run) == before
 
 
-# ----------------------------------------------------------------------------- 3. resume
+# --------------------------------------------- resume: the finished step and the preset
 def test_resume_below_the_finished_step_is_refused(run, capsys):
     before = digest(run)
     assert main(["train", "--out", str(run), "--resume", "--steps", "2"]) == 2
@@ -143,7 +143,7 @@ def test_resume_at_the_end_adds_nothing_and_keeps_the_preset(tmp_path, run, caps
     assert "final val_loss=" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- 5. lock
+# ------------------------------------------------------ one run per directory: the lock
 def _lock(out: Path, pid: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / rundir.MARKER).write_text("x\n")
@@ -174,7 +174,7 @@ def test_stale_lock_is_taken_over_with_a_warning(tmp_path, text, capsys):
     assert not (out / rundir.LOCK).exists()  # released at the end
 
 
-# ----------------------------------------------------------------------------- 6. writes
+# ------------------------------------------------ writes that fail: --out unwritable, disk full
 def test_out_that_is_a_file_or_below_one(tmp_path, text, capsys):
     f = tmp_path / "file"
     f.write_text("mine")
@@ -236,7 +236,7 @@ def test_disk_full_mid_run_is_one_line(tmp_path, text, capsys, monkeypatch):
     assert not (out / rundir.LOCK).exists()
 
 
-# ----------------------------------------------------------------------------- 8. data
+# ---------------------------------------------------------------- data that is not text
 def test_binary_data_file_is_refused(tmp_path, capsys):
     b = tmp_path / "weights.bin"
     b.write_bytes(bytes(range(256)) * 200)
@@ -266,7 +266,7 @@ def test_jsonl_lines_without_text_are_counted(tmp_path, capsys):
     assert "skipped 7 line(s) without a 'text' field" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- 10. divergence
+# ----------------------------------------------------------------- the divergence guard
 def test_divergence_guard_fires_on_a_finite_blow_up():
     g = DivergenceGuard(10.0)
     assert all(g.check(x) is None for x in [5.5, 5.0, 4.0, 3.0, 2.5, 2.4, 2.6])
@@ -294,7 +294,7 @@ def test_run_that_blows_up_stops_with_its_checkpoint_intact(tmp_path, text, caps
     assert max(r["loss"] for r in steps) < 10 * steps[0]["loss"]  # no blown-up step saved
 
 
-# ----------------------------------------------------------------------------- 9, 11. messages
+# --------------------------------------------------------- one-line messages and --help
 @pytest.mark.parametrize("argv, words, absent", [
     (["train", "--preset", "tiny-qwen3", "--backend", "mpi"], ["--backend", "gloo, nccl"],
      "None"),

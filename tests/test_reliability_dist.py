@@ -184,7 +184,7 @@ def test_signal_under_torchrun_is_one_line(tmp_path, how):
     """SIGTERM to the agent: torchrun forwards it, the workers save a checkpoint at the
     next step boundary and rank 0 prints one line. Ctrl-C (SIGINT to the whole process
     group): one 'interrupted' line, no lrmoe traceback. torchrun itself exits 1 after
-    logging its own SignalException (the README says so)."""
+    logging its own SignalException (docs/reliability.md says so)."""
     out, log = tmp_path / "run", tmp_path / "sig.log"
     agent = _launch(2, out, ["--ep", "2", "--ckpt-every", "100"], log)
     pids: dict[int, int] = {}

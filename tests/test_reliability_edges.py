@@ -40,7 +40,7 @@ class FullDiskWriter(BoundedFileWriter):
         return super().write_data(plan, planner)
 
 
-# ----------------------------------------------------------------------------- 4. disk full
+# -------------------------------------------------- a checkpoint that cannot be written
 def test_full_disk_during_a_checkpoint_keeps_the_last_one(tmp_path, text, capsys,
                                                           monkeypatch):
     monkeypatch.setattr(ckpt, "BoundedFileWriter", FullDiskWriter)
@@ -89,7 +89,7 @@ def test_manifest_without_files_and_a_truncated_shard(tmp_path, text, capsys):
                                                  ".metadata"]}}))
 
 
-# ----------------------------------------------------------------------------- 7. signals
+# ---------------------------------------------------------- Ctrl-C, SIGTERM and SIGUSR1
 def _cli(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "lrmoe", *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -142,7 +142,7 @@ def test_sigterm_saves_a_checkpoint_then_exits_128_plus_signal(tmp_path, text, s
     assert main(["train", "--out", str(out), "--resume", "--steps", str(step + 1)]) == 0
 
 
-# ----------------------------------------------------------------------------- 5. memory
+# ----------------------------------------------------------- a model too big for memory
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
 def test_state_estimate_matches_the_model(preset):
     from lrmoe.model import MoEForCausalLM
@@ -203,7 +203,7 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, c
     assert not out.exists()
 
 
-# ----------------------------------------------------------------------------- 6. int64
+# ---------------------------------------------------------------- integers beyond int64
 @pytest.mark.parametrize("flag, value", [("--batch-size", "99999999999999999999"),
                                          ("--eval-batches", str(2**64)), ("--threads", str(2**40)),
                                          ("--seed", str(2**64))])
@@ -218,7 +218,7 @@ def test_a_64_bit_seed_trains(tmp_path, text):
     assert train(tmp_path / "out", text, "--steps", "1", "--seed", str(2**64 - 1)) == 0
 
 
-# ----------------------------------------------------------------------------- 8. messages
+# -------------------------------------------------- messages that name the real problem
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, text) -> Path:
     """A finished 2-step run with its checkpoint."""
@@ -303,7 +303,7 @@ def test_resume_on_a_full_disk_names_the_path_and_the_leftover(tmp_path, run, ca
                    "No space left" if how == "write fails" else "not enough space")
 
 
-# ----------------------------------------------------------------------------- 9. ignored flags
+# ----------------------------------------------------------- flags the run would ignore
 def test_ignored_flags_warn_once_each(tmp_path, text, capsys):
     assert train(tmp_path / "out", text, "--steps", "1", "--policy", "static",
                  "--lrmoe-min-keep", "0.8", "--capacity-factor", "2", "--recompute",

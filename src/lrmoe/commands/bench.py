@@ -170,7 +170,7 @@ def placement_lines(rep: dict) -> list[str]:
 
 
 def table(rep: dict) -> str:
-    from lrmoe.ledger import fmt_bytes
+    from lrmoe.units import fmt_bytes
 
     tg = rep["target"]
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",

@@ -14,14 +14,17 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from lrmoe.commands.plan import aligned, model_config, plan_policy
+from lrmoe.commands.columns import aligned
+from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.ledger import Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import Ledger
+from lrmoe.policy.registry import PolicyConfig
 from lrmoe.routing_loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
 from lrmoe.sim.analytic import PROJECTED, project_policy
 from lrmoe.sim.cost import STAGES
 from lrmoe.sim.links import get_link
 from lrmoe.sim.offload import assumptions as offload_assumptions
+from lrmoe.units import fmt_bytes, parse_bytes
 
 GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H200
 GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
@@ -91,12 +94,11 @@ def compare_tables(rows: list[dict]) -> str:
     return main + "\n\nstages, ms per MoE layer (slowest rank per stage):\n" + stages
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def run_compare(args: argparse.Namespace, cfg: ModelConfig, policy: PolicyConfig) -> int:
     require(args.ep is None, f"--ep={args.ep} is not used with --compare; give the EP sizes "
                              "with --ep-list")
     require(args.mem_budget is None, "--mem-budget is not used with --compare; give the "
                                      "budgets with --budgets")
-    cfg = model_config(args)
     E, k, T = cfg.num_experts, cfg.num_experts_per_tok, args.tokens_per_rank
     eps = _int_list(args.ep_list, "--ep-list")
     bad = [G for G in eps if E % G]
@@ -145,7 +147,7 @@ def run_compare(args: argparse.Namespace) -> int:
             lean = replace(ledger, router_grad_at_experts=args.router_grad == "experts")
             group = {name: {"budget": text,
                             **project_policy(name, cfg, ledger if name == "lrmoe" else lean,
-                                             samples, link, rate, plan_policy(args).lrmoe,
+                                             samples, link, rate, policy.lrmoe,
                                              args.slots_per_rank)}
                      for name in PROJECTED}
             rows += group.values()

@@ -16,7 +16,7 @@ def bytes_or_all(v: str) -> int | None:
     if v.lower() in ("all", "none", "0"):
         return None
     from lrmoe.errors import LrmoeError
-    from lrmoe.ledger import parse_bytes
+    from lrmoe.units import parse_bytes
     try:
         return parse_bytes(v)
     except LrmoeError as e:

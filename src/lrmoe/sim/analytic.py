@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.ledger import Ledger, fmt_bytes
+from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
@@ -56,6 +56,7 @@ from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
+from lrmoe.units import fmt_bytes
 
 FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
 BWD_FLOPS_PER_HF = 12   # dX and dW of each of them

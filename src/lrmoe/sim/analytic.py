@@ -5,24 +5,9 @@ size; ``_GG`` is ``[src rank, dst rank]``, ``_GGS`` ``[home rank, rank, slot]``.
 
 :func:`modelled_stats` builds the :class:`lrmoe.sim.virtual.VirtualStats` the virtual EP
 emulator would record for the same plan, so :func:`lrmoe.sim.cost.step_times` turns it
-into stage times unchanged. Bytes are the emulator's exactly (tested against
-:class:`lrmoe.sim.virtual.VirtualEPLayer`); they follow the exchanges of
-``VirtualExchange`` and ``VirtualEPLayer.forward``:
-
-===============  ======================================  ===========================
-exchange         rows ``[g, r]``                          bytes per row
-===============  ======================================  ===========================
-fwd_dispatch     ``assign_GGS[g, r, :].sum()``            ``H·bytes_act``
-fwd_combine      fwd_dispatch transposed                  ``H·bytes_act``
-bwd_dispatch     ``select_GGS[g, r, :].sum()``            ``H·bytes_act + 12`` (row
-                                                          index int64, scale fp32)
-bwd_combine      bwd_dispatch transposed                  ``H·bytes_act`` (+ 4, the
-                                                          router gradient, fp32, with
-                                                          ``router_grad_at_experts`` on
-                                                          an exact plan)
-weight_scatter   instances owner ``g`` sends to ``r``     ``3HF·bytes_w``
-grad_reduce      weight_scatter transposed                ``3HF·bytes_w``
-===============  ======================================  ===========================
+into stage times unchanged. Rows are the plan's (its pairs, selected pairs and
+replicas), bytes per row :mod:`lrmoe.traffic`'s, which the emulator's counters use too
+(tested against :class:`lrmoe.sim.virtual.VirtualEPLayer`).
 
 The one thing the emulator measures and this module models is the expert kernel time:
 a SwiGLU expert is three ``H×F`` GEMMs, so a pair costs ``6HF`` flops in forward and
@@ -47,6 +32,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.link_cost import BWD_FLOPS_PER_HF, FWD_FLOPS_PER_HF, RECOMPUTE_FLOPS_PER_HF
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
@@ -55,13 +41,10 @@ from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.offload import offload_for
-from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
+from lrmoe.sim.virtual import VirtualStats
+from lrmoe.traffic import RowBytes, plan_rows_GG
 from lrmoe.units import fmt_bytes
 
-FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
-BWD_FLOPS_PER_HF = 12   # dX and dW of each of them
-RECOMPUTE_FLOPS_PER_HF = 4  # a recomputed row's gate_up: 2 of the 3 GEMMs
-BWD_ROW_EXTRA_BYTES = 12  # per shipped backward row: its row index (int64) and scale (fp32)
 PROJECTED = ("static", "symi", "lrmoe")
 
 
@@ -100,20 +83,11 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     stats = VirtualStats(plan, recompute_rows=None if recompute_rows is None
                          else [int(n) for n in recompute_rows], recompute_mode=recompute_mode)
 
-    fwd_GG = plan.assign_GGS.sum(2)
-    bwd_GG = plan.select_GGS.sum(2)
-    rep_GG = replica_rows_GG(plan, E)
-    per_inst = 3 * H * F * bytes_w
-    dot = 4 if router_grad_at_experts and plan.exact else 0
-    for name, rows_GG, row_bytes in (
-            ("fwd_dispatch", fwd_GG, H * bytes_act),
-            ("fwd_combine", fwd_GG.t(), H * bytes_act),
-            ("bwd_dispatch", bwd_GG, H * bytes_act + BWD_ROW_EXTRA_BYTES),
-            ("bwd_combine", bwd_GG.t(), H * bytes_act + dot),
-            ("weight_scatter", rep_GG, per_inst),
-            ("grad_reduce", rep_GG.t(), per_inst)):
-        stats.rows_GG[name] = rows_GG.contiguous()
-        stats.bytes_GG[name] = rows_GG * row_bytes
+    prices = RowBytes(H * bytes_act, 3 * H * F * bytes_w,
+                      dot=router_grad_at_experts and plan.exact)
+    for name, rows_GG in plan_rows_GG(plan, E).items():
+        stats.rows_GG[name] = rows_GG
+        stats.bytes_GG[name] = rows_GG * prices.of(name)
 
     # the count all-gather: E int64 to every peer (comm.all_gather_counts)
     stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)

@@ -29,18 +29,18 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.model.moe import MoELayer, _compute_dtype
+from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype
 from lrmoe.ops.experts import offsets
 from lrmoe.parallel import stages
 from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.parallel.local import expert_counts
 from lrmoe.parallel.select import BackwardOptions
-from lrmoe.parallel.weights import instance_route
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
+from lrmoe.traffic import RowBytes, plan_rows_GG
 
 
 # ------------------------------------------------------------------------ all-to-all
@@ -172,12 +172,11 @@ class VirtualExchange(torch.autograd.Function):
         del dy
         j_recv_G = _links([sh.j for sh in sh_G], send_G)
         sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
-        rows = _rows_GG(send_G)
+        rows, b = _rows_GG(send_G), RowBytes(H * es, dot=at_experts)
         st.stats.rows_GG["bwd_dispatch"] = rows
-        st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
+        st.stats.bytes_GG["bwd_dispatch"] = rows * b.bwd_dispatch
         st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
-        # + each row's router gradient (fp32) when the experts compute it
-        st.stats.bytes_GG["bwd_combine"] = rows.t() * (H * es + 4 * at_experts)
+        st.stats.bytes_GG["bwd_combine"] = rows.t() * b.bwd_combine
         st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
         dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
         for r in range(G):
@@ -255,11 +254,11 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     splits_G = [h.splits for h in st.homes]
     rows_G = [{"x": x} for x in _links(x_send_G, splits_G)]
     del x_send_G
-    rows = _rows_GG(splits_G)
+    rows, row_bytes = _rows_GG(splits_G), RowBytes(H * es).row
     st.stats.rows_GG[disp] = rows
-    st.stats.bytes_GG[disp] = rows * H * es
+    st.stats.bytes_GG[disp] = rows * row_bytes
     st.stats.rows_GG[comb] = rows.t().contiguous()
-    st.stats.bytes_GG[comb] = rows.t() * H * es
+    st.stats.bytes_GG[comb] = rows.t() * row_bytes
 
     # experts, per receiving rank
     keep_G = [stages.retention(plan, r) for r in range(G)]
@@ -293,13 +292,6 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     if bool((ie < 0).any()):
         w = w * (ie >= 0).to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
     return w
-
-
-def replica_rows_GG(plan: Plan, E: int) -> Tensor:
-    """``[owner, dst]`` expert instances the owners send for the weight scatter (the
-    same counts go back in the gradient reduce), from the runtime's own routing."""
-    G = plan.G
-    return torch.tensor([instance_route(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------- layer
@@ -348,7 +340,6 @@ class VirtualEPLayer:
         self.generators = generators or [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
-        self.last_aux_loss: Tensor | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.forward(x)
@@ -359,16 +350,20 @@ class VirtualEPLayer:
         layer, H = self.layer, x.shape[-1]
         x_NH = x.reshape(-1, H)
         r = layer.router(x_NH)
-        out = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE).view(x.shape).to(x.dtype)
+        out, step = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE)
+        self.stats = step.stats
+        layer.take(step)
+        out = out.view(x.shape).to(x.dtype)
         if layer.shared_experts is not None:
             out = out + layer.shared_experts(x)
         return out
 
     def routed(self, x_NH: Tensor, idx_NK: Tensor, gate_NK: Tensor, probs_NE: Tensor | None
-               ) -> Tensor:
+               ) -> tuple[Tensor, MoEStep]:
         """count -> plan -> dispatch -> experts -> combine of the routed experts, over the
-        G virtual ranks (:meth:`MoELayer._routed`'s work on G ranks at once); the layer's
-        aux loss and step counts as the runtime records them."""
+        G virtual ranks (:meth:`MoELayer.stages`'s work on G ranks at once): the output
+        and the step (its ``stats`` the :class:`VirtualStats`), the aux loss from the
+        group's counts as the runtime has it."""
         layer, G = self.layer, self.G
         N = x_NH.shape[0]
         if N % G:
@@ -395,10 +390,10 @@ class VirtualEPLayer:
             with timers.time("local", g):
                 counts.append(expert_counts(idx_GP[g], E))
         counts_GE = torch.stack(counts).cpu()  # the count all-gather's host copy
-        # the step's counts and the aux loss, from the group's counts (as the runtime);
-        # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
+        # the aux loss from the group's counts (as the runtime); equal-sized shards: the
+        # mean of the ranks' losses is the loss on all tokens
         with torch.profiler.record_function("stage:route"):
-            layer._count(counts_GE.sum(0), probs_NE, N)
+            aux = layer.aux_loss(counts_GE.sum(0), probs_NE, N)
         # plan: every rank computes the same plan, so every rank is charged its time
         with torch.profiler.record_function("stage:plan"):
             plan, stats, plan_ms = self._plan(counts_GE, inputs)
@@ -410,12 +405,11 @@ class VirtualEPLayer:
         with torch.profiler.record_function("stage:weight_scatter"):
             w13, w2 = (virtual_instance_weights(w, plan)
                        for w in layer.experts.compute_weights(dtype))
-        rep = replica_rows_GG(plan, E)
-        per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
-        stats.rows_GG["weight_scatter"] = rep
-        stats.bytes_GG["weight_scatter"] = rep * per_inst
-        stats.rows_GG["grad_reduce"] = rep.t().contiguous()
-        stats.bytes_GG["grad_reduce"] = rep.t() * per_inst
+        rows_GG = plan_rows_GG(plan, E)
+        per_inst = layer.experts.instance_bytes(dtype)
+        for name in ("weight_scatter", "grad_reduce"):
+            stats.rows_GG[name] = rows_GG[name]
+            stats.bytes_GG[name] = rows_GG[name] * per_inst
         homes, recvs = [], []
         for g in range(G):
             with timers.time("local", g):
@@ -424,8 +418,8 @@ class VirtualEPLayer:
         stats.stage_ms["plan"] = [plan_ms] * G
         st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
                     timers, stats, self.generators, idx_GP, E)
-        self.stats = stats
-        return VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
+        out = VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
+        return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs
               ) -> tuple[Plan, VirtualStats, float]:

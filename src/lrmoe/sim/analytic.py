@@ -132,24 +132,15 @@ def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> Step
     return out
 
 
-def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
-                       pops: list[Tensor], link: Link, rate_flops: float,
-                       probe: int = 4) -> int:
-    """symi's ``s`` for a projection: among the ``s`` that fit every sample (with
-    recompute), the one with the least modelled MoE time (GEMMs, recompute *and* the
-    exchanges, weight scatter and gradient reduce included) on up to ``probe`` evenly
-    spaced samples; ties to the larger ``s``. Falls back to
-    :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample. Under a ledger
-    with ``optimizer_offload="host"`` the offload traffic (SYMI's sharded layout,
-    :mod:`lrmoe.sim.offload`) is charged too."""
-    return symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops, probe)[0]
-
-
 def symi_slot_choice(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
                      pops: list[Tensor], link: Link, rate_flops: float,
                      probe: int = 4) -> tuple[int, int | None]:
-    """:func:`fastest_symi_slots` and which rule chose it: ``(s, None)`` when ``s`` is
-    the fastest of those that fit every sample, ``(s, n)`` when none does and ``s`` is
+    """symi's ``s`` for a projection, and which rule chose it: ``(s, None)`` when ``s``
+    is the one with the least modelled MoE time (GEMMs, recompute *and* the exchanges,
+    weight scatter and gradient reduce included; under ``optimizer_offload="host"`` the
+    offload traffic of SYMI's sharded layout too) among those that fit every sample (with
+    recompute), on up to ``probe`` evenly spaced samples, ties to the larger ``s``;
+    ``(s, n)`` when none fits every sample and ``s`` is
     :func:`lrmoe.policy.symi.best_slots`' (it fits ``n`` of them)."""
     per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
     common = sorted(set.intersection(*(set(d) for d in per))) if per else []
@@ -175,7 +166,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
 
     static and symi are exact and recompute the fewest pairs that fit
     (:meth:`lrmoe.ledger.Ledger.exact_fit`, as the emulator); symi's ``s`` is
-    :func:`fastest_symi_slots` unless ``slots_per_rank`` fixes it. lrmoe plans against the
+    :func:`symi_slot_choice` unless ``slots_per_rank`` fixes it. lrmoe plans against the
     ledger (``slots_per_rank``: its most slots per rank).
     Nothing fits when even the owned state and the native instances
     (:meth:`lrmoe.ledger.Ledger.feasible_minimum`) exceed the budget.
@@ -206,29 +197,64 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
                          f"> budget {fmt_bytes(ledger.budget_bytes)}")
         return row
     pops = [c.sum(0) for c in samples]
-    ms: list[float] = []  # measured planning time per sample (per layer)
-    warm: list[float] = []  # one untimed call first (lazy inits), as a run's steady state
     try:
-        if name == "static":
-            _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
-            plans = [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples]
-        elif name == "symi":
-            s = slots_per_rank
-            if s is None:
-                s = fastest_symi_slots(cfg, ledger, samples, pops, link, rate_flops)
-            row["slots_per_rank"] = s
-            _timed(warm, plan_symi, samples[0], s, pops[0])
-            plans = [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)]
-        else:
-            policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
-                                              lrmoe=lrmoe or LrmoeConfig()), cfg, G)
-            _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
-            plans = [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
-                     for c, p in zip(samples, pops)]
+        plans, ms = _plan_samples(name, cfg, ledger, samples, pops, link, rate_flops, lrmoe,
+                                  slots_per_rank, row)
     except LrmoeError as e:
         row["reason"] = str(e)
         return row
+    recs, modes = _fit_samples(name, ledger, plans, ms, row)
+    over = modes.count("over")
+    if over:
+        row["reason"] = "over budget even with a whole-layer checkpoint" + (
+            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
+        return row
+    row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
+    if all(rec is not None for rec in recs):
+        assigned = sum(int(p.assign_GGS.sum()) for p in plans)
+        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
+    row["planning_ms"] = sum(ms) / len(ms)
+    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
+                            plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
+             for p, rec, mode, t in zip(plans, recs, modes, ms)]
+    st = mean_step_times(stats, link, offload_for(ledger, name))
+    row["fits"] = True
+    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
+    row["modelled_layer_ms"] = st.moe * 1e3
+    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
+    return row
 
+
+def _plan_samples(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
+                  pops: list[Tensor], link: Link, rate_flops: float,
+                  lrmoe: LrmoeConfig | None, slots_per_rank: int | None, row: dict
+                  ) -> tuple[list[Plan], list[float]]:
+    """Policy ``name``'s plan of every sample and its planning time (ms per layer), one
+    untimed call first (lazy inits), as a run's steady state; symi's ``s`` into ``row``."""
+    ms: list[float] = []
+    warm: list[float] = []
+    if name == "static":
+        _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
+        return [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples], ms
+    if name == "symi":
+        s = slots_per_rank
+        if s is None:
+            s = symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops)[0]
+        row["slots_per_rank"] = s
+        _timed(warm, plan_symi, samples[0], s, pops[0])
+        return [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)], ms
+    policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
+                                      lrmoe=lrmoe or LrmoeConfig()), cfg, ledger.G)
+    _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
+    return [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
+            for c, p in zip(samples, pops)], ms
+
+
+def _fit_samples(name: str, ledger: Ledger, plans: list[Plan], ms: list[float], row: dict
+                 ) -> tuple[list[list[int] | None], list[str]]:
+    """Each plan's fit to the budget (``Ledger.exact_fit``'s mode and recomputed rows;
+    timed into ``ms`` for the exact policies, whose planning it is part of), and the
+    plans' ledger peak, replicas and (lrmoe) keep and retain ratios into ``row``."""
     recs: list[list[int] | None] = []
     modes: list[str] = []
     peak = 0
@@ -252,21 +278,4 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     if name == "lrmoe":
         row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
         row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
-    over = modes.count("over")
-    if over:
-        row["reason"] = "over budget even with a whole-layer checkpoint" + (
-            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
-        return row
-    row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
-    if all(rec is not None for rec in recs):
-        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
-    row["planning_ms"] = sum(ms) / len(ms)
-    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
-                            plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
-             for p, rec, mode, t in zip(plans, recs, modes, ms)]
-    st = mean_step_times(stats, link, offload_for(ledger, name))
-    row["fits"] = True
-    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
-    row["modelled_layer_ms"] = st.moe * 1e3
-    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
-    return row
+    return recs, modes

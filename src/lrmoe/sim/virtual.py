@@ -129,89 +129,118 @@ class VirtualExchange(torch.autograd.Function):
     def backward(ctx, dout_NH: Tensor):
         st: _State = ctx.st
         w13_IS, w2_IS, *inputs = ctx.saved_tensors
-        plan, opts, T, K = st.plan, st.opts, st.T, st.K
-        G, S = plan.G, plan.S
-        dev, H = dout_NH.device, dout_NH.shape[1]
+        plan, T, S = st.plan, st.T, st.plan.S
         if inputs:  # whole-layer checkpoint: the forward again, measured in backward
             ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1]
             del inputs
         kept: _Kept = ctx.kept
         del ctx.kept
-        rows_G = kept.rows_G
-        dtype = w13_IS.dtype
-        dout_G = [d.to(dtype).contiguous() for d in dout_NH.split(T)]
-        es = dout_G[0].element_size()
-        w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
-        exact = plan.all_selected
+        dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(T)]
         at_experts = st.opts.router_grad == "experts" and plan.exact
-
-        # --- per home rank: combine^-1, select, compact
+        # per home rank: combine^-1, select, compact
         dgate_G, sh_G = [], []
-        for g in range(G):
+        for g in range(plan.G):
             dgate, sh = stages.home_backward(
                 dout_G[g], kept.comb_G[g], st.homes[g], st.gate_P_G[g],
-                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], exact, opts, rows_G[g],
-                st.generators[g], None, at_experts, st.timer(g))
+                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], plan.all_selected, st.opts,
+                kept.rows_G[g], st.generators[g], None, at_experts, st.timer(g))
             dgate_G.append(dgate)
             sh_G.append(sh)
-
-        # --- the reverse exchange: every rank receives what the homes ship it
-        send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
-        recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
-        if not exact and opts.compaction and opts.estimator == "sampled":
-            # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
-            st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
-            st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
-        rls, counts_G = [], []
-        for r in range(G):
-            with st.timers.time("local", r):
-                rls.append(recv_layout(recv_GS_G[r], dev))
-                counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
-        for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
-            rows_G[r]["dy"] = dy
-        del dy
-        j_recv_G = _links([sh.j for sh in sh_G], send_G)
-        sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
-        rows, b = _rows_GG(send_G), RowBytes(H * es, dot=at_experts)
-        st.stats.rows_GG["bwd_dispatch"] = rows
-        st.stats.bytes_GG["bwd_dispatch"] = rows * b.bwd_dispatch
-        st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
-        st.stats.bytes_GG["bwd_combine"] = rows.t() * b.bwd_combine
-        st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
-        dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
-        for r in range(G):
-            counts, offs = counts_G[r]
-            dx_recv, dw13, dw2, dot = stages.experts_backward(
-                rows_G[r], j_recv_G[r], sc_recv_G[r], rls[r], recv_GS_G[r], kept.keep_G[r],
-                w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
-            dx_recv_G.append(dx_recv)
-            dot_recv_G.append(dot)
-            dw13_G.append(dw13)
-            dw2_G.append(dw2)
-        dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
+        shipped = _ship_backward(st, kept.rows_G, sh_G, dout_G[0].element_size(), at_experts)
+        dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_ranks(
+            st, kept, shipped, w13_IS.split(S), w2_IS.split(S), at_experts)
         if at_experts:  # every send row came back, in send order
-            dg_back_G = _links(dot_recv_G, [rl.splits for rl in rls])
-            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, K,
-                                           kept.comb_G[g].w_TK.dtype, st.timer(g))
-                       for g in range(G)]
-        st.stats.rows["selected"] = [
-            int(recv_GS_G[r].sum()) if exact or opts.compaction
-            else int(plan.select_GGS[:, r, :].sum()) for r in range(G)]
-
-        # --- dx per home rank: shipped rows back to pair order, summed over k
-        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g], st.timer(g))
-                for g in range(G)]
-        st.timers.resolve()
-        st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
-        if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
-            st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
-        for k in MEASURED_STAGES[1:]:  # forward and backward together
-            st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
+            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, st.K,
+                                                  kept.comb_G[g].w_TK.dtype, st.timer(g))
+                       for g in range(plan.G)]
+        # dx per home rank: shipped rows back to pair order, summed over k
+        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g],
+                                   st.timer(g)) for g in range(plan.G)]
+        _backward_times(st)
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
         # bench ttl does not charge it as non-MoE time)
         grads = torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
-        st.stats.bwd_end_s = _now(dev)
+        st.stats.bwd_end_s = _now(dout_NH.device)
         return grads
+
+
+@dataclass
+class _Shipped:
+    """The reverse exchange's result on every receiving rank: its receive layout,
+    counts and offsets, what each home sent it (``recv_GS``), the row positions and
+    scales that came with the rows (the ``dy`` rows themselves are in ``rows_G``)."""
+
+    rls: list
+    counts_G: list[tuple[Tensor, Tensor]]
+    recv_GS_G: list[Tensor]
+    j_recv_G: list[Tensor]
+    sc_recv_G: list[Tensor]
+
+
+def _ship_backward(st: _State, rows_G: list[dict], sh_G: list, es: int,
+                   at_experts: bool) -> _Shipped:
+    """The reverse exchange: every rank receives the output-gradient rows, row positions
+    and scales the homes ship it; its rows and bytes into the stats."""
+    plan, G, S, dev = st.plan, st.plan.G, st.plan.S, rows_G[0]["dy"].device
+    H = rows_G[0]["dy"].shape[1]
+    send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
+    recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
+    if not plan.all_selected and st.opts.compaction and st.opts.estimator == "sampled":
+        # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
+        st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
+        st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
+    rls, counts_G = [], []
+    for r in range(G):
+        with st.timers.time("local", r):
+            rls.append(recv_layout(recv_GS_G[r], dev))
+            counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
+    for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
+        rows_G[r]["dy"] = dy
+    del dy
+    j_recv_G = _links([sh.j for sh in sh_G], send_G)
+    sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
+    rows, b = _rows_GG(send_G), RowBytes(H * es, dot=at_experts)
+    st.stats.rows_GG["bwd_dispatch"] = rows
+    st.stats.bytes_GG["bwd_dispatch"] = rows * b.bwd_dispatch
+    st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
+    st.stats.bytes_GG["bwd_combine"] = rows.t() * b.bwd_combine
+    st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
+    return _Shipped(rls, counts_G, recv_GS_G, j_recv_G, sc_recv_G)
+
+
+def _experts_backward_ranks(st: _State, kept: _Kept, sh: _Shipped, w13_G, w2_G,
+                            at_experts: bool):
+    """experts^-1 on every receiving rank, and the ``dx`` rows (with ``at_experts`` the
+    router gradients too) back to their homes: ``(dx_back_G, dw13_G, dw2_G, dg_back_G)``."""
+    plan, opts = st.plan, st.opts
+    dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
+    for r in range(plan.G):
+        counts, offs = sh.counts_G[r]
+        dx_recv, dw13, dw2, dot = stages.experts_backward(
+            kept.rows_G[r], sh.j_recv_G[r], sh.sc_recv_G[r], sh.rls[r], sh.recv_GS_G[r],
+            kept.keep_G[r], w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
+        dx_recv_G.append(dx_recv)
+        dot_recv_G.append(dot)
+        dw13_G.append(dw13)
+        dw2_G.append(dw2)
+    splits = [rl.splits for rl in sh.rls]
+    dx_back_G = _links(dx_recv_G, splits)
+    dg_back_G = _links(dot_recv_G, splits) if at_experts else None
+    st.stats.rows["selected"] = [
+        int(sh.recv_GS_G[r].sum()) if plan.all_selected or opts.compaction
+        else int(plan.select_GGS[:, r, :].sum()) for r in range(plan.G)]
+    return dx_back_G, dw13_G, dw2_G, dg_back_G
+
+
+def _backward_times(st: _State) -> None:
+    """The backward's measured expert and stage times into the stats."""
+    G = st.plan.G
+    st.timers.resolve()
+    st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
+    if st.plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
+        st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
+    for k in MEASURED_STAGES[1:]:  # forward and backward together
+        st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
 
 
 @dataclass

@@ -109,7 +109,23 @@ REMAINING = [["lrmoe.hf_tokenizer", "lrmoe.tokenizer"],
 
 
 def test_no_import_circle():
-    assert cycles(import_graph()) == REMAINING
+    new = [c for c in cycles(import_graph()) if c not in REMAINING]
+    assert new == [], new
+
+
+# Functions still to split into named steps. The list may only shrink.
+LONG_REMAINING = {"policy/lrmoe_place.py:place_replicas", "sim/ttl.py:run_policy",
+                  "sim/ttl.py:_bench_ttl"}
+
+
+def test_no_function_over_80_lines():
+    long = set()
+    for f in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno + 1 > 80:
+                long.add(f"{f.relative_to(SRC).as_posix()}:{node.name}")
+    assert long <= LONG_REMAINING, sorted(long - LONG_REMAINING)
 
 
 def test_errors_imports_nothing_of_lrmoe():

@@ -180,12 +180,13 @@ class MoELayer(nn.Module):
         rt, E, dtype = self.runtime, self.cfg.num_experts, _compute_dtype(x_TH)
         inputs = self._plan_inputs(idx_TK.numel())
         t0 = time.perf_counter()
-        counts_GE = rt.comm.all_gather_counts(counts_E)  # count exchange (+ the host sync)
+        counts_GE = rt.comm.all_gather_counts(counts_E)  # count: the group's (+ a host sync)
         t1 = time.perf_counter()
-        plan = rt.policy.plan(counts_GE, inputs)
+        plan = rt.policy.plan(counts_GE, inputs)  # plan
         if rt.check_plans:
             plan.check(counts_GE)
         t2 = time.perf_counter()
+        # instance weights: each slot's expert, replicas from their owners
         w13, w2 = instance_weight_list(list(self.experts.compute_weights(dtype)), plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
@@ -195,7 +196,9 @@ class MoELayer(nn.Module):
             opts = replace(opts, checkpointed=False)
         run = ExchangeRun(rt.comm, plan, E, self.cfg.num_experts_per_tok, opts, rt.generator,
                           rt.stage_timing, dtype)
-        if plan.layer_checkpoint:  # whole-layer checkpoint (docs/design.md §5)
+        # exchange: dispatch, experts, combine (re-run in backward under a whole-layer
+        # checkpoint, docs/design.md §5)
+        if plan.layer_checkpoint:
             out = LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
         else:
             out = run(x_TH, gate_TK, idx_TK, w13, w2, stats)

@@ -312,7 +312,7 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]``.
 
-    The math of :func:`lrmoe.parallel.weights.instance_weights` on every rank at once:
+    The math of :func:`lrmoe.parallel.weights.instance_weight_list` on every rank at once:
     each slot copies its expert's weights (empty slots are zero), and autograd's
     backward of the gather sums every instance's gradient into its expert.
     """

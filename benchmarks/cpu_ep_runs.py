@@ -262,7 +262,7 @@ def markdown(a: argparse.Namespace, res: dict, commands: dict, walls: dict) -> s
             f"(saved_act_bytes).",
         ]
         if "ledger_total_bytes_max" in lr:
-            from lrmoe.ledger import parse_bytes
+            from lrmoe.units import parse_bytes
 
             lines.append(f"- ledger total per rank (all MoE layers), max over steps and ranks: "
                          f"{lr['ledger_total_bytes_max'] / 2**20:.2f} MiB of the "

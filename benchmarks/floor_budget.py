@@ -36,12 +36,12 @@ import gpu_common as gc  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import require  # noqa: E402
-from lrmoe.ledger import parse_bytes  # noqa: E402
 from lrmoe.policy.ledger_view import plan_exact_fit  # noqa: E402
 from lrmoe.policy.plan import layer_checkpoint_plan, native_plan  # noqa: E402
 from lrmoe.sim.ttl import TTLConfig, budget_ledger, policy_ledger  # noqa: E402
 from lrmoe.sim.ttl_budget import counts_matrix  # noqa: E402
 from lrmoe.train.config import TrainConfig, resolve_model_config  # noqa: E402
+from lrmoe.units import parse_bytes  # noqa: E402
 
 
 def find(folder: Path, stem: str) -> Path | None:

@@ -50,10 +50,10 @@ import gpu_common as gc  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
-from lrmoe.ledger import fmt_bytes, parse_bytes  # noqa: E402
 from lrmoe.presets import PRESETS, get_preset  # noqa: E402
 from lrmoe.sim.offload import PCIE5_X16  # noqa: E402
 from lrmoe.step_ledger import MODES, StepLedger  # noqa: E402
+from lrmoe.units import fmt_bytes, parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b-full.json"

@@ -240,7 +240,7 @@ def run_training(d: Path, run: Path, a) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def _gib(b) -> str:
-    from lrmoe.ledger import fmt_bytes
+    from lrmoe.units import fmt_bytes
 
     return "—" if b is None else fmt_bytes(b)
 

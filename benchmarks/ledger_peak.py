@@ -33,13 +33,14 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # onerank: 
 
 import gpu_common as gc  # noqa: E402
 
-from lrmoe.ledger import TERMS, Ledger, fmt_bytes  # noqa: E402
+from lrmoe.ledger import TERMS, Ledger  # noqa: E402
 from lrmoe.model.moe import MoELayer  # noqa: E402
 from lrmoe.policy.base import PlanInputs  # noqa: E402
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy  # noqa: E402
 from lrmoe.policy.static import StaticPolicy  # noqa: E402
 from lrmoe.policy.symi import SymiPolicy  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
+from lrmoe.units import fmt_bytes  # noqa: E402
 from onerank import TableRouter, one_rank_layer, zipf_routing  # noqa: E402
 
 

@@ -144,7 +144,7 @@ def counting(layer):
                 and getattr(m, "fused", None) is fused_mod.fused]
     patches += [(OneRankComm, "all_to_all", once("all_to_all", OneRankComm.all_to_all)),
                 (OneRankComm, "exchange_counts", once("all_to_all", OneRankComm.exchange_counts))]
-    patches += [(moe.MoELayer, "_routed", routed(moe.MoELayer._routed))]
+    patches += [(moe.MoELayer, "routed", routed(moe.MoELayer.routed))]
     for fn in (exchange.ExpertExchange, weights.GatherInstances, getattr(moe, "LocalExperts", None)):
         if fn is None:
             continue

@@ -37,8 +37,8 @@ from gpu_common import cli, read_json, reading  # noqa: E402
 
 from lrmoe.commands.bench import fmt  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
-from lrmoe.ledger import fmt_bytes  # noqa: E402
 from lrmoe.sim.target import ci95, crossing, eval_noise, target_at  # noqa: E402
+from lrmoe.units import fmt_bytes  # noqa: E402
 
 RUN = "a bench ttl run's record (ttl.json, ttl.json.gz or ttl_partial.json)"
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from lrmoe.cli import main
-from lrmoe.ledger import fmt_bytes
 from lrmoe.sim.ttl_budget import FLAG
+from lrmoe.units import fmt_bytes
 from test_reliability import one_error_line
 
 # the README's emulator workload (tiny-qwen3, EP 4, 16 x 128 tokens), shortened: the

@@ -16,7 +16,8 @@ from safetensors import safe_open
 import lrmoe
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.hf import load_hf, load_hf_config, save_hf
+from lrmoe.hf import load_hf_config, save_hf
+from lrmoe.hf_load import load_hf
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.experts import Experts
 

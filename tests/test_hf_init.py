@@ -161,7 +161,7 @@ def test_export_loads_in_transformers_with_lrmoes_logits(runs, fam, tmp_path, ca
     tok = tf.AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>"
     # and back in: the export is a HF directory lrmoe loads, tensor for tensor
-    from lrmoe.hf import load_hf
+    from lrmoe.hf_load import load_hf
     back = load_hf(out).state_dict()
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -213,8 +213,7 @@ def test_each_rank_reads_only_its_tensors(models, monkeypatch, tmp_path, layout,
     """Every rank (EP rank = rank % ep) reads the dense tensors and exactly its own
     experts' (of a fused tensor, its rows), bytes = dense + experts / ep; its tensors
     equal the whole model's load bit for bit."""
-    from lrmoe.hf import load_hf
-    from lrmoe.hf_load import empty_model, load_owned, open_checkpoint
+    from lrmoe.hf_load import empty_model, load_hf, load_owned, open_checkpoint
     from lrmoe.parallel.groups import ParallelContext
 
     d = models["glm"] if layout == "per-expert" else _fused_copy(models["glm"], tmp_path / "f")

@@ -109,8 +109,8 @@ def test_each_rank_read_the_dense_tensors_and_half_the_experts(runs, fam):
 
 
 def test_an_ep2_checkpoint_exports(runs, tmp_path):
-    from lrmoe.hf import load_hf
     from lrmoe.hf_export import export_run
+    from lrmoe.hf_load import load_hf
     from lrmoe.train import checkpoint as ckpt
 
     run = runs["glm-ep2"]

@@ -34,7 +34,7 @@ def _count(layer, x):
     with hw:
         out = layer(x)
     fwd, hw.waits = hw.waits, []
-    loss = out.float().square().mean() + (layer.last_aux_loss if layer.last_aux_loss is not None else 0)
+    loss = out.float().square().mean() + (layer.last.aux_loss if layer.last.aux_loss is not None else 0)
     hw.device(loss)
     with hw:
         loss.backward()
@@ -78,7 +78,7 @@ def test_one_process_path_waits_only_for_the_loop_fallback():
     layer.runtime = MoERuntime()
     layer.train()
     fwd, bwd = _count(layer, x[:T].view(1, T, -1).clone().requires_grad_(True))
-    assert layer.last_path == "local"
+    assert layer.last.path == "local"
     assert len(fwd) <= 1 and len(bwd) <= 1, (fwd, bwd)
     assert all(w[0] == "Tensor.tolist" and "local.py" in w[1] for w in fwd + bwd), (fwd, bwd)
 

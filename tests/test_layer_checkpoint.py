@@ -162,7 +162,7 @@ def test_ledger_equals_what_autograd_keeps(case):
                                                       lambda t: t):
             out = lay(xin.view(1, lt.T, lt.H))
         mine, other, found = {}, {}, False
-        for n in lt._nodes([out.grad_fn, lay.last_aux_loss.grad_fn]):
+        for n in lt._nodes([out.grad_fn, lay.last.aux_loss.grad_fn]):
             if type(n).__name__ == "LayerCheckpointBackward":
                 found = True
                 for t in n.saved_tensors:

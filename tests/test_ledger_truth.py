@@ -110,7 +110,7 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
         out = layer(x.view(1, T, H))
     by: dict[str, dict[int, int]] = {"exchange": {}, "other": {}, "host": {}}
     plan = None
-    for n in _nodes([out.grad_fn, layer.last_aux_loss.grad_fn]):
+    for n in _nodes([out.grad_fn, layer.last.aux_loss.grad_fn]):
         ts: list = []
         if type(n).__name__ == "ExpertExchangeBackward":
             ts += list(n.saved_tensors)

@@ -20,10 +20,10 @@ import test_ledger_truth as truth
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.moe import MoELayer, MoERuntime
+from lrmoe.model.moe import MoELayer, MoERuntime, host_stats
 from lrmoe.ops import experts as ops
 from lrmoe.parallel.exchange import BackwardOptions
-from lrmoe.parallel.local import DeviceStats, LocalExperts
+from lrmoe.parallel.local import LocalExperts
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.static import StaticPolicy
@@ -86,7 +86,7 @@ def test_local_equals_exchange_bitwise_and_reference(preset, dtype, opts):
         for fast in (True, False):
             layer.runtime = MoERuntime(backward=opts, fast_local=fast)
             got[fast] = _grads(layer, x, coeff)
-            assert layer.last_path == ("local" if fast else "exchange")
+            assert layer.last.path == ("local" if fast else "exchange")
         for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter"), got[True], got[False]):
             assert a.dtype == b.dtype and torch.equal(a, b), (preset, dtype, T, name)
         assert got[True][2][-2:].abs().sum() == 0  # experts without tokens: zero gradient
@@ -129,9 +129,9 @@ def test_no_host_read_on_the_meta_device(preset, opts):
                 layer(x)
             continue
         y = layer(x)
-        aux = layer.last_aux_loss
+        aux = layer.last.aux_loss
         (y.sum() if aux is None else y.sum() + aux).backward()
-        assert layer.last_path == "local"
+        assert layer.last.path == "local"
         assert x.grad.shape == x.shape and layer.experts.gate_up_proj.grad.device.type == "meta"
         assert layer.router.weight.grad is not None
 
@@ -139,7 +139,7 @@ def test_no_host_read_on_the_meta_device(preset, opts):
 def _path(layer, x, **rt) -> str:
     layer.runtime = MoERuntime(**rt)
     layer(x).sum().backward()
-    return layer.last_path
+    return layer.last.path
 
 
 def test_taken_only_for_the_trivial_one_rank_plan():
@@ -181,7 +181,7 @@ def test_taken_only_for_the_trivial_one_rank_plan():
     assert msgs[0] == msgs[1] and "budget" in msgs[0], msgs
 
 
-def test_stats_equal_the_exchanges_and_counts_are_lazy():
+def test_stats_equal_the_exchanges_and_counts_stay_on_the_device():
     layer = _layer("tiny-glm")
     x, coeff = _inputs(layer, 40, 9)
     stats = {}
@@ -189,22 +189,13 @@ def test_stats_equal_the_exchanges_and_counts_are_lazy():
         layer.runtime = MoERuntime(fast_local=fast)
         _grads(layer, x, coeff)
         stats[fast] = layer.runtime.stats[0]
-    st = stats[True]
-    assert isinstance(st, DeviceStats)
-    raw = dict(dict.items(st))  # what it holds, unread
-    assert isinstance(raw["counts_E"], torch.Tensor)  # not read yet: still the device tensor
+    raw = stats[True]
+    assert isinstance(raw["counts_E"], torch.Tensor)  # not read: still the device tensor
     assert torch.equal(raw["counts_E"], _counts(layer, x))
+    st = host_stats(raw)  # the reader's one host read
     want = {k: v for k, v in stats[False].items() if k not in TIMES + ("_events",)}
     assert want["counts_E"] == _counts(layer, x).tolist()
-    # every way a consumer reads it gives the exchange's numbers (timings aside), each
-    # tried first on a fresh, unread copy
-    views = (dict, lambda d: {**d}, lambda d: dict(d.items()), lambda d: d.copy(),
-             lambda d: {k: d.get(k) for k in d}, lambda d: {k: d[k] for k in d},
-             lambda d: dict(zip(d.keys(), d.values())))
-    for view in views:
-        got = view(DeviceStats(raw))
-        assert {k: v for k, v in got.items() if k not in TIMES + ("_events",)} == want
-    assert DeviceStats(raw) == {**raw, "counts_E": want["counts_E"]}
+    assert {k: v for k, v in st.items() if k not in TIMES + ("_events",)} == want
     for a, b in ((rank_summary(st), rank_summary(stats[False])),
                  (layer_row(st, [rank_summary(st)]), layer_row(stats[False], [rank_summary(stats[False])]))):
         assert {k: v for k, v in a.items() if k not in TIMES} == \
@@ -223,14 +214,13 @@ def test_train_metrics_are_the_exchanges(tmp_path, monkeypatch):
              "--max-data-bytes", "100000", "--eval-every", "0", "--eval-batches", "1",
              "--threads", "1", "--warmup", "1"]
     rows, paths = {}, []
-    real = moe.stand_in_plan
+    real = moe.runs_locally
 
     def spy(*a, **k):
-        p = real(*a, **k)
-        paths.append(p is not None)
-        return p
+        paths.append(real(*a, **k))
+        return paths[-1]
     for fast in (True, False):
-        monkeypatch.setattr(moe, "stand_in_plan", spy if fast else lambda *a, **k: None)
+        monkeypatch.setattr(moe, "runs_locally", spy if fast else lambda *a, **k: False)
         assert main(["train", "--out", str(tmp_path / str(fast)), *small]) == 0
         rows[fast] = [r for r in read_metrics(tmp_path / str(fast) / "metrics.jsonl")
                       if r.get("kind") == "train"]
@@ -248,10 +238,9 @@ def test_train_metrics_are_the_exchanges(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------- the ledger
 def _kept(node) -> dict[int, int]:
     """``{storage: bytes}`` of every tensor the Function's backward node holds (saved
-    tensors and ctx attributes; the lazy stats are walked unread), but the plan-derived
+    tensors and ctx attributes, the stats' device counts among them), but the plan-derived
     ones (host memory on a GPU, as ``test_ledger_truth`` counts)."""
-    attrs = {k: dict(dict.items(v)) if isinstance(v, DeviceStats) else v
-             for k, v in vars(node).items()}
+    attrs = dict(vars(node))
     out, host = list(node.saved_tensors), []
     truth._tensors(attrs, out, set())
     if hasattr(node, "st"):  # the exchange: its plan and what it derives from it
@@ -273,7 +262,7 @@ def test_kept_bytes_are_the_ledgers_itemized(opts):
     plan (per layer, ``L = 1``), and against the exchange on one process, which keeps
     exactly the ledger's terms. Itemized: the local path keeps per pair two int64
     indices, not three (no row-in-block: only selection reads it), plus the ``E`` int32
-    offsets and the ``E`` int64 device counts its lazy stats hold (the exchange's are on
+    offsets and the ``E`` int64 device counts its stats hold (the exchange's are on
     the host)."""
     layer, x, _ = truth._layer_and_tokens()
     cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
@@ -393,7 +382,7 @@ def test_a_step_mixing_the_paths_counts_on_one_device():
     layer(x)  # exchange first, then local: the sum stays on the host
     layer.runtime = MoERuntime()
     layer(x)
-    assert layer.last_path == "local" and torch.equal(layer.step_counts_E, 2 * want)
+    assert layer.last.path == "local" and torch.equal(layer.step_counts_E, 2 * want)
     # popularity left by a local step on the device is copied to the host before the
     # planner sees it (a meta tensor cannot be: the copy fails before planning)
     seen = []
@@ -412,14 +401,14 @@ def test_a_step_mixing_the_paths_counts_on_one_device():
 
 
 def test_local_stats_follow_the_token_count():
-    """The local path caches its plan's stats per stand-in plan: a new token count is a
-    new plan, and the stats (rank loads) must be that plan's, not the last one's."""
+    """The local path's stats (rank loads) are this forward's token count's, not the
+    last one's."""
     layer = _layer("tiny-qwen3")
     K = layer.cfg.num_experts_per_tok
     for T in (16, 8, 16, 5):
         x, _ = _inputs(layer, T, seed=T)
         layer(x)
         stats = layer.runtime.stats[0]
-        assert layer.last_path == "local"
+        assert layer.last.path == "local"
         assert stats["rank_load"] == [T * K] and stats["rank_backward_load"] == [T * K]
         assert stats["fwd_rows"] == T * K

@@ -266,13 +266,13 @@ def test_train_with_offload_resumes_and_matches_device(tmp_path, capsys):
 
 
 def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
-    """fastest_symi_slots (plan --compare and bench ttl) is the argmin over s of the
+    """symi_slot_choice (plan --compare and bench ttl) is the argmin over s of the
     modelled MoE time *with* the offload traffic; on InfiniBand that differs from the
     choice priced without it (the sharded layout gathers even SYMI's natives)."""
     from lrmoe.config import ModelConfig
     from lrmoe.ledger import Ledger
     from lrmoe.routing_loads import synthetic_counts
-    from lrmoe.sim.analytic import fastest_symi_slots, project_policy
+    from lrmoe.sim.analytic import project_policy, symi_slot_choice
     from lrmoe.sim.links import LINKS
     cfg = ModelConfig.from_hf_dict({**get_preset("qwen3-30b-a3b").to_hf_dict(),
                                     "num_experts": 32, "num_hidden_layers": 4})
@@ -289,7 +289,7 @@ def test_symi_slots_are_the_least_modelled_time_with_offload_charged():
         ms = {s: r["modelled_layer_ms"] - r["modelled_stages_ms"]["plan"]
               for s, r in rows.items()}
         best[off] = min(ms, key=lambda s: (ms[s], -s))
-        assert fastest_symi_slots(cfg, led, samples, pops, link, 440e12) == best[off]
+        assert symi_slot_choice(cfg, led, samples, pops, link, 440e12)[0] == best[off]
     assert best["host"] != best["device"]
 
 

@@ -226,6 +226,8 @@ def test_train_out_of_memory_mid_run_keeps_the_checkpoints(tmp_path, capsys, mon
                               3 * 2**30, 2 * 2**30, "rank 0 needs 3.0 GiB > budget 2.0 GiB")
         return real(self, counts_GE, inputs)
     monkeypatch.setattr(StaticPolicy, "plan", plan)
+    # every step planned (the one-process path's rule would find static's plan fits)
+    monkeypatch.setattr(StaticPolicy, "plans_natives_exactly", lambda self: False)
     run = tmp_path / "m"
     common = ["train", "--preset", "tiny-qwen3", "--steps", "4", "--eval-every", "0",
               "--ckpt-every", "2", *SMALL, "--mem-budget", "10GiB", "--out", str(run)]

@@ -14,7 +14,7 @@ import torch
 from dist_util import FixedRouter
 from lrmoe.cli import main
 from lrmoe.config import ModelConfig
-from lrmoe.ledger import Ledger, parse_bytes
+from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.plan import Plan, full_plan
@@ -27,6 +27,7 @@ from lrmoe.sim.analytic import mean_step_times, modelled_stats
 from lrmoe.sim.cost import STAGES, step_times
 from lrmoe.sim.links import LINKS
 from lrmoe.sim.virtual import EXCHANGES, VirtualEPLayer
+from lrmoe.units import parse_bytes
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 RATE = 1e12

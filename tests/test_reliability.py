@@ -73,7 +73,8 @@ def one_error_line(err: str, *words: str) -> str:
 # -------------------------------------------------- --out: lrmoe's own directories only
 def test_out_holding_a_hf_model_is_refused(tmp_path, text, capsys):
     from lrmoe.config import ModelConfig
-    from lrmoe.hf import load_hf, save_hf
+    from lrmoe.hf import save_hf
+    from lrmoe.hf_load import load_hf
     from lrmoe.model import MoEForCausalLM
     from lrmoe.presets import get_preset
 

@@ -270,7 +270,7 @@ def test_unreadable_data_says_read(tmp_path, text, capsys, monkeypatch):
 
 def test_load_hf_of_a_run_directory_says_so(run):
     from lrmoe.errors import LrmoeError
-    from lrmoe.hf import load_hf
+    from lrmoe.hf_load import load_hf
 
     with pytest.raises(LrmoeError, match="lrmoe train run directory, not a HF checkpoint"):
         load_hf(run)

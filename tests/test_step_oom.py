@@ -15,9 +15,11 @@ import torch
 
 from lrmoe.cli import main
 from lrmoe.errors import OutOfMemory
-from lrmoe.ledger import Ledger, fmt_bytes
+from lrmoe.ledger import Ledger
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
+from lrmoe.train.step_oom import verdict
+from lrmoe.units import fmt_bytes
 from test_reliability import digest, one_error_line, train, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,4 +119,4 @@ def test_ledger_out_of_memory_names_one_need():
                       dataclasses.replace(free, budget_bytes=1 << 20))
         need = fmt_bytes(e.value.needs_bytes)
         assert f"needs {need} > budget" in e.value.detail, (need, e.value.detail)
-        assert f"(needs {need}, budget" in e.value.verdict(1)
+        assert f"(needs {need}, budget" in verdict(e.value, 1)

@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
 def load_hf(path, **kw):
     """Load a HF-format directory (config.json + *.safetensors) into an MoEForCausalLM."""
-    from lrmoe.hf import load_hf as _load
+    from lrmoe.hf_load import load_hf as _load
     return _load(path, **kw)
 
 

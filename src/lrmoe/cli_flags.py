@@ -72,7 +72,7 @@ def check_choice(name: str, v: Any, choices: tuple) -> None:
 
 def _bytes(name: str, v: Any) -> None:
     if v is not None:
-        from lrmoe.ledger import parse_bytes
+        from lrmoe.units import parse_bytes
         parse_bytes(v)
 
 

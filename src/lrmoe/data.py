@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.errors import LrmoeError
-from lrmoe.loss_mask import IGNORE, MaskedBatch, build_streams, masked_targets
+from lrmoe.loss_mask import IGNORE, MaskedBatch, Streams, masked_targets, prompt_rows
 from lrmoe.tokenizer import Tokenizer
 
 DEFAULT_MAX_BYTES = 16 * 2**20
@@ -65,6 +65,16 @@ class Corpus:
     # texts being the completions; None when no row has a prompt (all trained on)
     train_prompts: list[str] | None = None
     val_prompts: list[str] | None = None
+
+
+def build_streams(corpus: Corpus, tokenizer: Tokenizer) -> Streams:
+    """Tokenize both splits (see the module doc for prompt/completion rows)."""
+    if corpus.train_prompts is None or corpus.val_prompts is None:
+        return Streams(tokenizer.encode_documents(corpus.train_texts),
+                       tokenizer.encode_documents(corpus.val_texts))
+    train_ids, train_mask = prompt_rows(tokenizer, corpus.train_prompts, corpus.train_texts)
+    val_ids, val_mask = prompt_rows(tokenizer, corpus.val_prompts, corpus.val_texts)
+    return Streams(train_ids, val_ids, train_mask, val_mask)
 
 
 def _is_val(key: str) -> bool:

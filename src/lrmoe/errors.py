@@ -20,17 +20,12 @@ class OutOfMemory(LrmoeError):
     """No plan fits the memory budget, even with every fallback: what a GPU would do at
     that step (docs/design.md §5 "Out of memory"). ``needs_bytes``: the smallest total a
     rank needed among the fallbacks tried; ``budget_bytes``: the budget; ``detail``: the
-    ledger's own line (rank, terms, shortfall)."""
+    ledger's own line (rank, terms, shortfall). :func:`lrmoe.train.step_oom.verdict` words
+    it for a step."""
 
     def __init__(self, msg: str, needs_bytes: int, budget_bytes: int, detail: str = "") -> None:
         super().__init__(msg)
         self.needs_bytes, self.budget_bytes, self.detail = int(needs_bytes), int(budget_bytes), detail
-
-    def verdict(self, step: int) -> str:
-        """``out of memory at step S (needs X GiB, budget Y GiB)``."""
-        from lrmoe.ledger import fmt_bytes
-        return (f"out of memory at step {step} (needs {fmt_bytes(self.needs_bytes)}, budget "
-                f"{fmt_bytes(self.budget_bytes)})")
 
 
 def require(cond: bool, msg: str) -> None:

@@ -10,7 +10,7 @@ prefix (``lm_head`` has none in either), and our router is HF's ``mlp.gate``. Ex
 * fused form, ``mlp.experts.gate_up_proj [E, 2F, H]`` (gate rows, then up rows) and
   ``mlp.experts.down_proj [E, H, F]`` -- HF's in-memory parameters, also ours.
 
-:func:`load_hf` accepts both; :func:`save_hf` writes the legacy form, like HF.
+:func:`lrmoe.hf_load.load_hf` accepts both; :func:`save_hf` writes the legacy form, like HF.
 
 Checks. Every file's header is read and checked against the file size before anything
 is copied into the model; every tensor the model needs must be present with the right
@@ -363,35 +363,6 @@ def _fp32_names(model: MoEForCausalLM) -> set[str]:
     return {n for n, _ in model.state_dict().items() if ".mlp.router." in n}
 
 
-def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
-            ) -> MoEForCausalLM:
-    """Load a HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards
-    with ``model.safetensors.index.json``) into a new :class:`MoEForCausalLM` on the CPU.
-
-    ``dtype`` (default fp32) is the model's parameter dtype; GLM's router weight and
-    correction bias stay fp32, as in HF. Experts may be stored per expert (Hub / HF
-    ``save_pretrained`` form) or fused. Raises :class:`LrmoeError` naming the problem
-    (missing config, corrupt file, missing / unexpected / misshapen tensor) before
-    anything is copied into the model. The model comes back in eval mode, as from HF's
-    ``from_pretrained``; call ``.train()`` to train it.
-    """
-    from lrmoe.hf_load import empty_model, load_owned, open_checkpoint
-
-    dt = _as_dtype(dtype)
-    ck = open_checkpoint(path)  # every check before a byte is copied
-    model = empty_model(ck.config)
-    load_owned(model, ck)
-    with torch.no_grad():
-        if dt != torch.float32:
-            # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
-            keep, persistent = _fp32_names(model), set(model.state_dict())
-            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if t.is_floating_point() and name in persistent and name not in keep:
-                    t.data = t.data.to(dt)
-    model.eval()
-    return model
-
-
 # ============================================================================ save
 def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None
                 ) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]:
@@ -601,4 +572,4 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
     return target
 
 
-__all__ = ["hf_config_dict", "load_hf", "load_hf_config", "save_hf"]
+__all__ = ["hf_config_dict", "load_hf_config", "save_hf"]

@@ -12,7 +12,7 @@ rank's rows) from the memory map into the parameter, and closes the file again, 
 mapped pages leave the process after each tensor. A rank's host memory while loading
 is therefore its own parameters (on the CPU) plus one tensor's pages: under EP G, 1/G
 of the expert bytes, the dense bytes and one tensor (:class:`LoadReport` counts what
-was read). :func:`lrmoe.hf.load_hf` is the one-process use of the same two steps.
+was read). :func:`load_hf` is the one-process use of the same two steps.
 """
 
 from __future__ import annotations
@@ -29,7 +29,18 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.hf import _DTYPES, _ITEMSIZE, _as_dir, _corrupt, _Piece, _plan, _read_config, _scan
+from lrmoe.hf import (
+    _DTYPES,
+    _ITEMSIZE,
+    _as_dir,
+    _as_dtype,
+    _corrupt,
+    _fp32_names,
+    _Piece,
+    _plan,
+    _read_config,
+    _scan,
+)
 from lrmoe.model.layers import Rotary
 from lrmoe.model.transformer import MoEForCausalLM
 
@@ -184,3 +195,30 @@ def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
 
 
 __all__ = ["HfCheckpoint", "LoadReport", "empty_model", "load_owned", "open_checkpoint"]
+
+
+def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
+            ) -> MoEForCausalLM:
+    """Load a HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards
+    with ``model.safetensors.index.json``) into a new :class:`MoEForCausalLM` on the CPU.
+
+    ``dtype`` (default fp32) is the model's parameter dtype; GLM's router weight and
+    correction bias stay fp32, as in HF. Experts may be stored per expert (Hub / HF
+    ``save_pretrained`` form) or fused. Raises :class:`LrmoeError` naming the problem
+    (missing config, corrupt file, missing / unexpected / misshapen tensor) before
+    anything is copied into the model. The model comes back in eval mode, as from HF's
+    ``from_pretrained``; call ``.train()`` to train it.
+    """
+    dt = _as_dtype(dtype)
+    ck = open_checkpoint(path)  # every check before a byte is copied
+    model = empty_model(ck.config)
+    load_owned(model, ck)
+    with torch.no_grad():
+        if dt != torch.float32:
+            # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
+            keep, persistent = _fp32_names(model), set(model.state_dict())
+            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                if t.is_floating_point() and name in persistent and name not in keep:
+                    t.data = t.data.to(dt)
+    model.eval()
+    return model

@@ -18,58 +18,20 @@ combine_rows         P_home · H · bytes_act                       per layer ×
 pair_index           P_home · 28                                  per layer × L
 ===================  ===========================================  =========================
 
-* SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters.
-* Optimizer offload (``optimizer_offload="host"``, SYMI's memory design): the fp32
-  masters, fp32 gradients and AdamW moments live in host memory (SYMI shards each
-  expert's 1/G on every rank's host; static and lrmoe keep their owned experts'; the
-  bytes per rank are the same), so the GPU keeps only its slots (the instance terms,
-  natives included) plus one layer's staging: the E/G experts' worth of gradient going
-  to the host and of updated weights coming back, in the compute dtype, counted once.
-  The traffic this costs is modelled in :mod:`lrmoe.sim.offload`.
-* Owned state: expert e's fp32 master weights, fp32 gradient and AdamW's two fp32
-  moments live on its owner rank ``e // (E/G)``, for every policy, so the term is the
-  same on every rank (docs/design.md §1 conventions, "equal totals"). AdamW's scalar ``step`` counters
-  are ignored (4 bytes per tensor).
-* Instances: every occupied slot materialises its expert's weights and a gradient
-  buffer in the compute dtype (natives too), so ``P = 2 · 3HF · bytes_w`` per slot.
-* Buffers (:meth:`Ledger.counts_buffer_bytes`): the largest set of row tensors alive at
-  once in one layer's forward or backward (``parallel/exchange.py``), net of what the
-  layer keeps for backward (the backward frees its kept rows as it goes), derived from
-  the code point by point (:meth:`Ledger.forward_points`, :meth:`Ledger.backward_points`)
-  and checked against it (``tests/test_ledger_truth.py``; the H200's peak in
-  ``benchmarks/ledger_peak.py``). They are freed before the next layer runs, so they
-  count once, not per layer. A planner knows counts, not rows: exact plans are priced as
-  they run, trimmed ones by a bound over the selections they allow. As a function of the
-  counts the total is the largest of a few affine pieces (:meth:`Ledger.total_pieces`),
-  which the solvers (:meth:`Ledger.retain_capacity`, :meth:`Ledger.recompute_needed`)
-  and the planners' vectorised view work on.
-* Retained activations: ``A = (H + 2F) · bytes_act`` per retained pair (the input row
-  and the gate_up pre-activation the expert saves), on the rank that processes it.
-* Combined rows: every home pair's expert output row comes back home (``y_send``) and
-  is kept until backward, where it gives the exact router gradient
-  ``<dy[t], y_e(x_t)>``: ``P_home · H · bytes_act`` per layer, whatever is retained.
-  With ``router_grad_at_experts`` (the runtime's ``BackwardOptions(router_grad="experts")``)
-  an exact plan keeps none: the expert backward computes ``<dy[t] @ w2, silu(g)·u>``
-  for every pair instead, so the term is 0 for exact plans (LRMoE's trimmed plans still
-  keep them: their unselected pairs never reach an expert in backward).
-* Pair index: per home pair, what the exchange keeps for backward to find its rows:
-  its gate weight (fp32, 4 bytes) and three int64 indices (its send-buffer row, the
-  pair of each send row, each send row's index in its block): 28 bytes.
-* Not in this ledger (policy-independent, checked in ``tests/test_ledger_truth.py``):
-  the router's saved tensors and the layer input it saves, and the plan and counts,
-  which live in host memory.
-* Recompute (a plan's ``recompute_G`` rows): a pair whose gate_up output is recomputed
-  in backward keeps only its input row, ``H · bytes_act``, and costs one more gate_up
-  GEMM (2 of the expert's 3 GEMMs in the forward) in backward. An exact policy over
-  budget recomputes the fewest pairs that make each rank fit (:meth:`Ledger.exact_fit`,
-  mode ``"pairs"``). Where even recomputing every pair does not fit, a whole-layer
-  checkpoint (mode ``"layer"``, :attr:`lrmoe.policy.plan.Plan.layer_checkpoint`,
-  :meth:`Ledger.layer_terms`): per layer only the gates are kept (``P_home · 4``, the
-  ``pair_index`` term; the layer input and the expert ids are the router's saved
-  tensors, outside this ledger); nothing is retained on the expert ranks and no
-  combined row is kept. Backward re-runs the layer's dispatch, experts and combine,
-  so the rows the other modes keep per layer are alive there once, as transients
-  (:meth:`Ledger.layer_checkpoint_buffer_bytes`).
+SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters. Owned
+state lives on the expert's owner ``e // (E/G)`` for every policy (with
+``optimizer_offload="host"`` in host memory, the GPU keeping one layer's staging; its
+traffic: :mod:`lrmoe.sim.offload`). Every occupied slot materialises its expert's weights
+and a gradient buffer in the compute dtype. The buffers are derived from the code point
+by point (:meth:`Ledger.forward_points`, :meth:`Ledger.backward_points`), counted once
+(freed between layers) and, as a function of the counts, the largest of a few affine
+pieces (:meth:`Ledger.total_pieces`) that the solvers and the planners' view work on.
+With ``router_grad_at_experts`` an exact plan keeps no combined rows. A recomputed pair
+keeps only its input row (``H · bytes_act``); an exact plan over budget recomputes the
+fewest pairs that fit (:meth:`Ledger.exact_fit`, mode ``"pairs"``), else checkpoints the
+layer whole (mode ``"layer"``, :meth:`Ledger.layer_terms`: only the gates kept, the rows
+alive once in backward as transients). Each term's reasoning, and what is checked
+against autograd and a GPU: docs/design.md §5.
 
 Plans are per layer; the budget is for all MoE layers together, so the check assumes
 every layer's plan looks like the one checked: per-layer terms × L, buffers once.
@@ -77,8 +39,6 @@ every layer's plan looks like the one checked: per-layer terms × L, buffers onc
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,56 +47,13 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, OutOfMemory, require
+from lrmoe.units import fmt_bytes
 
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
          "combine_rows", "pair_index")
 PAIR_INDEX_BYTES = 4 + 3 * 8  # per home pair: gate (fp32) and three int64 indices
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"40GiB"``, ``"1.5GB"``, ``"123456"``, ``"512 MiB"`` -> bytes.
-
-    KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB and the bare K/M/G/T are powers
-    of 1024. Case-insensitive. Fractions round to the nearest byte.
-    """
-    if isinstance(text, bool):
-        raise LrmoeError(f"memory size {text!r} is not a size; write e.g. 40GiB or 123456")
-    if isinstance(text, int):
-        require(text > 0, f"memory size {text} must be a positive number of bytes")
-        return text
-    m = _BYTES_RE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise LrmoeError(
-            f"memory size {text!r} is not understood; write a number with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 40GiB or 123456")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value >= 2**63:
-        raise LrmoeError(f"memory size {text!r} is too large: it must be below 8 EiB "
-                         "(2^63 bytes)")
-    if value < 1:
-        raise LrmoeError(f"memory size {text!r} must be at least 1 byte")
-    return int(round(value))
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes as a short human string in binary units: ``41.2 GiB``."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{sign}{n / size:.1f} {unit}"
-    return f"{sign}{int(n)} B"
 
 
 # (R, k, rec) = a·(1,0,0) + b·(1,1,0) + c·(1,1,1) with a, b, c >= 0 spans 0 <= rec <= k <= R

@@ -17,15 +17,11 @@ aux loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from lrmoe.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from lrmoe.data import Corpus
 
 
 @dataclass
@@ -40,7 +36,7 @@ class Streams:
     val_mask: torch.Tensor | None = None
 
 
-def _rows(tokenizer: Tokenizer, prompts: list[str], texts: list[str]
+def prompt_rows(tokenizer: Tokenizer, prompts: list[str], texts: list[str]
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``prompt + completion + eos`` packed end to end, and their trained mask."""
     ps, cs = tokenizer.encode_each(prompts), tokenizer.encode_each(texts)
@@ -52,16 +48,6 @@ def _rows(tokenizer: Tokenizer, prompts: list[str], texts: list[str]
     if not ids:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool)
     return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(mask))
-
-
-def build_streams(corpus: Corpus, tokenizer: Tokenizer) -> Streams:
-    """Tokenize both splits (see the module doc for prompt/completion rows)."""
-    if corpus.train_prompts is None or corpus.val_prompts is None:
-        return Streams(tokenizer.encode_documents(corpus.train_texts),
-                       tokenizer.encode_documents(corpus.val_texts))
-    train_ids, train_mask = _rows(tokenizer, corpus.train_prompts, corpus.train_texts)
-    val_ids, val_mask = _rows(tokenizer, corpus.val_prompts, corpus.val_texts)
-    return Streams(train_ids, val_ids, train_mask, val_mask)
 
 
 IGNORE = -100  # a target not trained on (``cross_entropy``'s ignore_index, HF's label)

@@ -106,7 +106,7 @@ def check_model(dev: str, backend: str, tokens: int) -> dict:
     return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "worst_param": worst_param,
             "tol": MODEL_TOL, **compile_counts(), "break_reasons": sorted(breaks),
             "ok": loss_err <= MODEL_TOL and grad_err <= MODEL_TOL
-            and all("_routed" in r for r in breaks)}
+            and all("MoELayer.routed" in r for r in breaks)}
 
 
 def markdown(meta: dict, layer: dict, model: dict) -> str:

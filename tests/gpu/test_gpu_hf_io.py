@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_fixtu
 def test_init_from_on_cuda_with_host_offload_exports_the_masters(tmp_path):
     from hf_fixtures import hf_dir, write_rows
     from lrmoe.cli import main
-    from lrmoe.hf import load_hf
+    from lrmoe.hf_load import load_hf
     from lrmoe.train import checkpoint as ckpt
 
     pytest.importorskip("transformers")

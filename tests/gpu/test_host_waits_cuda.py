@@ -46,7 +46,7 @@ def _syncs(layer, x) -> tuple[list[str], list[str]]:
                 if phase == "forward":
                     out = layer(x)
                 else:
-                    aux = layer.last_aux_loss if layer.last_aux_loss is not None else 0
+                    aux = layer.last.aux_loss if layer.last.aux_loss is not None else 0
                     (out.float().square().mean() + aux).backward()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
@@ -84,5 +84,5 @@ def test_one_process_path_has_no_sync_on_cuda():
     _step(layer, x0)
     fwd, bwd = _step(layer, x0)
     print("local", fwd, bwd)
-    assert layer.last_path == "local"
+    assert layer.last.path == "local"
     assert fwd == [] and bwd == [], (fwd, bwd)

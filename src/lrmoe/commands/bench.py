@@ -36,6 +36,18 @@ def register(sub) -> None:
     m.add_argument("--preset", help="model preset (see `lrmoe presets`)")
     m.add_argument("--config", help="HF config.json file or folder")
     t.add_argument("--ep", type=int, default=4, help="virtual EP ranks G (default 4)")
+    _policies_and_budget(t)
+    _training(t)
+    _target_and_data(t)
+    g = t.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as train "
+                             "and plan; a --policies variant such as lrmoe:min_keep=0.8 "
+                             "overrides them for that run)")
+    add_policy_flags(g, BENCH)
+    _execution(t)
+    t.set_defaults(func=run)
+
+
+def _policies_and_budget(t) -> None:
     t.add_argument("--policies", default="static,symi,lrmoe",
                    help="comma list of static, symi, lrmoe and lrmoe variants such as "
                         "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
@@ -51,6 +63,9 @@ def register(sub) -> None:
                         "RESULTS.md")
     t.add_argument("--budget-retain-fraction", nargs="?", action=_Replaced,
                    help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+
+
+def _training(t) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--batch-size", type=int, default=16,
                    help="global micro-batch (sequences): one forward and backward")
@@ -67,6 +82,9 @@ def register(sub) -> None:
     t.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps (default: 10%% of --steps)")
     t.add_argument("--seed", type=int, default=0)
+
+
+def _target_and_data(t) -> None:
     t.add_argument("--link", default="nvlink",
                    help="nvlink, ib, pcie or nvlink+ib (NVLink inside nodes of 8, IB between "
                         "them): datasheet peaks at published all-to-all efficiencies "
@@ -83,10 +101,9 @@ def register(sub) -> None:
     t.add_argument("--smooth-window", type=int, default=3,
                    help="validation curves are smoothed by a centred mean of this many "
                         "evaluations (odd; 1 = raw) before the target and crossings are read")
-    g = t.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as train "
-                             "and plan; a --policies variant such as lrmoe:min_keep=0.8 "
-                             "overrides them for that run)")
-    add_policy_flags(g, BENCH)
+
+
+def _execution(t) -> None:
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the model as lrmoe train --compile does (all but the "
@@ -106,7 +123,6 @@ def register(sub) -> None:
                    help="an earlier run's ttl.json or ttl_partial.json with the same settings: "
                         "the policies it finished are taken from it, not run again")
     t.add_argument("--out", required=True, help="output directory")
-    t.set_defaults(func=run)
 
 
 class _Replaced(argparse.Action):
@@ -170,7 +186,7 @@ def placement_lines(rep: dict) -> list[str]:
 
 
 def table(rep: dict) -> str:
-    from lrmoe.ledger import fmt_bytes
+    from lrmoe.units import fmt_bytes
 
     tg = rep["target"]
     head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",

@@ -9,7 +9,7 @@ import sys
 
 def _size(v: str) -> int:
     from lrmoe.errors import LrmoeError
-    from lrmoe.ledger import parse_bytes
+    from lrmoe.units import parse_bytes
     try:
         return parse_bytes(v)
     except LrmoeError as e:

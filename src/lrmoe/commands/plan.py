@@ -26,9 +26,11 @@ from lrmoe.cli_flags import (
     check_policy_flags,
     policy_config,
 )
+from lrmoe.commands.columns import aligned
+from lrmoe.commands.plan_compare import GEMM_SOURCE, GEMM_TFLOPS, run_compare
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.ledger import TERMS, Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import TERMS, Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe_ladder import RUNG_NOTES
 from lrmoe.policy.plan import Plan
@@ -37,6 +39,7 @@ from lrmoe.policy.symi import largest_feasible_slots
 from lrmoe.presets import get_preset
 from lrmoe.routing_loads import load_counts, synthetic_counts
 from lrmoe.sim.links import LINKS
+from lrmoe.units import fmt_bytes, parse_bytes
 
 _SHORT = {"owned_state": "owned", "instance_weights": "inst_w", "instance_grads": "inst_g",
           "buffers": "buffers", "retained_acts": "retained", "combine_rows": "combined",
@@ -44,8 +47,6 @@ _SHORT = {"owned_state": "owned", "instance_weights": "inst_w", "instance_grads"
 
 
 def register(subparsers) -> None:
-    from lrmoe.commands.plan_compare import GEMM_SOURCE, GEMM_TFLOPS
-
     p = subparsers.add_parser(
         "plan", help="print one layer's plan and per-rank memory ledger",
         description=__doc__.splitlines()[0])
@@ -86,17 +87,6 @@ def register(subparsers) -> None:
 # ---------------------------------------------------------------------- output
 def _instances(row: Tensor) -> str:
     return ",".join(str(int(e)) for e in row if e >= 0)
-
-
-def aligned(heads: list[list[str]], rows: list[list[str]], left: set[int]) -> str:
-    """Plain aligned columns: ``left`` columns left-justified, the others right."""
-    width = [max(len(x) for x in col) for col in zip(*heads, *rows)]
-    lines = []
-    for row in heads + rows:
-        cells = [c.ljust(w) if i in left else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, width))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 def format_table(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
@@ -164,8 +154,7 @@ def run(args: argparse.Namespace) -> int:
     check_ints(args)
     check_policy_flags({k: getattr(args, k) for k in PLAN})
     if args.compare:
-        from lrmoe.commands.plan_compare import run_compare
-        return run_compare(args)
+        return run_compare(args, model_config(args), plan_policy(args))
     require(args.ep is not None, "--ep is required without --compare")
     cfg = model_config(args)
     G, E, k = args.ep, cfg.num_experts, cfg.num_experts_per_tok

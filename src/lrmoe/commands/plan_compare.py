@@ -11,17 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from lrmoe.commands.plan import aligned, model_config, plan_policy
+from lrmoe.commands.columns import aligned
+from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.ledger import Ledger, fmt_bytes, parse_bytes
+from lrmoe.ledger import Ledger
+from lrmoe.policy.registry import PolicyConfig
 from lrmoe.routing_loads import is_trace, load_counts, read_json, read_trace, synthetic_counts
 from lrmoe.sim.analytic import PROJECTED, project_policy
 from lrmoe.sim.cost import STAGES
 from lrmoe.sim.links import get_link
 from lrmoe.sim.offload import assumptions as offload_assumptions
+from lrmoe.units import fmt_bytes, parse_bytes
 
 GEMM_TFLOPS = 440.0  # ~60% of the 742 TFLOP/s dense bf16 rate measured on one H200
 GEMM_SOURCE = ("expert grouped GEMMs at ~60% of the 742 TFLOP/s dense bf16 rate measured on "
@@ -91,52 +95,73 @@ def compare_tables(rows: list[dict]) -> str:
     return main + "\n\nstages, ms per MoE layer (slowest rank per stage):\n" + stages
 
 
-def run_compare(args: argparse.Namespace) -> int:
+@dataclass
+class Loads:
+    """Where the compared loads come from: a routing trace, a loads file or a synthetic
+    skew. ``record``: as the JSON output names them; ``what``: one line for the header."""
+
+    args: argparse.Namespace
+    E: int
+    k: int
+    trace: Any = None
+    data: Any = None
+    record: dict = field(default_factory=dict)
+    what: str = ""
+
+    def samples(self, G: int) -> list:
+        """``[G, E]`` counts at EP size ``G``: one per sampled (step, layer) of a trace."""
+        a = self.args
+        if self.trace is not None:
+            return self.trace.counts(G, a.tokens_per_rank, self.k)
+        if self.data is not None:
+            return [load_counts(a.loads, G, self.E, self.data)]
+        return [synthetic_counts(G, self.E, a.tokens_per_rank, self.k, a.skew, a.seed)]
+
+
+def read_loads(args: argparse.Namespace, E: int, k: int) -> Loads:
+    T = args.tokens_per_rank
+    if not args.loads:
+        return Loads(args, E, k, record={"source": "synthetic", "skew": args.skew, "seed": args.seed},
+                     what=f"synthetic Zipf skew {args.skew:g} (seed {args.seed}), {T} tokens/rank")
+    data = read_json(args.loads)
+    if not is_trace(data):
+        return Loads(args, E, k, data=data, record={"source": "file", "file": args.loads},
+                     what=f"loads {args.loads}")
+    trace = read_trace(args.loads, data, E, k, args.trace_steps)
+    return Loads(args, E, k, trace=trace,
+                 record={"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
+                         "steps_sampled": trace.steps, "samples": len(trace.loads_E),
+                         "observed_skew_max_over_mean": trace.skew},
+                 what=(f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} "
+                       f"(0-based), {len(trace.loads_E)} (step, layer) samples, rescaled to {T} "
+                       f"tokens/rank; observed skew (mean max/mean expert load) {trace.skew:.2f}"))
+
+
+def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], list[tuple[str, int]]]:
+    """The EP sizes and budgets of the flags (every flag checked before any work)."""
     require(args.ep is None, f"--ep={args.ep} is not used with --compare; give the EP sizes "
                              "with --ep-list")
     require(args.mem_budget is None, "--mem-budget is not used with --compare; give the "
                                      "budgets with --budgets")
-    cfg = model_config(args)
-    E, k, T = cfg.num_experts, cfg.num_experts_per_tok, args.tokens_per_rank
     eps = _int_list(args.ep_list, "--ep-list")
     bad = [G for G in eps if E % G]
     require(not bad, f"--ep-list={args.ep_list!r}: {bad} do not divide the number of experts {E}")
     budgets = _budget_list(args.budgets)
     require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
             f"--gemm-tflops={args.gemm_tflops} must be a positive number")
-    require(T >= 1, f"--tokens-per-rank={T} must be >= 1")
-    link, rate = get_link(args.link), args.gemm_tflops * 1e12
+    require(args.tokens_per_rank >= 1, f"--tokens-per-rank={args.tokens_per_rank} must be >= 1")
     if args.json:  # fail before the work, not after
         parent = Path(args.json).resolve().parent
         require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")
+    return eps, budgets
 
-    trace, data = None, None
-    if args.loads:
-        data = read_json(args.loads)
-        if is_trace(data):
-            trace = read_trace(args.loads, data, E, k, args.trace_steps)
-    if trace is not None:
-        loads = {"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
-                 "steps_sampled": trace.steps, "samples": len(trace.loads_E),
-                 "observed_skew_max_over_mean": trace.skew}
-        what = (f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} (0-based), "
-                f"{len(trace.loads_E)} (step, layer) samples, rescaled to {T} tokens/rank; "
-                f"observed skew (mean max/mean expert load) {trace.skew:.2f}")
-    elif data is not None:
-        loads = {"source": "file", "file": args.loads}
-        what = f"loads {args.loads}"
-    else:
-        loads = {"source": "synthetic", "skew": args.skew, "seed": args.seed}
-        what = f"synthetic Zipf skew {args.skew:g} (seed {args.seed}), {T} tokens/rank"
 
+def project_rows(args: argparse.Namespace, cfg: ModelConfig, policy: PolicyConfig, loads: Loads,
+                 eps: list[int], budgets: list[tuple[str, int]], link) -> list[dict]:
+    """One row per (EP size, budget, policy), with lrmoe's time over symi's."""
     rows = []
     for G in eps:
-        if trace is not None:
-            samples = trace.counts(G, T, k)
-        elif data is not None:
-            samples = [load_counts(args.loads, G, E, data)]
-        else:
-            samples = [synthetic_counts(G, E, T, k, args.skew, args.seed)]
+        samples = loads.samples(G)
         for text, budget in budgets:
             ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
                                       optimizer_offload=args.optimizer_offload)
@@ -145,18 +170,22 @@ def run_compare(args: argparse.Namespace) -> int:
             lean = replace(ledger, router_grad_at_experts=args.router_grad == "experts")
             group = {name: {"budget": text,
                             **project_policy(name, cfg, ledger if name == "lrmoe" else lean,
-                                             samples, link, rate, plan_policy(args).lrmoe,
-                                             args.slots_per_rank)}
+                                             samples, link, args.gemm_tflops * 1e12,
+                                             policy.lrmoe, args.slots_per_rank)}
                      for name in PROJECTED}
             rows += group.values()
             lr, sy = group["lrmoe"], group["symi"]
             if lr["fits"] and sy["fits"]:
                 lr["lrmoe_over_symi"] = lr["modelled_layer_ms"] / sy["modelled_layer_ms"]
+    return rows
 
-    name, L = args.preset or args.config, len(cfg.moe_layers)
-    print(f"{name}: E={E} top_k={k} H={cfg.hidden_size} F={cfg.moe_intermediate_size} "
-          f"MoE layers={L}  dtype={args.dtype}  tokens/rank={T}")
-    print(f"loads: {what}")
+
+def print_header(args: argparse.Namespace, cfg: ModelConfig, loads: Loads, link) -> None:
+    """What was compared and what the times model."""
+    print(f"{args.preset or args.config}: E={cfg.num_experts} top_k={cfg.num_experts_per_tok} "
+          f"H={cfg.hidden_size} F={cfg.moe_intermediate_size} MoE layers={len(cfg.moe_layers)}"
+          f"  dtype={args.dtype}  tokens/rank={args.tokens_per_rank}")
+    print(f"loads: {loads.what}")
     print(f"times are MODELLED, not measured: expert GEMMs at {args.gemm_tflops:g} TFLOP/s per "
           f"rank{' (' + GEMM_SOURCE + ')' if args.gemm_tflops == GEMM_TFLOPS else ''};")
     print(f"  link {link.name}: {link.bandwidth_Bps / 1e9:g} GB/s per direction, "
@@ -172,8 +201,11 @@ def run_compare(args: argparse.Namespace) -> int:
           "policy's plan call per layer (with the exact policies' fit to the budget), charged "
           "to every rank and included in ms/layer")
     print("  not modelled: " + "; ".join(NOT_MODELLED))
-    print(compare_tables(rows))
-    notes: dict[tuple, list[str]] = {}  # one line per (ep, budget, reason)
+
+
+def print_misfits(rows: list[dict]) -> None:
+    """One line per (ep, budget, reason) a policy does not fit."""
+    notes: dict[tuple, list[str]] = {}
     for r in rows:
         if r["reason"]:
             notes.setdefault((r["ep"], r["budget"], r["reason"]), []).append(r["policy"])
@@ -181,18 +213,34 @@ def run_compare(args: argparse.Namespace) -> int:
         print("\ndoes not fit:")
         for (G, text, reason), who in notes.items():
             print(f"  ep {G} budget {text} {', '.join(who)}: {reason}")
+
+
+def write_json(args: argparse.Namespace, cfg: ModelConfig, loads: Loads, link,
+               rows: list[dict]) -> None:
+    out = {"label": "modelled", "model": args.preset or args.config, "E": cfg.num_experts,
+           "top_k": cfg.num_experts_per_tok, "H": cfg.hidden_size,
+           "F": cfg.moe_intermediate_size, "moe_layers": len(cfg.moe_layers),
+           "dtype": args.dtype, "tokens_per_rank": args.tokens_per_rank,
+           "optimizer_offload": args.optimizer_offload, "router_grad": args.router_grad,
+           "loads": loads.record, "gemm_tflops": args.gemm_tflops,
+           "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
+           "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,
+                    "latency_s": link.latency_s, "source": link.source},
+           "rows": rows}
+    try:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    except OSError as e:
+        raise LrmoeError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+
+
+def run_compare(args: argparse.Namespace, cfg: ModelConfig, policy: PolicyConfig) -> int:
+    eps, budgets = check_compare_args(args, cfg.num_experts)
+    link = get_link(args.link)
+    loads = read_loads(args, cfg.num_experts, cfg.num_experts_per_tok)
+    rows = project_rows(args, cfg, policy, loads, eps, budgets, link)
+    print_header(args, cfg, loads, link)
+    print(compare_tables(rows))
+    print_misfits(rows)
     if args.json:
-        out = {"label": "modelled", "model": name, "E": E, "top_k": k, "H": cfg.hidden_size,
-               "F": cfg.moe_intermediate_size, "moe_layers": L, "dtype": args.dtype,
-               "tokens_per_rank": T, "optimizer_offload": args.optimizer_offload,
-               "router_grad": args.router_grad,
-               "loads": loads, "gemm_tflops": args.gemm_tflops,
-               "gemm_source": GEMM_SOURCE, "not_modelled": list(NOT_MODELLED),
-               "link": {"name": link.name, "bandwidth_Bps": link.bandwidth_Bps,
-                        "latency_s": link.latency_s, "source": link.source},
-               "rows": rows}
-        try:
-            Path(args.json).write_text(json.dumps(out, indent=1))
-        except OSError as e:
-            raise LrmoeError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+        write_json(args, cfg, loads, link, rows)
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from lrmoe.commands.columns import aligned
+
 FAMILIES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4.5-MoE"}
 
 
@@ -31,11 +33,8 @@ def table() -> list[list[str]]:
 
 
 def format_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    rule = ["-" * max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return aligned(rows[:1], [rule] + rows[1:], {0, 1})
 
 
 def register(sub) -> None:

@@ -16,7 +16,7 @@ def bytes_or_all(v: str) -> int | None:
     if v.lower() in ("all", "none", "0"):
         return None
     from lrmoe.errors import LrmoeError
-    from lrmoe.ledger import parse_bytes
+    from lrmoe.units import parse_bytes
     try:
         return parse_bytes(v)
     except LrmoeError as e:
@@ -31,7 +31,26 @@ def register(sub) -> None:
                     "--out must be new, empty or an lrmoe run directory. Exit codes: 2 bad "
                     "input or a refused --out, 3 a torchrun peer hung or died.",
         argument_default=argparse.SUPPRESS)
-    g = p.add_argument_group("model and data")
+    _model_and_data(p.add_argument_group("model and data"))
+    _optimisation(p.add_argument_group("optimisation"))
+    _run(p.add_argument_group("run"))
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--ep", type=int, help="expert-parallel size; launch with torchrun "
+                   "--nproc-per-node N (a multiple of --ep) (default 1)")
+    g.add_argument("--backend", help="gloo or nccl (default: nccl on cuda, else gloo)")
+    g.add_argument("--timeout-s", type=float, help=f"collective timeout (default "
+                   f"{_D.timeout_s:g})")
+    g = p.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as plan "
+                             "and bench)")
+    add_policy_flags(g, TRAIN, defaults=False)
+    g.add_argument("--activation-checkpoint", metavar="none|selective|full",
+                   help="re-run in backward instead of keeping activations: selective = each "
+                        "block's attention, full = each whole block, MoE forward and its "
+                        "dispatch included (same gradients; default none)")
+    p.set_defaults(func=run)
+
+
+def _model_and_data(g) -> None:
     g.add_argument("--preset", help="model preset (see `lrmoe presets`)")
     g.add_argument("--config", help="HF config.json (or its directory) overriding the preset "
                    "(replacing it when model_type differs)")
@@ -47,7 +66,9 @@ def register(sub) -> None:
                         f"(default {_D.max_data_bytes // 2**20}MiB)")
     g.add_argument("--tokenizer", help="byte, bpe:N, or a directory holding a HF "
                    "tokenizer.json (default: the --init-from directory's, else byte)")
-    g = p.add_argument_group("optimisation")
+
+
+def _optimisation(g) -> None:
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {_D.steps})")
     g.add_argument("--batch-size", type=int, help=f"global micro-batch, sequences: one "
                    f"forward and backward (default {_D.batch_size})")
@@ -70,7 +91,9 @@ def register(sub) -> None:
                    help=f"stop when the smoothed training loss exceeds F times its running "
                         f"minimum (checked from step {DIVERGENCE_WARMUP + 1}); 0 = never "
                         f"(default {_D.divergence_factor:g})")
-    g = p.add_argument_group("run")
+
+
+def _run(g) -> None:
     g.add_argument("--device", help="cpu or cuda (bf16 autocast) (default cpu)")
     g.add_argument("--out", help="run directory (default runs/PRESET)")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
@@ -94,20 +117,6 @@ def register(sub) -> None:
                         "the MoE layers' plan and exchange stay eager: one graph break each)")
     g.add_argument("--stop-after", type=int, metavar="STEP", help="end this invocation after "
                    "STEP (validate + checkpoint); continue later with --resume")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--ep", type=int, help="expert-parallel size; launch with torchrun "
-                   "--nproc-per-node N (a multiple of --ep) (default 1)")
-    g.add_argument("--backend", help="gloo or nccl (default: nccl on cuda, else gloo)")
-    g.add_argument("--timeout-s", type=float, help=f"collective timeout (default "
-                   f"{_D.timeout_s:g})")
-    g = p.add_argument_group("policy and memory (lrmoe.cli_flags: the same flags as plan "
-                             "and bench)")
-    add_policy_flags(g, TRAIN, defaults=False)
-    g.add_argument("--activation-checkpoint", metavar="none|selective|full",
-                   help="re-run in backward instead of keeping activations: selective = each "
-                        "block's attention, full = each whole block, MoE forward and its "
-                        "dispatch included (same gradients; default none)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,13 +16,13 @@ Modes, as torchtitan offers them, with ``torch.utils.checkpoint`` (non-reentrant
   drops them after forward and the re-run restores them.
 
 A re-run forward must not count twice: the MoE layers of the block run their re-run
-with ``recomputing`` set, and their step counts, aux loss, last path and the runtime's
-stats are put back as the first forward left them (the re-run still computes the same
-tensors, collectives included, so every rank stays in step and autograd's saved
-tensors match). Torch's RNG states are restored for the re-run by the checkpoint;
-planning is a pure function of the counts and the previous step's popularity, which do
-not change between a forward and its backward; the runtime's selection generator is
-only drawn from in backward.
+with ``recomputing`` set, and a layer does not take the step its re-run returns
+(:class:`lrmoe.model.moe.MoEStep`): its step counts, aux loss and stats stay the first
+forward's (the re-run still computes the same tensors, collectives included, so every
+rank stays in step and autograd's saved tensors match). Torch's RNG states are
+restored for the re-run by the checkpoint; planning is a pure function of the counts
+and the previous step's popularity, which do not change between a forward and its
+backward; the runtime's selection generator is only drawn from in backward.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch.utils.checkpoint
 from lrmoe.errors import LrmoeError
 
 MODES = ("none", "selective", "full")
-_ABSENT = object()
 
 
 def check_mode(mode: str) -> str:
@@ -48,23 +47,16 @@ def check_mode(mode: str) -> str:
 
 @contextlib.contextmanager
 def recomputing(moe_layers: Iterable) -> Iterable:
-    """Run a re-run forward of ``moe_layers`` and put their per-step state back after."""
-    saved = []
+    """Run a re-run forward of ``moe_layers``: each leaves its step as the first forward
+    left it (:meth:`lrmoe.model.moe.MoELayer.forward`)."""
+    moe_layers = list(moe_layers)
     for m in moe_layers:
-        rt = m.runtime
-        saved.append((m, m.step_counts_E, m.last_aux_loss, m.last_path,
-                      rt.stats.get(m.moe_index, _ABSENT)))
         m.recomputing = True
     try:
         yield
     finally:
-        for m, counts, aux, path, stats in saved:
+        for m in moe_layers:
             m.recomputing = False
-            m.step_counts_E, m.last_aux_loss, m.last_path = counts, aux, path
-            if stats is _ABSENT:
-                m.runtime.stats.pop(m.moe_index, None)
-            else:
-                m.runtime.stats[m.moe_index] = stats
 
 
 def checkpoint(fn: Callable, *args, moe_layers: Iterable = ()):

@@ -1,7 +1,7 @@
 """``torch.compile`` for the model (``lrmoe train --compile``), and how much it compiled.
 
 Dynamo traces everything but the MoE layers' host-driven stages (count, plan, dispatch,
-experts, combine: :meth:`lrmoe.model.moe.MoELayer._routed`), which stay eager: one graph
+experts, combine: :meth:`lrmoe.model.moe.MoELayer.routed`), which stay eager: one graph
 break per MoE layer, and no recompilation when the plan changes from step to step.
 Embedding, attention, norms, dense MLPs, routers, shared experts, the head and the
 training loss are compiled.

@@ -37,3 +37,8 @@ class Experts(nn.Module):
             return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
         return (compute_copy(self.gate_up_proj, dtype, self.casts),
                 compute_copy(self.down_proj, dtype, self.casts))
+
+    def instance_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's weights in ``dtype`` (what a replica's scatter moves)."""
+        per = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
+        return per * torch.empty((), dtype=dtype).element_size()

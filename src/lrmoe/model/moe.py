@@ -1,16 +1,19 @@
-"""The MoE layer as the named stages of docs/design.md §2: route -> count -> plan -> dispatch ->
-experts -> combine. On one process dispatch and combine are local permutations and the
-plan is trivial: with the static policy the local path (:mod:`lrmoe.parallel.local`)
-runs the same kernels from device tensors alone, without a plan or a host wait;
-otherwise (or with ``MoERuntime(fast_local=False)``) the code path is the one the
-expert-parallel runtime runs.
+"""The MoE layer as the named stages of docs/design.md §2: route -> count -> plan ->
+instance weights -> exchange (dispatch, experts, combine). Each forward returns its
+:class:`MoEStep` (counts, aux loss, path, stats), which the layer takes as its last.
+
+On one process with a policy that plans every expert's pairs on its own instance
+exactly (static), and a budget that fits that plan, the plan is the identity: the local
+path (:mod:`lrmoe.parallel.local`, :func:`~lrmoe.parallel.local.runs_locally`) runs the
+same kernels from device tensors alone, without a plan or a host wait. Otherwise (or
+with ``MoERuntime(fast_local=False)``) the code path is the one the expert-parallel
+runtime runs.
 
 Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -23,15 +26,16 @@ from lrmoe.model.experts import Experts
 from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange, _timed
+from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun
 from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
-from lrmoe.parallel.layout import home_layout, recv_layout, to_device
-from lrmoe.parallel.local import DeviceStats, LocalExperts, expert_counts, stand_in_plan
+from lrmoe.parallel.layout import to_device
+from lrmoe.parallel.local import LocalExperts, expert_counts, local_stats, runs_locally
 from lrmoe.parallel.weights import instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
 from lrmoe.policy.plan import checks_on
 from lrmoe.policy.static import StaticPolicy
+from lrmoe.traffic import weight_scatter_bytes
 
 
 @dataclass
@@ -48,10 +52,10 @@ class MoERuntime:
         stats: per MoE layer, the last step's counters (filled in forward and backward).
         check_plans: validate each plan against the counts (a debugging aid, host work
             on the critical path: on with ``LRMOE_CHECK_PLANS=1``, :func:`checks_on`).
-        fast_local: on one process with the static policy's trivial plan, run the
-            layer's stages from device tensors alone, with no host wait
-            (:mod:`lrmoe.parallel.local`; same results). ``False`` always runs the
-            exchange.
+        fast_local: where :func:`lrmoe.parallel.local.runs_locally` says so (one
+            process, static's plan within the budget), run the layer's stages from
+            device tensors alone, with no host wait (same results). ``False`` always
+            runs the exchange.
     """
 
     comm: EPComm = field(default_factory=EPComm)
@@ -76,6 +80,30 @@ class MoERuntime:
     emulator: Any = None
 
 
+@dataclass
+class MoEStep:
+    """What one forward of a layer's routed experts leaves for its step, returned with
+    the output by :meth:`MoELayer.stages` (the re-run of an activation checkpoint returns
+    one too, which nobody takes).
+
+    Attributes:
+        path: ``"local"`` (one process, :mod:`lrmoe.parallel.local`), ``"exchange"``
+            (the plan and the exchange) or ``"emulated"`` (the virtual EP emulator).
+        counts_E: the EP group's pairs per expert (a device tensor on the local path).
+        aux_loss: the router's balancing loss from those counts; ``None`` outside
+            training or without one (GLM balances by bias).
+        stats: the layer's counters: the plan's, then the exchange's forward and backward
+            add theirs (:class:`lrmoe.sim.vstats.VirtualStats` when emulated). On the
+            local path ``counts_E`` stays a device tensor: readers resolve it
+            (:func:`host_stats`).
+    """
+
+    path: str
+    counts_E: Tensor
+    aux_loss: Tensor | None
+    stats: Any
+
+
 class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int):
         super().__init__()
@@ -87,12 +115,10 @@ class MoELayer(nn.Module):
         self.runtime = MoERuntime()
         self.prev_counts_E: Tensor | None = None  # global counts of the previous step
         self.step_counts_E: Tensor | None = None  # global counts accumulated this step
-        self.last_aux_loss: Tensor | None = None
-        self.last_path: str | None = None  # "local" or "exchange": what the last forward ran
-        self._local_stats: tuple | None = None  # (plan, dtype, its stats): local path
+        self.last: MoEStep | None = None  # the last forward's step (aux loss, path, stats)
         # activation checkpoint (lrmoe.model.checkpoint): the block is re-run in backward,
         # so the kept rows go through autograd's saved-tensor hooks; ``recomputing`` is
-        # set during that re-run (the emulator's wrapper reads it)
+        # set during that re-run, whose step is not taken
         self.checkpointed = False
         self.recomputing = False
 
@@ -101,15 +127,16 @@ class MoELayer(nn.Module):
         x_TH = x_BTH.reshape(-1, H)
         # route (traced by torch.compile), then the host-driven stages (left eager)
         r = self.router(x_TH)
-        out = self._routed(x_TH, r.idx_TK, r.gate_TK, r.probs_TE)
-        out = out.view(B, T, H).to(x_BTH.dtype)
+        out = self.routed(x_TH, r.idx_TK, r.gate_TK, r.probs_TE).view(B, T, H).to(x_BTH.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_BTH)
         return out
 
     @torch.compiler.disable
-    def _routed(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None) -> Tensor:
-        """count -> plan -> dispatch -> experts -> combine: ``out_TH``, the routed experts' sum.
+    def routed(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None
+               ) -> Tensor:
+        """``out_TH``, the routed experts' sum (:meth:`stages`), its step taken as the
+        layer's last but on an activation checkpoint's re-run.
 
         Under ``torch.compile`` this is one graph break: the plan is host data computed
         from the counts every step (a trace would break at each host sync and recompile
@@ -119,93 +146,97 @@ class MoELayer(nn.Module):
         autograd Function frees the kept rows at their last use in backward (what the
         ledger prices), which a traced joint graph would not do.
         """
+        out_TH, step = self.stages(x_TH, idx_TK, gate_TK, probs_TE)
+        if not self.recomputing:
+            self.take(step)
+        return out_TH
+
+    def stages(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None
+               ) -> tuple[Tensor, MoEStep]:
+        """count -> plan -> instance weights -> exchange (dispatch, experts, combine):
+        ``out_TH`` and this forward's :class:`MoEStep`."""
         rt = self.runtime
         if rt.emulator is not None and self.training:
             return rt.emulator.routed(self, x_TH, idx_TK, gate_TK, probs_TE)
-        E = self.cfg.num_experts
-        # count (on the device: no host sync yet)
-        counts_E = expert_counts(idx_TK.reshape(-1), E)
-        t0 = time.perf_counter()
-        inputs = PlanInputs(self.moe_index, rt.step, self.prev_counts_E, rt.ledger, micro=rt.micro)
-        local = None if idx_TK.numel() == 0 else stand_in_plan(rt, E, idx_TK.numel(), inputs)
-        self.last_path = "exchange" if local is None else "local"
-        if local is None:
-            return self._exchange(x_TH, idx_TK, gate_TK, probs_TE, counts_E, inputs)
-        t1 = time.perf_counter()
-        self._count(counts_E, probs_TE, x_TH.shape[0])
+        counts_E = expert_counts(idx_TK.reshape(-1), self.cfg.num_experts)  # on the device
+        if runs_locally(rt, self.cfg.num_experts, idx_TK.numel()):
+            return self._local(x_TH, idx_TK, gate_TK, probs_TE, counts_E)
+        return self._exchange(x_TH, idx_TK, gate_TK, probs_TE, counts_E)
+
+    def _local(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
+               counts_E: Tensor) -> tuple[Tensor, MoEStep]:
+        """One process, the natives exactly: the stages from device tensors alone."""
         dtype = _compute_dtype(x_TH)
-        # the unbudgeted stand-in plan is cached (one object per (E, P)): so are its stats
-        cached = self._local_stats
-        if cached is None or cached[0] is not local or cached[1] != dtype:
-            self._local_stats = cached = (local, dtype, self._plan_stats(local, 0.0, 0.0, dtype))
-        stats = DeviceStats(cached[2], plan_ms=(t1 - t0) * 1e3,
-                            counts_E=counts_E)  # read (and copied to the host) lazily
-        rt.stats[self.moe_index] = stats
+        stats = local_stats(self.runtime.ledger, self.cfg.num_experts, counts_E, idx_TK.numel())
         w13, w2 = self.experts.compute_weights(dtype)
-        return LocalExperts.apply(x_TH.to(dtype), gate_TK, w13, w2, idx_TK, counts_E,
-                                  self._backward_opts(), stats)
+        out = LocalExperts.apply(x_TH.to(dtype), gate_TK, w13, w2, idx_TK, counts_E,
+                                 self._backward_opts(), stats)
+        return out, MoEStep("local", counts_E, self.aux_loss(counts_E, probs_TE, x_TH.shape[0]),
+                            stats)
 
     def _exchange(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
-                  counts_E: Tensor, inputs: PlanInputs) -> Tensor:
-        """The general path: the counts on the host, the policy's plan, the exchange."""
-        rt = self.runtime
-        if inputs.prev_counts_E is not None and inputs.prev_counts_E.device.type != "cpu":
-            # the previous step ran the local path: planners read popularity on the host
-            inputs = replace(inputs, prev_counts_E=inputs.prev_counts_E.cpu())
-        E = self.cfg.num_experts
-        idx_P = idx_TK.reshape(-1)
-        # what the policy plans from the previous step's counts, before the count
-        # exchange's host wait (the device still runs the queued work meanwhile)
-        inputs = prepare(rt.policy, inputs.prev_counts_E, rt.comm.size, inputs, idx_P.numel())
+                  counts_E: Tensor) -> tuple[Tensor, MoEStep]:
+        """The general path: count, plan, instance weights, exchange."""
+        rt, E, dtype = self.runtime, self.cfg.num_experts, _compute_dtype(x_TH)
+        inputs = self._plan_inputs(idx_TK.numel())
         t0 = time.perf_counter()
-        counts_GE = rt.comm.all_gather_counts(counts_E)  # popularity exchange (+ the host sync)
+        counts_GE = rt.comm.all_gather_counts(counts_E)  # count: the group's (+ a host sync)
         t1 = time.perf_counter()
-        counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
-        self._count(counts_E_all, probs_TE, x_TH.shape[0])
-        # plan
-        plan = rt.policy.plan(counts_GE, inputs)
+        plan = rt.policy.plan(counts_GE, inputs)  # plan
         if rt.check_plans:
             plan.check(counts_GE)
         t2 = time.perf_counter()
-        # dispatch -> experts -> combine
-        dtype = _compute_dtype(x_TH)
+        # instance weights: each slot's expert, replicas from their owners
         w13, w2 = instance_weight_list(list(self.experts.compute_weights(dtype)), plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
+        counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
-        rt.stats[self.moe_index] = stats
-        me, K, opts = rt.comm.rank, self.cfg.num_experts_per_tok, self._backward_opts()
+        opts = self._backward_opts()
         if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use
             opts = replace(opts, checkpointed=False)
+        run = ExchangeRun(rt.comm, plan, E, self.cfg.num_experts_per_tok, opts, rt.generator,
+                          rt.stage_timing, dtype)
+        # exchange: dispatch, experts, combine (re-run in backward under a whole-layer
+        # checkpoint, docs/design.md §5)
+        if plan.layer_checkpoint:
+            out = LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
+        else:
+            out = run(x_TH, gate_TK, idx_TK, w13, w2, stats)
+        return out, MoEStep("exchange", counts_E_all,
+                            self.aux_loss(counts_E_all, probs_TE, x_TH.shape[0]), stats)
 
-        def run(x: Tensor, gate: Tensor, idx: Tensor, w13: Tensor, w2: Tensor,
-                stats: dict) -> Tensor:
-            gate_P = gate.reshape(-1).detach()
-            with _timed_if(rt.stage_timing, stats, x.device):
-                home = home_layout(plan, me, idx.reshape(-1), gate_P, E)
-                recv = recv_layout(plan.assign_GGS[:, me, :], x.device)
-            st = ExchangeState(rt.comm, plan, home, recv, K, opts, gate_P, stats, rt.generator,
-                               rt.stage_timing)
-            return ExpertExchange.apply(x.to(dtype), gate, w13, w2, st)
-        if plan.layer_checkpoint:  # whole-layer checkpoint (docs/design.md §5)
-            return LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
-        return run(x_TH, gate_TK, idx_TK, w13, w2, stats)
+    def _plan_inputs(self, home_pairs: int) -> PlanInputs:
+        """What the policy plans from besides the counts, its prepared part included:
+        computed from the previous step's counts before the count exchange's host wait
+        (the device still runs the queued work meanwhile)."""
+        rt, prev = self.runtime, self.prev_counts_E
+        if prev is not None and prev.device.type != "cpu":
+            prev = prev.cpu()  # the previous step ran the local path: planners read the host
+        inputs = PlanInputs(self.moe_index, rt.step, prev, rt.ledger, micro=rt.micro)
+        return prepare(rt.policy, prev, rt.comm.size, inputs, home_pairs)
 
     def _backward_opts(self) -> BackwardOptions:
         opts = self.runtime.backward
         return replace(opts, checkpointed=True) if self.checkpointed else opts
 
-    def _count(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> None:
-        """The step's global counts and the aux loss from this layer's global counts."""
+    def aux_loss(self, glob_E: Tensor, probs_TE: Tensor | None, T: int) -> Tensor | None:
+        """The aux loss from this layer's global counts (training only)."""
         rt = self.runtime
+        if probs_TE is None or not self.training:
+            return None
+        glob_E = to_device(glob_E, probs_TE.device)  # pinned copy: no host wait
+        world_counts = glob_E if rt.count_reduce is None else rt.count_reduce(glob_E.clone())
+        return aux_loss(probs_TE, world_counts, T * rt.comm.size * rt.dp_size,
+                        self.cfg.router_aux_loss_coef)
+
+    def take(self, step: MoEStep) -> None:
+        """Make ``step`` the layer's last: its counts join the step's (training), its
+        stats are the runtime's for this layer."""
         if self.training:  # the local path counts on the device, the exchange on the host:
             c = self.step_counts_E  # a step that takes both sums where its first count was
-            self.step_counts_E = glob_E if c is None else c + glob_E.to(c.device)
-        self.last_aux_loss = None
-        if probs_TE is not None and self.training:
-            glob_E = to_device(glob_E, probs_TE.device)  # pinned copy: no host wait
-            world_counts = glob_E if rt.count_reduce is None else rt.count_reduce(glob_E.clone())
-            self.last_aux_loss = aux_loss(probs_TE, world_counts, T * rt.comm.size * rt.dp_size,
-                                          self.cfg.router_aux_loss_coef)
+            self.step_counts_E = step.counts_E if c is None else c + step.counts_E.to(c.device)
+        self.runtime.stats[self.moe_index] = step.stats
+        self.last = step
 
     def _plan_stats(self, plan, count_ms: float, plan_ms: float, dtype: torch.dtype) -> dict:
         """The plan's per-layer stats (host numbers; ``counts_E`` is added by the caller)."""
@@ -213,8 +244,8 @@ class MoELayer(nn.Module):
         stats = {"plan_replicas": plan.num_replicas(),
                  "count_exchange_ms": count_ms, "plan_ms": plan_ms,
                  # bytes of instance weights that travel from owners to other ranks' slots
-                 "weight_scatter_bytes": _weight_scatter_bytes(plan, me, self.cfg.num_experts,
-                                                               self.experts, dtype),
+                 "weight_scatter_bytes": weight_scatter_bytes(
+                     plan, self.cfg.num_experts, me, self.experts.instance_bytes(dtype)),
                  "rank_load": plan.rank_load().tolist(),
                  "rank_backward_load": plan.rank_backward_load().tolist(),
                  # exact plans over a budget: rows whose gate_up output backward recomputes
@@ -237,11 +268,6 @@ class MoELayer(nn.Module):
         return c
 
 
-def _timed_if(on: bool, stats: dict, device: torch.device):
-    """The layouts' time as ``local_ms`` when the control plane is timed."""
-    return _timed(stats, "local_ms", device) if on else contextlib.nullcontext()
-
-
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The experts' compute dtype: autocast's when it is on, else the input's."""
     dev = x.device.type
@@ -249,10 +275,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if on else x.dtype
 
 
-def _weight_scatter_bytes(plan, me: int, E: int, experts: Experts, dtype: torch.dtype) -> int:
-    """Bytes of expert weights this rank receives for slots whose owner is another rank
-    (SYMI's weight scatter; zero for the static plan)."""
-    ie = plan.inst_expert_GS.numpy()[me]
-    remote = int(((ie >= 0) & (ie // (E // plan.G) != me)).sum())
-    per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
-    return remote * per_expert * torch.empty((), dtype=dtype).element_size()
+def host_stats(stats: dict) -> dict:
+    """``stats`` with its device tensors (the local path's ``counts_E``) read to Python
+    numbers: the one host sync, made by whoever reads the stats."""
+    return {k: v.tolist() if isinstance(v, Tensor) else v for k, v in stats.items()}

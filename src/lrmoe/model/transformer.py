@@ -153,7 +153,8 @@ class MoEForCausalLM(nn.Module):
         return lm, lm + self.aux_loss().to(lm.device)
 
     def aux_loss(self) -> Tensor:
-        losses = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
+        losses = [m.last.aux_loss for m in self.moe_layers
+                  if m.last is not None and m.last.aux_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def loss(self, input_ids: Tensor, targets: Tensor, num_targets: float | None = None

@@ -15,7 +15,7 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,26 +23,27 @@ from torch import Tensor
 from lrmoe.ops.experts import offsets
 from lrmoe.parallel import stages
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, recv_layout, to_device
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout, to_device
 from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy.plan import Plan
 from lrmoe.timing import timed
+from lrmoe.traffic import RowBytes
 
 
 # --------------------------------------------------------------------------- exchange
-@dataclass
+@dataclass(frozen=True)
 class ExchangeState:
-    """Everything one layer's exchange needs for one step (plain Python, not autograd):
-    the plan and this rank's layouts of it, built before the exchange runs."""
+    """Everything one layer's exchange keeps from forward to backward (plain Python,
+    not autograd): the plan and this rank's home layout of it, built whole before the
+    exchange runs (the receive layout is the forward's alone: rebuilt in backward)."""
 
     comm: EPComm
     plan: Plan
     home: HomeLayout
-    recv: RecvLayout
     top_k: int
     opts: BackwardOptions
     gate_P: Tensor
-    stats: dict = field(default_factory=dict)
+    stats: dict
     generator: torch.Generator | None = None
     # time the control-plane stages too (``local_ms``, ``select_ms``, ``gather_ms`` in
     # ``stats``): CUDA events around each region, a few microseconds of host time each
@@ -67,6 +68,35 @@ def _timed(stats: dict, key: str, device: torch.device):
                  lambda ev_a, ev_b: stats.setdefault("_events", []).append((key, ev_a, ev_b)))
 
 
+@dataclass(frozen=True)
+class ExchangeRun:
+    """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
+    -> out_TH``, this rank's layouts built from the plan, then :class:`ExpertExchange`.
+    Called in forward, and again in backward under a whole-layer checkpoint
+    (:class:`lrmoe.parallel.layer_checkpoint.LayerCheckpoint`)."""
+
+    comm: EPComm
+    plan: Plan
+    num_experts: int
+    top_k: int
+    opts: BackwardOptions
+    generator: torch.Generator | None
+    timing: bool
+    dtype: torch.dtype
+
+    def __call__(self, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,
+                 w2_S: Tensor, stats: dict) -> Tensor:
+        me, dev = self.comm.rank, x_TH.device
+        gate_P = gate_TK.reshape(-1).detach()
+        # the layouts' time, as ``local_ms``, when the control plane is timed
+        with _timed(stats, "local_ms", dev) if self.timing else contextlib.nullcontext():
+            home = home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
+            recv = recv_layout(self.plan.assign_GGS[:, me, :], dev)
+        st = ExchangeState(self.comm, self.plan, home, self.top_k, self.opts, gate_P, stats,
+                           self.generator, self.timing)
+        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recv)
+
+
 class ExpertExchange(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: dispatch, experts, combine, composed
     from :mod:`lrmoe.parallel.stages` with this rank's collectives in between.
@@ -80,8 +110,8 @@ class ExpertExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
-                st: ExchangeState) -> Tensor:
-        home, recv, comm, plan = st.home, st.recv, st.comm, st.plan
+                st: ExchangeState, recv: RecvLayout) -> Tensor:
+        home, comm, plan = st.home, st.comm, st.plan
         me, K, H = comm.rank, st.top_k, x_TH.shape[1]
         es, tm = x_TH.element_size(), st.timer(x_TH.device)
         counts = stages.occupied_counts(recv.counts, plan, me, w13_S.shape[0])
@@ -101,15 +131,15 @@ class ExpertExchange(torch.autograd.Function):
         del y_recv
         with tm("local"):
             comb = stages.combine(y_send, home.send_row_P, gate_TK)
+        row = H * es
         st.stats.update(
             fwd_rows=n_recv, retained_rows=int(keep.saved_SG.sum()),
-            fwd_dispatch_bytes_sent=n_send * H * es, fwd_dispatch_bytes_recv=n_recv * H * es,
-            fwd_combine_bytes_sent=n_recv * H * es, fwd_combine_bytes_recv=n_send * H * es,
+            fwd_dispatch_bytes_sent=n_send * row, fwd_dispatch_bytes_recv=n_recv * row,
+            fwd_combine_bytes_sent=n_recv * row, fwd_combine_bytes_recv=n_send * row,
             saved_act_bytes=sum(t.numel() * t.element_size() for t in rows.values()))
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
         # row's block are rebuilt from the plan there.
-        st.recv = None
         ctx.st, ctx.keep = st, keep
         ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
         rows["y_send"] = y_send.new_empty(0, H) if ctx.dgate_at_experts else y_send
@@ -156,16 +186,17 @@ class ExpertExchange(torch.autograd.Function):
         if fidelity:
             _fidelity(st, kept_all, dout_TH, home, w_TK, keep, w13_S, w2_S, dw13, dw2)
         dx_TH = stages.home_finish(dx_back, home, sh, comb, tm)
+        b = RowBytes(H * es, dot=dg_back is not None)
         st.stats.update(
             bwd_rows=n_in, selected_rows=int(sh.recv_GS.sum()) if exact or opts.compaction
             else int(plan.select_GGS[:, me, :].sum()),
-            bwd_dispatch_bytes_sent=n_out * (H * es + 12), bwd_dispatch_bytes_recv=n_in * (H * es + 12),
-            bwd_combine_bytes_sent=n_in * (H * es + 4 * (dg_back is not None)),
-            bwd_combine_bytes_recv=n_out * (H * es + 4 * (dg_back is not None)),
+            bwd_dispatch_bytes_sent=n_out * b.bwd_dispatch,
+            bwd_dispatch_bytes_recv=n_in * b.bwd_dispatch,
+            bwd_combine_bytes_sent=n_in * b.bwd_combine, bwd_combine_bytes_recv=n_out * b.bwd_combine,
             # what the exact backward would send: every assigned row out and back
-            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (2 * H * es + 12),
+            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch),
             bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
-        return dx_TH, dgate, dw13, dw2, None
+        return dx_TH, dgate, dw13, dw2, None, None
 
 
 def kept_rows(ctx, saved: list[Tensor], name: str) -> dict[str, Tensor]:

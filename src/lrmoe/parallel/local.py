@@ -1,13 +1,14 @@
 """The one-process exact path: dispatch -> experts -> combine with no plan and no host wait.
 
-On one process with the static policy's trivial plan (instance = expert, every pair
-retained and selected, nothing recomputed) the exchange's plan, layouts and collectives
-are identities, and all of them are host data read from the counts. This path does the
-same work from device tensors alone: a stable sort of the pairs by expert (the same
-order ``home_layout`` builds), int32 offsets from the device counts, the same expert
-kernels and the same combine, so its results are bitwise the exchange's. On CUDA with
-grouped GEMMs nothing in its forward or backward waits for the host
-(``tests/test_local_path.py`` runs it on the meta device, where any host read fails).
+On one process with the static policy's plan within the budget (:func:`runs_locally`:
+instance = expert, every pair retained and selected, nothing recomputed) the exchange's
+plan, layouts and collectives are identities, and all of them are host data read from
+the counts. This path does the same work from device tensors alone: a stable sort of
+the pairs by expert (the same order ``home_layout`` builds), int32 offsets from the
+device counts, the same expert kernels and the same combine, so its results are
+bitwise the exchange's. On CUDA with grouped GEMMs nothing in its forward or backward
+waits for the host (``tests/test_local_path.py`` runs it on the meta device, where any
+host read fails).
 
 Legend: T tokens, K top-k, P = T*K pairs, R = P expert-sorted rows, H hidden, E experts.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +26,7 @@ from lrmoe.ops.rowops import gather_pairs, gather_pairs_scaled, invert_permutati
 from lrmoe.parallel import stages
 from lrmoe.parallel.exchange import BackwardOptions, _timed, kept_rows
 from lrmoe.parallel.layout import RecvLayout
-from lrmoe.policy.plan import Plan, native_plan
+from lrmoe.traffic import RowBytes
 
 
 def expert_counts(idx_P: Tensor, E: int) -> Tensor:
@@ -36,49 +36,40 @@ def expert_counts(idx_P: Tensor, E: int) -> Tensor:
         0, idx_P, torch.ones_like(idx_P))
 
 
-def stand_in_plan(rt, E: int, P: int, inputs) -> Plan | None:
-    """The plan the local path stands for, or ``None`` when the exchange must run.
-
-    On one rank everything the runtime reads from the static plan besides the per-expert
-    split (rank loads, replicas, retention, selection, recompute, the ledger's terms and
-    its budget check) depends on the number of pairs ``P`` alone, not on how they spread
-    over the experts. So the policy itself plans for a stand-in count vector with ``P``
-    pairs, on the host and before any count is known: the path is local when that plan is
-    the trivial one (natives, exact, nothing recomputed). Over a budget the policy raises
-    here, with the same error as for the real counts. Only the plain ``StaticPolicy``
-    (not a subclass) and backward options whose selection knobs are at their defaults
-    qualify (on an exact plan they are inert; ``router_grad`` is honoured). Without a
-    ledger the verdict depends on ``(E, P)`` alone and is computed once. ``inputs`` are
-    the planner's (``PlanInputs``); a policy qualifies by its ``plans_natives_exactly()``
-    (the runtime knows plans, not policies)."""
+def runs_locally(rt, E: int, P: int) -> bool:
+    """The rule of the one-process path (an :class:`lrmoe.model.moe.MoERuntime` ``rt``,
+    ``E`` experts, ``P`` pairs): one rank, at least one pair, a policy that plans every
+    expert's pairs on its own instance exactly (``plans_natives_exactly()``: plain
+    static), the selection knobs at their defaults (inert on an exact plan;
+    ``router_grad`` is honoured), and no budget or one the ledger says that plan fits.
+    Then the plan is the identity, whatever the counts: the same experts, every pair
+    retained and selected, nothing recomputed. Over the budget the exchange runs, where
+    the policy recomputes or raises, as on any rank count."""
     natives = getattr(rt.policy, "plans_natives_exactly", None)
-    if not rt.fast_local or rt.comm.size != 1 or natives is None or not natives():
-        return None
+    if not rt.fast_local or rt.comm.size != 1 or P == 0 or natives is None or not natives():
+        return False
     if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
-        return None
-    if inputs.ledger is None:  # then the plan depends on (E, P) alone: planned once
-        return _unbudgeted_plan(E, P)
-    return _if_trivial(rt.policy.plan(_stand_in_counts(E, P), inputs), E)
+        return False
+    budget = None if rt.ledger is None else rt.ledger.budget_bytes
+    return budget is None or one_rank_total(rt.ledger, E, P) <= budget
 
 
-def _stand_in_counts(E: int, P: int) -> Tensor:
-    counts = torch.zeros(1, E, dtype=torch.long)
-    counts[0, 0] = P
-    return counts
+def one_rank_total(ledger, E: int, P: int) -> int:
+    """The ledger's total for the identity plan on one rank: ``E`` instances, ``P``
+    pairs received, home and retained, nothing recomputed."""
+    return ledger.terms(E, P, P, P, exact=True)["total"]
 
 
-def _if_trivial(plan: Plan, E: int) -> Plan | None:
-    trivial = (plan.G == 1 and torch.equal(plan.inst_expert_GS[0], torch.arange(E))
-               and plan.exact and not plan.layer_checkpoint
-               and (plan.recompute_G is None or int(plan.recompute_G.sum()) == 0))
-    return plan if trivial else None
-
-
-@functools.lru_cache(maxsize=64)
-def _unbudgeted_plan(E: int, P: int) -> Plan | None:
-    """:func:`stand_in_plan` without a ledger (a few hundred microseconds of host work
-    per layer otherwise); plans are never modified."""
-    return _if_trivial(native_plan(_stand_in_counts(E, P)), E)
+def local_stats(ledger, E: int, counts_E: Tensor, P: int) -> dict:
+    """The plan's stats of the identity plan (as the exchange's ``_plan_stats`` has
+    them); ``counts_E`` stays the device tensor (no host sync): readers resolve it
+    (:func:`lrmoe.model.moe.host_stats`)."""
+    stats = {"plan_replicas": 0, "count_exchange_ms": 0.0, "plan_ms": 0.0,
+             "weight_scatter_bytes": 0, "rank_load": [P], "rank_backward_load": [P],
+             "recomputed_rows": 0, "layer_checkpoint": False, "counts_E": counts_E}
+    if ledger is not None:
+        stats["ledger_total_bytes"] = one_rank_total(ledger, E, P)
+    return stats
 
 
 class HostCounts(Sequence):
@@ -106,42 +97,6 @@ class HostCounts(Sequence):
         return iter(self._host())
 
 
-class DeviceStats(dict):
-    """A layer's stats where some values are device tensors (kept so the step needs no
-    host sync): each is turned into Python numbers (``tolist``) when first read, through
-    any of ``d[k]``, ``get``, ``items``, ``values``, ``dict(d)`` or ``{**d}``, and kept so."""
-
-    def __getitem__(self, k):
-        v = super().__getitem__(k)
-        if isinstance(v, Tensor):
-            v = v.tolist()
-            super().__setitem__(k, v)
-        return v
-
-    def get(self, k, default=None):
-        return self[k] if k in self else default
-
-    def __iter__(self):  # not dict's: dict(d) and {**d} then read through __getitem__
-        return iter(list(self.keys()))
-
-    def items(self):
-        return [(k, self[k]) for k in self.keys()]
-
-    def values(self):
-        return [self[k] for k in self.keys()]
-
-    def copy(self) -> dict:
-        return dict(self.items())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, dict) and dict(self.items()) == dict(other.items())
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(dict(self.items()))
-
-
 class LocalExperts(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_E, w2_E, idx_TK, counts_E) -> out_TH``: the exchange's
     stages (:mod:`lrmoe.parallel.stages`) for the trivial one-rank plan, over a layout
@@ -166,12 +121,12 @@ class LocalExperts(torch.autograd.Function):
         rows = {"x": gather_pairs(x_TH, pair_R, K)}
         y_R = stages.experts_forward(rows, _IDENTITY, w13_E, w2_E, counts, _ALL, tm, offs=offs_E)
         comb = stages.combine(y_R, row_P, gate_TK)
-        es = x_TH.element_size()
         # the exchange's counters, for its one-rank case (the all-to-all bytes are what
         # it counts for identity exchanges)
-        stats.update(fwd_rows=P, retained_rows=P, fwd_dispatch_bytes_sent=P * H * es,
-                     fwd_dispatch_bytes_recv=P * H * es, fwd_combine_bytes_sent=P * H * es,
-                     fwd_combine_bytes_recv=P * H * es,
+        b = RowBytes(H * x_TH.element_size())
+        stats.update(fwd_rows=P, retained_rows=P, fwd_dispatch_bytes_sent=P * b.row,
+                     fwd_dispatch_bytes_recv=P * b.row, fwd_combine_bytes_sent=P * b.row,
+                     fwd_combine_bytes_recv=P * b.row,
                      saved_act_bytes=sum(t.numel() * t.element_size() for t in rows.values()))
         ctx.rowdot = opts.router_grad == "experts"
         rows["y_send"] = y_R.new_empty(0, H) if ctx.rowdot else y_R
@@ -211,12 +166,13 @@ class LocalExperts(torch.autograd.Function):
         if ctx.rowdot:  # <dout[t], y[t,k]> from the expert backward, back to pair order
             dgate = dot[row_TK].to(gate_TK.dtype)
         dx_TH = stages.combine(dx_R, row_TK.reshape(-1), torch.ones(T, K, device=dev)).out_TH
-        rd = 4 * ctx.rowdot
-        stats.update(bwd_rows=P, selected_rows=P, bwd_dispatch_bytes_sent=P * (H * es + 12),
-                     bwd_dispatch_bytes_recv=P * (H * es + 12),
-                     bwd_combine_bytes_sent=P * (H * es + rd),
-                     bwd_combine_bytes_recv=P * (H * es + rd),
-                     bwd_exact_bytes=P * (2 * H * es + 12), bwd_flops=6 * P * H * w2_E.shape[-1] * 2)
+        b = RowBytes(H * es, dot=ctx.rowdot)
+        stats.update(bwd_rows=P, selected_rows=P, bwd_dispatch_bytes_sent=P * b.bwd_dispatch,
+                     bwd_dispatch_bytes_recv=P * b.bwd_dispatch,
+                     bwd_combine_bytes_sent=P * b.bwd_combine,
+                     bwd_combine_bytes_recv=P * b.bwd_combine,
+                     bwd_exact_bytes=P * (b.row + b.bwd_dispatch),
+                     bwd_flops=6 * P * H * w2_E.shape[-1] * 2)
         return dx_TH, dgate, dw13, dw2, None, None, None, None
 
 

@@ -135,7 +135,7 @@ def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
 def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
     """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
     slots, or only the occupied ones when the instance weights leave out the empty
-    slots (:func:`lrmoe.parallel.weights.instance_weights`; empty slots hold no rows)."""
+    slots (:func:`lrmoe.parallel.weights.instance_weight_list`; empty slots hold no rows)."""
     if n_weights == len(counts_S):
         return counts_S
     occ = (plan.inst_expert_GS[me] >= 0).tolist()

@@ -91,20 +91,13 @@ class GatherInstances(torch.autograd.Function):
         return g_own, None, None
 
 
-def instance_weights(w_own: Tensor, plan: Plan, comm: EPComm, E: int) -> Tensor:
-    """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from the
-    owned experts ``[E/G, ...]``; empty slots get no weights (the exchange runs its
-    grouped GEMMs over the occupied slots, :func:`lrmoe.parallel.stages.occupied_counts`).
-
-    When the occupied slots are exactly the owned experts in order (the static plan, or
-    any plan that places no replica on this rank) and no other rank holds a replica of
-    them, the owned tensor is returned as is: no copy, no communication.
-    """
-    return instance_weight_list([w_own], plan, comm, E)[0]
-
-
 def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int) -> list[Tensor]:
-    """:func:`instance_weights` of several owned tensors for one plan (one route)."""
+    """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from each
+    owned tensor ``[E/G, ...]`` of ``ws_own`` (one route for all); empty slots get no
+    weights (the exchange runs its grouped GEMMs over the occupied slots,
+    :func:`lrmoe.parallel.stages.occupied_counts`). When every rank's occupied slots are
+    exactly its owned experts in order (the static plan), the owned tensors are returned
+    as they are: no copy, no communication."""
     if _natives_only(plan.inst_expert_GS.numpy(), E):
         return list(ws_own)
     route = instance_route(plan, comm.rank, E)

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from lrmoe.errors import require
+from lrmoe.traffic import BWD_ROW_EXTRA_BYTES, replica_rows_GG
 
 FWD_FLOPS_PER_HF = 6  # three H·F GEMMs, two flops per multiply-add
 BWD_FLOPS_PER_HF = 12  # input and weight gradients of each
 RECOMPUTE_FLOPS_PER_HF = 4  # gate_up again: 2 of the 3 GEMMs
-BWD_ROW_EXTRA_BYTES = 12  # a backward dispatch row's index (int64) and scale (fp32)
 
 
 @dataclass(frozen=True)
@@ -130,16 +130,6 @@ def _alltoall_G(b: np.ndarray, bw: float, lat: float, peers: int) -> np.ndarray:
 
 def _alltoall(b: np.ndarray, bw: float, lat: float, peers: int) -> float:
     return float(_alltoall_G(b, bw, lat, peers).max())
-
-
-def replica_rows_GG(inst_GS: np.ndarray, E: int) -> np.ndarray:
-    """``[owner, dst]`` instances each owner rank's experts have on each rank (the
-    weight scatter's rows; the gradient reduce's transposed)."""
-    G = inst_GS.shape[0]
-    occ = inst_GS >= 0
-    owner = inst_GS[occ] // (E // G)
-    dst = np.broadcast_to(np.arange(G)[:, None], inst_GS.shape)[occ]
-    return np.bincount(owner * G + dst, minlength=G * G).reshape(G, G)
 
 
 def plan_seconds(cost: LinkCost, plan, E: int) -> float:

@@ -33,7 +33,7 @@ class StaticPolicy:
     def plans_natives_exactly(self) -> bool:
         """True for the plain policy: without a budget its plan is
         :func:`lrmoe.policy.plan.native_plan`, which the one-rank local path
-        (:func:`lrmoe.parallel.local.stand_in_plan`) uses in its place. A subclass may
+        (:func:`lrmoe.parallel.local.runs_locally`) runs in its place. A subclass may
         plan otherwise, so it does not qualify."""
         return type(self) is StaticPolicy
 

@@ -5,24 +5,9 @@ size; ``_GG`` is ``[src rank, dst rank]``, ``_GGS`` ``[home rank, rank, slot]``.
 
 :func:`modelled_stats` builds the :class:`lrmoe.sim.virtual.VirtualStats` the virtual EP
 emulator would record for the same plan, so :func:`lrmoe.sim.cost.step_times` turns it
-into stage times unchanged. Bytes are the emulator's exactly (tested against
-:class:`lrmoe.sim.virtual.VirtualEPLayer`); they follow the exchanges of
-``VirtualExchange`` and ``VirtualEPLayer.forward``:
-
-===============  ======================================  ===========================
-exchange         rows ``[g, r]``                          bytes per row
-===============  ======================================  ===========================
-fwd_dispatch     ``assign_GGS[g, r, :].sum()``            ``H·bytes_act``
-fwd_combine      fwd_dispatch transposed                  ``H·bytes_act``
-bwd_dispatch     ``select_GGS[g, r, :].sum()``            ``H·bytes_act + 12`` (row
-                                                          index int64, scale fp32)
-bwd_combine      bwd_dispatch transposed                  ``H·bytes_act`` (+ 4, the
-                                                          router gradient, fp32, with
-                                                          ``router_grad_at_experts`` on
-                                                          an exact plan)
-weight_scatter   instances owner ``g`` sends to ``r``     ``3HF·bytes_w``
-grad_reduce      weight_scatter transposed                ``3HF·bytes_w``
-===============  ======================================  ===========================
+into stage times unchanged. Rows are the plan's (its pairs, selected pairs and
+replicas), bytes per row :mod:`lrmoe.traffic`'s, which the emulator's counters use too
+(tested against :class:`lrmoe.sim.virtual.VirtualEPLayer`).
 
 The one thing the emulator measures and this module models is the expert kernel time:
 a SwiGLU expert is three ``H×F`` GEMMs, so a pair costs ``6HF`` flops in forward and
@@ -45,8 +30,9 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
-from lrmoe.ledger import Ledger, fmt_bytes
+from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.link_cost import BWD_FLOPS_PER_HF, FWD_FLOPS_PER_HF, RECOMPUTE_FLOPS_PER_HF
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
@@ -55,12 +41,10 @@ from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.offload import offload_for
-from lrmoe.sim.virtual import VirtualStats, replica_rows_GG
+from lrmoe.sim.virtual import VirtualStats
+from lrmoe.traffic import RowBytes, plan_rows_GG
+from lrmoe.units import fmt_bytes
 
-FWD_FLOPS_PER_HF = 6    # three H·F GEMMs, 2 flops per multiply-add
-BWD_FLOPS_PER_HF = 12   # dX and dW of each of them
-RECOMPUTE_FLOPS_PER_HF = 4  # a recomputed row's gate_up: 2 of the 3 GEMMs
-BWD_ROW_EXTRA_BYTES = 12  # per shipped backward row: its row index (int64) and scale (fp32)
 PROJECTED = ("static", "symi", "lrmoe")
 
 
@@ -99,20 +83,11 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     stats = VirtualStats(plan, recompute_rows=None if recompute_rows is None
                          else [int(n) for n in recompute_rows], recompute_mode=recompute_mode)
 
-    fwd_GG = plan.assign_GGS.sum(2)
-    bwd_GG = plan.select_GGS.sum(2)
-    rep_GG = replica_rows_GG(plan, E)
-    per_inst = 3 * H * F * bytes_w
-    dot = 4 if router_grad_at_experts and plan.exact else 0
-    for name, rows_GG, row_bytes in (
-            ("fwd_dispatch", fwd_GG, H * bytes_act),
-            ("fwd_combine", fwd_GG.t(), H * bytes_act),
-            ("bwd_dispatch", bwd_GG, H * bytes_act + BWD_ROW_EXTRA_BYTES),
-            ("bwd_combine", bwd_GG.t(), H * bytes_act + dot),
-            ("weight_scatter", rep_GG, per_inst),
-            ("grad_reduce", rep_GG.t(), per_inst)):
-        stats.rows_GG[name] = rows_GG.contiguous()
-        stats.bytes_GG[name] = rows_GG * row_bytes
+    prices = RowBytes(H * bytes_act, 3 * H * F * bytes_w,
+                      dot=router_grad_at_experts and plan.exact)
+    for name, rows_GG in plan_rows_GG(plan, E).items():
+        stats.rows_GG[name] = rows_GG
+        stats.bytes_GG[name] = rows_GG * prices.of(name)
 
     # the count all-gather: E int64 to every peer (comm.all_gather_counts)
     stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
@@ -157,24 +132,15 @@ def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> Step
     return out
 
 
-def fastest_symi_slots(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
-                       pops: list[Tensor], link: Link, rate_flops: float,
-                       probe: int = 4) -> int:
-    """symi's ``s`` for a projection: among the ``s`` that fit every sample (with
-    recompute), the one with the least modelled MoE time (GEMMs, recompute *and* the
-    exchanges, weight scatter and gradient reduce included) on up to ``probe`` evenly
-    spaced samples; ties to the larger ``s``. Falls back to
-    :func:`lrmoe.policy.symi.best_slots` when no ``s`` fits every sample. Under a ledger
-    with ``optimizer_offload="host"`` the offload traffic (SYMI's sharded layout,
-    :mod:`lrmoe.sim.offload`) is charged too."""
-    return symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops, probe)[0]
-
-
 def symi_slot_choice(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
                      pops: list[Tensor], link: Link, rate_flops: float,
                      probe: int = 4) -> tuple[int, int | None]:
-    """:func:`fastest_symi_slots` and which rule chose it: ``(s, None)`` when ``s`` is
-    the fastest of those that fit every sample, ``(s, n)`` when none does and ``s`` is
+    """symi's ``s`` for a projection, and which rule chose it: ``(s, None)`` when ``s``
+    is the one with the least modelled MoE time (GEMMs, recompute *and* the exchanges,
+    weight scatter and gradient reduce included; under ``optimizer_offload="host"`` the
+    offload traffic of SYMI's sharded layout too) among those that fit every sample (with
+    recompute), on up to ``probe`` evenly spaced samples, ties to the larger ``s``;
+    ``(s, n)`` when none fits every sample and ``s`` is
     :func:`lrmoe.policy.symi.best_slots`' (it fits ``n`` of them)."""
     per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
     common = sorted(set.intersection(*(set(d) for d in per))) if per else []
@@ -200,7 +166,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
 
     static and symi are exact and recompute the fewest pairs that fit
     (:meth:`lrmoe.ledger.Ledger.exact_fit`, as the emulator); symi's ``s`` is
-    :func:`fastest_symi_slots` unless ``slots_per_rank`` fixes it. lrmoe plans against the
+    :func:`symi_slot_choice` unless ``slots_per_rank`` fixes it. lrmoe plans against the
     ledger (``slots_per_rank``: its most slots per rank).
     Nothing fits when even the owned state and the native instances
     (:meth:`lrmoe.ledger.Ledger.feasible_minimum`) exceed the budget.
@@ -231,29 +197,64 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
                          f"> budget {fmt_bytes(ledger.budget_bytes)}")
         return row
     pops = [c.sum(0) for c in samples]
-    ms: list[float] = []  # measured planning time per sample (per layer)
-    warm: list[float] = []  # one untimed call first (lazy inits), as a run's steady state
     try:
-        if name == "static":
-            _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
-            plans = [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples]
-        elif name == "symi":
-            s = slots_per_rank
-            if s is None:
-                s = fastest_symi_slots(cfg, ledger, samples, pops, link, rate_flops)
-            row["slots_per_rank"] = s
-            _timed(warm, plan_symi, samples[0], s, pops[0])
-            plans = [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)]
-        else:
-            policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
-                                              lrmoe=lrmoe or LrmoeConfig()), cfg, G)
-            _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
-            plans = [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
-                     for c, p in zip(samples, pops)]
+        plans, ms = _plan_samples(name, cfg, ledger, samples, pops, link, rate_flops, lrmoe,
+                                  slots_per_rank, row)
     except LrmoeError as e:
         row["reason"] = str(e)
         return row
+    recs, modes = _fit_samples(name, ledger, plans, ms, row)
+    over = modes.count("over")
+    if over:
+        row["reason"] = "over budget even with a whole-layer checkpoint" + (
+            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
+        return row
+    row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
+    if all(rec is not None for rec in recs):
+        assigned = sum(int(p.assign_GGS.sum()) for p in plans)
+        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
+    row["planning_ms"] = sum(ms) / len(ms)
+    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
+                            plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
+             for p, rec, mode, t in zip(plans, recs, modes, ms)]
+    st = mean_step_times(stats, link, offload_for(ledger, name))
+    row["fits"] = True
+    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
+    row["modelled_layer_ms"] = st.moe * 1e3
+    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
+    return row
 
+
+def _plan_samples(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
+                  pops: list[Tensor], link: Link, rate_flops: float,
+                  lrmoe: LrmoeConfig | None, slots_per_rank: int | None, row: dict
+                  ) -> tuple[list[Plan], list[float]]:
+    """Policy ``name``'s plan of every sample and its planning time (ms per layer), one
+    untimed call first (lazy inits), as a run's steady state; symi's ``s`` into ``row``."""
+    ms: list[float] = []
+    warm: list[float] = []
+    if name == "static":
+        _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
+        return [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples], ms
+    if name == "symi":
+        s = slots_per_rank
+        if s is None:
+            s = symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops)[0]
+        row["slots_per_rank"] = s
+        _timed(warm, plan_symi, samples[0], s, pops[0])
+        return [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)], ms
+    policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
+                                      lrmoe=lrmoe or LrmoeConfig()), cfg, ledger.G)
+    _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
+    return [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
+            for c, p in zip(samples, pops)], ms
+
+
+def _fit_samples(name: str, ledger: Ledger, plans: list[Plan], ms: list[float], row: dict
+                 ) -> tuple[list[list[int] | None], list[str]]:
+    """Each plan's fit to the budget (``Ledger.exact_fit``'s mode and recomputed rows;
+    timed into ``ms`` for the exact policies, whose planning it is part of), and the
+    plans' ledger peak, replicas and (lrmoe) keep and retain ratios into ``row``."""
     recs: list[list[int] | None] = []
     modes: list[str] = []
     peak = 0
@@ -277,21 +278,4 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     if name == "lrmoe":
         row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
         row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
-    over = modes.count("over")
-    if over:
-        row["reason"] = "over budget even with a whole-layer checkpoint" + (
-            f" ({over} of {len(recs)} sampled layers)" if len(recs) > 1 else "")
-        return row
-    row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
-    if all(rec is not None for rec in recs):
-        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
-    row["planning_ms"] = sum(ms) / len(ms)
-    stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
-                            plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
-             for p, rec, mode, t in zip(plans, recs, modes, ms)]
-    st = mean_step_times(stats, link, offload_for(ledger, name))
-    row["fits"] = True
-    row["modelled_stages_ms"] = {k: v * 1e3 for k, v in st.stages().items()}
-    row["modelled_layer_ms"] = st.moe * 1e3
-    row["modelled_all_layers_ms"] = st.moe * 1e3 * ledger.L
-    return row
+    return recs, modes

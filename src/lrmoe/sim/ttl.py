@@ -97,11 +97,13 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
-from lrmoe.ledger import Ledger, parse_bytes
+from lrmoe.ledger import Ledger
 from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
+from lrmoe.train.step_oom import verdict
+from lrmoe.units import parse_bytes
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
@@ -518,7 +520,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     except OutOfMemory as e:  # as a GPU would: the run stops at that step
         oom = {"step": len(rows) + 1, "needs_bytes": e.needs_bytes,
                "budget_bytes": e.budget_bytes, "detail": e.detail}
-        failed = e.verdict(oom["step"])
+        failed = verdict(e, oom["step"])
         if name == "static":
             raise LrmoeError(f"static (whose run sets the target) is {failed}: {e.detail}; "
                              f"raise {budget_flag(cfg)}") from None

@@ -2,7 +2,7 @@
 
 The profiling run a SYMI user would tune ``s`` on is the static run (every
 micro-batch's counts at evenly spaced steps). Each candidate ``s`` is priced by
-:func:`lrmoe.sim.analytic.fastest_symi_slots`: expert GEMMs, recompute to fit the
+:func:`lrmoe.sim.analytic.symi_slot_choice`: expert GEMMs, recompute to fit the
 budget, the exchanges, weight scatter and gradient reduce on the run's link and, with
 ``--optimizer-offload host``, the offload traffic (:mod:`lrmoe.sim.offload`). The GEMM
 rate is not a preset here: it is calibrated on the static run's own measured forward
@@ -37,7 +37,7 @@ def calibrated_gemm_rate(rows: list[dict], counts_GE_steps: list[list[list[torch
 
 def symi_slots(mcfg, ledger, counts: list[torch.Tensor], pops: list[torch.Tensor], link,
                rate: float | None) -> tuple[int, str]:
-    """``(s, note)``: :func:`lrmoe.sim.analytic.fastest_symi_slots` over the profiled
+    """``(s, note)``: :func:`lrmoe.sim.analytic.symi_slot_choice` over the profiled
     count matrices at the calibrated ``rate``; :func:`lrmoe.policy.symi.best_slots`
     (least busiest-rank GEMM work) when no rate could be calibrated."""
     from lrmoe.policy.symi import best_slots

@@ -29,18 +29,18 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.model.moe import MoELayer, _compute_dtype
+from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype
 from lrmoe.ops.experts import offsets
 from lrmoe.parallel import stages
 from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.parallel.local import expert_counts
 from lrmoe.parallel.select import BackwardOptions
-from lrmoe.parallel.weights import instance_route
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
+from lrmoe.traffic import RowBytes, plan_rows_GG
 
 
 # ------------------------------------------------------------------------ all-to-all
@@ -129,90 +129,118 @@ class VirtualExchange(torch.autograd.Function):
     def backward(ctx, dout_NH: Tensor):
         st: _State = ctx.st
         w13_IS, w2_IS, *inputs = ctx.saved_tensors
-        plan, opts, T, K = st.plan, st.opts, st.T, st.K
-        G, S = plan.G, plan.S
-        dev, H = dout_NH.device, dout_NH.shape[1]
+        plan, T, S = st.plan, st.T, st.plan.S
         if inputs:  # whole-layer checkpoint: the forward again, measured in backward
             ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1]
             del inputs
         kept: _Kept = ctx.kept
         del ctx.kept
-        rows_G = kept.rows_G
-        dtype = w13_IS.dtype
-        dout_G = [d.to(dtype).contiguous() for d in dout_NH.split(T)]
-        es = dout_G[0].element_size()
-        w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
-        exact = plan.all_selected
+        dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(T)]
         at_experts = st.opts.router_grad == "experts" and plan.exact
-
-        # --- per home rank: combine^-1, select, compact
+        # per home rank: combine^-1, select, compact
         dgate_G, sh_G = [], []
-        for g in range(G):
+        for g in range(plan.G):
             dgate, sh = stages.home_backward(
                 dout_G[g], kept.comb_G[g], st.homes[g], st.gate_P_G[g],
-                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], exact, opts, rows_G[g],
-                st.generators[g], None, at_experts, st.timer(g))
+                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], plan.all_selected, st.opts,
+                kept.rows_G[g], st.generators[g], None, at_experts, st.timer(g))
             dgate_G.append(dgate)
             sh_G.append(sh)
-
-        # --- the reverse exchange: every rank receives what the homes ship it
-        send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
-        recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
-        if not exact and opts.compaction and opts.estimator == "sampled":
-            # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
-            st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
-            st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
-        rls, counts_G = [], []
-        for r in range(G):
-            with st.timers.time("local", r):
-                rls.append(recv_layout(recv_GS_G[r], dev))
-                counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
-        for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
-            rows_G[r]["dy"] = dy
-        del dy
-        j_recv_G = _links([sh.j for sh in sh_G], send_G)
-        sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
-        rows = _rows_GG(send_G)
-        st.stats.rows_GG["bwd_dispatch"] = rows
-        st.stats.bytes_GG["bwd_dispatch"] = rows * (H * es + 12)  # + j (int64), scale (fp32)
-        st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
-        # + each row's router gradient (fp32) when the experts compute it
-        st.stats.bytes_GG["bwd_combine"] = rows.t() * (H * es + 4 * at_experts)
-        st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
-        dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
-        for r in range(G):
-            counts, offs = counts_G[r]
-            dx_recv, dw13, dw2, dot = stages.experts_backward(
-                rows_G[r], j_recv_G[r], sc_recv_G[r], rls[r], recv_GS_G[r], kept.keep_G[r],
-                w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
-            dx_recv_G.append(dx_recv)
-            dot_recv_G.append(dot)
-            dw13_G.append(dw13)
-            dw2_G.append(dw2)
-        dx_back_G = _links(dx_recv_G, [rl.splits for rl in rls])
+        shipped = _ship_backward(st, kept.rows_G, sh_G, dout_G[0].element_size(), at_experts)
+        dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_ranks(
+            st, kept, shipped, w13_IS.split(S), w2_IS.split(S), at_experts)
         if at_experts:  # every send row came back, in send order
-            dg_back_G = _links(dot_recv_G, [rl.splits for rl in rls])
-            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, K,
-                                           kept.comb_G[g].w_TK.dtype, st.timer(g))
-                       for g in range(G)]
-        st.stats.rows["selected"] = [
-            int(recv_GS_G[r].sum()) if exact or opts.compaction
-            else int(plan.select_GGS[:, r, :].sum()) for r in range(G)]
-
-        # --- dx per home rank: shipped rows back to pair order, summed over k
-        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g], st.timer(g))
-                for g in range(G)]
-        st.timers.resolve()
-        st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
-        if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
-            st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
-        for k in MEASURED_STAGES[1:]:  # forward and backward together
-            st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
+            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, st.K,
+                                                  kept.comb_G[g].w_TK.dtype, st.timer(g))
+                       for g in range(plan.G)]
+        # dx per home rank: shipped rows back to pair order, summed over k
+        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g],
+                                   st.timer(g)) for g in range(plan.G)]
+        _backward_times(st)
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
         # bench ttl does not charge it as non-MoE time)
         grads = torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
-        st.stats.bwd_end_s = _now(dev)
+        st.stats.bwd_end_s = _now(dout_NH.device)
         return grads
+
+
+@dataclass
+class _Shipped:
+    """The reverse exchange's result on every receiving rank: its receive layout,
+    counts and offsets, what each home sent it (``recv_GS``), the row positions and
+    scales that came with the rows (the ``dy`` rows themselves are in ``rows_G``)."""
+
+    rls: list
+    counts_G: list[tuple[Tensor, Tensor]]
+    recv_GS_G: list[Tensor]
+    j_recv_G: list[Tensor]
+    sc_recv_G: list[Tensor]
+
+
+def _ship_backward(st: _State, rows_G: list[dict], sh_G: list, es: int,
+                   at_experts: bool) -> _Shipped:
+    """The reverse exchange: every rank receives the output-gradient rows, row positions
+    and scales the homes ship it; its rows and bytes into the stats."""
+    plan, G, S, dev = st.plan, st.plan.G, st.plan.S, rows_G[0]["dy"].device
+    H = rows_G[0]["dy"].shape[1]
+    send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
+    recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
+    if not plan.all_selected and st.opts.compaction and st.opts.estimator == "sampled":
+        # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
+        st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
+        st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
+    rls, counts_G = [], []
+    for r in range(G):
+        with st.timers.time("local", r):
+            rls.append(recv_layout(recv_GS_G[r], dev))
+            counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
+    for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
+        rows_G[r]["dy"] = dy
+    del dy
+    j_recv_G = _links([sh.j for sh in sh_G], send_G)
+    sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
+    rows, b = _rows_GG(send_G), RowBytes(H * es, dot=at_experts)
+    st.stats.rows_GG["bwd_dispatch"] = rows
+    st.stats.bytes_GG["bwd_dispatch"] = rows * b.bwd_dispatch
+    st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
+    st.stats.bytes_GG["bwd_combine"] = rows.t() * b.bwd_combine
+    st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
+    return _Shipped(rls, counts_G, recv_GS_G, j_recv_G, sc_recv_G)
+
+
+def _experts_backward_ranks(st: _State, kept: _Kept, sh: _Shipped, w13_G, w2_G,
+                            at_experts: bool):
+    """experts^-1 on every receiving rank, and the ``dx`` rows (with ``at_experts`` the
+    router gradients too) back to their homes: ``(dx_back_G, dw13_G, dw2_G, dg_back_G)``."""
+    plan, opts = st.plan, st.opts
+    dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
+    for r in range(plan.G):
+        counts, offs = sh.counts_G[r]
+        dx_recv, dw13, dw2, dot = stages.experts_backward(
+            kept.rows_G[r], sh.j_recv_G[r], sh.sc_recv_G[r], sh.rls[r], sh.recv_GS_G[r],
+            kept.keep_G[r], w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
+        dx_recv_G.append(dx_recv)
+        dot_recv_G.append(dot)
+        dw13_G.append(dw13)
+        dw2_G.append(dw2)
+    splits = [rl.splits for rl in sh.rls]
+    dx_back_G = _links(dx_recv_G, splits)
+    dg_back_G = _links(dot_recv_G, splits) if at_experts else None
+    st.stats.rows["selected"] = [
+        int(sh.recv_GS_G[r].sum()) if plan.all_selected or opts.compaction
+        else int(plan.select_GGS[:, r, :].sum()) for r in range(plan.G)]
+    return dx_back_G, dw13_G, dw2_G, dg_back_G
+
+
+def _backward_times(st: _State) -> None:
+    """The backward's measured expert and stage times into the stats."""
+    G = st.plan.G
+    st.timers.resolve()
+    st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
+    if st.plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
+        st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
+    for k in MEASURED_STAGES[1:]:  # forward and backward together
+        st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
 
 
 @dataclass
@@ -255,11 +283,11 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     splits_G = [h.splits for h in st.homes]
     rows_G = [{"x": x} for x in _links(x_send_G, splits_G)]
     del x_send_G
-    rows = _rows_GG(splits_G)
+    rows, row_bytes = _rows_GG(splits_G), RowBytes(H * es).row
     st.stats.rows_GG[disp] = rows
-    st.stats.bytes_GG[disp] = rows * H * es
+    st.stats.bytes_GG[disp] = rows * row_bytes
     st.stats.rows_GG[comb] = rows.t().contiguous()
-    st.stats.bytes_GG[comb] = rows.t() * H * es
+    st.stats.bytes_GG[comb] = rows.t() * row_bytes
 
     # experts, per receiving rank
     keep_G = [stages.retention(plan, r) for r in range(G)]
@@ -284,7 +312,7 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]``.
 
-    The math of :func:`lrmoe.parallel.weights.instance_weights` on every rank at once:
+    The math of :func:`lrmoe.parallel.weights.instance_weight_list` on every rank at once:
     each slot copies its expert's weights (empty slots are zero), and autograd's
     backward of the gather sums every instance's gradient into its expert.
     """
@@ -293,13 +321,6 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     if bool((ie < 0).any()):
         w = w * (ie >= 0).to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
     return w
-
-
-def replica_rows_GG(plan: Plan, E: int) -> Tensor:
-    """``[owner, dst]`` expert instances the owners send for the weight scatter (the
-    same counts go back in the gradient reduce), from the runtime's own routing."""
-    G = plan.G
-    return torch.tensor([instance_route(plan, g, E).send_splits for g in range(G)], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------- layer
@@ -348,7 +369,6 @@ class VirtualEPLayer:
         self.generators = generators or [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
-        self.last_aux_loss: Tensor | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.forward(x)
@@ -359,16 +379,20 @@ class VirtualEPLayer:
         layer, H = self.layer, x.shape[-1]
         x_NH = x.reshape(-1, H)
         r = layer.router(x_NH)
-        out = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE).view(x.shape).to(x.dtype)
+        out, step = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE)
+        self.stats = step.stats
+        layer.take(step)
+        out = out.view(x.shape).to(x.dtype)
         if layer.shared_experts is not None:
             out = out + layer.shared_experts(x)
         return out
 
     def routed(self, x_NH: Tensor, idx_NK: Tensor, gate_NK: Tensor, probs_NE: Tensor | None
-               ) -> Tensor:
+               ) -> tuple[Tensor, MoEStep]:
         """count -> plan -> dispatch -> experts -> combine of the routed experts, over the
-        G virtual ranks (:meth:`MoELayer._routed`'s work on G ranks at once); the layer's
-        aux loss and step counts as the runtime records them."""
+        G virtual ranks (:meth:`MoELayer.stages`'s work on G ranks at once): the output
+        and the step (its ``stats`` the :class:`VirtualStats`), the aux loss from the
+        group's counts as the runtime has it."""
         layer, G = self.layer, self.G
         N = x_NH.shape[0]
         if N % G:
@@ -395,10 +419,10 @@ class VirtualEPLayer:
             with timers.time("local", g):
                 counts.append(expert_counts(idx_GP[g], E))
         counts_GE = torch.stack(counts).cpu()  # the count all-gather's host copy
-        # the step's counts and the aux loss, from the group's counts (as the runtime);
-        # equal-sized shards: the mean of the ranks' losses is the loss on all tokens
+        # the aux loss from the group's counts (as the runtime); equal-sized shards: the
+        # mean of the ranks' losses is the loss on all tokens
         with torch.profiler.record_function("stage:route"):
-            layer._count(counts_GE.sum(0), probs_NE, N)
+            aux = layer.aux_loss(counts_GE.sum(0), probs_NE, N)
         # plan: every rank computes the same plan, so every rank is charged its time
         with torch.profiler.record_function("stage:plan"):
             plan, stats, plan_ms = self._plan(counts_GE, inputs)
@@ -410,12 +434,11 @@ class VirtualEPLayer:
         with torch.profiler.record_function("stage:weight_scatter"):
             w13, w2 = (virtual_instance_weights(w, plan)
                        for w in layer.experts.compute_weights(dtype))
-        rep = replica_rows_GG(plan, E)
-        per_inst = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
-        stats.rows_GG["weight_scatter"] = rep
-        stats.bytes_GG["weight_scatter"] = rep * per_inst
-        stats.rows_GG["grad_reduce"] = rep.t().contiguous()
-        stats.bytes_GG["grad_reduce"] = rep.t() * per_inst
+        rows_GG = plan_rows_GG(plan, E)
+        per_inst = layer.experts.instance_bytes(dtype)
+        for name in ("weight_scatter", "grad_reduce"):
+            stats.rows_GG[name] = rows_GG[name]
+            stats.bytes_GG[name] = rows_GG[name] * per_inst
         homes, recvs = [], []
         for g in range(G):
             with timers.time("local", g):
@@ -424,8 +447,8 @@ class VirtualEPLayer:
         stats.stage_ms["plan"] = [plan_ms] * G
         st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
                     timers, stats, self.generators, idx_GP, E)
-        self.stats = stats
-        return VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
+        out = VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
+        return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs
               ) -> tuple[Plan, VirtualStats, float]:

@@ -2,7 +2,7 @@
 
 :class:`Emulator` is installed as the model's :class:`lrmoe.model.moe.MoERuntime`
 ``emulator``: every MoE layer's training forward runs its router and shared experts as
-the trainer does, and its routed experts (:meth:`MoELayer._routed`) through a
+the trainer does, and its routed experts (:meth:`MoELayer.routed`) through a
 :class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual ranks (global batch rows
 ``g*B/G .. (g+1)*B/G - 1`` are home rank g's). Per step it records the wall time of the
 routed part (forward, and backward from the grad hook on its output to the end of the
@@ -39,28 +39,27 @@ class Emulator:
         return time.perf_counter()
 
     def routed(self, m, x_TH, idx_TK, gate_TK, probs_TE):
-        """:meth:`MoELayer._routed` of layer ``m`` over the virtual ranks, timed."""
+        """:meth:`MoELayer.stages` of layer ``m`` over the virtual ranks, timed."""
         v = self.layers[m.moe_index]
         if m.recomputing:
             # an activation checkpoint's re-run in backward (lrmoe.model.checkpoint): the
-            # step keeps the first forward's stats and counts; the re-run is charged as a
-            # whole-layer recompute (the layer's forward dispatch, experts and combine
-            # again); its wall lies inside the backward window
-            first, counts = v.stats, m.step_counts_E
-            out = v.routed(x_TH, idx_TK, gate_TK, probs_TE)
-            v.stats, m.step_counts_E = first, counts
-            if first.recompute_mode in ("fits", "pairs"):
-                first.recompute_mode = "layer"
-            return out
+            # step keeps the first forward's stats (the layer does not take the re-run's
+            # step); the re-run is charged as a whole-layer recompute (the layer's forward
+            # dispatch, experts and combine again); its wall lies inside the backward window
+            out, step = v.routed(x_TH, idx_TK, gate_TK, probs_TE)
+            if v.stats.recompute_mode in ("fits", "pairs"):
+                v.stats.recompute_mode = "layer"
+            return out, step
         t0 = self._now()
         with torch.profiler.record_function("ttl:moe_forward"):  # the timed span
-            out = v.routed(x_TH, idx_TK, gate_TK, probs_TE)
+            out, step = v.routed(x_TH, idx_TK, gate_TK, probs_TE)
         self.wall += self._now() - t0
+        v.stats = step.stats
         if out.requires_grad and x_TH.requires_grad:
             marks: dict[str, float] = {}
             out.register_hook(lambda g: marks.__setitem__("b", self._now()))
             x_TH.register_hook(lambda g: self._backward_done(v, marks))
-        return out
+        return out, step
 
     def _backward_done(self, v, marks: dict) -> None:
         """Up to the end of the exchange's backward: what follows (the router's and the
@@ -122,7 +121,7 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False) -> None:
 
 
 def release_graph(model) -> None:
-    """Drop the MoE layers' aux losses after the backward: each holds its step's autograd
-    graph, whose nodes keep the rows the exchanges' contexts saved."""
+    """Drop the MoE layers' last steps after the backward: each aux loss holds its step's
+    autograd graph, whose nodes keep the rows the exchanges' contexts saved."""
     for m in model.moe_layers:
-        m.last_aux_loss = None
+        m.last = None

@@ -360,7 +360,8 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
     """The memory ledger for ``--mem-budget`` (``None`` without a budget)."""
     if cfg.mem_budget is None:
         return None
-    from lrmoe.ledger import Ledger, parse_bytes
+    from lrmoe.ledger import Ledger
+    from lrmoe.units import parse_bytes
 
     dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
     return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype,

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.model.moe import host_stats
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
@@ -242,10 +243,11 @@ def _log(msg: str, ctx) -> None:
 
 
 def _snapshot_stats(rt) -> dict[int, dict]:
-    """The last training step's per-layer stats, CUDA event timings resolved."""
+    """The last training step's per-layer stats, device counts and CUDA event timings
+    resolved."""
     out = {}
     for layer, st in rt.stats.items():
-        st = dict(st)
+        st = host_stats(st)
         events = st.pop("_events", None)
         if events:
             torch.cuda.synchronize()

@@ -30,8 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
+from lrmoe.units import fmt_bytes
 
 _HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def verdict(e: OutOfMemory, step: int) -> str:
+    """``out of memory at step S (needs X GiB, budget Y GiB)``."""
+    return (f"out of memory at step {step} (needs {fmt_bytes(e.needs_bytes)}, budget "
+            f"{fmt_bytes(e.budget_bytes)})")
 
 
 def budget_arg(n: int) -> str:
@@ -89,7 +96,7 @@ class StepMemory:
                           budget_arg(e.needs_bytes)])
         more = "; --recompute instead, if recomputing fits" \
             if self.exact and not self.recompute else ""
-        return (f"{e.verdict(self.step)}: {e.detail}; stopped ({self.intact}); continue "
+        return (f"{verdict(e, self.step)}: {e.detail}; stopped ({self.intact}); continue "
                 f"with `{cmd}` (this step's need{more})")
 
     def allocator_line(self, where: str, words: str) -> str:

@@ -1,0 +1,15 @@
+"""Plain aligned text columns, as the commands print their tables."""
+
+from __future__ import annotations
+
+
+def aligned(heads: list[list[str]], rows: list[list[str]], left: set[int]) -> str:
+    """``heads`` then ``rows`` in columns two spaces apart: ``left`` columns
+    left-justified, the others right."""
+    width = [max(len(x) for x in col) for col in zip(*heads, *rows)]
+    lines = []
+    for row in heads + rows:
+        cells = [c.ljust(w) if i in left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, width))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

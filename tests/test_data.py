@@ -22,9 +22,9 @@ from lrmoe.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
     check_vocab,
-    load_tokenizer,
     parse_tokenizer_spec,
 )
+from lrmoe.tokenizer_load import load_tokenizer
 
 SMALL = 64 * 1024
 SAMPLE = "def f(x):\n    return x + 1  # héllo wörld ✓ 🎉\n\n\nclass A:\n  pass\n"

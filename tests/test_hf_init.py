@@ -50,7 +50,7 @@ def _rows(run: Path, kind: str = "train") -> list[dict]:
 def _first_batch(models, fam: str):
     """The run's first batch, rebuilt as the trainer builds it (seed 0)."""
     from lrmoe.data import PackedBatches, build_streams, load_corpus
-    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.tokenizer_load import load_tokenizer
 
     s = build_streams(load_corpus(str(models["rows"])), load_tokenizer(str(models[fam])))
     return PackedBatches(s.train_ids, 32, 4, 0, target_mask=s.train_mask).batch(0)
@@ -100,7 +100,7 @@ def test_the_run_keeps_the_models_config_and_tokenizer(models, runs, fam):
 def test_end_of_document_id_from_the_tokenizer_config(models, tmp_path):
     """tokenizer_config.json's eos_token first; generation_config.json's first
     eos_token_id when the config names none."""
-    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.tokenizer_load import load_tokenizer
 
     tok = load_tokenizer(str(models["qwen3"]))
     assert tok.eos_id == 1 == tok._tok.token_to_id("<|im_end|>")

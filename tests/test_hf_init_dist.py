@@ -57,7 +57,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("fam", ["qwen3", "glm"])
 def test_ep2_first_loss_is_transformers_and_training_is_one_process(runs, fam):
     from lrmoe.data import PackedBatches, build_streams, load_corpus
-    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.tokenizer_load import load_tokenizer
 
     s = build_streams(load_corpus(str(runs["data"]), max_bytes=100_000),
                       load_tokenizer(str(runs[f"{fam}-dir"])))

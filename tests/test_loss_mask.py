@@ -16,7 +16,7 @@ from lrmoe.data import PackedBatches, build_streams, load_corpus, validation_bat
 from lrmoe.errors import LrmoeError
 from lrmoe.loss_mask import IGNORE, MaskedBatch, loss_args
 from lrmoe.model import MoEForCausalLM
-from lrmoe.tokenizer import load_tokenizer
+from lrmoe.tokenizer_load import load_tokenizer
 from lrmoe.train.accum import accumulate
 
 ROWS = [{"prompt": "Q: 2+2?\nA:", "completion": " 4"},

@@ -35,7 +35,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     from lrmoe.data import build_streams, load_corpus, validation_batches
     from lrmoe.model import MoEForCausalLM
     from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.tokenizer_load import load_tokenizer
     from lrmoe.train import checkpoint as ckpt
     from lrmoe.train.config import FLAT_NAMES, TrainConfig, read_run_config
     from lrmoe.train.loop import evaluate, make_autocast, val_windows

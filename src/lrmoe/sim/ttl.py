@@ -758,7 +758,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
     from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
-    from lrmoe.tokenizer import check_vocab, load_tokenizer
+    from lrmoe.tokenizer import check_vocab
+    from lrmoe.tokenizer_load import load_tokenizer
     from lrmoe.train.config import TrainConfig, resolve_model_config
     from lrmoe.train.loop import val_windows
 

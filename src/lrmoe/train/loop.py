@@ -208,7 +208,7 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
 
 def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
     from lrmoe.data import PackedBatches, build_streams, load_corpus
-    from lrmoe.tokenizer import load_tokenizer
+    from lrmoe.tokenizer_load import load_tokenizer
 
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
     # A new run trains its BPE in memory (the run dir is not created yet); a resumed

@@ -23,6 +23,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
+from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
@@ -38,7 +39,7 @@ POLICIES = ("static", "replica", "partial", "sampled", "static_experts", "replic
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-class ReplicaPolicy:
+class ReplicaPolicy(Policy):
     """Natives plus two replicas of the hottest experts on other ranks."""
 
     name = "replica-test"

@@ -51,8 +51,7 @@ def stand_in_plan(rt, E: int, P: int, inputs) -> Plan | None:
     ledger the verdict depends on ``(E, P)`` alone and is computed once. ``inputs`` are
     the planner's (``PlanInputs``); a policy qualifies by its ``plans_natives_exactly()``
     (the runtime knows plans, not policies)."""
-    natives = getattr(rt.policy, "plans_natives_exactly", None)
-    if not rt.fast_local or rt.comm.size != 1 or natives is None or not natives():
+    if not rt.fast_local or rt.comm.size != 1 or not rt.policy.plans_natives_exactly():
         return None
     if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
         return None

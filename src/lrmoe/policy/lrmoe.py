@@ -67,7 +67,7 @@ import numpy as np
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, OutOfMemory, require
-from lrmoe.policy.base import PlanInputs, Prepared
+from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import LinkCost
 from lrmoe.policy.lrmoe_ladder import climb
@@ -352,7 +352,7 @@ class Held:
 
 
 @dataclass
-class LrmoePolicy:
+class LrmoePolicy(Policy):
     """The LRMoE planner. With a placement held for the optimizer step (``step``,
     ``step-previous``) it places at a step's micro-batch 0 (as ``current`` does, or as
     ``previous`` does from the previous step's counts, the link-cost rules included) and

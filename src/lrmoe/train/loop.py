@@ -261,15 +261,12 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
     Each rank measures its own instances; the policy sees the mean over the EP ranks
     (gathered, so identical everywhere) because every rank must plan alike.
     """
-    hook = getattr(policy, "observe_fidelity", None)
-    if hook is None:
-        return
     for layer, st in stats.items():
         if "fidelity_cosine" in st:
             vals = [float(r[layer]["fidelity_cosine"]) for r in per_rank
                     if layer in r and "fidelity_cosine" in r[layer]]
             if vals:
-                hook(layer, sum(vals) / len(vals))
+                policy.observe_fidelity(layer, sum(vals) / len(vals))
 
 
 # ----------------------------------------------------------------------------- train

@@ -400,7 +400,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
     measured, the ledger's ``layer`` mode; one
     byte less and the step stops with :class:`OutOfMemory` instead of running some other
     plan."""
-    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, fit_lrmoe
+    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, plan_lrmoe
 
     base, _ = emulate("static", 6)
     layer, idx, x, coeff = make_case(6)
@@ -408,7 +408,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
 
     def fits(b):
         try:
-            return fit_lrmoe(counts, LrmoeConfig(), Ledger(layer.cfg, G, b, num_moe_layers=4))[0]
+            return plan_lrmoe(counts, LrmoeConfig(), Ledger(layer.cfg, G, b, num_moe_layers=4)).plan
         except OutOfMemory:
             return None
     lo, hi = 1, 1 << 40

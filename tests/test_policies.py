@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
+from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
@@ -266,11 +267,14 @@ def test_lrmoe_infeasible_budget():
 
 def test_lrmoe_config_validation():
     for kw, field in [(dict(balance=1.5), "balance"), (dict(min_keep=-0.1), "min_keep"),
-                      (dict(estimator="x"), "estimator"), (dict(retention_order="x"),
-                                                            "retention_order"),
+                      (dict(keep="x"), "keep"), (dict(placement="x"), "placement"),
                       (dict(max_replicas_per_step=-1), "max_replicas_per_step")]:
         with pytest.raises(LrmoeError, match=field):
             LrmoeConfig(**kw)
+    for kw, field in [(dict(estimator="x"), "estimator"), (dict(metric="x"), "metric"),
+                      (dict(router_grad="x"), "router_grad")]:
+        with pytest.raises(LrmoeError, match=field):
+            BackwardOptions(**kw)
 
 
 # ---------------------------------------------------------------------- registry

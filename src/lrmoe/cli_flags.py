@@ -91,7 +91,8 @@ def on_off(v: str) -> bool:
 # ----------------------------------------------------------------------------- knobs
 @dataclass(frozen=True)
 class Knob:
-    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``), whose
+    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``,
+    ``backward.estimator``), whose
     default is the flag's; ``None`` for a memory knob (``default`` given here)."""
 
     dest: str
@@ -157,22 +158,22 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
        lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
        metavar="|".join(PLACEMENTS)),
     _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate", _metric,
-       "lrmoe.metric", metavar="grad_norm|gate"),
+       "backward.metric", metavar="grad_norm|gate"),
     _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
        "(Horvitz-Thompson, unbiased over the retained pairs)",
-       lambda n, v: check_choice(n, v, ("topk", "sampled")), "lrmoe.estimator",
+       lambda n, v: check_choice(n, v, ("topk", "sampled")), "backward.estimator",
        metavar="topk|sampled"),
     _k("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
        lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),
     _k("lrmoe_balance", "lrmoe: how far backward quotas trim toward the mean, 0..1",
        lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.balance", type=float, metavar="B"),
     _k("lrmoe_compaction", "lrmoe: remove unselected rows (on) or zero them (off)",
-       lambda n, v: None, "lrmoe.compaction", type=on_off, metavar="on|off"),
+       lambda n, v: None, "backward.compaction", type=on_off, metavar="on|off"),
     _k("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
        "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
        metavar="on|off"),
     _k("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
-       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "lrmoe.fidelity_every",
+       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "fidelity.every",
        type=int, metavar="N"),
     _k("lrmoe_keep", "lrmoe: fixed, or auto (hold --lrmoe-target-cosine)",
        lambda n, v: check_choice(n, v, ("auto", "fixed")), "lrmoe.keep",
@@ -238,18 +239,18 @@ def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -
     """``base`` (default: the defaults) with the policy knobs in ``values`` (flat names)
     set; checked first, so a bad value names its flag."""
     check_policy_flags(values)
-    base = base if base is not None else PolicyConfig()
     top: dict[str, Any] = {}
-    inner: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}  # part -> its fields (``lrmoe.min_keep``)
     for name, v in values.items():
         f = KNOBS[name].field if name in KNOBS else None
         if f is None:
             continue
-        if f.startswith("lrmoe."):
-            inner[f.removeprefix("lrmoe.")] = v
-        else:
-            top[f] = v
-    return dataclasses.replace(base, lrmoe=dataclasses.replace(base.lrmoe, **inner), **top)
+        part, _, sub = f.rpartition(".")
+        (inner.setdefault(part, {}) if part else top)[sub] = v
+    base = base if base is not None else PolicyConfig()
+    top.update({part: dataclasses.replace(getattr(base, part), **kw)
+                for part, kw in inner.items()})
+    return dataclasses.replace(base, **top)
 
 
 def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:

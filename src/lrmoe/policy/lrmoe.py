@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
-from lrmoe.errors import LrmoeError, OutOfMemory, require
+from lrmoe.errors import OutOfMemory, require
 from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import LinkCost
@@ -82,14 +82,15 @@ from lrmoe.policy.plan_numpy import (
     to_plan,
 )
 
-ESTIMATORS = ("topk", "sampled")
 PLACEMENTS = ("current", "previous", "step", "step-previous")
-RETENTION_ORDERS = ("gate",)
+KEEPS = ("fixed", "auto")
 
 
 @dataclass
 class LrmoeConfig:
-    """Knobs of the LRMoE planner and runtime.
+    """Knobs of the LRMoE planner. (The backward's selection knobs are the runtime's
+    :class:`lrmoe.parallel.select.BackwardOptions`; how often it measures fidelity,
+    :class:`lrmoe.policy.registry.FidelityConfig`.)
 
     Attributes:
         balance: how far backward quotas trim a rank above the mean backward load
@@ -97,18 +98,11 @@ class LrmoeConfig:
         min_keep: floor on each block's fraction of selected pairs (of its assigned).
         max_replicas_per_step: cap on replicas added per layer and step (None: no cap).
         max_slots_per_rank: slots per rank incl. natives; None means ``E/G + 2``.
-        metric: the backward recalibration metric (runtime): ``grad_norm`` or ``gate``
-            (:data:`lrmoe.parallel.exchange.METRICS`).
-        estimator: backward selection of pairs inside a quota (runtime): ``topk`` keeps
-            the highest-metric pairs, ``sampled`` samples ``p ∝ metric`` and reweights.
-        compaction: runtime ablation: False zeroes unselected rows instead of removing.
         selection: False selects every retained pair (memory-aware placement only).
-        retention_order: which pairs fill a retention quota (runtime): ``gate`` keeps
-            the highest gate weights.
         keep: ``fixed`` uses ``min_keep`` as given; ``auto`` adapts each layer's floor to
-            hold the fidelity monitor's cosine at ``target_cosine``.
+            hold the fidelity monitor's cosine at ``target_cosine`` (the monitor must run:
+            ``FidelityConfig.every > 0``).
         target_cosine: the gradient fidelity ``auto`` aims for.
-        fidelity_every: how often the runtime measures fidelity (``auto`` needs > 0).
         recompute: retention may also keep pairs whose gate_up output is recomputed in
             backward (only the input row saved): a rank retains as many pairs as fit
             that way, recomputing the fewest (more pairs in backward, more backward work).
@@ -133,14 +127,9 @@ class LrmoeConfig:
     min_keep: float = 0.5
     max_replicas_per_step: int | None = None
     max_slots_per_rank: int | None = None
-    metric: str = "grad_norm"
-    estimator: str = "topk"
-    compaction: bool = True
     selection: bool = True
-    retention_order: str = "gate"
     keep: str = "fixed"
     target_cosine: float = 0.99
-    fidelity_every: int = 0
     recompute: bool = False
     placement: str = "current"
     whole_layer: bool = True
@@ -155,13 +144,10 @@ class LrmoeConfig:
                 "or None")
         require(self.max_slots_per_rank is None or self.max_slots_per_rank >= 1,
                 f"lrmoe.max_slots_per_rank={self.max_slots_per_rank} must be >= 1 or None")
-        require(self.estimator in ESTIMATORS,
-                f"lrmoe.estimator={self.estimator!r} is not one of {ESTIMATORS}")
         require(self.placement in PLACEMENTS,
                 f"lrmoe.placement={self.placement!r} is not one of {PLACEMENTS}")
-        require(self.retention_order in RETENTION_ORDERS,
-                f"lrmoe.retention_order={self.retention_order!r} is not one of "
-                f"{RETENTION_ORDERS}")
+        require(self.keep in KEEPS, f"lrmoe keep={self.keep!r} is not valid; use 'fixed' "
+                                    "or 'auto'")
 
 
 def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
@@ -380,14 +366,6 @@ class LrmoePolicy(Policy):
     rungs: dict[str, int] = field(default_factory=dict)
     # per MoE layer, the placement held for its current optimizer step
     held: dict[int, Held] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        c = self.config
-        if c.keep not in ("fixed", "auto"):
-            raise LrmoeError(f"lrmoe keep={c.keep!r} is not valid; use 'fixed' or 'auto'")
-        if c.keep == "auto" and c.fidelity_every <= 0:
-            raise LrmoeError("--lrmoe-keep auto needs the fidelity monitor: give "
-                             "--lrmoe-fidelity-every N with N > 0")
 
     def _layer_config(self, layer: int) -> LrmoeConfig:
         cfg = self.config

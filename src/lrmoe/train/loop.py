@@ -720,7 +720,7 @@ class _Run:
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
         s.rt.step = watch.step = step
         watch.phase = "forward and backward"
-        every = cfg.policy.lrmoe.fidelity_every
+        every = cfg.policy.fidelity.every
         fid = every > 0 and (step + 1) % every == 0
         s.rt.backward = dataclasses.replace(self.base_bwd, fidelity=fid)
         if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak

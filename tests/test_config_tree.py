@@ -27,3 +27,18 @@ def test_flags_reach_the_backward_options():
     assert backward_options(TrainConfig()) == BackwardOptions()
     # the flat names round-trip (a run's config.json)
     assert TrainConfig.from_flat(cfg.flat()) == cfg
+
+
+def test_bench_ttl_trains_with_a_train_config():
+    from lrmoe.sim.ttl import SHARED, TTLConfig, recorded_settings
+
+    assert set(SHARED) <= {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TTLConfig.from_flat(ep=2, steps=7, grad_accum=2, estimator="sampled",
+                              lrmoe_placement="previous")
+    assert isinstance(cfg.train, TrainConfig)
+    assert (cfg.train.ep, cfg.train.steps, cfg.train.grad_accum) == (2, 7, 2)
+    assert (cfg.estimator, cfg.lrmoe_placement) == ("sampled", "previous")
+    rec = recorded_settings(cfg)  # the flat names ttl.json has always recorded
+    assert (rec["ep"], rec["steps"], rec["estimator"], rec["seq_len"]) == (2, 7, "sampled", 128)
+    assert "train" not in rec
+    assert TTLConfig.from_flat(**cfg.flat()) == cfg

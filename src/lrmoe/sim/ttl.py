@@ -92,7 +92,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -102,35 +102,38 @@ from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
+from lrmoe.train.config import TrainConfig
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
 
+# the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
+# the two read them alike; recorded (ttl.json) and given (--flags) by the same flat names
+SHARED = ("preset", "config", "ep", "mem_budget", "steps", "batch_size", "seq_len", "lr",
+          "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "device", "data",
+          "max_data_bytes", "eval_every", "eval_batches", "compile", "optimizer_offload",
+          "router_grad", "router_lr_scale", "grad_accum", "activation_checkpoint")
+# where bench ttl's defaults differ from lrmoe train's (a short run on a small corpus)
+BENCH_DEFAULTS = {"ep": 4, "steps": 100, "seq_len": 128, "warmup": 10,
+                  "max_data_bytes": 4 * 2**20, "eval_every": 10, "eval_batches": 4}
+
+
+def bench_train_config(**kw) -> TrainConfig:
+    """A :class:`TrainConfig` with bench ttl's defaults for :data:`SHARED` fields."""
+    return TrainConfig(**{**BENCH_DEFAULTS, **kw})
+
+
 @dataclass
 class TTLConfig:
-    preset: str | None = None
-    config: str | None = None
-    ep: int = 4
+    """``bench ttl``'s settings: the training run every policy makes (:attr:`train`, the
+    fields of :data:`SHARED`) and the bench's own."""
+
+    train: TrainConfig = field(default_factory=bench_train_config)
     policies: tuple[str, ...] = ("static", "symi", "lrmoe")
-    mem_budget: str | None = None
     slots_per_rank: int | None = None
-    steps: int = 100
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
     link: str = "nvlink"
     target_fraction: float = 0.8
     target_rtol: float = 1e-5
-    device: str = "cpu"
-    data: str | None = None
-    max_data_bytes: int | None = 4 * 2**20
-    eval_every: int = 10
-    eval_batches: int = 4
     min_keep: float = 0.5  # lrmoe planner knobs
     balance: float = 1.0
     lrmoe_max_slots: int | None = None
@@ -138,17 +141,23 @@ class TTLConfig:
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
     lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
     lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
-    compile: bool = False  # torch.compile the model as lrmoe train --compile
     budget_floor_fraction: float | None = None  # budget: this x static's whole-layer floor
-    optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
-    router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
     deterministic: bool = False  # torch's deterministic kernels for every policy
     deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
-    router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
-    grad_accum: int = 1  # micro-batches (of batch_size) per optimizer step
-    activation_checkpoint: str = "none"  # none, selective or full (lrmoe.model.checkpoint)
+
+    @classmethod
+    def from_flat(cls, **kw) -> TTLConfig:
+        """A config from flat names (``ep=2, estimator="sampled"``): the :data:`SHARED`
+        ones go to :attr:`train`."""
+        train = bench_train_config(**{k: kw.pop(k) for k in SHARED if k in kw})
+        return cls(train=train, **kw)
+
+    def flat(self) -> dict:
+        """Every setting by its flat name (what ``ttl.json`` records)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
+        return {**{k: getattr(self.train, k) for k in SHARED}, **own}
 
 
 # settings no longer chosen, still recorded with the one value today's code runs, so that
@@ -162,7 +171,7 @@ RETIRED_SETTINGS = {"ledger_transients": "code",
 
 def recorded_settings(cfg: TTLConfig) -> dict:
     """The settings a ``ttl.json`` or ``ttl_partial.json`` records."""
-    return asdict(cfg) | RETIRED_SETTINGS
+    return cfg.flat() | RETIRED_SETTINGS
 
 
 def _on_off(v: str) -> bool:
@@ -264,7 +273,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
 
-    G, E = cfg.ep, mcfg.num_experts
+    G, E = cfg.train.ep, mcfg.num_experts
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
                      placement=cfg.lrmoe_placement)
     slots, note = cfg.slots_per_rank, ""
@@ -272,8 +281,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     if name == "lrmoe" and cfg.lrmoe_link_cost and rate is not None:
         from lrmoe.policy.lrmoe import HELD
         from lrmoe.sim.links import get_link, link_cost
-        wb = 2 if cfg.device == "cuda" else 4  # budget_ledger's dtype
-        share = cfg.grad_accum if cfg.lrmoe_placement in HELD else 1
+        wb = 2 if cfg.train.device == "cuda" else 4  # budget_ledger's dtype
+        share = cfg.train.grad_accum if cfg.lrmoe_placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
     pops = [c.sum(0) for c in first_counts]
@@ -303,7 +312,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note = f"s={E // G} (natives)"
     if name != "lrmoe" and ledger is not None:
         note += ", recompute to fit"
-    if name != "lrmoe" and cfg.router_grad == "experts":
+    if name != "lrmoe" and cfg.train.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
                       recompute=name == "symi" and ledger is not None)
@@ -401,15 +410,15 @@ def _phase(name: str):
 
 
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
-    """The ledger a run prices its budget with: ``cfg.ep`` ranks, bf16 on CUDA (fp32 on
-    the CPU), ``cfg.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
-    dtype = "bf16" if cfg.device == "cuda" else "fp32"
-    return Ledger.for_dtype(mcfg, cfg.ep, budget, dtype, optimizer_offload=cfg.optimizer_offload)
+    """The ledger a run prices its budget with: ``cfg.train.ep`` ranks, bf16 on CUDA (fp32 on
+    the CPU), ``cfg.train.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
+    dtype = "bf16" if cfg.train.device == "cuda" else "fp32"
+    return Ledger.for_dtype(mcfg, cfg.train.ep, budget, dtype, optimizer_offload=cfg.train.optimizer_offload)
 
 
 def policy_router_grad(name: str, cfg: TTLConfig) -> str:
     """Where policy ``name`` takes the router gradient (module doc: lrmoe always home)."""
-    return "home" if name == "lrmoe" else cfg.router_grad
+    return "home" if name == "lrmoe" else cfg.train.router_grad
 
 
 def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | None:
@@ -432,7 +441,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     from lrmoe.train.offload import last_backward_hook
     from lrmoe.train.optim import build_optimizer, build_scheduler
 
-    dev, G = torch.device(cfg.device), cfg.ep
+    dev, G = torch.device(cfg.train.device), cfg.train.ep
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     if dev.type == "cuda":  # this policy's own peak of the emulating process
         torch.cuda.reset_peak_memory_stats(dev)
@@ -444,10 +453,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     # the model and optimizer as the trainer builds them (lrmoe.train.loop._build): with
     # host offload the device keeps the experts in bf16 on CUDA, their fp32 masters on
     # the "host" (here the emulating device: its cost is modelled per rank)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.train.seed)
     model = MoEForCausalLM(mcfg).to(dev)
-    model.set_activation_checkpoint(cfg.activation_checkpoint)
-    if cfg.compile:  # as lrmoe train --compile: all but the routed experts
+    model.set_activation_checkpoint(cfg.train.activation_checkpoint)
+    if cfg.train.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
@@ -455,14 +464,14 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                                                     router_grad=router_grad),
                   planner_ledger, sync, rec_ledger)
     trace, trace_GE, micro_E = [], [], []
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          host=dev, router_lr_scale=cfg.router_lr_scale,
+    opt = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, offload=cfg.train.optimizer_offload,
+                          host=dev, router_lr_scale=cfg.train.router_lr_scale,
                           compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
-    sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    sched = build_scheduler(opt, cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio)
     autocast = make_autocast(dev)
     ctx = ParallelContext(device=dev)
     offload = None
-    if cfg.optimizer_offload == "host":
+    if cfg.train.optimizer_offload == "host":
         from lrmoe.sim.offload import OffloadModel, policy_layout
         offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
                                * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
@@ -472,8 +481,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     model.train()
     failed = oom = None
     try:
-        N = cfg.grad_accum
-        for step in range(cfg.steps):
+        N = cfg.train.grad_accum
+        for step in range(cfg.train.steps):
             em.set_step(step)
             opt.zero_grad(set_to_none=True)
             micro, clock = [], {}
@@ -494,7 +503,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
                 sums = accumulate(model, lambda m, s=step: batches.batch(s * N + m).to(dev), N,
                                   autocast, on_micro, last_backward_hook(opt, ctx))
                 t0 = time.perf_counter()
-                update(model, opt, sched, cfg.clip, ctx)
+                update(model, opt, sched, cfg.train.clip, ctx)
                 sync()
             opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
             if not math.isfinite(loss):
@@ -511,10 +520,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             rows.append(row)
             done = step + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
                 evals.append({"step": done, **_val_eval(model, val_b, dev, autocast),
                               "cum_emulated_s": cum})
-                log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
+                log(f"[{name}] step {done}/{cfg.train.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
     except OutOfMemory as e:  # as a GPU would: the run stops at that step
         oom = {"step": len(rows) + 1, "needs_bytes": e.needs_bytes,
@@ -699,7 +708,7 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     old = rep.get("config")
     if old is not None:
         # a setting the file lacks was added since: its default is the behaviour before it
-        before = {f.name: f.default for f in fields(TTLConfig)}
+        before = TTLConfig().flat()
         new = recorded_settings(cfg)
         for k in sorted(set(new) | set(old)):
             was = old.get(k, before.get(k))
@@ -716,17 +725,17 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     require("static" not in got or "symi" in got or "symi" not in policies,
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
             "together or run both")
-    want = [0] + [s for s in range(1, cfg.steps + 1)
-                  if (cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps]
+    want = [0] + [s for s in range(1, cfg.train.steps + 1)
+                  if (cfg.train.eval_every and s % cfg.train.eval_every == 0) or s == cfg.train.steps]
     out = {}
     for p in policies:
         if p not in got:
             continue
         r = dict(got[p])
         steps = [e["step"] for e in r.get("evals", [])]
-        require(len(r.get("steps", [])) == cfg.steps or r.get("failed"),
+        require(len(r.get("steps", [])) == cfg.train.steps or r.get("failed"),
                 f"--reuse {path}: {p} ran {len(r.get('steps', []))} steps, this run has "
-                f"--steps {cfg.steps}")
+                f"--steps {cfg.train.steps}")
         require(r.get("failed") or steps == want,
                 f"--reuse {path}: {p} was evaluated at steps {steps[:4]}..., this run at "
                 f"{want[:4]}...")
@@ -758,44 +767,44 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
     from lrmoe.tokenizer import check_vocab, load_tokenizer
-    from lrmoe.train.config import TrainConfig, resolve_model_config
+    from lrmoe.train.config import resolve_model_config
     from lrmoe.train.loop import val_windows
 
     check_ttl_config(cfg)
-    G = cfg.ep
+    G = cfg.train.ep
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
     variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
     link = get_link(cfg.link)
-    tc = TrainConfig(preset=cfg.preset, config=cfg.config)
+    tc = cfg.train
     mcfg = resolve_model_config(tc, vocab_size=None)
     require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
                                        f"{mcfg.num_experts}")
     ledger, rule = None, None
-    if cfg.mem_budget is not None:
-        home = cfg.batch_size // G * cfg.seq_len
-        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.mem_budget))
+    if cfg.train.mem_budget is not None:
+        home = cfg.train.batch_size // G * cfg.train.seq_len
+        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
-    corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    corpus = load_corpus(cfg.train.data, max_bytes=cfg.train.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
     train_ids, val_ids = build_token_streams(corpus, tok)
     mcfg = resolve_model_config(tc, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
-    batches = PackedBatches(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
-    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, 1)
-    val_b = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k)
+    batches = PackedBatches(train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed)
+    k = val_windows(val_ids.numel(), cfg.train.seq_len, cfg.train.batch_size, cfg.train.eval_batches, 1)
+    val_b = validation_batches(val_ids, cfg.train.seq_len, cfg.train.batch_size, num_windows=k)
 
-    torch.manual_seed(cfg.seed)
-    probe = MoEForCausalLM(mcfg).to(cfg.device)
+    torch.manual_seed(cfg.train.seed)
+    probe = MoEForCausalLM(mcfg).to(cfg.train.device)
     from lrmoe.train.loop import make_autocast
-    autocast = make_autocast(torch.device(cfg.device))
+    autocast = make_autocast(torch.device(cfg.train.device))
     reused = {}
     if cfg.reuse:
-        v0 = _val_eval(probe, val_b, torch.device(cfg.device), autocast)["val_loss"]
+        v0 = _val_eval(probe, val_b, torch.device(cfg.train.device), autocast)["val_loss"]
         reused = load_reused(cfg, policies, v0)
         probe.train()
-    first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
-    warm_up(probe, G, batches.batch(0).to(cfg.device), autocast, cfg.compile)
+    first = routed_counts(probe, batches.batch(0).to(cfg.train.device), G)
+    warm_up(probe, G, batches.batch(0).to(cfg.train.device), autocast, cfg.train.compile)
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
@@ -829,7 +838,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                                         mcfg.moe_intermediate_size)
             profile = (*_profile(counts_GE), rate)
         gc.collect()
-        if cfg.device == "cuda":
+        if cfg.train.device == "cuda":
             torch.cuda.empty_cache()
         if on_policy is not None:
             on_policy(p, results[p])
@@ -837,7 +846,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
 
     w = cfg.smooth_window
     base = results["static"]["evals"]
-    at = math.ceil(cfg.target_fraction * cfg.steps)
+    at = math.ceil(cfg.target_fraction * cfg.train.steps)
     target = target_at(base, at, w)
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
@@ -857,7 +866,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             "model": mcfg.to_hf_dict(), "data": corpus.source,
             "budget_bytes": None if ledger is None else ledger.budget_bytes,
             "budget_rule": None if rule is None else rule.record(),
-            "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),
+            "offload_model": None if cfg.train.optimizer_offload != "host" else offload_assumptions(),
             "target": {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
                        "smooth_window": w, "noise": eval_noise(base, at, w),
                        "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],

@@ -92,6 +92,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -429,88 +430,41 @@ def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | 
     return ledger
 
 
+@dataclass
+class _PolicyRun:
+    """One policy's training run, built as the trainer builds it, on the emulator."""
+
+    name: str
+    model: torch.nn.Module
+    em: Emulator
+    opt: torch.optim.Optimizer
+    sched: object
+    autocast: object
+    ctx: object
+    dev: torch.device
+    sync: Callable[[], None]  # waits for the device's queued work
+    ledger: Ledger | None
+    offload: object  # lrmoe.sim.offload.OffloadModel with host offload, else None
+    note: str
+
+
 def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
                profile=None) -> dict:
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.exchange import BackwardOptions
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.policy.registry import make_policy
-    from lrmoe.train.accum import accumulate, update
-    from lrmoe.train.loop import make_autocast
-    from lrmoe.train.offload import last_backward_hook
-    from lrmoe.train.optim import build_optimizer, build_scheduler
-
-    dev, G = torch.device(cfg.train.device), cfg.train.ep
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    if dev.type == "cuda":  # this policy's own peak of the emulating process
-        torch.cuda.reset_peak_memory_stats(dev)
-    router_grad = policy_router_grad(name, cfg)
-    ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
-                                                   profile)
-    policy = make_policy(pc, mcfg, G)
-    # the model and optimizer as the trainer builds them (lrmoe.train.loop._build): with
-    # host offload the device keeps the experts in bf16 on CUDA, their fp32 masters on
-    # the "host" (here the emulating device: its cost is modelled per rank)
-    torch.manual_seed(cfg.train.seed)
-    model = MoEForCausalLM(mcfg).to(dev)
-    model.set_activation_checkpoint(cfg.train.activation_checkpoint)
-    if cfg.train.compile:  # as lrmoe train --compile: all but the routed experts
-        compile_model(model)
-    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
-    # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, BackwardOptions(estimator=cfg.estimator,
-                                                    router_grad=router_grad),
-                  planner_ledger, sync, rec_ledger)
-    trace, trace_GE, micro_E = [], [], []
-    opt = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, offload=cfg.train.optimizer_offload,
-                          host=dev, router_lr_scale=cfg.train.router_lr_scale,
-                          compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
-    sched = build_scheduler(opt, cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio)
-    autocast = make_autocast(dev)
-    ctx = ParallelContext(device=dev)
-    offload = None
-    if cfg.train.optimizer_offload == "host":
-        from lrmoe.sim.offload import OffloadModel, policy_layout
-        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
-                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
-                               policy_layout(name))
-    rows, evals, cum = [], [{"step": 0, **_val_eval(model, val_b, dev, autocast),
-                             "cum_emulated_s": 0.0}], 0.0
-    model.train()
+    """Train with policy ``name`` for ``cfg.train.steps`` steps on ``cfg.train.ep``
+    emulated ranks: its step rows, evaluations and verdict (module docstring)."""
+    t = cfg.train
+    run = _build_run(name, cfg, mcfg, ledger, first_counts, profile)
+    rows, trace, trace_GE, micro_E = [], [], [], []
+    evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
+              "cum_emulated_s": 0.0}]
+    run.model.train()
     failed = oom = None
     try:
-        N = cfg.train.grad_accum
-        for step in range(cfg.train.steps):
-            em.set_step(step)
-            opt.zero_grad(set_to_none=True)
-            micro, clock = [], {}
-
-            def on_micro(m: int, pair, micro=micro, clock=clock) -> None:
-                """Each micro-batch's wall (batch fetch .. after its backward), its routed
-                experts' wall and its layers' stats (timed: device work synchronised)."""
-                sync()
-                if pair is None:
-                    em.wall, clock["t0"] = 0.0, time.perf_counter()
-                    return
-                micro.append((em.stats(), time.perf_counter() - clock["t0"], em.wall))
-                release_graph(model)  # the aux losses hold the step's graph
-            # profiler ranges (free without a profiler): the step and its phases, which
-            # benchmarks/non_moe_profile.py reads
-            with _phase("step"):
-                # micro-batch m of step s: global batch s * N + m (the trainer's order)
-                sums = accumulate(model, lambda m, s=step: batches.batch(s * N + m).to(dev), N,
-                                  autocast, on_micro, last_backward_hook(opt, ctx))
-                t0 = time.perf_counter()
-                update(model, opt, sched, cfg.train.clip, ctx)
-                sync()
-            opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
-            if not math.isfinite(loss):
-                raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload,
-                            getattr(opt, "host_s", 0.0))
-            cum = row["cum_emulated_s"]
+        for step in range(t.steps):
+            micro, opt_wall, loss = _train_step(run, step, batches, t)
+            cum = rows[-1]["cum_emulated_s"] if rows else 0.0
+            rows.append(_step_row(step, loss, micro, opt_wall, link, t.ep, run.ledger, cum,
+                                  run.offload, getattr(run.opt, "host_s", 0.0)))
             # the optimizer step's counts per layer, and every micro-batch's per home rank
             # (what a plan sees: symi's profile)
             trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
@@ -518,12 +472,11 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
             # every micro-batch's per-expert counts, its layers in order (the budget floor's)
             micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
-            rows.append(row)
-            done = step + 1
-            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
-                evals.append({"step": done, **_val_eval(model, val_b, dev, autocast),
+            done, cum = step + 1, rows[-1]["cum_emulated_s"]
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
                               "cum_emulated_s": cum})
-                log(f"[{name}] step {done}/{cfg.train.steps} train {loss:.4f} val "
+                log(f"[{name}] step {done}/{t.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
     except OutOfMemory as e:  # as a GPU would: the run stops at that step
         oom = {"step": len(rows) + 1, "needs_bytes": e.needs_bytes,
@@ -538,12 +491,98 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             raise
         failed = f"stopped at step {len(rows) + 1}: {e}"
         log(f"[{name}] {failed}")
-    if offload is not None:
+    res = _policy_result(run, rows, evals, failed, oom)
+    res.update(routing_trace=trace, _counts_GE=trace_GE, _counts_E_micro=micro_E)
+    return res
+
+
+def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
+    """The planner (:func:`_choose`), the model, emulator, optimizer and schedule of
+    policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
+    offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
+    "host" (here the emulating device: its cost is modelled per rank)."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.model.compile import compile_model
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.policy.registry import make_policy
+    from lrmoe.train.loop import make_autocast
+    from lrmoe.train.optim import build_optimizer, build_scheduler
+
+    t = cfg.train
+    dev, G = torch.device(t.device), t.ep
+    if dev.type == "cuda":  # this policy's own peak of the emulating process
+        torch.cuda.reset_peak_memory_stats(dev)
+    ledger = policy_ledger(ledger, name, cfg)
+    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
+                                                   profile)
+    policy = make_policy(pc, mcfg, G)
+    torch.manual_seed(t.seed)
+    model = MoEForCausalLM(mcfg).to(dev)
+    model.set_activation_checkpoint(t.activation_checkpoint)
+    if t.compile:  # as lrmoe train --compile: all but the routed experts
+        compile_model(model)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    opts = BackwardOptions(estimator=cfg.estimator, router_grad=policy_router_grad(name, cfg))
+    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
+    # fits is out of memory: the run stops there (OutOfMemory)
+    em = Emulator(model, G, policy, opts, planner_ledger, sync, rec_ledger)
+    opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
+                          host=dev, router_lr_scale=t.router_lr_scale,
+                          compute_dtype=torch.bfloat16 if dev.type == "cuda" else None)
+    sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)
+    offload = None
+    if t.optimizer_offload == "host":
+        from lrmoe.sim.offload import OffloadModel, policy_layout
+        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
+                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
+                               policy_layout(name))
         note += f", optimizer offload to host ({offload.layout} layout)"
-    res = {"policy": name, "config": note, "steps": rows, "evals": evals,
+    return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
+                      ParallelContext(device=dev), dev, sync, ledger, offload, note)
+
+
+def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
+                ) -> tuple[list[tuple], float, float]:
+    """One optimizer step as the trainer makes it: ``(micro, optimizer wall, loss)``,
+    ``micro`` per micro-batch ``(its layers' stats, its wall from batch fetch to after
+    its backward, its routed experts' wall)``, timed with the device synchronised."""
+    from lrmoe.train.accum import accumulate, update
+    from lrmoe.train.offload import last_backward_hook
+
+    run.em.set_step(step)
+    run.opt.zero_grad(set_to_none=True)
+    micro, clock, N = [], {}, t.grad_accum
+
+    def on_micro(m: int, pair) -> None:
+        run.sync()
+        if pair is None:
+            run.em.wall, clock["t0"] = 0.0, time.perf_counter()
+            return
+        micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
+        release_graph(run.model)  # the aux losses hold the step's graph
+    # profiler ranges (free without a profiler): the step and its phases, which
+    # benchmarks/non_moe_profile.py reads
+    with _phase("step"):
+        # micro-batch m of step s: global batch s * N + m (the trainer's order)
+        sums = accumulate(run.model, lambda m: batches.batch(step * N + m).to(run.dev), N,
+                          run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
+        t0 = time.perf_counter()
+        update(run.model, run.opt, run.sched, t.clip, run.ctx)
+        run.sync()
+    opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
+    if not math.isfinite(loss):
+        raise LrmoeError(f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
+    return micro, opt_wall, loss
+
+
+def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed: str | None,
+                   oom: dict | None) -> dict:
+    """A policy's result: its rows and evaluations, their totals and its verdict."""
+    dev = run.dev
+    res = {"policy": run.name, "config": run.note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
-           "routing_trace": trace, "failed": failed, "out_of_memory": oom,
-           "_counts_GE": trace_GE, "_counts_E_micro": micro_E,
+           "failed": failed, "out_of_memory": oom,
            # every virtual rank at once on one device: whether the emulation fits the
            # device, not a rank's memory (that is the ledger's)
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
@@ -552,12 +591,12 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
         res["replicas_given_up"] = given_up_totals(rows)
         res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
         res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
-    if ledger is not None and rows:
+    if run.ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
         res["rungs"] = rung_totals(rows)
     if failed:
         res["budget_status"] = failed
-    elif ledger is not None:
+    elif run.ledger is not None:
         res["budget_status"] = "fits" + _rung_note(res["rungs"])
     return res
 
@@ -762,21 +801,27 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
         return _bench_ttl(cfg, log, on_policy)
 
 
+@dataclass
+class _Data:
+    """What every policy's run reads: the model config (vocabulary from the tokenizer),
+    the corpus, its training and validation batches."""
+
+    mcfg: object
+    corpus: object
+    batches: object
+    val_b: list
+
+
 def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
-    from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
-    from lrmoe.tokenizer import check_vocab, load_tokenizer
     from lrmoe.train.config import resolve_model_config
-    from lrmoe.train.loop import val_windows
 
     check_ttl_config(cfg)
     G = cfg.train.ep
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
     variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
     link = get_link(cfg.link)
-    tc = cfg.train
-    mcfg = resolve_model_config(tc, vocab_size=None)
+    mcfg = resolve_model_config(cfg.train, vocab_size=None)
     require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
                                        f"{mcfg.num_experts}")
     ledger, rule = None, None
@@ -785,63 +830,110 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
-    corpus = load_corpus(cfg.train.data, max_bytes=cfg.train.max_data_bytes)
+    data = _load_data(cfg)
+    first, reused = _probe(cfg, data, policies)
+    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log))
+        ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
+        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
+    results, profile = {}, None
+    for p in policies:
+        if p in reused:
+            log(f"[{p}] reused from {cfg.reuse}")
+            results[p] = reused[p]
+        else:
+            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, first, link,
+                                             log, profile, rule)
+            if p == "static":  # symi's profile: static's routing and GEMM rate
+                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
+                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
+                                            data.mcfg.hidden_size,
+                                            data.mcfg.moe_intermediate_size)
+                profile = (*_profile(counts_GE), rate)
+        if on_policy is not None:
+            on_policy(p, results[p])
+    target = _reach_target(cfg, results)
+    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
+              if variants[p][0] == "lrmoe"}
+    offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
+    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
+            "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
+            "budget_bytes": None if ledger is None else ledger.budget_bytes,
+            "budget_rule": None if rule is None else rule.record(),
+            "offload_model": offload_model, "target": target,
+            "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
+            "ratios_over_symi_time_to_target_emulated": ratios,
+            "measured_vs_modelled": __doc__, "policies": results}
+
+
+def _load_data(cfg: TTLConfig) -> _Data:
+    """The corpus (byte tokenizer), the model config with its vocabulary, the training
+    batches and the validation batches, as ``lrmoe train`` reads them."""
+    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
+    from lrmoe.tokenizer import check_vocab, load_tokenizer
+    from lrmoe.train.config import resolve_model_config
+    from lrmoe.train.loop import val_windows
+
+    t = cfg.train
+    corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
     train_ids, val_ids = build_token_streams(corpus, tok)
-    mcfg = resolve_model_config(tc, vocab_size=tok.vocab_size)
+    mcfg = resolve_model_config(t, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
-    batches = PackedBatches(train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed)
-    k = val_windows(val_ids.numel(), cfg.train.seq_len, cfg.train.batch_size, cfg.train.eval_batches, 1)
-    val_b = validation_batches(val_ids, cfg.train.seq_len, cfg.train.batch_size, num_windows=k)
+    batches = PackedBatches(train_ids, t.seq_len, t.batch_size, t.seed)
+    k = val_windows(val_ids.numel(), t.seq_len, t.batch_size, t.eval_batches, 1)
+    val_b = validation_batches(val_ids, t.seq_len, t.batch_size, num_windows=k)
+    return _Data(mcfg, corpus, batches, val_b)
 
-    torch.manual_seed(cfg.train.seed)
-    probe = MoEForCausalLM(mcfg).to(cfg.train.device)
+
+def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict]:
+    """``(first, reused)``: the first batch's routed counts on the seed's initial model
+    (every policy's first plan sees them) and the ``--reuse`` file's results checked
+    against that model's validation loss; the process is warmed up on the way."""
+    from lrmoe.model import MoEForCausalLM
     from lrmoe.train.loop import make_autocast
-    autocast = make_autocast(torch.device(cfg.train.device))
+
+    t, G = cfg.train, cfg.train.ep
+    dev = torch.device(t.device)
+    torch.manual_seed(t.seed)
+    probe = MoEForCausalLM(data.mcfg).to(t.device)
+    autocast = make_autocast(dev)
     reused = {}
     if cfg.reuse:
-        v0 = _val_eval(probe, val_b, torch.device(cfg.train.device), autocast)["val_loss"]
+        v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, policies, v0)
         probe.train()
-    first = routed_counts(probe, batches.batch(0).to(cfg.train.device), G)
-    warm_up(probe, G, batches.batch(0).to(cfg.train.device), autocast, cfg.train.compile)
+    first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
+    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile)
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
     gc.collect()
+    return first, reused
 
-    results, profile = {}, None
-    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, mcfg, batches, val_b, first, link, log))
-        ledger = budget_ledger(cfg, mcfg, rule.budget_bytes)
-        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
-            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
-    for p in policies:
-        base, vcfg = variants[p]
-        if p in reused:
-            log(f"[{p}] reused from {cfg.reuse}")
-            results[p] = reused[p]
-            if on_policy is not None:
-                on_policy(p, results[p])
-            continue
-        results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
-                                profile)
-        results[p]["policy"] = p
-        counts_GE = results[p].pop("_counts_GE")
-        results[p].pop("_counts_E_micro")
-        if rule is not None:  # with each result: --reuse takes it with the policy
-            results[p]["budget_rule"] = rule.record()
-        if p == "static":
-            from lrmoe.sim.ttl_symi import calibrated_gemm_rate
-            rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
-                                        mcfg.moe_intermediate_size)
-            profile = (*_profile(counts_GE), rate)
-        gc.collect()
-        if cfg.train.device == "cuda":
-            torch.cuda.empty_cache()
-        if on_policy is not None:
-            on_policy(p, results[p])
+
+def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,
+             first, link, log, profile, rule) -> tuple[dict, list]:
+    """Policy ``spec``'s result (its counts taken out) and its per-home counts."""
+    base, vcfg = variant
+    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, first, link,
+                     log, profile)
+    res["policy"] = spec
+    counts_GE = res.pop("_counts_GE")
+    res.pop("_counts_E_micro")
+    if rule is not None:  # with each result: --reuse takes it with the policy
+        res["budget_rule"] = rule.record()
+    gc.collect()
+    if cfg.train.device == "cuda":
+        torch.cuda.empty_cache()
+    return res, counts_GE
+
+
+def _reach_target(cfg: TTLConfig, results: dict) -> dict:
+    """The target (module docstring) and, on each result, its steps and time to it (none
+    for a run that stopped) and its mean step; returns the report's ``target``."""
     from lrmoe.sim.target import crossing, eval_noise, target_at
 
     w = cfg.smooth_window
@@ -859,23 +951,12 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                 r[k] = None
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
-    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
-              if variants[p][0] == "lrmoe"}
-    ratio = ratios.get("lrmoe")
-    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
-            "model": mcfg.to_hf_dict(), "data": corpus.source,
-            "budget_bytes": None if ledger is None else ledger.budget_bytes,
-            "budget_rule": None if rule is None else rule.record(),
-            "offload_model": None if cfg.train.optimizer_offload != "host" else offload_assumptions(),
-            "target": {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
-                       "smooth_window": w, "noise": eval_noise(base, at, w),
-                       "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],
-                       "rtol": cfg.target_rtol,
-                       "rule": "static's val curve smoothed (centred mean of smooth_window "
-                               "evals) at step ceil(fraction * steps); a policy reaches it "
-                               "where its smoothed curve first does (linear between evals); "
-                               "raw_*: static's val at its first eval at or after that step, "
-                               "reached at the first eval <= target*(1+rtol)"},
-            "ratio_lrmoe_over_symi_time_to_target_emulated": ratio,
-            "ratios_over_symi_time_to_target_emulated": ratios,
-            "measured_vs_modelled": __doc__, "policies": results}
+    return {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
+            "smooth_window": w, "noise": eval_noise(base, at, w),
+            "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],
+            "rtol": cfg.target_rtol,
+            "rule": "static's val curve smoothed (centred mean of smooth_window "
+                    "evals) at step ceil(fraction * steps); a policy reaches it "
+                    "where its smoothed curve first does (linear between evals); "
+                    "raw_*: static's val at its first eval at or after that step, "
+                    "reached at the first eval <= target*(1+rtol)"}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lrmoe.errors import LrmoeError
+from lrmoe.parallel.options import ESTIMATORS, METRICS
 from lrmoe.policy.lrmoe import PLACEMENTS
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
 
@@ -74,11 +75,6 @@ def _bytes(name: str, v: Any) -> None:
     if v is not None:
         from lrmoe.ledger import parse_bytes
         parse_bytes(v)
-
-
-def _metric(name: str, v: Any) -> None:
-    from lrmoe.parallel.select import METRICS
-    check_choice(name, v, tuple(METRICS))
 
 
 def on_off(v: str) -> bool:
@@ -157,11 +153,12 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
        "first micro-batch's counts or from the previous step's",
        lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
        metavar="|".join(PLACEMENTS)),
-    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate", _metric,
+    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate",
+       lambda n, v: check_choice(n, v, tuple(METRICS)),
        "backward.metric", metavar="grad_norm|gate"),
     _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
        "(Horvitz-Thompson, unbiased over the retained pairs)",
-       lambda n, v: check_choice(n, v, ("topk", "sampled")), "backward.estimator",
+       lambda n, v: check_choice(n, v, ESTIMATORS), "backward.estimator",
        metavar="topk|sampled"),
     _k("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
        lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),

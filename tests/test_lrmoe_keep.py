@@ -42,3 +42,15 @@ def test_auto_floor_reaches_the_plan():
     assert p.min_keep_by_layer[0] == pytest.approx(1.0)
     assert high >= low
     assert high == counts.sum()  # floor 1: every pair selected
+
+
+def test_the_trainer_hands_the_ranks_mean_cosine_to_the_policy():
+    from lrmoe.train.loop import _observe_fidelity
+
+    p = LrmoePolicy(LrmoeConfig(keep="auto", min_keep=0.5, target_cosine=0.95))
+    per_rank = [{0: {"fidelity_cosine": 0.7}, 1: {}}, {0: {"fidelity_cosine": 0.9}, 1: {}}]
+    _observe_fidelity(p, {0: {"fidelity_cosine": 0.7}, 1: {}}, per_rank)
+    assert p.min_keep_by_layer == {0: pytest.approx(0.6)}  # mean 0.8 < 0.95: keep more
+    static = make_policy(PolicyConfig(), ModelConfig(num_experts=8), 2)
+    _observe_fidelity(static, {0: {"fidelity_cosine": 0.7}}, per_rank[:1])  # ignored
+    assert static.state_dict() == {}

@@ -65,12 +65,13 @@ def load(path: str, a) -> tuple[dict, TTLConfig, int | None]:
             c = rep.get("config", {})
             require(c.get("grad_accum", 1) == 1, f"{run}: {c.get('grad_accum')} micro-batches a "
                     "step: the trace sums them, the ledger prices one")
-            cfg = TTLConfig(ep=trace["ep"], device=c.get("device", "cpu"),
-                            optimizer_offload=c.get("optimizer_offload", "device"),
-                            router_grad=c.get("router_grad", "home"))
+            cfg = TTLConfig.from_flat(ep=trace["ep"], device=c.get("device", "cpu"),
+                                      optimizer_offload=c.get("optimizer_offload", "device"),
+                                      router_grad=c.get("router_grad", "home"))
             return trace, cfg, rep.get("budget_bytes")
-    return trace, TTLConfig(ep=trace["ep"], device=a.device, optimizer_offload=a.optimizer_offload,
-                            router_grad=a.router_grad), None
+    return trace, TTLConfig.from_flat(ep=trace["ep"], device=a.device,
+                                      optimizer_offload=a.optimizer_offload,
+                                      router_grad=a.router_grad), None
 
 
 def rows_fit(ledger, plan, budget: int) -> bool:
@@ -90,7 +91,7 @@ def least(ledger, plan, lo: int, hi: int) -> int:
 
 def floors(trace: dict, cfg: TTLConfig, mcfg: ModelConfig) -> dict:
     led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
-    G, home = cfg.ep, trace["tokens_per_rank"] * mcfg.num_experts_per_tok
+    G, home = cfg.train.ep, trace["tokens_per_rank"] * mcfg.num_experts_per_tok
     plans = [native_plan(counts_matrix(cE, G, home)) for step in trace["steps"] for cE in step]
     require(plans, "the trace has no steps")
     peak = [max(t["total"] for t in led.rank_terms(p)) for p in plans]
@@ -104,8 +105,8 @@ def floors(trace: dict, cfg: TTLConfig, mcfg: ModelConfig) -> dict:
             fit = least(led, p, fit, min(pk, lc))
     led.budget_bytes = None
     return dict(steps=len(trace["steps"]), moe_layers_traced=len(trace["steps"][0]),
-                moe_layers_priced=led.L, ep=G, dtype="bf16" if cfg.device == "cuda" else "fp32",
-                optimizer_offload=cfg.optimizer_offload, router_grad=cfg.router_grad,
+                moe_layers_priced=led.L, ep=G, dtype="bf16" if cfg.train.device == "cuda" else "fp32",
+                optimizer_offload=cfg.train.optimizer_offload, router_grad=cfg.train.router_grad,
                 as_is=max(peak), row_floor=row, F=max(lay), fit_floor=fit)
 
 

@@ -39,6 +39,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime  # noqa: E402
 from lrmoe.model.router import Routing  # noqa: E402
 from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
 from lrmoe.parallel.exchange import BackwardOptions  # noqa: E402
+from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import Plan, full_plan  # noqa: E402
 
 SHAPES = {
@@ -81,7 +82,7 @@ class FixedRouter(nn.Module):
         return Routing(self.idx, g / g.sum(-1, keepdim=True), None)
 
 
-class KeepPolicy:
+class KeepPolicy(Policy):
     """Static placement, everything retained, ``keep`` of each block selected (ceil)."""
 
     def __init__(self, keep: float):

@@ -374,7 +374,7 @@ def run(cfg, profile: bool, log) -> tuple[dict, dict | None]:
     from lrmoe.sim.ttl import bench_ttl
     if not profile:
         return bench_ttl(cfg, log=log), None
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.train.device == "cuda" else [])
     with instrumented(), prof_(activities=acts) as p:
         rep = bench_ttl(cfg, log=log)
     with tempfile.TemporaryDirectory() as d:
@@ -441,10 +441,9 @@ def _floor_line(fl: dict, measured_ms: float, G: int) -> str:
 
 
 def _model_config(cfg):
-    from lrmoe.train.config import TrainConfig, resolve_model_config
+    from lrmoe.train.config import resolve_model_config
 
-    return resolve_model_config(TrainConfig.from_flat(preset=cfg.preset, config=cfg.config),
-                                vocab_size=None)
+    return resolve_model_config(cfg.train, vocab_size=None)
 
 
 def param_split(cfg) -> dict[str, int]:
@@ -489,11 +488,11 @@ def main(argv: list[str] | None = None) -> None:
         raise LrmoeError(f"--steps {a.steps} must exceed --skip {a.skip} (>= 0)")
     check_device(a.device)
     out = out_dir(a.out)
-    base = TTLConfig(preset=a.preset or None, config=a.config or None, ep=a.ep,
-                     policies=("static",), mem_budget=a.mem_budget or None, steps=a.steps,
-                     batch_size=a.batch_size, seq_len=a.seq_len, lr=1e-3, device=a.device,
-                     eval_every=0, eval_batches=8, seed=a.seed, link="nvlink",
-                     deterministic=not a.no_deterministic)
+    base = TTLConfig.from_flat(
+        preset=a.preset or None, config=a.config or None, ep=a.ep, policies=("static",),
+        mem_budget=a.mem_budget or None, steps=a.steps, batch_size=a.batch_size,
+        seq_len=a.seq_len, lr=1e-3, device=a.device, eval_every=0, eval_batches=8,
+        seed=a.seed, link="nvlink", deterministic=not a.no_deterministic)
     G, t0 = a.ep, time.perf_counter()
     params = param_split(base)
     floor = flop_floor(_model_config(base), a.batch_size, a.seq_len, dense_tflops(a.device))
@@ -504,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{time.perf_counter() - t0:.0f}s] {msg}", flush=True)
     for off in offloads:
         log(f"offload {off}: profiled run")
-        rep, trace = run(replace(base, optimizer_offload=off), True, log)
+        rep, trace = run(replace(base, train=replace(base.train, optimizer_offload=off)), True, log)
         an = analyse(trace, a.skip)
         s = an["steps"]
         mean = {k: sum(x[k] for x in s) / len(s) for k in

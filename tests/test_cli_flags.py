@@ -85,7 +85,7 @@ def test_flat_flags_nest_and_flatten():
     cfg = config_from_cli(given)
     pc = cfg.policy
     assert isinstance(pc, PolicyConfig) and pc.name == "lrmoe" and pc.slots_per_rank == 5
-    assert (pc.lrmoe.min_keep, pc.lrmoe.selection, pc.lrmoe.metric) == (0.25, False, "gate")
+    assert (pc.lrmoe.min_keep, pc.lrmoe.selection, pc.backward.metric) == (0.25, False, "gate")
     assert pc.capacity_factor == 2.0
     flat = cfg.flat()
     assert {k: flat[k] for k in given} == given
@@ -118,10 +118,10 @@ def test_resume_reads_a_config_saved_before_the_nesting(tmp_path):
            "lrmoe_keep": "auto", "lrmoe_target_cosine": 0.95}
     (tmp_path / RUN_CONFIG).write_text(json.dumps({"format": RUN_FORMAT, "train": old}))
     cfg = config_from_cli({"out": str(tmp_path), "resume": True})
-    lc = cfg.policy.lrmoe
+    lc, bw = cfg.policy.lrmoe, cfg.policy.backward
     assert (cfg.policy.name, cfg.policy.slots_per_rank, cfg.steps) == ("lrmoe", 6, 7)
-    assert (lc.recompute, lc.placement, lc.metric, lc.estimator, lc.min_keep, lc.balance,
-            lc.compaction, lc.fidelity_every, lc.keep, lc.target_cosine) == (
+    assert (lc.recompute, lc.placement, bw.metric, bw.estimator, lc.min_keep, lc.balance,
+            bw.compaction, cfg.policy.fidelity.every, lc.keep, lc.target_cosine) == (
         True, "previous", "gate", "sampled", 0.3, 0.5, False, 2, "auto", 0.95)
     flat = cfg.flat()
     assert {k: flat[k] for k in old if k != "preset"} == {k: v for k, v in old.items()

@@ -25,6 +25,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime, host_stats
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
+from lrmoe.policy.base import Policy
 from lrmoe.presets import get_preset
 from references.moe import moe_layer_reference
 
@@ -102,7 +103,7 @@ def test_compiled_model_matches_eager():
 T, H, E, K, F = 12, 16, 8, 2, 8
 
 
-class _ReplicaPolicy:
+class _ReplicaPolicy(Policy):
     name = "replica-test"
 
     def plan(self, counts_GE, inputs):

@@ -20,6 +20,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
+from lrmoe.policy.base import Policy
 from lrmoe.policy.static import StaticPolicy
 
 pytestmark = pytest.mark.dist
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.dist
 T, H, E, K, F = 12, 16, 8, 2, 8
 
 
-class ReplicaPolicy:
+class ReplicaPolicy(Policy):
     """Natives plus two replicas of the hottest experts on the coldest ranks."""
 
     name = "replica-test"

@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lrmoe.policy.base import Policy
+
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,7 +486,7 @@ def _trimmed_worker(rank: int, world: int, case: str) -> None:
             probs = torch.softmax(x @ self.weight.t(), dim=-1)
             return Routing(self.idx, probs.gather(1, self.idx), None)
 
-    class HalfOnRankZero:  # natives; only rank 0's instances keep half their pairs
+    class HalfOnRankZero(Policy):  # natives; only rank 0's instances keep half their pairs
         name = "half-on-rank-0"
 
         def plan(self, counts_GE, inputs):
@@ -495,7 +497,7 @@ def _trimmed_worker(rank: int, world: int, case: str) -> None:
 
     plans = []
 
-    class Recording:
+    class Recording(Policy):
         name = "recording"
 
         def __init__(self, inner):

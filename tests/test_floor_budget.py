@@ -63,7 +63,7 @@ def least_budget(trace: dict, cfg: TTLConfig, lo: int, hi: int, n: int = 200):
 
 
 def test_floor_is_the_least_budget_fit_exact_accepts():
-    trace, cfg = synthetic(), TTLConfig(ep=G, device="cuda")
+    trace, cfg = synthetic(), TTLConfig.from_flat(ep=G, device="cuda")
     r = fb.floors(trace, cfg, get_preset("tiny-qwen3"))
     assert r["F"] < r["row_floor"] < r["as_is"]  # the checkpoint is static's cheapest fallback
     b, step, fits = least_budget(trace, cfg, r["F"] // 2, r["as_is"])

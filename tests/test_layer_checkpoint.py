@@ -25,7 +25,7 @@ from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.groups import ParallelContext, shard_experts
-from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.plan import full_plan, layer_checkpoint_plan
 from lrmoe.policy.static import StaticPolicy, native_placement
@@ -40,7 +40,7 @@ def _cfg(layers: int = 1) -> ModelConfig:
                        num_experts_per_tok=K, num_hidden_layers=layers, intermediate_size=32)
 
 
-class Checkpointed:
+class Checkpointed(Policy):
     """``inner``'s plan, whole-layer checkpointed (or not, ``on=False``)."""
 
     def __init__(self, inner, on: bool = True):
@@ -51,7 +51,7 @@ class Checkpointed:
         return dataclasses.replace(p, layer_checkpoint=self.on)
 
 
-class Replicas:
+class Replicas(Policy):
     name = "replica-test"
 
     def plan(self, counts_GE, inputs):

@@ -21,7 +21,7 @@ from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoeConfig, LrmoePolicy, PlanInputs, SymiPolicy
 from lrmoe.policy.base import prepare
 from lrmoe.policy.link_cost import plan_seconds
-from lrmoe.policy.lrmoe import plan_lrmoe_placed
+from lrmoe.policy.lrmoe import plan_lrmoe
 from lrmoe.policy.lrmoe_link import natives_GS
 from lrmoe.presets import get_preset
 from lrmoe.sim.analytic import modelled_stats
@@ -115,8 +115,8 @@ def test_replicas_not_worth_their_link_are_not_placed():
 
 def _static_trimmed(counts, ledger, S):
     """lrmoe's plan on static's placement (its retention and trimming, no replica)."""
-    return plan_lrmoe_placed(counts, LrmoeConfig(), ledger, natives_GS(counts.shape[0], S, E),
-                             hold=True)[0]
+    return plan_lrmoe(counts, LrmoeConfig(), ledger, natives_GS(counts.shape[0], S, E),
+                             hold=True, ladder=False).plan
 
 
 @pytest.mark.parametrize("placement", ["current", "previous"])

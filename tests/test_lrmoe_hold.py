@@ -14,7 +14,7 @@ import torch
 from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoeConfig, LrmoePolicy, PlanInputs
 from lrmoe.policy.base import prepare
-from lrmoe.policy.lrmoe import place_lrmoe, plan_lrmoe_placed, previous_totals
+from lrmoe.policy.lrmoe import place_lrmoe, plan_lrmoe, previous_totals
 from lrmoe.presets import get_preset
 from lrmoe.sim.links import LINKS, link_cost
 from test_planner_fast import _budget, _counts
@@ -46,19 +46,19 @@ def test_step_placement_is_micro_batch_zeros_and_held(G):
     micro = _micro(G, G, 4)
     ledger = Ledger.for_dtype(MCFG, G, _budget(MCFG, G, micro[0], 0.5), "bf16")
     plans = _step(LrmoePolicy(cfg), micro, step=3, ledger=ledger)
-    first = plan_lrmoe_placed(micro[0], dataclasses.replace(cfg, placement="current"),
-                              ledger)[0]
+    first = plan_lrmoe(micro[0], dataclasses.replace(cfg, placement="current"),
+                              ledger, ladder=False).plan
     assert torch.equal(plans[0].inst_expert_GS, first.inst_expert_GS)
     assert plans[0].num_replicas() > 0
     for c, p in zip(micro[1:], plans[1:]):
         p.check(c)
         assert torch.equal(p.inst_expert_GS, first.inst_expert_GS)
         # its own split, quotas and selection on the held placement
-        want = plan_lrmoe_placed(c, cfg, ledger, first.inst_expert_GS.numpy(), hold=True)[0]
+        want = plan_lrmoe(c, cfg, ledger, first.inst_expert_GS.numpy(), hold=True, ladder=False).plan
         for f in ("assign_GGS", "retain_GGS", "select_GGS"):
             assert torch.equal(getattr(p, f), getattr(want, f))
         # ... which is not the placement its own counts would get
-    assert any(not torch.equal(plan_lrmoe_placed(c, cfg, ledger)[0].inst_expert_GS,
+    assert any(not torch.equal(plan_lrmoe(c, cfg, ledger, ladder=False).plan.inst_expert_GS,
                                first.inst_expert_GS) for c in micro[1:])
 
 

@@ -9,12 +9,13 @@ import torch
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
+from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset
 from references.moe import moe_layer_reference
 
 
-class ReplicaPolicy:
+class ReplicaPolicy(Policy):
     name = "replicas"
 
     def plan(self, counts, inputs):
@@ -23,7 +24,7 @@ class ReplicaPolicy:
         return full_plan(counts, ie)
 
 
-class PartialPolicy:
+class PartialPolicy(Policy):
     name = "partial"
 
     def plan(self, counts, inputs):
@@ -118,7 +119,7 @@ def test_fidelity_monitor_compares_with_the_exact_gradient(layer):
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)  # forward unchanged
 
 
-class HalfSelectPolicy:
+class HalfSelectPolicy(Policy):
     """Static placement, everything retained, the top 60% (ceil) of each expert selected."""
 
     name = "half-select"
@@ -176,7 +177,7 @@ def test_compacted_backward_equals_masking_reference(layer):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-class TrimmedRetentionPolicy:
+class TrimmedRetentionPolicy(Policy):
     """Natives only; each expert retains (and selects) 60% of its pairs: on one rank
     the kept pairs must be each expert's highest-gate ones."""
 

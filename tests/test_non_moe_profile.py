@@ -164,8 +164,8 @@ def test_bench_ttl_emits_the_ranges_it_times(tmp_path):
     layer and step, and the analysed non-MoE time is close to the recorded one."""
     from lrmoe.sim.ttl import TTLConfig
 
-    cfg = TTLConfig(preset="tiny-qwen3", ep=2, policies=("static",), steps=2, batch_size=4,
-                    seq_len=16, eval_every=0, eval_batches=1, max_data_bytes=2**16)
+    cfg = TTLConfig.from_flat(preset="tiny-qwen3", ep=2, policies=("static",), steps=2,
+                              batch_size=4, seq_len=16, eval_every=0, eval_batches=1, max_data_bytes=2**16)
     rep, trace = nm.run(cfg, True, lambda m: None)
     tr = nm.Trace(trace)
     steps = tr.named("ttl:step")

@@ -217,10 +217,10 @@ def test_bench_ttl_with_offload(tmp_path, capsys):
     mcfg = get_preset("tiny-qwen3")
     trace = json.loads((out / "routing_trace_static.json").read_text())["steps"]
     counts = [[torch.tensor(c) for c in step] for step in trace]
-    cfg = TTLConfig(ep=2, batch_size=4, seq_len=32, optimizer_offload="host")
+    cfg = TTLConfig.from_flat(ep=2, batch_size=4, seq_len=32, optimizer_offload="host")
     F = floor_of_run(cfg, mcfg, counts)
     assert rep["budget_rule"]["floor_bytes"] == F and rep["budget_bytes"] == int(1.1 * F)
-    assert F < floor_of_run(TTLConfig(ep=2, batch_size=4, seq_len=32), mcfg, counts)
+    assert F < floor_of_run(TTLConfig.from_flat(ep=2, batch_size=4, seq_len=32), mcfg, counts)
     a = [s["train_loss"] for s in rep["policies"]["static"]["steps"]]
     b = [s["train_loss"] for s in rep["policies"]["symi"]["steps"]]
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ from lrmoe.errors import OutOfMemory
 from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.ledger_view import plan_exact_fit
-from lrmoe.policy.lrmoe import LrmoeConfig, fit_lrmoe
+from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.lrmoe_ladder import RUNGS
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.presets import get_preset
@@ -42,7 +42,7 @@ def _lowest(ok, hi: int) -> int:
 
 def _lrmoe(counts, led):
     try:
-        return fit_lrmoe(counts, LrmoeConfig(), led)[0]
+        return plan_lrmoe(counts, LrmoeConfig(), led).plan
     except OutOfMemory:
         return None
 
@@ -80,7 +80,7 @@ def test_lrmoe_finds_a_plan_down_to_statics_whole_layer_floor(preset, T, G, L, s
                   is not None, floor)
     assert own <= floor
     with pytest.raises(OutOfMemory, match="no plan fits mem_budget at any rung") as e:
-        fit_lrmoe(counts, LrmoeConfig(), dataclasses.replace(free, budget_bytes=own - 1))
+        plan_lrmoe(counts, LrmoeConfig(), dataclasses.replace(free, budget_bytes=own - 1))
     assert e.value.budget_bytes == own - 1 < e.value.needs_bytes
 
 
@@ -98,9 +98,9 @@ def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
     floor = _lowest(lambda b: plan_exact_fit(dataclasses.replace(free, budget_bytes=b),
                                              static)[0] != "over", 1 << 40)
     led = dataclasses.replace(free, budget_bytes=floor)
-    assert fit_lrmoe(counts, LrmoeConfig(), led)[0].rung == "layer"
+    assert plan_lrmoe(counts, LrmoeConfig(), led).plan.rung == "layer"
     with pytest.raises(OutOfMemory, match="recompute-natives\\)") as e:
-        fit_lrmoe(counts, LrmoeConfig(whole_layer=False), led)
+        plan_lrmoe(counts, LrmoeConfig(whole_layer=False), led)
     assert e.value.needs_bytes > e.value.budget_bytes == floor
     pol = build_policy(TrainConfig.from_flat(preset="tiny-qwen3", policy="lrmoe", ep=1), cfg, 1)
     assert pol.config.whole_layer is True

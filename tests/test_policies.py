@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
+from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
@@ -173,7 +174,7 @@ def test_capacity_rounding():
 # ---------------------------------------------------------------------- lrmoe
 def test_lrmoe_unbounded_no_selection_is_exact():
     counts = _skewed(4, 16, 1)
-    plan = plan_lrmoe(counts, LrmoeConfig(selection=False))
+    plan = plan_lrmoe(counts, LrmoeConfig(selection=False), ladder=False).plan
     plan.check(counts)
     assert plan.exact
     assert plan.num_replicas() > 0
@@ -184,24 +185,24 @@ def test_lrmoe_unbounded_no_selection_is_exact():
 def test_lrmoe_huge_budget_retains_everything():
     cfg = _cfg()
     counts = _skewed(4, 16, 2)
-    plan = plan_lrmoe(counts, LrmoeConfig(selection=False), Ledger(cfg, 4, 2**50))
+    plan = plan_lrmoe(counts, LrmoeConfig(selection=False), Ledger(cfg, 4, 2**50), ladder=False).plan
     assert plan.exact
 
 
 def test_lrmoe_balance_zero_selects_all_retained():
     counts = _skewed(4, 16, 2)
-    plan = plan_lrmoe(counts, LrmoeConfig(balance=0.0))
+    plan = plan_lrmoe(counts, LrmoeConfig(balance=0.0), ladder=False).plan
     assert torch.equal(plan.select_GGS, plan.retain_GGS)
 
 
 def test_lrmoe_max_replicas_and_slots():
     counts = _skewed(4, 16, 4)
-    assert plan_lrmoe(counts, LrmoeConfig(max_replicas_per_step=0)).num_replicas() == 0
-    assert plan_lrmoe(counts, LrmoeConfig(max_replicas_per_step=2)).num_replicas() <= 2
-    p = plan_lrmoe(counts, LrmoeConfig(max_slots_per_rank=4))
+    assert plan_lrmoe(counts, LrmoeConfig(max_replicas_per_step=0), ladder=False).plan.num_replicas() == 0
+    assert plan_lrmoe(counts, LrmoeConfig(max_replicas_per_step=2), ladder=False).plan.num_replicas() <= 2
+    p = plan_lrmoe(counts, LrmoeConfig(max_slots_per_rank=4), ladder=False).plan
     assert p.num_replicas() == 0 and p.S == 4
     with pytest.raises(LrmoeError, match="max_slots_per_rank=3"):
-        plan_lrmoe(counts, LrmoeConfig(max_slots_per_rank=3))
+        plan_lrmoe(counts, LrmoeConfig(max_slots_per_rank=3), ladder=False)
 
 
 def _check_lrmoe(plan, counts, cfg: LrmoeConfig, ledger):
@@ -231,9 +232,9 @@ def test_lrmoe_properties(GE, seed, balance, min_keep, slack, extra, selection):
     full = max(t["total"] for t in base.rank_terms(full_plan(counts, native_placement(G, E))))
     budget = int(floor + slack * (full - floor))
     ledger = Ledger(mcfg, G, budget)
-    plan = plan_lrmoe(counts, cfg, ledger)
+    plan = plan_lrmoe(counts, cfg, ledger, ladder=False).plan
     _check_lrmoe(plan, counts, cfg, ledger)
-    assert torch.equal(plan_lrmoe(counts, cfg, ledger).select_GGS, plan.select_GGS)
+    assert torch.equal(plan_lrmoe(counts, cfg, ledger, ladder=False).plan.select_GGS, plan.select_GGS)
     if not selection:
         assert torch.equal(plan.select_GGS, plan.retain_GGS)
     if balance == 1.0 and selection:
@@ -251,26 +252,29 @@ def test_lrmoe_infeasible_budget():
     counts = _skewed(4, 16, 5)
     ledger = Ledger(mcfg, 4)
     floor = max(t["total"] for t in ledger.feasible_minimum(counts))
-    plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor))  # the natives-only floor fits
+    plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor), ladder=False)  # the natives' floor fits
     # Just below it, replicas take pairs (and buffer bytes) off the hot rank: it still fits.
     tight = Ledger(mcfg, 4, floor - 1)
-    plan = plan_lrmoe(counts, LrmoeConfig(), tight)
+    plan = plan_lrmoe(counts, LrmoeConfig(), tight, ladder=False).plan
     assert plan.num_replicas() > 0
     assert max(t["total"] for t in tight.rank_terms(plan)) <= floor - 1
     # Below the owned optimizer state no placement can help: a clear error.
     owned = ledger.owner_bytes()
     with pytest.raises(LrmoeError, match="short by") as ei:
-        plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, owned - 1))
+        plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, owned - 1), ladder=False)
     assert "rank" in str(ei.value)
 
 
 def test_lrmoe_config_validation():
     for kw, field in [(dict(balance=1.5), "balance"), (dict(min_keep=-0.1), "min_keep"),
-                      (dict(estimator="x"), "estimator"), (dict(retention_order="x"),
-                                                            "retention_order"),
+                      (dict(keep="x"), "keep"), (dict(placement="x"), "placement"),
                       (dict(max_replicas_per_step=-1), "max_replicas_per_step")]:
         with pytest.raises(LrmoeError, match=field):
             LrmoeConfig(**kw)
+    for kw, field in [(dict(estimator="x"), "estimator"), (dict(metric="x"), "metric"),
+                      (dict(router_grad="x"), "router_grad")]:
+        with pytest.raises(LrmoeError, match=field):
+            BackwardOptions(**kw)
 
 
 # ---------------------------------------------------------------------- registry
@@ -461,15 +465,15 @@ def test_lrmoe_recompute_retains_more_within_budget(seed):
     G, E = 4, cfg.num_experts
     counts = _skewed(G, E, seed)
     free = Ledger(cfg, G)
-    terms = free.rank_terms(plan_lrmoe(counts, LrmoeConfig(), free))
+    terms = free.rank_terms(plan_lrmoe(counts, LrmoeConfig(), free, ladder=False).plan)
     need = max(t["total"] for t in terms)
     ret = max(t["retained_acts"] for t in terms)
     short = 0
     # below the unbounded plan's need by a quarter and a half of its retained activations
     for budget in (need - ret // 2, need - ret // 4):
         led = Ledger(cfg, G, budget)
-        a = plan_lrmoe(counts, LrmoeConfig(), led)
-        b = plan_lrmoe(counts, LrmoeConfig(recompute=True), led)
+        a = plan_lrmoe(counts, LrmoeConfig(), led, ladder=False).plan
+        b = plan_lrmoe(counts, LrmoeConfig(recompute=True), led, ladder=False).plan
         b.check(counts)
         assert a.recompute_G is None and b.recompute_G is not None
         assert torch.equal(a.inst_expert_GS, b.inst_expert_GS)  # placement unchanged

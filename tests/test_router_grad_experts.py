@@ -21,6 +21,7 @@ from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.ops import experts as ex
 from lrmoe.parallel.exchange import BackwardOptions
+from lrmoe.policy.base import Policy
 from lrmoe.presets import get_preset
 from references.moe import moe_layer_reference, swiglu_loop_reference
 
@@ -47,7 +48,7 @@ def test_rowdot_is_dy_dot_y(dtype, tol):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernels otherwise
 
 
-class _ReplicaPolicy:
+class _ReplicaPolicy(Policy):
     name = "replica-test"
 
     def plan(self, counts_GE, inputs):

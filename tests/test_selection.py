@@ -10,6 +10,7 @@ from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.ops.selection import inclusion_probs
 from lrmoe.parallel.select import BackwardOptions
+from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset
 from references.selection import select_sampled, select_topk
@@ -125,7 +126,7 @@ def test_sampled_estimator_unbiased_on_vectors():
     assert float((est - exact).norm() / exact.norm()) < 0.04
 
 
-class HalfPolicy:
+class HalfPolicy(Policy):
     """Everything retained, half of each block (rounded up) selected."""
 
     name = "half"

@@ -27,6 +27,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
+from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
@@ -43,7 +44,7 @@ POLICIES = ("static", "replica", "partial", "sampled", "static_experts", "replic
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-class ReplicaPolicy:
+class ReplicaPolicy(Policy):
     """Natives plus two replicas of the hottest experts on other ranks."""
 
     name = "replica-test"
@@ -551,7 +552,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
     measured, the ledger's ``layer`` mode; one
     byte less and the step stops with :class:`OutOfMemory` instead of running some other
     plan."""
-    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, fit_lrmoe
+    from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, plan_lrmoe
 
     base, _ = emulate("static", 6)
     layer, idx, x, coeff = make_case(6)
@@ -559,7 +560,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
 
     def fits(b):
         try:
-            return fit_lrmoe(counts, LrmoeConfig(), Ledger(layer.cfg, G, b, num_moe_layers=4))[0]
+            return plan_lrmoe(counts, LrmoeConfig(), Ledger(layer.cfg, G, b, num_moe_layers=4)).plan
         except OutOfMemory:
             return None
     lo, hi = 1, 1 << 40

@@ -17,6 +17,7 @@ from dist_util import FixedRouter, hot_replica_plan, trimmed
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer
 from lrmoe.parallel import stages
+from lrmoe.policy.base import Policy
 from lrmoe.sim.cost import step_times
 from lrmoe.sim.links import LINKS
 from lrmoe.sim.virtual import VirtualEPLayer
@@ -25,7 +26,7 @@ T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 SLEEP = 0.05
 
 
-class PartialPolicy:
+class PartialPolicy(Policy):
     """Replicas on other ranks, 80% retained, 60% of those selected."""
 
     name = "partial-test"
@@ -34,7 +35,7 @@ class PartialPolicy:
         return trimmed(hot_replica_plan(counts_GE, avoid_owner=True))
 
 
-class Slow:
+class Slow(Policy):
     """A planner that sleeps ``delay`` seconds before planning."""
 
     def __init__(self, inner, delay: float):

@@ -106,7 +106,7 @@ def test_a_real_host_allocation_failure_is_one_line(tmp_path, text):
 
 def test_ledger_out_of_memory_names_one_need():
     """lrmoe's ladder: the bytes of its verdict are those its rank's line names."""
-    from lrmoe.policy.lrmoe import LrmoeConfig, fit_lrmoe
+    from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
     from lrmoe.presets import get_preset
     from lrmoe.routing_loads import synthetic_counts
 
@@ -115,7 +115,7 @@ def test_ledger_out_of_memory_names_one_need():
     free = Ledger.for_dtype(cfg, 4, None, "fp32", num_moe_layers=48)
     for whole_layer in (True, False):
         with pytest.raises(OutOfMemory) as e:
-            fit_lrmoe(counts, LrmoeConfig(whole_layer=whole_layer),
+            plan_lrmoe(counts, LrmoeConfig(whole_layer=whole_layer),
                       dataclasses.replace(free, budget_bytes=1 << 20))
         need = fmt_bytes(e.value.needs_bytes)
         assert f"needs {need} > budget" in e.value.detail, (need, e.value.detail)

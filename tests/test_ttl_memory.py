@@ -71,9 +71,9 @@ def test_bench_ttl_optimizer_step_sees_no_probe_and_no_graph(monkeypatch):
         return step(self, closure)
 
     monkeypatch.setattr(offload.HostOffloadAdamW, "step", spy)
-    cfg = ttl.TTLConfig(preset="tiny-qwen3", ep=2, steps=1, batch_size=4, seq_len=16,
-                        eval_every=0, eval_batches=1, max_data_bytes=100_000,
-                        optimizer_offload="host", policies=("static",))
+    cfg = ttl.TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=1, batch_size=4, seq_len=16,
+                                  eval_every=0, eval_batches=1, max_data_bytes=100_000,
+                                  optimizer_offload="host", policies=("static",))
     was = gc.isenabled()
     gc.disable()  # only the code's own collections run
     try:

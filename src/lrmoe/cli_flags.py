@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lrmoe.errors import LrmoeError
+from lrmoe.parallel.options import ESTIMATORS, METRICS
 from lrmoe.policy.lrmoe import PLACEMENTS
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
 
@@ -76,11 +77,6 @@ def _bytes(name: str, v: Any) -> None:
         parse_bytes(v)
 
 
-def _metric(name: str, v: Any) -> None:
-    from lrmoe.parallel.select import METRICS
-    check_choice(name, v, tuple(METRICS))
-
-
 def on_off(v: str) -> bool:
     """argparse type of ``on|off`` flags."""
     if v not in ("on", "off"):
@@ -91,7 +87,8 @@ def on_off(v: str) -> bool:
 # ----------------------------------------------------------------------------- knobs
 @dataclass(frozen=True)
 class Knob:
-    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``), whose
+    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``,
+    ``backward.estimator``), whose
     default is the flag's; ``None`` for a memory knob (``default`` given here)."""
 
     dest: str
@@ -156,23 +153,24 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
        "first micro-batch's counts or from the previous step's",
        lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
        metavar="|".join(PLACEMENTS)),
-    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate", _metric,
-       "lrmoe.metric", metavar="grad_norm|gate"),
+    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate",
+       lambda n, v: check_choice(n, v, tuple(METRICS)),
+       "backward.metric", metavar="grad_norm|gate"),
     _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
        "(Horvitz-Thompson, unbiased over the retained pairs)",
-       lambda n, v: check_choice(n, v, ("topk", "sampled")), "lrmoe.estimator",
+       lambda n, v: check_choice(n, v, ESTIMATORS), "backward.estimator",
        metavar="topk|sampled"),
     _k("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
        lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),
     _k("lrmoe_balance", "lrmoe: how far backward quotas trim toward the mean, 0..1",
        lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.balance", type=float, metavar="B"),
     _k("lrmoe_compaction", "lrmoe: remove unselected rows (on) or zero them (off)",
-       lambda n, v: None, "lrmoe.compaction", type=on_off, metavar="on|off"),
+       lambda n, v: None, "backward.compaction", type=on_off, metavar="on|off"),
     _k("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
        "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
        metavar="on|off"),
     _k("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
-       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "lrmoe.fidelity_every",
+       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "fidelity.every",
        type=int, metavar="N"),
     _k("lrmoe_keep", "lrmoe: fixed, or auto (hold --lrmoe-target-cosine)",
        lambda n, v: check_choice(n, v, ("auto", "fixed")), "lrmoe.keep",
@@ -238,18 +236,18 @@ def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -
     """``base`` (default: the defaults) with the policy knobs in ``values`` (flat names)
     set; checked first, so a bad value names its flag."""
     check_policy_flags(values)
-    base = base if base is not None else PolicyConfig()
     top: dict[str, Any] = {}
-    inner: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}  # part -> its fields (``lrmoe.min_keep``)
     for name, v in values.items():
         f = KNOBS[name].field if name in KNOBS else None
         if f is None:
             continue
-        if f.startswith("lrmoe."):
-            inner[f.removeprefix("lrmoe.")] = v
-        else:
-            top[f] = v
-    return dataclasses.replace(base, lrmoe=dataclasses.replace(base.lrmoe, **inner), **top)
+        part, _, sub = f.rpartition(".")
+        (inner.setdefault(part, {}) if part else top)[sub] = v
+    base = base if base is not None else PolicyConfig()
+    top.update({part: dataclasses.replace(getattr(base, part), **kw)
+                for part, kw in inner.items()})
+    return dataclasses.replace(base, **top)
 
 
 def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:

@@ -17,9 +17,9 @@ pytestmark = needs_cuda
 
 
 def test_ttl_records_each_policys_device_peak():
-    cfg = ttl.TTLConfig(preset="tiny-qwen3", ep=2, steps=2, batch_size=4, seq_len=16,
-                        eval_every=0, eval_batches=1, max_data_bytes=100_000,
-                        device="cuda", policies=("static", "symi"))
+    cfg = ttl.TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=2, batch_size=4, seq_len=16,
+                                  eval_every=0, eval_batches=1, max_data_bytes=100_000,
+                                  device="cuda", policies=("static", "symi"))
     rep = ttl.bench_ttl(cfg, log=lambda *a: None)
     cap = torch.cuda.get_device_properties(0).total_memory
     for name, r in rep["policies"].items():

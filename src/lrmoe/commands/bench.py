@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench != "ttl":
         raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
     check_policy_flags({k: getattr(args, k) for k in BENCH})
-    cfg = TTLConfig(
+    cfg = TTLConfig.from_flat(
         preset=args.preset, config=args.config, ep=args.ep,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         mem_budget=args.mem_budget, slots_per_rank=args.slots_per_rank, steps=args.steps,

@@ -45,8 +45,7 @@ def runs_locally(rt, E: int, P: int) -> bool:
     Then the plan is the identity, whatever the counts: the same experts, every pair
     retained and selected, nothing recomputed. Over the budget the exchange runs, where
     the policy recomputes or raises, as on any rank count."""
-    natives = getattr(rt.policy, "plans_natives_exactly", None)
-    if not rt.fast_local or rt.comm.size != 1 or P == 0 or natives is None or not natives():
+    if not rt.fast_local or rt.comm.size != 1 or P == 0 or not rt.policy.plans_natives_exactly():
         return False
     if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
         return False

@@ -25,27 +25,9 @@ from torch import Tensor
 from lrmoe.ops.rowops import token_norm
 from lrmoe.ops.selection import METRICS, ht_weight, select_sampled, select_topk
 from lrmoe.parallel.layout import HomeLayout
+from lrmoe.parallel.options import BackwardOptions
 
 __all__ = ["METRICS", "BackwardOptions", "Picked", "select_and_compact"]
-
-
-@dataclass
-class BackwardOptions:
-    """How the backward selects and ships pairs (LRMoE knobs; inert for exact plans)."""
-
-    metric: str = "grad_norm"
-    estimator: str = "topk"  # or "sampled"
-    compaction: bool = True
-    fidelity: bool = False  # also compute the exact weight gradient and compare
-    # "experts": on an exact plan the expert backward computes each pair's router gradient
-    # <dout[t], y[t,k]> as <dout[t] @ w2, silu(g)*u> and ships it home beside dx, so the
-    # combined expert outputs (y_send) are not kept for backward (the ledger's combine_rows
-    # term is then 0 for exact plans: Ledger(router_grad_at_experts=True)). "home": keep them.
-    router_grad: str = "home"
-    # under an activation checkpoint of the whole block: the kept rows are saved through
-    # save_for_backward (so the checkpoint drops them and its re-run restores them), not
-    # held by the Function until their last use in backward
-    checkpointed: bool = False
 
 
 @dataclass

@@ -9,8 +9,9 @@ runtime may call before the all-gather (while the GPU still runs the queued work
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from torch import Tensor
@@ -63,20 +64,49 @@ class PlanInputs:
     micro: int = 0
 
 
-class Policy(Protocol):
-    name: str
+class Policy(ABC):
+    """What the runtime asks of a planner. Only :meth:`plan` must be written; every other
+    hook has a default that does nothing, so a policy overrides just what it uses.
 
-    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan: ...
+    ``name`` identifies the policy (its :class:`Prepared` results carry it)."""
+
+    name: str = "policy"
+
+    @abstractmethod
+    def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
+        """The plan for this step's ``[G, E]`` counts: pure, no collective, no autograd."""
+
+    def prepare(self, prev_counts, G: int, inputs: PlanInputs,
+                home_pairs: int | None = None) -> Prepared | None:
+        """What can be planned from the previous step's counts, before this step's
+        arrive (see :func:`prepare`); ``None``: nothing (the default)."""
+        return None
+
+    def plans_natives_exactly(self) -> bool:
+        """True when, without a budget, the plan is always
+        :func:`lrmoe.policy.plan.native_plan`, so a one-rank run may take the local path
+        (:func:`lrmoe.parallel.local.stand_in_plan`). False by default."""
+        return False
+
+    def observe_fidelity(self, layer: int, cosine: float) -> None:
+        """The fidelity monitor's mean cosine for ``layer`` on a fidelity step (every
+        rank sees the same); a policy that adapts to it overrides this. Ignored by
+        default."""
+        return None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the policy's adaptive state (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s result (nothing to restore by default)."""
+        return None
 
 
-def prepare(policy, prev_counts, G: int, inputs: PlanInputs,
+def prepare(policy: Policy, prev_counts, G: int, inputs: PlanInputs,
             home_pairs: int | None = None) -> PlanInputs:
     """``inputs`` with ``policy``'s prepared part, computed from ``prev_counts`` (the
     previous step's ``[E]`` global or ``[G, E]`` per-home counts) before this step's
     counts exist. ``home_pairs``: the pairs each home rank routes this step (tokens ×
-    top-k), known from the batch before any count is exchanged. A policy without a
-    ``prepare`` step (or with nothing to prepare) leaves ``inputs`` as they are."""
-    fn = getattr(policy, "prepare", None)
-    if fn is None:
-        return inputs
-    return replace(inputs, prepared=fn(prev_counts, G, inputs, home_pairs))
+    top-k), known from the batch before any count is exchanged."""
+    return replace(inputs, prepared=policy.prepare(prev_counts, G, inputs, home_pairs))

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import require
-from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
@@ -81,7 +81,7 @@ def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
 
 
 @dataclass
-class CapacityPolicy:
+class CapacityPolicy(Policy):
     capacity_factor: float = 1.25
     name: str = "capacity"
 

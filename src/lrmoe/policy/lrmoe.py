@@ -41,9 +41,8 @@ The plan is built in three passes (docs/design.md §4, lrmoe), each deterministi
 
 All rounding is largest-remainder (:func:`lrmoe.policy.capacity.apportion`), so sums are
 exact. The plan never exceeds the ledger's budget; if even its placed instances with one
-retained pair each do not fit, :func:`plan_lrmoe_placed` raises
-:class:`lrmoe.errors.OutOfMemory` naming the rank and shortfall, and :func:`fit_lrmoe`
-(what :class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
+retained pair each do not fit, :func:`plan_lrmoe` (the one entry point, what
+:class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
 :mod:`lrmoe.policy.lrmoe_ladder` (exact, recompute, without replicas, whole-layer
 checkpoint), naming the rung in ``Plan.rung``; it raises only when no rung fits.
 
@@ -66,11 +65,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
-from lrmoe.errors import LrmoeError, OutOfMemory, require
-from lrmoe.policy.base import PlanInputs, Prepared
+from lrmoe.errors import OutOfMemory, require
+from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import LinkCost
-from lrmoe.policy.lrmoe_ladder import climb
+from lrmoe.policy.lrmoe_ladder import Trimmed, climb
 from lrmoe.policy.lrmoe_link import natives_GS, no_slower_than_static, worth_their_link
 from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
@@ -83,14 +82,15 @@ from lrmoe.policy.plan_numpy import (
     to_plan,
 )
 
-ESTIMATORS = ("topk", "sampled")
 PLACEMENTS = ("current", "previous", "step", "step-previous")
-RETENTION_ORDERS = ("gate",)
+KEEPS = ("fixed", "auto")
 
 
 @dataclass
 class LrmoeConfig:
-    """Knobs of the LRMoE planner and runtime.
+    """Knobs of the LRMoE planner. (The backward's selection knobs are the runtime's
+    :class:`lrmoe.parallel.select.BackwardOptions`; how often it measures fidelity,
+    :class:`lrmoe.policy.registry.FidelityConfig`.)
 
     Attributes:
         balance: how far backward quotas trim a rank above the mean backward load
@@ -98,18 +98,11 @@ class LrmoeConfig:
         min_keep: floor on each block's fraction of selected pairs (of its assigned).
         max_replicas_per_step: cap on replicas added per layer and step (None: no cap).
         max_slots_per_rank: slots per rank incl. natives; None means ``E/G + 2``.
-        metric: the backward recalibration metric (runtime): ``grad_norm`` or ``gate``
-            (:data:`lrmoe.parallel.exchange.METRICS`).
-        estimator: backward selection of pairs inside a quota (runtime): ``topk`` keeps
-            the highest-metric pairs, ``sampled`` samples ``p ∝ metric`` and reweights.
-        compaction: runtime ablation: False zeroes unselected rows instead of removing.
         selection: False selects every retained pair (memory-aware placement only).
-        retention_order: which pairs fill a retention quota (runtime): ``gate`` keeps
-            the highest gate weights.
         keep: ``fixed`` uses ``min_keep`` as given; ``auto`` adapts each layer's floor to
-            hold the fidelity monitor's cosine at ``target_cosine``.
+            hold the fidelity monitor's cosine at ``target_cosine`` (the monitor must run:
+            ``FidelityConfig.every > 0``).
         target_cosine: the gradient fidelity ``auto`` aims for.
-        fidelity_every: how often the runtime measures fidelity (``auto`` needs > 0).
         recompute: retention may also keep pairs whose gate_up output is recomputed in
             backward (only the input row saved): a rank retains as many pairs as fit
             that way, recomputing the fewest (more pairs in backward, more backward work).
@@ -134,14 +127,9 @@ class LrmoeConfig:
     min_keep: float = 0.5
     max_replicas_per_step: int | None = None
     max_slots_per_rank: int | None = None
-    metric: str = "grad_norm"
-    estimator: str = "topk"
-    compaction: bool = True
     selection: bool = True
-    retention_order: str = "gate"
     keep: str = "fixed"
     target_cosine: float = 0.99
-    fidelity_every: int = 0
     recompute: bool = False
     placement: str = "current"
     whole_layer: bool = True
@@ -156,13 +144,10 @@ class LrmoeConfig:
                 "or None")
         require(self.max_slots_per_rank is None or self.max_slots_per_rank >= 1,
                 f"lrmoe.max_slots_per_rank={self.max_slots_per_rank} must be >= 1 or None")
-        require(self.estimator in ESTIMATORS,
-                f"lrmoe.estimator={self.estimator!r} is not one of {ESTIMATORS}")
         require(self.placement in PLACEMENTS,
                 f"lrmoe.placement={self.placement!r} is not one of {PLACEMENTS}")
-        require(self.retention_order in RETENTION_ORDERS,
-                f"lrmoe.retention_order={self.retention_order!r} is not one of "
-                f"{RETENTION_ORDERS}")
+        require(self.keep in KEEPS, f"lrmoe keep={self.keep!r} is not valid; use 'fixed' "
+                                    "or 'auto'")
 
 
 def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
@@ -185,72 +170,103 @@ def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | N
                   LedgerView(ledger, home_G))[0]
 
 
-def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView, check=None
-           ) -> tuple[np.ndarray, np.ndarray, int]:
+def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
+           c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int] | Trimmed:
     """Pass 1, then (with ``cfg.link``) the link-cost rule: ``(inst_expert_GS,
-    inst_load_GS, replicas given up for their link cost)``. ``check(inst, load)``: the
-    caller's test of the full placement, before the rule picks among its prefixes."""
+    inst_load_GS, replicas given up for their link cost)``. With the counts ``c``, the
+    full placement's minimum is tested first (replicas may have taken pairs, and so
+    buffer bytes, off a hot rank that the natives alone could not fit): where it does not
+    fit, the :class:`Trimmed` record that says so."""
     G, log = len(view.home), MoveLog() if cfg.link is not None else None
     inst, load = (place_replicas(total_E, G, S, cfg, view) if log is None
                   else place_replicas(total_E, G, S, cfg, view, log))
-    if check is not None:
-        check(inst, load)
+    if c is not None:
+        over = _over(view, c, inst, None, load)
+        if over is not None:
+            return over
     fewer = None if log is None else worth_their_link(log, cfg, view, total_E, S)
     return (inst, load, 0) if fewer is None else fewer
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What :func:`plan_lrmoe` made.
+
+    Attributes:
+        plan: the plan (its rung named in ``Plan.rung`` when the ladder ran).
+        kept_placement: whether the plan stands on the ``placement`` it was given (False
+            when none was given, or when it did not fit these counts and was made again).
+    """
+
+    plan: Plan
+    kept_placement: bool
+
+
 def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
-               placement: np.ndarray | None = None) -> Plan:
-    """The LRMoE plan of one layer (see the module docstring); host counts in, a plan of
-    host tensors out, no device work and no collective. ``placement``: a placement
-    prepared earlier (:func:`place_lrmoe` on the previous step's counts), used if it fits
-    the budget on these counts (see :func:`plan_lrmoe_placed`)."""
-    return plan_lrmoe_placed(counts_GE, config, ledger, placement)[0]
+               placement: np.ndarray | None = None, slots: Slots | None = None, *,
+               hold: bool = False, ladder: bool = True, decide: bool = True) -> Planned:
+    """The LRMoE plan of one layer (see the module docstring): host counts in, a plan of
+    host tensors out, no device work and no collective. What :class:`LrmoePolicy` runs.
 
+    ``placement`` (``slots``: its split index): a placement prepared earlier
+    (:func:`place_lrmoe` on the previous step's counts), used if even its instances with
+    one retained pair each fit the budget on these counts; otherwise the placement is
+    made again from these counts, so a plan exists exactly when the current-count plan
+    does. ``hold``: the placement is held for the step and never made again.
 
-def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
-                      placement: np.ndarray | None = None, slots: Slots | None = None,
-                      hold: bool = False) -> tuple[Plan, bool]:
-    """:func:`plan_lrmoe`, and whether it kept the given ``placement``.
-
-    A placement made on other counts may not fit on these: when even its instances with
-    one retained pair each exceed the ledger at some rank, the placement is made again
-    from these counts (as ``placement=None`` does), so the plan always fits the budget
-    and exists exactly when the current-count plan does. ``hold``: a placement held for
-    the step is never made again: there it raises :class:`OutOfMemory` with the exact
-    plan on it attached, for the ladder (:mod:`lrmoe.policy.lrmoe_ladder`)."""
+    ``ladder``: where the trimmed plan does not fit, climb the fallbacks of
+    :mod:`lrmoe.policy.lrmoe_ladder` (the rung named in ``Plan.rung``); without it, or
+    when no rung fits, :class:`lrmoe.errors.OutOfMemory` is raised. With ``config.link``
+    and ``decide``, a trimmed plan not faster than on static's placement takes static's
+    (:func:`lrmoe.policy.lrmoe_link.no_slower_than_static`)."""
     cfg = config or LrmoeConfig()
+    trimmed = _trimmed(counts_GE, cfg, ledger, placement, slots, hold)
+    if not ladder:
+        if trimmed.plan is None:
+            raise trimmed.over
+        return Planned(trimmed.plan, trimmed.kept)
+    G, E = counts_GE.shape
+    cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
+    plan = climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer)
+    if cfg.link is not None and decide and plan.rung == "plan":
+        plan = no_slower_than_static(counts_GE, cfg, ledger, plan, lambda inst: (
+            _trimmed(counts_GE, cfg, ledger, inst, None, True).plan))
+    return Planned(plan, trimmed.kept)
+
+
+def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray | None,
+             slots: Slots | None, hold: bool) -> Trimmed:
+    """The trimmed plan (passes 1 to 3) on ``placement`` or on pass 1's, or the exact
+    plan on the placement whose minimum did not fit (see :func:`plan_lrmoe`)."""
     G, E = counts_GE.shape
     S = _slots(cfg, G, E)
     c = host_counts(counts_GE)
     require(bool((c >= 0).all()), "counts must be >= 0")
-    home = c.sum(1)
-    view = LedgerView(ledger, home)
-    kept = False
+    view = LedgerView(ledger, c.sum(1))
     if placement is not None:
         require(tuple(placement.shape) == (G, S),
                 f"lrmoe: a prepared placement of shape {tuple(placement.shape)} does not "
                 f"match EP {G} with {S} slots per rank")
-        inst = placement
-        idx = slots if slots is not None else Slots(inst, E)
+        idx = slots if slots is not None else Slots(placement, E)
         load = idx.even_split(c.sum(0))
         assign = idx.overlap_ig(c, load)
-        n_inst = (inst >= 0).sum(1)
-        recv = load.sum(1)
-        kept = not view.over(n_inst, recv, np.minimum(n_inst, recv))
-        if hold and not kept:
-            _over(view, c, inst, assign, n_inst, recv)
-    given_up = 0
-    if not kept:
-        # Feasibility after placement: replicas may have taken pairs (and so buffer
-        # bytes) off a hot rank that the native placement alone could not fit.
-        def check(inst, load):
-            n = (inst >= 0).sum(1)
-            _over(view, c, inst, None, n, load.sum(1), load)
-        inst, load, given_up = _place(c.sum(0), S, cfg, view, check)
-        assign = interval_overlap_ig(c, inst, load)
-        n_inst = (inst >= 0).sum(1)
-        recv = load.sum(1)
+        over = _over(view, c, placement, assign, load)
+        if over is None:
+            return _quotas(c, placement, load, assign, S, cfg, view, ledger, 0, kept=True)
+        if hold:
+            return over
+    placed = _place(c.sum(0), S, cfg, view, c)
+    if isinstance(placed, Trimmed):
+        return placed
+    inst, load, given_up = placed
+    return _quotas(c, inst, load, interval_overlap_ig(c, inst, load), S, cfg, view,
+                   ledger, given_up, kept=False)
+
+
+def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarray, S: int,
+            cfg: LrmoeConfig, view: LedgerView, ledger, given_up: int, kept: bool) -> Trimmed:
+    """Passes 2 and 3 on a placement whose minimum fits: the trimmed plan."""
+    G = len(inst)
     retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
     select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
               else retain)
@@ -262,16 +278,18 @@ def plan_lrmoe_placed(counts_GE: Tensor, config: LrmoeConfig | None = None, ledg
     if given_up:
         plan = dataclasses.replace(plan, replicas_given_up=given_up, given_up_for="link")
     # the plan never exceeds the budget (the ledger's own message if it ever did)
-    if view.over(n_inst, recv, kept_G, rec):
+    n_inst = (inst >= 0).sum(1)
+    if view.over(n_inst, load.sum(1), kept_G, rec):
         ledger.check(plan)
-    return plan, kept
+    return Trimmed(plan, kept)
 
 
 def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray | None,
-          n_inst: np.ndarray, recv: np.ndarray, load: np.ndarray | None = None) -> None:
-    """Raise :class:`OutOfMemory` (the ledger's own message) with the exact plan on
-    ``inst`` attached (``placed``: the ladder goes on from this placement) if even its
-    instances with one retained pair each exceed the budget."""
+          load: np.ndarray) -> Trimmed | None:
+    """``None`` when the placement ``inst``'s instances with one retained pair each fit
+    the budget; else the exact plan on it (the ladder goes on from this placement) with
+    the ledger's own error."""
+    n_inst, recv = (inst >= 0).sum(1), load.sum(1)
     try:
         view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
                            "the smallest lrmoe plan (its placement, one retained pair "
@@ -281,32 +299,8 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray 
         if assign is None:
             assign = interval_overlap_ig(c, inst, load)
         a = blocks_to_GGS(assign, G, S)
-        e.placed = to_plan(inst, a, a.copy(), a.copy())
-        raise
-
-
-def fit_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
-              placement: np.ndarray | None = None, slots: Slots | None = None,
-              hold: bool = False, decide: bool = True) -> tuple[Plan, bool]:
-    """:func:`plan_lrmoe_placed` with the ladder of fallbacks under a budget
-    (:mod:`lrmoe.policy.lrmoe_ladder`): the first rung that fits, named in ``Plan.rung``,
-    or :class:`lrmoe.errors.OutOfMemory` when none does. With ``config.link`` and
-    ``decide``, a trimmed plan not faster than on static's placement takes static's
-    (:func:`lrmoe.policy.lrmoe_link.no_slower_than_static`). What :class:`LrmoePolicy`
-    runs."""
-    kept = [False]
-    cfg = config or LrmoeConfig()
-
-    def trimmed() -> Plan:
-        plan, kept[0] = plan_lrmoe_placed(counts_GE, cfg, ledger, placement, slots, hold)
-        return plan
-    G, E = counts_GE.shape
-    cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
-    plan = climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer)
-    if cfg.link is not None and decide and plan.rung == "plan":
-        plan = no_slower_than_static(counts_GE, cfg, ledger, plan, lambda inst: (
-            plan_lrmoe_placed(counts_GE, cfg, ledger, inst, None, True)[0]))
-    return plan, kept[0]
+        return Trimmed(None, False, to_plan(inst, a, a.copy(), a.copy()), e)
+    return None
 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None
@@ -352,7 +346,7 @@ class Held:
 
 
 @dataclass
-class LrmoePolicy:
+class LrmoePolicy(Policy):
     """The LRMoE planner. With a placement held for the optimizer step (``step``,
     ``step-previous``) it places at a step's micro-batch 0 (as ``current`` does, or as
     ``previous`` does from the previous step's counts, the link-cost rules included) and
@@ -372,14 +366,6 @@ class LrmoePolicy:
     rungs: dict[str, int] = field(default_factory=dict)
     # per MoE layer, the placement held for its current optimizer step
     held: dict[int, Held] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        c = self.config
-        if c.keep not in ("fixed", "auto"):
-            raise LrmoeError(f"lrmoe keep={c.keep!r} is not valid; use 'fixed' or 'auto'")
-        if c.keep == "auto" and c.fidelity_every <= 0:
-            raise LrmoeError("--lrmoe-keep auto needs the fidelity monitor: give "
-                             "--lrmoe-fidelity-every N with N > 0")
 
     def _layer_config(self, layer: int) -> LrmoeConfig:
         cfg = self.config
@@ -413,8 +399,8 @@ class LrmoePolicy:
         cfg = self._layer_config(inputs.layer)
         held = self._holding(inputs)
         if held is not None:  # the step's placement; the decision to hold it was made
-            plan, _ = fit_lrmoe(counts_GE, cfg, inputs.ledger, held.inst_expert_GS,
-                                held.slots, hold=True, decide=False)
+            plan = plan_lrmoe(counts_GE, cfg, inputs.ledger, held.inst_expert_GS,
+                              held.slots, hold=True, decide=False).plan
             if not np.array_equal(plan.inst_expert_GS.numpy(), held.inst_expert_GS[
                     :, :plan.S]) or (held.inst_expert_GS[:, plan.S:] >= 0).any():
                 self.replaced_placements += 1  # a rung placed otherwise, this micro-batch
@@ -428,9 +414,10 @@ class LrmoePolicy:
                 prep = self.prepare(inputs.prev_counts_E, G, inputs,
                                     int(counts_GE.sum()) // G)
         placement = None if prep is None else prep.inst_expert_GS
-        plan, kept = fit_lrmoe(counts_GE, cfg, inputs.ledger, placement,
-                               None if prep is None else prep.slots)
-        if placement is not None and not kept:
+        planned = plan_lrmoe(counts_GE, cfg, inputs.ledger, placement,
+                             None if prep is None else prep.slots)
+        plan = planned.plan
+        if placement is not None and not planned.kept_placement:
             self.replaced_placements += 1
         if cfg.placement in HELD:  # micro-batch 0: hold what it placed for the step
             G, E = counts_GE.shape

@@ -2,8 +2,8 @@
 
 Legend: G ranks, S slots per rank, E experts. All arrays int64 on the host.
 
-When the trimmed plan (:func:`lrmoe.policy.lrmoe.plan_lrmoe_placed`: its placement with
-one retained pair per instance) does not fit the budget, the planner climbs:
+When the trimmed plan (:func:`lrmoe.policy.lrmoe.plan_lrmoe` without its ladder: its
+placement with one retained pair per instance) does not fit the budget, the planner climbs:
 
 =================  ==========================================================  ==========
 rung               what runs                                                   extra cost
@@ -26,7 +26,7 @@ natives``
 =================  ==========================================================  ==========
 
 Why these and in this order: the trimmed plan's minimum is its placed instances with one
-retained pair each (:func:`lrmoe.policy.lrmoe.plan_lrmoe_placed`); neither the keep
+retained pair each (:class:`Trimmed`); neither the keep
 floor (``min_keep`` guards replica destinations and trims selection, never the
 retention) nor the placement raises it (a replica goes only where its destination can
 still afford that minimum, and it only takes pairs off its expert's other hosts), so
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -157,28 +158,42 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     return inst
 
 
-def climb(counts_GE, plan_fn, ledger, slots_per_rank: int,
-          max_replicas: float = math.inf, whole_layer: bool = True) -> Plan:
-    """The first rung whose plan fits ``ledger`` (see the module docstring).
+@dataclass(frozen=True)
+class Trimmed:
+    """lrmoe's trimmed plan on one placement, or the placement whose minimum (its
+    instances with one retained pair each) does not fit: where the ladder starts.
 
-    ``plan_fn()`` makes the trimmed plan: it returns the plan (rung ``plan``) or raises
-    :class:`OutOfMemory` with the exact plan on its placement attached (``placed``).
+    Attributes:
+        plan: the trimmed plan; ``None`` when its placement's minimum is over the budget.
+        kept: the plan stands on the placement the planner was given.
+        placed: when ``plan`` is ``None``, the exact plan on that placement (the ladder's
+            ``exact`` and ``recompute`` rungs go on from it).
+        over: when ``plan`` is ``None``, the ledger's error naming the rank and shortfall.
+    """
+
+    plan: Plan | None
+    kept: bool = False
+    placed: Plan | None = None
+    over: OutOfMemory | None = None
+
+
+def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
+          max_replicas: float = math.inf, whole_layer: bool = True) -> Plan:
+    """The first rung whose plan fits ``ledger`` (see the module docstring), from the
+    planner's ``trimmed`` result (rung ``plan`` when it has a plan).
     ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung;
     ``whole_layer=False``: no whole-layer rung.
     """
-    try:
-        return dataclasses.replace(plan_fn(), rung="plan")
-    except OutOfMemory as e:
-        first = e
+    if trimmed.plan is not None:
+        return dataclasses.replace(trimmed.plan, rung="plan")
     if ledger is None or ledger.budget_bytes is None:
-        raise first
+        raise trimmed.over
     G, E = counts_GE.shape
     if E % G:
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
     c = host_counts(counts_GE)
-    placed = getattr(first, "placed", None)
-    if placed is not None:
-        plan, _ = _fit(_exact(placed), ledger, "")
+    if trimmed.placed is not None:
+        plan, _ = _fit(_exact(trimmed.placed), ledger, "")
         if plan is not None:
             return plan
     a = c.reshape(G, G, E // G)

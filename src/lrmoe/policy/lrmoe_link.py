@@ -30,7 +30,6 @@ import dataclasses
 
 import numpy as np
 
-from lrmoe.errors import OutOfMemory
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import plan_seconds, prefix_seconds, replica_rows_GG
 from lrmoe.policy.lrmoe_place import MoveLog
@@ -81,16 +80,16 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
 
 def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Plan:
     """Rule 2: ``plan``, or the plan on static's placement with lrmoe's retention and
-    trimming (``trimmed_on(placement)``) where ``plan``'s modelled step is not faster
+    trimming (``trimmed_on(placement)``, ``None`` where it does not fit)
+    where ``plan``'s modelled step is not faster
     (and that plan fits the budget). The exact comparison (both plans priced on their
     blocks) runs unless the per-rank estimate already puts ``plan`` more than
     :data:`CLEAR_GAIN` ahead (:func:`_clearly_faster`)."""
     G, E = counts_GE.shape
     if plan.num_replicas() == 0 or _clearly_faster(counts_GE, cfg, ledger, plan):
         return plan
-    try:
-        alt = trimmed_on(natives_GS(G, plan.S, E))
-    except OutOfMemory:  # the replicas are what makes it fit
+    alt = trimmed_on(natives_GS(G, plan.S, E))
+    if alt is None:  # the replicas are what makes it fit
         return plan
     if plan_seconds(cfg.link, alt, E) > plan_seconds(cfg.link, plan, E):
         return plan

@@ -61,164 +61,224 @@ class MoveLog:
     slot_K: list[int] = field(default_factory=list)
 
 
+FULL = 1 << 62  # the destination key of a rank without a free slot: sorts last
+
+
 def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
                    log: MoveLog | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1 from each expert's total pairs (the count matrix's column sums: all the
     placement looks at, besides the ledger's view of the home pairs); returns
     ``(inst_expert_GS, inst_load_GS)`` (loads: the even split). ``log``: filled with
     the moves and the ranks' loads after each."""
-    E = len(total_E)
-    n_nat = E // G
-    inst0 = np.full((G, S), -1, dtype=np.int64)
-    inst0[:, :n_nat] = np.arange(E).reshape(G, n_nat)
-    slots = inst0.tolist()
-    total = np.asarray(total_E, dtype=np.int64).tolist()
-    # an expert's instances ((rank, slot), slot order) and their loads, for the experts
-    # that have replicas; the others have their native alone (native_of)
-    inst_of: dict[int, list[tuple[int, int]]] = {}
-    inst_load: dict[int, list[int]] = {}
-
-    def native_of(e: int) -> list[tuple[int, int]]:
-        return [(e // n_nat, e % n_nat)]
-    load = np.asarray(total_E, dtype=np.int64).reshape(G, n_nat).sum(1).tolist()
-    n_inst = [n_nat] * G
-    n_free = [S - n_nat] * G
-    # a free rank's destination key orders by (load, id); full ranks sort last
-    full = 1 << 62
-    key = [load[r] * G + r if n_free[r] > 0 else full for r in range(G)]
+    greedy = _Greedy(total_E, G, S, cfg.min_keep, view)
     limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
-    budget = view.budget is not None
-    monotone = view.monotone()
-    cap_fn = view.capacity_fn()
-    inf = math.inf
-    # cap[r]: the rank's retention capacity, or (once it retains everything) a lower
-    # bound of it that is >= its load: the rule reads only min(cap, load)
-    cap, kept, ratio = [0] * G, [0] * G, [inf] * G
-    sum_kept = 0
-    if budget:
-        cap = view.capacity(n_inst, load).tolist()  # all ranks at once: cap_fn's answers
-        for r in range(G):
-            kept[r] = min(load[r], max(cap[r], 0))
-            ratio[r] = kept[r] / load[r] if load[r] else inf
-        sum_kept = sum(kept)
-
-    def try_dest(e: int, d: int, level: int, fn: int, fd: int):
-        """``(instances, q, m, capacity)``: the new instance list, its even split ``q``
-        (+1 for the first ``m``) and rank ``d``'s capacity with the replica (``None``
-        without a budget), if ``d`` can afford a replica of ``e``: it must still retain
-        ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
-        slot = (d, slots[d].index(-1))
-        inst = sorted(inst_of.get(e, native_of(e)) + [slot])  # global slot order, as even_split
-        q, m = divmod(total[e], len(inst))
-        c = None
-        if budget:
-            n, R = n_inst[d] + 1, load[d] + q + (inst.index(slot) < m)
-            need = max(n, level, -(-(fn * R) // fd))
-            c = cap_fn(d, n, R)
-            if c < min(R, need):
-                return None
-        return inst, q, m, c
-
     if log is not None:
-        log.load_KG.append(load.copy())
-        log.kept_KG.append(kept.copy() if budget else load.copy())
+        greedy.record(log)
     added = 0
     while added < limit:
+        move = greedy.move()
+        if move is None:
+            break
+        added += 1
+        if log is not None:
+            greedy.record(log)
+            log.expert_K.append(move[0])
+            log.rank_K.append(move[1])
+            log.slot_K.append(move[2])
+    inst_GS = np.array(greedy.slots, dtype=np.int64)
+    # the loads kept move by move are the even split in global slot order: its closed form
+    return inst_GS, Slots(inst_GS, len(total_E)).even_split(np.asarray(total_E, dtype=np.int64))
+
+
+@dataclass
+class _Move:
+    """What one move's candidates share: the hot ranks' load and count, the floor a
+    destination must still retain (``level`` pairs, the fraction ``fn/fd``), the
+    least-loaded free rank's key, and (computed when a candidate needs them) every key
+    sorted and each rank's room (:func:`_room`)."""
+
+    top: int
+    n_top: int
+    level: int
+    fn: int
+    fd: int
+    first: int
+    dests: list[int] | None = None
+    room: list[float] | None = None
+
+
+class _Greedy:
+    """Pass 1's incremental state (module docstring): the slots, each replicated
+    expert's instances and loads, and per rank its load, instances, free slots,
+    destination key and, with a budget, retention capacity, kept pairs and fraction."""
+
+    def __init__(self, total_E: np.ndarray, G: int, S: int, min_keep: float,
+                 view: LedgerView):
+        E = len(total_E)
+        self.G, self.n_nat, self.min_keep, self.view = G, E // G, min_keep, view
+        inst0 = np.full((G, S), -1, dtype=np.int64)
+        inst0[:, :self.n_nat] = np.arange(E).reshape(G, self.n_nat)
+        self.slots = inst0.tolist()
+        self.total = np.asarray(total_E, dtype=np.int64).tolist()
+        # an expert's instances ((rank, slot), slot order) and their loads, for the
+        # experts that have replicas; the others have their native alone (instances)
+        self.inst_of: dict[int, list[tuple[int, int]]] = {}
+        self.inst_load: dict[int, list[int]] = {}
+        self.load = np.asarray(total_E, dtype=np.int64).reshape(G, self.n_nat).sum(1).tolist()
+        self.n_inst = [self.n_nat] * G
+        self.n_free = [S - self.n_nat] * G
+        # a free rank's destination key orders by (load, id); full ranks sort last
+        self.key = [self.load[r] * G + r if self.n_free[r] > 0 else FULL for r in range(G)]
+        self.budget = view.budget is not None
+        self.monotone = view.monotone()
+        self.cap_fn = view.capacity_fn()
+        # cap[r]: the rank's retention capacity, or (once it retains everything) a lower
+        # bound of it that is >= its load: the rule reads only min(cap, load)
+        self.cap, self.kept, self.ratio = [0] * G, [0] * G, [math.inf] * G
+        self.sum_kept = 0
+        if self.budget:
+            self.cap = view.capacity(self.n_inst, self.load).tolist()  # cap_fn's answers
+            for r in range(G):
+                self._set_kept(r, self.load[r], self.cap[r])
+
+    def instances(self, e: int) -> list[tuple[int, int]]:
+        return self.inst_of.get(e) or [(e // self.n_nat, e % self.n_nat)]
+
+    def record(self, log: MoveLog) -> None:
+        log.load_KG.append(self.load.copy())
+        log.kept_KG.append(self.kept.copy() if self.budget else self.load.copy())
+
+    def move(self) -> tuple[int, int, int] | None:
+        """Add the first candidate replica that lowers ``(max rank load, ranks at the
+        max)``: ``(expert, rank, slot)``, or ``None`` when none does."""
+        load = self.load
         top = max(load)
         n_top = load.count(top)
-        hot = [load.index(top)] if n_top == 1 else [r for r in range(G) if load[r] == top]
-        cands = {e for r in hot for e in slots[r]
-                 if e >= 0 and total[e] > len(inst_of.get(e, ()) or (1,))}
-        cands = sorted(cands, key=lambda e: (-total[e] / len(inst_of.get(e, ()) or (1,)), e))
-        level, fn, fd = 0, 1, 1  # min_keep level and the smallest kept fraction fn/fd
-        if budget:
-            level = math.ceil(cfg.min_keep * sum_kept / G)
-            m = min(ratio)
-            if m != inf:
-                if top < _FLOAT_EXACT:
-                    r = ratio.index(m)
-                    fn, fd = kept[r], load[r]
-                else:
-                    f = min(Fraction(kept[r], load[r]) for r in range(G) if load[r])
-                    fn, fd = f.numerator, f.denominator
-            if any(cap[r] < min(n_inst[r], load[r]) for r in hot):
-                level, fn, fd = 0, 0, 1  # a hot rank does not fit yet: any feasible dest
-        first = min(key)  # the least-loaded free rank (full ranks sort last)
-        dests = None  # every rank in (load, id) order, sorted when a move needs it
-        room = None  # per rank, at most the pairs a replica may bring it (lazily)
-
-        done = False
-        for e in cands:
-            was = inst_of.get(e) or native_of(e)
-            held = {r for r, _ in was}
-            d = first % G
-            if first == full:
-                d = None
-            elif d in held:  # the least-loaded free rank that holds none of e
-                dests = dests or sorted(key)
-                d = next((k % G for k in dests if k != full and k % G not in held), None)
-            if d is None:
-                continue
-            found = try_dest(e, d, level, fn, fd)
-            if found is None and budget:  # the next least-loaded that affords it
-                if room is None:
-                    room = _room(view, load, n_inst, fn, fd, monotone)
-                dests = dests or sorted(key)
-                q = total[e] // (len(was) + 1)  # the least the replica brings
-                for r in dests:
-                    if r == full:
-                        break
-                    r %= G
-                    if room[r] >= q and r not in held and r != d:
-                        found = try_dest(e, r, level, fn, fd)
-                        if found is not None:
-                            break
+        hot = [load.index(top)] if n_top == 1 else [r for r in range(self.G) if load[r] == top]
+        m = _Move(top, n_top, *self._floor(top, hot), first=min(self.key))
+        for e in self._candidates(hot):
+            found = self._destination(e, m)
             if found is None:
                 continue
-            inst, q, m, cap_d = found
-            new_load = [q + (i < m) for i in range(len(inst))]
+            inst, q, extra, cap_d = found
+            new_load = [q + (i < extra) for i in range(len(inst))]
             loads = load.copy()
-            for (r, _), x in zip(was, inst_load.get(e) or (total[e],)):
+            for (r, _), x in zip(self.instances(e), self.inst_load.get(e) or (self.total[e],)):
                 loads[r] -= x
             for (r, _), x in zip(inst, new_load):
                 loads[r] += x
             mx = max(loads)
             if (mx, loads.count(mx)) < (top, n_top):
-                d, s = next(sl for sl in inst if sl not in was)
-                slots[d][s] = e
-                n_inst[d] += 1
-                n_free[d] -= 1
-                inst_of[e], inst_load[e] = inst, new_load
-                for r, _ in inst:  # the touched ranks: e's hosts (one instance each)
-                    R, was = loads[r], load[r]
-                    load[r] = R
-                    key[r] = R * G + r if n_free[r] > 0 else full
-                    if budget:
-                        if r == d:
-                            c = cap_d  # try_dest priced it at these (n, R)
-                        elif monotone and R <= was <= cap[r]:
-                            c = cap[r]  # retained everything, no more pairs: still does
-                        else:
-                            c = cap_fn(r, n_inst[r], R)
-                        cap[r] = c
-                        k = R if c >= R else max(c, 0)
-                        sum_kept += k - kept[r]
-                        kept[r] = k
-                        ratio[r] = k / R if R else inf
-                added += 1
-                done = True
-                if log is not None:
-                    log.load_KG.append(load.copy())
-                    log.kept_KG.append(kept.copy() if budget else load.copy())
-                    log.expert_K.append(e)
-                    log.rank_K.append(d)
-                    log.slot_K.append(s)
+                return (e, *self._apply(e, inst, new_load, loads, cap_d))
+        return None
+
+    def _candidates(self, hot: list[int]) -> list[int]:
+        """The experts on the hot ranks that can take another instance, in descending
+        per-instance load (ties: lower id)."""
+        n_of = self.inst_of
+        cands = {e for r in hot for e in self.slots[r]
+                 if e >= 0 and self.total[e] > len(n_of.get(e, ()) or (1,))}
+        return sorted(cands, key=lambda e: (-self.total[e] / len(n_of.get(e, ()) or (1,)), e))
+
+    def _floor(self, top: int, hot: list[int]) -> tuple[int, int, int]:
+        """``(level, fn, fd)``: the ``min_keep`` level and the smallest kept fraction
+        ``fn/fd``, the least a destination must still retain; no floor while a hot rank
+        does not fit (any feasible destination then)."""
+        if not self.budget:
+            return 0, 1, 1
+        level, fn, fd = math.ceil(self.min_keep * self.sum_kept / self.G), 1, 1
+        m = min(self.ratio)
+        if m != math.inf:
+            if top < _FLOAT_EXACT:
+                r = self.ratio.index(m)
+                fn, fd = self.kept[r], self.load[r]
+            else:
+                f = min(Fraction(self.kept[r], self.load[r]) for r in range(self.G)
+                        if self.load[r])
+                fn, fd = f.numerator, f.denominator
+        if any(self.cap[r] < min(self.n_inst[r], self.load[r]) for r in hot):
+            return 0, 0, 1
+        return level, fn, fd
+
+    def _destination(self, e: int, m: _Move):
+        """The least-loaded free rank holding none of ``e`` if it affords the replica,
+        else (with a budget) the next in key order with room for it that does; its
+        :meth:`_try_dest` answer, or ``None``."""
+        G = self.G
+        was = self.instances(e)
+        held = {r for r, _ in was}
+        d = m.first % G
+        if m.first == FULL:
+            return None
+        if d in held:
+            m.dests = m.dests or sorted(self.key)
+            d = next((k % G for k in m.dests if k != FULL and k % G not in held), None)
+            if d is None:
+                return None
+        found = self._try_dest(e, d, m)
+        if found is not None or not self.budget:
+            return found
+        if m.room is None:
+            m.room = _room(self.view, self.load, self.n_inst, m.fn, m.fd, self.monotone)
+        m.dests = m.dests or sorted(self.key)
+        q = self.total[e] // (len(was) + 1)  # the least the replica brings
+        for k in m.dests:
+            if k == FULL:
                 break
-        if not done:
-            break
-    inst_GS = np.array(slots, dtype=np.int64)
-    # the loads kept move by move are the even split in global slot order: its closed form
-    return inst_GS, Slots(inst_GS, E).even_split(np.asarray(total_E, dtype=np.int64))
+            r = k % G
+            if m.room[r] >= q and r not in held and r != d:
+                found = self._try_dest(e, r, m)
+                if found is not None:
+                    return found
+        return None
+
+    def _try_dest(self, e: int, d: int, m: _Move):
+        """``(instances, q, extra, capacity)``: the new instance list, its even split
+        ``q`` (+1 for the first ``extra``) and rank ``d``'s capacity with the replica
+        (``None`` without a budget), if ``d`` can afford a replica of ``e``: it must
+        still retain ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
+        slot = (d, self.slots[d].index(-1))
+        inst = sorted(self.instances(e) + [slot])  # global slot order, as even_split
+        q, extra = divmod(self.total[e], len(inst))
+        c = None
+        if self.budget:
+            n, R = self.n_inst[d] + 1, self.load[d] + q + (inst.index(slot) < extra)
+            need = max(n, m.level, -(-(m.fn * R) // m.fd))
+            c = self.cap_fn(d, n, R)
+            if c < min(R, need):
+                return None
+        return inst, q, extra, c
+
+    def _apply(self, e: int, inst: list[tuple[int, int]], new_load: list[int],
+               loads: list[int], cap_d: int | None) -> tuple[int, int]:
+        """Place the replica and update the ranks it touches (``e``'s hosts, one
+        instance each); returns its ``(rank, slot)``."""
+        d, s = next(sl for sl in inst if sl not in self.instances(e))
+        self.slots[d][s] = e
+        self.n_inst[d] += 1
+        self.n_free[d] -= 1
+        self.inst_of[e], self.inst_load[e] = inst, new_load
+        for r, _ in inst:
+            R, before = loads[r], self.load[r]
+            self.load[r] = R
+            self.key[r] = R * self.G + r if self.n_free[r] > 0 else FULL
+            if not self.budget:
+                continue
+            if r == d:
+                c = cap_d  # _try_dest priced it at these (n, R)
+            elif self.monotone and R <= before <= self.cap[r]:
+                c = self.cap[r]  # retained everything, no more pairs: still does
+            else:
+                c = self.cap_fn(r, self.n_inst[r], R)
+            self.cap[r] = c
+            self._set_kept(r, R, c)
+        return d, s
+
+    def _set_kept(self, r: int, R: int, c: int) -> None:
+        k = R if c >= R else max(c, 0)
+        self.sum_kept += k - self.kept[r]
+        self.kept[r] = k
+        self.ratio[r] = k / R if R else math.inf
 
 
 def _room(view: LedgerView, load: list[int], n_inst: list[int], fn: int, fd: int,

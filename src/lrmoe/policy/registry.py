@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
+from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.base import Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
@@ -17,8 +18,17 @@ POLICY_NAMES = ("static", "capacity", "symi", "lrmoe")
 
 
 @dataclass
+class FidelityConfig:
+    """The fidelity monitor: every ``every`` optimizer steps (0: never) the runtime also
+    computes the exact expert weight gradient of an approximate plan and reports its
+    cosine to the selected one (what ``--lrmoe-keep auto`` steers by)."""
+
+    every: int = 0
+
+
+@dataclass
 class PolicyConfig:
-    """Which policy plans each step, and its knobs.
+    """Which policy plans each step, its planner's knobs and the runtime's.
 
     Attributes:
         name: one of ``static``, ``capacity``, ``symi``, ``lrmoe``.
@@ -27,6 +37,9 @@ class PolicyConfig:
         slots_per_rank: ``symi``: slots per rank (None: ``E/G + 2``); ``lrmoe``: the
             most slots per rank when ``lrmoe.max_slots_per_rank`` is not set.
         lrmoe: the LRMoE planner's config.
+        backward: the backward's selection knobs (``metric``, ``estimator``,
+            ``compaction``; the trainer sets the rest of the runtime's options).
+        fidelity: the fidelity monitor.
         recompute: ``static`` / ``symi``: a rank over the memory budget recomputes the
             fewest rows' gate_up outputs in backward instead of stopping the run; where
             that cannot fit, the layer is checkpointed whole (``Plan.layer_checkpoint``).
@@ -37,6 +50,8 @@ class PolicyConfig:
     slots_per_rank: int | None = None
     lrmoe: LrmoeConfig = field(default_factory=LrmoeConfig)
     recompute: bool = False
+    backward: BackwardOptions = field(default_factory=BackwardOptions)
+    fidelity: FidelityConfig = field(default_factory=FidelityConfig)
 
 
 def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
@@ -64,6 +79,9 @@ def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
         lc = cfg.lrmoe
         if lc.max_slots_per_rank is None and s is not None:
             lc = dataclasses.replace(lc, max_slots_per_rank=s)
+        require(lc.keep != "auto" or cfg.fidelity.every > 0,
+                "--lrmoe-keep auto needs the fidelity monitor: give "
+                "--lrmoe-fidelity-every N with N > 0")
         if lc.max_slots_per_rank is not None:
             require(lc.max_slots_per_rank >= n_nat,
                     f"lrmoe.max_slots_per_rank={lc.max_slots_per_rank} must be >= E/G = "

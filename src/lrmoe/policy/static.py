@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import require
-from lrmoe.policy.base import PlanInputs
+from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact
 from lrmoe.policy.plan_numpy import host_counts, to_plan
@@ -22,7 +22,7 @@ def native_placement(G: int, E: int) -> Tensor:
 
 
 @dataclass
-class StaticPolicy:
+class StaticPolicy(Policy):
     """Natives only, every pair in backward; with ``recompute`` a rank over the budget
     recomputes the fewest rows' gate_up outputs instead of failing, or, where that cannot
     fit, the layer is checkpointed whole (:func:`fit_exact`)."""

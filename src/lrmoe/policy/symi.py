@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
-from lrmoe.policy.base import PlanInputs, Prepared
+from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
@@ -315,7 +315,7 @@ def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
 
 
 @dataclass
-class SymiPolicy:
+class SymiPolicy(Policy):
     """SYMI with ``slots_per_rank`` slots; ``None`` means ``E/G + 2`` at plan time.
     ``recompute``: fit a budget by recomputing rows instead of failing."""
 

@@ -92,7 +92,8 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -102,37 +103,40 @@ from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
+from lrmoe.train.config import TrainConfig
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
 
 
+# the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
+# the two read them alike; recorded (ttl.json) and given (--flags) by the same flat names
+SHARED = ("preset", "config", "ep", "mem_budget", "steps", "batch_size", "seq_len", "lr",
+          "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "device", "data",
+          "max_data_bytes", "eval_every", "eval_batches", "compile", "optimizer_offload",
+          "router_grad", "router_lr_scale", "grad_accum", "activation_checkpoint")
+# where bench ttl's defaults differ from lrmoe train's (a short run on a small corpus)
+BENCH_DEFAULTS = {"ep": 4, "steps": 100, "seq_len": 128, "warmup": 10,
+                  "max_data_bytes": 4 * 2**20, "eval_every": 10, "eval_batches": 4}
+
+
+def bench_train_config(**kw) -> TrainConfig:
+    """A :class:`TrainConfig` with bench ttl's defaults for :data:`SHARED` fields."""
+    return TrainConfig(**{**BENCH_DEFAULTS, **kw})
+
+
 @dataclass
 class TTLConfig:
-    preset: str | None = None
-    config: str | None = None
-    ep: int = 4
+    """``bench ttl``'s settings: the training run every policy makes (:attr:`train`, the
+    fields of :data:`SHARED`) and the bench's own."""
+
+    train: TrainConfig = field(default_factory=bench_train_config)
     policies: tuple[str, ...] = ("static", "symi", "lrmoe")
-    mem_budget: str | None = None
     slots_per_rank: int | None = None
-    steps: int = 100
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
     link: str = "nvlink"
     target_fraction: float = 0.8
     target_rtol: float = 1e-5
-    device: str = "cpu"
-    data: str | None = None
-    max_data_bytes: int | None = 4 * 2**20
-    eval_every: int = 10
-    eval_batches: int = 4
     min_keep: float = 0.5  # lrmoe planner knobs
     balance: float = 1.0
     lrmoe_max_slots: int | None = None
@@ -140,17 +144,23 @@ class TTLConfig:
     lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
     lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
     lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
-    compile: bool = False  # torch.compile the model as lrmoe train --compile
     budget_floor_fraction: float | None = None  # budget: this x static's whole-layer floor
-    optimizer_offload: str = "device"  # host: experts' optimizer state in host memory
     smooth_window: int = 3  # evaluations in the centred moving average of val curves
     reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
-    router_grad: str = "home"  # experts: static and symi take the router gradient at the experts
     deterministic: bool = False  # torch's deterministic kernels for every policy
     deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
-    router_lr_scale: float = 1.0  # the routers' lr as a multiple of lr (every policy)
-    grad_accum: int = 1  # micro-batches (of batch_size) per optimizer step
-    activation_checkpoint: str = "none"  # none, selective or full (lrmoe.model.checkpoint)
+
+    @classmethod
+    def from_flat(cls, **kw) -> TTLConfig:
+        """A config from flat names (``ep=2, estimator="sampled"``): the :data:`SHARED`
+        ones go to :attr:`train`."""
+        train = bench_train_config(**{k: kw.pop(k) for k in SHARED if k in kw})
+        return cls(train=train, **kw)
+
+    def flat(self) -> dict:
+        """Every setting by its flat name (what ``ttl.json`` records)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
+        return {**{k: getattr(self.train, k) for k in SHARED}, **own}
 
 
 # settings no longer chosen, still recorded with the one value today's code runs, so that
@@ -164,7 +174,7 @@ RETIRED_SETTINGS = {"ledger_transients": "code",
 
 def recorded_settings(cfg: TTLConfig) -> dict:
     """The settings a ``ttl.json`` or ``ttl_partial.json`` records."""
-    return asdict(cfg) | RETIRED_SETTINGS
+    return cfg.flat() | RETIRED_SETTINGS
 
 
 def _on_off(v: str) -> bool:
@@ -266,7 +276,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
 
-    G, E = cfg.ep, mcfg.num_experts
+    G, E = cfg.train.ep, mcfg.num_experts
     lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
                      placement=cfg.lrmoe_placement)
     slots, note = cfg.slots_per_rank, ""
@@ -274,8 +284,8 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     if name == "lrmoe" and cfg.lrmoe_link_cost and rate is not None:
         from lrmoe.policy.lrmoe import HELD
         from lrmoe.sim.links import get_link, link_cost
-        wb = 2 if cfg.device == "cuda" else 4  # budget_ledger's dtype
-        share = cfg.grad_accum if cfg.lrmoe_placement in HELD else 1
+        wb = 2 if cfg.train.device == "cuda" else 4  # budget_ledger's dtype
+        share = cfg.train.grad_accum if cfg.lrmoe_placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
     pops = [c.sum(0) for c in first_counts]
@@ -305,7 +315,7 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         note = f"s={E // G} (natives)"
     if name != "lrmoe" and ledger is not None:
         note += ", recompute to fit"
-    if name != "lrmoe" and cfg.router_grad == "experts":
+    if name != "lrmoe" and cfg.train.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
                       recompute=name == "symi" and ledger is not None)
@@ -403,15 +413,15 @@ def _phase(name: str):
 
 
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
-    """The ledger a run prices its budget with: ``cfg.ep`` ranks, bf16 on CUDA (fp32 on
-    the CPU), ``cfg.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
-    dtype = "bf16" if cfg.device == "cuda" else "fp32"
-    return Ledger.for_dtype(mcfg, cfg.ep, budget, dtype, optimizer_offload=cfg.optimizer_offload)
+    """The ledger a run prices its budget with: ``cfg.train.ep`` ranks, bf16 on CUDA (fp32 on
+    the CPU), ``cfg.train.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
+    dtype = "bf16" if cfg.train.device == "cuda" else "fp32"
+    return Ledger.for_dtype(mcfg, cfg.train.ep, budget, dtype, optimizer_offload=cfg.train.optimizer_offload)
 
 
 def policy_router_grad(name: str, cfg: TTLConfig) -> str:
     """Where policy ``name`` takes the router gradient (module doc: lrmoe always home)."""
-    return "home" if name == "lrmoe" else cfg.router_grad
+    return "home" if name == "lrmoe" else cfg.train.router_grad
 
 
 def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | None:
@@ -422,87 +432,41 @@ def policy_ledger(ledger: Ledger | None, name: str, cfg: TTLConfig) -> Ledger | 
     return ledger
 
 
+@dataclass
+class _PolicyRun:
+    """One policy's training run, built as the trainer builds it, on the emulator."""
+
+    name: str
+    model: torch.nn.Module
+    em: Emulator
+    opt: torch.optim.Optimizer
+    sched: object
+    autocast: object
+    ctx: object
+    dev: torch.device
+    sync: Callable[[], None]  # waits for the device's queued work
+    ledger: Ledger | None
+    offload: object  # lrmoe.sim.offload.OffloadModel with host offload, else None
+    note: str
+
+
 def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
                profile=None) -> dict:
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.exchange import BackwardOptions
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.policy.registry import make_policy
-    from lrmoe.train.accum import accumulate, update
-    from lrmoe.train.loop import make_autocast
-    from lrmoe.train.offload import last_backward_hook
-    from lrmoe.train.optim import build_optimizer, build_scheduler
-
-    dev, G = torch.device(cfg.device), cfg.ep
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    if dev.type == "cuda":  # this policy's own peak of the emulating process
-        torch.cuda.reset_peak_memory_stats(dev)
-    router_grad = policy_router_grad(name, cfg)
-    ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
-                                                   profile)
-    policy = make_policy(pc, mcfg, G)
-    # the model and optimizer as the trainer builds them (lrmoe.train.loop._build): with
-    # host offload the device keeps the experts in bf16 on CUDA, their fp32 masters on
-    # the "host" (here the emulating device: its cost is modelled per rank)
-    torch.manual_seed(cfg.seed)
-    model = MoEForCausalLM(mcfg).to(dev)
-    model.set_activation_checkpoint(cfg.activation_checkpoint)
-    if cfg.compile:  # as lrmoe train --compile: all but the routed experts
-        compile_model(model)
-    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
-    # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, BackwardOptions(estimator=cfg.estimator,
-                                                    router_grad=router_grad),
-                  planner_ledger, sync, rec_ledger)
-    trace, trace_GE, micro_E = [], [], []
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
-                          host=dev, router_lr_scale=cfg.router_lr_scale)
-    sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    autocast = make_autocast(dev)
-    ctx = ParallelContext(device=dev)
-    offload = None
-    if cfg.optimizer_offload == "host":
-        from lrmoe.sim.offload import OffloadModel, policy_layout
-        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
-                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
-                               policy_layout(name))
-    rows, evals, cum = [], [{"step": 0, **_val_eval(model, val_b, dev, autocast),
-                             "cum_emulated_s": 0.0}], 0.0
-    model.train()
+    """Train with policy ``name`` for ``cfg.train.steps`` steps on ``cfg.train.ep``
+    emulated ranks: its step rows, evaluations and verdict (module docstring)."""
+    t = cfg.train
+    run = _build_run(name, cfg, mcfg, ledger, first_counts, profile)
+    rows, trace, trace_GE, micro_E = [], [], [], []
+    evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
+              "cum_emulated_s": 0.0}]
+    run.model.train()
     failed = oom = None
     try:
-        N = cfg.grad_accum
-        for step in range(cfg.steps):
-            em.set_step(step)
-            opt.zero_grad(set_to_none=True)
-            micro, clock = [], {}
-
-            def on_micro(m: int, pair, micro=micro, clock=clock) -> None:
-                """Each micro-batch's wall (batch fetch .. after its backward), its routed
-                experts' wall and its layers' stats (timed: device work synchronised)."""
-                sync()
-                if pair is None:
-                    em.wall, clock["t0"] = 0.0, time.perf_counter()
-                    return
-                micro.append((em.stats(), time.perf_counter() - clock["t0"], em.wall))
-                release_graph(model)  # the aux losses hold the step's graph
-            # profiler ranges (free without a profiler): the step and its phases, which
-            # benchmarks/non_moe_profile.py reads
-            with _phase("step"):
-                # micro-batch m of step s: global batch s * N + m (the trainer's order)
-                sums = accumulate(model, lambda m, s=step: batches.batch(s * N + m).to(dev), N,
-                                  autocast, on_micro, last_backward_hook(opt, ctx))
-                t0 = time.perf_counter()
-                update(model, opt, sched, cfg.clip, ctx)
-                sync()
-            opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
-            if not math.isfinite(loss):
-                raise LrmoeError(f"{name}: training loss is {loss} at step {step + 1}; lower --lr")
-            row = _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload,
-                            getattr(opt, "host_s", 0.0))
-            cum = row["cum_emulated_s"]
+        for step in range(t.steps):
+            micro, opt_wall, loss = _train_step(run, step, batches, t)
+            cum = rows[-1]["cum_emulated_s"] if rows else 0.0
+            rows.append(_step_row(step, loss, micro, opt_wall, link, t.ep, run.ledger, cum,
+                                  run.offload, getattr(run.opt, "host_s", 0.0)))
             # the optimizer step's counts per layer, and every micro-batch's per home rank
             # (what a plan sees: symi's profile)
             trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
@@ -510,12 +474,11 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
             # every micro-batch's per-expert counts, its layers in order (the budget floor's)
             micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
-            rows.append(row)
-            done = step + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                evals.append({"step": done, **_val_eval(model, val_b, dev, autocast),
+            done, cum = step + 1, rows[-1]["cum_emulated_s"]
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
                               "cum_emulated_s": cum})
-                log(f"[{name}] step {done}/{cfg.steps} train {loss:.4f} val "
+                log(f"[{name}] step {done}/{t.steps} train {loss:.4f} val "
                     f"{evals[-1]['val_loss']:.4f} emulated {cum:.4f} s")
     except OutOfMemory as e:  # as a GPU would: the run stops at that step
         oom = {"step": len(rows) + 1, "needs_bytes": e.needs_bytes,
@@ -530,12 +493,97 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             raise
         failed = f"stopped at step {len(rows) + 1}: {e}"
         log(f"[{name}] {failed}")
-    if offload is not None:
+    res = _policy_result(run, rows, evals, failed, oom)
+    res.update(routing_trace=trace, _counts_GE=trace_GE, _counts_E_micro=micro_E)
+    return res
+
+
+def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
+    """The planner (:func:`_choose`), the model, emulator, optimizer and schedule of
+    policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
+    offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
+    "host" (here the emulating device: its cost is modelled per rank)."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.model.compile import compile_model
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.policy.registry import make_policy
+    from lrmoe.train.loop import make_autocast
+    from lrmoe.train.optim import build_optimizer, build_scheduler
+
+    t = cfg.train
+    dev, G = torch.device(t.device), t.ep
+    if dev.type == "cuda":  # this policy's own peak of the emulating process
+        torch.cuda.reset_peak_memory_stats(dev)
+    ledger = policy_ledger(ledger, name, cfg)
+    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
+                                                   profile)
+    policy = make_policy(pc, mcfg, G)
+    torch.manual_seed(t.seed)
+    model = MoEForCausalLM(mcfg).to(dev)
+    model.set_activation_checkpoint(t.activation_checkpoint)
+    if t.compile:  # as lrmoe train --compile: all but the routed experts
+        compile_model(model)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    opts = BackwardOptions(estimator=cfg.estimator, router_grad=policy_router_grad(name, cfg))
+    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
+    # fits is out of memory: the run stops there (OutOfMemory)
+    em = Emulator(model, G, policy, opts, planner_ledger, sync, rec_ledger)
+    opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
+                          host=dev, router_lr_scale=t.router_lr_scale)
+    sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)
+    offload = None
+    if t.optimizer_offload == "host":
+        from lrmoe.sim.offload import OffloadModel, policy_layout
+        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
+                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
+                               policy_layout(name))
         note += f", optimizer offload to host ({offload.layout} layout)"
-    res = {"policy": name, "config": note, "steps": rows, "evals": evals,
+    return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
+                      ParallelContext(device=dev), dev, sync, ledger, offload, note)
+
+
+def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
+                ) -> tuple[list[tuple], float, float]:
+    """One optimizer step as the trainer makes it: ``(micro, optimizer wall, loss)``,
+    ``micro`` per micro-batch ``(its layers' stats, its wall from batch fetch to after
+    its backward, its routed experts' wall)``, timed with the device synchronised."""
+    from lrmoe.train.accum import accumulate, update
+    from lrmoe.train.offload import last_backward_hook
+
+    run.em.set_step(step)
+    run.opt.zero_grad(set_to_none=True)
+    micro, clock, N = [], {}, t.grad_accum
+
+    def on_micro(m: int, pair) -> None:
+        run.sync()
+        if pair is None:
+            run.em.wall, clock["t0"] = 0.0, time.perf_counter()
+            return
+        micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
+        release_graph(run.model)  # the aux losses hold the step's graph
+    # profiler ranges (free without a profiler): the step and its phases, which
+    # benchmarks/non_moe_profile.py reads
+    with _phase("step"):
+        # micro-batch m of step s: global batch s * N + m (the trainer's order)
+        sums = accumulate(run.model, lambda m: batches.batch(step * N + m).to(run.dev), N,
+                          run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
+        t0 = time.perf_counter()
+        update(run.model, run.opt, run.sched, t.clip, run.ctx)
+        run.sync()
+    opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
+    if not math.isfinite(loss):
+        raise LrmoeError(f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
+    return micro, opt_wall, loss
+
+
+def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed: str | None,
+                   oom: dict | None) -> dict:
+    """A policy's result: its rows and evaluations, their totals and its verdict."""
+    dev = run.dev
+    res = {"policy": run.name, "config": run.note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
-           "routing_trace": trace, "failed": failed, "out_of_memory": oom,
-           "_counts_GE": trace_GE, "_counts_E_micro": micro_E,
+           "failed": failed, "out_of_memory": oom,
            # every virtual rank at once on one device: whether the emulation fits the
            # device, not a rank's memory (that is the ledger's)
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
@@ -544,12 +592,12 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
         res["replicas_given_up"] = given_up_totals(rows)
         res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
         res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
-    if ledger is not None and rows:
+    if run.ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
         res["rungs"] = rung_totals(rows)
     if failed:
         res["budget_status"] = failed
-    elif ledger is not None:
+    elif run.ledger is not None:
         res["budget_status"] = "fits" + _rung_note(res["rungs"])
     return res
 
@@ -700,7 +748,7 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     old = rep.get("config")
     if old is not None:
         # a setting the file lacks was added since: its default is the behaviour before it
-        before = {f.name: f.default for f in fields(TTLConfig)}
+        before = TTLConfig().flat()
         new = recorded_settings(cfg)
         for k in sorted(set(new) | set(old)):
             was = old.get(k, before.get(k))
@@ -717,17 +765,17 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     require("static" not in got or "symi" in got or "symi" not in policies,
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
             "together or run both")
-    want = [0] + [s for s in range(1, cfg.steps + 1)
-                  if (cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps]
+    want = [0] + [s for s in range(1, cfg.train.steps + 1)
+                  if (cfg.train.eval_every and s % cfg.train.eval_every == 0) or s == cfg.train.steps]
     out = {}
     for p in policies:
         if p not in got:
             continue
         r = dict(got[p])
         steps = [e["step"] for e in r.get("evals", [])]
-        require(len(r.get("steps", [])) == cfg.steps or r.get("failed"),
+        require(len(r.get("steps", [])) == cfg.train.steps or r.get("failed"),
                 f"--reuse {path}: {p} ran {len(r.get('steps', []))} steps, this run has "
-                f"--steps {cfg.steps}")
+                f"--steps {cfg.train.steps}")
         require(r.get("failed") or steps == want,
                 f"--reuse {path}: {p} was evaluated at steps {steps[:4]}..., this run at "
                 f"{want[:4]}...")
@@ -754,92 +802,145 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
         return _bench_ttl(cfg, log, on_policy)
 
 
+@dataclass
+class _Data:
+    """What every policy's run reads: the model config (vocabulary from the tokenizer),
+    the corpus, its training and validation batches."""
+
+    mcfg: object
+    corpus: object
+    batches: object
+    val_b: list
+
+
 def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
-    from lrmoe.model import MoEForCausalLM
     from lrmoe.sim.links import get_link
-    from lrmoe.tokenizer import check_vocab
-    from lrmoe.tokenizer_load import load_tokenizer
-    from lrmoe.train.config import TrainConfig, resolve_model_config
-    from lrmoe.train.loop import val_windows
+    from lrmoe.train.config import resolve_model_config
 
     check_ttl_config(cfg)
-    G = cfg.ep
+    G = cfg.train.ep
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
     variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
     link = get_link(cfg.link)
-    tc = TrainConfig(preset=cfg.preset, config=cfg.config)
-    mcfg = resolve_model_config(tc, vocab_size=None)
+    mcfg = resolve_model_config(cfg.train, vocab_size=None)
     require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
                                        f"{mcfg.num_experts}")
     ledger, rule = None, None
-    if cfg.mem_budget is not None:
-        home = cfg.batch_size // G * cfg.seq_len
-        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.mem_budget))
+    if cfg.train.mem_budget is not None:
+        home = cfg.train.batch_size // G * cfg.train.seq_len
+        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
-    corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    data = _load_data(cfg)
+    first, reused = _probe(cfg, data, policies)
+    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log))
+        ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
+        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
+    results, profile = {}, None
+    for p in policies:
+        if p in reused:
+            log(f"[{p}] reused from {cfg.reuse}")
+            results[p] = reused[p]
+        else:
+            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, first, link,
+                                             log, profile, rule)
+            if p == "static":  # symi's profile: static's routing and GEMM rate
+                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
+                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
+                                            data.mcfg.hidden_size,
+                                            data.mcfg.moe_intermediate_size)
+                profile = (*_profile(counts_GE), rate)
+        if on_policy is not None:
+            on_policy(p, results[p])
+    target = _reach_target(cfg, results)
+    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
+              if variants[p][0] == "lrmoe"}
+    offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
+    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
+            "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
+            "budget_bytes": None if ledger is None else ledger.budget_bytes,
+            "budget_rule": None if rule is None else rule.record(),
+            "offload_model": offload_model, "target": target,
+            "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
+            "ratios_over_symi_time_to_target_emulated": ratios,
+            "measured_vs_modelled": __doc__, "policies": results}
+
+
+def _load_data(cfg: TTLConfig) -> _Data:
+    """The corpus (byte tokenizer), the model config with its vocabulary, the training
+    batches and the validation batches, as ``lrmoe train`` reads them."""
+    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
+    from lrmoe.tokenizer import check_vocab
+    from lrmoe.tokenizer_load import load_tokenizer
+    from lrmoe.train.config import resolve_model_config
+    from lrmoe.train.loop import val_windows
+
+    t = cfg.train
+    corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
     train_ids, val_ids = build_token_streams(corpus, tok)
-    mcfg = resolve_model_config(tc, vocab_size=tok.vocab_size)
+    mcfg = resolve_model_config(t, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
-    batches = PackedBatches(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
-    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, 1)
-    val_b = validation_batches(val_ids, cfg.seq_len, cfg.batch_size, num_windows=k)
+    batches = PackedBatches(train_ids, t.seq_len, t.batch_size, t.seed)
+    k = val_windows(val_ids.numel(), t.seq_len, t.batch_size, t.eval_batches, 1)
+    val_b = validation_batches(val_ids, t.seq_len, t.batch_size, num_windows=k)
+    return _Data(mcfg, corpus, batches, val_b)
 
-    torch.manual_seed(cfg.seed)
-    probe = MoEForCausalLM(mcfg).to(cfg.device)
+
+def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict]:
+    """``(first, reused)``: the first batch's routed counts on the seed's initial model
+    (every policy's first plan sees them) and the ``--reuse`` file's results checked
+    against that model's validation loss; the process is warmed up on the way."""
+    from lrmoe.model import MoEForCausalLM
     from lrmoe.train.loop import make_autocast
-    autocast = make_autocast(torch.device(cfg.device))
+
+    t, G = cfg.train, cfg.train.ep
+    dev = torch.device(t.device)
+    torch.manual_seed(t.seed)
+    probe = MoEForCausalLM(data.mcfg).to(t.device)
+    autocast = make_autocast(dev)
     reused = {}
     if cfg.reuse:
-        v0 = _val_eval(probe, val_b, torch.device(cfg.device), autocast)["val_loss"]
+        v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, policies, v0)
         probe.train()
-    first = routed_counts(probe, batches.batch(0).to(cfg.device), G)
-    warm_up(probe, G, batches.batch(0).to(cfg.device), autocast, cfg.compile)
+    first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
+    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile)
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
     gc.collect()
+    return first, reused
 
-    results, profile = {}, None
-    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, mcfg, batches, val_b, first, link, log))
-        ledger = budget_ledger(cfg, mcfg, rule.budget_bytes)
-        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
-            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
-    for p in policies:
-        base, vcfg = variants[p]
-        if p in reused:
-            log(f"[{p}] reused from {cfg.reuse}")
-            results[p] = reused[p]
-            if on_policy is not None:
-                on_policy(p, results[p])
-            continue
-        results[p] = run_policy(base, vcfg, mcfg, batches, val_b, ledger, first, link, log,
-                                profile)
-        results[p]["policy"] = p
-        counts_GE = results[p].pop("_counts_GE")
-        results[p].pop("_counts_E_micro")
-        if rule is not None:  # with each result: --reuse takes it with the policy
-            results[p]["budget_rule"] = rule.record()
-        if p == "static":
-            from lrmoe.sim.ttl_symi import calibrated_gemm_rate
-            rate = calibrated_gemm_rate(results[p]["steps"], counts_GE, mcfg.hidden_size,
-                                        mcfg.moe_intermediate_size)
-            profile = (*_profile(counts_GE), rate)
-        gc.collect()
-        if cfg.device == "cuda":
-            torch.cuda.empty_cache()
-        if on_policy is not None:
-            on_policy(p, results[p])
+
+def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,
+             first, link, log, profile, rule) -> tuple[dict, list]:
+    """Policy ``spec``'s result (its counts taken out) and its per-home counts."""
+    base, vcfg = variant
+    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, first, link,
+                     log, profile)
+    res["policy"] = spec
+    counts_GE = res.pop("_counts_GE")
+    res.pop("_counts_E_micro")
+    if rule is not None:  # with each result: --reuse takes it with the policy
+        res["budget_rule"] = rule.record()
+    gc.collect()
+    if cfg.train.device == "cuda":
+        torch.cuda.empty_cache()
+    return res, counts_GE
+
+
+def _reach_target(cfg: TTLConfig, results: dict) -> dict:
+    """The target (module docstring) and, on each result, its steps and time to it (none
+    for a run that stopped) and its mean step; returns the report's ``target``."""
     from lrmoe.sim.target import crossing, eval_noise, target_at
 
     w = cfg.smooth_window
     base = results["static"]["evals"]
-    at = math.ceil(cfg.target_fraction * cfg.steps)
+    at = math.ceil(cfg.target_fraction * cfg.train.steps)
     target = target_at(base, at, w)
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
@@ -852,23 +953,12 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                 r[k] = None
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
-    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
-              if variants[p][0] == "lrmoe"}
-    ratio = ratios.get("lrmoe")
-    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
-            "model": mcfg.to_hf_dict(), "data": corpus.source,
-            "budget_bytes": None if ledger is None else ledger.budget_bytes,
-            "budget_rule": None if rule is None else rule.record(),
-            "offload_model": None if cfg.optimizer_offload != "host" else offload_assumptions(),
-            "target": {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
-                       "smooth_window": w, "noise": eval_noise(base, at, w),
-                       "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],
-                       "rtol": cfg.target_rtol,
-                       "rule": "static's val curve smoothed (centred mean of smooth_window "
-                               "evals) at step ceil(fraction * steps); a policy reaches it "
-                               "where its smoothed curve first does (linear between evals); "
-                               "raw_*: static's val at its first eval at or after that step, "
-                               "reached at the first eval <= target*(1+rtol)"},
-            "ratio_lrmoe_over_symi_time_to_target_emulated": ratio,
-            "ratios_over_symi_time_to_target_emulated": ratios,
-            "measured_vs_modelled": __doc__, "policies": results}
+    return {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,
+            "smooth_window": w, "noise": eval_noise(base, at, w),
+            "raw_val_loss": raw_eval["val_loss"], "raw_static_step": raw_eval["step"],
+            "rtol": cfg.target_rtol,
+            "rule": "static's val curve smoothed (centred mean of smooth_window "
+                    "evals) at step ceil(fraction * steps); a policy reaches it "
+                    "where its smoothed curve first does (linear between evals); "
+                    "raw_*: static's val at its first eval at or after that step, "
+                    "reached at the first eval <= target*(1+rtol)"}

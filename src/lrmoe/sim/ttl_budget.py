@@ -90,8 +90,8 @@ def floor_of_run(cfg, mcfg, counts_E: list[list]) -> int:
     from lrmoe.sim.ttl import budget_ledger, policy_ledger
 
     led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
-    home = cfg.batch_size // cfg.ep * cfg.seq_len * mcfg.num_experts_per_tok
-    return max(layer_floor(led, [int(x) for x in c.tolist()], cfg.ep, home)
+    home = cfg.train.batch_size // cfg.train.ep * cfg.train.seq_len * mcfg.num_experts_per_tok
+    return max(layer_floor(led, [int(x) for x in c.tolist()], cfg.train.ep, home)
                for step in counts_E for c in step)
 
 

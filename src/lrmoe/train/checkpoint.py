@@ -441,7 +441,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
         raise LrmoeError(f"checkpoint {ck.path} does not match this model: {e}") from None
     for m, c in zip(model.moe_layers, trainer.get("moe_prev_counts") or []):
         m.prev_counts_E = None if c is None else c.cpu()
-    if trainer.get("policy") is not None and hasattr(policy, "load_state_dict"):
+    if trainer.get("policy") is not None:  # None: saved by a policy without state
         policy.load_state_dict(trainer["policy"])
     rng = tpl.dict.get(ckpt_state.rng_key(rank)) if same else None
     ckpt_state.apply_rng(rng, generator, device, (seed, ck.step, rank))
@@ -452,7 +452,7 @@ def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
     """The global part of a checkpoint (everything but model, optimizer and RNG)."""
     return {"scheduler": sched.state_dict(),
             "moe_prev_counts": [m.prev_counts_E for m in model.moe_layers],
-            "policy": policy.state_dict() if hasattr(policy, "state_dict") else None,
+            "policy": policy.state_dict(),
             "progress": progress, "data": data}
 
 

@@ -336,13 +336,9 @@ def build_policy(cfg: TrainConfig, mcfg, G: int):
 
 
 def backward_options(cfg: TrainConfig):
-    """The exchange's backward options from the lrmoe knobs and ``--router-grad``."""
-    from lrmoe.parallel.exchange import BackwardOptions
-
-    lc = cfg.policy.lrmoe
-    return BackwardOptions(metric=lc.metric, estimator=lc.estimator,
-                           compaction=lc.compaction, fidelity=False,
-                           router_grad=cfg.router_grad)
+    """The exchange's backward options: the policy's selection knobs and
+    ``--router-grad`` (the trainer turns ``fidelity`` on at the monitor's steps)."""
+    return dataclasses.replace(cfg.policy.backward, fidelity=False, router_grad=cfg.router_grad)
 
 
 def build_runtime(cfg: TrainConfig, ctx, policy, ledger, generator):

@@ -263,15 +263,12 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
     Each rank measures its own instances; the policy sees the mean over the EP ranks
     (gathered, so identical everywhere) because every rank must plan alike.
     """
-    hook = getattr(policy, "observe_fidelity", None)
-    if hook is None:
-        return
     for layer, st in stats.items():
         if "fidelity_cosine" in st:
             vals = [float(r[layer]["fidelity_cosine"]) for r in per_rank
                     if layer in r and "fidelity_cosine" in r[layer]]
             if vals:
-                hook(layer, sum(vals) / len(vals))
+                policy.observe_fidelity(layer, sum(vals) / len(vals))
 
 
 # ----------------------------------------------------------------------------- train
@@ -725,7 +722,7 @@ class _Run:
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum
         s.rt.step = watch.step = step
         watch.phase = "forward and backward"
-        every = cfg.policy.lrmoe.fidelity_every
+        every = cfg.policy.fidelity.every
         fid = every > 0 and (step + 1) % every == 0
         s.rt.backward = dataclasses.replace(self.base_bwd, fidelity=fid)
         if ctx.device.type == "cuda":  # cuda_max_mem_bytes is this step's peak

@@ -1,0 +1,63 @@
+"""The declared policy interface: every planner is a :class:`Policy`, and a planner that
+writes only ``plan`` gets hooks that do nothing (the runtime calls them directly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.config import ModelConfig
+from lrmoe.policy.base import PlanInputs, Policy, prepare
+from lrmoe.policy.lrmoe import LrmoeConfig
+from lrmoe.policy.plan import native_plan
+from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig, make_policy
+from lrmoe.policy.static import StaticPolicy
+
+
+class PlanOnly(Policy):
+    name = "plan-only"
+
+    def plan(self, counts_GE, inputs):
+        return native_plan(counts_GE)
+
+
+def test_every_registered_policy_implements_the_interface():
+    cfg = ModelConfig(num_experts=8)
+    for name in POLICY_NAMES:
+        assert isinstance(make_policy(PolicyConfig(name=name), cfg, 2), Policy), name
+
+
+def test_plan_is_the_only_hook_a_policy_must_write():
+    with pytest.raises(TypeError):
+        Policy()  # plan is abstract
+    p = PlanOnly()
+    inputs = PlanInputs(prev_counts_E=torch.tensor([3, 1, 0, 4]))
+    assert p.prepare(inputs.prev_counts_E, 2, inputs, 4) is None
+    assert prepare(p, inputs.prev_counts_E, 2, inputs, 4).prepared is None
+    assert p.plans_natives_exactly() is False  # the local path is static's alone
+    assert p.observe_fidelity(0, 0.5) is None
+    assert p.state_dict() == {}
+    p.load_state_dict({})
+
+
+def test_only_plain_static_plans_natives_exactly():
+    class Sub(StaticPolicy):
+        pass
+    cfg = ModelConfig(num_experts=8)
+    flags = {n: make_policy(PolicyConfig(name=n), cfg, 2).plans_natives_exactly()
+             for n in POLICY_NAMES}
+    assert flags == {"static": True, "capacity": False, "symi": False, "lrmoe": False}
+    assert Sub().plans_natives_exactly() is False
+
+
+def test_symi_and_lrmoe_prepare_from_the_previous_counts():
+    cfg = ModelConfig(num_experts=8)
+    prev = torch.tensor([40, 1, 1, 1, 1, 1, 1, 2])
+    inputs = PlanInputs(prev_counts_E=prev)
+    for pc in (PolicyConfig(name="symi"),
+               PolicyConfig(name="lrmoe", lrmoe=LrmoeConfig(placement="previous"))):
+        pol = make_policy(pc, cfg, 2)
+        got = prepare(pol, prev, 2, inputs, 24).prepared
+        assert got is not None and got.policy == pol.name
+    assert prepare(make_policy(PolicyConfig(), cfg, 2), prev, 2, inputs, 24).prepared is None
+

@@ -212,15 +212,16 @@ def test_bench_ttl_with_offload(tmp_path, capsys):
     assert "offload traffic" in rep["policies"]["symi"]["config"]
     # the budget is 1.1 x static's whole-layer floor on the host design (no optimizer
     # state in it), read off static's routing, which the trace records
-    from lrmoe.sim.ttl import TTLConfig
+    from lrmoe.sim.ttl import TTLConfig, static_floor_ledger
     from lrmoe.sim.ttl_budget import floor_of_run
     mcfg = get_preset("tiny-qwen3")
     trace = json.loads((out / "routing_trace_static.json").read_text())["steps"]
     counts = [[torch.tensor(c) for c in step] for step in trace]
     cfg = TTLConfig.from_flat(ep=2, batch_size=4, seq_len=32, optimizer_offload="host")
-    F = floor_of_run(cfg, mcfg, counts)
+    F = floor_of_run(static_floor_ledger(cfg, mcfg), cfg, mcfg, counts)
     assert rep["budget_rule"]["floor_bytes"] == F and rep["budget_bytes"] == int(1.1 * F)
-    assert F < floor_of_run(TTLConfig.from_flat(ep=2, batch_size=4, seq_len=32), mcfg, counts)
+    dev_cfg = TTLConfig.from_flat(ep=2, batch_size=4, seq_len=32)
+    assert F < floor_of_run(static_floor_ledger(dev_cfg, mcfg), dev_cfg, mcfg, counts)
     a = [s["train_loss"] for s in rep["policies"]["static"]["steps"]]
     b = [s["train_loss"] for s in rep["policies"]["symi"]["steps"]]
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)

@@ -419,6 +419,11 @@ def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
     return Ledger.for_dtype(mcfg, cfg.train.ep, budget, dtype, optimizer_offload=cfg.train.optimizer_offload)
 
 
+def static_floor_ledger(cfg: TTLConfig, mcfg) -> Ledger:
+    """The ledger static's whole-layer floor ``F`` is priced with (no budget)."""
+    return policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
+
+
 def policy_router_grad(name: str, cfg: TTLConfig) -> str:
     """Where policy ``name`` takes the router gradient (module doc: lrmoe always home)."""
     return "home" if name == "lrmoe" else cfg.train.router_grad
@@ -835,7 +840,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
     first, reused = _probe(cfg, data, policies)
     if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
         rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log))
+                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log,
+                                     run_policy, static_floor_ledger(cfg, data.mcfg)))
         ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
         log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
             f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")

@@ -84,26 +84,23 @@ def layer_floor(ledger, counts_E: list, G: int, home: int) -> int:
     return max(t["total"] for t in ledger.rank_terms(plan))
 
 
-def floor_of_run(cfg, mcfg, counts_E: list[list]) -> int:
+def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
     """``F`` over a run's per-micro-batch, per-layer counts (``counts_E[step]``: its
-    micro-batches' layers in order), priced as the emulator prices static."""
-    from lrmoe.sim.ttl import budget_ledger, policy_ledger
-
-    led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
+    micro-batches' layers in order), priced by ``led``, the ledger the emulator prices
+    static with (:func:`lrmoe.sim.ttl.static_floor_ledger`)."""
     home = cfg.train.batch_size // cfg.train.ep * cfg.train.seq_len * mcfg.num_experts_per_tok
     return max(layer_floor(led, [int(x) for x in c.tolist()], cfg.train.ep, home)
                for step in counts_E for c in step)
 
 
-def calibrate(cfg, mcfg, batches, val_b, first, link, log) -> FloorBudget:
-    """Run static without a budget and return ``--budget-floor-fraction``'s budget."""
-    from lrmoe.sim.ttl import run_policy
-
+def calibrate(cfg, mcfg, batches, val_b, first, link, log, run, led) -> FloorBudget:
+    """Run static without a budget (``run``: :func:`lrmoe.sim.ttl.run_policy`) and return
+    ``--budget-floor-fraction``'s budget, its floor priced by ``led``."""
     log(f"[static, calibration] no budget: reading static's whole-layer floor F for {FLAG}")
-    res = run_policy("static", cfg, mcfg, batches, val_b, None, first, link,
-                     lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
+    res = run("static", cfg, mcfg, batches, val_b, None, first, link,
+              lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
     require(not res["failed"], f"static's calibration run for {FLAG} stopped: {res['failed']}")
-    F = floor_of_run(cfg, mcfg, res["_counts_E_micro"])
+    F = floor_of_run(led, cfg, mcfg, res["_counts_E_micro"])
     x = cfg.budget_floor_fraction
     return FloorBudget(x, F, int(x * F), "calibration run")
 

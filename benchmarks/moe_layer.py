@@ -97,7 +97,7 @@ class KeepPolicy(Policy):
         return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, sel)
 
 
-class SaveInputPolicy:
+class SaveInputPolicy(Policy):
     """Static placement, exact, every row's gate_up output recomputed in backward (only the
     input rows kept, Megatron's MoE activation recompute); with ``router_grad="experts"``
     the combined rows are not kept either: the least an exact layer keeps."""

@@ -620,3 +620,27 @@ def test_deterministic_mode_fill_setting_and_restore():
     with deterministic_mode(False, fill=False):
         assert not torch.are_deterministic_algorithms_enabled()
         assert tud.fill_uninitialized_memory
+
+
+@pytest.mark.parametrize("policies, want", [
+    (["static", "symi"], set()),
+    (["static", "lrmoe:estimator=sampled"], {"sampled"}),
+    (["static", "lrmoe", "lrmoe:estimator=sampled"], {"topk", "sampled"}),
+])
+def test_ttl_warm_up_runs_each_lrmoe_variants_selection(monkeypatch, policies, want):
+    """The untimed warm-up launches every lrmoe variant's selection (its kernels compile
+    there, not inside the variant's first timed steps); static and symi select nothing."""
+    from lrmoe.parallel import select
+    from lrmoe.sim import ttl
+    from lrmoe.sim.ttl import TTLConfig
+
+    seen = set()
+    for name in ("select_topk", "select_sampled"):
+        real = getattr(select, name)
+        monkeypatch.setattr(select, name, lambda *a, _r=real, _n=name, **k: (
+            seen.add(_n.removeprefix("select_")), _r(*a, **k))[1])
+    cfg = TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=1, batch_size=4, seq_len=32,
+                              max_data_bytes=200000, policies=tuple(policies))
+    torch.set_num_threads(1)
+    ttl._probe(cfg, ttl._load_data(cfg), policies)
+    assert seen == want, f"the warm-up selected with {sorted(seen)}, want {sorted(want)}"

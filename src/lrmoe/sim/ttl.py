@@ -914,12 +914,29 @@ def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict
         reused = load_reused(cfg, policies, v0)
         probe.train()
     first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
-    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile)
+    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
+            _warm_variants(cfg, data, policies, first))
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
     gc.collect()
     return first, reused
+
+
+def _warm_variants(cfg: TTLConfig, data: _Data, policies: list[str], first) -> list:
+    """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
+    balance quotas trim the first batch, so its selection and gather kernels run."""
+    from lrmoe.parallel.exchange import BackwardOptions
+    from lrmoe.policy.registry import make_policy
+
+    out = []
+    for spec in policies:
+        base, vcfg = policy_variant(spec, cfg)
+        if base == "lrmoe":
+            pc = _choose(base, vcfg, data.mcfg, None, first)[0]
+            out.append((make_policy(pc, data.mcfg, cfg.train.ep),
+                        BackwardOptions(estimator=vcfg.estimator)))
+    return out
 
 
 def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,

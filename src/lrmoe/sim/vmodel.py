@@ -101,11 +101,13 @@ def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
                          for i in idx.reshape(G, -1)]).long() for idx in got]
 
 
-def warm_up(model, G: int, batch, autocast, compile: bool = False) -> None:
+def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> None:
     """One untimed static training step (fills the allocator, lazy inits, compiles what
     the timed steps compile), its forward under the timed steps' ``autocast``: the same
     kernels, the same memory (in fp32 a grouped-query attention has no fused kernel and
-    keeps its whole score matrix)."""
+    keeps its whole score matrix). Then one untimed step for each ``(policy, options)``
+    of ``also``: the kernels only a policy's own stages launch (lrmoe's selection and
+    gathers) compile here, not inside its first timed steps."""
     from lrmoe.model.compile import compile_model
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.static import StaticPolicy
@@ -114,10 +116,14 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False) -> None:
     if compile:
         compile_model(model)
     model.train()
-    with autocast():
-        loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
-    loss.backward()
-    release_graph(model)
+    for policy, opts in [(None, None), *also]:
+        if policy is not None:
+            Emulator(model, G, policy, opts, None, lambda: None)
+        with autocast():
+            loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
+        loss.backward()
+        release_graph(model)
+        model.zero_grad(set_to_none=True)
 
 
 def release_graph(model) -> None:

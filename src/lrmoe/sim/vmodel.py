@@ -123,7 +123,6 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> N
             loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
         loss.backward()
         release_graph(model)
-        model.zero_grad(set_to_none=True)
 
 
 def release_graph(model) -> None:

@@ -11,13 +11,11 @@ program in Python.
 
 from __future__ import annotations
 
-import collections
 import os
 from fractions import Fraction
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported "
@@ -27,7 +25,7 @@ from bits import same_bits  # noqa: E402
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.parallel.select import BackwardOptions  # noqa: E402
 from references.select_runtime import select_and_compact  # noqa: E402
-from test_select_fast import metric_case  # noqa: E402
+from test_select_fast import OpCount, metric_case  # noqa: E402
 from test_select_stage import home_case  # noqa: E402
 from triton_interp import patch_interpreter  # noqa: E402
 
@@ -224,18 +222,6 @@ def test_inclusion_probabilities(dtype):
         torch.testing.assert_close(got.pi_N, ref, rtol=1e-12, atol=1e-15)
 
 
-class _Count(TorchDispatchMode):
-    """Top-level ATen and custom operators run inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_selection_is_three_kernels_and_one_read():
     """Each estimator issues three kernels (top-k: the metric and select kernels, inside
     one operator, and the compaction; sampled: torch.rand, the select kernel and the
@@ -244,9 +230,9 @@ def test_selection_is_three_kernels_and_one_read():
     norm = rowops.token_norm(case["dout"])
     args = ("grad_norm", norm, case["tok"], case["g"], case["gate"], case["home"].retain_I,
             case["home"].select_I)
-    with _Count() as topk:
+    with OpCount() as topk:
         selection.select_topk(*args, case["dout"])
-    with _Count() as sampled:
+    with OpCount() as sampled:
         selection.select_sampled(*args, torch.Generator().manual_seed(0), dout_TH=case["dout"])
     assert topk.ops["topk_select"] == 1 and topk.ops["compact_selected"] == 1, topk.ops
     assert sampled.ops["rand"] == 1 and sampled.ops["sampled_select"] == 1, sampled.ops

@@ -642,5 +642,5 @@ def test_ttl_warm_up_runs_each_lrmoe_variants_selection(monkeypatch, policies, w
     cfg = TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=1, batch_size=4, seq_len=32,
                               max_data_bytes=200000, policies=tuple(policies))
     torch.set_num_threads(1)
-    ttl._probe(cfg, ttl._load_data(cfg), policies)
+    ttl._probe(cfg, ttl._load_data(cfg), {p: ttl.policy_variant(p, cfg) for p in policies})
     assert seen == want, f"the warm-up selected with {sorted(seen)}, want {sorted(want)}"

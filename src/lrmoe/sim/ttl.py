@@ -837,7 +837,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     data = _load_data(cfg)
-    first, reused = _probe(cfg, data, policies)
+    first, reused = _probe(cfg, data, variants)
     if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
         rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
                 ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log,
@@ -896,10 +896,11 @@ def _load_data(cfg: TTLConfig) -> _Data:
     return _Data(mcfg, corpus, batches, val_b)
 
 
-def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict]:
+def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
     """``(first, reused)``: the first batch's routed counts on the seed's initial model
     (every policy's first plan sees them) and the ``--reuse`` file's results checked
-    against that model's validation loss; the process is warmed up on the way."""
+    against that model's validation loss; the process is warmed up on the way, for the
+    policies of ``variants`` (spec -> :func:`policy_variant`) that will run."""
     from lrmoe.model import MoEForCausalLM
     from lrmoe.train.loop import make_autocast
 
@@ -911,11 +912,12 @@ def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict
     reused = {}
     if cfg.reuse:
         v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
-        reused = load_reused(cfg, policies, v0)
+        reused = load_reused(cfg, list(variants), v0)
         probe.train()
     first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
     warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
-            _warm_variants(cfg, data, policies, first))
+            _warm_variants(data, [v for p, v in variants.items() if p not in reused],
+                           first, cfg.train.ep))
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
@@ -923,18 +925,17 @@ def _probe(cfg: TTLConfig, data: _Data, policies: list[str]) -> tuple[list, dict
     return first, reused
 
 
-def _warm_variants(cfg: TTLConfig, data: _Data, policies: list[str], first) -> list:
+def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.registry import make_policy
 
     out = []
-    for spec in policies:
-        base, vcfg = policy_variant(spec, cfg)
+    for base, vcfg in variants:
         if base == "lrmoe":
             pc = _choose(base, vcfg, data.mcfg, None, first)[0]
-            out.append((make_policy(pc, data.mcfg, cfg.train.ep),
+            out.append((make_policy(pc, data.mcfg, G),
                         BackwardOptions(estimator=vcfg.estimator)))
     return out
 

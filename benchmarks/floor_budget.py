@@ -7,8 +7,8 @@ run's ``ttl.json(.gz)`` beside it gives the settings (ep, dtype, optimizer offlo
 gradient), else the flags. Each step's counts of each MoE layer become a count matrix
 whose home rows hold ``tokens_per_rank · top_k`` pairs (the ledger prices a rank by its
 received and home pairs, so any such split prices alike); static's native plan is priced
-with the ledger ``bench ttl`` builds (:func:`lrmoe.sim.ttl.budget_ledger`,
-:func:`lrmoe.sim.ttl.policy_ledger`). Maxima over steps and layers of the worst rank:
+with the ledger ``bench ttl`` prices static's floor with
+(:func:`lrmoe.sim.ttl.static_floor_ledger`). Maxima over steps and layers of the worst rank:
 
 - ``as_is``: nothing recomputed;
 - ``row_floor``: the least budget where :func:`lrmoe.policy.plan.fit_exact` fits every
@@ -38,7 +38,7 @@ from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import require  # noqa: E402
 from lrmoe.policy.ledger_view import plan_exact_fit  # noqa: E402
 from lrmoe.policy.plan import layer_checkpoint_plan, native_plan  # noqa: E402
-from lrmoe.sim.ttl import TTLConfig, budget_ledger, policy_ledger  # noqa: E402
+from lrmoe.sim.ttl import TTLConfig, static_floor_ledger  # noqa: E402
 from lrmoe.sim.ttl_budget import counts_matrix  # noqa: E402
 from lrmoe.train.config import TrainConfig, resolve_model_config  # noqa: E402
 from lrmoe.units import parse_bytes  # noqa: E402
@@ -90,7 +90,7 @@ def least(ledger, plan, lo: int, hi: int) -> int:
 
 
 def floors(trace: dict, cfg: TTLConfig, mcfg: ModelConfig) -> dict:
-    led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
+    led = static_floor_ledger(cfg, mcfg)
     G, home = cfg.train.ep, trace["tokens_per_rank"] * mcfg.num_experts_per_tok
     plans = [native_plan(counts_matrix(cE, G, home)) for step in trace["steps"] for cE in step]
     require(plans, "the trace has no steps")

@@ -17,7 +17,7 @@ from lrmoe.cli import main as lrmoe_main
 from lrmoe.errors import OutOfMemory
 from lrmoe.policy.plan import fit_exact, native_plan
 from lrmoe.presets import get_preset
-from lrmoe.sim.ttl import TTLConfig, budget_ledger, policy_ledger
+from lrmoe.sim.ttl import TTLConfig, static_floor_ledger
 
 fb = load_benchmark("floor_budget")
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ttl_glm_bias03_3p6gib" / "s0"
@@ -45,7 +45,7 @@ def least_budget(trace: dict, cfg: TTLConfig, lo: int, hi: int, n: int = 200):
     """``(budget, spacing, fits)``: the first of ``n`` evenly spaced budgets in ``[lo, hi]``
     at which ``fit_exact`` of static's plan raises for no step and layer, and that test."""
     mcfg = get_preset("tiny-qwen3")
-    led = policy_ledger(budget_ledger(cfg, mcfg, None), "static", cfg)
+    led = static_floor_ledger(cfg, mcfg)
     home = T * mcfg.num_experts_per_tok
     plans = [native_plan(fb.counts_matrix(c, G, home)) for s in trace["steps"] for c in s]
     step = (hi - lo) // n + 1

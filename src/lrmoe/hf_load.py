@@ -162,6 +162,8 @@ def _read_into(dst: Tensor, file: Path, key: str, rows: slice | None) -> None:
             t = f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
         except Exception as e:
             raise _corrupt(file, f"reading tensor {key}: {e}") from None
+        if t.device != dst.device:  # a blocking copy_ from the host converts the dtype
+            t = t.to(dst.device)    # there, in a host copy: move the file's bytes first
         dst.copy_(t)
         del t  # the view holds the mapping open
 

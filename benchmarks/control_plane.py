@@ -1,7 +1,7 @@
 """The control plane's cost per MoE layer, stage by stage, on one rank's real runtime path.
 
 For each preset (one MoE layer of its shapes), EP size G (virtual), tokens per rank T,
-policy (a ``bench ttl`` spec, :func:`lrmoe.sim.ttl.policy_variant`; symi with ``E/G + 2``
+policy (a ``bench ttl`` spec, :func:`lrmoe.sim.ttl_config.policy_variant`; symi with ``E/G + 2``
 slots) and budget, ONE rank runs the real runtime (``MoELayer`` → ``ExpertExchange``,
 forward and backward) with synthetic peers (``tests/onerank.py``: the count all-gather
 returns the group's counts, every all-to-all allocates what a real one would). That rank
@@ -163,17 +163,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 # ---------------------------------------------------------------------- runtime
 def make_policy(spec: str, cfg, G: int, budgeted: bool):
     """``(policy, BackwardOptions)`` for a ``bench ttl`` policy spec."""
-    from lrmoe.parallel.exchange import BackwardOptions
-    from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
     from lrmoe.policy.registry import make_policy as registry_policy
-    from lrmoe.sim.ttl import TTLConfig, policy_variant
+    from lrmoe.sim.ttl_config import TTLConfig, policy_variant
 
     base, v = policy_variant(spec, TTLConfig())
-    lc = LrmoeConfig(balance=v.balance, min_keep=v.min_keep, recompute=v.lrmoe_recompute)
-    pc = PolicyConfig(name=base, slots_per_rank=v.lrmoe_max_slots if base == "lrmoe" else None,
-                      lrmoe=lc, recompute=budgeted and base != "lrmoe")
-    return registry_policy(pc, cfg, G), BackwardOptions(estimator=v.estimator)
+    pc = PolicyConfig(name=base, lrmoe=v.lrmoe.planner, recompute=budgeted and base != "lrmoe")
+    return registry_policy(pc, cfg, G), v.lrmoe.backward
 
 
 BINDING_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 0.95)
@@ -349,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     from lrmoe.presets import get_preset
-    from lrmoe.sim.ttl import TTLConfig, policy_variant
+    from lrmoe.sim.ttl_config import TTLConfig, policy_variant
 
     presets = {n: get_preset(n) for n in csv(a.preset)}
     eps, toks = csv(a.eps, int, "--eps"), csv(a.tokens, int, "--tokens")

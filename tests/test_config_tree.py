@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
+from lrmoe.errors import LrmoeError
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.train.config import TrainConfig, backward_options
@@ -30,15 +33,61 @@ def test_flags_reach_the_backward_options():
 
 
 def test_bench_ttl_trains_with_a_train_config():
-    from lrmoe.sim.ttl import SHARED, TTLConfig, recorded_settings
+    from lrmoe.sim.ttl_config import SHARED, TTLConfig, recorded_settings
 
     assert set(SHARED) <= {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TTLConfig.from_flat(ep=2, steps=7, grad_accum=2, estimator="sampled",
                               lrmoe_placement="previous")
     assert isinstance(cfg.train, TrainConfig)
     assert (cfg.train.ep, cfg.train.steps, cfg.train.grad_accum) == (2, 7, 2)
-    assert (cfg.estimator, cfg.lrmoe_placement) == ("sampled", "previous")
+    assert (cfg.lrmoe.backward.estimator, cfg.lrmoe.planner.placement) == ("sampled", "previous")
     rec = recorded_settings(cfg)  # the flat names ttl.json has always recorded
     assert (rec["ep"], rec["steps"], rec["estimator"], rec["seq_len"]) == (2, 7, "sampled", 128)
-    assert "train" not in rec
+    assert "train" not in rec and "lrmoe" not in rec
     assert TTLConfig.from_flat(**cfg.flat()) == cfg
+
+
+# lrmoe's knobs as ttl.json has recorded them (flat names), each with a value other than
+# its default, and where bench ttl's config holds it
+KNOBS = {"min_keep": 0.8, "balance": 0.25, "lrmoe_max_slots": 5, "estimator": "sampled",
+         "lrmoe_recompute": True, "lrmoe_placement": "step", "lrmoe_link_cost": False}
+
+
+def test_lrmoe_knobs_nest_in_the_planner_and_backward_configs_and_round_trip():
+    from lrmoe.sim.ttl_config import LrmoeKnobs, TTLConfig
+
+    cfg = TTLConfig.from_flat(ep=2, **KNOBS)
+    assert cfg.lrmoe == LrmoeKnobs(
+        planner=LrmoeConfig(min_keep=0.8, balance=0.25, max_slots_per_rank=5, recompute=True,
+                            placement="step"),
+        backward=BackwardOptions(estimator="sampled"), link_cost=False)
+    flat = cfg.flat()
+    assert {k: flat[k] for k in KNOBS} == KNOBS
+    assert TTLConfig.from_flat(**flat) == cfg
+    # a setting bench ttl does not record cannot be set (a --reuse would not see it)
+    with pytest.raises(LrmoeError, match="records lrmoe's knobs"):
+        TTLConfig(lrmoe=LrmoeKnobs(backward=BackwardOptions(metric="gate")))
+
+
+def _reuse(tmp_path, recorded: dict, cfg):
+    """``load_reused`` of a ttl.json that recorded ``recorded`` (no policies), for ``cfg``."""
+    import json
+
+    from lrmoe.sim.ttl import load_reused
+
+    f = tmp_path / "ttl.json"
+    f.write_text(json.dumps({"config": recorded, "policies": {}}))
+    return load_reused(dataclasses.replace(cfg, reuse=str(f)), ["static"], 1.0)
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_reuse_sees_each_lrmoe_knob(tmp_path, knob):
+    """--reuse of a file recorded with one lrmoe knob changed is refused naming it; with
+    the same knobs it is taken (an older file: the same flat names)."""
+    from lrmoe.sim.ttl_config import TTLConfig, recorded_settings
+
+    base = TTLConfig.from_flat(ep=2)
+    older = recorded_settings(base) | {knob: KNOBS[knob]}  # as an earlier run wrote it
+    with pytest.raises(LrmoeError, match=f"it ran with {knob}="):
+        _reuse(tmp_path, older, base)
+    assert _reuse(tmp_path, older, TTLConfig.from_flat(ep=2, **{knob: KNOBS[knob]})) == {}

@@ -70,17 +70,33 @@ def test_one_host_wait_per_direction(case, opts):
         assert plan_trimmed  # the case exercises selection
 
 
-def test_one_process_path_waits_only_for_the_loop_fallback():
+@pytest.mark.parametrize("gemm", ["grouped", "loop"])
+def test_one_process_path_waits_only_for_the_loop_fallback(gemm, monkeypatch):
     """The local path reads no device data but for the per-expert loop fallback's row
-    counts (the grouped GEMM reads the device offsets): one read a direction on the
-    CPU, none with a grouped GEMM."""
+    counts (the grouped GEMM reads the device offsets): none with the grouped GEMM, and
+    with the loop one read a direction, for all its GEMMs, where the loop reads them."""
+    from lrmoe.ops import experts as ops
+
+    grouped = []
+    if gemm == "loop":
+        monkeypatch.setattr(ops, "_grouped_ok", lambda a, b: False)
+    elif ops._grouped_mm is None:
+        pytest.skip("this torch build has no grouped_mm: its experts always take the loop")
+    else:
+        real = ops._grouped_mm
+        monkeypatch.setattr(ops, "_grouped_mm", lambda *a, **kw: grouped.append(1) or real(*a, **kw))
     layer, x, _ = _layer_and_tokens()
     layer.runtime = MoERuntime()
     layer.train()
     fwd, bwd = _count(layer, x[:T].view(1, T, -1).clone().requires_grad_(True))
     assert layer.last.path == "local"
-    assert len(fwd) <= 1 and len(bwd) <= 1, (fwd, bwd)
-    assert all(w[0] == "Tensor.tolist" and "local.py" in w[1] for w in fwd + bwd), (fwd, bwd)
+    if gemm == "grouped":
+        assert fwd == [] and bwd == [], (fwd, bwd)
+        assert len(grouped) == 6  # 2 GEMMs forward, 4 backward: none took the loop
+        return
+    assert len(fwd) == 1 and len(bwd) == 1, (fwd, bwd)
+    assert all(w[0] == "Tensor.tolist" and w[1].startswith("experts.py") for w in fwd + bwd), \
+        (fwd, bwd)
 
 
 def test_the_counter_sees_a_host_read():

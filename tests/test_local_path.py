@@ -5,7 +5,7 @@ uneven loads and experts without tokens: forward, input, router and expert gradi
 bitwise equal (same kernels, same order), fp32 and bf16, and close to the loop
 reference. It runs whole on the meta device (any host read of device data fails there),
 the exchange does not. It is taken only for the plain static policy's trivial plan on
-one process; its stats equal the exchange's (the counts read lazily), and what it keeps
+one process; its stats equal the exchange's (the counts resolved by their reader), and what it keeps
 for backward is the ledger's static terms, itemized.
 """
 
@@ -98,7 +98,7 @@ def test_local_equals_exchange_bitwise_and_reference(preset, dtype, opts):
 
 def test_local_loop_fallback_reads_host_counts(monkeypatch):
     """Without grouped GEMMs the per-expert loop runs on host counts (read from the
-    device offsets when first used): same results as the exchange's loop."""
+    device offsets where the loop runs): same results as the exchange's loop."""
     monkeypatch.setattr(ops, "_grouped_ok", lambda a, b: False)
     layer = _layer("tiny-qwen3")
     x, coeff = _inputs(layer, 29, 5)

@@ -495,14 +495,15 @@ def test_lrmoe_placement_reaches_the_planner_from_every_command():
     plan, bench ttl); a bad value is one error naming it."""
     from lrmoe.commands.plan import plan_policy
     from lrmoe.presets import get_preset
-    from lrmoe.sim.ttl import TTLConfig, _choose, policy_variant
+    from lrmoe.sim.ttl import _choose
+    from lrmoe.sim.ttl_config import TTLConfig, policy_variant
     from lrmoe.train.config import build_policy, check_args, config_from_cli
 
     base, cfg = policy_variant("lrmoe:recompute+placement=previous", TTLConfig())
     pc = _choose(base, cfg, get_preset("tiny-qwen3"), None, [])[0]
     assert (pc.lrmoe.placement, pc.lrmoe.recompute) == ("previous", True)
-    assert policy_variant("lrmoe", TTLConfig(lrmoe_placement="previous"))[1].lrmoe_placement \
-        == "previous"
+    assert policy_variant("lrmoe", TTLConfig.from_flat(lrmoe_placement="previous"))[1] \
+        .lrmoe.planner.placement == "previous"
     with pytest.raises(LrmoeError, match="lrmoe:placement=next"):
         policy_variant("lrmoe:placement=next", TTLConfig())
     args = argparse.Namespace(lrmoe_balance=1.0, lrmoe_min_keep=0.5, lrmoe_selection=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,6 +73,40 @@ def test_locked_out_is_refused_once_under_torchrun(tmp_path):
     assert len(lines) == 1 and f"pid {holder.pid}" in lines[0], text[-3000:]
     assert "exitcode  : 2" in text  # every rank exits 2; torchrun reports it
     assert sorted(p.name for p in out.iterdir()) == [rundir.LOCK, rundir.MARKER]
+
+
+# rank 0 of a job starts late: what runs under torchrun in place of ``-m lrmoe``
+LATE_RANK_0 = ("import os, sys, time\n"
+               "if os.environ['RANK'] == '0':\n"
+               "    time.sleep(float(os.environ['LATE_S']))\n"
+               "from lrmoe.cli import exit_process, main\n"
+               "exit_process(main(sys.argv[1:]))")
+
+
+def test_a_device_every_rank_refuses_is_said_once_when_rank_0_is_late(tmp_path):
+    """--device cuda without a CUDA device: every rank refuses it, yet joins first, so
+    rank 0 says it (one line) however late it starts; a rank that left before joining
+    had torchrun stop rank 0 before it said anything. Nothing is written."""
+    out, log = tmp_path / "run", tmp_path / "device.log"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "3", "--no-python",
+           sys.executable, "-c", LATE_RANK_0, "train", "--out", str(out), *ARGS[:10],
+           "--device", "cuda"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               LATE_S="4")
+    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    try:
+        rc = agent.wait(timeout=240)
+    finally:
+        _stop(agent, _workers(agent.pid) if agent.poll() is None else {})
+    text = log.read_text(errors="replace")
+    lines = _error_lines(text)
+    assert rc == 1 and len(lines) == 1, text[-3000:]
+    assert lines[0] == "lrmoe: error: --device cuda was asked for but no CUDA device is available"
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, text[-3000:]
+    assert not re.search(r'File "[^"]*/lrmoe/[a-z_]+(/[a-z_]+)?\.py"', text), text[-3000:]
+    assert not out.exists()
 
 
 def test_hung_rank_is_named_once_with_the_last_checkpoint(tmp_path):

@@ -287,8 +287,9 @@ def plots(rep: dict, out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lrmoe.sim.ttl import TTLConfig, bench_ttl, recorded_settings
+    from lrmoe.sim.ttl import bench_ttl
     from lrmoe.sim.ttl_checks import check_ttl_config
+    from lrmoe.sim.ttl_config import TTLConfig, recorded_settings
 
     if args.bench != "ttl":
         raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")

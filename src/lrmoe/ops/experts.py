@@ -5,6 +5,9 @@ H hidden, F expert width. Weights follow HF transformers >= 5's fused layout:
 ``w13_IFH`` is ``gate_up_proj`` ``[I, 2F, H]`` (gate rows first, then up) and
 ``w2_IHF`` is ``down_proj`` ``[I, H, F]``. ``counts_I`` are the segment sizes (zeros
 allowed); ``offs_I`` their inclusive cumulative sums (int32), as grouped_mm expects.
+``counts`` may be ``None`` where only the device holds them (``offs``): the grouped GEMM
+reads ``offs`` alone, and the per-expert loop fallback reads the counts from ``offs``
+(:func:`counts_from_offsets`, one device-to-host copy) when it runs.
 
 The forward and the backward are written as plain functions (not autograd) because the
 runtime's backward only sees a compacted subset of the rows (LRMoE selection): the
@@ -41,7 +44,23 @@ def _grouped_ok(a: Tensor, b: Tensor) -> bool:
                for t in (a, b))
 
 
-def _gmm(a: Tensor, b: Tensor, offs: Tensor, counts: list[int]) -> Tensor:
+def counts_from_offsets(offs_I: Tensor) -> list[int]:
+    """Rows per instance as host ints from the inclusive offsets: one device-to-host copy,
+    which only the per-expert loop pays."""
+    ends = offs_I.tolist()
+    return [b - a for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def _loop_counts(counts: list[int] | None, offs: Tensor, a: Tensor, b: Tensor
+                 ) -> list[int] | None:
+    """``counts``, read from ``offs`` if only the device has them and the per-expert loop
+    is to run on ``a``, ``b`` (once for the GEMMs of a direction); else as given."""
+    if counts is None and not _grouped_ok(a, b):
+        return counts_from_offsets(offs)
+    return counts
+
+
+def _gmm(a: Tensor, b: Tensor, offs: Tensor, counts: list[int] | None) -> Tensor:
     """Grouped matmul: ``a [R, K] x b [I, K, N] -> [R, N]`` or ``a [K, R] x b [R, N] -> [I, K, N]``.
 
     Falls back to the per-instance loop when grouped_mm is unavailable for the operands.
@@ -52,7 +71,7 @@ def _gmm(a: Tensor, b: Tensor, offs: Tensor, counts: list[int]) -> Tensor:
         except RuntimeError as e:  # unsupported on this build/device: remember, then loop
             _GROUPED_BROKEN.add((a.device.type, a.dtype))
             warnings.warn(f"grouped_mm unavailable ({e}); using the per-expert loop", stacklevel=2)
-    return _loop_mm(a, b, counts)
+    return _loop_mm(a, b, counts if counts is not None else counts_from_offsets(offs))
 
 
 def _loop_mm(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
@@ -119,9 +138,10 @@ def offsets(counts: list[int], device: torch.device) -> Tensor:
     return offs.pin_memory().to(device, non_blocking=True)  # pinned: no stream sync for the copy
 
 
-def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int],
+def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int] | None,
             offs: Tensor | None = None) -> Tensor:
-    """``gu_R2F``: the gate/up pre-activation of rows grouped by instance (``counts``)."""
+    """``gu_R2F``: the gate/up pre-activation of rows grouped by instance (``counts``, or
+    ``offs`` alone)."""
     if offs is None:
         offs = offsets(counts, x_RH.device)
     return _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
@@ -136,11 +156,12 @@ def prefix_counts(counts: list[int], n: int) -> list[int]:
     return out
 
 
-def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int],
+def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int] | None,
                    offs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Returns ``(y_RH, gu_R2F)``; ``gu`` is the gate/up pre-activation saved for backward."""
     if offs is None:
         offs = offsets(counts, x_RH.device)
+    counts = _loop_counts(counts, offs, x_RH, w13_IFH.transpose(1, 2))
     gu = gate_up(x_RH, w13_IFH, counts, offs)
     act = _fused("act", _act_eager, gu)(gu)
     y = _gmm(act, w2_IHF.transpose(1, 2), offs, counts)
@@ -148,7 +169,7 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
 
 
 def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
-                    w2_IHF: Tensor, counts: list[int], offs: Tensor | None = None,
+                    w2_IHF: Tensor, counts: list[int] | None, offs: Tensor | None = None,
                     need_dx: bool = True, scale: Tensor | None = None, rowdot: bool = False,
                     ) -> tuple:
     """Gradients for rows ``x`` with saved ``gu`` and output gradient ``scale[r] * dy[r]``
@@ -165,7 +186,8 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
 
 
 def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
-                          counts: list[int], offs: Tensor | None = None, need_dx: bool = True,
+                          counts: list[int] | None, offs: Tensor | None = None,
+                          need_dx: bool = True,
                           scale: Tensor | None = None, rowdot: bool = False) -> tuple:
     """:func:`swiglu_backward` on ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``,
     handed over: the dict is emptied and each row tensor is dropped at its last use
@@ -175,6 +197,7 @@ def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tens
     x_RH, gu_R2F, dy_RH = rows.pop("x"), rows.pop("gu"), rows.pop("dy")
     if offs is None:
         offs = offsets(counts, x_RH.device)
+    counts = _loop_counts(counts, offs, dy_RH, w2_IHF)
     if scale is None:
         act = _fused("act", _act_eager, gu_R2F)(gu_R2F)
     else:

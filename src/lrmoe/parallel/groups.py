@@ -55,13 +55,17 @@ class ParallelContext:
 
 def init_parallel(ep: int, device: str, backend: str | None = None,
                   timeout_s: float = 300.0,
-                  check: Callable[[int, int], None] | None = None) -> ParallelContext:
+                  check: Callable[[int, int, LrmoeError | None], None] | None = None
+                  ) -> ParallelContext:
     """Join the job started by torchrun (or stay single-process) and build the groups.
 
     ``timeout_s`` bounds every collective: if a peer dies or hangs, the survivors fail
-    with an error instead of waiting forever. ``check(rank, world)`` runs once the ranks
-    have joined, before the groups are built (which needs every rank's ``ep`` alike): a
-    collective that raises on every rank when the ranks' settings differ.
+    with an error instead of waiting forever. ``check(rank, world, refused)`` runs once
+    the ranks have joined, before the groups are built (which needs every rank's ``ep``
+    alike): a collective that raises on every rank when the ranks' settings differ or a
+    rank refused its device (``refused``, that rank's error). A rank whose device is
+    refused still joins (gloo, on the CPU): had it left before joining, torchrun would
+    stop its peers, rank 0 included, and rank 0 could be stopped before it says why.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ep < 1:
@@ -72,7 +76,10 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
                              f"torchrun --nproc-per-node {ep} -m lrmoe train ...")
         return ParallelContext(device=_device(device, 0))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = _device(device, local)
+    try:
+        dev, refused = _device(device, local), None
+    except LrmoeError as e:  # said once every rank has joined (see above)
+        dev, refused, backend = torch.device("cpu"), e, "gloo"
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
@@ -80,7 +87,9 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     rank = dist.get_rank()
     if check is not None:  # first: a rank's other --ep is named as a flag that differs
-        check(rank, world)
+        check(rank, world, refused)
+    if refused is not None:  # a check that does not gather it: every rank says it
+        raise refused
     if world % ep != 0:  # alike on every rank once the flags agree
         raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
     to = datetime.timedelta(seconds=timeout_s)  # every group, not just the default one

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -71,31 +70,6 @@ def local_stats(ledger, E: int, counts_E: Tensor, P: int) -> dict:
     return stats
 
 
-class HostCounts(Sequence):
-    """Rows per expert as host ints, read from the device offsets only when first used:
-    by the per-expert loop fallback (CPU, fp32 on CUDA, no grouped GEMM), where the one
-    device-to-host copy is the price of that fallback (nothing on the CPU). The grouped
-    GEMMs read the device offsets and never touch this."""
-
-    def __init__(self, offs_E: Tensor):
-        self._offs, self._counts = offs_E, None
-
-    def _host(self) -> list[int]:
-        if self._counts is None:
-            ends = self._offs.tolist()
-            self._counts = [b - a for a, b in zip([0] + ends[:-1], ends)]
-        return self._counts
-
-    def __len__(self) -> int:
-        return self._offs.numel()
-
-    def __getitem__(self, i):
-        return self._host()[i]
-
-    def __iter__(self):
-        return iter(self._host())
-
-
 class LocalExperts(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_E, w2_E, idx_TK, counts_E) -> out_TH``: the exchange's
     stages (:mod:`lrmoe.parallel.stages`) for the trivial one-rank plan, over a layout
@@ -116,9 +90,10 @@ class LocalExperts(torch.autograd.Function):
         pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
         row_P = invert_permutation(pair_R, P)
         offs_E = counts_E.cumsum(0).to(torch.int32)
-        counts = HostCounts(offs_E)
         rows = {"x": gather_pairs(x_TH, pair_R, K)}
-        y_R = stages.experts_forward(rows, _IDENTITY, w13_E, w2_E, counts, _ALL, tm, offs=offs_E)
+        # the rows per expert stay on the device (offs_E): the grouped GEMMs read them
+        # there; the per-expert loop fallback reads them from offs_E when it runs
+        y_R = stages.experts_forward(rows, _IDENTITY, w13_E, w2_E, None, _ALL, tm, offs=offs_E)
         comb = stages.combine(y_R, row_P, gate_TK)
         # the exchange's counters, for its one-rank case (the all-to-all bytes are what
         # it counts for identity exchanges)
@@ -160,7 +135,7 @@ class LocalExperts(torch.autograd.Function):
         del y_R
         rows["dy"], scale_R = gather_pairs_scaled(dout_TH, pair_R, K, gate_TK.reshape(-1))
         dx_R, dw13, dw2, dot = stages.experts_backward(rows, None, scale_R, _IDENTITY, None, _ALL,
-                                                w13_E, w2_E, HostCounts(offs_E), offs_E,
+                                                w13_E, w2_E, None, offs_E,
                                                 ctx.rowdot, tm)
         if ctx.rowdot:  # <dout[t], y[t,k]> from the expert backward, back to pair order
             dgate = dot[row_TK].to(gate_TK.dtype)

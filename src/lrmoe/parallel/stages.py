@@ -86,7 +86,7 @@ class Retention:
 
 
 def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
-                    counts: Sequence[int], keep: Retention, tm: Timer = untimed,
+                    counts: Sequence[int] | None, keep: Retention, tm: Timer = untimed,
                     expert: str = "expert_fwd", offs: Tensor | None = None) -> Tensor:
     """Receiver: arrival order -> instance order, the SwiGLU experts, the retention,
     instance order -> arrival order. ``rows["x"]`` holds the received rows (arrival
@@ -233,7 +233,7 @@ def router_grad_home(y_send: Tensor, comb: Combined, dout_TH: Tensor) -> Tensor:
 
 def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvLayout,
                      recv_GS: Tensor, keep: Retention, w13: Tensor, w2: Tensor,
-                     counts: Sequence[int], offs: Tensor, rowdot: bool = False,
+                     counts: Sequence[int] | None, offs: Tensor, rowdot: bool = False,
                      tm: Timer = untimed, expert: str = "expert_bwd"
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Receiver: experts^-1 over the arrived (compacted) rows. Returns ``(dx_recv, dw13,

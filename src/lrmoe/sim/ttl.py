@@ -93,7 +93,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -102,136 +102,13 @@ from lrmoe.ledger import Ledger
 from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
+from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
 from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
 from lrmoe.train.config import TrainConfig
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
-
-
-# the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
-# the two read them alike; recorded (ttl.json) and given (--flags) by the same flat names
-SHARED = ("preset", "config", "ep", "mem_budget", "steps", "batch_size", "seq_len", "lr",
-          "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "device", "data",
-          "max_data_bytes", "eval_every", "eval_batches", "compile", "optimizer_offload",
-          "router_grad", "router_lr_scale", "grad_accum", "activation_checkpoint")
-# where bench ttl's defaults differ from lrmoe train's (a short run on a small corpus)
-BENCH_DEFAULTS = {"ep": 4, "steps": 100, "seq_len": 128, "warmup": 10,
-                  "max_data_bytes": 4 * 2**20, "eval_every": 10, "eval_batches": 4}
-
-
-def bench_train_config(**kw) -> TrainConfig:
-    """A :class:`TrainConfig` with bench ttl's defaults for :data:`SHARED` fields."""
-    return TrainConfig(**{**BENCH_DEFAULTS, **kw})
-
-
-@dataclass
-class TTLConfig:
-    """``bench ttl``'s settings: the training run every policy makes (:attr:`train`, the
-    fields of :data:`SHARED`) and the bench's own."""
-
-    train: TrainConfig = field(default_factory=bench_train_config)
-    policies: tuple[str, ...] = ("static", "symi", "lrmoe")
-    slots_per_rank: int | None = None
-    link: str = "nvlink"
-    target_fraction: float = 0.8
-    target_rtol: float = 1e-5
-    min_keep: float = 0.5  # lrmoe planner knobs
-    balance: float = 1.0
-    lrmoe_max_slots: int | None = None
-    estimator: str = "topk"  # lrmoe backward estimator: topk or sampled
-    lrmoe_recompute: bool = False  # lrmoe retention may recompute instead of dropping
-    lrmoe_placement: str = "current"  # lrmoe replicas: lrmoe.policy.lrmoe.PLACEMENTS
-    lrmoe_link_cost: bool = True  # lrmoe weighs each replica against its link cost
-    budget_floor_fraction: float | None = None  # budget: this x static's whole-layer floor
-    smooth_window: int = 3  # evaluations in the centred moving average of val curves
-    reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
-    deterministic: bool = False  # torch's deterministic kernels for every policy
-    deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
-
-    @classmethod
-    def from_flat(cls, **kw) -> TTLConfig:
-        """A config from flat names (``ep=2, estimator="sampled"``): the :data:`SHARED`
-        ones go to :attr:`train`."""
-        train = bench_train_config(**{k: kw.pop(k) for k in SHARED if k in kw})
-        return cls(train=train, **kw)
-
-    def flat(self) -> dict:
-        """Every setting by its flat name (what ``ttl.json`` records)."""
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
-        return {**{k: getattr(self.train, k) for k in SHARED}, **own}
-
-
-# settings no longer chosen, still recorded with the one value today's code runs, so that
-# --reuse tells files apart: the ledger prices a layer's transients as the code holds its
-# rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
-RETIRED_SETTINGS = {"ledger_transients": "code",
-                    # before 2026-12-03 symi stopped out of memory where its slots did not
-                    # fit, and lrmoe placed replicas whatever their link cost
-                    "replica_rules": "symi-fewer-replicas,lrmoe-link-cost"}
-
-
-def recorded_settings(cfg: TTLConfig) -> dict:
-    """The settings a ``ttl.json`` or ``ttl_partial.json`` records."""
-    return cfg.flat() | RETIRED_SETTINGS
-
-
-def _on_off(v: str) -> bool:
-    if v not in ("on", "off"):
-        raise ValueError(v)
-    return v == "on"
-
-
-_on_off.__name__ = "value (use on or off)"
-
-
-# lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> TTLConfig field
-VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
-                   "balance": ("balance", float), "estimator": ("estimator", str),
-                   "max_slots": ("lrmoe_max_slots", int),
-                   "placement": ("lrmoe_placement", str),
-                   "link_cost": ("lrmoe_link_cost", _on_off)}
-
-
-def policy_variant(spec: str, cfg: "TTLConfig") -> tuple[str, "TTLConfig"]:
-    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``.
-
-    Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
-    """
-    base, _, opts = spec.partition(":")
-    require(base in ("static", "symi", "lrmoe"),
-            f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
-            f"lrmoe:OPTION[+OPTION] (options: {', '.join(VARIANT_OPTIONS)})")
-    if not opts:
-        return base, _checked(spec, base, cfg)
-    require(base == "lrmoe", f"--policies: {spec!r}: only lrmoe takes options")
-    changes = {}
-    for opt in opts.split("+"):
-        key, eq, val = opt.partition("=")
-        require(key in VARIANT_OPTIONS, f"--policies: {spec!r}: unknown option {key!r}; use "
-                                        f"{', '.join(VARIANT_OPTIONS)}")
-        field_, conv = VARIANT_OPTIONS[key]
-        require((conv is None) == (not eq), f"--policies: {spec!r}: {key!r} "
-                + ("takes no value" if conv is None else "needs a value (key=value)"))
-        try:
-            changes[field_] = True if conv is None else conv(val)
-        except ValueError:
-            raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
-                             f"{conv.__name__}") from None
-    return base, _checked(spec, base, replace(cfg, **changes))
-
-
-def _checked(spec: str, base: str, cfg: "TTLConfig") -> "TTLConfig":
-    """``cfg``, once lrmoe's knobs pass its config's own checks (before any run)."""
-    if base == "lrmoe":
-        from lrmoe.policy.lrmoe import LrmoeConfig
-        try:
-            LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep,
-                        placement=cfg.lrmoe_placement)
-        except LrmoeError as e:
-            raise LrmoeError(f"--policies: {spec!r}: {e}") from None
-    return cfg
 
 
 def _profile(counts_GE_steps: list[list[list[torch.Tensor]]], n: int = 24
@@ -273,19 +150,17 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     (:func:`lrmoe.policy.symi.fewer_replicas`, charged as planning). lrmoe plans against
     the ledger (its retention quotas, then its ladder).
     """
-    from lrmoe.policy.lrmoe import LrmoeConfig
     from lrmoe.policy.registry import PolicyConfig
 
     G, E = cfg.train.ep, mcfg.num_experts
-    lc = LrmoeConfig(balance=cfg.balance, min_keep=cfg.min_keep, recompute=cfg.lrmoe_recompute,
-                     placement=cfg.lrmoe_placement)
+    lc = cfg.lrmoe.planner
     slots, note = cfg.slots_per_rank, ""
     rate = profile[2] if profile else None
-    if name == "lrmoe" and cfg.lrmoe_link_cost and rate is not None:
+    if name == "lrmoe" and cfg.lrmoe.link_cost and rate is not None:
         from lrmoe.policy.lrmoe import HELD
         from lrmoe.sim.links import get_link, link_cost
         wb = 2 if cfg.train.device == "cuda" else 4  # budget_ledger's dtype
-        share = cfg.train.grad_accum if cfg.lrmoe_placement in HELD else 1
+        share = cfg.train.grad_accum if lc.placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
     pops = [c.sum(0) for c in first_counts]
@@ -303,11 +178,11 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         slots = slots if slots is not None else E // G + 2
         note = f"s={slots}"
     elif name == "lrmoe":
-        slots = cfg.lrmoe_max_slots if cfg.lrmoe_max_slots is not None else slots
+        slots = lc.max_slots_per_rank if lc.max_slots_per_rank is not None else slots
         note = (f"max slots {slots if slots is not None else E // G + 2}, min_keep "
-                f"{cfg.min_keep}, {cfg.estimator}"
-                + (", recompute" if cfg.lrmoe_recompute else "")
-                + PLACEMENT_NOTES[cfg.lrmoe_placement]
+                f"{lc.min_keep}, {cfg.lrmoe.backward.estimator}"
+                + (", recompute" if lc.recompute else "")
+                + PLACEMENT_NOTES[lc.placement]
                 + (f", replicas weighed against their {cfg.link} link cost (GEMMs at the "
                    f"static run's {rate / 1e9:.3g} GFLOP/s)" if lc.link is not None else
                    ", replicas not weighed against their link cost"))
@@ -510,7 +385,6 @@ def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
     "host" (here the emulating device: its cost is modelled per rank)."""
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.parallel.groups import ParallelContext
     from lrmoe.policy.registry import make_policy
     from lrmoe.train.loop import make_autocast
@@ -530,7 +404,7 @@ def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
     if t.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    opts = BackwardOptions(estimator=cfg.estimator, router_grad=policy_router_grad(name, cfg))
+    opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
     em = Emulator(model, G, policy, opts, planner_ledger, sync, rec_ledger)
@@ -928,15 +802,13 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
 def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
-    from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.registry import make_policy
 
     out = []
     for base, vcfg in variants:
         if base == "lrmoe":
             pc = _choose(base, vcfg, data.mcfg, None, first)[0]
-            out.append((make_policy(pc, data.mcfg, G),
-                        BackwardOptions(estimator=vcfg.estimator)))
+            out.append((make_policy(pc, data.mcfg, G), vcfg.lrmoe.backward))
     return out
 
 

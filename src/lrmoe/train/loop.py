@@ -337,7 +337,8 @@ def _run(cfg: TrainConfig | Any) -> dict:
     ctx, agreed = None, False
     try:
         ctx = init_parallel(cfg.ep, cfg.device, cfg.backend, cfg.timeout_s,
-                            check=lambda rank, world: check_same_flags(cfg, rank, world, early))
+                            check=lambda rank, world, refused: check_same_flags(
+                                cfg, rank, world, early or refused))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
             return _train(cfg, ctx, watch, stops)

@@ -1,0 +1,179 @@
+"""``bench ttl``'s settings, one tree: :class:`TTLConfig` holds the training run every
+policy makes (:attr:`TTLConfig.train`, a :class:`~lrmoe.train.config.TrainConfig`), lrmoe's
+knobs (:attr:`TTLConfig.lrmoe`, the planner's :class:`~lrmoe.policy.lrmoe.LrmoeConfig` and
+the backward's :class:`~lrmoe.parallel.options.BackwardOptions`) and the bench's own.
+``ttl.json`` records them by flat names (:meth:`TTLConfig.flat`, what ``--reuse``
+compares; :meth:`TTLConfig.from_flat` reads them back), and a ``--policies`` spec changes
+lrmoe's knobs by those names (:func:`policy_variant`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from lrmoe.errors import LrmoeError, require
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.policy.lrmoe import LrmoeConfig
+from lrmoe.train.config import TrainConfig
+
+# the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
+# the two read them alike; recorded (ttl.json) and given (--flags) by the same flat names
+SHARED = ("preset", "config", "ep", "mem_budget", "steps", "batch_size", "seq_len", "lr",
+          "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "device", "data",
+          "max_data_bytes", "eval_every", "eval_batches", "compile", "optimizer_offload",
+          "router_grad", "router_lr_scale", "grad_accum", "activation_checkpoint")
+# where bench ttl's defaults differ from lrmoe train's (a short run on a small corpus)
+BENCH_DEFAULTS = {"ep": 4, "steps": 100, "seq_len": 128, "warmup": 10,
+                  "max_data_bytes": 4 * 2**20, "eval_every": 10, "eval_batches": 4}
+
+
+def bench_train_config(**kw) -> TrainConfig:
+    """A :class:`TrainConfig` with bench ttl's defaults for :data:`SHARED` fields."""
+    return TrainConfig(**{**BENCH_DEFAULTS, **kw})
+
+
+@dataclass
+class LrmoeKnobs:
+    """lrmoe's knobs in a bench run (a ``--policies`` variant changes them): its planner's
+    config, its backward's options (the estimator; the run sets the router gradient), and
+    whether its replicas are weighed against their link cost (the planner's ``link`` is
+    then priced by the run, from the static run's GEMM rate). Only what
+    :data:`LRMOE_FLAT` records may differ from the defaults."""
+
+    planner: LrmoeConfig = field(default_factory=LrmoeConfig)
+    backward: BackwardOptions = field(default_factory=BackwardOptions)
+    link_cost: bool = True
+
+
+# lrmoe's knobs by the flat names ttl.json has always recorded -> their path in LrmoeKnobs
+LRMOE_FLAT = {"min_keep": "planner.min_keep", "balance": "planner.balance",
+              "lrmoe_max_slots": "planner.max_slots_per_rank",
+              "estimator": "backward.estimator", "lrmoe_recompute": "planner.recompute",
+              "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost"}
+
+
+def _at(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _with(obj: Any, path: str, value: Any) -> Any:
+    """``obj`` with the field at ``path`` set (each record on the way checks itself)."""
+    head, _, rest = path.partition(".")
+    return replace(obj, **{head: _with(getattr(obj, head), rest, value) if rest else value})
+
+
+def with_knobs(knobs: LrmoeKnobs, flat: dict[str, Any]) -> LrmoeKnobs:
+    """``knobs`` with the knobs ``flat`` names (:data:`LRMOE_FLAT`) set."""
+    for name, value in flat.items():
+        knobs = _with(knobs, LRMOE_FLAT[name], value)
+    return knobs
+
+
+def flat_knobs(knobs: LrmoeKnobs) -> dict[str, Any]:
+    """``knobs`` by their flat names (:data:`LRMOE_FLAT`)."""
+    return {name: _at(knobs, path) for name, path in LRMOE_FLAT.items()}
+
+
+@dataclass
+class TTLConfig:
+    """``bench ttl``'s settings: the training run every policy makes (:attr:`train`, the
+    fields of :data:`SHARED`), lrmoe's knobs (:attr:`lrmoe`) and the bench's own."""
+
+    train: TrainConfig = field(default_factory=bench_train_config)
+    lrmoe: LrmoeKnobs = field(default_factory=LrmoeKnobs)
+    policies: tuple[str, ...] = ("static", "symi", "lrmoe")
+    slots_per_rank: int | None = None
+    link: str = "nvlink"
+    target_fraction: float = 0.8
+    target_rtol: float = 1e-5
+    budget_floor_fraction: float | None = None  # budget: this x static's whole-layer floor
+    smooth_window: int = 3  # evaluations in the centred moving average of val curves
+    reuse: str | None = None  # an earlier run's ttl(_partial).json: its policies are not re-run
+    deterministic: bool = False  # torch's deterministic kernels for every policy
+    deterministic_fill: bool = True  # with them, torch's fill of uninitialized memory
+
+    def __post_init__(self) -> None:
+        # what a run reads is what ttl.json records (so --reuse compares all of it)
+        require(with_knobs(LrmoeKnobs(), flat_knobs(self.lrmoe)) == self.lrmoe,
+                f"bench ttl records lrmoe's knobs {', '.join(LRMOE_FLAT.values())} only; "
+                "leave its other planner and backward settings at their defaults")
+
+    @classmethod
+    def from_flat(cls, **kw) -> TTLConfig:
+        """A config from flat names (``ep=2, estimator="sampled"``): the :data:`SHARED`
+        ones go to :attr:`train`, lrmoe's (:data:`LRMOE_FLAT`) to :attr:`lrmoe`."""
+        train = bench_train_config(**{k: kw.pop(k) for k in SHARED if k in kw})
+        lrmoe = with_knobs(LrmoeKnobs(), {k: kw.pop(k) for k in LRMOE_FLAT if k in kw})
+        return cls(train=train, lrmoe=lrmoe, **kw)
+
+    def flat(self) -> dict:
+        """Every setting by its flat name (what ``ttl.json`` records)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("train", "lrmoe")}
+        return {**{k: getattr(self.train, k) for k in SHARED}, **flat_knobs(self.lrmoe), **own}
+
+
+# settings no longer chosen, still recorded with the one value today's code runs, so that
+# --reuse tells files apart: the ledger prices a layer's transients as the code holds its
+# rows (files from before 2026-12-02 lack the key: they priced a per-row bound)
+RETIRED_SETTINGS = {"ledger_transients": "code",
+                    # before 2026-12-03 symi stopped out of memory where its slots did not
+                    # fit, and lrmoe placed replicas whatever their link cost
+                    "replica_rules": "symi-fewer-replicas,lrmoe-link-cost"}
+
+
+def recorded_settings(cfg: TTLConfig) -> dict:
+    """The settings a ``ttl.json`` or ``ttl_partial.json`` records."""
+    return cfg.flat() | RETIRED_SETTINGS
+
+
+def _on_off(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise ValueError(v)
+    return v == "on"
+
+
+_on_off.__name__ = "value (use on or off)"
+
+
+# lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> (flat name
+# of the knob, its value's type; None: a switch)
+VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
+                   "balance": ("balance", float), "estimator": ("estimator", str),
+                   "max_slots": ("lrmoe_max_slots", int),
+                   "placement": ("lrmoe_placement", str),
+                   "link_cost": ("lrmoe_link_cost", _on_off)}
+
+
+def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
+    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``.
+
+    Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
+    A bad value is refused naming the spec, before any run.
+    """
+    base, _, opts = spec.partition(":")
+    require(base in ("static", "symi", "lrmoe"),
+            f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
+            f"lrmoe:OPTION[+OPTION] (options: {', '.join(VARIANT_OPTIONS)})")
+    if not opts:
+        return base, cfg
+    require(base == "lrmoe", f"--policies: {spec!r}: only lrmoe takes options")
+    changes = {}
+    for opt in opts.split("+"):
+        key, eq, val = opt.partition("=")
+        require(key in VARIANT_OPTIONS, f"--policies: {spec!r}: unknown option {key!r}; use "
+                                        f"{', '.join(VARIANT_OPTIONS)}")
+        name, conv = VARIANT_OPTIONS[key]
+        require((conv is None) == (not eq), f"--policies: {spec!r}: {key!r} "
+                + ("takes no value" if conv is None else "needs a value (key=value)"))
+        try:
+            changes[name] = True if conv is None else conv(val)
+        except ValueError:
+            raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
+                             f"{conv.__name__}") from None
+    try:
+        return base, replace(cfg, lrmoe=with_knobs(cfg.lrmoe, changes))
+    except LrmoeError as e:
+        raise LrmoeError(f"--policies: {spec!r}: {e}") from None

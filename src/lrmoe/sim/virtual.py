@@ -36,7 +36,7 @@ from lrmoe.parallel.exchange import (
     forward_ranks,
     kept_bytes,
 )
-from lrmoe.parallel.layout import RecvLayout, home_layout, recv_layout
+from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.parallel.local import expert_counts
 from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy.base import PlanInputs, Policy, prepare
@@ -107,19 +107,20 @@ class _State:
     checkpoint's re-run, as the runtime's does)."""
 
     ex: ExchangeState
+    recvs: list[RecvLayout]
     idx_GP: Tensor
     E: int
-    recvs: list[RecvLayout] = dataclasses.field(default_factory=list)
 
-    def build_layouts(self, dev: torch.device) -> None:
-        """Every rank's home and receive layout of the plan, timed as its ``local``."""
-        ex, plan = self.ex, self.ex.plan
-        ex.homes.clear()
-        self.recvs.clear()
-        for g in range(plan.G):
-            with ex.tp.timer(g)("local"):
-                ex.homes.append(home_layout(plan, g, self.idx_GP[g], ex.gate_P_G[g], self.E))
-                self.recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
+
+def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Tensor], E: int,
+             dev: torch.device) -> tuple[list[HomeLayout], list[RecvLayout]]:
+    """Every rank's home and receive layout of the plan, timed as its ``local``."""
+    homes, recvs = [], []
+    for g in range(plan.G):
+        with tp.timer(g)("local"):
+            homes.append(home_layout(plan, g, idx_GP[g], gate_P_G[g], E))
+            recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
+    return homes, recvs
 
 
 # ------------------------------------------------------------------------- exchange
@@ -152,13 +153,13 @@ class VirtualExchange(torch.autograd.Function):
     def backward(ctx, dout_NH: Tensor):
         st: _State = ctx.st
         w13_IS, w2_IS, *inputs = ctx.saved_tensors
-        ex, S = st.ex, st.ex.plan.S
-        plan, opts, stats = ex.plan, ex.opts, ex.tp.stats
         if inputs:  # whole-layer checkpoint: the forward again, measured in backward
             ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, rerun=True)[1]
             del inputs
         kept: _Kept = ctx.kept
         del ctx.kept
+        ex, S = st.ex, st.ex.plan.S  # the re-run's layouts, after a whole-layer checkpoint
+        plan, opts, stats = ex.plan, ex.opts, ex.tp.stats
         dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(dout_NH.shape[0] // plan.G)]
         if not plan.all_selected and opts.compaction and opts.estimator == "sampled":
             # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
@@ -201,12 +202,12 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     """Dispatch -> experts -> combine for every virtual rank: ``(out, what backward
     reads)``. ``rerun``: the whole-layer checkpoint's re-run in backward, which builds
     its layouts again (what :mod:`lrmoe.sim.cost` charges as ``bwd_recompute``)."""
-    ex = st.ex
-    plan, G, S, T = ex.plan, ex.plan.G, ex.plan.S, x_NH.shape[0] // ex.plan.G
-    if rerun:
-        st.build_layouts(x_NH.device)
+    plan, G, S, T = st.ex.plan, st.ex.plan.G, st.ex.plan.S, x_NH.shape[0] // st.ex.plan.G
+    if rerun:  # the runtime's re-run builds its layouts again
+        homes, st.recvs = _layouts(st.ex.tp, plan, st.idx_GP, st.ex.gate_P_G, st.E, x_NH.device)
+        st.ex = dataclasses.replace(st.ex, homes=homes)
     keep_G = [stages.retention(plan, r) for r in range(G)]
-    comb_G, rows_G = forward_ranks(ex, st.recvs, x_NH.split(T), gate_NK.split(T),
+    comb_G, rows_G = forward_ranks(st.ex, st.recvs, x_NH.split(T), gate_NK.split(T),
                                    w13_IS.split(S), w2_IS.split(S), keep_G, rerun)
     outs = []
     for comb in comb_G:
@@ -344,10 +345,10 @@ class VirtualEPLayer:
         rows_GG = plan_rows_GG(plan, E)
         for name in ("weight_scatter", "grad_reduce"):
             tp.traffic(name, rows_GG[name], rows_GG[name].t(), layer.experts.instance_bytes(dtype))
-        ex = ExchangeState(tp, plan, [], K, self.opts,
-                           [gate_GP[g].detach() for g in range(G)], self.generators)
-        st = _State(ex, idx_GP, E)
-        st.build_layouts(dev)
+        gate_P_G = [gate_GP[g].detach() for g in range(G)]
+        homes, recvs = _layouts(tp, plan, idx_GP, gate_P_G, E, dev)
+        st = _State(ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators),
+                    recvs, idx_GP, E)
         stats.stage_ms["plan"] = [plan_ms] * G
         out = VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
         return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)

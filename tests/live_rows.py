@@ -139,8 +139,9 @@ def exchange_code() -> tuple[list[Callable], list[Callable]]:
     import lrmoe.parallel.exchange as exchange
     import lrmoe.parallel.stages as stages
 
-    forward = [exchange.ExpertExchange.forward, stages.experts_forward, ops.swiglu_forward]
-    backward = [exchange.ExpertExchange.backward, stages.home_backward,
+    forward = [exchange.ExpertExchange.forward, exchange.forward_ranks, stages.experts_forward,
+               ops.swiglu_forward]
+    backward = [exchange.ExpertExchange.backward, exchange.backward_ranks, stages.home_backward,
                 exchange._experts_backward_exchange, stages.experts_backward,
                 stages._rebuild_gate_up, ops.swiglu_backward_owned, stages.home_finish]
     return forward, backward

@@ -1,5 +1,6 @@
 """Package layering: no import circle, ``errors.py`` at the bottom, ``train/`` does not
-import ``sim/``, the runtime (``parallel/``) knows the :class:`~lrmoe.policy.plan.Plan`
+import ``sim/``, the emulator (``sim/``) runs the exchange's stage sequence rather than
+its own, the runtime (``parallel/``) knows the :class:`~lrmoe.policy.plan.Plan`
 type, never a policy, and docs/design.md's module map (§1) names every module of the
 package and only those."""
 
@@ -137,6 +138,32 @@ def test_parallel_imports_only_the_plan_type():
     bad = [(f, m) for f, m in _imports("parallel")
            if m.startswith("lrmoe.policy") and not m.startswith("lrmoe.policy.plan")]
     assert not bad, bad
+
+
+# the stages that move a layer's rows: only the exchange's stage sequence
+# (lrmoe.parallel.exchange.forward_ranks / backward_ranks) and the one-process path call them
+ROW_STAGES = {"dispatch_rows", "experts_forward", "combine", "home_backward",
+              "experts_backward", "router_grad_experts", "router_grad_home", "home_finish"}
+
+
+def _stage_uses(f: Path) -> set[str]:
+    """The row stages ``f`` names: ``stages.<name>`` or imported from the stages module."""
+    used = set()
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "stages":
+            used.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("parallel.stages"):
+            used |= {a.name for a in node.names}
+    return used & ROW_STAGES
+
+
+def test_emulator_runs_the_exchange_stage_sequence_not_its_own():
+    """The emulator composes the runtime's stage sequence over its virtual ranks; it never
+    calls the stages one by one (a second copy of the sequence to keep in step)."""
+    bad = {f.name: sorted(_stage_uses(f)) for f in (SRC / "sim").glob("*.py") if _stage_uses(f)}
+    assert not bad, bad
+    assert _stage_uses(SRC / "parallel" / "exchange.py") >= ROW_STAGES - {"router_grad_home"}
 
 
 def test_native_plan_is_static_unbudgeted_plan():

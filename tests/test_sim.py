@@ -540,7 +540,7 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
                            recompute_ledger=led)
         run(v, layer, x, coeff)
         got[rg] = v.stats
-        assert v.stats.recompute_fits and max(v.stats.ledger_total_bytes) <= budget
+        assert max(v.stats.ledger_total_bytes) <= budget
     assert got["home"].recompute_mode == "pairs" and sum(got["home"].recompute_rows) > 0
     assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows == [0] * G
 
@@ -591,16 +591,3 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
     v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
     run(v, layer, x, coeff)
     assert v.stats.rung == "plan"
-
-def test_counts_GE_of_plan_recovers_the_routing():
-    """The emulator's per-home counts, read back from a plan with replicas (and drops)."""
-    from lrmoe.policy.base import PlanInputs
-    from lrmoe.policy.capacity import CapacityPolicy
-    from lrmoe.policy.symi import plan_symi
-    from lrmoe.sim.vmodel import counts_GE_of
-
-    g = torch.Generator().manual_seed(3)
-    counts = torch.randint(0, 40, (G, E), generator=g)
-    assert torch.equal(counts_GE_of(plan_symi(counts, E // G + 3, counts.sum(0)), E), counts)
-    cap = CapacityPolicy(capacity_factor=0.5).plan(counts, PlanInputs())
-    assert cap.dropped_GE is not None and torch.equal(counts_GE_of(cap, E), counts)

@@ -1,6 +1,6 @@
 """Dispatch -> experts -> combine over the EP group as one autograd Function, with an
-explicit backward: the stages of :mod:`lrmoe.parallel.stages` with this rank's
-collectives between them.
+explicit backward: the stages of :mod:`lrmoe.parallel.stages`, with the exchanges
+between them.
 
 Forward: every pair is computed (the output is exact); activations are saved only for
 retained pairs. Backward (LRMoE stages): combine^-1 happens in autograd outside (the
@@ -9,13 +9,22 @@ and per-block backward quota), **compact** (only selected rows and their positio
 travel), **experts^-1** over the compacted segments, and the reverse exchange of the
 input gradients. Exact plans (select = retain = assign) skip the metric entirely.
 
-Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows.
+The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ranks`:
+each stage runs for every rank a process plays, and a :class:`Transport` carries the
+rows between stages and counts them. A real rank plays itself over the group's
+collectives (:class:`GroupTransport`, :class:`ExpertExchange`); the emulator plays all
+G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
+
+Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows;
+``_G``: a list over the ranks the process plays (one on a real rank).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -30,44 +39,203 @@ from lrmoe.timing import timed
 from lrmoe.traffic import RowBytes
 
 
-# --------------------------------------------------------------------------- exchange
-@dataclass(frozen=True)
-class ExchangeState:
-    """Everything one layer's exchange keeps from forward to backward (plain Python,
-    not autograd): the plan and this rank's home layout of it, built whole before the
-    exchange runs (the receive layout is the forward's alone: rebuilt in backward)."""
+# -------------------------------------------------------------------------- transport
+class Transport(Protocol):
+    """How the rows of the ranks one process plays travel between the stages.
+    ``all_to_all`` turns each played rank's send buffer (``send_splits[r]`` rows for rank
+    r) into its receive buffer (``recv_splits[r]`` rows from rank r, in rank order);
+    ``timer(i)`` is the stages' ``tm`` of the i-th played rank; ``received`` gives the
+    rows each receives per (source, slot) block in the backward; ``traffic`` counts the
+    rows and bytes of one exchange (``fwd_dispatch``, ...), ``rows`` each played rank's
+    rows of one stage (``fwd``, ``retained``, ``bwd``, ``selected``)."""
 
-    comm: EPComm
-    plan: Plan
-    home: HomeLayout
-    top_k: int
-    opts: BackwardOptions
-    gate_P: Tensor
-    stats: dict
-    generator: torch.Generator | None = None
-    # time the control-plane stages too (``local_ms``, ``select_ms``, ``gather_ms`` in
-    # ``stats``): CUDA events around each region, a few microseconds of host time each
-    timing: bool = False
+    ranks: Sequence[int]  # the plan's ranks this process plays
+    # the sampled estimator's count exchange, inside a home rank's select; ``None``: the
+    # receivers' counts are read off every home's (``received``)
+    exchange_counts: Callable[[Tensor], Tensor] | None
 
-    def stage(self, key: str, device: torch.device, on: bool = True):
-        """A region of stage ``key`` (``local``, ``select``, ``gather``): timed into
-        ``stats[key + "_ms"]`` when :attr:`timing` is on (never around a collective)."""
-        if not (on and self.timing):
-            return contextlib.nullcontext()
-        return _timed(self.stats, key + "_ms", device)
+    def all_to_all(self, send_G: list[Tensor], send_splits_G: list[list[int]],
+                   recv_splits_G: list[list[int]]) -> list[Tensor]: ...
 
-    def timer(self, device: torch.device) -> stages.Timer:
-        """The stages' ``tm``: the expert kernels always, the control plane when timing."""
-        return lambda key: (_timed(self.stats, key + "_ms", device) if key.startswith("expert")
-                            else self.stage(key, device))
+    def timer(self, i: int) -> stages.Timer: ...
+
+    def received(self, sh_G: list[stages.Shipped]) -> list[Tensor]: ...
+
+    def traffic(self, name: str, send_splits_G: list[list[int]],
+                recv_splits_G: list[list[int]], row_bytes: int) -> None: ...
+
+    def rows(self, name: str, n_G: list[int]) -> None: ...
+
+
+class GroupTransport:
+    """This rank alone, over the EP group's collectives: counters into ``stats``, the
+    expert kernels timed always, the control plane (``local``, ``select``, ``gather``)
+    when ``timing`` (CUDA events around each region, a few microseconds of host time)."""
+
+    def __init__(self, comm: EPComm, stats: dict, device: torch.device, timing: bool = False):
+        self.comm, self.stats, self.device, self.timing = comm, stats, device, timing
+        self.ranks, self.exchange_counts = [comm.rank], comm.exchange_counts
+
+    def all_to_all(self, send_G, send_splits_G, recv_splits_G) -> list[Tensor]:
+        return [self.comm.all_to_all(send_G[0], send_splits_G[0], recv_splits_G[0])]
+
+    def timer(self, i: int) -> stages.Timer:
+        return lambda key: (_timed(self.stats, key + "_ms", self.device)
+                            if self.timing or key.startswith("expert")
+                            else contextlib.nullcontext())
+
+    def received(self, sh_G: list[stages.Shipped]) -> list[Tensor]:
+        return [sh.recv_GS for sh in sh_G]
+
+    def traffic(self, name, send_splits_G, recv_splits_G, row_bytes) -> None:
+        self.stats[name + "_bytes_sent"] = sum(send_splits_G[0]) * row_bytes
+        self.stats[name + "_bytes_recv"] = sum(recv_splits_G[0]) * row_bytes
+
+    def rows(self, name: str, n_G: list[int]) -> None:
+        self.stats[name + "_rows"] = n_G[0]
 
 
 def _timed(stats: dict, key: str, device: torch.device):
-    """Accumulate a region's expert time in ``stats[key]`` (CUDA: events in ``_events``)."""
+    """Accumulate a region's time in ``stats[key]`` (CUDA: events in ``_events``)."""
     return timed(device, lambda ms: stats.__setitem__(key, stats.get(key, 0.0) + ms),
                  lambda ev_a, ev_b: stats.setdefault("_events", []).append((key, ev_a, ev_b)))
 
 
+# ------------------------------------------------------------------ the stage sequence
+@dataclass(frozen=True)
+class ExchangeState:
+    """Everything one layer's exchange keeps from forward to backward (plain Python,
+    not autograd), for the ranks its process plays: the plan, each one's home layout
+    (built whole before the exchange runs; the receive layouts are the forward's alone:
+    rebuilt in backward), gates and sampling generator, and the transport."""
+
+    tp: Transport
+    plan: Plan
+    homes: list[HomeLayout]
+    top_k: int
+    opts: BackwardOptions
+    gate_P_G: list[Tensor]
+    generators: list[torch.Generator | None]
+
+    @property
+    def at_experts(self) -> bool:
+        """The expert backward computes the router gradient (``router_grad="experts"``
+        on an exact plan), so the combined rows are not kept."""
+        return self.opts.router_grad == "experts" and self.plan.exact
+
+
+def forward_ranks(st: ExchangeState, recvs: list[RecvLayout], x_G: Sequence[Tensor],
+                  gate_G: Sequence[Tensor], w13_G: Sequence[Tensor], w2_G: Sequence[Tensor],
+                  keep_G: list[stages.Retention], rerun: bool = False
+                  ) -> tuple[list[stages.Combined], list[dict]]:
+    """Dispatch -> experts -> combine for every played rank: each one's combine (its
+    output) and the rows it keeps for backward: ``x``, ``gu`` (its receiver's) and
+    ``y_send`` (the combined rows home, empty when :attr:`ExchangeState.at_experts`).
+    ``rerun``: a whole-layer checkpoint's forward again in backward, counted as
+    ``recompute_dispatch``, ``recompute_combine`` and ``expert_recompute``."""
+    tp, plan, K = st.tp, st.plan, st.top_k
+    disp, comb, expert = (("recompute_dispatch", "recompute_combine", "expert_recompute")
+                          if rerun else ("fwd_dispatch", "fwd_combine", "expert_fwd"))
+    x_send_G = []
+    for i, home in enumerate(st.homes):
+        with tp.timer(i)("local"):
+            x_send_G.append(stages.dispatch_rows(x_G[i], home, K))
+    home_splits, recv_splits = [h.splits for h in st.homes], [r.splits for r in recvs]
+    rows_G = [{"x": x} for x in tp.all_to_all(x_send_G, home_splits, recv_splits)]
+    del x_send_G
+    y_recv_G = [stages.experts_forward(
+        rows_G[i], recvs[i], w13_G[i], w2_G[i],
+        stages.occupied_counts(recvs[i].counts, plan, g, w13_G[i].shape[0]), keep_G[i],
+        tp.timer(i), expert) for i, g in enumerate(tp.ranks)]
+    y_send_G = tp.all_to_all(y_recv_G, recv_splits, home_splits)
+    del y_recv_G
+    comb_G = []
+    for i, home in enumerate(st.homes):
+        with tp.timer(i)("local"):
+            comb_G.append(stages.combine(y_send_G[i], home.send_row_P, gate_G[i]))
+    row = x_G[0].shape[1] * x_G[0].element_size()
+    tp.traffic(disp, home_splits, recv_splits, row)
+    tp.traffic(comb, recv_splits, home_splits, row)
+    tp.rows("fwd", [sum(s) for s in recv_splits])
+    tp.rows("retained", [int(keep.saved_SG.sum()) for keep in keep_G])
+    for rows, y_send in zip(rows_G, y_send_G):
+        rows["y_send"] = y_send.new_empty(0, y_send.shape[1]) if st.at_experts else y_send
+    return comb_G, rows_G
+
+
+def kept_bytes(rows: dict[str, Tensor]) -> int:
+    """Bytes of the activations a receiver keeps for backward (``x``, ``gu``)."""
+    return sum(t.numel() * t.element_size() for k, t in rows.items() if k != "y_send")
+
+
+def backward_ranks(st: ExchangeState, dout_G: list[Tensor], comb_G: list[stages.Combined],
+                   rows_G: list[dict], keep_G: list[stages.Retention],
+                   w13_G: Sequence[Tensor], w2_G: Sequence[Tensor]
+                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """combine^-1, select, compact -> exchange -> experts^-1 -> exchange -> the input
+    gradients home, for every played rank: the gradients of ``x``, the gates and the
+    instance weights, ``(dx_G, dgate_G, dw13_G, dw2_G)``. ``rows_G``: each one's kept
+    rows, emptied as they are used (global exactness: every rank takes the same
+    collectives; the sampled estimator's count exchange is inside the select)."""
+    tp, plan = st.tp, st.plan
+    dgate_G, sh_G = map(list, zip(*[stages.home_backward(
+        dout_G[i], comb_G[i], st.homes[i], st.gate_P_G[i], plan.select_GGS[:, g, :],
+        plan.retain_GGS[:, g, :], plan.all_selected, st.opts, rows_G[i], st.generators[i],
+        tp.exchange_counts, st.at_experts, tp.timer(i)) for i, g in enumerate(tp.ranks)]))
+    recv_GS_G = tp.received(sh_G)
+    tp.rows("bwd", [int(r.sum()) for r in recv_GS_G])
+    # without compaction the unselected rows travel too, weighing 0
+    tp.rows("selected", [int(r.sum()) if plan.all_selected or st.opts.compaction
+                         else int(plan.select_GGS[:, g, :].sum())
+                         for g, r in zip(tp.ranks, recv_GS_G)])
+    dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_exchange(
+        st, rows_G, sh_G, recv_GS_G, keep_G, w13_G, w2_G, st.at_experts)
+    if st.at_experts:  # every send row came back, in send order
+        dgate_G = [stages.router_grad_experts(dg_back_G[i], st.homes[i], *comb_G[i].w_TK.shape,
+                                              comb_G[i].w_TK.dtype, tp.timer(i))
+                   for i in range(len(sh_G))]
+    dx_G = [stages.home_finish(dx_back_G[i], st.homes[i], sh_G[i], comb_G[i], tp.timer(i))
+            for i in range(len(sh_G))]
+    return dx_G, dgate_G, dw13_G, dw2_G
+
+
+def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list[stages.Shipped],
+                               recv_GS_G: list[Tensor], keep_G: list[stages.Retention],
+                               w13_G, w2_G, rowdot: bool, monitor: bool = False):
+    """Ship the compacted output-gradient rows (``rows["dy"]``), run experts^-1 on them,
+    ship ``dx`` (and, with ``rowdot``, each row's router gradient) back: ``(dx rows back
+    home in send order, dw13, dw2, router gradients back or None)``, per played rank.
+    ``monitor``: the fidelity monitor's extra backward, neither timed nor counted."""
+    tp, plan, dev = st.tp, st.plan, rows_G[0]["dy"].device
+    tm_G = [stages.untimed if monitor else tp.timer(i) for i in range(len(rows_G))]
+    send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
+    rls, counts_G, offs_G = [], [], []
+    for i, g in enumerate(tp.ranks):
+        with tm_G[i]("local"):
+            rls.append(recv_layout(recv_GS_G[i], dev))
+            counts_G.append(stages.occupied_counts(rls[i].counts, plan, g, w13_G[i].shape[0]))
+            offs_G.append(offsets(counts_G[i], dev))
+    splits_G = [rl.splits for rl in rls]
+    if not monitor:
+        b = RowBytes(rows_G[0]["dy"].shape[1] * rows_G[0]["dy"].element_size(), dot=rowdot)
+        tp.traffic("bwd_dispatch", send_G, splits_G, b.bwd_dispatch)
+        tp.traffic("bwd_combine", splits_G, send_G, b.bwd_combine)
+    for rows, dy in zip(rows_G, tp.all_to_all([r.pop("dy").contiguous() for r in rows_G],
+                                              send_G, splits_G)):
+        rows["dy"] = dy
+    del dy
+    j_G = tp.all_to_all([sh.j for sh in sh_G], send_G, splits_G)
+    scale_G = tp.all_to_all([sh.scale.float() for sh in sh_G], send_G, splits_G)
+    dx_recv_G, dw13_G, dw2_G, dot_G = map(list, zip(*[stages.experts_backward(
+        rows_G[i], j_G[i], scale_G[i], rls[i], recv_GS_G[i], keep_G[i], w13_G[i], w2_G[i],
+        counts_G[i], offs_G[i], rowdot, tm_G[i]) for i in range(len(rows_G))]))
+    dx_back_G = tp.all_to_all(dx_recv_G, splits_G, send_G)
+    del dx_recv_G
+    dg_back_G = tp.all_to_all(dot_G, splits_G, send_G) if rowdot else None
+    return dx_back_G, dw13_G, dw2_G, dg_back_G
+
+
+# ----------------------------------------------------------------------- one real rank
 @dataclass(frozen=True)
 class ExchangeRun:
     """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
@@ -92,14 +260,14 @@ class ExchangeRun:
         with _timed(stats, "local_ms", dev) if self.timing else contextlib.nullcontext():
             home = home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
             recv = recv_layout(self.plan.assign_GGS[:, me, :], dev)
-        st = ExchangeState(self.comm, self.plan, home, self.top_k, self.opts, gate_P, stats,
-                           self.generator, self.timing)
+        st = ExchangeState(GroupTransport(self.comm, stats, dev, self.timing), self.plan, [home],
+                           self.top_k, self.opts, [gate_P], [self.generator])
         return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recv)
 
 
 class ExpertExchange(torch.autograd.Function):
-    """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: dispatch, experts, combine, composed
-    from :mod:`lrmoe.parallel.stages` with this rank's collectives in between.
+    """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: this rank's :func:`forward_ranks` and
+    :func:`backward_ranks` over the group's collectives.
 
     The combine (gate-weighted sum over a token's k pairs) is done here, so the pair
     outputs never leave this Function in pair order and no broadcast multiply or atomic
@@ -111,39 +279,17 @@ class ExpertExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
                 st: ExchangeState, recv: RecvLayout) -> Tensor:
-        home, comm, plan = st.home, st.comm, st.plan
-        me, K, H = comm.rank, st.top_k, x_TH.shape[1]
-        es, tm = x_TH.element_size(), st.timer(x_TH.device)
-        counts = stages.occupied_counts(recv.counts, plan, me, w13_S.shape[0])
+        plan, me, stats = st.plan, st.tp.ranks[0], st.tp.stats
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.
         keep = stages.retention(plan, me, save_all=st.opts.fidelity and not plan.exact)
-        rows: dict[str, Tensor] = {}
-        with tm("local"):
-            x_send = stages.dispatch_rows(x_TH, home, K)
-        n_send = x_send.shape[0]
-        rows["x"] = comm.all_to_all(x_send, home.splits, recv.splits)
-        del x_send
-        n_recv = rows["x"].shape[0]
-        y_recv = stages.experts_forward(rows, recv, w13_S, w2_S, counts, keep, tm)
-        y_send = comm.all_to_all(y_recv, recv.splits, home.splits)
-        del y_recv
-        with tm("local"):
-            comb = stages.combine(y_send, home.send_row_P, gate_TK)
-        row = H * es
-        st.stats.update(
-            fwd_rows=n_recv, retained_rows=int(keep.saved_SG.sum()),
-            fwd_dispatch_bytes_sent=n_send * row, fwd_dispatch_bytes_recv=n_recv * row,
-            fwd_combine_bytes_sent=n_recv * row, fwd_combine_bytes_recv=n_send * row,
-            saved_act_bytes=sum(t.numel() * t.element_size() for t in rows.values()))
+        (comb,), (rows,) = forward_ranks(st, [recv], [x_TH], [gate_TK], [w13_S], [w2_S], [keep])
+        stats["saved_act_bytes"] = kept_bytes(rows)
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
         # row's block are rebuilt from the plan there.
         ctx.st, ctx.keep = st, keep
-        ctx.dgate_at_experts = st.opts.router_grad == "experts" and plan.exact
-        rows["y_send"] = y_send.new_empty(0, H) if ctx.dgate_at_experts else y_send
-        del y_send
         # The kept rows are the Function's own intermediates (never its inputs or output,
         # so no reference cycle): held in a plain dict rather than save_for_backward,
         # whose tensors live until backward returns, so backward can drop each one at its
@@ -162,40 +308,21 @@ class ExpertExchange(torch.autograd.Function):
         w13_S, w2_S, w_TK, row_TK, *saved = ctx.saved_tensors
         rows = kept_rows(ctx, saved, "ExpertExchange")
         del saved
-        home, comm, plan, opts, keep = st.home, st.comm, st.plan, st.opts, ctx.keep
-        me, dev = comm.rank, dout_TH.device
-        T, H = dout_TH.shape
-        K = w_TK.shape[1]
+        plan, me, keep = st.plan, st.tp.ranks[0], ctx.keep
         dout_TH = dout_TH.to(w13_S.dtype).contiguous()
-        es, tm = dout_TH.element_size(), st.timer(dev)
         comb = stages.Combined(None, row_TK, w_TK)
-        # select and compact (global exactness: every rank takes the same collectives;
-        # the sampled estimator's count exchange is inside)
-        exact = plan.all_selected
-        fidelity = opts.fidelity and not plan.exact
+        fidelity = st.opts.fidelity and not plan.exact
         # a fidelity step reads the kept rows twice: the selected backward gets a copy
         kept_all = dict(rows) if fidelity else None
-        dgate, sh = stages.home_backward(
-            dout_TH, comb, home, st.gate_P, plan.select_GGS[:, me, :], plan.retain_GGS[:, me, :],
-            exact, opts, rows, st.generator, comm.exchange_counts, ctx.dgate_at_experts, tm)
-        n_out = rows["dy"].shape[0]
-        dx_back, dw13, dw2, n_in, dg_back = _experts_backward_exchange(
-            comm, plan, me, rows, sh, keep, w13_S, w2_S, tm, rowdot=dgate is None)
-        if dgate is None:  # exact: every send row came back, in send order
-            dgate = stages.router_grad_experts(dg_back, home, T, K, w_TK.dtype, tm)
+        (dx_TH,), (dgate,), (dw13,), (dw2,) = backward_ranks(st, [dout_TH], [comb], [rows], [keep],
+                                                             [w13_S], [w2_S])
         if fidelity:
-            _fidelity(st, kept_all, dout_TH, home, w_TK, keep, w13_S, w2_S, dw13, dw2)
-        dx_TH = stages.home_finish(dx_back, home, sh, comb, tm)
-        b = RowBytes(H * es, dot=dg_back is not None)
-        st.stats.update(
-            bwd_rows=n_in, selected_rows=int(sh.recv_GS.sum()) if exact or opts.compaction
-            else int(plan.select_GGS[:, me, :].sum()),
-            bwd_dispatch_bytes_sent=n_out * b.bwd_dispatch,
-            bwd_dispatch_bytes_recv=n_in * b.bwd_dispatch,
-            bwd_combine_bytes_sent=n_in * b.bwd_combine, bwd_combine_bytes_recv=n_out * b.bwd_combine,
-            # what the exact backward would send: every assigned row out and back
-            bwd_exact_bytes=int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch),
-            bwd_flops=6 * n_in * H * w2_S.shape[-1] * 2)
+            _fidelity(st, kept_all, dout_TH, w_TK, keep, w13_S, w2_S, dw13, dw2)
+        stats, H = st.tp.stats, dout_TH.shape[1]
+        b = RowBytes(H * dout_TH.element_size(), dot=st.at_experts)
+        # what the exact backward would send: every assigned row out and back
+        stats["bwd_exact_bytes"] = int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch)
+        stats["bwd_flops"] = 6 * stats["bwd_rows"] * H * w2_S.shape[-1] * 2
         return dx_TH, dgate, dw13, dw2, None, None
 
 
@@ -214,43 +341,19 @@ def kept_rows(ctx, saved: list[Tensor], name: str) -> dict[str, Tensor]:
     return rows
 
 
-def _experts_backward_exchange(comm: EPComm, plan: Plan, me: int, rows: dict, sh: stages.Shipped,
-                               keep: stages.Retention, w13_S: Tensor, w2_S: Tensor, tm: stages.Timer,
-                               rowdot: bool = False):
-    """Ship the compacted output-gradient rows, run experts^-1 on them, ship ``dx`` (and,
-    with ``rowdot``, each row's router gradient) back: ``(dx rows back at home in send
-    order, dw13, dw2, rows in, router gradients back or None)``."""
-    dev = rows["dy"].device
-    with tm("local"):
-        send = sh.sent_GS.sum(1).tolist()
-        rl = recv_layout(sh.recv_GS, dev)
-        counts = stages.occupied_counts(rl.counts, plan, me, w13_S.shape[0])
-        offs = offsets(counts, dev)
-    rows["dy"] = comm.all_to_all(rows["dy"].contiguous(), send, rl.splits)
-    n_in = rows["dy"].shape[0]
-    j_recv = comm.all_to_all(sh.j, send, rl.splits)
-    scale_recv = comm.all_to_all(sh.scale.float(), send, rl.splits)
-    dx_recv, dw13, dw2, dot_recv = stages.experts_backward(
-        rows, j_recv, scale_recv, rl, sh.recv_GS, keep, w13_S, w2_S, counts, offs, rowdot, tm)
-    dx_back = comm.all_to_all(dx_recv, rl.splits, send)
-    del dx_recv
-    dg_back = None if dot_recv is None else comm.all_to_all(dot_recv, rl.splits, send)
-    return dx_back, dw13, dw2, n_in, dg_back
-
-
-def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, home: HomeLayout, w_TK: Tensor,
+def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, w_TK: Tensor,
               keep: stages.Retention, w13_S: Tensor, w2_S: Tensor, dw13: Tensor, dw2: Tensor) -> None:
     """The exact expert weight gradient over every pair (retained or not, unweighted),
     compared per expert with the selected one (replicas on this rank summed, as the
     optimizer sees them): ``fidelity_cosine`` and ``fidelity_rel_err`` in the stats.
     Untimed: a monitoring cost."""
-    plan, me, K = st.plan, st.comm.rank, st.top_k
+    plan, me, K, home = st.plan, st.tp.ranks[0], st.top_k, st.homes[0]
     kept.pop("y_send", None)
     kept["dy"] = dout_TH[home.src_pair // K]
     every = stages.Shipped(None, home.j_in_block, w_TK.reshape(-1)[home.src_pair].float(),
                            plan.assign_GGS[me], plan.assign_GGS[:, me, :])
-    _, e13, e2, _, _ = _experts_backward_exchange(st.comm, plan, me, kept, every, keep,
-                                                  w13_S, w2_S, stages.untimed)
+    _, (e13,), (e2,), _ = _experts_backward_exchange(st, [kept], [every], [every.recv_GS], [keep],
+                                                     [w13_S], [w2_S], rowdot=False, monitor=True)
     ie = plan.inst_expert_GS[me]
     ie = ie if w13_S.shape[0] == ie.numel() else ie[ie >= 0]
     idx = to_device(ie.clamp(min=0), dw13.device)
@@ -261,5 +364,5 @@ def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, home: HomeLayout, 
         z2 = g2.new_zeros((E,) + g2.shape[1:]).index_add_(0, idx, g2)
         return torch.cat([z13.flatten(), z2.flatten()]).float()
     a, b = per_expert(dw13, dw2), per_expert(e13, e2)
-    st.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    st.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
+    st.tp.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    st.tp.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))

@@ -6,10 +6,10 @@ Backward: home ``home_backward`` (combine^-1, select, compact) -> all-to-all ->
 receiver ``experts_backward`` -> all-to-all -> home ``home_finish``.
 
 Every function works on one rank's plain tensors and layouts; the exchanges between
-them belong to the caller. Three callers compose them: the multi-rank exchange
-(:mod:`lrmoe.parallel.exchange`, real collectives), the one-process path (the same
-exchange over an identity layout built on the device, :mod:`lrmoe.parallel.local`) and
-the emulator (:mod:`lrmoe.sim.virtual`, a virtual all-to-all over G ranks). Timing wraps
+them belong to the caller. Two callers compose them: the stage sequence of
+:mod:`lrmoe.parallel.exchange` (over a real rank's collectives, or the emulator's G
+virtual ranks in memory) and the one-process path (over an identity layout built on the
+device, :mod:`lrmoe.parallel.local`). Timing wraps
 regions from outside through ``tm(key)``, a context-manager factory for the buckets
 ``local``, ``select``, ``gather`` and the expert kernels; it never changes what a stage
 computes.

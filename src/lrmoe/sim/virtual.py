@@ -1,19 +1,18 @@
 """Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process.
 
 docs/design.md §9 ("Cluster time without a cluster"). The emulator runs the same plan code
-(the policy objects) and the same building blocks as the real runtime
-(:mod:`lrmoe.parallel.exchange`): ``home_layout``/``recv_layout``, permute/unpermute,
-``swiglu_forward``/``swiglu_backward``, the metrics and selection functions, the fused
-combine helpers. Only the orchestration differs: instead of one rank calling a
-collective, every stage is run for all G virtual ranks in turn, and each all-to-all is
-an in-memory regrouping of the G send buffers by their splits. So each virtual rank sees
-exactly the rows (and computes exactly the numbers) its real counterpart would, and the
-bytes of every exchange are known exactly.
+(the policy objects) and the same stage sequence as the real runtime
+(:func:`lrmoe.parallel.exchange.forward_ranks`, :func:`~lrmoe.parallel.exchange.backward_ranks`),
+playing all G ranks: each stage runs for every virtual rank in turn, and each all-to-all
+is an in-memory regrouping of the G send buffers by their splits
+(:class:`VirtualTransport`). So each virtual rank sees exactly the rows (and computes
+exactly the numbers) its real counterpart would, and the bytes of every exchange are
+known exactly.
 
 Virtual rank g's tokens are rows ``[g*T, (g+1)*T)`` of the global token matrix.
-Expert kernels are timed per virtual rank (CUDA events on GPU, ``perf_counter`` on CPU);
-link time is modelled from bytes (:mod:`lrmoe.sim.links`, :mod:`lrmoe.sim.cost`). The
-results are **emulated**, never measured cluster time.
+Each rank's stages are timed into its own buckets (CUDA events on GPU, ``perf_counter``
+on CPU); link time is modelled from bytes (:mod:`lrmoe.sim.links`, :mod:`lrmoe.sim.cost`).
+The results are **emulated**, never measured cluster time.
 
 Legend: G virtual ranks, T tokens per rank, K top-k, H hidden, S slots per rank,
 E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual ranks.
@@ -30,8 +29,13 @@ from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
 from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype
-from lrmoe.ops.experts import offsets
 from lrmoe.parallel import stages
+from lrmoe.parallel.exchange import (
+    ExchangeState,
+    backward_ranks,
+    forward_ranks,
+    kept_bytes,
+)
 from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.parallel.local import expert_counts
 from lrmoe.parallel.select import BackwardOptions
@@ -40,7 +44,7 @@ from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
-from lrmoe.traffic import RowBytes, plan_rows_GG
+from lrmoe.traffic import plan_rows_GG
 
 
 # ------------------------------------------------------------------------ all-to-all
@@ -60,40 +64,63 @@ def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[
     return out
 
 
-def _links(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
-    """:func:`virtual_all_to_all` inside a ``stage:link`` profiler range: its time is the
-    emulator's stand-in for a link, charged by the link model, never measured."""
-    with torch.profiler.record_function("stage:link"):
-        return virtual_all_to_all(send_G, splits_G)
+@dataclass
+class VirtualTransport:
+    """All G ranks of the group in one process (a
+    :class:`lrmoe.parallel.exchange.Transport`): each rank's stages timed into its own
+    buckets, each exchange's ``[src, dst]`` rows and bytes into the step's stats."""
 
+    timers: Timers
+    stats: VirtualStats
+    # no count exchange inside a home's select: the receivers' counts are every home's
+    exchange_counts = None
 
-def _rows_GG(splits_G: list[list[int]]) -> Tensor:
-    """``[src, dst]`` rows of one exchange (int64, CPU)."""
-    return torch.tensor(splits_G, dtype=torch.long).reshape(len(splits_G), -1)
+    @property
+    def ranks(self) -> range:
+        return range(self.timers.G)
+
+    def all_to_all(self, send_G, send_splits_G, recv_splits_G) -> list[Tensor]:
+        """:func:`virtual_all_to_all` inside a ``stage:link`` profiler range: its time is
+        the emulator's stand-in for a link, charged by the link model, never measured."""
+        with torch.profiler.record_function("stage:link"):
+            return virtual_all_to_all(send_G, send_splits_G)
+
+    def timer(self, i: int) -> stages.Timer:
+        return lambda key: self.timers.time(key, i)
+
+    def received(self, sh_G: list[stages.Shipped]) -> list[Tensor]:
+        return [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in self.ranks]
+
+    def traffic(self, name, send_splits_G, recv_splits_G, row_bytes) -> None:
+        rows = torch.as_tensor(send_splits_G, dtype=torch.long).reshape(len(send_splits_G), -1)
+        self.stats.rows_GG[name], self.stats.bytes_GG[name] = rows, rows * row_bytes
+
+    def rows(self, name: str, n_G: list[int]) -> None:
+        self.stats.rows[name] = n_G
 
 
 @dataclass
 class _State:
-    """Plain-Python state of one emulated step (shared by forward and backward)."""
+    """Plain-Python state of one emulated step (shared by forward and backward): the
+    exchange's over the G ranks, their receive layouts, and the expert ids of each
+    rank's pairs and E, which the layouts are built from (again by a whole-layer
+    checkpoint's re-run, as the runtime's does)."""
 
-    plan: Plan
-    homes: list[HomeLayout]
+    ex: ExchangeState
     recvs: list[RecvLayout]
-    gate_P_G: list[Tensor]
-    T: int
-    K: int
-    opts: BackwardOptions
-    timers: Timers
-    stats: VirtualStats
-    generators: list[torch.Generator | None]
-    # the expert ids of each rank's pairs and E: a whole-layer checkpoint's re-run
-    # rebuilds the layouts from them
-    idx_GP: Tensor | None = None
-    E: int = 0
+    idx_GP: Tensor
+    E: int
 
-    def timer(self, g: int) -> stages.Timer:
-        """The stages' ``tm`` for virtual rank ``g``."""
-        return lambda key: self.timers.time(key, g)
+
+def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Tensor], E: int,
+             dev: torch.device) -> tuple[list[HomeLayout], list[RecvLayout]]:
+    """Every rank's home and receive layout of the plan, timed as its ``local``."""
+    homes, recvs = [], []
+    for g in range(plan.G):
+        with tp.timer(g)("local"):
+            homes.append(home_layout(plan, g, idx_GP[g], gate_P_G[g], E))
+            recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
+    return homes, recvs
 
 
 # ------------------------------------------------------------------------- exchange
@@ -101,22 +128,19 @@ class VirtualExchange(torch.autograd.Function):
     """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``.
 
     Each rank's slice of the weights is its slots' instance weights. Forward and
-    backward compose the runtime's stages (:mod:`lrmoe.parallel.stages`) for every
-    virtual rank in turn, with the virtual all-to-all between them; see the module doc.
+    backward are the runtime's stage sequence over the G virtual ranks; see the
+    module doc.
     """
 
     @staticmethod
     def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
                 st: _State) -> Tensor:
-        plan, G = st.plan, st.plan.G
-        out, kept = _forward_ranks(st, x_NH, gate_NK, w13_IS, w2_IS, recompute=False)
-        st.stats.rows["fwd"] = plan.rank_load().tolist()
-        st.stats.rows["retained"] = plan.retain_GGS.sum(dim=(0, 2)).tolist()
-        st.stats.saved_act_bytes = [0] * G if plan.layer_checkpoint else [
-            sum(t.numel() * t.element_size() for k, t in rows.items() if k != "y_send")
-            for rows in kept.rows_G]
-        st.timers.resolve()
-        st.stats.expert_ms["fwd"] = st.timers.ms.get("expert_fwd", [0.0] * G)
+        plan, G, stats = st.ex.plan, st.ex.plan.G, st.ex.tp.stats
+        out, kept = _forward_ranks(st, x_NH, gate_NK, w13_IS, w2_IS, rerun=False)
+        stats.saved_act_bytes = ([0] * G if plan.layer_checkpoint
+                                 else [kept_bytes(rows) for rows in kept.rows_G])
+        st.ex.tp.timers.resolve()
+        stats.expert_ms["fwd"] = st.ex.tp.timers.ms.get("expert_fwd", [0.0] * G)
         ctx.st = st
         if plan.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
             ctx.save_for_backward(w13_IS, w2_IS, x_NH, gate_NK)
@@ -129,118 +153,37 @@ class VirtualExchange(torch.autograd.Function):
     def backward(ctx, dout_NH: Tensor):
         st: _State = ctx.st
         w13_IS, w2_IS, *inputs = ctx.saved_tensors
-        plan, T, S = st.plan, st.T, st.plan.S
         if inputs:  # whole-layer checkpoint: the forward again, measured in backward
-            ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, recompute=True)[1]
+            ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, rerun=True)[1]
             del inputs
         kept: _Kept = ctx.kept
         del ctx.kept
-        dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(T)]
-        at_experts = st.opts.router_grad == "experts" and plan.exact
-        # per home rank: combine^-1, select, compact
-        dgate_G, sh_G = [], []
-        for g in range(plan.G):
-            dgate, sh = stages.home_backward(
-                dout_G[g], kept.comb_G[g], st.homes[g], st.gate_P_G[g],
-                plan.select_GGS[:, g, :], plan.retain_GGS[:, g, :], plan.all_selected, st.opts,
-                kept.rows_G[g], st.generators[g], None, at_experts, st.timer(g))
-            dgate_G.append(dgate)
-            sh_G.append(sh)
-        shipped = _ship_backward(st, kept.rows_G, sh_G, dout_G[0].element_size(), at_experts)
-        dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_ranks(
-            st, kept, shipped, w13_IS.split(S), w2_IS.split(S), at_experts)
-        if at_experts:  # every send row came back, in send order
-            dgate_G = [stages.router_grad_experts(dg_back_G[g], st.homes[g], T, st.K,
-                                                  kept.comb_G[g].w_TK.dtype, st.timer(g))
-                       for g in range(plan.G)]
-        # dx per home rank: shipped rows back to pair order, summed over k
-        dx_G = [stages.home_finish(dx_back_G[g], st.homes[g], sh_G[g], kept.comb_G[g],
-                                   st.timer(g)) for g in range(plan.G)]
-        _backward_times(st)
+        ex, S = st.ex, st.ex.plan.S  # the re-run's layouts, after a whole-layer checkpoint
+        plan, opts, stats = ex.plan, ex.opts, ex.tp.stats
+        dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(dout_NH.shape[0] // plan.G)]
+        if not plan.all_selected and opts.compaction and opts.estimator == "sampled":
+            # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
+            ones_GG = [[1] * plan.G] * plan.G
+            ex.tp.traffic("bwd_count_exchange", ones_GG, ones_GG, S * 8)
+        grads_G = backward_ranks(ex, dout_G, kept.comb_G, kept.rows_G, kept.keep_G,
+                                 w13_IS.split(S), w2_IS.split(S))
+        _backward_times(ex.tp.timers, stats, plan)
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
         # bench ttl does not charge it as non-MoE time)
-        grads = torch.cat(dx_G), torch.cat(dgate_G), torch.cat(dw13_G), torch.cat(dw2_G), None
-        st.stats.bwd_end_s = _now(dout_NH.device)
+        grads = (*(torch.cat(t) for t in grads_G), None)
+        stats.bwd_end_s = _now(dout_NH.device)
         return grads
 
 
-@dataclass
-class _Shipped:
-    """The reverse exchange's result on every receiving rank: its receive layout,
-    counts and offsets, what each home sent it (``recv_GS``), the row positions and
-    scales that came with the rows (the ``dy`` rows themselves are in ``rows_G``)."""
-
-    rls: list
-    counts_G: list[tuple[Tensor, Tensor]]
-    recv_GS_G: list[Tensor]
-    j_recv_G: list[Tensor]
-    sc_recv_G: list[Tensor]
-
-
-def _ship_backward(st: _State, rows_G: list[dict], sh_G: list, es: int,
-                   at_experts: bool) -> _Shipped:
-    """The reverse exchange: every rank receives the output-gradient rows, row positions
-    and scales the homes ship it; its rows and bytes into the stats."""
-    plan, G, S, dev = st.plan, st.plan.G, st.plan.S, rows_G[0]["dy"].device
-    H = rows_G[0]["dy"].shape[1]
-    send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
-    recv_GS_G = [torch.stack([sh.sent_GS[r] for sh in sh_G]) for r in range(G)]
-    if not plan.all_selected and st.opts.compaction and st.opts.estimator == "sampled":
-        # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
-        st.stats.rows_GG["bwd_count_exchange"] = torch.ones(G, G, dtype=torch.long)
-        st.stats.bytes_GG["bwd_count_exchange"] = torch.full((G, G), S * 8, dtype=torch.long)
-    rls, counts_G = [], []
-    for r in range(G):
-        with st.timers.time("local", r):
-            rls.append(recv_layout(recv_GS_G[r], dev))
-            counts_G.append((rls[-1].counts, offsets(rls[-1].counts, dev)))
-    for r, dy in enumerate(_links([rows.pop("dy") for rows in rows_G], send_G)):
-        rows_G[r]["dy"] = dy
-    del dy
-    j_recv_G = _links([sh.j for sh in sh_G], send_G)
-    sc_recv_G = _links([sh.scale.float() for sh in sh_G], send_G)
-    rows, b = _rows_GG(send_G), RowBytes(H * es, dot=at_experts)
-    st.stats.rows_GG["bwd_dispatch"] = rows
-    st.stats.bytes_GG["bwd_dispatch"] = rows * b.bwd_dispatch
-    st.stats.rows_GG["bwd_combine"] = rows.t().contiguous()
-    st.stats.bytes_GG["bwd_combine"] = rows.t() * b.bwd_combine
-    st.stats.rows["bwd"] = [int(r.sum()) for r in recv_GS_G]
-    return _Shipped(rls, counts_G, recv_GS_G, j_recv_G, sc_recv_G)
-
-
-def _experts_backward_ranks(st: _State, kept: _Kept, sh: _Shipped, w13_G, w2_G,
-                            at_experts: bool):
-    """experts^-1 on every receiving rank, and the ``dx`` rows (with ``at_experts`` the
-    router gradients too) back to their homes: ``(dx_back_G, dw13_G, dw2_G, dg_back_G)``."""
-    plan, opts = st.plan, st.opts
-    dx_recv_G, dw13_G, dw2_G, dot_recv_G = [], [], [], []
-    for r in range(plan.G):
-        counts, offs = sh.counts_G[r]
-        dx_recv, dw13, dw2, dot = stages.experts_backward(
-            kept.rows_G[r], sh.j_recv_G[r], sh.sc_recv_G[r], sh.rls[r], sh.recv_GS_G[r],
-            kept.keep_G[r], w13_G[r], w2_G[r], counts, offs, at_experts, st.timer(r))
-        dx_recv_G.append(dx_recv)
-        dot_recv_G.append(dot)
-        dw13_G.append(dw13)
-        dw2_G.append(dw2)
-    splits = [rl.splits for rl in sh.rls]
-    dx_back_G = _links(dx_recv_G, splits)
-    dg_back_G = _links(dot_recv_G, splits) if at_experts else None
-    st.stats.rows["selected"] = [
-        int(sh.recv_GS_G[r].sum()) if plan.all_selected or opts.compaction
-        else int(plan.select_GGS[:, r, :].sum()) for r in range(plan.G)]
-    return dx_back_G, dw13_G, dw2_G, dg_back_G
-
-
-def _backward_times(st: _State) -> None:
+def _backward_times(timers: Timers, stats: VirtualStats, plan: Plan) -> None:
     """The backward's measured expert and stage times into the stats."""
-    G = st.plan.G
-    st.timers.resolve()
-    st.stats.expert_ms["bwd"] = st.timers.ms.get("expert_bwd", [0.0] * G)
-    if st.plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
-        st.stats.expert_ms["recompute"] = st.timers.ms.get("expert_recompute", [0.0] * G)
+    G = plan.G
+    timers.resolve()
+    stats.expert_ms["bwd"] = timers.ms.get("expert_bwd", [0.0] * G)
+    if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
+        stats.expert_ms["recompute"] = timers.ms.get("expert_recompute", [0.0] * G)
     for k in MEASURED_STAGES[1:]:  # forward and backward together
-        st.stats.stage_ms[k] = st.timers.ms.get(k, [0.0] * G)
+        stats.stage_ms[k] = timers.ms.get(k, [0.0] * G)
 
 
 @dataclass
@@ -255,56 +198,21 @@ class _Kept:
 
 
 def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
-                   recompute: bool) -> tuple[Tensor, _Kept]:
-    """Dispatch -> experts -> combine for every virtual rank (ExpertExchange's forward):
-    ``(out, what backward reads)``. ``recompute``: the whole-layer checkpoint's re-run in
-    backward: the layouts are rebuilt, the exchanges' bytes go to ``recompute_dispatch``
-    and ``recompute_combine`` and the expert kernels are timed as ``expert_recompute``
-    (what :mod:`lrmoe.sim.cost` charges as ``bwd_recompute``)."""
-    plan, T, K = st.plan, st.T, st.K
-    G, S, H = plan.G, plan.S, x_NH.shape[1]
-    es = x_NH.element_size()
-    dev = x_NH.device
-    x_G, gate_G = x_NH.split(T), gate_NK.split(T)
-    w13_G, w2_G = w13_IS.split(S), w2_IS.split(S)
-    if recompute:  # the runtime's re-run builds its layouts again
-        for g in range(G):
-            with st.timers.time("local", g):
-                st.homes[g] = home_layout(plan, g, st.idx_GP[g], st.gate_P_G[g], st.E)
-                st.recvs[g] = recv_layout(plan.assign_GGS[:, g, :], dev)
-    disp, comb, expert = (("recompute_dispatch", "recompute_combine", "expert_recompute")
-                          if recompute else ("fwd_dispatch", "fwd_combine", "expert_fwd"))
-
-    # dispatch
-    x_send_G = []
-    for g in range(G):
-        with st.timers.time("local", g):
-            x_send_G.append(stages.dispatch_rows(x_G[g], st.homes[g], K))
-    splits_G = [h.splits for h in st.homes]
-    rows_G = [{"x": x} for x in _links(x_send_G, splits_G)]
-    del x_send_G
-    rows, row_bytes = _rows_GG(splits_G), RowBytes(H * es).row
-    st.stats.rows_GG[disp] = rows
-    st.stats.bytes_GG[disp] = rows * row_bytes
-    st.stats.rows_GG[comb] = rows.t().contiguous()
-    st.stats.bytes_GG[comb] = rows.t() * row_bytes
-
-    # experts, per receiving rank
+                   rerun: bool) -> tuple[Tensor, _Kept]:
+    """Dispatch -> experts -> combine for every virtual rank: ``(out, what backward
+    reads)``. ``rerun``: the whole-layer checkpoint's re-run in backward, which builds
+    its layouts again (what :mod:`lrmoe.sim.cost` charges as ``bwd_recompute``)."""
+    plan, G, S, T = st.ex.plan, st.ex.plan.G, st.ex.plan.S, x_NH.shape[0] // st.ex.plan.G
+    if rerun:  # the runtime's re-run builds its layouts again
+        homes, st.recvs = _layouts(st.ex.tp, plan, st.idx_GP, st.ex.gate_P_G, st.E, x_NH.device)
+        st.ex = dataclasses.replace(st.ex, homes=homes)
     keep_G = [stages.retention(plan, r) for r in range(G)]
-    y_recv_G = [stages.experts_forward(rows_G[r], st.recvs[r], w13_G[r], w2_G[r], st.recvs[r].counts,
-                                keep_G[r], st.timer(r), expert) for r in range(G)]
-
-    # combine, per home rank
-    y_send_G = _links(y_recv_G, [r.splits for r in st.recvs])
-    del y_recv_G
-    outs, comb_G = [], []
-    for g in range(G):
-        with st.timers.time("local", g):
-            comb_G.append(stages.combine(y_send_G[g], st.homes[g].send_row_P, gate_G[g]))
-        outs.append(comb_G[g].out_TH)
-        comb_G[g].out_TH = None
-        at_experts = st.opts.router_grad == "experts" and plan.exact
-        rows_G[g]["y_send"] = y_send_G[g].new_empty(0, H) if at_experts else y_send_G[g]
+    comb_G, rows_G = forward_ranks(st.ex, st.recvs, x_NH.split(T), gate_NK.split(T),
+                                   w13_IS.split(S), w2_IS.split(S), keep_G, rerun)
+    outs = []
+    for comb in comb_G:
+        outs.append(comb.out_TH)
+        comb.out_TH = None
     return torch.cat(outs), _Kept(rows_G, keep_G, comb_G)
 
 
@@ -427,26 +335,21 @@ class VirtualEPLayer:
         with torch.profiler.record_function("stage:plan"):
             plan, stats, plan_ms = self._plan(counts_GE, inputs)
         stats.prepare_ms, stats.counts_GE = prepare_ms, counts_GE
+        tp, ones_GG = VirtualTransport(timers, stats), [[1] * G] * G
         # the count all-gather (comm.all_gather_counts): E int64 to every peer
-        stats.rows_GG["count_allgather"] = torch.ones(G, G, dtype=torch.long)
-        stats.bytes_GG["count_allgather"] = torch.full((G, G), E * 8, dtype=torch.long)
+        tp.traffic("count_allgather", ones_GG, ones_GG, E * 8)
         dtype = _compute_dtype(x_NH)
         with torch.profiler.record_function("stage:weight_scatter"):
             w13, w2 = (virtual_instance_weights(w, plan)
                        for w in layer.experts.compute_weights(dtype))
         rows_GG = plan_rows_GG(plan, E)
-        per_inst = layer.experts.instance_bytes(dtype)
         for name in ("weight_scatter", "grad_reduce"):
-            stats.rows_GG[name] = rows_GG[name]
-            stats.bytes_GG[name] = rows_GG[name] * per_inst
-        homes, recvs = [], []
-        for g in range(G):
-            with timers.time("local", g):
-                homes.append(home_layout(plan, g, idx_GP[g], gate_GP[g], E))
-                recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
+            tp.traffic(name, rows_GG[name], rows_GG[name].t(), layer.experts.instance_bytes(dtype))
+        gate_P_G = [gate_GP[g].detach() for g in range(G)]
+        homes, recvs = _layouts(tp, plan, idx_GP, gate_P_G, E, dev)
+        st = _State(ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators),
+                    recvs, idx_GP, E)
         stats.stage_ms["plan"] = [plan_ms] * G
-        st = _State(plan, homes, recvs, [gate_GP[g].detach() for g in range(G)], T, K, self.opts,
-                    timers, stats, self.generators, idx_GP, E)
         out = VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
         return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)
 

@@ -78,14 +78,6 @@ class Emulator:
         return [v.stats for v in self.layers]
 
 
-def counts_GE_of(plan, E: int) -> torch.Tensor:
-    """``[G, E]`` pairs each home routed to each expert in one plan (assigned + dropped)."""
-    ie = plan.inst_expert_GS.reshape(-1)
-    load = plan.assign_GGS.reshape(plan.G, -1).long()  # [home, rank*slot]
-    c = torch.zeros(plan.G, E, dtype=torch.long).index_add_(1, ie[ie >= 0], load[:, ie >= 0])
-    return c if plan.dropped_GE is None else c + plan.dropped_GE.long()
-
-
 def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
     """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
     got = []

@@ -86,8 +86,7 @@ class VirtualStats:
             (:meth:`lrmoe.ledger.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
             fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
             or ``over``: does not fit even so, which stops the step with an out-of-memory
-            verdict, so ``recompute_fits`` is always True where stats exist; kept for old
-            readers). Per-row recompute does not change the emulator's math:
+            verdict). Per-row recompute does not change the emulator's math:
             :mod:`lrmoe.sim.cost` models its time. A whole-layer checkpoint (``layer``) runs:
             the emulator re-runs the forward in backward and measures it
             (``expert_ms["recompute"]``, :data:`RECOMPUTE_EXCHANGES`).
@@ -111,23 +110,17 @@ class VirtualStats:
     ledger_total_bytes: list[int] | None = None
     recompute_rows: list[int] | None = None
     recompute_mode: str = "fits"
-    recompute_fits: bool = True
     rung: str = "plan"
     prepare_ms: float = 0.0
     counts_GE: Tensor | None = None
 
     def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
         """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""
-        b = self.bytes_GG[exchange]
-        if off_rank:
-            b = b - torch.diag(torch.diagonal(b))
-        return b.sum(1).tolist()
+        return self._bytes_GG(exchange, off_rank).sum(1).tolist()
 
     def bytes_recv(self, exchange: str, off_rank: bool = True) -> list[int]:
+        return self._bytes_GG(exchange, off_rank).sum(0).tolist()
+
+    def _bytes_GG(self, exchange: str, off_rank: bool) -> Tensor:
         b = self.bytes_GG[exchange]
-        if off_rank:
-            b = b - torch.diag(torch.diagonal(b))
-        return b.sum(0).tolist()
-
-
-
+        return b - torch.diag(torch.diagonal(b)) if off_rank else b

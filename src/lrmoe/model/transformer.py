@@ -59,14 +59,10 @@ class CausalLMOutput:
 
 
 class MoEForCausalLM(nn.Module):
-    """``forward(input_ids [B, T]) -> logits [B, T, V]``; with ``labels`` (HF's
-    convention: aligned with ``input_ids``, shifted inside, ``-100`` ignored) a
-    :class:`CausalLMOutput` whose ``loss`` is the training objective, so
-    ``torch.compile(model)`` compiles the loss too.
-
-    The router load-balancing loss of the last forward is available as
-    :meth:`aux_loss` (sum over MoE layers; zero for GLM, which balances by bias).
-    """
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``; with ``labels`` (HF's convention:
+    shifted inside, ``-100`` ignored) a :class:`CausalLMOutput` whose ``loss`` is the training
+    objective (so ``torch.compile(model)`` compiles the loss too). :meth:`aux_loss`: the
+    last forward's load-balancing loss (zero for GLM, which balances by bias)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

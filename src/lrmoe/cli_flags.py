@@ -74,6 +74,15 @@ def _bytes(name: str, v: Any) -> None:
         parse_bytes(v)
 
 
+def byte_size(v: str) -> int:
+    """argparse type of a byte size (``40GiB``, ``500MiB``)."""
+    from lrmoe.units import parse_bytes
+    try:
+        return parse_bytes(v)
+    except LrmoeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def on_off(v: str) -> bool:
     """argparse type of ``on|off`` flags."""
     if v not in ("on", "off"):

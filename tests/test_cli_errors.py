@@ -29,6 +29,7 @@ def files(tmp_path_factory):
     assert main(["train", "--preset", "tiny-qwen3", "--out", str(run), "--steps", "4",
                  "--ckpt-every", "2", "--eval-every", "0", *SMALL]) == 0
     (d / "malformed.json").write_text('{"model_type": "qwen3_moe", ')
+    (d / "list.json").write_text("[1, 2]")
     (d / "topk.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_tok": 8}))
     (d / "heads.json").write_text(json.dumps({"hidden_size": 130}))
     (d / "vocab.json").write_text(json.dumps({"vocab_size": 100}))
@@ -47,6 +48,8 @@ CASES = {
                            "--out", "RUN"], ["cannot read config", "missing.json"]),
     "malformed config": (["--preset", "tiny-qwen3", "--config", "D/malformed.json",
                           "--out", "RUN"], ["not valid JSON", "malformed.json"]),
+    "config not an object": (["--preset", "tiny-qwen3", "--config", "D/list.json",
+                              "--out", "RUN"], ["list.json", "JSON object"]),
     "unsupported config field": (["--preset", "tiny-qwen3", "--config", "D/unsupported.json",
                                   "--out", "RUN"], ["rope_scaling", "not supported"]),
     "top-k above experts": (["--preset", "tiny-qwen3", "--config", "D/topk.json",

@@ -399,6 +399,18 @@ def test_step_times_from_stats():
     assert t == pytest.approx([1.0 / link.efficiency + 3e-6, 0.5 / link.efficiency + 3e-6])
 
 
+def test_an_exchange_without_traffic_costs_nothing():
+    """Static's plan at G = 4 scatters no replica weights: that exchange costs no latency
+    either, while the dispatch pays bandwidth plus a latency per peer."""
+    cfg = ModelConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E,
+                      num_experts_per_tok=K, num_attention_heads=2, num_key_value_heads=2)
+    counts = torch.tensor([[3, 1, 2, 0, 4, 1, 0, 1]] * G)
+    plan = full_plan(counts, torch.arange(E).reshape(G, E // G))
+    per = rank_stage_seconds(modelled_stats(plan, cfg, 1e12), LINKS["nvlink"])
+    assert per["weight_scatter"] == per["grad_reduce"] == [0.0] * G
+    assert min(per["fwd_dispatch"]) > LINKS["nvlink"].latency_s * (G - 1)
+
+
 def _rank_stats(stats: VirtualStats, g: int) -> dict:
     """Rank g's emulated counters under the real runtime's stat names (``MoERuntime.stats``)."""
     d = {"fwd_rows": stats.rows["fwd"][g], "retained_rows": stats.rows["retained"][g],

@@ -379,3 +379,15 @@ def test_router_lr_scale_gives_the_routers_their_own_lr():
             assert step == pytest.approx(lr * (1 + 0.1 * before[n].abs().max().item()), rel=0.2)
     with pytest.raises(LrmoeError, match="router lr scale"):
         build_optimizer(model, 1e-3, 0.1, router_lr_scale=0.0)
+
+
+def test_layer_row_sums_counters_takes_the_slowest_rank_and_averages_fidelity():
+    from lrmoe.train.metrics import layer_row
+
+    ranks = [{"load": 6.0, "retained_rows": 3.0, "fwd_bytes": 100.0, "expert_fwd_ms": 1.5,
+              "fidelity_cosine": 0.5},
+             {"load": 2.0, "retained_rows": 5.0, "fwd_bytes": 40.0, "expert_fwd_ms": 2.5,
+              "fidelity_cosine": 1.0}]
+    row = layer_row({"plan_replicas": 1}, ranks, pairs=8)
+    assert row == {"rank_load_max_over_mean": 1.5, "replicas": 1, "pairs": 8, "retained": 8,
+                   "fwd_bytes": 140, "expert_fwd_ms": 2.5, "fidelity_cosine": 0.75}

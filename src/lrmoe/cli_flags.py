@@ -1,15 +1,12 @@
 """The policy and memory flags, declared once for every command.
 
-``lrmoe train``, ``lrmoe plan`` (``--compare`` included) and ``lrmoe bench ttl`` add them
-with :func:`add_policy_flags`, each naming the knobs it reads; a knob's flag, type,
-default, help and value check live only in :data:`KNOBS`, so one knob has one spelling
-everywhere. Spelling: a knob only the lrmoe policy reads is ``--lrmoe-NAME``
-(``--lrmoe-min-keep``, ``--lrmoe-selection on|off``); a knob several policies or the
-memory model read has no prefix (``--slots-per-rank``, ``--mem-budget``). The flat names
-(``lrmoe_min_keep``) are the argparse destinations and the keys of a training run's
-``config.json``; :func:`policy_config` nests them into a
-:class:`~lrmoe.policy.registry.PolicyConfig` and :func:`flat_policy` flattens one back.
-A spelling used before is refused with one line naming the current one (:data:`RENAMED`).
+A knob's flag, type, default (read from :class:`~lrmoe.policy.registry.PolicyConfig`),
+help and value check live only in :data:`KNOBS`; ``train``, ``plan`` and ``bench ttl``
+add the knobs they read (:func:`add_policy_flags`). A knob only lrmoe reads is
+``--lrmoe-NAME``; one several policies or the memory model read has no prefix. The flat
+names are the argparse destinations and a run's ``config.json`` keys
+(:func:`policy_config` nests them, :func:`flat_policy` flattens); old spellings are
+refused naming the current one (:data:`RENAMED`).
 """
 
 from __future__ import annotations
@@ -77,6 +74,15 @@ def _bytes(name: str, v: Any) -> None:
         parse_bytes(v)
 
 
+def byte_size(v: str) -> int:
+    """argparse type of a byte size (``40GiB``, ``500MiB``)."""
+    from lrmoe.units import parse_bytes
+    try:
+        return parse_bytes(v)
+    except LrmoeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def on_off(v: str) -> bool:
     """argparse type of ``on|off`` flags."""
     if v not in ("on", "off"):
@@ -105,81 +111,79 @@ class Knob:
         return "--" + self.dest.replace("_", "-")
 
     def default_value(self) -> Any:
-        if self.field is None:
-            return self.default
-        obj: Any = PolicyConfig()
-        for part in self.field.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return self.default if self.field is None else _at(PolicyConfig(), self.field)
 
 
-def _k(dest, help, check, field=None, **kw) -> Knob:
-    return Knob(dest, help, check, field, **kw)
+def _at(obj: Any, path: str) -> Any:
+    """``obj``'s attribute at the dotted ``path`` (``lrmoe.min_keep``)."""
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 KNOBS: dict[str, Knob] = {k.dest: k for k in (
-    _k("policy", f"the planner: {', '.join(POLICY_NAMES)}",
-       lambda n, v: check_choice(n, v, POLICY_NAMES), "name", metavar="NAME"),
-    _k("capacity_factor", "capacity policy: pairs per expert as a multiple of the mean",
-       lambda n, v: check_num(n, v, 0.0, open_low=True), "capacity_factor", type=float, metavar="F"),
-    _k("slots_per_rank", "symi: expert slots per rank (train: default E/G + 2; plan and "
-       "bench: the largest that fits --mem-budget, else E/G + 2; plan --compare: the s of "
-       "least busiest-rank GEMM work); lrmoe: the most slots per rank",
-       lambda n, v: check_int(n, v, 1, allow_none=True), "slots_per_rank", type=int,
-       metavar="S"),
-    _k("mem_budget", "per-rank bytes for all MoE layers' experts, e.g. 40GiB", _bytes,
-       metavar="SIZE"),
-    _k("recompute", "static/symi: a rank over --mem-budget recomputes the fewest rows' "
-       "gate_up outputs in backward instead of stopping; where that cannot fit, the MoE "
-       "layer is checkpointed whole (its forward, all-to-alls included, re-run in "
-       "backward)", lambda n, v: None, "recompute",
-       switch=True),
-    _k("optimizer_offload", "host: keep the experts' fp32 masters and AdamW moments in host "
-       "memory and update them there (same update); --mem-budget then counts only the "
-       "GPU's bytes, and the emulator and plan --compare charge the modelled traffic",
-       lambda n, v: check_choice(n, v, ("device", "host")), default="device",
-       metavar="device|host"),
-    _k("router_grad", "experts: on exact plans the expert backward computes the router "
-       "gradient, so the combined expert outputs are not kept (less memory, same math up "
-       "to rounding); bench ttl and plan --compare apply it to static and symi, lrmoe "
-       "stays home", lambda n, v: check_choice(n, v, ("home", "experts")), default="home",
-       metavar="home|experts"),
-    _k("lrmoe_recompute", "lrmoe: retain more pairs by saving only some pairs' input rows "
-       "and recomputing their gate_up outputs in backward", lambda n, v: None,
-       "lrmoe.recompute", switch=True),
-    _k("lrmoe_placement", "lrmoe: place replicas from each micro-batch's counts (current) "
-       "or, before the count exchange, from the previous step's (previous, as SYMI does); "
-       "step and step-previous hold one placement for the optimizer step, placed from its "
-       "first micro-batch's counts or from the previous step's",
-       lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
-       metavar="|".join(PLACEMENTS)),
-    _k("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate",
-       lambda n, v: check_choice(n, v, tuple(METRICS)),
-       "backward.metric", metavar="grad_norm|gate"),
-    _k("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
-       "(Horvitz-Thompson, unbiased over the retained pairs)",
-       lambda n, v: check_choice(n, v, ESTIMATORS), "backward.estimator",
-       metavar="topk|sampled"),
-    _k("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
-       lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),
-    _k("lrmoe_balance", "lrmoe: how far backward quotas trim toward the mean, 0..1",
-       lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.balance", type=float, metavar="B"),
-    _k("lrmoe_compaction", "lrmoe: remove unselected rows (on) or zero them (off)",
-       lambda n, v: None, "backward.compaction", type=on_off, metavar="on|off"),
-    _k("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
-       "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
-       metavar="on|off"),
-    _k("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
-       "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "fidelity.every",
-       type=int, metavar="N"),
-    _k("lrmoe_keep", "lrmoe: fixed, or auto (hold --lrmoe-target-cosine)",
-       lambda n, v: check_choice(n, v, ("auto", "fixed")), "lrmoe.keep",
-       metavar="fixed|auto"),
-    _k("lrmoe_target_cosine", "lrmoe: the auto keep's target cosine",
-       lambda n, v: check_num(n, v, -1.0, 1.0), "lrmoe.target_cosine", type=float, metavar="C"),
-    _k("lrmoe_max_slots", "lrmoe: most slots per rank (default: --slots-per-rank, else "
-       "E/G + 2)", lambda n, v: check_int(n, v, 1, allow_none=True),
-       "lrmoe.max_slots_per_rank", type=int, metavar="S"),
+    Knob("policy", f"the planner: {', '.join(POLICY_NAMES)}",
+         lambda n, v: check_choice(n, v, POLICY_NAMES), "name", metavar="NAME"),
+    Knob("capacity_factor", "capacity policy: pairs per expert as a multiple of the mean",
+         lambda n, v: check_num(n, v, 0.0, open_low=True), "capacity_factor", type=float, metavar="F"),
+    Knob("slots_per_rank", "symi: expert slots per rank (train: default E/G + 2; plan and "
+         "bench: the largest that fits --mem-budget, else E/G + 2; plan --compare: the s of "
+         "least busiest-rank GEMM work); lrmoe: the most slots per rank",
+         lambda n, v: check_int(n, v, 1, allow_none=True), "slots_per_rank", type=int,
+         metavar="S"),
+    Knob("mem_budget", "per-rank bytes for all MoE layers' experts, e.g. 40GiB", _bytes,
+         metavar="SIZE"),
+    Knob("recompute", "static/symi: a rank over --mem-budget recomputes the fewest rows' "
+         "gate_up outputs in backward instead of stopping; where that cannot fit, the MoE "
+         "layer is checkpointed whole (its forward, all-to-alls included, re-run in "
+         "backward)", lambda n, v: None, "recompute",
+         switch=True),
+    Knob("optimizer_offload", "host: keep the experts' fp32 masters and AdamW moments in host "
+         "memory and update them there (same update); --mem-budget then counts only the "
+         "GPU's bytes, and the emulator and plan --compare charge the modelled traffic",
+         lambda n, v: check_choice(n, v, ("device", "host")), default="device",
+         metavar="device|host"),
+    Knob("router_grad", "experts: on exact plans the expert backward computes the router "
+         "gradient, so the combined expert outputs are not kept (less memory, same math up "
+         "to rounding); bench ttl and plan --compare apply it to static and symi, lrmoe "
+         "stays home", lambda n, v: check_choice(n, v, ("home", "experts")), default="home",
+         metavar="home|experts"),
+    Knob("lrmoe_recompute", "lrmoe: retain more pairs by saving only some pairs' input rows "
+         "and recomputing their gate_up outputs in backward", lambda n, v: None,
+         "lrmoe.recompute", switch=True),
+    Knob("lrmoe_placement", "lrmoe: place replicas from each micro-batch's counts (current) "
+         "or, before the count exchange, from the previous step's (previous, as SYMI does); "
+         "step and step-previous hold one placement for the optimizer step, placed from its "
+         "first micro-batch's counts or from the previous step's",
+         lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
+         metavar="|".join(PLACEMENTS)),
+    Knob("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate",
+         lambda n, v: check_choice(n, v, tuple(METRICS)),
+         "backward.metric", metavar="grad_norm|gate"),
+    Knob("lrmoe_estimator", "lrmoe: backward estimator, topk (highest metric) or sampled "
+         "(Horvitz-Thompson, unbiased over the retained pairs)",
+         lambda n, v: check_choice(n, v, ESTIMATORS), "backward.estimator",
+         metavar="topk|sampled"),
+    Knob("lrmoe_min_keep", "lrmoe: floor on each block's kept fraction",
+         lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.min_keep", type=float, metavar="F"),
+    Knob("lrmoe_balance", "lrmoe: how far backward quotas trim toward the mean, 0..1",
+         lambda n, v: check_num(n, v, 0.0, 1.0), "lrmoe.balance", type=float, metavar="B"),
+    Knob("lrmoe_compaction", "lrmoe: remove unselected rows (on) or zero them (off)",
+         lambda n, v: None, "backward.compaction", type=on_off, metavar="on|off"),
+    Knob("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
+         "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
+         metavar="on|off"),
+    Knob("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
+         "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "fidelity.every",
+         type=int, metavar="N"),
+    Knob("lrmoe_keep", "lrmoe: fixed, or auto (hold --lrmoe-target-cosine)",
+         lambda n, v: check_choice(n, v, ("auto", "fixed")), "lrmoe.keep",
+         metavar="fixed|auto"),
+    Knob("lrmoe_target_cosine", "lrmoe: the auto keep's target cosine",
+         lambda n, v: check_num(n, v, -1.0, 1.0), "lrmoe.target_cosine", type=float, metavar="C"),
+    Knob("lrmoe_max_slots", "lrmoe: most slots per rank (default: --slots-per-rank, else "
+         "E/G + 2)", lambda n, v: check_int(n, v, 1, allow_none=True),
+         "lrmoe.max_slots_per_rank", type=int, metavar="S"),
 )}
 
 # What each command reads (the others would be silently ignored there, so it lacks them).
@@ -252,16 +256,7 @@ def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -
 
 def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:
     """The knobs ``names`` of ``pc`` by their flat names (memory knobs skipped)."""
-    out = {}
-    for name in names:
-        k = KNOBS[name]
-        if k.field is None:
-            continue
-        obj: Any = pc
-        for part in k.field.split("."):
-            obj = getattr(obj, part)
-        out[name] = obj
-    return out
+    return {n: _at(pc, KNOBS[n].field) for n in names if KNOBS[n].field is not None}
 
 
 def policy_fields(names: Iterable[str] = TRAIN) -> tuple[str, ...]:

@@ -118,9 +118,6 @@ class ModelConfig:
                      "num_experts_per_tok", "intermediate_size", "head_dim"):
             v = getattr(self, name)
             require(isinstance(v, int) and v > 0, f"{name}={v!r} must be a positive integer")
-        require(self.hidden_size % self.num_attention_heads == 0 or self.head_dim is not None,
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}")
         require(self.num_attention_heads % self.num_key_value_heads == 0,
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
@@ -250,18 +247,20 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise LrmoeError(f"cannot read config {p}: {e.strerror or e}") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise LrmoeError(f"config {p} is not valid JSON: {e.msg} at line {e.lineno}") from None
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_config_json(path))
 
-    def replace(self, **kw: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **kw)
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A ``config.json`` (or the directory holding one) as a dict, or one error line."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise LrmoeError(f"cannot read config {p}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LrmoeError(f"config {p} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise LrmoeError(f"config {p} must be a JSON object of HF config.json fields")
+    return d

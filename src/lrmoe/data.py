@@ -1,31 +1,8 @@
 """Training data: corpus loading, train/validation split, packed token streams, batches.
 
-Sources accepted by :func:`load_corpus`:
-
-- ``None``: the ``.py`` files of the running interpreter's standard library
-  (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``),
-  read at run time. Split by file: a file is validation when the SHA-256 of its
-  relative POSIX path falls in the first ``VAL_FRACTION`` of the hash range, so the
-  split is the same on every machine with the same stdlib.
-- a directory: every regular file below it (sorted, hidden and ``__pycache__`` skipped)
-  that is UTF-8 text without NUL bytes; split by file as above.
-- a ``.jsonl`` file: one JSON object per line, documents from its ``text`` field;
-  split by the hash of the 1-based line number. Lines without a ``text`` field are
-  skipped and counted (:attr:`Corpus.notes`). A line with ``prompt`` and ``completion``
-  fields instead is a fine-tuning row: it trains on the completion only (below).
-- any other file (``.txt``, ``.md``...): one document; the last ``VAL_FRACTION`` of its
-  bytes (moved to the next line start) is validation. A file whose first
-  ``SNIFF_BYTES`` hold a NUL byte or invalid UTF-8 is refused as binary.
-
-Files are read in sorted order until the training split holds ``max_bytes`` bytes and
-validation ``val_max_bytes`` (default ``max_bytes // 16``); the last document of a full
-split is cut. Validation is never empty: if no document hashed into it, the last
-training document moves there (a single document is split by lines).
-
-:func:`build_token_streams` appends the tokenizer's ``eos_id`` (0, see
-:mod:`lrmoe.tokenizer`) after every document and concatenates them.
-
-Prompt/completion rows: see :mod:`lrmoe.loss_mask`.
+Sources (the stdlib's ``.py`` files, a directory, a ``.jsonl`` file, a text file), how
+each is split and capped, and the batch order: docs/design.md §7, "Data". Prompt/
+completion rows: :mod:`lrmoe.loss_mask`.
 """
 
 from __future__ import annotations
@@ -356,10 +333,8 @@ def load_corpus(
 
 
 def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize both splits: ``(train_ids [N_train], val_ids [N_val])``, int64, 1-D.
-
-    Every document is followed by ``tokenizer.eos_id``.
-    """
+    """Tokenize both splits: ``(train_ids [N_train], val_ids [N_val])``, int64, each document
+    followed by ``tokenizer.eos_id``."""
     s = build_streams(corpus, tokenizer)
     return s.train_ids, s.val_ids
 
@@ -387,15 +362,9 @@ def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
 
 
 class PackedBatches:
-    """Deterministic global batches of packed windows of one token stream.
-
-    Window ``w`` is ``ids[w*L : w*L + L + 1]`` (``L = seq_len``); consecutive windows
-    share only their boundary token, so each token (bar the first and the tail that
-    fills no window) is a target exactly once per epoch. Samples form one endless
-    sequence: epoch ``e`` visits all windows in a permutation seeded by ``(seed, e)``,
-    and global batch ``step`` is samples ``step*B .. step*B + B - 1`` of it, so it
-    depends only on ``(ids, seq_len, batch_size, seed, step)``, never on earlier calls.
-    """
+    """Deterministic global batches of packed windows of one token stream: global batch
+    ``step`` depends only on ``(ids, seq_len, batch_size, seed, step)``, never on earlier
+    calls (docs/design.md §7, "Data")."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0,
                  target_mask: torch.Tensor | None = None, accum: int = 1):
@@ -452,11 +421,8 @@ class PackedBatches:
         return out
 
     def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor | MaskedBatch:
-        """Rank's contiguous rows of global batch ``step``: int64 ``[B // world, L + 1]``.
-
-        Inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. With a target mask, a
-        :class:`MaskedBatch` of those rows (``step`` // ``accum`` is the optimizer step).
-        """
+        """Rank's contiguous rows of global batch ``step``: int64 ``[B // world, L + 1]`` (inputs
+        ``[:, :-1]``, targets ``[:, 1:]``); with a target mask a :class:`MaskedBatch`."""
         starts = self.window_indices(step, rank, world) * self.seq_len
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
         rows = self.ids[idx]
@@ -480,14 +446,10 @@ def validation_batches(
     ids: torch.Tensor, seq_len: int, batch_size: int, num_windows: int | None = None,
     rank: int = 0, world: int = 1, target_mask: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | list[MaskedBatch]:
-    """The first ``num_windows`` windows of ``ids`` (all when None) as batches.
-
-    Windows are laid out as in :class:`PackedBatches`, in order; rank ``r`` of ``world``
-    takes a contiguous share (shares differ by at most one window, so reduce summed
-    losses and token counts, not means). Returns int64 tensors ``[b, L + 1]`` with
-    ``b <= batch_size``; only the last may be smaller. A rank may get an empty list.
-    With ``target_mask``: :class:`MaskedBatch` es (``num_targets``: their own count).
-    """
+    """The first ``num_windows`` windows of ``ids`` (all when None), laid out as in
+    :class:`PackedBatches` and in order, as batches of at most ``batch_size`` rows; rank
+    ``r`` takes a contiguous share (shares differ by at most one window: reduce sums, not
+    means) and may get none. With ``target_mask``: :class:`MaskedBatch` es."""
     seq_len = _check_int("seq_len", seq_len)
     batch_size = _check_int("batch_size", batch_size)
     world = _check_int("world", world)

@@ -93,8 +93,7 @@ def _section(name: str, summary: str, parser: argparse.ArgumentParser) -> list[s
         actions = [a for a in group._group_actions if _shown(a)]
         if not actions:
             continue
-        title = "options" if group.title == "optional arguments" else group.title  # Python < 3.10
-        out += [f"**{_cell(title or '')}**", "",
+        out += [f"**{_cell(group.title or '')}**", "",
                 "| flag | default | meaning |", "|---|---|---|"]
         out += [_row(parser, a) for a in actions]
         out.append("")

@@ -73,11 +73,9 @@ def staging_dir(target: Path) -> Path:
     return d
 
 
-def remove_dead_leftovers(target: Path, legacy: re.Pattern | None = None) -> list[Path]:
+def remove_dead_leftovers(target: Path) -> list[Path]:
     """Remove the staging directories in ``target`` that a killed save on this host
-    left (its pid no longer runs); ``legacy``: a pattern with a ``pid`` group naming the
-    per-file temporaries of an earlier writer, removed on the same rule. Returns what
-    was removed."""
+    left (its pid no longer runs); returns what was removed."""
     host, gone = socket.gethostname(), []
     try:
         names = os.listdir(target)
@@ -85,11 +83,9 @@ def remove_dead_leftovers(target: Path, legacy: re.Pattern | None = None) -> lis
         return gone
     for name in names:
         m = _STAGING.match(name)
-        old = None if m or legacy is None else legacy.match(name)
-        if m is not None and m["host"] != host:
+        if m is None or m["host"] != host:
             continue
-        found = m or old
-        if found is None or int(found["pid"]) == os.getpid() or pid_alive(int(found["pid"])):
+        if int(m["pid"]) == os.getpid() or pid_alive(int(m["pid"])):
             continue
         p = target / name
         with contextlib.suppress(OSError):

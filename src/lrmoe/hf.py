@@ -1,28 +1,13 @@
 """HF checkpoint I/O: ``config.json`` + safetensors, as ``Qwen3MoeForCausalLM`` /
 ``Glm4MoeForCausalLM`` write and read them.
 
-Names. Our modules mirror HF's ``model.layers.N....`` names without the ``model.``
-prefix (``lm_head`` has none in either), and our router is HF's ``mlp.gate``. Experts:
-
-* legacy per-expert form, ``mlp.experts.M.{gate_proj,up_proj,down_proj}.weight`` -- what
-  the Hub checkpoints hold and what ``save_pretrained`` of transformers 5.x writes (it
-  converts its fused parameters back on save);
-* fused form, ``mlp.experts.gate_up_proj [E, 2F, H]`` (gate rows, then up rows) and
-  ``mlp.experts.down_proj [E, H, F]`` -- HF's in-memory parameters, also ours.
-
-:func:`lrmoe.hf_load.load_hf` accepts both; :func:`save_hf` writes the legacy form, like HF.
-
-Checks. Every file's header is read and checked against the file size before anything
-is copied into the model; every tensor the model needs must be present with the right
-shape and a float dtype, and every tensor in the checkpoint must be used (except the
-``lm_head.weight`` of a tied model and GLM's multi-token-prediction layers, which HF
-skips too). Any failure is one :class:`LrmoeError` naming the file or tensor.
-
-Saving writes each file to a temporary file inside the target and renames it into
-place once all are written, so a failure leaves an existing checkpoint as it was.
-save_hf touches only its own files (tokenizer, generation config, ... are kept; the
-directory itself is never moved or re-permissioned) and refuses a directory holding
-another model's files.
+Our names are HF's without the ``model.`` prefix, our router HF's ``mlp.gate``. Experts
+come per expert (``mlp.experts.M.{gate_proj,up_proj,down_proj}.weight``: the Hub's
+checkpoints, what ``save_pretrained`` writes and what :func:`save_hf` writes) or fused
+(``mlp.experts.gate_up_proj [E, 2F, H]``, gate rows then up rows, and ``down_proj [E, H,
+F]``: HF's in-memory parameters and ours); :func:`lrmoe.hf_load.load_hf` reads both. Every
+header is checked against its file and every tensor against the model before anything
+is copied; a save renames its files into place once all are written (docs/design.md §7).
 
 Legend: E experts, F expert width, H hidden.
 """
@@ -397,10 +382,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 
 def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
-    """The checkpoint files of ``target`` that this save replaces (those the new save
-    does not write are removed after it). Refuses a directory holding another model:
-    weight files save_hf does not write, or a checkpoint whose ``config.json`` describes
-    another model (or none)."""
+    """The checkpoint files of ``target`` this save replaces; refuses weight files save_hf
+    does not write, or a checkpoint of another model (or of none it can read)."""
     try:
         names = sorted(p.name for p in target.iterdir())
     except OSError as e:
@@ -427,15 +410,9 @@ def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
     return [target / n for n in ours]
 
 
-# the per-file temporaries of save_hf before it staged its files in one directory
-_OLD_TEMP = re.compile(r"^\.(?:model[^/]*\.safetensors(?:\.index\.json)?|config\.json)"
-                       r"\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
-
-
 def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Path:
-    """Write ``final``'s new contents to a file in the save's staging directory
-    (``write(tmp)``; safetensors' own temporary file lands there too), fsynced; the
-    rename happens later. It takes the mode of the file it replaces, else the umask's."""
+    """Write ``final``'s new contents into the save's staging directory, fsynced, with the mode
+    of the file it replaces (else the umask's); the rename comes later."""
     tmp = stage / final.name
     write(tmp)
     _fsync(tmp)
@@ -446,24 +423,14 @@ def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Pa
 def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             dtype: torch.dtype | str | None = None) -> Path:
-    """Save ``model`` as a HF checkpoint directory that ``from_pretrained`` of
-    ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM`` loads: ``config.json`` and
-    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards plus
-    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
+    """Save ``model`` as a HF checkpoint directory ``from_pretrained`` loads: ``config.json``
+    and ``model.safetensors``, or shards and an index beyond ``max_shard_bytes``.
 
-    ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays
-    fp32. Every file is written into a staging directory of this save inside ``path``
-    (:func:`lrmoe.files.staging_dir`) and renamed over its name once all of them are on
-    disk (``config.json`` last), so a failure leaves an existing checkpoint as it was; a
-    save killed part-way leaves the staging directory, which the next save removes (only
-    a dead process's, on this host). New files follow the umask, a replaced file keeps
-    its mode. save_hf touches only its own files: other files in ``path`` (tokenizer,
-    ...) are left alone, the directory keeps its mode, and a symlinked ``path`` is
-    written through. A directory holding another model's files
-    (other weight files, or a ``config.json`` of another model) and an lrmoe run
-    directory are refused. The model must hold every expert: gather an expert-parallel
-    model's experts first.
-    """
+    ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays fp32.
+    The files are staged in ``path`` and renamed into place once all are on disk
+    (``config.json`` last), so a failure leaves an existing checkpoint as it was; other files
+    in ``path`` are left alone. Another model's checkpoint and an lrmoe run directory are
+    refused. The model must hold every expert (gather an expert-parallel model's first)."""
     if not isinstance(model, MoEForCausalLM):
         raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
@@ -504,11 +471,9 @@ Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
 def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard_bytes: int,
                      cdtype: torch.dtype, extra_files: dict[str, bytes] | None = None,
                      before_shard: Callable[[list[str]], None] | None = None) -> Path:
-    """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in
-    shards of at most ``max_shard_bytes``, each shard's tensors materialised just before
-    it is written (``before_shard(names)`` first: a reader can fetch them together),
-    then ``extra_files`` and ``config.json`` (``cfg``, ``cdtype``); all atomically, as
-    :func:`save_hf` says. ``target`` is checked with :func:`check_target` first."""
+    """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in shards of
+    at most ``max_shard_bytes``, each materialised just before it is written
+    (``before_shard(names)`` first), then ``extra_files`` and ``config.json``; atomically."""
     old = _check_target_files(target, cfg) if target.exists() else []
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
     shards: list[list[int]] = [[]]
@@ -527,7 +492,7 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
     stage = None  # this save's files until they are renamed into place (lrmoe.files)
     try:
         target.mkdir(parents=True, exist_ok=True)
-        remove_dead_leftovers(target, _OLD_TEMP)  # of an earlier save that was killed
+        remove_dead_leftovers(target)  # of an earlier save that was killed
         stage = staging_dir(target)
         plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}

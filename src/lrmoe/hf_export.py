@@ -1,24 +1,12 @@
 """A run's checkpoint written as a HF model directory (``lrmoe export RUN OUT``).
 
-The checkpoint's keys do not depend on the layout that saved it (experts one row per
-global id, :mod:`lrmoe.train.ckpt_state`), so any EP or DP x EP run exports alike. The
-HF tensors are :mod:`lrmoe.hf`'s save mapping of the model's tensors (experts in HF's
-per-expert form), written by :func:`lrmoe.hf.write_checkpoint` with ``save_hf``'s
-rules (temporary files renamed into place, ``config.json`` last; the user's other files
-untouched; a directory holding another model refused). Each weight comes from the
-expert's fp32 master where the run kept one apart (``--optimizer-offload host`` on
-CUDA keeps bf16 weights on the GPU), else from the model's own tensor.
-
-Memory: one output shard at a time. Before a shard is written, the checkpoint tensors
-it needs are read together (only their bytes; an expert's ``gate_up_proj`` row whole,
-which gives two HF tensors); so the host holds one shard's tensors as the checkpoint
-stores them, their cast copies (``--dtype``; a sliced expert row is copied, a whole
-tensor in its own dtype is not), and one checkpoint item in flight.
-
-Tokenizer: the run's copy of a model's tokenizer files (:mod:`lrmoe.hf_tokenizer`), or
-a ``bpe:N`` run's ``tokenizer.json`` with a ``tokenizer_config.json`` naming its
-``<|endoftext|>``; a ``byte`` run has none. A file of that name already in OUT with
-other contents is refused, never replaced.
+The checkpoint's keys do not depend on the layout that saved it, so any run exports
+alike; the tensors are :mod:`lrmoe.hf`'s save mapping, written by
+:func:`lrmoe.hf.write_checkpoint` one shard at a time, each shard's checkpoint tensors
+read together just before (docs/design.md §7). Weights come from the fp32 masters where
+the run kept them apart. Tokenizer: the run's copy of a model's files, or a ``bpe:N``
+run's ``tokenizer.json`` with a ``tokenizer_config.json``; a file of that name already in
+OUT with other contents is refused.
 """
 
 from __future__ import annotations

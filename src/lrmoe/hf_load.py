@@ -1,18 +1,11 @@
 """A HF checkpoint read into one rank's part of the model: the dense weights and the
 rank's own experts, one tensor at a time.
 
-:func:`open_checkpoint` reads ``config.json`` and every safetensors header, and checks
-them against the model the config describes (every tensor present with its shape and a
-float dtype, none left unused; names as :mod:`lrmoe.hf` maps them, experts per expert
-or fused): no tensor data is read. :func:`empty_model` builds a rank's model with
-storage but no values (on the meta device first, experts sharded, then allocated), so
-no rank ever holds the whole model. :func:`load_owned` fills it: for each tensor the
-rank holds it opens the file, copies the tensor (of a fused expert tensor only the
-rank's rows) from the memory map into the parameter, and closes the file again, so the
-mapped pages leave the process after each tensor. A rank's host memory while loading
-is therefore its own parameters (on the CPU) plus one tensor's pages: under EP G, 1/G
-of the expert bytes, the dense bytes and one tensor (:class:`LoadReport` counts what
-was read). :func:`load_hf` is the one-process use of the same two steps.
+:func:`open_checkpoint` checks the config and every header against the model (no tensor
+data read), :func:`empty_model` builds a rank's model with storage but no values, and
+:func:`load_owned` copies into it, tensor by tensor, only what the rank holds, each
+file closed after its tensor: the per-rank loading rule of docs/design.md §7.
+:func:`load_hf` is the one-process use of the same steps.
 """
 
 from __future__ import annotations
@@ -75,11 +68,8 @@ def _more(names: list[str]) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike) -> HfCheckpoint:
-    """Read and check a HF checkpoint directory's config and headers (no tensor data).
-
-    Raises :class:`LrmoeError` naming the file or tensor: missing config or weights,
-    corrupt file, a shard missing from the index, a missing / unexpected / misshapen
-    tensor, a non-float dtype."""
+    """Read and check a HF checkpoint directory's config and headers (no tensor data); an
+    :class:`LrmoeError` names the file or tensor at fault."""
     p = _as_dir(path)
     cfg, mtp = _read_config(p)
     meta, where = _scan(p)
@@ -201,16 +191,12 @@ __all__ = ["HfCheckpoint", "LoadReport", "empty_model", "load_owned", "open_chec
 
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
             ) -> MoEForCausalLM:
-    """Load a HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards
-    with ``model.safetensors.index.json``) into a new :class:`MoEForCausalLM` on the CPU.
+    """Load a HF checkpoint directory into a new :class:`MoEForCausalLM` on the CPU, in eval
+    mode as from ``from_pretrained``.
 
-    ``dtype`` (default fp32) is the model's parameter dtype; GLM's router weight and
-    correction bias stay fp32, as in HF. Experts may be stored per expert (Hub / HF
-    ``save_pretrained`` form) or fused. Raises :class:`LrmoeError` naming the problem
-    (missing config, corrupt file, missing / unexpected / misshapen tensor) before
-    anything is copied into the model. The model comes back in eval mode, as from HF's
-    ``from_pretrained``; call ``.train()`` to train it.
-    """
+    ``dtype`` (default fp32) is the parameters' dtype; GLM's router stays fp32, as in HF.
+    Experts may be stored per expert or fused. Any problem is an :class:`LrmoeError` raised
+    before anything is copied."""
     dt = _as_dtype(dtype)
     ck = open_checkpoint(path)  # every check before a byte is copied
     model = empty_model(ck.config)

@@ -1,22 +1,10 @@
 """A pretrained model's own tokenizer: ``tokenizer.json`` read with HF ``tokenizers``.
 
-Given a directory (``--tokenizer DIR``; by default the ``--init-from`` directory), the
-tokenizer is its ``tokenizer.json``. Its vocabulary size, for the embedding check, is
-its largest id plus one (added tokens included): the model's embedding may have more
-rows (Qwen3's 151,936 rows hold a 151,669-token tokenizer), never fewer.
-
-The end-of-document id, appended after every document and every prompt/completion row,
-is the tokenizer's own end-of-sequence token: ``eos_token`` of ``tokenizer_config.json``
-(what ``AutoTokenizer``'s ``eos_token_id`` is, and what fine-tuning libraries append to
-a completion), or, when that file names none, the first ``eos_token_id`` of
-``generation_config.json``. Generation stops at it, so a fine-tuned model learns to
-end its completions there. A directory naming neither is refused.
-
-The files in :data:`FILES` that the directory holds are copied, unchanged, into the run
-directory's ``tokenizer/`` (``lrmoe eval`` and ``--resume`` read that copy, never the
-original) and from there into an ``lrmoe export``. ``spec`` is a digest of
-``tokenizer.json`` and the end-of-document id, so the data fingerprint a checkpoint
-keeps does not depend on where the files lie.
+Its vocabulary size is its largest id plus one; its end-of-document id the
+``eos_token`` of ``tokenizer_config.json``, else the first ``eos_token_id`` of
+``generation_config.json``. The files in :data:`FILES` are copied unchanged into the run
+directory's ``tokenizer/``, which ``eval``, ``--resume`` and ``export`` read; ``spec`` is a
+digest of ``tokenizer.json`` and the end-of-document id (docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """The memory ledger: bytes each rank needs for the MoE layers' experts, against a budget.
 
-Legend: G ranks, E experts, S slots per rank, H hidden size, F expert (moe) intermediate
-size, k experts per token, L MoE layers. "Pairs" are token-expert pairs.
-
-Every formula the planners and the runtime agree on lives here (docs/design.md §5):
-
-===================  ===========================================  =========================
-term                 bytes per rank                               counted
-===================  ===========================================  =========================
-owned_state          (E/G) · 3HF · (4 master + 4 grad + 8 Adam)   per layer × L
-  (offload "host")   2 · (E/G) · 3HF · bytes_w (staging)          once
-instance_weights     occupied_slots · 3HF · bytes_w               per layer × L
-instance_grads       occupied_slots · 3HF · bytes_w               per layer × L
-buffers              see :meth:`Ledger.counts_buffer_bytes`       once (transient)
-retained_acts        retained_pairs · (H + 2F) · bytes_act        per layer × L
-combine_rows         P_home · H · bytes_act                       per layer × L
-pair_index           P_home · 28                                  per layer × L
-===================  ===========================================  =========================
-
-SwiGLU experts: ``gate_up_proj [2F, H]`` + ``down_proj [H, F]`` = 3HF parameters. Owned
-state lives on the expert's owner ``e // (E/G)`` for every policy (with
-``optimizer_offload="host"`` in host memory, the GPU keeping one layer's staging; its
-traffic: :mod:`lrmoe.sim.offload`). Every occupied slot materialises its expert's weights
-and a gradient buffer in the compute dtype. The buffers are derived from the code point
-by point (:meth:`Ledger.forward_points`, :meth:`Ledger.backward_points`), counted once
-(freed between layers) and, as a function of the counts, the largest of a few affine
-pieces (:meth:`Ledger.total_pieces`) that the solvers and the planners' view work on.
-With ``router_grad_at_experts`` an exact plan keeps no combined rows. A recomputed pair
-keeps only its input row (``H · bytes_act``); an exact plan over budget recomputes the
-fewest pairs that fit (:meth:`Ledger.exact_fit`, mode ``"pairs"``), else checkpoints the
-layer whole (mode ``"layer"``, :meth:`Ledger.layer_terms`: only the gates kept, the rows
-alive once in backward as transients). Each term's reasoning, and what is checked
-against autograd and a GPU: docs/design.md §5.
-
-Plans are per layer; the budget is for all MoE layers together, so the check assumes
-every layer's plan looks like the one checked: per-layer terms × L, buffers once.
+Legend: G ranks, E experts, H hidden size, F expert (moe) intermediate size, k experts per
+token, L MoE layers; "pairs" are token-expert pairs. The terms, their derivation from the
+code and how each is checked: docs/design.md §5. Plans are per layer and the budget is for
+all MoE layers together: per-layer terms × L, buffers once.
 """
 
 from __future__ import annotations
@@ -61,8 +30,8 @@ _CONE = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=np.int64)
 
 
 def _undominated(pieces: np.ndarray) -> list[int]:
-    """Rows of ``pieces`` (``const, per R, per k, per rec``) that no other row bounds at
-    every count with ``0 <= rec <= k <= R`` (of equal rows, the first)."""
+    """Rows of ``pieces`` (``const, per R, per k, per rec``) no other row bounds wherever
+    ``0 <= rec <= k <= R`` (of equal rows, the first)."""
     keep = []
     idx = np.arange(len(pieces))
     for i, r in enumerate(pieces):
@@ -86,17 +55,8 @@ class BackwardRows:
 
 @dataclass
 class Ledger:
-    """Per-rank bytes of the MoE layers' experts (see the module docstring).
-
-    Attributes:
-        model_cfg: the model's shapes.
-        G: ranks in the EP group.
-        budget_bytes: bytes per rank for all MoE layers' expert memory; ``None`` means
-            unbounded (every check passes).
-        bytes_w: bytes per element of the compute-dtype instance weights and grads.
-        bytes_act: bytes per element of activations and dispatch buffers.
-        num_moe_layers: L; ``None`` takes ``len(model_cfg.moe_layers)``.
-    """
+    """Per-rank bytes of the MoE layers' experts; ``budget_bytes=None`` is unbounded and
+    ``num_moe_layers=None`` takes the model's."""
 
     model_cfg: ModelConfig
     G: int
@@ -175,22 +135,19 @@ class Ledger:
         return (self.H + 2 * self.F) * self.bytes_act
 
     def owner_bytes_per_layer(self) -> int:
-        """fp32 master + fp32 grad + AdamW's 2 fp32 moments of the E/G owned experts
-        (0 with ``optimizer_offload="host"``: they live in host memory)."""
+        """fp32 master, grad and AdamW's two moments of the E/G owned experts (0 offloaded)."""
         if self.optimizer_offload == "host":
             return 0
         return (self.E // self.G) * self.P_params * (4 + 4 + 8)
 
     def owner_bytes(self) -> int:
-        """:meth:`owner_bytes_per_layer` × L: the same on every rank, for every policy.
-        With host offload: one layer's staging (gradient out, weights in), counted once."""
+        """Owned state × L; with host offload, one layer's staging (gradient out, weights in)."""
         if self.optimizer_offload == "host":
             return 2 * (self.E // self.G) * self.P_params * self.bytes_w
         return self.L * self.owner_bytes_per_layer()
 
     def _index_bytes(self, n: int, gathered: bool) -> int:
-        """Per backward row, the expert backward's indices and scales: 20 bytes, 16 more
-        when the saved rows are gathered."""
+        """Per backward row, the expert backward's indices and scales (more when gathered)."""
         return n * (20 + 16 * bool(gathered))
 
     def _memo_key(self, *what) -> tuple:
@@ -202,25 +159,9 @@ class Ledger:
     def rows_buffer_bytes(self, received_pairs: int, home_pairs: int,
                           retained_pairs: int | None = None, recomputed_pairs: int = 0,
                           bwd: BackwardRows | None = None, exact: bool = False) -> int:
-        """The buffers term of a plan whose backward rows are known (``bwd``), derived
-        from the code and checked against it (CPU: the row tensors alive at every point
-        of the backward, ``tests/test_ledger_truth.py``; H200: the measured peak,
-        ``benchmarks/ledger_peak.py``): one layer's transients
-        on one rank, at the largest point of its forward or backward
-        (``parallel/exchange.py``, ``ops/experts.py``), on top of the layer's kept terms.
-        Derivation: ``docs/design.md`` §5.
-
-        The backward drops each kept row tensor at its last use (the combined rows after
-        the router gradient, the saved rows inside the expert backward), so the term is
-        the largest, over the points of :meth:`forward_points` and
-        :meth:`backward_points`, of the rows alive minus this layer's kept rows (it can
-        be smaller than the transients alone), plus the per-row indices of the expert
-        backward. With ``bwd`` (a known plan, :meth:`backward_rows`) the backward's rows
-        are the plan's *selected* rows; without it, those of an exact plan (``R``
-        received and ``h`` home rows in backward, none gathered). ``exact``: the plan is
-        exact, so with ``router_grad_at_experts`` no combined rows are kept (as in
-        :meth:`kept_bytes`). What the planners price is :meth:`counts_buffer_bytes`.
-        """
+        """The buffers term of a plan whose backward rows ``bwd`` are known (default: an exact
+        plan's): one layer's largest forward or backward point net of its kept rows, plus the
+        backward's per-row indices (docs/design.md §5)."""
         R, h = int(received_pairs), int(home_pairs)
         k = R if retained_pairs is None else int(retained_pairs)
         rec = int(recomputed_pairs)
@@ -233,11 +174,8 @@ class Ledger:
         return max(back * self.bytes_act + self._index_bytes(n, gth), fwd * self.bytes_act)
 
     def _planned_points(self, h: int, exact: bool, rec_branch: bool):
-        """``(R, k, rec) -> {point: bytes}`` of the account the planners price
-        (:meth:`counts_buffer_bytes`; the backward's points with its per-row index
-        bytes), with the branch's points fixed (``rec_branch``: the points that exist
-        only when rows are recomputed), so that every point is affine in ``(R, k, rec)``:
-        what :meth:`buffer_pieces` reads off."""
+        """``(R, k, rec) -> {point: bytes}`` of :meth:`counts_buffer_bytes`, the recompute branch
+        fixed so every point is affine in ``(R, k, rec)``."""
         T = -(-int(h) // self.top_k)
         y = 0 if exact and self.router_grad_at_experts else int(h)
         b = self.bytes_act
@@ -257,13 +195,9 @@ class Ledger:
         return at
 
     def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
-        """The planners' buffers term (:meth:`counts_buffer_bytes`) for ``h`` home pairs
-        as affine pieces: int64 ``[P, 4]`` rows ``(const, per R, per k, per rec)`` in
-        bytes, whose largest value at ``(R, k, rec)`` is the term (``rec_branch``: the
-        pieces for ``rec >= 1``, else for ``rec = 0``). Read off the point functions at
-        the unit vectors (they are affine there) and checked at a generic point; pieces
-        another one bounds wherever counts can be (``0 <= rec <= k <= R``) are dropped
-        (beyond that, ``k > R``, the pieces may under-price: no plan is there)."""
+        """:meth:`counts_buffer_bytes` for ``h`` home pairs as affine pieces, int64 ``[P, 4]`` rows
+        ``(const, per R, per k, per rec)`` whose largest value is the term; dominated pieces are
+        dropped."""
         h = int(home_pairs)
         key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
@@ -284,13 +218,8 @@ class Ledger:
 
     def counts_buffer_bytes(self, received_pairs: int, home_pairs: int, retained_pairs: int,
                             recomputed_pairs: int = 0, exact: bool = False) -> int:
-        """The buffers term the planners price, from a plan's counts alone: the
-        code-derived account of :meth:`rows_buffer_bytes` with the backward's rows taken
-        from the counts. ``exact``: every received row in backward, none gathered
-        (static, SYMI), the plan's own account. Otherwise a bound for any trimmed plan
-        with these counts (LRMoE): every retained row selected (the selection is a
-        subset of the retention), every home row sent, the saved rows gathered and
-        copied."""
+        """The buffers term the planners price from counts alone: an exact plan's own account, or a
+        bound over every selection a trimmed plan can make (docs/design.md §5)."""
         pieces = self.buffer_pieces(home_pairs, exact, int(recomputed_pairs) > 0)
         x = np.array([1, int(received_pairs), int(retained_pairs), int(recomputed_pairs)],
                      dtype=np.int64)
@@ -299,19 +228,8 @@ class Ledger:
     def forward_points(self, T: int, R: int, h: int, k: int, rec: int, y: int,
                        copy_x: bool | None = None, copy_gu: bool | None = None
                        ) -> dict[str, int]:
-        """Elements in row tensors alive at each candidate peak of one rank's forward,
-        minus this layer's kept rows (as :meth:`backward_points`; they are being made
-        here), for ``T`` home tokens, ``h`` home pairs, ``R`` received pairs, ``k`` of
-        them retained (``rec`` recomputed) and ``y`` combined rows kept. The layer input
-        ``T·H`` (compute dtype) is alive throughout. The kept rows are copied out of the
-        experts' ``x`` and ``gu`` while those and the expert output ``y`` are still alive
-        (``parallel/exchange.py``): the retained rows of a trimmed plan (``k < R``), the
-        saved part of ``gu`` when ``rec`` rows are recomputed; an exact plan without
-        recompute keeps the experts' tensors themselves (no copy). After that every kept
-        row but ``y`` is alive, so the points that follow are net of ``y·H`` only (for an
-        exact plan the first two equal the backward's permute and ship points).
-        ``copy_x``/``copy_gu`` force whether the input rows / gate_up rows are copied
-        (default: as the code decides from ``k < R`` and ``rec``)."""
+        """Elements alive at each candidate peak of one rank's forward, net of the layer's kept
+        rows (docs/design.md §5); ``copy_x``/``copy_gu`` force whether the kept rows are copies."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -330,14 +248,8 @@ class Ledger:
 
     def backward_points(self, T: int, n: int, ps: int, k: int, rec: int, y: int,
                         gathered: bool, rebuild: bool | None = None) -> dict[str, int]:
-        """Elements in row tensors alive at each candidate peak of one rank's backward,
-        minus this layer's kept rows (``k·H + (k - rec)·2F + y·H``: ``k`` retained rows,
-        ``rec`` of them recomputed, ``y`` combined rows), for ``T`` home tokens, ``n``
-        rows received (selected) and ``ps`` sent; ``gathered``: the saved rows are
-        gathered (selection != retention). The output gradient ``T·H`` is alive
-        throughout. Points dominated by these (the dx GEMM, dx's way home) are left out;
-        the code's order is walked in ``docs/design.md`` §5. ``rebuild`` forces the
-        recompute points in or out (default: present when ``rec > 0``)."""
+        """Elements alive at each candidate peak of one rank's backward, net of the layer's kept
+        rows (docs/design.md §5); ``rebuild`` forces the recompute points in or out."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -358,19 +270,14 @@ class Ledger:
 
     @staticmethod
     def backward_rows(plan, me: int) -> BackwardRows:
-        """What rank ``me``'s backward works on for ``plan`` (top-k selection, compaction
-        on): rows received (``select`` into ``me``), rows sent (``select`` from ``me``),
-        and whether the saved rows are gathered (the selection differs from the retention
-        on some block into ``me``)."""
+        """Rank ``me``'s backward rows for ``plan``: received, sent, and whether the saved rows are
+        gathered."""
         sel_in, ret_in = plan.select_GGS[:, me, :], plan.retain_GGS[:, me, :]
         return BackwardRows(int(sel_in.sum()), int(plan.select_GGS[me].sum()),
                             not torch.equal(sel_in, ret_in))
 
     def kept_bytes(self, home_pairs: int, exact: bool = False) -> dict[str, int]:
-        """Per layer, what a rank keeps for backward for its home pairs whatever the plan:
-        ``combine_rows`` (the combined expert outputs, for the router gradient; none for an
-        ``exact`` plan with ``router_grad_at_experts``) and ``pair_index`` (see the module
-        docstring)."""
+        """Per layer, the ``combine_rows`` and ``pair_index`` a rank keeps for its home pairs."""
         Ph = int(home_pairs)
         rows = 0 if exact and self.router_grad_at_experts else Ph * self.H * self.bytes_act
         return {"combine_rows": rows, "pair_index": Ph * PAIR_INDEX_BYTES}
@@ -383,14 +290,8 @@ class Ledger:
 
     def terms(self, n_instances: int, received_pairs: int, home_pairs: int,
               retained_pairs: int, recomputed_pairs: int = 0, exact: bool = False) -> dict[str, int]:
-        """All ledger terms of one rank from its per-layer counts (see module docstring).
-
-        ``recomputed_pairs`` (<= ``retained_pairs``) of the retained pairs keep only
-        their input row (:attr:`A_recompute`) instead of :attr:`A`. ``exact``: the plan
-        is exact (:attr:`lrmoe.policy.plan.Plan.exact`); callers that do not know price a
-        trimmed plan (combined rows kept, the transients of
-        :meth:`counts_buffer_bytes`' bound: an upper bound).
-        """
+        """All ledger terms of one rank from its per-layer counts; ``exact=False`` prices a
+        trimmed plan (an upper bound)."""
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
         rec = int(recomputed_pairs)
         require(0 <= rec <= int(retained_pairs),
@@ -410,10 +311,8 @@ class Ledger:
 
     def total_pieces(self, home_pairs: int, exact: bool, rec_branch: bool
                      ) -> tuple[int, np.ndarray]:
-        """``(per slot, pieces)``: a rank's total (:meth:`terms`) at ``(n, R, k, rec)``
-        is ``per_slot·n + max(pieces @ (1, R, k, rec))`` (``rec_branch``: for ``rec >=
-        1``, else ``rec = 0``). What the planners' solvers and the vectorised view
-        (:class:`lrmoe.policy.ledger_view.LedgerView`) work on."""
+        """``(per_slot, pieces)``: a rank's total at ``(n, R, k, rec)`` is ``per_slot·n +
+        max(pieces @ (1, R, k, rec))`` (``rec_branch``: for ``rec >= 1``)."""
         h = int(home_pairs)
         key = self._memo_key("total", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
@@ -429,11 +328,8 @@ class Ledger:
 
     def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int,
                         exact: bool = False) -> int:
-        """Most retained pairs per layer a rank can afford with nothing recomputed
-        (possibly more than ``received_pairs``: callers clip); negative if even 0 does
-        not fit. The total is the largest of affine pieces, each non-decreasing in the
-        retained count (:meth:`total_pieces`), so the answer is the smallest over the
-        pieces of the room each leaves. Unbounded ledgers return ``received_pairs``."""
+        """Most retained pairs per layer that fit with nothing recomputed (callers clip to
+        ``received_pairs``); -1 if none fits."""
         if self.budget_bytes is None:
             return int(received_pairs)
         per_slot, P = self.total_pieces(home_pairs, exact, False)
@@ -447,12 +343,8 @@ class Ledger:
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
                          retained_pairs: int, exact: bool = False) -> int:
-        """Fewest pairs per layer to recompute so the rank fits; -1 if no count up to
-        every retained pair fits. 0 when there is no budget. ``exact``: as in
-        :meth:`terms`. Recomputing frees a retained pair's gate_up rows but adds the
-        rebuild points of the backward (:meth:`backward_points`), so the total is not
-        monotone in the count: each affine piece bounds it from one side and the answer
-        is the low end of the interval they leave."""
+        """Fewest pairs per layer to recompute so the rank fits (0 without a budget); -1 if no
+        count fits."""
         if self.budget_bytes is None:
             return 0
         n, R, h, k = int(n_instances), int(received_pairs), int(home_pairs), int(retained_pairs)
@@ -463,14 +355,8 @@ class Ledger:
 
     def retain_capacity_recompute(self, n_instances: int, received_pairs: int,
                                   home_pairs: int, exact: bool = False) -> tuple[int, int]:
-        """``(k, rec)``: the most pairs (at most ``received_pairs``) a rank can retain
-        when it may recompute some of them, and the fewest recomputed for that; ``(-1,
-        0)`` if even none fits. Feasibility is monotone in ``k`` (one more retained pair
-        never costs less, and recomputing it too costs its input row), so the largest
-        feasible ``k`` is found by a search that tests up to 64 counts at once
-        (:meth:`_recompute_bounds`, numpy over the affine pieces): about three rounds
-        where a bisection over :meth:`recompute_needed` took ~17 calls (the planner's
-        hot spot with recompute on)."""
+        """``(k, rec)``: the most pairs a rank can retain when it may recompute some, and the
+        fewest recomputed for that (``(-1, 0)`` if none fits); searches up to 64 counts a round."""
         n, R, h = int(n_instances), int(received_pairs), int(home_pairs)
         k0 = self.retain_capacity(n, R, h, exact)
         if k0 < 0:
@@ -495,9 +381,7 @@ class Ledger:
 
     def _recompute_bounds(self, n: int, R: int, h: int, ks: np.ndarray, exact: bool
                           ) -> tuple[np.ndarray, np.ndarray]:
-        """For each retained count in ``ks``, whether some recomputed count ``1 <= rec <=
-        k`` fits (never for ``k = 0``), and the fewest that does: every affine piece of the
-        ``rec >= 1`` branch (:meth:`total_pieces`) bounds ``rec`` from one side."""
+        """For each retained count in ``ks``: whether some ``1 <= rec <= k`` fits, and the fewest."""
         B = self.budget_bytes
         per_slot, P = self.total_pieces(h, exact, True)
         a = (per_slot * n + P[:, 0] + P[:, 1] * R)[:, None] + P[:, 2][:, None] * ks[None, :]
@@ -535,18 +419,9 @@ class Ledger:
 
     def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
                    plan_buffers: bool = False) -> list[dict[str, int]]:
-        """Ledger terms of every rank for ``plan`` (one layer's plan, repeated over L).
-
-        Args:
-            plan: a :class:`lrmoe.policy.plan.Plan` (its ``recompute_G`` rows count at
-                :attr:`A_recompute`).
-            tokens_per_rank_home: tokens per home rank; its pairs ``tokens · top_k`` size
-                the send/combine buffers. ``None`` takes each home's routed pairs from
-                the plan (assigned + dropped).
-            plan_buffers: price the buffers with :meth:`rows_buffer_bytes` (the plan's
-                selected rows) instead of :meth:`counts_buffer_bytes` (what the planners
-                price: the same for exact plans, a bound for trimmed ones).
-        """
+        """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
+        home buffers (default: the plan's routed pairs), ``plan_buffers`` prices the buffers on
+        the plan's selected rows (:meth:`rows_buffer_bytes`)."""
         if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
             return [self.layer_terms(n, R, h)
                     for n, R, h, _ in self._rank_counts(plan, tokens_per_rank_home)]
@@ -562,13 +437,8 @@ class Ledger:
         return out
 
     def layer_checkpoint_buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
-        """The buffers term of a whole-layer checkpoint (:meth:`layer_terms`; one layer's
-        transients, counted once): the largest of its forward, run without keeping
-        anything (the exact forward's points plus the rows it would keep, dropped when it
-        returns), its re-run in backward (the same with the output gradient ``T·H`` alive
-        beside) and the exact backward that follows (its points plus the re-run's kept
-        rows, its output ``T·H``, the root the backward starts from, and its per-pair
-        indices, 24 bytes: ``pair_index`` less the gate, which the checkpoint keeps)."""
+        """The buffers term of a whole-layer checkpoint: the largest of its forward, its re-run in
+        backward and the exact backward after it (docs/design.md §5)."""
         R, h = int(received_pairs), int(home_pairs)
         T = -(-h // self.top_k)
         H, F = self.H, self.F
@@ -583,9 +453,7 @@ class Ledger:
 
     def layer_terms(self, n_instances: int, received_pairs: int, home_pairs: int
                     ) -> dict[str, int]:
-        """One rank's terms under a whole-layer checkpoint (module docstring, "Recompute"):
-        nothing retained, no combined rows, only the gates (fp32) per home pair and
-        layer; the transients of :meth:`layer_checkpoint_buffer_bytes` once."""
+        """One rank's terms under a whole-layer checkpoint: only the gates kept."""
         t = self.terms(n_instances, received_pairs, home_pairs, 0, exact=True)
         t.update(retained_acts=0, combine_rows=0,
                  pair_index=self.L * int(home_pairs) * 4,
@@ -595,17 +463,9 @@ class Ledger:
 
     def exact_fit(self, plan, tokens_per_rank_home: int | None = None
                   ) -> tuple[str, list[int], list[dict[str, int]]]:
-        """How an exact (every pair in backward) plan meets the budget, cheapest first.
-
-        Returns ``(mode, recomputed rows per rank, terms per rank)``, mode one of:
-        ``"fits"`` (nothing recomputed), ``"pairs"`` (the fewest pairs' gate_up outputs
-        recomputed per rank, :meth:`recompute_needed`), ``"layer"`` (whole-layer
-        checkpoint, :meth:`layer_terms`: no retained activations, every received row
-        re-run forward in backward), ``"over"`` (even that does not fit; terms of the
-        layer checkpoint).
-        With ``router_grad_at_experts`` an exact plan keeps no combined rows (as
-        :meth:`rank_terms`).
-        """
+        """How an exact plan meets the budget, cheapest first: ``(mode, recomputed rows per rank,
+        terms per rank)``, mode ``fits``, ``pairs``, ``layer`` (whole-layer checkpoint) or
+        ``over``."""
         counts = self._rank_counts(plan, tokens_per_rank_home)
         rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:
@@ -623,12 +483,7 @@ class Ledger:
 
     def feasible_minimum(self, counts_GE: Tensor | None = None,
                          tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
-        """Terms of the smallest plan a memory-aware planner could make, per rank.
-
-        The native experts only (E/G slots) with one retained pair per instance; the
-        buffers carry the native placement's received pairs for ``counts_GE`` (zero when
-        no counts are given).
-        """
+        """Terms per rank of the smallest memory-aware plan: the natives, one retained pair each."""
         n = self.E // self.G
         if counts_GE is None:
             recv = home = torch.zeros(self.G, dtype=torch.long)
@@ -644,8 +499,7 @@ class Ledger:
                 for r in range(self.G)]
 
     def raise_if_over(self, terms: list[dict[str, int]], what: str) -> None:
-        """Raise :class:`lrmoe.errors.OutOfMemory` naming the worst rank, its largest
-        terms and the shortfall."""
+        """Raise :class:`OutOfMemory` naming the worst rank, its largest terms and the shortfall."""
         if self.budget_bytes is None:
             return
         over = [(t["total"] - self.budget_bytes, r) for r, t in enumerate(terms)]

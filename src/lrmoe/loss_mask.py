@@ -1,17 +1,9 @@
 """Prompt/completion rows: the mask of the targets trained on, and exact loss averaging.
 
-A prompt/completion row (a ``.jsonl`` line with ``prompt`` and ``completion`` fields,
-:mod:`lrmoe.data`) is packed like a document: its prompt's ids, then its completion's
-ids (each tokenized on its own, so the boundary is exact), then ``eos_id``; rows
-follow one another in the stream and windows are cut from it as from text, so a window
-may start inside a row (attention is not reset at row boundaries, as it is not at
-document boundaries). A per-token mask marks the targets trained on: the completion's
-ids and the closing ``eos_id`` (the model learns to end the completion), never a
-prompt id. A ``text`` line in the same file is a row with an empty prompt: all of it
-is trained on. The loss is exact: a masked target contributes nothing, and a step's
-loss is the sum over its trained targets (every rank, every micro-batch) divided by
-their number (:class:`MaskedBatch`); a step with none has loss 0 and only the router's
-aux loss.
+A row packs its prompt's ids, its completion's ids and ``eos_id`` like a document; the
+mask marks the completion's ids and the closing ``eos_id``. A step's loss is the sum over
+its trained targets (every rank, every micro-batch) divided by their number
+(docs/design.md §7, "Prompt/completion rows").
 """
 
 from __future__ import annotations
@@ -55,12 +47,9 @@ IGNORE = -100  # a target not trained on (``cross_entropy``'s ignore_index, HF's
 
 @dataclass
 class MaskedBatch:
-    """Packed windows with their loss mask: ``ids [b, L + 1]`` (inputs ``ids[:, :-1]``),
-    ``targets [b, L]`` (``ids[:, 1:]`` with :data:`IGNORE` where not trained) and
-    ``num_targets``, the loss's denominator for this micro-batch: the trained targets of
-    the whole optimizer step (every rank, every micro-batch) divided by ``world x
-    accumulation``. The trainer averages the per-rank, per-micro-batch losses, so the
-    step's loss is the sum over its trained targets divided by their number."""
+    """Packed windows with their loss mask: ``ids [b, L + 1]``, ``targets [b, L]`` (:data:`IGNORE`
+    where not trained) and ``num_targets``, the step's trained targets divided by ``world x
+    accumulation``."""
 
     ids: torch.Tensor
     targets: torch.Tensor

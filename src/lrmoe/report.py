@@ -45,6 +45,21 @@ def _moving_average(xs: list[float], w: int) -> list[float]:
     return out
 
 
+def _finish(plt, fig, ax, path: Path, ylabel: str, title: str, legend: dict | None) -> Path:
+    """Label a per-step line plot (``legend``: its keyword arguments, None for none) and
+    write it to ``path``."""
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float]]],
               ylabel: str, title: str) -> Path:
     """One subplot per layer of ``[steps][rows]`` values normalised by each step's mean."""
@@ -106,15 +121,8 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-",
                 color="tab:orange", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats/token)")
-    ax.set_title(f"loss: {run_dir.name}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(fig)
-    out.append(run_dir / "loss.png")
+    out.append(_finish(plt, fig, ax, run_dir / "loss.png", "cross entropy (nats/token)",
+                       f"loss: {run_dir.name}", {}))
 
     with_counts = [r for r in train if r.get("counts")]
     if with_counts:
@@ -143,16 +151,8 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
                     ax.plot(*zip(*pts), style, lw=0.9, color=f"C{k % 10}",
                             label=f"layer {k}: {what}")
     ax.axhline(1.0, color="gray", lw=0.6)
-    ax.set_xlabel("step")
-    ax.set_ylabel("max / mean load")
-    ax.set_title("load imbalance")
-    ax.grid(alpha=0.3)
-    if n_layers <= 8:
-        ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(run_dir / "load_balance.png", dpi=110)
-    plt.close(fig)
-    out.append(run_dir / "load_balance.png")
+    out.append(_finish(plt, fig, ax, run_dir / "load_balance.png", "max / mean load",
+                       "load imbalance", {"fontsize": 7, "ncol": 2} if n_layers <= 8 else None))
 
     with_ranks = [r for r in train if r.get("rank_load")]
     if with_ranks:

@@ -1,79 +1,10 @@
-"""The whole-model step ledger: what one process's training step holds on the GPU and
-on the host, every layer, embedding and head included (docs/design.md §5, "Whole-model
-step"). MODELLED from the code's allocations, not measured.
+"""The whole-model step ledger: what one process's training step holds on the GPU and on
+the host, every layer, embedding and head included. MODELLED from the code's allocations,
+not measured; the terms and the per-token table of what autograd keeps: docs/design.md §5,
+"Whole-model step".
 
-:class:`lrmoe.ledger.Ledger` prices the MoE layers' expert memory per EP rank (what the
-planners trade); this ledger prices the rest of one-process training around it, as
-``lrmoe train`` allocates it, so that a question like "does the whole model train on one
-GPU with host offload" has one answer with its terms. Legend: N tokens of a micro-batch,
-H hidden, F expert width, E experts, K top-k, V vocabulary, D_q = heads·head_dim,
-D_kv = kv heads·head_dim, L decoder layers.
-
-Parameters (:func:`lrmoe.presets.param_breakdown`, equal to the model's ``parameters()``): the
-experts, attention projections, norms, routers, dense MLPs (dense layers and shared
-experts), the embedding and the head (none when tied).
-
-Where the state lives (:meth:`StepLedger.state`), as the trainer builds it: every
-parameter is an fp32 device parameter with an fp32 gradient and AdamW's two fp32
-moments on the device (16 bytes a parameter), except under ``optimizer_offload="host"``
-the experts (:func:`lrmoe.train.offload.offloaded_params`), whose host state
-:func:`host_state` prices as ``HostOffloadAdamW`` allocates it for the parameters'
-device. On CUDA: on the device their weight and gradient in the compute dtype (bf16);
-on the host the fp32 master (4 bytes), both moments (8 bytes) and the gradient buffer
-each gradient crosses into, in its own dtype (bf16: 2 bytes;
-``HostOffloadAdamW._grad_buf``), beside the pipeline's few chunks of staging. The
-masters and gradient buffers are pinned, and the caching host allocator takes the next
-power of two for each tensor (:func:`pinned_bytes`: an expert tensor ``[E, 2F, H]``
-of 1.5 GiB takes 2 GiB); the moments (never copied to the device) are pageable, at
-their exact size. So the host terms are summed per offloaded tensor, over the shapes the
-trainer builds (:func:`offloaded_numels`). A resumed run loads its host state into
-memory allocated the same way (``HostOffloadAdamW.load_state_dict``). On the CPU
-(``device="cpu"``, fp32 compute) the host is the parameters' own device: each fp32
-parameter is its own master and the host step reads its gradient in place, so the
-host terms are the moments alone, beside the parameters and gradients of the "gpu"
-terms (which there are host memory too: :meth:`StepLedger.host_bytes`); nothing is
-pinned.
-
-Activations of one micro-batch (:meth:`StepLedger.activations`, bf16 autocast on CUDA,
-the residual stream in fp32 as the model keeps it), per token and layer:
-
-==========================  ==============================================  =============
-what autograd keeps         bytes per token                                 kept under
-==========================  ==============================================  =============
-block input (residual)      4H                                              every mode
-attention                   4H + 4 norm + 3·2H (q, k, v each cast the       none
-                            input) + q/k: 2D (SDPA's bf16 cast), with q/k
-                            norm 6D (fp32 copy, bf16 normed) + 4 a head;
-                            v 2D_kv, out 2D_q, logsumexp 4·heads
-mid residual, its norm      4H + 4H + 4                                     none, selective
-router                      2H cast + g·E probs + 8K index                  none, selective
-                            + g·K + g (gate, its sum: norm_topk_prob);
-                            g = 4 (Qwen3: fp32 softmax), 2 (GLM: bf16)
-expert rows                 :class:`lrmoe.ledger.Ledger` terms at G=1       none, selective
-                            (x and gate_up rows, combined rows):
-                            K·((H + 2F)·2 + H·2) + (g + 16)·K (gate,
-                            2 indices)
-dense MLP / shared expert   4H + 8·width                                    none, selective
-==========================  ==============================================  =============
-
-Per MoE layer also ``4E`` (expert offsets) and, with Qwen3's aux loss, ``4E`` (its
-expert fractions); the rotary tables (``2·4·S·rotary_dim``) are shared by all layers.
-Checkpointed blocks (``full``) keep only their input; backward re-runs one block at a
-time, so one block's ``none`` set is alive again on top. Besides these: the bf16 weight
-casts autocast keeps for a forward (every non-expert matrix but the embedding; the
-experts too when they are fp32 on the device), kept for backward unless checkpointed;
-the logits (forward: bf16 logits, their fp32 copy and the log-softmax, ``10·N·V``;
-backward: the saved log-softmax, the NLL gradient and the log-softmax gradient,
-``12·N·V``); one MoE layer's transients (:meth:`lrmoe.ledger.Ledger.rows_buffer_bytes`)
-and one layer's fresh expert gradient (added to ``.grad`` from the second micro-batch
-on); in the step, AdamW's foreach temporaries (one fp32 copy of the device-stepped
-parameters); the offloaded gradients leave the GPU as they are (no widening there).
-Attention is taken to run a flash/efficient SDPA kernel (no ``N × N`` matrix). What a
-layer keeps is checked against autograd's saved tensors under CPU autocast
-(``tests/test_fullsize.py``); the phases' transients are not measured yet.
-
-The GPU's peak is the largest of four phases (:meth:`StepLedger.phases`): the end of the
-forward (loss computed), the loss backward, a block's backward, the optimizer step.
+Legend: N tokens of a micro-batch, H hidden, F expert width, E experts, K top-k,
+V vocabulary, D head dim, L decoder layers.
 """
 
 from __future__ import annotations
@@ -94,21 +25,15 @@ LOCAL_INDEX_BYTES = 2 * 8
 
 
 def pinned_bytes(nbytes: int) -> int:
-    """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator
-    (``CachingHostAllocator.h``, behind ``torch.empty(..., pin_memory=True)``) rounds
-    every request up to the next power of two (``PowerOf2Ceil``) to reuse its blocks,
-    and pinned pages are all resident. Newer releases skip the rounding above
-    ``pinned_max_round_threshold`` in ``PYTORCH_CUDA_ALLOC_CONF``; by default (no
-    threshold) every request is rounded, as priced here."""
+    """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator rounds
+    every request up to the next power of two (unless ``pinned_max_round_threshold`` is set)."""
     n = int(nbytes)
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
-    """Elements of each tensor ``--optimizer-offload host`` keeps on the host, one EP
-    rank's of ``ep_size``: the expert parameters of the model the trainer builds (per MoE
-    layer ``gate_up_proj [E/ep, 2F, H]`` and ``down_proj [E/ep, H, F]``), read from the
-    model built on the meta device; with ``dense`` every parameter (no EP split)."""
+    """Elements of each tensor ``--optimizer-offload host`` keeps on the host, one EP rank's
+    of ``ep_size`` (read from the model built on the meta device); ``dense``: every parameter."""
     import torch
 
     from lrmoe.model import MoEForCausalLM
@@ -124,16 +49,10 @@ def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) ->
 def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
                master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
                staging: bool = False) -> dict[str, int]:
-    """Host bytes of the offloaded tensors of ``numels`` elements, by term, as
-    ``HostOffloadAdamW`` allocates them for parameters on ``device`` computing in
-    ``compute_dtype``: both moments (pageable), and unless each parameter is its own
-    master (fp32 on the CPU: no masters, the gradient read in place) the masters, the
-    gradient buffers (the gradients' dtype, the compute dtype: ``grad_bytes`` a
-    parameter unless given), pinned when the parameters are on CUDA
-    (:func:`pinned_bytes` per tensor), and the pipeline's staging
-    (:mod:`lrmoe.train.host_pipe`: one chunk of fp32 scratch, pageable, and on CUDA a
-    ring of pinned chunks in the compute dtype). ``staging``: one gradient buffer of
-    the largest tensor instead of one per tensor."""
+    """Host bytes by term of the offloaded tensors of ``numels`` elements, as
+    ``HostOffloadAdamW`` allocates them on ``device``: moments, masters and gradient buffers
+    (none when each fp32 CPU parameter is its own master; pinned on CUDA), and the
+    pipeline's staging. ``staging``: one gradient buffer of the largest tensor."""
     from lrmoe.train.host_pipe import HOST_CHUNK, RING
 
     require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
@@ -154,32 +73,12 @@ def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf
 
 @dataclass(frozen=True)
 class StepLedger:
-    """One process's training step: GPU and host bytes by term (module docstring).
+    """One process's training step: GPU and host bytes by term.
 
-    Attributes:
-        cfg: the model (any layer count; every layer is priced).
-        optimizer_offload: ``"device"`` or ``"host"`` (the experts' state on the host).
-        compute_dtype: the device experts' dtype under host offload and the autocast
-            dtype of the activations (``"bf16"``: the trainer on CUDA; ``"fp32"``: on
-            the CPU, where the state terms hold and activations are not priced).
-        router_grad_at_experts: ``--router-grad experts`` (no combined rows kept).
-        device: where the parameters live, ``"cuda"`` or ``"cpu"`` (``lrmoe train
-            --device``): on CUDA the host masters and gradient buffers are pinned and
-            priced at the allocator's power-of-two sizes (:func:`pinned_bytes`); on the
-            CPU nothing is pinned, and in fp32 there are no separate masters or
-            gradient buffers (:func:`host_state`).
-
-    What-ifs, for what would make a model fit (the trainer does none of these; the
-    defaults are what it does): ``offload_dense`` (every parameter's master and moments
-    on the host, bf16 device weights and grads), ``expert_resident_layers`` /
-    ``expert_grad_resident_layers`` (only that many MoE layers' expert weights / grads
-    on the GPU at a time, the rest streamed to and from the host per layer),
-    ``loss_chunk_tokens`` (the loss over chunks of that many tokens: one chunk's logits
-    alive), ``master_bytes`` / ``moment_bytes`` / ``host_grad_bytes`` (host bytes per
-    offloaded parameter of the master, both moments together and the gradient buffer;
-    ``None``: the compute dtype's, as the trainer; ``host_grad_staging``: one buffer of
-    the largest tensor instead, each gradient going through it in turn).
-    """
+    ``device`` and ``compute_dtype`` are the trainer's (``cuda``/``bf16``, or ``cpu``/``fp32``
+    where activations are not priced). The fields after ``device`` are what-ifs the trainer
+    does not do, for what would make a model fit (docs/design.md §5); their defaults are
+    what it does."""
 
     cfg: ModelConfig
     optimizer_offload: str = "host"
@@ -238,8 +137,7 @@ class StepLedger:
         return sum(sorted(per, reverse=True)[:layers])
 
     def state(self) -> dict[str, dict[str, int]]:
-        """``{"gpu": {...}, "host": {...}}``: parameters, gradients and optimizer state
-        by term, as the trainer allocates them (module docstring)."""
+        """``{"gpu": {...}, "host": {...}}``: parameters, gradients and optimizer state by term."""
         bw = DTYPE_BYTES[self.compute_dtype]
         dev, off = self.device_stepped_params, self.offloaded_params
         dense_off = off - (self.params["experts"] if off else 0)
@@ -255,8 +153,7 @@ class StepLedger:
         return {"gpu": gpu, "host": host}
 
     def host_bytes(self) -> int:
-        """Host memory the state takes: the host terms, and on the CPU the "gpu" terms
-        too (the parameters' device is the host there)."""
+        """Host memory the state takes (on the CPU the "gpu" terms too)."""
         st = self.state()
         return sum(st["host"].values()) + (sum(st["gpu"].values()) if self.device == "cpu" else 0)
 
@@ -271,8 +168,8 @@ class StepLedger:
                                 router_grad_at_experts=self.router_grad_at_experts)
 
     def layer_saved(self, i: int, tokens: int, mode: str) -> int:
-        """Bytes autograd keeps for backward of layer ``i`` in ``mode`` (module table),
-        its weight casts and the rotary tables all layers share not included."""
+        """Bytes autograd keeps for backward of layer ``i`` in ``mode``, weight casts and the
+        shared rotary tables aside."""
         require(mode in MODES, f"activation checkpoint {mode!r}: use one of {', '.join(MODES)}")
         c, N = self.cfg, int(tokens)
         H, D, E, K = c.hidden_size, c.head_dim, c.num_experts, c.num_experts_per_tok
@@ -308,9 +205,8 @@ class StepLedger:
         return 2 * 4 * int(seq_len) * self.cfg.rotary_dim
 
     def weight_casts(self, checkpointed: bool = False) -> int:
-        """bf16 copies autocast makes of fp32 weight matrices in one forward (biases are
-        cast but not kept): every layer's (:meth:`layer_casts`) and the head's; with
-        ``checkpointed`` (full) only the head's, which backward keeps."""
+        """bf16 copies autocast makes of the fp32 weight matrices in one forward; ``checkpointed``
+        (full): only the head's, which backward keeps."""
         if self.compute_dtype != "bf16" or self.offload_dense:  # bf16 weights: no casts
             return 0
         p = self.params
@@ -320,8 +216,7 @@ class StepLedger:
         return head + sum(self.layer_casts(i) for i in range(self.cfg.num_hidden_layers))
 
     def layer_casts(self, i: int) -> int:
-        """One layer's bf16 weight casts (what a re-run block makes again): its
-        attention, router and dense matrices (the experts' too when fp32 on the device)."""
+        """One layer's bf16 weight casts (what a re-run block makes again)."""
         if self.compute_dtype != "bf16" or self.offload_dense:
             return 0
         c = self.cfg
@@ -382,9 +277,7 @@ class StepLedger:
 
     @property
     def grad_link_bytes(self) -> int:
-        """Bytes an offloaded gradient element takes over the host link and in its host
-        buffer: the compute dtype's (the gradient goes as it is, widened on the host),
-        or the what-if's ``host_grad_bytes``."""
+        """Bytes an offloaded gradient element takes over the host link and in its host buffer."""
         bw = DTYPE_BYTES[self.compute_dtype]
         return bw if self.host_grad_bytes is None else self.host_grad_bytes
 

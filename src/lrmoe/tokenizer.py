@@ -1,18 +1,10 @@
-"""Tokenizers: raw UTF-8 bytes (``byte``) or a byte-level BPE (``bpe:N``).
+"""Tokenizers: raw UTF-8 bytes (``byte``, vocab 256) or a byte-level BPE (``bpe:N``).
 
-Both reserve id 0 as the end-of-document id (``Tokenizer.eos_id``) that
-:func:`lrmoe.data.build_token_streams` appends after every document:
-
-- ``byte``: vocab 256, ids are the UTF-8 bytes; id 0 is the NUL byte, which never
-  occurs in the text files the data loader accepts, so it is an unambiguous marker.
-- ``bpe:N``: an N-token byte-level BPE trained with HF ``tokenizers`` on the training
-  split. Id 0 is the special token ``<|endoftext|>``, ids 1..256 the byte alphabet, the
-  rest merges. The trained model is cached as ``tokenizer.json`` (HF format) in the run
-  directory and reloaded instead of retrained. A small corpus can run out of merges, so
-  the actual ``vocab_size`` may be below N (never above).
-
-A pretrained model's own tokenizer is given by its directory (any spec holding a path
-separator or naming a directory): :class:`HfTokenizer` (:mod:`lrmoe.hf_tokenizer`).
+Both reserve id 0 as the end-of-document id (``Tokenizer.eos_id``): the NUL byte, which
+the data loader never accepts in text, or BPE's ``<|endoftext|>`` (ids 1..256 the byte
+alphabet, the rest merges). ``bpe:N`` is trained with HF ``tokenizers`` on the training
+split and cached as ``tokenizer.json`` in the run directory; a small corpus can run out
+of merges (``vocab_size`` below N). A model's own tokenizer: :mod:`lrmoe.hf_tokenizer`.
 """
 
 from __future__ import annotations

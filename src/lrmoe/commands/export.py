@@ -6,14 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _size(v: str) -> int:
-    from lrmoe.errors import LrmoeError
-    from lrmoe.units import parse_bytes
-    try:
-        return parse_bytes(v)
-    except LrmoeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+from lrmoe.cli_flags import byte_size
 
 
 def register(sub) -> None:
@@ -26,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: "
                    "the latest)")
-    p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--max-shard-size", type=byte_size, default=None, metavar="SIZE",
                    help="largest safetensors file, e.g. 5GB (the default) or 500MiB")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="cast the weights (default: as the checkpoint holds them, fp32; "

@@ -15,6 +15,7 @@ Legend: G ranks (EP size), E experts, k experts per token, T tokens per home ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from torch import Tensor
 
@@ -185,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         # An exact policy over budget: show what it would need.
         print(f"note: {e}")
-        unbounded = Ledger.for_dtype(cfg, G, None, args.dtype,
-                                     optimizer_offload=args.optimizer_offload,
-                                     router_grad_at_experts=args.router_grad == "experts")
+        unbounded = dataclasses.replace(ledger, budget_bytes=None)
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
     terms = ledger.rank_terms(plan)  # a layer-checkpointed plan in the ledger's layer mode
 

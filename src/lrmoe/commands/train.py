@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lrmoe.cli_flags import TRAIN, add_policy_flags
+from lrmoe.cli_flags import TRAIN, add_policy_flags, byte_size
 from lrmoe.train.config import DIVERGENCE_WARMUP, TrainConfig
 from lrmoe.train.loop import train
 
@@ -13,14 +13,7 @@ _D = TrainConfig()
 
 def bytes_or_all(v: str) -> int | None:
     """argparse type: a byte size (``40GiB``), or ``all``/``none``/``0`` for no cap."""
-    if v.lower() in ("all", "none", "0"):
-        return None
-    from lrmoe.errors import LrmoeError
-    from lrmoe.units import parse_bytes
-    try:
-        return parse_bytes(v)
-    except LrmoeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if v.lower() in ("all", "none", "0") else byte_size(v)
 
 
 def register(sub) -> None:

@@ -1,28 +1,10 @@
 """Activation checkpointing of the transformer blocks (``--activation-checkpoint``).
 
-Modes, as torchtitan offers them, with ``torch.utils.checkpoint`` (non-reentrant):
-
-* ``none``: every block keeps what autograd saves.
-* ``selective``: each block's attention sub-block (input norm, q/k/v, rotary, SDPA, output
-  projection) is checkpointed; the MoE layer keeps its own activations. Attention is
-  per-token dense work that is cheap to re-run and needs no communication, while
-  re-running an MoE layer repeats its count exchange, plan and both all-to-alls; the
-  MoE layer's own activations are what the memory ledger and the policies already trim
-  (retention quotas, per-row recompute). So selective frees the dense activations for
-  one attention forward per block, with no extra collective.
-* ``full``: the whole block, the MoE layer's forward included (route, count, plan,
-  dispatch, experts, combine): backward re-runs it. Its expert rows then go through
-  autograd's saved-tensor hooks (``BackwardOptions.checkpointed``), so the checkpoint
-  drops them after forward and the re-run restores them.
-
-A re-run forward must not count twice: the MoE layers of the block run their re-run
-with ``recomputing`` set, and a layer does not take the step its re-run returns
-(:class:`lrmoe.model.moe.MoEStep`): its step counts, aux loss and stats stay the first
-forward's (the re-run still computes the same tensors, collectives included, so every
-rank stays in step and autograd's saved tensors match). Torch's RNG states are
-restored for the re-run by the checkpoint; planning is a pure function of the counts
-and the previous step's popularity, which do not change between a forward and its
-backward; the runtime's selection generator is only drawn from in backward.
+``none`` keeps what autograd saves; ``selective`` checkpoints each block's attention
+sub-block (dense per-token work, no collective to repeat); ``full`` the whole block, the
+MoE forward included, whose re-run runs with ``recomputing`` set so its step counts, aux
+loss and stats stay the first forward's. Why these modes, and what keeps the re-run
+identical: docs/design.md §7, "Activation checkpointing".
 """
 
 from __future__ import annotations

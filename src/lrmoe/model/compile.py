@@ -1,10 +1,8 @@
 """``torch.compile`` for the model (``lrmoe train --compile``), and how much it compiled.
 
-Dynamo traces everything but the MoE layers' host-driven stages (count, plan, dispatch,
-experts, combine: :meth:`lrmoe.model.moe.MoELayer.routed`), which stay eager: one graph
-break per MoE layer, and no recompilation when the plan changes from step to step.
-Embedding, attention, norms, dense MLPs, routers, shared experts, the head and the
-training loss are compiled.
+Everything but the MoE layers' host-driven stages (:meth:`lrmoe.model.moe.MoELayer.routed`,
+one graph break per MoE layer) is compiled, so a new plan never recompiles
+(docs/design.md §8).
 """
 
 from __future__ import annotations

@@ -15,12 +15,9 @@ from lrmoe.ops.fused import fused
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's RMSNorm, ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, through
-    torch's ``rms_norm`` (one fused kernel on CUDA, forward and backward; on the CPU
-    the same ops as the formula, bit for bit). An fp32 input (the residual stream) takes
-    the weight inside the kernel; a reduced-precision one (q/k under autocast, where
-    ``rms_norm`` computes in fp32 on CUDA) is rounded back to its dtype before the
-    weight, as HF rounds it."""
+    """HF's RMSNorm through torch's fused ``rms_norm`` (on the CPU bit for bit the formula): an
+    fp32 input takes the weight inside the kernel, a reduced-precision one is rounded back to
+    its dtype before the weight, as HF rounds it."""
     shape = (weight.shape[0],)
     if x.dtype == weight.dtype:
         return F.rms_norm(x, shape, weight, eps)

@@ -17,15 +17,9 @@ from lrmoe.config import ModelConfig
 
 @dataclass
 class Routing:
-    """Output of a router for T tokens.
-
-    Attributes:
-        idx_TK: expert id of each pair (int64).
-        gate_TK: gate weight of each pair (fp32), differentiable.
-        probs_TE: router probabilities when the router has an aux loss, else ``None``;
-            the MoE layer turns them into the load-balancing loss once the global
-            counts are known (so EP and one process give the same loss).
-    """
+    """Output of a router for T tokens: expert ids ``idx_TK`` (int64), gates ``gate_TK`` (fp32,
+    differentiable), and ``probs_TE`` when the router has an aux loss (the MoE layer turns
+    them into the loss once the global counts are known), else ``None``."""
 
     idx_TK: Tensor
     gate_TK: Tensor

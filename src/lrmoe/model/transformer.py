@@ -21,7 +21,7 @@ from lrmoe.model.moe import MoELayer, MoERuntime
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_index: int | None):
+    def __init__(self, cfg: ModelConfig, moe_index: int | None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -59,14 +59,10 @@ class CausalLMOutput:
 
 
 class MoEForCausalLM(nn.Module):
-    """``forward(input_ids [B, T]) -> logits [B, T, V]``; with ``labels`` (HF's
-    convention: aligned with ``input_ids``, shifted inside, ``-100`` ignored) a
-    :class:`CausalLMOutput` whose ``loss`` is the training objective, so
-    ``torch.compile(model)`` compiles the loss too.
-
-    The router load-balancing loss of the last forward is available as
-    :meth:`aux_loss` (sum over MoE layers; zero for GLM, which balances by bias).
-    """
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``; with ``labels`` (HF's convention:
+    shifted inside, ``-100`` ignored) a :class:`CausalLMOutput` whose ``loss`` is the training
+    objective (so ``torch.compile(model)`` compiles the loss too). :meth:`aux_loss`: the
+    last forward's load-balancing loss (zero for GLM, which balances by bias)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -74,7 +70,7 @@ class MoEForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         moe_ids = {layer: k for k, layer in enumerate(cfg.moe_layers)}
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, moe_ids.get(i)) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, moe_ids.get(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -165,11 +161,8 @@ class MoEForCausalLM(nn.Module):
 
     @torch.no_grad()
     def end_step(self, reduce=None) -> list[Tensor | None]:
-        """After the optimizer step: close per-layer counting, update GLM router biases.
-
-        ``reduce`` sums a count tensor over the data-parallel replicas (under DP x EP
-        each EP group only saw its own tokens); ``None`` on one process.
-        """
+        """After the optimizer step: close per-layer counting (``reduce``: summed over
+        the data-parallel replicas, under DP x EP), update GLM router biases."""
         counts = [m.end_step() for m in self.moe_layers]
         if reduce is not None:
             counts = [None if c is None else reduce(c.clone()) for c in counts]

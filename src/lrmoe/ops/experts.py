@@ -1,19 +1,13 @@
 """SwiGLU experts as variable-size grouped GEMMs (stage ``experts``).
 
-Legend: R rows (pairs, grouped into contiguous per-instance segments), I instances,
-H hidden, F expert width. Weights follow HF transformers >= 5's fused layout:
-``w13_IFH`` is ``gate_up_proj`` ``[I, 2F, H]`` (gate rows first, then up) and
-``w2_IHF`` is ``down_proj`` ``[I, H, F]``. ``counts_I`` are the segment sizes (zeros
-allowed); ``offs_I`` their inclusive cumulative sums (int32), as grouped_mm expects.
-``counts`` may be ``None`` where only the device holds them (``offs``): the grouped GEMM
-reads ``offs`` alone, and the per-expert loop fallback reads the counts from ``offs``
-(:func:`counts_from_offsets`, one device-to-host copy) when it runs.
-
-The forward and the backward are written as plain functions (not autograd) because the
-runtime's backward only sees a compacted subset of the rows (LRMoE selection): the
-exchange's autograd Function calls :func:`swiglu_forward` and :func:`swiglu_backward_owned`
-(which drops each row tensor at its last use). Their per-instance loop reference is
-``tests/references/moe.py``.
+Legend: R rows (pairs, in contiguous per-instance segments), I instances, H hidden, F
+expert width. Weights in HF's fused layout: ``w13_IFH`` is ``gate_up_proj [I, 2F, H]``
+(gate rows, then up), ``w2_IHF`` ``down_proj [I, H, F]``; ``counts_I`` the segment sizes,
+``offs_I`` their inclusive cumulative sums (int32, as grouped_mm expects). ``counts`` may
+be ``None`` where only the device holds them: the grouped GEMM reads ``offs`` alone, the
+per-expert loop fallback reads the counts off ``offs`` once (:func:`counts_from_offsets`).
+Plain functions, not autograd: the backward sees a compacted subset of the rows. The
+per-instance loop reference: ``tests/references/moe.py``.
 """
 
 from __future__ import annotations
@@ -172,15 +166,10 @@ def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor
                     w2_IHF: Tensor, counts: list[int] | None, offs: Tensor | None = None,
                     need_dx: bool = True, scale: Tensor | None = None, rowdot: bool = False,
                     ) -> tuple:
-    """Gradients for rows ``x`` with saved ``gu`` and output gradient ``scale[r] * dy[r]``
-    (``scale`` None means 1; folding it into the elementwise kernels saves a pass).
-
-    Returns ``(dx_RH, dw13_IFH, dw2_IHF)``, and with ``rowdot`` (needs ``scale``) a fourth
-    ``dot_R = <dy[r], y[r]>`` in fp32 (``y`` the row's unscaled expert output). Only the
-    given rows contribute: with a compacted subset, dropped pairs add nothing to ``dx``
-    or the weight gradients. The caller keeps its references to the three row tensors;
-    :func:`swiglu_backward_owned` takes them over instead.
-    """
+    """``(dx_RH, dw13_IFH, dw2_IHF)`` for rows ``x`` with saved ``gu`` and output gradient
+    ``scale[r] * dy[r]`` (``scale`` None: 1); with ``rowdot`` also ``dot_R = <dy[r], y[r]>``
+    (fp32). Only the given rows contribute. :func:`swiglu_backward_owned` takes the row
+    tensors over instead."""
     return swiglu_backward_owned({"x": x_RH, "gu": gu_R2F, "dy": dy_RH}, w13_IFH, w2_IHF,
                                  counts, offs, need_dx, scale, rowdot)
 

@@ -1,14 +1,9 @@
-"""Fused elementwise helpers: torch.compile'd on CUDA, eager everywhere else.
+"""Fused elementwise helpers: torch.compile'd on CUDA, eager everywhere else
+(``LRMOE_NO_COMPILE=1``: eager on CUDA too).
 
-Each helper is written once as plain PyTorch (the reference, and what runs on CPU);
-on CUDA the compiled version fuses it into one kernel. Set ``LRMOE_NO_COMPILE=1`` to
-force the eager versions.
-
-Shapes: only the leading (row) dimension of each tensor argument is dynamic; widths
-(``H``, ``F``, ``K``) are compiled as constants, one graph per distinct width. With
-every dimension symbolic (``dynamic=True``) the generated kernels divide flat indices by
-a runtime width, and on an H200 the SwiGLU kernels ran at ~2.5x the time of HF's
-statically shaped ones (profiled on 2026-12-01: ``benchmarks/JOURNAL.md``).
+Only the leading (row) dimension is dynamic; widths compile as constants, one graph per
+width: with every dimension symbolic the kernels divide flat indices by a runtime width,
+and the SwiGLU kernels ran ~2.5x slower on an H200 (``benchmarks/JOURNAL.md``).
 """
 
 from __future__ import annotations
@@ -61,12 +56,8 @@ def rows_dynamic(fn, backend: str = "inductor"):
 
 
 def weighted_gather_sum(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:
-    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32, returned in ``src``'s dtype.
-
-    Written as an unrolled sum over k (k is small and fixed) so the compiler emits one
-    pointwise kernel with k indirect row loads, coalesced along H, instead of a
-    reduction kernel over a strided k axis.
-    """
+    """``out[t] = sum_k w[t,k] * src[row[t,k]]`` in fp32, returned in ``src``'s dtype; an
+    unrolled sum over k, so the compiler emits one pointwise kernel."""
     w = w_TK.float()
     acc = src_NH[row_TK[:, 0]].float() * w[:, 0:1]
     for k in range(1, row_TK.shape[1]):

@@ -1,18 +1,9 @@
 """Row operations of the MoE layer's control plane, each one kernel on CUDA.
 
-Every operation here is written twice: a torch reference (``*_reference``; what the CPU
-runs, and what the CUDA kernel is tested against) and a Triton kernel
-(:mod:`lrmoe.ops.rowops_triton`) registered as a custom op (``torch.library.triton_op``),
-so ``torch.compile`` traces through it and a CPU tensor never reaches it. Sizes come from
-host arguments: nothing here waits for the device. ``LRMOE_NO_TRITON=1`` makes CUDA run
-the references too.
-
-Exactness: the gathers and :func:`invert_permutation` move bits. :func:`combine` is bit
-for bit the eager :func:`~lrmoe.ops.fused.weighted_gather_sum` (products rounded to fp32,
-summed in k order, cast once) on both devices; the ``torch.compile``'d form of that
-function (CUDA) may contract a product into an FMA, so it can differ from both in the
-last bit. :func:`combine_grad_gate` and its norms reduce over H in the kernel's own order:
-equal to the reference to fp32 rounding, not bit for bit.
+Each is a torch reference (``*_reference``: what the CPU runs) and a Triton kernel
+(:mod:`.rowops_triton`) registered as a custom op, sized from host arguments so nothing
+waits for the device; ``LRMOE_NO_TRITON=1`` makes CUDA run the references. What is bit
+for bit and what to fp32 rounding: docs/design.md §2, "Row kernels".
 
 Legend: N source rows, R runs, T tokens, K top-k, P = T*K pairs, H row width.
 """
@@ -79,15 +70,9 @@ def gather_runs_reference(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor,
 
 
 def gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
-    """Run-wise row copy: ``out[q] = src[src_first[k] + q - dst_first[k]]`` for the run
-    ``k`` holding ``q``.
-
-    Runs are ordered by destination and cover ``[0, n_out)``: ``dst_first_R`` ascends
-    from 0; empty runs (equal consecutive starts) are allowed. ``src`` is 1-D (ints or
-    floats) or rows ``[N, H]`` with unit column stride. Serves every permutation made of
-    contiguous chunks: the home side's send order, the receiver's arrival -> instance
-    reorder and its inverse, the retention gather, the gathers of selected saved rows.
-    """
+    """Run-wise row copy: ``out[q] = src[src_first[k] + q - dst_first[k]]`` for the run ``k``
+    holding ``q``; runs ordered by destination cover ``[0, n_out)`` (empty runs allowed).
+    ``src`` is 1-D or rows ``[N, H]`` with unit column stride."""
     if on_kernels(src):
         return torch.ops.lrmoe.gather_runs(src, dst_first_R, src_first_R, n_out)
     return gather_runs_reference(src, dst_first_R, src_first_R, n_out)
@@ -118,13 +103,9 @@ def invert_permutation_reference(perm_N: Tensor, n_out: int, fill: int | None = 
 
 
 def invert_permutation(perm_N: Tensor, n_out: int, fill: int | None = None) -> Tensor:
-    """``inv[perm[i]] = i`` (int64, length ``n_out``); positions no ``i`` maps to hold
-    ``fill`` (unspecified when ``fill`` is None: the caller knows ``perm`` covers them).
-
-    Entries of ``perm`` outside ``[0, n_out)`` (dropped pairs) are ignored; the others
-    must be distinct. A plain store per entry: no atomics, no sort (what
-    ``index_put_``/``scatter_`` become under ``torch.use_deterministic_algorithms``).
-    """
+    """``inv[perm[i]] = i`` (int64, length ``n_out``), other positions ``fill`` (unspecified
+    when None); entries outside ``[0, n_out)`` are ignored, the rest distinct. A plain store
+    per entry: no atomics, no sort."""
     if on_kernels(perm_N):
         return torch.ops.lrmoe.invert_permutation(perm_N, n_out, fill)
     return invert_permutation_reference(perm_N, n_out, fill)

@@ -1,15 +1,9 @@
 """Triton kernels of the row operations in :mod:`lrmoe.ops.rowops` (used on CUDA).
 
-Each ``launch_*`` function allocates its outputs from host sizes and launches one kernel
-(:func:`launch_invert_permutation` also fills its output first), so nothing here waits
-for the device. ``wrap`` is how a kernel is launched: ``torch.library.wrap_triton`` under
-the registered custom ops (so ``torch.compile`` sees the kernels), the kernel itself
-under Triton's interpreter (``TRITON_INTERPRET=1``, which runs them on CPU tensors).
-
-Bit-exactness: the copies move bits. :func:`launch_combine` rounds like the eager torch
-ops it replaces: each product is rounded to fp32 before it is added (``mul.rn`` on the
-GPU, which the compiler cannot fuse into an FMA), and bf16 outputs are rounded to
-nearest-even on the integer bits (the interpreter's own bf16 cast truncates).
+Each ``launch_*`` allocates its outputs from host sizes and launches one kernel; ``wrap``
+is ``torch.library.wrap_triton`` under the custom ops, or the kernel itself under
+Triton's interpreter (CPU tensors). :func:`launch_combine` rounds each product to fp32
+(``mul.rn``: never fused into an FMA) and bf16 outputs to nearest-even, as the eager ops.
 
 Legend: N source rows, R runs, T tokens, K top-k, P = T*K pairs, H row width.
 """

@@ -1,34 +1,12 @@
 """lrmoe's backward selection on one home rank: score, select, compact.
 
 The candidates are a home rank's retained rows in send order, grouped by block (block
-``b`` holds ``size_B[b]`` consecutive rows, sizes on the host): token ``tok_N``, output-
-gradient scale ``g_N`` (fp32), gate ``gate_N``. The metric scores each:
-``|gate| * ||dout[tok]||`` (``grad_norm``, from the per-token fp32 norms ``norm_T``) or
-the gate alone (``gate``). Per block, ``quota_B[b]`` rows are kept:
-
-- :func:`select_topk`: the highest-metric rows (ties in row order);
-- :func:`select_sampled`: each row independently with probability ``pi ∝ metric``,
-  capped at 1, ``sum(pi) = quota`` per block, the kept rows weighted by ``1 / pi``.
-
-Both return a :class:`Selection`: the kept rows' indices (ascending, so block-grouped
-and in send order), tokens and scales, and optionally their output-gradient rows
-``dout[tok]`` (the gather of dy, done by the compaction).
-
-On CUDA each runs as three kernels (:mod:`lrmoe.ops.selection_triton`): top-k as
-metric, select, compact; sampled as the uniform draws (``torch.rand`` on the caller's
-generator, the same numbers as the reference), select, compact, with the one host read
-(the kept counts, exchanged with the peers) in between. Elsewhere the torch reference
-runs: the select stage as written in the runtime before these kernels (same ops, so the
-same bits).
-
-Exactness of the kernels against the reference: ``topk`` is bit for bit (the same
-float64 sort keys; the kept set follows from them). ``sampled`` keeps the reference's
-capped set and formula, but sums each block's metric mass in its own order (the
-reference sums sorted rows in sequence on the CPU and through CUB on CUDA), so ``pi``
-can differ in the last bits of float64 and, through ``1/pi``, a scale in its last fp32
-bit; a row's keep decision changes only if its uniform draw falls within that rounding
-of ``pi``, and a cap decision only where the reference's own test is a tie within
-rounding.
+``b`` holds ``size_B[b]`` consecutive rows, sizes on the host). The metric is ``|gate| *
+||dout[tok]||`` (``grad_norm``) or the gate (``gate``); per block :func:`select_topk`
+keeps the ``quota_B[b]`` highest, :func:`select_sampled` each row with probability ``pi ∝
+metric`` (capped at 1, ``sum(pi) = quota``), weighted by ``1 / pi``. On CUDA each is
+three Triton kernels (:mod:`.selection_triton`), elsewhere the torch reference; how
+exactly they agree: docs/design.md §2, "Row kernels".
 
 Legend: N candidates, B blocks (= G ranks x S slots), T tokens, H width, S kept rows.
 """
@@ -54,19 +32,10 @@ except ImportError:
 
 @dataclass
 class Selection:
-    """One home rank's kept candidates.
-
-    Attributes:
-        sel_idx_S: indices of the kept candidates, ascending (int64).
-        tok_S: their tokens.
-        scale_S: their output-gradient scales (fp32): ``g``, times ``1/pi`` when sampled.
-        keep_N: the keep mask over the candidates.
-        sent_B: kept rows per block (host int64); top-k reports the quotas.
-        recv_GS: rows each (source rank, slot) block sends this rank (host), from the
-            count exchange; ``None`` without one (top-k: known from the plan).
-        dy_SH: ``dout[tok_S]`` when ``dout_TH`` was given, else ``None``.
-        pi_N: the sampled estimator's inclusion probabilities (float64), else ``None``.
-    """
+    """One home rank's kept candidates: their indices (ascending), tokens and scales (``g``,
+    times ``1/pi`` when sampled); ``sent_B`` kept rows per block and ``recv_GS`` those each
+    source block sends this rank (host; ``None`` without a count exchange); ``dy_SH``
+    ``dout[tok_S]`` when ``dout_TH`` was given; ``pi_N`` the sampled inclusion probabilities."""
 
     sel_idx_S: Tensor
     tok_S: Tensor
@@ -97,9 +66,8 @@ def metric_reference(metric: str, norm_T: Tensor | None, tok_N: Tensor, gate_N: 
 
 
 def topk_indices(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
-    """Indices of the ``quota[b]`` highest-metric rows of each block, ascending: one
-    stable sort on ``block + 0.5 * (1 - metric / max)`` orders each block by descending
-    metric (ties in row order); each block keeps its prefix, whose length the host knows."""
+    """Indices of the ``quota[b]`` highest-metric rows of each block, ascending: one stable
+    sort on ``block + 0.5 * (1 - metric / max)`` (ties in row order)."""
     dev, n = metric_N.device, metric_N.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=dev)
@@ -117,30 +85,11 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
                     size_B: Tensor | None = None) -> Tensor:
     """Probabilities ``pi ∝ metric`` capped at 1 with ``sum(pi) = quota`` per block.
 
-    Water-filling in closed form (no loop). With a block's metrics sorted descending,
-    ``m_0 >= m_1 >= ...``, and ``R_r`` the mass from rank ``r`` on, rank ``r`` is capped
-    iff ``(q - r) * m_r > R_r``; that test holds for a prefix of the block (``(q - r) *
-    m_r - R_r`` does not increase with ``r`` while ``r < q``, and is ``<= 0`` from
-    ``r = q`` on), so the capped count ``c`` is how many rows pass it, and the free rows
-    get ``(q - c) * m / M`` with ``M`` their mass: the unique fixed point of capping
-    every row whose share reaches 1 (a row whose share is exactly 1 is left free, with
-    the same result). Free rows with no metric mass share the rest of the quota
-    uniformly. Negative metrics count as 0; rows need not come grouped by block; equal
-    metrics of a block rank in row order (so the result, to the last bit, does not hang
-    on a sort's tie order). ``size_B`` (rows per block, host) spares a device count when
-    the caller knows it.
-
-    Built for few kernels (the select stage is host-bound: each op costs ~30 us of launch
-    on the H200's host against ~0.5 ms of device work in all, RESULTS.md): one sort for
-    a float32 metric (:func:`_block_order`). The suffix test is one global scan of
-    metrics normalised per block (a light block's sums do not round against a heavy
-    block's mass): with ``C`` that inclusive scan, ``(q - r) u_r > R_r`` reads
-    ``(q + first - 1 - i) u_i + C_i > C_last`` per row ``i``.
-    Block quantities stay on the device: no host wait.
-    Only sorts, searches, gathers, scans and segmented reductions: none of the ops that
-    ``torch.use_deterministic_algorithms`` switches to slower kernels (``index_add_``,
-    ``index_put_``, ``index_copy_``, ``scatter``).
-    """
+    Water-filling in closed form: with a block's metrics sorted descending and ``R_r`` the
+    mass from rank ``r`` on, rank ``r`` is capped iff ``(q - r) * m_r > R_r``, which holds for
+    a prefix of the block; the free rows get ``(q - c) * m / M`` (uniform when ``M = 0``).
+    Negative metrics count as 0; equal metrics rank in row order. One sort, one scan of the
+    per-block normalised metrics, no host wait and no op that deterministic mode slows."""
     dev = metric_N.device
     N = metric_N.numel()
     if N == 0:
@@ -178,16 +127,10 @@ def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
 
 
 def _block_order(metric_N: Tensor, blk: Tensor, rows: Tensor, B: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(m, order, inverse)``: the metric clamped at 0 in float64; the rows ordered by
-    block (ascending), then metric (descending), then row (ascending); and the inverse
-    permutation (``order[inverse] = rows``, with ``rows = arange(N)``).
-
-    A float32 (or narrower) metric takes one sort, on a unique int64 key: the bits of a
-    non-negative float32 read as an int32 grow with its value, so ``N * (2^31 * block -
-    bits) + row`` orders the rows as wanted while ``B * N < 2^32``; the inverse is where
-    each row's key falls among the sorted keys (a search, no scatter). Another metric
-    takes two stable sorts and an ``argsort`` of the order.
-    """
+    """``(m, order, inverse)``: the metric clamped at 0 (float64), the rows ordered by block,
+    then metric descending, then row, and the inverse permutation. A float32 metric takes
+    one sort on the unique int64 key ``N * (2^31 * block - bits) + row`` (while ``B * N <
+    2^32``); another takes two stable sorts."""
     N = rows.numel()
     if metric_N.dtype in (torch.float32, torch.bfloat16, torch.float16) and B * N < 2**32:
         # a negative metric (and -0.0) reads as +0.0: the clamp at 0, on the bits
@@ -268,10 +211,9 @@ def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tenso
                    exchange_counts: Callable[[Tensor], Tensor] | None = None,
                    shape_GS: tuple[int, int] | None = None,
                    dout_TH: Tensor | None = None) -> Selection:
-    """Keep each candidate with its inclusion probability (see module doc); the uniform
-    draws are ``torch.rand(N, float64, generator)``, as the reference's. One host wait:
-    the kept counts per block, with ``exchange_counts`` (``[G, S]`` sent -> received,
-    ``shape_GS``) run on the device first so both arrive in one copy."""
+    """Keep each candidate with its inclusion probability (draws: ``torch.rand(N, float64,
+    generator)``). One host wait: the kept counts, after ``exchange_counts`` (``[G, S]`` sent
+    -> received) has run on the device."""
     check_metric(metric, norm_T)
     if not on_kernels(tok_N):
         return _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B,

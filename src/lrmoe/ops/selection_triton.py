@@ -1,23 +1,13 @@
 """Triton kernels of lrmoe's backward selection (:mod:`lrmoe.ops.selection`), used on CUDA.
 
-The candidates come grouped by block (block ``b`` holds rows ``first[b] ..
-first[b] + size[b]``); a selection kernel runs one program per block and writes, per row,
-whether it is kept and its rank among its block's kept rows (``slot``), and per block
-how many it keeps. The compaction kernel then writes each kept row at its block's output
-offset plus its slot, in parallel over rows: the selected indices (ascending), their
-tokens and scales and, optionally, the output-gradient rows of their tokens.
-
-No kernel sorts. A block's order statistics come from a binary search over the 31 bits
-of its (non-negative, fp32) metrics, each step one counting pass over the block:
-
-- ``topk``: the ``q``-th largest metric ``v``, then the reference's sort key
-  ``block + 0.5 * (1 - m / (max + 1e-300))`` (float64, the same operations, so the same
-  bits) decides: keys below ``key(v)`` are kept, and of the keys equal to it the first in
-  row order (the reference's stable sort).
-- ``sampled``: the capped set of the water-filling, ``{m >= x*}``, where ``x*`` is where
-  ``F(x) = (q - #{m >= x}) * x - sum{m < x}`` turns positive. ``F`` is convex and
-  piecewise linear with ``F(0) = 0``, so it is positive on ``(x*, inf)`` and nowhere else
-  above 0; a row's cap test in the reference, ``(q - r) * m_r > R_r``, is ``F(m_r) > 0``.
+A selection kernel runs one program per block and writes, per row, whether it is kept
+and its rank among its block's kept rows (``slot``), and per block how many; the
+compaction kernel writes each kept row at its block's offset plus its slot. No kernel
+sorts: a block's order statistics come from a binary search over the 31 bits of its
+fp32 metrics. ``topk`` finds the ``q``-th largest and then applies the reference's
+float64 key; ``sampled`` finds the capped set ``{m >= x*}``, ``x*`` where ``F(x) = (q -
+#{m >= x})·x - sum{m < x}`` turns positive (a row's cap test ``(q - r)·m_r > R_r`` is
+``F(m_r) > 0``). docs/design.md §2, "Row kernels".
 
 Legend: N candidate rows, B blocks, T tokens, H width, S selected rows.
 """

@@ -22,14 +22,8 @@ from lrmoe.policy.plan_numpy import Slots
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a policy computed before this step's counts: its placement.
-
-    Attributes:
-        policy: the name of the policy that made it (another policy ignores it).
-        inst_expert_GS: expert per slot, ``-1`` empty (int64 numpy, ``[G, S]``).
-        slots: its split index (:class:`lrmoe.policy.plan_numpy.Slots`), also computed
-            ahead.
-    """
+    """What a policy computed before this step's counts: its placement ``[G, S]`` (-1 empty)
+    and split index, tagged with the policy's name (another policy ignores it)."""
 
     policy: str
     inst_expert_GS: np.ndarray
@@ -38,23 +32,11 @@ class Prepared:
 
 @dataclass
 class PlanInputs:
-    """Everything a planner may look at besides the current count matrix.
-
-    Attributes:
-        layer: index of the MoE layer among the model's MoE layers.
-        step: optimizer step (0-based).
-        prev_counts_E: the previous step's global pairs per expert of this layer
-            (``None`` on the first step); SYMI's popularity.
-        ledger: the memory ledger (``lrmoe.ledger.Ledger``) or ``None`` when no budget.
-        prepared: the policy's :meth:`Policy.prepare` result for this layer and step
-            (``None``: not prepared; a policy that needs it prepares inside ``plan``).
-        micro: the micro-batch's index in its optimizer step (0-based; a re-run of a
-            micro-batch's forward, e.g. under an activation checkpoint, passes its
-            index again). A policy that holds one placement for the optimizer step
-            (lrmoe's ``placement="step"``) places at micro-batch 0 and reuses that
-            placement for the step's later ones; the runtime gathers its weights once
-            and reduces its gradients once.
-    """
+    """Everything a planner may look at besides the current count matrix: the layer (among the
+    MoE layers), the optimizer step, the previous step's global counts (``None`` on the
+    first), the ledger (``None``: no budget), what :meth:`Policy.prepare` made (``None``: the
+    policy prepares inside ``plan``), and the micro-batch's index in its optimizer step (a
+    re-run of its forward passes it again; lrmoe's ``placement="step"`` places at 0)."""
 
     layer: int = 0
     step: int = 0

@@ -2,14 +2,10 @@
 
 Legend: G ranks, E experts, N/K generic row/column counts. All tensors int64, CPU.
 
-Each expert may process at most ``C = ceil(capacity_factor · pairs_total / E)`` pairs per
-step, where ``pairs_total = tokens_total · top_k`` is the whole EP group's routed pairs
-(global, so every rank computes the same drops from the all-gathered counts; GShard's
-per-group capacity is the same formula with one group per EP group). Pairs above
-capacity are dropped in forward (the token keeps its residual path). Each home rank
-keeps its proportional share of the expert's ``C`` (largest remainder, ties to the lower
-rank: deterministic, exact sums); since a home sends its pairs in descending gate order,
-the dropped ones are its lowest-gate pairs. Kept pairs are all retained and selected.
+Each expert processes at most ``C = ceil(capacity_factor · pairs_total / E)`` pairs a
+step (global over the EP group, so every rank computes the same drops); each home keeps
+its largest-remainder share of ``C``, dropping its lowest-gate pairs in forward. Kept
+pairs are all retained and selected.
 """
 
 from __future__ import annotations
@@ -29,18 +25,9 @@ from lrmoe.policy.plan_numpy import apportion_np, even_split_np, host_counts, in
 
 
 def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
-    """Split each column's ``total`` over its rows in proportion to ``weight``.
-
-    Largest-remainder rounding: every row gets ``floor(total·w/W)``, the leftover units
-    go to the largest fractional parts, ties to the lower row index. Column sums are
-    exact and no row exceeds its weight (when ``total <= W``). Deterministic, no loops.
-
-    Args:
-        total_K: units to hand out per column (>= 0).
-        weight_NK: non-negative weights; a column with zero weight must have total 0.
-    Returns:
-        ``[N, K]`` int64 shares.
-    """
+    """Split each column's ``total_K`` over its rows in proportion to ``weight_NK``, int64
+    ``[N, K]``: largest remainder, ties to the lower row; exact column sums, no row above
+    its weight (``0 <= total <= W``; a zero-weight column takes total 0)."""
     w = weight_NK.long()
     total = total_K.long()
     W = w.sum(0)
@@ -67,8 +54,8 @@ def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
 
 
 def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
-    """Native placement; pairs over each expert's capacity dropped from every home.
-    (numpy on the host; its torch reading is in ``tests/references/plans.py``.)"""
+    """Native placement; pairs over each expert's capacity dropped from every home (numpy; its
+    torch reading: ``tests/references/plans.py``)."""
     require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
     G, E = counts_GE.shape
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")

@@ -2,21 +2,11 @@
 
 Legend: G ranks, P pieces; per rank ``n`` occupied slots, ``R`` received pairs, ``h``
 home pairs, ``k`` retained pairs, ``rec`` recomputed pairs (ints, or int64 arrays
-``[G]``).
-
-The planners ask the ledger for bytes on every candidate move, and
-:meth:`lrmoe.ledger.Ledger.terms` builds a dict per call: too slow on the critical
-path. This view re-derives no formula. For a fixed ``h`` (a rank's home pairs, fixed
-for a whole plan: the counts' row sums) the ledger's total is ``per_slot·n`` plus the
-largest of a few affine pieces in ``(R, k, rec)`` (:meth:`Ledger.total_pieces`: the
-code-derived transients are the largest of the row tensors alive at each point of the
-layer's forward and backward). The view asks the ledger for those pieces once per
-distinct ``h`` (the ledger memoises them), pads them to one ``[G, P]`` array per branch
-(``rec = 0`` and ``rec >= 1``), and answers every query with numpy, or with a short
-Python loop per rank in the placement's inner loop. ``tests/test_planner_fast.py``
-checks the view against :meth:`Ledger.rank_terms` on whole plans and
-``tests/test_ledger_planned.py`` against :meth:`Ledger.terms` and
-:meth:`Ledger.retain_capacity`.
+``[G]``). For a rank's fixed ``h`` the ledger's total is ``per_slot·n`` plus the largest
+of a few affine pieces in ``(R, k, rec)`` (:meth:`lrmoe.ledger.Ledger.total_pieces`);
+the view takes them once per distinct ``h``, pads them to ``[G, P, 4]`` per branch
+(``rec = 0``, ``rec >= 1``) and answers in numpy, re-deriving no formula (tested against
+the ledger in ``tests/test_planner_fast.py`` and ``tests/test_ledger_planned.py``).
 """
 
 from __future__ import annotations
@@ -28,15 +18,9 @@ _BIG = 1 << 62       # "no limit" for a capacity
 
 
 class LedgerView:
-    """``ledger`` (or ``None``: no budget) for ranks whose home pairs are ``home_G``.
-
-    Args:
-        ledger: a :class:`lrmoe.ledger.Ledger` or ``None``.
-        home_G: home pairs per rank (the count matrix's row sums).
-        exact: the plans priced are exact (static, SYMI): every received row in
-            backward, none gathered; otherwise the ledger's bound for trimmed plans.
-        priced: build the pricing arrays without a budget too (for :meth:`totals`).
-    """
+    """``ledger`` (``None``: no budget) for ranks whose home pairs are ``home_G``; ``exact``:
+    price exact plans (else the ledger's bound for trimmed ones); ``priced``: build the
+    arrays without a budget too (for :meth:`totals`)."""
 
     def __init__(self, ledger, home_G: np.ndarray, exact: bool = False,
                  priced: bool = False) -> None:
@@ -104,9 +88,8 @@ class LedgerView:
         return cap
 
     def monotone(self) -> bool:
-        """Whether every rank's ``rec = 0`` pieces are non-decreasing in ``R`` and ``k``:
-        then a rank's retention capacity only falls as it receives more pairs, and
-        :meth:`fits` holds for fewer received pairs wherever it holds for more."""
+        """Whether every rank's ``rec = 0`` pieces are non-decreasing in ``R`` and ``k`` (then
+        :meth:`fits` holds for fewer received pairs wherever it holds for more)."""
         if self.budget is None:
             return True
         hit = self._extra.get("monotone")
@@ -125,9 +108,8 @@ class LedgerView:
         return np.where(room.min(1) < 0, -1, np.where(q >= _BIG, R_G, q))
 
     def fits(self, n_G, R_G, k_G) -> np.ndarray:
-        """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool
-        ``[..., G]`` (leading axes: several states of the ranks at once): ``capacity(n,
-        R) >= k`` (every piece is non-decreasing in ``k``), without the divisions."""
+        """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool ``[..., G]``
+        (leading axes: several states at once), without the divisions."""
         R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
         if self.budget is None:
             return np.ones(R_G.shape, dtype=bool)
@@ -135,11 +117,9 @@ class LedgerView:
         return top + self.cn * np.asarray(n_G, dtype=np.int64) <= self.budget
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
-        """An upper bound on the pairs each rank can receive with ``n_G`` instances
-        while it retains at least ``fn/fd`` of them with nothing recomputed (``fn >= 0``,
-        ``fd > 0``), int64 ``[G]``: every ``(n, R, k >= min(1, fn/fd)·R)`` that
-        :meth:`fits` has ``R`` at most it (with :meth:`monotone` pieces, each piece
-        bounds ``R`` linearly). ``None`` where the integer arithmetic could overflow."""
+        """An upper bound, int64 ``[G]``, on the pairs each rank can receive with ``n_G`` instances
+        while it retains at least ``fn/fd`` of them with nothing recomputed; ``None`` where the
+        integer arithmetic could overflow."""
         if self.budget is None:
             return np.full(len(self.home), _BIG, dtype=np.int64)
         c0 = self._extra.get("c0")
@@ -171,9 +151,8 @@ class LedgerView:
 
     def _rec_bounds(self, a: np.ndarray, d: np.ndarray, k: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`Ledger._recompute_bounds` for many ``(rank, k)`` at once: ``a`` the
-        ``rec >= 1`` pieces' value at ``rec = 0`` (``[..., P]``), ``d`` their per-rec
-        slope, ``k`` the retained counts (``[...]``). Returns ``(ok, fewest rec)``."""
+        """:meth:`Ledger._recompute_bounds` for many ``(rank, k)`` at once, from the ``rec >= 1``
+        pieces' value ``a`` at ``rec = 0`` and slope ``d``: ``(ok, fewest rec)``."""
         B = self.budget
         neg, pos, zero = d < 0, d > 0, d == 0
         big = np.int64(_BIG)
@@ -183,9 +162,8 @@ class LedgerView:
         return ok, lo
 
     def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
-        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once: ``(mode, rows
-        recomputed per rank, total bytes per rank)``, the same numbers (the ledger's
-        pieces, tested equal)."""
+        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once: ``(mode, rows recomputed
+        per rank, total bytes per rank)``."""
         n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
         if self.budget is None:
             return "fits", np.zeros_like(k_G), self.totals(n_G, R_G, k_G)
@@ -204,20 +182,12 @@ class LedgerView:
         return ("layer" if totals.max() <= self.budget else "over"), R_G.copy(), totals
 
     def _bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Necessary upper bounds on a rank's retained count ``k`` with recompute, as
-        ``floor((room @ M + b) / den)`` where ``den > 0``, ``room = B - A0`` the ``rec >=
-        1`` pieces' room at ``k = rec = 0`` (``[G, P]``): ``M`` ``[G, P, K]``, ``b`` and
-        ``den`` ``[G, K]``. Each piece ``a = A0 + c·k + d·rec <= B`` bounds ``k``:
-
-        * flat in rec (``d = 0``): ``c·k <= room``;
-        * rising (``d > 0``), since ``rec >= 1``: ``c·k <= room - d``;
-        * falling (``d < 0``), since ``rec <= k`` must reach ``ceil((a - B) / -d)``:
-          ``(c + d)·k <= room``;
-        * a falling ``p`` and a rising ``q`` leave an integer ``rec`` only if
-          ``(a_p - B)/-d_p <= (B - a_q)/d_q``: ``(d_q·c_p - d_p·c_q)·k <= -d_p·room_q +
-          d_q·room_p``.
-
-        They depend on the home pairs alone, so they are cached with the arrays."""
+        """Necessary upper bounds on a rank's retained count with recompute, ``floor((room @ M + b)
+        / den)`` where ``den > 0`` (``room``: the ``rec >= 1`` pieces' room at ``k = rec = 0``).
+        Each piece ``A0 + c·k + d·rec <= B`` bounds ``k``: ``c·k <= room`` (``d = 0``), ``c·k <=
+        room - d`` (``d > 0``, as ``rec >= 1``), ``(c + d)·k <= room`` (``d < 0``, as ``rec <=
+        k``), and a falling ``p`` with a rising ``q`` leave an integer ``rec`` only if ``(d_q·c_p
+        - d_p·c_q)·k <= -d_p·room_q + d_q·room_p``. Cached with the arrays."""
         hit = self._extra.get("bounds")
         if hit is not None:
             return hit
@@ -241,21 +211,12 @@ class LedgerView:
 
     def capacity_recompute(self, n_G, R_G, ranks, window: int = 4
                            ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`Ledger.retain_capacity_recompute` of the given ``ranks`` (int array):
-        ``(k, rec)`` per rank, the same answers.
-
-        Feasibility is monotone in ``k`` (the ledger's search relies on it), so the answer
-        is the largest feasible ``k``. Every pair of affine pieces gives a necessary,
-        continuous upper bound on it (the rounding of ``rec`` can only lower it); the
-        ``window`` counts below the tightest bound are tested exactly at once. A rank
-        whose answer lies below the window (none seen in practice) asks the ledger."""
+        """:meth:`Ledger.retain_capacity_recompute` of ``ranks``: ``(k, rec)`` per rank. The
+        ``window`` counts below the tightest of the pieces' bounds (:meth:`_bounds`) are tested
+        exactly; a rank whose answer lies below them asks the ledger."""
         ranks = np.asarray(ranks, dtype=np.int64)
         n, R = (np.asarray(x, dtype=np.int64)[ranks] for x in (n_G, R_G))
-        P0 = self.pieces[0][ranks]
-        room = (self.budget - self.cn * n)[:, None] - P0[:, :, 0] - P0[:, :, 1] * R[:, None]
-        ck = P0[:, :, 2]
-        q = (room // np.maximum(ck, 1) + np.where(ck > 0, 0, _BIG)).min(1)
-        k0 = np.where(room.min(1) < 0, -1, np.where(q >= _BIG, R, q))
+        k0 = self.capacity(n_G, R_G)[ranks]
         out_k, out_rec = np.where(k0 < 0, -1, np.minimum(k0, R)), np.zeros_like(R)
         todo = (k0 >= 0) & (k0 < R)
         if not todo.any():
@@ -296,8 +257,8 @@ class LedgerView:
 
 
 def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
-    """The view for ``plan``'s home pairs (as the ledger takes them: assigned + dropped)
-    and its per-rank ``(instances, received, retained)``."""
+    """The view for ``plan``'s home pairs (assigned + dropped) and its per-rank ``(instances,
+    received, retained)``."""
     a = plan.assign_GGS.numpy()
     home = a.sum((1, 2))
     if plan.dropped_GE is not None:

@@ -1,34 +1,11 @@
 """What a placement costs on the run's link: the emulator's cost model as the planner sees it.
 
 Legend: G ranks, S slots per rank, E experts, H hidden, F expert intermediate size, K
-prefixes of the replica placement's moves; ``_GG`` is ``[src rank, dst rank]``. All
-arrays numpy on the host.
-
-A replica removes straggler time (its expert's pairs spread over more ranks: less GEMM
-work and fewer received rows on the busiest rank) and costs link time (its weights
-scattered from the owner before the forward, its gradient reduced back after the
-backward). :class:`LinkCost` carries the run's link and expert GEMM rate as plain numbers
-(the planner stays pure: no link object, no collective), and two functions price a
-layer's step with them, by the formulas of :mod:`lrmoe.sim.cost` and
-:func:`lrmoe.sim.analytic.modelled_stats` (the model SYMI's ``s`` is chosen by;
-``tests/test_link_cost.py`` checks they agree):
-
-* expert GEMMs at ``gemm_flops``: ``6·H·F`` flops per forward pair, ``12·H·F`` per
-  selected backward pair, ``4·H·F`` per recomputed row (gate_up, 2 of 3 GEMMs), each
-  stage its busiest rank;
-* each exchange (forward dispatch and combine, ``H·bytes_act`` a row; backward dispatch,
-  ``H·bytes_act + 12``; backward combine, ``H·bytes_act``) its busiest rank's
-  ``max(sent, received) / bandwidth + latency·(G - 1)`` off its own rank (two-level
-  links: the intra- and inter-node parts at their own links, the longer);
-* weight scatter and gradient reduce, ``3·H·F·bytes_w`` per instance off its owner rank,
-  divided by ``share``: the micro-batches one placement serves when it is held for the
-  optimizer step (its weights arrive once and its gradients leave once).
-
-:func:`plan_seconds` prices a whole plan (the stages that depend on the placement: the
-count exchange, planning and selection are the same for every placement of a step);
-:func:`prefix_seconds` estimates every prefix of the greedy's moves from per-rank loads
-alone (received rows and selected rows from the loads, see its docstring), which is what
-the placement can afford to ask once per plan.
+prefixes of the replica placement's moves; ``_GG`` is ``[src rank, dst rank]``; numpy on
+the host. A replica removes straggler time and costs its weight scatter and gradient
+reduce; :func:`plan_seconds` prices a plan by the formulas of :mod:`lrmoe.sim.cost`
+(``tests/test_link_cost.py`` checks they agree), :func:`prefix_seconds` estimates every
+prefix of the greedy's moves from per-rank loads (docs/design.md §4, "lrmoe and the link").
 """
 
 from __future__ import annotations
@@ -47,22 +24,10 @@ RECOMPUTE_FLOPS_PER_HF = 4  # gate_up again: 2 of the 3 GEMMs
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The run's link and expert GEMM rate, as the lrmoe planner prices replicas.
-
-    Attributes:
-        bandwidth_Bps: bytes per second per rank per direction an all-to-all achieves
-            (:attr:`lrmoe.sim.links.Link.effective_Bps`).
-        latency_s: seconds per peer message.
-        gemm_flops: the expert GEMMs' rate, flop/s (``bench ttl``: calibrated on the
-            static run's measured forward kernels, as for SYMI's ``s``).
-        hidden, intermediate: H and the experts' F.
-        bytes_act: bytes per element of exchanged rows.
-        bytes_w: bytes per element of instance weights and gradients.
-        node_size: two-level links: ranks per node (0: a flat link).
-        inter_bandwidth_Bps, inter_latency_s: two-level links: between nodes.
-        share: micro-batches one placement's weight scatter and gradient reduce serve
-            (held for the optimizer step: its micro-batches; else 1).
-    """
+    """The run's link and expert GEMM rate as plain numbers, as the lrmoe planner prices
+    replicas: an all-to-all's bytes per second per rank and direction and its latency per
+    peer, the GEMM rate (flop/s), the shapes and dtypes, two-level links (``node_size`` 0:
+    flat), and ``share``: the micro-batches one held placement's scatter and reduce serve."""
 
     bandwidth_Bps: float
     latency_s: float
@@ -95,8 +60,7 @@ class LinkCost:
         return 3 * self.hidden * self.intermediate * self.bytes_w
 
     def rows_seconds(self, rows_GG: np.ndarray):
-        """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows ``[src, dst]``:
-        :meth:`exchange_seconds` of ``rows_GG·bytes_per_row``, its row sums taken once."""
+        """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows, its row sums taken once."""
         G = rows_GG.shape[0]
         if self.node_size and G > self.node_size:
             return lambda nbytes: self.exchange_seconds(rows_GG * nbytes)
@@ -106,9 +70,7 @@ class LinkCost:
         return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
 
     def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
-        """The busiest rank's seconds in one exchange of ``bytes_GG`` (its copy to itself
-        crosses no link; no traffic costs nothing):
-        :func:`lrmoe.sim.links.exchange_time`'s maximum."""
+        """The busiest rank's seconds in one exchange of ``bytes_GG`` (its copy to itself free)."""
         b = np.asarray(bytes_GG, dtype=np.float64).copy()
         G = b.shape[0]
         np.fill_diagonal(b, 0.0)
@@ -133,9 +95,8 @@ def _alltoall(b: np.ndarray, bw: float, lat: float, peers: int) -> float:
 
 
 def plan_seconds(cost: LinkCost, plan, E: int) -> float:
-    """MODELLED seconds of one layer's step under ``plan`` (a
-    :class:`lrmoe.policy.plan.Plan` of host tensors), over the stages its placement
-    changes (module docstring)."""
+    """MODELLED seconds of one layer's step under ``plan``, over the stages its placement
+    changes."""
     inst_GS = plan.inst_expert_GS.numpy()
     fwd_GG = plan.assign_GGS.numpy().sum(2)  # [home, rank]
     bwd_GG = plan.select_GGS.numpy().sum(2)
@@ -155,14 +116,9 @@ def plan_seconds(cost: LinkCost, plan, E: int) -> float:
 def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
                    sent_KG: np.ndarray, recv_KG: np.ndarray, home_G: np.ndarray,
                    balance: float, min_keep: float, selection: bool) -> np.ndarray:
-    """MODELLED seconds ``[K]`` of a layer's step after each prefix of the placement's
-    moves, from per-rank numbers alone: ``load`` (received pairs), ``kept`` (retained
-    pairs), and the replicas' instances each rank sends (as owner) and receives. What
-    needs the blocks is estimated: a rank's off-rank received rows are ``(G-1)/G`` of its
-    load and a home's sent rows ``(G-1)/G`` of its pairs; a rank's selected pairs are
-    its retained pairs trimmed as pass 3 trims them (toward the mean retained ``M`` by
-    ``balance``, not below ``min_keep`` of its load), and a home sends its pairs' share
-    of them. Latencies are left out where every prefix pays them alike."""
+    """MODELLED seconds ``[K]`` of a layer's step after each prefix of the placement's moves,
+    from per-rank loads alone: off-rank rows taken as ``(G-1)/G`` of a rank's, selected
+    pairs trimmed as pass 3 trims; latencies every prefix pays alike left out."""
     G = load_KG.shape[1]
     off = (G - 1) / G
     L = load_KG.astype(np.float64)
@@ -190,7 +146,6 @@ def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
 
 
 def _two_level_Bps(cost: LinkCost, G: int) -> float:
-    """The rate at which a rank moves rows spread evenly over its G - 1 peers when those
-    in its node go at the link's rate and the rest between nodes: the slower share."""
+    """The rate of rows spread evenly over G - 1 peers, in-node and between nodes: the slower."""
     inside = (cost.node_size - 1) / (G - 1)
     return 1.0 / max(inside / cost.bandwidth_Bps, (1 - inside) / cost.inter_bandwidth_Bps)

@@ -1,10 +1,8 @@
-"""The plan: one layer's placement and pair bookkeeping for one step.
+"""The plan: one layer's placement and pair bookkeeping for one step (docs/design.md §3).
 
 Legend: G ranks in the EP group, S slots per rank, E experts; ``i = r*S + s`` is the
-global index of slot ``s`` on rank ``r``. All tensors are int64 on the CPU.
-
-A plan is data (docs/design.md §1 conventions, §3). Every rank derives the same plan from the same
-all-gathered count matrix, so nothing about it is communicated.
+global index of slot ``s`` on rank ``r``. All tensors are int64 on the CPU. Every rank
+derives the same plan from the same all-gathered counts, so nothing of it is sent.
 """
 
 from __future__ import annotations
@@ -24,40 +22,23 @@ from lrmoe.policy.ledger_view import plan_exact_fit
 
 @dataclass(frozen=True)
 class Plan:
-    """Placement plus per-block pair counts.
-
-    A *block* is the pairs one home rank ``g`` sends to one instance ``(r, s)``.
+    """Placement plus per-block pair counts; a *block* is the pairs home ``g`` sends to
+    instance ``(r, s)``.
 
     Attributes:
         inst_expert_GS: expert id held by each slot, ``-1`` for an empty slot.
         assign_GGS: ``[g, r, s]`` pairs home ``g`` sends to instance ``(r, s)``.
         retain_GGS: how many of those keep activations for backward (<= assign).
-        select_GGS: backward quota: how many retained pairs enter backward (<= retain).
-        dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward (capacity
-            policy only; ``None`` means dropless). A home rank sends its pairs of ``e``
-            in descending gate order, so the dropped ones are its lowest-gate pairs.
-        recompute_G: per rank, how many of its retained rows (the first ones in saved,
-            i.e. instance-then-home, order) save only their input row and recompute the
-            gate_up output in backward, to fit a memory budget (``None``: none).
-        layer_checkpoint: a whole-layer checkpoint (exact plans only, nothing
-            recomputed per row): forward keeps only the layer input and the routing
-            (gates, expert ids); backward re-runs dispatch -> experts -> combine, the
-            dispatch all-to-all included, then runs the exact backward. What an exact
-            policy falls back to where per-row recompute cannot fit the budget
-            (:func:`fit_exact`, :func:`layer_checkpoint_plan`; docs/design.md §5).
-        rung: how the plan meets the memory budget, lrmoe's ladder
-            (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`: ``plan``, ``exact``, ``recompute``,
-            ``exact-natives``, ``recompute-natives``, ``layer``) or SYMI's
-            (:data:`lrmoe.policy.symi.FEWER_RUNGS`, replicas given up); ``None``: not
-            decided by the planner (an exact policy's fallback is decided by whoever
-            runs it, :meth:`lrmoe.ledger.Ledger.exact_fit`).
-        replicas_given_up: replicas the policy's own rule chose for this step but did
-            not place, for the reason ``given_up_for``: ``memory`` (SYMI: its slots do
-            not fit the budget even with recompute and a whole-layer checkpoint),
-            ``link`` (lrmoe: not worth their weight scatter and gradient reduce on the
-            run's link) or ``static`` (lrmoe: its modelled step was not faster than on
-            static's placement, which it took).
-    """
+        select_GGS: how many retained pairs enter backward (<= retain).
+        dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward, its lowest-gate
+            ones (capacity policy only; ``None``: dropless).
+        recompute_G: per rank, how many of its first retained rows recompute their gate_up
+            output in backward (``None``: none).
+        layer_checkpoint: a whole-layer checkpoint (exact plans only; docs/design.md §3, §5).
+        rung: how the plan meets the budget (lrmoe's ladder or SYMI's fewer replicas;
+            ``None``: the runner decides, :meth:`lrmoe.ledger.Ledger.exact_fit`).
+        replicas_given_up: replicas the policy's rule chose but did not place, for the
+            reason ``given_up_for`` (``memory``, ``link`` or ``static``)."""
 
     inst_expert_GS: Tensor
     assign_GGS: Tensor
@@ -146,27 +127,13 @@ class Plan:
 
 
 def checks_on() -> bool:
-    """Whether the runtime checks every plan against its counts (:meth:`Plan.check`): a
-    debugging aid, off the training path unless ``LRMOE_CHECK_PLANS=1`` (the test suite
-    sets it)."""
+    """Whether the runtime checks every plan against its counts (``LRMOE_CHECK_PLANS=1``)."""
     return os.environ.get("LRMOE_CHECK_PLANS") == "1"
 
 
 def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:
-    """Split each expert's pairs over its instances by contiguous intervals.
-
-    Expert e's pairs are laid out home rank by home rank (``[0, C_e)``); instance k of e
-    takes the next ``inst_load[k]`` of them in global slot order. ``assign[g, i]`` is the
-    overlap of home g's interval with instance i's. Deterministic; no Python loop over
-    experts.
-
-    Args:
-        counts_GE: pairs per (home rank, expert).
-        inst_expert_GS: expert per slot, -1 empty.
-        inst_load_GS: pairs each instance takes; per expert they sum to ``counts[:, e].sum()``.
-    Returns:
-        assign_GGS.
-    """
+    """``assign_GGS``: each expert's pairs, laid out home by home, split over its instances
+    by contiguous intervals in slot order (instance ``i`` takes ``inst_load_GS[i]``)."""
     G, E = counts_GE.shape
     S = inst_expert_GS.shape[1]
     c = counts_GE.long()
@@ -215,13 +182,8 @@ def even_split(counts_GE: Tensor, inst_expert_GS: Tensor) -> Tensor:
 
 
 def fit_exact(plan: Plan, ledger, what: str) -> Plan:
-    """An exact ``plan`` made to fit ``ledger``'s budget by recompute, or an error.
-
-    As is when it fits; else with the fewest rows per rank recomputed
-    (:meth:`lrmoe.ledger.Ledger.exact_fit` mode ``pairs``); where even recomputing every
-    row does not fit, as a whole-layer checkpoint (mode ``layer``,
-    :attr:`Plan.layer_checkpoint`); raises when that does not fit either.
-    """
+    """An exact ``plan`` made to fit ``ledger``'s budget: as is, with the fewest rows
+    recomputed, or as a whole-layer checkpoint; raises when none fits."""
     if ledger is None or ledger.budget_bytes is None:
         return plan
     mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
@@ -248,14 +210,8 @@ def native_plan(counts_GE: Tensor) -> Plan:
 
 
 def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
-    """``plan``'s placement and assignment as an exact whole-layer-checkpointed plan
-    (retain = select = assign, nothing recomputed per row, drops kept), or ``None`` when
-    that does not fit ``ledger``'s budget (no ledger or no budget: always fits).
-
-    A planner's last resort before "no plan": the checkpoint keeps per layer only the
-    gates (:meth:`lrmoe.ledger.Ledger.layer_terms`), so it fits where no retention
-    does when the kept activations of the L layers are what is over.
-    """
+    """``plan``'s placement and assignment as an exact whole-layer-checkpointed plan, or
+    ``None`` when that does not fit ``ledger``'s budget."""
     a = plan.assign_GGS
     out = dataclasses.replace(plan, retain_GGS=a.clone(), select_GGS=a.clone(),
                               recompute_G=None, layer_checkpoint=True)

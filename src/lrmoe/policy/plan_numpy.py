@@ -1,11 +1,8 @@
-"""numpy twins of the plan primitives, for planners on the critical path.
+"""numpy twins of the plan primitives, for planners on the critical path: each returns
+exactly what its torch reference returns (``tests/test_planner_fast.py``), at a fraction
+of torch's per-call cost at these sizes.
 
-Legend: G ranks, S slots per rank, E experts, N/K generic row/column counts. All
-arrays int64 on the host. Each function returns exactly what its torch reference
-returns (:func:`lrmoe.policy.capacity.apportion`, :func:`lrmoe.policy.plan.even_split`,
-:func:`lrmoe.policy.plan.interval_overlap`; tests/test_planner_fast.py compares them on
-random inputs); at these sizes (a few thousand entries) numpy's per-call cost is a
-fraction of torch's on one CPU thread.
+Legend: G ranks, S slots per rank, E experts, N/K generic row/column counts; int64 arrays.
 """
 
 from __future__ import annotations
@@ -21,16 +18,10 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`apportion_np` with the roles of the axes swapped: row ``k`` of
-    ``weight_KN`` is split, ``total_K[k]`` units over its N entries (ties to the lower
-    entry). The layout the planners keep their blocks in (one row per instance), so that
-    every step runs along contiguous memory.
-
-    Only the rows that are split (``0 < total < weight``) are computed, unless they are
-    most of a large array: the others take all or nothing. Within those, each entry's
-    key ``remainder·N + (N-1-n)`` is unique, so the ``left`` largest keys of a row (one
-    sort of its N entries) are exactly the entries a stable largest-remainder sort would
-    give +1."""
+    """:func:`apportion_np` along rows (the planners' instance-major layout): ``total_K[k]``
+    units over row ``k``'s entries. Only the rows that split (``0 < total < weight``) are
+    computed; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give the
+    stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)
@@ -78,17 +69,10 @@ def apportion_np(total_K: np.ndarray, weight_NK: np.ndarray) -> np.ndarray:
 
 
 class Slots:
-    """What the split arithmetic needs of a placement, computed once per placement (a
-    placement prepared off the critical path brings its index along).
-
-    Attributes:
-        e_idx: expert per slot (0 for an empty slot), ``[G·S]``.
-        valid: the slot holds an instance.
-        order: the slots sorted by (expert, global slot), empty slots last.
-        starts: per sorted position, the first sorted position of its expert.
-        k: each slot's rank among its expert's instances (global slot order).
-        n: its expert's number of instances (>= 1).
-    """
+    """What the split arithmetic needs of a placement, computed once per placement: expert per
+    slot (``e_idx``, 0 when empty) and ``valid``, the slots in (expert, slot) order with
+    each expert's first sorted position, each slot's rank ``k`` among its expert's
+    instances and their number ``n``."""
 
     def __init__(self, inst_expert_GS: np.ndarray, n_experts: int) -> None:
         self.shape = inst_expert_GS.shape

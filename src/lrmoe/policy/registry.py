@@ -28,22 +28,11 @@ class FidelityConfig:
 
 @dataclass
 class PolicyConfig:
-    """Which policy plans each step, its planner's knobs and the runtime's.
-
-    Attributes:
-        name: one of ``static``, ``capacity``, ``symi``, ``lrmoe``.
-        capacity_factor: ``capacity`` only: pairs per expert allowed, as a multiple of
-            the mean (GShard/DeepSpeed).
-        slots_per_rank: ``symi``: slots per rank (None: ``E/G + 2``); ``lrmoe``: the
-            most slots per rank when ``lrmoe.max_slots_per_rank`` is not set.
-        lrmoe: the LRMoE planner's config.
-        backward: the backward's selection knobs (``metric``, ``estimator``,
-            ``compaction``; the trainer sets the rest of the runtime's options).
-        fidelity: the fidelity monitor.
-        recompute: ``static`` / ``symi``: a rank over the memory budget recomputes the
-            fewest rows' gate_up outputs in backward instead of stopping the run; where
-            that cannot fit, the layer is checkpointed whole (``Plan.layer_checkpoint``).
-    """
+    """Which policy plans each step (``static``, ``capacity``, ``symi`` or ``lrmoe``), its
+    planner's knobs, the backward's selection knobs and the fidelity monitor.
+    ``slots_per_rank``: symi's slots (None: ``E/G + 2``), lrmoe's most when its own
+    ``max_slots_per_rank`` is unset; ``recompute``: static and symi fit a budget by recompute
+    or a whole-layer checkpoint instead of stopping."""
 
     name: str = "static"
     capacity_factor: float = 1.25

@@ -31,10 +31,8 @@ class StaticPolicy(Policy):
     name: str = "static"
 
     def plans_natives_exactly(self) -> bool:
-        """True for the plain policy: without a budget its plan is
-        :func:`lrmoe.policy.plan.native_plan`, which the one-rank local path
-        (:func:`lrmoe.parallel.local.runs_locally`) runs in its place. A subclass may
-        plan otherwise, so it does not qualify."""
+        """True for the plain policy (not a subclass): without a budget its plan is
+        :func:`lrmoe.policy.plan.native_plan`, which the one-rank local path runs in its place."""
         return type(self) is StaticPolicy
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:

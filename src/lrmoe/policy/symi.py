@@ -2,25 +2,12 @@
 
 Legend: G ranks, S = s slots per rank, E experts. All tensors int64 on the CPU.
 
-SYMI (arXiv 2504.19925, NSDI '26), as summarised in docs/design.md §4:
-
-* every rank has ``s >= E/G`` slots, so a layer has ``G·s`` instances;
-* replica counts follow the previous step's popularity ``pop`` (uniform on the first
-  step): ``goal = pop/sum(pop)·G·s``, ``cnt = floor(max(goal, 1))``, ``diff = cnt - goal``;
-  while ``sum(cnt) > G·s`` decrement, among experts with ``cnt > 1``, the one with the
-  largest ``diff``; while ``sum(cnt) < G·s`` increment the one with the smallest
-  ``diff`` (ties: lowest expert id);
-* placement is contiguous: expert 0's instances fill the slots first, then expert 1's,
-  rank by rank (several instances of one expert may share a rank);
-* each expert's pairs are split evenly over its instances; every pair is retained and
-  selected (SYMI's backward is exact).
-
-With a memory budget the plan must fit the ledger; :func:`largest_feasible_slots` picks
-the largest ``s`` that does (what a SYMI user would tune by hand). With ``recompute``
-a rank may instead recompute the gate_up output of some pairs in backward
-(:meth:`lrmoe.ledger.Ledger.exact_fit`); :func:`best_slots` then picks the ``s``
-with the lowest busiest-rank work (forward + backward + recompute GEMMs), which is how
-the side-by-side benchmark gives SYMI its best configuration under a budget.
+SYMI (arXiv 2504.19925, NSDI '26; docs/design.md §4): ``G·s`` instances; ``goal =
+pop/sum(pop)·G·s``, ``cnt = floor(max(goal, 1))``, ``diff = cnt - goal``; while
+``sum(cnt) > G·s`` decrement the largest ``diff`` among ``cnt > 1``, while below
+increment the smallest (ties: lowest id); contiguous placement; an even split and an
+exact backward. Under a budget :func:`largest_feasible_slots` or, with recompute,
+:func:`best_slots` picks ``s``.
 """
 
 from __future__ import annotations
@@ -64,8 +51,7 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
 
 def _rounded(pop_E: Tensor | None, E: int, total_slots: int
              ) -> tuple[list[int], list[float]]:
-    """SYMI's rounding, with heaps: ``(cnt, diff)`` after it (see
-    :func:`replica_counts_heap`)."""
+    """SYMI's rounding, with heaps: ``(cnt, diff)`` after it."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
     if n > total_slots:
@@ -91,18 +77,14 @@ def _rounded(pop_E: Tensor | None, E: int, total_slots: int
 
 
 def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly,
-    with heaps: decrement the largest ``diff`` first (ties to the lower id), then
-    increment the smallest; ``O(log E)`` per step instead of a scan (its loop reading is
-    in ``tests/references/plans.py``)."""
+    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly, with
+    heaps (its loop reading: ``tests/references/plans.py``)."""
     return _rounded(pop_E, E, total_slots)[0]
 
 
 def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list[int], list[int]]:
-    """``(cnt, order)``: SYMI's replica counts for ``total_slots`` instances and the
-    experts whose replicas it gives up first when fewer fit: its own decrement loop run on
-    past ``total_slots`` (the largest ``diff`` among experts with more than one instance,
-    ties to the lower id), down to one instance each (``total_slots - E`` entries)."""
+    """``(cnt, order)``: SYMI's replica counts and the experts whose replicas it gives up first
+    when fewer fit (its decrement loop run on, down to one instance each)."""
     cnt, diff = _rounded(pop_E, E, total_slots)
     heap = [(-diff[e], e) for e in range(E) if cnt[e] > 1]
     heapq.heapify(heap)
@@ -118,10 +100,8 @@ def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list
 
 
 def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
-    """``[G, s]``: expert 0's instances first, then expert 1's, ..., rank by rank; with
-    ``n = sum(cnt) < G·s`` instances rank ``r`` holds ``n // G`` (the first ``n % G``
-    ranks one more) and its empty slots (``-1``) come last, so at one instance each
-    (``n = E``) it is static's native placement."""
+    """``[G, s]``: expert 0's instances first, then expert 1's, rank by rank; with fewer than
+    ``G·s`` instances ranks hold ``n // G`` (the first ``n % G`` one more), empty slots last."""
     cnt_E = np.asarray(cnt_E, dtype=np.int64)
     n = int(cnt_E.sum())
     if n == G * s:
@@ -136,9 +116,7 @@ def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
 
 def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
                ) -> np.ndarray:
-    """SYMI's placement ``[G, s]`` from the previous step's popularity: replica counts
-    (:func:`replica_counts_heap`) laid out contiguously. Needs no current count, so the
-    runtime computes it before the count all-gather (:meth:`SymiPolicy.prepare`)."""
+    """SYMI's placement ``[G, s]`` from the previous step's popularity (needs no current count)."""
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     s = slots_per_rank
     require(isinstance(s, int) and s >= E // G,
@@ -150,12 +128,9 @@ def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,
               ledger=None, recompute: bool = False, placement: np.ndarray | None = None,
               slots: Slots | None = None) -> Plan:
-    """SYMI's plan for one layer; raises :class:`LrmoeError` if it exceeds the ledger.
-    With ``recompute`` it fits instead: the fewest rows per rank recompute, else a
-    whole-layer checkpoint (:func:`fit_exact`), else it gives replicas up until that
-    fits (:func:`fewer_replicas`); it raises only where static's placement does not fit
-    either. ``placement``: the :func:`place_symi` of ``prev_counts_E`` when the caller
-    prepared it."""
+    """SYMI's plan for one layer; over the ledger it raises, or with ``recompute`` fits by
+    :func:`fit_exact`'s fallbacks and then :func:`fewer_replicas`. ``placement``: a prepared
+    :func:`place_symi`."""
     G, E = counts_GE.shape
     s = slots_per_rank
     inst = placement if placement is not None else place_symi(prev_counts_E, G, E, s)
@@ -190,8 +165,7 @@ FEWER_RUNGS = {"fits": "fewer-replicas", "pairs": "recompute-fewer-replicas",
 
 
 def _fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
-    """The exact ``plan`` with the fallback ``Ledger.exact_fit`` chose (``mode``): as is,
-    the fewest rows recomputed (``rec``) or a whole-layer checkpoint."""
+    """The exact ``plan`` with ``Ledger.exact_fit``'s fallback ``mode``."""
     if mode == "pairs":
         return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec), **extra)
     return dataclasses.replace(plan, layer_checkpoint=mode == "layer", **extra)
@@ -199,13 +173,9 @@ def _fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
 
 def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledger,
                    view: LedgerView) -> Plan:
-    """SYMI's plan at a step whose ``s`` slots do not fit the budget even with recompute
-    and a whole-layer checkpoint: its most replicas that fit (with that fallback). It
-    gives replicas up one at a time in :func:`given_up_order` (its own rounding rule run
-    on), lays the rest out contiguously (:func:`contiguous`) and takes the first count
-    that fits; with every replica given up its placement is static's, so it fits wherever
-    static's does (else :class:`lrmoe.errors.OutOfMemory`, as static's). A rare step's
-    path: one placement and one vectorised ledger query per count tried."""
+    """SYMI's plan where its ``s`` slots do not fit even with recompute and a whole-layer
+    checkpoint: its most replicas that fit, given up in :func:`given_up_order`; with every
+    replica given up it is static's placement and verdict."""
     G, E = c_GE.shape
     total_E = c_GE.sum(0)
     cnt, order = given_up_order(prev_counts_E, E, G * s)
@@ -231,12 +201,8 @@ def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledge
 
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                            max_slots: int | None = None) -> int:
-    """The largest ``s`` in ``[E/G, max_slots]`` (default ``E``) whose SYMI plan fits.
-
-    Memory is not strictly monotone in ``s`` (contiguous placement moves load), so every
-    ``s`` is tried, stopping once the slots alone (owned state, instances and home
-    buffers) exceed the budget. Raises :class:`LrmoeError` if none fits.
-    """
+    """The largest ``s`` in ``[E/G, max_slots]`` whose SYMI plan fits (every ``s`` tried:
+    memory is not monotone in ``s``); raises if none fits."""
     G, E = counts_GE.shape
     lo = E // G
     hi = E if max_slots is None else max_slots
@@ -267,12 +233,8 @@ _FWD, _BWD, _RECOMPUTE = 3, 6, {"fits": 0, "pairs": 2, "layer": 3}
 
 def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                max_slots: int | None = None) -> dict[int, int]:
-    """``{s: busiest rank's GEMM work}`` for every ``s`` whose plan fits with recompute.
-
-    Work is counted in units of one ``H·F`` multiply-add per pair: forward 3, backward
-    6, and per recomputed row 2 (gate_up only) or 3 (a whole-layer checkpoint,
-    :meth:`lrmoe.ledger.Ledger.exact_fit`). Infeasible ``s`` are left out.
-    """
+    """``{s: busiest rank's GEMM work}`` for every ``s`` that fits with recompute, in ``H·F``
+    multiply-adds per pair: forward 3, backward 6, per recomputed row 2 (3 for a layer)."""
     G, E = counts_GE.shape
     hi = E if max_slots is None else max_slots
     out = {}
@@ -293,14 +255,9 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
 def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
                max_slots: int | None = None, per: list[dict[int, int]] | None = None
                ) -> tuple[int, int]:
-    """One ``s`` for a list of count matrices (layers, or profiled steps × layers).
-
-    Prefers the ``s`` that fits (with recompute) the most of them, then the least mean
-    busiest-rank work over those it fits, then the larger ``s``. Returns ``(s, number
-    of matrices it fits)``; raises :class:`LrmoeError` if no ``s`` fits any of them
-    even with recompute. ``per``: the matrices' :func:`slot_costs` when the caller
-    already has them (with the same ``max_slots``).
-    """
+    """One ``s`` for several count matrices: the one that fits the most of them, then the least
+    mean busiest-rank work, then the larger; ``(s, matrices it fits)``. ``per``: their
+    :func:`slot_costs` if known."""
     if per is None:
         per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
     cands = set().union(*(set(d) for d in per)) if per else set()
@@ -329,8 +286,7 @@ class SymiPolicy(Policy):
 
     def prepare(self, prev_counts, G: int, inputs: PlanInputs,
                 home_pairs: int | None = None) -> Prepared | None:
-        """The placement: it depends on the previous step's popularity alone (``None``
-        on the first step, whose uniform placement the plan makes)."""
+        """The placement, from the previous step's popularity alone (``None`` on the first step)."""
         if prev_counts is None:
             return None
         pop = prev_counts if prev_counts.dim() == 1 else prev_counts.sum(0)

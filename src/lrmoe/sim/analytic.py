@@ -3,22 +3,11 @@
 Legend: G ranks, S slots per rank, E experts, H hidden, F expert (moe) intermediate
 size; ``_GG`` is ``[src rank, dst rank]``, ``_GGS`` ``[home rank, rank, slot]``.
 
-:func:`modelled_stats` builds the :class:`lrmoe.sim.virtual.VirtualStats` the virtual EP
-emulator would record for the same plan, so :func:`lrmoe.sim.cost.step_times` turns it
-into stage times unchanged. Rows are the plan's (its pairs, selected pairs and
-replicas), bytes per row :mod:`lrmoe.traffic`'s, which the emulator's counters use too
-(tested against :class:`lrmoe.sim.virtual.VirtualEPLayer`).
-
-The one thing the emulator measures and this module models is the expert kernel time:
-a SwiGLU expert is three ``H×F`` GEMMs, so a pair costs ``6HF`` flops in forward and
-``12HF`` in backward (input and weight gradients), at a fixed ``rate_flops``. That
-assumes every grouped GEMM runs at the same rate whatever its size; backward is charged
-for the selected (compacted) rows only, as the runtime runs it.
-
-:func:`project_policy` is the scale projection of ``lrmoe plan --compare``: one policy
-under one per-rank budget, by the emulator's rules (exact policies recompute the fewest
-pairs that fit; lrmoe plans against the ledger), with modelled times averaged over
-several count matrices (e.g. sampled steps and layers of a routing trace).
+:func:`modelled_stats` builds the :class:`lrmoe.sim.virtual.VirtualStats` the emulator
+would record for the plan (rows and bytes as its counters count them; tested against
+:class:`lrmoe.sim.virtual.VirtualEPLayer`), the expert kernel time modelled at a fixed
+GEMM rate. :func:`project_policy` is the scale projection of ``lrmoe plan --compare``
+(docs/design.md §9, "Scale projection").
 """
 
 from __future__ import annotations
@@ -54,26 +43,10 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
                    plan_ms: float = 0.0, router_grad_at_experts: bool = False) -> VirtualStats:
     """MODELLED stats of one layer's step under ``plan``: nothing runs, nothing is timed.
 
-    Args:
-        plan: one layer's plan.
-        cfg: the model's shapes (``hidden_size``, ``moe_intermediate_size``,
-            ``num_experts``).
-        rate_flops: flop/s each rank's expert GEMMs achieve (e.g. 440e12).
-        bytes_act: bytes per element of activations and exchanged rows.
-        bytes_w: bytes per element of the instance weights and their gradients.
-        recompute_rows: per rank, rows re-run forward in backward (exact policies under
-            a budget): with mode ``pairs`` their gate_up is charged in the expert
-            backward; a ``layer`` checkpoint is charged by :mod:`lrmoe.sim.cost`.
-        recompute_mode: :meth:`lrmoe.ledger.Ledger.exact_fit`'s mode (``pairs``: gate_up
-            of those rows; ``layer``: a whole-layer checkpoint).
-        plan_ms: the planning time per layer (measured by the caller), charged to every
-            rank (each computes the plan) as the emulator does.
-        router_grad_at_experts: ``BackwardOptions(router_grad="experts")``: on an exact
-            plan each backward row brings its router gradient home (4 more bytes).
-    Returns:
-        A :class:`VirtualStats` with ``rows``, ``rows_GG``, ``bytes_GG``, ``expert_ms``
-        (modelled) and ``saved_act_bytes``.
-    """
+    The expert GEMMs run at ``rate_flops``; ``recompute_rows`` per rank re-run forward in
+    backward (``recompute_mode`` as :meth:`lrmoe.ledger.Ledger.exact_fit`'s: ``pairs`` charge
+    their gate_up in the expert backward, a ``layer`` checkpoint :mod:`lrmoe.sim.cost`
+    charges); ``plan_ms`` is charged to every rank as the emulator does."""
     require(rate_flops > 0, f"GEMM rate {rate_flops} flop/s must be > 0")
     H, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     G = plan.G
@@ -121,9 +94,8 @@ def _timed(ms: list[float], fn, *args):
 
 
 def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> StepTimes:
-    """Stage by stage, the mean over ``stats`` (each one layer's step, e.g. several sampled
-    steps and layers) of :func:`lrmoe.sim.cost.step_times`, labelled ``modelled``
-    (``offload``: a :class:`lrmoe.sim.offload.OffloadModel`, its stages charged)."""
+    """Stage by stage, the mean over ``stats`` (one layer's step each) of
+    :func:`lrmoe.sim.cost.step_times`, labelled ``modelled``."""
     require(len(stats) > 0, "no layer stats to average")
     runs = [step_times(s, link, offload=offload) for s in stats]
     out = StepTimes(link=link.name, label="modelled")
@@ -135,13 +107,10 @@ def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> Step
 def symi_slot_choice(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
                      pops: list[Tensor], link: Link, rate_flops: float,
                      probe: int = 4) -> tuple[int, int | None]:
-    """symi's ``s`` for a projection, and which rule chose it: ``(s, None)`` when ``s``
-    is the one with the least modelled MoE time (GEMMs, recompute *and* the exchanges,
-    weight scatter and gradient reduce included; under ``optimizer_offload="host"`` the
-    offload traffic of SYMI's sharded layout too) among those that fit every sample (with
-    recompute), on up to ``probe`` evenly spaced samples, ties to the larger ``s``;
-    ``(s, n)`` when none fits every sample and ``s`` is
-    :func:`lrmoe.policy.symi.best_slots`' (it fits ``n`` of them)."""
+    """symi's ``s`` for a projection and the rule that chose it: ``(s, None)``, the least
+    modelled MoE time (exchanges and offload included) among the ``s`` that fit every
+    sample, on up to ``probe`` of them, ties to the larger; else ``(s, n)`` from
+    :func:`lrmoe.policy.symi.best_slots` (it fits ``n`` samples)."""
     per = [slot_costs(ledger, c, p) for c, p in zip(samples, pops)]
     common = sorted(set.intersection(*(set(d) for d in per))) if per else []
     if not common:
@@ -162,26 +131,10 @@ def symi_slot_choice(cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
 def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Tensor],
                    link: Link, rate_flops: float, lrmoe: LrmoeConfig | None = None,
                    slots_per_rank: int | None = None) -> dict:
-    """``name`` (one of :data:`PROJECTED`) under ``ledger``'s budget, for every sample.
-
-    static and symi are exact and recompute the fewest pairs that fit
-    (:meth:`lrmoe.ledger.Ledger.exact_fit`, as the emulator); symi's ``s`` is
-    :func:`symi_slot_choice` unless ``slots_per_rank`` fixes it. lrmoe plans against the
-    ledger (``slots_per_rank``: its most slots per rank).
-    Nothing fits when even the owned state and the native instances
-    (:meth:`lrmoe.ledger.Ledger.feasible_minimum`) exceed the budget.
-
-    Args:
-        samples: ``[G, E]`` count matrices; popularity is each one's own (steady state).
-    Returns:
-        A JSON-ready row: ``fits`` (and ``reason`` when not), ledger ``peak_bytes``,
-        ``keep_ratio``/``retain_ratio`` (lrmoe), ``recompute_ratio`` (static, symi),
-        mean ``replicas``, symi's ``slots_per_rank``, ``planning_ms`` (the policy's
-        planning time per layer, measured here: the plan call and, for the exact
-        policies, their fit to the budget) and, when it fits, the mean over samples of
-        the modelled ms per MoE layer (total and per stage, the measured planning time
-        included as stage ``plan``, charged to every rank) and × L.
-    """
+    """``name`` (one of :data:`PROJECTED`) under ``ledger``'s budget over ``samples`` (``[G, E]``
+    count matrices, each its own popularity): a JSON-ready row with whether it fits (and
+    why not), the ledger peak, keep/retain/recompute ratios, mean replicas, symi's ``s``, the
+    measured planning time and, when it fits, the modelled ms per MoE layer by stage and × L."""
     require(name in PROJECTED, f"policy {name!r} is not projected; use one of {PROJECTED}")
     G = ledger.G
     row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
@@ -252,16 +205,15 @@ def _plan_samples(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Ten
 
 def _fit_samples(name: str, ledger: Ledger, plans: list[Plan], ms: list[float], row: dict
                  ) -> tuple[list[list[int] | None], list[str]]:
-    """Each plan's fit to the budget (``Ledger.exact_fit``'s mode and recomputed rows;
-    timed into ``ms`` for the exact policies, whose planning it is part of), and the
-    plans' ledger peak, replicas and (lrmoe) keep and retain ratios into ``row``."""
+    """Each plan's fit to the budget (mode and recomputed rows; timed into ``ms`` for the exact
+    policies, whose planning it is part of), and the plans' peak, replicas and ratios into
+    ``row``."""
     recs: list[list[int] | None] = []
     modes: list[str] = []
     peak = 0
     for i, plan in enumerate(plans):
         if name == "lrmoe" and plan.rung == "layer":  # its ladder's
             mode, rec, terms = ledger.exact_fit(plan)  # whole-layer rung: mode "layer"
-            rec = rec.tolist() if hasattr(rec, "tolist") else rec
         elif name == "lrmoe":  # its own recompute rows, if it plans any
             rec = None if plan.recompute_G is None else plan.recompute_G.tolist()
             mode, terms = "pairs", ledger.rank_terms(plan)

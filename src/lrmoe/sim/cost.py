@@ -1,23 +1,10 @@
-"""Emulated step time from the virtual EP emulator's per-rank stats (docs/design.md §9).
+"""Emulated step time from the virtual EP emulator's per-rank stats.
 
-Each stage's time is its critical path: the slowest virtual rank. Expert stages use the
-measured kernel time of each virtual rank; exchanges use :func:`lrmoe.sim.links.
-exchange_time` on the exact ``[src, dst]`` bytes. Rows recomputed to fit a budget
-(``Plan.recompute_G``) are run by the emulator as by the runtime, inside the expert
-backward: their gate_up GEMM is measured in ``bwd_experts``. ``bwd_recompute`` is a
-whole-layer checkpoint: one the emulator ran (``Plan.layer_checkpoint``) costs what its backward
-measured: the forward's expert kernels again (``expert_ms["recompute"]``) and the
-re-sent dispatch and combine (:data:`lrmoe.sim.vstats.RECOMPUTE_EXCHANGES`, from their
-bytes; the re-run's local work is in ``local`` and ``gather``, measured); one it did not
-run (``recompute_mode`` ``layer`` or ``over`` of modelled stats) costs each rank its
-forward dispatch, experts and combine again. The control plane and the local work are charged
-too: ``plan`` (the measured planning time, charged to every rank: each computes the
-plan), ``count_exchange`` (modelled from bytes: the count all-gather, E int64 per peer,
-and the sampled estimator's count exchange, S int64 per peer), and the measured
-``select`` (metric, selection sorts, compaction), ``gather`` (saved rows gathered in
-forward and backward) and ``local`` (counting, layouts, permutes, combine kernels)
-(:data:`lrmoe.sim.virtual.MEASURED_STAGES`). Stages run one after another (no overlap
-is modelled). Everything here is **emulated** cluster time, never measured.
+Each stage costs its slowest virtual rank: expert stages their measured kernel time,
+exchanges :func:`lrmoe.sim.links.exchange_time` of their exact ``[src, dst]`` bytes, the
+control plane its measured or modelled time; stages run one after another. What each
+stage charges (recompute and whole-layer checkpoints included): docs/design.md §9.
+Everything here is **emulated** cluster time, never measured.
 """
 
 from __future__ import annotations
@@ -38,12 +25,9 @@ STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd
 
 @dataclass
 class StepTimes:
-    """Emulated seconds per stage (the slowest virtual rank each), summed over layers.
-
-    ``non_moe`` is a measured time for the rest of the step (attention, dense layers,
-    optimizer), passed in by the caller. ``per_rank`` keeps each stage's per-rank
-    seconds (summed over layers) for inspection.
-    """
+    """Emulated seconds per stage (the slowest virtual rank each), summed over layers;
+    ``non_moe`` is the caller's measured rest of the step, ``per_rank`` each stage's
+    per-rank seconds."""
 
     plan: float = 0.0
     count_exchange: float = 0.0
@@ -79,28 +63,30 @@ class StepTimes:
         return self.moe + self.non_moe
 
 
+def _live(stats: VirtualStats, ex: str) -> bool:
+    """Exchange ``ex`` sends bytes over a link (not one rank, not a layer without it)."""
+    return ex in stats.bytes_GG and sum(stats.bytes_sent(ex)) > 0
+
+
+def _seconds(ms_by_key: dict, key: str, G: int) -> list[float]:
+    return [ms / 1e3 for ms in ms_by_key.get(key, [0.0] * G)]
+
+
 def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]]:
     """Per stage, each virtual rank's emulated seconds for one layer's step."""
     G = stats.plan.G
-    out: dict[str, list[float]] = {}
-    for ex in EXCHANGES:
-        if ex not in stats.bytes_GG:
-            out[ex] = [0.0] * G
-            continue
-        if sum(stats.bytes_sent(ex)) == 0:  # nothing crosses a link (one rank, or no replicas)
-            out[ex] = [0.0] * G
-        else:
-            out[ex] = exchange_time(stats.bytes_GG[ex], link)
-    counts = [[0.0] * G] + [out.pop(ex) for ex in ("count_allgather", "bwd_count_exchange")
-                            if ex in out]
-    out["count_exchange"] = [sum(v) for v in zip(*counts)]
+
+    def exchange(ex: str) -> list[float]:
+        return exchange_time(stats.bytes_GG[ex], link) if _live(stats, ex) else [0.0] * G
+    out = {ex: exchange(ex) for ex in EXCHANGES}
+    counts = (out.pop("count_allgather"), out.pop("bwd_count_exchange"))
+    out["count_exchange"] = [a + b for a, b in zip(*counts)]
     for k in MEASURED_STAGES:
-        out[k] = [ms / 1e3 for ms in stats.stage_ms.get(k, [0.0] * G)]
-    out["fwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
-    out["bwd_experts"] = [ms / 1e3 for ms in stats.expert_ms.get("bwd", [0.0] * G)]
+        out[k] = _seconds(stats.stage_ms, k, G)
+    out["fwd_experts"] = _seconds(stats.expert_ms, "fwd", G)
+    out["bwd_experts"] = _seconds(stats.expert_ms, "bwd", G)
     if "recompute" in stats.expert_ms:  # a whole-layer checkpoint, run: measured
-        redo = [exchange_time(stats.bytes_GG[ex], link) if sum(stats.bytes_sent(ex)) else
-                [0.0] * G for ex in RECOMPUTE_EXCHANGES]
+        redo = [exchange(ex) for ex in RECOMPUTE_EXCHANGES]
         out["bwd_recompute"] = [ms / 1e3 + sum(v) for ms, *v in
                                 zip(stats.expert_ms["recompute"], *redo)]
     elif stats.recompute_mode in ("layer", "over"):
@@ -117,46 +103,39 @@ LINK_STAGES = ("count_exchange", "fwd_dispatch", "fwd_combine", "bwd_dispatch",
 
 
 def rank_bytes(bytes_GG) -> list[float]:
-    """Each rank's ``max(sent, received)`` bytes of one exchange ``[src, dst]``, its copy
-    to itself left out: what :func:`lrmoe.sim.links.alltoall_time` prices."""
+    """Each rank's ``max(sent, received)`` bytes of one exchange ``[src, dst]``, self-copy aside."""
     b = torch.as_tensor(bytes_GG, dtype=torch.float64)
     b = b - torch.diag(torch.diagonal(b))
     return [max(x, y) for x, y in zip(b.sum(1).tolist(), b.sum(0).tolist())]
 
 
 def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], list[float]]]:
-    """Per :data:`LINK_STAGES` stage, the link-free terms of :func:`rank_stage_seconds`:
-    ``(messages, bytes per rank, fixed seconds per rank)``, so that on a flat link each
-    rank's seconds are ``fixed + bytes / bandwidth + messages · latency · (G - 1)``
-    (:func:`price_terms`): ``messages`` counts the stage's exchanges with traffic,
-    ``bytes`` sums their :func:`rank_bytes`, ``fixed`` is the measured or modelled
-    compute of ``bwd_recompute`` (0 elsewhere)."""
+    """Per :data:`LINK_STAGES` stage, :func:`rank_stage_seconds` as link-free terms
+    ``(messages, bytes per rank, fixed seconds per rank)`` that :func:`price_terms` prices."""
     G = stats.plan.G
 
     def ex_terms(names, fixed=None):
-        live = [ex for ex in names if ex in stats.bytes_GG and sum(stats.bytes_sent(ex))]
+        live = [ex for ex in names if _live(stats, ex)]
         per = [rank_bytes(stats.bytes_GG[ex]) for ex in live]
         return len(live), [sum(v) for v in zip(*per)] if per else [0.0] * G, \
             fixed or [0.0] * G
 
     out = {ex: ex_terms([ex]) for ex in LINK_STAGES if ex in EXCHANGES}
     out["count_exchange"] = ex_terms(["count_allgather", "bwd_count_exchange"])
-    fwd = [ms / 1e3 for ms in stats.expert_ms.get("fwd", [0.0] * G)]
     if "recompute" in stats.expert_ms:
         out["bwd_recompute"] = ex_terms(RECOMPUTE_EXCHANGES,
-                                        [ms / 1e3 for ms in stats.expert_ms["recompute"]])
+                                        _seconds(stats.expert_ms, "recompute", G))
     elif stats.recompute_mode in ("layer", "over"):
-        out["bwd_recompute"] = ex_terms(["fwd_dispatch", "fwd_combine"], fwd)
+        out["bwd_recompute"] = ex_terms(["fwd_dispatch", "fwd_combine"],
+                                        _seconds(stats.expert_ms, "fwd", G))
     else:  # rows recomputed inside the expert backward are measured there
         out["bwd_recompute"] = ex_terms([])
     return out
 
 
 def price_terms(charge: list, link: Link, G: int) -> float:
-    """Emulated seconds of one recorded charge (``[messages, critical bytes]`` or
-    ``[messages, bytes per rank, fixed per rank]``, see :func:`accumulated_times`) on
-    ``link``: its slowest rank. A two-level link prices it only when the G ranks fit in
-    one node (then it is its intra-node link); else the charge lacks the split."""
+    """Emulated seconds of one recorded charge on a flat ``link`` (a two-level one only when
+    the G ranks fit in one node): its slowest rank."""
     require(not link.node_size or G <= link.node_size,
             f"--link {link.name}: {G} ranks span nodes of {link.node_size}, and the "
             "recorded bytes are not split into intra- and inter-node")
@@ -179,13 +158,8 @@ def _record(terms: dict | None, t: dict) -> None:
 
 def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
                non_moe_s: float = 0.0, offload=None) -> StepTimes:
-    """Turn one or several layers' emulator stats into a :class:`StepTimes`.
-
-    Per layer, each stage costs its slowest rank; layers add up (they run in sequence).
-    ``offload`` (a :class:`lrmoe.sim.offload.OffloadModel`, ``--optimizer-offload
-    host``) adds the modelled ``opt_*`` stages and, for SYMI's sharded layout, replaces
-    the weight scatter and gradient reduce by its sharded exchanges.
-    """
+    """One or several layers' emulator stats as a :class:`StepTimes` (layers add up);
+    ``offload`` adds the modelled ``opt_*`` stages and SYMI's sharded exchanges."""
     layers = stats if isinstance(stats, list) else [stats]
     st = StepTimes(non_moe=non_moe_s, link=link.name)
     for s in layers:
@@ -206,8 +180,7 @@ def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
         st.per_rank[k] = [a + b for a, b in zip(acc, v)]
 
 
-# Stages of a layer's replicas that need happen only once per optimizer step when the
-# placement stays the same over the step's micro-batches (module doc of accumulated_times).
+# a layer's replica stages, once per optimizer step while its placement stays the same
 _PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
 
 
@@ -215,35 +188,11 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
                       offload=None, terms: dict | None = None
                       ) -> tuple[list[StepTimes], StepTimes]:
-    """One optimizer step of N micro-batches (gradient accumulation): ``(per micro-batch
-    StepTimes, the per-optimizer-step StepTimes)``; the step costs their sum.
-
-    ``micro[m]`` holds micro-batch m's stats, one per MoE layer. Every micro-batch is
-    charged its own forward and backward stages. Charged once per optimizer step, in the
-    second :class:`StepTimes`:
-
-    * the optimizer's offload stages (``opt_*``, with ``offload``): the weights and the
-      optimizer state change only at the optimizer step;
-    * a layer's ``weight_scatter`` and ``grad_reduce`` when its placement
-      (``inst_expert_GS``) is the same in every micro-batch of the step (SYMI's, from the
-      previous step's popularity; static's): the slots keep their weights and add up
-      their gradients over the micro-batches, so the replicas' weights arrive once and
-      their gradients go home once. A layer whose placement changes between micro-batches
-      (lrmoe plans each from its own counts; SYMI gives replicas up at a micro-batch
-      that does not fit) pays both in every micro-batch. Under the sharded offload layout
-      (SYMI) they are the offload model's sharded exchanges: once, or every micro-batch
-      (for its own placement) where the placement changed.
-
-    ``non_moe_micro_s`` (per micro-batch) and ``non_moe_step_s`` (the optimizer's
-    measured part) are the caller's per-rank non-MoE seconds. With one micro-batch the
-    sum equals :func:`step_times` of that micro-batch.
-
-    ``terms`` (a dict, filled): per :data:`LINK_STAGES` stage, the charges the step adds
-    up, each one layer's slowest rank as link-free terms (``[messages, critical bytes]``,
-    or ``[messages, bytes per rank, fixed seconds per rank]`` where the stage has compute
-    too); :func:`price_terms` prices one on any flat link, so a recorded step can be
-    re-priced for another link (``benchmarks/reprice_links.py``).
-    """
+    """One optimizer step of N micro-batches: ``(StepTimes per micro-batch, StepTimes of what
+    is charged once per optimizer step)``; the step costs their sum (docs/design.md §9,
+    "Gradient accumulation in the emulator"). ``micro[m]`` holds micro-batch m's stats per
+    MoE layer; ``terms``, when given, is filled with each charge's link-free terms
+    (:func:`rank_link_terms`) for re-pricing on another link."""
     N = len(micro)
     require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
             "accumulated_times: every micro-batch needs one stats entry per MoE layer")

@@ -24,19 +24,9 @@ from lrmoe.errors import LrmoeError
 
 @dataclass(frozen=True)
 class Link:
-    """One GPU's link to its EP peers.
-
-    Attributes:
-        name: preset name.
-        bandwidth_Bps: bytes per second per direction per GPU (datasheet peak).
-        latency_s: seconds per peer message.
-        efficiency: fraction of ``bandwidth_Bps`` an all-to-all achieves (1 = peak).
-        source: where the peak comes from.
-        efficiency_source: where the efficiency comes from.
-        node_size: two-level links: GPUs per node (peers inside a node use this link);
-            0 for a flat link.
-        inter: two-level links: the link between nodes.
-    """
+    """One GPU's link to its EP peers: a datasheet peak per direction, the fraction of it an
+    all-to-all achieves (published, with its source), a latency per peer message, and for
+    a two-level link the GPUs per node and the link between nodes."""
 
     name: str
     bandwidth_Bps: float
@@ -103,12 +93,8 @@ def get_link(name: str) -> Link:
 
 def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Link,
                   G: int | None = None) -> list[float]:
-    """Emulated seconds each rank spends in one all-to-all.
-
-    ``max(sent, received) / bandwidth + latency * (G - 1)``: a rank's send and receive
-    directions run concurrently, and it exchanges one message with each of its G - 1
-    peers. Bytes should exclude a rank's copy to itself (no link carries it).
-    """
+    """Emulated seconds each rank spends in one all-to-all: ``max(sent, received) / bandwidth
+    + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
     G = len(bytes_sent_G) if G is None else G
     bw = link.effective_Bps
     lat = link.latency_s * max(G - 1, 0)
@@ -116,14 +102,9 @@ def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Li
 
 
 def exchange_time(bytes_GG, link: Link) -> list[float]:
-    """Emulated seconds each rank spends in one exchange of ``bytes_GG`` ``[src, dst]``
-    (a tensor or nested list; the diagonal, a rank's copy to itself, crosses no link).
-
-    A flat link: :func:`alltoall_time` of each rank's sent and received bytes. A
-    two-level link (``node_size`` > 0): the bytes between ranks of one node at ``link``,
-    the rest at ``link.inter``, each ``max(sent, received) / bandwidth`` plus a latency
-    per peer of that kind; the fabrics run at once, so the rank takes the longer.
-    """
+    """Emulated seconds each rank spends in one exchange of ``bytes_GG`` ``[src, dst]`` (the
+    diagonal crosses no link); on a two-level link the in-node and between-node bytes each
+    at their link, the rank taking the longer."""
     b = torch.as_tensor(bytes_GG, dtype=torch.float64)
     G = b.shape[0]
     b = b - torch.diag(torch.diagonal(b))

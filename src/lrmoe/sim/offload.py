@@ -1,59 +1,9 @@
 """Optimizer offload traffic of one MoE layer's step: bytes per rank -> MODELLED seconds.
 
-Legend: G ranks, E experts, S slots per rank, P = 3HF parameters per expert, ``b_w``
-bytes per element of the compute-dtype weights and gradients.
-
-The memory design is SYMI's (arXiv 2504.19925, NSDI '26; our reading of it): the
-experts' fp32 master weights and AdamW moments live in host memory, statically sharded
-so that every rank's host holds 1/G of *every* expert; the GPU holds only weight slots.
-Each step, per MoE layer and per rank:
-
-=================  ==================================================  ==================
-stage              bytes per rank                                      at
-=================  ==================================================  ==================
-grad_reduce        sharded: reduce-scatter of every instance's         EP link
-                   gradient into 1/G shards: sends ``n_r·(G-1)·P·b_w/G``
-                   (``n_r`` its occupied slots), receives
-                   ``(N - n_r)·P·b_w/G`` (``N`` instances in the layer)
-opt_d2h            its gradient shards to the host: ``(E/G)·P·b_w``    host link
-opt_host_update    AdamW over ``(E/G)·P`` fp32 parameters, each        host memory
-                   touching ``24 + 2·b_w`` bytes (reads: gradient
-                   ``b_w``, master, both moments 4+4+4; writes: master,
-                   moments 4+4+4, the compute-dtype weight ``b_w``)
-opt_h2d            its updated weight shards back: ``(E/G)·P·b_w``     host link
-weight_scatter     sharded: every slot of the *next* step gathers its  EP link
-                   expert's G shards: receives ``n_r·(G-1)·P·b_w/G``,
-                   sends ``(N - n_r)·P·b_w/G``
-=================  ==================================================  ==================
-
-The weight scatter to the next step's slots is folded into the update, as in the
-paper: the updated shards go straight to wherever the expert's instances sit next, so
-no separate migration happens. The host and PCIe bytes per rank are the same for every
-policy (E/G experts' worth). The **owner** layout (static and lrmoe: expert e's whole
-state on its owner rank ``e // (E/G)``, which is what their runtime does) moves the
-same host and PCIe bytes; its weight scatter and gradient reduce are the emulator's own
-owner-to-instance exchanges (``lrmoe.sim.virtual``), left as they are. Static under the
-owner layout has no network traffic at all: its natives never move.
-
-These are the bytes the trainer moves (:mod:`lrmoe.train.host_pipe`): the compute-dtype
-gradient down and the compute-dtype weight up (bf16 each way on CUDA), the widening and
-rounding done on the host chunk by chunk, in cache, so that host memory sees the
-gradient and weight once each beside the fp32 state.
-
-Presets (numbers are datasheet peaks, not measurements): the host link is PCIe 5.0
-x16, 32 GT/s per lane = 64 GB/s per direction before encoding and protocol overheads;
-the host memory bandwidth per rank assumes a two-socket host with eight DDR5-4800
-channels per socket (8 × 38.4 GB/s = 307 GB/s per socket) shared by eight GPUs:
-76.8 GB/s per rank. The host update is taken to be memory-bound at that rate.
-
-Overlap: the trainer pipelines the three stages per parameter and sends the gradients
-during the last backward (:mod:`lrmoe.train.host_pipe`), so less than their sum stays on
-the step's critical path. How much is a measured input, never assumed: the fraction of
-the stages' back-to-back time the trainer leaves exposed, measured with the real
-trainer by ``benchmarks/offload_step.py`` and recorded in :data:`MEASURED_OVERLAP` with
-its provenance; each ``opt_*`` stage is charged that fraction of its modelled time.
-While none is recorded the stages are charged back to back, in full (as every stage of
-the emulator), and the offload model's description says so.
+Legend: G ranks, E experts, S slots per rank, P = 3HF parameters per expert. The stages
+(``opt_d2h``, ``opt_host_update``, ``opt_h2d``; SYMI's sharded ``weight_scatter`` and
+``grad_reduce``), their bytes, the datasheet peaks assumed and the measured overlap:
+docs/design.md §9, "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -79,10 +29,8 @@ HOST_UPDATE_FP32_BYTES = 24  # master, exp_avg, exp_avg_sq: read and written, 4 
 
 @dataclass(frozen=True)
 class MeasuredOverlap:
-    """The fraction of the host optimizer's stages (gradient down, host update, weight
-    up; their back-to-back time) that the trainer's pipeline leaves on the step's
-    critical path, measured, and where: the command, code, date, device and results
-    folder of the ``benchmarks/offload_step.py`` run it comes from."""
+    """The measured share of the host optimizer's back-to-back stage time the trainer leaves
+    exposed, and the ``benchmarks/offload_step.py`` run it comes from."""
 
     exposed_fraction: float
     source: str
@@ -98,25 +46,14 @@ MEASURED_OVERLAP: MeasuredOverlap | None = None
 
 
 def policy_layout(policy: str) -> str:
-    """SYMI shards every expert's state over all ranks (the paper); static and lrmoe keep
-    each expert's state with its owner, as their runtime does."""
+    """SYMI shards every expert's state over all ranks; static and lrmoe keep it with its owner."""
     return "sharded" if policy == "symi" else "owner"
 
 
 @dataclass(frozen=True)
 class OffloadModel:
-    """Per-rank offload bytes and modelled seconds of one MoE layer's step.
-
-    Attributes:
-        E, G: experts and ranks.
-        P_params: parameters per expert (``3HF``).
-        bytes_w: bytes per element of the compute-dtype weights and gradients.
-        layout: ``sharded`` (SYMI: 1/G of every expert per rank) or ``owner``.
-        host_link: the GPU's link to its host (one direction per stage).
-        host_mem_Bps: host memory bandwidth available to one rank's AdamW.
-        overlap: the measured share of the stages left exposed (module doc); ``None``:
-            back to back, in full. Defaults to :data:`MEASURED_OVERLAP`.
-    """
+    """Per-rank offload bytes and modelled seconds of one MoE layer's step; ``overlap``
+    ``None`` charges the stages back to back, in full."""
 
     E: int
     G: int
@@ -143,9 +80,8 @@ class OffloadModel:
         return self.E // self.G * self.P_params
 
     def rank_bytes(self, inst_expert_GS) -> dict[str, list[int]]:
-        """Per stage, each rank's bytes for a layer whose (next step's) slots are
-        ``inst_expert_GS`` ``[G, S]`` (-1 empty). Sharded exchanges give ``(sent,
-        received)`` as ``<stage>_sent`` / ``<stage>_recv``."""
+        """Per stage, each rank's bytes for a layer whose next step's slots are ``inst_expert_GS``
+        ``[G, S]`` (-1 empty); sharded exchanges as ``<stage>_sent`` / ``<stage>_recv``."""
         G = self.G
         pcie = [self.host_params * self.bytes_w] * G
         out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
@@ -163,9 +99,8 @@ class OffloadModel:
         return out
 
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
-        """MODELLED seconds per rank: the :data:`OFFLOAD_STAGES` and, for the sharded
-        layout, ``weight_scatter`` and ``grad_reduce`` on the EP ``link`` (these
-        replace the emulator's owner-to-instance exchanges)."""
+        """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
+        ``grad_reduce`` on the EP ``link``."""
         b = self.rank_bytes(inst_expert_GS)
         hl = self.host_link
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
@@ -177,8 +112,7 @@ class OffloadModel:
         return out
 
     def _sharded_GG(self, inst_expert_GS) -> dict:
-        """The sharded layout's ``weight_scatter`` and ``grad_reduce`` bytes ``[src, dst]``
-        ({} for the owner layout)."""
+        """The sharded layout's ``weight_scatter`` and ``grad_reduce`` bytes ``[src, dst]``."""
         if self.layout != "sharded":
             return {}
         # [src, dst]: each slot on dst gathers its expert's shard from every other rank
@@ -203,9 +137,7 @@ _RECORDED = object()  # assumptions(): whatever MEASURED_OVERLAP holds
 
 def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
                 overlap: MeasuredOverlap | None | object = _RECORDED) -> str:
-    """One line: the host link and host memory bandwidth the offload stages assume, and
-    how much of them is charged (``overlap``; by default what :data:`MEASURED_OVERLAP`
-    holds)."""
+    """One line: the host link and memory bandwidth assumed, and how much is charged."""
     overlap = MEASURED_OVERLAP if overlap is _RECORDED else overlap
     charged = ("stages charged back to back, in full (the trainer's overlap is not measured "
                "yet)" if overlap is None else
@@ -218,8 +150,7 @@ def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
 
 
 def offload_for(ledger, policy: str) -> OffloadModel | None:
-    """The offload model of ``policy`` under ``ledger``'s memory design (``None`` when
-    the ledger keeps the optimizer state on the device, or there is no ledger)."""
+    """The offload model of ``policy`` under ``ledger`` (``None`` without host offload)."""
     if ledger is None or getattr(ledger, "optimizer_offload", "device") != "host":
         return None
     return OffloadModel.for_ledger(ledger, policy_layout(policy))

@@ -1,25 +1,13 @@
 """Targets and crossing times read from smoothed validation curves (docs/design.md §9).
 
-A validation curve is a list of evaluations ``{"step", "val_loss", "cum_emulated_s"}``
-(plus ``"val_batch_losses"`` when recorded). One noisy evaluation must not decide a
-time-to-target, so:
-
-* :func:`smooth` — centred moving average of the losses over ``window`` evaluations
-  (the window shrinks at the ends, so the curve keeps its length and its last point);
-* :func:`target_at` — the exact baseline's smoothed loss at ``step`` (linear between
-  the evaluations around it);
-* :func:`crossing` — the first point where a smoothed curve reaches the target, with
-  the step and the emulated time interpolated linearly between the evaluation above the
-  target and the one at or below it (``None`` if never reached);
-* :func:`eval_noise` — the standard error of one evaluation (std of its per-batch mean
-  losses / sqrt(batches)) against the smoothed loss change between neighbouring
-  evaluations near the target: the registered rule asks for SE < 1/4 of that change. Every
-  evaluation uses the same validation batches, so most of that SE (how hard each batch
-  is) is shared by all evaluations and moves no crossing; the noise of the *change*
-  between neighbouring evaluations is the paired standard error (std of the per-batch
-  differences / sqrt(batches)), reported beside it (``paired_std_error``,
-  ``paired_ok``). Both are reported; neither replaces the other.
-* :func:`ci95` — the two-sided 95% interval of a mean over seeds (Student t).
+A curve is a list of evaluations ``{"step", "val_loss", "cum_emulated_s"}`` (plus
+``"val_batch_losses"`` when recorded). :func:`smooth` is a centred moving average that
+keeps the curve's length; :func:`target_at` the baseline's smoothed loss at a step;
+:func:`crossing` the first point a smoothed curve reaches it (step and time linear
+between evaluations); :func:`eval_noise` one evaluation's standard error against the
+smoothed change near the target (SE < 1/4 of it), with the paired standard error of
+neighbouring evaluations beside it (they share their batches, so most of the SE moves no
+crossing); :func:`ci95` the 95% interval of a mean over seeds (Student t).
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Checkpoints: one directory per step, written with ``torch.distributed.checkpoint``
-(DCP) under world-size-independent keys, a hashed manifest, an atomic rename last.
+(DCP) under world-size-independent keys (:mod:`.ckpt_state`), a hashed manifest, an
+atomic rename last.
 
-Layout (``RUN/checkpoints/ckpt-00000300/``)::
-
-    .metadata          # DCP: every key's shape, dtype and where its bytes are
-    __0_0_0.distcp     # DCP: the bytes rank 0 wrote (each key is written by one rank),
-    __0_1_0.distcp     # in files of at most 1 GiB each (lrmoe.train.ckpt_write)
-    __1_0_0.distcp
-    manifest.json      # format, step, the writing world and EP size, SHA-256 of each file
-
-What the keys are (:mod:`lrmoe.train.ckpt_state`): replicated parameters once, expert
-parameters and their AdamW state one row per *global* expert id, the global trainer
-state once, RNG states per rank. So a checkpoint saved at ``--ep 4`` resumes at
-``--ep 2``, on one process, or under DP x EP: each rank reads the experts it owns.
-
-Atomicity: every rank writes into ``checkpoints/.ckpt-00000300.tmp``; after the last
-file is on disk, the ranks hash the files (each a share), rank 0 writes the manifest
-into that directory and renames it to ``ckpt-00000300``. A ``ckpt-*`` directory
-therefore always has its manifest; a ``.tmp`` directory is an interrupted save, ignored
-(and removed by the next save). Before anything is loaded the files are checked
-against the manifest (size and SHA-256), so a truncated or corrupt file is reported,
-never read. The directory must be on a filesystem that every rank sees.
-
-What resume guarantees: same world and EP size: bit-exact on the CPU (every RNG state
-restored). Another world or EP size: the model, optimizer, scheduler, router counts,
-policy and data position are restored exactly; the RNG states cannot be (there is one
-per rank), so each rank re-seeds from ``(seed, step, rank)`` and the loss continues to
-floating-point tolerance of a same-size resume (reduction order differs).
+Layout (``RUN/checkpoints/ckpt-00000300/``): DCP's ``.metadata`` and ``__R_F_0.distcp``
+files (each key written by one rank, files of at most 1 GiB: :mod:`.ckpt_write`), and
+``manifest.json`` (format, step, the writing world and EP size, each file's SHA-256).
+Every rank writes into ``.ckpt-00000300.tmp``, which rank 0 renames once the manifest is
+in; files are checked against the manifest before anything is read. What a resume at
+another world or EP size restores: docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -310,16 +291,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
     import torch.distributed.checkpoint as dcp
 
     tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
+    err = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
         try:
             tmp.mkdir(parents=True)
         except OSError as e:  # a failure every rank sees: each raises it at the barrier
             err = str(_write_failed(e, tmp, rank, local=False))
-        else:
-            err = None
-    else:
-        err = None
     errs = all_gather(err) if all_gather is not None else [err]
     if errs[0]:
         raise CheckpointWriteError(errs[0])
@@ -391,7 +369,8 @@ def prune(run_dir: str | os.PathLike, keep: int) -> None:
 
 
 # ----------------------------------------------------------------------------- load
-def _metadata(ck: Checkpoint) -> dict:
+def checkpoint_metadata(ck: Checkpoint) -> dict:
+    """Every key of a checkpoint: ``{key: TensorStorageMetadata | BytesStorageMetadata}``."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -400,7 +379,7 @@ def _metadata(ck: Checkpoint) -> dict:
         raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
 
 
-def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
+def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str, hint: str = "") -> None:
     """Load ``state`` in place: tensors are copied into, objects replaced (our keys are
     flat, so both flattening passes are off and the planner writes into ``state``)."""
     import torch.distributed.checkpoint as dcp
@@ -412,8 +391,13 @@ def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
                                                     flatten_sharded_tensors=False),
                      no_dist=not distributed)
     except (Exception, _dcp_failure()) as e:  # DCP wraps the reader's error (EOFError...)
-        raise LrmoeError(f"checkpoint {ck.path} cannot be loaded ({_cause(e)}); delete it "
-                         "to resume from an earlier checkpoint") from None
+        raise LrmoeError(f"checkpoint {ck.path} {failed} ({_cause(e)}){hint}") from None
+
+
+def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
+    """:func:`_read` of a checkpoint's trainer state and what it resumes."""
+    _read(ck, state, distributed, "cannot be loaded",
+          "; delete it to resume from an earlier checkpoint")
     if state.get(ckpt_state.TRAINER) is None:
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
@@ -427,7 +411,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
     same = (ck.world, ck.ep_size) == (world, ep_size)
     err, tpl = None, None
     try:
-        tpl = ckpt_state.Template(model, opt, _metadata(ck), rank if same else None,
+        tpl = ckpt_state.Template(model, opt, checkpoint_metadata(ck), rank if same else None,
                                   str(ck.path))
     except LrmoeError as e:
         err = str(e)
@@ -460,7 +444,7 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
     """The whole (single-process) model state of a checkpoint and its trainer state,
     read on one process (files verified first): expert rows stacked by global id."""
     verify_files(ck)
-    md = _metadata(ck)
+    md = checkpoint_metadata(ck)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
              if k.startswith("model/")}
     state[ckpt_state.TRAINER] = None
@@ -482,23 +466,8 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
 def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
                  ) -> dict[str, torch.Tensor]:
     """Tensors ``keys`` of a (verified) checkpoint, read on one process into new CPU
-    tensors: only their bytes are read (``metadata``: :func:`checkpoint_metadata`'s,
-    to skip reading it again)."""
-    import torch.distributed.checkpoint as dcp
-
+    tensors: only their bytes are read (``metadata``: :func:`checkpoint_metadata`'s)."""
     md = checkpoint_metadata(ck) if metadata is None else metadata
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
-    try:
-        with _one_process_is_fine():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ck.path)),
-                     planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
-                                                    flatten_sharded_tensors=False),
-                     no_dist=True)
-    except (Exception, _dcp_failure()) as e:
-        raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
+    _read(ck, state, False, "cannot be read")
     return state
-
-
-def checkpoint_metadata(ck: Checkpoint) -> dict:
-    """Every key of a checkpoint: ``{key: TensorStorageMetadata | BytesStorageMetadata}``."""
-    return _metadata(ck)

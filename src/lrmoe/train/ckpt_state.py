@@ -1,24 +1,9 @@
 """What a checkpoint holds, under keys that do not depend on the world or EP size.
 
-One flat dict, saved and loaded with ``torch.distributed.checkpoint`` (DCP):
-
-=====================================  ==================================================
-``model/NAME``                         a replicated (non-expert) parameter or buffer
-``model/NAME/eID``                     global expert ``ID``'s row of an expert parameter
-``optim/NAME/KEY[/eID]``               AdamW state (``exp_avg``, ``exp_avg_sq``: by expert
-                                       like the parameter; ``step``: one per parameter)
-``trainer``                            global, one object: scheduler, optimizer
-                                       hyper-parameters, policy state, each MoE layer's
-                                       previous-step global counts, progress, data
-``rng/rankRRRRR``                      one rank's RNG states (torch CPU, CUDA, runtime)
-=====================================  ==================================================
-
-Rank r under EP size G owns experts ``r*E/G ..`` (:func:`lrmoe.parallel.groups.owned_experts`):
-it writes and reads exactly those ``eID`` keys, so a checkpoint written at one EP size
-loads at any other. Keys that several ranks hold (replicated parameters, the expert
-rows of the other EP groups under DP x EP, ``trainer``) are written once: DCP keeps one
-copy of every key. Only the RNG states are per rank; they are restored when the world
-and EP size are unchanged and re-seeded otherwise (see :func:`apply_rng`).
+One flat dict for DCP: ``model/NAME`` (replicated), ``model/NAME/eID`` (global expert
+``ID``'s row), ``optim/NAME/KEY[/eID]`` (AdamW state), ``trainer`` (one global object)
+and ``rng/rankRRRRR`` (per rank). A rank writes and reads exactly the experts it owns, so
+a checkpoint loads at any EP size (docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The checkpoint's file writer: DCP's, with each rank's bytes in files of bounded size,
-so that a save stages at most one file's tensors in host memory at a time.
-
-Why: ``torch.distributed.checkpoint.FileSystemWriter`` keeps every tensor it has staged
-for a file (the host copy of a CUDA tensor, the compact clone of a view such as one
-expert's row) until that file is closed; it keeps them for its safetensors format and
-does so under ``torch.save`` too. With one file per rank, as by default, a save holds a
-second host copy of nearly all that the rank saves: every expert row of the weights and
-of the AdamW state, and on CUDA every tensor copied off the GPU (into pinned memory,
-which the caching host allocator rounds up to a power of two). Here a rank's items go,
-in their order, into files of at most :data:`FILE_BYTES` each (a larger tensor alone in
-its own), written one after another, so the staging held at once is one file's. The
-files are plain DCP files: ``.metadata`` names, for every key, its file and offset, and
-any DCP reader (any world or EP size) loads them.
+"""The checkpoint's file writer: DCP's, with each rank's items cut, in order, into files of
+at most :data:`FILE_BYTES`, so that a save stages one file's tensors in host memory at a
+time (DCP's writer keeps what it staged for a file until the file closes). The files are
+plain DCP files any reader loads (docs/design.md §7).
 """
 
 from __future__ import annotations

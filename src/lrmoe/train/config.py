@@ -1,12 +1,8 @@
 """Training configuration: the fields, their checks, and what they resolve to.
 
-``TrainConfig`` holds every ``lrmoe train`` option (CLI names with dashes);
-``check_args`` validates them with messages naming the field, the value and what is
-valid; ``resolve_model_config``, ``build_policy``, ``backward_options``,
-``build_runtime`` and ``build_ledger`` turn a config into the model config, the planner,
-the LRMoE backward options, the MoE runtime and the memory ledger the trainer uses
-(the policy's knobs nested in ``TrainConfig.policy``; :mod:`lrmoe.cli_flags` declares
-their flags).
+``TrainConfig`` holds every ``lrmoe train`` option, ``check_args`` validates them, and the
+``build_*`` functions and :func:`resolve_model_config` are the one place the model
+config, planner, backward options, MoE runtime and ledger are made from them.
 """
 
 from __future__ import annotations
@@ -114,12 +110,8 @@ FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "e
                   "ckpt_every", "keep_ckpts", "log_every", "progress", "backend", "timeout_s",
                   "threads", "compile", "device", "stop_after", "divergence_factor", "ep",
                   "init_from", "log"}
-# Fields --resume may change, each recorded in metrics.jsonl as a change at the step the
-# run continues from: what a run stopped out of memory needs (more memory, recompute,
-# smaller activations, another micro-batch count). They leave the model and the data
-# order alone: the micro-batches read the global batches in order whatever their count
-# a step (the checkpoint holds how many were read). They may change the trajectory:
-# lrmoe's plans depend on the budget, a step's gradient on its micro-batch count.
+# Fields --resume may change (what a run stopped out of memory needs), each recorded in
+# metrics.jsonl; they leave the model and the data order alone (docs/design.md §7)
 RESUME_CHANGES = ("mem_budget", "recompute", "activation_checkpoint", "grad_accum")
 # init_from: a resume takes the weights from the checkpoint, the model from config.json
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after", "init_from"}
@@ -279,27 +271,12 @@ def data_reuse_warning(cfg: TrainConfig, num_windows: int) -> str | None:
             "than once")
 
 
-def _read_model_json(path: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        d = json.loads(p.read_text())
-    except OSError as e:
-        raise LrmoeError(f"cannot read config {p}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LrmoeError(f"config {p} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise LrmoeError(f"config {p} must be a JSON object of HF config.json fields")
-    return d
-
-
 def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
     """The model: ``--init-from``'s ``config.json`` (read as HF reads it), or the
     preset's HF dict, overridden by ``--config`` (replaced when the config names another
     ``model_type``). ``vocab_size`` (the tokenizer's) is used unless ``--config`` sets
     one (never for ``--init-from``). ``None`` when no flag gives one (a resume)."""
-    from lrmoe.config import ModelConfig
+    from lrmoe.config import ModelConfig, read_config_json
     from lrmoe.presets import get_preset
 
     if cfg.init_from is not None:
@@ -307,7 +284,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
         return load_hf_config(cfg.init_from)
 
     d: dict[str, Any] = get_preset(cfg.preset).to_hf_dict() if cfg.preset else {}
-    user = _read_model_json(cfg.config) if cfg.config else None
+    user = read_config_json(cfg.config) if cfg.config else None
     if user is not None:
         if d and user.get("model_type", d["model_type"]) != d["model_type"]:
             d = {}

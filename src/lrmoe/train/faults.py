@@ -1,20 +1,10 @@
-"""A hung or dead peer under torchrun: one readable line instead of a gloo traceback per rank.
+"""A hung or dead peer under torchrun, and stop signals: one readable line each.
 
-When a collective fails (gloo's ``Timed out waiting ...`` after ``--timeout-s``, or a
-closed connection when a peer died), every surviving rank catches the error in
-:func:`lrmoe.train.loop.train` and calls :meth:`Watch.failure`. Through the job's
-key-value store (torchrun's, which outlives the workers' process groups) the survivors
-agree on one reporter: the first to notice. It waits a moment for the others to
-check in, then prints one line naming the ranks that did not (the hung or dead ones),
-the collective and the training phase it was in, and where the last complete
-checkpoint is. The others wait for that line, then exit with the same code (3)
-without printing. Without a store every survivor prints its own line.
-
-SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGUSR1 (SLURM's
-``--signal``) only set a flag (:class:`StopSignals`); the loop reads every rank's flag
-in the step's loss all-reduce, so all ranks stop after the same step: they save a
-checkpoint, rank 0 prints one line, and every rank exits 128 + the signal's number
-(143 for SIGTERM, 138 for SIGUSR1).
+On a failed collective the survivors agree through the job's key-value store on one
+reporter, which names the ranks that did not check in, the collective, the phase and the
+last complete checkpoint; the others exit with the same code (3) quietly. SIGTERM and
+SIGUSR1 only set a flag (:class:`StopSignals`) that every rank reads in the step's loss
+all-reduce, so all stop after the same step (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -1,52 +1,10 @@
-"""The host optimizer's pipeline: per offloaded parameter, its gradient to the host, the
-fused CPU AdamW on its fp32 master, the updated weight back to the device.
+"""The host optimizer's pipeline: per offloaded parameter, its gradient to the host (sent as
+soon as it is final, on a side stream), the fused CPU AdamW on its fp32 master chunk by
+chunk on a worker thread, the updated weight back on a second side stream.
 
-:class:`lrmoe.train.offload.HostOffloadAdamW` runs it for every offloaded parameter that
-has a master of its own (the trainer on CUDA: bf16 device experts, fp32 host masters).
-Megatron-Core's hybrid CPU optimizer pipelines the same three stages per parameter.
-
-When each stage runs, in one optimizer step:
-
-1. **Gradient to the host**, in the gradient's own dtype (bf16: 2 bytes a parameter over
-   PCIe; the widening to fp32 is the host's), on a side CUDA stream, into a pinned
-   buffer. As soon as the gradient is final: before the last micro-batch's backward the
-   trainer arms the pipeline (:meth:`HostPipeline.arm`), and a post-accumulate-grad hook
-   sends each gradient the moment autograd has added its last contribution, while the
-   backward goes on below. What :func:`lrmoe.parallel.groups.sync_grads` would do to
-   that gradient later is done to it first, on the compute stream (``finish``, from
-   :func:`lrmoe.parallel.groups.expert_grad_finish`: nothing on one process, the division
-   by the world size under expert parallelism alone). Under DP x EP the expert gradients
-   are all-reduced together after backward, so nothing is armed: each is sent at the
-   step, after that sync. A gradient no hook sent is sent at the step too.
-2. **Host update**, on one worker thread (torch's CPU ops release the GIL and run on the
-   process's intra-op threads), parameter by parameter in the order sent, once the clip
-   coefficient is known: the step starts it. Each parameter goes in chunks of
-   ``chunk`` elements, so that the widened gradient stays in cache across its passes:
-   widen the gradient to fp32, multiply by the clip coefficient, torch's fused AdamW on
-   that chunk of the master and moments, round the master into the weight's dtype.
-3. **Weight to the device**, chunk by chunk on a second side stream from a ring of
-   pinned buffers, while the host works on the next chunk.
-
-The step waits for the worker, then makes the compute stream wait for the weight copies
-(a stream wait, not a host wait): no device-wide synchronisation.
-
-Why the host update waits for the clip coefficient instead of speculating on it: the
-coefficient is a function of the global norm, known only once the last gradient is. An
-update speculated at coefficient 1 and redone when the norm clips needs the step's
-masters and moments kept aside until then: 12 bytes a parameter more host memory (what
-binds a full-size model first, ``benchmarks/fullsize.py``) and their copy, which costs
-the memory bandwidth the host update is bound by; and clipping acts on most of the early
-steps. So what overlaps the backward is the gradients' transfer; the update overlaps
-the device's own AdamW and the weights' transfer back.
-
-Bitwise: the widening (exact), the clip (the same fp32 multiply), AdamW (the same fused
-kernel: it splits a tensor into 64-byte units and computes all but the tensor's last few
-elements with vector instructions, so chunks starting at multiples of
-:data:`CHUNK_ALIGN` elements leave every element on the path it takes in one call) and
-the rounding (the same CPU conversion) are those of the serial update
-(``tests/references/offload_adamw.py``): masters, moments and weights are bit for bit
-the same. On the CPU (the host is the parameters' device) the stages run as plain
-copies, the update still on the worker thread.
+When each stage runs, why the update waits for the clip coefficient, and why the result
+is bit for bit the serial update's (chunks start at multiples of :data:`CHUNK_ALIGN`):
+docs/design.md §5, "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -88,12 +46,9 @@ class HostJob:
 
 @dataclass
 class PipeTimes:
-    """The last step's pipeline. Host clock: ``worker_s`` (the worker's run, first
-    parameter to last), of which ``grad_wait_s`` waiting for gradients to land and
-    ``ring_wait_s`` for a staging slot to empty; ``exposed_s`` (the step waiting for the
-    worker: what its caller sees). With :attr:`HostPipeline.timing`, the device's copy
-    times, summed over the step's copies (CUDA events; :meth:`HostPipeline.copy_ms`):
-    ``d2h_ms`` and ``h2d_ms``."""
+    """The last step's pipeline, host clock: the worker's run and its waits for gradients and
+    ring slots, and the step's wait for the worker (``exposed_s``); with
+    :attr:`HostPipeline.timing`, the device's copy times (:meth:`HostPipeline.copy_ms`)."""
 
     worker_s: float = 0.0
     grad_wait_s: float = 0.0
@@ -109,9 +64,8 @@ class PipeTimes:
 
 
 class HostPipeline:
-    """The three stages for ``params`` (module doc). ``alloc(param, dtype)`` gives host
-    memory shaped as ``param`` (pinned when it crosses to CUDA); ``grad_buf`` (``id(param)
-    -> host gradient buffer``) is filled here, the optimizer's view of that memory."""
+    """The three stages for ``params``; ``alloc(param, dtype)`` gives host memory shaped as
+    ``param``, and ``grad_buf`` (``id(param) -> host gradient buffer``) is filled here."""
 
     def __init__(self, params: list[Tensor], alloc: Callable[[Tensor, torch.dtype], Tensor],
                  grad_buf: dict[int, Tensor], chunk: int = HOST_CHUNK):
@@ -151,10 +105,8 @@ class HostPipeline:
 
     # ------------------------------------------------------------------ stage 1
     def arm(self, finish: Callable[[Tensor], None]) -> None:
-        """The next backward leaves these gradients final: as each arrives, apply
-        ``finish`` to it and send it to the host. What sent is what the update reads:
-        from then on a gradient may change only through the clip coefficient the step
-        is given (``HostOffloadAdamW.scale_grads``), never in place."""
+        """As each gradient of the next backward becomes final, apply ``finish`` and send it; from
+        then on it may change only through the step's clip coefficient, never in place."""
         self._finish = finish
 
     @property
@@ -170,8 +122,7 @@ class HostPipeline:
         self.send(p)
 
     def send(self, p: Tensor) -> None:
-        """Copy ``p.grad`` into its host buffer: behind everything the compute stream
-        has queued, on the side stream (a plain copy on the CPU)."""
+        """Copy ``p.grad`` into its host buffer, behind the compute stream's queued work."""
         g = p.grad.detach()
         buf = self._grad_buf.get(id(p))
         if buf is None or buf.dtype != g.dtype:
@@ -187,8 +138,7 @@ class HostPipeline:
         self._landed[id(p)] = ev
 
     def reset(self) -> None:
-        """Forget the last step: its sends, copy timings, and disarm (the gradients are
-        being dropped)."""
+        """Forget the last step's sends and copy timings, and disarm."""
         self._disarm()
         self._copies.clear()
 
@@ -199,9 +149,7 @@ class HostPipeline:
 
     # ------------------------------------------------------------------ stages 2 and 3
     def start(self, jobs: list[HostJob]) -> None:
-        """Send the gradients not sent yet, then update the ``jobs`` on the worker in
-        the order their gradients were sent. Every job's gradient is final and the clip
-        coefficient applied to it is in the job."""
+        """Send the gradients not sent yet, then update ``jobs`` on the worker in the order sent."""
         require(self._running is None, "host optimizer: a step is already running")
         self._finish = None
         for j in jobs:
@@ -243,8 +191,7 @@ class HostPipeline:
         self.times.worker_s, self.times.grad_wait_s = time.perf_counter() - t0, waited
 
     def _update(self, j: HostJob) -> None:
-        """Widen, clip, AdamW and round back, chunk by chunk (module doc: bitwise the
-        serial update's)."""
+        """Widen, clip, AdamW and round back, chunk by chunk."""
         grad = self._grad_buf[id(j.param)].view(-1)
         master, m1, m2 = (t.view(-1) for t in (j.master, j.exp_avg, j.exp_avg_sq))
         weight = j.param.detach().view(-1)
@@ -266,8 +213,7 @@ class HostPipeline:
         return self._scratch[:n]
 
     def _put(self, weight: Tensor, master: Tensor, a: int, b: int) -> None:
-        """The master's chunk ``[a, b)`` rounded into the weight (through a pinned ring
-        slot and the side stream on CUDA)."""
+        """The master's chunk ``[a, b)`` rounded into the weight (on CUDA via a pinned ring slot)."""
         if not self._cuda:
             weight[a:b].copy_(master[a:b])
             return
@@ -287,8 +233,7 @@ class HostPipeline:
 
     @contextlib.contextmanager
     def _timed(self, kind: str, stream: torch.cuda.Stream):
-        """Run the body's copy on ``stream``; yields the event recorded after it (timed,
-        and the pair kept for :meth:`copy_ms`, with :attr:`timing`)."""
+        """Run the body's copy on ``stream``; yields the event recorded after it."""
         end = torch.cuda.Event(enable_timing=self.timing)
         start = None
         if self.timing:
@@ -301,8 +246,7 @@ class HostPipeline:
             self._copies.append((kind, start, end))
 
     def copy_ms(self) -> dict[str, float]:
-        """Device milliseconds of the last step's copies by direction (with
-        :attr:`timing`; waits for them to finish), also put in :attr:`times`."""
+        """Device milliseconds of the last step's copies by direction (with :attr:`timing`)."""
         ms = {"d2h": 0.0, "h2d": 0.0}
         for kind, a, b in self._copies:
             b.synchronize()
@@ -311,8 +255,7 @@ class HostPipeline:
         return ms
 
     def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's own tensors (scratch and ring; the ring's pinned
-        allocations are rounded up beyond these, as the step ledger prices them)."""
+        """Host bytes of the pipeline's scratch and ring (before the pinned allocator's rounding)."""
         return sum(t.numel() * t.element_size()
                    for t in ([self._scratch] if self._scratch is not None else []) + self._ring)
 

@@ -1,18 +1,11 @@
 """The trainer: data -> model (EP-sharded) -> AdamW steps -> metrics, validation, checkpoints.
 
 ``train(TrainConfig | argparse.Namespace | dict) -> {"final_val_loss", "run_dir", ...}``.
-
-Order of work (so a bad input touches nothing): check the arguments, join the
-parallel job, resolve the model config, read (never write) the run directory and the
-checkpoint to resume from, load and tokenize the data, and only then create the run
-directory. On one process no ``torch.distributed`` call is made.
-
-Determinism: global batch ``b`` depends only on ``(data, seq_len, batch_size, seed,
-b)``; micro-batch ``m`` of step ``s`` (``--grad-accum N``) is global batch ``b0 + s * N +
-m``, the batches read before this invocation continuing in order (``b0 = 0`` for a run
-that never changed N); a checkpoint holds everything else that evolves (weights,
-optimizer, scheduler, RNGs, router counts, policy state, batches read), so on the CPU a
-resumed run repeats the uninterrupted one bit for bit.
+Every input is read and checked before the run directory is written (``_check``,
+``_build``, ``_open``, ``_Run``); on one process no ``torch.distributed`` call is made. A
+checkpoint holds everything that evolves besides the data order, which is a function of
+the global batch, so on the CPU a resumed run repeats the uninterrupted one bit for bit
+(docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -101,13 +94,10 @@ def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
 
 def _count_reducer(ctx):
     """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
-    if not ctx.distributed or ctx.world == ctx.ep_size:
-        return None
-    from lrmoe.parallel.groups import all_reduce_sum
+    from lrmoe.parallel.groups import count_reducer
 
-    def reduce(c: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(c.to(ctx.device), ctx.expert_dp_group).to(c.device)
-    return reduce
+    reduce = count_reducer(ctx)
+    return None if reduce is None else (lambda c: reduce(c).to(c.device))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -153,9 +143,9 @@ def make_autocast(device: torch.device):
 
 # ----------------------------------------------------------------------------- setup
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
-    """Find and verify (every rank its own shard) the checkpoint ``--resume`` continues;
-    ``None`` for a new run, or a resume of a run that completed no checkpoint (it starts
-    again from step 0). Every rank reads its own ``--out``: they must find the same."""
+    """The checkpoint ``--resume`` continues, verified (every rank a share of the files);
+    ``None`` for a new run or one that completed no checkpoint. Every rank reads its own
+    ``--out``: they must find the same."""
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
     if ctx.distributed:
         mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
@@ -258,11 +248,8 @@ def _snapshot_stats(rt) -> dict[int, dict]:
 
 
 def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> None:
-    """Hand fidelity measurements to a policy that adapts to them (``--lrmoe-keep auto``).
-
-    Each rank measures its own instances; the policy sees the mean over the EP ranks
-    (gathered, so identical everywhere) because every rank must plan alike.
-    """
+    """Hand the fidelity cosine, averaged over the EP ranks (so every rank plans alike), to a
+    policy that adapts to it (``--lrmoe-keep auto``)."""
     for layer, st in stats.items():
         if "fidelity_cosine" in st:
             vals = [float(r[layer]["fidelity_cosine"]) for r in per_rank
@@ -273,12 +260,9 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
 
 # ----------------------------------------------------------------------------- train
 def train(cfg: TrainConfig | Any) -> dict:
-    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``.
-
-    Under torchrun an :class:`LrmoeError` is raised alike on every rank (the checks are
-    the same everywhere, or gathered by ``agree``), so only rank 0 prints it; an error
-    one rank alone hits (``local``: a failed write) is printed by that rank.
-    """
+    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``. Under
+    torchrun an error every rank raises alike is printed by rank 0 only; one a rank hit
+    alone (``local``) by that rank."""
     try:
         return _run(cfg)
     except LrmoeError as e:
@@ -363,11 +347,9 @@ def _run(cfg: TrainConfig | Any) -> dict:
 
 
 def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
-    """Check every flag (:func:`check_args`) and warn of those the run ignores. On one
-    process an error is raised; under torchrun it is returned, to be said once every
-    rank has joined (:func:`check_same_flags`): a rank that left before joining would
-    leave the others waiting for it. What joining needs is checked first, alike on every
-    rank."""
+    """Check every flag and warn of those the run ignores. On one process an error is raised;
+    under torchrun it is returned, to be said once every rank has joined (a rank leaving
+    before joining would leave the others waiting); what joining needs is checked first."""
     if world > 1:
         check_join_flags(cfg)  # alike on every rank, or joining itself would fail
     try:
@@ -497,9 +479,8 @@ class _State:
 
 
 def _new_model(cfg: TrainConfig, ctx, inp: _Inputs):
-    """This rank's model (experts sharded) and, with ``--init-from``, what it read.
-    Weights that a checkpoint (HF or the run's) fills are never initialised, and no
-    rank builds the whole model then (lrmoe.hf_load); a new run's are random."""
+    """This rank's model (experts sharded) and, with ``--init-from``, what it read; weights a
+    checkpoint fills are never initialised, and no rank builds the whole model then."""
     from lrmoe.hf_load import empty_model, load_owned
     from lrmoe.model import MoEForCausalLM
     from lrmoe.parallel.groups import shard_experts
@@ -715,9 +696,8 @@ class _Run:
                 "tokens": s.tokens, "elapsed_s": s.elapsed}
 
     def step(self, step: int) -> tuple[dict, int | None]:
-        """One optimizer step: forward and backward of each micro-batch, the checks of
-        the loss and gradient norm, the update. Returns the metrics row's inputs and the
-        signal a rank received (``None``: none)."""
+        """One optimizer step: each micro-batch's forward and backward, the loss and gradient-norm
+        checks, the update; returns the metrics row's inputs and the stop signal a rank got."""
         from lrmoe.train.offload import last_backward_hook
 
         cfg, ctx, s, watch, accum = self.cfg, self.ctx, self.s, self.watch, self.cfg.grad_accum

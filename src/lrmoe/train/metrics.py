@@ -1,30 +1,5 @@
-"""``metrics.jsonl``: one JSON object per line, written by rank 0 and flushed every row.
-
-Train rows (one per optimizer step; ``step`` counts completed updates, 1-based)::
-
-    {"kind": "train", "step": 12, "loss": 3.91, "aux_loss": 0.0021, "lr": 0.003,
-     "tokens": 49152, "elapsed_s": 4.1, "step_s": 0.31, "tokens_per_s": 13200,
-     "grad_norm": 0.84, "expert_load_max_over_mean": [1.9, 2.3, ...],   # per MoE layer
-     "counts": [[e0, e1, ...], ...],       # per MoE layer: the step's global pairs/expert
-     "moe": [{...}, ...],                  # per MoE layer: runtime stats, see layer_row
-     "rank_load": [[r0, r1, ...], ...]}    # per MoE layer, pairs per rank (world > 1)
-
-``loss`` is the LM cross entropy averaged over ranks (without the router aux loss,
-which is ``aux_loss``); ``tokens`` counts the global tokens trained on so far;
-``elapsed_s`` is the training time so far (forward, backward, optimizer; not validation
-or checkpointing), carried across resumes. On CUDA ``cuda_max_mem_bytes`` holds the
-peak allocated memory (max over ranks) next to ``ledger_bytes`` when a budget is set.
-``host_rss_bytes`` is the process's resident set size at the end of the step and
-``host_peak_rss_bytes`` its high-water mark so far (max over ranks; absent where the
-platform does not tell); the first row a process writes also carries
-``host_rss_before_build_bytes``, its resident set size before the model was built.
-
-Validation rows are separate: ``{"kind": "val", "step": 50, "val_loss": 2.71,
-"val_tokens": 32768, "elapsed_s": 15.2}``. A run started with ``--init-from`` begins
-with ``{"kind": "init", "step": 0, "source": DIR, "ranks": [...]}``: per rank what it
-read (``tensors``, ``bytes_read``, ``largest_bytes``, ``seconds``) and its
-``host_rss_bytes`` / ``host_peak_rss_bytes`` right after. With ``--log tensorboard``
-the rows are also TensorBoard events (:mod:`lrmoe.train.tensorboard`).
+"""``metrics.jsonl``: one JSON object per line (train, validation and init rows), written by
+rank 0 and flushed every row; the rows' fields: docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -39,22 +14,21 @@ from typing import Any, Iterable
 
 METRICS_FILE = "metrics.jsonl"
 
-# Per-rank counters summed over ranks, and the ones where the slowest rank matters.
+# Per-rank counters (rank_summary's name -> the layer row's), by how ranks combine
 _SUM_KEYS = {
     "fwd_rows": "fwd_rows", "retained_rows": "retained", "bwd_rows": "bwd_rows",
     "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
     "recomputed_rows": "recomputed",
 }
-_MAX_KEYS = {"expert_fwd_ms": "expert_fwd_ms", "expert_bwd_ms": "expert_bwd_ms",
-             "count_exchange_ms": "count_exchange_ms", "plan_ms": "plan_ms",
-             "weight_scatter_bytes": "weight_scatter_bytes",
-             "ledger_total_bytes": "ledger_total_bytes"}
-_MEAN_KEYS = {"fidelity_cosine": "fidelity_cosine", "fidelity_rel_err": "fidelity_rel_err"}
-
+_BYTES_KEYS = {k: k for k in ("fwd_bytes", "bwd_bytes", "bwd_exact_bytes")}
+_MAX_KEYS = {k: k for k in ("expert_fwd_ms", "expert_bwd_ms", "count_exchange_ms", "plan_ms",
+                            "weight_scatter_bytes", "ledger_total_bytes")}
+_MEAN_KEYS = {k: k for k in ("fidelity_cosine", "fidelity_rel_err")}
+_COMBINE = ((_SUM_KEYS, lambda v: int(sum(v))), (_BYTES_KEYS, lambda v: int(sum(v))),
+            (_MAX_KEYS, lambda v: _r(max(v))), (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
 
 def host_rss_bytes() -> int | None:
-    """This process's resident set size now, in bytes (``/proc/self/statm``'s resident
-    pages; None where there is no such file)."""
+    """This process's resident set size now, in bytes (None without ``/proc/self/statm``)."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -63,10 +37,8 @@ def host_rss_bytes() -> int | None:
 
 
 def host_peak_rss_bytes() -> int | None:
-    """This process's largest resident set size so far, in bytes: ``VmHWM`` of
-    ``/proc/self/status`` where there is one (Linux's ``ru_maxrss`` also keeps the mark
-    of the process image before ``exec``: a large parent's, copied at ``fork``), else
-    ``ru_maxrss`` (KiB on Linux, bytes on macOS; None without the ``resource`` module)."""
+    """This process's largest resident set so far, in bytes: ``VmHWM`` where Linux has it
+    (its ``ru_maxrss`` keeps the mark of the image before ``exec``), else ``ru_maxrss``."""
     try:
         with open("/proc/self/status", "rb") as f:
             for line in f:
@@ -83,9 +55,8 @@ def host_peak_rss_bytes() -> int | None:
 
 
 def host_memory() -> dict[str, int | None]:
-    """A train row's ``host_rss_bytes`` and ``host_peak_rss_bytes`` (the kernel sums its
-    resident counters lazily, so the high-water mark read a moment after can be a few
-    pages short of the resident set: the peak is at least that)."""
+    """A row's ``host_rss_bytes`` and ``host_peak_rss_bytes`` (the peak at least the resident
+    set: the kernel sums its counters lazily)."""
     rss, peak = host_rss_bytes(), host_peak_rss_bytes()
     if peak is not None and rss is not None:
         peak = max(peak, rss)
@@ -108,11 +79,8 @@ def max_over_mean(xs: Iterable[float]) -> float:
 
 
 def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
-    """One rank's stats of one layer, reduced to numbers (the part that differs by rank).
-
-    ``load`` / ``bwd_load``: pairs this rank processes in forward / backward (its entry
-    of the plan's per-rank loads; under DP x EP each EP group has its own plan).
-    """
+    """One rank's stats of one layer as numbers: ``load`` / ``bwd_load`` (its pairs in
+    forward / backward, from its EP group's plan) and its counters."""
     out: dict[str, float] = {}
     for src, dst in (("rank_load", "load"), ("rank_backward_load", "bwd_load")):
         if src in stats and ep_rank < len(stats[src]):
@@ -131,16 +99,9 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
 
 
 def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) -> dict:
-    """One MoE layer's compact row from rank 0's plan stats and every rank's summary.
-
-    Keys: ``rank_load_max_over_mean`` / ``rank_bwd_load_max_over_mean`` (pairs each rank
-    processes in forward / backward, max over mean over all ranks), ``replicas`` (rank
-    0's plan), ``pairs`` (routed, whole batch), ``retained`` and ``selected`` (pairs,
-    summed over ranks), ``fwd_bytes`` /
-    ``bwd_bytes`` (all-to-all bytes sent, summed over ranks), ``expert_fwd_ms`` /
-    ``expert_bwd_ms`` (expert compute, slowest rank), ``fidelity_cosine`` /
-    ``fidelity_rel_err`` (mean over ranks, only on fidelity steps).
-    """
+    """One MoE layer's compact row from rank 0's plan stats and every rank's summary:
+    per-rank loads as max over mean, ``replicas`` (rank 0's plan), ``pairs`` (routed),
+    and the counters summed, at the slowest rank, or averaged over ranks (``_COMBINE``)."""
     row: dict[str, Any] = {}
     for src, dst in (("load", "rank_load_max_over_mean"), ("bwd_load", "rank_bwd_load_max_over_mean")):
         vals = [r[src] for r in per_rank if src in r]
@@ -152,30 +113,17 @@ def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) 
         row["pairs"] = int(pairs)
     elif "counts_E" in plan_stats:
         row["pairs"] = int(sum(plan_stats["counts_E"]))
-    for src, dst in _SUM_KEYS.items():
-        vals = [r[src] for r in per_rank if src in r]
-        if vals:
-            row[dst] = int(sum(vals))
-    for key in ("fwd_bytes", "bwd_bytes", "bwd_exact_bytes"):
-        vals = [r[key] for r in per_rank if key in r]
-        if vals:
-            row[key] = int(sum(vals))
-    for src, dst in _MAX_KEYS.items():
-        vals = [r[src] for r in per_rank if src in r]
-        if vals:
-            row[dst] = _r(max(vals))
-    for src, dst in _MEAN_KEYS.items():
-        vals = [r[src] for r in per_rank if src in r]
-        if vals:
-            row[dst] = _r(sum(vals) / len(vals), 6)
+    for keys, combine in _COMBINE:
+        for src, dst in keys.items():
+            vals = [r[src] for r in per_rank if src in r]
+            if vals:
+                row[dst] = combine(vals)
     return row
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl`` and hands them to ``sinks`` (objects with
-    ``write(row)`` and ``close()``: the TensorBoard mirror); a no-op on ranks other
-    than 0. A row is written whole or not at all: a write that fails part-way (a full
-    disk, ``ulimit -f``) is cut back to the last whole row, and the error names the file."""
+    """Appends rows to ``metrics.jsonl`` (rank 0 only) and hands them to ``sinks``; a row is
+    written whole or not at all, the error naming the file."""
 
     def __init__(self, path: str | os.PathLike, enabled: bool = True, sinks: list | None = None):
         self.path = Path(path)
@@ -248,15 +196,10 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
               per_rank: list[dict], world: int, cuda_mem: int | None = None,
               budget: int | None = None, fidelity_step: bool = False,
               micro_batches: int = 1, host_mem: dict | None = None) -> dict:
-    """The train row of one optimizer step (see the module docstring).
-
-    ``counts``: per MoE layer the step's global pairs per expert (``end_step``'s, summed
-    over the step's micro-batches); ``stats``: rank 0's runtime stats per layer;
-    ``per_rank``: every rank's :func:`rank_summary` per layer. Under gradient
-    accumulation (``micro_batches`` > 1) the per-layer ``moe`` rows are the last
-    micro-batch's (its plan, pairs and bytes). ``host_mem``: the ``host_*_bytes``
-    fields (those that are None are left out).
-    """
+    """The train row of one optimizer step: ``counts`` per MoE layer the step's global
+    pairs per expert, ``stats`` rank 0's runtime stats per layer, ``per_rank`` every
+    rank's :func:`rank_summary` per layer; under accumulation the ``moe`` rows are the
+    last micro-batch's."""
     layers = sorted(stats)
     row: dict[str, Any] = {
         "kind": "train", "step": step, "loss": loss, "aux_loss": round(aux, 7), "lr": lr,

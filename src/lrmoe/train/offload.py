@@ -1,67 +1,8 @@
 """``--optimizer-offload host``: the experts' AdamW state and fp32 master weights live in
-host (CPU) memory and are updated there.
+host memory and are updated there, pipelined with the backward (:mod:`.host_pipe`).
 
-:class:`HostOffloadAdamW` is a ``torch.optim.AdamW`` whose *offloaded* parameters (the
-expert weights) are stepped on the host; every other parameter is stepped on the device
-by ``torch.optim.AdamW`` itself. The update is AdamW's (decoupled weight decay, same
-hyper-parameters, same schedule), so a run with and without offload follows the same
-trajectory to fp32 tolerance (``tests/test_offload.py``) for a few steps. Over tens of
-steps under bf16 autocast, runs that differ in a single rounding part (a flipped bf16
-weight rounding changes some routing choices): on the CPU, 30 steps of tiny-qwen3 end
-with validation losses up to about 0.03 apart.
-
-How an offloaded parameter is stepped: through :mod:`lrmoe.train.host_pipe` when it has
-a master of its own (the trainer on CUDA): its gradient goes to a pinned host buffer in
-its own dtype as soon as it is final (on the last micro-batch, while the backward goes
-on: :func:`last_backward_hook`), the fused CPU AdamW updates the master and moments on
-a worker thread chunk by chunk, and the weight goes back on a side stream, while the
-device steps the other parameters. The step returns once the host is done; the compute
-stream then waits for the copies. The masters, moments and weights are bit for bit those
-of the serial update this replaced (``tests/references/offload_adamw.py``).
-
-Where the state lives: the moments and ``step`` of an offloaded parameter are CPU
-tensors in ``self.state[p]`` (keyed by the device parameter, so checkpoints save and
-load them like any AdamW state; :meth:`load_state_dict` moves them back to the host).
-The fp32 master of an offloaded parameter is a host copy of it, taken at construction
-and again after a load (the device parameter is fp32 in this trainer, so it is exact).
-
-What stays on the device: the expert parameters in ``compute_dtype`` and their
-gradients (in that dtype too). With ``compute_dtype=torch.bfloat16`` (the trainer's
-choice on CUDA, where autocast computes in bf16) the GPU holds only the bf16 compute
-weights and bf16 gradients of the experts, as SYMI and ZeRO-Offload do and as the
-ledger's offload design (:mod:`lrmoe.ledger`) prices it: the fp32 master (state key
-``master``, so checkpoints carry it exactly) and both moments live on the host; each
-step the bf16 gradient crosses to the host as bf16 and is widened there, and the updated
-master is rounded back into the bf16 device weight on the host. Without
-``compute_dtype`` the device parameters keep the model's dtype (fp32).
-
-Gradient clipping (:meth:`scale_grads`): under autocast the device path's experts
-compute in bf16 too (:mod:`lrmoe.model.moe` casts their fp32 weights), so both paths
-get the same bf16 gradient values; the device path widens them to fp32 (the cast's
-backward) and clips there. Multiplied in place, a bf16 gradient would round every
-clipped product to bf16 (up to 2^-9 relative, on every clipped step, passed on to the
-update), so the clip coefficient of an offloaded gradient is applied on the host, to its
-fp32 widening (the gradient may already be on its way there when the norm is known):
-the host update sees the device path's fp32 gradient, and with the same AdamW kernel
-the masters are the device path's fp32 weights bit for bit (tested on the CPU under
-bf16 autocast). One difference remains: with ``--grad-accum N`` autograd sums the
-micro-batches' gradients in the parameter's dtype, bf16 here, where the device path
-sums them in fp32.
-
-Host memory, with the parameters on CUDA: the masters and the gradient buffers (bf16,
-the gradients' dtype) are pinned (so the copies run asynchronously), and the caching
-host allocator rounds each up to a power of two; the moments (never copied to the
-device) are pageable; the pipeline adds one chunk of fp32 scratch and a ring of pinned
-chunk buffers (:meth:`staging_bytes`). A load allocates them the same way
-(:meth:`HostOffloadAdamW._host_alloc`). The step ledger prices them so
-(:func:`lrmoe.step_ledger.host_state`).
-
-When the "host" is the parameters' own device and a parameter is fp32 (the emulator's
-case, and a CPU run), a separate master would be a second copy of the same numbers and a
-host gradient buffer a second copy of the gradient: the master is then the parameter
-itself and the update reads the gradient in place, after backward, in the step
-(synchronised, timed as :attr:`HostOffloadAdamW.host_s`). The update is the same fused
-AdamW on the same values, so the trajectory is bitwise that of a separate master.
+The design (where each tensor lives, clipping on the host, the own-master case, what is
+bit for bit the device path's): docs/design.md §5, "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -81,26 +22,12 @@ HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host par
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
-    """AdamW; the parameters in ``host_params`` are updated in host memory.
+    """AdamW whose ``host_params`` are updated in host memory; the rest by ``torch.optim.AdamW``.
 
-    Args:
-        params: parameter groups, as for ``torch.optim.AdamW``.
-        host_params: the parameters to offload (a subset of ``params``).
-        lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group as usual).
-        host: where the offloaded state lives: ``"cpu"`` (the real offload), or the
-            parameters' own device with fp32 parameters (each its own master, updated in
-            place, no transfers; the emulator uses it so that one process holding every
-            virtual rank's experts does not spend its device time in a CPU update whose
-            cost it models).
-        compute_dtype: the dtype the device keeps the offloaded weights in.
-        chunk: elements of a host-update chunk (:mod:`lrmoe.train.host_pipe`).
-
-    Attributes:
-        host_s: wall seconds the last step spent on its host part beyond the device's
-            own AdamW (the own-master update, synchronised, and the wait for the
-            pipeline's worker), so a caller that times the step can tell it apart.
-        pipe_times: the pipeline's timings of the last step (all zero without one).
-    """
+    ``host`` is ``"cpu"`` (the real offload) or the parameters' own device with fp32
+    parameters, each its own master (the emulator's case: no transfers). ``host_s``: wall
+    seconds the last step's host part took beyond the device's AdamW; ``pipe_times``: the
+    pipeline's timings of the last step."""
 
     def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -143,29 +70,23 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Host memory for a master (fp32) or a gradient buffer (the gradient's dtype),
-        the tensors that cross to and from the device each step: pinned when the
-        parameters are on CUDA."""
+        """Host memory for a master or a gradient buffer: pinned when the parameters are on CUDA."""
         return torch.empty(like.shape, dtype=dtype, device=self._host_dev, pin_memory=self._pin)
 
     def _host_alloc(self, key: str, like: Tensor) -> Tensor:
-        """Host memory for state ``key`` shaped as ``like``, fresh or loaded alike: the
-        master as :meth:`_host_empty`; the moments and ``step``, which never leave the
-        host, pageable and zeroed."""
+        """Host memory for state ``key``, fresh or loaded alike: the master as :meth:`_host_empty`,
+        the moments and ``step`` pageable and zeroed."""
         if key == "master":
             return self._host_empty(like)
         return torch.zeros(like.shape, dtype=torch.float32, device=self._host_dev)
 
     def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's scratch and staging ring (allocated at the first
-        step)."""
+        """Host bytes of the pipeline's scratch and staging ring (allocated at the first step)."""
         return 0 if self._pipe is None else self._pipe.staging_bytes()
 
     def _refresh_masters(self) -> None:
-        """fp32 host masters: the state's ``master`` when it has one (a loaded
-        checkpoint), else a copy of the device parameter (exact while it is fp32). A
-        parameter that is its own master (``_own_master``) takes a loaded master's
-        values and then stands for it."""
+        """fp32 host masters: a loaded ``master``, else a copy of the device parameter; a parameter
+        that is its own master takes a loaded master's values."""
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in self._host:
@@ -194,16 +115,14 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return self._pipe is not None
 
     def arm(self, finish: Callable[[Tensor], None]) -> None:
-        """The next backward leaves the gradients final: send each offloaded one to the
-        host as it arrives, ``finish`` (what the gradient sync would do to it) applied
-        first (:meth:`lrmoe.train.host_pipe.HostPipeline.arm`)."""
+        """Send each offloaded gradient to the host as the next backward finalises it, ``finish``
+        (what the gradient sync would do) applied first."""
         if self._pipe is not None:
             self._pipe.arm(finish)
 
     @property
     def presynced(self) -> frozenset[int]:
-        """``id``s of the parameters whose gradient the armed ``finish`` was applied to
-        (the gradient sync leaves them alone)."""
+        """``id``s of the parameters the armed ``finish`` was applied to (the sync skips them)."""
         return frozenset() if self._pipe is None else self._pipe.presynced
 
     @property
@@ -213,9 +132,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def scale_grads(self, params: Iterable[Tensor], coef: float) -> None:
-        """Multiply the gradients of ``params`` by ``coef`` (gradient clipping): in place,
-        except an offloaded gradient with a master of its own, whose product the next
-        :meth:`step` takes in fp32 on the host (see the module's docstring)."""
+        """Multiply the gradients of ``params`` by ``coef`` (clipping): in place, except a pipelined
+        gradient, whose coefficient the host applies to its fp32 widening."""
         for p in params:
             if id(p) in self._piped:
                 self._grad_scale[id(p)] = self._grad_scale.get(id(p), 1.0) * coef
@@ -230,9 +148,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """The offloaded parameters' host update (started first, on the pipeline's
-        worker), the device AdamW on the other parameters, then the own-master update;
-        returns once the host is done."""
+        """The host update (started first, on the pipeline's worker), the device AdamW on the
+        other parameters, then the own-master update; returns once the host is done."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -276,8 +193,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
                         p.grad = held[id(p)]
 
     def _jobs(self) -> list[HostJob]:
-        """The pipelined parameters' updates, with their hyper-parameters and clip
-        coefficients as they are now."""
+        """The pipelined parameters' updates, with their hyper-parameters and clip coefficients."""
         jobs = []
         for g in self.param_groups:
             beta1, beta2 = g["betas"]
@@ -299,8 +215,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return todo
 
     def _own_step(self, todo: list[tuple[dict, list[Tensor]]]) -> None:
-        """The fused AdamW on the parameters that are their own masters, reading their
-        gradients in place; synchronised at the end (``host_s`` times it)."""
+        """The fused AdamW on the parameters that are their own masters, gradients read in place."""
         for g, rows in todo:
             states = [self._host_state(p) for p in rows]
             beta1, beta2 = g["betas"]
@@ -313,13 +228,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
-        """AdamW's load for the device parameters; the offloaded parameters' state goes
-        straight to host memory in fp32 (AdamW's load would cast it to the parameter's
-        dtype, bf16 under ``compute_dtype``), allocated as a fresh run's
-        (:meth:`_host_alloc`: the masters pinned when the parameters are on CUDA, so a
-        resumed run's copies stay asynchronous and its memory is what the step ledger
-        prices). A state without ``master`` (an older checkpoint) takes the master from
-        the (already loaded) device parameter."""
+        """AdamW's load for the device parameters; the offloaded parameters' state goes to host
+        memory in fp32, allocated as a fresh run's (a state without ``master`` takes the
+        device parameter's)."""
         mine = [p for g in self.param_groups for p in g["params"]]
         order = [i for g in state_dict["param_groups"] for i in g["params"]]
         rest, host = dict(state_dict["state"]), {}
@@ -335,11 +246,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | None:
-    """What the trainer runs before a step's last backward
-    (:func:`lrmoe.train.accum.accumulate`): arm the host offload's sends of final
-    gradients, with what the gradient sync does to each
-    (:func:`lrmoe.parallel.groups.expert_grad_finish`). ``None`` where nothing is to be
-    armed: no pipelined host offload, or DP x EP (its gradients are sent after the
+    """What the trainer runs before a step's last backward: arm the host offload's sends of
+    final gradients; ``None`` without a pipelined offload, or under DP x EP (sent after the
     sync)."""
     from lrmoe.parallel.groups import expert_grad_finish
 
@@ -350,8 +258,7 @@ def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | 
 
 
 def presynced(opt: torch.optim.Optimizer) -> frozenset[int]:
-    """``id``s of the parameters whose gradient sync was done as they became final
-    (:attr:`HostOffloadAdamW.presynced`; none for another optimizer)."""
+    """``id``s of the parameters whose gradient sync was done as they became final."""
     return opt.presynced if isinstance(opt, HostOffloadAdamW) else frozenset()
 
 

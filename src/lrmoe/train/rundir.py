@@ -1,24 +1,7 @@
-"""The run directory: whose it is, who writes into it, and whether it can be written.
-
-- **Ownership.** ``lrmoe train`` writes a marker file (``.lrmoe-run``) into ``--out``
-  before anything else. A new run goes only into a missing or empty directory, or into
-  an lrmoe run directory that holds nothing worth keeping (no checkpoint, no metrics
-  rows); ``--resume`` needs an lrmoe run directory. Any other ``--out`` (a HF model
-  directory, a home directory...) is refused: lrmoe never replaces a file it did not
-  write. Run directories written before the marker existed are recognised by their
-  ``config.json`` (``"format": "lrmoe-run-v1"``).
-- **Lock.** ``.lrmoe-lock`` holds the writing process's pid and host (rank 0's under
-  torchrun). A second run into the same directory is refused, naming the holder; a lock
-  whose pid no longer runs on this host (a killed run) is taken over with a warning.
-- **Writability.** Before the first step a probe file is written, fsynced and removed
-  in the run directory and in ``checkpoints/``, and the free space is compared with one
-  checkpoint's size, so a long run does not fail at its first checkpoint.
-
-``lrmoe bench ttl --out`` follows the same rules with its own marker
-(``.lrmoe-bench``): a new or empty directory, or its own earlier output when ``--reuse``
-continues it; never a training run's directory, never someone else's files.
-
-Every problem is an :class:`LrmoeError` naming the directory and what to do.
+"""The run directory: whose it is (the ``.lrmoe-run`` marker), who writes into it (the
+``.lrmoe-lock`` of rank 0's process, a stale one taken over), and whether it can be
+written (a probe file and the free space, before the first step). ``lrmoe bench ttl
+--out`` follows the same rules with its own marker. The rules: docs/design.md §7.
 """
 
 from __future__ import annotations

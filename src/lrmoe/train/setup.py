@@ -1,13 +1,6 @@
-"""The trainer's setup steps that must end with every rank agreeing.
-
-:func:`check_same_flags` runs first, as soon as the ranks have joined: every rank hashes
-its trajectory-relevant flags and resolved model config, and a rank that differs from
-rank 0 ends the job with one line naming the first differing flag and both values.
-:func:`agree` runs a step with no collective inside on every rank: an error on any
-rank is raised on all of them (printed by rank 0 only), so a refusal under torchrun
-ends the job cleanly, with one line. :func:`open_run_dir` takes the run directory
-once every input is valid: lock, re-check, marker, writability probe and free space,
-then ``config.json`` (see :mod:`lrmoe.train.rundir`).
+"""The trainer's setup steps that must end with every rank agreeing: the same flags
+(:func:`check_same_flags`), an error on any rank raised on all (:func:`agree`), and the run
+directory taken once every input is valid (:func:`open_run_dir`, :mod:`.rundir`).
 """
 
 from __future__ import annotations
@@ -33,11 +26,9 @@ def all_gather(obj: Any, ctx) -> list:
 
 
 def agree(fn: Callable[[], Any], ctx) -> Any:
-    """Run ``fn`` on every rank; if it raised :class:`LrmoeError` on any, raise it on all.
-
-    The message is the lowest failing rank's (prefixed with its rank when the others
-    did not fail); rank 0 prints it, the others exit quietly with the same code.
-    """
+    """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all, with the lowest
+    failing rank's message (prefixed with its rank when others did not fail), printed by
+    rank 0 alone."""
     out, err = None, None
     try:
         out = fn()
@@ -53,10 +44,8 @@ def agree(fn: Callable[[], Any], ctx) -> Any:
     return out
 
 
-# Flags that may differ between ranks: where files are on this node (the data, the
-# tokenizer and the model are compared by content instead: the token streams' hashes
-# and the tokenizer's digest, the resolved model config) and how this process runs
-# (threads, collective timeout, progress output).
+# Flags that may differ between ranks: where files are on this node (the data, tokenizer
+# and model are compared by content instead) and how this process runs
 PER_RANK_FLAGS = ("out", "data", "preset", "config", "init_from", "tokenizer", "threads",
                   "timeout_s", "log_every", "progress")
 
@@ -113,10 +102,9 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int,
 
 
 def leave_process_group(agreed: bool) -> None:
-    """Leave the job's process group (if one was joined): after an error every rank
-    raised alike (``agreed``), first a barrier, so no rank tears down its connections
-    while a peer is still in a collective with it. A process that exits with the group
-    alive can abort in C++ at exit ("terminate called without an active exception")."""
+    """Leave the job's process group, if joined: after an error every rank raised alike
+    (``agreed``) a barrier first, so no rank tears down a connection a peer still uses (a
+    process exiting with the group alive can abort in C++ at exit)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -131,14 +119,10 @@ def leave_process_group(agreed: bool) -> None:
 # ----------------------------------------------------------------------------- memory
 def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
-    """``(device, host)`` bytes of one rank's model state where it trains: fp32
-    parameters, gradients and AdamW's two moments (16 bytes a parameter), experts
-    1/``ep_size`` of them. With ``offload`` (``--optimizer-offload host``) the host holds
-    what the step ledger prices for the parameters' ``device``
-    (:func:`lrmoe.step_ledger.host_state`), and the device the experts' weights and
-    gradients: on CUDA bf16 (4 bytes), beside fp32 masters and bf16 gradient buffers on
-    the host, pinned at the allocator's power-of-two sizes, and both moments; on the CPU
-    fp32 (8 bytes), their own masters, and only the moments on the host."""
+    """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a parameter
+    (experts 1/``ep_size``), or with ``offload`` the experts' compute-dtype weight and
+    gradient on the device and what the step ledger prices on the host
+    (:func:`lrmoe.step_ledger.host_state`)."""
     from lrmoe.ledger import DTYPE_BYTES
     from lrmoe.presets import param_breakdown, param_counts
     from lrmoe.step_ledger import host_state, offloaded_numels
@@ -243,11 +227,9 @@ def _write_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
 
 def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
                  ctx) -> None:
-    """Rank 0 takes the run directory (its lock); under torchrun every rank then checks
-    that its ``--out`` is that directory (it holds rank 0's lock: the same directory, on
-    a file system both see), before rank 0 writes it (``ck``: the checkpoint resumed, or
-    None) and every rank checks that it can write its checkpoint shards there. A refusal
-    leaves the directory as it was (a directory created here is removed)."""
+    """Rank 0 takes the run directory's lock; every rank checks its ``--out`` holds that lock;
+    rank 0 writes the directory (``ck``: the checkpoint resumed, or None); every rank probes
+    that it can write its shards. A refusal leaves the directory as it was."""
     need = _checkpoint_bytes(model)
     created = agree(lambda: rundir.take(run_dir) if ctx.is_main else None, ctx)
     try:

@@ -1,22 +1,10 @@
 """Out of memory inside a training step, as one line that says how to go on.
 
-Two kinds stop a step:
-
-- the **ledger's verdict** (:class:`lrmoe.errors.OutOfMemory`): under ``--mem-budget`` no
-  plan fits the step with every fallback. The line gives the step, the one need (the
-  verdict's bytes are those its rank's line names), the intact checkpoint, and the
-  command that continues the run: ``lrmoe train --out DIR --resume --mem-budget NEED``
-  (``--resume`` may raise the budget, add ``--recompute`` or ``--activation-checkpoint``
-  and change ``--grad-accum``; :data:`lrmoe.train.config.RESUME_CHANGES`);
-- the **allocator's** (``torch.OutOfMemoryError`` on CUDA, the CPU allocator's
-  ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``): one micro-batch's
-  activations did not fit. The line names the micro-batch and what would fit: a resume
-  with ``--activation-checkpoint full``, a new run with a smaller ``--batch-size`` and a
-  larger ``--grad-accum`` (the same sequences a step), and ``lrmoe plan`` for the
-  experts' share. Only this rank ran out: the error is its own (``local``).
-
-:func:`step_memory` wraps the forward and backward of a step's micro-batches; its
-``micro(get)`` wraps the batch getter so the line can name the micro-batch.
+The ledger's verdict (:class:`lrmoe.errors.OutOfMemory`) names the step, the one need,
+the intact checkpoint and the ``--resume --mem-budget NEED`` that continues; the
+allocator's (CUDA's, or the CPU allocator's ``RuntimeError``) names the micro-batch and
+what would fit, as this rank's own error (docs/design.md §7). :func:`step_memory` wraps a
+step's micro-batches; its ``batch_of(get)`` wraps the batch getter to name the micro-batch.
 """
 
 from __future__ import annotations

@@ -56,12 +56,14 @@ def test_load_on_cuda_holds_one_tensor_on_the_host(tmp_path):
     the file's dtype (bf16) differs from the parameter's (fp32): the conversion happens
     on the GPU, not in a host copy of the tensor."""
     import safetensors.torch
+
     from lrmoe.hf_load import empty_model, load_owned, open_checkpoint
     from lrmoe.train.metrics import host_peak_rss_bytes, host_rss_bytes
 
     pytest.importorskip("transformers")
-    from hf_fixtures import QWEN
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hf_fixtures import QWEN
 
     cfg = Qwen3MoeConfig(**{**QWEN, "vocab_size": 131072, "hidden_size": 256,
                             "head_dim": 32, "tie_word_embeddings": False})

@@ -1,15 +1,6 @@
-"""Process groups for expert parallelism (EP) x data parallelism (DP), and what they imply
-for parameters: which rank owns which experts, and how gradients are reduced.
-
-Layout for world size W and EP size G (W % G == 0): EP groups are consecutive ranks
-``[k*G, (k+1)*G)``; the *expert-DP* group of EP index j is ``{j, j+G, j+2G, ...}``.
-Non-expert parameters are replicated everywhere and their gradients averaged over W.
-Expert parameters live on their EP rank; each owner's gradient already sums the
-contributions of its whole EP group, so it is summed over the expert-DP group and
-divided by W (the global mean of per-rank mean losses).
-
-Groups are created once by :func:`init_parallel` and passed around explicitly.
-"""
+"""Process groups for expert parallelism (EP) x data parallelism (DP), expert ownership
+and gradient reduction (docs/design.md §6). Groups are created once by
+:func:`init_parallel` and passed around explicitly."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Whole-MoE-layer checkpoint: dispatch -> experts -> combine re-run in backward.
-
-A plan with :attr:`lrmoe.policy.plan.Plan.layer_checkpoint` (an exact plan that per-row
-recompute cannot fit into the memory budget, docs/design.md §5) runs the layer's
-exchange (:class:`lrmoe.parallel.exchange.ExpertExchange`) without a graph in forward,
-keeping only its inputs: the layer input (the tensor the router saves too), the gates,
-the expert ids (the router's top-k indices) and the instance weights. Backward runs the
-exchange again with a graph, on the same plan, so every rank re-sends its dispatch and
-combine all-to-alls in the same order (the ranks' backward walk the layers in the same
-order, so the collectives match), then back-propagates the output gradient through it:
-the gradients are those of the layer without a checkpoint.
+"""Whole-MoE-layer checkpoint: the exchange run without a graph in forward, run again with
+one in backward and back-propagated (docs/design.md §3).
 
 Legend: T tokens, K top-k, H hidden, S local slots.
 """

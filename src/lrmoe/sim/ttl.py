@@ -28,60 +28,8 @@ Per step this records:
   messages, compute seconds; :func:`lrmoe.sim.cost.accumulated_times`), so the step can be
   re-priced exactly for another link (``benchmarks/reprice_links.py``).
 
-Target (:mod:`lrmoe.sim.target`): every validation curve is smoothed by a centred
-moving average of ``smooth_window`` evaluations; the target is the static run's
-smoothed loss at step ``ceil(target_fraction * steps)``, and a policy's steps and time
-to target are where its own smoothed curve first reaches it, interpolated linearly
-between evaluations. ``raw_*`` fields keep the unsmoothed rule for comparison (static's
-loss at its first evaluation at or after that step; a policy's first evaluation at or
-below ``target * (1 + target_rtol)``). Each evaluation records its per-batch losses, and
-the report gives the evaluation's standard error against the smoothed change between
-neighbouring evaluations at the target. Policy specs may carry lrmoe variants
-(:func:`policy_variant`: ``lrmoe:recompute+min_keep=0.8``); every lrmoe variant gets its
-own time-to-target ratio over symi. Before the first policy one untimed training step warms the
-process up (allocator, lazy inits), so the first policy is not charged for them.
-
-Memory (docs/design.md §9, "Budget rules"; §5, "Out of memory"): under a budget every policy fits each step
-with its fallbacks (exact policies: recompute, else a whole-layer checkpoint; lrmoe: its
-ladder, :mod:`lrmoe.policy.lrmoe_ladder`), or its run stops at that step, as a GPU would:
-the result records ``out_of_memory`` (step, bytes needed, budget), its ``budget_status``
-reads "out of memory at step S (needs X GiB, budget Y GiB)", it gets no time to target,
-and every ratio over symi involving it is :data:`OOM`. Each step row counts its layers'
-rungs (``rungs``); a result sums them. static sets the target: if it runs out of memory
-the benchmark stops with that verdict.
-
-``router_grad`` (``--router-grad``): with ``"experts"`` the exact policies (static,
-symi) run with ``BackwardOptions(router_grad="experts")``: the expert backward computes
-each pair's router gradient and ships it home beside ``dx`` (4 more bytes per row in the
-backward combine), so the combined expert outputs are not kept, and their ledger (the
-recompute each rank needs, symi's choice of ``s``) is
-``Ledger(router_grad_at_experts=True)``, whose ``combine_rows`` is 0 for their plans.
-lrmoe is unchanged (``"home"``, ledger included): its trimmed plans must keep the rows,
-and its results stay those of a ``"home"`` run. The budget is the same either way.
-
-``reuse`` (``--reuse FILE``) takes the policies an earlier run of the same settings
-finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
-seed can be completed with more policies in a later call; each reused result says where
-it came from (``reused_from``). The earlier run must match: its recorded settings (all
-but the policies and ``reuse``; one the file lacks was added since and counts at its
-default, the behaviour before it), and always its initial model's validation loss (same
-seed, model, data and validation batches) and its evaluation steps; else the run stops
-before training with a message naming the difference.
-
-``deterministic`` (``--deterministic``): every policy trains with
-``torch.use_deterministic_algorithms(True, warn_only=True)`` (and cuBLAS's fixed
-workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless already set): two runs of one
-seed then repeat each other where torch has deterministic kernels (scatter-adds and
-index-adds included), and an exact policy's loss curve is the same for static and SYMI
-up to the summation order its placement changes. Without it, CUDA atomics (lrmoe's
-replica-gradient and selection sums use ``index_add_``) make repeated runs drift apart
-(on an H200 a re-run of one lrmoe variant at the same seed moved its ratio by ±0.1:
-``benchmarks/JOURNAL.md``). Kernels without a deterministic version
-warn and run as before. Emulated times are of the kernels actually run.
-Torch's deterministic mode also fills every new uninitialized tensor with NaN, one
-kernel per allocation (a debugging aid; it cost the sampled select 0.7 of 4.8 ms a call
-on the H200); ``deterministic_fill=False`` (``--no-deterministic-fill``) skips it for
-every policy. It is a recorded setting, so ``--reuse`` never mixes runs with and without.
+The target, the budget rules (out of memory, rungs), ``--router-grad``, ``--reuse`` and
+``--deterministic``: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -138,18 +86,9 @@ PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous ste
 
 
 def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
-    """``(PolicyConfig, planner ledger, recompute ledger, config note)``.
-
-    Exact policies (static, symi) do not plan against the ledger; under a budget the
-    emulator fits their plans with the fewest recomputed pairs, else a whole-layer
-    checkpoint (``recompute ledger``), and a step over even that is out of memory.
-    symi's ``s`` is :func:`lrmoe.sim.ttl_symi.symi_slots` over ``profile`` (the static
-    run's counts at evenly spaced steps: the profiling run a SYMI user would tune ``s``
-    on). With a budget symi plans against the ledger too: at a step its ``s`` does not
-    fit even with recompute and a whole-layer checkpoint, it gives replicas up
-    (:func:`lrmoe.policy.symi.fewer_replicas`, charged as planning). lrmoe plans against
-    the ledger (its retention quotas, then its ladder).
-    """
+    """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
+    ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
+    ``profile``, the static run's counts and GEMM rate."""
     from lrmoe.policy.registry import PolicyConfig
 
     G, E = cfg.train.ep, mcfg.num_experts
@@ -556,15 +495,9 @@ def budget_flag(cfg: TTLConfig) -> str:
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
                     optimizer_offload: str = "device") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
-    and received pairs) that retains only ``fraction`` of its pairs.
-
-    A budget where memory binds without a run's routing, for tests of the fallbacks:
-    below 1 even a balanced exact rank must recompute, and a skewed one more (or, past
-    what recompute can free, it does not fit); lrmoe must trim. Not a budget rule of
-    ``bench ttl``: a skewed step can need more than any fraction of it even with a
-    whole-layer checkpoint (:mod:`lrmoe.sim.ttl_budget`). With
-    ``optimizer_offload="host"`` the rank is priced on that memory design.
-    """
+    and received pairs) that retains only ``fraction`` of its pairs: a budget where
+    memory binds without a run's routing, for tests of the fallbacks (not a budget rule
+    of ``bench ttl``)."""
     led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
     t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
@@ -573,16 +506,10 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
 
 @contextlib.contextmanager
 def deterministic_mode(on: bool, fill: bool = True):
-    """torch's deterministic algorithms (warn-only) inside the block when ``on``; the
-    caller's settings are restored after. cuBLAS reads its workspace setting when it
-    starts, so it is set here only if nothing set it and no CUDA context exists yet.
-
-    torch's deterministic mode also fills every new uninitialized tensor with NaN (or the
-    integer maximum), one extra kernel per allocation: a debugging aid that makes a read
-    of uninitialized memory repeatable. ``fill=False`` turns it off
-    (``torch.utils.deterministic.fill_uninitialized_memory``); a kernel that read memory
-    it did not write would then make runs differ, which a bitwise comparison of two
-    repeated runs' ``ttl.json`` shows."""
+    """torch's deterministic algorithms (warn-only) inside the block when ``on``, with its
+    fill of new uninitialized tensors only if ``fill``; the caller's settings are restored
+    after. cuBLAS reads its workspace setting when it starts, so it is set here only if
+    nothing set it and no CUDA context exists yet."""
     if not on:
         yield
         return
@@ -601,8 +528,9 @@ def deterministic_mode(on: bool, fill: bool = True):
         tud.fill_uninitialized_memory = was_fill
 
 
-def load_reused_report(cfg: TTLConfig) -> dict:
-    """The ``--reuse`` file's report (one line naming it when it is not one)."""
+def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
+    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
+    run (docs/design.md §9): raises :class:`LrmoeError` naming the first difference."""
     import json
     from pathlib import Path
 
@@ -613,16 +541,6 @@ def load_reused_report(cfg: TTLConfig) -> dict:
     except (OSError, ValueError, AttributeError) as e:
         raise LrmoeError(f"--reuse {path}: not a readable ttl.json or ttl_partial.json "
                          f"({type(e).__name__}: {e})") from None
-    return rep
-
-
-def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
-    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
-    run (module docstring): raises :class:`LrmoeError` naming the first difference."""
-    from pathlib import Path
-
-    path = Path(cfg.reuse)
-    rep = load_reused_report(cfg)
     got = rep["policies"]
     old = rep.get("config")
     if old is not None:

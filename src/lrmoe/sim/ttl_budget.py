@@ -1,29 +1,6 @@
-"""``bench ttl --budget-floor-fraction X``: a budget that static fits at every step.
-
-The budget is ``X · F``, ``X >= 1``, where ``F`` is static's **whole-layer floor** over
-this run's own routing: the largest rank total of static's native plan under a
-whole-layer checkpoint (:meth:`lrmoe.ledger.Ledger.layer_terms`, static's last fallback)
-over every step, micro-batch and MoE layer of the run. At a budget ``>= F`` every step
-of static fits (as is, by recomputing rows, or at worst by checkpointing the layer
-whole); ``X`` says how much room above that floor every policy gets. The other
-policies train on their own routing: lrmoe's last rung is the same checkpoint, but a
-step of its own more skewed than any of static's can need more than ``F`` (at ``X =
-1`` it happens), and symi's replicas add their weights. ``benchmarks/floor_budget.py``
-reads the same ``F`` off a finished run's routing trace.
-
-Static is exact, so its routing does not depend on the budget: ``F`` is read off a
-calibration run of static without a budget (same model, seed, data and steps; its
-results are not reported), before the timed runs. The budgeted static run repeats it
-where the arithmetic does: on the CPU and under ``--deterministic`` bit for bit; GPU
-atomics without it may move a near-tie token, and a static step over ``X · F`` then
-stops the benchmark, naming this flag.
-
-Why not a balanced rank (the rule before, ``--budget-retain-fraction``): a skewed step
-sends more pairs to one rank than a balanced one, and the transients a whole-layer
-checkpoint still holds grow with them, so no fraction of a balanced rank's bytes
-covers every step (tiny-qwen3 at EP 4 ran out at step 8 with 0.8 and at step 15 with
-1.0); a bound that covers any routing (every pair on one rank) is several times F, where
-memory no longer binds.
+"""``bench ttl --budget-floor-fraction X``: the budget ``X · F``, ``X >= 1``, where ``F`` is
+static's whole-layer floor over the run's own routing, read off a calibration run of
+static without a budget, so static fits every step (docs/design.md §9).
 """
 
 from __future__ import annotations

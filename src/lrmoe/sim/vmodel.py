@@ -1,13 +1,6 @@
-"""The model's MoE layers trained through the virtual EP emulator (``lrmoe bench ttl``).
-
-:class:`Emulator` is installed as the model's :class:`lrmoe.model.moe.MoERuntime`
-``emulator``: every MoE layer's training forward runs its router and shared experts as
-the trainer does, and its routed experts (:meth:`MoELayer.routed`) through a
-:class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual ranks (global batch rows
-``g*B/G .. (g+1)*B/G - 1`` are home rank g's). Per step it records the wall time of the
-routed part (forward, and backward from the grad hook on its output to the end of the
-exchange's backward) and each layer's stats. Evaluation uses the layer's own forward.
-"""
+"""The model's MoE layers trained through the virtual EP emulator (``lrmoe bench ttl``):
+:class:`Emulator`, installed as the model's :class:`lrmoe.model.moe.MoERuntime` ``emulator``,
+runs every layer's routed experts over G virtual ranks and times them."""
 
 from __future__ import annotations
 

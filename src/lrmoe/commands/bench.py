@@ -150,8 +150,7 @@ def fmt_ratio(v) -> str:
 
 
 def rungs_cell(rungs: dict | None) -> str:
-    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget or from a run
-    recorded before the ladder)."""
+    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget)."""
     return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
 
 
@@ -166,7 +165,7 @@ GIVEN_UP = {"memory": ("for memory", "its slots did not fit the budget even with
 
 def placement_lines(rep: dict) -> list[str]:
     """Replicas placed per layer-micro-batch on the run's link, and those each policy's
-    own rule chose but gave up, with why (none for runs recorded before the count)."""
+    own rule chose but gave up, with why."""
     pols = {k: r for k, r in rep["policies"].items() if r.get("layer_micro_batches")}
     if not pols:
         return []

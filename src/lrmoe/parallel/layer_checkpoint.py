@@ -19,13 +19,9 @@ _STAGE_MS = ("local_ms", "select_ms", "gather_ms")  # ExchangeState.stage's coun
 
 class LayerCheckpoint(torch.autograd.Function):
     """``(x_TH, gate_TK, idx_TK, w13_S, w2_S) -> out_TH``: ``run`` without a graph in
-    forward; in backward ``run`` again with one, then its backward.
-
-    ``stats`` keeps the first forward's counters (``saved_act_bytes`` 0: nothing of the
-    exchange is kept) and gets the backward's; the re-run's forward counters are added
-    with a ``recompute_`` prefix (``recompute_fwd_rows``, ``recompute_expert_fwd_ms``,
-    ``recompute_fwd_dispatch_bytes_sent``, ...).
-    """
+    forward; in backward ``run`` again with one, then its backward. ``stats`` keeps the
+    first forward's counters and gets the re-run's forward ones with a ``recompute_``
+    prefix (:func:`_merge`)."""
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,

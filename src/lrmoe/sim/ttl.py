@@ -155,7 +155,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
     stages and its measured host part (``host_s``) is left out of the non-MoE time."""
     from lrmoe.sim.cost import STAGES, accumulated_times
-    from lrmoe.sim.virtual import EXCHANGES
+    from lrmoe.sim.vstats import EXCHANGES
 
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
@@ -420,36 +420,35 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
     return res
 
 
+def _sum_given_up(parts) -> dict[str, list[int]]:
+    """Per reason, ``[plans, replicas, most in one plan]`` summed over ``(reason, [plans,
+    replicas, most])`` parts."""
+    tot: dict[str, list[int]] = {}
+    for why, (n, k, most) in parts:
+        a = tot.setdefault(why, [0, 0, 0])
+        a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    return dict(sorted(tot.items()))
+
+
 def _given_up(plans) -> dict[str, list[int]]:
-    """Per reason a plan gave replicas up: ``[plans, replicas, most in one plan]``."""
-    out: dict[str, list[int]] = {}
-    for p in plans:
-        if p.replicas_given_up:
-            n, k, most = out.get(p.given_up_for, [0, 0, 0])
-            out[p.given_up_for] = [n + 1, k + p.replicas_given_up,
-                                   max(most, p.replicas_given_up)]
-    return dict(sorted(out.items()))
+    """Per reason the plans gave replicas up: ``[plans, replicas, most in one plan]``."""
+    return _sum_given_up((p.given_up_for, (1, p.replicas_given_up, p.replicas_given_up))
+                         for p in plans if p.replicas_given_up)
 
 
 def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
     """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
-    the replicas given up and the most in one (``{}`` when none, or for rows recorded
-    before the count)."""
-    tot: dict[str, list[int]] = {}
-    for r in rows:
-        for why, (n, k, most) in r.get("replicas_given_up", {}).items():
-            a = tot.setdefault(why, [0, 0, 0])
-            a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    the replicas given up and the most in one (``{}`` when none)."""
+    tot = _sum_given_up(kv for r in rows for kv in r["replicas_given_up"].items())
     return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
-            for why, (n, k, most) in sorted(tot.items())}
+            for why, (n, k, most) in tot.items()}
 
 
 def rung_totals(rows: list[dict]) -> dict[str, int]:
-    """Layer-steps per rung over a run's step rows (``{}`` for rows recorded before
-    the ladder)."""
+    """Layer-steps per rung over a run's step rows."""
     tot: Counter = Counter()
     for r in rows:
-        tot.update(r.get("rungs", {}))
+        tot.update(r["rungs"])
     return dict(sorted(tot.items()))
 
 

@@ -97,13 +97,11 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> N
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.static import StaticPolicy
 
-    Emulator(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
     if compile:
         compile_model(model)
     model.train()
-    for policy, opts in [(None, None), *also]:
-        if policy is not None:
-            Emulator(model, G, policy, opts, None, lambda: None)
+    for policy, opts in [(StaticPolicy(), BackwardOptions()), *also]:
+        Emulator(model, G, policy, opts, None, lambda: None)
         with autocast():
             loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
         loss.backward()

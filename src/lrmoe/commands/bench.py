@@ -1,12 +1,7 @@
 """``lrmoe bench ttl``: time to target loss of static / symi / lrmoe on emulated EP.
 
-Trains the same model per policy with every MoE layer run as G virtual EP ranks
-(:mod:`lrmoe.sim.ttl`), and writes ``OUT/ttl.json``, ``OUT/ttl.md``,
-``OUT/ttl_loss_vs_time.png`` and ``OUT/ttl_loss_vs_step.png``. Times are **emulated**
-(measured per-rank expert kernels + modelled links + measured non-MoE time / G).
-Bad input or an infeasible budget: one line on stderr, exit code 2. ``--out`` follows
-``lrmoe train``'s rules (:mod:`lrmoe.train.rundir`): a new or empty directory, marked
-and locked; an earlier bench ttl output only with ``--reuse``.
+Runs :mod:`lrmoe.sim.ttl` and writes ``ttl.json``, ``ttl.md``, the two loss plots and the
+routing traces into ``--out`` (a run directory by :mod:`lrmoe.train.rundir`'s rules).
 """
 
 from __future__ import annotations

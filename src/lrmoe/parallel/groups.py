@@ -134,14 +134,9 @@ def expert_ids(model: nn.Module) -> dict[str, range]:
 
 
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
-    """Keep only this rank's owned experts (:func:`owned_experts`: rank r holds
-    ``r*E/G .. (r+1)*E/G - 1``).
-
-    Every rank builds the full model from the same seed first, so the shards together
-    are exactly the single-process model. Expert modules
-    (:class:`lrmoe.model.experts.Experts`) are found by their attributes, so that
-    ``parallel/`` imports nothing from ``model/``.
-    """
+    """Keep only this rank's owned experts (:func:`owned_experts`) of the full model every
+    rank built from the same seed. Expert modules are found by their attributes, so that
+    ``parallel/`` imports nothing from ``model/``."""
     G, r = ctx.ep_size, ctx.ep_rank
     for ex in model.modules():
         if isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter) and hasattr(ex, "num_experts"):

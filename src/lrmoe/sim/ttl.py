@@ -221,11 +221,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     return row
 
 
-def _phase(name: str):
-    """A ``ttl:<name>`` profiler range."""
-    return torch.profiler.record_function(f"ttl:{name}")
-
-
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
     """The ledger a run prices its budget with: ``cfg.train.ep`` ranks, bf16 on CUDA (fp32 on
     the CPU), ``cfg.train.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
@@ -380,9 +375,8 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
             return
         micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
         release_graph(run.model)  # the aux losses hold the step's graph
-    # profiler ranges (free without a profiler): the step and its phases, which
-    # benchmarks/non_moe_profile.py reads
-    with _phase("step"):
+    # a profiler range (free without a profiler), which benchmarks/non_moe_profile.py reads
+    with torch.profiler.record_function("ttl:step"):
         # micro-batch m of step s: global batch s * N + m (the trainer's order)
         sums = accumulate(run.model, lambda m: batches.batch(step * N + m).to(run.dev), N,
                           run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
@@ -588,12 +582,9 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
 
 
 def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
-    """Run every policy and return the report dict (see the module docstring).
-
-    ``on_policy(name, result)`` is called after each policy (e.g. to save partial
-    results of a long run). A policy that runs out of memory (or fails otherwise,
-    e.g. a non-finite loss) is reported with ``failed`` and the steps it made.
-    """
+    """Run every policy and return the report dict, calling ``on_policy(name, result)``
+    after each (to save partial results); a policy that fails is reported with
+    ``failed`` and the steps it made."""
     with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
         return _bench_ttl(cfg, log, on_policy)
 

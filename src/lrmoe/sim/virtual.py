@@ -39,12 +39,9 @@ from lrmoe.traffic import plan_rows_GG
 
 # ------------------------------------------------------------------------ all-to-all
 def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
-    """In-memory ``all_to_all_single`` over G virtual ranks.
-
-    ``send_G[g]`` is rank g's send buffer, ``splits_G[g][r]`` its rows for rank r.
-    Returns each rank's receive buffer: the rows from rank 0, then rank 1, ... (the
-    order ``dist.all_to_all_single`` gives).
-    """
+    """In-memory ``all_to_all_single`` over G virtual ranks: ``send_G[g]`` is rank g's
+    send buffer, ``splits_G[g][r]`` its rows for rank r; each rank receives the rows from
+    rank 0, then rank 1, ..."""
     G = len(send_G)
     chunks = [list(torch.split(send_G[g], splits_G[g])) for g in range(G)]
     out = []
@@ -115,12 +112,9 @@ def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Te
 
 # ------------------------------------------------------------------------- exchange
 class VirtualExchange(torch.autograd.Function):
-    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``.
-
-    Each rank's slice of the weights is its slots' instance weights. Forward and
-    backward are the runtime's stage sequence over the G virtual ranks; see the
-    module doc.
-    """
+    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``,
+    each rank's slice of the weights its slots' instance weights, forward and backward
+    the runtime's stage sequence over the G virtual ranks."""
 
     @staticmethod
     def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
@@ -208,12 +202,8 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
 
 # --------------------------------------------------------------------- instance weights
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
-    """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]``.
-
-    The math of :func:`lrmoe.parallel.weights.instance_weight_list` on every rank at once:
-    each slot copies its expert's weights (empty slots are zero), and autograd's
-    backward of the gather sums every instance's gradient into its expert.
-    """
+    """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]`` (empty
+    slots zero); the gather's backward sums every instance's gradient into its expert."""
     ie = plan.inst_expert_GS.reshape(-1).to(w_E.device)
     w = w_E[ie.clamp(min=0)]
     if bool((ie < 0).any()):

@@ -51,7 +51,7 @@ from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
-from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
+from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.train.config import TrainConfig
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
@@ -85,7 +85,7 @@ PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous ste
                                     "previous step's counts)"}
 
 
-def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
+def _choose(name, cfg, mcfg, ledger, profile=None):
     """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
     ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
     ``profile``, the static run's counts and GEMM rate."""
@@ -102,11 +102,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         share = cfg.train.grad_accum if lc.placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
-    pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
         from lrmoe.sim.links import get_link
         from lrmoe.sim.ttl_symi import symi_slots
-        prof_c, prof_p, rate = profile or (first_counts, pops, None)
+        prof_c, prof_p, rate = profile  # static runs first: its profile is there
         try:
             slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
         except LrmoeError:
@@ -264,12 +263,11 @@ class _PolicyRun:
     note: str
 
 
-def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
-               profile=None) -> dict:
+def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile=None) -> dict:
     """Train with policy ``name`` for ``cfg.train.steps`` steps on ``cfg.train.ep``
     emulated ranks: its step rows, evaluations and verdict (module docstring)."""
     t = cfg.train
-    run = _build_run(name, cfg, mcfg, ledger, first_counts, profile)
+    run = _build_run(name, cfg, mcfg, ledger, profile)
     rows, trace, trace_GE, micro_E = [], [], [], []
     evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
               "cum_emulated_s": 0.0}]
@@ -312,7 +310,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     return res
 
 
-def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
+def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     """The planner (:func:`_choose`), the model, emulator, optimizer and schedule of
     policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
     offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
@@ -329,8 +327,7 @@ def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
     if dev.type == "cuda":  # this policy's own peak of the emulating process
         torch.cuda.reset_peak_memory_stats(dev)
     ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
-                                                   profile)
+    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(t.seed)
     model = MoEForCausalLM(mcfg).to(dev)
@@ -619,10 +616,10 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     data = _load_data(cfg)
-    first, reused = _probe(cfg, data, variants)
+    reused = _probe(cfg, data, variants)
     if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
         rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log,
+                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
                                      run_policy, static_floor_ledger(cfg, data.mcfg)))
         ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
         log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
@@ -633,8 +630,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             log(f"[{p}] reused from {cfg.reuse}")
             results[p] = reused[p]
         else:
-            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, first, link,
-                                             log, profile, rule)
+            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
+                                             profile, rule)
             if p == "static":  # symi's profile: static's routing and GEMM rate
                 from lrmoe.sim.ttl_symi import calibrated_gemm_rate
                 rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
@@ -678,11 +675,10 @@ def _load_data(cfg: TTLConfig) -> _Data:
     return _Data(mcfg, corpus, batches, val_b)
 
 
-def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
-    """``(first, reused)``: the first batch's routed counts on the seed's initial model
-    (every policy's first plan sees them) and the ``--reuse`` file's results checked
-    against that model's validation loss; the process is warmed up on the way, for the
-    policies of ``variants`` (spec -> :func:`policy_variant`) that will run."""
+def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
+    """The ``--reuse`` file's results checked against the seed's initial model's
+    validation loss; the process is warmed up on that model for the policies of
+    ``variants`` (spec -> :func:`policy_variant`) that will run."""
     from lrmoe.model import MoEForCausalLM
     from lrmoe.train.loop import make_autocast
 
@@ -695,19 +691,16 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
     if cfg.reuse:
         v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, list(variants), v0)
-        probe.train()
-    first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
     warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
-            _warm_variants(data, [v for p, v in variants.items() if p not in reused],
-                           first, cfg.train.ep))
+            _warm_variants(data, [v for p, v in variants.items() if p not in reused], G))
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
     gc.collect()
-    return first, reused
+    return reused
 
 
-def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
+def _warm_variants(data: _Data, variants: list, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
     from lrmoe.policy.registry import make_policy
@@ -715,17 +708,17 @@ def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
     out = []
     for base, vcfg in variants:
         if base == "lrmoe":
-            pc = _choose(base, vcfg, data.mcfg, None, first)[0]
+            pc = _choose(base, vcfg, data.mcfg, None)[0]
             out.append((make_policy(pc, data.mcfg, G), vcfg.lrmoe.backward))
     return out
 
 
 def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,
-             first, link, log, profile, rule) -> tuple[dict, list]:
+             link, log, profile, rule) -> tuple[dict, list]:
     """Policy ``spec``'s result (its counts taken out) and its per-home counts."""
     base, vcfg = variant
-    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, first, link,
-                     log, profile)
+    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, link, log,
+                     profile)
     res["policy"] = spec
     counts_GE = res.pop("_counts_GE")
     res.pop("_counts_E_micro")

@@ -70,11 +70,11 @@ def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
                for step in counts_E for c in step)
 
 
-def calibrate(cfg, mcfg, batches, val_b, first, link, log, run, led) -> FloorBudget:
+def calibrate(cfg, mcfg, batches, val_b, link, log, run, led) -> FloorBudget:
     """Run static without a budget (``run``: :func:`lrmoe.sim.ttl.run_policy`) and return
     ``--budget-floor-fraction``'s budget, its floor priced by ``led``."""
     log(f"[static, calibration] no budget: reading static's whole-layer floor F for {FLAG}")
-    res = run("static", cfg, mcfg, batches, val_b, None, first, link,
+    res = run("static", cfg, mcfg, batches, val_b, None, link,
               lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
     require(not res["failed"], f"static's calibration run for {FLAG} stopped: {res['failed']}")
     F = floor_of_run(led, cfg, mcfg, res["_counts_E_micro"])

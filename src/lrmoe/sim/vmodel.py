@@ -71,21 +71,6 @@ class Emulator:
         return [v.stats for v in self.layers]
 
 
-def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
-    """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
-    got = []
-    hooks = [m.router.register_forward_hook(
-        lambda mod, i, r: got.append(r.idx_TK)) for m in model.moe_layers]
-    model.eval()  # eval: the plain forward, no step counting; the caller sets train()
-    with torch.no_grad():
-        model(batch[:, :-1])
-    for h in hooks:
-        h.remove()
-    E = model.config.num_experts
-    return [torch.stack([torch.bincount(i.cpu(), minlength=E)
-                         for i in idx.reshape(G, -1)]).long() for idx in got]
-
-
 def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> None:
     """One untimed static training step (fills the allocator, lazy inits, compiles what
     the timed steps compile), its forward under the timed steps' ``autocast``: the same

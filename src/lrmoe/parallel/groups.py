@@ -178,15 +178,11 @@ def expert_grad_finish(ctx: ParallelContext) -> Callable[[torch.Tensor], None] |
     expert gradients are all-reduced together in one flat buffer after backward, and
     all-reduced one by one they could be summed in another order."""
     if not ctx.distributed:
-        return _unchanged
+        return lambda g: None
     if ctx.world > ctx.ep_size:
         return None
     world = ctx.world
     return lambda g: g.div_(world)
-
-
-def _unchanged(g: torch.Tensor) -> None:
-    return None
 
 
 def _allreduce_flat(grads: list[torch.Tensor], group) -> None:

@@ -136,6 +136,12 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
     return pc, (None if name == "static" else ledger), (ledger if exact else None), note
 
 
+def _eval_steps(t: TrainConfig) -> list[int]:
+    """The steps a run evaluates after: 0, every ``eval_every``-th and the last."""
+    return [0] + [s for s in range(1, t.steps + 1)
+                  if (t.eval_every and s % t.eval_every == 0) or s == t.steps]
+
+
 def _val_eval(model, batches, dev, autocast) -> dict:
     """Mean validation loss and the loss of each batch (equal-sized batches)."""
     from types import SimpleNamespace
@@ -287,7 +293,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
             # every micro-batch's per-expert counts, its layers in order (the budget floor's)
             micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             done, cum = step + 1, rows[-1]["cum_emulated_s"]
-            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            if done in _eval_steps(t):
                 evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
                               "cum_emulated_s": cum})
                 log(f"[{name}] step {done}/{t.steps} train {loss:.4f} val "
@@ -552,8 +558,7 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     require("static" not in got or "symi" in got or "symi" not in policies,
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
             "together or run both")
-    want = [0] + [s for s in range(1, cfg.train.steps + 1)
-                  if (cfg.train.eval_every and s % cfg.train.eval_every == 0) or s == cfg.train.steps]
+    want = _eval_steps(cfg.train)
     out = {}
     for p in policies:
         if p not in got:

@@ -32,7 +32,6 @@ from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on
-from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 from lrmoe.traffic import plan_rows_GG
 

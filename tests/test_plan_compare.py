@@ -26,7 +26,8 @@ from lrmoe.routing_loads import RoutingTrace, read_trace, synthetic_counts
 from lrmoe.sim.analytic import mean_step_times, modelled_stats
 from lrmoe.sim.cost import STAGES, step_times
 from lrmoe.sim.links import LINKS
-from lrmoe.sim.virtual import EXCHANGES, VirtualEPLayer
+from lrmoe.sim.virtual import VirtualEPLayer
+from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.units import parse_bytes
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4

@@ -500,7 +500,7 @@ def test_lrmoe_placement_reaches_the_planner_from_every_command():
     from lrmoe.train.config import build_policy, check_args, config_from_cli
 
     base, cfg = policy_variant("lrmoe:recompute+placement=previous", TTLConfig())
-    pc = _choose(base, cfg, get_preset("tiny-qwen3"), None, [])[0]
+    pc = _choose(base, cfg, get_preset("tiny-qwen3"), None)[0]
     assert (pc.lrmoe.placement, pc.lrmoe.recompute) == ("previous", True)
     assert policy_variant("lrmoe", TTLConfig.from_flat(lrmoe_placement="previous"))[1] \
         .lrmoe.planner.placement == "previous"

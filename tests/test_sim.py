@@ -417,8 +417,8 @@ def _rank_stats(stats: VirtualStats, g: int) -> dict:
          "saved_act_bytes": stats.saved_act_bytes[g]}
     for ex in EXCHANGES[:4]:
         if ex in stats.bytes_GG:
-            d[f"{ex}_bytes_sent"] = stats.bytes_sent(ex, off_rank=False)[g]
-            d[f"{ex}_bytes_recv"] = stats.bytes_recv(ex, off_rank=False)[g]
+            d[f"{ex}_bytes_sent"] = int(stats.bytes_GG[ex][g].sum())  # self-copy included
+            d[f"{ex}_bytes_recv"] = int(stats.bytes_GG[ex][:, g].sum())
     if "bwd" in stats.rows:
         d["bwd_rows"] = stats.rows["bwd"][g]
         d["selected_rows"] = stats.rows["selected"][g]

@@ -1,12 +1,7 @@
 """``lrmoe bench ttl``: time to target loss of static / symi / lrmoe on emulated EP.
 
-Trains the same model per policy with every MoE layer run as G virtual EP ranks
-(:mod:`lrmoe.sim.ttl`), and writes ``OUT/ttl.json``, ``OUT/ttl.md``,
-``OUT/ttl_loss_vs_time.png`` and ``OUT/ttl_loss_vs_step.png``. Times are **emulated**
-(measured per-rank expert kernels + modelled links + measured non-MoE time / G).
-Bad input or an infeasible budget: one line on stderr, exit code 2. ``--out`` follows
-``lrmoe train``'s rules (:mod:`lrmoe.train.rundir`): a new or empty directory, marked
-and locked; an earlier bench ttl output only with ``--reuse``.
+Runs :mod:`lrmoe.sim.ttl` and writes ``ttl.json``, ``ttl.md``, the two loss plots and the
+routing traces into ``--out`` (a run directory by :mod:`lrmoe.train.rundir`'s rules).
 """
 
 from __future__ import annotations
@@ -150,8 +145,7 @@ def fmt_ratio(v) -> str:
 
 
 def rungs_cell(rungs: dict | None) -> str:
-    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget or from a run
-    recorded before the ladder)."""
+    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget)."""
     return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
 
 
@@ -166,7 +160,7 @@ GIVEN_UP = {"memory": ("for memory", "its slots did not fit the budget even with
 
 def placement_lines(rep: dict) -> list[str]:
     """Replicas placed per layer-micro-batch on the run's link, and those each policy's
-    own rule chose but gave up, with why (none for runs recorded before the count)."""
+    own rule chose but gave up, with why."""
     pols = {k: r for k, r in rep["policies"].items() if r.get("layer_micro_batches")}
     if not pols:
         return []

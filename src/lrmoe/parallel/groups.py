@@ -1,15 +1,6 @@
-"""Process groups for expert parallelism (EP) x data parallelism (DP), and what they imply
-for parameters: which rank owns which experts, and how gradients are reduced.
-
-Layout for world size W and EP size G (W % G == 0): EP groups are consecutive ranks
-``[k*G, (k+1)*G)``; the *expert-DP* group of EP index j is ``{j, j+G, j+2G, ...}``.
-Non-expert parameters are replicated everywhere and their gradients averaged over W.
-Expert parameters live on their EP rank; each owner's gradient already sums the
-contributions of its whole EP group, so it is summed over the expert-DP group and
-divided by W (the global mean of per-rank mean losses).
-
-Groups are created once by :func:`init_parallel` and passed around explicitly.
-"""
+"""Process groups for expert parallelism (EP) x data parallelism (DP), expert ownership
+and gradient reduction (docs/design.md §6). Groups are created once by
+:func:`init_parallel` and passed around explicitly."""
 
 from __future__ import annotations
 
@@ -143,14 +134,9 @@ def expert_ids(model: nn.Module) -> dict[str, range]:
 
 
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
-    """Keep only this rank's owned experts (:func:`owned_experts`: rank r holds
-    ``r*E/G .. (r+1)*E/G - 1``).
-
-    Every rank builds the full model from the same seed first, so the shards together
-    are exactly the single-process model. Expert modules
-    (:class:`lrmoe.model.experts.Experts`) are found by their attributes, so that
-    ``parallel/`` imports nothing from ``model/``.
-    """
+    """Keep only this rank's owned experts (:func:`owned_experts`) of the full model every
+    rank built from the same seed. Expert modules are found by their attributes, so that
+    ``parallel/`` imports nothing from ``model/``."""
     G, r = ctx.ep_size, ctx.ep_rank
     for ex in model.modules():
         if isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter) and hasattr(ex, "num_experts"):
@@ -192,15 +178,11 @@ def expert_grad_finish(ctx: ParallelContext) -> Callable[[torch.Tensor], None] |
     expert gradients are all-reduced together in one flat buffer after backward, and
     all-reduced one by one they could be summed in another order."""
     if not ctx.distributed:
-        return _unchanged
+        return lambda g: None
     if ctx.world > ctx.ep_size:
         return None
     world = ctx.world
     return lambda g: g.div_(world)
-
-
-def _unchanged(g: torch.Tensor) -> None:
-    return None
 
 
 def _allreduce_flat(grads: list[torch.Tensor], group) -> None:

@@ -1,14 +1,5 @@
-"""Whole-MoE-layer checkpoint: dispatch -> experts -> combine re-run in backward.
-
-A plan with :attr:`lrmoe.policy.plan.Plan.layer_checkpoint` (an exact plan that per-row
-recompute cannot fit into the memory budget, docs/design.md §5) runs the layer's
-exchange (:class:`lrmoe.parallel.exchange.ExpertExchange`) without a graph in forward,
-keeping only its inputs: the layer input (the tensor the router saves too), the gates,
-the expert ids (the router's top-k indices) and the instance weights. Backward runs the
-exchange again with a graph, on the same plan, so every rank re-sends its dispatch and
-combine all-to-alls in the same order (the ranks' backward walk the layers in the same
-order, so the collectives match), then back-propagates the output gradient through it:
-the gradients are those of the layer without a checkpoint.
+"""Whole-MoE-layer checkpoint: the exchange run without a graph in forward, run again with
+one in backward and back-propagated (docs/design.md §3).
 
 Legend: T tokens, K top-k, H hidden, S local slots.
 """
@@ -28,13 +19,9 @@ _STAGE_MS = ("local_ms", "select_ms", "gather_ms")  # ExchangeState.stage's coun
 
 class LayerCheckpoint(torch.autograd.Function):
     """``(x_TH, gate_TK, idx_TK, w13_S, w2_S) -> out_TH``: ``run`` without a graph in
-    forward; in backward ``run`` again with one, then its backward.
-
-    ``stats`` keeps the first forward's counters (``saved_act_bytes`` 0: nothing of the
-    exchange is kept) and gets the backward's; the re-run's forward counters are added
-    with a ``recompute_`` prefix (``recompute_fwd_rows``, ``recompute_expert_fwd_ms``,
-    ``recompute_fwd_dispatch_bytes_sent``, ...).
-    """
+    forward; in backward ``run`` again with one, then its backward. ``stats`` keeps the
+    first forward's counters and gets the re-run's forward ones with a ``recompute_``
+    prefix (:func:`_merge`)."""
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,

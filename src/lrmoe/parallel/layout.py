@@ -106,9 +106,8 @@ class HomeLayout:
         assign_I: per block, the rows sent (host).
         splits: rows to each destination rank.
 
-    The send positions of the retained rows and each send row's block are derived on
-    demand (:meth:`retained`), so they are not kept alive
-    between forward and backward.
+    The retained rows' send positions are derived on demand (:meth:`retained`), so they
+    are not kept alive between forward and backward.
     """
 
     send_row_P: Tensor
@@ -138,19 +137,10 @@ class HomeLayout:
 
 
 def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> HomeLayout:
-    """Assign this rank's pairs to send-buffer positions (see module doc).
-
-    The host turns the plan into one small segment table; the device work is one sort of
-    the pairs and a few index kernels (:func:`home_positions`), with no host wait.
-
-    Pairs are sorted by (expert, descending gate) (by expert alone when every pair is
-    retained and none is dropped: the gate order is then irrelevant); in that order an
-    expert's pairs are its retained ones split over its instances in instance order,
-    then its non-retained ones, then the dropped ones (the lowest gates, capacity
-    policy). Each of these runs is a *segment*: a range of sorted positions that maps
-    linearly onto send positions, so one ``searchsorted`` over the segment starts
-    locates every pair.
-    """
+    """Assign this rank's pairs to send-buffer positions (see module doc): the host turns
+    the plan into one small table of segments, runs of pairs sorted by (expert,
+    descending gate) that map linearly onto send rows (docs/design.md §2); the device
+    locates every pair with no host wait (:func:`home_positions`)."""
     dev = idx_P.device
     G, S = plan.G, plan.S
     ie = plan.inst_expert_GS.reshape(-1).numpy()

@@ -25,9 +25,7 @@ class BackwardOptions:
     compaction: bool = True
     fidelity: bool = False  # also compute the exact weight gradient and compare
     # "experts": on an exact plan the expert backward computes each pair's router gradient
-    # <dout[t], y[t,k]> as <dout[t] @ w2, silu(g)*u> and ships it home beside dx, so the
-    # combined expert outputs (y_send) are not kept for backward (the ledger's combine_rows
-    # term is then 0 for exact plans: Ledger(router_grad_at_experts=True)). "home": keep them.
+    # and ships it home beside dx, so the combined outputs are not kept (docs/design.md §2)
     router_grad: str = "home"
     # under an activation checkpoint of the whole block: the kept rows are saved through
     # save_for_backward (so the checkpoint drops them and its re-run restores them), not

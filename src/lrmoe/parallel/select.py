@@ -1,15 +1,6 @@
 """LRMoE's backward **select** and **compact** stages on one home rank: which retained
-pairs ship to the experts, with what output-gradient scale.
-
-The candidates are the home rank's retained rows in send order, block-major
-(``home.retain_I`` of them per block). The recalibration metric scores each
-(``grad_norm``: ``|g[t,e]| * ||dy[t]||``, the norm of the pair's output gradient, which
-bounds its contribution to the expert's weight gradient, per token in fp32; ``gate``: the
-gate alone, a gradient-blind baseline); each block keeps its backward quota
-(``home.select_I``): ``topk`` (the highest metrics) or ``sampled`` (Poisson sampling with
-inclusion probabilities ``pi ∝ metric`` capped at 1, kept rows weighed ``1/pi``:
-Horvitz-Thompson, unbiased over the retained pairs). The kernels are
-:mod:`lrmoe.ops.selection`'s (three on CUDA, the torch reference elsewhere).
+pairs ship to the experts, with what output-gradient scale (docs/design.md §2; the
+kernels are :mod:`lrmoe.ops.selection`'s).
 
 Legend: T tokens, H hidden, N candidate rows, B blocks.
 """

@@ -28,60 +28,8 @@ Per step this records:
   messages, compute seconds; :func:`lrmoe.sim.cost.accumulated_times`), so the step can be
   re-priced exactly for another link (``benchmarks/reprice_links.py``).
 
-Target (:mod:`lrmoe.sim.target`): every validation curve is smoothed by a centred
-moving average of ``smooth_window`` evaluations; the target is the static run's
-smoothed loss at step ``ceil(target_fraction * steps)``, and a policy's steps and time
-to target are where its own smoothed curve first reaches it, interpolated linearly
-between evaluations. ``raw_*`` fields keep the unsmoothed rule for comparison (static's
-loss at its first evaluation at or after that step; a policy's first evaluation at or
-below ``target * (1 + target_rtol)``). Each evaluation records its per-batch losses, and
-the report gives the evaluation's standard error against the smoothed change between
-neighbouring evaluations at the target. Policy specs may carry lrmoe variants
-(:func:`policy_variant`: ``lrmoe:recompute+min_keep=0.8``); every lrmoe variant gets its
-own time-to-target ratio over symi. Before the first policy one untimed training step warms the
-process up (allocator, lazy inits), so the first policy is not charged for them.
-
-Memory (docs/design.md §9, "Budget rules"; §5, "Out of memory"): under a budget every policy fits each step
-with its fallbacks (exact policies: recompute, else a whole-layer checkpoint; lrmoe: its
-ladder, :mod:`lrmoe.policy.lrmoe_ladder`), or its run stops at that step, as a GPU would:
-the result records ``out_of_memory`` (step, bytes needed, budget), its ``budget_status``
-reads "out of memory at step S (needs X GiB, budget Y GiB)", it gets no time to target,
-and every ratio over symi involving it is :data:`OOM`. Each step row counts its layers'
-rungs (``rungs``); a result sums them. static sets the target: if it runs out of memory
-the benchmark stops with that verdict.
-
-``router_grad`` (``--router-grad``): with ``"experts"`` the exact policies (static,
-symi) run with ``BackwardOptions(router_grad="experts")``: the expert backward computes
-each pair's router gradient and ships it home beside ``dx`` (4 more bytes per row in the
-backward combine), so the combined expert outputs are not kept, and their ledger (the
-recompute each rank needs, symi's choice of ``s``) is
-``Ledger(router_grad_at_experts=True)``, whose ``combine_rows`` is 0 for their plans.
-lrmoe is unchanged (``"home"``, ledger included): its trimmed plans must keep the rows,
-and its results stay those of a ``"home"`` run. The budget is the same either way.
-
-``reuse`` (``--reuse FILE``) takes the policies an earlier run of the same settings
-finished (its ``ttl.json`` or ``ttl_partial.json``) instead of running them again, so a
-seed can be completed with more policies in a later call; each reused result says where
-it came from (``reused_from``). The earlier run must match: its recorded settings (all
-but the policies and ``reuse``; one the file lacks was added since and counts at its
-default, the behaviour before it), and always its initial model's validation loss (same
-seed, model, data and validation batches) and its evaluation steps; else the run stops
-before training with a message naming the difference.
-
-``deterministic`` (``--deterministic``): every policy trains with
-``torch.use_deterministic_algorithms(True, warn_only=True)`` (and cuBLAS's fixed
-workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless already set): two runs of one
-seed then repeat each other where torch has deterministic kernels (scatter-adds and
-index-adds included), and an exact policy's loss curve is the same for static and SYMI
-up to the summation order its placement changes. Without it, CUDA atomics (lrmoe's
-replica-gradient and selection sums use ``index_add_``) make repeated runs drift apart
-(on an H200 a re-run of one lrmoe variant at the same seed moved its ratio by ±0.1:
-``benchmarks/JOURNAL.md``). Kernels without a deterministic version
-warn and run as before. Emulated times are of the kernels actually run.
-Torch's deterministic mode also fills every new uninitialized tensor with NaN, one
-kernel per allocation (a debugging aid; it cost the sampled select 0.7 of 4.8 ms a call
-on the H200); ``deterministic_fill=False`` (``--no-deterministic-fill``) skips it for
-every policy. It is a recorded setting, so ``--reuse`` never mixes runs with and without.
+The target, the budget rules (out of memory, rungs), ``--router-grad``, ``--reuse`` and
+``--deterministic``: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -103,7 +51,7 @@ from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
-from lrmoe.sim.vmodel import Emulator, release_graph, routed_counts, warm_up
+from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.train.config import TrainConfig
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
@@ -137,19 +85,10 @@ PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous ste
                                     "previous step's counts)"}
 
 
-def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
-    """``(PolicyConfig, planner ledger, recompute ledger, config note)``.
-
-    Exact policies (static, symi) do not plan against the ledger; under a budget the
-    emulator fits their plans with the fewest recomputed pairs, else a whole-layer
-    checkpoint (``recompute ledger``), and a step over even that is out of memory.
-    symi's ``s`` is :func:`lrmoe.sim.ttl_symi.symi_slots` over ``profile`` (the static
-    run's counts at evenly spaced steps: the profiling run a SYMI user would tune ``s``
-    on). With a budget symi plans against the ledger too: at a step its ``s`` does not
-    fit even with recompute and a whole-layer checkpoint, it gives replicas up
-    (:func:`lrmoe.policy.symi.fewer_replicas`, charged as planning). lrmoe plans against
-    the ledger (its retention quotas, then its ladder).
-    """
+def _choose(name, cfg, mcfg, ledger, profile=None):
+    """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
+    ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
+    ``profile``, the static run's counts and GEMM rate."""
     from lrmoe.policy.registry import PolicyConfig
 
     G, E = cfg.train.ep, mcfg.num_experts
@@ -163,11 +102,10 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
         share = cfg.train.grad_accum if lc.placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
-    pops = [c.sum(0) for c in first_counts]
     if name == "symi" and slots is None and ledger is not None:
         from lrmoe.sim.links import get_link
         from lrmoe.sim.ttl_symi import symi_slots
-        prof_c, prof_p, rate = profile or (first_counts, pops, None)
+        prof_c, prof_p, rate = profile  # static runs first: its profile is there
         try:
             slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
         except LrmoeError:
@@ -198,6 +136,12 @@ def _choose(name, cfg, mcfg, ledger, first_counts, profile=None):
     return pc, (None if name == "static" else ledger), (ledger if exact else None), note
 
 
+def _eval_steps(t: TrainConfig) -> list[int]:
+    """The steps a run evaluates after: 0, every ``eval_every``-th and the last."""
+    return [0] + [s for s in range(1, t.steps + 1)
+                  if (t.eval_every and s % t.eval_every == 0) or s == t.steps]
+
+
 def _val_eval(model, batches, dev, autocast) -> dict:
     """Mean validation loss and the loss of each batch (equal-sized batches)."""
     from types import SimpleNamespace
@@ -216,7 +160,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
     stages and its measured host part (``host_s``) is left out of the non-MoE time."""
     from lrmoe.sim.cost import STAGES, accumulated_times
-    from lrmoe.sim.virtual import EXCHANGES
+    from lrmoe.sim.vstats import EXCHANGES
 
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
@@ -282,11 +226,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     return row
 
 
-def _phase(name: str):
-    """A ``ttl:<name>`` profiler range."""
-    return torch.profiler.record_function(f"ttl:{name}")
-
-
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
     """The ledger a run prices its budget with: ``cfg.train.ep`` ranks, bf16 on CUDA (fp32 on
     the CPU), ``cfg.train.optimizer_offload``'s memory design, ``budget`` bytes per rank."""
@@ -330,12 +269,11 @@ class _PolicyRun:
     note: str
 
 
-def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=print,
-               profile=None) -> dict:
+def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile=None) -> dict:
     """Train with policy ``name`` for ``cfg.train.steps`` steps on ``cfg.train.ep``
     emulated ranks: its step rows, evaluations and verdict (module docstring)."""
     t = cfg.train
-    run = _build_run(name, cfg, mcfg, ledger, first_counts, profile)
+    run = _build_run(name, cfg, mcfg, ledger, profile)
     rows, trace, trace_GE, micro_E = [], [], [], []
     evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
               "cum_emulated_s": 0.0}]
@@ -355,7 +293,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
             # every micro-batch's per-expert counts, its layers in order (the budget floor's)
             micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             done, cum = step + 1, rows[-1]["cum_emulated_s"]
-            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            if done in _eval_steps(t):
                 evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
                               "cum_emulated_s": cum})
                 log(f"[{name}] step {done}/{t.steps} train {loss:.4f} val "
@@ -378,7 +316,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, first_counts, link, log=
     return res
 
 
-def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
+def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     """The planner (:func:`_choose`), the model, emulator, optimizer and schedule of
     policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
     offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
@@ -395,8 +333,7 @@ def _build_run(name, cfg, mcfg, ledger, first_counts, profile) -> _PolicyRun:
     if dev.type == "cuda":  # this policy's own peak of the emulating process
         torch.cuda.reset_peak_memory_stats(dev)
     ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, first_counts,
-                                                   profile)
+    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(t.seed)
     model = MoEForCausalLM(mcfg).to(dev)
@@ -441,9 +378,8 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
             return
         micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
         release_graph(run.model)  # the aux losses hold the step's graph
-    # profiler ranges (free without a profiler): the step and its phases, which
-    # benchmarks/non_moe_profile.py reads
-    with _phase("step"):
+    # a profiler range (free without a profiler), which benchmarks/non_moe_profile.py reads
+    with torch.profiler.record_function("ttl:step"):
         # micro-batch m of step s: global batch s * N + m (the trainer's order)
         sums = accumulate(run.model, lambda m: batches.batch(step * N + m).to(run.dev), N,
                           run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
@@ -481,36 +417,35 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
     return res
 
 
+def _sum_given_up(parts) -> dict[str, list[int]]:
+    """Per reason, ``[plans, replicas, most in one plan]`` summed over ``(reason, [plans,
+    replicas, most])`` parts."""
+    tot: dict[str, list[int]] = {}
+    for why, (n, k, most) in parts:
+        a = tot.setdefault(why, [0, 0, 0])
+        a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    return dict(sorted(tot.items()))
+
+
 def _given_up(plans) -> dict[str, list[int]]:
-    """Per reason a plan gave replicas up: ``[plans, replicas, most in one plan]``."""
-    out: dict[str, list[int]] = {}
-    for p in plans:
-        if p.replicas_given_up:
-            n, k, most = out.get(p.given_up_for, [0, 0, 0])
-            out[p.given_up_for] = [n + 1, k + p.replicas_given_up,
-                                   max(most, p.replicas_given_up)]
-    return dict(sorted(out.items()))
+    """Per reason the plans gave replicas up: ``[plans, replicas, most in one plan]``."""
+    return _sum_given_up((p.given_up_for, (1, p.replicas_given_up, p.replicas_given_up))
+                         for p in plans if p.replicas_given_up)
 
 
 def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
     """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
-    the replicas given up and the most in one (``{}`` when none, or for rows recorded
-    before the count)."""
-    tot: dict[str, list[int]] = {}
-    for r in rows:
-        for why, (n, k, most) in r.get("replicas_given_up", {}).items():
-            a = tot.setdefault(why, [0, 0, 0])
-            a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
+    the replicas given up and the most in one (``{}`` when none)."""
+    tot = _sum_given_up(kv for r in rows for kv in r["replicas_given_up"].items())
     return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
-            for why, (n, k, most) in sorted(tot.items())}
+            for why, (n, k, most) in tot.items()}
 
 
 def rung_totals(rows: list[dict]) -> dict[str, int]:
-    """Layer-steps per rung over a run's step rows (``{}`` for rows recorded before
-    the ladder)."""
+    """Layer-steps per rung over a run's step rows."""
     tot: Counter = Counter()
     for r in rows:
-        tot.update(r.get("rungs", {}))
+        tot.update(r["rungs"])
     return dict(sorted(tot.items()))
 
 
@@ -556,15 +491,9 @@ def budget_flag(cfg: TTLConfig) -> str:
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
                     optimizer_offload: str = "device") -> int:
     """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
-    and received pairs) that retains only ``fraction`` of its pairs.
-
-    A budget where memory binds without a run's routing, for tests of the fallbacks:
-    below 1 even a balanced exact rank must recompute, and a skewed one more (or, past
-    what recompute can free, it does not fit); lrmoe must trim. Not a budget rule of
-    ``bench ttl``: a skewed step can need more than any fraction of it even with a
-    whole-layer checkpoint (:mod:`lrmoe.sim.ttl_budget`). With
-    ``optimizer_offload="host"`` the rank is priced on that memory design.
-    """
+    and received pairs) that retains only ``fraction`` of its pairs: a budget where
+    memory binds without a run's routing, for tests of the fallbacks (not a budget rule
+    of ``bench ttl``)."""
     led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
     t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
@@ -573,16 +502,10 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
 
 @contextlib.contextmanager
 def deterministic_mode(on: bool, fill: bool = True):
-    """torch's deterministic algorithms (warn-only) inside the block when ``on``; the
-    caller's settings are restored after. cuBLAS reads its workspace setting when it
-    starts, so it is set here only if nothing set it and no CUDA context exists yet.
-
-    torch's deterministic mode also fills every new uninitialized tensor with NaN (or the
-    integer maximum), one extra kernel per allocation: a debugging aid that makes a read
-    of uninitialized memory repeatable. ``fill=False`` turns it off
-    (``torch.utils.deterministic.fill_uninitialized_memory``); a kernel that read memory
-    it did not write would then make runs differ, which a bitwise comparison of two
-    repeated runs' ``ttl.json`` shows."""
+    """torch's deterministic algorithms (warn-only) inside the block when ``on``, with its
+    fill of new uninitialized tensors only if ``fill``; the caller's settings are restored
+    after. cuBLAS reads its workspace setting when it starts, so it is set here only if
+    nothing set it and no CUDA context exists yet."""
     if not on:
         yield
         return
@@ -601,8 +524,9 @@ def deterministic_mode(on: bool, fill: bool = True):
         tud.fill_uninitialized_memory = was_fill
 
 
-def load_reused_report(cfg: TTLConfig) -> dict:
-    """The ``--reuse`` file's report (one line naming it when it is not one)."""
+def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
+    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
+    run (docs/design.md §9): raises :class:`LrmoeError` naming the first difference."""
     import json
     from pathlib import Path
 
@@ -613,16 +537,6 @@ def load_reused_report(cfg: TTLConfig) -> dict:
     except (OSError, ValueError, AttributeError) as e:
         raise LrmoeError(f"--reuse {path}: not a readable ttl.json or ttl_partial.json "
                          f"({type(e).__name__}: {e})") from None
-    return rep
-
-
-def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
-    """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
-    run (module docstring): raises :class:`LrmoeError` naming the first difference."""
-    from pathlib import Path
-
-    path = Path(cfg.reuse)
-    rep = load_reused_report(cfg)
     got = rep["policies"]
     old = rep.get("config")
     if old is not None:
@@ -644,8 +558,7 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     require("static" not in got or "symi" in got or "symi" not in policies,
             f"--reuse {path}: symi needs static's routing profile; reuse static and symi "
             "together or run both")
-    want = [0] + [s for s in range(1, cfg.train.steps + 1)
-                  if (cfg.train.eval_every and s % cfg.train.eval_every == 0) or s == cfg.train.steps]
+    want = _eval_steps(cfg.train)
     out = {}
     for p in policies:
         if p not in got:
@@ -671,12 +584,9 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
 
 
 def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
-    """Run every policy and return the report dict (see the module docstring).
-
-    ``on_policy(name, result)`` is called after each policy (e.g. to save partial
-    results of a long run). A policy that runs out of memory (or fails otherwise,
-    e.g. a non-finite loss) is reported with ``failed`` and the steps it made.
-    """
+    """Run every policy and return the report dict, calling ``on_policy(name, result)``
+    after each (to save partial results); a policy that fails is reported with
+    ``failed`` and the steps it made."""
     with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
         return _bench_ttl(cfg, log, on_policy)
 
@@ -711,10 +621,10 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
                              "even the native experts with one retained pair per instance")
     data = _load_data(cfg)
-    first, reused = _probe(cfg, data, variants)
+    reused = _probe(cfg, data, variants)
     if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
         rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, first, link, log,
+                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
                                      run_policy, static_floor_ledger(cfg, data.mcfg)))
         ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
         log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
@@ -725,8 +635,8 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             log(f"[{p}] reused from {cfg.reuse}")
             results[p] = reused[p]
         else:
-            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, first, link,
-                                             log, profile, rule)
+            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
+                                             profile, rule)
             if p == "static":  # symi's profile: static's routing and GEMM rate
                 from lrmoe.sim.ttl_symi import calibrated_gemm_rate
                 rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
@@ -770,11 +680,10 @@ def _load_data(cfg: TTLConfig) -> _Data:
     return _Data(mcfg, corpus, batches, val_b)
 
 
-def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
-    """``(first, reused)``: the first batch's routed counts on the seed's initial model
-    (every policy's first plan sees them) and the ``--reuse`` file's results checked
-    against that model's validation loss; the process is warmed up on the way, for the
-    policies of ``variants`` (spec -> :func:`policy_variant`) that will run."""
+def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
+    """The ``--reuse`` file's results checked against the seed's initial model's
+    validation loss; the process is warmed up on that model for the policies of
+    ``variants`` (spec -> :func:`policy_variant`) that will run."""
     from lrmoe.model import MoEForCausalLM
     from lrmoe.train.loop import make_autocast
 
@@ -787,19 +696,16 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> tuple[list, dict]:
     if cfg.reuse:
         v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, list(variants), v0)
-        probe.train()
-    first = routed_counts(probe, data.batches.batch(0).to(t.device), G)
     warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
-            _warm_variants(data, [v for p, v in variants.items() if p not in reused],
-                           first, cfg.train.ep))
+            _warm_variants(data, [v for p, v in variants.items() if p not in reused], G))
     # the probe's emulator refers back to its layers: only a collection frees the probe's
     # experts and their gradients
     del probe
     gc.collect()
-    return first, reused
+    return reused
 
 
-def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
+def _warm_variants(data: _Data, variants: list, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
     from lrmoe.policy.registry import make_policy
@@ -807,17 +713,17 @@ def _warm_variants(data: _Data, variants: list, first, G: int) -> list:
     out = []
     for base, vcfg in variants:
         if base == "lrmoe":
-            pc = _choose(base, vcfg, data.mcfg, None, first)[0]
+            pc = _choose(base, vcfg, data.mcfg, None)[0]
             out.append((make_policy(pc, data.mcfg, G), vcfg.lrmoe.backward))
     return out
 
 
 def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,
-             first, link, log, profile, rule) -> tuple[dict, list]:
+             link, log, profile, rule) -> tuple[dict, list]:
     """Policy ``spec``'s result (its counts taken out) and its per-home counts."""
     base, vcfg = variant
-    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, first, link,
-                     log, profile)
+    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, link, log,
+                     profile)
     res["policy"] = spec
     counts_GE = res.pop("_counts_GE")
     res.pop("_counts_E_micro")

@@ -1,9 +1,6 @@
-"""``bench ttl --budget-floor-fraction X``: a budget that static fits at every step.
-
-The budget is ``X · F``, ``X >= 1``, ``F`` static's whole-layer floor over the run's own
-routing (the largest rank total of its native plan under a whole-layer checkpoint, over
-every step, micro-batch and MoE layer), read off a calibration run of static without a
-budget. Why this floor and not a fraction of a balanced rank: docs/design.md §9.
+"""``bench ttl --budget-floor-fraction X``: the budget ``X · F``, ``X >= 1``, where ``F`` is
+static's whole-layer floor over the run's own routing, read off a calibration run of
+static without a budget, so static fits every step (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -73,11 +70,11 @@ def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
                for step in counts_E for c in step)
 
 
-def calibrate(cfg, mcfg, batches, val_b, first, link, log, run, led) -> FloorBudget:
+def calibrate(cfg, mcfg, batches, val_b, link, log, run, led) -> FloorBudget:
     """Run static without a budget (``run``: :func:`lrmoe.sim.ttl.run_policy`) and return
     ``--budget-floor-fraction``'s budget, its floor priced by ``led``."""
     log(f"[static, calibration] no budget: reading static's whole-layer floor F for {FLAG}")
-    res = run("static", cfg, mcfg, batches, val_b, None, first, link,
+    res = run("static", cfg, mcfg, batches, val_b, None, link,
               lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
     require(not res["failed"], f"static's calibration run for {FLAG} stopped: {res['failed']}")
     F = floor_of_run(led, cfg, mcfg, res["_counts_E_micro"])

@@ -1,13 +1,6 @@
-"""SYMI's ``s`` for ``lrmoe bench ttl``: the least modelled time with every cost charged.
-
-The profiling run a SYMI user would tune ``s`` on is the static run (every
-micro-batch's counts at evenly spaced steps). Each candidate ``s`` is priced by
-:func:`lrmoe.sim.analytic.symi_slot_choice`: expert GEMMs, recompute to fit the
-budget, the exchanges, weight scatter and gradient reduce on the run's link and, with
-``--optimizer-offload host``, the offload traffic (:mod:`lrmoe.sim.offload`). The GEMM
-rate is not a preset here: it is calibrated on the static run's own measured forward
-expert kernels, so the modelled trade between GEMMs and links is the emulator's.
-"""
+"""SYMI's ``s`` for ``lrmoe bench ttl``: the least modelled time with every cost charged,
+its GEMM rate calibrated on the static run's measured forward expert kernels
+(docs/design.md §9)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process.
-
-docs/design.md §9 ("Cluster time without a cluster"). The emulator runs the same plan code
-(the policy objects) and the same stage sequence as the real runtime
-(:func:`lrmoe.parallel.exchange.forward_ranks`, :func:`~lrmoe.parallel.exchange.backward_ranks`),
-playing all G ranks: each stage runs for every virtual rank in turn, and each all-to-all
-is an in-memory regrouping of the G send buffers by their splits
-(:class:`VirtualTransport`). So each virtual rank sees exactly the rows (and computes
-exactly the numbers) its real counterpart would, and the bytes of every exchange are
-known exactly.
-
-Virtual rank g's tokens are rows ``[g*T, (g+1)*T)`` of the global token matrix.
-Each rank's stages are timed into its own buckets (CUDA events on GPU, ``perf_counter``
-on CPU); link time is modelled from bytes (:mod:`lrmoe.sim.links`, :mod:`lrmoe.sim.cost`).
-The results are **emulated**, never measured cluster time.
+"""Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process
+(docs/design.md §9): the runtime's own stages (:func:`lrmoe.parallel.exchange.forward_ranks`,
+:func:`~lrmoe.parallel.exchange.backward_ranks`) run for every rank in turn, each all-to-all
+an in-memory regrouping (:class:`VirtualTransport`). The results are **emulated**.
 
 Legend: G virtual ranks, T tokens per rank, K top-k, H hidden, S slots per rank,
 E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual ranks.
+Virtual rank g's tokens are rows ``[g*T, (g+1)*T)`` of the global token matrix.
 """
 
 from __future__ import annotations
@@ -42,19 +32,15 @@ from lrmoe.parallel.select import BackwardOptions
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on
-from lrmoe.sim.vstats import EXCHANGES as EXCHANGES  # re-exported
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 from lrmoe.traffic import plan_rows_GG
 
 
 # ------------------------------------------------------------------------ all-to-all
 def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
-    """In-memory ``all_to_all_single`` over G virtual ranks.
-
-    ``send_G[g]`` is rank g's send buffer, ``splits_G[g][r]`` its rows for rank r.
-    Returns each rank's receive buffer: the rows from rank 0, then rank 1, ... (the
-    order ``dist.all_to_all_single`` gives).
-    """
+    """In-memory ``all_to_all_single`` over G virtual ranks: ``send_G[g]`` is rank g's
+    send buffer, ``splits_G[g][r]`` its rows for rank r; each rank receives the rows from
+    rank 0, then rank 1, ..."""
     G = len(send_G)
     chunks = [list(torch.split(send_G[g], splits_G[g])) for g in range(G)]
     out = []
@@ -125,12 +111,9 @@ def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Te
 
 # ------------------------------------------------------------------------- exchange
 class VirtualExchange(torch.autograd.Function):
-    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``.
-
-    Each rank's slice of the weights is its slots' instance weights. Forward and
-    backward are the runtime's stage sequence over the G virtual ranks; see the
-    module doc.
-    """
+    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``,
+    each rank's slice of the weights its slots' instance weights, forward and backward
+    the runtime's stage sequence over the G virtual ranks."""
 
     @staticmethod
     def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
@@ -218,12 +201,8 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
 
 # --------------------------------------------------------------------- instance weights
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
-    """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]``.
-
-    The math of :func:`lrmoe.parallel.weights.instance_weight_list` on every rank at once:
-    each slot copies its expert's weights (empty slots are zero), and autograd's
-    backward of the gather sums every instance's gradient into its expert.
-    """
+    """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]`` (empty
+    slots zero); the gather's backward sums every instance's gradient into its expert."""
     ie = plan.inst_expert_GS.reshape(-1).to(w_E.device)
     w = w_E[ie.clamp(min=0)]
     if bool((ie < 0).any()):
@@ -233,31 +212,16 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
 
 # ---------------------------------------------------------------------------- layer
 class VirtualEPLayer:
-    """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks.
+    """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks: its
+    global tokens ``[G*T, H]`` (or ``[B, L, H]``) in, the global output out,
+    differentiable w.r.t. ``x``, the router and the experts; :attr:`stats` holds the
+    step's :class:`VirtualStats`.
 
-    ``forward(x)`` takes the global tokens ``[G*T, H]`` (or ``[B, L, H]`` with
-    ``B*L = G*T``; rank g owns flat rows ``[g*T, (g+1)*T)``) and returns the global
-    output, differentiable w.r.t. ``x``, the router and the experts (replica gradients
-    are summed into their experts, as the real runtime's reduce does). After a backward
-    :attr:`stats` holds this step's :class:`VirtualStats`.
-
-    Args:
-        layer: the MoE layer (its router, experts and shared experts are used as is).
-        G: virtual ranks; must divide the number of experts.
-        policy: the planner (the same objects the real runtime uses).
-        backward_opts: LRMoE backward options (``fidelity`` is not emulated;
-            ``router_grad="experts"`` is, as the runtime does it: on an exact plan the
-            expert backward computes the router gradient and ships it home beside ``dx``,
-            4 bytes per row, and the combined rows are not kept).
-        ledger: memory ledger handed to the planner (``None``: no budget).
-        generators: per virtual rank, the generator for the ``sampled`` estimator (as
-            ``MoERuntime.generator`` on that rank); ``None`` uses the global RNG.
-        check_plans: validate each plan against the counts (``None``: as the runtime,
-            :func:`lrmoe.policy.plan.checks_on`).
-        recompute_ledger: for exact policies under a budget: the ledger that decides
-            how many pairs each rank recomputes (``VirtualStats.recompute_rows``), or
-            that the layer is checkpointed whole; over even that, the step raises
-            :class:`lrmoe.errors.OutOfMemory`.
+    ``ledger`` is the planner's (``None``: no budget); ``recompute_ledger`` fits an exact
+    policy's plans (recompute, else a whole-layer checkpoint, else
+    :class:`lrmoe.errors.OutOfMemory`); ``generators``: per rank, the ``sampled``
+    estimator's generator (``None``: the global RNG); ``check_plans`` defaults to the
+    runtime's (:func:`lrmoe.policy.plan.checks_on`). ``fidelity`` is not emulated.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
@@ -355,15 +319,10 @@ class VirtualEPLayer:
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs
               ) -> tuple[Plan, VirtualStats, float]:
-        """The policy's plan and, for an exact policy under a budget, the rows it
-        recomputes (what the runtime needs before its dispatch: charged, in ms, the
-        third value); then, uncharged, its check (``check_plans``) and its ledger
-        pricing (the stats' bookkeeping, which the runtime need not do on the way).
-
-        A plan that fits no fallback stops the step, as a GPU would: an exact policy
-        whose plan is over budget even with a whole-layer checkpoint
-        (:meth:`Ledger.exact_fit` mode ``over``) raises :class:`OutOfMemory`, as does a
-        planner that finds no plan (lrmoe: every rung of its ladder over)."""
+        """The policy's plan and, for an exact policy under a budget, its fallback (both
+        charged: the third value, ms), then, uncharged, its check and ledger pricing. An
+        exact plan over budget even with a whole-layer checkpoint raises
+        :class:`OutOfMemory`, as a GPU would."""
         fit_ledger = self.recompute_ledger
         t0 = time.perf_counter()
         plan = self.policy.plan(counts_GE, inputs)

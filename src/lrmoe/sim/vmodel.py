@@ -1,13 +1,6 @@
-"""The model's MoE layers trained through the virtual EP emulator (``lrmoe bench ttl``).
-
-:class:`Emulator` is installed as the model's :class:`lrmoe.model.moe.MoERuntime`
-``emulator``: every MoE layer's training forward runs its router and shared experts as
-the trainer does, and its routed experts (:meth:`MoELayer.routed`) through a
-:class:`lrmoe.sim.virtual.VirtualEPLayer` over G virtual ranks (global batch rows
-``g*B/G .. (g+1)*B/G - 1`` are home rank g's). Per step it records the wall time of the
-routed part (forward, and backward from the grad hook on its output to the end of the
-exchange's backward) and each layer's stats. Evaluation uses the layer's own forward.
-"""
+"""The model's MoE layers trained through the virtual EP emulator (``lrmoe bench ttl``):
+:class:`Emulator`, installed as the model's :class:`lrmoe.model.moe.MoERuntime` ``emulator``,
+runs every layer's routed experts over G virtual ranks and times them."""
 
 from __future__ import annotations
 
@@ -78,21 +71,6 @@ class Emulator:
         return [v.stats for v in self.layers]
 
 
-def routed_counts(model, batch, G: int) -> list[torch.Tensor]:
-    """Per MoE layer, the ``[G, E]`` counts of the first step (exact forward, no grad)."""
-    got = []
-    hooks = [m.router.register_forward_hook(
-        lambda mod, i, r: got.append(r.idx_TK)) for m in model.moe_layers]
-    model.eval()  # eval: the plain forward, no step counting; the caller sets train()
-    with torch.no_grad():
-        model(batch[:, :-1])
-    for h in hooks:
-        h.remove()
-    E = model.config.num_experts
-    return [torch.stack([torch.bincount(i.cpu(), minlength=E)
-                         for i in idx.reshape(G, -1)]).long() for idx in got]
-
-
 def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> None:
     """One untimed static training step (fills the allocator, lazy inits, compiles what
     the timed steps compile), its forward under the timed steps' ``autocast``: the same
@@ -104,13 +82,11 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> N
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.policy.static import StaticPolicy
 
-    Emulator(model, G, StaticPolicy(), BackwardOptions(), None, lambda: None)
     if compile:
         compile_model(model)
     model.train()
-    for policy, opts in [(None, None), *also]:
-        if policy is not None:
-            Emulator(model, G, policy, opts, None, lambda: None)
+    for policy, opts in [(StaticPolicy(), BackwardOptions()), *also]:
+        Emulator(model, G, policy, opts, None, lambda: None)
         with autocast():
             loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
         loss.backward()

@@ -1,7 +1,6 @@
 """What one emulated step records: per-rank timers and :class:`VirtualStats`.
 
-Legend: G virtual ranks; ``_GG`` is ``[src rank, dst rank]``. Split from
-:mod:`lrmoe.sim.virtual` (which re-exports these names).
+Legend: G virtual ranks; ``_GG`` is ``[src rank, dst rank]``.
 """
 
 from __future__ import annotations
@@ -75,25 +74,18 @@ class VirtualStats:
         expert_ms: ``fwd`` / ``bwd`` (and ``recompute``: a whole-layer checkpoint's re-run
             in backward): each rank's measured expert kernel time (ms).
         stage_ms: each rank's measured time (ms) of the :data:`MEASURED_STAGES`.
-        bwd_end_s: ``perf_counter`` when the exchange's backward ended, its gradients
-            concatenated over the virtual ranks (after a device sync); what follows in
-            the layer's backward is the router's and the shared experts' (non-MoE) work.
+        bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
+            sync); the router's and shared experts' backward follow (non-MoE work).
         saved_act_bytes: activation bytes each rank kept for backward.
         ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
             a recompute ledger, the terms after that recompute).
-        recompute_rows: with a recompute ledger (exact policies under a budget), the
-            rows each rank re-runs forward in backward to fit, and ``recompute_mode``
-            (:meth:`lrmoe.ledger.Ledger.exact_fit`: ``fits``, ``pairs`` — gate_up of the
-            fewest pairs —, ``layer`` — a whole-layer checkpoint, every received row —,
-            or ``over``: does not fit even so, which stops the step with an out-of-memory
-            verdict). Per-row recompute does not change the emulator's math:
-            :mod:`lrmoe.sim.cost` models its time. A whole-layer checkpoint (``layer``) runs:
-            the emulator re-runs the forward in backward and measures it
-            (``expert_ms["recompute"]``, :data:`RECOMPUTE_EXCHANGES`).
-        prepare_ms: wall ms of the policy's ``prepare`` (its placement from the previous
-            step's counts, :func:`lrmoe.policy.base.prepare`): not charged to any stage,
-            on the assumption that it overlaps the previous step's or this layer's
-            earlier work (it needs none of this step's counts).
+        recompute_rows: the rows each rank re-runs forward in backward to fit, and
+            ``recompute_mode`` how (:meth:`lrmoe.ledger.Ledger.exact_fit`'s ``fits``,
+            ``pairs`` or ``layer``; per-row recompute is modelled by
+            :mod:`lrmoe.sim.cost`, a whole-layer checkpoint runs and is measured).
+        prepare_ms: wall ms of the policy's ``prepare`` (:func:`lrmoe.policy.base.prepare`),
+            charged to no stage: it needs none of this step's counts, so it overlaps
+            earlier work.
         rung: how the plan met the budget (:data:`lrmoe.policy.lrmoe_ladder.RUNGS`):
             lrmoe's ladder rung (``Plan.rung``), or an exact policy's fallback
             (``plan``: fits as it is, ``recompute``, ``layer``).
@@ -114,13 +106,13 @@ class VirtualStats:
     prepare_ms: float = 0.0
     counts_GE: Tensor | None = None
 
-    def bytes_sent(self, exchange: str, off_rank: bool = True) -> list[int]:
-        """Bytes each rank sends in ``exchange`` (without its self-copy by default)."""
-        return self._bytes_GG(exchange, off_rank).sum(1).tolist()
+    def bytes_sent(self, exchange: str) -> list[int]:
+        """Bytes each rank sends in ``exchange``, without its self-copy."""
+        return self._off_rank_GG(exchange).sum(1).tolist()
 
-    def bytes_recv(self, exchange: str, off_rank: bool = True) -> list[int]:
-        return self._bytes_GG(exchange, off_rank).sum(0).tolist()
+    def bytes_recv(self, exchange: str) -> list[int]:
+        return self._off_rank_GG(exchange).sum(0).tolist()
 
-    def _bytes_GG(self, exchange: str, off_rank: bool) -> Tensor:
+    def _off_rank_GG(self, exchange: str) -> Tensor:
         b = self.bytes_GG[exchange]
-        return b - torch.diag(torch.diagonal(b)) if off_rank else b
+        return b - torch.diag(torch.diagonal(b))

@@ -20,19 +20,13 @@ Legend: T tokens, K top-k, P = T*K pairs, E experts.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.ops.rowops import invert_permutation
-from lrmoe.parallel.exchange import (
-    BackwardOptions,
-    ExchangeState,
-    ExpertExchange,
-    GroupTransport,
-)
+from lrmoe.parallel.exchange import BackwardOptions, ExchangeState, ExpertExchange, GroupTransport
 from lrmoe.parallel.layout import HomeLayout, RecvLayout
 from lrmoe.parallel.stages import Retention
 
@@ -79,12 +73,13 @@ def local_stats(ledger, E: int, counts_E: Tensor, P: int) -> dict:
     return stats
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OneBlock:
     """The plan as the one-process path's stage sequence reads it: one rank, one slot
     (the ``E`` experts' grouped weights, cut per expert on the device by
     ``ExchangeState.offs``) receiving all ``P`` pairs from itself, every one retained and
-    selected. numpy, not torch, so no op touches it."""
+    selected: the :class:`~lrmoe.policy.plan.Plan` attributes an exact one-rank exchange
+    reads, in numpy rather than torch, so no op touches them."""
 
     P: int
     exact = all_retained = all_selected = True

@@ -145,9 +145,7 @@ def counting(layer):
     patches += [(OneRankComm, "all_to_all", once("all_to_all", OneRankComm.all_to_all)),
                 (OneRankComm, "exchange_counts", once("all_to_all", OneRankComm.exchange_counts))]
     patches += [(moe.MoELayer, "routed", routed(moe.MoELayer.routed))]
-    for fn in (exchange.ExpertExchange, weights.GatherInstances, getattr(moe, "LocalExperts", None)):
-        if fn is None:
-            continue
+    for fn in (exchange.ExpertExchange, weights.GatherInstances):
         patches.append((fn, "backward", staticmethod(routed(fn.backward))))
     for mod, name, new in patches:
         saved[(mod, name)] = mod.__dict__[name] if isinstance(mod, type) else getattr(mod, name)

@@ -129,7 +129,7 @@ def test_checkpointing_saves_fewer_bytes():
 def test_full_checkpoint_frees_the_expert_rows():
     """Under ``full`` the MoE Function keeps no rows of its own: they are saved through
     the checkpoint (dropped after forward, re-run in backward)."""
-    from lrmoe.parallel.local import LocalExperts
+    from lrmoe.parallel.exchange import ExpertExchange
 
     cfg = tiny("qwen")
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def test_full_checkpoint_frees_the_expert_rows():
             if n is None or n in seen:
                 continue
             seen.add(n)
-            if type(n).__name__ == LocalExperts.__name__ + "Backward":
+            if type(n).__name__ == ExpertExchange.__name__ + "Backward":
                 nodes.append(n)
             stack.extend(f for f, _ in n.next_functions)
         assert len(nodes) == cfg.num_hidden_layers

@@ -141,7 +141,7 @@ def test_parallel_imports_only_the_plan_type():
 
 
 # the stages that move a layer's rows: only the exchange's stage sequence
-# (lrmoe.parallel.exchange.forward_ranks / backward_ranks) and the one-process path call them
+# (lrmoe.parallel.exchange.forward_ranks / backward_ranks) calls them
 ROW_STAGES = {"dispatch_rows", "experts_forward", "combine", "home_backward",
               "experts_backward", "router_grad_experts", "router_grad_home", "home_finish"}
 
@@ -164,6 +164,12 @@ def test_emulator_runs_the_exchange_stage_sequence_not_its_own():
     bad = {f.name: sorted(_stage_uses(f)) for f in (SRC / "sim").glob("*.py") if _stage_uses(f)}
     assert not bad, bad
     assert _stage_uses(SRC / "parallel" / "exchange.py") >= ROW_STAGES - {"router_grad_home"}
+
+
+def test_one_process_path_runs_the_exchange_stage_sequence_not_its_own():
+    """The one-process path is the exchange over one rank with no collectives; it never
+    calls the row stages itself."""
+    assert not _stage_uses(SRC / "parallel" / "local.py")
 
 
 def test_native_plan_is_static_unbudgeted_plan():

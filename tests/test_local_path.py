@@ -23,7 +23,6 @@ from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoELayer, MoERuntime, host_stats
 from lrmoe.ops import experts as ops
 from lrmoe.parallel.exchange import BackwardOptions
-from lrmoe.parallel.local import LocalExperts
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.static import StaticPolicy
@@ -242,9 +241,8 @@ def _kept(node) -> dict[int, int]:
     ones (host memory on a GPU, as ``test_ledger_truth`` counts)."""
     attrs = dict(vars(node))
     out, host = list(node.saved_tensors), []
-    truth._tensors(attrs, out, set())
-    if hasattr(node, "st"):  # the exchange: its plan and what it derives from it
-        truth._tensors([node.st.plan, node.keep], host, set())
+    truth._tensors([attrs, node.st.tp.stats], out, set())
+    truth._tensors([node.st.plan, node.keep], host, set())  # the plan and what it derives
     hs = {truth._storage(t)[0] for t in host}
     return {p: nb for p, nb in map(truth._storage, out) if p not in hs}
 
@@ -272,10 +270,10 @@ def test_kept_bytes_are_the_ledgers_itemized(opts):
     ledger = t["retained_acts"] + t["combine_rows"] + t["pair_index"]
     params = {truth._storage(p)[0] for p in layer.parameters()}
     got = {}
-    for fast, name in ((True, "LocalExpertsBackward"), (False, "ExpertExchangeBackward")):
+    for fast in (True, False):
         layer.runtime = MoERuntime(backward=opts, fast_local=fast)
         out = layer(x[:T].view(1, T, H))
-        stor = _kept(_node(out, name))
+        stor = _kept(_node(out, "ExpertExchangeBackward"))
         weights = sum(nb for p, nb in stor.items() if p in params)
         assert weights == t["instance_weights"]  # the owned parameters themselves
         got[fast] = sum(nb for p, nb in stor.items() if p not in params)
@@ -289,22 +287,20 @@ def test_backward_rows_alive_are_the_exchanges():
     """The rows alive at every point of the backward (``live_rows.LiveRows``, as in
     ``test_ledger_truth``): the local path's largest set equals the exchange's on one
     process, and the ledger's buffers for that plan."""
-    import lrmoe.parallel.stages as stages
     from live_rows import LiveRows, exchange_code, row_seams
 
     layer, x, _ = truth._layer_and_tokens()
     cfg, T, H, F, E, K = truth._cfg(), truth.T, truth.H, truth.F, truth.E, truth.K
-    traced = {True: [LocalExperts.backward, stages.experts_backward, ops.swiglu_backward_owned],
-              False: exchange_code()[1]}
     peak = {}
-    for fast, name in ((True, "LocalExpertsBackward"), (False, "ExpertExchangeBackward")):
+    for fast in (True, False):
         layer.runtime = MoERuntime(fast_local=fast)
         out = layer(x[:T].view(1, T, H))
-        node = _node(out, name)
+        assert layer.last.path == ("local" if fast else "exchange")
+        node = _node(out, "ExpertExchangeBackward")
         # no reference held here: backward frees the kept rows as it goes
         nb = sum(k.untyped_storage().nbytes() for k in node.kept.values())
         dout = torch.ones_like(out)
-        live = LiveRows((H, F, 2 * F), traced[fast], row_seams(),
+        live = LiveRows((H, F, 2 * F), exchange_code()[1], row_seams(),
                         count=[*node.kept.values(), dout])
         del node
         with live:
@@ -341,7 +337,7 @@ def test_only_dgu_and_dout_alive_at_the_dx_gemm(opts, monkeypatch):
     monkeypatch.setattr(ops, "_gmm", hook)
     layer.runtime = MoERuntime(backward=opts)
     out = layer(x[:T].view(1, T, H))
-    rows = {k: t for k, t in _node(out, "LocalExpertsBackward").kept.items() if t.numel()}
+    rows = {k: t for k, t in _node(out, "ExpertExchangeBackward").kept.items() if t.numel()}
     assert set(rows) == ({"x", "gu"} if opts.router_grad == "experts" else {"x", "gu", "y_send"})
     state["kept"] = {k: weakref.ref(t.untyped_storage()) for k, t in rows.items()}
     dout = torch.ones_like(out)

@@ -29,7 +29,7 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun
 from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
 from lrmoe.parallel.layout import to_device
-from lrmoe.parallel.local import LocalExperts, expert_counts, local_stats, runs_locally
+from lrmoe.parallel.local import expert_counts, local_stats, run_local, runs_locally
 from lrmoe.parallel.weights import instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
@@ -169,8 +169,8 @@ class MoELayer(nn.Module):
         dtype = _compute_dtype(x_TH)
         stats = local_stats(self.runtime.ledger, self.cfg.num_experts, counts_E, idx_TK.numel())
         w13, w2 = self.experts.compute_weights(dtype)
-        out = LocalExperts.apply(x_TH.to(dtype), gate_TK, w13, w2, idx_TK, counts_E,
-                                 self._backward_opts(), stats)
+        out = run_local(x_TH.to(dtype), gate_TK, w13, w2, idx_TK, counts_E,
+                        self._backward_opts(), stats)
         return out, MoEStep("local", counts_E, self.aux_loss(counts_E, probs_TE, x_TH.shape[0]),
                             stats)
 

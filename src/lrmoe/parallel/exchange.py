@@ -12,8 +12,9 @@ input gradients. Exact plans (select = retain = assign) skip the metric entirely
 The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ranks`:
 each stage runs for every rank a process plays, and a :class:`Transport` carries the
 rows between stages and counts them. A real rank plays itself over the group's
-collectives (:class:`GroupTransport`, :class:`ExpertExchange`); the emulator plays all
-G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
+collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process plays its
+one rank with no collectives and no host wait (:mod:`lrmoe.parallel.local`); the
+emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).
@@ -107,21 +108,32 @@ class ExchangeState:
     """Everything one layer's exchange keeps from forward to backward (plain Python,
     not autograd), for the ranks its process plays: the plan, each one's home layout
     (built whole before the exchange runs; the receive layouts are the forward's alone:
-    rebuilt in backward), gates and sampling generator, and the transport."""
+    rebuilt in backward), gates (read by selection alone) and sampling generator, and the
+    transport. ``offs``: the receiver's rows per expert as device offsets, in place of
+    the plan's host counts (the one-process path, whose ``plan`` is
+    :class:`lrmoe.parallel.local.OneBlock`)."""
 
     tp: Transport
     plan: Plan
     homes: list[HomeLayout]
     top_k: int
     opts: BackwardOptions
-    gate_P_G: list[Tensor]
+    gate_P_G: list[Tensor | None]
     generators: list[torch.Generator | None]
+    offs: Tensor | None = None
 
     @property
     def at_experts(self) -> bool:
         """The expert backward computes the router gradient (``router_grad="experts"``
         on an exact plan), so the combined rows are not kept."""
         return self.opts.router_grad == "experts" and self.plan.exact
+
+    def weight_counts(self, counts_S: list[int], g: int, n_weights: int) -> list[int] | None:
+        """Rows per weighted instance of rank ``g`` for the grouped GEMMs (host), or
+        ``None`` where :attr:`offs` holds them on the device."""
+        if self.offs is not None:
+            return None
+        return stages.occupied_counts(counts_S, self.plan, g, n_weights)
 
 
 def forward_ranks(st: ExchangeState, recvs: list[RecvLayout], x_G: Sequence[Tensor],
@@ -133,7 +145,7 @@ def forward_ranks(st: ExchangeState, recvs: list[RecvLayout], x_G: Sequence[Tens
     ``y_send`` (the combined rows home, empty when :attr:`ExchangeState.at_experts`).
     ``rerun``: a whole-layer checkpoint's forward again in backward, counted as
     ``recompute_dispatch``, ``recompute_combine`` and ``expert_recompute``."""
-    tp, plan, K = st.tp, st.plan, st.top_k
+    tp, K = st.tp, st.top_k
     disp, comb, expert = (("recompute_dispatch", "recompute_combine", "expert_recompute")
                           if rerun else ("fwd_dispatch", "fwd_combine", "expert_fwd"))
     x_send_G = []
@@ -144,9 +156,8 @@ def forward_ranks(st: ExchangeState, recvs: list[RecvLayout], x_G: Sequence[Tens
     rows_G = [{"x": x} for x in tp.all_to_all(x_send_G, home_splits, recv_splits)]
     del x_send_G
     y_recv_G = [stages.experts_forward(
-        rows_G[i], recvs[i], w13_G[i], w2_G[i],
-        stages.occupied_counts(recvs[i].counts, plan, g, w13_G[i].shape[0]), keep_G[i],
-        tp.timer(i), expert) for i, g in enumerate(tp.ranks)]
+        rows_G[i], recvs[i], w13_G[i], w2_G[i], st.weight_counts(recvs[i].counts, g, w13_G[i].shape[0]),
+        keep_G[i], tp.timer(i), expert, st.offs) for i, g in enumerate(tp.ranks)]
     y_send_G = tp.all_to_all(y_recv_G, recv_splits, home_splits)
     del y_recv_G
     comb_G = []
@@ -191,8 +202,7 @@ def backward_ranks(st: ExchangeState, dout_G: list[Tensor], comb_G: list[stages.
     dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_exchange(
         st, rows_G, sh_G, recv_GS_G, keep_G, w13_G, w2_G, st.at_experts)
     if st.at_experts:  # every send row came back, in send order
-        dgate_G = [stages.router_grad_experts(dg_back_G[i], st.homes[i], *comb_G[i].w_TK.shape,
-                                              comb_G[i].w_TK.dtype, tp.timer(i))
+        dgate_G = [stages.router_grad_experts(dg_back_G[i], st.homes[i], comb_G[i], tp.timer(i))
                    for i in range(len(sh_G))]
     dx_G = [stages.home_finish(dx_back_G[i], st.homes[i], sh_G[i], comb_G[i], tp.timer(i))
             for i in range(len(sh_G))]
@@ -206,15 +216,15 @@ def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list
     ship ``dx`` (and, with ``rowdot``, each row's router gradient) back: ``(dx rows back
     home in send order, dw13, dw2, router gradients back or None)``, per played rank.
     ``monitor``: the fidelity monitor's extra backward, neither timed nor counted."""
-    tp, plan, dev = st.tp, st.plan, rows_G[0]["dy"].device
+    tp, dev = st.tp, rows_G[0]["dy"].device
     tm_G = [stages.untimed if monitor else tp.timer(i) for i in range(len(rows_G))]
     send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
     rls, counts_G, offs_G = [], [], []
     for i, g in enumerate(tp.ranks):
         with tm_G[i]("local"):
             rls.append(recv_layout(recv_GS_G[i], dev))
-            counts_G.append(stages.occupied_counts(rls[i].counts, plan, g, w13_G[i].shape[0]))
-            offs_G.append(offsets(counts_G[i], dev))
+            counts_G.append(st.weight_counts(rls[i].counts, g, w13_G[i].shape[0]))
+            offs_G.append(offsets(counts_G[i], dev) if st.offs is None else st.offs)
     splits_G = [rl.splits for rl in rls]
     if not monitor:
         b = RowBytes(rows_G[0]["dy"].shape[1] * rows_G[0]["dy"].element_size(), dot=rowdot)
@@ -262,12 +272,16 @@ class ExchangeRun:
             recv = recv_layout(self.plan.assign_GGS[:, me, :], dev)
         st = ExchangeState(GroupTransport(self.comm, stats, dev, self.timing), self.plan, [home],
                            self.top_k, self.opts, [gate_P], [self.generator])
-        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recv)
+        # On a fidelity step of an approximate plan every row is kept (a monitoring
+        # cost), so the exact gradient over all pairs can be computed beside the
+        # selected one.
+        keep = stages.retention(self.plan, me, save_all=self.opts.fidelity and not self.plan.exact)
+        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recv, keep)
 
 
 class ExpertExchange(torch.autograd.Function):
     """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: this rank's :func:`forward_ranks` and
-    :func:`backward_ranks` over the group's collectives.
+    :func:`backward_ranks` over its transport (``st.tp``), keeping ``keep``'s rows.
 
     The combine (gate-weighted sum over a token's k pairs) is done here, so the pair
     outputs never leave this Function in pair order and no broadcast multiply or atomic
@@ -278,14 +292,9 @@ class ExpertExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
-                st: ExchangeState, recv: RecvLayout) -> Tensor:
-        plan, me, stats = st.plan, st.tp.ranks[0], st.tp.stats
-        # On a fidelity step of an approximate plan every row is kept (a monitoring
-        # cost), so the exact gradient over all pairs can be computed beside the
-        # selected one.
-        keep = stages.retention(plan, me, save_all=st.opts.fidelity and not plan.exact)
+                st: ExchangeState, recv: RecvLayout, keep: stages.Retention) -> Tensor:
         (comb,), (rows,) = forward_ranks(st, [recv], [x_TH], [gate_TK], [w13_S], [w2_S], [keep])
-        stats["saved_act_bytes"] = kept_bytes(rows)
+        st.tp.stats["saved_act_bytes"] = kept_bytes(rows)
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
         # row's block are rebuilt from the plan there.
@@ -306,7 +315,7 @@ class ExpertExchange(torch.autograd.Function):
     def backward(ctx, dout_TH: Tensor):
         st: ExchangeState = ctx.st
         w13_S, w2_S, w_TK, row_TK, *saved = ctx.saved_tensors
-        rows = kept_rows(ctx, saved, "ExpertExchange")
+        rows = kept_rows(ctx, saved)
         del saved
         plan, me, keep = st.plan, st.tp.ranks[0], ctx.keep
         dout_TH = dout_TH.to(w13_S.dtype).contiguous()
@@ -323,17 +332,17 @@ class ExpertExchange(torch.autograd.Function):
         # what the exact backward would send: every assigned row out and back
         stats["bwd_exact_bytes"] = int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch)
         stats["bwd_flops"] = 6 * stats["bwd_rows"] * H * w2_S.shape[-1] * 2
-        return dx_TH, dgate, dw13, dw2, None, None
+        return dx_TH, dgate, dw13, dw2, None, None, None
 
 
-def kept_rows(ctx, saved: list[Tensor], name: str) -> dict[str, Tensor]:
+def kept_rows(ctx, saved: list[Tensor]) -> dict[str, Tensor]:
     """The rows a forward kept, handed over to its backward: from the dict the Function
     holds (dropped from ``ctx``, so each dies at its last use), or, under an activation
     checkpoint, from ``save_for_backward`` (restored by the checkpoint's re-run)."""
     if saved:
         return dict(zip(("x", "gu", "y_send"), saved))
     if not hasattr(ctx, "kept"):
-        raise RuntimeError(f"{name}'s backward frees the rows its forward kept as it goes, "
+        raise RuntimeError("ExpertExchange's backward frees the rows its forward kept as it goes, "
                            "so it runs once per forward (no retain_graph=True); run the "
                            "forward again for a second backward")
     rows = ctx.kept

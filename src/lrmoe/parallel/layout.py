@@ -101,9 +101,11 @@ class HomeLayout:
             points at row ``N_send``, past the buffer.
         dropped: whether any local pair is dropped (capacity policy).
         src_pair: send-buffer position -> local pair index (length N_send).
-        j_in_block: send-buffer position -> index inside its block.
+        j_in_block: send-buffer position -> index inside its block (``None`` on the
+            one-process path: only a trimmed backward reads it).
         retain_I, select_I: per block (me -> i) retained count and backward quota.
-        assign_I: per block, the rows sent (host).
+        assign_I: per block, the rows sent (host; numpy on the one-process path,
+            whose one block no torch op touches).
         splits: rows to each destination rank.
 
     The retained rows' send positions are derived on demand (:meth:`retained`), so they
@@ -113,7 +115,7 @@ class HomeLayout:
     send_row_P: Tensor
     dropped: bool
     src_pair: Tensor
-    j_in_block: Tensor
+    j_in_block: Tensor | None
     retain_I: Tensor
     select_I: Tensor
     assign_I: Tensor
@@ -122,11 +124,11 @@ class HomeLayout:
     @property
     def splits_shape(self) -> tuple[int, int]:
         """``(G, S)``: the blocks as destination ranks x slots."""
-        return len(self.splits), self.assign_I.numel() // len(self.splits)
+        return len(self.splits), len(self.assign_I) // len(self.splits)
 
     @property
     def all_retained(self) -> bool:
-        return bool(np.array_equal(self.retain_I.numpy(), self.assign_I.numpy()))
+        return bool(np.array_equal(np.asarray(self.retain_I), np.asarray(self.assign_I)))
 
     def retained(self, device: torch.device) -> Runs | None:
         """The retained rows among the send rows (ascending; each block's retained rows

@@ -6,13 +6,11 @@ Backward: home ``home_backward`` (combine^-1, select, compact) -> all-to-all ->
 receiver ``experts_backward`` -> all-to-all -> home ``home_finish``.
 
 Every function works on one rank's plain tensors and layouts; the exchanges between
-them belong to the caller. Two callers compose them: the stage sequence of
-:mod:`lrmoe.parallel.exchange` (over a real rank's collectives, or the emulator's G
-virtual ranks in memory) and the one-process path (over an identity layout built on the
-device, :mod:`lrmoe.parallel.local`). Timing wraps
-regions from outside through ``tm(key)``, a context-manager factory for the buckets
-``local``, ``select``, ``gather`` and the expert kernels; it never changes what a stage
-computes.
+them belong to the caller: the stage sequence of :mod:`lrmoe.parallel.exchange`, over
+a real rank's collectives, one process's identity (:mod:`lrmoe.parallel.local`) or the
+emulator's G virtual ranks in memory. Timing wraps regions from outside through
+``tm(key)``, a context-manager factory for the buckets ``local``, ``select``, ``gather``
+and the expert kernels; it never changes what a stage computes.
 
 Row tensors are handed over and dropped at their last use (the ledger prices what is
 alive at each point, ``tests/test_ledger_truth.py``): a rank's rows travel in a dict,
@@ -66,8 +64,7 @@ class Retention:
     """Which received rows a receiver keeps for backward, in instance (s, g) order.
 
     Attributes:
-        assign_SG: rows per (slot, source) block (host); ``None`` on the one-process
-            path, whose blocks (one per expert) are counted on the device.
+        assign_SG: rows per (slot, source) block (host).
         retain_SG: rows kept per block, each block's first ones; ``None``: every row.
         n_rec: the first ``n_rec`` kept rows keep only their input row; their gate_up
             output is recomputed in backward (a memory budget).
@@ -75,7 +72,7 @@ class Retention:
             ones out); ``None``: every slot.
     """
 
-    assign_SG: np.ndarray | None
+    assign_SG: np.ndarray
     retain_SG: np.ndarray | None = None
     n_rec: int = 0
     occupied_S: list[bool] | None = None
@@ -305,11 +302,11 @@ def home_finish(dx_back: Tensor, home: HomeLayout, sh: Shipped, comb: Combined,
         return combine_rows(dx_back, row_of_pair.view(T, K), ones)
 
 
-def router_grad_experts(dg_back: Tensor, home: HomeLayout, T: int, K: int,
-                        dtype: torch.dtype, tm: Timer = untimed) -> Tensor:
+def router_grad_experts(dg_back: Tensor, home: HomeLayout, comb: Combined,
+                        tm: Timer = untimed) -> Tensor:
     """The router gradient the experts computed (exact plans: every send row came
     back, in send order), in pair order ``[T, K]``; zero for dropped pairs."""
     with tm("local"):
         if home.dropped:
             dg_back = torch.cat((dg_back, dg_back.new_zeros(1)))
-        return dg_back[home.send_row_P].view(T, K).to(dtype)
+        return dg_back[comb.row_TK].to(comb.w_TK.dtype)

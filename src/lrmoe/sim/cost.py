@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lrmoe.errors import require
+from lrmoe.parallel.held import placement_key
 from lrmoe.sim.links import Link, exchange_time
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, RECOMPUTE_EXCHANGES, VirtualStats
 
@@ -211,6 +212,18 @@ def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
 _PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
 
 
+def _once_per_run(per: dict, t: dict, keys: list[bytes], m: int, G: int) -> None:
+    """Micro-batch ``m``'s weight scatter only where it starts a run of micro-batches
+    sharing a placement, its gradient reduce only where it ends one (the runtime's
+    moves, :mod:`lrmoe.parallel.held`): the others zeroed in ``per`` and left out of
+    ``t``."""
+    for k, same in (("weight_scatter", m > 0 and keys[m] == keys[m - 1]),
+                    ("grad_reduce", m < len(keys) - 1 and keys[m] == keys[m + 1])):
+        if same:
+            per[k] = [0.0] * G
+            t.pop(k, None)
+
+
 def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
                       offload=None, terms: dict | None = None
@@ -224,15 +237,19 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
 
     * the optimizer's offload stages (``opt_*``, with ``offload``): the weights and the
       optimizer state change only at the optimizer step;
-    * a layer's ``weight_scatter`` and ``grad_reduce`` when its placement
-      (``inst_expert_GS``) is the same in every micro-batch of the step (SYMI's, from the
-      previous step's popularity; static's): the slots keep their weights and add up
-      their gradients over the micro-batches, so the replicas' weights arrive once and
-      their gradients go home once. A layer whose placement changes between micro-batches
-      (lrmoe plans each from its own counts; SYMI gives replicas up at a micro-batch
-      that does not fit) pays both in every micro-batch. Under the sharded offload layout
-      (SYMI) they are the offload model's sharded exchanges: once, or every micro-batch
-      (for its own placement) where the placement changed.
+    * a layer's ``weight_scatter`` and ``grad_reduce`` when its placement (the occupied
+      slots' experts, :func:`~lrmoe.parallel.held.placement_key`) is the same in every
+      micro-batch of the step (SYMI's, from the previous step's popularity; lrmoe's held
+      one; static's): the slots keep their weights and add up their gradients over the
+      micro-batches, so the replicas' weights arrive once and their gradients go home
+      once, as the runtime does (:mod:`lrmoe.parallel.held`). A placement that changes
+      within the step is charged as the runtime moves it: each run of consecutive
+      micro-batches sharing a placement scatters at its first micro-batch and reduces at
+      its last (lrmoe placing from each micro-batch's counts pays both in every one;
+      SYMI giving replicas up at one micro-batch, or lrmoe's held placement left at one
+      by a rung of its ladder, pay them again after it). Under the sharded offload
+      layout (SYMI) they are the offload model's sharded exchanges: once, or every
+      micro-batch (for its own placement) where the placement changed.
 
     ``non_moe_micro_s`` (per micro-batch) and ``non_moe_step_s`` (the optimizer's
     measured part) are the caller's per-rank non-MoE seconds. With one micro-batch the
@@ -253,26 +270,25 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
     for layer in range(len(micro[0])):
         stats = [m[layer] for m in micro]
         G = stats[0].plan.G
-        fixed = all(torch.equal(s.plan.inst_expert_GS, stats[0].plan.inst_expert_GS)
-                    for s in stats)
+        keys = [placement_key(s.plan.inst_expert_GS.numpy()) for s in stats]
+        fixed = all(k == keys[0] for k in keys)
+        sharded = offload is not None and offload.layout == "sharded"
         once: dict[str, list[float]] = {}
         once_t: dict = {}
         for m, s in enumerate(stats):
             per = rank_stage_seconds(s, link)
             t = rank_link_terms(s) if terms is not None else {}
-            if offload is not None and not fixed:  # its own slots' sharded exchanges
+            if sharded and not fixed:  # its own slots' sharded exchanges
                 off = offload.rank_seconds(s.plan.inst_expert_GS, link)
                 per.update({k: off[k] for k in _PLACEMENT_STAGES if k in off})
                 if terms is not None:
                     t.update(offload.link_terms(s.plan.inst_expert_GS))
+            else:
+                _once_per_run(per, t, keys, m, G)
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
-                if m == 0:
-                    once["weight_scatter"] = per.get("weight_scatter", [0.0] * G)
-                    once_t["weight_scatter"] = t.get("weight_scatter")
-                if m == N - 1:
-                    once["grad_reduce"] = per.get("grad_reduce", [0.0] * G)
-                    once_t["grad_reduce"] = t.get("grad_reduce")
-                for k in _PLACEMENT_STAGES:
+                for k, at in (("weight_scatter", 0), ("grad_reduce", N - 1)):
+                    if m == at:
+                        once[k], once_t[k] = per.get(k, [0.0] * G), t.get(k)
                     per[k] = [0.0] * G
                     t.pop(k, None)
             _charge(outs[m], per, G)

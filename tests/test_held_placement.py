@@ -7,7 +7,8 @@ step scope) and against static: the same losses (bit for bit), the same gradient
 for bit for experts with one instance, to fp tolerance where an expert has several),
 the weight all-to-alls counted per step, with and without activation checkpointing, a
 placement that changes within the step, and the bytes held checked against the ledger
-by the storages alive."""
+by the storages alive (fp32, and bf16 under autocast on one rank with synthetic
+peers)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,9 @@ from dist_util import run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model.router import Routing
 from lrmoe.parallel.held import placement_key
-from lrmoe.policy.base import Policy
+from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.plan import full_plan
 from lrmoe.presets import PRESETS
-
-pytestmark = pytest.mark.dist
 
 N, B, T, LAYERS = 3, 4, 16, 2  # micro-batches, sequences a micro-batch (2 ranks), tokens
 HOT = [(3, 11), (3, 5), (12, 3)]  # per micro-batch: the experts most tokens go to
@@ -83,7 +82,7 @@ class Scripted(Policy):
         G, E = counts_GE.shape
         per = E // G
         extra = self.script[inputs.micro]
-        ie = torch.full((G, per + 2), -1, dtype=torch.long)
+        ie = torch.full((G, per + max(map(len, self.script.values()))), -1, dtype=torch.long)
         ie[:, :per] = torch.arange(E).reshape(G, per)
         for k, (e, r) in enumerate(extra):
             ie[r, per + k] = e
@@ -267,6 +266,7 @@ def _worker(rank: int, world: int, cases: list[str], checkpoint: str) -> None:
         assert all(s == want_runs for s, _ in r), (case, r)
 
 
+@pytest.mark.dist
 def test_held_placement_moves_once_and_keeps_the_math(tmp_path):
     """lrmoe's held placement and SYMI's (from the previous step's popularity) scatter
     their weights once and reduce their gradients once a step (4 all-to-alls a layer,
@@ -277,6 +277,7 @@ def test_held_placement_moves_once_and_keeps_the_math(tmp_path):
                            "natives-between"], "none", tmp_path=tmp_path)
 
 
+@pytest.mark.dist
 def test_held_placement_under_full_activation_checkpoint(tmp_path):
     """The block's re-run in backward plans the same placement and takes the held
     weights: no weight all-to-all beyond the step's scatter and reduce, the same
@@ -311,6 +312,18 @@ class Storages(TorchDispatchMode):
                    if tail in tails and i not in skip and ref() is not None)
 
 
+def held_bytes(model, mode: Storages) -> int:
+    """What :class:`Storages` saw made and alive now of the experts' weight shapes,
+    beyond the parameters, their gradients and the step's compute-dtype casts."""
+    cfg = model.config
+    H, Fd = cfg.hidden_size, cfg.moe_intermediate_size
+    skip = {id(t.untyped_storage()) for p in model.parameters() for t in (p, p.grad)
+            if t is not None}  # (an op's view of a parameter registers its storage)
+    skip |= {id(c.untyped_storage()) for m in model.moe_layers
+             for c in (m.experts.casts or {}).values()}
+    return mode.alive({(2 * Fd, H), (H, Fd)}, skip)
+
+
 def _memory_worker(rank: int, world: int) -> None:
     from lrmoe.ledger import Ledger
     from lrmoe.parallel.weights import natives_only
@@ -332,11 +345,8 @@ def _memory_worker(rank: int, world: int) -> None:
     seen = []
 
     def measure(m, pair):
-        if pair is None:
-            return
-        params = list(model.parameters())  # (an op's view of one registers its storage)
-        skip = {id(t.untyped_storage()) for p in params for t in (p, p.grad) if t is not None}
-        seen.append(mode.alive({(2 * Fd, H), (H, Fd)}, skip))
+        if pair is not None:
+            seen.append(held_bytes(model, mode))
 
     with Storages() as mode:
         run_step(model, rank, world, held=True, on_micro=measure)
@@ -355,6 +365,7 @@ def _memory_worker(rank: int, world: int) -> None:
     assert seen[-1] == 0, seen
 
 
+@pytest.mark.dist
 def test_held_bytes_are_what_the_ledger_prices(tmp_path):
     """The storages alive between a held step's micro-batches beyond the parameters and
     their gradients (the held slots' weights and gradient sums) are the ledger's
@@ -369,3 +380,36 @@ def test_placement_key_reads_the_occupied_slots_only():
     c = np.array([[0, 1, -1, -1], [2, 3, 3, -1]])  # a replica on the other rank
     assert placement_key(a) == placement_key(b) == placement_key(a[:, :3])
     assert placement_key(a) != placement_key(c)
+
+
+def test_held_bytes_in_the_compute_dtype():
+    """Under bf16 autocast (rank 0 of 4, peers synthetic: ``tests/onerank.py``) the held
+    weights and their gradient sums are bf16: the ledger's bf16 instance terms."""
+    from lrmoe.ledger import Ledger
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.model.moe import MoERuntime
+    from lrmoe.parallel.groups import ParallelContext, shard_experts
+    from lrmoe.train.accum import accumulate
+    from onerank import OneRankComm
+
+    cfg, G = tiny(), 4
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    for i, layer in enumerate(model.moe_layers):
+        layer.router = MicroRouter(tables(cfg, 0, 1, 10 + i), cfg.num_experts,
+                                   cfg.hidden_size, lambda m=layer: m.runtime.micro)
+    shard_experts(model, ParallelContext(world=G, rank=0, ep_size=G))
+    policy = Scripted({m: [(5, 0), (3, 1), (9, 0)] for m in range(N)})
+    peers = torch.full((G, cfg.num_experts), 8, dtype=torch.long)
+    model.set_runtime(MoERuntime(comm=OneRankComm(0, peers), policy=policy))
+    g = torch.Generator().manual_seed(4)
+    mbs = [torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g) for _ in range(N)]
+    seen = []
+    with Storages() as mode:
+        accumulate(model, lambda i: mbs[i], N, lambda: torch.autocast("cpu", torch.bfloat16),
+                   on_micro=lambda m, pair: pair is not None and seen.append(
+                       held_bytes(model, mode)))
+    plan = policy.plan(peers, PlanInputs())
+    t = Ledger.for_dtype(cfg, G, None, "bf16", num_moe_layers=1).rank_terms(plan)[0]
+    assert int((plan.inst_expert_GS[0] >= 0).sum()) == cfg.num_experts // G + 2  # replicas
+    assert seen == [LAYERS * (t["instance_weights"] + t["instance_grads"])] * (N - 1) + [0]

@@ -193,13 +193,11 @@ class MoELayer(nn.Module):
         # instance weights: each slot's expert, replicas from their owners (inside a step
         # of several micro-batches, kept while the placement stays: parallel/held.py)
         ws_own = list(self.experts.compute_weights(dtype))
-        kept = False
         if self.held is not None and torch.is_grad_enabled():
-            (w13, w2), kept = self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
+            w13, w2 = self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
         else:
             w13, w2 = instance_weight_list(ws_own, plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
-        stats["weights_held"] = kept
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
         opts = self._backward_opts()
@@ -255,6 +253,7 @@ class MoELayer(nn.Module):
         stats = {"plan_replicas": plan.num_replicas(),
                  "count_exchange_ms": count_ms, "plan_ms": plan_ms,
                  # bytes of instance weights that travel from owners to other ranks' slots
+                 # (the placement's: a step's micro-batches that share it move them once)
                  "weight_scatter_bytes": weight_scatter_bytes(
                      plan, self.cfg.num_experts, me, self.experts.instance_bytes(dtype)),
                  "rank_load": plan.rank_load().tolist(),

@@ -75,26 +75,25 @@ class HeldInstances:
         self.grads: list[Tensor | None] = []
 
     def weight_list(self, ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int,
-                    micro: int) -> tuple[list[Tensor], bool]:
-        """``(weights for this rank's occupied slots, whether they were kept from an
-        earlier micro-batch)`` for ``plan`` at micro-batch ``micro`` of the step:
-        :func:`~lrmoe.parallel.weights.instance_weight_list`'s values, moved only when
-        the placement is new to the step."""
+                    micro: int) -> list[Tensor]:
+        """The weights of this rank's occupied slots for ``plan`` at micro-batch
+        ``micro`` of the step: :func:`~lrmoe.parallel.weights.instance_weight_list`'s
+        values, gathered only where the placement differs from the previous
+        micro-batch's."""
         ie = plan.inst_expert_GS.numpy()
         key = None if natives_only(ie, E) else placement_key(ie)
         if self.key is not None and self.key != key:
             self.flush()
         if key is None:
-            return list(ws_own), False
-        kept = self.key is not None
-        if not kept:
+            return list(ws_own)
+        if self.key is None:
             route = instance_route(plan, comm.rank, E)
             with torch.no_grad():
                 self.weights = [gather_slots(w.detach(), route, comm) for w in ws_own]
             self.key, self.route, self.comm = key, route, comm
             self.grads = [None] * len(ws_own)
         final = micro == self.micros - 1
-        return [_Held.apply(w, self, j, final) for j, w in enumerate(ws_own)], kept
+        return [_Held.apply(w, self, j, final) for j, w in enumerate(ws_own)]
 
     def flush(self) -> None:
         """Send home what the held slots accumulated, outside autograd (a placement that

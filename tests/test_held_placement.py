@@ -397,7 +397,8 @@ def test_placement_key_reads_the_occupied_slots_only():
 
 def test_held_bytes_in_the_compute_dtype():
     """Under bf16 autocast (rank 0 of 4, peers synthetic: ``tests/onerank.py``) the held
-    weights and their gradient sums are bf16: the ledger's bf16 instance terms."""
+    weights and their gradient sums are bf16: the ledger's bf16 instance terms; the
+    owned experts' fp32 gradients appear at the last micro-batch only."""
     from lrmoe.ledger import Ledger
     from lrmoe.model import MoEForCausalLM
     from lrmoe.model.moe import MoERuntime
@@ -417,11 +418,19 @@ def test_held_bytes_in_the_compute_dtype():
     model.set_runtime(MoERuntime(comm=OneRankComm(0, peers), policy=policy))
     g = torch.Generator().manual_seed(4)
     mbs = [torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g) for _ in range(N)]
-    seen = []
+    experts = [p for m in model.moe_layers for p in (m.experts.gate_up_proj, m.experts.down_proj)]
+    seen, untouched = [], []
+
+    def measure(m, pair):
+        if pair is not None:
+            seen.append(held_bytes(model, mode))
+            untouched.append(all(p.grad is None for p in experts))
+
     with Storages() as mode:
         accumulate(model, lambda i: mbs[i], N, lambda: torch.autocast("cpu", torch.bfloat16),
-                   on_micro=lambda m, pair: pair is not None and seen.append(
-                       held_bytes(model, mode)))
+                   on_micro=measure)
+    # the owned gradients come once, at the last backward (no zeros through the cast)
+    assert untouched == [True] * (N - 1) + [False]
     plan = policy.plan(peers, PlanInputs())
     t = Ledger.for_dtype(cfg, G, None, "bf16", num_moe_layers=1).rank_terms(plan)[0]
     assert int((plan.inst_expert_GS[0] >= 0).sum()) == cfg.num_experts // G + 2  # replicas

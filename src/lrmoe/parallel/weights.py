@@ -127,16 +127,19 @@ def natives_only(ie: np.ndarray, E: int) -> bool:
 
 class _CastOnce(torch.autograd.Function):
     """``w`` in the compute dtype from a copy cast once: the forward hands out a view of
-    ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype)."""
+    ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype).
+    No gradient stays none: a micro-batch whose slots hold their gradient for the step
+    (:mod:`lrmoe.parallel.held`) adds no zeros to ``w.grad``."""
 
     @staticmethod
     def forward(ctx, w: Tensor, cast: Tensor) -> Tensor:
         ctx.dtype = w.dtype
+        ctx.set_materialize_grads(False)
         return cast.view_as(cast)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        return g.to(ctx.dtype), None
+    def backward(ctx, g: Tensor | None):
+        return (None if g is None else g.to(ctx.dtype)), None
 
 
 def compute_copy(w: Tensor, dtype: torch.dtype, cache: dict) -> Tensor:

@@ -29,7 +29,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.model.router import Routing
 from lrmoe.parallel.held import placement_key
 from lrmoe.policy.base import PlanInputs, Policy
-from lrmoe.policy.plan import full_plan
+from lrmoe.policy.plan import full_plan, layer_checkpoint_plan
 from lrmoe.presets import PRESETS
 
 N, B, T, LAYERS = 3, 4, 16, 2  # micro-batches, sequences a micro-batch (2 ranks), tokens
@@ -72,12 +72,13 @@ def tables(cfg: ModelConfig, rank: int, per: int, seed: int) -> list[torch.Tenso
 
 class Scripted(Policy):
     """Natives plus replicas given per micro-batch (``{micro: [(expert, rank), ...]}``,
-    ``[]``: natives only), every pair kept (exact)."""
+    ``[]``: natives only), every pair kept (exact); the micro-batches in ``whole`` run
+    under a whole-layer checkpoint (the exchange re-run in backward)."""
 
     name = "scripted"
 
-    def __init__(self, script: dict[int, list[tuple[int, int]]]):
-        self.script = script
+    def __init__(self, script: dict[int, list[tuple[int, int]]], whole: tuple[int, ...] = ()):
+        self.script, self.whole = script, whole
 
     def plan(self, counts_GE, inputs):
         G, E = counts_GE.shape
@@ -87,7 +88,8 @@ class Scripted(Policy):
         ie[:, :per] = torch.arange(E).reshape(G, per)
         for k, (e, r) in enumerate(extra):
             ie[r, per + k] = e
-        return full_plan(counts_GE, ie)
+        plan = full_plan(counts_GE, ie)
+        return layer_checkpoint_plan(plan, None) if inputs.micro in self.whole else plan
 
 
 def make_policy(case: str, cfg: ModelConfig, G: int):
@@ -104,6 +106,8 @@ def make_policy(case: str, cfg: ModelConfig, G: int):
             # replicas that change at the last micro-batch / give way to the natives
             "changes": Scripted({0: [(3, 1), (11, 0)], 1: [(3, 1), (11, 0)], 2: [(5, 1)]}),
             "natives-between": Scripted({0: [(3, 1)], 1: [], 2: [(3, 1)]}),
+            # the held placement under a whole-layer checkpoint at micro-batch 1
+            "layer-checkpoint": Scripted({m: [(3, 1), (11, 0)] for m in range(N)}, (1,)),
             }[case], ledger
 
 
@@ -263,7 +267,7 @@ def _worker(rank: int, world: int, cases: list[str], checkpoint: str) -> None:
         if checkpoint == "none":  # moved: a scatter and a reduce in every micro-batch
             assert mc == 4 * sum(m for _, m in r), (case, mc, r)
         want_runs = {"lrmoe-step": 1, "symi": 1, "changes": 2, "natives-between": 2,
-                     "lrmoe-current": N}[case]
+                     "layer-checkpoint": 1, "lrmoe-current": N}[case]
         assert all(s == want_runs for s, _ in r), (case, r)
 
 
@@ -273,9 +277,10 @@ def test_held_placement_moves_once_and_keeps_the_math(tmp_path):
     their weights once and reduce their gradients once a step (4 all-to-alls a layer,
     against 4 a micro-batch moved), with the same losses and gradients as moving them
     every micro-batch, and as static; lrmoe placing per micro-batch moves in each; a
-    placement that changes within the step sends its sums home first."""
+    placement that changes within the step sends its sums home first; a whole-layer
+    checkpoint's re-run in backward takes the held weights."""
     run_world(2, _worker, ["lrmoe-step", "symi", "lrmoe-current", "changes",
-                           "natives-between"], "none", tmp_path=tmp_path)
+                           "natives-between", "layer-checkpoint"], "none", tmp_path=tmp_path)
 
 
 @pytest.mark.dist

@@ -5,6 +5,8 @@ Every step the runtime gathers, for each local slot, a copy of its expert's weig
 (``GatherInstances``); autograd's backward of that gather sums every instance's weight
 gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
 across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
+Inside an optimizer step of several micro-batches a placement they share moves once
+(:mod:`lrmoe.parallel.held`, through :func:`gather_slots` and :func:`reduce_slots`).
 
 The owned weights are cast to the compute dtype once per optimizer step
 (:func:`compute_copy`): the micro-batches of one step reuse the cast, and their
@@ -128,8 +130,8 @@ def natives_only(ie: np.ndarray, E: int) -> bool:
 class _CastOnce(torch.autograd.Function):
     """``w`` in the compute dtype from a copy cast once: the forward hands out a view of
     ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype).
-    No gradient stays none: a micro-batch whose slots hold their gradient for the step
-    (:mod:`lrmoe.parallel.held`) adds no zeros to ``w.grad``."""
+    A missing gradient stays missing, not zeros: a micro-batch whose slots keep their
+    gradient for the step (:mod:`lrmoe.parallel.held`) adds nothing to ``w.grad``."""
 
     @staticmethod
     def forward(ctx, w: Tensor, cast: Tensor) -> Tensor:

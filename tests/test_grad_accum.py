@@ -304,6 +304,26 @@ def test_emulator_placement_stages_once_only_when_the_placement_holds():
         assert o.grad_reduce == step_times(s, link).grad_reduce > 0
 
 
+def test_emulator_charges_a_placement_changing_within_the_step_per_run():
+    """A placement shared by micro-batches 0 and 1 and left at 2 is charged as the
+    runtime moves it (parallel/held.py): its weights arrive at micro-batch 0, its
+    gradients leave at 1; micro-batch 2's placement pays both itself."""
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.cost import accumulated_times, step_times
+    from lrmoe.sim.links import LINKS
+    cfg = get_preset("tiny-qwen3")
+    link = LINKS["ib"]
+    _, held = _symi_micro(_pop(cfg, 5), 2)
+    other = _symi_micro(_pop(cfg, 12), 1, seed=3)[1][0]
+    micro = held + [other]
+    outs, step = accumulated_times([[s] for s in micro], link)
+    assert step.weight_scatter == step.grad_reduce == 0
+    one = [step_times(s, link) for s in micro]
+    assert [o.weight_scatter for o in outs] == [one[0].weight_scatter, 0, one[2].weight_scatter]
+    assert [o.grad_reduce for o in outs] == [0, one[1].grad_reduce, one[2].grad_reduce]
+    assert all(x.weight_scatter > 0 and x.grad_reduce > 0 for x in one)
+
+
 def test_sharded_offload_charges_a_changing_placement_every_micro_batch():
     """SYMI under host offload giving replicas up at one micro-batch: its placement
     changes within the step, so each micro-batch pays the sharded gather and

@@ -154,7 +154,8 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
     Knob("lrmoe_placement", "lrmoe: place replicas from each micro-batch's counts (current) "
          "or, before the count exchange, from the previous step's (previous, as SYMI does); "
          "step and step-previous hold one placement for the optimizer step, placed from its "
-         "first micro-batch's counts or from the previous step's",
+         "first micro-batch's counts or from the previous step's (its replicas' weights sent "
+         "and their gradients reduced once a step)",
          lambda n, v: check_choice(n, v, PLACEMENTS), "lrmoe.placement",
          metavar="|".join(PLACEMENTS)),
     Knob("lrmoe_metric", "lrmoe: backward recalibration metric, grad_norm or gate",

@@ -27,7 +27,7 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
         # the weights in the compute dtype, while the micro-batches of one optimizer step
-        # share one cast (``MoEForCausalLM.one_cast``); ``None``: cast at each use
+        # share one cast (``MoEForCausalLM.step_weights``); ``None``: cast at each use
         self.casts: dict | None = None
 
     def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun
+from lrmoe.parallel.held import HeldInstances
 from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
 from lrmoe.parallel.layout import to_device
 from lrmoe.parallel.local import expert_counts, local_stats, run_local, runs_locally
@@ -116,6 +117,9 @@ class MoELayer(nn.Module):
         self.prev_counts_E: Tensor | None = None  # global counts of the previous step
         self.step_counts_E: Tensor | None = None  # global counts accumulated this step
         self.last: MoEStep | None = None  # the last forward's step (aux loss, path, stats)
+        # inside a step of several micro-batches: the instance weights kept while the
+        # placement stays, and their gradients' sums (MoEForCausalLM.step_weights)
+        self.held: HeldInstances | None = None
         # activation checkpoint (lrmoe.model.checkpoint): the block is re-run in backward,
         # so the kept rows go through autograd's saved-tensor hooks; ``recomputing`` is
         # set during that re-run, whose step is not taken
@@ -186,8 +190,13 @@ class MoELayer(nn.Module):
         if rt.check_plans:
             plan.check(counts_GE)
         t2 = time.perf_counter()
-        # instance weights: each slot's expert, replicas from their owners
-        w13, w2 = instance_weight_list(list(self.experts.compute_weights(dtype)), plan, rt.comm, E)
+        # instance weights: each slot's expert, replicas from their owners (inside a step
+        # of several micro-batches, kept while the placement stays: parallel/held.py)
+        ws_own = list(self.experts.compute_weights(dtype))
+        if self.held is not None and torch.is_grad_enabled():
+            w13, w2 = self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
+        else:
+            w13, w2 = instance_weight_list(ws_own, plan, rt.comm, E)
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
@@ -244,6 +253,7 @@ class MoELayer(nn.Module):
         stats = {"plan_replicas": plan.num_replicas(),
                  "count_exchange_ms": count_ms, "plan_ms": plan_ms,
                  # bytes of instance weights that travel from owners to other ranks' slots
+                 # (the placement's: a step's micro-batches that share it move them once)
                  "weight_scatter_bytes": weight_scatter_bytes(
                      plan, self.cfg.num_experts, me, self.experts.instance_bytes(dtype)),
                  "rank_load": plan.rank_load().tolist(),

@@ -18,6 +18,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.model.checkpoint import check_mode, checkpoint
 from lrmoe.model.layers import MLP, Attention, RMSNorm, Rotary
 from lrmoe.model.moe import MoELayer, MoERuntime
+from lrmoe.parallel.held import HeldInstances
 
 
 class DecoderLayer(nn.Module):
@@ -96,17 +97,30 @@ class MoEForCausalLM(nn.Module):
             m.runtime = runtime
 
     @contextlib.contextmanager
-    def one_cast(self):
-        """Inside: every MoE layer casts its expert weights to the compute dtype once
-        and reuses the cast (the weights must not change meanwhile: the micro-batches of
-        one optimizer step, :func:`lrmoe.train.accum.accumulate`)."""
-        for m in self.moe_layers:
+    def step_weights(self, micros: int = 1):
+        """Inside, the ``micros`` micro-batches of one optimizer step
+        (:func:`lrmoe.train.accum.accumulate`; the weights must not change meanwhile):
+        every MoE layer casts its expert weights to the compute dtype once and reuses
+        the cast; with ``micros > 1`` it also keeps its instance weights while their
+        placement stays, and sends their gradients home once, in the last micro-batch's
+        backward (:mod:`lrmoe.parallel.held`). On leaving, what a held placement still
+        accumulated is sent home (nothing, when the last backward ran); a step that
+        raised drops it."""
+        layers = self.moe_layers
+        for m in layers:
             m.experts.casts = {}
+            if micros > 1:
+                m.held = HeldInstances((m.experts.gate_up_proj, m.experts.down_proj), micros)
+        ok = False
         try:
             yield
+            ok = True
         finally:
-            for m in self.moe_layers:
+            for m in layers:
                 m.experts.casts = None
+                if m.held is not None and ok:
+                    m.held.flush()
+                m.held = None
 
     def set_micro_batch(self, m: int) -> None:
         """The index of the micro-batch about to run in its optimizer step (what a

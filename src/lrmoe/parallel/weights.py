@@ -5,6 +5,8 @@ Every step the runtime gathers, for each local slot, a copy of its expert's weig
 (``GatherInstances``); autograd's backward of that gather sums every instance's weight
 gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
 across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
+Inside an optimizer step of several micro-batches a placement they share moves once
+(:mod:`lrmoe.parallel.held`, through :func:`gather_slots` and :func:`reduce_slots`).
 
 The owned weights are cast to the compute dtype once per optimizer step
 (:func:`compute_copy`): the micro-batches of one step reuse the cast, and their
@@ -76,19 +78,31 @@ def instance_route(plan: Plan, me: int, E: int) -> InstanceRoute:
 class GatherInstances(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w_own: Tensor, route: InstanceRoute, comm: EPComm) -> Tensor:
-        send_rows, recv_order, _ = route.index(w_own.device)
-        recv = comm.all_to_all(w_own[send_rows], route.send_splits, route.recv_splits)
         ctx.route, ctx.comm, ctx.n_own = route, comm, w_own.shape[0]
-        return recv[recv_order]
+        return gather_slots(w_own, route, comm)
 
     @staticmethod
     def backward(ctx, g_S: Tensor):
-        route, comm = ctx.route, ctx.comm
-        send_rows, _, arrival_slot = route.index(g_S.device)
-        back = comm.all_to_all(g_S[arrival_slot], route.recv_splits, route.send_splits)
-        g_own = g_S.new_zeros((ctx.n_own,) + tuple(g_S.shape[1:]))
-        g_own.index_add_(0, send_rows, back)
-        return g_own, None, None
+        return reduce_slots(g_S, ctx.route, ctx.comm, ctx.n_own), None, None
+
+
+def gather_slots(w_own: Tensor, route: InstanceRoute, comm: EPComm) -> Tensor:
+    """This rank's occupied slots' weights ``[S_occupied, ...]`` (slot order) from the
+    owned rows ``w_own [E/G, ...]`` of every rank: one all-to-all (the weight scatter)."""
+    send_rows, recv_order, _ = route.index(w_own.device)
+    recv = comm.all_to_all(w_own[send_rows], route.send_splits, route.recv_splits)
+    return recv[recv_order]
+
+
+def reduce_slots(g_S: Tensor, route: InstanceRoute, comm: EPComm, n_own: int) -> Tensor:
+    """The reverse of :func:`gather_slots`: every instance's gradient summed into its
+    expert's row of ``[n_own, ...]`` on the owner (one all-to-all, then ``index_add``
+    in arrival order: the replica-gradient reduce)."""
+    send_rows, _, arrival_slot = route.index(g_S.device)
+    back = comm.all_to_all(g_S[arrival_slot], route.recv_splits, route.send_splits)
+    g_own = g_S.new_zeros((n_own,) + tuple(g_S.shape[1:]))
+    g_own.index_add_(0, send_rows, back)
+    return g_own
 
 
 def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int) -> list[Tensor]:
@@ -98,13 +112,13 @@ def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int)
     :func:`lrmoe.parallel.stages.occupied_counts`). When every rank's occupied slots are
     exactly its owned experts in order (the static plan), the owned tensors are returned
     as they are: no copy, no communication."""
-    if _natives_only(plan.inst_expert_GS.numpy(), E):
+    if natives_only(plan.inst_expert_GS.numpy(), E):
         return list(ws_own)
     route = instance_route(plan, comm.rank, E)
     return [GatherInstances.apply(w, route, comm) for w in ws_own]
 
 
-def _natives_only(ie: np.ndarray, E: int) -> bool:
+def natives_only(ie: np.ndarray, E: int) -> bool:
     """Every rank's occupied slots are exactly its natives, in order: no rank needs a
     weight from another (every rank takes the same branch, so all skip the all-to-all)."""
     occ = ie[ie >= 0]
@@ -115,16 +129,19 @@ def _natives_only(ie: np.ndarray, E: int) -> bool:
 
 class _CastOnce(torch.autograd.Function):
     """``w`` in the compute dtype from a copy cast once: the forward hands out a view of
-    ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype)."""
+    ``cast`` (no kernel); the backward is the cast's (the gradient in ``w``'s dtype).
+    A missing gradient stays missing, not zeros: a micro-batch whose slots keep their
+    gradient for the step (:mod:`lrmoe.parallel.held`) adds nothing to ``w.grad``."""
 
     @staticmethod
     def forward(ctx, w: Tensor, cast: Tensor) -> Tensor:
         ctx.dtype = w.dtype
+        ctx.set_materialize_grads(False)
         return cast.view_as(cast)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        return g.to(ctx.dtype), None
+    def backward(ctx, g: Tensor | None):
+        return (None if g is None else g.to(ctx.dtype)), None
 
 
 def compute_copy(w: Tensor, dtype: torch.dtype, cache: dict) -> Tensor:

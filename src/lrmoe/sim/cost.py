@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lrmoe.errors import require
+from lrmoe.parallel.held import placement_key
 from lrmoe.sim.links import Link, exchange_time
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, RECOMPUTE_EXCHANGES, VirtualStats
 
@@ -184,14 +185,29 @@ def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
 _PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
 
 
+def _once_per_run(per: dict, t: dict, keys: list[bytes], m: int, G: int) -> None:
+    """Micro-batch ``m``'s weight scatter only where it starts a run of micro-batches
+    sharing a placement, its gradient reduce only where it ends one (the runtime's
+    moves, :mod:`lrmoe.parallel.held`): the others zeroed in ``per`` and left out of
+    ``t``."""
+    for k, same in (("weight_scatter", m > 0 and keys[m] == keys[m - 1]),
+                    ("grad_reduce", m < len(keys) - 1 and keys[m] == keys[m + 1])):
+        if same:
+            per[k] = [0.0] * G
+            t.pop(k, None)
+
+
 def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
                       offload=None, terms: dict | None = None
                       ) -> tuple[list[StepTimes], StepTimes]:
     """One optimizer step of N micro-batches: ``(StepTimes per micro-batch, StepTimes of what
     is charged once per optimizer step)``; the step costs their sum (docs/design.md §9,
-    "Gradient accumulation in the emulator"). ``micro[m]`` holds micro-batch m's stats per
-    MoE layer; ``terms``, when given, is filled with each charge's link-free terms
+    "Gradient accumulation in the emulator"). A layer's ``weight_scatter`` and
+    ``grad_reduce`` are charged once per run of consecutive micro-batches sharing its
+    placement (:func:`~lrmoe.parallel.held.placement_key`), as the runtime moves it
+    (:mod:`lrmoe.parallel.held`). ``micro[m]`` holds micro-batch m's stats per MoE layer;
+    ``terms``, when given, is filled with each charge's link-free terms
     (:func:`rank_link_terms`) for re-pricing on another link."""
     N = len(micro)
     require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
@@ -202,26 +218,25 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
     for layer in range(len(micro[0])):
         stats = [m[layer] for m in micro]
         G = stats[0].plan.G
-        fixed = all(torch.equal(s.plan.inst_expert_GS, stats[0].plan.inst_expert_GS)
-                    for s in stats)
+        keys = [placement_key(s.plan.inst_expert_GS.numpy()) for s in stats]
+        fixed = all(k == keys[0] for k in keys)
+        sharded = offload is not None and offload.layout == "sharded"
         once: dict[str, list[float]] = {}
         once_t: dict = {}
         for m, s in enumerate(stats):
             per = rank_stage_seconds(s, link)
             t = rank_link_terms(s) if terms is not None else {}
-            if offload is not None and not fixed:  # its own slots' sharded exchanges
+            if sharded and not fixed:  # its own slots' sharded exchanges
                 off = offload.rank_seconds(s.plan.inst_expert_GS, link)
                 per.update({k: off[k] for k in _PLACEMENT_STAGES if k in off})
                 if terms is not None:
                     t.update(offload.link_terms(s.plan.inst_expert_GS))
+            else:
+                _once_per_run(per, t, keys, m, G)
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
-                if m == 0:
-                    once["weight_scatter"] = per.get("weight_scatter", [0.0] * G)
-                    once_t["weight_scatter"] = t.get("weight_scatter")
-                if m == N - 1:
-                    once["grad_reduce"] = per.get("grad_reduce", [0.0] * G)
-                    once_t["grad_reduce"] = t.get("grad_reduce")
-                for k in _PLACEMENT_STAGES:
+                for k, at in (("weight_scatter", 0), ("grad_reduce", N - 1)):
+                    if m == at:
+                        once[k], once_t[k] = per.get(k, [0.0] * G), t.get(k)
                     per[k] = [0.0] * G
                     t.pop(k, None)
             _charge(outs[m], per, G)

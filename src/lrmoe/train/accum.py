@@ -18,7 +18,9 @@ default aux loss and the HF Trainer's are per micro-batch too. GLM balances by b
 Per optimizer step, not per micro-batch: routers' counts add up over the micro-batches
 and are closed once by ``model.end_step`` (the step's popularity SYMI plans the next
 step's micro-batches from, and the GLM bias update); gradient sync, clipping, the
-optimizer and the scheduler run once.
+optimizer and the scheduler run once. So do the weight scatter and the replica-gradient
+reduce of a placement every micro-batch shares (:mod:`lrmoe.parallel.held`): the reduce
+in the last micro-batch's backward, before the sync.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
     each gradient final (the host offload arms its early sends there).
     """
     sums = None
-    with model.one_cast():  # the expert weights in the compute dtype, cast once
+    # the expert weights cast once, instance weights moved once per placement
+    with model.step_weights(n):
         for m in range(n):
             if on_micro is not None:
                 on_micro(m, None)

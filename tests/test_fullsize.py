@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import test_ledger_truth as truth
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
 from lrmoe.step_ledger import StepLedger, pinned_bytes
@@ -203,17 +204,19 @@ def _saved_per_layer(model: MoEForCausalLM, ids: torch.Tensor) -> list[int]:
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = fwd(*a, **k)
-            kept, todo = 0, [y.grad_fn]
+            todo = [y.grad_fn]
             while todo:  # the layer's expert Function: its kept rows and indices
                 node = todo.pop()
                 if node is None or id(node) in done:
                     continue
                 done.add(id(node))
-                if hasattr(node, "kept"):
-                    kept += _tensor_bytes(t for t in node.kept.values() if t is not None)
-                    kept += _tensor_bytes((node.pair_R, node.offs_E))
+                if type(node).__name__ == "ExpertExchangeBackward":
+                    held: list[torch.Tensor] = []
+                    truth._tensors(vars(node), held, set())  # ctx attributes, state
+                    for t in held:
+                        pack(t)
                 todo += [n for n, _ in node.next_functions]
-            out.append(sum(seen.values()) + kept)
+            out.append(sum(seen.values()))
             return y
         layer.forward = run
 

@@ -194,11 +194,12 @@ def backward_ranks(st: ExchangeState, dout_G: list[Tensor], comb_G: list[stages.
         plan.retain_GGS[:, g, :], plan.all_selected, st.opts, rows_G[i], st.generators[i],
         tp.exchange_counts, st.at_experts, tp.timer(i)) for i, g in enumerate(tp.ranks)]))
     recv_GS_G = tp.received(sh_G)
-    tp.rows("bwd", [int(r.sum()) for r in recv_GS_G])
+    n_recv_G = [int(r.sum()) for r in recv_GS_G]
+    tp.rows("bwd", n_recv_G)
     # without compaction the unselected rows travel too, weighing 0
-    tp.rows("selected", [int(r.sum()) if plan.all_selected or st.opts.compaction
+    tp.rows("selected", [n if plan.all_selected or st.opts.compaction
                          else int(plan.select_GGS[:, g, :].sum())
-                         for g, r in zip(tp.ranks, recv_GS_G)])
+                         for g, n in zip(tp.ranks, n_recv_G)])
     dx_back_G, dw13_G, dw2_G, dg_back_G = _experts_backward_exchange(
         st, rows_G, sh_G, recv_GS_G, keep_G, w13_G, w2_G, st.at_experts)
     if st.at_experts:  # every send row came back, in send order

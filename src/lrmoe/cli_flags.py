@@ -111,10 +111,10 @@ class Knob:
         return "--" + self.dest.replace("_", "-")
 
     def default_value(self) -> Any:
-        return self.default if self.field is None else _at(PolicyConfig(), self.field)
+        return self.default if self.field is None else attr_at(PolicyConfig(), self.field)
 
 
-def _at(obj: Any, path: str) -> Any:
+def attr_at(obj: Any, path: str) -> Any:
     """``obj``'s attribute at the dotted ``path`` (``lrmoe.min_keep``)."""
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -257,7 +257,7 @@ def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -
 
 def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:
     """The knobs ``names`` of ``pc`` by their flat names (memory knobs skipped)."""
-    return {n: _at(pc, KNOBS[n].field) for n in names if KNOBS[n].field is not None}
+    return {n: attr_at(pc, KNOBS[n].field) for n in names if KNOBS[n].field is not None}
 
 
 def policy_fields(names: Iterable[str] = TRAIN) -> tuple[str, ...]:

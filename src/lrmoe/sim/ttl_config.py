@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from lrmoe.cli_flags import attr_at
 from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig
@@ -52,12 +53,6 @@ LRMOE_FLAT = {"min_keep": "planner.min_keep", "balance": "planner.balance",
               "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost"}
 
 
-def _at(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _with(obj: Any, path: str, value: Any) -> Any:
     """``obj`` with the field at ``path`` set (each record on the way checks itself)."""
     head, _, rest = path.partition(".")
@@ -73,7 +68,7 @@ def with_knobs(knobs: LrmoeKnobs, flat: dict[str, Any]) -> LrmoeKnobs:
 
 def flat_knobs(knobs: LrmoeKnobs) -> dict[str, Any]:
     """``knobs`` by their flat names (:data:`LRMOE_FLAT`)."""
-    return {name: _at(knobs, path) for name, path in LRMOE_FLAT.items()}
+    return {name: attr_at(knobs, path) for name, path in LRMOE_FLAT.items()}
 
 
 @dataclass

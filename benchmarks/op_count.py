@@ -106,7 +106,7 @@ def counting(layer):
     import lrmoe.model.moe as moe
     import lrmoe.ops.fused as fused_mod
     import lrmoe.parallel.exchange as exchange
-    import lrmoe.parallel.weights as weights
+    import lrmoe.parallel.instances as instances
     from onerank import OneRankComm
 
     oc = OpCount()
@@ -145,7 +145,7 @@ def counting(layer):
     patches += [(OneRankComm, "all_to_all", once("all_to_all", OneRankComm.all_to_all)),
                 (OneRankComm, "exchange_counts", once("all_to_all", OneRankComm.exchange_counts))]
     patches += [(moe.MoELayer, "routed", routed(moe.MoELayer.routed))]
-    for fn in (exchange.ExpertExchange, weights.GatherInstances):
+    for fn in (exchange.ExpertExchange, instances.GatherInstances):
         patches.append((fn, "backward", staticmethod(routed(fn.backward))))
     for mod, name, new in patches:
         saved[(mod, name)] = mod.__dict__[name] if isinstance(mod, type) else getattr(mod, name)
@@ -160,7 +160,7 @@ def counting(layer):
 
 def count_step(cfg, G: int, T: int, spec: str, seed: int) -> dict:
     """One forward + backward of the busiest rank: ops by stage and kind."""
-    import lrmoe.parallel.weights as weights
+    import lrmoe.parallel.instances as instances
     from lrmoe.ledger import Ledger
     from lrmoe.policy.base import PlanInputs
 
@@ -175,8 +175,8 @@ def count_step(cfg, G: int, T: int, spec: str, seed: int) -> dict:
     x = torch.randn(1, T, cfg.hidden_size, generator=g).requires_grad_()
     dy = torch.randn(1, T, cfg.hidden_size, generator=g)
     cp.run_once(layer, x, dy, False)  # warm caches (the policy's, the layouts')
-    if hasattr(weights, "_route"):  # a new placement's route is copied in this step
-        weights._route.cache_clear()
+    if hasattr(instances, "_route"):  # a new placement's route is copied in this step
+        instances._route.cache_clear()
     out_counts = {}
     for phase in ("forward", "backward"):
         with counting(layer) as oc:

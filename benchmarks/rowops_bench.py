@@ -37,7 +37,7 @@ from gpu_common import bench, check_device, cli, csv, fmt, md_head, out_dir, run
 
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.ops.fused import fused, gathered_dot, weighted_gather_sum  # noqa: E402
-from lrmoe.parallel.select import BackwardOptions  # noqa: E402
+from lrmoe.parallel.options import BackwardOptions  # noqa: E402
 from references.select_runtime import select_and_compact  # noqa: E402
 
 

@@ -10,7 +10,7 @@ or running an op whose output size or value the host must read (``nonzero``, boo
 masks, ``equal``, ``repeat_interleave`` without ``output_size``, ``bincount``,
 ``unique``, ``masked_select``) counts as one wait, and so does indexing device data with
 a host-built index tensor (on CUDA a copy from pageable memory, which waits for the
-device; :func:`lrmoe.parallel.layout.to_device`'s pinned copies do not, and what it
+device; :func:`lrmoe.ops.rowops.to_device`'s pinned copies do not, and what it
 returns stands for a device tensor here). What ``.cpu()`` returns is a host
 tensor. Tensors a factory (``torch.arange``, ``zeros``, ...) makes with an explicit
 ``device=`` stand for device tensors; ``torch.tensor(data, device=...)`` is a copy of
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lrmoe.parallel import layout
+from lrmoe.ops import rowops
 
 aten = torch.ops.aten
 # ops whose result the host must read before it can go on (on CUDA: a sync)
@@ -115,7 +115,7 @@ class HostWaits(TorchDispatchMode):
             self._patched[name], fn = reader(name)
             setattr(torch.Tensor, name, fn)
         # a pinned copy to the device: what it returns is a (fresh) device tensor
-        real = layout.to_device
+        real = rowops.to_device
 
         def to_device(t, device):
             out = real(t, device)

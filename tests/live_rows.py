@@ -124,8 +124,8 @@ class LiveRows(TorchDispatchMode):
 def row_seams() -> list[Callable]:
     """The row copies the stages call (a permutation by runs, the all-to-all's stand-in):
     inside each, its input and output coexist."""
-    from lrmoe.ops.rowops import gather_runs_reference
-    from lrmoe.parallel.layout import Runs, permute_rows
+    from lrmoe.ops.rowops import Runs, gather_runs_reference
+    from lrmoe.parallel.stages import permute_rows
     from onerank import OneRankComm
 
     return [permute_rows, Runs.apply, gather_runs_reference, OneRankComm.all_to_all]

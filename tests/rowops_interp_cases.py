@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from bits import same_bits  # noqa: E402
 from lrmoe.ops import rowops, selection  # noqa: E402
-from lrmoe.parallel.select import BackwardOptions  # noqa: E402
+from lrmoe.parallel.options import BackwardOptions  # noqa: E402
 from references.select_runtime import select_and_compact  # noqa: E402
 from test_select_fast import OpCount, metric_case  # noqa: E402
 from test_select_stage import home_case  # noqa: E402

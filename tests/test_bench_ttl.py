@@ -630,14 +630,14 @@ def test_deterministic_mode_fill_setting_and_restore():
 def test_ttl_warm_up_runs_each_lrmoe_variants_selection(monkeypatch, policies, want):
     """The untimed warm-up launches every lrmoe variant's selection (its kernels compile
     there, not inside the variant's first timed steps); static and symi select nothing."""
-    from lrmoe.parallel import select
+    from lrmoe.parallel import stages
     from lrmoe.sim import ttl
     from lrmoe.sim.ttl import TTLConfig
 
     seen = set()
     for name in ("select_topk", "select_sampled"):
-        real = getattr(select, name)
-        monkeypatch.setattr(select, name, lambda *a, _r=real, _n=name, **k: (
+        real = getattr(stages, name)
+        monkeypatch.setattr(stages, name, lambda *a, _r=real, _n=name, **k: (
             seen.add(_n.removeprefix("select_")), _r(*a, **k))[1])
     cfg = TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=1, batch_size=4, seq_len=32,
                               max_data_bytes=200000, policies=tuple(policies))

@@ -357,7 +357,7 @@ def _instances_worker(rank: int, world: int, steps: int) -> None:
         shard_experts,
         sync_grads,
     )
-    from lrmoe.parallel.weights import instance_weight_list
+    from lrmoe.parallel.instances import instance_weight_list
     from lrmoe.policy.symi import SymiPolicy
     from lrmoe.presets import PRESETS
     from lrmoe.train.optim import build_optimizer

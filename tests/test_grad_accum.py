@@ -306,7 +306,7 @@ def test_emulator_placement_stages_once_only_when_the_placement_holds():
 
 def test_emulator_charges_a_placement_changing_within_the_step_per_run():
     """A placement shared by micro-batches 0 and 1 and left at 2 is charged as the
-    runtime moves it (parallel/held.py): its weights arrive at micro-batch 0, its
+    runtime moves it (parallel/instances.py): its weights arrive at micro-batch 0, its
     gradients leave at 1; micro-batch 2's placement pays both itself."""
     from lrmoe.presets import get_preset
     from lrmoe.sim.cost import accumulated_times, step_times

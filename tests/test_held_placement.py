@@ -1,6 +1,6 @@
 """A placement held over an optimizer step in the distributed runtime (gloo, EP 2):
 its replicas' weights are scattered once, their gradients accumulate on the slots and
-go home once, in the last micro-batch's backward (``parallel/held.py``).
+go home once, in the last micro-batch's backward (``parallel/instances.py``).
 
 Against the same step with the weights moved every micro-batch (the runtime outside a
 step scope) and against static: the same losses (bit for bit), the same gradients (bit
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from dist_util import run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model.router import Routing
-from lrmoe.parallel.held import placement_key
+from lrmoe.parallel.instances import placement_key
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.plan import full_plan, layer_checkpoint_plan
 from lrmoe.presets import PRESETS
@@ -150,7 +150,7 @@ def build(case: str, rank: int, world: int, checkpoint: str = "none"):
 
 
 def count_weight_all_to_alls():
-    """Patch ``EPComm.all_to_all`` to count the calls made from ``parallel/weights.py``
+    """Patch ``EPComm.all_to_all`` to count the calls made from ``parallel/instances.py``
     (the weight scatter and the replica-gradient reduce, one per weight tensor)."""
     from lrmoe.parallel.comm import EPComm
 
@@ -197,7 +197,7 @@ def run_step(model, rank: int, world: int, held: bool, on_micro=None) -> list[to
 def runs(placements: dict, layer: int, E: int) -> tuple[int, int]:
     """``(runs of micro-batches sharing a placement that moves weights, micro-batches
     whose placement moves weights)`` of one layer's step."""
-    from lrmoe.parallel.weights import natives_only
+    from lrmoe.parallel.instances import natives_only
 
     keys = [None if natives_only(placements[(layer, m)], E) else placement_key(
         placements[(layer, m)]) for m in range(N)]
@@ -332,7 +332,7 @@ def held_bytes(model, mode: Storages) -> int:
 
 def _memory_worker(rank: int, world: int) -> None:
     from lrmoe.ledger import Ledger
-    from lrmoe.parallel.weights import natives_only
+    from lrmoe.parallel.instances import natives_only
 
     torch.set_num_threads(1)
     cfg = tiny()

@@ -26,7 +26,7 @@ def _count(layer, x):
     """(forward waits, backward waits) of one training step of ``layer`` on ``x``. The
     instance routes' device indices are cached across steps (copied once, through pinned
     memory); the cache is emptied first so that the copy is seen made in this step."""
-    from lrmoe.parallel.weights import _route
+    from lrmoe.parallel.instances import _route
 
     _route.cache_clear()
     hw = HostWaits()

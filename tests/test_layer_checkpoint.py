@@ -321,7 +321,7 @@ def test_buffers_equal_the_rows_alive():
     import lrmoe.parallel.stages as stages
     import test_ledger_truth as lt
     from live_rows import LiveRows, exchange_code, row_seams
-    from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
+    from lrmoe.model.moe import LayerCheckpoint
     from onerank import one_rank_layer
 
     layer, x, counts = lt._layer_and_tokens()

@@ -1,8 +1,8 @@
 """Package layering: no import circle, ``errors.py`` at the bottom, ``train/`` does not
-import ``sim/``, the emulator (``sim/``) runs the exchange's stage sequence rather than
-its own, the runtime (``parallel/``) knows the :class:`~lrmoe.policy.plan.Plan`
-type, never a policy, and docs/design.md's module map (§1) names every module of the
-package and only those."""
+import ``sim/``, one MoE layer reads in four files, the emulator (``sim/``) runs the
+exchange's stage sequence rather than its own, the runtime (``parallel/``) knows the
+:class:`~lrmoe.policy.plan.Plan` type, never a policy, and docs/design.md's module map
+(§1) names every module of the package and only those."""
 
 from __future__ import annotations
 
@@ -146,10 +146,10 @@ ROW_STAGES = {"dispatch_rows", "experts_forward", "combine", "home_backward",
               "experts_backward", "router_grad_experts", "router_grad_home", "home_finish"}
 
 
-def _stage_uses(f: Path) -> set[str]:
-    """The row stages ``f`` names: ``stages.<name>`` or imported from the stages module."""
+def _stage_uses(tree: ast.AST) -> set[str]:
+    """The row stages ``tree`` names: ``stages.<name>`` or imported from the stages module."""
     used = set()
-    for node in ast.walk(ast.parse(f.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "stages":
             used.add(node.attr)
@@ -158,18 +158,72 @@ def _stage_uses(f: Path) -> set[str]:
     return used & ROW_STAGES
 
 
+def _parsed(f: Path) -> ast.Module:
+    return ast.parse(f.read_text())
+
+
 def test_emulator_runs_the_exchange_stage_sequence_not_its_own():
     """The emulator composes the runtime's stage sequence over its virtual ranks; it never
     calls the stages one by one (a second copy of the sequence to keep in step)."""
-    bad = {f.name: sorted(_stage_uses(f)) for f in (SRC / "sim").glob("*.py") if _stage_uses(f)}
+    bad = {f.name: sorted(_stage_uses(_parsed(f))) for f in (SRC / "sim").glob("*.py")
+           if _stage_uses(_parsed(f))}
     assert not bad, bad
-    assert _stage_uses(SRC / "parallel" / "exchange.py") >= ROW_STAGES - {"router_grad_home"}
+    assert _stage_uses(_parsed(SRC / "parallel" / "exchange.py")) >= ROW_STAGES - {"router_grad_home"}
 
 
 def test_one_process_path_runs_the_exchange_stage_sequence_not_its_own():
     """The one-process path is the exchange over one rank with no collectives; it never
     calls the row stages itself."""
-    assert not _stage_uses(SRC / "parallel" / "local.py")
+    tree = _parsed(SRC / "parallel" / "exchange.py")
+    local = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+             and n.name in ("run_local", "OneBlock", "LocalTransport")]
+    assert len(local) == 3
+    assert not set().union(*map(_stage_uses, local))
+
+
+# One MoE layer's forward and backward read in these four files. What else model/moe.py
+# reaches by imports is a kernel (``ops/``), the planner (``policy/``), a part of the
+# layer that reads on its own (the router, the experts' parameters, the shared MLP) or a
+# leaf (records and helpers that import only leaves and kernels).
+READ_PATH = {"lrmoe.model.moe", "lrmoe.parallel.instances", "lrmoe.parallel.exchange",
+             "lrmoe.parallel.stages"}
+OFF_PATH = ("lrmoe.ops.", "lrmoe.policy.")
+LAYER_PARTS = {"lrmoe.model.router", "lrmoe.model.experts", "lrmoe.model.layers"}
+LEAVES = {"lrmoe.errors", "lrmoe.config", "lrmoe.timing", "lrmoe.traffic",
+          "lrmoe.parallel.comm", "lrmoe.parallel.options"}
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` reaches by imports, not following those of ``ops/`` and
+    ``policy/`` (what a kernel or the planner imports is not the layer's path)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += [] if m.startswith(OFF_PATH) else sorted(graph[m])
+    return seen
+
+
+def test_reached_stops_at_kernels_and_the_planner():
+    g = {"a": {"b", "lrmoe.ops.k"}, "b": {"lrmoe.policy.p"}, "lrmoe.ops.k": {"c"},
+         "lrmoe.policy.p": {"d"}, "c": set(), "d": set()}
+    assert reached(g, "a") == {"a", "b", "lrmoe.ops.k", "lrmoe.policy.p"}
+
+
+def test_moe_layer_reads_in_four_files():
+    """The lrmoe modules model/moe.py reaches, but kernels, the planner, the layer's parts
+    and the leaves, are exactly :data:`READ_PATH`: a fifth file on the path fails here."""
+    g = import_graph()
+    path = {m for m in reached(g, "lrmoe.model.moe") if not m.startswith(OFF_PATH)}
+    assert path - LAYER_PARTS - LEAVES == READ_PATH
+    assert len(READ_PATH) <= 4
+    # a leaf or a part hides no path: a leaf imports leaves and kernels alone, a part
+    # those and the read path
+    for m in LEAVES:
+        assert {d for d in g[m] if not d.startswith("lrmoe.ops.")} <= LEAVES, m
+    for m in LAYER_PARTS:
+        assert {d for d in g[m] if not d.startswith("lrmoe.ops.")} <= LEAVES | READ_PATH, m
 
 
 def test_native_plan_is_static_unbudgeted_plan():

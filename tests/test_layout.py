@@ -9,7 +9,8 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
-from lrmoe.parallel.layout import home_layout, recv_layout, runs
+from lrmoe.ops.rowops import runs
+from lrmoe.parallel.stages import home_layout, recv_layout
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe

@@ -1,4 +1,4 @@
-"""The one-process local path (``parallel/local.py``): no host wait, same results.
+"""The one-process local path (``run_local`` in ``parallel/exchange.py``): no host wait, same results.
 
 Against the exchange (``MoERuntime(fast_local=False)``) on fresh random inputs with
 uneven loads and experts without tokens: forward, input, router and expert gradients are

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lrmoe.ops import rowops, selection
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.options import BackwardOptions
 from references.select_runtime import select_and_compact
 from references.select_stage import select_and_compact_reference
 from test_select_fast import SHAPES, assert_bitwise

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lrmoe.ops.selection import inclusion_probs
 from lrmoe.parallel import stages
-from lrmoe.parallel.select import BackwardOptions, Picked, select_and_compact
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import Picked, select_and_compact
 from references.select_stage import inclusion_probs_reference, select_and_compact_reference
 from test_select_stage import assert_picked_is, home_case
 

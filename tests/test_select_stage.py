@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch
 
 from bits import same_bits
-from lrmoe.parallel.select import BackwardOptions, select_and_compact
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import select_and_compact
 
 
 def home_case(T: int, K: int, H: int, E: int, G: int, S: int, skew: float, keep: float,

@@ -9,7 +9,7 @@ import torch
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.ops.selection import inclusion_probs
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.presets import get_preset

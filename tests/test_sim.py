@@ -144,9 +144,9 @@ def recorded_selections():
     select stage calls it) in order, as a dict: the candidates' tokens, block sizes and
     quotas, the generator's state before the draws, the inclusion probabilities and the
     keep mask."""
-    import lrmoe.parallel.select as select_mod
+    import lrmoe.parallel.stages as stages
 
-    real, log = select_mod.select_sampled, []
+    real, log = stages.select_sampled, []
 
     def spy(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator, *a, **k):
         state = generator.get_state()
@@ -155,11 +155,11 @@ def recorded_selections():
                     "gen_state": state, "pi": sel.pi_N.clone(), "keep": sel.keep_N.clone()})
         return sel
 
-    select_mod.select_sampled = spy
+    stages.select_sampled = spy
     try:
         yield log
     finally:
-        select_mod.select_sampled = real
+        stages.select_sampled = real
 
 
 def _gloo_worker(rank, world, seed, outdir):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from lrmoe.model.moe import MoELayer, MoERuntime
-from lrmoe.parallel.weights import instance_route
+from lrmoe.parallel.instances import instance_route
 from lrmoe.policy import SymiPolicy
 from lrmoe.policy.base import PlanInputs
 from lrmoe.presets import get_preset

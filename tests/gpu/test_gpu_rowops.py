@@ -18,7 +18,7 @@ from gpu_util import needs_cuda, report_dir  # noqa: E402
 from bits import same_bits  # noqa: E402
 from lrmoe.ops import rowops, selection  # noqa: E402
 from lrmoe.ops.fused import fused, weighted_gather_sum  # noqa: E402
-from lrmoe.parallel.select import BackwardOptions  # noqa: E402
+from lrmoe.parallel.options import BackwardOptions  # noqa: E402
 from references.select_runtime import select_and_compact  # noqa: E402
 from test_select_fast import SHAPES  # noqa: E402
 from test_select_stage import home_case  # noqa: E402

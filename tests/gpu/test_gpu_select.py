@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_util import needs_cuda  # noqa: E402
 
 from lrmoe.ops.selection import inclusion_probs  # noqa: E402
-from lrmoe.parallel.select import BackwardOptions, select_and_compact  # noqa: E402
+from lrmoe.parallel.options import BackwardOptions  # noqa: E402
+from lrmoe.parallel.stages import select_and_compact  # noqa: E402
 from references.select_stage import inclusion_probs_reference, select_and_compact_reference  # noqa: E402
 from test_select_fast import SHAPES, assert_bitwise, metric_case  # noqa: E402
 from test_select_stage import home_case  # noqa: E402

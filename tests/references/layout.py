@@ -26,7 +26,7 @@ def to_device(t: Tensor, device) -> Tensor:
 
 def home_layout_reference(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> dict:
     """The send layout built block by block from host ranges (the readable reference of
-    :func:`lrmoe.parallel.layout.home_layout`): a dict of its fields."""
+    :func:`lrmoe.parallel.stages.home_layout`): a dict of its fields."""
     dev = idx_P.device
     G, S = plan.G, plan.S
     I = G * S

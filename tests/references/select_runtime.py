@@ -1,7 +1,7 @@
 """The select stage as the runtime ran it before its row kernels (tests only): the
 metric, ``topk`` (one stable sort on a block + metric key), ``sampled`` (water-filling
 from one sort, Poisson keep, the kept counts read once, ``nonzero_static``) and the
-compaction. :func:`lrmoe.parallel.select.select_and_compact` must give the same tensors
+compaction. :func:`lrmoe.parallel.stages.select_and_compact` must give the same tensors
 (bit for bit on the CPU; ``sampled``'s probabilities to float64 rounding on CUDA,
 ``tests/gpu/test_gpu_select.py``). A frozen copy, not shared with the runtime, so that
 a change there cannot move both sides of the comparison.
@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.layout import HomeLayout, excl_cumsum, to_device
-from lrmoe.parallel.select import BackwardOptions
-from references.layout import block_ids, ranges
+from lrmoe.ops.rowops import to_device
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import HomeLayout
+from references.layout import block_ids, excl_cumsum, ranges
 
 
 # ----------------------------------------------------------------------------- metric

@@ -1,7 +1,7 @@
 """The select stage as first written (tests only): water-filling with three sorts and a
 compaction that writes each kept row's index at its rank. The runtime's
 :func:`lrmoe.ops.selection.inclusion_probs` and
-:func:`lrmoe.parallel.select.select_and_compact` must give the same tensors, bit for
+:func:`lrmoe.parallel.stages.select_and_compact` must give the same tensors, bit for
 bit (tests/test_select_fast.py). The water-filling is a copy, not shared with the
 runtime, so that a change there cannot move both sides of the comparison.
 
@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.layout import HomeLayout, to_device
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.ops.rowops import to_device
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import HomeLayout
 from references.layout import block_ids
 from references.select_runtime import (
     METRICS,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lrmoe.config import ModelConfig
-from lrmoe.parallel.weights import compute_copy
+from lrmoe.parallel.instances import compute_copy
 
 
 class Experts(nn.Module):

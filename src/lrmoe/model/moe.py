@@ -2,18 +2,25 @@
 instance weights -> exchange (dispatch, experts, combine). Each forward returns its
 :class:`MoEStep` (counts, aux loss, path, stats), which the layer takes as its last.
 
+Read with it, the layer's whole path: :mod:`lrmoe.parallel.instances` (instance
+weights), :mod:`lrmoe.parallel.exchange` (the exchange's stage sequence and its autograd
+Function) and :mod:`lrmoe.parallel.stages` (each stage on one rank); the kernels they
+call are :mod:`lrmoe.ops`'.
+
 On one process with a policy that plans every expert's pairs on its own instance
 exactly (static), and a budget that fits that plan, the plan is the identity: the local
-path (:mod:`lrmoe.parallel.local`, :func:`~lrmoe.parallel.local.runs_locally`) runs the
-same kernels from device tensors alone, without a plan or a host wait. Otherwise (or
-with ``MoERuntime(fast_local=False)``) the code path is the one the expert-parallel
-runtime runs.
+path (:func:`runs_locally`, :func:`lrmoe.parallel.exchange.run_local`) runs the same
+kernels from device tensors alone, without a plan or a host wait. Otherwise (or with
+``MoERuntime(fast_local=False)``) the code path is the one the expert-parallel runtime
+runs. Under a whole-layer checkpoint the exchange runs without a graph in forward and
+again in backward (:class:`LayerCheckpoint`, docs/design.md §3).
 
 Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -25,16 +32,13 @@ from lrmoe.config import ModelConfig
 from lrmoe.model.experts import Experts
 from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
+from lrmoe.ops.rowops import to_device
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun
-from lrmoe.parallel.held import HeldInstances
-from lrmoe.parallel.layer_checkpoint import LayerCheckpoint
-from lrmoe.parallel.layout import to_device
-from lrmoe.parallel.local import expert_counts, local_stats, run_local, runs_locally
-from lrmoe.parallel.weights import instance_weight_list
+from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun, run_local
+from lrmoe.parallel.instances import HeldInstances, instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
-from lrmoe.policy.plan import checks_on
+from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.traffic import weight_scatter_bytes
 
@@ -53,10 +57,9 @@ class MoERuntime:
         stats: per MoE layer, the last step's counters (filled in forward and backward).
         check_plans: validate each plan against the counts (a debugging aid, host work
             on the critical path: on with ``LRMOE_CHECK_PLANS=1``, :func:`checks_on`).
-        fast_local: where :func:`lrmoe.parallel.local.runs_locally` says so (one
-            process, static's plan within the budget), run the layer's stages from
-            device tensors alone, with no host wait (same results). ``False`` always
-            runs the exchange.
+        fast_local: where :func:`runs_locally` says so (one process, static's plan
+            within the budget), run the layer's stages from device tensors alone, with
+            no host wait (same results). ``False`` always runs the exchange.
     """
 
     comm: EPComm = field(default_factory=EPComm)
@@ -88,7 +91,7 @@ class MoEStep:
     one too, which nobody takes).
 
     Attributes:
-        path: ``"local"`` (one process, :mod:`lrmoe.parallel.local`), ``"exchange"``
+        path: ``"local"`` (one process, :func:`runs_locally`), ``"exchange"``
             (the plan and the exchange) or ``"emulated"`` (the virtual EP emulator).
         counts_E: the EP group's pairs per expert (a device tensor on the local path).
         aux_loss: the router's balancing loss from those counts; ``None`` outside
@@ -181,7 +184,7 @@ class MoELayer(nn.Module):
     def _exchange(self, x_TH: Tensor, idx_TK: Tensor, gate_TK: Tensor, probs_TE: Tensor | None,
                   counts_E: Tensor) -> tuple[Tensor, MoEStep]:
         """The general path: count, plan, instance weights, exchange."""
-        rt, E, dtype = self.runtime, self.cfg.num_experts, _compute_dtype(x_TH)
+        rt, dtype = self.runtime, _compute_dtype(x_TH)
         inputs = self._plan_inputs(idx_TK.numel())
         t0 = time.perf_counter()
         counts_GE = rt.comm.all_gather_counts(counts_E)  # count: the group's (+ a host sync)
@@ -190,29 +193,35 @@ class MoELayer(nn.Module):
         if rt.check_plans:
             plan.check(counts_GE)
         t2 = time.perf_counter()
-        # instance weights: each slot's expert, replicas from their owners (inside a step
-        # of several micro-batches, kept while the placement stays: parallel/held.py)
-        ws_own = list(self.experts.compute_weights(dtype))
-        if self.held is not None and torch.is_grad_enabled():
-            w13, w2 = self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
-        else:
-            w13, w2 = instance_weight_list(ws_own, plan, rt.comm, E)
+        w13, w2 = self._instance_weights(plan, dtype)  # instance weights
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
-        opts = self._backward_opts()
-        if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use
-            opts = replace(opts, checkpointed=False)
-        run = ExchangeRun(rt.comm, plan, E, self.cfg.num_experts_per_tok, opts, rt.generator,
-                          rt.stage_timing, dtype)
-        # exchange: dispatch, experts, combine (re-run in backward under a whole-layer
-        # checkpoint, docs/design.md §5)
-        if plan.layer_checkpoint:
-            out = LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
-        else:
-            out = run(x_TH, gate_TK, idx_TK, w13, w2, stats)
+        out = self._run_exchange(plan, dtype, x_TH, gate_TK, idx_TK, w13, w2, stats)
         return out, MoEStep("exchange", counts_E_all,
                             self.aux_loss(counts_E_all, probs_TE, x_TH.shape[0]), stats)
+
+    def _instance_weights(self, plan: Plan, dtype: torch.dtype) -> list[Tensor]:
+        """Each slot's expert weights, replicas from their owners (inside a step of
+        several micro-batches, kept while the placement stays: :class:`HeldInstances`)."""
+        rt, E = self.runtime, self.cfg.num_experts
+        ws_own = list(self.experts.compute_weights(dtype))
+        if self.held is not None and torch.is_grad_enabled():
+            return self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
+        return instance_weight_list(ws_own, plan, rt.comm, E)
+
+    def _run_exchange(self, plan: Plan, dtype: torch.dtype, x_TH: Tensor, gate_TK: Tensor,
+                      idx_TK: Tensor, w13: Tensor, w2: Tensor, stats: dict) -> Tensor:
+        """The exchange: dispatch, experts, combine (re-run in backward under a
+        whole-layer checkpoint, docs/design.md §5)."""
+        rt, opts = self.runtime, self._backward_opts()
+        if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use
+            opts = replace(opts, checkpointed=False)
+        run = ExchangeRun(rt.comm, plan, self.cfg.num_experts, self.cfg.num_experts_per_tok,
+                          opts, rt.generator, rt.stage_timing, dtype)
+        if plan.layer_checkpoint:
+            return LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
+        return run(x_TH, gate_TK, idx_TK, w13, w2, stats)
 
     def _plan_inputs(self, home_pairs: int) -> PlanInputs:
         """What the policy plans from besides the counts, its prepared part included:
@@ -247,7 +256,7 @@ class MoELayer(nn.Module):
         self.runtime.stats[self.moe_index] = step.stats
         self.last = step
 
-    def _plan_stats(self, plan, count_ms: float, plan_ms: float, dtype: torch.dtype) -> dict:
+    def _plan_stats(self, plan: Plan, count_ms: float, plan_ms: float, dtype: torch.dtype) -> dict:
         """The plan's per-layer stats (host numbers; ``counts_E`` is added by the caller)."""
         rt, me = self.runtime, self.runtime.comm.rank
         stats = {"plan_replicas": plan.num_replicas(),
@@ -278,6 +287,48 @@ class MoELayer(nn.Module):
         return c
 
 
+# ------------------------------------------------------- count; the one-process rule
+def expert_counts(idx_P: Tensor, E: int) -> Tensor:
+    """Pairs per expert ``[E]`` (int64), without the host sync of CUDA's ``bincount``
+    (which reads the largest index to size its output)."""
+    return torch.zeros(E, dtype=torch.long, device=idx_P.device).scatter_add_(
+        0, idx_P, torch.ones_like(idx_P))
+
+
+def runs_locally(rt: MoERuntime, E: int, P: int) -> bool:
+    """The rule of the one-process path (``E`` experts, ``P`` pairs): one rank, at
+    least one pair, a policy that plans every expert's pairs on its own instance exactly
+    (``plans_natives_exactly()``: plain static), the selection knobs at their defaults
+    (inert on an exact plan; ``router_grad`` is honoured), and no budget or one the
+    ledger says that plan fits. Then the plan is the identity, whatever the counts: the
+    same experts, every pair retained and selected, nothing recomputed. Over the budget
+    the exchange runs, where the policy recomputes or raises, as on any rank count."""
+    if not rt.fast_local or rt.comm.size != 1 or P == 0 or not rt.policy.plans_natives_exactly():
+        return False
+    if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
+        return False
+    budget = None if rt.ledger is None else rt.ledger.budget_bytes
+    return budget is None or one_rank_total(rt.ledger, E, P) <= budget
+
+
+def one_rank_total(ledger, E: int, P: int) -> int:
+    """The ledger's total for the identity plan on one rank: ``E`` instances, ``P``
+    pairs received, home and retained, nothing recomputed."""
+    return ledger.terms(E, P, P, P, exact=True)["total"]
+
+
+def local_stats(ledger, E: int, counts_E: Tensor, P: int) -> dict:
+    """The plan's stats of the identity plan (as :meth:`MoELayer._plan_stats` has
+    them); ``counts_E`` stays the device tensor (no host sync): readers resolve it
+    (:func:`host_stats`)."""
+    stats = {"plan_replicas": 0, "count_exchange_ms": 0.0, "plan_ms": 0.0,
+             "weight_scatter_bytes": 0, "rank_load": [P], "rank_backward_load": [P],
+             "recomputed_rows": 0, "layer_checkpoint": False, "counts_E": counts_E}
+    if ledger is not None:
+        stats["ledger_total_bytes"] = one_rank_total(ledger, E, P)
+    return stats
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The experts' compute dtype: autocast's when it is on, else the input's."""
     dev = x.device.type
@@ -289,3 +340,59 @@ def host_stats(stats: dict) -> dict:
     """``stats`` with its device tensors (the local path's ``counts_E``) read to Python
     numbers: the one host sync, made by whoever reads the stats."""
     return {k: v.tolist() if isinstance(v, Tensor) else v for k, v in stats.items()}
+
+
+# ------------------------------------------------------------ whole-layer checkpoint
+_STAGE_MS = ("local_ms", "select_ms", "gather_ms")  # the exchange's control-plane timing
+
+
+class LayerCheckpoint(torch.autograd.Function):
+    """The whole-MoE-layer checkpoint (docs/design.md §3, §5): ``(x_TH, gate_TK, idx_TK,
+    w13_S, w2_S) -> out_TH``, ``run`` (:class:`ExchangeRun`: the layouts from the plan,
+    then the exchange, its counters into ``stats``) without a graph in forward; in
+    backward ``run`` again with one (the dispatch re-sent), then its backward. ``stats``
+    keeps the first forward's counters and gets the re-run's forward ones with a
+    ``recompute_`` prefix (:func:`_merge`)."""
+
+    @staticmethod
+    def forward(ctx, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,
+                w2_S: Tensor, run: ExchangeRun, stats: dict) -> Tensor:
+        out = run(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)  # autograd records nothing here
+        stats.update(saved_act_bytes=0, layer_checkpoint=True)
+        ctx.run, ctx.stats = run, stats
+        ctx.save_for_backward(x_TH, gate_TK, idx_TK, w13_S, w2_S)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_TH: Tensor):
+        x_TH, gate_TK, idx_TK, w13_S, w2_S = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ins = [t.detach().requires_grad_(bool(need[i]))
+               for i, t in ((0, x_TH), (1, gate_TK), (3, w13_S), (4, w2_S))]
+        del x_TH, gate_TK, w13_S, w2_S
+        rerun: dict = {}
+        with torch.enable_grad():
+            out = ctx.run(ins[0], ins[1], idx_TK, ins[2], ins[3], rerun)
+        fwd_keys = set(rerun) - {"_events"}
+        wanted = [t for t in ins if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, dout_TH) if wanted else ())
+        del out
+        _merge(ctx.stats, rerun, fwd_keys)
+        g = [next(grads) if t.requires_grad else None for t in ins]
+        return g[0], g[1], None, g[2], g[3], None, None
+
+
+def _merge(stats: dict, rerun: dict, fwd_keys: set) -> None:
+    """The re-run's counters into the step's: its forward's under a ``recompute_``
+    prefix, its backward's as they are; timing events likewise."""
+    for k, v in rerun.items():
+        if k == "_events":
+            stats.setdefault("_events", []).extend(
+                (("recompute_" + key if key == "expert_fwd_ms" else key), a, b)
+                for key, a, b in v)
+        elif k in _STAGE_MS:  # control-plane stage timing: forward and backward add up
+            stats[k] = stats.get(k, 0.0) + v
+        elif k in fwd_keys:
+            stats["recompute_" + k] = v
+        else:
+            stats[k] = v

@@ -18,7 +18,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.model.checkpoint import check_mode, checkpoint
 from lrmoe.model.layers import MLP, Attention, RMSNorm, Rotary
 from lrmoe.model.moe import MoELayer, MoERuntime
-from lrmoe.parallel.held import HeldInstances
+from lrmoe.parallel.instances import HeldInstances
 
 
 class DecoderLayer(nn.Module):
@@ -103,7 +103,7 @@ class MoEForCausalLM(nn.Module):
         every MoE layer casts its expert weights to the compute dtype once and reuses
         the cast; with ``micros > 1`` it also keeps its instance weights while their
         placement stays, and sends their gradients home once, in the last micro-batch's
-        backward (:mod:`lrmoe.parallel.held`). On leaving, what a held placement still
+        backward (:mod:`lrmoe.parallel.instances`). On leaving, what a held placement still
         accumulated is sent home (nothing, when the last backward ran); a step that
         raised drops it."""
         layers = self.moe_layers

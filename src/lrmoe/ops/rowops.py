@@ -1,4 +1,6 @@
-"""Row operations of the MoE layer's control plane, each one kernel on CUDA.
+"""Row operations of the MoE layer's control plane, each one kernel on CUDA; the run
+tables they read (:class:`Runs`) and a home layout's send positions (:func:`home_positions`,
+compiled whole on CUDA by its caller).
 
 Each is a torch reference (``*_reference``: what the CPU runs) and a Triton kernel
 (:mod:`.rowops_triton`) registered as a custom op, sized from host arguments so nothing
@@ -11,6 +13,7 @@ Legend: N source rows, R runs, T tokens, K top-k, P = T*K pairs, H row width.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,6 +79,38 @@ def gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: in
     if on_kernels(src):
         return torch.ops.lrmoe.gather_runs(src, dst_first_R, src_first_R, n_out)
     return gather_runs_reference(src, dst_first_R, src_first_R, n_out)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A row permutation made of contiguous chunks (:func:`gather_runs`): output rows
+    ``[dst_first[k], dst_first[k+1])`` are source rows from ``src_first[k]`` on. The
+    table lives on the device; ``n`` rows come out."""
+
+    dst_first: Tensor
+    src_first: Tensor
+    n: int
+
+    def apply(self, x: Tensor) -> Tensor:
+        return gather_runs(x, self.dst_first, self.src_first, self.n)
+
+
+def runs(starts, lengths, device: torch.device | str) -> Runs:
+    """The chunks ``[starts[k], starts[k] + lengths[k])`` of a source, concatenated in
+    order (host starts and lengths: one pinned copy of the table)."""
+    return runs_many([(starts, lengths)], device)[0]
+
+
+def runs_many(chunks: list[tuple], device: torch.device | str) -> list[Runs]:
+    """:func:`runs` of several ``(starts, lengths)`` lists, in one copy to ``device``."""
+    rows, n = [], []
+    for st, ln in chunks:
+        st, ln = np.asarray(st, dtype=np.int64), np.asarray(ln, dtype=np.int64)
+        rows += [np.cumsum(ln) - ln, st]
+        n.append(int(ln.sum()))
+    sizes = [r.size for r in rows]
+    flat = to_device(torch.from_numpy(np.concatenate(rows)), device).split(sizes)
+    return [Runs(flat[2 * i], flat[2 * i + 1], n[i]) for i in range(len(chunks))]
 
 
 # ----------------------------------------------------------------------- gather_pairs
@@ -157,6 +192,51 @@ def combine_grad_gate_and_norm(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> 
     if on_kernels(src_NH):
         return torch.ops.lrmoe.combine_grad_gate_and_norm(src_NH, row_TK, d_TH)
     return combine_grad_gate_reference(src_NH, row_TK, d_TH), token_norm(d_TH)
+
+
+# ------------------------------------------------------------- send positions
+def sort_key_by_expert_then_gate(idx_P: Tensor, gate_P: Tensor) -> Tensor:
+    """An int64 key whose stable ascending sort orders pairs by expert, then by
+    descending gate (ties in pair order): the expert in the high 32 bits, the gate's
+    float32 bits made order-preserving (and flipped) in the low 32. float32 represents
+    bf16/fp16 gates exactly; ``-0.0`` is folded into ``0.0`` so the two tie."""
+    b = (gate_P.float() + 0.0).view(torch.int32).long()
+    ordered = torch.where(b < 0, b ^ 0x7FFFFFFF, b)  # monotone in the float value
+    return idx_P.long() * (1 << 32) + (0x7FFFFFFF - ordered)
+
+
+def home_positions(idx_P: Tensor, gate_P: Tensor, first_N: Tensor, row0_N: Tensor,
+                   j0_N: Tensor, like_send: Tensor,
+                   by_gate: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The device part of :func:`lrmoe.parallel.stages.home_layout`:
+    ``(send_row_P, src_pair_N, j_in_block_N)``.
+
+    Per segment: its first sorted position (``first``), its first send row (``row0``;
+    ``n_send`` for dropped pairs, which all land on that one spare row) and its first
+    index inside its block (``j0``); ``n_send`` is ``len(like_send)`` (only its length is
+    read). No host wait.
+    """
+    P, dev, n_send = idx_P.numel(), idx_P.device, like_send.shape[0]
+    if by_gate and gate_P.dtype != torch.float64:
+        order = torch.argsort(sort_key_by_expert_then_gate(idx_P, gate_P), stable=True)
+    elif by_gate:  # float64 gates: two stable sorts keep their full order
+        o1 = torch.argsort(gate_P, descending=True, stable=True)
+        order = o1[torch.argsort(idx_P[o1], stable=True)]
+    else:
+        order = torch.argsort(idx_P, stable=True)
+    p = torch.arange(P, device=dev)
+    k = torch.searchsorted(first_N, p, right=True) - 1
+    off, row0 = p - first_N[k], row0_N[k]
+    dropped = row0 == n_send
+    row = torch.where(dropped, row0, row0 + off)
+    send_row = torch.empty_like(order)
+    send_row[order] = row
+    spare = int(P > n_send)  # dropped pairs all write one spare column, cut off after
+    inv = torch.empty(2, n_send + spare, dtype=order.dtype, device=dev)
+    inv[:, row] = torch.stack((order, j0_N[k] + off))
+    if spare:  # copies: the kept buffers hold no spare entry (the ledger's pair_index)
+        return send_row, inv[0, :n_send].clone(), inv[1, :n_send].clone()
+    return send_row, inv[0], inv[1]
 
 
 # ------------------------------------------------------------------- custom operators

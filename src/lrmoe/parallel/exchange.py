@@ -13,10 +13,23 @@ The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ra
 each stage runs for every rank a process plays, and a :class:`Transport` carries the
 rows between stages and counts them. A real rank plays itself over the group's
 collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process plays its
-one rank with no collectives and no host wait (:mod:`lrmoe.parallel.local`); the
-emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
+one rank with no collectives and no host wait (:func:`run_local`); the emulator plays
+all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
 
-Legend: T tokens, K top-k, P = T*K local pairs, H hidden, S local slots, N rows;
+**The one-process path** (:func:`run_local`). On one process with the static policy's
+plan within the budget (:func:`lrmoe.model.moe.runs_locally`: instance = expert, every
+pair retained and selected, nothing recomputed) the plan, its layouts and the
+collectives are identities, yet the general path builds all of them on the host from the
+counts. :func:`run_local` runs the same :class:`ExpertExchange` from device tensors
+alone: the rank's pairs are one block of ``P`` rows (:class:`OneBlock`: host numbers
+known from the shapes), sorted by expert on the device (the stable sort ``home_layout``
+does), cut per expert by int32 offsets from the device counts (``ExchangeState.offs``),
+over a transport with no collectives (:class:`LocalTransport`). Same kernels in the same
+order, so its results are bitwise the general path's. On CUDA with grouped GEMMs nothing
+in its forward or backward waits for the host (``tests/test_local_path.py`` runs it on
+the meta device, where any host read fails).
+
+Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).
 """
 
@@ -27,14 +40,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lrmoe.ops.experts import offsets
+from lrmoe.ops.rowops import invert_permutation, to_device
 from lrmoe.parallel import stages
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout, to_device
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.policy.plan import Plan
 from lrmoe.timing import timed
 from lrmoe.traffic import RowBytes
@@ -111,7 +126,7 @@ class ExchangeState:
     rebuilt in backward), gates (read by selection alone) and sampling generator, and the
     transport. ``offs``: the receiver's rows per expert as device offsets, in place of
     the plan's host counts (the one-process path, whose ``plan`` is
-    :class:`lrmoe.parallel.local.OneBlock`)."""
+    :class:`OneBlock`)."""
 
     tp: Transport
     plan: Plan
@@ -252,7 +267,7 @@ class ExchangeRun:
     """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
     -> out_TH``, this rank's layouts built from the plan, then :class:`ExpertExchange`.
     Called in forward, and again in backward under a whole-layer checkpoint
-    (:class:`lrmoe.parallel.layer_checkpoint.LayerCheckpoint`)."""
+    (:class:`lrmoe.model.moe.LayerCheckpoint`)."""
 
     comm: EPComm
     plan: Plan
@@ -376,3 +391,55 @@ def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, w_TK: Tensor,
     a, b = per_expert(dw13, dw2), per_expert(e13, e2)
     st.tp.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     st.tp.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# ------------------------------------------------------------------- one process
+@dataclass(frozen=True)
+class OneBlock:
+    """The plan as the one-process path's stage sequence reads it: one rank, one slot
+    (the ``E`` experts' grouped weights, cut per expert on the device by
+    ``ExchangeState.offs``) receiving all ``P`` pairs from itself, every one retained and
+    selected: the :class:`~lrmoe.policy.plan.Plan` attributes an exact one-rank exchange
+    reads, in numpy rather than torch, so no op touches them."""
+
+    P: int
+    exact = all_retained = all_selected = True
+    recompute_G = None
+
+    @property
+    def assign_GGS(self) -> np.ndarray:
+        return np.full((1, 1, 1), self.P)
+
+    retain_GGS = select_GGS = assign_GGS
+
+
+class LocalTransport(GroupTransport):
+    """One process, no collectives: every buffer stays where it is. Counters into
+    ``stats``; only the expert kernels are timed."""
+
+    def __init__(self, stats: dict, device: torch.device):
+        self.stats, self.device, self.timing = stats, device, False
+        self.ranks, self.exchange_counts = [0], None
+
+    def all_to_all(self, send_G, send_splits_G, recv_splits_G) -> list[Tensor]:
+        return send_G
+
+
+def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK: Tensor,
+              counts_E: Tensor, opts: BackwardOptions, stats: dict) -> Tensor:
+    """``out_TH``: :class:`ExpertExchange` on one process for the identity plan, its
+    layouts built on the device. Kept for backward: the exchange's rows, per pair two
+    int64 indices (its row, the pair of each row; no row-in-block: only selection reads
+    it) and the ``E`` int32 offsets."""
+    T, K = gate_TK.shape
+    P = T * K
+    # dispatch order: the pairs sorted by expert, stably (home_layout's order on one rank)
+    pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
+    one = np.array([P])
+    home = HomeLayout(invert_permutation(pair_R, P), False, pair_R, None, one, one, one, [P])
+    # the rows per expert stay on the device: the grouped GEMMs read them there; the
+    # per-expert loop fallback reads them from the offsets where it runs
+    st = ExchangeState(LocalTransport(stats, x_TH.device), OneBlock(P), [home], K, opts, [None],
+                       [None], offs=counts_E.cumsum(0).to(torch.int32))
+    return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, RecvLayout([P], [P], None),
+                                stages.Retention(one))

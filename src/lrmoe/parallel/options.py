@@ -1,5 +1,5 @@
 """The backward's options, a leaf record: the trainer, the emulator and the policy config
-(:class:`lrmoe.policy.registry.PolicyConfig`) build it; :mod:`lrmoe.parallel.select` and
+(:class:`lrmoe.policy.registry.PolicyConfig`) build it; :mod:`lrmoe.parallel.stages` and
 :mod:`lrmoe.parallel.exchange` read it."""
 
 from __future__ import annotations

@@ -1,16 +1,24 @@
-"""The MoE layer's stages on one rank, written once (docs/design.md §2, §9).
+"""The MoE layer's stages on one rank, written once (docs/design.md §2, §9), and the
+buffer layouts they read.
 
 Forward:  home ``dispatch_rows`` -> all-to-all -> receiver ``experts_forward`` ->
 all-to-all -> home ``combine``.
-Backward: home ``home_backward`` (combine^-1, select, compact) -> all-to-all ->
+Backward: home ``home_backward`` (combine^-1, **select**, **compact**) -> all-to-all ->
 receiver ``experts_backward`` -> all-to-all -> home ``home_finish``.
 
 Every function works on one rank's plain tensors and layouts; the exchanges between
 them belong to the caller: the stage sequence of :mod:`lrmoe.parallel.exchange`, over
-a real rank's collectives, one process's identity (:mod:`lrmoe.parallel.local`) or the
-emulator's G virtual ranks in memory. Timing wraps regions from outside through
-``tm(key)``, a context-manager factory for the buckets ``local``, ``select``, ``gather``
-and the expert kernels; it never changes what a stage computes.
+a real rank's collectives, one process's identity or the emulator's G virtual ranks in
+memory. Timing wraps regions from outside through ``tm(key)``, a context-manager
+factory for the buckets ``local``, ``select``, ``gather`` and the expert kernels; it
+never changes what a stage computes.
+
+Layouts turn a plan into index arithmetic for one rank (no communication). Send buffer
+(home side, :class:`HomeLayout`): ordered by destination instance i = r*S + s; inside
+block (me -> i) the retained pairs come first, in descending gate order. Arrival buffer
+(receiver side, :class:`RecvLayout`): ordered by (source g, slot s); the *instance
+order* used by the grouped GEMMs is (s, g). Saved activations are kept for retained rows
+only, in (s, g, j) order.
 
 Row tensors are handed over and dropped at their last use (the ledger prices what is
 alive at each point, ``tests/test_ledger_truth.py``): a rank's rows travel in a dict,
@@ -19,7 +27,7 @@ outputs kept at home; ``dy``: the output-gradient rows), which the stages empty 
 they go, and big arguments are passed as temporaries the callee frees.
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, G ranks, S slots per rank,
-N rows, ``_SG`` per (slot, source) block in instance order.
+N rows, B blocks, ``_SG`` per (slot, source) block in instance order.
 """
 
 from __future__ import annotations
@@ -34,16 +42,22 @@ import torch
 from torch import Tensor
 
 from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward_owned, swiglu_forward
-from lrmoe.ops.rowops import combine as combine_rows
+from lrmoe.ops.fused import fused
 from lrmoe.ops.rowops import (
+    Runs,
     combine_grad_gate,
     gather_pairs,
     gather_pairs_scaled,
+    home_positions,
     invert_permutation,
+    runs,
+    runs_many,
     to_device,
+    token_norm,
 )
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, permute_rows, runs_many
-from lrmoe.parallel.select import BackwardOptions, select_and_compact
+from lrmoe.ops.rowops import combine as combine_rows
+from lrmoe.ops.selection import ht_weight, select_sampled, select_topk
+from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.plan import Plan
 
 Timer = Callable[[str], ContextManager]
@@ -51,6 +65,131 @@ Timer = Callable[[str], ContextManager]
 
 def untimed(key: str) -> ContextManager:
     return contextlib.nullcontext()
+
+
+# -------------------------------------------------------------------------- layouts
+@dataclass
+class RecvLayout:
+    """Where arriving rows go on the receiving rank, for one exchange.
+
+    Attributes:
+        splits: rows arriving from each source rank (list, G).
+        counts: rows per local slot in instance order (list, S).
+        to_inst: arrival order -> instance order, and ``to_arrival`` the inverse; both
+            ``None`` when the two orders coincide (one source rank).
+    """
+
+    splits: list[int]
+    counts: list[int]
+    to_inst: Runs | None
+    to_arrival: Runs | None = None
+
+
+def recv_layout(block_GS: Tensor, device: torch.device | str = "cpu") -> RecvLayout:
+    """Layout for rows arriving in (g, s) blocks of sizes ``block_GS[g, s]`` (host)."""
+    b = np.asarray(block_GS, dtype=np.int64)
+    G, S = b.shape
+    to_inst = to_arrival = None
+    if G > 1:
+        arrival_GS = (np.cumsum(b) - b.ravel()).reshape(G, S)
+        inst_SG = (np.cumsum(b.T) - b.T.ravel()).reshape(S, G)
+        to_inst, to_arrival = runs_many([(arrival_GS.T.ravel(), b.T.ravel()),
+                                         (inst_SG.T.ravel(), b.ravel())], device)
+    return RecvLayout(b.sum(1).tolist(), b.sum(0).tolist(), to_inst, to_arrival)
+
+
+def permute_rows(x: Tensor, order: Runs | None) -> Tensor:
+    """``x`` in the order of ``order`` (one kernel), or ``x`` itself when ``None``."""
+    return x if order is None else order.apply(x)
+
+
+@dataclass
+class HomeLayout:
+    """Send-side layout of one rank's pairs for one plan.
+
+    Attributes:
+        send_row_P: position of each local pair in the send buffer; a dropped pair
+            points at row ``N_send``, past the buffer.
+        dropped: whether any local pair is dropped (capacity policy).
+        src_pair: send-buffer position -> local pair index (length N_send).
+        j_in_block: send-buffer position -> index inside its block (``None`` on the
+            one-process path: only a trimmed backward reads it).
+        retain_I, select_I: per block (me -> i) retained count and backward quota.
+        assign_I: per block, the rows sent (host; numpy on the one-process path,
+            whose one block no torch op touches).
+        splits: rows to each destination rank.
+
+    The retained rows' send positions are derived on demand (:meth:`retained`), so they
+    are not kept alive between forward and backward.
+    """
+
+    send_row_P: Tensor
+    dropped: bool
+    src_pair: Tensor
+    j_in_block: Tensor | None
+    retain_I: Tensor
+    select_I: Tensor
+    assign_I: Tensor
+    splits: list[int]
+
+    @property
+    def splits_shape(self) -> tuple[int, int]:
+        """``(G, S)``: the blocks as destination ranks x slots."""
+        return len(self.splits), len(self.assign_I) // len(self.splits)
+
+    @property
+    def all_retained(self) -> bool:
+        return bool(np.array_equal(np.asarray(self.retain_I), np.asarray(self.assign_I)))
+
+    def retained(self, device: torch.device) -> Runs | None:
+        """The retained rows among the send rows (ascending; each block's retained rows
+        come first), or ``None`` when every row is retained."""
+        if self.all_retained:
+            return None
+        return runs(self.assign_I.cumsum(0) - self.assign_I, self.retain_I, device)
+
+
+def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> HomeLayout:
+    """Assign this rank's pairs to send-buffer positions (see module doc): the host turns
+    the plan into one small table of segments, runs of pairs sorted by (expert,
+    descending gate) that map linearly onto send rows (docs/design.md §2); the device
+    locates every pair with no host wait (:func:`home_positions`)."""
+    dev = idx_P.device
+    G, S = plan.G, plan.S
+    ie = plan.inst_expert_GS.reshape(-1).numpy()
+    assign = plan.assign_GGS[me].reshape(-1).numpy()
+    retain = plan.retain_GGS[me].reshape(-1).numpy()
+    block_start = np.cumsum(assign) - assign
+    inst = np.flatnonzero(ie >= 0)
+    inst = inst[np.argsort(ie[inst], kind="stable")]  # instances in (expert, index) order
+    e_i = ie[inst]
+    n_send = int(assign.sum())
+    drop_E = (np.zeros(E, dtype=np.int64) if plan.dropped_GE is None
+              else plan.dropped_GE[me].numpy().astype(np.int64))
+    # segments per expert: retained runs, non-retained runs (instance order), dropped run
+    n_i = inst.size
+    seg_e = np.concatenate((e_i, e_i, np.arange(E)))
+    seg_part = np.repeat(np.arange(3), (n_i, n_i, E))
+    seg_ord = np.concatenate((np.arange(n_i), np.arange(n_i), np.zeros(E, dtype=np.int64)))
+    seg_len = np.concatenate((retain[inst], assign[inst] - retain[inst], drop_E))
+    seg_dest = np.concatenate((block_start[inst], block_start[inst] + retain[inst],
+                               np.full(E, n_send)))  # dropped pairs: the row after the last
+    seg_j0 = np.concatenate((np.zeros(n_i, dtype=np.int64), retain[inst], np.zeros(E, dtype=np.int64)))
+    o = np.lexsort((seg_ord, seg_part, seg_e))
+    o = o[seg_len[o] > 0]
+    seg_len = seg_len[o]
+    tab = np.stack((np.cumsum(seg_len) - seg_len, seg_dest[o], seg_j0[o]))
+    dropped = bool(drop_E.any())
+    by_gate = dropped or not bool((retain == assign).all())
+    tab_dev = to_device(torch.from_numpy(tab), dev)
+    # 1-D arguments whose lengths (segments, send rows) are dynamic dimensions of the
+    # compiled kernel: no recompile when they change from step to step
+    send_row, src_pair, j_in_block = fused("home_positions", home_positions, idx_P)(
+        idx_P, gate_P.detach(), tab_dev[0], tab_dev[1], tab_dev[2],
+        torch.empty(n_send, dtype=torch.int8, device=dev), by_gate)
+    return HomeLayout(send_row, dropped, src_pair, j_in_block,
+                      plan.retain_GGS[me].reshape(-1), plan.select_GGS[me].reshape(-1),
+                      plan.assign_GGS[me].reshape(-1), assign.reshape(G, S).sum(1).tolist())
 
 
 # ------------------------------------------------------------------------- forward
@@ -132,7 +271,7 @@ def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
 def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
     """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
     slots, or only the occupied ones when the instance weights leave out the empty
-    slots (:func:`lrmoe.parallel.weights.instance_weight_list`; empty slots hold no rows)."""
+    slots (:func:`lrmoe.parallel.instances.instance_weight_list`; empty slots hold no rows)."""
     if n_weights == len(counts_S):
         return counts_S
     occ = (plan.inst_expert_GS[me] >= 0).tolist()
@@ -220,6 +359,55 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
     recv_GS = (pick.recv_GS if pick.recv_GS is not None
                else select_GS_me if opts.compaction else retain_GS_me)
     return dgate, Shipped(pairs, j, pick.scale, pick.sent_B.reshape(home.splits_shape), recv_GS)
+
+
+@dataclass
+class Picked:
+    """The candidates one home rank ships.
+
+    Attributes:
+        idx: the shipped candidates' indices (ascending: send order); ``None``: every
+            candidate ships (the compaction-off ablation, unselected ones weighing 0).
+        scale: each shipped row's output-gradient scale (fp32).
+        dy: each shipped row's ``dout[t]`` (unscaled).
+        sent_B: rows shipped per block (host).
+        recv_GS: with the sampled estimator's count exchange, the rows each (source,
+            slot) block sends this rank (host); ``None``: known from the plan.
+    """
+
+    idx: Tensor | None
+    scale: Tensor
+    dy: Tensor
+    sent_B: Tensor
+    recv_GS: Tensor | None = None
+
+
+def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tensor,
+                       home: HomeLayout, opts: BackwardOptions, generator,
+                       exchange_counts: Callable[[Tensor], Tensor] | None = None) -> Picked:
+    """LRMoE's backward **select** and **compact** on one home rank: which of its
+    candidates (token ``tok_c``, scale ``g_c``, gate ``gate_c``) ship to the experts, with
+    what output-gradient scale (docs/design.md §2; the kernels are
+    :mod:`lrmoe.ops.selection`'s).
+
+    No host wait but one: the sampled estimator's kept rows per block, exchanged with
+    the peers on the device (``exchange_counts``, sent ``[G, S]`` -> received ``[G, S]``)
+    and read together with them in one copy: the split sizes of the backward exchange.
+    """
+    norm_T = token_norm(dout_TH) if opts.metric == "grad_norm" else None
+    gather = dout_TH if opts.compaction else None
+    if opts.estimator == "sampled":
+        sel = select_sampled(opts.metric, norm_T, tok_c, g_c, gate_c, home.retain_I,
+                             home.select_I, generator, exchange_counts, home.splits_shape,
+                             gather)
+    else:
+        sel = select_topk(opts.metric, norm_T, tok_c, g_c, gate_c, home.retain_I,
+                          home.select_I, gather)
+    if not opts.compaction:  # every retained row ships, the unselected ones weighing 0
+        w = (sel.keep_N.float() if sel.pi_N is None
+             else torch.where(sel.keep_N, ht_weight(sel.pi_N), 0.0).float())
+        return Picked(None, g_c * w, dout_TH[tok_c], home.retain_I)
+    return Picked(sel.sel_idx_S, sel.scale_S, sel.dy_SH, sel.sent_B, sel.recv_GS)
 
 
 def router_grad_home(y_send: Tensor, comb: Combined, dout_TH: Tensor) -> Tensor:

@@ -67,7 +67,7 @@ class Policy(ABC):
     def plans_natives_exactly(self) -> bool:
         """True when, without a budget, the plan is always
         :func:`lrmoe.policy.plan.native_plan`, so a one-rank run may take the local path
-        (:func:`lrmoe.parallel.local.runs_locally`). False by default."""
+        (:func:`lrmoe.model.moe.runs_locally`). False by default."""
         return False
 
     def observe_fidelity(self, layer: int, cosine: float) -> None:

@@ -89,7 +89,7 @@ KEEPS = ("fixed", "auto")
 @dataclass
 class LrmoeConfig:
     """Knobs of the LRMoE planner. (The backward's selection knobs are the runtime's
-    :class:`lrmoe.parallel.select.BackwardOptions`; how often it measures fidelity,
+    :class:`lrmoe.parallel.options.BackwardOptions`; how often it measures fidelity,
     :class:`lrmoe.policy.registry.FidelityConfig`.)
 
     Attributes:

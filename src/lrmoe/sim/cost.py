@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lrmoe.errors import require
-from lrmoe.parallel.held import placement_key
+from lrmoe.parallel.instances import placement_key
 from lrmoe.sim.links import Link, exchange_time
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, RECOMPUTE_EXCHANGES, VirtualStats
 
@@ -188,7 +188,7 @@ _PLACEMENT_STAGES = ("weight_scatter", "grad_reduce")
 def _once_per_run(per: dict, t: dict, keys: list[bytes], m: int, G: int) -> None:
     """Micro-batch ``m``'s weight scatter only where it starts a run of micro-batches
     sharing a placement, its gradient reduce only where it ends one (the runtime's
-    moves, :mod:`lrmoe.parallel.held`): the others zeroed in ``per`` and left out of
+    moves, :mod:`lrmoe.parallel.instances`): the others zeroed in ``per`` and left out of
     ``t``."""
     for k, same in (("weight_scatter", m > 0 and keys[m] == keys[m - 1]),
                     ("grad_reduce", m < len(keys) - 1 and keys[m] == keys[m + 1])):
@@ -205,8 +205,8 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
     is charged once per optimizer step)``; the step costs their sum (docs/design.md §9,
     "Gradient accumulation in the emulator"). A layer's ``weight_scatter`` and
     ``grad_reduce`` are charged once per run of consecutive micro-batches sharing its
-    placement (:func:`~lrmoe.parallel.held.placement_key`), as the runtime moves it
-    (:mod:`lrmoe.parallel.held`). ``micro[m]`` holds micro-batch m's stats per MoE layer;
+    placement (:func:`~lrmoe.parallel.instances.placement_key`), as the runtime moves it
+    (:mod:`lrmoe.parallel.instances`). ``micro[m]`` holds micro-batch m's stats per MoE layer;
     ``terms``, when given, is filled with each charge's link-free terms
     (:func:`rank_link_terms`) for re-pricing on another link."""
     N = len(micro)

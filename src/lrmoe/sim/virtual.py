@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype
+from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype, expert_counts
 from lrmoe.parallel import stages
 from lrmoe.parallel.exchange import (
     ExchangeState,
@@ -26,9 +26,8 @@ from lrmoe.parallel.exchange import (
     forward_ranks,
     kept_bytes,
 )
-from lrmoe.parallel.layout import HomeLayout, RecvLayout, home_layout, recv_layout
-from lrmoe.parallel.local import expert_counts
-from lrmoe.parallel.select import BackwardOptions
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.parallel.stages import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
 from lrmoe.policy.plan import Plan, checks_on

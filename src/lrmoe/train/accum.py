@@ -19,7 +19,7 @@ Per optimizer step, not per micro-batch: routers' counts add up over the micro-b
 and are closed once by ``model.end_step`` (the step's popularity SYMI plans the next
 step's micro-batches from, and the GLM bias update); gradient sync, clipping, the
 optimizer and the scheduler run once. So do the weight scatter and the replica-gradient
-reduce of a placement every micro-batch shares (:mod:`lrmoe.parallel.held`): the reduce
+reduce of a placement every micro-batch shares (:mod:`lrmoe.parallel.instances`): the reduce
 in the last micro-batch's backward, before the sync.
 """
 

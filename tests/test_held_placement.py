@@ -156,7 +156,7 @@ def count_weight_all_to_alls():
 
     calls = [0]
     orig = EPComm.all_to_all
-    here = os.path.join("parallel", "weights.py")
+    here = os.path.join("parallel", "instances.py")
 
     def counting(self, x, send, recv):
         if sys._getframe(1).f_code.co_filename.endswith(here):

@@ -346,17 +346,17 @@ def test_buffers_equal_the_rows_alive():
         dout = torch.ones_like(out)
         live = LiveRows((Hd, Fd, 2 * Fd), fwd_code + bwd_code, seams, count=[xin, dout])
         start = []  # the point where the exact backward begins (after the re-run)
-        inner = stages.router_grad_home
+        inner = stages.combine_grad_gate
 
         def mark(*a, live=live, start=start, inner=inner, **kw):
             start.append(len(live.points))
             return inner(*a, **kw)
-        stages.router_grad_home = mark
+        stages.combine_grad_gate = mark
         try:
             with live:
                 out.backward(dout)
         finally:
-            stages.router_grad_home = inner
+            stages.combine_grad_gate = inner
         rerun = max(sum(p.values()) for _, p in live.points[:start[0]])
         back = max(sum(p.values()) for _, p in live.points[start[0]:])
         assert rerun == b * (Tt * Hd + max(fpts.values()) + kept), me

@@ -143,7 +143,7 @@ def test_parallel_imports_only_the_plan_type():
 # the stages that move a layer's rows: only the exchange's stage sequence
 # (lrmoe.parallel.exchange.forward_ranks / backward_ranks) calls them
 ROW_STAGES = {"dispatch_rows", "experts_forward", "combine", "home_backward",
-              "experts_backward", "router_grad_experts", "router_grad_home", "home_finish"}
+              "experts_backward", "router_grad_experts", "home_finish"}
 
 
 def _stage_uses(tree: ast.AST) -> set[str]:
@@ -168,7 +168,7 @@ def test_emulator_runs_the_exchange_stage_sequence_not_its_own():
     bad = {f.name: sorted(_stage_uses(_parsed(f))) for f in (SRC / "sim").glob("*.py")
            if _stage_uses(_parsed(f))}
     assert not bad, bad
-    assert _stage_uses(_parsed(SRC / "parallel" / "exchange.py")) >= ROW_STAGES - {"router_grad_home"}
+    assert _stage_uses(_parsed(SRC / "parallel" / "exchange.py")) == ROW_STAGES
 
 
 def test_one_process_path_runs_the_exchange_stage_sequence_not_its_own():

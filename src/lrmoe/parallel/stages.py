@@ -137,14 +137,10 @@ class HomeLayout:
         """``(G, S)``: the blocks as destination ranks x slots."""
         return len(self.splits), len(self.assign_I) // len(self.splits)
 
-    @property
-    def all_retained(self) -> bool:
-        return bool(np.array_equal(np.asarray(self.retain_I), np.asarray(self.assign_I)))
-
     def retained(self, device: torch.device) -> Runs | None:
         """The retained rows among the send rows (ascending; each block's retained rows
         come first), or ``None`` when every row is retained."""
-        if self.all_retained:
+        if np.array_equal(np.asarray(self.retain_I), np.asarray(self.assign_I)):
             return None
         return runs(self.assign_I.cumsum(0) - self.assign_I, self.retain_I, device)
 
@@ -336,9 +332,11 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
     K = comb.w_TK.shape[1]
     w_P = comb.w_TK.reshape(-1)
     with tm("local"):
-        # the router gradient <dout[t], y[t,k]> from the kept combined rows ...
+        # the router gradient dL/dg[t,k] = <dout[t], y[t,k]> from the kept combined rows
+        # (zero for dropped pairs, in the gates' dtype) ...
         y_send = rows.pop("y_send")
-        dgate = None if at_experts else router_grad_home(y_send, comb, dout_TH)
+        dgate = (None if at_experts
+                 else combine_grad_gate(y_send, comb.row_TK, dout_TH).to(comb.w_TK.dtype))
         del y_send
         # ... and the candidates: the retained send rows' pairs and places in their
         # blocks; each ships dout[t] unscaled, its scale g folded into the receiver's
@@ -408,12 +406,6 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
              else torch.where(sel.keep_N, ht_weight(sel.pi_N), 0.0).float())
         return Picked(None, g_c * w, dout_TH[tok_c], home.retain_I)
     return Picked(sel.sel_idx_S, sel.scale_S, sel.dy_SH, sel.sent_B, sel.recv_GS)
-
-
-def router_grad_home(y_send: Tensor, comb: Combined, dout_TH: Tensor) -> Tensor:
-    """combine^-1 on the home side: ``dL/dg[t,k] = <dout[t], y[t,k]>`` from the kept
-    combined rows, zero for dropped pairs, in the gates' dtype."""
-    return combine_grad_gate(y_send, comb.row_TK, dout_TH).to(comb.w_TK.dtype)
 
 
 def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvLayout,

@@ -20,7 +20,6 @@ Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -305,7 +304,7 @@ def runs_locally(rt: MoERuntime, E: int, P: int) -> bool:
     the exchange runs, where the policy recomputes or raises, as on any rank count."""
     if not rt.fast_local or rt.comm.size != 1 or P == 0 or not rt.policy.plans_natives_exactly():
         return False
-    if dataclasses.replace(rt.backward, router_grad="home") != BackwardOptions():
+    if replace(rt.backward, router_grad="home") != BackwardOptions():
         return False
     budget = None if rt.ledger is None else rt.ledger.budget_bytes
     return budget is None or one_rank_total(rt.ledger, E, P) <= budget

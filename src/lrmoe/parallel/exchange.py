@@ -49,7 +49,6 @@ from lrmoe.ops.rowops import invert_permutation, to_device
 from lrmoe.parallel import stages
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.options import BackwardOptions
-from lrmoe.parallel.stages import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.policy.plan import Plan
 from lrmoe.timing import timed
 from lrmoe.traffic import RowBytes
@@ -130,7 +129,7 @@ class ExchangeState:
 
     tp: Transport
     plan: Plan
-    homes: list[HomeLayout]
+    homes: list[stages.HomeLayout]
     top_k: int
     opts: BackwardOptions
     gate_P_G: list[Tensor | None]
@@ -151,7 +150,7 @@ class ExchangeState:
         return stages.occupied_counts(counts_S, self.plan, g, n_weights)
 
 
-def forward_ranks(st: ExchangeState, recvs: list[RecvLayout], x_G: Sequence[Tensor],
+def forward_ranks(st: ExchangeState, recvs: list[stages.RecvLayout], x_G: Sequence[Tensor],
                   gate_G: Sequence[Tensor], w13_G: Sequence[Tensor], w2_G: Sequence[Tensor],
                   keep_G: list[stages.Retention], rerun: bool = False
                   ) -> tuple[list[stages.Combined], list[dict]]:
@@ -238,7 +237,7 @@ def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list
     rls, counts_G, offs_G = [], [], []
     for i, g in enumerate(tp.ranks):
         with tm_G[i]("local"):
-            rls.append(recv_layout(recv_GS_G[i], dev))
+            rls.append(stages.recv_layout(recv_GS_G[i], dev))
             counts_G.append(st.weight_counts(rls[i].counts, g, w13_G[i].shape[0]))
             offs_G.append(offsets(counts_G[i], dev) if st.offs is None else st.offs)
     splits_G = [rl.splits for rl in rls]
@@ -284,8 +283,8 @@ class ExchangeRun:
         gate_P = gate_TK.reshape(-1).detach()
         # the layouts' time, as ``local_ms``, when the control plane is timed
         with _timed(stats, "local_ms", dev) if self.timing else contextlib.nullcontext():
-            home = home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
-            recv = recv_layout(self.plan.assign_GGS[:, me, :], dev)
+            home = stages.home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
+            recv = stages.recv_layout(self.plan.assign_GGS[:, me, :], dev)
         st = ExchangeState(GroupTransport(self.comm, stats, dev, self.timing), self.plan, [home],
                            self.top_k, self.opts, [gate_P], [self.generator])
         # On a fidelity step of an approximate plan every row is kept (a monitoring
@@ -308,7 +307,7 @@ class ExpertExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
-                st: ExchangeState, recv: RecvLayout, keep: stages.Retention) -> Tensor:
+                st: ExchangeState, recv: stages.RecvLayout, keep: stages.Retention) -> Tensor:
         (comb,), (rows,) = forward_ranks(st, [recv], [x_TH], [gate_TK], [w13_S], [w2_S], [keep])
         st.tp.stats["saved_act_bytes"] = kept_bytes(rows)
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
@@ -436,10 +435,10 @@ def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK
     # dispatch order: the pairs sorted by expert, stably (home_layout's order on one rank)
     pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
     one = np.array([P])
-    home = HomeLayout(invert_permutation(pair_R, P), False, pair_R, None, one, one, one, [P])
+    home = stages.HomeLayout(invert_permutation(pair_R, P), False, pair_R, None, one, one, one, [P])
     # the rows per expert stay on the device: the grouped GEMMs read them there; the
     # per-expert loop fallback reads them from the offsets where it runs
     st = ExchangeState(LocalTransport(stats, x_TH.device), OneBlock(P), [home], K, opts, [None],
                        [None], offs=counts_E.cumsum(0).to(torch.int32))
-    return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, RecvLayout([P], [P], None),
+    return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, stages.RecvLayout([P], [P], None),
                                 stages.Retention(one))

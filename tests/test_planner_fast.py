@@ -20,7 +20,7 @@ from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
-from lrmoe.policy.plan import even_split, full_plan, interval_overlap
+from lrmoe.policy.plan import full_plan
 from lrmoe.policy.plan_numpy import apportion_np, even_split_np, interval_overlap_np
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
@@ -28,6 +28,8 @@ from lrmoe.presets import get_preset
 from references import lrmoe_planner
 from references.plans import (
     contiguous_placement,
+    even_split,
+    interval_overlap,
     plan_capacity_reference,
     replica_counts,
     symi_fewer_placement,

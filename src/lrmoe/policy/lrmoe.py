@@ -3,57 +3,10 @@
 Legend: G ranks, S slots per rank, E experts; a *block* ``[g, r, s]`` is the pairs home
 ``g`` sends to instance ``(r, s)``. All tensors int64 on the CPU.
 
-The plan is built in three passes (docs/design.md §4, lrmoe), each deterministic:
-
-1. **Placement.** Start from the natives (rank ``r`` holds experts ``r·E/G ..``) with
-   ``max_slots_per_rank - E/G`` empty slots per rank. Repeatedly take the experts that
-   have an instance on a rank at the maximum load, in descending per-instance load
-   (ties: lower id); for each, find the least-loaded rank (ties: lower id) that has a
-   free slot, holds no instance of it yet, and can afford the new instance plus the
-   activations its pairs need: after the addition the ledger must leave room on that
-   rank to retain ``min(received, max(instances, ceil(min_keep · M), ceil(ρ ·
-   received)))`` pairs, where ``M`` is the mean retained pairs per rank (the balanced
-   backward load pass 3 aims at) and ``ρ`` the smallest retained fraction of any rank
-   (1 when everything is retained). Add the replica if that strictly lowers ``(max
-   rank load, number of ranks at the max)``. So when the budget lets every rank
-   retain everything, replicas go only where they keep that true (the plan stays
-   exact); under a tight budget a replica trades some of its host's retention (one
-   instance's bytes plus its buffers) for forward balance, never leaving the host
-   worse off than the worst rank already is, nor below ``min_keep`` of a balanced
-   rank's backward work (while a rank at the maximum load does not fit at all, a
-   destination need only stay feasible: any plan beats none). Stop when no expert
-   improves the objective, the slots run out or ``max_replicas_per_step`` is reached.
-   Each expert's pairs are split evenly over its instances (re-split after every
-   addition; first instances in slot order get +1).
-2. **Retention quotas.** Each rank retains ``min(received, affordable)`` pairs, where
-   ``affordable`` is what its budget has left after owned state, instances and buffers
-   (everything, without a budget). With ``recompute`` a rank short of room retains as
-   many pairs as fit when each keeps only its input row, and recomputes the gate_up
-   output of the fewest of them (``Plan.recompute_G``). The rank's quota goes first one pair to each
-   non-empty instance, then the rest in proportion to the instances' remaining loads;
-   an instance's quota goes to its blocks in proportion to their pairs.
-3. **Backward quotas.** ``M`` = mean retained pairs per rank. A rank above ``M`` trims its
-   selected pairs to ``ceil(M + (1 - balance)·(retained - M))``, never below the floor
-   ``min(retain, ceil(min_keep·assign))`` of any block: the cut is shared over its
-   instances, and then their blocks, in proportion to how far each is above its floor
-   (with every pair retained this scales every instance by the same factor).
-   ``selection=False`` selects every retained pair.
-
-All rounding is largest-remainder (:func:`lrmoe.policy.capacity.apportion`), so sums are
-exact. The plan never exceeds the ledger's budget; if even its placed instances with one
-retained pair each do not fit, :func:`plan_lrmoe` (the one entry point, what
-:class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
-:mod:`lrmoe.policy.lrmoe_ladder` (exact, recompute, without replicas, whole-layer
-checkpoint), naming the rung in ``Plan.rung``; it raises only when no rung fits.
-
-**How it runs fast** (it is on every MoE layer's critical path). The planner works on
-the host counts the runtime already has after its count all-gather (no device work, no
-extra synchronisation, no collective) and makes exactly the plans of the loop-by-loop
-reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py):
-placement keeps incremental state (:mod:`lrmoe.policy.lrmoe_place`), byte counts come
-from the ledger's vectorised view (:mod:`lrmoe.policy.ledger_view`, which asks the
-ledger, re-deriving nothing), and passes 2 and 3 are numpy
-(:mod:`lrmoe.policy.lrmoe_quotas`).
+The three passes (placement, retention quotas, backward quotas), the ladder
+:func:`plan_lrmoe` climbs when the trimmed plan does not fit (:mod:`.lrmoe_ladder`) and
+how the planner runs fast: docs/design.md §4, lrmoe. It makes exactly the plans of the
+loop-by-loop reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py).
 """
 
 from __future__ import annotations
@@ -78,7 +31,6 @@ from lrmoe.policy.plan_numpy import (
     Slots,
     blocks_to_GGS,
     host_counts,
-    interval_overlap_ig,
     to_plan,
 )
 
@@ -259,8 +211,8 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
     if isinstance(placed, Trimmed):
         return placed
     inst, load, given_up = placed
-    return _quotas(c, inst, load, interval_overlap_ig(c, inst, load), S, cfg, view,
-                   ledger, given_up, kept=False)
+    return _quotas(c, inst, load, Slots(inst, E).overlap_ig(c, load), S, cfg, view, ledger,
+                   given_up, kept=False)
 
 
 def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarray, S: int,
@@ -297,7 +249,7 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray 
     except OutOfMemory as e:
         G, S = inst.shape
         if assign is None:
-            assign = interval_overlap_ig(c, inst, load)
+            assign = Slots(inst, c.shape[1]).overlap_ig(c, load)
         a = blocks_to_GGS(assign, G, S)
         return Trimmed(None, False, to_plan(inst, a, a.copy(), a.copy()), e)
     return None

@@ -91,12 +91,15 @@ class Slots:
         self.shared = np.flatnonzero(valid & (self.n > 1))
 
     def even_split(self, total_E: np.ndarray) -> np.ndarray:
-        """:func:`even_split_np` for these slots, ``[G, S]``."""
+        """Each expert's ``total_E`` split evenly over its instances, the first ones in global
+        slot order get +1: ``[G, S]``."""
         t = total_E[self.e_idx]
         return ((t // self.n + (self.k < t % self.n)) * self.valid).reshape(self.shape)
 
     def overlap_ig(self, counts_GE: np.ndarray, inst_load_GS: np.ndarray) -> np.ndarray:
-        """:func:`interval_overlap_ig` for these slots."""
+        """The pairs each home sends to each instance, instance-major ``[G·S, G]`` (row ``r·S +
+        s``: instance ``(r, s)``): contiguous intervals, homes in rank order, instances in
+        global slot order per expert."""
         c_EG = np.ascontiguousarray(counts_GE.T)
         # a lone instance takes its expert's pairs from every home (its load is their
         # total); an empty slot takes none
@@ -118,25 +121,17 @@ class Slots:
 
 
 def even_split_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.plan.even_split`: each expert's total split evenly over its
-    instances, the first ones in global slot order get +1."""
+    """:meth:`Slots.even_split` of ``counts_GE``'s totals."""
     return Slots(inst_expert_GS, counts_GE.shape[1]).even_split(counts_GE.sum(0))
 
 
 def interval_overlap_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
                         inst_load_GS: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.plan.interval_overlap`: ``assign_GGS`` from contiguous
-    intervals, homes in rank order and instances in global slot order per expert."""
-    G = counts_GE.shape[0]
-    S = inst_expert_GS.shape[1]
-    return blocks_to_GGS(interval_overlap_ig(counts_GE, inst_expert_GS, inst_load_GS), G, S)
-
-
-def interval_overlap_ig(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
-                        inst_load_GS: np.ndarray) -> np.ndarray:
-    """:func:`interval_overlap_np` in instance-major layout: ``[G·S, G]``, row ``r·S +
-    s`` the pairs each home sends to instance ``(r, s)``."""
-    return Slots(inst_expert_GS, counts_GE.shape[1]).overlap_ig(counts_GE, inst_load_GS)
+    """:func:`lrmoe.policy.plan.full_plan`'s ``assign_GGS``: contiguous intervals, homes in
+    rank order and instances in global slot order per expert."""
+    G, S = inst_expert_GS.shape
+    idx = Slots(inst_expert_GS, counts_GE.shape[1])
+    return blocks_to_GGS(idx.overlap_ig(counts_GE, inst_load_GS), G, S)
 
 
 def blocks_to_GGS(x_IG: np.ndarray, G: int, S: int) -> np.ndarray:

@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from lrmoe.config import ModelConfig
+from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for, remove_dead_leftovers, staging_dir
 from lrmoe.model.moe import MoELayer
@@ -123,14 +123,7 @@ def _read_config(path: Path) -> tuple[ModelConfig, int]:
     if not cfile.is_file():
         raise LrmoeError(f"{path} has no {CONFIG_NAME}; a HF checkpoint directory needs "
                          f"{CONFIG_NAME} beside its *.safetensors files")
-    try:
-        raw = json.loads(cfile.read_text())
-    except OSError as e:
-        raise LrmoeError(f"cannot read {cfile}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LrmoeError(f"{cfile} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise LrmoeError(f"{cfile} must hold a JSON object")
+    raw = read_config_json(cfile)
     if raw.get("format") == "lrmoe-run-v1":
         raise LrmoeError(f"{path} is an lrmoe train run directory, not a HF checkpoint (its "
                          f"{CONFIG_NAME} is the run's); evaluate it with `lrmoe eval {path}`, "

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.model.moe import host_stats
+from lrmoe.policy.registry import make_policy
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
@@ -36,7 +37,6 @@ from lrmoe.train.config import (
     RUN_FORMAT,
     TrainConfig,
     build_ledger,
-    build_policy,
     build_runtime,
     check_args,
     check_join_flags,
@@ -426,7 +426,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                              f"resume may change {', '.join(_flag(k) for k in RESUME_CHANGES)})")
         if mcfg is None:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
-    policy = build_policy(cfg, mcfg, ctx.ep_size)
+    policy = make_policy(cfg.policy, mcfg, ctx.ep_size)
     ledger = build_ledger(cfg, mcfg, ctx)
     corpus, tok, batches, streams = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
     val_ids = streams.val_ids

@@ -234,7 +234,8 @@ def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
     created = agree(lambda: rundir.take(run_dir) if ctx.is_main else None, ctx)
     try:
         if ctx.distributed:
-            holder = all_gather(rundir.lock_holder(run_dir) if ctx.is_main else None, ctx)[0]
+            lock = run_dir / rundir.LOCK
+            holder = all_gather(rundir.read_lock(lock) if ctx.is_main else None, ctx)[0]
             agree(lambda: None if ctx.is_main else rundir.check_shared(run_dir, holder), ctx)
         agree(lambda: _write_run_dir(cfg, run_dir, ck, run_cfg, tok, need)
               if ctx.is_main else None, ctx)

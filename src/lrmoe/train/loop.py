@@ -74,16 +74,6 @@ __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 
 
 # ----------------------------------------------------------------------------- collectives
-# The trainer's few object-level collectives (the tensor ones are in lrmoe.parallel).
-def _raise_first(errors: list[str | None]) -> None:
-    """Raise the first rank's error on every rank (``errors``: gathered from all)."""
-    for e in errors:
-        if e:
-            err = LrmoeError(e)
-            err.agreed = True
-            raise err
-
-
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
@@ -159,15 +149,8 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
                 "same run directory, on a file system all ranks share"), ctx.rank == 0)
     if ck is None:
         return None
-    err = None
-    try:  # any rank may read any file (resharding): each checks a share of them all
-        ckpt.verify_files(ck, ctx.rank, ctx.world)
-    except LrmoeError as e:
-        err = str(e)
-    if ctx.distributed:
-        _raise_first(_all_gather(err, ctx))
-    elif err:
-        raise LrmoeError(err)
+    # any rank may read any file (resharding): each checks a share of them all
+    agree(lambda: ckpt.verify_files(ck, ctx.rank, ctx.world), ctx)
     _log(ck.describe(), ctx)
     return ck
 

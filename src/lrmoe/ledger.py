@@ -397,20 +397,16 @@ class Ledger:
             ok &= (a[zero] <= B).all(0)
         return ok, lo
 
-    @staticmethod
-    def _home_pairs(plan, home_pairs: int | None) -> Tensor:
-        if home_pairs is not None:
-            return torch.full((plan.G,), int(home_pairs), dtype=torch.long)
-        home = plan.assign_GGS.sum(dim=(1, 2))
-        if plan.dropped_GE is not None:
-            home = home + plan.dropped_GE.long().sum(1)
-        return home
-
     def _rank_counts(self, plan, tokens_per_rank_home: int | None
                      ) -> list[tuple[int, int, int, int]]:
-        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``."""
-        home = self._home_pairs(
-            plan, None if tokens_per_rank_home is None else tokens_per_rank_home * self.top_k)
+        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``; the home pairs
+        are the plan's (assigned and dropped) unless ``tokens_per_rank_home`` sizes them."""
+        if tokens_per_rank_home is not None:
+            home = torch.full((plan.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
+        else:
+            home = plan.assign_GGS.sum(dim=(1, 2))
+            if plan.dropped_GE is not None:
+                home = home + plan.dropped_GE.long().sum(1)
         n_inst = (plan.inst_expert_GS >= 0).sum(1)
         recv = plan.assign_GGS.sum(dim=(0, 2))
         kept = plan.retain_GGS.sum(dim=(0, 2))

@@ -196,16 +196,6 @@ def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
     return corpus, tok, batches, streams
 
 
-def _val_batches(cfg: TrainConfig, streams, ctx) -> list:
-    from lrmoe.data import validation_batches
-
-    val_ids = streams.val_ids
-    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
-    return validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
-                              num_windows=k, rank=ctx.rank, world=ctx.world,
-                              target_mask=streams.val_mask)
-
-
 def _sha256(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
@@ -308,7 +298,10 @@ def _run(cfg: TrainConfig | Any) -> dict:
                                 cfg, rank, world, early or refused))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            return _train(cfg, ctx, watch, stops)
+            # check every input (nothing written), build the model and optimizer in
+            # memory, open the run directory, then run the steps
+            inputs = _check(cfg, ctx)
+            return _open(cfg, ctx, inputs, _build(cfg, ctx, inputs), watch, stops).loop()
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
             if ctx.distributed and is_peer_failure(e):
                 raise watch.failure(e) from None
@@ -354,14 +347,6 @@ def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
     return None
 
 
-def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
-    """Check every input (nothing written), build the model and optimizer in memory,
-    open the run directory, then run the steps."""
-    inputs = _check(cfg, ctx)
-    state = _build(cfg, ctx, inputs)
-    return _open(cfg, ctx, inputs, state, watch, stops).loop()
-
-
 @dataclass
 class _Inputs:
     """What the checks read: the run, the model, the data (:func:`_check`)."""
@@ -384,6 +369,7 @@ class _Inputs:
 def _check(cfg: TrainConfig, ctx) -> _Inputs:
     """Step 1: read and check everything; nothing is written yet."""
     from lrmoe.config import ModelConfig
+    from lrmoe.data import validation_batches
     from lrmoe.tokenizer import check_vocab
 
     run_dir = Path(cfg.out)
@@ -424,7 +410,10 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                              f"{run_dir / RUN_CONFIG}; drop --preset/--config/--init-from or "
                              "use another --out")
     check_vocab(tok, mcfg.vocab_size, cfg.init_from)
-    val_b = _val_batches(cfg, streams, ctx)
+    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
+    val_b = validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
+                               num_windows=k, rank=ctx.rank, world=ctx.world,
+                               target_mask=streams.val_mask)
     data_fp = {"num_windows": batches.num_windows, "train_tokens": int(batches.ids.numel()),
                "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "seed": cfg.seed,
                "tokenizer": tok.spec, "train_sha256": _sha256(batches.ids),

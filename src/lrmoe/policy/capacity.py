@@ -21,7 +21,7 @@ from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.plan_numpy import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.plan_numpy import apportion_rows_np, host_counts, to_plan
 
 
 def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
@@ -61,10 +61,11 @@ def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     c = host_counts(counts_GE)
     cap = capacity_per_expert(counts_GE, capacity_factor)
-    kept_GE = apportion_np(np.minimum(c.sum(0), cap), c)
-    inst = np.arange(E).reshape(G, E // G)  # native placement
-    a = interval_overlap_np(kept_GE, inst, even_split_np(kept_GE, inst))
-    return to_plan(inst, a, a.copy(), a.copy(), dropped_GE=c - kept_GE)
+    kept_GE = apportion_rows_np(np.minimum(c.sum(0), cap), c.T).T
+    # the native placement: each expert's one instance takes its kept pairs from every home
+    a = kept_GE.reshape(G, G, E // G)
+    return to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy(),
+                   dropped_GE=c - kept_GE)
 
 
 @dataclass

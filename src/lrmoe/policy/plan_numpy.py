@@ -18,8 +18,9 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`apportion_np` along rows (the planners' instance-major layout): ``total_K[k]``
-    units over row ``k``'s entries. Only the rows that split (``0 < total < weight``) are
+    """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower entry)
+    along rows (the planners' instance-major layout): ``total_K[k]`` units over row ``k``'s
+    entries. Only the rows that split (``0 < total < weight``) are
     computed; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give the
     stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
@@ -61,11 +62,6 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
         return base
     out[rows] = base
     return out
-
-
-def apportion_np(total_K: np.ndarray, weight_NK: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower row)."""
-    return apportion_rows_np(total_K, np.asarray(weight_NK).T).T
 
 
 class Slots:
@@ -118,20 +114,6 @@ class Slots:
         ov -= np.maximum(hh - c_EG[e], (inst_hi[i] - load[i])[:, None])
         out[i] = np.maximum(ov, 0, out=ov)
         return out
-
-
-def even_split_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray) -> np.ndarray:
-    """:meth:`Slots.even_split` of ``counts_GE``'s totals."""
-    return Slots(inst_expert_GS, counts_GE.shape[1]).even_split(counts_GE.sum(0))
-
-
-def interval_overlap_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
-                        inst_load_GS: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.plan.full_plan`'s ``assign_GGS``: contiguous intervals, homes in
-    rank order and instances in global slot order per expert."""
-    G, S = inst_expert_GS.shape
-    idx = Slots(inst_expert_GS, counts_GE.shape[1])
-    return blocks_to_GGS(idx.overlap_ig(counts_GE, inst_load_GS), G, S)
 
 
 def blocks_to_GGS(x_IG: np.ndarray, G: int, S: int) -> np.ndarray:

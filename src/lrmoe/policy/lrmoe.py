@@ -40,40 +40,14 @@ KEEPS = ("fixed", "auto")
 
 @dataclass
 class LrmoeConfig:
-    """Knobs of the LRMoE planner. (The backward's selection knobs are the runtime's
-    :class:`lrmoe.parallel.select.BackwardOptions`; how often it measures fidelity,
-    :class:`lrmoe.policy.registry.FidelityConfig`.)
-
-    Attributes:
-        balance: how far backward quotas trim a rank above the mean backward load
-            toward the mean (1 = fully to the mean, 0 = no trimming).
-        min_keep: floor on each block's fraction of selected pairs (of its assigned).
-        max_replicas_per_step: cap on replicas added per layer and step (None: no cap).
-        max_slots_per_rank: slots per rank incl. natives; None means ``E/G + 2``.
-        selection: False selects every retained pair (memory-aware placement only).
-        keep: ``fixed`` uses ``min_keep`` as given; ``auto`` adapts each layer's floor to
-            hold the fidelity monitor's cosine at ``target_cosine`` (the monitor must run:
-            ``FidelityConfig.every > 0``).
-        target_cosine: the gradient fidelity ``auto`` aims for.
-        recompute: retention may also keep pairs whose gate_up output is recomputed in
-            backward (only the input row saved): a rank retains as many pairs as fit
-            that way, recomputing the fewest (more pairs in backward, more backward work).
-        placement: ``current`` places replicas from this micro-batch's counts (pass 1
-            on the critical path); ``previous`` from the previous step's counts, as SYMI
-            does (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the
-            split, the quotas and the budget check wait on this step's counts. ``step``
-            and ``step-previous`` hold one placement for the optimizer step (its weights
-            gathered once, its gradients reduced once), placed from the step's first
-            micro-batch's counts or from the previous step's; quotas and selection stay
-            per micro-batch (:class:`LrmoePolicy`).
-        link: the run's link and expert GEMM rate (:mod:`lrmoe.policy.lrmoe_link`): a
-            replica is placed only where its modelled link cost is below the straggler
-            time it removes, and a step not faster than on static's placement takes
-            static's. ``None`` (the plain trainer): no cost rule.
-        whole_layer: the ladder's last rung, a whole-MoE-layer checkpoint
-            (:mod:`lrmoe.policy.lrmoe_ladder`), is available to whoever runs the plans;
-            False stops the ladder before it (a step that needs it is out of memory).
-    """
+    """Knobs of the LRMoE planner; each flag's help (:data:`lrmoe.cli_flags.KNOBS`) and
+    docs/design.md §4 say what it does. Those without a flag: ``max_replicas_per_step``
+    caps the replicas added per layer and step (None: no cap); ``link`` is the run's link
+    and GEMM rate for the link-cost rules (:mod:`.lrmoe_link`; None, the plain trainer: no
+    cost rule); ``whole_layer=False`` ends the ladder before its whole-layer checkpoint
+    (:mod:`.lrmoe_ladder`). ``max_slots_per_rank`` None means ``E/G + 2``. The backward's
+    selection knobs are :class:`lrmoe.parallel.options.BackwardOptions`, the fidelity
+    monitor's :class:`lrmoe.policy.registry.FidelityConfig`."""
 
     balance: float = 1.0
     min_keep: float = 0.5

@@ -63,14 +63,10 @@ def _fit(plan: Plan, ledger, tag: str) -> tuple[Plan | None, str]:
 
 def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float = math.inf
                     ) -> np.ndarray | None:
-    """Replicas for a whole-layer checkpoint: from the natives (``[G, S]``, ``S - E/G``
-    free slots per rank), repeatedly take the expert with the largest per-instance load
-    that has an instance on a rank at the maximum load and add one on the least-loaded
-    rank (ties: lower id) with a free slot that holds none of it, if every rank still
-    fits the ledger's whole-layer terms (:meth:`lrmoe.ledger.Ledger.exact_fit` not
-    ``over``: the same verdict as for static's checkpoint) and
-    the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
-    ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""
+    """Replicas for a whole-layer checkpoint (``[G, S]``): pass 1's rule from the natives,
+    each replica placed only where every rank still fits the ledger's whole-layer terms
+    (``exact_fit`` not ``over``, static's verdict); ``None`` when even the natives do not
+    fit. A rare rung: it re-splits every step."""
     G, E = counts_GE.shape
     total = counts_GE.sum(0)
     inst = np.full((G, S), -1, dtype=np.int64)

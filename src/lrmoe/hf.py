@@ -467,16 +467,11 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
     """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in shards of
     at most ``max_shard_bytes``, each materialised just before it is written
     (``before_shard(names)`` first), then ``extra_files`` and ``config.json``; atomically."""
+    from lrmoe.train.ckpt_write import files_of
+
     old = _check_target_files(target, cfg) if target.exists() else []
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, b in enumerate(nbytes):
-        if shards[-1] and size + b > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += b
+    shards = files_of(list(range(len(entries))), max_shard_bytes, lambda i: nbytes[i])
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [
         f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]

@@ -23,8 +23,8 @@ from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import LinkCost
 from lrmoe.policy.lrmoe_ladder import Trimmed, climb
-from lrmoe.policy.lrmoe_link import natives_GS, no_slower_than_static, worth_their_link
-from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
+from lrmoe.policy.lrmoe_link import no_slower_than_static, worth_their_link
+from lrmoe.policy.lrmoe_place import MoveLog, natives_GS, place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import (

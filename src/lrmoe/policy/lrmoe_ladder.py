@@ -21,6 +21,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
+from lrmoe.policy.lrmoe_place import natives_GS
 from lrmoe.policy.plan import Plan, layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
@@ -69,8 +70,7 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     fit. A rare rung: it re-splits every step."""
     G, E = counts_GE.shape
     total = counts_GE.sum(0)
-    inst = np.full((G, S), -1, dtype=np.int64)
-    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+    inst = natives_GS(G, S, E)
 
     def loads(p):
         return Slots(p, E).even_split(total)

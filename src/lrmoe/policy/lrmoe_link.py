@@ -17,17 +17,9 @@ import numpy as np
 
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import plan_seconds, prefix_seconds, replica_rows_GG
-from lrmoe.policy.lrmoe_place import MoveLog
+from lrmoe.policy.lrmoe_place import MoveLog, natives_GS
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import Slots
-
-
-def natives_GS(G: int, S: int, E: int) -> np.ndarray:
-    """Static's placement in ``S`` slots per rank: rank ``r`` holds experts ``r·E/G ..``
-    in its first ``E/G`` slots, the rest empty."""
-    inst = np.full((G, S), -1, dtype=np.int64)
-    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
-    return inst
 
 
 def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S: int

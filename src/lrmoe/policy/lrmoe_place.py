@@ -47,6 +47,14 @@ class MoveLog:
     slot_K: list[int] = field(default_factory=list)
 
 
+def natives_GS(G: int, S: int, E: int) -> np.ndarray:
+    """Static's placement in ``S`` slots per rank: rank ``r`` holds experts ``r·E/G ..``
+    in its first ``E/G`` slots, the rest empty."""
+    inst = np.full((G, S), -1, dtype=np.int64)
+    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+    return inst
+
+
 FULL = 1 << 62  # the destination key of a rank without a free slot: sorts last
 
 
@@ -102,9 +110,7 @@ class _Greedy:
                  view: LedgerView):
         E = len(total_E)
         self.G, self.n_nat, self.min_keep, self.view = G, E // G, min_keep, view
-        inst0 = np.full((G, S), -1, dtype=np.int64)
-        inst0[:, :self.n_nat] = np.arange(E).reshape(G, self.n_nat)
-        self.slots = inst0.tolist()
+        self.slots = natives_GS(G, S, E).tolist()
         self.total = np.asarray(total_E, dtype=np.int64).tolist()
         # an expert's instances ((rank, slot), slot order) and their loads, for the
         # experts that have replicas; the others have their native alone (instances)

@@ -31,10 +31,8 @@ class DivergenceGuard:
         """Fold in one step's loss; a sentence describing the blow-up, or None."""
         self.ema = loss if self.ema is None else BETA * self.ema + (1 - BETA) * loss
         self.seen += 1
-        if self.factor <= 0 or self.seen <= DIVERGENCE_WARMUP:
-            self.low = self.ema if self.low is None else min(self.low, self.ema)
-            return None
-        if self.low is not None and self.low > 0 and self.ema > self.factor * self.low:
+        checked = self.factor > 0 and self.seen > DIVERGENCE_WARMUP
+        if checked and self.low is not None and self.low > 0 and self.ema > self.factor * self.low:
             return (f"the smoothed training loss {self.ema:.4g} is {self.ema / self.low:.3g}x "
                     f"its running minimum {self.low:.4g} (--divergence-factor "
                     f"{self.factor:g})")

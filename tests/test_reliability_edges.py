@@ -184,9 +184,9 @@ def test_cpu_offload_precheck_asks_the_whole_state(monkeypatch):
     run = SimpleNamespace(optimizer_offload="host")
     ctx = SimpleNamespace(device=torch.device("cpu"), ep_size=1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(setup, "_mem_available", lambda: need)
+    monkeypatch.setattr(setup, "proc_kib", lambda path, key: need)
     setup.check_model_fits(cfg, run, ctx)
-    monkeypatch.setattr(setup, "_mem_available", lambda: need - 1)
+    monkeypatch.setattr(setup, "proc_kib", lambda path, key: need - 1)
     with pytest.raises(LrmoeError, match="MemAvailable"):
         setup.check_model_fits(cfg, run, ctx)
 

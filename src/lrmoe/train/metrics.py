@@ -36,16 +36,22 @@ def host_rss_bytes() -> int | None:
         return None
 
 
+def proc_kib(path: str, key: str) -> int | None:
+    """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes; None where
+    there is none."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def host_peak_rss_bytes() -> int | None:
     """This process's largest resident set so far, in bytes: ``VmHWM`` where Linux has it
     (its ``ru_maxrss`` keeps the mark of the image before ``exec``), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    peak = proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
     except ImportError:

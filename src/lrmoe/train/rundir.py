@@ -136,10 +136,8 @@ def give_up(d: Path, created: bool, subdirs: tuple[Path, ...] = ()) -> None:
         for m in (MARKER, BENCH_MARKER):
             (d / m).unlink(missing_ok=True)
         for sub in (*subdirs, d):
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(sub)
-            except OSError:
-                pass
 
 
 def _metrics_rows(p: Path) -> int:

@@ -1,12 +1,6 @@
-"""The divergence guard: stop a run whose loss blew up but stayed finite.
-
-NaN and inf are caught where the loss is computed; a finite blow-up (a too-high
-``--lr`` taking the loss from 5 to 385,000) is not. The guard keeps an exponential
-moving average of the training loss (``ema = BETA * ema + (1 - BETA) * loss``) and its
-running minimum; after ``DIVERGENCE_WARMUP`` steps, an average above ``factor`` times
-the minimum stops the run, before the diverged step updates the weights. The average
-and the minimum are saved with each checkpoint, so a resumed run checks exactly what
-the uninterrupted one would.
+"""The divergence guard: stop a run whose loss blew up but stayed finite (NaN and inf are
+caught where the loss is computed). The rule, and why its state is checkpointed:
+docs/design.md §7.
 """
 
 from __future__ import annotations

@@ -244,10 +244,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
     notes = []
     for step, d in reversed(checkpoint_dirs(run_dir)):
         if (d / MANIFEST).exists():
-            ck = Checkpoint(d, step, read_manifest(d), notes)
-            for p in partial_dirs(run_dir):
-                notes.append(f"ignored {p.name}: an interrupted save")
-            return ck
+            notes += [f"ignored {p.name}: an interrupted save" for p in partial_dirs(run_dir)]
+            return Checkpoint(d, step, read_manifest(d), notes)
         notes.append(f"skipped the newer {d.name}: it has no {MANIFEST}, so its save "
                      "never finished")
     return None

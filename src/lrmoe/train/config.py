@@ -329,13 +329,9 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
 
 def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:
     """``"lr=0.001 (run: 0.003), ..."`` for trajectory fields that differ; "" if none."""
-    bad = []
-    for name, now in cfg.flat().items():
-        if name in FREE_ON_RESUME or name in RESUME_CHANGES or name not in saved:
-            continue
-        if now != saved[name]:
-            bad.append(f"{name}={now!r} (run: {saved[name]!r})")
-    return ", ".join(bad)
+    return ", ".join(f"{name}={now!r} (run: {saved[name]!r})" for name, now in cfg.flat().items()
+                     if name not in FREE_ON_RESUME and name not in RESUME_CHANGES
+                     and name in saved and now != saved[name])
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> dict[str, list]:

@@ -22,7 +22,7 @@ from lrmoe.policy import LrmoeConfig, LrmoePolicy, PlanInputs, SymiPolicy
 from lrmoe.policy.base import prepare
 from lrmoe.policy.link_cost import plan_seconds
 from lrmoe.policy.lrmoe import plan_lrmoe
-from lrmoe.policy.lrmoe_link import natives_GS
+from lrmoe.policy.lrmoe_place import natives_GS
 from lrmoe.presets import get_preset
 from lrmoe.sim.analytic import modelled_stats
 from lrmoe.sim.cost import step_times

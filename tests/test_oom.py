@@ -88,7 +88,8 @@ def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
     """``LrmoeConfig(whole_layer=False)`` stops the ladder before that rung: where it would
     be taken the step is out of memory, needing more than the budget. ``lrmoe train``
     climbs to it (its runtime runs the whole-layer checkpoint)."""
-    from lrmoe.train.config import TrainConfig, build_policy
+    from lrmoe.policy.registry import make_policy
+    from lrmoe.train.config import TrainConfig
 
     cfg = get_preset("tiny-qwen3")
     G = 4
@@ -102,7 +103,8 @@ def test_without_the_whole_layer_rung_the_layer_budget_is_out_of_memory():
     with pytest.raises(OutOfMemory, match="recompute-natives\\)") as e:
         plan_lrmoe(counts, LrmoeConfig(whole_layer=False), led)
     assert e.value.needs_bytes > e.value.budget_bytes == floor
-    pol = build_policy(TrainConfig.from_flat(preset="tiny-qwen3", policy="lrmoe", ep=1), cfg, 1)
+    pol = make_policy(TrainConfig.from_flat(preset="tiny-qwen3", policy="lrmoe", ep=1).policy,
+                      cfg, 1)
     assert pol.config.whole_layer is True
 
 

@@ -20,14 +20,16 @@ from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
-from lrmoe.policy.plan import even_split, full_plan, interval_overlap
-from lrmoe.policy.plan_numpy import apportion_np, even_split_np, interval_overlap_np
+from lrmoe.policy.plan import full_plan
+from lrmoe.policy.plan_numpy import Slots, apportion_rows_np, blocks_to_GGS
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
 from lrmoe.presets import get_preset
 from references import lrmoe_planner
 from references.plans import (
     contiguous_placement,
+    even_split,
+    interval_overlap,
     plan_capacity_reference,
     replica_counts,
     symi_fewer_placement,
@@ -172,7 +174,7 @@ def test_numpy_primitives_equal_torch():
         N, K = int(rng.integers(1, 40)), int(rng.integers(1, 60))
         w = rng.integers(0, int(rng.integers(1, 30)), size=(N, K))
         tot = np.floor(w.sum(0) * rng.random(K)).astype(np.int64)
-        assert np.array_equal(apportion_np(tot, w),
+        assert np.array_equal(apportion_rows_np(tot, w.T).T,
                               apportion(torch.from_numpy(tot), torch.from_numpy(w)).numpy())
         G = int(rng.choice([1, 2, 4, 8]))
         E = G * int(rng.integers(1, 5))
@@ -184,8 +186,9 @@ def test_numpy_primitives_equal_torch():
         inst[:, E // G:] = extra
         ti = torch.from_numpy(inst)
         load = even_split(c, ti)
-        assert np.array_equal(even_split_np(c.numpy(), inst), load.numpy())
-        assert np.array_equal(interval_overlap_np(c.numpy(), inst, load.numpy()),
+        idx = Slots(inst, E)
+        assert np.array_equal(idx.even_split(c.numpy().sum(0)), load.numpy())
+        assert np.array_equal(blocks_to_GGS(idx.overlap_ig(c.numpy(), load.numpy()), G, S),
                               interval_overlap(c, ti, load).numpy())
 
 
@@ -193,8 +196,6 @@ def test_apportion_of_large_blocks_equals_torch():
     """The split of many rows (the float-division quotient and the narrow sort keys it
     takes from 2,048 entries on) against the torch reading: small and large weights,
     totals from none to all, keys near the int32 and float limits of their paths."""
-    from lrmoe.policy.plan_numpy import apportion_rows_np
-
     rng = np.random.default_rng(4)
     for i in range(60):
         K, N = int(rng.integers(30, 300)), int(rng.integers(8, 70))

@@ -18,11 +18,11 @@ from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
-from lrmoe.policy.plan import Plan, even_split, full_plan
+from lrmoe.policy.plan import Plan, full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import largest_feasible_slots, plan_symi
-from references.plans import contiguous_placement, replica_counts
+from references.plans import contiguous_placement, even_split, replica_counts
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -494,10 +494,11 @@ def test_lrmoe_placement_reaches_the_planner_from_every_command():
     """--lrmoe-placement / lrmoe:placement=previous end up in the planner's config (train,
     plan, bench ttl); a bad value is one error naming it."""
     from lrmoe.commands.plan import plan_policy
+    from lrmoe.policy.registry import make_policy
     from lrmoe.presets import get_preset
     from lrmoe.sim.ttl import _choose
     from lrmoe.sim.ttl_config import TTLConfig, policy_variant
-    from lrmoe.train.config import build_policy, check_args, config_from_cli
+    from lrmoe.train.config import check_args, config_from_cli
 
     base, cfg = policy_variant("lrmoe:recompute+placement=previous", TTLConfig())
     pc = _choose(base, cfg, get_preset("tiny-qwen3"), None)[0]
@@ -511,7 +512,7 @@ def test_lrmoe_placement_reaches_the_planner_from_every_command():
     assert plan_policy(args).lrmoe.placement == "previous"
     tc = config_from_cli({"policy": "lrmoe", "lrmoe_placement": "previous",
                           "preset": "tiny-qwen3"})
-    assert build_policy(tc, get_preset("tiny-qwen3"), 2).config.placement == "previous"
+    assert make_policy(tc.policy, get_preset("tiny-qwen3"), 2).config.placement == "previous"
     with pytest.raises(LrmoeError, match="--lrmoe-placement 'next'"):
         check_args(config_from_cli({"policy": "lrmoe", "lrmoe_placement": "next",
                                     "preset": "tiny-qwen3"}))

@@ -184,11 +184,23 @@ def test_cpu_offload_precheck_asks_the_whole_state(monkeypatch):
     run = SimpleNamespace(optimizer_offload="host")
     ctx = SimpleNamespace(device=torch.device("cpu"), ep_size=1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(setup, "_mem_available", lambda: need)
+    monkeypatch.setattr(setup, "proc_kib", lambda path, key: need)
     setup.check_model_fits(cfg, run, ctx)
-    monkeypatch.setattr(setup, "_mem_available", lambda: need - 1)
+    monkeypatch.setattr(setup, "proc_kib", lambda path, key: need - 1)
     with pytest.raises(LrmoeError, match="MemAvailable"):
         setup.check_model_fits(cfg, run, ctx)
+
+
+def test_proc_kib_reads_one_key_in_bytes(tmp_path):
+    """The /proc reader behind the memory precheck and the peak resident set."""
+    from lrmoe.train.metrics import proc_kib
+
+    p = tmp_path / "meminfo"
+    p.write_text("MemTotal:       64 kB\nMemAvailable:   48 kB\nVmHWM:  7 kB\n")
+    assert proc_kib(str(p), "MemAvailable") == 48 * 1024
+    assert proc_kib(str(p), "VmHWM") == 7 * 1024
+    assert proc_kib(str(p), "Mem") is None  # whole keys only
+    assert proc_kib(str(tmp_path / "none"), "MemAvailable") is None
 
 
 def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, text, capsys):

@@ -391,3 +391,24 @@ def test_layer_row_sums_counters_takes_the_slowest_rank_and_averages_fidelity():
     row = layer_row({"plan_replicas": 1}, ranks, pairs=8)
     assert row == {"rank_load_max_over_mean": 1.5, "replicas": 1, "pairs": 8, "retained": 8,
                    "fwd_bytes": 140, "expert_fwd_ms": 2.5, "fidelity_cosine": 0.75}
+
+
+def test_layer_row_combines_every_rank_counter():
+    """A layer's metrics row: byte and row counters summed over the ranks, timings at the
+    slowest rank (random counters, the sums written out by hand)."""
+    from lrmoe.train.metrics import layer_row, rank_summary
+
+    g = torch.Generator().manual_seed(7)
+    keys = ("fwd_dispatch_bytes_sent", "fwd_combine_bytes_sent", "bwd_dispatch_bytes_sent",
+            "bwd_combine_bytes_sent", "bwd_exact_bytes", "fwd_rows", "selected_rows")
+    stats = [dict(zip(keys, torch.randint(0, 1000, (len(keys),), generator=g).tolist()),
+                  expert_fwd_ms=float(torch.rand((), generator=g))) for _ in range(3)]
+    row = layer_row({}, [rank_summary(s) for s in stats])
+
+    def total(*names):
+        return sum(s[n] for s in stats for n in names)
+    assert row["fwd_bytes"] == total("fwd_dispatch_bytes_sent", "fwd_combine_bytes_sent")
+    assert row["bwd_bytes"] == total("bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent")
+    assert row["bwd_exact_bytes"] == total("bwd_exact_bytes")
+    assert (row["fwd_rows"], row["selected"]) == (total("fwd_rows"), total("selected_rows"))
+    assert row["expert_fwd_ms"] == pytest.approx(max(s["expert_fwd_ms"] for s in stats), rel=1e-3)

@@ -44,19 +44,14 @@ def _check_type(f: dataclasses.Field, v: Any) -> None:
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if default is None and v is None:
         return
-    want = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            list: "a list of integers"}.get(type(default), "an integer")
-    if isinstance(default, bool):
-        ok = isinstance(v, bool)
-    elif isinstance(default, float):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    elif isinstance(default, str):
-        ok = isinstance(v, str)
-    elif isinstance(default, list):
-        ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
-                                         for x in v)
-    else:  # int, or int | None (head_dim)
-        ok = isinstance(v, int) and not isinstance(v, bool)
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+    want, ok = {  # by the default's type; int, or int | None (head_dim), otherwise
+        bool: ("true or false", isinstance(v, bool)),
+        float: ("a number", is_int(v) or isinstance(v, float)),
+        str: ("a string", isinstance(v, str)),
+        list: ("a list of integers", isinstance(v, list) and all(map(is_int, v))),
+    }.get(type(default), ("an integer", is_int(v)))
     if not ok:
         raise LrmoeError(f"config field {f.name}={v!r} must be {want}")
 

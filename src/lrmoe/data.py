@@ -396,10 +396,6 @@ class PackedBatches:
             self._perms[epoch] = torch.randperm(self.num_windows, generator=g)
         return self._perms[epoch]
 
-    def epoch(self, step: int) -> float:
-        """Fractional epoch reached at the start of ``step``."""
-        return step * self.batch_size / self.num_windows
-
     def window_indices(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """Window ids of rank's rows of global batch ``step``: int64 ``[B // world]``."""
         step = _check_int("step", step, low=0)

@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from lrmoe.config import ModelConfig
+from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for, remove_dead_leftovers, staging_dir
 from lrmoe.model.moe import MoELayer
@@ -123,14 +123,7 @@ def _read_config(path: Path) -> tuple[ModelConfig, int]:
     if not cfile.is_file():
         raise LrmoeError(f"{path} has no {CONFIG_NAME}; a HF checkpoint directory needs "
                          f"{CONFIG_NAME} beside its *.safetensors files")
-    try:
-        raw = json.loads(cfile.read_text())
-    except OSError as e:
-        raise LrmoeError(f"cannot read {cfile}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LrmoeError(f"{cfile} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise LrmoeError(f"{cfile} must hold a JSON object")
+    raw = read_config_json(cfile)
     if raw.get("format") == "lrmoe-run-v1":
         raise LrmoeError(f"{path} is an lrmoe train run directory, not a HF checkpoint (its "
                          f"{CONFIG_NAME} is the run's); evaluate it with `lrmoe eval {path}`, "
@@ -474,16 +467,11 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
     """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in shards of
     at most ``max_shard_bytes``, each materialised just before it is written
     (``before_shard(names)`` first), then ``extra_files`` and ``config.json``; atomically."""
+    from lrmoe.train.ckpt_write import files_of
+
     old = _check_target_files(target, cfg) if target.exists() else []
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, b in enumerate(nbytes):
-        if shards[-1] and size + b > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += b
+    shards = files_of(list(range(len(entries))), max_shard_bytes, lambda i: nbytes[i])
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [
         f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]

@@ -96,7 +96,8 @@ class _ShardReader:
 
         self.cache = {}  # the previous shard's tensors go before this one's are read
         keys = sorted({self._key(self.by_key[n])[0] for n in names})
-        self.most = max(self.most, sum(_item_bytes(self.md[k]) for k in keys))
+        self.most = max(self.most, sum(math.prod(self.md[k].size)
+                                       * self.md[k].properties.dtype.itemsize for k in keys))
         self.cache = read_tensors(self.ck, keys, self.md)
 
     def get(self, name: str) -> torch.Tensor:
@@ -106,11 +107,6 @@ class _ShardReader:
         out = t[index].to(self.out_dtypes[pc.target])
         # a slice of a row is copied: safetensors versions differ on slices sharing storage
         return out.clone() if index and out.data_ptr() == t[index].data_ptr() else out
-
-
-def _item_bytes(md) -> int:
-    """Tensor bytes of a checkpoint key (its storage metadata)."""
-    return math.prod(md.size) * md.properties.dtype.itemsize
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,

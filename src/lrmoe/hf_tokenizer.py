@@ -10,11 +10,11 @@ digest of ``tokenizer.json`` and the end-of-document id (docs/design.md §7).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
+from lrmoe.config import read_config_json
 from lrmoe.errors import LrmoeError
 from lrmoe.tokenizer import TOKENIZER_FILE, BpeTokenizer, _concat
 
@@ -63,21 +63,11 @@ class HfTokenizer(BpeTokenizer):
         return out / TOKENIZER_FILE
 
 
-def _json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LrmoeError(f"cannot read {path}: {e}") from None
-    if not isinstance(d, dict):
-        raise LrmoeError(f"{path} must hold a JSON object")
-    return d
-
-
 def _eos_id(d: Path, tok) -> int:
     """The end-of-document id (see the module doc)."""
     tc = d / "tokenizer_config.json"
     if tc.is_file():
-        eos = _json(tc).get("eos_token")
+        eos = read_config_json(tc).get("eos_token")
         if isinstance(eos, dict):  # an AddedToken: {"content": "<|im_end|>", ...}
             eos = eos.get("content")
         if eos is not None:
@@ -88,7 +78,7 @@ def _eos_id(d: Path, tok) -> int:
             return i
     gc = d / "generation_config.json"
     if gc.is_file():
-        ids = _json(gc).get("eos_token_id")
+        ids = read_config_json(gc).get("eos_token_id")
         first = ids[0] if isinstance(ids, list) and ids else ids
         if isinstance(first, int) and not isinstance(first, bool):
             if tok.id_to_token(first) is None:

@@ -44,6 +44,18 @@ def _undominated(pieces: np.ndarray) -> list[int]:
     return keep
 
 
+def recompute_bounds(B: int, a: np.ndarray, d: np.ndarray, k: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """For retained counts ``k`` (any shape), from the ``rec >= 1`` pieces' value ``a`` at ``rec
+    = 0`` and slope ``d`` (``[..., P]``): whether some ``1 <= rec <= k`` keeps every piece
+    within budget ``B``, and the fewest."""
+    neg, pos, zero = d < 0, d > 0, d == 0
+    lo = np.maximum(1, np.where(neg, -((B - a) // np.where(neg, -d, 1)), 1).max(-1))
+    hi = np.minimum(k, np.where(pos, (B - a) // np.where(pos, d, 1), np.int64(1 << 62)).min(-1))
+    ok = (lo <= hi) & np.where(zero, a <= B, True).all(-1)
+    return ok, lo
+
+
 @dataclass(frozen=True)
 class BackwardRows:
     """One rank's backward rows for a known plan (:meth:`Ledger.backward_rows`)."""
@@ -382,35 +394,20 @@ class Ledger:
     def _recompute_bounds(self, n: int, R: int, h: int, ks: np.ndarray, exact: bool
                           ) -> tuple[np.ndarray, np.ndarray]:
         """For each retained count in ``ks``: whether some ``1 <= rec <= k`` fits, and the fewest."""
-        B = self.budget_bytes
         per_slot, P = self.total_pieces(h, exact, True)
-        a = (per_slot * n + P[:, 0] + P[:, 1] * R)[:, None] + P[:, 2][:, None] * ks[None, :]
-        d = P[:, 3]
-        lo, hi = np.ones_like(ks), ks.copy()
-        neg, pos, zero = d < 0, d > 0, d == 0
-        if neg.any():  # ceil((a - B) / -d)
-            lo = np.maximum(lo, (-((B - a[neg]) // (-d[neg])[:, None])).max(0))
-        if pos.any():  # floor((B - a) / d)
-            hi = np.minimum(hi, ((B - a[pos]) // d[pos][:, None]).min(0))
-        ok = lo <= hi
-        if zero.any():
-            ok &= (a[zero] <= B).all(0)
-        return ok, lo
-
-    @staticmethod
-    def _home_pairs(plan, home_pairs: int | None) -> Tensor:
-        if home_pairs is not None:
-            return torch.full((plan.G,), int(home_pairs), dtype=torch.long)
-        home = plan.assign_GGS.sum(dim=(1, 2))
-        if plan.dropped_GE is not None:
-            home = home + plan.dropped_GE.long().sum(1)
-        return home
+        a = (per_slot * n + P[:, 0] + P[:, 1] * R)[None, :] + ks[:, None] * P[:, 2][None, :]
+        return recompute_bounds(self.budget_bytes, a, np.broadcast_to(P[:, 3], a.shape), ks)
 
     def _rank_counts(self, plan, tokens_per_rank_home: int | None
                      ) -> list[tuple[int, int, int, int]]:
-        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``."""
-        home = self._home_pairs(
-            plan, None if tokens_per_rank_home is None else tokens_per_rank_home * self.top_k)
+        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``; the home pairs
+        are the plan's (assigned and dropped) unless ``tokens_per_rank_home`` sizes them."""
+        if tokens_per_rank_home is not None:
+            home = torch.full((plan.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
+        else:
+            home = plan.assign_GGS.sum(dim=(1, 2))
+            if plan.dropped_GE is not None:
+                home = home + plan.dropped_GE.long().sum(1)
         n_inst = (plan.inst_expert_GS >= 0).sum(1)
         recv = plan.assign_GGS.sum(dim=(0, 2))
         kept = plan.retain_GGS.sum(dim=(0, 2))

@@ -10,6 +10,19 @@ from __future__ import annotations
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 
+# what the tiny and the small shapes of both families share
+_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=96,
+             num_experts=16, norm_topk_prob=True, rope_theta=10000.0,
+             max_position_embeddings=2048)
+_SMALL = dict(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=64,
+              num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1_000_000.0,
+              max_position_embeddings=4096)
+# GLM-4.5's fields the tiny and small GLM shapes keep
+_GLM = dict(model_type="glm4_moe", partial_rotary_factor=0.5, n_shared_experts=1,
+            first_k_dense_replace=1, attention_bias=True, use_qk_norm=False, rms_norm_eps=1e-5)
+
 PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -18,41 +31,19 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
         rms_norm_eps=1e-6, router_aux_loss_coef=0.001),
     "glm-4.5-air": dict(
-        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+        _GLM, vocab_size=151552, hidden_size=4096, intermediate_size=10944,
         num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
-        partial_rotary_factor=0.5, moe_intermediate_size=1408, num_experts=128,
-        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True,
-        attention_bias=True, use_qk_norm=False, rope_theta=1_000_000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-5),
-    "tiny-qwen3": dict(
-        model_type="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        moe_intermediate_size=96, num_experts=16, num_experts_per_tok=2,
-        norm_topk_prob=True, rope_theta=10000.0, max_position_embeddings=2048,
-        router_aux_loss_coef=0.01),
-    "tiny-glm": dict(
-        model_type="glm4_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        partial_rotary_factor=0.5, moe_intermediate_size=96, num_experts=16,
-        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
-        attention_bias=True, use_qk_norm=False, rope_theta=10000.0,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, bias_update_rate=0.001),
-    "small-qwen3": dict(
-        model_type="qwen3_moe", vocab_size=256, hidden_size=512, intermediate_size=1536,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        moe_intermediate_size=192, num_experts=64, num_experts_per_tok=8,
-        norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=4096,
-        router_aux_loss_coef=0.001),
-    "small-glm": dict(
-        model_type="glm4_moe", vocab_size=256, hidden_size=512, intermediate_size=1536,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        partial_rotary_factor=0.5, moe_intermediate_size=176, num_experts=64,
-        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True,
-        attention_bias=True, use_qk_norm=False, rope_theta=1_000_000.0,
-        max_position_embeddings=4096, rms_norm_eps=1e-5),
+        moe_intermediate_size=1408, num_experts=128, num_experts_per_tok=8, n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+        rope_theta=1_000_000.0, max_position_embeddings=131072),
+    "tiny-qwen3": dict(_TINY, model_type="qwen3_moe", num_experts_per_tok=2,
+                       router_aux_loss_coef=0.01),
+    "tiny-glm": dict(_TINY, **_GLM, num_experts_per_tok=4, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, bias_update_rate=0.001),
+    "small-qwen3": dict(_SMALL, model_type="qwen3_moe", moe_intermediate_size=192,
+                        router_aux_loss_coef=0.001),
+    "small-glm": dict(_SMALL, **_GLM, moe_intermediate_size=176, n_group=1, topk_group=1,
+                      routed_scaling_factor=1.0),
 }
 
 

@@ -22,7 +22,8 @@ from torch import Tensor
 from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.capacity import apportion
 from lrmoe.policy.lrmoe import LrmoeConfig
-from lrmoe.policy.plan import Plan, even_split, interval_overlap
+from lrmoe.policy.plan import Plan
+from references.plans import even_split, interval_overlap
 
 
 def _even(total: int, n: int) -> list[int]:

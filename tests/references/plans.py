@@ -1,4 +1,5 @@
-"""The planners' torch and loop readings: capacity's plan in torch (the runtime's is
+"""The planners' torch and loop readings: the interval split (the runtime's is numpy,
+:class:`lrmoe.policy.plan_numpy.Slots`), capacity's plan in torch (the runtime's is
 numpy, :func:`lrmoe.policy.capacity.plan_capacity`) and SYMI's replica counts as a scan
 (the runtime's use heaps, :func:`lrmoe.policy.symi.replica_counts_heap`).
 
@@ -12,9 +13,59 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.capacity import apportion, capacity_per_expert
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import _floor_counts
+
+
+def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:
+    """``assign_GGS``: each expert's pairs, laid out home by home, split over its instances
+    by contiguous intervals in slot order (instance ``i`` takes ``inst_load_GS[i]``)."""
+    G, E = counts_GE.shape
+    S = inst_expert_GS.shape[1]
+    c = counts_GE.long()
+    home_hi = c.cumsum(0)  # [G, E] end of home g's interval within expert e
+    home_lo = home_hi - c
+    ie = inst_expert_GS.flatten()
+    load = inst_load_GS.flatten().long() * (ie >= 0).long()
+    e_idx = ie.clamp(min=0)
+    # Instance interval: cumulative load of earlier instances of the same expert.
+    order = torch.argsort(e_idx * (G * S) + torch.arange(G * S), stable=True)
+    load_sorted = load[order]
+    e_sorted = e_idx[order]
+    cum = load_sorted.cumsum(0)
+    starts = torch.searchsorted(e_sorted, e_sorted)  # first sorted position of each expert
+    inst_hi_sorted = cum - (cum - load_sorted)[starts]
+    inst_hi = torch.empty_like(inst_hi_sorted)
+    inst_hi[order] = inst_hi_sorted
+    inst_lo = inst_hi - load
+    lo = torch.maximum(home_lo[:, e_idx], inst_lo[None, :])
+    hi = torch.minimum(home_hi[:, e_idx], inst_hi[None, :])
+    assign = (hi - lo).clamp(min=0) * (ie >= 0).long()[None, :]
+    return assign.reshape(G, G, S)
+
+
+def even_split(counts_GE: Tensor, inst_expert_GS: Tensor) -> Tensor:
+    """Instance loads that split each expert's total evenly (the first ones get +1)."""
+    total_E = counts_GE.long().sum(0)
+    ie = inst_expert_GS.flatten()
+    valid = ie >= 0
+    e_idx = ie.clamp(min=0)
+    n_E = torch.zeros_like(total_E).index_add_(0, e_idx, valid.long())
+    G, S = inst_expert_GS.shape
+    # rank of each instance among its expert's instances, in global slot order; empty
+    # slots sort after every expert so they never shift an expert's ranks.
+    e_key = torch.where(valid, e_idx, torch.full_like(e_idx, total_E.numel()))
+    order = torch.argsort(e_key * (G * S) + torch.arange(G * S), stable=True)
+    e_sorted = e_key[order]
+    pos = torch.arange(G * S)
+    k_sorted = pos - torch.searchsorted(e_sorted, e_sorted)
+    k = torch.empty_like(k_sorted)
+    k[order] = k_sorted
+    n = n_E[e_idx].clamp(min=1)
+    base = total_E[e_idx] // n
+    extra = (k < (total_E[e_idx] % n)).long()
+    return ((base + extra) * valid.long()).reshape(G, S)
 
 
 def plan_capacity_reference(counts_GE: Tensor, capacity_factor: float) -> Plan:
@@ -25,8 +76,9 @@ def plan_capacity_reference(counts_GE: Tensor, capacity_factor: float) -> Plan:
     cap = capacity_per_expert(c, capacity_factor)
     kept_E = c.sum(0).clamp(max=cap)
     kept_GE = apportion(kept_E, c)
-    p = full_plan(kept_GE, native_placement(G, E))
-    return Plan(p.inst_expert_GS, p.assign_GGS, p.retain_GGS, p.select_GGS,
+    ie = native_placement(G, E)
+    a = interval_overlap(kept_GE, ie, even_split(kept_GE, ie))
+    return Plan(ie.long(), a, a.clone(), a.clone(),
                 dropped_GE=c - kept_GE)
 
 

@@ -10,6 +10,7 @@ pairs are all retained and selected.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,9 +20,9 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs, Policy
-from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.plan import Plan
-from lrmoe.policy.plan_numpy import apportion_np, even_split_np, host_counts, interval_overlap_np, to_plan
+from lrmoe.policy.plan import Plan, native_plan
+from lrmoe.policy.plan_numpy import apportion_rows_np, host_counts
+from lrmoe.policy.static import raise_if_over
 
 
 def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
@@ -61,10 +62,9 @@ def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     c = host_counts(counts_GE)
     cap = capacity_per_expert(counts_GE, capacity_factor)
-    kept_GE = apportion_np(np.minimum(c.sum(0), cap), c)
-    inst = np.arange(E).reshape(G, E // G)  # native placement
-    a = interval_overlap_np(kept_GE, inst, even_split_np(kept_GE, inst))
-    return to_plan(inst, a, a.copy(), a.copy(), dropped_GE=c - kept_GE)
+    kept_GE = apportion_rows_np(np.minimum(c.sum(0), cap), c.T).T
+    return dataclasses.replace(native_plan(torch.from_numpy(kept_GE)),
+                               dropped_GE=torch.from_numpy(c - kept_GE))
 
 
 @dataclass
@@ -78,11 +78,5 @@ class CapacityPolicy(Policy):
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         plan = plan_capacity(counts_GE, self.capacity_factor)
-        led = inputs.ledger
-        if led is not None and led.budget_bytes is not None:
-            G, E = counts_GE.shape
-            c = plan.assign_GGS.numpy()
-            view = LedgerView(led, host_counts(counts_GE).sum(1), exact=plan.exact)
-            recv = c.sum((0, 2))
-            view.raise_if_over(np.full(G, E // G), recv, recv, None, "the plan")
+        raise_if_over(plan, host_counts(counts_GE).sum(1), inputs.ledger)
         return plan

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lrmoe.ledger import recompute_bounds
+
 _NEVER = -(1 << 60)  # a padding piece's constant: it never binds
 _BIG = 1 << 62       # "no limit" for a capacity
 
@@ -149,18 +151,6 @@ class LedgerView:
             return False
         return bool((self.totals(n_G, R_G, k_G, rec_G) > self.budget).any())
 
-    def _rec_bounds(self, a: np.ndarray, d: np.ndarray, k: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`Ledger._recompute_bounds` for many ``(rank, k)`` at once, from the ``rec >= 1``
-        pieces' value ``a`` at ``rec = 0`` and slope ``d``: ``(ok, fewest rec)``."""
-        B = self.budget
-        neg, pos, zero = d < 0, d > 0, d == 0
-        big = np.int64(_BIG)
-        lo = np.maximum(1, np.where(neg, -((B - a) // np.where(neg, -d, 1)), 1).max(-1))
-        hi = np.minimum(k, np.where(pos, (B - a) // np.where(pos, d, 1), big).min(-1))
-        ok = (lo <= hi) & np.where(zero, a <= B, True).all(-1)
-        return ok, lo
-
     def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
         """:meth:`Ledger.exact_fit` of an exact plan, every rank at once: ``(mode, rows recomputed
         per rank, total bytes per rank)``."""
@@ -173,7 +163,7 @@ class LedgerView:
             P = self.pieces[1][short]
             a = ((self.cn * n_G[short])[:, None] + P[:, :, 0] + P[:, :, 1] * R_G[short, None]
                  + P[:, :, 2] * k_G[short, None])
-            ok, lo = self._rec_bounds(a, P[:, :, 3], k_G[short])
+            ok, lo = recompute_bounds(self.budget, a, P[:, :, 3], k_G[short])
             rec[short] = np.where(ok, lo, -1)
         if rec.min() >= 0:
             return ("fits" if rec.max() == 0 else "pairs"), rec, self.totals(n_G, R_G, k_G, rec)
@@ -231,7 +221,7 @@ class LedgerView:
         top = np.minimum(up, R[i])
         ks = top[:, None] - np.arange(window)[None, :]  # [m, w]
         a = A0[:, None, :] + c[:, None, :] * ks[:, :, None]
-        ok, lo = self._rec_bounds(a, np.broadcast_to(d[:, None, :], a.shape), ks)
+        ok, lo = recompute_bounds(self.budget, a, np.broadcast_to(d[:, None, :], a.shape), ks)
         ok &= ks > k0[i, None]
         has = ok.any(1)
         j = np.argmax(ok, 1)  # the first (largest k) feasible

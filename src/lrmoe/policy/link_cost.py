@@ -77,7 +77,7 @@ class LinkCost:
         if not b.any():
             return 0.0
         if not self.node_size or G <= self.node_size:
-            return _alltoall(b, self.bandwidth_Bps, self.latency_s, G)
+            return float(_alltoall_G(b, self.bandwidth_Bps, self.latency_s, G).max())
         node = np.arange(G) // self.node_size
         same = node[:, None] == node[None, :]
         return float(np.maximum(
@@ -88,10 +88,6 @@ class LinkCost:
 
 def _alltoall_G(b: np.ndarray, bw: float, lat: float, peers: int) -> np.ndarray:
     return np.maximum(b.sum(1), b.sum(0)) / bw + lat * max(peers - 1, 0)
-
-
-def _alltoall(b: np.ndarray, bw: float, lat: float, peers: int) -> float:
-    return float(_alltoall_G(b, bw, lat, peers).max())
 
 
 def plan_seconds(cost: LinkCost, plan, E: int) -> float:

@@ -3,57 +3,10 @@
 Legend: G ranks, S slots per rank, E experts; a *block* ``[g, r, s]`` is the pairs home
 ``g`` sends to instance ``(r, s)``. All tensors int64 on the CPU.
 
-The plan is built in three passes (docs/design.md §4, lrmoe), each deterministic:
-
-1. **Placement.** Start from the natives (rank ``r`` holds experts ``r·E/G ..``) with
-   ``max_slots_per_rank - E/G`` empty slots per rank. Repeatedly take the experts that
-   have an instance on a rank at the maximum load, in descending per-instance load
-   (ties: lower id); for each, find the least-loaded rank (ties: lower id) that has a
-   free slot, holds no instance of it yet, and can afford the new instance plus the
-   activations its pairs need: after the addition the ledger must leave room on that
-   rank to retain ``min(received, max(instances, ceil(min_keep · M), ceil(ρ ·
-   received)))`` pairs, where ``M`` is the mean retained pairs per rank (the balanced
-   backward load pass 3 aims at) and ``ρ`` the smallest retained fraction of any rank
-   (1 when everything is retained). Add the replica if that strictly lowers ``(max
-   rank load, number of ranks at the max)``. So when the budget lets every rank
-   retain everything, replicas go only where they keep that true (the plan stays
-   exact); under a tight budget a replica trades some of its host's retention (one
-   instance's bytes plus its buffers) for forward balance, never leaving the host
-   worse off than the worst rank already is, nor below ``min_keep`` of a balanced
-   rank's backward work (while a rank at the maximum load does not fit at all, a
-   destination need only stay feasible: any plan beats none). Stop when no expert
-   improves the objective, the slots run out or ``max_replicas_per_step`` is reached.
-   Each expert's pairs are split evenly over its instances (re-split after every
-   addition; first instances in slot order get +1).
-2. **Retention quotas.** Each rank retains ``min(received, affordable)`` pairs, where
-   ``affordable`` is what its budget has left after owned state, instances and buffers
-   (everything, without a budget). With ``recompute`` a rank short of room retains as
-   many pairs as fit when each keeps only its input row, and recomputes the gate_up
-   output of the fewest of them (``Plan.recompute_G``). The rank's quota goes first one pair to each
-   non-empty instance, then the rest in proportion to the instances' remaining loads;
-   an instance's quota goes to its blocks in proportion to their pairs.
-3. **Backward quotas.** ``M`` = mean retained pairs per rank. A rank above ``M`` trims its
-   selected pairs to ``ceil(M + (1 - balance)·(retained - M))``, never below the floor
-   ``min(retain, ceil(min_keep·assign))`` of any block: the cut is shared over its
-   instances, and then their blocks, in proportion to how far each is above its floor
-   (with every pair retained this scales every instance by the same factor).
-   ``selection=False`` selects every retained pair.
-
-All rounding is largest-remainder (:func:`lrmoe.policy.capacity.apportion`), so sums are
-exact. The plan never exceeds the ledger's budget; if even its placed instances with one
-retained pair each do not fit, :func:`plan_lrmoe` (the one entry point, what
-:class:`LrmoePolicy` runs) climbs the ladder of fallbacks of
-:mod:`lrmoe.policy.lrmoe_ladder` (exact, recompute, without replicas, whole-layer
-checkpoint), naming the rung in ``Plan.rung``; it raises only when no rung fits.
-
-**How it runs fast** (it is on every MoE layer's critical path). The planner works on
-the host counts the runtime already has after its count all-gather (no device work, no
-extra synchronisation, no collective) and makes exactly the plans of the loop-by-loop
-reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py):
-placement keeps incremental state (:mod:`lrmoe.policy.lrmoe_place`), byte counts come
-from the ledger's vectorised view (:mod:`lrmoe.policy.ledger_view`, which asks the
-ledger, re-deriving nothing), and passes 2 and 3 are numpy
-(:mod:`lrmoe.policy.lrmoe_quotas`).
+The three passes (placement, retention quotas, backward quotas), the ladder
+:func:`plan_lrmoe` climbs when the trimmed plan does not fit (:mod:`.lrmoe_ladder`) and
+how the planner runs fast: docs/design.md §4, lrmoe. It makes exactly the plans of the
+loop-by-loop reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py).
 """
 
 from __future__ import annotations
@@ -70,15 +23,14 @@ from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import LinkCost
 from lrmoe.policy.lrmoe_ladder import Trimmed, climb
-from lrmoe.policy.lrmoe_link import natives_GS, no_slower_than_static, worth_their_link
-from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
+from lrmoe.policy.lrmoe_link import no_slower_than_static, worth_their_link
+from lrmoe.policy.lrmoe_place import MoveLog, natives_GS, place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import (
     Slots,
     blocks_to_GGS,
     host_counts,
-    interval_overlap_ig,
     to_plan,
 )
 
@@ -88,40 +40,14 @@ KEEPS = ("fixed", "auto")
 
 @dataclass
 class LrmoeConfig:
-    """Knobs of the LRMoE planner. (The backward's selection knobs are the runtime's
-    :class:`lrmoe.parallel.options.BackwardOptions`; how often it measures fidelity,
-    :class:`lrmoe.policy.registry.FidelityConfig`.)
-
-    Attributes:
-        balance: how far backward quotas trim a rank above the mean backward load
-            toward the mean (1 = fully to the mean, 0 = no trimming).
-        min_keep: floor on each block's fraction of selected pairs (of its assigned).
-        max_replicas_per_step: cap on replicas added per layer and step (None: no cap).
-        max_slots_per_rank: slots per rank incl. natives; None means ``E/G + 2``.
-        selection: False selects every retained pair (memory-aware placement only).
-        keep: ``fixed`` uses ``min_keep`` as given; ``auto`` adapts each layer's floor to
-            hold the fidelity monitor's cosine at ``target_cosine`` (the monitor must run:
-            ``FidelityConfig.every > 0``).
-        target_cosine: the gradient fidelity ``auto`` aims for.
-        recompute: retention may also keep pairs whose gate_up output is recomputed in
-            backward (only the input row saved): a rank retains as many pairs as fit
-            that way, recomputing the fewest (more pairs in backward, more backward work).
-        placement: ``current`` places replicas from this micro-batch's counts (pass 1
-            on the critical path); ``previous`` from the previous step's counts, as SYMI
-            does (:meth:`LrmoePolicy.prepare`, before the count all-gather): only the
-            split, the quotas and the budget check wait on this step's counts. ``step``
-            and ``step-previous`` hold one placement for the optimizer step (its weights
-            gathered once, its gradients reduced once), placed from the step's first
-            micro-batch's counts or from the previous step's; quotas and selection stay
-            per micro-batch (:class:`LrmoePolicy`).
-        link: the run's link and expert GEMM rate (:mod:`lrmoe.policy.lrmoe_link`): a
-            replica is placed only where its modelled link cost is below the straggler
-            time it removes, and a step not faster than on static's placement takes
-            static's. ``None`` (the plain trainer): no cost rule.
-        whole_layer: the ladder's last rung, a whole-MoE-layer checkpoint
-            (:mod:`lrmoe.policy.lrmoe_ladder`), is available to whoever runs the plans;
-            False stops the ladder before it (a step that needs it is out of memory).
-    """
+    """Knobs of the LRMoE planner; each flag's help (:data:`lrmoe.cli_flags.KNOBS`) and
+    docs/design.md §4 say what it does. Those without a flag: ``max_replicas_per_step``
+    caps the replicas added per layer and step (None: no cap); ``link`` is the run's link
+    and GEMM rate for the link-cost rules (:mod:`.lrmoe_link`; None, the plain trainer: no
+    cost rule); ``whole_layer=False`` ends the ladder before its whole-layer checkpoint
+    (:mod:`.lrmoe_ladder`). ``max_slots_per_rank`` None means ``E/G + 2``. The backward's
+    selection knobs are :class:`lrmoe.parallel.options.BackwardOptions`, the fidelity
+    monitor's :class:`lrmoe.policy.registry.FidelityConfig`."""
 
     balance: float = 1.0
     min_keep: float = 0.5
@@ -259,8 +185,8 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
     if isinstance(placed, Trimmed):
         return placed
     inst, load, given_up = placed
-    return _quotas(c, inst, load, interval_overlap_ig(c, inst, load), S, cfg, view,
-                   ledger, given_up, kept=False)
+    return _quotas(c, inst, load, Slots(inst, E).overlap_ig(c, load), S, cfg, view, ledger,
+                   given_up, kept=False)
 
 
 def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarray, S: int,
@@ -297,7 +223,7 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray 
     except OutOfMemory as e:
         G, S = inst.shape
         if assign is None:
-            assign = interval_overlap_ig(c, inst, load)
+            assign = Slots(inst, c.shape[1]).overlap_ig(c, load)
         a = blocks_to_GGS(assign, G, S)
         return Trimmed(None, False, to_plan(inst, a, a.copy(), a.copy()), e)
     return None

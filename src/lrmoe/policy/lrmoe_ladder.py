@@ -3,51 +3,11 @@
 Legend: G ranks, S slots per rank, E experts. All arrays int64 on the host.
 
 When the trimmed plan (:func:`lrmoe.policy.lrmoe.plan_lrmoe` without its ladder: its
-placement with one retained pair per instance) does not fit the budget, the planner climbs:
-
-=================  ==========================================================  ==========
-rung               what runs                                                   extra cost
-=================  ==========================================================  ==========
-``plan``           the trimmed plan as configured                              none
-``exact``          the trimmed plan's placement, every pair retained and       none
-                   selected: fits where the trimmed plan's bound does not
-                   (an exact backward gathers and copies no saved rows:
-                   docs/design.md §5)
-``recompute``      that placement, every pair in backward, the fewest rows     gate_up of
-                   per rank keep only their input row (``Plan.recompute_G``)   those rows
-``exact-natives``, the same two with the replicas given up (static's           balance
-``recompute-       placement)
-natives``
-``layer``          every pair in backward, nothing retained: a whole-MoE-      the layer's
-                   layer checkpoint re-runs dispatch, experts and combine in   forward
-                   backward (:func:`whole_layer_ckpt`); replicas placed again
-                   under that account (:func:`layer_placement`), as many as
-                   fit and help
-=================  ==========================================================  ==========
-
-Why these and in this order: the trimmed plan's minimum is its placed instances with one
-retained pair each (:class:`Trimmed`); neither the keep
-floor (``min_keep`` guards replica destinations and trims selection, never the
-retention) nor the placement raises it (a replica goes only where its destination can
-still afford that minimum, and it only takes pairs off its expert's other hosts), so
-lowering the floor or placing fewer replicas never makes a *trimmed* plan exist. What
-frees memory beyond it is keeping less per pair: with every pair in backward the saved
-rows are neither gathered nor copied (``exact``), then only the input row of some
-(``recompute``: 2 of the expert's 3 GEMMs again for those rows), then nothing (the whole
-layer re-run: its dispatch, experts and combine, the dearest). Giving up the replicas
-(some forward balance) comes before the whole-layer re-run; the whole-layer rung places
-its own replicas from the natives, each only where every rank still fits, so it exists
-wherever static with the whole-layer checkpoint fits. Below that every rung is over:
-:class:`lrmoe.errors.OutOfMemory`, with the natives' whole-layer total as what the step
-needs. In practice (tests/test_oom.py, the tiny presets priced for 48 layers and
-Qwen3-30B-A3B) the trimmed plan holds down to within ~0.1% of static's whole-layer
-floor and the ``layer`` rung covers the rest: the exact rungs' retained rows cost more
-than the trimmed plan's one pair per instance.
-
-The whole-layer checkpoint is one function, :func:`whole_layer_ckpt`: the plan it
-returns carries :attr:`Plan.layer_checkpoint`, which the runtime runs (the layer's
-forward re-run in backward, dispatch included) and the ledger prices in its ``layer``
-mode. ``LrmoeConfig(whole_layer=False)`` ends the ladder before the rung.
+placement with one retained pair per instance, :class:`Trimmed`) does not fit the budget,
+the planner climbs the rungs ``plan``, ``exact``, ``recompute``, ``exact-natives``,
+``recompute-natives`` and ``layer`` (the whole-MoE-layer checkpoint,
+:func:`whole_layer_ckpt`); why these and in this order: docs/design.md §4, "lrmoe's
+ladder". Below every rung: :class:`lrmoe.errors.OutOfMemory`.
 """
 
 from __future__ import annotations
@@ -61,6 +21,7 @@ import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
+from lrmoe.policy.lrmoe_place import natives_GS
 from lrmoe.policy.plan import Plan, layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
@@ -103,18 +64,13 @@ def _fit(plan: Plan, ledger, tag: str) -> tuple[Plan | None, str]:
 
 def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float = math.inf
                     ) -> np.ndarray | None:
-    """Replicas for a whole-layer checkpoint: from the natives (``[G, S]``, ``S - E/G``
-    free slots per rank), repeatedly take the expert with the largest per-instance load
-    that has an instance on a rank at the maximum load and add one on the least-loaded
-    rank (ties: lower id) with a free slot that holds none of it, if every rank still
-    fits the ledger's whole-layer terms (:meth:`lrmoe.ledger.Ledger.exact_fit` not
-    ``over``: the same verdict as for static's checkpoint) and
-    the ``(max rank load, ranks at the max)`` falls; stop when no expert improves it.
-    ``None`` when even the natives do not fit. A rare rung: it re-splits every step."""
+    """Replicas for a whole-layer checkpoint (``[G, S]``): pass 1's rule from the natives,
+    each replica placed only where every rank still fits the ledger's whole-layer terms
+    (``exact_fit`` not ``over``, static's verdict); ``None`` when even the natives do not
+    fit. A rare rung: it re-splits every step."""
     G, E = counts_GE.shape
     total = counts_GE.sum(0)
-    inst = np.full((G, S), -1, dtype=np.int64)
-    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+    inst = natives_GS(G, S, E)
 
     def loads(p):
         return Slots(p, E).even_split(total)

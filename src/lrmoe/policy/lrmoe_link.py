@@ -1,27 +1,12 @@
-"""lrmoe's replicas weighed against their link cost (docs/design.md §4, lrmoe).
+"""lrmoe's replicas weighed against their link cost (docs/design.md §4, "lrmoe and the link").
 
 Legend: G ranks, S slots per rank, E experts, K prefixes of the placement's moves. All
 arrays int64 numpy on the host.
 
-With :attr:`lrmoe.policy.lrmoe.LrmoeConfig.link` set (the run's link and GEMM rate,
-:class:`lrmoe.policy.link_cost.LinkCost`), two rules bound the replicas:
-
-1. **Each replica pays for itself** (:func:`worth_their_link`). The greedy placement
-   (pass 1) runs as before and logs its moves; the plan keeps the prefix of them whose
-   modelled step is the shortest (:func:`lrmoe.policy.link_cost.prefix_seconds`: the
-   straggler's GEMMs and exchanges against the replicas' weight scatter and gradient
-   reduce, divided over the micro-batches of a held placement), among the prefixes that
-   fit the budget; ties to fewer replicas. So a replica stays only where its link cost is
-   below the straggler time it (with the replicas before it) removes: on NVLink more of
-   them, on InfiniBand fewer. A prefix is exactly the placement the greedy would make
-   with ``max_replicas_per_step`` set to its length.
-2. **Never slower than static** (:func:`no_slower_than_static`). The plan's modelled step
-   (:func:`lrmoe.policy.link_cost.plan_seconds`, on its blocks) is compared with the plan
-   on static's placement (the natives, no replica) with lrmoe's own retention and
-   trimming; where it is not faster, the plan takes static's placement for that step.
-
-Without a link (``link=None``: the plain trainer) neither rule applies and the planner
-places as the greedy alone does.
+With :attr:`lrmoe.policy.lrmoe.LrmoeConfig.link` set, each replica pays for itself
+(:func:`worth_their_link`: the prefix of the greedy's moves whose modelled step is the
+shortest) and the plan is never slower than static (:func:`no_slower_than_static`).
+Without a link neither rule applies.
 """
 
 from __future__ import annotations
@@ -32,17 +17,9 @@ import numpy as np
 
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import plan_seconds, prefix_seconds, replica_rows_GG
-from lrmoe.policy.lrmoe_place import MoveLog
+from lrmoe.policy.lrmoe_place import MoveLog, natives_GS
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import Slots
-
-
-def natives_GS(G: int, S: int, E: int) -> np.ndarray:
-    """Static's placement in ``S`` slots per rank: rank ``r`` holds experts ``r·E/G ..``
-    in its first ``E/G`` slots, the rest empty."""
-    inst = np.full((G, S), -1, dtype=np.int64)
-    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
-    return inst
 
 
 def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S: int

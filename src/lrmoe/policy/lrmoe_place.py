@@ -3,26 +3,12 @@
 Legend: G ranks, S slots per rank, E experts.
 
 Same rule, same moves as the reference (``_place_replicas`` in
-``tests/references/lrmoe_planner.py``; see :mod:`lrmoe.policy.lrmoe` for the rule); only the bookkeeping
-differs, so that one move costs a few microseconds instead of a pass over every rank
-and expert with a ledger call each:
-
-* candidates come from the hot ranks' slots, not a scan of all experts;
-* only the ranks a move touches (its expert's hosts, whose even split changes) are
-  updated: load, destination key, and (with a budget) retention capacity, kept pairs
-  and kept fraction from the ledger's vectorised view
-  (:class:`lrmoe.policy.ledger_view.LedgerView`), with a running sum; max, count and
-  sort of the per-rank lists run in C (``max``, ``list.count``, ``sorted``);
-* a host that retained everything still does after its expert gains an instance (its
-  share never grows, and capacity only grows as the load falls): its capacity is not
-  asked again, nor the new host's, which the destination test priced;
-* the smallest kept fraction is found by float comparison and used exactly (an integer
-  fraction): floats order such fractions exactly while ranks hold < 2^26 pairs (beyond
-  that the exact :class:`fractions.Fraction` minimum is taken);
-* destinations: ranks sorted once per move by a ``load·G + id`` key; if the first can
-  not afford the replica, one numpy pass per move bounds the pairs each rank could
-  still take (:func:`_room`, a bound for every candidate of the move), and only the
-  ranks with room for the candidate's share are tested, one by one in key order.
+``tests/references/lrmoe_planner.py``; the rule: docs/design.md §4, lrmoe); only the
+bookkeeping differs (docs/design.md §4, "As built for speed"). Two points of it: a host
+that retained everything still does after its expert gains an instance (its share never
+grows), so its capacity is not asked again; the smallest kept fraction is found by float
+comparison and used exactly, floats ordering such fractions exactly while ranks hold
+< 2^26 pairs (beyond that the exact :class:`fractions.Fraction` minimum is taken).
 
 The plainer bookkeeping (every capacity asked again, every rank tested in numpy per
 candidate) is ``tests/references/lrmoe_place_numpy.py``; tests/test_place_fast.py
@@ -59,6 +45,14 @@ class MoveLog:
     expert_K: list[int] = field(default_factory=list)
     rank_K: list[int] = field(default_factory=list)
     slot_K: list[int] = field(default_factory=list)
+
+
+def natives_GS(G: int, S: int, E: int) -> np.ndarray:
+    """Static's placement in ``S`` slots per rank: rank ``r`` holds experts ``r·E/G ..``
+    in its first ``E/G`` slots, the rest empty."""
+    inst = np.full((G, S), -1, dtype=np.int64)
+    inst[:, :E // G] = np.arange(E).reshape(G, E // G)
+    return inst
 
 
 FULL = 1 << 62  # the destination key of a rank without a free slot: sorts last
@@ -116,9 +110,7 @@ class _Greedy:
                  view: LedgerView):
         E = len(total_E)
         self.G, self.n_nat, self.min_keep, self.view = G, E // G, min_keep, view
-        inst0 = np.full((G, S), -1, dtype=np.int64)
-        inst0[:, :self.n_nat] = np.arange(E).reshape(G, self.n_nat)
-        self.slots = inst0.tolist()
+        self.slots = natives_GS(G, S, E).tolist()
         self.total = np.asarray(total_E, dtype=np.int64).tolist()
         # an expert's instances ((rank, slot), slot order) and their loads, for the
         # experts that have replicas; the others have their native alone (instances)

@@ -131,56 +131,6 @@ def checks_on() -> bool:
     return os.environ.get("LRMOE_CHECK_PLANS") == "1"
 
 
-def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:
-    """``assign_GGS``: each expert's pairs, laid out home by home, split over its instances
-    by contiguous intervals in slot order (instance ``i`` takes ``inst_load_GS[i]``)."""
-    G, E = counts_GE.shape
-    S = inst_expert_GS.shape[1]
-    c = counts_GE.long()
-    home_hi = c.cumsum(0)  # [G, E] end of home g's interval within expert e
-    home_lo = home_hi - c
-    ie = inst_expert_GS.flatten()
-    load = inst_load_GS.flatten().long() * (ie >= 0).long()
-    e_idx = ie.clamp(min=0)
-    # Instance interval: cumulative load of earlier instances of the same expert.
-    order = torch.argsort(e_idx * (G * S) + torch.arange(G * S), stable=True)
-    load_sorted = load[order]
-    e_sorted = e_idx[order]
-    cum = load_sorted.cumsum(0)
-    starts = torch.searchsorted(e_sorted, e_sorted)  # first sorted position of each expert
-    inst_hi_sorted = cum - (cum - load_sorted)[starts]
-    inst_hi = torch.empty_like(inst_hi_sorted)
-    inst_hi[order] = inst_hi_sorted
-    inst_lo = inst_hi - load
-    lo = torch.maximum(home_lo[:, e_idx], inst_lo[None, :])
-    hi = torch.minimum(home_hi[:, e_idx], inst_hi[None, :])
-    assign = (hi - lo).clamp(min=0) * (ie >= 0).long()[None, :]
-    return assign.reshape(G, G, S)
-
-
-def even_split(counts_GE: Tensor, inst_expert_GS: Tensor) -> Tensor:
-    """Instance loads that split each expert's total evenly (the first ones get +1)."""
-    total_E = counts_GE.long().sum(0)
-    ie = inst_expert_GS.flatten()
-    valid = ie >= 0
-    e_idx = ie.clamp(min=0)
-    n_E = torch.zeros_like(total_E).index_add_(0, e_idx, valid.long())
-    G, S = inst_expert_GS.shape
-    # rank of each instance among its expert's instances, in global slot order; empty
-    # slots sort after every expert so they never shift an expert's ranks.
-    e_key = torch.where(valid, e_idx, torch.full_like(e_idx, total_E.numel()))
-    order = torch.argsort(e_key * (G * S) + torch.arange(G * S), stable=True)
-    e_sorted = e_key[order]
-    pos = torch.arange(G * S)
-    k_sorted = pos - torch.searchsorted(e_sorted, e_sorted)
-    k = torch.empty_like(k_sorted)
-    k[order] = k_sorted
-    n = n_E[e_idx].clamp(min=1)
-    base = total_E[e_idx] // n
-    extra = (k < (total_E[e_idx] % n)).long()
-    return ((base + extra) * valid.long()).reshape(G, S)
-
-
 def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     """An exact ``plan`` made to fit ``ledger``'s budget: as is, with the fewest rows
     recomputed, or as a whole-layer checkpoint; raises when none fits."""
@@ -223,8 +173,13 @@ def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
 
 
 def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
-    """A plan that retains and selects every pair (exact backward)."""
-    if inst_load_GS is None:
-        inst_load_GS = even_split(counts_GE, inst_expert_GS)
-    a = interval_overlap(counts_GE, inst_expert_GS, inst_load_GS)
-    return Plan(inst_expert_GS.long(), a, a.clone(), a.clone())
+    """A plan that retains and selects every pair (exact backward): each expert's pairs,
+    laid out home by home, split over its instances by contiguous intervals in slot order
+    (instance ``i`` takes ``inst_load_GS[i]``, by default an even split)."""
+    from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts
+
+    c, inst = host_counts(counts_GE), host_counts(inst_expert_GS)
+    idx = Slots(inst, c.shape[1])
+    load = idx.even_split(c.sum(0)) if inst_load_GS is None else host_counts(inst_load_GS)
+    a = torch.from_numpy(blocks_to_GGS(idx.overlap_ig(c, load), *inst.shape))
+    return Plan(torch.from_numpy(inst), a, a.clone(), a.clone())

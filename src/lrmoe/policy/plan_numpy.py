@@ -18,8 +18,9 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`apportion_np` along rows (the planners' instance-major layout): ``total_K[k]``
-    units over row ``k``'s entries. Only the rows that split (``0 < total < weight``) are
+    """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower entry)
+    along rows (the planners' instance-major layout): ``total_K[k]`` units over row ``k``'s
+    entries. Only the rows that split (``0 < total < weight``) are
     computed; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give the
     stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
@@ -63,11 +64,6 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     return out
 
 
-def apportion_np(total_K: np.ndarray, weight_NK: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower row)."""
-    return apportion_rows_np(total_K, np.asarray(weight_NK).T).T
-
-
 class Slots:
     """What the split arithmetic needs of a placement, computed once per placement: expert per
     slot (``e_idx``, 0 when empty) and ``valid``, the slots in (expert, slot) order with
@@ -91,12 +87,15 @@ class Slots:
         self.shared = np.flatnonzero(valid & (self.n > 1))
 
     def even_split(self, total_E: np.ndarray) -> np.ndarray:
-        """:func:`even_split_np` for these slots, ``[G, S]``."""
+        """Each expert's ``total_E`` split evenly over its instances, the first ones in global
+        slot order get +1: ``[G, S]``."""
         t = total_E[self.e_idx]
         return ((t // self.n + (self.k < t % self.n)) * self.valid).reshape(self.shape)
 
     def overlap_ig(self, counts_GE: np.ndarray, inst_load_GS: np.ndarray) -> np.ndarray:
-        """:func:`interval_overlap_ig` for these slots."""
+        """The pairs each home sends to each instance, instance-major ``[G·S, G]`` (row ``r·S +
+        s``: instance ``(r, s)``): contiguous intervals, homes in rank order, instances in
+        global slot order per expert."""
         c_EG = np.ascontiguousarray(counts_GE.T)
         # a lone instance takes its expert's pairs from every home (its load is their
         # total); an empty slot takes none
@@ -115,28 +114,6 @@ class Slots:
         ov -= np.maximum(hh - c_EG[e], (inst_hi[i] - load[i])[:, None])
         out[i] = np.maximum(ov, 0, out=ov)
         return out
-
-
-def even_split_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.plan.even_split`: each expert's total split evenly over its
-    instances, the first ones in global slot order get +1."""
-    return Slots(inst_expert_GS, counts_GE.shape[1]).even_split(counts_GE.sum(0))
-
-
-def interval_overlap_np(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
-                        inst_load_GS: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.plan.interval_overlap`: ``assign_GGS`` from contiguous
-    intervals, homes in rank order and instances in global slot order per expert."""
-    G = counts_GE.shape[0]
-    S = inst_expert_GS.shape[1]
-    return blocks_to_GGS(interval_overlap_ig(counts_GE, inst_expert_GS, inst_load_GS), G, S)
-
-
-def interval_overlap_ig(counts_GE: np.ndarray, inst_expert_GS: np.ndarray,
-                        inst_load_GS: np.ndarray) -> np.ndarray:
-    """:func:`interval_overlap_np` in instance-major layout: ``[G·S, G]``, row ``r·S +
-    s`` the pairs each home sends to instance ``(r, s)``."""
-    return Slots(inst_expert_GS, counts_GE.shape[1]).overlap_ig(counts_GE, inst_load_GS)
 
 
 def blocks_to_GGS(x_IG: np.ndarray, G: int, S: int) -> np.ndarray:

@@ -11,8 +11,8 @@ from torch import Tensor
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.plan import Plan, fit_exact
-from lrmoe.policy.plan_numpy import host_counts, to_plan
+from lrmoe.policy.plan import Plan, fit_exact, native_plan
+from lrmoe.policy.plan_numpy import host_counts
 
 
 def native_placement(G: int, E: int) -> Tensor:
@@ -36,18 +36,18 @@ class StaticPolicy(Policy):
         return type(self) is StaticPolicy
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
-        G, E = counts_GE.shape
-        require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
-        c = host_counts(counts_GE)
-        # one instance per expert: block [g, r, s] is home g's pairs of expert r·E/G + s
-        # (full_plan on the natives, without its interval arithmetic)
-        a = c.reshape(G, G, E // G)
-        plan = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
+        plan = native_plan(counts_GE)
         if self.recompute:
             return fit_exact(plan, inputs.ledger, "static")
-        led = inputs.ledger
-        if led is not None and led.budget_bytes is not None:
-            recv = c.sum(0).reshape(G, E // G).sum(1)
-            LedgerView(led, c.sum(1), exact=True).raise_if_over(
-                np.full(G, E // G), recv, recv, None, "the plan")
+        raise_if_over(plan, host_counts(counts_GE).sum(1), inputs.ledger)
         return plan
+
+
+def raise_if_over(plan: Plan, home_G: np.ndarray, ledger) -> None:
+    """The ledger's own error where a plan on the natives (static's, capacity's) exceeds the
+    budget; ``home_G``: the pairs each home routed (dropped ones included)."""
+    if ledger is not None and ledger.budget_bytes is not None:
+        G, S = plan.inst_expert_GS.shape
+        recv = plan.assign_GGS.numpy().sum((0, 2))
+        LedgerView(ledger, home_G, exact=plan.exact).raise_if_over(
+            np.full(G, S), recv, recv, None, "the plan")

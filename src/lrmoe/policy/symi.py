@@ -49,22 +49,30 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     return cnt, [c - g for c, g in zip(cnt, goal)]
 
 
+def _give_up(cnt: list[int], diff: list[float], n: int) -> list[int]:
+    """Take ``n`` instances off ``cnt`` in place, the largest ``diff`` among ``cnt > 1``
+    first (ties: lowest id); returns the experts in that order."""
+    heap = [(-diff[e], e) for e in range(len(cnt)) if cnt[e] > 1]
+    heapq.heapify(heap)
+    order = []
+    while len(order) < n:
+        _, e = heapq.heappop(heap)
+        cnt[e] -= 1
+        diff[e] -= 1.0
+        order.append(e)
+        if cnt[e] > 1:
+            heapq.heappush(heap, (-diff[e], e))
+    return order
+
+
 def _rounded(pop_E: Tensor | None, E: int, total_slots: int
              ) -> tuple[list[int], list[float]]:
     """SYMI's rounding, with heaps: ``(cnt, diff)`` after it."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
     if n > total_slots:
-        heap = [(-diff[e], e) for e in range(E) if cnt[e] > 1]
-        heapq.heapify(heap)
-        while n > total_slots:
-            _, e = heapq.heappop(heap)
-            cnt[e] -= 1
-            diff[e] -= 1.0
-            n -= 1
-            if cnt[e] > 1:
-                heapq.heappush(heap, (-diff[e], e))
-    if n < total_slots:
+        _give_up(cnt, diff, n - total_slots)
+    elif n < total_slots:
         heap = [(diff[e], e) for e in range(E)]
         heapq.heapify(heap)
         while n < total_slots:
@@ -86,17 +94,7 @@ def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list
     """``(cnt, order)``: SYMI's replica counts and the experts whose replicas it gives up first
     when fewer fit (its decrement loop run on, down to one instance each)."""
     cnt, diff = _rounded(pop_E, E, total_slots)
-    heap = [(-diff[e], e) for e in range(E) if cnt[e] > 1]
-    heapq.heapify(heap)
-    left, order = list(cnt), []
-    while heap:
-        _, e = heapq.heappop(heap)
-        left[e] -= 1
-        diff[e] -= 1.0
-        order.append(e)
-        if left[e] > 1:
-            heapq.heappush(heap, (-diff[e], e))
-    return cnt, order
+    return cnt, _give_up(list(cnt), diff, sum(cnt) - E)
 
 
 def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:

@@ -1,26 +1,7 @@
 """One optimizer step, as ``lrmoe train`` and ``lrmoe bench ttl`` both run it: N
-micro-batches accumulated (:func:`accumulate`), then one update (:func:`update`).
-
-``--batch-size`` is the micro-batch (one forward and one backward, what the memory
-ledger and every policy's plan see); ``--grad-accum N`` runs N of them before each
-optimizer step, which so sees ``N x batch_size`` sequences.
-
-Scaling. Each micro-batch's objective is divided by N before its backward. Every
-micro-batch holds the same number of target tokens (``batch_size x seq_len``), so the
-summed cross-entropy gradient is exactly that of the per-token mean over the N-times
-larger batch. The router's load-balancing loss (Qwen3) is computed per micro-batch from
-that micro-batch's counts and averaged over the N micro-batches: its gradient needs the
-whole batch's expert fractions, which are known only after the last micro-batch's
-forward, so no single backward pass per micro-batch could use them. Megatron-Core's
-default aux loss and the HF Trainer's are per micro-batch too. GLM balances by bias
-(no aux loss), and there accumulation is exact.
-
-Per optimizer step, not per micro-batch: routers' counts add up over the micro-batches
-and are closed once by ``model.end_step`` (the step's popularity SYMI plans the next
-step's micro-batches from, and the GLM bias update); gradient sync, clipping, the
-optimizer and the scheduler run once. So do the weight scatter and the replica-gradient
-reduce of a placement every micro-batch shares (:mod:`lrmoe.parallel.instances`): the reduce
-in the last micro-batch's backward, before the sync.
+micro-batches accumulated (:func:`accumulate`), then one update (:func:`update`). The
+scaling, the load-balancing loss per micro-batch and what runs once per step:
+docs/design.md §7, "Gradient accumulation".
 """
 
 from __future__ import annotations

@@ -42,16 +42,12 @@ Gather = Callable[[Any], list]  # all_gather(obj) -> one obj per rank; also the 
 
 # ----------------------------------------------------------------------------- atomic I/O
 def _fsync_dir(d: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # best effort: some file systems refuse
         fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -68,10 +64,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(path.parent)
 
@@ -250,10 +244,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
     notes = []
     for step, d in reversed(checkpoint_dirs(run_dir)):
         if (d / MANIFEST).exists():
-            ck = Checkpoint(d, step, read_manifest(d), notes)
-            for p in partial_dirs(run_dir):
-                notes.append(f"ignored {p.name}: an interrupted save")
-            return ck
+            notes += [f"ignored {p.name}: an interrupted save" for p in partial_dirs(run_dir)]
+            return Checkpoint(d, step, read_manifest(d), notes)
         notes.append(f"skipped the newer {d.name}: it has no {MANIFEST}, so its save "
                      "never finished")
     return None

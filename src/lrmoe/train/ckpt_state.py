@@ -98,10 +98,7 @@ class Template:
             for k in sorted(saved_optim.get(name, ())):
                 key = f"optim/{name}/{k}"
                 ids = None if key in saved else experts.get(name)
-                if ids is None:
-                    md = saved.get(key)
-                else:
-                    md = self.index.get(key, {}).get(ids[0])
+                md = saved.get(key) if ids is None else self.index.get(key, {}).get(ids[0])
                 if md is None or not hasattr(md, "size"):
                     raise self._mismatch(f"{key} has no tensor for this rank")
                 shape = tuple(md.size) if ids is None else (len(ids), *md.size)

@@ -22,12 +22,13 @@ def item_bytes(item) -> int:
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
 
-def files_of(items: list, limit: int) -> list[list]:
-    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone)."""
+def files_of(items: list, limit: int, nbytes=item_bytes) -> list[list]:
+    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone;
+    ``nbytes(item)``: its bytes)."""
     files: list[list] = []
     held = limit + 1  # the first item opens a file
     for item in items:
-        size = item_bytes(item)
+        size = nbytes(item)
         if held + size > limit:
             files.append([])
             held = 0

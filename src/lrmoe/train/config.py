@@ -8,6 +8,7 @@ config, planner, backward options, MoE runtime and ledger are made from them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -198,7 +199,11 @@ def check_args(cfg: TrainConfig) -> None:
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
                          "is not supported (the checkpointed blocks hold the MoE layers' "
                          "graph breaks); drop one of them")
-    check_log(cfg.log)
+    if cfg.log is not None:  # --log tensorboard needs the optional tensorboard package
+        _choice("log", cfg.log, ("tensorboard",))
+        if importlib.util.find_spec("tensorboard") is None:
+            raise LrmoeError("--log tensorboard needs the tensorboard package: pip install "
+                             "'lrmoe[tensorboard]'")
     if cfg.init_from is not None and (cfg.preset is not None or cfg.config is not None):
         flag = "--preset" if cfg.preset is not None else "--config"
         raise LrmoeError(f"--init-from {cfg.init_from} takes the model from its config.json; "
@@ -216,18 +221,6 @@ def check_args(cfg: TrainConfig) -> None:
         cfg.out = default_out(cfg)
         if cfg.out is None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
-
-
-def check_log(log: str | None) -> None:
-    """``--log tensorboard`` needs the optional ``tensorboard`` package."""
-    if log is None:
-        return
-    _choice("log", log, ("tensorboard",))
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is None:
-        raise LrmoeError("--log tensorboard needs the tensorboard package: pip install "
-                         "'lrmoe[tensorboard]'")
 
 
 # Flags that only one policy reads: given to another, they would be silently ignored.
@@ -304,14 +297,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
     return ModelConfig.from_hf_dict(d)
 
 
-def build_policy(cfg: TrainConfig, mcfg, G: int):
-    """The planner from :attr:`TrainConfig.policy` (names map to planners only in the
-    registry)."""
-    from lrmoe.policy.registry import make_policy
-
-    return make_policy(cfg.policy, mcfg, G)
-
-
 def backward_options(cfg: TrainConfig):
     """The exchange's backward options: the policy's selection knobs and
     ``--router-grad`` (the trainer turns ``fidelity`` on at the monitor's steps)."""
@@ -344,13 +329,9 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
 
 def trajectory_mismatch(cfg: TrainConfig, saved: dict) -> str:
     """``"lr=0.001 (run: 0.003), ..."`` for trajectory fields that differ; "" if none."""
-    bad = []
-    for name, now in cfg.flat().items():
-        if name in FREE_ON_RESUME or name in RESUME_CHANGES or name not in saved:
-            continue
-        if now != saved[name]:
-            bad.append(f"{name}={now!r} (run: {saved[name]!r})")
-    return ", ".join(bad)
+    return ", ".join(f"{name}={now!r} (run: {saved[name]!r})" for name, now in cfg.flat().items()
+                     if name not in FREE_ON_RESUME and name not in RESUME_CHANGES
+                     and name in saved and now != saved[name])
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> dict[str, list]:

@@ -1,12 +1,6 @@
-"""The divergence guard: stop a run whose loss blew up but stayed finite.
-
-NaN and inf are caught where the loss is computed; a finite blow-up (a too-high
-``--lr`` taking the loss from 5 to 385,000) is not. The guard keeps an exponential
-moving average of the training loss (``ema = BETA * ema + (1 - BETA) * loss``) and its
-running minimum; after ``DIVERGENCE_WARMUP`` steps, an average above ``factor`` times
-the minimum stops the run, before the diverged step updates the weights. The average
-and the minimum are saved with each checkpoint, so a resumed run checks exactly what
-the uninterrupted one would.
+"""The divergence guard: stop a run whose loss blew up but stayed finite (NaN and inf are
+caught where the loss is computed). The rule, and why its state is checkpointed:
+docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -31,10 +25,8 @@ class DivergenceGuard:
         """Fold in one step's loss; a sentence describing the blow-up, or None."""
         self.ema = loss if self.ema is None else BETA * self.ema + (1 - BETA) * loss
         self.seen += 1
-        if self.factor <= 0 or self.seen <= DIVERGENCE_WARMUP:
-            self.low = self.ema if self.low is None else min(self.low, self.ema)
-            return None
-        if self.low is not None and self.low > 0 and self.ema > self.factor * self.low:
+        checked = self.factor > 0 and self.seen > DIVERGENCE_WARMUP
+        if checked and self.low is not None and self.low > 0 and self.ema > self.factor * self.low:
             return (f"the smoothed training loss {self.ema:.4g} is {self.ema / self.low:.3g}x "
                     f"its running minimum {self.low:.4g} (--divergence-factor "
                     f"{self.factor:g})")

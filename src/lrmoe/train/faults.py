@@ -9,6 +9,7 @@ all-reduce, so all stop after the same step (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import signal
 import sys
@@ -59,15 +60,13 @@ class Watch:
     def last_complete(self) -> str | None:
         """The newest complete checkpoint: a save whose directory is renamed into place
         counts even if a collective after it failed before this rank recorded it."""
-        if self.run_dir is not None:
-            try:
-                from lrmoe.train.checkpoint import latest_checkpoint
+        # a failure report must not fail: on any error, fall back to the record
+        with contextlib.suppress(Exception):
+            from lrmoe.train.checkpoint import latest_checkpoint
 
-                found = latest_checkpoint(self.run_dir)
-                if found is not None:
-                    return str(found.path)
-            except Exception:  # a failure report must not fail: fall back to the record
-                pass
+            found = None if self.run_dir is None else latest_checkpoint(self.run_dir)
+            if found is not None:
+                return str(found.path)
         return self.last_ckpt
 
     def _store(self):
@@ -85,12 +84,10 @@ class Watch:
         their connection to it stay quiet."""
         store = self._store()
         if store is not None:
-            try:
+            with contextlib.suppress(Exception):
                 store.set(f"{_KEY}/rank{self.rank}", self.phase)
                 store.add(f"{_KEY}/first", 1)
                 store.set(f"{_KEY}/reported", "1")
-            except Exception:
-                pass
 
     def failure(self, e: BaseException) -> PeerFailure:
         """The error to raise for ``e``; ``quiet`` on every survivor but the reporter."""
@@ -127,10 +124,8 @@ class Watch:
         if first:
             print(f"lrmoe: error: {err}", file=sys.stderr, flush=True)
             if store is not None:
-                try:
+                with contextlib.suppress(Exception):
                     store.set(f"{_KEY}/reported", "1")
-                except Exception:
-                    pass
         return err
 
 

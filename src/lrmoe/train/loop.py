@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.model.moe import host_stats
+from lrmoe.policy.registry import make_policy
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
@@ -36,7 +37,6 @@ from lrmoe.train.config import (
     RUN_FORMAT,
     TrainConfig,
     build_ledger,
-    build_policy,
     build_runtime,
     check_args,
     check_join_flags,
@@ -74,16 +74,6 @@ __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 
 
 # ----------------------------------------------------------------------------- collectives
-# The trainer's few object-level collectives (the tensor ones are in lrmoe.parallel).
-def _raise_first(errors: list[str | None]) -> None:
-    """Raise the first rank's error on every rank (``errors``: gathered from all)."""
-    for e in errors:
-        if e:
-            err = LrmoeError(e)
-            err.agreed = True
-            raise err
-
-
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
@@ -159,15 +149,8 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
                 "same run directory, on a file system all ranks share"), ctx.rank == 0)
     if ck is None:
         return None
-    err = None
-    try:  # any rank may read any file (resharding): each checks a share of them all
-        ckpt.verify_files(ck, ctx.rank, ctx.world)
-    except LrmoeError as e:
-        err = str(e)
-    if ctx.distributed:
-        _raise_first(_all_gather(err, ctx))
-    elif err:
-        raise LrmoeError(err)
+    # any rank may read any file (resharding): each checks a share of them all
+    agree(lambda: ckpt.verify_files(ck, ctx.rank, ctx.world), ctx)
     _log(ck.describe(), ctx)
     return ck
 
@@ -211,16 +194,6 @@ def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
     batches = PackedBatches(streams.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed,
                             target_mask=streams.train_mask, accum=cfg.grad_accum)
     return corpus, tok, batches, streams
-
-
-def _val_batches(cfg: TrainConfig, streams, ctx) -> list:
-    from lrmoe.data import validation_batches
-
-    val_ids = streams.val_ids
-    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
-    return validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
-                              num_windows=k, rank=ctx.rank, world=ctx.world,
-                              target_mask=streams.val_mask)
 
 
 def _sha256(ids: torch.Tensor) -> str:
@@ -325,7 +298,10 @@ def _run(cfg: TrainConfig | Any) -> dict:
                                 cfg, rank, world, early or refused))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            return _train(cfg, ctx, watch, stops)
+            # check every input (nothing written), build the model and optimizer in
+            # memory, open the run directory, then run the steps
+            inputs = _check(cfg, ctx)
+            return _open(cfg, ctx, inputs, _build(cfg, ctx, inputs), watch, stops).loop()
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
             if ctx.distributed and is_peer_failure(e):
                 raise watch.failure(e) from None
@@ -371,14 +347,6 @@ def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
     return None
 
 
-def _train(cfg: TrainConfig, ctx, watch: Watch, stops: StopSignals) -> dict:
-    """Check every input (nothing written), build the model and optimizer in memory,
-    open the run directory, then run the steps."""
-    inputs = _check(cfg, ctx)
-    state = _build(cfg, ctx, inputs)
-    return _open(cfg, ctx, inputs, state, watch, stops).loop()
-
-
 @dataclass
 class _Inputs:
     """What the checks read: the run, the model, the data (:func:`_check`)."""
@@ -401,6 +369,7 @@ class _Inputs:
 def _check(cfg: TrainConfig, ctx) -> _Inputs:
     """Step 1: read and check everything; nothing is written yet."""
     from lrmoe.config import ModelConfig
+    from lrmoe.data import validation_batches
     from lrmoe.tokenizer import check_vocab
 
     run_dir = Path(cfg.out)
@@ -426,7 +395,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                              f"resume may change {', '.join(_flag(k) for k in RESUME_CHANGES)})")
         if mcfg is None:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
-    policy = build_policy(cfg, mcfg, ctx.ep_size)
+    policy = make_policy(cfg.policy, mcfg, ctx.ep_size)
     ledger = build_ledger(cfg, mcfg, ctx)
     corpus, tok, batches, streams = agree(lambda: _load_data(cfg, run_dir, ctx), ctx)
     val_ids = streams.val_ids
@@ -441,7 +410,10 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                              f"{run_dir / RUN_CONFIG}; drop --preset/--config/--init-from or "
                              "use another --out")
     check_vocab(tok, mcfg.vocab_size, cfg.init_from)
-    val_b = _val_batches(cfg, streams, ctx)
+    k = val_windows(val_ids.numel(), cfg.seq_len, cfg.batch_size, cfg.eval_batches, ctx.world)
+    val_b = validation_batches(val_ids, cfg.seq_len, max(1, cfg.batch_size // ctx.world),
+                               num_windows=k, rank=ctx.rank, world=ctx.world,
+                               target_mask=streams.val_mask)
     data_fp = {"num_windows": batches.num_windows, "train_tokens": int(batches.ids.numel()),
                "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "seed": cfg.seed,
                "tokenizer": tok.spec, "train_sha256": _sha256(batches.ids),

@@ -18,14 +18,14 @@ METRICS_FILE = "metrics.jsonl"
 _SUM_KEYS = {
     "fwd_rows": "fwd_rows", "retained_rows": "retained", "bwd_rows": "bwd_rows",
     "selected_rows": "selected", "saved_act_bytes": "saved_act_bytes",
-    "recomputed_rows": "recomputed",
+    "recomputed_rows": "recomputed", "fwd_bytes": "fwd_bytes", "bwd_bytes": "bwd_bytes",
+    "bwd_exact_bytes": "bwd_exact_bytes",
 }
-_BYTES_KEYS = {k: k for k in ("fwd_bytes", "bwd_bytes", "bwd_exact_bytes")}
 _MAX_KEYS = {k: k for k in ("expert_fwd_ms", "expert_bwd_ms", "count_exchange_ms", "plan_ms",
                             "weight_scatter_bytes", "ledger_total_bytes")}
 _MEAN_KEYS = {k: k for k in ("fidelity_cosine", "fidelity_rel_err")}
-_COMBINE = ((_SUM_KEYS, lambda v: int(sum(v))), (_BYTES_KEYS, lambda v: int(sum(v))),
-            (_MAX_KEYS, lambda v: _r(max(v))), (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
+_COMBINE = ((_SUM_KEYS, lambda v: int(sum(v))), (_MAX_KEYS, lambda v: _r(max(v))),
+            (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
 
 def host_rss_bytes() -> int | None:
     """This process's resident set size now, in bytes (None without ``/proc/self/statm``)."""
@@ -36,16 +36,22 @@ def host_rss_bytes() -> int | None:
         return None
 
 
+def proc_kib(path: str, key: str) -> int | None:
+    """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes; None where
+    there is none."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def host_peak_rss_bytes() -> int | None:
     """This process's largest resident set so far, in bytes: ``VmHWM`` where Linux has it
     (its ``ru_maxrss`` keeps the mark of the image before ``exec``), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    peak = proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
     except ImportError:
@@ -93,8 +99,6 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
     out["bwd_bytes"] = float(sum(stats.get(k, 0) for k in (  # + a layer checkpoint's re-run
         "bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent",
         "recompute_fwd_dispatch_bytes_sent", "recompute_fwd_combine_bytes_sent")))
-    if "bwd_exact_bytes" in stats:
-        out["bwd_exact_bytes"] = float(stats["bwd_exact_bytes"])
     return out
 
 

@@ -17,7 +17,6 @@ from torch.optim.adamw import adamw
 from lrmoe.errors import require
 from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
 
-OFFLOAD_CHOICES = ("device", "host")
 HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
 
 

@@ -136,10 +136,8 @@ def give_up(d: Path, created: bool, subdirs: tuple[Path, ...] = ()) -> None:
         for m in (MARKER, BENCH_MARKER):
             (d / m).unlink(missing_ok=True)
         for sub in (*subdirs, d):
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(sub)
-            except OSError:
-                pass
 
 
 def _metrics_rows(p: Path) -> int:
@@ -153,7 +151,8 @@ def _metrics_rows(p: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- lock
-def _read_lock(p: Path) -> dict | None:
+def read_lock(p: Path) -> dict | None:
+    """What lock file ``p`` says of its holder (pid, host, since), None without one."""
     try:
         d = json.loads(p.read_text())
     except FileNotFoundError:
@@ -176,7 +175,7 @@ def _stale(info: dict) -> bool:
 
 def check_lock(run_dir: Path) -> None:
     """Refuse if another live run holds ``run_dir``'s lock (reads only)."""
-    info = _read_lock(run_dir / LOCK)
+    info = read_lock(run_dir / LOCK)
     if info is None or _stale(info) or info.get("pid") == os.getpid():
         return
     raise LrmoeError(f"--out {run_dir} is in use by another lrmoe run ({_holder(info)}, lock "
@@ -192,7 +191,7 @@ def acquire_lock(run_dir: Path) -> Path:
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            info = _read_lock(p)
+            info = read_lock(p)
             if info is not None and not _stale(info):
                 check_lock(run_dir)  # raises, naming the holder
                 raise LrmoeError(f"--out {run_dir}: cannot take the lock {p}") from None
@@ -209,17 +208,12 @@ def acquire_lock(run_dir: Path) -> Path:
     raise LrmoeError(f"--out {run_dir}: another run took the lock {p} first")
 
 
-def lock_holder(run_dir: Path) -> dict | None:
-    """What ``run_dir``'s lock says of its holder (pid, host, since), None without one."""
-    return _read_lock(run_dir / LOCK)
-
-
 def check_shared(run_dir: Path, holder: dict | None, tries: int = 10) -> None:
     """Refuse unless ``run_dir`` holds the lock ``holder`` (rank 0's, just taken): then
     this rank's ``--out`` is rank 0's run directory, on a file system both see. A
     network file system may show a new file a moment late: a few looks, 0.2 s apart."""
     for i in range(tries):
-        mine = _read_lock(run_dir / LOCK)
+        mine = read_lock(run_dir / LOCK)
         if mine == holder:
             return
         time.sleep(0.2 if i + 1 < tries else 0)
@@ -231,7 +225,7 @@ def check_shared(run_dir: Path, holder: dict | None, tries: int = 10) -> None:
 def release_lock(run_dir: Path) -> None:
     """Remove the lock if this process holds it."""
     p = run_dir / LOCK
-    info = _read_lock(p)
+    info = read_lock(p)
     if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
         p.unlink(missing_ok=True)
 

@@ -17,7 +17,7 @@ from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.config import RUN_CONFIG, TrainConfig
-from lrmoe.train.metrics import METRICS_FILE, truncate_metrics
+from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -137,18 +137,6 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
     return 16 * (total - experts) + 16 * mine, 0
 
 
-def _mem_available() -> int | None:
-    """The host's MemAvailable (/proc/meminfo) in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     """Refuse, before anything is allocated, a model whose parameters, gradients and
     optimizer state alone exceed the GPU's memory (CUDA) or the host's available memory
@@ -161,14 +149,14 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
         f", for its {local} ranks" if local > 1 else "")
     dev, host = state_bytes(mcfg, ctx.ep_size, cfg.optimizer_offload == "host",
                             ctx.device.type)
+    avail = proc_kib("/proc/meminfo", "MemAvailable")
     if ctx.device.type == "cuda":
         checks = [(dev, 1, torch.cuda.mem_get_info(ctx.device)[1],
                    f"GPU {ctx.device} has in all")]
         if host:
-            checks.append((host, local, _mem_available(), on_host + " for the offloaded "
-                           "optimizer state"))
+            checks.append((host, local, avail, on_host + " for the offloaded optimizer state"))
     else:  # parameters, gradients and optimizer state all in host memory
-        checks = [(dev + host, local, _mem_available(), on_host)]
+        checks = [(dev + host, local, avail, on_host)]
     for per, n, have, where in checks:
         if have is not None and per * n > have:
             raise LrmoeError(
@@ -234,7 +222,8 @@ def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
     created = agree(lambda: rundir.take(run_dir) if ctx.is_main else None, ctx)
     try:
         if ctx.distributed:
-            holder = all_gather(rundir.lock_holder(run_dir) if ctx.is_main else None, ctx)[0]
+            lock = run_dir / rundir.LOCK
+            holder = all_gather(rundir.read_lock(lock) if ctx.is_main else None, ctx)[0]
             agree(lambda: None if ctx.is_main else rundir.check_shared(run_dir, holder), ctx)
         agree(lambda: _write_run_dir(cfg, run_dir, ck, run_cfg, tok, need)
               if ctx.is_main else None, ctx)

@@ -69,11 +69,6 @@ class OffloadModel:
         require(self.E % self.G == 0, f"E={self.E} is not divisible by G={self.G}")
         require(self.host_mem_Bps > 0, f"host memory bandwidth {self.host_mem_Bps} must be > 0")
 
-    @classmethod
-    def for_ledger(cls, ledger, layout: str, **kw) -> OffloadModel:
-        """The shapes and compute dtype of ``ledger`` (a :class:`lrmoe.ledger.Ledger`)."""
-        return cls(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w, layout, **kw)
-
     @property
     def host_params(self) -> int:
         """Parameters whose optimizer state one rank's host holds, per layer."""
@@ -87,15 +82,9 @@ class OffloadModel:
         out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
                "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
                                                        + 2 * self.bytes_w)] * G}
-        if self.layout == "sharded":
-            occ = [int(x) for x in (inst_expert_GS >= 0).sum(1).tolist()]
-            require(len(occ) == G, f"placement has {len(occ)} ranks, the model {G}")
-            total = sum(occ)
-            shard = self.P_params * self.bytes_w / G
-            recv = [n * (G - 1) * shard for n in occ]
-            sent = [(total - n) * shard for n in occ]
-            out.update(weight_scatter_sent=sent, weight_scatter_recv=recv,
-                       grad_reduce_sent=recv, grad_reduce_recv=sent)
+        for ex, m in self._sharded_GG(inst_expert_GS).items():
+            off = m - torch.diag(torch.diagonal(m))  # a rank's own shard stays
+            out[f"{ex}_sent"], out[f"{ex}_recv"] = off.sum(1).tolist(), off.sum(0).tolist()
         return out
 
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
@@ -117,6 +106,7 @@ class OffloadModel:
             return {}
         # [src, dst]: each slot on dst gathers its expert's shard from every other rank
         occ = torch.as_tensor((inst_expert_GS >= 0).sum(1)).double()
+        require(len(occ) == self.G, f"placement has {len(occ)} ranks, the model {self.G}")
         scatter = occ[None, :].expand(self.G, self.G) * self.P_params * self.bytes_w / self.G
         return {"weight_scatter": scatter, "grad_reduce": scatter.t()}
 
@@ -151,6 +141,7 @@ def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
 
 def offload_for(ledger, policy: str) -> OffloadModel | None:
     """The offload model of ``policy`` under ``ledger`` (``None`` without host offload)."""
-    if ledger is None or getattr(ledger, "optimizer_offload", "device") != "host":
+    if ledger is None or ledger.optimizer_offload != "host":
         return None
-    return OffloadModel.for_ledger(ledger, policy_layout(policy))
+    return OffloadModel(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w,
+                        policy_layout(policy))

@@ -49,6 +49,7 @@ from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger
 from lrmoe.sim import ttl_budget
 from lrmoe.sim.offload import assumptions as offload_assumptions
+from lrmoe.sim.offload import offload_for
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
@@ -160,7 +161,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
     stages and its measured host part (``host_s``) is left out of the non-MoE time."""
     from lrmoe.sim.cost import STAGES, accumulated_times
-    from lrmoe.sim.vstats import EXCHANGES
 
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
@@ -205,25 +205,35 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
                                             for s in stats) / len(stats)}
-    # per exchange: sum over layers of the critical rank's max(sent, received) bytes and
-    # the number of layers with traffic, so the link model can be re-applied offline
-    row["exchange_critical_bytes"] = {
-        ex: [sum(max(max(a, b) for a, b in zip(s.bytes_sent(ex), s.bytes_recv(ex)))
-                 for s in stats if ex in s.bytes_GG),
-             sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
-        for ex in EXCHANGES}
+    row["exchange_critical_bytes"] = _critical_bytes(stats)
     # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
     # what benchmarks/reprice_links.py re-prices exactly for another link
     row["link_terms"] = {"G": G, "stages": terms}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
-        row["recompute_modes"] = [s.recompute_mode for s in micro[-1][0]]
-        row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
-        row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
-                                  / max(assigned, 1))
-        row["fits"] = row["ledger_peak_bytes"] <= ledger.budget_bytes  # else out of memory
-        # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
-        row["rungs"] = dict(sorted(Counter(s.rung for s in stats).items()))
+        row.update(_ledger_fields(stats, micro[-1][0], ledger, assigned))
     return row
+
+
+def _critical_bytes(stats: list) -> dict[str, list[int]]:
+    """Per exchange: the sum over layers of the critical rank's max(sent, received) bytes
+    and the number of layers with traffic, so the link model can be re-applied offline."""
+    from lrmoe.sim.cost import live, rank_bytes
+    from lrmoe.sim.vstats import EXCHANGES
+
+    return {ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
+                 sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES}
+
+
+def _ledger_fields(stats: list, last: list, ledger: Ledger, assigned: int) -> dict:
+    """A budgeted step's ledger peak, recompute, fit and rungs (``last``: the last
+    micro-batch's layers)."""
+    peak = max(max(s.ledger_total_bytes) for s in stats)
+    return {"recompute_modes": [s.recompute_mode for s in last],
+            "ledger_peak_bytes": peak,
+            "recompute_ratio": sum(sum(s.recompute_rows or []) for s in stats) / max(assigned, 1),
+            "fits": peak <= ledger.budget_bytes,  # else out of memory
+            # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
+            "rungs": dict(sorted(Counter(s.rung for s in stats).items()))}
 
 
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
@@ -303,8 +313,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
                "budget_bytes": e.budget_bytes, "detail": e.detail}
         failed = verdict(e, oom["step"])
         if name == "static":
+            flag = ("--budget-floor-fraction" if cfg.budget_floor_fraction is not None
+                    else "--mem-budget")  # the flag that set the budget
             raise LrmoeError(f"static (whose run sets the target) is {failed}: {e.detail}; "
-                             f"raise {budget_flag(cfg)}") from None
+                             f"raise {flag}") from None
         log(f"[{name}] {failed}")
     except LrmoeError as e:  # e.g. a non-finite loss
         if name == "static":
@@ -348,12 +360,8 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)
-    offload = None
-    if t.optimizer_offload == "host":
-        from lrmoe.sim.offload import OffloadModel, policy_layout
-        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
-                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
-                               policy_layout(name))
+    offload = offload_for(budget_ledger(cfg, mcfg, None), name)
+    if offload is not None:
         note += f", optimizer offload to host ({offload.layout} layout)"
     return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
                       ParallelContext(device=dev), dev, sync, ledger, offload, note)
@@ -473,19 +481,6 @@ def ratio_over(r: dict, symi: dict | None) -> float | str | None:
 def _max_over_mean(loads: list[torch.Tensor]) -> float:
     """Mean over layers of (busiest rank's pairs / mean rank's pairs)."""
     return sum(float(x.max() / x.mean().clamp(min=1e-9)) for x in loads) / len(loads)
-
-
-def time_to_target(res: dict, target: float, rtol: float = 0.0
-                   ) -> tuple[int | None, float | None]:
-    for e in res["evals"]:
-        if e["step"] > 0 and e["val_loss"] <= target * (1 + rtol):
-            return e["step"], e["cum_emulated_s"]
-    return None, None
-
-
-def budget_flag(cfg: TTLConfig) -> str:
-    """The flag that set the run's budget (what an out-of-memory line tells to raise)."""
-    return "--budget-floor-fraction" if cfg.budget_floor_fraction is not None else "--mem-budget"
 
 
 def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
@@ -747,8 +742,10 @@ def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
         r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
-        r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = time_to_target(
-            r, raw_eval["val_loss"], cfg.target_rtol)
+        raw = next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
+                    <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
+        r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = (
+            (raw["step"], raw["cum_emulated_s"]) if raw else (None, None))
         if r.get("out_of_memory"):  # a run that stopped gets no time to target
             for k in ("steps_to_target", "time_to_target_emulated_s", "raw_steps_to_target",
                       "raw_time_to_target_emulated_s"):

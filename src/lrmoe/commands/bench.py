@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.cli_flags import BENCH, add_policy_flags, check_int, check_policy_flags
+from lrmoe.commands.columns import fmt
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
@@ -130,25 +131,6 @@ class _Replaced(argparse.Action):
                      "which static fits at every step (e.g. --budget-floor-fraction 1.1)")
 
 
-def file_safe(name: str) -> str:
-    """A policy spec (``lrmoe:min_keep=0.8``) as a file-name part (``lrmoe_min_keep-0.8``)."""
-    return name.replace("=", "-").replace(":", "_").replace("+", "_")
-
-
-def fmt(v, spec: str = ".4f", none: str = "never") -> str:
-    return none if v is None else format(v, spec)
-
-
-def fmt_ratio(v) -> str:
-    """A time-to-target ratio: a number, ``OOM`` (a policy ran out of memory) or n/a."""
-    return v if isinstance(v, str) else fmt(v, ".3f", "n/a")
-
-
-def rungs_cell(rungs: dict | None) -> str:
-    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget)."""
-    return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
-
-
 # why a policy's own rule chose replicas it did not place (Plan.given_up_for)
 GIVEN_UP = {"memory": ("for memory", "its slots did not fit the budget even with recompute "
                        "and a whole-layer checkpoint; it placed its most replicas that fit"),
@@ -215,7 +197,8 @@ def _policy_row(name: str, r: dict) -> str:
         mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
         mean("keep_ratio"), mean("recompute_ratio"),
         fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
-        mean("replicas", ".1f"), rungs_cell(r.get("rungs"))]) + " |"
+        mean("replicas", ".1f"),  # layer-steps per rung ("plan 236, layer 4")
+        ", ".join(f"{k} {v}" for k, v in r["rungs"].items()) if r.get("rungs") else "-"]) + " |"
 
 
 def _notes(rep: dict) -> list[str]:
@@ -272,7 +255,8 @@ def table(rep: dict) -> str:
     lines += [_policy_row(name, r) for name, r in rep["policies"].items()]
     lines.append("")
     for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
-        lines.append(f"{name} / symi emulated time-to-target: {fmt_ratio(ratio)}  ")
+        shown = ratio if isinstance(ratio, str) else fmt(ratio, ".3f", "n/a")  # or OOM
+        lines.append(f"{name} / symi emulated time-to-target: {shown}  ")
     return "\n".join(lines + placement_lines(rep) + _notes(rep) + _stage_table(rep))
 
 
@@ -372,7 +356,9 @@ def _write_outputs(rep: dict, out: Path) -> None:
                  // rep["config"]["ep"],
                  "format": "steps[step][moe_layer][expert] = global pairs routed",
                  "steps": r.pop("routing_trace")}
-        atomic_write_text(out / f"routing_trace_{file_safe(name)}.json", json.dumps(trace))
+        # a policy spec (lrmoe:min_keep=0.8) as a file-name part (lrmoe_min_keep-0.8)
+        safe = name.replace("=", "-").replace(":", "_").replace("+", "_")
+        atomic_write_text(out / f"routing_trace_{safe}.json", json.dumps(trace))
     atomic_write_text(out / "ttl.json", json.dumps(rep, indent=1))
     (out / "ttl_partial.json").unlink(missing_ok=True)
     atomic_write_text(out / "ttl.md", "# Time to target loss (emulated)\n\n" + table(rep) + "\n")

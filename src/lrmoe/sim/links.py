@@ -15,7 +15,7 @@ takes the longer of the two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,9 +79,7 @@ LINKS: dict[str, Link] = {
     "ib": IB,
     "pcie": PCIE,
     # EP over several 8-GPU nodes (EP 16-32): NVLink inside a node, IB between nodes
-    "nvlink+ib": Link("nvlink+ib", NVLINK.bandwidth_Bps, NVLINK.latency_s,
-                      NVLINK.efficiency, NVLINK.source, NVLINK.efficiency_source,
-                      node_size=8, inter=IB),
+    "nvlink+ib": replace(NVLINK, name="nvlink+ib", node_size=8, inter=IB),
 }
 
 

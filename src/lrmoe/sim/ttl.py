@@ -200,7 +200,9 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            # replicas, most in one]
            "replicas_placed": sum(s.plan.num_replicas() for s in stats),
            "layer_micro_batches": len(stats),
-           "replicas_given_up": _given_up(s.plan for s in stats),
+           "replicas_given_up": _given_up(
+               (s.plan.given_up_for, (1, s.plan.replicas_given_up, s.plan.replicas_given_up))
+               for s in stats if s.plan.replicas_given_up),
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
@@ -412,7 +414,11 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
                                           if dev.type == "cuda" else None)}
     if rows:
-        res["replicas_given_up"] = given_up_totals(rows)
+        # per reason: layer-micro-batches that gave replicas up, the replicas, most in one
+        tot = _given_up(kv for r in rows for kv in r["replicas_given_up"].items())
+        res["replicas_given_up"] = {why: {"layer_micro_batches": n, "replicas": k,
+                                          "most_in_one": most}
+                                    for why, (n, k, most) in tot.items()}
         res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
         res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
     if run.ledger is not None and rows:
@@ -425,7 +431,7 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
     return res
 
 
-def _sum_given_up(parts) -> dict[str, list[int]]:
+def _given_up(parts) -> dict[str, list[int]]:
     """Per reason, ``[plans, replicas, most in one plan]`` summed over ``(reason, [plans,
     replicas, most])`` parts."""
     tot: dict[str, list[int]] = {}
@@ -433,20 +439,6 @@ def _sum_given_up(parts) -> dict[str, list[int]]:
         a = tot.setdefault(why, [0, 0, 0])
         a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
     return dict(sorted(tot.items()))
-
-
-def _given_up(plans) -> dict[str, list[int]]:
-    """Per reason the plans gave replicas up: ``[plans, replicas, most in one plan]``."""
-    return _sum_given_up((p.given_up_for, (1, p.replicas_given_up, p.replicas_given_up))
-                         for p in plans if p.replicas_given_up)
-
-
-def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
-    the replicas given up and the most in one (``{}`` when none)."""
-    tot = _sum_given_up(kv for r in rows for kv in r["replicas_given_up"].items())
-    return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
-            for why, (n, k, most) in tot.items()}
 
 
 def rung_totals(rows: list[dict]) -> dict[str, int]:

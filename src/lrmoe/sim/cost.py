@@ -66,7 +66,7 @@ class StepTimes:
 
 def live(stats: VirtualStats, ex: str) -> bool:
     """Exchange ``ex`` sends bytes over a link (not one rank, not a layer without it)."""
-    return ex in stats.bytes_GG and sum(stats.bytes_sent(ex)) > 0
+    return ex in stats.bytes_GG and max(rank_bytes(stats.bytes_GG[ex])) > 0
 
 
 def _seconds(ms_by_key: dict, key: str | None, G: int) -> list[float]:

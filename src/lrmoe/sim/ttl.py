@@ -423,7 +423,7 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
         res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
     if run.ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
-        res["rungs"] = rung_totals(rows)
+        res["rungs"] = dict(sorted(sum((Counter(r["rungs"]) for r in rows), Counter()).items()))
     if failed:
         res["budget_status"] = failed
     elif run.ledger is not None:
@@ -438,14 +438,6 @@ def _given_up(parts) -> dict[str, list[int]]:
     for why, (n, k, most) in parts:
         a = tot.setdefault(why, [0, 0, 0])
         a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
-    return dict(sorted(tot.items()))
-
-
-def rung_totals(rows: list[dict]) -> dict[str, int]:
-    """Layer-steps per rung over a run's step rows."""
-    tot: Counter = Counter()
-    for r in rows:
-        tot.update(r["rungs"])
     return dict(sorted(tot.items()))
 
 

@@ -90,10 +90,9 @@ def get_link(name: str) -> Link:
 
 
 def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Link,
-                  G: int | None = None) -> list[float]:
-    """Emulated seconds each rank spends in one all-to-all: ``max(sent, received) / bandwidth
-    + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
-    G = len(bytes_sent_G) if G is None else G
+                  G: int) -> list[float]:
+    """Emulated seconds each rank spends in one all-to-all of ``G`` ranks: ``max(sent,
+    received) / bandwidth + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
     bw = link.effective_Bps
     lat = link.latency_s * max(G - 1, 0)
     return [max(s, r) / bw + lat for s, r in zip(bytes_sent_G, bytes_recv_G)]

@@ -117,24 +117,16 @@ class OffloadModel:
         return {ex: (int(self.G > 1), rank_bytes(m), [0.0] * self.G)
                 for ex, m in self._sharded_GG(inst_expert_GS).items()}
 
-    def describe(self) -> str:
-        return (f"optimizer offload to host ({self.layout} layout), modelled: "
-                f"{assumptions(self.host_link, self.host_mem_Bps, self.overlap)}")
 
-
-_RECORDED = object()  # assumptions(): whatever MEASURED_OVERLAP holds
-
-
-def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
-                overlap: MeasuredOverlap | None | object = _RECORDED) -> str:
+def assumptions() -> str:
     """One line: the host link and memory bandwidth assumed, and how much is charged."""
-    overlap = MEASURED_OVERLAP if overlap is _RECORDED else overlap
+    overlap, host_link = MEASURED_OVERLAP, PCIE5_X16
     charged = ("stages charged back to back, in full (the trainer's overlap is not measured "
                "yet)" if overlap is None else
                f"stages charged at {overlap.exposed_fraction:.3f} of their back-to-back time, "
                f"the exposed share measured in the trainer ({overlap.source})")
     return (f"host link {host_link.name} {host_link.bandwidth_Bps / 1e9:g} GB/s per direction "
-            f"({host_link.source}); host memory {host_mem_Bps / 1e9:g} GB/s per rank "
+            f"({host_link.source}); host memory {HOST_MEM_BPS / 1e9:g} GB/s per rank "
             f"({HOST_MEM_SOURCE}); {charged}; symi shards every expert 1/G over all ranks' "
             "hosts, static and lrmoe keep each expert's state with its owner")
 

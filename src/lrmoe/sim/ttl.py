@@ -467,18 +467,6 @@ def _max_over_mean(loads: list[torch.Tensor]) -> float:
     return sum(float(x.max() / x.mean().clamp(min=1e-9)) for x in loads) / len(loads)
 
 
-def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
-                    optimizer_offload: str = "device") -> int:
-    """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
-    and received pairs) that retains only ``fraction`` of its pairs: a budget where
-    memory binds without a run's routing, for tests of the fallbacks (not a budget rule
-    of ``bench ttl``)."""
-    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
-    pairs = tokens_per_rank * mcfg.num_experts_per_tok
-    t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
-    return int(t["total"] - (1 - fraction) * t["retained_acts"])
-
-
 @contextlib.contextmanager
 def deterministic_mode(on: bool, fill: bool = True):
     """torch's deterministic algorithms (warn-only) inside the block when ``on``, with its

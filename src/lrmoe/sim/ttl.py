@@ -286,7 +286,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
     emulated ranks: its step rows, evaluations and verdict (module docstring)."""
     t = cfg.train
     run = _build_run(name, cfg, mcfg, ledger, profile)
-    rows, trace, trace_GE, micro_E = [], [], [], []
+    rows, trace_GE = [], []
     evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
               "cum_emulated_s": 0.0}]
     run.model.train()
@@ -297,13 +297,9 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
             cum = rows[-1]["cum_emulated_s"] if rows else 0.0
             rows.append(_step_row(step, loss, micro, opt_wall, link, t.ep, run.ledger, cum,
                                   run.offload, getattr(run.opt, "host_s", 0.0)))
-            # the optimizer step's counts per layer, and every micro-batch's per home rank
-            # (what a plan sees: symi's profile)
-            trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
-                          for layer in zip(*[m[0] for m in micro])])
+            # every micro-batch's counts per home rank, its layers in order (what a plan
+            # sees: symi's profile, the budget floor)
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
-            # every micro-batch's per-expert counts, its layers in order (the budget floor's)
-            micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             done, cum = step + 1, rows[-1]["cum_emulated_s"]
             if done in _eval_steps(t):
                 evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
@@ -326,7 +322,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
         failed = f"stopped at step {len(rows) + 1}: {e}"
         log(f"[{name}] {failed}")
     res = _policy_result(run, rows, evals, failed, oom)
-    res.update(routing_trace=trace, _counts_GE=trace_GE, _counts_E_micro=micro_E)
+    # the routing trace: each step's global counts per layer
+    res["routing_trace"] = [[sum(c.sum(0) for c in layer).tolist() for layer in zip(*step)]
+                            for step in trace_GE]
+    res["_counts_GE"] = trace_GE
     return res
 
 
@@ -693,7 +692,6 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
                      profile)
     res["policy"] = spec
     counts_GE = res.pop("_counts_GE")
-    res.pop("_counts_E_micro")
     if rule is not None:  # with each result: --reuse takes it with the policy
         res["budget_rule"] = rule.record()
     gc.collect()

@@ -190,6 +190,8 @@ def _policy_row(name: str, r: dict) -> str:
 
     def mean(key: str, spec: str = ".3f") -> str:
         return format(sum(s.get(key, 0.0) for s in st) / len(st), spec) if st else "-"
+    # layer-steps per rung ("plan 236, layer 4"), none without a budget
+    rungs = ", ".join(f"{k} {v}" for k, v in r["rungs"].items()) if r.get("rungs") else "-"
     return "| " + " | ".join([
         name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f", never),
         fmt(r["time_to_target_emulated_s"], ".4f", never), f"{r['final_val_loss']:.4f}",
@@ -197,8 +199,7 @@ def _policy_row(name: str, r: dict) -> str:
         mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
         mean("keep_ratio"), mean("recompute_ratio"),
         fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
-        mean("replicas", ".1f"),  # layer-steps per rung ("plan 236, layer 4")
-        ", ".join(f"{k} {v}" for k, v in r["rungs"].items()) if r.get("rungs") else "-"]) + " |"
+        mean("replicas", ".1f"), rungs]) + " |"
 
 
 def _notes(rep: dict) -> list[str]:

@@ -266,7 +266,7 @@ def test_emulator_charges_the_measured_overlap(monkeypatch):
     E, G, P = 8, 4, 1000
     serial = so.OffloadModel(E, G, P, 2, "owner")
     assert serial.overlap is None and "not measured yet" in so.assumptions()
-    b = serial.rank_bytes(None)
+    b = serial.rank_bytes()
     assert b["opt_d2h"] == b["opt_h2d"] == [E // G * P * 2] * G  # bf16 down and up
     full = serial.rank_seconds(None, None)
     link = serial.host_link

@@ -74,23 +74,19 @@ class OffloadModel:
         """Parameters whose optimizer state one rank's host holds, per layer."""
         return self.E // self.G * self.P_params
 
-    def rank_bytes(self, inst_expert_GS) -> dict[str, list[int]]:
-        """Per stage, each rank's bytes for a layer whose next step's slots are ``inst_expert_GS``
-        ``[G, S]`` (-1 empty); sharded exchanges as ``<stage>_sent`` / ``<stage>_recv``."""
+    def rank_bytes(self) -> dict[str, list[int]]:
+        """Per offload stage, each rank's bytes for one layer (the same whatever its slots)."""
         G = self.G
         pcie = [self.host_params * self.bytes_w] * G
         out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
                "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
                                                        + 2 * self.bytes_w)] * G}
-        for ex, m in self._sharded_GG(inst_expert_GS).items():
-            off = m - torch.diag(torch.diagonal(m))  # a rank's own shard stays
-            out[f"{ex}_sent"], out[f"{ex}_recv"] = off.sum(1).tolist(), off.sum(0).tolist()
         return out
 
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
         """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
         ``grad_reduce`` on the EP ``link``."""
-        b = self.rank_bytes(inst_expert_GS)
+        b = self.rank_bytes()
         hl = self.host_link
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
         out = {"opt_d2h": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_d2h"]],

@@ -297,8 +297,6 @@ def run(args: argparse.Namespace) -> int:
     from lrmoe.sim.ttl_checks import check_ttl_config
     from lrmoe.sim.ttl_config import TTLConfig, recorded_settings
 
-    if args.bench != "ttl":
-        raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
     check_policy_flags({k: getattr(args, k) for k in BENCH})
     known = TTLConfig().flat()
     flat = {RECORDED_AS.get(k, k): v for k, v in vars(args).items()

@@ -146,7 +146,6 @@ def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], lis
     budgets = _budget_list(args.budgets)
     require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
             f"--gemm-tflops={args.gemm_tflops} must be a positive number")
-    require(args.tokens_per_rank >= 1, f"--tokens-per-rank={args.tokens_per_rank} must be >= 1")
     if args.json:  # fail before the work, not after
         parent = Path(args.json).resolve().parent
         require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")

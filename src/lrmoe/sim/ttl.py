@@ -45,15 +45,32 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger
+from lrmoe.model import MoEForCausalLM
+from lrmoe.model.compile import compile_model
+from lrmoe.parallel.groups import ParallelContext
+from lrmoe.policy.lrmoe import HELD
+from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.sim import ttl_budget
+from lrmoe.sim.cost import STAGES, accumulated_times, live, rank_bytes
+from lrmoe.sim.links import get_link, link_cost
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
+from lrmoe.sim.target import crossing, eval_noise, target_at
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
+from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
-from lrmoe.train.config import TrainConfig
+from lrmoe.sim.vstats import EXCHANGES
+from lrmoe.tokenizer import check_vocab
+from lrmoe.tokenizer_load import load_tokenizer
+from lrmoe.train.accum import accumulate, update
+from lrmoe.train.config import TrainConfig, resolve_model_config
+from lrmoe.train.loop import evaluate, make_autocast, val_windows
+from lrmoe.train.offload import last_backward_hook
+from lrmoe.train.optim import build_optimizer, build_scheduler
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
 
@@ -90,22 +107,16 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
     """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
     ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
     ``profile``, the static run's counts and GEMM rate."""
-    from lrmoe.policy.registry import PolicyConfig
-
     G, E = cfg.train.ep, mcfg.num_experts
     lc = cfg.lrmoe.planner
     slots, note = cfg.slots_per_rank, ""
     rate = profile[2] if profile else None
     if name == "lrmoe" and cfg.lrmoe.link_cost and rate is not None:
-        from lrmoe.policy.lrmoe import HELD
-        from lrmoe.sim.links import get_link, link_cost
         wb = 2 if cfg.train.device == "cuda" else 4  # budget_ledger's dtype
         share = cfg.train.grad_accum if lc.placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
     if name == "symi" and slots is None and ledger is not None:
-        from lrmoe.sim.links import get_link
-        from lrmoe.sim.ttl_symi import symi_slots
         prof_c, prof_p, rate = profile  # static runs first: its profile is there
         try:
             slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
@@ -145,11 +156,7 @@ def _eval_steps(t: TrainConfig) -> list[int]:
 
 def _val_eval(model, batches, dev, autocast) -> dict:
     """Mean validation loss and the loss of each batch (equal-sized batches)."""
-    from types import SimpleNamespace
-
-    from lrmoe.train.loop import evaluate
-    ctx = SimpleNamespace(device=dev, distributed=False)
-    per = [evaluate(model, [b], ctx, autocast)[0] for b in batches]
+    per = [evaluate(model, [b], ParallelContext(device=dev), autocast)[0] for b in batches]
     return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
 
 
@@ -160,8 +167,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     ``opt_wall``: the measured seconds after the last micro-batch (clipping, optimizer,
     ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
     stages and its measured host part (``host_s``) is left out of the non-MoE time."""
-    from lrmoe.sim.cost import STAGES, accumulated_times
-
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
     non_moe_opt = max(opt_wall - host_s, 0.0)
@@ -219,9 +224,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
 def _critical_bytes(stats: list) -> dict[str, list[int]]:
     """Per exchange: the sum over layers of the critical rank's max(sent, received) bytes
     and the number of layers with traffic, so the link model can be re-applied offline."""
-    from lrmoe.sim.cost import live, rank_bytes
-    from lrmoe.sim.vstats import EXCHANGES
-
     return {ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
                  sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES}
 
@@ -334,13 +336,6 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
     offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
     "host" (here the emulating device: its cost is modelled per rank)."""
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.policy.registry import make_policy
-    from lrmoe.train.loop import make_autocast
-    from lrmoe.train.optim import build_optimizer, build_scheduler
-
     t = cfg.train
     dev, G = torch.device(t.device), t.ep
     if dev.type == "cuda":  # this policy's own peak of the emulating process
@@ -373,9 +368,6 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
     """One optimizer step as the trainer makes it: ``(micro, optimizer wall, loss)``,
     ``micro`` per micro-batch ``(its layers' stats, its wall from batch fetch to after
     its backward, its routed experts' wall)``, timed with the device synchronised."""
-    from lrmoe.train.accum import accumulate, update
-    from lrmoe.train.offload import last_backward_hook
-
     run.em.set_step(step)
     run.opt.zero_grad(set_to_none=True)
     micro, clock, N = [], {}, t.grad_accum
@@ -514,7 +506,6 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
-    from lrmoe.sim.links import get_link
     was_link, link = rep.get("link"), asdict(get_link(cfg.link))
     if was_link is not None and was_link != link:  # a preset re-priced since that run
         raise LrmoeError(f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this "
@@ -569,9 +560,6 @@ class _Data:
 
 
 def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    from lrmoe.sim.links import get_link
-    from lrmoe.train.config import resolve_model_config
-
     check_ttl_config(cfg)
     G = cfg.train.ep
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
@@ -604,7 +592,6 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
                                              profile, rule)
             if p == "static":  # symi's profile: static's routing and GEMM rate
-                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
                 rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
                                             data.mcfg.hidden_size,
                                             data.mcfg.moe_intermediate_size)
@@ -628,12 +615,6 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
 def _load_data(cfg: TTLConfig) -> _Data:
     """The corpus (byte tokenizer), the model config with its vocabulary, the training
     batches and the validation batches, as ``lrmoe train`` reads them."""
-    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
-    from lrmoe.tokenizer import check_vocab
-    from lrmoe.tokenizer_load import load_tokenizer
-    from lrmoe.train.config import resolve_model_config
-    from lrmoe.train.loop import val_windows
-
     t = cfg.train
     corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
@@ -650,9 +631,6 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
     """The ``--reuse`` file's results checked against the seed's initial model's
     validation loss; the process is warmed up on that model for the policies of
     ``variants`` (spec -> :func:`policy_variant`) that will run."""
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.train.loop import make_autocast
-
     t, G = cfg.train, cfg.train.ep
     dev = torch.device(t.device)
     torch.manual_seed(t.seed)
@@ -674,8 +652,6 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
 def _warm_variants(data: _Data, variants: list, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
-    from lrmoe.policy.registry import make_policy
-
     out = []
     for base, vcfg in variants:
         if base == "lrmoe":
@@ -703,8 +679,6 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
 def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     """The target (module docstring) and, on each result, its steps and time to it (none
     for a run that stopped) and its mean step; returns the report's ``target``."""
-    from lrmoe.sim.target import crossing, eval_noise, target_at
-
     w = cfg.smooth_window
     base = results["static"]["evals"]
     at = math.ceil(cfg.target_fraction * cfg.train.steps)

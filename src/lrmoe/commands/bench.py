@@ -20,6 +20,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.train import rundir
 from lrmoe.train.checkpoint import atomic_write_text
+from lrmoe.units import fmt_bytes
 
 
 def register(sub) -> None:
@@ -163,8 +164,6 @@ def placement_lines(rep: dict) -> list[str]:
 
 def _target_line(rep: dict) -> str:
     """The target, its noise, the link, EP size and budget."""
-    from lrmoe.units import fmt_bytes
-
     tg = rep["target"]
     nz = tg["noise"]
     return (f"Target val loss {tg['val_loss']:.4f} (static's val curve smoothed over "
@@ -183,8 +182,6 @@ def _target_line(rep: dict) -> str:
 
 def _policy_row(name: str, r: dict) -> str:
     """One policy's row of the summary table."""
-    from lrmoe.units import fmt_bytes
-
     st = r["steps"]
     never = "OOM" if r.get("out_of_memory") else "never"  # its run stopped there
 

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -485,9 +487,6 @@ def deterministic_mode(on: bool, fill: bool = True):
 def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
     run (docs/design.md §9): raises :class:`LrmoeError` naming the first difference."""
-    import json
-    from pathlib import Path
-
     path = Path(cfg.reuse)
     try:
         rep = json.loads(path.read_text())

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gpu_common import cli, read_json, reading  # noqa: E402
 
-from lrmoe.commands.bench import fmt  # noqa: E402
+from lrmoe.commands.columns import fmt  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.sim.target import ci95, crossing, eval_noise, target_at  # noqa: E402
 from lrmoe.units import fmt_bytes  # noqa: E402

@@ -32,7 +32,7 @@ def runtime(policy: str, cfg: ModelConfig, G: int = 1, comm=None, **kw) -> MoERu
                       lrmoe=LrmoeConfig(min_keep=0.5))
     ledger = None
     if policy == "lrmoe":  # a budget that binds: the rank keeps ~80% of its pairs' rows
-        from lrmoe.sim.ttl import balanced_budget
+        from budgets import balanced_budget
         ledger = Ledger.for_dtype(cfg, G, balanced_budget(cfg, G, B * T // G, 0.8, "fp32"),
                                   "fp32")
     extra = {} if comm is None else {"comm": comm}

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from budgets import balanced_budget
 from lrmoe.cli import main
 from lrmoe.presets import get_preset
-from lrmoe.sim.ttl import balanced_budget
 from shared_run import run_once
 
 ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",

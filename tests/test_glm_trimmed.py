@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import lrmoe.parallel.stages as stages
+from budgets import balanced_budget
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
 from lrmoe.model.transformer import MoEForCausalLM
@@ -31,7 +32,6 @@ from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
-from lrmoe.sim.ttl import balanced_budget
 from lrmoe.sim.vmodel import Emulator
 from references.moe import moe_layer_reference
 

@@ -14,7 +14,7 @@ import torch
 from lrmoe.config import ModelConfig
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
-from lrmoe.presets import PRESETS
+from lrmoe.presets import PRESETS, get_preset
 from lrmoe.train.accum import accumulate
 
 N, B, T = 3, 4, 16  # micro-batches, sequences per micro-batch (global), tokens
@@ -383,3 +383,8 @@ def test_bench_ttl_with_grad_accum(tmp_path):
             assert s["step_emulated_s"] == pytest.approx(total + once["step_emulated_s"])
             assert all(m["stages_emulated_s"]["fwd_experts"] > 0
                        for m in s["micro_batch_emulated_s"])
+        # the routing trace: each step's global pairs per MoE layer, both micro-batches'
+        trace = json.loads((tmp_path / f"a/routing_trace_{name}.json").read_text())["steps"]
+        k = get_preset("tiny-qwen3").num_experts_per_tok
+        assert len(trace) == 2 and all(sum(layer) == 2 * 4 * 32 * k
+                                       for step in trace for layer in step)

@@ -119,14 +119,15 @@ def test_sharded_offload_bytes_follow_the_paper():
     G, E, P, bw = 4, 8, 1000, 2
     plan = _symi_plan(G, E, s=3)
     m = OffloadModel(E, G, P, bw, "sharded")
-    b = m.rank_bytes(plan.inst_expert_GS)
+    b = m.rank_bytes()
     assert b["opt_d2h"] == b["opt_h2d"] == [E // G * P * bw] * G
     assert b["opt_host_update"] == [E // G * P * (HOST_UPDATE_FP32_BYTES + 2 * bw)] * G
-    assert b["weight_scatter_recv"] == [3 * P * bw * (G - 1) / G] * G  # 3 slots each
-    assert sum(b["weight_scatter_sent"]) == pytest.approx(sum(b["weight_scatter_recv"]))
-    assert b["grad_reduce_sent"] == b["weight_scatter_recv"]
-    owner = OffloadModel(E, G, P, bw, "owner").rank_bytes(plan.inst_expert_GS)
-    assert owner["opt_d2h"] == b["opt_d2h"] and "weight_scatter_recv" not in owner
+    terms = m.link_terms(plan.inst_expert_GS)  # (messages, max(sent, received), fixed)
+    assert terms["weight_scatter"][1] == [3 * P * bw * (G - 1) / G] * G  # 3 slots each
+    assert terms["grad_reduce"] == terms["weight_scatter"]  # the same bytes the other way
+    owner = OffloadModel(E, G, P, bw, "owner")
+    assert owner.rank_bytes() == b
+    assert owner.link_terms(plan.inst_expert_GS) == {}
 
 
 def test_step_times_charge_the_offload_stages():

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from budgets import balanced_budget
 from dist_util import load_benchmark
 from lrmoe.cli import main as lrmoe_main
 from lrmoe.errors import LrmoeError
 from lrmoe.presets import get_preset
 from lrmoe.sim.links import Link
-from lrmoe.sim.ttl import balanced_budget
 
 rl = load_benchmark("reprice_links")
 OLD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ttl_qwen3_2gib_devcp" / "s0"

@@ -31,7 +31,15 @@ from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
-from lrmoe.sim.cost import STAGES, StepTimes, rank_stage_seconds, step_times
+from lrmoe.sim.cost import (
+    STAGES,
+    StepTimes,
+    price_terms,
+    rank_bytes,
+    rank_link_terms,
+    rank_stage_seconds,
+    step_times,
+)
 from lrmoe.sim.links import LINKS, alltoall_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
@@ -250,10 +258,9 @@ def test_emulator_matches_one_process_and_gloo(gloo_run):
         assert stats.rows["fwd"] == [real[r]["stats"]["fwd_rows"] for r in range(G)]
         if name in ("partial", "sampled"):
             assert sum(stats.rows["bwd"]) < sum(stats.rows["fwd"])
-        if base == "static":
-            assert sum(stats.bytes_sent("weight_scatter")) == 0
-        else:
-            assert sum(stats.bytes_sent("weight_scatter")) == 2 * (2 * F * H + H * F) * 4
+        b = stats.bytes_GG["weight_scatter"]
+        sent = int((b - torch.diag(torch.diagonal(b))).sum())  # self-copies aside
+        assert sent == (0 if base == "static" else 2 * (2 * F * H + H * F) * 4)
 
 
 def test_router_grad_experts_leaves_a_trimmed_plan_alone():
@@ -388,8 +395,7 @@ def test_step_times_from_stats():
     link = LINKS["nvlink"]
     st = step_times(stats, link, non_moe_s=1e-3)
     assert isinstance(st, StepTimes) and st.label == "emulated"
-    sent, recv = stats.bytes_sent("fwd_dispatch"), stats.bytes_recv("fwd_dispatch")
-    want = max(alltoall_time(sent, recv, link, G))
+    want = max(alltoall_time(rank_bytes(stats.bytes_GG["fwd_dispatch"]), [0] * G, link, G))
     assert st.fwd_dispatch == pytest.approx(want)
     assert st.fwd_experts == pytest.approx(max(stats.expert_ms["fwd"]) / 1e3)
     assert st.total == pytest.approx(sum(st.stages().values()) + 1e-3)
@@ -409,6 +415,25 @@ def test_an_exchange_without_traffic_costs_nothing():
     per = rank_stage_seconds(modelled_stats(plan, cfg, 1e12), LINKS["nvlink"])
     assert per["weight_scatter"] == per["grad_reduce"] == [0.0] * G
     assert min(per["fwd_dispatch"]) > LINKS["nvlink"].latency_s * (G - 1)
+
+
+def test_a_whole_layer_checkpoint_not_run_is_charged_the_forward_again():
+    """A ``layer`` recompute the emulator did not run (a modelled plan, an activation
+    checkpoint's re-run) costs the forward's dispatch, experts and combine again, and its
+    link-free terms re-price to that charge."""
+    cfg = ModelConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E,
+                      num_experts_per_tok=K, num_attention_heads=2, num_key_value_heads=2)
+    counts = torch.tensor([[3, 1, 2, 0, 4, 1, 0, 1]] * G)
+    plan = full_plan(counts, torch.arange(E).reshape(G, E // G))
+    link = LINKS["nvlink"]
+    stats = modelled_stats(plan, cfg, 1e12, recompute_rows=[1] * G, recompute_mode="layer")
+    per = rank_stage_seconds(stats, link)
+    want = [a + b + c for a, b, c in
+            zip(per["fwd_dispatch"], per["fwd_experts"], per["fwd_combine"])]
+    assert min(per["fwd_combine"]) > 0 and min(per["fwd_experts"]) > 0
+    assert per["bwd_recompute"] == pytest.approx(want, rel=1e-12)
+    terms = rank_link_terms(stats)["bwd_recompute"]
+    assert price_terms(list(terms), link, G) == pytest.approx(max(want), rel=1e-12)
 
 
 def _rank_stats(stats: VirtualStats, g: int) -> dict:

@@ -80,10 +80,6 @@ def _commands(parser: argparse.ArgumentParser, prefix: str):
             yield from _commands(sub, full)
 
 
-def _has_commands(parser: argparse.ArgumentParser) -> bool:
-    return any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
-
-
 def _section(name: str, summary: str, parser: argparse.ArgumentParser) -> list[str]:
     out = [f"## `{name}`", ""]
     about = parser.description or summary
@@ -105,7 +101,8 @@ def render(root: argparse.ArgumentParser | None = None) -> str:
     root = root if root is not None else build_parser()
     commands = [(name, summary, parser)
                 for name, summary, parser in _commands(root, "lrmoe")
-                if any(_shown(a) for a in parser._actions) or not _has_commands(parser)]
+                if any(_shown(a) for a in parser._actions)
+                or not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)]
     out = [HEADER]  # a bare group of commands (`lrmoe bench`) has no section of its own
     out += [f"- [`{name}`](#{name.replace(' ', '-')}): {_cell(summary)}"
             for name, summary, _ in commands]

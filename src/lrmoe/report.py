@@ -21,20 +21,6 @@ from lrmoe.errors import LrmoeError
 from lrmoe.train.metrics import METRICS_FILE, read_metrics
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _grid(n: int, cols: int = 4) -> tuple[int, int]:
-    cols = min(cols, n)
-    return math.ceil(n / cols), cols
-
-
 def _moving_average(xs: list[float], w: int) -> list[float]:
     out, acc = [], 0.0
     for i, x in enumerate(xs):
@@ -66,7 +52,8 @@ def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float
     import numpy as np
 
     n = len(per_layer)
-    rows, cols = _grid(n)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
                              squeeze=False, layout="constrained")
     vmax = 1.0
@@ -98,20 +85,21 @@ def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float
     return path
 
 
-def write_report(run_dir: str | os.PathLike) -> list[Path]:
-    """Write the PNGs for ``run_dir``; returns their paths."""
-    run_dir = Path(run_dir)
-    mpath = run_dir / METRICS_FILE
-    if not mpath.is_file():
-        raise LrmoeError(f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
-    rows = read_metrics(mpath)
-    train = [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
-    val = [r for r in rows if "val_loss" in r]
-    if not train:
-        raise LrmoeError(f"{mpath} holds no training steps yet")
-    plt = _plt()
-    out: list[Path] = []
+def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, ylabel: str,
+                  title: str) -> list[Path]:
+    """The heatmap of the rows' per-layer ``key`` (``[]`` when no row has it in full)."""
+    with_key = [r for r in train if r.get(key)]
+    if not with_key:
+        return []
+    n_layers = len(with_key[0][key])
+    ok = [r for r in with_key if len(r[key]) == n_layers and all(c is not None for c in r[key])]
+    if not ok:
+        return []
+    per_layer = [[r[key][k] for r in ok] for k in range(n_layers)]
+    return [_heatmaps(plt, run_dir / name, [r["step"] for r in ok], per_layer, ylabel, title)]
 
+
+def _loss_plot(plt, run_dir: Path, train: list[dict], val: list[dict]) -> Path:
     steps = [r["step"] for r in train]
     loss = [r["loss"] for r in train]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -121,24 +109,16 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-",
                 color="tab:orange", label="validation")
-    out.append(_finish(plt, fig, ax, run_dir / "loss.png", "cross entropy (nats/token)",
-                       f"loss: {run_dir.name}", {}))
+    return _finish(plt, fig, ax, run_dir / "loss.png", "cross entropy (nats/token)",
+                   f"loss: {run_dir.name}", {})
 
-    with_counts = [r for r in train if r.get("counts")]
-    if with_counts:
-        n_layers = len(with_counts[0]["counts"])
-        ok = [r for r in with_counts if len(r["counts"]) == n_layers
-              and all(c is not None for c in r["counts"])]
-        if ok:
-            per_layer = [[r["counts"][k] for r in ok] for k in range(n_layers)]
-            out.append(_heatmaps(plt, run_dir / "expert_load.png", [r["step"] for r in ok],
-                                 per_layer, "expert", "expert load (pairs / mean) per step"))
 
+def _balance_plot(plt, run_dir: Path, train: list[dict]) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     series = [r.get("expert_load_max_over_mean") or [] for r in train]
     n_layers = max((len(s) for s in series), default=0)
     for k in range(n_layers):
-        pts = [(st, s[k]) for st, s in zip(steps, series) if len(s) > k and s[k] is not None]
+        pts = [(r["step"], s[k]) for r, s in zip(train, series) if len(s) > k and s[k] is not None]
         if pts:
             ax.plot(*zip(*pts), lw=0.9, color=f"C{k % 10}", label=f"layer {k}: experts")
     for key, style in (("rank_load_max_over_mean", "--"), ("rank_bwd_load_max_over_mean", ":")):
@@ -151,14 +131,27 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
                     ax.plot(*zip(*pts), style, lw=0.9, color=f"C{k % 10}",
                             label=f"layer {k}: {what}")
     ax.axhline(1.0, color="gray", lw=0.6)
-    out.append(_finish(plt, fig, ax, run_dir / "load_balance.png", "max / mean load",
-                       "load imbalance", {"fontsize": 7, "ncol": 2} if n_layers <= 8 else None))
+    return _finish(plt, fig, ax, run_dir / "load_balance.png", "max / mean load",
+                   "load imbalance", {"fontsize": 7, "ncol": 2} if n_layers <= 8 else None)
 
-    with_ranks = [r for r in train if r.get("rank_load")]
-    if with_ranks:
-        n_layers = len(with_ranks[0]["rank_load"])
-        ok = [r for r in with_ranks if len(r["rank_load"]) == n_layers]
-        per_layer = [[r["rank_load"][k] for r in ok] for k in range(n_layers)]
-        out.append(_heatmaps(plt, run_dir / "rank_load.png", [r["step"] for r in ok],
-                             per_layer, "rank", "rank load (pairs processed / mean) per step"))
-    return out
+
+def write_report(run_dir: str | os.PathLike) -> list[Path]:
+    """Write the PNGs for ``run_dir``; returns their paths."""
+    run_dir = Path(run_dir)
+    mpath = run_dir / METRICS_FILE
+    if not mpath.is_file():
+        raise LrmoeError(f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
+    rows = read_metrics(mpath)
+    train = [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
+    if not train:
+        raise LrmoeError(f"{mpath} holds no training steps yet")
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return ([_loss_plot(plt, run_dir, train, [r for r in rows if "val_loss" in r])]
+            + _load_heatmap(plt, run_dir, train, "counts", "expert_load.png", "expert",
+                            "expert load (pairs / mean) per step")
+            + [_balance_plot(plt, run_dir, train)]
+            + _load_heatmap(plt, run_dir, train, "rank_load", "rank_load.png", "rank",
+                            "rank load (pairs processed / mean) per step"))

@@ -18,7 +18,6 @@ from lrmoe.ledger import DTYPE_BYTES, Ledger
 from lrmoe.presets import layer_params, param_breakdown
 
 MODES = ("none", "selective", "full")
-PHASES = ("forward_end", "loss_backward", "block_backward", "optimizer_step")
 # what the one-process path (parallel/exchange.py) keeps per pair besides its gate: its row
 # and the pair of each row (int64); the exchange keeps one more index (ledger.py)
 LOCAL_INDEX_BYTES = 2 * 8

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from lrmoe.cli_flags import BENCH, add_policy_flags, check_int, check_policy_flags
+from lrmoe.commands.columns import fmt
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.train import rundir
 from lrmoe.train.checkpoint import atomic_write_text
+from lrmoe.units import fmt_bytes
 
 
 def register(sub) -> None:
@@ -130,25 +132,6 @@ class _Replaced(argparse.Action):
                      "which static fits at every step (e.g. --budget-floor-fraction 1.1)")
 
 
-def file_safe(name: str) -> str:
-    """A policy spec (``lrmoe:min_keep=0.8``) as a file-name part (``lrmoe_min_keep-0.8``)."""
-    return name.replace("=", "-").replace(":", "_").replace("+", "_")
-
-
-def fmt(v, spec: str = ".4f", none: str = "never") -> str:
-    return none if v is None else format(v, spec)
-
-
-def fmt_ratio(v) -> str:
-    """A time-to-target ratio: a number, ``OOM`` (a policy ran out of memory) or n/a."""
-    return v if isinstance(v, str) else fmt(v, ".3f", "n/a")
-
-
-def rungs_cell(rungs: dict | None) -> str:
-    """``plan 236, layer 4``: layer-steps per rung (``-`` without a budget)."""
-    return ", ".join(f"{k} {v}" for k, v in rungs.items()) if rungs else "-"
-
-
 # why a policy's own rule chose replicas it did not place (Plan.given_up_for)
 GIVEN_UP = {"memory": ("for memory", "its slots did not fit the budget even with recompute "
                        "and a whole-layer checkpoint; it placed its most replicas that fit"),
@@ -179,47 +162,47 @@ def placement_lines(rep: dict) -> list[str]:
     return out
 
 
-def table(rep: dict) -> str:
-    from lrmoe.units import fmt_bytes
-
+def _target_line(rep: dict) -> str:
+    """The target, its noise, the link, EP size and budget."""
     tg = rep["target"]
-    head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
-            "final val", "mean step (emulated ms)", "expert load max/mean",
-            "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak",
-            "replicas per step (all MoE layers)", "rungs (layer-steps)"]
     nz = tg["noise"]
-    lines = [f"Target val loss {tg['val_loss']:.4f} (static's val curve smoothed over "
-             f"{tg['smooth_window']} evaluations, at step {tg['static_step']}, fraction "
-             f"{tg['fraction']}; one evaluation's std error {fmt(nz['std_error'])} vs smoothed "
-             f"change between neighbouring evaluations {fmt(nz['neighbour_change'])}: "
-             f"{'below' if nz['ok'] else 'NOT below'} a quarter of it; paired std error of "
-             f"the change from the previous evaluation, same batches, "
-             f"{fmt(nz.get('paired_std_error'))}: "
-             f"{'below' if nz.get('paired_ok') else 'NOT below'} a quarter); "
-             f"link {rep['link']['name']}; EP {rep['config']['ep']}"
-             f" virtual ranks; budget "
-             f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
-             " per rank. Times are emulated.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in rep["policies"].items():
-        st = r["steps"]
-        n = max(len(st), 1)
-        never = "OOM" if r.get("out_of_memory") else "never"  # its run stopped there
+    return (f"Target val loss {tg['val_loss']:.4f} (static's val curve smoothed over "
+            f"{tg['smooth_window']} evaluations, at step {tg['static_step']}, fraction "
+            f"{tg['fraction']}; one evaluation's std error {fmt(nz['std_error'])} vs smoothed "
+            f"change between neighbouring evaluations {fmt(nz['neighbour_change'])}: "
+            f"{'below' if nz['ok'] else 'NOT below'} a quarter of it; paired std error of "
+            f"the change from the previous evaluation, same batches, "
+            f"{fmt(nz.get('paired_std_error'))}: "
+            f"{'below' if nz.get('paired_ok') else 'NOT below'} a quarter); "
+            f"link {rep['link']['name']}; EP {rep['config']['ep']}"
+            f" virtual ranks; budget "
+            f"{'none' if rep['budget_bytes'] is None else fmt_bytes(rep['budget_bytes'])}"
+            " per rank. Times are emulated.")
 
-        def mean(key: str, spec: str = ".3f", st=st, n=n) -> str:
-            return format(sum(s.get(key, 0.0) for s in st) / n, spec) if st else "-"
-        lines.append("| " + " | ".join([
-            name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f", never),
-            fmt(r["time_to_target_emulated_s"], ".4f", never), f"{r['final_val_loss']:.4f}",
-            f"{r['mean_step_emulated_s'] * 1e3:.3f}" if st else "-",
-            mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
-            mean("keep_ratio"), mean("recompute_ratio"),
-            fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
-            mean("replicas", ".1f"), rungs_cell(r.get("rungs"))]) + " |")
-    lines.append("")
-    for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
-        lines.append(f"{name} / symi emulated time-to-target: {fmt_ratio(ratio)}  ")
-    lines += placement_lines(rep)
+
+def _policy_row(name: str, r: dict) -> str:
+    """One policy's row of the summary table."""
+    st = r["steps"]
+    never = "OOM" if r.get("out_of_memory") else "never"  # its run stopped there
+
+    def mean(key: str, spec: str = ".3f") -> str:
+        return format(sum(s.get(key, 0.0) for s in st) / len(st), spec) if st else "-"
+    # layer-steps per rung ("plan 236, layer 4"), none without a budget
+    rungs = ", ".join(f"{k} {v}" for k, v in r["rungs"].items()) if r.get("rungs") else "-"
+    return "| " + " | ".join([
+        name, r["config"], r["budget_status"], fmt(r["steps_to_target"], ".1f", never),
+        fmt(r["time_to_target_emulated_s"], ".4f", never), f"{r['final_val_loss']:.4f}",
+        f"{r['mean_step_emulated_s'] * 1e3:.3f}" if st else "-",
+        mean("expert_load_max_over_mean"), mean("fwd_load_max_over_mean"),
+        mean("keep_ratio"), mean("recompute_ratio"),
+        fmt_bytes(r["ledger_peak_bytes"]) if "ledger_peak_bytes" in r else "-",
+        mean("replicas", ".1f"), rungs]) + " |"
+
+
+def _notes(rep: dict) -> list[str]:
+    """What the run's settings change: symi without replicas, the router gradient at
+    the experts, host optimizer offload."""
+    lines = []
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
         E, G = ModelConfig.from_hf_dict(rep["model"]).num_experts, rep["config"]["ep"]
@@ -236,13 +219,18 @@ def table(rep: dict) -> str:
         lines += ["", "Every policy keeps the experts' optimizer state in host memory "
                       "(--optimizer-offload host); opt_d2h, opt_host_update and opt_h2d are "
                       "modelled: " + rep.get("offload_model", "")]
-    lines += ["",
-              "Mean emulated ms per step by stage (slowest virtual rank per stage, summed "
-              "over MoE layers; non_moe = measured / G). Measured per rank: plan (the "
-              "policy's planning, charged to every rank), local, select, gather and the "
-              "expert kernels; modelled from bytes: count_exchange and the exchanges; "
-              "bwd_recompute: per-row recompute modelled from the forward kernels, a "
-              "whole-layer checkpoint's re-run measured (its exchanges from bytes):", ""]
+    return lines
+
+
+def _stage_table(rep: dict) -> list[str]:
+    """Mean emulated ms per step by stage, one row per policy."""
+    lines = ["",
+             "Mean emulated ms per step by stage (slowest virtual rank per stage, summed "
+             "over MoE layers; non_moe = measured / G). Measured per rank: plan (the "
+             "policy's planning, charged to every rank), local, select, gather and the "
+             "expert kernels; modelled from bytes: count_exchange and the exchanges; "
+             "bwd_recompute: per-row recompute modelled from the forward kernels, a "
+             "whole-layer checkpoint's re-run measured (its exchanges from bytes):", ""]
     stages = list(next(iter(rep["policies"].values()))["steps"][0]["stages_emulated_s"])
     lines += ["| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |",
               "|" + "---|" * (len(stages) + 3)]
@@ -251,7 +239,23 @@ def table(rep: dict) -> str:
         vals = [sum(s["stages_emulated_s"][k] for s in st) / n for k in stages]
         vals += [sum(s["non_moe_s"] for s in st) / n, r["mean_step_emulated_s"]]
         lines.append(f"| {name} | " + " | ".join(f"{v * 1e3:.3f}" for v in vals) + " |")
-    return "\n".join(lines)
+    return lines
+
+
+def table(rep: dict) -> str:
+    """``ttl.md``'s body: the target, one row per policy, the ratios, the placements,
+    the notes and the stage table."""
+    head = ["policy", "config", "budget", "steps→target", "time→target (emulated s)",
+            "final val", "mean step (emulated ms)", "expert load max/mean",
+            "rank load max/mean", "keep ratio", "recompute ratio", "ledger peak",
+            "replicas per step (all MoE layers)", "rungs (layer-steps)"]
+    lines = [_target_line(rep), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += [_policy_row(name, r) for name, r in rep["policies"].items()]
+    lines.append("")
+    for name, ratio in rep["ratios_over_symi_time_to_target_emulated"].items():
+        shown = ratio if isinstance(ratio, str) else fmt(ratio, ".3f", "n/a")  # or OOM
+        lines.append(f"{name} / symi emulated time-to-target: {shown}  ")
+    return "\n".join(lines + placement_lines(rep) + _notes(rep) + _stage_table(rep))
 
 
 def plots(rep: dict, out: Path) -> None:
@@ -280,33 +284,24 @@ def plots(rep: dict, out: Path) -> None:
         plt.close(fig)
 
 
+# the policy flags whose settings ttl.json records under their older, shorter names
+RECORDED_AS = {"lrmoe_min_keep": "min_keep", "lrmoe_balance": "balance",
+               "lrmoe_estimator": "estimator"}
+
+
 def run(args: argparse.Namespace) -> int:
     from lrmoe.sim.ttl import bench_ttl
     from lrmoe.sim.ttl_checks import check_ttl_config
     from lrmoe.sim.ttl_config import TTLConfig, recorded_settings
 
-    if args.bench != "ttl":
-        raise LrmoeError(f"unknown benchmark {args.bench!r}; use ttl")
     check_policy_flags({k: getattr(args, k) for k in BENCH})
-    cfg = TTLConfig.from_flat(
-        preset=args.preset, config=args.config, ep=args.ep,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        mem_budget=args.mem_budget, slots_per_rank=args.slots_per_rank, steps=args.steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
-        seed=args.seed, link=args.link, target_fraction=args.target_fraction,
-        target_rtol=args.target_rtol,
-        device=args.device, data=args.data, max_data_bytes=args.max_data_bytes,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, min_keep=args.lrmoe_min_keep,
-        balance=args.lrmoe_balance, compile=args.compile, lrmoe_max_slots=args.lrmoe_max_slots,
-        estimator=args.lrmoe_estimator, lrmoe_recompute=args.lrmoe_recompute,
-        lrmoe_placement=args.lrmoe_placement,
-        budget_floor_fraction=args.budget_floor_fraction,
-        optimizer_offload=args.optimizer_offload, smooth_window=args.smooth_window,
-        reuse=args.reuse, router_grad=args.router_grad, deterministic=args.deterministic,
-        deterministic_fill=args.deterministic_fill,
-        router_lr_scale=args.router_lr_scale,
-        grad_accum=args.grad_accum, activation_checkpoint=args.activation_checkpoint)
+    known = TTLConfig().flat()
+    flat = {RECORDED_AS.get(k, k): v for k, v in vars(args).items()
+            if RECORDED_AS.get(k, k) in known}
+    flat["policies"] = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if args.warmup is None:
+        flat["warmup"] = max(1, args.steps // 10)
+    cfg = TTLConfig.from_flat(**flat)
     check_ttl_config(cfg)  # before --out is touched
     check_int("threads", args.threads, 1, allow_none=True)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -357,7 +352,9 @@ def _write_outputs(rep: dict, out: Path) -> None:
                  // rep["config"]["ep"],
                  "format": "steps[step][moe_layer][expert] = global pairs routed",
                  "steps": r.pop("routing_trace")}
-        atomic_write_text(out / f"routing_trace_{file_safe(name)}.json", json.dumps(trace))
+        # a policy spec (lrmoe:min_keep=0.8) as a file-name part (lrmoe_min_keep-0.8)
+        safe = name.replace("=", "-").replace(":", "_").replace("+", "_")
+        atomic_write_text(out / f"routing_trace_{safe}.json", json.dumps(trace))
     atomic_write_text(out / "ttl.json", json.dumps(rep, indent=1))
     (out / "ttl_partial.json").unlink(missing_ok=True)
     atomic_write_text(out / "ttl.md", "# Time to target loss (emulated)\n\n" + table(rep) + "\n")

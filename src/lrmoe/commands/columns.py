@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def fmt(v, spec: str = ".4f", none: str = "never") -> str:
+    """``v`` in ``spec``, ``none`` for ``None``."""
+    return none if v is None else format(v, spec)
+
+
 def aligned(heads: list[list[str]], rows: list[list[str]], left: set[int]) -> str:
     """``heads`` then ``rows`` in columns two spaces apart: ``left`` columns
     left-justified, the others right."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from torch import Tensor
-
 from lrmoe.cli_flags import (
     INT64_MAX,
     PLAN,
@@ -86,10 +84,6 @@ def register(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------- output
-def _instances(row: Tensor) -> str:
-    return ",".join(str(int(e)) for e in row if e >= 0)
-
-
 def format_table(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
     """A plain aligned table: one row per rank, loads and ledger terms in GiB."""
     fwd, bwd = plan.rank_load(), plan.rank_backward_load()
@@ -97,7 +91,8 @@ def format_table(plan: Plan, terms: list[dict[str, int]], budget: int | None) ->
     rows = []
     for r, t in enumerate(terms):
         fits = "-" if budget is None else ("yes" if t["total"] <= budget else "NO")
-        rows.append([str(r), _instances(plan.inst_expert_GS[r]), str(int(fwd[r])),
+        instances = ",".join(str(int(e)) for e in plan.inst_expert_GS[r] if e >= 0)
+        rows.append([str(r), instances, str(int(fwd[r])),
                      str(int(bwd[r]))] + [fmt_bytes(t[k]) for k in TERMS]
                     + [fmt_bytes(t["total"]), fits])
     return aligned([head], rows, {0, 1})
@@ -202,6 +197,3 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(plan, terms, budget))
     print(summary(plan, terms, budget))
     return 0 if budget is None or max(t["total"] for t in terms) <= budget else 1
-
-
-# ---------------------------------------------------------------------- compare

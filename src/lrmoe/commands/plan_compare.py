@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lrmoe.commands.columns import aligned
+from lrmoe.commands.columns import aligned, fmt
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.ledger import Ledger
@@ -59,10 +59,6 @@ def _budget_list(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def compare_tables(rows: list[dict]) -> str:
     """The summary table and the per-stage table (ms per MoE layer), times modelled."""
     m = "modelled"
@@ -72,14 +68,15 @@ def compare_tables(rows: list[dict]) -> str:
     body = []
     for r in rows:
         rep = r["replicas"]
+        peak = None if r["peak_bytes"] is None else fmt_bytes(r["peak_bytes"])
         body.append([str(r["ep"]), r["budget"], r["policy"],
-                     "yes" if r["fits"] else "does not fit",
-                     _fmt(None if r["peak_bytes"] is None else fmt_bytes(r["peak_bytes"]), "s"),
-                     _fmt(r["keep_ratio"], ".3f"), _fmt(r["recompute_ratio"], ".3f"),
+                     "yes" if r["fits"] else "does not fit", fmt(peak, "s", "-"),
+                     fmt(r["keep_ratio"], ".3f", "-"), fmt(r["recompute_ratio"], ".3f", "-"),
                      "-" if rep is None else (f"{rep:.0f}" if rep == int(rep) else f"{rep:.1f}"),
-                     _fmt(r["slots_per_rank"], "d"), _fmt(r["planning_ms"], ".3f"),
-                     _fmt(r["modelled_layer_ms"], ".3f"),
-                     _fmt(r["modelled_all_layers_ms"], ".2f"), _fmt(r["lrmoe_over_symi"], ".3f")])
+                     fmt(r["slots_per_rank"], "d", "-"), fmt(r["planning_ms"], ".3f", "-"),
+                     fmt(r["modelled_layer_ms"], ".3f", "-"),
+                     fmt(r["modelled_all_layers_ms"], ".2f", "-"),
+                     fmt(r["lrmoe_over_symi"], ".3f", "-")])
     main = aligned(heads, body, {1, 2, 3})
     short = {"plan": "plan", "count_exchange": "counts", "local": "local", "select": "select",
              "gather": "gather", "fwd_dispatch": "f_disp", "fwd_experts": "f_exp",
@@ -149,7 +146,6 @@ def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], lis
     budgets = _budget_list(args.budgets)
     require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
             f"--gemm-tflops={args.gemm_tflops} must be a positive number")
-    require(args.tokens_per_rank >= 1, f"--tokens-per-rank={args.tokens_per_rank} must be >= 1")
     if args.json:  # fail before the work, not after
         parent = Path(args.json).resolve().parent
         require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")

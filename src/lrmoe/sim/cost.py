@@ -64,12 +64,12 @@ class StepTimes:
         return self.moe + self.non_moe
 
 
-def _live(stats: VirtualStats, ex: str) -> bool:
+def live(stats: VirtualStats, ex: str) -> bool:
     """Exchange ``ex`` sends bytes over a link (not one rank, not a layer without it)."""
-    return ex in stats.bytes_GG and sum(stats.bytes_sent(ex)) > 0
+    return ex in stats.bytes_GG and max(rank_bytes(stats.bytes_GG[ex])) > 0
 
 
-def _seconds(ms_by_key: dict, key: str, G: int) -> list[float]:
+def _seconds(ms_by_key: dict, key: str | None, G: int) -> list[float]:
     return [ms / 1e3 for ms in ms_by_key.get(key, [0.0] * G)]
 
 
@@ -78,7 +78,7 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
     G = stats.plan.G
 
     def exchange(ex: str) -> list[float]:
-        return exchange_time(stats.bytes_GG[ex], link) if _live(stats, ex) else [0.0] * G
+        return exchange_time(stats.bytes_GG[ex], link) if live(stats, ex) else [0.0] * G
     out = {ex: exchange(ex) for ex in EXCHANGES}
     counts = (out.pop("count_allgather"), out.pop("bwd_count_exchange"))
     out["count_exchange"] = [a + b for a, b in zip(*counts)]
@@ -86,16 +86,23 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
         out[k] = _seconds(stats.stage_ms, k, G)
     out["fwd_experts"] = _seconds(stats.expert_ms, "fwd", G)
     out["bwd_experts"] = _seconds(stats.expert_ms, "bwd", G)
-    if "recompute" in stats.expert_ms:  # a whole-layer checkpoint, run: measured
-        redo = [exchange(ex) for ex in RECOMPUTE_EXCHANGES]
-        out["bwd_recompute"] = [ms / 1e3 + sum(v) for ms, *v in
-                                zip(stats.expert_ms["recompute"], *redo)]
-    elif stats.recompute_mode in ("layer", "over"):
-        out["bwd_recompute"] = [a + b + c for a, b, c in
-                                zip(out["fwd_dispatch"], out["fwd_experts"], out["fwd_combine"])]
-    else:  # nothing, or rows recomputed inside the expert backward (measured there)
-        out["bwd_recompute"] = [0.0] * G
+    names, kernels = _recompute(stats)
+    redo = [exchange(ex) for ex in names]
+    out["bwd_recompute"] = [s + sum(v) for s, *v in
+                            zip(_seconds(stats.expert_ms, kernels, G), *redo)]
     return out
+
+
+def _recompute(stats: VirtualStats) -> tuple[tuple[str, ...], str | None]:
+    """What ``bwd_recompute`` re-runs: the exchanges it sends again and the expert kernels
+    (``expert_ms`` key) it runs again. A whole-layer checkpoint's re-run is measured; one the
+    plan needs but did not run is the forward again, modelled; rows recomputed inside the
+    expert backward are measured there (nothing here)."""
+    if "recompute" in stats.expert_ms:
+        return RECOMPUTE_EXCHANGES, "recompute"
+    if stats.recompute_mode in ("layer", "over"):
+        return ("fwd_dispatch", "fwd_combine"), "fwd"
+    return (), None
 
 
 # Stages priced on the EP link: their seconds follow from the terms below and the link
@@ -116,21 +123,15 @@ def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], li
     G = stats.plan.G
 
     def ex_terms(names, fixed=None):
-        live = [ex for ex in names if _live(stats, ex)]
-        per = [rank_bytes(stats.bytes_GG[ex]) for ex in live]
-        return len(live), [sum(v) for v in zip(*per)] if per else [0.0] * G, \
-            fixed or [0.0] * G
+        sent = [ex for ex in names if live(stats, ex)]
+        per = [rank_bytes(stats.bytes_GG[ex]) for ex in sent]
+        bytes_G = [sum(v) for v in zip(*per)] if per else [0.0] * G
+        return len(sent), bytes_G, fixed or [0.0] * G
 
     out = {ex: ex_terms([ex]) for ex in LINK_STAGES if ex in EXCHANGES}
     out["count_exchange"] = ex_terms(["count_allgather", "bwd_count_exchange"])
-    if "recompute" in stats.expert_ms:
-        out["bwd_recompute"] = ex_terms(RECOMPUTE_EXCHANGES,
-                                        _seconds(stats.expert_ms, "recompute", G))
-    elif stats.recompute_mode in ("layer", "over"):
-        out["bwd_recompute"] = ex_terms(["fwd_dispatch", "fwd_combine"],
-                                        _seconds(stats.expert_ms, "fwd", G))
-    else:  # rows recomputed inside the expert backward are measured there
-        out["bwd_recompute"] = ex_terms([])
+    names, kernels = _recompute(stats)
+    out["bwd_recompute"] = ex_terms(names, _seconds(stats.expert_ms, kernels, G))
     return out
 
 

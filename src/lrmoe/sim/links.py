@@ -15,7 +15,7 @@ takes the longer of the two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,9 +79,7 @@ LINKS: dict[str, Link] = {
     "ib": IB,
     "pcie": PCIE,
     # EP over several 8-GPU nodes (EP 16-32): NVLink inside a node, IB between nodes
-    "nvlink+ib": Link("nvlink+ib", NVLINK.bandwidth_Bps, NVLINK.latency_s,
-                      NVLINK.efficiency, NVLINK.source, NVLINK.efficiency_source,
-                      node_size=8, inter=IB),
+    "nvlink+ib": replace(NVLINK, name="nvlink+ib", node_size=8, inter=IB),
 }
 
 
@@ -92,10 +90,9 @@ def get_link(name: str) -> Link:
 
 
 def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Link,
-                  G: int | None = None) -> list[float]:
-    """Emulated seconds each rank spends in one all-to-all: ``max(sent, received) / bandwidth
-    + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
-    G = len(bytes_sent_G) if G is None else G
+                  G: int) -> list[float]:
+    """Emulated seconds each rank spends in one all-to-all of ``G`` ranks: ``max(sent,
+    received) / bandwidth + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
     bw = link.effective_Bps
     lat = link.latency_s * max(G - 1, 0)
     return [max(s, r) / bw + lat for s, r in zip(bytes_sent_G, bytes_recv_G)]

@@ -69,39 +69,24 @@ class OffloadModel:
         require(self.E % self.G == 0, f"E={self.E} is not divisible by G={self.G}")
         require(self.host_mem_Bps > 0, f"host memory bandwidth {self.host_mem_Bps} must be > 0")
 
-    @classmethod
-    def for_ledger(cls, ledger, layout: str, **kw) -> OffloadModel:
-        """The shapes and compute dtype of ``ledger`` (a :class:`lrmoe.ledger.Ledger`)."""
-        return cls(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w, layout, **kw)
-
     @property
     def host_params(self) -> int:
         """Parameters whose optimizer state one rank's host holds, per layer."""
         return self.E // self.G * self.P_params
 
-    def rank_bytes(self, inst_expert_GS) -> dict[str, list[int]]:
-        """Per stage, each rank's bytes for a layer whose next step's slots are ``inst_expert_GS``
-        ``[G, S]`` (-1 empty); sharded exchanges as ``<stage>_sent`` / ``<stage>_recv``."""
+    def rank_bytes(self) -> dict[str, list[int]]:
+        """Per offload stage, each rank's bytes for one layer (the same whatever its slots)."""
         G = self.G
         pcie = [self.host_params * self.bytes_w] * G
         out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
                "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
                                                        + 2 * self.bytes_w)] * G}
-        if self.layout == "sharded":
-            occ = [int(x) for x in (inst_expert_GS >= 0).sum(1).tolist()]
-            require(len(occ) == G, f"placement has {len(occ)} ranks, the model {G}")
-            total = sum(occ)
-            shard = self.P_params * self.bytes_w / G
-            recv = [n * (G - 1) * shard for n in occ]
-            sent = [(total - n) * shard for n in occ]
-            out.update(weight_scatter_sent=sent, weight_scatter_recv=recv,
-                       grad_reduce_sent=recv, grad_reduce_recv=sent)
         return out
 
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
         """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
         ``grad_reduce`` on the EP ``link``."""
-        b = self.rank_bytes(inst_expert_GS)
+        b = self.rank_bytes()
         hl = self.host_link
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
         out = {"opt_d2h": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_d2h"]],
@@ -127,30 +112,23 @@ class OffloadModel:
         return {ex: (int(self.G > 1), rank_bytes(m), [0.0] * self.G)
                 for ex, m in self._sharded_GG(inst_expert_GS).items()}
 
-    def describe(self) -> str:
-        return (f"optimizer offload to host ({self.layout} layout), modelled: "
-                f"{assumptions(self.host_link, self.host_mem_Bps, self.overlap)}")
 
-
-_RECORDED = object()  # assumptions(): whatever MEASURED_OVERLAP holds
-
-
-def assumptions(host_link: Link = PCIE5_X16, host_mem_Bps: float = HOST_MEM_BPS,
-                overlap: MeasuredOverlap | None | object = _RECORDED) -> str:
+def assumptions() -> str:
     """One line: the host link and memory bandwidth assumed, and how much is charged."""
-    overlap = MEASURED_OVERLAP if overlap is _RECORDED else overlap
+    overlap, host_link = MEASURED_OVERLAP, PCIE5_X16
     charged = ("stages charged back to back, in full (the trainer's overlap is not measured "
                "yet)" if overlap is None else
                f"stages charged at {overlap.exposed_fraction:.3f} of their back-to-back time, "
                f"the exposed share measured in the trainer ({overlap.source})")
     return (f"host link {host_link.name} {host_link.bandwidth_Bps / 1e9:g} GB/s per direction "
-            f"({host_link.source}); host memory {host_mem_Bps / 1e9:g} GB/s per rank "
+            f"({host_link.source}); host memory {HOST_MEM_BPS / 1e9:g} GB/s per rank "
             f"({HOST_MEM_SOURCE}); {charged}; symi shards every expert 1/G over all ranks' "
             "hosts, static and lrmoe keep each expert's state with its owner")
 
 
 def offload_for(ledger, policy: str) -> OffloadModel | None:
     """The offload model of ``policy`` under ``ledger`` (``None`` without host offload)."""
-    if ledger is None or getattr(ledger, "optimizer_offload", "device") != "host":
+    if ledger is None or ledger.optimizer_offload != "host":
         return None
-    return OffloadModel.for_ledger(ledger, policy_layout(policy))
+    return OffloadModel(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w,
+                        policy_layout(policy))

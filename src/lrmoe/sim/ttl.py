@@ -36,23 +36,43 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
+from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger
+from lrmoe.model import MoEForCausalLM
+from lrmoe.model.compile import compile_model
+from lrmoe.parallel.groups import ParallelContext
+from lrmoe.policy.lrmoe import HELD
+from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.sim import ttl_budget
+from lrmoe.sim.cost import STAGES, accumulated_times, live, rank_bytes
+from lrmoe.sim.links import get_link, link_cost
 from lrmoe.sim.offload import assumptions as offload_assumptions
+from lrmoe.sim.offload import offload_for
+from lrmoe.sim.target import crossing, eval_noise, target_at
 from lrmoe.sim.ttl_checks import check_ttl_config
 from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
+from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
-from lrmoe.train.config import TrainConfig
+from lrmoe.sim.vstats import EXCHANGES
+from lrmoe.tokenizer import check_vocab
+from lrmoe.tokenizer_load import load_tokenizer
+from lrmoe.train.accum import accumulate, update
+from lrmoe.train.config import TrainConfig, resolve_model_config
+from lrmoe.train.loop import evaluate, make_autocast, val_windows
+from lrmoe.train.offload import last_backward_hook
+from lrmoe.train.optim import build_optimizer, build_scheduler
 from lrmoe.train.step_oom import verdict
 from lrmoe.units import parse_bytes
 
@@ -89,22 +109,16 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
     """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
     ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
     ``profile``, the static run's counts and GEMM rate."""
-    from lrmoe.policy.registry import PolicyConfig
-
     G, E = cfg.train.ep, mcfg.num_experts
     lc = cfg.lrmoe.planner
     slots, note = cfg.slots_per_rank, ""
     rate = profile[2] if profile else None
     if name == "lrmoe" and cfg.lrmoe.link_cost and rate is not None:
-        from lrmoe.policy.lrmoe import HELD
-        from lrmoe.sim.links import get_link, link_cost
         wb = 2 if cfg.train.device == "cuda" else 4  # budget_ledger's dtype
         share = cfg.train.grad_accum if lc.placement in HELD else 1
         lc = replace(lc, link=link_cost(get_link(cfg.link), rate, mcfg.hidden_size,
                                         mcfg.moe_intermediate_size, wb, wb, share))
     if name == "symi" and slots is None and ledger is not None:
-        from lrmoe.sim.links import get_link
-        from lrmoe.sim.ttl_symi import symi_slots
         prof_c, prof_p, rate = profile  # static runs first: its profile is there
         try:
             slots, note = symi_slots(mcfg, ledger, prof_c, prof_p, get_link(cfg.link), rate)
@@ -144,11 +158,7 @@ def _eval_steps(t: TrainConfig) -> list[int]:
 
 def _val_eval(model, batches, dev, autocast) -> dict:
     """Mean validation loss and the loss of each batch (equal-sized batches)."""
-    from types import SimpleNamespace
-
-    from lrmoe.train.loop import evaluate
-    ctx = SimpleNamespace(device=dev, distributed=False)
-    per = [evaluate(model, [b], ctx, autocast)[0] for b in batches]
+    per = [evaluate(model, [b], ParallelContext(device=dev), autocast)[0] for b in batches]
     return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
 
 
@@ -159,9 +169,6 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     ``opt_wall``: the measured seconds after the last micro-batch (clipping, optimizer,
     ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
     stages and its measured host part (``host_s``) is left out of the non-MoE time."""
-    from lrmoe.sim.cost import STAGES, accumulated_times
-    from lrmoe.sim.vstats import EXCHANGES
-
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
     non_moe_opt = max(opt_wall - host_s, 0.0)
@@ -200,30 +207,39 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            # replicas, most in one]
            "replicas_placed": sum(s.plan.num_replicas() for s in stats),
            "layer_micro_batches": len(stats),
-           "replicas_given_up": _given_up(s.plan for s in stats),
+           "replicas_given_up": _given_up(
+               (s.plan.given_up_for, (1, s.plan.replicas_given_up, s.plan.replicas_given_up))
+               for s in stats if s.plan.replicas_given_up),
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
                                             for s in stats) / len(stats)}
-    # per exchange: sum over layers of the critical rank's max(sent, received) bytes and
-    # the number of layers with traffic, so the link model can be re-applied offline
-    row["exchange_critical_bytes"] = {
-        ex: [sum(max(max(a, b) for a, b in zip(s.bytes_sent(ex), s.bytes_recv(ex)))
-                 for s in stats if ex in s.bytes_GG),
-             sum(1 for s in stats if ex in s.bytes_GG and sum(s.bytes_sent(ex)) > 0)]
-        for ex in EXCHANGES}
+    row["exchange_critical_bytes"] = _critical_bytes(stats)
     # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
     # what benchmarks/reprice_links.py re-prices exactly for another link
     row["link_terms"] = {"G": G, "stages": terms}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
-        row["recompute_modes"] = [s.recompute_mode for s in micro[-1][0]]
-        row["ledger_peak_bytes"] = max(max(s.ledger_total_bytes) for s in stats)
-        row["recompute_ratio"] = (sum(sum(s.recompute_rows or []) for s in stats)
-                                  / max(assigned, 1))
-        row["fits"] = row["ledger_peak_bytes"] <= ledger.budget_bytes  # else out of memory
-        # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
-        row["rungs"] = dict(sorted(Counter(s.rung for s in stats).items()))
+        row.update(_ledger_fields(stats, micro[-1][0], ledger, assigned))
     return row
+
+
+def _critical_bytes(stats: list) -> dict[str, list[int]]:
+    """Per exchange: the sum over layers of the critical rank's max(sent, received) bytes
+    and the number of layers with traffic, so the link model can be re-applied offline."""
+    return {ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
+                 sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES}
+
+
+def _ledger_fields(stats: list, last: list, ledger: Ledger, assigned: int) -> dict:
+    """A budgeted step's ledger peak, recompute, fit and rungs (``last``: the last
+    micro-batch's layers)."""
+    peak = max(max(s.ledger_total_bytes) for s in stats)
+    return {"recompute_modes": [s.recompute_mode for s in last],
+            "ledger_peak_bytes": peak,
+            "recompute_ratio": sum(sum(s.recompute_rows or []) for s in stats) / max(assigned, 1),
+            "fits": peak <= ledger.budget_bytes,  # else out of memory
+            # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
+            "rungs": dict(sorted(Counter(s.rung for s in stats).items()))}
 
 
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
@@ -274,7 +290,7 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
     emulated ranks: its step rows, evaluations and verdict (module docstring)."""
     t = cfg.train
     run = _build_run(name, cfg, mcfg, ledger, profile)
-    rows, trace, trace_GE, micro_E = [], [], [], []
+    rows, trace_GE = [], []
     evals = [{"step": 0, **_val_eval(run.model, val_b, run.dev, run.autocast),
               "cum_emulated_s": 0.0}]
     run.model.train()
@@ -285,13 +301,9 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
             cum = rows[-1]["cum_emulated_s"] if rows else 0.0
             rows.append(_step_row(step, loss, micro, opt_wall, link, t.ep, run.ledger, cum,
                                   run.offload, getattr(run.opt, "host_s", 0.0)))
-            # the optimizer step's counts per layer, and every micro-batch's per home rank
-            # (what a plan sees: symi's profile)
-            trace.append([sum(st.counts_GE.sum(0) for st in layer).tolist()
-                          for layer in zip(*[m[0] for m in micro])])
+            # every micro-batch's counts per home rank, its layers in order (what a plan
+            # sees: symi's profile, the budget floor)
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
-            # every micro-batch's per-expert counts, its layers in order (the budget floor's)
-            micro_E.append([st.counts_GE.sum(0) for m in micro for st in m[0]])
             done, cum = step + 1, rows[-1]["cum_emulated_s"]
             if done in _eval_steps(t):
                 evals.append({"step": done, **_val_eval(run.model, val_b, run.dev, run.autocast),
@@ -303,8 +315,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
                "budget_bytes": e.budget_bytes, "detail": e.detail}
         failed = verdict(e, oom["step"])
         if name == "static":
+            flag = ("--budget-floor-fraction" if cfg.budget_floor_fraction is not None
+                    else "--mem-budget")  # the flag that set the budget
             raise LrmoeError(f"static (whose run sets the target) is {failed}: {e.detail}; "
-                             f"raise {budget_flag(cfg)}") from None
+                             f"raise {flag}") from None
         log(f"[{name}] {failed}")
     except LrmoeError as e:  # e.g. a non-finite loss
         if name == "static":
@@ -312,7 +326,10 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
         failed = f"stopped at step {len(rows) + 1}: {e}"
         log(f"[{name}] {failed}")
     res = _policy_result(run, rows, evals, failed, oom)
-    res.update(routing_trace=trace, _counts_GE=trace_GE, _counts_E_micro=micro_E)
+    # the routing trace: each step's global counts per layer
+    res["routing_trace"] = [[sum(c.sum(0) for c in layer).tolist() for layer in zip(*step)]
+                            for step in trace_GE]
+    res["_counts_GE"] = trace_GE
     return res
 
 
@@ -321,13 +338,6 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     policy ``name``'s run, as the trainer builds them (lrmoe.train.loop._build): with host
     offload the device keeps the experts in bf16 on CUDA, their fp32 masters on the
     "host" (here the emulating device: its cost is modelled per rank)."""
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.policy.registry import make_policy
-    from lrmoe.train.loop import make_autocast
-    from lrmoe.train.optim import build_optimizer, build_scheduler
-
     t = cfg.train
     dev, G = torch.device(t.device), t.ep
     if dev.type == "cuda":  # this policy's own peak of the emulating process
@@ -348,12 +358,8 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)
-    offload = None
-    if t.optimizer_offload == "host":
-        from lrmoe.sim.offload import OffloadModel, policy_layout
-        offload = OffloadModel(mcfg.num_experts, G, 3 * mcfg.hidden_size
-                               * mcfg.moe_intermediate_size, 2 if dev.type == "cuda" else 4,
-                               policy_layout(name))
+    offload = offload_for(budget_ledger(cfg, mcfg, None), name)
+    if offload is not None:
         note += f", optimizer offload to host ({offload.layout} layout)"
     return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
                       ParallelContext(device=dev), dev, sync, ledger, offload, note)
@@ -364,9 +370,6 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
     """One optimizer step as the trainer makes it: ``(micro, optimizer wall, loss)``,
     ``micro`` per micro-batch ``(its layers' stats, its wall from batch fetch to after
     its backward, its routed experts' wall)``, timed with the device synchronised."""
-    from lrmoe.train.accum import accumulate, update
-    from lrmoe.train.offload import last_backward_hook
-
     run.em.set_step(step)
     run.opt.zero_grad(set_to_none=True)
     micro, clock, N = [], {}, t.grad_accum
@@ -404,12 +407,16 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
            "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
                                           if dev.type == "cuda" else None)}
     if rows:
-        res["replicas_given_up"] = given_up_totals(rows)
+        # per reason: layer-micro-batches that gave replicas up, the replicas, most in one
+        tot = _given_up(kv for r in rows for kv in r["replicas_given_up"].items())
+        res["replicas_given_up"] = {why: {"layer_micro_batches": n, "replicas": k,
+                                          "most_in_one": most}
+                                    for why, (n, k, most) in tot.items()}
         res["layer_micro_batches"] = sum(r["layer_micro_batches"] for r in rows)
         res["replicas_placed"] = sum(r["replicas_placed"] for r in rows)
     if run.ledger is not None and rows:
         res["ledger_peak_bytes"] = max(r["ledger_peak_bytes"] for r in rows)
-        res["rungs"] = rung_totals(rows)
+        res["rungs"] = dict(sorted(sum((Counter(r["rungs"]) for r in rows), Counter()).items()))
     if failed:
         res["budget_status"] = failed
     elif run.ledger is not None:
@@ -417,35 +424,13 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
     return res
 
 
-def _sum_given_up(parts) -> dict[str, list[int]]:
+def _given_up(parts) -> dict[str, list[int]]:
     """Per reason, ``[plans, replicas, most in one plan]`` summed over ``(reason, [plans,
     replicas, most])`` parts."""
     tot: dict[str, list[int]] = {}
     for why, (n, k, most) in parts:
         a = tot.setdefault(why, [0, 0, 0])
         a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
-    return dict(sorted(tot.items()))
-
-
-def _given_up(plans) -> dict[str, list[int]]:
-    """Per reason the plans gave replicas up: ``[plans, replicas, most in one plan]``."""
-    return _sum_given_up((p.given_up_for, (1, p.replicas_given_up, p.replicas_given_up))
-                         for p in plans if p.replicas_given_up)
-
-
-def given_up_totals(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """Per reason, over a run's step rows: layer-micro-batches that gave replicas up,
-    the replicas given up and the most in one (``{}`` when none)."""
-    tot = _sum_given_up(kv for r in rows for kv in r["replicas_given_up"].items())
-    return {why: {"layer_micro_batches": n, "replicas": k, "most_in_one": most}
-            for why, (n, k, most) in tot.items()}
-
-
-def rung_totals(rows: list[dict]) -> dict[str, int]:
-    """Layer-steps per rung over a run's step rows."""
-    tot: Counter = Counter()
-    for r in rows:
-        tot.update(r["rungs"])
     return dict(sorted(tot.items()))
 
 
@@ -475,31 +460,6 @@ def _max_over_mean(loads: list[torch.Tensor]) -> float:
     return sum(float(x.max() / x.mean().clamp(min=1e-9)) for x in loads) / len(loads)
 
 
-def time_to_target(res: dict, target: float, rtol: float = 0.0
-                   ) -> tuple[int | None, float | None]:
-    for e in res["evals"]:
-        if e["step"] > 0 and e["val_loss"] <= target * (1 + rtol):
-            return e["step"], e["cum_emulated_s"]
-    return None, None
-
-
-def budget_flag(cfg: TTLConfig) -> str:
-    """The flag that set the run's budget (what an out-of-memory line tells to raise)."""
-    return "--budget-floor-fraction" if cfg.budget_floor_fraction is not None else "--mem-budget"
-
-
-def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: str,
-                    optimizer_offload: str = "device") -> int:
-    """Bytes per rank of a perfectly balanced static rank (its E/G natives, ``T·k`` home
-    and received pairs) that retains only ``fraction`` of its pairs: a budget where
-    memory binds without a run's routing, for tests of the fallbacks (not a budget rule
-    of ``bench ttl``)."""
-    led = Ledger.for_dtype(mcfg, G, None, dtype, optimizer_offload=optimizer_offload)
-    pairs = tokens_per_rank * mcfg.num_experts_per_tok
-    t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
-    return int(t["total"] - (1 - fraction) * t["retained_acts"])
-
-
 @contextlib.contextmanager
 def deterministic_mode(on: bool, fill: bool = True):
     """torch's deterministic algorithms (warn-only) inside the block when ``on``, with its
@@ -527,9 +487,6 @@ def deterministic_mode(on: bool, fill: bool = True):
 def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     """The results of ``cfg.reuse`` for the ``policies`` it holds, checked against this
     run (docs/design.md §9): raises :class:`LrmoeError` naming the first difference."""
-    import json
-    from pathlib import Path
-
     path = Path(cfg.reuse)
     try:
         rep = json.loads(path.read_text())
@@ -548,7 +505,6 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
             if k not in ("policies", "reuse") and was != new.get(k):
                 raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
                                  f"has {k}={new.get(k)!r}")
-    from lrmoe.sim.links import get_link
     was_link, link = rep.get("link"), asdict(get_link(cfg.link))
     if was_link is not None and was_link != link:  # a preset re-priced since that run
         raise LrmoeError(f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this "
@@ -603,9 +559,6 @@ class _Data:
 
 
 def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    from lrmoe.sim.links import get_link
-    from lrmoe.train.config import resolve_model_config
-
     check_ttl_config(cfg)
     G = cfg.train.ep
     policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
@@ -638,7 +591,6 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
                                              profile, rule)
             if p == "static":  # symi's profile: static's routing and GEMM rate
-                from lrmoe.sim.ttl_symi import calibrated_gemm_rate
                 rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
                                             data.mcfg.hidden_size,
                                             data.mcfg.moe_intermediate_size)
@@ -662,12 +614,6 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
 def _load_data(cfg: TTLConfig) -> _Data:
     """The corpus (byte tokenizer), the model config with its vocabulary, the training
     batches and the validation batches, as ``lrmoe train`` reads them."""
-    from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
-    from lrmoe.tokenizer import check_vocab
-    from lrmoe.tokenizer_load import load_tokenizer
-    from lrmoe.train.config import resolve_model_config
-    from lrmoe.train.loop import val_windows
-
     t = cfg.train
     corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
@@ -684,9 +630,6 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
     """The ``--reuse`` file's results checked against the seed's initial model's
     validation loss; the process is warmed up on that model for the policies of
     ``variants`` (spec -> :func:`policy_variant`) that will run."""
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.train.loop import make_autocast
-
     t, G = cfg.train, cfg.train.ep
     dev = torch.device(t.device)
     torch.manual_seed(t.seed)
@@ -708,8 +651,6 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
 def _warm_variants(data: _Data, variants: list, G: int) -> list:
     """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
     balance quotas trim the first batch, so its selection and gather kernels run."""
-    from lrmoe.policy.registry import make_policy
-
     out = []
     for base, vcfg in variants:
         if base == "lrmoe":
@@ -726,7 +667,6 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
                      profile)
     res["policy"] = spec
     counts_GE = res.pop("_counts_GE")
-    res.pop("_counts_E_micro")
     if rule is not None:  # with each result: --reuse takes it with the policy
         res["budget_rule"] = rule.record()
     gc.collect()
@@ -738,8 +678,6 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
 def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     """The target (module docstring) and, on each result, its steps and time to it (none
     for a run that stopped) and its mean step; returns the report's ``target``."""
-    from lrmoe.sim.target import crossing, eval_noise, target_at
-
     w = cfg.smooth_window
     base = results["static"]["evals"]
     at = math.ceil(cfg.target_fraction * cfg.train.steps)
@@ -747,8 +685,10 @@ def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
         r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
-        r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = time_to_target(
-            r, raw_eval["val_loss"], cfg.target_rtol)
+        raw = next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
+                    <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
+        r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = (
+            (raw["step"], raw["cum_emulated_s"]) if raw else (None, None))
         if r.get("out_of_memory"):  # a run that stopped gets no time to target
             for k in ("steps_to_target", "time_to_target_emulated_s", "raw_steps_to_target",
                       "raw_time_to_target_emulated_s"):

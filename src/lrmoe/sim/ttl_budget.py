@@ -77,7 +77,8 @@ def calibrate(cfg, mcfg, batches, val_b, link, log, run, led) -> FloorBudget:
     res = run("static", cfg, mcfg, batches, val_b, None, link,
               lambda m: log(m.replace("[static]", "[static, calibration]", 1)))
     require(not res["failed"], f"static's calibration run for {FLAG} stopped: {res['failed']}")
-    F = floor_of_run(led, cfg, mcfg, res["_counts_E_micro"])
+    counts_E = [[c.sum(0) for micro in step for c in micro] for step in res["_counts_GE"]]
+    F = floor_of_run(led, cfg, mcfg, counts_E)
     x = cfg.budget_floor_fraction
     return FloorBudget(x, F, int(x * F), "calibration run")
 

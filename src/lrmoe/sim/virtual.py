@@ -219,14 +219,13 @@ class VirtualEPLayer:
     ``ledger`` is the planner's (``None``: no budget); ``recompute_ledger`` fits an exact
     policy's plans (recompute, else a whole-layer checkpoint, else
     :class:`lrmoe.errors.OutOfMemory`); ``generators``: per rank, the ``sampled``
-    estimator's generator (``None``: the global RNG); ``check_plans`` defaults to the
-    runtime's (:func:`lrmoe.policy.plan.checks_on`). ``fidelity`` is not emulated.
+    estimator's generator (``None``: the global RNG). Plans are checked as the runtime
+    checks them (:func:`lrmoe.policy.plan.checks_on`); ``fidelity`` is not emulated.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
                  backward_opts: BackwardOptions | None = None, ledger=None,
-                 generators: list[torch.Generator | None] | None = None, check_plans: bool | None = None,
-                 recompute_ledger=None):
+                 generators: list[torch.Generator | None] | None = None, recompute_ledger=None):
         E = layer.cfg.num_experts
         if E % G:
             raise ValueError(f"G={G} does not divide the number of experts {E}")
@@ -235,7 +234,7 @@ class VirtualEPLayer:
         self.layer, self.G, self.policy = layer, G, policy
         self.opts = backward_opts or BackwardOptions()
         self.ledger = ledger
-        self.check_plans = checks_on() if check_plans is None else check_plans
+        self.check_plans = checks_on()
         self.recompute_ledger = recompute_ledger
         self.generators = generators or [None] * G
         self.step = 0

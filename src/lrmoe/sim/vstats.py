@@ -105,14 +105,3 @@ class VirtualStats:
     rung: str = "plan"
     prepare_ms: float = 0.0
     counts_GE: Tensor | None = None
-
-    def bytes_sent(self, exchange: str) -> list[int]:
-        """Bytes each rank sends in ``exchange``, without its self-copy."""
-        return self._off_rank_GG(exchange).sum(1).tolist()
-
-    def bytes_recv(self, exchange: str) -> list[int]:
-        return self._off_rank_GG(exchange).sum(0).tolist()
-
-    def _off_rank_GG(self, exchange: str) -> Tensor:
-        b = self.bytes_GG[exchange]
-        return b - torch.diag(torch.diagonal(b))

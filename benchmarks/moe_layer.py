@@ -40,7 +40,8 @@ from lrmoe.model.router import Routing  # noqa: E402
 from lrmoe.ops.experts import offsets, swiglu_backward, swiglu_forward  # noqa: E402
 from lrmoe.parallel.exchange import BackwardOptions  # noqa: E402
 from lrmoe.policy.base import Policy
-from lrmoe.policy.plan import Plan, full_plan  # noqa: E402
+from lrmoe.policy.plan import Plan  # noqa: E402
+from lrmoe.policy.plan_numpy import full_plan  # noqa: E402
 
 SHAPES = {
     "qwen3": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768,

@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lrmoe.model.router import Routing
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 
 
 def free_port() -> int:

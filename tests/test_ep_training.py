@@ -468,7 +468,8 @@ def _trimmed_worker(rank: int, world: int, case: str) -> None:
     from lrmoe.parallel.exchange import BackwardOptions
     from lrmoe.parallel.groups import ParallelContext, shard_experts
     from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
-    from lrmoe.policy.plan import Plan, full_plan
+    from lrmoe.policy.plan import Plan
+    from lrmoe.policy.plan_numpy import full_plan
 
     T, H, NE, K, F = 64, 16, 8, 2, 8
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=H,

@@ -29,7 +29,8 @@ from lrmoe.config import ModelConfig
 from lrmoe.model.router import Routing
 from lrmoe.parallel.instances import placement_key
 from lrmoe.policy.base import PlanInputs, Policy
-from lrmoe.policy.plan import full_plan, layer_checkpoint_plan
+from lrmoe.policy.plan import layer_checkpoint_plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.presets import PRESETS
 
 N, B, T, LAYERS = 3, 4, 16, 2  # micro-batches, sequences a micro-batch (2 ranks), tokens

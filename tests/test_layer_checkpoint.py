@@ -27,7 +27,8 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.capacity import CapacityPolicy
-from lrmoe.policy.plan import full_plan, layer_checkpoint_plan
+from lrmoe.policy.plan import layer_checkpoint_plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import SymiPolicy
 

@@ -14,7 +14,7 @@ from lrmoe.parallel.stages import home_layout, recv_layout
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
-from lrmoe.policy.plan import full_plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import SymiPolicy
 from references.layout import home_layout_reference

@@ -8,7 +8,7 @@ import torch
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
-from lrmoe.policy.plan import full_plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.static import native_placement
 from lrmoe.units import fmt_bytes, parse_bytes
 

@@ -52,7 +52,7 @@ def test_two_level_preset_prices_intra_and_inter_node_bytes_apart():
 def test_step_times_use_the_byte_matrices_on_the_two_level_link():
     """The emulator's stage times price each exchange's [src, dst] matrix: an exchange
     with every byte between nodes costs its IB time, not NVLink's."""
-    from lrmoe.policy.plan import full_plan
+    from lrmoe.policy.plan_numpy import full_plan
     from lrmoe.sim.cost import step_times
     from lrmoe.sim.vstats import VirtualStats
 

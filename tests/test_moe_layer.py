@@ -10,7 +10,8 @@ from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.base import Policy
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.presets import get_preset
 from references.moe import moe_layer_reference
 

@@ -17,7 +17,8 @@ from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
 from lrmoe.model.moe import MoELayer
 from lrmoe.policy.base import PlanInputs
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import plan_symi

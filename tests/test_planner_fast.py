@@ -20,8 +20,7 @@ from lrmoe.policy.base import prepare
 from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
-from lrmoe.policy.plan import full_plan
-from lrmoe.policy.plan_numpy import Slots, apportion_rows_np, blocks_to_GGS
+from lrmoe.policy.plan_numpy import Slots, apportion_rows_np, blocks_to_GGS, full_plan
 from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
 from lrmoe.presets import get_preset

@@ -18,7 +18,8 @@ from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import largest_feasible_slots, plan_symi

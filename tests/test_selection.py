@@ -11,7 +11,8 @@ from lrmoe.model.moe import MoERuntime
 from lrmoe.ops.selection import inclusion_probs
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.base import Policy
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.presets import get_preset
 from references.selection import select_sampled, select_topk
 

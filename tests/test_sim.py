@@ -28,7 +28,7 @@ from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.parallel.groups import ParallelContext, shard_experts
 from lrmoe.policy.base import Policy
-from lrmoe.policy.plan import full_plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.analytic import modelled_stats
 from lrmoe.sim.cost import (

@@ -3,7 +3,8 @@
 from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
-from lrmoe.policy.plan import Plan, full_plan
+from lrmoe.policy.plan import Plan
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy, native_placement
 from lrmoe.policy.symi import SymiPolicy, largest_feasible_slots

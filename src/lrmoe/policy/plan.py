@@ -171,15 +171,3 @@ def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
         return None
     return out
 
-
-def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
-    """A plan that retains and selects every pair (exact backward): each expert's pairs,
-    laid out home by home, split over its instances by contiguous intervals in slot order
-    (instance ``i`` takes ``inst_load_GS[i]``, by default an even split)."""
-    from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts
-
-    c, inst = host_counts(counts_GE), host_counts(inst_expert_GS)
-    idx = Slots(inst, c.shape[1])
-    load = idx.even_split(c.sum(0)) if inst_load_GS is None else host_counts(inst_load_GS)
-    a = torch.from_numpy(blocks_to_GGS(idx.overlap_ig(c, load), *inst.shape))
-    return Plan(torch.from_numpy(inst), a, a.clone(), a.clone())

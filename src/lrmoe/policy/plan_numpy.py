@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from lrmoe.errors import LrmoeError
 from lrmoe.policy.plan import Plan
@@ -136,3 +137,14 @@ def host_counts(counts_GE) -> np.ndarray:
     if isinstance(counts_GE, torch.Tensor):
         return counts_GE.detach().cpu().long().numpy()
     return np.asarray(counts_GE, dtype=np.int64)
+
+
+def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
+    """A plan that retains and selects every pair (exact backward): each expert's pairs,
+    laid out home by home, split over its instances by contiguous intervals in slot order
+    (instance ``i`` takes ``inst_load_GS[i]``, by default an even split)."""
+    c, inst = host_counts(counts_GE), host_counts(inst_expert_GS)
+    idx = Slots(inst, c.shape[1])
+    load = idx.even_split(c.sum(0)) if inst_load_GS is None else host_counts(inst_load_GS)
+    a = torch.from_numpy(blocks_to_GGS(idx.overlap_ig(c, load), *inst.shape))
+    return Plan(torch.from_numpy(inst), a, a.clone(), a.clone())

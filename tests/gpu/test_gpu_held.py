@@ -76,5 +76,5 @@ def test_held_bytes_on_cuda_are_the_ledgers():
         (out / "held_bytes.txt").write_text(
             f"{torch.cuda.get_device_name()}: held {held} B, ledger {priced} B, "
             f"allocated after each micro-batch {at}, after the step {end}\n")
-    assert abs(at[1] - at[0]) <= 16 * 1024, at  # held, not grown
+    assert at[1] - at[0] <= 16 * 1024, at  # held, not grown (a later micro-batch moves nothing)
     assert abs(held - priced) <= 16 * 1024, (held, priced, at, end)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.ledger import Ledger
+from lrmoe.ledger import Ledger, recompute_bounds
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.static import native_placement
 from lrmoe.units import fmt_bytes, parse_bytes
@@ -192,6 +193,25 @@ def test_ledger_rejects_bad_fields():
     with pytest.raises(LrmoeError, match="dtype"):
         Ledger.for_dtype(cfg, 2, None, "fp8")
     assert Ledger.for_dtype(cfg, 2, None, "bf16").bytes_act == 2
+
+
+def test_recompute_bounds_against_brute_force():
+    """Pieces ``a + d·rec <= B`` on small random integers, rising, falling and flat slopes:
+    some ``1 <= rec <= k`` fits exactly when a search over every count finds one, and the
+    fewest is the first it finds."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        P = int(rng.integers(1, 4))
+        a = rng.integers(-20, 21, (3, P))
+        d = rng.integers(-4, 5, (3, P))
+        k = rng.integers(0, 9, 3)
+        B = int(rng.integers(-5, 15))
+        ok, lo = recompute_bounds(B, a, d, k)
+        for i in range(3):
+            fit = [r for r in range(1, int(k[i]) + 1) if (a[i] + d[i] * r <= B).all()]
+            assert bool(ok[i]) == bool(fit), (B, a[i], d[i], k[i])
+            if fit:
+                assert int(lo[i]) == fit[0], (B, a[i], d[i], k[i])
 
 
 def test_recompute_needed_is_the_fewest_pairs_that_fit():

@@ -1,10 +1,6 @@
-"""The policy interface: ``prepare`` off the critical path, then ``plan(counts, inputs)
--> Plan``, both pure and collective-free.
-
-A MoE layer's plan waits on that step's count all-gather: whatever a policy can compute
-from earlier data (the previous step's counts) it does in ``prepare``, which the
-runtime may call before the all-gather (while the GPU still runs the queued work); only
-``plan`` sits between the counts arriving and the dispatch.
+"""The policy interface: ``prepare`` off the critical path (from the previous step's
+counts, before this step's count all-gather), then ``plan(counts, inputs) -> Plan``, both
+pure and collective-free (docs/design.md §4, "Planning off the critical path").
 """
 
 from __future__ import annotations
@@ -32,11 +28,8 @@ class Prepared:
 
 @dataclass
 class PlanInputs:
-    """Everything a planner may look at besides the current count matrix: the layer (among the
-    MoE layers), the optimizer step, the previous step's global counts (``None`` on the
-    first), the ledger (``None``: no budget), what :meth:`Policy.prepare` made (``None``: the
-    policy prepares inside ``plan``), and the micro-batch's index in its optimizer step (a
-    re-run of its forward passes it again; lrmoe's ``placement="step"`` places at 0)."""
+    """Everything a planner may look at besides the current count matrix (``None``: none
+    yet; a ledger of ``None``: no budget; ``micro``: the micro-batch's index in its step)."""
 
     layer: int = 0
     step: int = 0
@@ -47,10 +40,8 @@ class PlanInputs:
 
 
 class Policy(ABC):
-    """What the runtime asks of a planner. Only :meth:`plan` must be written; every other
-    hook has a default that does nothing, so a policy overrides just what it uses.
-
-    ``name`` identifies the policy (its :class:`Prepared` results carry it)."""
+    """What the runtime asks of a planner: only :meth:`plan` must be written, every other
+    hook defaults to nothing; ``name`` tags its :class:`Prepared` results."""
 
     name: str = "policy"
 
@@ -60,35 +51,29 @@ class Policy(ABC):
 
     def prepare(self, prev_counts, G: int, inputs: PlanInputs,
                 home_pairs: int | None = None) -> Prepared | None:
-        """What can be planned from the previous step's counts, before this step's
-        arrive (see :func:`prepare`); ``None``: nothing (the default)."""
+        """What can be planned from the previous step's counts (:func:`prepare`)."""
         return None
 
     def plans_natives_exactly(self) -> bool:
-        """True when, without a budget, the plan is always
-        :func:`lrmoe.policy.plan.native_plan`, so a one-rank run may take the local path
-        (:func:`lrmoe.model.moe.runs_locally`). False by default."""
+        """True when, without a budget, the plan is always :func:`native_plan`, so a
+        one-rank run may take the local path (:func:`lrmoe.model.moe.runs_locally`)."""
         return False
 
     def observe_fidelity(self, layer: int, cosine: float) -> None:
-        """The fidelity monitor's mean cosine for ``layer`` on a fidelity step (every
-        rank sees the same); a policy that adapts to it overrides this. Ignored by
-        default."""
+        """The fidelity monitor's mean cosine for ``layer`` (every rank sees the same)."""
         return None
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the policy's adaptive state (none by default)."""
+        """What a checkpoint keeps of the policy's adaptive state."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s result (nothing to restore by default)."""
+        """Restore :meth:`state_dict`'s result."""
         return None
 
 
 def prepare(policy: Policy, prev_counts, G: int, inputs: PlanInputs,
             home_pairs: int | None = None) -> PlanInputs:
-    """``inputs`` with ``policy``'s prepared part, computed from ``prev_counts`` (the
-    previous step's ``[E]`` global or ``[G, E]`` per-home counts) before this step's
-    counts exist. ``home_pairs``: the pairs each home rank routes this step (tokens ×
-    top-k), known from the batch before any count is exchanged."""
+    """``inputs`` with ``policy``'s prepared part, from ``prev_counts`` (the previous
+    step's ``[E]`` or ``[G, E]`` counts) and ``home_pairs`` (this step's tokens × top-k)."""
     return replace(inputs, prepared=policy.prepare(prev_counts, G, inputs, home_pairs))

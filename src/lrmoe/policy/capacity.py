@@ -1,11 +1,7 @@
-"""capacity: GShard/DeepSpeed-style capacity factor on the native placement.
+"""capacity: GShard/DeepSpeed-style capacity factor on the native placement; each home
+keeps its largest-remainder share of an expert's capacity, dropping its lowest-gate pairs.
 
 Legend: G ranks, E experts, N/K generic row/column counts. All tensors int64, CPU.
-
-Each expert processes at most ``C = ceil(capacity_factor · pairs_total / E)`` pairs a
-step (global over the EP group, so every rank computes the same drops); each home keeps
-its largest-remainder share of ``C``, dropping its lowest-gate pairs in forward. Kept
-pairs are all retained and selected.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
 
 
 def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
-    """Native placement; pairs over each expert's capacity dropped from every home (numpy; its
-    torch reading: ``tests/references/plans.py``)."""
+    """Native placement; pairs over each expert's capacity dropped from every home."""
     require(capacity_factor > 0, f"capacity_factor={capacity_factor} must be > 0")
     G, E = counts_GE.shape
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")

@@ -1,12 +1,9 @@
-"""A vectorised view of the memory ledger for the fast planners.
+"""A vectorised view of the memory ledger for the fast planners: the ledger's affine
+pieces (:meth:`lrmoe.ledger.Ledger.total_pieces`) once per distinct home-pair count,
+padded to ``[G, P, 4]`` per branch (``rec = 0``, ``rec >= 1``), answered in numpy.
 
 Legend: G ranks, P pieces; per rank ``n`` occupied slots, ``R`` received pairs, ``h``
-home pairs, ``k`` retained pairs, ``rec`` recomputed pairs (ints, or int64 arrays
-``[G]``). For a rank's fixed ``h`` the ledger's total is ``per_slot·n`` plus the largest
-of a few affine pieces in ``(R, k, rec)`` (:meth:`lrmoe.ledger.Ledger.total_pieces`);
-the view takes them once per distinct ``h``, pads them to ``[G, P, 4]`` per branch
-(``rec = 0``, ``rec >= 1``) and answers in numpy, re-deriving no formula (tested against
-the ledger in ``tests/test_planner_fast.py`` and ``tests/test_ledger_planned.py``).
+home pairs, ``k`` retained pairs, ``rec`` recomputed pairs.
 """
 
 from __future__ import annotations
@@ -90,8 +87,7 @@ class LedgerView:
         return cap
 
     def monotone(self) -> bool:
-        """Whether every rank's ``rec = 0`` pieces are non-decreasing in ``R`` and ``k`` (then
-        :meth:`fits` holds for fewer received pairs wherever it holds for more)."""
+        """Whether every rank's ``rec = 0`` pieces are non-decreasing in ``R`` and ``k``."""
         if self.budget is None:
             return True
         hit = self._extra.get("monotone")
@@ -110,8 +106,7 @@ class LedgerView:
         return np.where(room.min(1) < 0, -1, np.where(q >= _BIG, R_G, q))
 
     def fits(self, n_G, R_G, k_G) -> np.ndarray:
-        """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool ``[..., G]``
-        (leading axes: several states at once), without the divisions."""
+        """Whether each rank can retain ``k_G`` pairs with nothing recomputed, bool ``[..., G]``."""
         R_G, k_G = np.asarray(R_G, dtype=np.int64), np.asarray(k_G, dtype=np.int64)
         if self.budget is None:
             return np.ones(R_G.shape, dtype=bool)
@@ -152,8 +147,7 @@ class LedgerView:
         return bool((self.totals(n_G, R_G, k_G, rec_G) > self.budget).any())
 
     def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
-        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once: ``(mode, rows recomputed
-        per rank, total bytes per rank)``."""
+        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once."""
         n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
         if self.budget is None:
             return "fits", np.zeros_like(k_G), self.totals(n_G, R_G, k_G)
@@ -201,9 +195,8 @@ class LedgerView:
 
     def capacity_recompute(self, n_G, R_G, ranks, window: int = 4
                            ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`Ledger.retain_capacity_recompute` of ``ranks``: ``(k, rec)`` per rank. The
-        ``window`` counts below the tightest of the pieces' bounds (:meth:`_bounds`) are tested
-        exactly; a rank whose answer lies below them asks the ledger."""
+        """:meth:`Ledger.retain_capacity_recompute` of ``ranks``: the ``window`` counts below
+        the tightest of :meth:`_bounds` tested exactly, the ledger asked below them."""
         ranks = np.asarray(ranks, dtype=np.int64)
         n, R = (np.asarray(x, dtype=np.int64)[ranks] for x in (n_G, R_G))
         k0 = self.capacity(n_G, R_G)[ranks]
@@ -259,8 +252,7 @@ def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.nda
 
 
 def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
-    """:meth:`Ledger.exact_fit` of ``plan``: ``(mode, rows recomputed per rank, total
-    bytes per rank)``, vectorised."""
+    """:meth:`Ledger.exact_fit` of ``plan``, vectorised."""
     view, n, R, k = _plan_view(ledger, plan)
     return view.exact_fit(n, R, k)
 

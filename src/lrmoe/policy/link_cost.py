@@ -1,11 +1,8 @@
-"""What a placement costs on the run's link: the emulator's cost model as the planner sees it.
+"""What a placement costs on the run's link: the emulator's cost model (:mod:`lrmoe.sim.cost`)
+as the planner sees it (docs/design.md §4, "lrmoe and the link").
 
 Legend: G ranks, S slots per rank, E experts, H hidden, F expert intermediate size, K
-prefixes of the replica placement's moves; ``_GG`` is ``[src rank, dst rank]``; numpy on
-the host. A replica removes straggler time and costs its weight scatter and gradient
-reduce; :func:`plan_seconds` prices a plan by the formulas of :mod:`lrmoe.sim.cost`
-(``tests/test_link_cost.py`` checks they agree), :func:`prefix_seconds` estimates every
-prefix of the greedy's moves from per-rank loads (docs/design.md §4, "lrmoe and the link").
+prefixes of the replica placement's moves; ``_GG`` is ``[src rank, dst rank]``; numpy.
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ RECOMPUTE_FLOPS_PER_HF = 4  # gate_up again: 2 of the 3 GEMMs
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The run's link and expert GEMM rate as plain numbers, as the lrmoe planner prices
-    replicas: an all-to-all's bytes per second per rank and direction and its latency per
-    peer, the GEMM rate (flop/s), the shapes and dtypes, two-level links (``node_size`` 0:
-    flat), and ``share``: the micro-batches one held placement's scatter and reduce serve."""
+    """The run's link (bytes per second per rank and direction, latency per peer; two
+    levels unless ``node_size`` is 0) and expert GEMM rate (flop/s) as plain numbers;
+    ``share``: the micro-batches one held placement's scatter and reduce serve."""
 
     bandwidth_Bps: float
     latency_s: float
@@ -113,8 +109,7 @@ def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
                    sent_KG: np.ndarray, recv_KG: np.ndarray, home_G: np.ndarray,
                    balance: float, min_keep: float, selection: bool) -> np.ndarray:
     """MODELLED seconds ``[K]`` of a layer's step after each prefix of the placement's moves,
-    from per-rank loads alone: off-rank rows taken as ``(G-1)/G`` of a rank's, selected
-    pairs trimmed as pass 3 trims; latencies every prefix pays alike left out."""
+    from per-rank loads alone (latencies every prefix pays alike left out)."""
     G = load_KG.shape[1]
     off = (G - 1) / G
     L = load_KG.astype(np.float64)

@@ -1,12 +1,8 @@
-"""lrmoe: memory-aware replication, retention quotas and backward quotas (our reading).
+"""lrmoe: memory-aware replication, retention quotas and backward quotas (our reading;
+docs/design.md §4). It makes exactly the plans of ``tests/references/lrmoe_planner.py``.
 
 Legend: G ranks, S slots per rank, E experts; a *block* ``[g, r, s]`` is the pairs home
 ``g`` sends to instance ``(r, s)``. All tensors int64 on the CPU.
-
-The three passes (placement, retention quotas, backward quotas), the ladder
-:func:`plan_lrmoe` climbs when the trimmed plan does not fit (:mod:`.lrmoe_ladder`) and
-how the planner runs fast: docs/design.md §4, lrmoe. It makes exactly the plans of the
-loop-by-loop reference, ``tests/references/lrmoe_planner.py`` (tests/test_planner_fast.py).
 """
 
 from __future__ import annotations
@@ -40,14 +36,10 @@ KEEPS = ("fixed", "auto")
 
 @dataclass
 class LrmoeConfig:
-    """Knobs of the LRMoE planner; each flag's help (:data:`lrmoe.cli_flags.KNOBS`) and
-    docs/design.md §4 say what it does. Those without a flag: ``max_replicas_per_step``
-    caps the replicas added per layer and step (None: no cap); ``link`` is the run's link
-    and GEMM rate for the link-cost rules (:mod:`.lrmoe_link`; None, the plain trainer: no
-    cost rule); ``whole_layer=False`` ends the ladder before its whole-layer checkpoint
-    (:mod:`.lrmoe_ladder`). ``max_slots_per_rank`` None means ``E/G + 2``. The backward's
-    selection knobs are :class:`lrmoe.parallel.options.BackwardOptions`, the fidelity
-    monitor's :class:`lrmoe.policy.registry.FidelityConfig`."""
+    """Knobs of the LRMoE planner (their flags' help: :data:`lrmoe.cli_flags.KNOBS`).
+    Without a flag: ``max_replicas_per_step`` (None: no cap), ``link`` (the link-cost
+    rules' rates, :mod:`.lrmoe_link`; None: no rule), ``whole_layer=False`` (the ladder
+    stops before its whole-layer rung). ``max_slots_per_rank`` None means ``E/G + 2``."""
 
     balance: float = 1.0
     min_keep: float = 0.5
@@ -88,8 +80,7 @@ def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
 def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | None = None,
                 ledger=None) -> np.ndarray:
     """Pass 1 alone: the placement ``[G, S]`` for experts' total pairs ``total_E`` and
-    home ranks' pairs ``home_G`` (what ``placement="previous"`` computes off the critical
-    path, from the previous step's counts)."""
+    home ranks' pairs ``home_G`` (``placement="previous"``'s prepared part)."""
     cfg = config or LrmoeConfig()
     G, E = len(home_G), len(total_E)
     return _place(np.asarray(total_E, dtype=np.int64), _slots(cfg, G, E), cfg,
@@ -99,10 +90,8 @@ def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | N
 def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
            c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int] | Trimmed:
     """Pass 1, then (with ``cfg.link``) the link-cost rule: ``(inst_expert_GS,
-    inst_load_GS, replicas given up for their link cost)``. With the counts ``c``, the
-    full placement's minimum is tested first (replicas may have taken pairs, and so
-    buffer bytes, off a hot rank that the natives alone could not fit): where it does not
-    fit, the :class:`Trimmed` record that says so."""
+    inst_load_GS, replicas given up for their link cost)``; with the counts ``c``, the
+    :class:`Trimmed` record instead where the full placement's minimum does not fit."""
     G, log = len(view.home), MoveLog() if cfg.link is not None else None
     inst, load = (place_replicas(total_E, G, S, cfg, view) if log is None
                   else place_replicas(total_E, G, S, cfg, view, log))
@@ -116,13 +105,8 @@ def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
 
 @dataclass(frozen=True)
 class Planned:
-    """What :func:`plan_lrmoe` made.
-
-    Attributes:
-        plan: the plan (its rung named in ``Plan.rung`` when the ladder ran).
-        kept_placement: whether the plan stands on the ``placement`` it was given (False
-            when none was given, or when it did not fit these counts and was made again).
-    """
+    """What :func:`plan_lrmoe` made: the plan, and whether it stands on the
+    ``placement`` it was given (False when none was, or when it was made again)."""
 
     plan: Plan
     kept_placement: bool
@@ -131,20 +115,11 @@ class Planned:
 def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
                placement: np.ndarray | None = None, slots: Slots | None = None, *,
                hold: bool = False, ladder: bool = True, decide: bool = True) -> Planned:
-    """The LRMoE plan of one layer (see the module docstring): host counts in, a plan of
-    host tensors out, no device work and no collective. What :class:`LrmoePolicy` runs.
-
-    ``placement`` (``slots``: its split index): a placement prepared earlier
-    (:func:`place_lrmoe` on the previous step's counts), used if even its instances with
-    one retained pair each fit the budget on these counts; otherwise the placement is
-    made again from these counts, so a plan exists exactly when the current-count plan
-    does. ``hold``: the placement is held for the step and never made again.
-
-    ``ladder``: where the trimmed plan does not fit, climb the fallbacks of
-    :mod:`lrmoe.policy.lrmoe_ladder` (the rung named in ``Plan.rung``); without it, or
-    when no rung fits, :class:`lrmoe.errors.OutOfMemory` is raised. With ``config.link``
-    and ``decide``, a trimmed plan not faster than on static's placement takes static's
-    (:func:`lrmoe.policy.lrmoe_link.no_slower_than_static`)."""
+    """The LRMoE plan of one layer from host counts, no device work, no collective
+    (docs/design.md §4). ``placement`` (``slots``: its split index): a prepared one, made
+    again where its minimum does not fit these counts, unless ``hold``. ``ladder``: climb
+    :mod:`.lrmoe_ladder` where the trimmed plan does not fit (else raise
+    :class:`OutOfMemory`); ``decide``: with ``config.link``, :func:`no_slower_than_static`."""
     cfg = config or LrmoeConfig()
     trimmed = _trimmed(counts_GE, cfg, ledger, placement, slots, hold)
     if not ladder:
@@ -162,8 +137,7 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
 
 def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray | None,
              slots: Slots | None, hold: bool) -> Trimmed:
-    """The trimmed plan (passes 1 to 3) on ``placement`` or on pass 1's, or the exact
-    plan on the placement whose minimum did not fit (see :func:`plan_lrmoe`)."""
+    """The trimmed plan (passes 1 to 3), or the :class:`Trimmed` record of its misfit."""
     G, E = counts_GE.shape
     S = _slots(cfg, G, E)
     c = host_counts(counts_GE)
@@ -212,9 +186,8 @@ def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarra
 
 def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray | None,
           load: np.ndarray) -> Trimmed | None:
-    """``None`` when the placement ``inst``'s instances with one retained pair each fit
-    the budget; else the exact plan on it (the ladder goes on from this placement) with
-    the ledger's own error."""
+    """``None`` when ``inst``'s instances with one retained pair each fit the budget;
+    else the exact plan on it with the ledger's own error (the ladder goes on from it)."""
     n_inst, recv = (inst >= 0).sum(1), load.sum(1)
     try:
         view.raise_if_over(n_inst, recv, np.minimum(n_inst, recv), None,
@@ -231,14 +204,10 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray 
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(total_E, home_G)`` for a placement from the previous step's counts, or
-    ``None`` when there are none (the first step) or they are all zero.
-
-    ``[G, E]`` counts are used as they are. The runtime keeps ``[E]`` global counts
-    (summed over a step's micro-batches): with ``home_pairs`` (this step's pairs per home
-    rank) they are scaled to this step's ``G · home_pairs`` pairs by largest remainder
-    (ties to the lower expert) and every home rank routes ``home_pairs``; without, every
-    home rank routes an equal share of them."""
+    """``(total_E, home_G)`` for a placement from the previous step's ``[G, E]`` or
+    ``[E]`` counts (``None`` when there are none or all are zero); ``[E]`` counts are
+    scaled to ``G · home_pairs`` pairs by largest remainder (ties to the lower expert),
+    every home routing ``home_pairs`` (without it: an equal share)."""
     if prev_counts is None:
         return None
     p = host_counts(prev_counts)
@@ -273,13 +242,8 @@ class Held:
 
 @dataclass
 class LrmoePolicy(Policy):
-    """The LRMoE planner. With a placement held for the optimizer step (``step``,
-    ``step-previous``) it places at a step's micro-batch 0 (as ``current`` does, or as
-    ``previous`` does from the previous step's counts, the link-cost rules included) and
-    plans the step's later micro-batches on that placement (:attr:`held`): their own
-    split, quotas and selection; where their counts do not fit it, the ladder's rungs
-    (the placement's own exact and recompute rungs first) decide that micro-batch alone.
-    Every rank sees the same counts in the same order, so every rank holds the same."""
+    """The LRMoE planner; with ``placement`` ``step`` or ``step-previous`` it holds
+    micro-batch 0's placement for the optimizer step (:attr:`held`; docs/design.md §4)."""
 
     config: LrmoeConfig = field(default_factory=LrmoeConfig)
     name: str = "lrmoe"
@@ -302,9 +266,8 @@ class LrmoePolicy(Policy):
 
     def prepare(self, prev_counts, G: int, inputs: PlanInputs,
                 home_pairs: int | None = None) -> Prepared | None:
-        """With ``placement="previous"``: pass 1 on the previous step's counts (see
-        :func:`previous_totals`), off the critical path; ``None`` otherwise or on the
-        first step (the plan then places on the current counts)."""
+        """With ``placement="previous"``: pass 1 on the previous step's counts
+        (:func:`previous_totals`); ``None`` otherwise or on the first step."""
         if self.config.placement not in ("previous", "step-previous") or self._holding(inputs):
             return None
         prev = previous_totals(prev_counts, G, home_pairs)
@@ -355,8 +318,7 @@ class LrmoePolicy(Policy):
 
     def observe_fidelity(self, layer: int, cosine: float) -> None:
         """Keep-ratio controller (``keep='auto'``): raise the layer's floor when the
-        selected gradient drifts below the target cosine, lower it slowly when well above.
-        Deterministic, so every rank (which sees the same gathered cosine) agrees."""
+        cosine drops below the target, lower it slowly when well above (deterministic)."""
         if self.config.keep != "auto":
             return
         mk = self.min_keep_by_layer.get(layer, self.config.min_keep)

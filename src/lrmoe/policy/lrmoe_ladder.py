@@ -1,13 +1,7 @@
-"""lrmoe under a tight budget: the ladder of fallbacks, cheapest first (docs/design.md §4).
+"""lrmoe under a tight budget: the ladder of fallbacks (:data:`RUNGS`, cheapest first;
+why these and in this order: docs/design.md §4, "lrmoe's ladder").
 
 Legend: G ranks, S slots per rank, E experts. All arrays int64 on the host.
-
-When the trimmed plan (:func:`lrmoe.policy.lrmoe.plan_lrmoe` without its ladder: its
-placement with one retained pair per instance, :class:`Trimmed`) does not fit the budget,
-the planner climbs the rungs ``plan``, ``exact``, ``recompute``, ``exact-natives``,
-``recompute-natives`` and ``layer`` (the whole-MoE-layer checkpoint,
-:func:`whole_layer_ckpt`); why these and in this order: docs/design.md §4, "lrmoe's
-ladder". Below every rung: :class:`lrmoe.errors.OutOfMemory`.
 """
 
 from __future__ import annotations
@@ -17,12 +11,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.lrmoe_place import natives_GS
-from lrmoe.policy.plan import Plan, layer_checkpoint_plan
+from lrmoe.policy.plan import Plan, fitted, layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
@@ -38,36 +31,25 @@ RUNGS = tuple(RUNG_NOTES)
 
 
 def whole_layer_ckpt(plan: Plan) -> Plan:
-    """``plan`` (exact) run under a whole-MoE-layer checkpoint: nothing retained on the
-    expert ranks, backward re-runs the layer's forward first (the ledger's ``layer``
-    mode, :attr:`Plan.layer_checkpoint`). The one place the rung is made."""
+    """``plan`` (exact) run under a whole-MoE-layer checkpoint: the one place the rung is
+    made."""
     return dataclasses.replace(layer_checkpoint_plan(plan, None), rung="layer")
 
 
-def _exact(plan: Plan) -> Plan:
-    """``plan``'s placement and split with every pair retained and selected."""
-    a = plan.assign_GGS
-    return Plan(plan.inst_expert_GS, a, a.clone(), a.clone())
-
-
-def _fit(plan: Plan, ledger, tag: str) -> tuple[Plan | None, str]:
+def _fit(plan: Plan, ledger, tag: str) -> Plan | None:
     """The exact ``plan`` as it is or with the fewest rows recomputed, named (``tag``:
-    the rung suffix); ``None`` when it needs the whole layer, and ``exact_fit``'s mode."""
+    the rung suffix); ``None`` when it needs the whole layer."""
     mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
-    if mode == "fits":
-        return dataclasses.replace(plan, rung="exact" + tag), mode
-    if mode == "pairs":
-        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec),
-                                   rung="recompute" + tag), mode
-    return None, mode
+    if mode not in ("fits", "pairs"):
+        return None
+    return fitted(plan, mode, rec, rung=("exact" if mode == "fits" else "recompute") + tag)
 
 
 def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float = math.inf
                     ) -> np.ndarray | None:
     """Replicas for a whole-layer checkpoint (``[G, S]``): pass 1's rule from the natives,
-    each replica placed only where every rank still fits the ledger's whole-layer terms
-    (``exact_fit`` not ``over``, static's verdict); ``None`` when even the natives do not
-    fit. A rare rung: it re-splits every step."""
+    each replica placed only where every rank still fits the ledger's whole-layer terms;
+    ``None`` when even the natives do not fit."""
     G, E = counts_GE.shape
     total = counts_GE.sum(0)
     inst = natives_GS(G, S, E)
@@ -116,16 +98,10 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
 
 @dataclass(frozen=True)
 class Trimmed:
-    """lrmoe's trimmed plan on one placement, or the placement whose minimum (its
-    instances with one retained pair each) does not fit: where the ladder starts.
-
-    Attributes:
-        plan: the trimmed plan; ``None`` when its placement's minimum is over the budget.
-        kept: the plan stands on the placement the planner was given.
-        placed: when ``plan`` is ``None``, the exact plan on that placement (the ladder's
-            ``exact`` and ``recompute`` rungs go on from it).
-        over: when ``plan`` is ``None``, the ledger's error naming the rank and shortfall.
-    """
+    """Where the ladder starts: lrmoe's trimmed ``plan`` (``kept``: on the placement the
+    planner was given), or, where its placement's minimum (one retained pair per
+    instance) does not fit, ``None`` with the exact plan on that placement (``placed``)
+    and the ledger's error (``over``)."""
 
     plan: Plan | None
     kept: bool = False
@@ -135,11 +111,8 @@ class Trimmed:
 
 def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
           max_replicas: float = math.inf, whole_layer: bool = True) -> Plan:
-    """The first rung whose plan fits ``ledger`` (see the module docstring), from the
-    planner's ``trimmed`` result (rung ``plan`` when it has a plan).
-    ``slots_per_rank``, ``max_replicas``: the planner's, for the whole-layer rung;
-    ``whole_layer=False``: no whole-layer rung.
-    """
+    """The first rung whose plan fits ``ledger``, from the planner's ``trimmed`` result;
+    ``whole_layer=False``: no whole-layer rung."""
     if trimmed.plan is not None:
         return dataclasses.replace(trimmed.plan, rung="plan")
     if ledger is None or ledger.budget_bytes is None:
@@ -149,12 +122,12 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
     c = host_counts(counts_GE)
     if trimmed.placed is not None:
-        plan, _ = _fit(_exact(trimmed.placed), ledger, "")
+        plan = _fit(trimmed.placed, ledger, "")
         if plan is not None:
             return plan
     a = c.reshape(G, G, E // G)
     natives = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
-    plan, _ = _fit(natives, ledger, "-natives")
+    plan = _fit(natives, ledger, "-natives")
     if plan is not None:
         return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None

@@ -1,12 +1,8 @@
-"""lrmoe's replicas weighed against their link cost (docs/design.md §4, "lrmoe and the link").
+"""lrmoe's replicas weighed against their link cost, with ``LrmoeConfig.link`` set
+(docs/design.md §4, "lrmoe and the link").
 
 Legend: G ranks, S slots per rank, E experts, K prefixes of the placement's moves. All
 arrays int64 numpy on the host.
-
-With :attr:`lrmoe.policy.lrmoe.LrmoeConfig.link` set, each replica pays for itself
-(:func:`worth_their_link`: the prefix of the greedy's moves whose modelled step is the
-shortest) and the plan is never slower than static (:func:`no_slower_than_static`).
-Without a link neither rule applies.
 """
 
 from __future__ import annotations
@@ -56,12 +52,9 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
 
 
 def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Plan:
-    """Rule 2: ``plan``, or the plan on static's placement with lrmoe's retention and
-    trimming (``trimmed_on(placement)``, ``None`` where it does not fit)
-    where ``plan``'s modelled step is not faster
-    (and that plan fits the budget). The exact comparison (both plans priced on their
-    blocks) runs unless the per-rank estimate already puts ``plan`` more than
-    :data:`CLEAR_GAIN` ahead (:func:`_clearly_faster`)."""
+    """Rule 2: ``plan``, or where its modelled step is not faster the plan on static's
+    placement (``trimmed_on(placement)``, ``None`` where it does not fit); priced exactly
+    unless :func:`_clearly_faster`."""
     G, E = counts_GE.shape
     if plan.num_replicas() == 0 or _clearly_faster(counts_GE, cfg, ledger, plan):
         return plan
@@ -82,9 +75,8 @@ CLEAR_GAIN = 0.10
 
 
 def _clearly_faster(counts_GE, cfg, ledger, plan: Plan) -> bool:
-    """Whether :func:`lrmoe.policy.link_cost.prefix_seconds` puts ``plan`` more than
-    :data:`CLEAR_GAIN` ahead of static's placement: two states of the ranks, the natives
-    (their loads, what the budget lets them retain) and the plan's, from per-rank sums."""
+    """Whether :func:`prefix_seconds`, from per-rank sums, puts ``plan`` more than
+    :data:`CLEAR_GAIN` ahead of static's placement."""
     c = np.asarray(counts_GE.numpy() if hasattr(counts_GE, "numpy") else counts_GE)
     G, E = c.shape
     view = LedgerView(ledger, c.sum(1))

@@ -1,18 +1,13 @@
-"""lrmoe pass 1, fast: the greedy memory-aware replication on incremental state.
+"""lrmoe pass 1, fast: the greedy memory-aware replication on incremental state; the
+moves of ``_place_replicas`` in ``tests/references/lrmoe_planner.py`` (docs/design.md §4).
 
 Legend: G ranks, S slots per rank, E experts.
 
-Same rule, same moves as the reference (``_place_replicas`` in
-``tests/references/lrmoe_planner.py``; the rule: docs/design.md §4, lrmoe); only the
-bookkeeping differs (docs/design.md §4, "As built for speed"). Two points of it: a host
-that retained everything still does after its expert gains an instance (its share never
-grows), so its capacity is not asked again; the smallest kept fraction is found by float
-comparison and used exactly, floats ordering such fractions exactly while ranks hold
-< 2^26 pairs (beyond that the exact :class:`fractions.Fraction` minimum is taken).
-
-The plainer bookkeeping (every capacity asked again, every rank tested in numpy per
-candidate) is ``tests/references/lrmoe_place_numpy.py``; tests/test_place_fast.py
-compares the two.
+Two points of the bookkeeping: a host that retained everything still does after its
+expert gains an instance (its share never grows), so its capacity is not asked again;
+the smallest kept fraction is found by float comparison and used exactly, floats
+ordering such fractions exactly while ranks hold < 2^26 pairs (beyond that the exact
+:class:`fractions.Fraction` minimum is taken).
 """
 
 from __future__ import annotations
@@ -31,14 +26,8 @@ _FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exac
 
 @dataclass
 class MoveLog:
-    """The greedy's moves, for a rule that keeps only a prefix of them
-    (:func:`lrmoe.policy.lrmoe.worth_their_link`).
-
-    Attributes:
-        load_KG: each rank's received pairs before the first move and after each.
-        kept_KG: ... and the pairs it can retain (its load, without a budget).
-        expert_K, rank_K, slot_K: each move's replica: its expert and where it went.
-    """
+    """The greedy's moves (each replica's expert, rank and slot) and each rank's load
+    and retainable pairs before the first and after each, for :func:`worth_their_link`."""
 
     load_KG: list[list[int]] = field(default_factory=list)
     kept_KG: list[list[int]] = field(default_factory=list)
@@ -60,10 +49,8 @@ FULL = 1 << 62  # the destination key of a rank without a free slot: sorts last
 
 def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
                    log: MoveLog | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Pass 1 from each expert's total pairs (the count matrix's column sums: all the
-    placement looks at, besides the ledger's view of the home pairs); returns
-    ``(inst_expert_GS, inst_load_GS)`` (loads: the even split). ``log``: filled with
-    the moves and the ranks' loads after each."""
+    """Pass 1 from each expert's total pairs: ``(inst_expert_GS, inst_load_GS)`` (loads:
+    the even split); ``log`` gets the moves."""
     greedy = _Greedy(total_E, G, S, cfg.min_keep, view)
     limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
     if log is not None:
@@ -88,8 +75,7 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
 class _Move:
     """What one move's candidates share: the hot ranks' load and count, the floor a
     destination must still retain (``level`` pairs, the fraction ``fn/fd``), the
-    least-loaded free rank's key, and (computed when a candidate needs them) every key
-    sorted and each rank's room (:func:`_room`)."""
+    least-loaded free rank's key, and (on first need) the sorted keys and :func:`_room`."""
 
     top: int
     n_top: int
@@ -102,9 +88,7 @@ class _Move:
 
 
 class _Greedy:
-    """Pass 1's incremental state (module docstring): the slots, each replicated
-    expert's instances and loads, and per rank its load, instances, free slots,
-    destination key and, with a budget, retention capacity, kept pairs and fraction."""
+    """Pass 1's incremental state (module docstring)."""
 
     def __init__(self, total_E: np.ndarray, G: int, S: int, min_keep: float,
                  view: LedgerView):
@@ -174,8 +158,7 @@ class _Greedy:
 
     def _floor(self, top: int, hot: list[int]) -> tuple[int, int, int]:
         """``(level, fn, fd)``: the ``min_keep`` level and the smallest kept fraction
-        ``fn/fd``, the least a destination must still retain; no floor while a hot rank
-        does not fit (any feasible destination then)."""
+        ``fn/fd`` a destination must still retain; none while a hot rank does not fit."""
         if not self.budget:
             return 0, 1, 1
         level, fn, fd = math.ceil(self.min_keep * self.sum_kept / self.G), 1, 1
@@ -193,9 +176,8 @@ class _Greedy:
         return level, fn, fd
 
     def _destination(self, e: int, m: _Move):
-        """The least-loaded free rank holding none of ``e`` if it affords the replica,
-        else (with a budget) the next in key order with room for it that does; its
-        :meth:`_try_dest` answer, or ``None``."""
+        """:meth:`_try_dest`'s answer for the least-loaded free rank holding none of ``e``,
+        else (with a budget) the next in key order with room that affords it; or ``None``."""
         G = self.G
         was = self.instances(e)
         held = {r for r, _ in was}
@@ -276,9 +258,7 @@ class _Greedy:
 def _room(view: LedgerView, load: list[int], n_inst: list[int], fn: int, fd: int,
           monotone: bool) -> list[float]:
     """Per rank, an upper bound on the pairs a replica may bring it and still pass
-    ``try_dest``'s test, which keeps at least ``fn/fd`` of them: one numpy pass over the
-    ranks (:meth:`~lrmoe.policy.ledger_view.LedgerView.received_bound`); no bound (inf)
-    where the ledger's pieces are not monotone or the arithmetic could overflow."""
+    ``_try_dest``'s test (:meth:`LedgerView.received_bound`; inf where there is none)."""
     R = view.received_bound(np.array(n_inst, dtype=np.int64) + 1, fn, fd) if monotone else None
     if R is None:
         return [math.inf] * len(load)

@@ -1,11 +1,9 @@
-"""lrmoe passes 2 and 3, vectorised: retention quotas and backward quotas.
+"""lrmoe passes 2 and 3, vectorised: retention quotas and backward quotas (the
+arithmetic of ``tests/references/lrmoe_planner.py`` in closed form).
 
 Legend: G ranks, S slots per rank; ``_IG`` is ``[rank·S + slot, home rank]`` (one row per
-instance: the plan's ``[home, rank, slot]`` blocks, transposed so that every split runs
-along contiguous memory). All arrays int64 numpy on the host. The same arithmetic as the reference
-(``tests/references/lrmoe_planner.py``: ``_retention`` and ``_backward_quotas``), in closed
-form: per-rank capacities from the ledger's vectorised view, largest-remainder
-rounding by :func:`lrmoe.policy.plan_numpy.apportion_rows_np`.
+instance: the plan's blocks, transposed so that every split runs along contiguous
+memory). All arrays int64 numpy on the host.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from lrmoe.policy.plan_numpy import apportion_rows_np
 def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
               recompute: bool = False, load_GS: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Pass 2: retention quotas per instance, then per block (``[G·S, G]``, one row per
-    instance); with ``recompute`` also the rows per rank that keep only their input row
-    (``None`` without); and the pairs each rank retains. ``load_GS``: the instances'
-    loads when the caller has them (the blocks' row sums)."""
+    """Pass 2: ``(retained per block [G·S, G], rows recomputed per rank (None without
+    ``recompute``), pairs retained per rank)``; ``load_GS``: the instances' loads if known."""
     G, S = inst_GS.shape
     if load_GS is None:
         load_GS = assign_IG.sum(1).reshape(G, S)

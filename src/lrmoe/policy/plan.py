@@ -22,34 +22,19 @@ from lrmoe.policy.ledger_view import plan_exact_fit
 
 @dataclass(frozen=True)
 class Plan:
-    """Placement plus per-block pair counts; a *block* is the pairs home ``g`` sends to
-    instance ``(r, s)``.
+    """Placement plus per-block pair counts (each field: docs/design.md §3); a *block*
+    is the pairs home ``g`` sends to instance ``(r, s)``."""
 
-    Attributes:
-        inst_expert_GS: expert id held by each slot, ``-1`` for an empty slot.
-        assign_GGS: ``[g, r, s]`` pairs home ``g`` sends to instance ``(r, s)``.
-        retain_GGS: how many of those keep activations for backward (<= assign).
-        select_GGS: how many retained pairs enter backward (<= retain).
-        dropped_GE: pairs of home ``g`` and expert ``e`` dropped in forward, its lowest-gate
-            ones (capacity policy only; ``None``: dropless).
-        recompute_G: per rank, how many of its first retained rows recompute their gate_up
-            output in backward (``None``: none).
-        layer_checkpoint: a whole-layer checkpoint (exact plans only; docs/design.md §3, §5).
-        rung: how the plan meets the budget (lrmoe's ladder or SYMI's fewer replicas;
-            ``None``: the runner decides, :meth:`lrmoe.ledger.Ledger.exact_fit`).
-        replicas_given_up: replicas the policy's rule chose but did not place, for the
-            reason ``given_up_for`` (``memory``, ``link`` or ``static``)."""
-
-    inst_expert_GS: Tensor
-    assign_GGS: Tensor
-    retain_GGS: Tensor
-    select_GGS: Tensor
-    dropped_GE: Tensor | None = None
-    recompute_G: Tensor | None = None
-    layer_checkpoint: bool = False
-    rung: str | None = None
-    replicas_given_up: int = 0
-    given_up_for: str | None = None
+    inst_expert_GS: Tensor  # expert id held by each slot, -1 for an empty slot
+    assign_GGS: Tensor  # [g, r, s] pairs home g sends to instance (r, s)
+    retain_GGS: Tensor  # how many of those keep activations for backward (<= assign)
+    select_GGS: Tensor  # how many retained pairs enter backward (<= retain)
+    dropped_GE: Tensor | None = None  # lowest-gate pairs dropped in forward (capacity)
+    recompute_G: Tensor | None = None  # per rank, first retained rows recomputing gate_up
+    layer_checkpoint: bool = False  # a whole-layer checkpoint (exact plans only)
+    rung: str | None = None  # how it meets the budget (None: the runner decides)
+    replicas_given_up: int = 0  # chosen but not placed, for the reason given_up_for
+    given_up_for: str | None = None  # memory, link or static
 
     @property
     def G(self) -> int:
@@ -139,19 +124,23 @@ def fit_exact(plan: Plan, ledger, what: str) -> Plan:
     mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
     if mode == "fits":
         return plan
-    if mode == "pairs":
-        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec))
-    layer = dataclasses.replace(plan, recompute_G=None, layer_checkpoint=True)
-    if mode == "layer":
-        return layer
-    ledger.raise_if_over(ledger.rank_terms(layer),
+    if mode != "over":
+        return fitted(plan, mode, rec)
+    ledger.raise_if_over(ledger.rank_terms(fitted(plan, "layer", rec)),
                          f"{what}, even with a whole-layer checkpoint,")
     raise AssertionError("unreachable: exact_fit said it does not fit")
 
 
+def fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
+    """The exact ``plan`` under :meth:`Ledger.exact_fit`'s ``mode`` (``pairs``: ``rec``
+    rows recomputed per rank; ``layer``: a whole-layer checkpoint); ``extra``: fields."""
+    if mode == "pairs":
+        extra["recompute_G"] = torch.from_numpy(rec)
+    return dataclasses.replace(plan, layer_checkpoint=mode == "layer", **extra)
+
+
 def native_plan(counts_GE: Tensor) -> Plan:
-    """Static EP's plan without a budget: each rank holds its native experts (rank ``r``
-    experts ``r*E/G .. (r+1)*E/G - 1``), every pair retained and selected."""
+    """Static EP's plan without a budget: natives only, every pair retained and selected."""
     G, E = counts_GE.shape
     if E % G:
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")

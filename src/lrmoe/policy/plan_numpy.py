@@ -19,11 +19,9 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.capacity.apportion` (largest remainder, ties to the lower entry)
-    along rows (the planners' instance-major layout): ``total_K[k]`` units over row ``k``'s
-    entries. Only the rows that split (``0 < total < weight``) are
-    computed; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give the
-    stable largest-remainder order."""
+    """:func:`lrmoe.policy.capacity.apportion` along rows: ``total_K[k]`` units over row
+    ``k``'s entries; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give
+    the stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)
@@ -66,10 +64,7 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
 
 
 class Slots:
-    """What the split arithmetic needs of a placement, computed once per placement: expert per
-    slot (``e_idx``, 0 when empty) and ``valid``, the slots in (expert, slot) order with
-    each expert's first sorted position, each slot's rank ``k`` among its expert's
-    instances and their number ``n``."""
+    """What the split arithmetic needs of a placement, computed once per placement."""
 
     def __init__(self, inst_expert_GS: np.ndarray, n_experts: int) -> None:
         self.shape = inst_expert_GS.shape
@@ -94,9 +89,8 @@ class Slots:
         return ((t // self.n + (self.k < t % self.n)) * self.valid).reshape(self.shape)
 
     def overlap_ig(self, counts_GE: np.ndarray, inst_load_GS: np.ndarray) -> np.ndarray:
-        """The pairs each home sends to each instance, instance-major ``[G·S, G]`` (row ``r·S +
-        s``: instance ``(r, s)``): contiguous intervals, homes in rank order, instances in
-        global slot order per expert."""
+        """The pairs each home sends to each instance, instance-major ``[G·S, G]``: contiguous
+        intervals, homes in rank order, instances in global slot order per expert."""
         c_EG = np.ascontiguousarray(counts_GE.T)
         # a lone instance takes its expert's pairs from every home (its load is their
         # total); an empty slot takes none
@@ -140,9 +134,8 @@ def host_counts(counts_GE) -> np.ndarray:
 
 
 def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
-    """A plan that retains and selects every pair (exact backward): each expert's pairs,
-    laid out home by home, split over its instances by contiguous intervals in slot order
-    (instance ``i`` takes ``inst_load_GS[i]``, by default an even split)."""
+    """A plan that retains and selects every pair on ``inst_expert_GS``, instance ``i``
+    taking ``inst_load_GS[i]`` (default: an even split)."""
     c, inst = host_counts(counts_GE), host_counts(inst_expert_GS)
     idx = Slots(inst, c.shape[1])
     load = idx.even_split(c.sum(0)) if inst_load_GS is None else host_counts(inst_load_GS)

@@ -19,20 +19,17 @@ POLICY_NAMES = ("static", "capacity", "symi", "lrmoe")
 
 @dataclass
 class FidelityConfig:
-    """The fidelity monitor: every ``every`` optimizer steps (0: never) the runtime also
-    computes the exact expert weight gradient of an approximate plan and reports its
-    cosine to the selected one (what ``--lrmoe-keep auto`` steers by)."""
+    """The fidelity monitor: every ``every`` optimizer steps (0: never) the cosine of an
+    approximate plan's expert weight gradient to the exact one."""
 
     every: int = 0
 
 
 @dataclass
 class PolicyConfig:
-    """Which policy plans each step (``static``, ``capacity``, ``symi`` or ``lrmoe``), its
-    planner's knobs, the backward's selection knobs and the fidelity monitor.
-    ``slots_per_rank``: symi's slots (None: ``E/G + 2``), lrmoe's most when its own
-    ``max_slots_per_rank`` is unset; ``recompute``: static and symi fit a budget by recompute
-    or a whole-layer checkpoint instead of stopping."""
+    """Which policy plans each step and its knobs; ``slots_per_rank``: symi's slots (None:
+    ``E/G + 2``), lrmoe's most unless its own is set; ``recompute``: static and symi fit a
+    budget by recompute or a whole-layer checkpoint instead of stopping."""
 
     name: str = "static"
     capacity_factor: float = 1.25

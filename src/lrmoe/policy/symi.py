@@ -1,30 +1,27 @@
-"""symi: fixed slots per rank, replica counts from the previous step's popularity.
+"""symi (arXiv 2504.19925, NSDI '26; docs/design.md §4): fixed slots per rank, replica
+counts from the previous step's popularity, contiguous placement, even split, exact
+backward.
 
 Legend: G ranks, S = s slots per rank, E experts. All tensors int64 on the CPU.
 
-SYMI (arXiv 2504.19925, NSDI '26; docs/design.md §4): ``G·s`` instances; ``goal =
-pop/sum(pop)·G·s``, ``cnt = floor(max(goal, 1))``, ``diff = cnt - goal``; while
-``sum(cnt) > G·s`` decrement the largest ``diff`` among ``cnt > 1``, while below
-increment the smallest (ties: lowest id); contiguous placement; an even split and an
-exact backward. Under a budget :func:`largest_feasible_slots` or, with recompute,
-:func:`best_slots` picks ``s``.
+The rounding: ``goal = pop/sum(pop)·G·s``, ``cnt = floor(max(goal, 1))``, ``diff = cnt -
+goal``; while ``sum(cnt) > G·s`` decrement the largest ``diff`` among ``cnt > 1``, while
+below increment the smallest (ties: lowest id).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.plan import Plan, fit_exact
+from lrmoe.policy.plan import Plan, fit_exact, fitted
 from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
 
 DEFAULT_EXTRA_SLOTS = 2
@@ -85,14 +82,13 @@ def _rounded(pop_E: Tensor | None, E: int, total_slots: int
 
 
 def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding of ``pop/sum(pop)·total_slots`` to integers >= 1 summing exactly, with
-    heaps (its loop reading: ``tests/references/plans.py``)."""
+    """SYMI's rounding to integers >= 1 summing to ``total_slots``, with heaps."""
     return _rounded(pop_E, E, total_slots)[0]
 
 
 def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list[int], list[int]]:
-    """``(cnt, order)``: SYMI's replica counts and the experts whose replicas it gives up first
-    when fewer fit (its decrement loop run on, down to one instance each)."""
+    """``(cnt, order)``: SYMI's replica counts and the experts whose replicas its
+    decrement loop, run on, gives up first."""
     cnt, diff = _rounded(pop_E, E, total_slots)
     return cnt, _give_up(list(cnt), diff, sum(cnt) - E)
 
@@ -127,8 +123,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
               ledger=None, recompute: bool = False, placement: np.ndarray | None = None,
               slots: Slots | None = None) -> Plan:
     """SYMI's plan for one layer; over the ledger it raises, or with ``recompute`` fits by
-    :func:`fit_exact`'s fallbacks and then :func:`fewer_replicas`. ``placement``: a prepared
-    :func:`place_symi`."""
+    :func:`fit_exact`'s fallbacks, then :func:`fewer_replicas`."""
     G, E = counts_GE.shape
     s = slots_per_rank
     inst = placement if placement is not None else place_symi(prev_counts_E, G, E, s)
@@ -149,7 +144,7 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     if recompute:
         mode, rec, _ = view.exact_fit(n_inst, recv, recv)
         if mode != "over":
-            return _fitted(plan, mode, rec)
+            return fitted(plan, mode, rec)
         if G * s == E:  # no replica to give up: static's verdict
             return fit_exact(plan, ledger, f"symi with slots_per_rank={s}")
         return fewer_replicas(c, s, prev_counts_E, ledger, view)
@@ -162,18 +157,10 @@ FEWER_RUNGS = {"fits": "fewer-replicas", "pairs": "recompute-fewer-replicas",
                "layer": "layer-fewer-replicas"}
 
 
-def _fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
-    """The exact ``plan`` with ``Ledger.exact_fit``'s fallback ``mode``."""
-    if mode == "pairs":
-        return dataclasses.replace(plan, recompute_G=torch.from_numpy(rec), **extra)
-    return dataclasses.replace(plan, layer_checkpoint=mode == "layer", **extra)
-
-
 def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledger,
                    view: LedgerView) -> Plan:
-    """SYMI's plan where its ``s`` slots do not fit even with recompute and a whole-layer
-    checkpoint: its most replicas that fit, given up in :func:`given_up_order`; with every
-    replica given up it is static's placement and verdict."""
+    """SYMI's plan where its ``s`` slots do not fit at all: its most replicas that fit,
+    given up in :func:`given_up_order` (none left: static's placement and verdict)."""
     G, E = c_GE.shape
     total_E = c_GE.sum(0)
     cnt, order = given_up_order(prev_counts_E, E, G * s)
@@ -192,15 +179,15 @@ def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledge
         if mode == "over":  # the natives alone: static's verdict, static's message
             return fit_exact(plan, ledger, f"symi with slots_per_rank={s}, every replica "
                                            "given up (static's placement),")
-        return _fitted(plan, mode, rec, rung=FEWER_RUNGS[mode], replicas_given_up=k,
+        return fitted(plan, mode, rec, rung=FEWER_RUNGS[mode], replicas_given_up=k,
                        given_up_for="memory")
     raise LrmoeError("symi: no replica to give up (internal error: please report)")
 
 
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                            max_slots: int | None = None) -> int:
-    """The largest ``s`` in ``[E/G, max_slots]`` whose SYMI plan fits (every ``s`` tried:
-    memory is not monotone in ``s``); raises if none fits."""
+    """The largest ``s`` in ``[E/G, max_slots]`` whose SYMI plan fits (memory is not
+    monotone in ``s``: every one tried); raises if none fits."""
     G, E = counts_GE.shape
     lo = E // G
     hi = E if max_slots is None else max_slots
@@ -231,8 +218,8 @@ _FWD, _BWD, _RECOMPUTE = 3, 6, {"fits": 0, "pairs": 2, "layer": 3}
 
 def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                max_slots: int | None = None) -> dict[int, int]:
-    """``{s: busiest rank's GEMM work}`` for every ``s`` that fits with recompute, in ``H·F``
-    multiply-adds per pair: forward 3, backward 6, per recomputed row 2 (3 for a layer)."""
+    """``{s: busiest rank's GEMM work}`` (in ``H·F`` units) for every ``s`` that fits with
+    recompute."""
     G, E = counts_GE.shape
     hi = E if max_slots is None else max_slots
     out = {}
@@ -253,9 +240,8 @@ def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
 def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
                max_slots: int | None = None, per: list[dict[int, int]] | None = None
                ) -> tuple[int, int]:
-    """One ``s`` for several count matrices: the one that fits the most of them, then the least
-    mean busiest-rank work, then the larger; ``(s, matrices it fits)``. ``per``: their
-    :func:`slot_costs` if known."""
+    """``(s, matrices it fits)``: the ``s`` that fits the most count matrices, then the
+    least mean busiest-rank work, then the larger (``per``: their :func:`slot_costs`)."""
     if per is None:
         per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
     cands = set().union(*(set(d) for d in per)) if per else set()
@@ -271,8 +257,8 @@ def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
 
 @dataclass
 class SymiPolicy(Policy):
-    """SYMI with ``slots_per_rank`` slots; ``None`` means ``E/G + 2`` at plan time.
-    ``recompute``: fit a budget by recomputing rows instead of failing."""
+    """SYMI with ``slots_per_rank`` slots (None: ``E/G + 2``); ``recompute``: fit a
+    budget by recomputing rows instead of failing."""
 
     slots_per_rank: int | None = None
     recompute: bool = False

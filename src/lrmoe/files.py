@@ -2,8 +2,8 @@
 
 A temporary file made by ``tempfile.mkstemp`` (or by safetensors' writer) is created
 ``0600``; renamed into place it would keep that mode, ignoring the user's umask. Every
-writer here gives a new file ``0666 & ~umask`` (:func:`new_file_mode`), as ``open``
-would, and a file it replaces keeps the mode it had.
+writer here gives a new file ``0666 & ~umask``, as ``open`` would, and a file it
+replaces keeps the mode it had (:func:`mode_for`).
 
 A save that writes several files stages them in one directory of its own inside the
 target, ``.lrmoe-save-HOST-PID-TAG`` (:func:`staging_dir`), and renames each into place
@@ -41,18 +41,13 @@ def umask() -> int:
     return mask
 
 
-def new_file_mode() -> int:
-    """The mode ``open`` gives a new file: ``0666 & ~umask``."""
-    return 0o666 & ~umask()
-
-
 def mode_for(final: Path) -> int:
     """The mode a file written over ``final`` takes: ``final``'s own where it exists,
-    else that of a new file."""
+    else the one ``open`` gives a new file."""
     try:
         return final.stat().st_mode & 0o7777
     except OSError:
-        return new_file_mode()
+        return 0o666 & ~umask()
 
 
 def pid_alive(pid: int) -> bool:

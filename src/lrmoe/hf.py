@@ -70,6 +70,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=1),
 }
 _ROPE_THETA_DEFAULT = 10000.0
+# what a save writes, per HF tensor: (name, shape, dtype, materialise)
+Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
 
 
 # ============================================================================ config
@@ -281,7 +283,8 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
+def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+    """The checkpoint's safetensors files and its index's weight map (empty without one)."""
     index = path / INDEX_NAME
     if index.is_file():
         try:
@@ -293,17 +296,17 @@ def _checkpoint_files(path: Path) -> list[Path]:
         for f in files:
             if not isinstance(f, str) or "/" in f or "\\" in f or not (path / f).is_file():
                 raise LrmoeError(f"index {index} names shard {f!r}, which is not in {path}")
-        return [path / f for f in files]
+        return [path / f for f in files], wmap
     single = path / WEIGHTS_NAME
     if single.is_file():
-        return [single]
+        return [single], {}
     found = sorted(p.name for p in path.glob("*.safetensors"))
     extra = f" (found {', '.join(found)} without an index)" if found else ""
     raise LrmoeError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{extra}")
 
 
 def _scan(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Path]]:
-    files = _checkpoint_files(path)
+    files, wmap = _checkpoint_files(path)
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     where: dict[str, Path] = {}
     for f in files:
@@ -311,12 +314,10 @@ def _scan(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str,
             if name in where:
                 raise LrmoeError(f"tensor {name} appears in both {where[name].name} and {f.name}")
             meta[name], where[name] = info, f
-    index = path / INDEX_NAME
-    if index.is_file():
-        for name, fname in json.loads(index.read_text())["weight_map"].items():
-            if where.get(name) is None or where[name].name != fname:
-                raise LrmoeError(f"index {index} puts tensor {name} in {fname}, "
-                                 "but that file does not hold it")
+    for name, fname in wmap.items():
+        if where.get(name) is None or where[name].name != fname:
+            raise LrmoeError(f"index {path / INDEX_NAME} puts tensor {name} in {fname}, "
+                             "but that file does not hold it")
     return meta, where
 
 
@@ -342,9 +343,8 @@ def _fp32_names(model: MoEForCausalLM) -> set[str]:
 
 
 # ============================================================================ save
-def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None
-                ) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]:
-    """(HF name, shape, dtype, materialise) in model order, legacy per-expert form."""
+def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None) -> Entries:
+    """The model's :data:`Entries` in model order, per-expert form."""
     keep32 = _fp32_names(model) if dtype is not None else set()
     sd = model.state_dict(keep_vars=True)
     for name, t in sd.items():
@@ -416,14 +416,9 @@ def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Pa
 def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             dtype: torch.dtype | str | None = None) -> Path:
-    """Save ``model`` as a HF checkpoint directory ``from_pretrained`` loads: ``config.json``
-    and ``model.safetensors``, or shards and an index beyond ``max_shard_bytes``.
-
-    ``dtype`` (default: each tensor's own) casts the saved tensors; GLM's router stays fp32.
-    The files are staged in ``path`` and renamed into place once all are on disk
-    (``config.json`` last), so a failure leaves an existing checkpoint as it was; other files
-    in ``path`` are left alone. Another model's checkpoint and an lrmoe run directory are
-    refused. The model must hold every expert (gather an expert-parallel model's first)."""
+    """Save ``model`` (every expert) as a HF checkpoint directory ``from_pretrained`` loads,
+    in shards with an index beyond ``max_shard_bytes``; ``dtype`` (default: each tensor's
+    own) casts the saved tensors, GLM's router stays fp32 (docs/design.md §7)."""
     if not isinstance(model, MoEForCausalLM):
         raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
@@ -458,15 +453,12 @@ def check_target(target: Path) -> None:
                          f"read; save to another directory (e.g. {target / 'hf'})")
 
 
-Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
-
-
 def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard_bytes: int,
                      cdtype: torch.dtype, extra_files: dict[str, bytes] | None = None,
                      before_shard: Callable[[list[str]], None] | None = None) -> Path:
-    """:func:`save_hf`'s writer: ``entries`` (HF name, shape, dtype, materialise) in shards of
-    at most ``max_shard_bytes``, each materialised just before it is written
-    (``before_shard(names)`` first), then ``extra_files`` and ``config.json``; atomically."""
+    """:func:`save_hf`'s writer: ``entries`` in shards of at most ``max_shard_bytes``, each
+    materialised just before it is written (``before_shard(names)`` first), then
+    ``extra_files`` and ``config.json``, renamed into place once all are on disk."""
     from lrmoe.train.ckpt_write import files_of
 
     old = _check_target_files(target, cfg) if target.exists() else []

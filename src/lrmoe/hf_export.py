@@ -1,12 +1,6 @@
-"""A run's checkpoint written as a HF model directory (``lrmoe export RUN OUT``).
-
-The checkpoint's keys do not depend on the layout that saved it, so any run exports
-alike; the tensors are :mod:`lrmoe.hf`'s save mapping, written by
-:func:`lrmoe.hf.write_checkpoint` one shard at a time, each shard's checkpoint tensors
-read together just before (docs/design.md §7). Weights come from the fp32 masters where
-the run kept them apart. Tokenizer: the run's copy of a model's files, or a ``bpe:N``
-run's ``tokenizer.json`` with a ``tokenizer_config.json``; a file of that name already in
-OUT with other contents is refused.
+"""A run's checkpoint written as a HF model directory (``lrmoe export RUN OUT``; docs/
+design.md §7), with its tokenizer: the run's copy of a model's files, or a ``bpe:N`` run's
+``tokenizer.json`` with a ``tokenizer_config.json``.
 """
 
 from __future__ import annotations
@@ -76,8 +70,7 @@ def _source_keys(md: dict, name: str, experts: int | None) -> str:
 
 
 class _ShardReader:
-    """The checkpoint tensors of one output shard, read together (``load``), handed
-    out as HF tensors (``get``)."""
+    """The checkpoint tensors of one output shard, read together, handed out as HF tensors."""
 
     def __init__(self, ck, md: dict, sources: dict[str, str], by_key: dict, out_dtypes: dict):
         self.ck, self.md, self.sources, self.by_key = ck, md, sources, by_key
@@ -112,8 +105,7 @@ class _ShardReader:
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
                max_shard_bytes: int | None = None, dtype: str | None = None) -> ExportReport:
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a HF model
-    directory ``out`` (see the module doc); raises :class:`LrmoeError`, writing nothing,
-    on bad input."""
+    directory ``out``."""
     from lrmoe.config import ModelConfig
     from lrmoe.hf import (
         DEFAULT_MAX_SHARD_BYTES,

@@ -1,11 +1,5 @@
 """A HF checkpoint read into one rank's part of the model: the dense weights and the
-rank's own experts, one tensor at a time.
-
-:func:`open_checkpoint` checks the config and every header against the model (no tensor
-data read), :func:`empty_model` builds a rank's model with storage but no values, and
-:func:`load_owned` copies into it, tensor by tensor, only what the rank holds, each
-file closed after its tensor: the per-rank loading rule of docs/design.md §7.
-:func:`load_hf` is the one-process use of the same steps.
+rank's own experts, one tensor at a time (the per-rank loading rule, docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ _MTP_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 @dataclass
 class HfCheckpoint:
-    """A checked HF checkpoint directory: its config and, for every tensor the model
-    takes, which checkpoint tensor (and which part of it) fills it and in which file."""
+    """A checked HF checkpoint directory: its config and where each model tensor comes from."""
 
     path: Path
     config: ModelConfig
@@ -54,8 +47,7 @@ class HfCheckpoint:
 
 @dataclass
 class LoadReport:
-    """What :func:`load_owned` read: tensors (or row ranges of fused expert tensors),
-    their bytes as stored, the largest single read, and the seconds it took."""
+    """What :func:`load_owned` read (a row range of a fused expert tensor counts as one)."""
 
     tensors: int = 0
     bytes_read: int = 0
@@ -68,8 +60,7 @@ def _more(names: list[str]) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike) -> HfCheckpoint:
-    """Read and check a HF checkpoint directory's config and headers (no tensor data); an
-    :class:`LrmoeError` names the file or tensor at fault."""
+    """Read and check a HF checkpoint directory's config and headers (no tensor data)."""
     p = _as_dir(path)
     cfg, mtp = _read_config(p)
     meta, where = _scan(p)
@@ -105,10 +96,8 @@ def open_checkpoint(path: str | os.PathLike) -> HfCheckpoint:
 
 def empty_model(cfg: ModelConfig, ctx=None, device: torch.device | str = "cpu"
                 ) -> MoEForCausalLM:
-    """This rank's model, allocated on ``device`` but not initialised: built on the meta
-    device, its experts sharded for ``ctx`` (a :class:`~lrmoe.parallel.groups.ParallelContext`;
-    ``None``: one process, every expert), then given storage. Every persistent tensor
-    must then be filled from a checkpoint; the rotary frequencies (not saved) are set."""
+    """This rank's model (experts sharded for ``ctx``; ``None``: every expert), allocated on
+    ``device`` but not initialised, the rotary frequencies (not saved) aside."""
     from lrmoe.parallel.groups import shard_experts
 
     with torch.device("meta"):
@@ -124,9 +113,8 @@ def empty_model(cfg: ModelConfig, ctx=None, device: torch.device | str = "cpu"
 
 
 def _owned(model: MoEForCausalLM, pc: _Piece) -> tuple[tuple, slice | None] | None:
-    """Where piece ``pc`` goes in this rank's tensor: ``(index, rows)``, ``rows`` the
-    range of a fused expert tensor this rank reads (None: the whole tensor); None when
-    the piece is another rank's expert."""
+    """Where piece ``pc`` goes in this rank's tensor: ``(index, rows of a fused expert
+    tensor or None)``; None when the piece is another rank's expert."""
     if not pc.target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         return pc.index, None
     ex = model.get_submodule(pc.target.rsplit(".", 1)[0])
@@ -159,8 +147,8 @@ def _read_into(dst: Tensor, file: Path, key: str, rows: slice | None) -> None:
 
 
 def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
-    """Fill every persistent tensor this rank holds from ``ck`` (see the module doc);
-    another rank's experts are never read. Raises if a tensor would be left unfilled."""
+    """Fill every persistent tensor this rank holds from ``ck``; another rank's experts are
+    never read."""
     t0 = time.perf_counter()
     report = LoadReport()
     sd = model.state_dict()
@@ -192,11 +180,7 @@ __all__ = ["HfCheckpoint", "LoadReport", "empty_model", "load_owned", "open_chec
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
             ) -> MoEForCausalLM:
     """Load a HF checkpoint directory into a new :class:`MoEForCausalLM` on the CPU, in eval
-    mode as from ``from_pretrained``.
-
-    ``dtype`` (default fp32) is the parameters' dtype; GLM's router stays fp32, as in HF.
-    Experts may be stored per expert or fused. Any problem is an :class:`LrmoeError` raised
-    before anything is copied."""
+    mode, with parameters in ``dtype`` (default fp32; GLM's router stays fp32, as in HF)."""
     dt = _as_dtype(dtype)
     ck = open_checkpoint(path)  # every check before a byte is copied
     model = empty_model(ck.config)

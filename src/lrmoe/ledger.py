@@ -30,8 +30,7 @@ _CONE = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=np.int64)
 
 
 def _undominated(pieces: np.ndarray) -> list[int]:
-    """Rows of ``pieces`` (``const, per R, per k, per rec``) no other row bounds wherever
-    ``0 <= rec <= k <= R`` (of equal rows, the first)."""
+    """Rows of ``pieces`` no other row bounds wherever ``0 <= rec <= k <= R``."""
     keep = []
     idx = np.arange(len(pieces))
     for i, r in enumerate(pieces):
@@ -172,8 +171,7 @@ class Ledger:
                           retained_pairs: int | None = None, recomputed_pairs: int = 0,
                           bwd: BackwardRows | None = None, exact: bool = False) -> int:
         """The buffers term of a plan whose backward rows ``bwd`` are known (default: an exact
-        plan's): one layer's largest forward or backward point net of its kept rows, plus the
-        backward's per-row indices (docs/design.md §5)."""
+        plan's; docs/design.md §5)."""
         R, h = int(received_pairs), int(home_pairs)
         k = R if retained_pairs is None else int(retained_pairs)
         rec = int(recomputed_pairs)
@@ -186,8 +184,7 @@ class Ledger:
         return max(back * self.bytes_act + self._index_bytes(n, gth), fwd * self.bytes_act)
 
     def _planned_points(self, h: int, exact: bool, rec_branch: bool):
-        """``(R, k, rec) -> {point: bytes}`` of :meth:`counts_buffer_bytes`, the recompute branch
-        fixed so every point is affine in ``(R, k, rec)``."""
+        """``(R, k, rec) -> {point: bytes}`` of :meth:`counts_buffer_bytes`, affine in each."""
         T = -(-int(h) // self.top_k)
         y = 0 if exact and self.router_grad_at_experts else int(h)
         b = self.bytes_act
@@ -207,9 +204,8 @@ class Ledger:
         return at
 
     def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
-        """:meth:`counts_buffer_bytes` for ``h`` home pairs as affine pieces, int64 ``[P, 4]`` rows
-        ``(const, per R, per k, per rec)`` whose largest value is the term; dominated pieces are
-        dropped."""
+        """:meth:`counts_buffer_bytes` for ``h`` home pairs as undominated affine pieces, int64
+        ``[P, 4]`` rows ``(const, per R, per k, per rec)`` whose largest value is the term."""
         h = int(home_pairs)
         key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
         hit = self._pieces_memo.get(key)
@@ -241,7 +237,7 @@ class Ledger:
                        copy_x: bool | None = None, copy_gu: bool | None = None
                        ) -> dict[str, int]:
         """Elements alive at each candidate peak of one rank's forward, net of the layer's kept
-        rows (docs/design.md §5); ``copy_x``/``copy_gu`` force whether the kept rows are copies."""
+        rows (docs/design.md §5)."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -261,7 +257,7 @@ class Ledger:
     def backward_points(self, T: int, n: int, ps: int, k: int, rec: int, y: int,
                         gathered: bool, rebuild: bool | None = None) -> dict[str, int]:
         """Elements alive at each candidate peak of one rank's backward, net of the layer's kept
-        rows (docs/design.md §5); ``rebuild`` forces the recompute points in or out."""
+        rows (docs/design.md §5)."""
         H, F = self.H, self.F
         kept = k * H + (k - rec) * 2 * F + y * H
         p = {
@@ -282,8 +278,7 @@ class Ledger:
 
     @staticmethod
     def backward_rows(plan, me: int) -> BackwardRows:
-        """Rank ``me``'s backward rows for ``plan``: received, sent, and whether the saved rows are
-        gathered."""
+        """Rank ``me``'s backward rows for ``plan``."""
         sel_in, ret_in = plan.select_GGS[:, me, :], plan.retain_GGS[:, me, :]
         return BackwardRows(int(sel_in.sum()), int(plan.select_GGS[me].sum()),
                             not torch.equal(sel_in, ret_in))
@@ -368,7 +363,7 @@ class Ledger:
     def retain_capacity_recompute(self, n_instances: int, received_pairs: int,
                                   home_pairs: int, exact: bool = False) -> tuple[int, int]:
         """``(k, rec)``: the most pairs a rank can retain when it may recompute some, and the
-        fewest recomputed for that (``(-1, 0)`` if none fits); searches up to 64 counts a round."""
+        fewest recomputed for that (``(-1, 0)`` if none fits)."""
         n, R, h = int(n_instances), int(received_pairs), int(home_pairs)
         k0 = self.retain_capacity(n, R, h, exact)
         if k0 < 0:
@@ -400,8 +395,7 @@ class Ledger:
 
     def _rank_counts(self, plan, tokens_per_rank_home: int | None
                      ) -> list[tuple[int, int, int, int]]:
-        """Per rank ``(instances, received, home, retained)`` pairs of ``plan``; the home pairs
-        are the plan's (assigned and dropped) unless ``tokens_per_rank_home`` sizes them."""
+        """Per rank ``(instances, received, home, retained)`` of ``plan``."""
         if tokens_per_rank_home is not None:
             home = torch.full((plan.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
         else:
@@ -419,14 +413,12 @@ class Ledger:
         """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
         home buffers (default: the plan's routed pairs), ``plan_buffers`` prices the buffers on
         the plan's selected rows (:meth:`rows_buffer_bytes`)."""
+        counts = self._rank_counts(plan, tokens_per_rank_home)
         if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
-            return [self.layer_terms(n, R, h)
-                    for n, R, h, _ in self._rank_counts(plan, tokens_per_rank_home)]
+            return [self.layer_terms(n, R, h) for n, R, h, _ in counts]
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
-        out = [self.terms(*c, n, exact=plan.exact)
-               for c, n in zip(self._rank_counts(plan, tokens_per_rank_home), rec)]
+        out = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
         if plan_buffers:  # the buffers derived from the code, for this plan (docs/design.md §5)
-            counts = self._rank_counts(plan, tokens_per_rank_home)
             for r, (t, (_, R, h, k), n) in enumerate(zip(out, counts, rec)):
                 buf = self.rows_buffer_bytes(R, h, k, n, self.backward_rows(plan, r), plan.exact)
                 t["total"] += buf - t["buffers"]
@@ -434,8 +426,7 @@ class Ledger:
         return out
 
     def layer_checkpoint_buffer_bytes(self, received_pairs: int, home_pairs: int) -> int:
-        """The buffers term of a whole-layer checkpoint: the largest of its forward, its re-run in
-        backward and the exact backward after it (docs/design.md §5)."""
+        """The buffers term of a whole-layer checkpoint (docs/design.md §5)."""
         R, h = int(received_pairs), int(home_pairs)
         T = -(-h // self.top_k)
         H, F = self.H, self.F
@@ -461,8 +452,7 @@ class Ledger:
     def exact_fit(self, plan, tokens_per_rank_home: int | None = None
                   ) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact plan meets the budget, cheapest first: ``(mode, recomputed rows per rank,
-        terms per rank)``, mode ``fits``, ``pairs``, ``layer`` (whole-layer checkpoint) or
-        ``over``."""
+        terms per rank)``, mode ``fits``, ``pairs``, ``layer`` or ``over``."""
         counts = self._rank_counts(plan, tokens_per_rank_home)
         rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:

@@ -1,13 +1,11 @@
 """HF checkpoint I/O: ``config.json`` + safetensors, as ``Qwen3MoeForCausalLM`` /
-``Glm4MoeForCausalLM`` write and read them.
+``Glm4MoeForCausalLM`` write and read them (docs/design.md §7).
 
 Our names are HF's without the ``model.`` prefix, our router HF's ``mlp.gate``. Experts
 come per expert (``mlp.experts.M.{gate_proj,up_proj,down_proj}.weight``: the Hub's
-checkpoints, what ``save_pretrained`` writes and what :func:`save_hf` writes) or fused
-(``mlp.experts.gate_up_proj [E, 2F, H]``, gate rows then up rows, and ``down_proj [E, H,
-F]``: HF's in-memory parameters and ours); :func:`lrmoe.hf_load.load_hf` reads both. Every
-header is checked against its file and every tensor against the model before anything
-is copied; a save renames its files into place once all are written (docs/design.md §7).
+checkpoints and what :func:`save_hf` writes) or fused (``mlp.experts.gate_up_proj [E, 2F,
+H]``, gate rows then up rows, and ``down_proj [E, H, F]``: HF's in-memory parameters and
+ours); :func:`lrmoe.hf_load.load_hf` reads both.
 
 Legend: E experts, F expert width, H hidden.
 """

@@ -1,10 +1,5 @@
-"""A pretrained model's own tokenizer: ``tokenizer.json`` read with HF ``tokenizers``.
-
-Its vocabulary size is its largest id plus one; its end-of-document id the
-``eos_token`` of ``tokenizer_config.json``, else the first ``eos_token_id`` of
-``generation_config.json``. The files in :data:`FILES` are copied unchanged into the run
-directory's ``tokenizer/``, which ``eval``, ``--resume`` and ``export`` read; ``spec`` is a
-digest of ``tokenizer.json`` and the end-of-document id (docs/design.md §7).
+"""A pretrained model's own tokenizer: ``tokenizer.json`` read with HF ``tokenizers``,
+copied with its companions into a run's ``tokenizer/`` (docs/design.md §7, "The tokenizer").
 """
 
 from __future__ import annotations
@@ -12,11 +7,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
-
 from lrmoe.config import read_config_json
 from lrmoe.errors import LrmoeError
-from lrmoe.tokenizer import TOKENIZER_FILE, BpeTokenizer, _concat
+from lrmoe.tokenizer import TOKENIZER_FILE, BpeTokenizer, Tokenizer
 
 RUN_SUBDIR = "tokenizer"  # in a run directory
 # What a HF model directory holds for its tokenizer (generation_config.json names the
@@ -46,11 +39,9 @@ class HfTokenizer(BpeTokenizer):
     def source(self) -> str:
         return self._source
 
-    def encode_documents(self, texts):
-        # whole documents: the newline cuts of the byte-level BPE need not be exact for
-        # another pre-tokenizer
-        eos = np.array([self.eos_id], dtype=np.int64)
-        return _concat([x for ids in self.encode_each(texts) for x in (ids, eos)])
+    # whole documents: the newline cuts of the byte-level BPE need not be exact for
+    # another pre-tokenizer
+    encode_documents = Tokenizer.encode_documents
 
     def save(self, directory: str | Path) -> Path:
         """Copy the tokenizer files into ``directory/tokenizer/`` (atomically each)."""
@@ -64,7 +55,8 @@ class HfTokenizer(BpeTokenizer):
 
 
 def _eos_id(d: Path, tok) -> int:
-    """The end-of-document id (see the module doc)."""
+    """``tokenizer_config.json``'s ``eos_token``, else ``generation_config.json``'s first
+    ``eos_token_id``."""
     tc = d / "tokenizer_config.json"
     if tc.is_file():
         eos = read_config_json(tc).get("eos_token")

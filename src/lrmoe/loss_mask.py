@@ -1,8 +1,4 @@
-"""Prompt/completion rows: the mask of the targets trained on, and exact loss averaging.
-
-A row packs its prompt's ids, its completion's ids and ``eos_id`` like a document; the
-mask marks the completion's ids and the closing ``eos_id``. A step's loss is the sum over
-its trained targets (every rank, every micro-batch) divided by their number
+"""Prompt/completion rows: the mask of the targets trained on, and exact loss averaging
 (docs/design.md §7, "Prompt/completion rows").
 """
 
@@ -19,8 +15,7 @@ from lrmoe.tokenizer import Tokenizer
 @dataclass
 class Streams:
     """Both splits' token streams (int64 ``[N]``) and, for prompt/completion rows, the
-    mask of the targets trained on (bool ``[N]``: position ``i`` is trained when
-    ``ids[i]`` is a completion id or a row's closing ``eos_id``); None: every target."""
+    mask of the targets trained on (bool ``[N]``; None: every target)."""
 
     train_ids: torch.Tensor
     val_ids: torch.Tensor

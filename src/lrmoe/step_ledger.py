@@ -1,7 +1,5 @@
 """The whole-model step ledger: what one process's training step holds on the GPU and on
-the host, every layer, embedding and head included. MODELLED from the code's allocations,
-not measured; the terms and the per-token table of what autograd keeps: docs/design.md §5,
-"Whole-model step".
+the host, MODELLED from the code's allocations (docs/design.md §5, "Whole-model step").
 
 Legend: N tokens of a micro-batch, H hidden, F expert width, E experts, K top-k,
 V vocabulary, D head dim, L decoder layers.
@@ -32,7 +30,7 @@ def pinned_bytes(nbytes: int) -> int:
 
 def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
     """Elements of each tensor ``--optimizer-offload host`` keeps on the host, one EP rank's
-    of ``ep_size`` (read from the model built on the meta device); ``dense``: every parameter."""
+    of ``ep_size``; ``dense``: every parameter."""
     import torch
 
     from lrmoe.model import MoEForCausalLM
@@ -49,9 +47,8 @@ def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf
                master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
                staging: bool = False) -> dict[str, int]:
     """Host bytes by term of the offloaded tensors of ``numels`` elements, as
-    ``HostOffloadAdamW`` allocates them on ``device``: moments, masters and gradient buffers
-    (none when each fp32 CPU parameter is its own master; pinned on CUDA), and the
-    pipeline's staging. ``staging``: one gradient buffer of the largest tensor."""
+    ``HostOffloadAdamW`` allocates them on ``device``; ``staging``: one gradient buffer of
+    the largest tensor."""
     from lrmoe.train.host_pipe import HOST_CHUNK, RING
 
     require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
@@ -72,19 +69,16 @@ def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf
 
 @dataclass(frozen=True)
 class StepLedger:
-    """One process's training step: GPU and host bytes by term.
-
-    ``device`` and ``compute_dtype`` are the trainer's (``cuda``/``bf16``, or ``cpu``/``fp32``
-    where activations are not priced). The fields after ``device`` are what-ifs the trainer
-    does not do, for what would make a model fit (docs/design.md §5); their defaults are
-    what it does."""
+    """One process's training step: GPU and host bytes by term (``cuda``/``bf16``, or
+    ``cpu``/``fp32`` where activations are not priced)."""
 
     cfg: ModelConfig
     optimizer_offload: str = "host"
     compute_dtype: str = "bf16"
     router_grad_at_experts: bool = False
     device: str = "cuda"
-    # what-ifs the trainer does not do (yet): what would make a model fit
+    # what-ifs the trainer does not do, for what would make a model fit (docs/design.md
+    # §5); their defaults are what it does
     offload_dense: bool = False
     expert_resident_layers: int | None = None
     expert_grad_resident_layers: int | None = None
@@ -214,23 +208,17 @@ class StepLedger:
             return head
         return head + sum(self.layer_casts(i) for i in range(self.cfg.num_hidden_layers))
 
-    def layer_casts(self, i: int) -> int:
-        """One layer's bf16 weight casts (what a re-run block makes again)."""
+    def layer_casts(self, i: int, attention_only: bool = False) -> int:
+        """One layer's bf16 weight casts (what a re-run block makes again); ``attention_only``:
+        its attention matrices' (a selective checkpoint keeps none of them)."""
         if self.compute_dtype != "bf16" or self.offload_dense:
             return 0
         c = self.cfg
         one = layer_params(c, i)
         H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        attn = 2 * H * q + 2 * H * kv
         experts = one["experts"] if self.optimizer_offload == "device" else 0
-        return 2 * (2 * H * q + 2 * H * kv + one["routers"] + one["dense_mlp"] + experts)
-
-    def _attention_casts(self) -> int:
-        """The attention matrices' casts: a selective checkpoint keeps none of them."""
-        if self.compute_dtype != "bf16" or self.offload_dense:
-            return 0
-        c = self.cfg
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        return 2 * c.num_hidden_layers * (2 * c.hidden_size * q + 2 * c.hidden_size * kv)
+        return 2 * (attn if attention_only else attn + one["routers"] + one["dense_mlp"] + experts)
 
     def activations(self, tokens: int, mode: str) -> dict[str, int]:
         """Per micro-batch of ``tokens`` tokens: the terms the phases add up."""
@@ -252,7 +240,7 @@ class StepLedger:
             "head_saved": N * (4 * H + 4 * H + 2 * H),  # final residual, its norm, head input
             "weight_casts": self.weight_casts(),
             "weight_casts_kept": self.weight_casts(mode == "full") - (
-                self._attention_casts() if mode == "selective" else 0),
+                sum(self.layer_casts(i, True) for i in range(L)) if mode == "selective" else 0),
             "logits_forward": 10 * NV,
             "logits_backward": 12 * NV,
             "rerun_block": (self.layer_saved(worst, N, "none") + self.layer_casts(worst)

@@ -62,7 +62,7 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
 
 
 class Tokenizer:
-    """Common interface. ``spec`` is the string it was built from (``byte``/``bpe:N``)."""
+    """Common interface; ``spec`` is the string it was built from."""
 
     spec: str
     eos_id: int = 0
@@ -84,8 +84,8 @@ class Tokenizer:
 
     def encode_documents(self, texts: Sequence[str]) -> torch.Tensor:
         """All documents' ids, each followed by ``eos_id``: int64 tensor ``[total_tokens]``."""
-        parts = [np.asarray(self.encode(t) + [self.eos_id], dtype=np.int64) for t in texts]
-        return _concat(parts)
+        eos = np.array([self.eos_id], dtype=np.int64)
+        return _concat([x for ids in self.encode_each(texts) for x in (ids, eos)])
 
     def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text's ids (int64), no ``eos_id`` added."""
@@ -179,11 +179,9 @@ class BpeTokenizer(Tokenizer):
 
 
 def _split_for_encoding(text: str) -> list[str]:
-    """Cut long text after newlines that sit between two non-space characters.
-
-    The byte-level pre-tokenizer makes such a newline a pre-token of its own, and BPE
-    never merges across pre-tokens, so the pieces encode to exactly the whole text's ids.
-    """
+    """Cut long text after newlines between two non-space characters: the byte-level
+    pre-tokenizer makes such a newline a pre-token of its own, so the pieces encode to
+    exactly the whole text's ids."""
     if len(text) <= _CHUNK_CHARS:
         return [text]
     out, start = [], 0

@@ -22,11 +22,8 @@ from lrmoe.tokenizer import (
 def load_tokenizer(
     spec: str, directory: str | Path | None = None, train_texts: Sequence[str] | None = None
 ) -> Tokenizer:
-    """Build the tokenizer for ``spec``.
-
-    ``bpe:N`` loads ``directory/tokenizer.json`` when it exists; otherwise it trains on
-    ``train_texts`` and, when ``directory`` is given, caches the result there.
-    """
+    """Build the tokenizer for ``spec``; ``bpe:N`` is read from ``directory`` where cached
+    there, else trained on ``train_texts`` (and cached in ``directory`` when given)."""
     kind, n = parse_tokenizer_spec(spec)
     if kind == "byte":
         return ByteTokenizer()

@@ -11,12 +11,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from lrmoe.errors import LrmoeError, OutOfMemory
+from lrmoe.errors import OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
 from lrmoe.policy.lrmoe_place import natives_GS
-from lrmoe.policy.plan import Plan, fitted, layer_checkpoint_plan
-from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
+from lrmoe.policy.plan import Plan, fitted, layer_checkpoint_plan, native_plan
+from lrmoe.policy.plan_numpy import Slots, full_plan, host_counts
 
 # the ladder's rungs, cheapest first, and what each runs (shown by `lrmoe plan`)
 RUNG_NOTES = {
@@ -60,8 +61,7 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     def fits(p, load):
         # the ledger's own verdict on the exact plan (Ledger.exact_fit): "over" exactly
         # when even the whole-layer checkpoint does not fit, as it decides for static
-        a = blocks_to_GGS(Slots(p, E).overlap_ig(counts_GE, load), G, S)
-        return plan_exact_fit(ledger, to_plan(p, a, a.copy(), a.copy()))[0] != "over"
+        return plan_exact_fit(ledger, full_plan(counts_GE, p, load))[0] != "over"
     load = loads(inst)
     if not fits(inst, load):
         return None
@@ -117,24 +117,18 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         return dataclasses.replace(trimmed.plan, rung="plan")
     if ledger is None or ledger.budget_bytes is None:
         raise trimmed.over
-    G, E = counts_GE.shape
-    if E % G:
-        raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
     c = host_counts(counts_GE)
+    natives = native_plan(torch.from_numpy(c))
     if trimmed.placed is not None:
         plan = _fit(trimmed.placed, ledger, "")
         if plan is not None:
             return plan
-    a = c.reshape(G, G, E // G)
-    natives = to_plan(np.arange(E).reshape(G, E // G), a, a.copy(), a.copy())
     plan = _fit(natives, ledger, "-natives")
     if plan is not None:
         return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
-        idx = Slots(inst, E)
-        assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, slots_per_rank)
-        return whole_layer_ckpt(to_plan(inst, assign, assign.copy(), assign.copy()))
+        return whole_layer_ckpt(full_plan(c, inst))
     if whole_layer:  # what the last rung needed: the natives' whole-layer totals
         last = dataclasses.replace(natives, layer_checkpoint=True)
         rungs = RUNGS

@@ -133,11 +133,13 @@ def host_counts(counts_GE) -> np.ndarray:
     return np.asarray(counts_GE, dtype=np.int64)
 
 
-def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None) -> Plan:
-    """A plan that retains and selects every pair on ``inst_expert_GS``, instance ``i``
-    taking ``inst_load_GS[i]`` (default: an even split)."""
+def full_plan(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor | None = None,
+              slots: Slots | None = None) -> Plan:
+    """A plan that retains and selects every pair on ``inst_expert_GS`` (``slots``: its
+    split index), instance ``i`` taking ``inst_load_GS[i]`` (default: an even split);
+    torch tensors or numpy arrays."""
     c, inst = host_counts(counts_GE), host_counts(inst_expert_GS)
-    idx = Slots(inst, c.shape[1])
+    idx = Slots(inst, c.shape[1]) if slots is None else slots
     load = idx.even_split(c.sum(0)) if inst_load_GS is None else host_counts(inst_load_GS)
-    a = torch.from_numpy(blocks_to_GGS(idx.overlap_ig(c, load), *inst.shape))
-    return Plan(torch.from_numpy(inst), a, a.clone(), a.clone())
+    a = blocks_to_GGS(idx.overlap_ig(c, load), *inst.shape)
+    return to_plan(inst, a, a.copy(), a.copy())

@@ -22,7 +22,7 @@ from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.base import PlanInputs, Policy, Prepared
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan import Plan, fit_exact, fitted
-from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, host_counts, to_plan
+from lrmoe.policy.plan_numpy import Slots, full_plan, host_counts
 
 DEFAULT_EXTRA_SLOTS = 2
 
@@ -130,14 +130,11 @@ def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | No
     require(tuple(inst.shape) == (G, s), f"symi: a prepared placement of shape "
                                          f"{tuple(inst.shape)} does not match {(G, s)}")
     c = host_counts(counts_GE)
-    idx = slots if slots is not None else Slots(inst, E)
-    assign = blocks_to_GGS(idx.overlap_ig(c, idx.even_split(c.sum(0))), G, s)
-    plan = to_plan(inst, assign, assign.copy(), assign.copy())  # exact backward
+    plan = full_plan(c, inst, slots=slots)  # exact backward
     if ledger is None or ledger.budget_bytes is None:
         return plan
-    home = c.sum(1)
-    view = LedgerView(ledger, home, exact=True)
-    recv = assign.sum((0, 2))
+    view = LedgerView(ledger, c.sum(1), exact=True)
+    recv = plan.assign_GGS.numpy().sum((0, 2))
     n_inst = np.full(G, s)
     if not view.over(n_inst, recv, recv):
         return plan
@@ -174,8 +171,7 @@ def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledge
         mode, rec, _ = view.exact_fit(n_inst, recv, recv)
         if mode == "over" and k < len(order):
             continue
-        assign = blocks_to_GGS(idx.overlap_ig(c_GE, load), G, s)
-        plan = to_plan(inst, assign, assign.copy(), assign.copy())
+        plan = full_plan(c_GE, inst, load, idx)
         if mode == "over":  # the natives alone: static's verdict, static's message
             return fit_exact(plan, ledger, f"symi with slots_per_rank={s}, every replica "
                                            "given up (static's placement),")

@@ -245,9 +245,10 @@ def test_layer_saved_is_what_autograd_keeps(preset, mode):
     N = B * S
     for i, g in enumerate(got):
         want = led.layer_saved(i, N, mode)
-        want += led.rotary_tables(S) + led.layer_casts(i)  # the shared tables are seen here
+        want += 2 * 4 * S * cfg.rotary_dim + led.layer_casts(i)  # the shared cos and sin
+        # tables (fp32, [S, rotary_dim]) are seen here
         if mode == "selective":  # the checkpointed attention keeps no casts
-            want -= led._attention_casts() // cfg.num_hidden_layers
+            want -= led.layer_casts(i, attention_only=True)
         elif cfg.partial_rotary_factor < 1:  # on the CPU SDPA keeps the layout of the
             # rotary's cat, so o_proj's input is a copy of its output (CUDA's flash and
             # efficient kernels return the transposed layout: a view)

@@ -87,15 +87,14 @@ class _Collector:
     def full(self) -> bool:
         return not self.has_room(False) and not self.has_room(True)
 
-    def add_raw(self, val: bool, raw: bytes, truncated: bool, strict: bool = True) -> bool:
+    def add_raw(self, val: bool, raw: bytes, truncated: bool, strict: bool = True) -> None:
         text = _decode(raw, truncated, strict)
         if text is None:
-            return False
+            return
         self.texts[val].append(text)
         self.prompts[val].append("")
         if self.left[val] is not None:
             self.left[val] -= len(raw)
-        return True
 
     def add_text(self, val: bool, text: str) -> None:
         raw, room = text.encode("utf-8"), self.left[val]

@@ -162,9 +162,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     reader = _ShardReader(ck, md, sources, by_key, out_dtypes)
     entries = [(pc.key, pc.shape, out_dtypes[pc.target], lambda k=pc.key: reader.get(k))
                for pc in pieces]
-    cdtype = out_dtypes["embed_tokens.weight"]
-    write_checkpoint(out, cfg, entries, max_shard_bytes, cdtype, extra_files=extra,
-                     before_shard=reader.load)
+    write_checkpoint(out, cfg, entries, max_shard_bytes, out_dtypes["embed_tokens.weight"],
+                     extra_files=extra, before_shard=reader.load)
     reader.cache = {}
     rep = ExportReport(out, ck.step, ck.path, tensors=len(entries),
                        files=sorted(p.name for p in out.iterdir() if p.name.startswith("model")

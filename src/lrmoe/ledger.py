@@ -297,8 +297,7 @@ class Ledger:
 
     def terms(self, n_instances: int, received_pairs: int, home_pairs: int,
               retained_pairs: int, recomputed_pairs: int = 0, exact: bool = False) -> dict[str, int]:
-        """All ledger terms of one rank from its per-layer counts; ``exact=False`` prices a
-        trimmed plan (an upper bound)."""
+        """All ledger terms of one rank from its per-layer counts (``exact=False``: a bound)."""
         inst = self.L * int(n_instances) * self.P_params * self.bytes_w
         rec = int(recomputed_pairs)
         require(0 <= rec <= int(retained_pairs),
@@ -411,8 +410,7 @@ class Ledger:
     def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
                    plan_buffers: bool = False) -> list[dict[str, int]]:
         """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
-        home buffers (default: the plan's routed pairs), ``plan_buffers`` prices the buffers on
-        the plan's selected rows (:meth:`rows_buffer_bytes`)."""
+        home buffers, ``plan_buffers`` prices the buffers on the plan's selected rows."""
         counts = self._rank_counts(plan, tokens_per_rank_home)
         if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
             return [self.layer_terms(n, R, h) for n, R, h, _ in counts]

@@ -193,10 +193,6 @@ class StepLedger:
             per_tok += 4 * H + 8 * c.intermediate_size
         return N * per_tok + rows + const
 
-    def rotary_tables(self, seq_len: int) -> int:
-        """cos and sin (fp32, ``[S, rotary_dim]``), saved by every layer's attention."""
-        return 2 * 4 * int(seq_len) * self.cfg.rotary_dim
-
     def weight_casts(self, checkpointed: bool = False) -> int:
         """bf16 copies autocast makes of the fp32 weight matrices in one forward; ``checkpointed``
         (full): only the head's, which backward keeps."""

@@ -18,8 +18,7 @@ _BIG = 1 << 62       # "no limit" for a capacity
 
 class LedgerView:
     """``ledger`` (``None``: no budget) for ranks whose home pairs are ``home_G``; ``exact``:
-    price exact plans (else the ledger's bound for trimmed ones); ``priced``: build the
-    arrays without a budget too (for :meth:`totals`)."""
+    price exact plans; ``priced``: build the arrays without a budget too."""
 
     def __init__(self, ledger, home_G: np.ndarray, exact: bool = False,
                  priced: bool = False) -> None:
@@ -115,8 +114,7 @@ class LedgerView:
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
         """An upper bound, int64 ``[G]``, on the pairs each rank can receive with ``n_G`` instances
-        while it retains at least ``fn/fd`` of them with nothing recomputed; ``None`` where the
-        integer arithmetic could overflow."""
+        while it retains at least ``fn/fd`` of them (``None``: the arithmetic could overflow)."""
         if self.budget is None:
             return np.full(len(self.home), _BIG, dtype=np.int64)
         c0 = self._extra.get("c0")
@@ -240,8 +238,7 @@ class LedgerView:
 
 
 def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
-    """The view for ``plan``'s home pairs (assigned + dropped) and its per-rank ``(instances,
-    received, retained)``."""
+    """The view for ``plan``'s home pairs and its per-rank ``(instances, received, retained)``."""
     a = plan.assign_GGS.numpy()
     home = a.sum((1, 2))
     if plan.dropped_GE is not None:

@@ -87,8 +87,7 @@ def _alltoall_G(b: np.ndarray, bw: float, lat: float, peers: int) -> np.ndarray:
 
 
 def plan_seconds(cost: LinkCost, plan, E: int) -> float:
-    """MODELLED seconds of one layer's step under ``plan``, over the stages its placement
-    changes."""
+    """MODELLED seconds of the stages of one layer's step that ``plan``'s placement changes."""
     inst_GS = plan.inst_expert_GS.numpy()
     fwd_GG = plan.assign_GGS.numpy().sum(2)  # [home, rank]
     bwd_GG = plan.select_GGS.numpy().sum(2)

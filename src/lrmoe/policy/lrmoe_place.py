@@ -37,8 +37,7 @@ class MoveLog:
 
 
 def natives_GS(G: int, S: int, E: int) -> np.ndarray:
-    """Static's placement in ``S`` slots per rank: rank ``r`` holds experts ``r·E/G ..``
-    in its first ``E/G`` slots, the rest empty."""
+    """Static's placement in ``S`` slots per rank, the slots past ``E/G`` empty."""
     inst = np.full((G, S), -1, dtype=np.int64)
     inst[:, :E // G] = np.arange(E).reshape(G, E // G)
     return inst
@@ -225,8 +224,7 @@ class _Greedy:
 
     def _apply(self, e: int, inst: list[tuple[int, int]], new_load: list[int],
                loads: list[int], cap_d: int | None) -> tuple[int, int]:
-        """Place the replica and update the ranks it touches (``e``'s hosts, one
-        instance each); returns its ``(rank, slot)``."""
+        """Place the replica and update ``e``'s hosts; returns its ``(rank, slot)``."""
         d, s = next(sl for sl in inst if sl not in self.instances(e))
         self.slots[d][s] = e
         self.n_inst[d] += 1

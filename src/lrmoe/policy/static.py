@@ -23,16 +23,14 @@ def native_placement(G: int, E: int) -> Tensor:
 
 @dataclass
 class StaticPolicy(Policy):
-    """Natives only, every pair in backward; with ``recompute`` a rank over the budget
-    recomputes the fewest rows' gate_up outputs instead of failing, or, where that cannot
-    fit, the layer is checkpointed whole (:func:`fit_exact`)."""
+    """Natives only, every pair in backward; ``recompute``: fit a budget by
+    :func:`fit_exact`'s fallbacks instead of failing."""
 
     recompute: bool = False
     name: str = "static"
 
     def plans_natives_exactly(self) -> bool:
-        """True for the plain policy (not a subclass): without a budget its plan is
-        :func:`lrmoe.policy.plan.native_plan`, which the one-rank local path runs in its place."""
+        """True for the plain policy (not a subclass)."""
         return type(self) is StaticPolicy
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:

@@ -214,8 +214,7 @@ _FWD, _BWD, _RECOMPUTE = 3, 6, {"fits": 0, "pairs": 2, "layer": 3}
 
 def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                max_slots: int | None = None) -> dict[int, int]:
-    """``{s: busiest rank's GEMM work}`` (in ``H·F`` units) for every ``s`` that fits with
-    recompute."""
+    """``{s: busiest rank's GEMM work in H·F units}`` for every ``s`` that fits with recompute."""
     G, E = counts_GE.shape
     hi = E if max_slots is None else max_slots
     out = {}

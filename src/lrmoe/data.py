@@ -234,9 +234,6 @@ def _load_jsonl(path: Path, col: _Collector) -> list[str]:
                     col.add_row(val, prompt, text)
                 else:
                     col.add_text(val, text)
-    if not col.texts[False] and not col.texts[True]:
-        raise LrmoeError(f"data path {str(path)!r} holds no text: no line has a non-empty "
-                         f"string field 'text' (or 'completion')")
     if no_text:
         return [f"{path}: skipped {no_text} line(s) without a 'text' field"]
     return []
@@ -311,6 +308,7 @@ def load_corpus(
                 _load_tree(path, col, None, set())
                 desc = f"text files under {path}"
             elif path.is_file() and path.suffix == ".jsonl":
+                why = ": no line has a non-empty string field 'text' (or 'completion')"
                 notes = _load_jsonl(path, col)
                 desc = f"'text' fields of {path}"
             elif path.is_file():

@@ -105,7 +105,6 @@ def _normalize_hf_config(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
         rp.setdefault("rope_type", rp.pop("type"))
     rp.setdefault("rope_type", "default")
     rp.setdefault("rope_theta", d.pop("rope_theta", _ROPE_THETA_DEFAULT))
-    d.pop("rope_theta", None)
     prf = d.pop("partial_rotary_factor", None)
     if mt == "glm4_moe":
         rp.setdefault("partial_rotary_factor", 0.5 if prf is None else prf)
@@ -513,6 +512,3 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
                              f"({where})") from None
         raise
     return target
-
-
-__all__ = ["hf_config_dict", "load_hf_config", "save_hf"]

@@ -171,6 +171,3 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
                        most_read_at_once=reader.most)
     rep.bytes_written = sum(torch.Size(s).numel() * d.itemsize for _, s, d, _ in entries)
     return rep
-
-
-__all__ = ["ExportReport", "export_run"]

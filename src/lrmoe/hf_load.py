@@ -174,9 +174,6 @@ def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
     return report
 
 
-__all__ = ["HfCheckpoint", "LoadReport", "empty_model", "load_owned", "open_checkpoint"]
-
-
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
             ) -> MoEForCausalLM:
     """Load a HF checkpoint directory into a new :class:`MoEForCausalLM` on the CPU, in eval

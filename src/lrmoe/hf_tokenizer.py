@@ -104,6 +104,3 @@ def load_hf_tokenizer(spec: str, run_dir: str | Path | None = None) -> HfTokeniz
         raise LrmoeError(f"tokenizer {path} cannot be read ({e})") from None
     files = {n: (d / n).read_bytes() for n in FILES if (d / n).is_file()}
     return HfTokenizer(tok, _eos_id(d, tok), files, str(d))
-
-
-__all__ = ["FILES", "HfTokenizer", "RUN_SUBDIR", "load_hf_tokenizer"]

@@ -98,16 +98,13 @@ class Ledger:
 
     @classmethod
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
-                  dtype: str = "bf16", num_moe_layers: int | None = None,
-                  optimizer_offload: str = "device", router_grad_at_experts: bool = False
-                  ) -> Ledger:
-        """A ledger whose weights and activations are both in ``dtype``."""
+                  dtype: str = "bf16", **fields) -> Ledger:
+        """A ledger whose weights and activations are both in ``dtype`` (``fields``: the rest)."""
         if dtype not in DTYPE_BYTES:
             raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
-        return cls(model_cfg, G, budget_bytes, b, b, num_moe_layers, optimizer_offload,
-                   router_grad_at_experts)
+        return cls(model_cfg, G, budget_bytes, b, b, **fields)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -28,12 +28,6 @@ _SPEC_HELP = (f"use 'byte', 'bpe:N' with N an integer >= {BPE_MIN_VOCAB}, or a d
 _CHUNK_CHARS = 1 << 20
 
 
-def is_tokenizer_path(spec: str) -> bool:
-    """A spec naming a directory: it holds a path separator or names a directory here
-    (a resumed run's saved path may no longer exist, so existence is not required)."""
-    return os.sep in spec or "/" in spec or (spec not in ("", "byte") and Path(spec).is_dir())
-
-
 def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
     """Parse ``"byte"`` -> ``("byte", None)``, ``"bpe:N"`` -> ``("bpe", N)`` and a
     directory -> ``("hf", None)``."""
@@ -41,7 +35,9 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
         raise LrmoeError(f"tokenizer spec must be a string, got {spec!r}; {_SPEC_HELP}")
     if spec == "byte":
         return "byte", None
-    if is_tokenizer_path(spec):
+    # a directory: a path separator, or one here (a resumed run's saved path may no
+    # longer exist, so existence is not required)
+    if os.sep in spec or "/" in spec or (spec != "" and Path(spec).is_dir()):
         return "hf", None
     kind, sep, num = spec.partition(":")
     if kind != "bpe" or not sep:

@@ -225,16 +225,14 @@ class LedgerView:
                 int(n[i[m]]), int(R[i[m]]), int(self.home[r]), self.exact)
         return out_k, out_rec
 
-    def terms(self, n_G, R_G, k_G, rec_G) -> list[dict[str, int]]:
-        """The ledger's own terms of every rank (slow: for messages)."""
-        return [self.ledger.terms(int(a), int(b), int(c), int(d), int(e), exact=self.exact)
-                for a, b, c, d, e in zip(n_G, R_G, self.home, k_G, rec_G)]
-
     def raise_if_over(self, n_G, R_G, k_G, rec_G, what: str) -> None:
-        """The ledger's own :meth:`raise_if_over` message, built only when over."""
+        """The ledger's own :meth:`raise_if_over` message, on its own terms (slow), built
+        only when over."""
         if self.over(n_G, R_G, k_G, rec_G):
             rec_G = np.zeros_like(k_G) if rec_G is None else rec_G
-            self.ledger.raise_if_over(self.terms(n_G, R_G, k_G, rec_G), what)
+            terms = [self.ledger.terms(int(a), int(b), int(c), int(d), int(e), exact=self.exact)
+                     for a, b, c, d, e in zip(n_G, R_G, self.home, k_G, rec_G)]
+            self.ledger.raise_if_over(terms, what)
 
 
 def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:

@@ -26,6 +26,7 @@ from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import (
     Slots,
     blocks_to_GGS,
+    full_plan,
     host_counts,
     to_plan,
 )
@@ -93,10 +94,9 @@ def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
     inst_load_GS, replicas given up for their link cost)``; with the counts ``c``, the
     :class:`Trimmed` record instead where the full placement's minimum does not fit."""
     G, log = len(view.home), MoveLog() if cfg.link is not None else None
-    inst, load = (place_replicas(total_E, G, S, cfg, view) if log is None
-                  else place_replicas(total_E, G, S, cfg, view, log))
+    inst, load = place_replicas(total_E, G, S, cfg, view, log)
     if c is not None:
-        over = _over(view, c, inst, None, load)
+        over = _over(view, c, inst, load)
         if over is not None:
             return over
     fewer = None if log is None else worth_their_link(log, cfg, view, total_E, S)
@@ -150,7 +150,7 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
         idx = slots if slots is not None else Slots(placement, E)
         load = idx.even_split(c.sum(0))
         assign = idx.overlap_ig(c, load)
-        over = _over(view, c, placement, assign, load)
+        over = _over(view, c, placement, load)
         if over is None:
             return _quotas(c, placement, load, assign, S, cfg, view, ledger, 0, kept=True)
         if hold:
@@ -184,8 +184,8 @@ def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarra
     return Trimmed(plan, kept)
 
 
-def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray | None,
-          load: np.ndarray) -> Trimmed | None:
+def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, load: np.ndarray
+          ) -> Trimmed | None:
     """``None`` when ``inst``'s instances with one retained pair each fit the budget;
     else the exact plan on it with the ledger's own error (the ladder goes on from it)."""
     n_inst, recv = (inst >= 0).sum(1), load.sum(1)
@@ -194,11 +194,7 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, assign: np.ndarray 
                            "the smallest lrmoe plan (its placement, one retained pair "
                            "per instance)")
     except OutOfMemory as e:
-        G, S = inst.shape
-        if assign is None:
-            assign = Slots(inst, c.shape[1]).overlap_ig(c, load)
-        a = blocks_to_GGS(assign, G, S)
-        return Trimmed(None, False, to_plan(inst, a, a.copy(), a.copy()), e)
+        return Trimmed(None, False, full_plan(c, inst, load), e)
     return None
 
 

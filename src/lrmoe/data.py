@@ -1,8 +1,5 @@
-"""Training data: corpus loading, train/validation split, packed token streams, batches.
-
-Sources (the stdlib's ``.py`` files, a directory, a ``.jsonl`` file, a text file), how
-each is split and capped, and the batch order: docs/design.md §7, "Data". Prompt/
-completion rows: :mod:`lrmoe.loss_mask`.
+"""Training data: corpus loading, train/validation split, packed token streams, batches
+(sources, splits, caps and the batch order: docs/design.md §7, "Data").
 """
 
 from __future__ import annotations

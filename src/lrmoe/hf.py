@@ -72,7 +72,6 @@ _ROPE_THETA_DEFAULT = 10000.0
 Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
 
 
-# ============================================================================ config
 def _normalize_hf_config(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """HF ``config.json`` -> (dict for :meth:`ModelConfig.from_hf_dict`, MTP layer count)."""
     d = dict(raw)
@@ -156,7 +155,6 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
     return d
 
 
-# ============================================================================ names
 def _hf_name(name: str) -> str:
     """Our state-dict name -> HF's (fused experts form)."""
     if name.startswith("lm_head."):
@@ -219,7 +217,6 @@ def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
     return pieces
 
 
-# ============================================================================ files
 def _as_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
@@ -318,7 +315,6 @@ def _scan(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str,
     return meta, where
 
 
-# ============================================================================ load
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype is None:
         return torch.float32
@@ -339,7 +335,6 @@ def _fp32_names(model: MoEForCausalLM) -> set[str]:
     return {n for n, _ in model.state_dict().items() if ".mlp.router." in n}
 
 
-# ============================================================================ save
 def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None) -> Entries:
     """The model's :data:`Entries` in model order, per-expert form."""
     keep32 = _fp32_names(model) if dtype is not None else set()

@@ -106,7 +106,6 @@ class Ledger:
         b = DTYPE_BYTES[dtype]
         return cls(model_cfg, G, budget_bytes, b, b, **fields)
 
-    # ------------------------------------------------------------------ sizes
     @property
     def L(self) -> int:
         return int(self.num_moe_layers)
@@ -142,17 +141,12 @@ class Ledger:
         """Bytes per retained pair per layer: the saved input row and gate_up output."""
         return (self.H + 2 * self.F) * self.bytes_act
 
-    def owner_bytes_per_layer(self) -> int:
-        """fp32 master, grad and AdamW's two moments of the E/G owned experts (0 offloaded)."""
-        if self.optimizer_offload == "host":
-            return 0
-        return (self.E // self.G) * self.P_params * (4 + 4 + 8)
-
     def owner_bytes(self) -> int:
-        """Owned state × L; with host offload, one layer's staging (gradient out, weights in)."""
+        """fp32 master, grad and AdamW's two moments of the E/G owned experts × L; with host
+        offload, one layer's staging (gradient out, weights in)."""
         if self.optimizer_offload == "host":
             return 2 * (self.E // self.G) * self.P_params * self.bytes_w
-        return self.L * self.owner_bytes_per_layer()
+        return self.L * (self.E // self.G) * self.P_params * (4 + 4 + 8)
 
     def _index_bytes(self, n: int, gathered: bool) -> int:
         """Per backward row, the expert backward's indices and scales (more when gathered)."""
@@ -286,7 +280,6 @@ class Ledger:
         rows = 0 if exact and self.router_grad_at_experts else Ph * self.H * self.bytes_act
         return {"combine_rows": rows, "pair_index": Ph * PAIR_INDEX_BYTES}
 
-    # ------------------------------------------------------------------ per rank
     @property
     def A_recompute(self) -> int:
         """Bytes per recomputed pair per layer: only the saved input row."""

@@ -98,7 +98,6 @@ class StepLedger:
             self.offload_dense or self.expert_resident_layers or self.expert_grad_resident_layers),
             "the host-side what-ifs need optimizer_offload='host'")
 
-    # ------------------------------------------------------------------ state
     @property
     def pinned_host(self) -> bool:
         """The host masters and gradient buffers are pinned (the parameters on CUDA)."""
@@ -155,7 +154,6 @@ class StepLedger:
         """Elements of each offloaded tensor (:func:`offloaded_numels`)."""
         return offloaded_numels(self.cfg, dense=self.offload_dense)
 
-    # ------------------------------------------------------------------ activations
     def _moe_ledger(self) -> Ledger:
         return Ledger.for_dtype(self.cfg, 1, None, "bf16", num_moe_layers=1,
                                 router_grad_at_experts=self.router_grad_at_experts)

@@ -60,7 +60,6 @@ class LedgerView:
         return (by_h[0][0][0], pieces, by_h, inv.reshape(-1), P0[:, :, 0], P0[:, :, 1], ck,
                 np.maximum(ck, 1), np.where(ck > 0, 0, _BIG))
 
-    # ------------------------------------------------------------ queries
     def capacity_fn(self):
         """A fast ``(rank, n, R) -> retain_capacity`` on Python ints."""
         if self.budget is None:

@@ -1,6 +1,5 @@
 """numpy twins of the plan primitives, for planners on the critical path: each returns
-exactly what its torch reference returns (``tests/test_planner_fast.py``), at a fraction
-of torch's per-call cost at these sizes.
+exactly what its torch reference returns, at a fraction of torch's per-call cost.
 
 Legend: G ranks, S slots per rank, E experts, N/K generic row/column counts; int64 arrays.
 """

@@ -98,8 +98,6 @@ def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
     ``G·s`` instances ranks hold ``n // G`` (the first ``n % G`` one more), empty slots last."""
     cnt_E = np.asarray(cnt_E, dtype=np.int64)
     n = int(cnt_E.sum())
-    if n == G * s:
-        return np.repeat(np.arange(cnt_E.size), cnt_E).reshape(G, s)
     per_G = n // G + (np.arange(G) < n % G)
     rank = np.repeat(np.arange(G), per_G)
     col = np.arange(n) - np.repeat(np.cumsum(per_G) - per_G, per_G)

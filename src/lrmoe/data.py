@@ -182,8 +182,7 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
 
 
 def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
-    """A line's ``(prompt, completion)`` (prompt "" for a ``text`` line); None when it
-    has neither form."""
+    """A line's ``(prompt, completion)`` (prompt "" for a ``text`` line), or None."""
     text = obj.get("text")
     pc = [k for k in ("prompt", "completion") if k in obj]
     if pc and "text" in obj:
@@ -204,8 +203,7 @@ def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
 
 
 def _load_jsonl(path: Path, col: _Collector) -> list[str]:
-    """Read the ``text`` fields and prompt/completion rows; returns notes on the lines
-    skipped."""
+    """Read the ``text`` fields and prompt/completion rows; returns notes on skipped lines."""
     no_text = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):

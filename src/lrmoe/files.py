@@ -68,14 +68,14 @@ def staging_dir(target: Path) -> Path:
     return d
 
 
-def remove_dead_leftovers(target: Path) -> list[Path]:
+def remove_dead_leftovers(target: Path) -> None:
     """Remove the staging directories in ``target`` that a killed save on this host
-    left (its pid no longer runs); returns what was removed."""
-    host, gone = socket.gethostname(), []
+    left (its pid no longer runs)."""
+    host = socket.gethostname()
     try:
         names = os.listdir(target)
     except OSError:
-        return gone
+        return
     for name in names:
         m = _STAGING.match(name)
         if m is None or m["host"] != host:
@@ -88,5 +88,3 @@ def remove_dead_leftovers(target: Path) -> list[Path]:
                 shutil.rmtree(p)
             else:
                 p.unlink()
-            gone.append(p)
-    return gone

@@ -182,12 +182,11 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
     ck = open_checkpoint(path)  # every check before a byte is copied
     model = empty_model(ck.config)
     load_owned(model, ck)
-    with torch.no_grad():
-        if dt != torch.float32:
-            # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
-            keep, persistent = _fp32_names(model), set(model.state_dict())
-            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if t.is_floating_point() and name in persistent and name not in keep:
-                    t.data = t.data.to(dt)
+    if dt != torch.float32:
+        # Persistent state only: non-persistent buffers (rotary inv_freq) stay fp32.
+        keep, persistent = _fp32_names(model), set(model.state_dict())
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and name in persistent and name not in keep:
+                t.data = t.data.to(dt)
     model.eval()
     return model

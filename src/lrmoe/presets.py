@@ -89,9 +89,8 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active-per-token) parameter counts, computed from the shapes alone
-    (:func:`param_breakdown`; GLM's per-expert router correction bias, a buffer, is
-    counted with the routers)."""
+    """(total, active-per-token) parameter counts from the shapes alone, GLM's router
+    correction bias (a buffer) counted with the routers."""
     p = param_breakdown(cfg)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     bias = n_moe * cfg.num_experts if cfg.model_type == "glm4_moe" else 0

@@ -234,13 +234,13 @@ class LedgerView:
             self.ledger.raise_if_over(terms, what)
 
 
-def _plan_view(ledger, plan) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
+def _plan_view(ledger, plan, priced=False) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
     """The view for ``plan``'s home pairs and its per-rank ``(instances, received, retained)``."""
     a = plan.assign_GGS.numpy()
     home = a.sum((1, 2))
     if plan.dropped_GE is not None:
         home = home + plan.dropped_GE.numpy().sum(1)
-    view = LedgerView(ledger, home, exact=plan.exact)
+    view = LedgerView(ledger, home, exact=plan.exact, priced=priced)
     n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
     return view, n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2))
 
@@ -255,8 +255,6 @@ def plan_totals(ledger, plan) -> np.ndarray:
     """Each rank's total of :meth:`Ledger.rank_terms` for ``plan``, vectorised."""
     if plan.layer_checkpoint:  # the whole-layer checkpoint's own terms (Ledger.layer_terms)
         return np.array([t["total"] for t in ledger.rank_terms(plan)], dtype=np.int64)
-    view, n, R, k = _plan_view(ledger, plan)
+    view, n, R, k = _plan_view(ledger, plan, priced=True)  # the totals need no budget
     rec = None if plan.recompute_G is None else plan.recompute_G.numpy()
-    if view.budget is None:  # the totals do not depend on the budget
-        view = LedgerView(ledger, view.home, exact=view.exact, priced=True)
     return view.totals(n, R, k, rec)

@@ -354,9 +354,8 @@ def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
 
 
 class PackedBatches:
-    """Deterministic global batches of packed windows of one token stream: global batch
-    ``step`` depends only on ``(ids, seq_len, batch_size, seed, step)``, never on earlier
-    calls (docs/design.md §7, "Data")."""
+    """Global batches of packed windows of one token stream, batch ``step`` a function of
+    ``(ids, seq_len, batch_size, seed, step)`` alone (docs/design.md §7, "Data")."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0,
                  target_mask: torch.Tensor | None = None, accum: int = 1):
@@ -434,10 +433,9 @@ def validation_batches(
     ids: torch.Tensor, seq_len: int, batch_size: int, num_windows: int | None = None,
     rank: int = 0, world: int = 1, target_mask: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | list[MaskedBatch]:
-    """The first ``num_windows`` windows of ``ids`` (all when None), laid out as in
-    :class:`PackedBatches` and in order, as batches of at most ``batch_size`` rows; rank
-    ``r`` takes a contiguous share (shares differ by at most one window: reduce sums, not
-    means) and may get none. With ``target_mask``: :class:`MaskedBatch` es."""
+    """The first ``num_windows`` windows of ``ids`` (None: all) in order, as batches of at most
+    ``batch_size`` rows; each rank a contiguous share, within one window of the others' (reduce
+    sums, not means), maybe none; with ``target_mask``, :class:`MaskedBatch` es."""
     seq_len = _check_int("seq_len", seq_len)
     batch_size = _check_int("batch_size", batch_size)
     world = _check_int("world", world)

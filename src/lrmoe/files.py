@@ -1,16 +1,14 @@
 """Files lrmoe writes: the mode a new file gets, and the staging directory of a save.
 
-A temporary file made by ``tempfile.mkstemp`` (or by safetensors' writer) is created
-``0600``; renamed into place it would keep that mode, ignoring the user's umask. Every
-writer here gives a new file ``0666 & ~umask``, as ``open`` would, and a file it
-replaces keeps the mode it had (:func:`mode_for`).
+A temporary file (``mkstemp``'s, safetensors') is created ``0600``, which a rename would
+keep: a new file here gets ``0666 & ~umask``, as from ``open``, and a replaced file keeps
+its mode (:func:`mode_for`).
 
-A save that writes several files stages them in one directory of its own inside the
-target, ``.lrmoe-save-HOST-PID-TAG`` (:func:`staging_dir`), and renames each into place
-once all are written. A save killed part-way leaves that directory; the next save into
-the same target removes it (:func:`remove_dead_leftovers`) when its host is this host and
-its process no longer runs, and leaves anything else alone: a save still running (its
-pid alive), another host's, and files that only look alike.
+A save of several files stages them in a directory of its own inside the target,
+``.lrmoe-save-HOST-PID-TAG``, and renames each into place once all are written. The next
+save removes one a killed save left (:func:`remove_dead_leftovers`) when its host is this
+host and its process no longer runs; anything else (a running save, another host's,
+files that only look alike) it leaves alone.
 """
 
 from __future__ import annotations

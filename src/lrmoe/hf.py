@@ -448,9 +448,8 @@ def check_target(target: Path) -> None:
 def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard_bytes: int,
                      cdtype: torch.dtype, extra_files: dict[str, bytes] | None = None,
                      before_shard: Callable[[list[str]], None] | None = None) -> Path:
-    """:func:`save_hf`'s writer: ``entries`` in shards of at most ``max_shard_bytes``, each
-    materialised just before it is written (``before_shard(names)`` first), then
-    ``extra_files`` and ``config.json``, renamed into place once all are on disk."""
+    """Write ``entries`` in shards of ``max_shard_bytes`` (each made just before it is written,
+    ``before_shard(names)`` first), ``extra_files`` and config.json, all renamed in at the end."""
     from lrmoe.train.ckpt_write import files_of
 
     old = _check_target_files(target, cfg) if target.exists() else []

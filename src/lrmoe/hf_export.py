@@ -165,9 +165,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     write_checkpoint(out, cfg, entries, max_shard_bytes, out_dtypes["embed_tokens.weight"],
                      extra_files=extra, before_shard=reader.load)
     reader.cache = {}
-    rep = ExportReport(out, ck.step, ck.path, tensors=len(entries),
-                       files=sorted(p.name for p in out.iterdir() if p.name.startswith("model")
-                                    or p.name == "config.json" or p.name in extra),
-                       most_read_at_once=reader.most)
-    rep.bytes_written = sum(torch.Size(s).numel() * d.itemsize for _, s, d, _ in entries)
-    return rep
+    files = sorted(p.name for p in out.iterdir() if p.name.startswith("model")
+                   or p.name == "config.json" or p.name in extra)
+    return ExportReport(out, ck.step, ck.path, len(entries), files,
+                        sum(torch.Size(s).numel() * d.itemsize for _, s, d, _ in entries),
+                        reader.most)

@@ -46,9 +46,8 @@ def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) ->
 def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
                master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
                staging: bool = False) -> dict[str, int]:
-    """Host bytes by term of the offloaded tensors of ``numels`` elements, as
-    ``HostOffloadAdamW`` allocates them on ``device``; ``staging``: one gradient buffer of
-    the largest tensor."""
+    """Host bytes by term of the offloaded tensors of ``numels`` elements, as ``HostOffloadAdamW``
+    allocates them on ``device``; ``staging``: one gradient buffer of the largest tensor."""
     from lrmoe.train.host_pipe import HOST_CHUNK, RING
 
     require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")

@@ -90,9 +90,8 @@ def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | N
 
 def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
            c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int] | Trimmed:
-    """Pass 1, then (with ``cfg.link``) the link-cost rule: ``(inst_expert_GS,
-    inst_load_GS, replicas given up for their link cost)``; with the counts ``c``, the
-    :class:`Trimmed` record instead where the full placement's minimum does not fit."""
+    """Pass 1 and the link-cost rule: ``(inst_expert_GS, inst_load_GS, replicas given up)``,
+    or (given the counts ``c``) the :class:`Trimmed` record where its minimum does not fit."""
     G, log = len(view.home), MoveLog() if cfg.link is not None else None
     inst, load = place_replicas(total_E, G, S, cfg, view, log)
     if c is not None:
@@ -115,11 +114,10 @@ class Planned:
 def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None,
                placement: np.ndarray | None = None, slots: Slots | None = None, *,
                hold: bool = False, ladder: bool = True, decide: bool = True) -> Planned:
-    """The LRMoE plan of one layer from host counts, no device work, no collective
-    (docs/design.md §4). ``placement`` (``slots``: its split index): a prepared one, made
-    again where its minimum does not fit these counts, unless ``hold``. ``ladder``: climb
-    :mod:`.lrmoe_ladder` where the trimmed plan does not fit (else raise
-    :class:`OutOfMemory`); ``decide``: with ``config.link``, :func:`no_slower_than_static`."""
+    """The LRMoE plan of one layer from host counts, no device work or collective (§4 of
+    docs/design.md). ``placement`` (``slots``: its split index): a prepared one, made again
+    where its minimum does not fit these counts unless ``hold``; ``ladder``: climb the
+    ladder, else raise; ``decide``: with ``config.link``, :func:`no_slower_than_static`."""
     cfg = config or LrmoeConfig()
     trimmed = _trimmed(counts_GE, cfg, ledger, placement, slots, hold)
     if not ladder:
@@ -200,10 +198,9 @@ def _over(view: LedgerView, c: np.ndarray, inst: np.ndarray, load: np.ndarray
 
 def previous_totals(prev_counts, G: int, home_pairs: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(total_E, home_G)`` for a placement from the previous step's ``[G, E]`` or
-    ``[E]`` counts (``None`` when there are none or all are zero); ``[E]`` counts are
-    scaled to ``G · home_pairs`` pairs by largest remainder (ties to the lower expert),
-    every home routing ``home_pairs`` (without it: an equal share)."""
+    """``(total_E, home_G)`` from the previous step's ``[G, E]`` or ``[E]`` counts (None: none
+    or all zero); ``[E]`` ones scaled to ``G · home_pairs`` pairs by largest remainder (ties
+    to the lower expert), each home routing ``home_pairs`` (without it: an equal share)."""
     if prev_counts is None:
         return None
     p = host_counts(prev_counts)

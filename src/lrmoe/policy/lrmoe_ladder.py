@@ -31,12 +31,6 @@ RUNG_NOTES = {
 RUNGS = tuple(RUNG_NOTES)
 
 
-def whole_layer_ckpt(plan: Plan) -> Plan:
-    """``plan`` (exact) run under a whole-MoE-layer checkpoint: the one place the rung is
-    made."""
-    return dataclasses.replace(layer_checkpoint_plan(plan, None), rung="layer")
-
-
 def _fit(plan: Plan, ledger, tag: str) -> Plan | None:
     """The exact ``plan`` as it is or with the fewest rows recomputed, named (``tag``:
     the rung suffix); ``None`` when it needs the whole layer."""
@@ -98,10 +92,9 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
 
 @dataclass(frozen=True)
 class Trimmed:
-    """Where the ladder starts: lrmoe's trimmed ``plan`` (``kept``: on the placement the
-    planner was given), or, where its placement's minimum (one retained pair per
-    instance) does not fit, ``None`` with the exact plan on that placement (``placed``)
-    and the ledger's error (``over``)."""
+    """Where the ladder starts: lrmoe's trimmed ``plan`` (``kept``: on the given placement),
+    or, where its placement's minimum (one retained pair per instance) does not fit,
+    ``None``, the exact plan on that placement (``placed``) and the ledger's error."""
 
     plan: Plan | None
     kept: bool = False
@@ -128,7 +121,7 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
-        return whole_layer_ckpt(full_plan(c, inst))
+        return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst), None), rung="layer")
     if whole_layer:  # what the last rung needed: the natives' whole-layer totals
         last = dataclasses.replace(natives, layer_checkpoint=True)
         rungs = RUNGS

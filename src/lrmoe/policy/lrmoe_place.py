@@ -72,9 +72,8 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
 
 @dataclass
 class _Move:
-    """What one move's candidates share: the hot ranks' load and count, the floor a
-    destination must still retain (``level`` pairs, the fraction ``fn/fd``), the
-    least-loaded free rank's key, and (on first need) the sorted keys and :func:`_room`."""
+    """What one move's candidates share (the floor a destination must still retain: ``level``
+    pairs and the fraction ``fn/fd``); ``dests`` and ``room`` are made on first need."""
 
     top: int
     n_top: int
@@ -148,8 +147,7 @@ class _Greedy:
         return None
 
     def _candidates(self, hot: list[int]) -> list[int]:
-        """The experts on the hot ranks that can take another instance, in descending
-        per-instance load (ties: lower id)."""
+        """The hot ranks' experts that can take one more instance, busiest per instance first."""
         n_of = self.inst_of
         cands = {e for r in hot for e in self.slots[r]
                  if e >= 0 and self.total[e] > len(n_of.get(e, ()) or (1,))}
@@ -206,10 +204,9 @@ class _Greedy:
         return None
 
     def _try_dest(self, e: int, d: int, m: _Move):
-        """``(instances, q, extra, capacity)``: the new instance list, its even split
-        ``q`` (+1 for the first ``extra``) and rank ``d``'s capacity with the replica
-        (``None`` without a budget), if ``d`` can afford a replica of ``e``: it must
-        still retain ``min(R, max(n, level, ceil(fn/fd·R)))`` pairs."""
+        """``(instances, q, extra, capacity)`` (the even split: ``q``, +1 for the first ``extra``)
+        if ``d`` can afford a replica of ``e``, still retaining ``min(R, max(n, level,
+        ceil(fn/fd·R)))`` pairs."""
         slot = (d, self.slots[d].index(-1))
         inst = sorted(self.instances(e) + [slot])  # global slot order, as even_split
         q, extra = divmod(self.total[e], len(inst))

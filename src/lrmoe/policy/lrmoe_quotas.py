@@ -16,13 +16,11 @@ from lrmoe.policy.plan_numpy import apportion_rows_np
 
 
 def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
-              recompute: bool = False, load_GS: np.ndarray | None = None
+              recompute: bool, load_GS: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Pass 2: ``(retained per block [G·S, G], rows recomputed per rank (None without
-    ``recompute``), pairs retained per rank)``; ``load_GS``: the instances' loads if known."""
+    ``recompute``), pairs retained per rank)``; ``load_GS``: the instances' loads."""
     G, S = inst_GS.shape
-    if load_GS is None:
-        load_GS = assign_IG.sum(1).reshape(G, S)
     recv_G = load_GS.sum(1)
     n_occ = (inst_GS >= 0).sum(1)
     keep = recv_G.copy()

@@ -367,8 +367,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 
 def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
-    """The checkpoint files of ``target`` this save replaces; refuses weight files save_hf
-    does not write, or a checkpoint of another model (or of none it can read)."""
+    """The checkpoint files of ``target`` this save replaces; refuses other weights and models."""
     try:
         names = sorted(p.name for p in target.iterdir())
     except OSError as e:
@@ -396,8 +395,7 @@ def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
 
 
 def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Path:
-    """Write ``final``'s new contents into the save's staging directory, fsynced, with the mode
-    of the file it replaces (else the umask's); the rename comes later."""
+    """Write ``final``'s new contents into the staging directory, fsynced, with its mode."""
     tmp = stage / final.name
     write(tmp)
     _fsync(tmp)
@@ -431,8 +429,7 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
 
 
 def check_target(target: Path) -> None:
-    """Refuse a target that cannot hold a HF checkpoint: a dangling symlink, a file, an
-    lrmoe run directory."""
+    """Refuse a target that cannot hold a HF checkpoint (a dangling link, a file, a run)."""
     if target.is_symlink() and not target.exists():
         raise LrmoeError(f"{target} is a symlink to {os.readlink(target)}, which does not "
                          "exist; create that directory or give another path")

@@ -147,8 +147,7 @@ def _read_into(dst: Tensor, file: Path, key: str, rows: slice | None) -> None:
 
 
 def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
-    """Fill every persistent tensor this rank holds from ``ck``; another rank's experts are
-    never read."""
+    """Fill every persistent tensor this rank holds from ``ck``, reading no other rank's."""
     t0 = time.perf_counter()
     report = LoadReport()
     sd = model.state_dict()

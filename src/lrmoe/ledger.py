@@ -339,8 +339,7 @@ class Ledger:
 
     def recompute_needed(self, n_instances: int, received_pairs: int, home_pairs: int,
                          retained_pairs: int, exact: bool = False) -> int:
-        """Fewest pairs per layer to recompute so the rank fits (0 without a budget); -1 if no
-        count fits."""
+        """Fewest pairs per layer to recompute so the rank fits (0 without a budget, -1: none)."""
         if self.budget_bytes is None:
             return 0
         n, R, h, k = int(n_instances), int(received_pairs), int(home_pairs), int(retained_pairs)

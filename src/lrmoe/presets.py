@@ -76,8 +76,7 @@ def layer_params(cfg: ModelConfig, i: int) -> dict[str, int]:
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by category, from the shapes alone (the model's ``parameters()``,
-    each tensor once: a tied head adds none)."""
+    """Parameters by category from the shapes alone, each tensor once (a tied head adds none)."""
     out = dict.fromkeys(CATEGORIES, 0)
     for i in range(cfg.num_hidden_layers):
         for k, v in layer_params(cfg, i).items():

@@ -29,8 +29,7 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
-    """Elements of each tensor ``--optimizer-offload host`` keeps on the host, one EP rank's
-    of ``ep_size``; ``dense``: every parameter."""
+    """Elements of each tensor one EP rank's host offload keeps (``dense``: every parameter)."""
     import torch
 
     from lrmoe.model import MoEForCausalLM

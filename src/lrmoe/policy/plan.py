@@ -117,8 +117,8 @@ def checks_on() -> bool:
 
 
 def fit_exact(plan: Plan, ledger, what: str) -> Plan:
-    """An exact ``plan`` made to fit ``ledger``'s budget: as is, with the fewest rows
-    recomputed, or as a whole-layer checkpoint; raises when none fits."""
+    """An exact ``plan`` fit to the budget: as is, the fewest rows recomputed, or the layer
+    checkpointed; raises when none fits."""
     if ledger is None or ledger.budget_bytes is None:
         return plan
     mode, rec, _ = plan_exact_fit(ledger, plan)  # Ledger.exact_fit, vectorised
@@ -149,8 +149,7 @@ def native_plan(counts_GE: Tensor) -> Plan:
 
 
 def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
-    """``plan``'s placement and assignment as an exact whole-layer-checkpointed plan, or
-    ``None`` when that does not fit ``ledger``'s budget."""
+    """``plan``'s placement as an exact whole-layer-checkpointed plan; None when over budget."""
     a = plan.assign_GGS
     out = dataclasses.replace(plan, retain_GGS=a.clone(), select_GGS=a.clone(),
                               recompute_G=None, layer_checkpoint=True)

@@ -20,8 +20,7 @@ FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
 
 
 class HfTokenizer(BpeTokenizer):
-    """A HF ``tokenizers.Tokenizer`` with the end-of-document id its config names;
-    ``files`` are the directory's tokenizer files (name -> bytes)."""
+    """A HF ``tokenizers.Tokenizer``, the end-of-document id and the files (name -> bytes)."""
 
     def __init__(self, hf_tokenizer, eos_id: int, files: dict[str, bytes], source: str):
         digest = hashlib.sha256(files[TOKENIZER_FILE] + f"\0eos={eos_id}".encode())

@@ -28,8 +28,7 @@ class FidelityConfig:
 @dataclass
 class PolicyConfig:
     """Which policy plans each step and its knobs; ``slots_per_rank``: symi's slots (None:
-    ``E/G + 2``), lrmoe's most unless its own is set; ``recompute``: static and symi fit a
-    budget by recompute or a whole-layer checkpoint instead of stopping."""
+    ``E/G + 2``), lrmoe's most unless its own is set; ``recompute``: for static and symi."""
 
     name: str = "static"
     capacity_factor: float = 1.25

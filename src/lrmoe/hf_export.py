@@ -60,15 +60,6 @@ def _tokenizer_files(run_dir: Path, saved: dict) -> dict[str, bytes]:
     return {}
 
 
-def _source_keys(md: dict, name: str, experts: int | None) -> str:
-    """The checkpoint key prefix holding ``name``'s weight: its fp32 master if the
-    optimizer kept one apart, else the model's tensor."""
-    master = f"optim/{name}/master"
-    if (master if experts is None else f"{master}/e0") in md:
-        return master
-    return f"model/{name}"
-
-
 class _ShardReader:
     """The checkpoint tensors of one output shard, read together, handed out as HF tensors."""
 
@@ -147,7 +138,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     for name, shape in shapes.items():
         experts = shape[0] if name.endswith((".experts.gate_up_proj",
                                              ".experts.down_proj")) else None
-        src = sources[name] = _source_keys(md, name, experts)
+        master = f"optim/{name}/master"  # the fp32 master where the optimizer kept one apart
+        has_master = (master if experts is None else f"{master}/e0") in md
+        src = sources[name] = master if has_master else f"model/{name}"
         keys = [src] if experts is None else [f"{src}/e{e}" for e in range(experts)]
         want = shape if experts is None else shape[1:]
         for k in keys:

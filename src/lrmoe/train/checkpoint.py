@@ -1,13 +1,7 @@
 """Checkpoints: one directory per step, written with ``torch.distributed.checkpoint``
 (DCP) under world-size-independent keys (:mod:`.ckpt_state`), a hashed manifest, an
-atomic rename last.
-
-Layout (``RUN/checkpoints/ckpt-00000300/``): DCP's ``.metadata`` and ``__R_F_0.distcp``
-files (each key written by one rank, files of at most 1 GiB: :mod:`.ckpt_write`), and
-``manifest.json`` (format, step, the writing world and EP size, each file's SHA-256).
-Every rank writes into ``.ckpt-00000300.tmp``, which rank 0 renames once the manifest is
-in; files are checked against the manifest before anything is read. What a resume at
-another world or EP size restores: docs/design.md §7.
+atomic rename last. The layout and what a resume at another world or EP size restores:
+docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for
@@ -82,24 +78,22 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _agree(err: str | None, all_gather: Gather | None) -> None:
+def _alone(obj: Any) -> list:
+    """The all-gather of one process."""
+    return [obj]
+
+
+def _agree(err: str | None, gather: Gather, kind: type = LrmoeError) -> None:
     """Raise the first rank's error on every rank (collective when distributed)."""
-    errs = all_gather(err) if all_gather is not None else [err]
-    for e in errs:
+    for e in gather(err):
         if e:
-            raise LrmoeError(e)
+            raise kind(e)
 
 
 class CheckpointWriteError(LrmoeError):
     """A checkpoint save failed (a full disk, a quota, a file-size limit...). ``local``:
     only this rank hit it (the other ranks did not); otherwise every rank raises it alike
     (DCP's write step is collective)."""
-
-
-def _dcp_failure() -> type[BaseException]:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
 
 
 def _cause(e: BaseException) -> str:
@@ -198,12 +192,10 @@ class Checkpoint:
 
     @property
     def world(self) -> int:
-        """World size of the run that wrote it."""
         return int(self.manifest["world"])
 
     @property
     def ep_size(self) -> int:
-        """EP size of the run that wrote it."""
         return int(self.manifest["ep_size"])
 
     @property
@@ -274,25 +266,18 @@ def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, trainer: dict,
                     rng: dict, rank: int, world: int, ep_size: int,
                     all_gather: Gather | None = None, keep: int = 0) -> Path:
-    """Write a checkpoint collectively; returns its directory.
-
-    ``trainer`` is the global state (rank 0's is kept), ``rng`` this rank's RNG states.
-    ``all_gather(obj) -> list`` collects one object per rank and orders the steps;
-    ``None`` on one process. ``keep`` > 0 keeps only the newest ``keep`` checkpoints.
-    """
-    import torch.distributed.checkpoint as dcp
-
+    """Write a checkpoint collectively; returns its directory. ``trainer`` is the global
+    state (rank 0's is kept), ``rng`` this rank's RNG states; ``all_gather`` is ``None``
+    on one process; ``keep`` > 0 keeps only the newest ``keep`` checkpoints."""
     tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
-    err = None
+    gather, err = all_gather or _alone, None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
         try:
             tmp.mkdir(parents=True)
         except OSError as e:  # a failure every rank sees: each raises it at the barrier
             err = str(_write_failed(e, tmp, rank, local=False))
-    errs = all_gather(err) if all_gather is not None else [err]
-    if errs[0]:
-        raise CheckpointWriteError(errs[0])
+    _agree(err, gather, CheckpointWriteError)
     # one copy of the global state: rank 0's (ranks differ only in timings)
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
     try:
@@ -301,22 +286,19 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
                      planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=all_gather is None)
-    except (_dcp_failure(), OSError) as e:  # DCP raises it on every rank alike
+    except (CheckpointException, OSError) as e:  # DCP raises it on every rank alike
         raise _write_failed(e, tmp, rank, local=False) from None
     try:
-        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, all_gather,
-                     keep)
+        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, gather, keep)
     except OSError as e:  # this rank's own write or read (a manifest, a hash, a rename)
         raise _write_failed(e, tmp, rank, local=True) from None
     return final
 
 
 def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank: int,
-                 world: int, ep_size: int, all_gather: Gather | None, keep: int) -> None:
+                 world: int, ep_size: int, gather: Gather, keep: int) -> None:
     """Hash the files (each rank a share), write the manifest, rename into place."""
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    if all_gather is not None:
-        names = all_gather(names)[0]
+    names = gather(sorted(p.name for p in tmp.iterdir() if p.is_file()))[0]
     mine, err = {}, None
     for i, name in enumerate(names):
         if i % world == rank:
@@ -326,8 +308,8 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
                        f"rank {rank}: --out must be on a filesystem every rank shares")
                 break
             mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    entries = all_gather((mine, err)) if all_gather is not None else [(mine, err)]
-    _agree(next((e for _, e in entries if e), None), None)
+    entries = gather((mine, err))
+    _agree(next((e for _, e in entries if e), None), _alone)
     if rank == 0:
         files = {k: v for m, _ in entries for k, v in m.items()}
         manifest = {"format": FORMAT, "step": step, "world": world, "ep_size": ep_size,
@@ -343,8 +325,7 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
             shutil.rmtree(p, ignore_errors=True)
         if keep > 0:
             prune(run_dir, keep)
-    if all_gather is not None:
-        all_gather(None)
+    gather(None)  # the barrier: no rank goes on before the rename
 
 
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
@@ -363,26 +344,22 @@ def prune(run_dir: str | os.PathLike, keep: int) -> None:
 # ----------------------------------------------------------------------------- load
 def checkpoint_metadata(ck: Checkpoint) -> dict:
     """Every key of a checkpoint: ``{key: TensorStorageMetadata | BytesStorageMetadata}``."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         return dcp.FileSystemReader(str(ck.path)).read_metadata().state_dict_metadata
-    except (Exception, _dcp_failure()) as e:  # the checksum passed: a format problem
+    except (Exception, CheckpointException) as e:  # the checksum passed: a format problem
         raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
 
 
 def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str, hint: str = "") -> None:
     """Load ``state`` in place: tensors are copied into, objects replaced (our keys are
     flat, so both flattening passes are off and the planner writes into ``state``)."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         with _one_process_is_fine():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(ck.path)),
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=not distributed)
-    except (Exception, _dcp_failure()) as e:  # DCP wraps the reader's error (EOFError...)
+    except (Exception, CheckpointException) as e:  # DCP wraps the reader's error (EOFError...)
         raise LrmoeError(f"checkpoint {ck.path} {failed} ({_cause(e)}){hint}") from None
 
 
@@ -407,7 +384,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                                   str(ck.path))
     except LrmoeError as e:
         err = str(e)
-    _agree(err, all_gather)  # every rank enters the collective load, or none
+    _agree(err, all_gather or _alone)  # every rank enters the collective load, or none
     _dcp_load(ck, tpl.dict, distributed=all_gather is not None)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:

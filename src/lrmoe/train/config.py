@@ -1,8 +1,5 @@
-"""Training configuration: the fields, their checks, and what they resolve to.
-
-``TrainConfig`` holds every ``lrmoe train`` option, ``check_args`` validates them, and the
-``build_*`` functions and :func:`resolve_model_config` are the one place the model
-config, planner, backward options, MoE runtime and ledger are made from them.
+"""Training configuration: every ``lrmoe train`` option (``TrainConfig``), its checks, and
+the one place the model config, backward options, MoE runtime and ledger are made from it.
 """
 
 from __future__ import annotations

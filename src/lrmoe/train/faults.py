@@ -1,10 +1,7 @@
-"""A hung or dead peer under torchrun, and stop signals: one readable line each.
-
-On a failed collective the survivors agree through the job's key-value store on one
-reporter, which names the ranks that did not check in, the collective, the phase and the
-last complete checkpoint; the others exit with the same code (3) quietly. SIGTERM and
-SIGUSR1 only set a flag (:class:`StopSignals`) that every rank reads in the step's loss
-all-reduce, so all stop after the same step (docs/reliability.md).
+"""A hung or dead peer under torchrun, and stop signals: one readable line each. On a
+failed collective the survivors agree through the job's key-value store on one reporter;
+a stop signal is read by every rank in the step's loss all-reduce, so all stop after the
+same step (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -82,7 +79,7 @@ class Watch:
     def claim(self) -> None:
         """This rank reports its own error (a failed write): the peers that then lose
         their connection to it stay quiet."""
-        store = self._store()
+        store = self._store() if self.world > 1 else None
         if store is not None:
             with contextlib.suppress(Exception):
                 store.set(f"{_KEY}/rank{self.rank}", self.phase)

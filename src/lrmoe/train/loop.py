@@ -1,11 +1,9 @@
 """The trainer: data -> model (EP-sharded) -> AdamW steps -> metrics, validation, checkpoints.
 
-``train(TrainConfig | argparse.Namespace | dict) -> {"final_val_loss", "run_dir", ...}``.
-Every input is read and checked before the run directory is written (``_check``,
-``_build``, ``_open``, ``_Run``); on one process no ``torch.distributed`` call is made. A
-checkpoint holds everything that evolves besides the data order, which is a function of
-the global batch, so on the CPU a resumed run repeats the uninterrupted one bit for bit
-(docs/design.md §7).
+Every input is read and checked before the run directory is written; on one process no
+``torch.distributed`` call is made. A checkpoint holds everything that evolves besides the
+data order (a function of the global batch), so on the CPU a resumed run repeats the
+uninterrupted one bit for bit (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -139,7 +137,7 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
     if ctx.distributed:
         mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
-        seen = _all_gather(mine, ctx)
+        seen = _all_gather(mine, ctx.world)
         other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
         if other is not None:
             raise quiet_unless(LrmoeError(
@@ -253,25 +251,13 @@ def _intact(watch: Watch) -> str:
             else "no checkpoint was written")
 
 
-def _write_error(e: OSError, ctx, watch: Watch) -> LrmoeError:
-    """One line for a failed write mid-run, with where the last good checkpoint is."""
-    ck = _intact(watch)
-    who = f"rank {ctx.rank}: " if ctx.distributed else ""
-    err = LrmoeError(f"{who}{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
-                     f"step {watch.step + 1}); stopped ({ck})")
-    err.local = True
-    return err
-
-
-def _stopped(e: LrmoeError, ctx, watch: Watch) -> LrmoeError:
-    """``e`` (a failed checkpoint save) with where the last complete checkpoint is; an
-    error this rank alone hit is claimed, so the peers that lose it stay quiet."""
-    ck = _intact(watch)
-    local = getattr(e, "local", False)
-    if local and ctx.distributed:
+def _stopped(msg: str, local: bool, ctx, watch: Watch) -> LrmoeError:
+    """``msg`` (a failed write) with where the last complete checkpoint is; an error this
+    rank alone hit (``local``) is claimed, so the peers that lose it stay quiet."""
+    if local:
         watch.claim()
     who = f"rank {ctx.rank}: " if local and ctx.distributed else ""
-    err = LrmoeError(f"{who}{e}; stopped ({ck})")
+    err = LrmoeError(f"{who}{msg}; stopped ({_intact(watch)})")
     err.local = local
     return err
 
@@ -307,9 +293,8 @@ def _run(cfg: TrainConfig | Any) -> dict:
                 raise watch.failure(e) from None
             raise
         except OSError as e:  # a full disk, a directory gone read-only...
-            if ctx.distributed:
-                watch.claim()
-            raise _write_error(e, ctx, watch) from None
+            raise _stopped(f"{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
+                           f"step {watch.step + 1})", True, ctx, watch) from None
     except LrmoeError as e:
         agreed = getattr(e, "agreed", False)
         raise
@@ -420,7 +405,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                "val_sha256": _sha256(val_ids)}
     if streams.train_mask is not None:  # prompt/completion rows: which targets train
         data_fp["mask_sha256"] = _sha256(torch.cat([streams.train_mask, streams.val_mask]))
-    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx)):
+    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx.world)):
         raise LrmoeError("the ranks loaded different training data or tokenizers (token "
                          "stream hashes differ); give every rank the same --data")
     if ledger is not None:
@@ -496,7 +481,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     st = ckpt.load_checkpoint(  # verified above; any world and EP size
         ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
         ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
-        all_gather=(lambda o: _all_gather(o, ctx)) if ctx.distributed else None)
+        all_gather=(lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None)
     if st.get("data") != inp.data_fp:
         raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                          f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
@@ -563,7 +548,7 @@ def _metrics_writer(cfg: TrainConfig, ctx, inp: _Inputs, state: _State) -> Metri
         sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
     writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
     if inp.hf is not None:  # every rank alike
-        ranks = _all_gather(state.loaded, ctx) if ctx.distributed else [state.loaded]
+        ranks = _all_gather(state.loaded, ctx.world)
         writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
     return writer
 
@@ -578,7 +563,7 @@ class _Run:
         self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.last_ckpt: int | None = None
         self.autocast = make_autocast(ctx.device)
-        self.gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
+        self.gather = (lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None
         self.reduce = _count_reducer(ctx)
         self.base_bwd = state.rt.backward
         self.bar = None
@@ -604,11 +589,6 @@ class _Run:
             exact=cfg.policy.name in ("static", "symi"), recompute=cfg.policy.recompute,
             batch_size=cfg.batch_size, world=ctx.world)
 
-    def claim(self) -> None:
-        """This rank's own error (its allocation failed): its peers stay quiet."""
-        if self.ctx.distributed:
-            self.watch.claim()
-
     def save(self, step: int) -> None:
         s, ctx = self.s, self.ctx
         self.watch.phase = "checkpoint save"
@@ -624,7 +604,7 @@ class _Run:
                 rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=self.gather,
                 keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
-            raise _stopped(e, ctx, self.watch) from None
+            raise _stopped(str(e), getattr(e, "local", False), ctx, self.watch) from None
         self.last_ckpt = step
         self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
 
@@ -684,7 +664,7 @@ class _Run:
         s.opt.zero_grad(set_to_none=True)
         # forward and backward of each micro-batch (global batch batch0 + step * N + m);
         # out of memory (the ledger's verdict, or the allocator's): one line
-        with step_memory(self.memory(step), self.claim) as mem:
+        with step_memory(self.memory(step), watch.claim) as mem:
             sums = accumulate(
                 s.model, mem.batch_of(lambda m: self.inp.batches.batch(
                     self.batch0 + step * accum + m, ctx.rank, ctx.world).to(ctx.device)),
@@ -730,7 +710,7 @@ class _Run:
         host = host_memory()
         if done == s.start + 1:  # this process's first row
             host["host_rss_before_build_bytes"] = s.rss_before_build
-        got = _all_gather((mine, mem, host), ctx) if ctx.distributed else [(mine, mem, host)]
+        got = _all_gather((mine, mem, host), ctx.world)
         per_rank = [g[0] for g in got]
         _observe_fidelity(self.inp.policy, stats, per_rank)
         mem = None if mem is None else max(g[1] for g in got)

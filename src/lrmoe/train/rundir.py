@@ -82,7 +82,13 @@ def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
     check_lock(run_dir)
     if resume or has_checkpoint:
         return  # --resume continues it; a new run over checkpoints is refused by the caller
-    rows = _metrics_rows(run_dir / "metrics.jsonl")
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            rows = sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        rows = 0
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "cannot read")) from None
     if rows:
         raise LrmoeError(f"--out {run_dir} holds the metrics of a run that wrote no checkpoint "
                          f"({rows} rows in metrics.jsonl). Continue that run with --resume "
@@ -138,16 +144,6 @@ def give_up(d: Path, created: bool, subdirs: tuple[Path, ...] = ()) -> None:
         for sub in (*subdirs, d):
             with contextlib.suppress(OSError):
                 os.rmdir(sub)
-
-
-def _metrics_rows(p: Path) -> int:
-    try:
-        with open(p, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except FileNotFoundError:
-        return 0
-    except OSError as e:
-        raise LrmoeError(os_error_line(e, "cannot read")) from None
 
 
 # ----------------------------------------------------------------------------- lock

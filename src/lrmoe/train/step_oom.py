@@ -1,10 +1,5 @@
-"""Out of memory inside a training step, as one line that says how to go on.
-
-The ledger's verdict (:class:`lrmoe.errors.OutOfMemory`) names the step, the one need,
-the intact checkpoint and the ``--resume --mem-budget NEED`` that continues; the
-allocator's (CUDA's, or the CPU allocator's ``RuntimeError``) names the micro-batch and
-what would fit, as this rank's own error (docs/design.md §7). :func:`step_memory` wraps a
-step's micro-batches; its ``batch_of(get)`` wraps the batch getter to name the micro-batch.
+"""Out of memory inside a training step (the ledger's verdict or the allocator's), as one
+line that says how to go on (docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -91,9 +91,8 @@ def _agree(err: str | None, gather: Gather, kind: type = LrmoeError) -> None:
 
 
 class CheckpointWriteError(LrmoeError):
-    """A checkpoint save failed (a full disk, a quota, a file-size limit...). ``local``:
-    only this rank hit it (the other ranks did not); otherwise every rank raises it alike
-    (DCP's write step is collective)."""
+    """A checkpoint save failed (a full disk, a quota...). ``local``: only this rank hit it;
+    otherwise every rank raises it alike (DCP's write step is collective)."""
 
 
 def _cause(e: BaseException) -> str:
@@ -161,29 +160,26 @@ def _step_of(d: Path) -> int | None:
         return None
 
 
+def _entries(run_dir: str | os.PathLike) -> list[Path]:
+    root = ckpt_root(run_dir)
+    return list(root.iterdir()) if root.is_dir() else []
+
+
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Every ``ckpt-*`` directory (complete or not), by step."""
-    root = ckpt_root(run_dir)
-    if not root.is_dir():
-        return []
-    out = [(s, d) for d in root.iterdir() if (s := _step_of(d)) is not None]
-    return sorted(out)
+    return sorted((s, d) for d in _entries(run_dir) if (s := _step_of(d)) is not None)
 
 
 def partial_dirs(run_dir: str | os.PathLike) -> list[Path]:
     """Interrupted saves (``.ckpt-*.tmp``)."""
-    root = ckpt_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir()
+    return sorted(d for d in _entries(run_dir)
                   if d.name.startswith("." + PREFIX) and d.name.endswith(PARTIAL))
 
 
 # ----------------------------------------------------------------------------- manifest
 @dataclass
 class Checkpoint:
-    """A complete checkpoint: its directory, step, manifest, and why newer directories
-    were passed over (``notes``)."""
+    """A complete checkpoint; ``notes``: why newer directories were passed over."""
 
     path: Path
     step: int
@@ -203,8 +199,7 @@ class Checkpoint:
         return [self.path / n for n in sorted(self.manifest["files"])]
 
     def describe(self) -> str:
-        """One line: which checkpoint is used, written by which layout, and what was
-        skipped (and why)."""
+        """One line: which checkpoint is used, written by which layout, what was skipped."""
         s = (f"resuming from {self.path} (step {self.step}, written by world size "
              f"{self.world} with --ep {self.ep_size})")
         return s + ("; " + "; ".join(self.notes) if self.notes else "")
@@ -244,8 +239,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
 
 
 def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
-    """Check presence, size and SHA-256 of this rank's share of the checkpoint's files
-    (file ``i`` is checked by rank ``i % world``; every file when ``world`` is 1)."""
+    """Check presence, size and SHA-256 of this rank's share of the files (``i % world``)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
     for i, p in enumerate(ck.files):
         if i % world != rank:
@@ -375,8 +369,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                     world: int, ep_size: int, device: torch.device, seed: int,
                     all_gather: Gather | None = None) -> dict:
     """Load a (verified) checkpoint into freshly built objects at any world / EP size;
-    returns the trainer state (``progress``, ``data``, ...). Collective when
-    ``all_gather`` is given."""
+    returns the trainer state. Collective when ``all_gather`` is given."""
     same = (ck.world, ck.ep_size) == (world, ep_size)
     err, tpl = None, None
     try:
@@ -410,8 +403,8 @@ def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
 
 
 def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
-    """The whole (single-process) model state of a checkpoint and its trainer state,
-    read on one process (files verified first): expert rows stacked by global id."""
+    """The whole model state of a checkpoint (expert rows stacked by global id) and its
+    trainer state, read on one process."""
     verify_files(ck)
     md = checkpoint_metadata(ck)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
@@ -434,8 +427,7 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
 
 def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
                  ) -> dict[str, torch.Tensor]:
-    """Tensors ``keys`` of a (verified) checkpoint, read on one process into new CPU
-    tensors: only their bytes are read (``metadata``: :func:`checkpoint_metadata`'s)."""
+    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes."""
     md = checkpoint_metadata(ck) if metadata is None else metadata
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
     _read(ck, state, False, "cannot be read")

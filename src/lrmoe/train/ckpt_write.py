@@ -22,8 +22,7 @@ def item_bytes(item) -> int:
 
 
 def files_of(items: list, limit: int, nbytes=item_bytes) -> list[list]:
-    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone;
-    ``nbytes(item)``: its bytes)."""
+    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone)."""
     files: list[list] = []
     held = limit + 1  # the first item opens a file
     for item in items:

@@ -16,15 +16,14 @@ import traceback
 
 from lrmoe.errors import LrmoeError
 
-EXIT_PEER_FAILURE = 3
 _KEY = "lrmoe/fault"
 _GRACE_S = 5.0  # how long the reporter waits for the other survivors to check in
 
 
 class PeerFailure(LrmoeError):
-    """The job lost a rank (hung or dead); exit code 3."""
+    """The job lost a rank (hung or dead)."""
 
-    exit_code = EXIT_PEER_FAILURE
+    exit_code = 3
 
 
 def is_peer_failure(e: BaseException) -> bool:
@@ -137,8 +136,7 @@ class SignalStop(LrmoeError):
 
 
 class StopSignals:
-    """Once installed (main thread only), SIGTERM and SIGUSR1 set a flag instead of
-    ending the process; :meth:`flags` is this rank's ``[SIGTERM seen, SIGUSR1 seen]``."""
+    """Once installed (main thread only), SIGTERM and SIGUSR1 set a flag in ``seen``."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

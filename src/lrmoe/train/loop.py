@@ -131,9 +131,8 @@ def make_autocast(device: torch.device):
 
 # ----------------------------------------------------------------------------- setup
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
-    """The checkpoint ``--resume`` continues, verified (every rank a share of the files);
-    ``None`` for a new run or one that completed no checkpoint. Every rank reads its own
-    ``--out``: they must find the same."""
+    """The checkpoint ``--resume`` continues, verified, or ``None``; every rank reads its
+    own ``--out``: they must find the same."""
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
     if ctx.distributed:
         mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
@@ -204,8 +203,7 @@ def _log(msg: str, ctx) -> None:
 
 
 def _snapshot_stats(rt) -> dict[int, dict]:
-    """The last training step's per-layer stats, device counts and CUDA event timings
-    resolved."""
+    """The last step's per-layer stats, device counts and CUDA event timings resolved."""
     out = {}
     for layer, st in rt.stats.items():
         st = host_stats(st)
@@ -231,9 +229,8 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
 
 # ----------------------------------------------------------------------------- train
 def train(cfg: TrainConfig | Any) -> dict:
-    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``. Under
-    torchrun an error every rank raises alike is printed by rank 0 only; one a rank hit
-    alone (``local``) by that rank."""
+    """Train (or resume) a run. Under torchrun an error every rank raises alike is printed
+    by rank 0 only; one a rank hit alone (``local``) by that rank."""
     try:
         return _run(cfg)
     except LrmoeError as e:
@@ -284,8 +281,6 @@ def _run(cfg: TrainConfig | Any) -> dict:
                                 cfg, rank, world, early or refused))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            # check every input (nothing written), build the model and optimizer in
-            # memory, open the run directory, then run the steps
             inputs = _check(cfg, ctx)
             return _open(cfg, ctx, inputs, _build(cfg, ctx, inputs), watch, stops).loop()
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
@@ -468,36 +463,32 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     rt = build_runtime(cfg, ctx, inp.policy, inp.ledger, gen)
     model.set_runtime(rt)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
-    # host offload on CUDA: the GPU keeps bf16 expert weights and gradients, the fp32
-    # masters and moments stay on the host (lrmoe.train.offload)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
                           router_lr_scale=cfg.router_lr_scale,
                           compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    if inp.ck is None:
-        return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None),
-                      rss_before_build=rss, loaded=loaded)
-    ck = inp.ck
-    st = ckpt.load_checkpoint(  # verified above; any world and EP size
-        ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
-        ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
-        all_gather=(lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None)
-    if st.get("data") != inp.data_fp:
-        raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
-                         f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
-    prog = st["progress"]
-    was = int(inp.saved["train"].get("grad_accum", 1))  # checkpoints before "batches"
+    ck, prog, batches = inp.ck, {"tokens": 0, "elapsed_s": 0.0}, 0
+    if ck is not None:
+        st = ckpt.load_checkpoint(  # verified above; any world and EP size
+            ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
+            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
+            all_gather=(lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None)
+        if st.get("data") != inp.data_fp:
+            raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
+                             f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
+        prog = st["progress"]
+        was = int(inp.saved["train"].get("grad_accum", 1))  # checkpoints before "batches"
+        batches = int(prog.get("batches", ck.step * was))
     return _State(model, rt, opt, sched, gen,
                   DivergenceGuard(cfg.divergence_factor, prog.get("divergence")),
-                  start=ck.step, tokens=int(prog["tokens"]), elapsed=float(prog["elapsed_s"]),
-                  last_val=prog.get("val_loss"), rss_before_build=rss,
-                  batches=int(prog.get("batches", ck.step * was)))
+                  start=0 if ck is None else ck.step, tokens=int(prog["tokens"]),
+                  elapsed=float(prog["elapsed_s"]), last_val=prog.get("val_loss"),
+                  rss_before_build=rss, loaded=loaded, batches=batches)
 
 
 def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
           stops: StopSignals) -> _Run:
-    """Step 3: every input is valid: from here on the run directory is written. Rank 0
-    locks, marks and writes it (config.json); every rank probes checkpoints/."""
+    """Step 3: every input is valid: from here on the run directory is written."""
     from lrmoe.presets import param_counts
 
     total, active = param_counts(inp.mcfg)
@@ -510,15 +501,21 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
-    run = _Run(cfg, ctx, inp, state, watch, stops, _metrics_writer(cfg, ctx, inp, state))
+    sinks = []
+    if cfg.log == "tensorboard" and ctx.is_main:
+        from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
+        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
+    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
+    if inp.hf is not None:  # what each rank read, gathered on every rank alike
+        ranks = _all_gather(state.loaded, ctx.world)
+        writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
+    run = _Run(cfg, ctx, inp, state, watch, stops, writer)
     changes = {} if inp.saved is None else resume_changes(cfg, inp.saved.get("train", {}))
     if changes:  # what a resume changed, at the step it continues from
         run.writer.write({"kind": "change", "step": state.start, "changes": changes})
         _log("lrmoe train: resuming with " + ", ".join(
             f"{_flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()), ctx)
-    run.last_ckpt = state.start if inp.ck is not None else None
-    watch.last_ckpt = (None if run.last_ckpt is None
-                       else str(ckpt.ckpt_dir(inp.run_dir, run.last_ckpt)))
+    watch.last_ckpt = None if inp.ck is None else str(ckpt.ckpt_dir(inp.run_dir, state.start))
     watch.run_dir = inp.run_dir
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model
@@ -539,20 +536,6 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     return run
 
 
-def _metrics_writer(cfg: TrainConfig, ctx, inp: _Inputs, state: _State) -> MetricsWriter:
-    """``metrics.jsonl`` (and TensorBoard's events with ``--log tensorboard``); a run
-    started from a HF checkpoint first gets the init row: what each rank read."""
-    sinks = []
-    if cfg.log == "tensorboard" and ctx.is_main:
-        from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
-        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
-    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
-    if inp.hf is not None:  # every rank alike
-        ranks = _all_gather(state.loaded, ctx.world)
-        writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
-    return writer
-
-
 class _Run:
     """Step 4: the steps of an opened run, with its validation, checkpoints and log."""
 
@@ -561,7 +544,6 @@ class _Run:
         self.cfg, self.ctx, self.inp, self.s = cfg, ctx, inp, state
         self.watch, self.stops, self.writer = watch, stops, writer
         self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
-        self.last_ckpt: int | None = None
         self.autocast = make_autocast(ctx.device)
         self.gather = (lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None
         self.reduce = _count_reducer(ctx)
@@ -605,7 +587,6 @@ class _Run:
                 keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
             raise _stopped(str(e), getattr(e, "local", False), ctx, self.watch) from None
-        self.last_ckpt = step
         self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
 
     def validate(self, step: int) -> float:
@@ -744,7 +725,7 @@ class _Run:
                 self.validate(done)
             self.save(done)
         if stop_sig is not None and done < end:
-            if self.last_ckpt != done:
+            if self.watch.last_ckpt != str(ckpt.ckpt_dir(self.inp.run_dir, done)):
                 self.save(done)
             msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
                    f"{done} of {end}; saved {ckpt.ckpt_dir(self.inp.run_dir, done)}; "

@@ -84,8 +84,7 @@ def max_over_mean(xs: Iterable[float]) -> float:
 
 
 def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
-    """One rank's stats of one layer as numbers: ``load`` / ``bwd_load`` (its pairs in
-    forward / backward, from its EP group's plan) and its counters."""
+    """One rank's stats of one layer as numbers: its pairs in forward and backward, its counters."""
     out: dict[str, float] = {}
     for src, dst in (("rank_load", "load"), ("rank_backward_load", "bwd_load")):
         if src in stats and ep_rank < len(stats[src]):

@@ -21,10 +21,8 @@ HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host par
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
-    """AdamW whose ``host_params`` are updated in host memory; the rest by ``torch.optim.AdamW``.
-
-    ``host`` is ``"cpu"`` (the real offload) or the parameters' own device with fp32
-    parameters, each its own master (the emulator's case: no transfers)."""
+    """AdamW whose ``host_params`` are updated in host memory; ``host`` is ``"cpu"`` (the
+    real offload) or the parameters' own device, each fp32 parameter its own master."""
 
     def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -231,9 +229,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | None:
-    """What the trainer runs before a step's last backward: arm the host offload's sends of
-    final gradients; ``None`` without a pipelined offload, or under DP x EP (sent after the
-    sync)."""
+    """What the trainer runs before a step's last backward: arm the host offload's sends;
+    ``None`` without a pipelined offload, or under DP x EP (sent after the sync)."""
     from lrmoe.parallel.groups import expert_grad_finish
 
     if not isinstance(opt, HostOffloadAdamW) or not opt.pipelined:

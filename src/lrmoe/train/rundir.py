@@ -54,8 +54,7 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
 
 
 def _names(d: Path) -> list[str]:
-    """The names in ``--out`` ``d`` ([] if it does not exist); a file or a dangling
-    symlink is refused."""
+    """The names in ``--out`` ``d``; a file or a dangling symlink is refused."""
     if d.is_symlink() and not d.exists():
         raise LrmoeError(f"--out {d} is a symlink to {os.readlink(d)}, which does not exist; "
                          "create that directory or give another --out")
@@ -104,9 +103,7 @@ def _foreign(d: Path, names: list[str]) -> LrmoeError:
 
 
 def check_bench_out(out: Path, reuse: bool) -> None:
-    """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only): a file,
-    someone else's files, a training run, a live run's directory, or an earlier run's
-    results without ``--reuse``."""
+    """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only)."""
     names = _names(out)
     if not names:
         return

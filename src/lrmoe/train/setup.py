@@ -73,9 +73,8 @@ def flags_fingerprint(cfg: TrainConfig) -> dict:
 
 def check_same_flags(cfg: TrainConfig, rank: int, world: int,
                      early: LrmoeError | None = None) -> None:
-    """Collective: raise on every rank (printed by rank 0) if any rank's flags or model
-    config differ from rank 0's, naming the first differing one and both values, or if
-    a rank's flags were refused before it joined (``early``)."""
+    """Collective: raise on every rank if any rank's flags or model config differ from rank
+    0's, or a rank's flags were refused before it joined (``early``)."""
     err, fp = None if early is None else str(early), {}
     try:
         if err is None:
@@ -133,9 +132,7 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
 
 def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     """Refuse, before anything is allocated, a model whose parameters, gradients and
-    optimizer state alone exceed the GPU's memory (CUDA) or the host's available memory
-    (shared by this host's ranks). Activations come on top, so a run that passes may
-    still run out of memory; one that fails could never run."""
+    optimizer state alone exceed the GPU's memory or the host's (activations come on top)."""
     import torch
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -173,8 +170,7 @@ def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
 
 def _write_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
                    need_bytes: int) -> None:
-    """Rank 0, holding the lock: re-check (another run may have written meanwhile), mark,
-    probe, write."""
+    """Rank 0, holding the lock: re-check (another run may have written meanwhile), write."""
     try:
         has_ck = bool(ckpt.checkpoint_dirs(run_dir))
         rundir.check_out(run_dir, cfg.resume, has_ck)

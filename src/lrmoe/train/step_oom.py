@@ -47,19 +47,15 @@ def _allocator_words(e: BaseException) -> tuple[str, str] | None:
 
 @dataclass
 class StepMemory:
-    """What the out-of-memory lines of one step name (built by :func:`step_memory`).
-
-    ``continue_with``: the ``lrmoe train`` arguments that continue this run (its
-    ``--out`` and ``--resume``); ``plan_args``: ``lrmoe plan``'s model and layout flags
-    for this run; ``intact``: where the last complete checkpoint is."""
+    """What the out-of-memory lines of one step name."""
 
     step: int  # 1-based
     micro_batches: int
     sequences: int  # a micro-batch's sequences on this rank
     seq_len: int
-    continue_with: list[str]
-    plan_args: list[str]
-    intact: str
+    continue_with: list[str]  # the lrmoe train arguments that continue this run
+    plan_args: list[str]  # lrmoe plan's model and layout flags for this run
+    intact: str  # where the last complete checkpoint is
     full_checkpoint: bool  # --activation-checkpoint full already
     exact: bool  # static / symi: --recompute is a fallback
     recompute: bool
@@ -103,8 +99,8 @@ class StepMemory:
 
 @contextlib.contextmanager
 def step_memory(mem: StepMemory, claim: Callable[[], None]) -> Iterator[StepMemory]:
-    """Turn an out-of-memory stop inside the block into one line (module docstring);
-    ``claim()`` is called before an error only this rank hit (its peers stay quiet)."""
+    """Turn an out-of-memory stop inside the block into one line; ``claim()`` is called
+    before an error only this rank hit (its peers stay quiet)."""
     try:
         yield mem
     except OutOfMemory as e:  # every rank plans alike: every rank raises it

@@ -31,10 +31,8 @@ class TensorBoardSink:
         for key, v in row.items():
             if _number(v) and key != "step":
                 self.w.add_scalar(f"{kind}/{key}", v, step)
-        if kind == "train":
-            self._moe(row, step)
-
-    def _moe(self, row: dict, step: int) -> None:
+        if kind != "train":
+            return
         for k, v in enumerate(row.get("expert_load_max_over_mean", [])):
             if _number(v):
                 self.w.add_scalar(f"moe{k}/expert_load_max_over_mean", v, step)

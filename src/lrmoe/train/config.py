@@ -23,8 +23,15 @@ from lrmoe.cli_flags import (
     policy_config,
     policy_fields,
 )
+from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
+from lrmoe.ledger import Ledger
+from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
+from lrmoe.model.moe import MoERuntime
+from lrmoe.parallel.groups import count_reducer
 from lrmoe.policy.registry import PolicyConfig
+from lrmoe.tokenizer import parse_tokenizer_spec
+from lrmoe.units import parse_bytes
 
 RUN_CONFIG = "config.json"  # a run directory's saved config (written by the trainer)
 RUN_FORMAT = "lrmoe-run-v1"
@@ -158,8 +165,6 @@ def check_join_flags(cfg: TrainConfig) -> None:
 
 def check_args(cfg: TrainConfig) -> None:
     """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
-    from lrmoe.tokenizer import parse_tokenizer_spec
-
     check_join_flags(cfg)
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         check_int(name, getattr(cfg, name), 1)
@@ -182,7 +187,6 @@ def check_args(cfg: TrainConfig) -> None:
     check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad":
                         cfg.router_grad, "mem_budget": cfg.mem_budget,
                         **flat_policy(cfg.policy, TRAIN)})
-    from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
     check_choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
     if cfg.compile and cfg.activation_checkpoint != "none":
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
@@ -256,7 +260,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
     """The model: ``--init-from``'s ``config.json``, or the preset's overridden by
     ``--config`` (replaced when it names another ``model_type``), with the tokenizer's
     ``vocab_size`` unless ``--config`` sets one; ``None`` when no flag gives one."""
-    from lrmoe.config import ModelConfig, read_config_json
     from lrmoe.presets import get_preset
 
     if cfg.init_from is not None:
@@ -292,9 +295,6 @@ def backward_options(cfg: TrainConfig):
 
 def build_runtime(cfg: TrainConfig, ctx, policy, ledger, generator):
     """The MoE layers' shared runtime."""
-    from lrmoe.model.moe import MoERuntime
-    from lrmoe.parallel.groups import count_reducer
-
     return MoERuntime(comm=ctx.comm(), policy=policy, backward=backward_options(cfg),
                       ledger=ledger, generator=generator, count_reduce=count_reducer(ctx),
                       dp_size=ctx.world // ctx.ep_size)
@@ -304,9 +304,6 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
     """The memory ledger for ``--mem-budget`` (``None`` without a budget)."""
     if cfg.mem_budget is None:
         return None
-    from lrmoe.ledger import Ledger
-    from lrmoe.units import parse_bytes
-
     dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
     return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype,
                             optimizer_offload=cfg.optimizer_offload,

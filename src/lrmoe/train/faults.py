@@ -14,7 +14,10 @@ import threading
 import time
 import traceback
 
+import torch.distributed as dist
+
 from lrmoe.errors import LrmoeError
+from lrmoe.train.checkpoint import latest_checkpoint
 
 _KEY = "lrmoe/fault"
 _GRACE_S = 5.0  # how long the reporter waits for the other survivors to check in
@@ -58,16 +61,12 @@ class Watch:
         counts even if a collective after it failed before this rank recorded it."""
         # a failure report must not fail: on any error, fall back to the record
         with contextlib.suppress(Exception):
-            from lrmoe.train.checkpoint import latest_checkpoint
-
             found = None if self.run_dir is None else latest_checkpoint(self.run_dir)
             if found is not None:
                 return str(found.path)
         return self.last_ckpt
 
     def _store(self):
-        import torch.distributed as dist
-
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set_timeout(datetime.timedelta(seconds=_GRACE_S + 5))

@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.loss_mask import IGNORE, loss_args
+from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import host_stats
+from lrmoe.parallel.groups import all_reduce_sum, count_reducer, init_parallel, shard_experts
 from lrmoe.policy.registry import make_policy
+from lrmoe.tokenizer import check_vocab
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
@@ -75,15 +81,11 @@ __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
-    from lrmoe.parallel.groups import all_reduce_sum
-
     return all_reduce_sum(t.to(ctx.device)).cpu()
 
 
 def _count_reducer(ctx):
     """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
-    from lrmoe.parallel.groups import count_reducer
-
     reduce = count_reducer(ctx)
     return None if reduce is None else (lambda c: reduce(c).to(c.device))
 
@@ -107,8 +109,6 @@ def evaluate(model, batches: list[torch.Tensor], ctx, autocast) -> tuple[float, 
     """Mean token cross entropy over ``batches`` (summed over ranks): ``(loss, tokens)``."""
     was = model.training
     model.eval()
-    from lrmoe.loss_mask import IGNORE, loss_args
-
     tot = torch.zeros(2, dtype=torch.float64)
     for b in batches:
         inputs, targets, _ = loss_args(b.to(ctx.device))  # masked targets: not counted
@@ -268,10 +268,6 @@ def _run(cfg: TrainConfig | Any) -> dict:
     if cfg.threads and early is None:
         torch.set_num_threads(cfg.threads)
 
-    import torch.distributed as dist
-
-    from lrmoe.parallel.groups import init_parallel
-
     we_init = not (dist.is_available() and dist.is_initialized())
     stops = StopSignals().install()  # SIGTERM/SIGUSR1: stop at a step boundary
     ctx, agreed = None, False
@@ -348,9 +344,7 @@ class _Inputs:
 
 def _check(cfg: TrainConfig, ctx) -> _Inputs:
     """Step 1: read and check everything; nothing is written yet."""
-    from lrmoe.config import ModelConfig
     from lrmoe.data import validation_batches
-    from lrmoe.tokenizer import check_vocab
 
     run_dir = Path(cfg.out)
     mcfg = resolve_model_config(cfg, vocab_size=None)  # structure errors before slow work
@@ -434,8 +428,6 @@ def _new_model(cfg: TrainConfig, ctx, inp: _Inputs):
     """This rank's model (experts sharded) and, with ``--init-from``, what it read; weights a
     checkpoint fills are never initialised, and no rank builds the whole model then."""
     from lrmoe.hf_load import empty_model, load_owned
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.parallel.groups import shard_experts
 
     if inp.hf is None and inp.ck is None:
         model = MoEForCausalLM(inp.mcfg)

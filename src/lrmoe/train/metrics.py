@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from lrmoe.train.checkpoint import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 
 # Per-rank counters (rank_summary's name -> the layer row's), by how ranks combine
@@ -179,8 +181,6 @@ def read_metrics(path: str | os.PathLike, torn: list[int] | None = None) -> list
 def truncate_metrics(path: str | os.PathLike, step: int) -> list[int]:
     """Drop rows after ``step`` (a resumed run rewrites them) and torn rows, atomically;
     returns the line numbers of the torn rows dropped."""
-    from lrmoe.train.checkpoint import atomic_write_text
-
     p = Path(path)
     if not p.exists():
         return []

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from lrmoe.errors import require
+from lrmoe.parallel.groups import expert_grad_finish, is_expert_param
 from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
 
 HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
@@ -231,8 +232,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
 def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | None:
     """What the trainer runs before a step's last backward: arm the host offload's sends;
     ``None`` without a pipelined offload, or under DP x EP (sent after the sync)."""
-    from lrmoe.parallel.groups import expert_grad_finish
-
     if not isinstance(opt, HostOffloadAdamW) or not opt.pipelined:
         return None
     finish = expert_grad_finish(ctx)
@@ -248,6 +247,4 @@ def presynced(opt: torch.optim.Optimizer) -> frozenset[int]:
 
 def offloaded_params(model: torch.nn.Module) -> list[Tensor]:
     """The parameters ``--optimizer-offload host`` puts in host memory: the experts'."""
-    from lrmoe.parallel.groups import is_expert_param
-
     return [p for n, p in model.named_parameters() if p.requires_grad and is_expert_param(n)]

@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.ledger import DTYPE_BYTES
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
@@ -25,8 +29,6 @@ def all_gather(obj: Any, world: int) -> list:
     """One ``obj`` per rank (``[obj]`` on one process)."""
     if world == 1:
         return [obj]
-    import torch.distributed as dist
-
     out: list = [None] * world
     dist.all_gather_object(out, obj)
     return out
@@ -100,8 +102,6 @@ def leave_process_group(agreed: bool) -> None:
     """Leave the job's process group, if joined: after an error every rank raised alike
     (``agreed``) a barrier first, so no rank tears down a connection a peer still uses (a
     process exiting with the group alive can abort in C++ at exit)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     if agreed:
@@ -116,7 +116,6 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a
     parameter (experts 1/``ep_size``); with ``offload`` the experts' state on the host."""
-    from lrmoe.ledger import DTYPE_BYTES
     from lrmoe.presets import param_breakdown, param_counts
     from lrmoe.step_ledger import host_state, offloaded_numels
 
@@ -133,8 +132,6 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
 def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     """Refuse, before anything is allocated, a model whose parameters, gradients and
     optimizer state alone exceed the GPU's memory or the host's (activations come on top)."""
-    import torch
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     on_host = "the host has available (MemAvailable)" + (
         f", for its {local} ranks" if local > 1 else "")

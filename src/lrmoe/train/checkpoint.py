@@ -344,7 +344,8 @@ def checkpoint_metadata(ck: Checkpoint) -> dict:
         raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
 
 
-def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str, hint: str = "") -> None:
+def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str = "cannot be loaded",
+          hint: str = "; delete it to resume from an earlier checkpoint") -> None:
     """Load ``state`` in place: tensors are copied into, objects replaced (our keys are
     flat, so both flattening passes are off and the planner writes into ``state``)."""
     try:
@@ -355,13 +356,7 @@ def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str, hint: str
                      no_dist=not distributed)
     except (Exception, CheckpointException) as e:  # DCP wraps the reader's error (EOFError...)
         raise LrmoeError(f"checkpoint {ck.path} {failed} ({_cause(e)}){hint}") from None
-
-
-def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
-    """:func:`_read` of a checkpoint's trainer state and what it resumes."""
-    _read(ck, state, distributed, "cannot be loaded",
-          "; delete it to resume from an earlier checkpoint")
-    if state.get(ckpt_state.TRAINER) is None:
+    if ckpt_state.TRAINER in state and state[ckpt_state.TRAINER] is None:
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
 
@@ -378,7 +373,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
     except LrmoeError as e:
         err = str(e)
     _agree(err, all_gather or _alone)  # every rank enters the collective load, or none
-    _dcp_load(ck, tpl.dict, distributed=all_gather is not None)
+    _read(ck, tpl.dict, distributed=all_gather is not None)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:
         opt.load_state_dict(tpl.optimizer_state())
@@ -410,7 +405,7 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
              if k.startswith("model/")}
     state[ckpt_state.TRAINER] = None
-    _dcp_load(ck, state, distributed=False)
+    _read(ck, state, distributed=False)
     trainer = state.pop(ckpt_state.TRAINER)
     out: dict[str, Any] = {}
     rows: dict[str, dict[int, torch.Tensor]] = {}
@@ -430,5 +425,5 @@ def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
     """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes."""
     md = checkpoint_metadata(ck) if metadata is None else metadata
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
-    _read(ck, state, False, "cannot be read")
+    _read(ck, state, False, "cannot be read", "")
     return state

@@ -268,7 +268,6 @@ def probe_writable(d: Path, need_bytes: int = 0, leftovers: list[Path] = ()) -> 
     if need_bytes:
         free = shutil.disk_usage(d).free
         if free < need_bytes:
-            raise LrmoeError(os_error_line(
-                OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, one checkpoint needs "
-                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in")
-                + _held_by(list(leftovers)))
+            raise LrmoeError(f"not enough space in {d}: {free / 2**20:.1f} MiB free, one "
+                             f"checkpoint needs about {need_bytes / 2**20:.1f} MiB"
+                             + _held_by(list(leftovers)))

@@ -247,11 +247,6 @@ class HostPipeline:
         self.times.d2h_ms, self.times.h2d_ms = ms["d2h"], ms["h2d"]
         return ms
 
-    def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's scratch and ring (before the pinned allocator's rounding)."""
-        return sum(t.numel() * t.element_size()
-                   for t in ([self._scratch] if self._scratch is not None else []) + self._ring)
-
 
 def _worker_init(device: torch.device | None, threads: int) -> None:
     """The worker's CUDA device and intra-op threads: the step's own."""

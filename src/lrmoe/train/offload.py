@@ -75,9 +75,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
             return self._host_empty(like)
         return torch.zeros(like.shape, dtype=torch.float32, device=self._host_dev)
 
-    def staging_bytes(self) -> int:
-        return 0 if self._pipe is None else self._pipe.staging_bytes()
-
     def _refresh_masters(self) -> None:
         """fp32 host masters: a loaded ``master``, else a copy of the device parameter; a parameter
         that is its own master takes a loaded master's values."""

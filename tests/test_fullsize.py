@@ -17,6 +17,7 @@ from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
 from lrmoe.step_ledger import StepLedger, pinned_bytes
 from lrmoe.train.host_pipe import HOST_CHUNK, RING, HostPipeline
+from references.offload_adamw import staging_bytes
 
 
 def _category(name: str) -> str:
@@ -100,7 +101,7 @@ def test_offload_split_is_what_the_trainer_allocates():
     got_host = {"masters": _tensor_bytes(state(host, ("master",))),
                 "moments": _tensor_bytes(state(host, ("exp_avg", "exp_avg_sq"))),
                 "grad_buffer": _tensor_bytes(opt._grad_buf.values()),
-                "pipeline_staging": opt.staging_bytes()}
+                "pipeline_staging": staging_bytes(opt)}
     assert all(b.dtype == torch.bfloat16 for b in opt._grad_buf.values())  # as computed
     # on the CPU nothing is pinned: every host tensor at its exact size
     led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16",
@@ -110,7 +111,7 @@ def test_offload_split_is_what_the_trainer_allocates():
     # nothing else: every state tensor but AdamW's step counters is in one of the terms
     every = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
     assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) + \
-        opt.staging_bytes() == sum(led["host"].values()) + got_gpu["adam_moments"]
+        staging_bytes(opt) == sum(led["host"].values()) + got_gpu["adam_moments"]
     # device offload: everything fp32 on the GPU, 16 bytes a parameter, nothing on the host
     d = StepLedger(cfg, optimizer_offload="device", compute_dtype="bf16").state()
     assert sum(d["gpu"].values()) == 16 * sum(p.numel() for p in params)

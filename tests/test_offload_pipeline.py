@@ -28,7 +28,7 @@ from lrmoe.train.offload import (
     presynced,
 )
 from lrmoe.train.optim import param_groups
-from references.offload_adamw import SerialHostOffloadAdamW
+from references.offload_adamw import SerialHostOffloadAdamW, staging_bytes
 
 VOCAB = get_preset("tiny-qwen3").vocab_size
 BF16 = torch.bfloat16
@@ -148,7 +148,7 @@ def test_host_state_is_bf16_gradients_and_a_chunk_of_scratch():
     experts = offloaded_params(model)
     assert {id(p) for p in experts} == set(opt._grad_buf)
     assert all(opt._grad_buf[id(p)].dtype == BF16 for p in experts)
-    assert opt.staging_bytes() == 4 * 256
+    assert staging_bytes(opt) == 4 * 256
 
 
 def test_chunk_must_keep_the_kernel_vectors_whole():

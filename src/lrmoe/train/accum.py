@@ -1,7 +1,5 @@
 """One optimizer step, as ``lrmoe train`` and ``lrmoe bench ttl`` both run it: N
-micro-batches accumulated (:func:`accumulate`), then one update (:func:`update`). The
-scaling, the load-balancing loss per micro-batch and what runs once per step:
-docs/design.md §7, "Gradient accumulation".
+micro-batches accumulated, then one update (docs/design.md §7, "Gradient accumulation").
 """
 
 from __future__ import annotations
@@ -18,18 +16,15 @@ from lrmoe.loss_mask import loss_args
 def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
                autocast=None, on_micro: Callable[[int, Tensor | None], None] | None = None,
                before_last_backward: Callable[[], None] | None = None) -> Tensor:
-    """Forward and backward ``n`` micro-batches into the parameters' ``.grad``.
+    """Forward and backward ``n`` micro-batches, adding into the parameters' ``.grad``;
+    returns ``[lm, objective]`` summed over them (detached, fp32).
 
-    ``micro_batch(m) -> int64 [b, L + 1]`` gives micro-batch ``m`` (inputs ``[:, :-1]``,
-    targets ``[:, 1:]``), or a :class:`~lrmoe.loss_mask.MaskedBatch` (fine-tuning rows:
-    its loss is its trained targets' share of the step's, so the scaling above stays
-    exact with unequal counts). Returns ``[lm, objective]`` summed over the micro-batches
-    (detached, fp32, on the model's device): divide by ``n`` for the step's mean.
-    Gradients add to what ``.grad`` holds (zero it before the step). ``on_micro(m,
-    None)`` is called before micro-batch ``m`` and ``on_micro(m, pair)`` after its
-    backward (``pair``: its ``[lm, objective]``), e.g. to time it.
-    ``before_last_backward`` runs just before the last backward, the one that leaves
-    each gradient final (the host offload arms its early sends there).
+    ``micro_batch(m)`` gives micro-batch ``m``: ``int64 [b, L + 1]``, or a
+    :class:`~lrmoe.loss_mask.MaskedBatch` (its loss is its trained targets' share of the
+    step's, so the scaling stays exact with unequal counts). ``on_micro(m, None)`` runs
+    before micro-batch ``m``, ``on_micro(m, pair)`` after its backward.
+    ``before_last_backward`` runs before the backward that leaves each gradient final
+    (the host offload arms its early sends there).
     """
     sums = None
     # the expert weights cast once, instance weights moved once per placement
@@ -57,11 +52,9 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
 
 def update(model: nn.Module, opt, sched, clip: float, ctx,
            check_norm: Callable[[float], None] | None = None, reduce=None) -> tuple[float, list]:
-    """The step's update after :func:`accumulate`: gradient sync over the data-parallel
-    ranks, clipping by the global norm (the host optimizer scales its own copies), the
-    optimizer and the schedule, and the step's router counts closed
-    (``model.end_step``). ``check_norm(norm)`` may refuse the update (raise) before the
-    weights change. Returns ``(norm before clipping, per MoE layer the step's counts)``."""
+    """The step's update after :func:`accumulate`: gradient sync, clipping, optimizer,
+    schedule, router counts closed. ``check_norm(norm)`` may refuse the update (raise)
+    before the weights change. Returns ``(norm before clipping, per-layer counts)``."""
     from lrmoe.parallel.groups import clip_grad_norm, sync_grads
     from lrmoe.train.offload import presynced
 

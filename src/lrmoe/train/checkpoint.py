@@ -1,13 +1,7 @@
 """Checkpoints: one directory per step, written with ``torch.distributed.checkpoint``
 (DCP) under world-size-independent keys (:mod:`.ckpt_state`), a hashed manifest, an
-atomic rename last.
-
-Layout (``RUN/checkpoints/ckpt-00000300/``): DCP's ``.metadata`` and ``__R_F_0.distcp``
-files (each key written by one rank, files of at most 1 GiB: :mod:`.ckpt_write`), and
-``manifest.json`` (format, step, the writing world and EP size, each file's SHA-256).
-Every rank writes into ``.ckpt-00000300.tmp``, which rank 0 renames once the manifest is
-in; files are checked against the manifest before anything is read. What a resume at
-another world or EP size restores: docs/design.md §7.
+atomic rename last. The layout and what a resume at another world or EP size restores:
+docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for
@@ -82,24 +78,21 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _agree(err: str | None, all_gather: Gather | None) -> None:
+def _alone(obj: Any) -> list:
+    """The all-gather of one process."""
+    return [obj]
+
+
+def _agree(err: str | None, gather: Gather, kind: type = LrmoeError) -> None:
     """Raise the first rank's error on every rank (collective when distributed)."""
-    errs = all_gather(err) if all_gather is not None else [err]
-    for e in errs:
+    for e in gather(err):
         if e:
-            raise LrmoeError(e)
+            raise kind(e)
 
 
 class CheckpointWriteError(LrmoeError):
-    """A checkpoint save failed (a full disk, a quota, a file-size limit...). ``local``:
-    only this rank hit it (the other ranks did not); otherwise every rank raises it alike
-    (DCP's write step is collective)."""
-
-
-def _dcp_failure() -> type[BaseException]:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
+    """A checkpoint save failed (a full disk, a quota...). ``local``: only this rank hit it;
+    otherwise every rank raises it alike (DCP's write step is collective)."""
 
 
 def _cause(e: BaseException) -> str:
@@ -167,29 +160,26 @@ def _step_of(d: Path) -> int | None:
         return None
 
 
+def _entries(run_dir: str | os.PathLike) -> list[Path]:
+    root = ckpt_root(run_dir)
+    return list(root.iterdir()) if root.is_dir() else []
+
+
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Every ``ckpt-*`` directory (complete or not), by step."""
-    root = ckpt_root(run_dir)
-    if not root.is_dir():
-        return []
-    out = [(s, d) for d in root.iterdir() if (s := _step_of(d)) is not None]
-    return sorted(out)
+    return sorted((s, d) for d in _entries(run_dir) if (s := _step_of(d)) is not None)
 
 
 def partial_dirs(run_dir: str | os.PathLike) -> list[Path]:
     """Interrupted saves (``.ckpt-*.tmp``)."""
-    root = ckpt_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir()
+    return sorted(d for d in _entries(run_dir)
                   if d.name.startswith("." + PREFIX) and d.name.endswith(PARTIAL))
 
 
 # ----------------------------------------------------------------------------- manifest
 @dataclass
 class Checkpoint:
-    """A complete checkpoint: its directory, step, manifest, and why newer directories
-    were passed over (``notes``)."""
+    """A complete checkpoint; ``notes``: why newer directories were passed over."""
 
     path: Path
     step: int
@@ -198,12 +188,10 @@ class Checkpoint:
 
     @property
     def world(self) -> int:
-        """World size of the run that wrote it."""
         return int(self.manifest["world"])
 
     @property
     def ep_size(self) -> int:
-        """EP size of the run that wrote it."""
         return int(self.manifest["ep_size"])
 
     @property
@@ -211,8 +199,7 @@ class Checkpoint:
         return [self.path / n for n in sorted(self.manifest["files"])]
 
     def describe(self) -> str:
-        """One line: which checkpoint is used, written by which layout, and what was
-        skipped (and why)."""
+        """One line: which checkpoint is used, written by which layout, what was skipped."""
         s = (f"resuming from {self.path} (step {self.step}, written by world size "
              f"{self.world} with --ep {self.ep_size})")
         return s + ("; " + "; ".join(self.notes) if self.notes else "")
@@ -252,8 +239,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
 
 
 def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
-    """Check presence, size and SHA-256 of this rank's share of the checkpoint's files
-    (file ``i`` is checked by rank ``i % world``; every file when ``world`` is 1)."""
+    """Check presence, size and SHA-256 of this rank's share of the files (``i % world``)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
     for i, p in enumerate(ck.files):
         if i % world != rank:
@@ -274,25 +260,18 @@ def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, trainer: dict,
                     rng: dict, rank: int, world: int, ep_size: int,
                     all_gather: Gather | None = None, keep: int = 0) -> Path:
-    """Write a checkpoint collectively; returns its directory.
-
-    ``trainer`` is the global state (rank 0's is kept), ``rng`` this rank's RNG states.
-    ``all_gather(obj) -> list`` collects one object per rank and orders the steps;
-    ``None`` on one process. ``keep`` > 0 keeps only the newest ``keep`` checkpoints.
-    """
-    import torch.distributed.checkpoint as dcp
-
+    """Write a checkpoint collectively; returns its directory. ``trainer`` is the global
+    state (rank 0's is kept), ``rng`` this rank's RNG states; ``all_gather`` is ``None``
+    on one process; ``keep`` > 0 keeps only the newest ``keep`` checkpoints."""
     tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
-    err = None
+    gather, err = all_gather or _alone, None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
         try:
             tmp.mkdir(parents=True)
         except OSError as e:  # a failure every rank sees: each raises it at the barrier
             err = str(_write_failed(e, tmp, rank, local=False))
-    errs = all_gather(err) if all_gather is not None else [err]
-    if errs[0]:
-        raise CheckpointWriteError(errs[0])
+    _agree(err, gather, CheckpointWriteError)
     # one copy of the global state: rank 0's (ranks differ only in timings)
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
     try:
@@ -301,22 +280,19 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
                      planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=all_gather is None)
-    except (_dcp_failure(), OSError) as e:  # DCP raises it on every rank alike
+    except (CheckpointException, OSError) as e:  # DCP raises it on every rank alike
         raise _write_failed(e, tmp, rank, local=False) from None
     try:
-        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, all_gather,
-                     keep)
+        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, gather, keep)
     except OSError as e:  # this rank's own write or read (a manifest, a hash, a rename)
         raise _write_failed(e, tmp, rank, local=True) from None
     return final
 
 
 def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank: int,
-                 world: int, ep_size: int, all_gather: Gather | None, keep: int) -> None:
+                 world: int, ep_size: int, gather: Gather, keep: int) -> None:
     """Hash the files (each rank a share), write the manifest, rename into place."""
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    if all_gather is not None:
-        names = all_gather(names)[0]
+    names = gather(sorted(p.name for p in tmp.iterdir() if p.is_file()))[0]
     mine, err = {}, None
     for i, name in enumerate(names):
         if i % world == rank:
@@ -326,8 +302,8 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
                        f"rank {rank}: --out must be on a filesystem every rank shares")
                 break
             mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    entries = all_gather((mine, err)) if all_gather is not None else [(mine, err)]
-    _agree(next((e for _, e in entries if e), None), None)
+    entries = gather((mine, err))
+    _agree(next((e for _, e in entries if e), None), _alone)
     if rank == 0:
         files = {k: v for m, _ in entries for k, v in m.items()}
         manifest = {"format": FORMAT, "step": step, "world": world, "ep_size": ep_size,
@@ -343,8 +319,7 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
             shutil.rmtree(p, ignore_errors=True)
         if keep > 0:
             prune(run_dir, keep)
-    if all_gather is not None:
-        all_gather(None)
+    gather(None)  # the barrier: no rank goes on before the rename
 
 
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
@@ -363,34 +338,25 @@ def prune(run_dir: str | os.PathLike, keep: int) -> None:
 # ----------------------------------------------------------------------------- load
 def checkpoint_metadata(ck: Checkpoint) -> dict:
     """Every key of a checkpoint: ``{key: TensorStorageMetadata | BytesStorageMetadata}``."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         return dcp.FileSystemReader(str(ck.path)).read_metadata().state_dict_metadata
-    except (Exception, _dcp_failure()) as e:  # the checksum passed: a format problem
+    except (Exception, CheckpointException) as e:  # the checksum passed: a format problem
         raise LrmoeError(f"checkpoint {ck.path} cannot be read ({_cause(e)})") from None
 
 
-def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str, hint: str = "") -> None:
+def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str = "cannot be loaded",
+          hint: str = "; delete it to resume from an earlier checkpoint") -> None:
     """Load ``state`` in place: tensors are copied into, objects replaced (our keys are
     flat, so both flattening passes are off and the planner writes into ``state``)."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         with _one_process_is_fine():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(ck.path)),
                      planner=dcp.DefaultLoadPlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
                      no_dist=not distributed)
-    except (Exception, _dcp_failure()) as e:  # DCP wraps the reader's error (EOFError...)
+    except (Exception, CheckpointException) as e:  # DCP wraps the reader's error (EOFError...)
         raise LrmoeError(f"checkpoint {ck.path} {failed} ({_cause(e)}){hint}") from None
-
-
-def _dcp_load(ck: Checkpoint, state: dict, distributed: bool) -> None:
-    """:func:`_read` of a checkpoint's trainer state and what it resumes."""
-    _read(ck, state, distributed, "cannot be loaded",
-          "; delete it to resume from an earlier checkpoint")
-    if state.get(ckpt_state.TRAINER) is None:
+    if ckpt_state.TRAINER in state and state[ckpt_state.TRAINER] is None:
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
 
@@ -398,8 +364,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                     world: int, ep_size: int, device: torch.device, seed: int,
                     all_gather: Gather | None = None) -> dict:
     """Load a (verified) checkpoint into freshly built objects at any world / EP size;
-    returns the trainer state (``progress``, ``data``, ...). Collective when
-    ``all_gather`` is given."""
+    returns the trainer state. Collective when ``all_gather`` is given."""
     same = (ck.world, ck.ep_size) == (world, ep_size)
     err, tpl = None, None
     try:
@@ -407,8 +372,8 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                                   str(ck.path))
     except LrmoeError as e:
         err = str(e)
-    _agree(err, all_gather)  # every rank enters the collective load, or none
-    _dcp_load(ck, tpl.dict, distributed=all_gather is not None)
+    _agree(err, all_gather or _alone)  # every rank enters the collective load, or none
+    _read(ck, tpl.dict, distributed=all_gather is not None)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:
         opt.load_state_dict(tpl.optimizer_state())
@@ -433,14 +398,14 @@ def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
 
 
 def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
-    """The whole (single-process) model state of a checkpoint and its trainer state,
-    read on one process (files verified first): expert rows stacked by global id."""
+    """The whole model state of a checkpoint (expert rows stacked by global id) and its
+    trainer state, read on one process."""
     verify_files(ck)
     md = checkpoint_metadata(ck)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
              if k.startswith("model/")}
     state[ckpt_state.TRAINER] = None
-    _dcp_load(ck, state, distributed=False)
+    _read(ck, state, distributed=False)
     trainer = state.pop(ckpt_state.TRAINER)
     out: dict[str, Any] = {}
     rows: dict[str, dict[int, torch.Tensor]] = {}
@@ -457,9 +422,8 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
 
 def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
                  ) -> dict[str, torch.Tensor]:
-    """Tensors ``keys`` of a (verified) checkpoint, read on one process into new CPU
-    tensors: only their bytes are read (``metadata``: :func:`checkpoint_metadata`'s)."""
+    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes."""
     md = checkpoint_metadata(ck) if metadata is None else metadata
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
-    _read(ck, state, False, "cannot be read")
+    _read(ck, state, False, "cannot be read", "")
     return state

@@ -1,9 +1,6 @@
-"""What a checkpoint holds, under keys that do not depend on the world or EP size.
-
-One flat dict for DCP: ``model/NAME`` (replicated), ``model/NAME/eID`` (global expert
-``ID``'s row), ``optim/NAME/KEY[/eID]`` (AdamW state), ``trainer`` (one global object)
-and ``rng/rankRRRRR`` (per rank). A rank writes and reads exactly the experts it owns, so
-a checkpoint loads at any EP size (docs/design.md §7).
+"""What a checkpoint holds, under keys that do not depend on the world or EP size: one
+flat dict for DCP, ``model/NAME``, ``model/NAME/eID`` (global expert ``ID``'s row),
+``optim/NAME/KEY[/eID]``, ``trainer`` and ``rng/rankRRRRR`` (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -65,11 +62,8 @@ def state_to_save(model: nn.Module, opt: torch.optim.Optimizer, trainer: dict | 
 # ----------------------------------------------------------------------------- load
 class Template:
     """The flat dict to load into this rank's objects, checked against the checkpoint's
-    metadata (``{key: TensorStorageMetadata | BytesStorageMetadata}``).
-
-    Model keys are views of the live parameters (DCP copies into them in place);
-    optimizer state goes into fresh tensors that :meth:`optimizer_state` hands to
-    ``opt.load_state_dict``.
+    metadata. Model keys are views of the live parameters (DCP copies into them in
+    place); optimizer state goes into fresh tensors for ``opt.load_state_dict``.
     """
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, saved: dict,

@@ -1,7 +1,6 @@
 """The checkpoint's file writer: DCP's, with each rank's items cut, in order, into files of
 at most :data:`FILE_BYTES`, so that a save stages one file's tensors in host memory at a
-time (DCP's writer keeps what it staged for a file until the file closes). The files are
-plain DCP files any reader loads (docs/design.md §7).
+time (DCP's writer keeps what it staged for a file until the file closes).
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ def item_bytes(item) -> int:
 
 
 def files_of(items: list, limit: int, nbytes=item_bytes) -> list[list]:
-    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone;
-    ``nbytes(item)``: its bytes)."""
+    """``items`` in order, cut into runs of at most ``limit`` bytes (a larger item alone)."""
     files: list[list] = []
     held = limit + 1  # the first item opens a file
     for item in items:
@@ -38,9 +36,8 @@ def files_of(items: list, limit: int, nbytes=item_bytes) -> list[list]:
 
 
 class BoundedFileWriter(FileSystemWriter):
-    """A ``FileSystemWriter`` (one thread, fsync'd files) whose rank ``r`` writes
-    ``__r_K_0.distcp`` for K = 0, 1, ..., each of at most ``file_bytes`` of tensors
-    (:data:`FILE_BYTES` when None), one file after another."""
+    """A ``FileSystemWriter`` whose rank ``r`` writes ``__r_K_0.distcp`` for K = 0, 1, ...,
+    one after another, each of at most ``file_bytes`` of tensors."""
 
     def __init__(self, path: str, file_bytes: int | None = None):
         super().__init__(path, single_file_per_rank=True, thread_count=1)

@@ -1,8 +1,5 @@
-"""Training configuration: the fields, their checks, and what they resolve to.
-
-``TrainConfig`` holds every ``lrmoe train`` option, ``check_args`` validates them, and the
-``build_*`` functions and :func:`resolve_model_config` are the one place the model
-config, planner, backward options, MoE runtime and ledger are made from them.
+"""Training configuration: every ``lrmoe train`` option (``TrainConfig``), its checks, and
+the one place the model config, backward options, MoE runtime and ledger are made from it.
 """
 
 from __future__ import annotations
@@ -26,8 +23,15 @@ from lrmoe.cli_flags import (
     policy_config,
     policy_fields,
 )
+from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
+from lrmoe.ledger import Ledger
+from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
+from lrmoe.model.moe import MoERuntime
+from lrmoe.parallel.groups import count_reducer
 from lrmoe.policy.registry import PolicyConfig
+from lrmoe.tokenizer import parse_tokenizer_spec
+from lrmoe.units import parse_bytes
 
 RUN_CONFIG = "config.json"  # a run directory's saved config (written by the trainer)
 RUN_FORMAT = "lrmoe-run-v1"
@@ -37,10 +41,8 @@ DIVERGENCE_WARMUP = 1  # steps that set the running minimum before it is checked
 # ----------------------------------------------------------------------------- config
 @dataclass
 class TrainConfig:
-    """Everything ``lrmoe train`` takes: one field per flag (``--batch-size`` ->
-    ``batch_size``), the policy's flags nested in :attr:`policy` (``--lrmoe-min-keep`` ->
-    ``policy.lrmoe.min_keep``; :mod:`lrmoe.cli_flags` maps the flat names); see ``lrmoe
-    train -h`` for each one's meaning."""
+    """Everything ``lrmoe train`` takes: one field per flag, the policy's nested in
+    :attr:`policy` (:mod:`lrmoe.cli_flags` maps the flat names); see ``lrmoe train -h``."""
 
     preset: str | None = None
     config: str | None = None
@@ -84,9 +86,8 @@ class TrainConfig:
 
     @classmethod
     def from_flat(cls, values: dict | None = None, /, **kw) -> TrainConfig:
-        """A config from flat names (the flags' destinations, the keys of a run's
-        ``config.json``): ``policy="lrmoe", lrmoe_min_keep=0.8`` nest into
-        :attr:`policy`; a bad policy value raises naming its flag."""
+        """A config from flat names (``policy="lrmoe", lrmoe_min_keep=0.8`` nest into
+        :attr:`policy`); a bad policy value raises naming its flag."""
         flat = {**(values or {}), **kw}
         pol = {k: flat.pop(k) for k in POLICY_FLAT if k in flat}
         return cls(policy=policy_config(pol), **flat)
@@ -129,11 +130,8 @@ def default_out(cfg: TrainConfig) -> str | None:
 
 
 def config_from_cli(given: dict) -> TrainConfig:
-    """A :class:`TrainConfig` from the flags actually given (``argparse.SUPPRESS``).
-
-    With ``resume`` the run's saved arguments (``RUN/config.json``) fill every flag
-    not given, so ``lrmoe train --out runs/x --resume`` continues the run as it was.
-    """
+    """A :class:`TrainConfig` from the flags actually given (``argparse.SUPPRESS``); with
+    ``resume`` the run's ``config.json`` fills every flag not given."""
     names = set(FLAT_NAMES)
     given = {k: v for k, v in given.items() if k not in ("func", "command")}
     unknown = sorted(set(given) - names)
@@ -154,53 +152,48 @@ def config_from_cli(given: dict) -> TrainConfig:
 
 
 SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed
-_int, _num, _choice = check_int, check_num, check_choice
 
 
 def check_join_flags(cfg: TrainConfig) -> None:
-    """The flags joining a torchrun job reads: ``--ep``, ``--device``, ``--backend``,
-    ``--timeout-s``."""
-    _int("ep", cfg.ep, 1)
-    _choice("device", cfg.device, ("cpu", "cuda"))
+    """The flags joining a torchrun job reads."""
+    check_int("ep", cfg.ep, 1)
+    check_choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.backend is not None:  # None = the device's default
-        _choice("backend", cfg.backend, ("gloo", "nccl"))
-    _num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
+        check_choice("backend", cfg.backend, ("gloo", "nccl"))
+    check_num("timeout_s", cfg.timeout_s, 0.0, open_low=True)
 
 
 def check_args(cfg: TrainConfig) -> None:
     """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
-    from lrmoe.tokenizer import parse_tokenizer_spec
-
     check_join_flags(cfg)
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
-        _int(name, getattr(cfg, name), 1)
+        check_int(name, getattr(cfg, name), 1)
     for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every"):
-        _int(name, getattr(cfg, name), 0)
+        check_int(name, getattr(cfg, name), 0)
     check_tokens_read(cfg.steps, cfg.grad_accum, cfg.batch_size, cfg.seq_len)
-    _int("seed", cfg.seed, 0, high=SEED_MAX)
-    _int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
-    _int("stop_after", cfg.stop_after, 1, allow_none=True)
-    _int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
-    _num("lr", cfg.lr, 0.0, open_low=True)
-    _num("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
-    _num("weight_decay", cfg.weight_decay, 0.0)
-    _num("router_lr_scale", cfg.router_lr_scale, 0.0, open_low=True)
-    _num("clip", cfg.clip, 0.0)
-    _num("divergence_factor", cfg.divergence_factor, 0.0)
+    check_int("seed", cfg.seed, 0, high=SEED_MAX)
+    check_int("threads", cfg.threads, 1, allow_none=True, high=4 * (os.cpu_count() or 1))
+    check_int("stop_after", cfg.stop_after, 1, allow_none=True)
+    check_int("max_data_bytes", cfg.max_data_bytes, 1, allow_none=True)
+    check_num("lr", cfg.lr, 0.0, open_low=True)
+    check_num("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
+    check_num("weight_decay", cfg.weight_decay, 0.0)
+    check_num("router_lr_scale", cfg.router_lr_scale, 0.0, open_low=True)
+    check_num("clip", cfg.clip, 0.0)
+    check_num("divergence_factor", cfg.divergence_factor, 0.0)
     if 0 < cfg.divergence_factor <= 1:
         raise LrmoeError(f"--divergence-factor {cfg.divergence_factor!r} must be > 1 (a multiple "
                          "of the loss's running minimum), or 0 to disable the check")
     check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad":
                         cfg.router_grad, "mem_budget": cfg.mem_budget,
                         **flat_policy(cfg.policy, TRAIN)})
-    from lrmoe.model.checkpoint import MODES as CHECKPOINT_MODES
-    _choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
+    check_choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
     if cfg.compile and cfg.activation_checkpoint != "none":
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "
                          "is not supported (the checkpointed blocks hold the MoE layers' "
                          "graph breaks); drop one of them")
     if cfg.log is not None:  # --log tensorboard needs the optional tensorboard package
-        _choice("log", cfg.log, ("tensorboard",))
+        check_choice("log", cfg.log, ("tensorboard",))
         if importlib.util.find_spec("tensorboard") is None:
             raise LrmoeError("--log tensorboard needs the tensorboard package: pip install "
                              "'lrmoe[tensorboard]'")
@@ -253,8 +246,7 @@ def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
 
 
 def data_reuse_warning(cfg: TrainConfig, num_windows: int) -> str | None:
-    """A warning when one optimizer step reads more sequences than the training data
-    holds windows (each step then sees every window more than once)."""
+    """A warning when one optimizer step reads more sequences than the training data holds."""
     per_step = cfg.grad_accum * cfg.batch_size
     if per_step <= num_windows:
         return None
@@ -265,11 +257,9 @@ def data_reuse_warning(cfg: TrainConfig, num_windows: int) -> str | None:
 
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int | None):
-    """The model: ``--init-from``'s ``config.json`` (read as HF reads it), or the
-    preset's HF dict, overridden by ``--config`` (replaced when the config names another
-    ``model_type``). ``vocab_size`` (the tokenizer's) is used unless ``--config`` sets
-    one (never for ``--init-from``). ``None`` when no flag gives one (a resume)."""
-    from lrmoe.config import ModelConfig, read_config_json
+    """The model: ``--init-from``'s ``config.json``, or the preset's overridden by
+    ``--config`` (replaced when it names another ``model_type``), with the tokenizer's
+    ``vocab_size`` unless ``--config`` sets one; ``None`` when no flag gives one."""
     from lrmoe.presets import get_preset
 
     if cfg.init_from is not None:
@@ -304,11 +294,7 @@ def backward_options(cfg: TrainConfig):
 
 
 def build_runtime(cfg: TrainConfig, ctx, policy, ledger, generator):
-    """The MoE layers' shared runtime: the planner, :func:`backward_options`, the ledger
-    and the parallel context's EP group and count reduction."""
-    from lrmoe.model.moe import MoERuntime
-    from lrmoe.parallel.groups import count_reducer
-
+    """The MoE layers' shared runtime."""
     return MoERuntime(comm=ctx.comm(), policy=policy, backward=backward_options(cfg),
                       ledger=ledger, generator=generator, count_reduce=count_reducer(ctx),
                       dp_size=ctx.world // ctx.ep_size)
@@ -318,9 +304,6 @@ def build_ledger(cfg: TrainConfig, mcfg, ctx):
     """The memory ledger for ``--mem-budget`` (``None`` without a budget)."""
     if cfg.mem_budget is None:
         return None
-    from lrmoe.ledger import Ledger
-    from lrmoe.units import parse_bytes
-
     dtype = "bf16" if ctx.device.type == "cuda" else "fp32"
     return Ledger.for_dtype(mcfg, ctx.ep_size, parse_bytes(cfg.mem_budget), dtype,
                             optimizer_offload=cfg.optimizer_offload,

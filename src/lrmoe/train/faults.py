@@ -1,10 +1,7 @@
-"""A hung or dead peer under torchrun, and stop signals: one readable line each.
-
-On a failed collective the survivors agree through the job's key-value store on one
-reporter, which names the ranks that did not check in, the collective, the phase and the
-last complete checkpoint; the others exit with the same code (3) quietly. SIGTERM and
-SIGUSR1 only set a flag (:class:`StopSignals`) that every rank reads in the step's loss
-all-reduce, so all stop after the same step (docs/reliability.md).
+"""A hung or dead peer under torchrun, and stop signals: one readable line each. On a
+failed collective the survivors agree through the job's key-value store on one reporter;
+a stop signal is read by every rank in the step's loss all-reduce, so all stop after the
+same step (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -17,17 +14,19 @@ import threading
 import time
 import traceback
 
-from lrmoe.errors import LrmoeError
+import torch.distributed as dist
 
-EXIT_PEER_FAILURE = 3
+from lrmoe.errors import LrmoeError
+from lrmoe.train.checkpoint import latest_checkpoint
+
 _KEY = "lrmoe/fault"
 _GRACE_S = 5.0  # how long the reporter waits for the other survivors to check in
 
 
 class PeerFailure(LrmoeError):
-    """The job lost a rank (hung or dead); exit code 3."""
+    """The job lost a rank (hung or dead)."""
 
-    exit_code = EXIT_PEER_FAILURE
+    exit_code = 3
 
 
 def is_peer_failure(e: BaseException) -> bool:
@@ -62,16 +61,12 @@ class Watch:
         counts even if a collective after it failed before this rank recorded it."""
         # a failure report must not fail: on any error, fall back to the record
         with contextlib.suppress(Exception):
-            from lrmoe.train.checkpoint import latest_checkpoint
-
             found = None if self.run_dir is None else latest_checkpoint(self.run_dir)
             if found is not None:
                 return str(found.path)
         return self.last_ckpt
 
     def _store(self):
-        import torch.distributed as dist
-
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set_timeout(datetime.timedelta(seconds=_GRACE_S + 5))
@@ -82,7 +77,7 @@ class Watch:
     def claim(self) -> None:
         """This rank reports its own error (a failed write): the peers that then lose
         their connection to it stay quiet."""
-        store = self._store()
+        store = self._store() if self.world > 1 else None
         if store is not None:
             with contextlib.suppress(Exception):
                 store.set(f"{_KEY}/rank{self.rank}", self.phase)
@@ -140,8 +135,7 @@ class SignalStop(LrmoeError):
 
 
 class StopSignals:
-    """Once installed (main thread only), SIGTERM and SIGUSR1 set a flag instead of
-    ending the process; :meth:`flags` is this rank's ``[SIGTERM seen, SIGUSR1 seen]``."""
+    """Once installed (main thread only), SIGTERM and SIGUSR1 set a flag in ``seen``."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

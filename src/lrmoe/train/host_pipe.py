@@ -1,10 +1,7 @@
 """The host optimizer's pipeline: per offloaded parameter, its gradient to the host (sent as
 soon as it is final, on a side stream), the fused CPU AdamW on its fp32 master chunk by
-chunk on a worker thread, the updated weight back on a second side stream.
-
-When each stage runs, why the update waits for the clip coefficient, and why the result
-is bit for bit the serial update's (chunks start at multiples of :data:`CHUNK_ALIGN`):
-docs/design.md §5, "Optimizer offload".
+chunk on a worker thread, the updated weight back on a second side stream. When each
+stage runs and why the result is bit for bit the serial update's: docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -46,14 +43,13 @@ class HostJob:
 
 @dataclass
 class PipeTimes:
-    """The last step's pipeline, host clock: the worker's run and its waits for gradients and
-    ring slots, and the step's wait for the worker (``exposed_s``); with
-    :attr:`HostPipeline.timing`, the device's copy times (:meth:`HostPipeline.copy_ms`)."""
+    """The last step's pipeline, host clock; with :attr:`HostPipeline.timing`, the device's
+    copy times (:meth:`HostPipeline.copy_ms`)."""
 
-    worker_s: float = 0.0
-    grad_wait_s: float = 0.0
-    ring_wait_s: float = 0.0
-    exposed_s: float = 0.0
+    worker_s: float = 0.0  # the worker's run
+    grad_wait_s: float = 0.0  # its waits for gradients
+    ring_wait_s: float = 0.0  # and for ring slots
+    exposed_s: float = 0.0  # the step's wait for the worker
     d2h_ms: float | None = None
     h2d_ms: float | None = None
 
@@ -197,7 +193,9 @@ class HostPipeline:
         weight = j.param.detach().view(-1)
         for a in range(0, grad.numel(), self.chunk):
             b = min(grad.numel(), a + self.chunk)
-            g = self._widened(b - a).copy_(grad[a:b])
+            if self._scratch is None:
+                self._scratch = torch.empty(self._span, dtype=torch.float32)
+            g = self._scratch[:b - a].copy_(grad[a:b])
             if j.coef is not None:
                 g.mul_(j.coef)
             # AdamW adds one to the step it is given: each chunk gets its own copy
@@ -206,11 +204,6 @@ class HostPipeline:
                   lr=j.lr, weight_decay=j.weight_decay, eps=j.eps, maximize=False)
             self._put(weight, master, a, b)
         j.step.add_(1)
-
-    def _widened(self, n: int) -> Tensor:
-        if self._scratch is None:
-            self._scratch = torch.empty(self._span, dtype=torch.float32)
-        return self._scratch[:n]
 
     def _put(self, weight: Tensor, master: Tensor, a: int, b: int) -> None:
         """The master's chunk ``[a, b)`` rounded into the weight (on CUDA via a pinned ring slot)."""
@@ -253,11 +246,6 @@ class HostPipeline:
             ms[kind] += a.elapsed_time(b)
         self.times.d2h_ms, self.times.h2d_ms = ms["d2h"], ms["h2d"]
         return ms
-
-    def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's scratch and ring (before the pinned allocator's rounding)."""
-        return sum(t.numel() * t.element_size()
-                   for t in ([self._scratch] if self._scratch is not None else []) + self._ring)
 
 
 def _worker_init(device: torch.device | None, threads: int) -> None:

@@ -1,11 +1,9 @@
 """The trainer: data -> model (EP-sharded) -> AdamW steps -> metrics, validation, checkpoints.
 
-``train(TrainConfig | argparse.Namespace | dict) -> {"final_val_loss", "run_dir", ...}``.
-Every input is read and checked before the run directory is written (``_check``,
-``_build``, ``_open``, ``_Run``); on one process no ``torch.distributed`` call is made. A
-checkpoint holds everything that evolves besides the data order, which is a function of
-the global batch, so on the CPU a resumed run repeats the uninterrupted one bit for bit
-(docs/design.md §7).
+Every input is read and checked before the run directory is written; on one process no
+``torch.distributed`` call is made. A checkpoint holds everything that evolves besides the
+data order (a function of the global batch), so on the CPU a resumed run repeats the
+uninterrupted one bit for bit (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -23,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.loss_mask import IGNORE, loss_args
+from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import host_stats
+from lrmoe.parallel.groups import all_reduce_sum, count_reducer, init_parallel, shard_experts
 from lrmoe.policy.registry import make_policy
+from lrmoe.tokenizer import check_vocab
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.accum import accumulate, update
@@ -77,15 +81,11 @@ __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
-    from lrmoe.parallel.groups import all_reduce_sum
-
     return all_reduce_sum(t.to(ctx.device)).cpu()
 
 
 def _count_reducer(ctx):
     """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
-    from lrmoe.parallel.groups import count_reducer
-
     reduce = count_reducer(ctx)
     return None if reduce is None else (lambda c: reduce(c).to(c.device))
 
@@ -109,8 +109,6 @@ def evaluate(model, batches: list[torch.Tensor], ctx, autocast) -> tuple[float, 
     """Mean token cross entropy over ``batches`` (summed over ranks): ``(loss, tokens)``."""
     was = model.training
     model.eval()
-    from lrmoe.loss_mask import IGNORE, loss_args
-
     tot = torch.zeros(2, dtype=torch.float64)
     for b in batches:
         inputs, targets, _ = loss_args(b.to(ctx.device))  # masked targets: not counted
@@ -133,13 +131,12 @@ def make_autocast(device: torch.device):
 
 # ----------------------------------------------------------------------------- setup
 def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
-    """The checkpoint ``--resume`` continues, verified (every rank a share of the files);
-    ``None`` for a new run or one that completed no checkpoint. Every rank reads its own
-    ``--out``: they must find the same."""
+    """The checkpoint ``--resume`` continues, verified, or ``None``; every rank reads its
+    own ``--out``: they must find the same."""
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
     if ctx.distributed:
         mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
-        seen = _all_gather(mine, ctx)
+        seen = _all_gather(mine, ctx.world)
         other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
         if other is not None:
             raise quiet_unless(LrmoeError(
@@ -206,8 +203,7 @@ def _log(msg: str, ctx) -> None:
 
 
 def _snapshot_stats(rt) -> dict[int, dict]:
-    """The last training step's per-layer stats, device counts and CUDA event timings
-    resolved."""
+    """The last step's per-layer stats, device counts and CUDA event timings resolved."""
     out = {}
     for layer, st in rt.stats.items():
         st = host_stats(st)
@@ -233,9 +229,8 @@ def _observe_fidelity(policy, stats: dict[int, dict], per_rank: list[dict]) -> N
 
 # ----------------------------------------------------------------------------- train
 def train(cfg: TrainConfig | Any) -> dict:
-    """Train (or resume) a run; returns ``{"final_val_loss", "run_dir", "steps", ...}``. Under
-    torchrun an error every rank raises alike is printed by rank 0 only; one a rank hit
-    alone (``local``) by that rank."""
+    """Train (or resume) a run. Under torchrun an error every rank raises alike is printed
+    by rank 0 only; one a rank hit alone (``local``) by that rank."""
     try:
         return _run(cfg)
     except LrmoeError as e:
@@ -253,25 +248,13 @@ def _intact(watch: Watch) -> str:
             else "no checkpoint was written")
 
 
-def _write_error(e: OSError, ctx, watch: Watch) -> LrmoeError:
-    """One line for a failed write mid-run, with where the last good checkpoint is."""
-    ck = _intact(watch)
-    who = f"rank {ctx.rank}: " if ctx.distributed else ""
-    err = LrmoeError(f"{who}{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
-                     f"step {watch.step + 1}); stopped ({ck})")
-    err.local = True
-    return err
-
-
-def _stopped(e: LrmoeError, ctx, watch: Watch) -> LrmoeError:
-    """``e`` (a failed checkpoint save) with where the last complete checkpoint is; an
-    error this rank alone hit is claimed, so the peers that lose it stay quiet."""
-    ck = _intact(watch)
-    local = getattr(e, "local", False)
-    if local and ctx.distributed:
+def _stopped(msg: str, local: bool, ctx, watch: Watch) -> LrmoeError:
+    """``msg`` (a failed write) with where the last complete checkpoint is; an error this
+    rank alone hit (``local``) is claimed, so the peers that lose it stay quiet."""
+    if local:
         watch.claim()
     who = f"rank {ctx.rank}: " if local and ctx.distributed else ""
-    err = LrmoeError(f"{who}{e}; stopped ({ck})")
+    err = LrmoeError(f"{who}{msg}; stopped ({_intact(watch)})")
     err.local = local
     return err
 
@@ -285,10 +268,6 @@ def _run(cfg: TrainConfig | Any) -> dict:
     if cfg.threads and early is None:
         torch.set_num_threads(cfg.threads)
 
-    import torch.distributed as dist
-
-    from lrmoe.parallel.groups import init_parallel
-
     we_init = not (dist.is_available() and dist.is_initialized())
     stops = StopSignals().install()  # SIGTERM/SIGUSR1: stop at a step boundary
     ctx, agreed = None, False
@@ -298,8 +277,6 @@ def _run(cfg: TrainConfig | Any) -> dict:
                                 cfg, rank, world, early or refused))
         watch = Watch(ctx.rank, ctx.world, cfg.timeout_s)
         try:
-            # check every input (nothing written), build the model and optimizer in
-            # memory, open the run directory, then run the steps
             inputs = _check(cfg, ctx)
             return _open(cfg, ctx, inputs, _build(cfg, ctx, inputs), watch, stops).loop()
         except RuntimeError as e:  # a gloo/NCCL timeout or a closed connection
@@ -307,9 +284,8 @@ def _run(cfg: TrainConfig | Any) -> dict:
                 raise watch.failure(e) from None
             raise
         except OSError as e:  # a full disk, a directory gone read-only...
-            if ctx.distributed:
-                watch.claim()
-            raise _write_error(e, ctx, watch) from None
+            raise _stopped(f"{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
+                           f"step {watch.step + 1})", True, ctx, watch) from None
     except LrmoeError as e:
         agreed = getattr(e, "agreed", False)
         raise
@@ -368,9 +344,7 @@ class _Inputs:
 
 def _check(cfg: TrainConfig, ctx) -> _Inputs:
     """Step 1: read and check everything; nothing is written yet."""
-    from lrmoe.config import ModelConfig
     from lrmoe.data import validation_batches
-    from lrmoe.tokenizer import check_vocab
 
     run_dir = Path(cfg.out)
     mcfg = resolve_model_config(cfg, vocab_size=None)  # structure errors before slow work
@@ -420,7 +394,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                "val_sha256": _sha256(val_ids)}
     if streams.train_mask is not None:  # prompt/completion rows: which targets train
         data_fp["mask_sha256"] = _sha256(torch.cat([streams.train_mask, streams.val_mask]))
-    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx)):
+    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx.world)):
         raise LrmoeError("the ranks loaded different training data or tokenizers (token "
                          "stream hashes differ); give every rank the same --data")
     if ledger is not None:
@@ -454,8 +428,6 @@ def _new_model(cfg: TrainConfig, ctx, inp: _Inputs):
     """This rank's model (experts sharded) and, with ``--init-from``, what it read; weights a
     checkpoint fills are never initialised, and no rank builds the whole model then."""
     from lrmoe.hf_load import empty_model, load_owned
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.parallel.groups import shard_experts
 
     if inp.hf is None and inp.ck is None:
         model = MoEForCausalLM(inp.mcfg)
@@ -483,36 +455,32 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     rt = build_runtime(cfg, ctx, inp.policy, inp.ledger, gen)
     model.set_runtime(rt)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
-    # host offload on CUDA: the GPU keeps bf16 expert weights and gradients, the fp32
-    # masters and moments stay on the host (lrmoe.train.offload)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
                           router_lr_scale=cfg.router_lr_scale,
                           compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)
     sched = build_scheduler(opt, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    if inp.ck is None:
-        return _State(model, rt, opt, sched, gen, DivergenceGuard(cfg.divergence_factor, None),
-                      rss_before_build=rss, loaded=loaded)
-    ck = inp.ck
-    st = ckpt.load_checkpoint(  # verified above; any world and EP size
-        ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
-        ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
-        all_gather=(lambda o: _all_gather(o, ctx)) if ctx.distributed else None)
-    if st.get("data") != inp.data_fp:
-        raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
-                         f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
-    prog = st["progress"]
-    was = int(inp.saved["train"].get("grad_accum", 1))  # checkpoints before "batches"
+    ck, prog, batches = inp.ck, {"tokens": 0, "elapsed_s": 0.0}, 0
+    if ck is not None:
+        st = ckpt.load_checkpoint(  # verified above; any world and EP size
+            ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
+            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
+            all_gather=(lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None)
+        if st.get("data") != inp.data_fp:
+            raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
+                             f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
+        prog = st["progress"]
+        was = int(inp.saved["train"].get("grad_accum", 1))  # checkpoints before "batches"
+        batches = int(prog.get("batches", ck.step * was))
     return _State(model, rt, opt, sched, gen,
                   DivergenceGuard(cfg.divergence_factor, prog.get("divergence")),
-                  start=ck.step, tokens=int(prog["tokens"]), elapsed=float(prog["elapsed_s"]),
-                  last_val=prog.get("val_loss"), rss_before_build=rss,
-                  batches=int(prog.get("batches", ck.step * was)))
+                  start=0 if ck is None else ck.step, tokens=int(prog["tokens"]),
+                  elapsed=float(prog["elapsed_s"]), last_val=prog.get("val_loss"),
+                  rss_before_build=rss, loaded=loaded, batches=batches)
 
 
 def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
           stops: StopSignals) -> _Run:
-    """Step 3: every input is valid: from here on the run directory is written. Rank 0
-    locks, marks and writes it (config.json); every rank probes checkpoints/."""
+    """Step 3: every input is valid: from here on the run directory is written."""
     from lrmoe.presets import param_counts
 
     total, active = param_counts(inp.mcfg)
@@ -525,15 +493,21 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
-    run = _Run(cfg, ctx, inp, state, watch, stops, _metrics_writer(cfg, ctx, inp, state))
+    sinks = []
+    if cfg.log == "tensorboard" and ctx.is_main:
+        from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
+        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
+    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
+    if inp.hf is not None:  # what each rank read, gathered on every rank alike
+        ranks = _all_gather(state.loaded, ctx.world)
+        writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
+    run = _Run(cfg, ctx, inp, state, watch, stops, writer)
     changes = {} if inp.saved is None else resume_changes(cfg, inp.saved.get("train", {}))
     if changes:  # what a resume changed, at the step it continues from
         run.writer.write({"kind": "change", "step": state.start, "changes": changes})
         _log("lrmoe train: resuming with " + ", ".join(
             f"{_flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()), ctx)
-    run.last_ckpt = state.start if inp.ck is not None else None
-    watch.last_ckpt = (None if run.last_ckpt is None
-                       else str(ckpt.ckpt_dir(inp.run_dir, run.last_ckpt)))
+    watch.last_ckpt = None if inp.ck is None else str(ckpt.ckpt_dir(inp.run_dir, state.start))
     watch.run_dir = inp.run_dir
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model
@@ -554,20 +528,6 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     return run
 
 
-def _metrics_writer(cfg: TrainConfig, ctx, inp: _Inputs, state: _State) -> MetricsWriter:
-    """``metrics.jsonl`` (and TensorBoard's events with ``--log tensorboard``); a run
-    started from a HF checkpoint first gets the init row: what each rank read."""
-    sinks = []
-    if cfg.log == "tensorboard" and ctx.is_main:
-        from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
-        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
-    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
-    if inp.hf is not None:  # every rank alike
-        ranks = _all_gather(state.loaded, ctx) if ctx.distributed else [state.loaded]
-        writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
-    return writer
-
-
 class _Run:
     """Step 4: the steps of an opened run, with its validation, checkpoints and log."""
 
@@ -576,9 +536,8 @@ class _Run:
         self.cfg, self.ctx, self.inp, self.s = cfg, ctx, inp, state
         self.watch, self.stops, self.writer = watch, stops, writer
         self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
-        self.last_ckpt: int | None = None
         self.autocast = make_autocast(ctx.device)
-        self.gather = (lambda o: _all_gather(o, ctx)) if ctx.distributed else None
+        self.gather = (lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None
         self.reduce = _count_reducer(ctx)
         self.base_bwd = state.rt.backward
         self.bar = None
@@ -604,11 +563,6 @@ class _Run:
             exact=cfg.policy.name in ("static", "symi"), recompute=cfg.policy.recompute,
             batch_size=cfg.batch_size, world=ctx.world)
 
-    def claim(self) -> None:
-        """This rank's own error (its allocation failed): its peers stay quiet."""
-        if self.ctx.distributed:
-            self.watch.claim()
-
     def save(self, step: int) -> None:
         s, ctx = self.s, self.ctx
         self.watch.phase = "checkpoint save"
@@ -624,8 +578,7 @@ class _Run:
                 rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=self.gather,
                 keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
-            raise _stopped(e, ctx, self.watch) from None
-        self.last_ckpt = step
+            raise _stopped(str(e), getattr(e, "local", False), ctx, self.watch) from None
         self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
 
     def validate(self, step: int) -> float:
@@ -684,7 +637,7 @@ class _Run:
         s.opt.zero_grad(set_to_none=True)
         # forward and backward of each micro-batch (global batch batch0 + step * N + m);
         # out of memory (the ledger's verdict, or the allocator's): one line
-        with step_memory(self.memory(step), self.claim) as mem:
+        with step_memory(self.memory(step), watch.claim) as mem:
             sums = accumulate(
                 s.model, mem.batch_of(lambda m: self.inp.batches.batch(
                     self.batch0 + step * accum + m, ctx.rank, ctx.world).to(ctx.device)),
@@ -730,7 +683,7 @@ class _Run:
         host = host_memory()
         if done == s.start + 1:  # this process's first row
             host["host_rss_before_build_bytes"] = s.rss_before_build
-        got = _all_gather((mine, mem, host), ctx) if ctx.distributed else [(mine, mem, host)]
+        got = _all_gather((mine, mem, host), ctx.world)
         per_rank = [g[0] for g in got]
         _observe_fidelity(self.inp.policy, stats, per_rank)
         mem = None if mem is None else max(g[1] for g in got)
@@ -764,7 +717,7 @@ class _Run:
                 self.validate(done)
             self.save(done)
         if stop_sig is not None and done < end:
-            if self.last_ckpt != done:
+            if self.watch.last_ckpt != str(ckpt.ckpt_dir(self.inp.run_dir, done)):
                 self.save(done)
             msg = (f"lrmoe: {signal.Signals(stop_sig).name} received: stopped after step "
                    f"{done} of {end}; saved {ckpt.ckpt_dir(self.inp.run_dir, done)}; "

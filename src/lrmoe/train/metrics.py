@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from lrmoe.train.checkpoint import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 
 # Per-rank counters (rank_summary's name -> the layer row's), by how ranks combine
@@ -37,8 +39,7 @@ def host_rss_bytes() -> int | None:
 
 
 def proc_kib(path: str, key: str) -> int | None:
-    """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes; None where
-    there is none."""
+    """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes (or None)."""
     with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -85,8 +86,7 @@ def max_over_mean(xs: Iterable[float]) -> float:
 
 
 def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
-    """One rank's stats of one layer as numbers: ``load`` / ``bwd_load`` (its pairs in
-    forward / backward, from its EP group's plan) and its counters."""
+    """One rank's stats of one layer as numbers: its pairs in forward and backward, its counters."""
     out: dict[str, float] = {}
     for src, dst in (("rank_load", "load"), ("rank_backward_load", "bwd_load")):
         if src in stats and ep_rank < len(stats[src]):
@@ -103,9 +103,7 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
 
 
 def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) -> dict:
-    """One MoE layer's compact row from rank 0's plan stats and every rank's summary:
-    per-rank loads as max over mean, ``replicas`` (rank 0's plan), ``pairs`` (routed),
-    and the counters summed, at the slowest rank, or averaged over ranks (``_COMBINE``)."""
+    """One MoE layer's compact row from rank 0's plan stats and every rank's summary."""
     row: dict[str, Any] = {}
     for src, dst in (("load", "rank_load_max_over_mean"), ("bwd_load", "rank_bwd_load_max_over_mean")):
         vals = [r[src] for r in per_rank if src in r]
@@ -131,7 +129,6 @@ class MetricsWriter:
 
     def __init__(self, path: str | os.PathLike, enabled: bool = True, sinks: list | None = None):
         self.path = Path(path)
-        self.enabled = enabled
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) \
             if enabled else None
         self.sinks = list(sinks or []) if enabled else []
@@ -184,8 +181,6 @@ def read_metrics(path: str | os.PathLike, torn: list[int] | None = None) -> list
 def truncate_metrics(path: str | os.PathLike, step: int) -> list[int]:
     """Drop rows after ``step`` (a resumed run rewrites them) and torn rows, atomically;
     returns the line numbers of the torn rows dropped."""
-    from lrmoe.train.checkpoint import atomic_write_text
-
     p = Path(path)
     if not p.exists():
         return []
@@ -200,9 +195,7 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
               per_rank: list[dict], world: int, cuda_mem: int | None = None,
               budget: int | None = None, fidelity_step: bool = False,
               micro_batches: int = 1, host_mem: dict | None = None) -> dict:
-    """The train row of one optimizer step: ``counts`` per MoE layer the step's global
-    pairs per expert, ``stats`` rank 0's runtime stats per layer, ``per_rank`` every
-    rank's :func:`rank_summary` per layer; under accumulation the ``moe`` rows are the
+    """The train row of one optimizer step; under accumulation the ``moe`` rows are the
     last micro-batch's."""
     layers = sorted(stats)
     row: dict[str, Any] = {

@@ -15,18 +15,15 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from lrmoe.errors import require
+from lrmoe.parallel.groups import expert_grad_finish, is_expert_param
 from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
 
 HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
-    """AdamW whose ``host_params`` are updated in host memory; the rest by ``torch.optim.AdamW``.
-
-    ``host`` is ``"cpu"`` (the real offload) or the parameters' own device with fp32
-    parameters, each its own master (the emulator's case: no transfers). ``host_s``: wall
-    seconds the last step's host part took beyond the device's AdamW; ``pipe_times``: the
-    pipeline's timings of the last step."""
+    """AdamW whose ``host_params`` are updated in host memory; ``host`` is ``"cpu"`` (the
+    real offload) or the parameters' own device, each fp32 parameter its own master."""
 
     def __init__(self, params, host_params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -48,7 +45,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
         self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}  # the pipeline's host gradient buffers
         self._grad_scale: dict[int, float] = {}  # clip coefficients due on the host
-        self.host_s = 0.0
+        self.host_s = 0.0  # wall seconds of the last step's host part beyond the device's
         # one decision per parameter, taken once: fp32 on the host device and kept in fp32,
         # it is its own master and the update reads its gradient in place (no host copies)
         self._own_master = {id(p) for p in mine if id(p) in self._host
@@ -73,15 +70,10 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return torch.empty(like.shape, dtype=dtype, device=self._host_dev, pin_memory=self._pin)
 
     def _host_alloc(self, key: str, like: Tensor) -> Tensor:
-        """Host memory for state ``key``, fresh or loaded alike: the master as :meth:`_host_empty`,
-        the moments and ``step`` pageable and zeroed."""
+        """Host memory for state ``key``, fresh or loaded alike (moments pageable, zeroed)."""
         if key == "master":
             return self._host_empty(like)
         return torch.zeros(like.shape, dtype=torch.float32, device=self._host_dev)
-
-    def staging_bytes(self) -> int:
-        """Host bytes of the pipeline's scratch and staging ring (allocated at the first step)."""
-        return 0 if self._pipe is None else self._pipe.staging_bytes()
 
     def _refresh_masters(self) -> None:
         """fp32 host masters: a loaded ``master``, else a copy of the device parameter; a parameter
@@ -110,7 +102,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------ early sends
     @property
     def pipelined(self) -> bool:
-        """Some offloaded parameters go through the pipeline (they have a master)."""
         return self._pipe is not None
 
     def arm(self, finish: Callable[[Tensor], None]) -> None:
@@ -118,11 +109,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         (what the gradient sync would do) applied first."""
         if self._pipe is not None:
             self._pipe.arm(finish)
-
-    @property
-    def presynced(self) -> frozenset[int]:
-        """``id``s of the parameters the armed ``finish`` was applied to (the sync skips them)."""
-        return frozenset() if self._pipe is None else self._pipe.presynced
 
     @property
     def pipe_times(self) -> PipeTimes:
@@ -147,8 +133,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """The host update (started first, on the pipeline's worker), the device AdamW on the
-        other parameters, then the own-master update; returns once the host is done."""
+        """The host update (started first, on the pipeline's worker), the device AdamW, then
+        the own-master update; returns once the host is done."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -176,7 +162,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return loss
 
     def _device_step(self) -> None:
-        """``torch.optim.AdamW``'s step on the parameters that are not offloaded."""
         held = {}
         for g in self.param_groups:  # the device step must not see the offloaded grads
             for p in g["params"]:
@@ -192,7 +177,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
                         p.grad = held[id(p)]
 
     def _jobs(self) -> list[HostJob]:
-        """The pipelined parameters' updates, with their hyper-parameters and clip coefficients."""
         jobs = []
         for g in self.param_groups:
             beta1, beta2 = g["betas"]
@@ -205,7 +189,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return jobs
 
     def _own_rows(self) -> list[tuple[dict, list[Tensor]]]:
-        """Per group, the parameters that are their own masters and have a gradient."""
         todo = []
         for g in self.param_groups:
             rows = [p for p in g["params"] if id(p) in self._own_master and p.grad is not None]
@@ -227,9 +210,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
-        """AdamW's load for the device parameters; the offloaded parameters' state goes to host
-        memory in fp32, allocated as a fresh run's (a state without ``master`` takes the
-        device parameter's)."""
+        """AdamW's load; the offloaded parameters' state goes to host memory in fp32 (a state
+        without ``master`` takes the device parameter's)."""
         mine = [p for g in self.param_groups for p in g["params"]]
         order = [i for g in state_dict["param_groups"] for i in g["params"]]
         rest, host = dict(state_dict["state"]), {}
@@ -245,11 +227,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | None:
-    """What the trainer runs before a step's last backward: arm the host offload's sends of
-    final gradients; ``None`` without a pipelined offload, or under DP x EP (sent after the
-    sync)."""
-    from lrmoe.parallel.groups import expert_grad_finish
-
+    """What the trainer runs before a step's last backward: arm the host offload's sends;
+    ``None`` without a pipelined offload, or under DP x EP (sent after the sync)."""
     if not isinstance(opt, HostOffloadAdamW) or not opt.pipelined:
         return None
     finish = expert_grad_finish(ctx)
@@ -257,12 +236,12 @@ def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | 
 
 
 def presynced(opt: torch.optim.Optimizer) -> frozenset[int]:
-    """``id``s of the parameters whose gradient sync was done as they became final."""
-    return opt.presynced if isinstance(opt, HostOffloadAdamW) else frozenset()
+    """``id``s of the parameters whose gradient sync was done as they became final (the
+    sync skips them)."""
+    pipe = opt._pipe if isinstance(opt, HostOffloadAdamW) else None
+    return frozenset() if pipe is None else pipe.presynced
 
 
 def offloaded_params(model: torch.nn.Module) -> list[Tensor]:
     """The parameters ``--optimizer-offload host`` puts in host memory: the experts'."""
-    from lrmoe.parallel.groups import is_expert_param
-
     return [p for n, p in model.named_parameters() if p.requires_grad and is_expert_param(n)]

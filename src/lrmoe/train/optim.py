@@ -1,9 +1,4 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine schedule.
-
-Weight decay applies to weight matrices and embeddings (tensors of rank >= 2) and to
-the stacked expert weights; norms, biases and anything named ``bias`` (attention
-biases, GLM's router correction bias if it ever becomes a parameter) are not decayed.
-"""
+"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine schedule."""
 
 from __future__ import annotations
 
@@ -13,6 +8,9 @@ import torch
 from torch import nn
 
 from lrmoe.errors import require
+
+BETAS = (0.9, 0.95)  # AdamW's, on the device and the host alike
+EPS = 1e-8
 
 
 def no_decay(name: str, p: torch.Tensor) -> bool:
@@ -49,33 +47,25 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     offload: str = "device", host: str | torch.device = "cpu",
                     router_lr_scale: float = 1.0,
                     compute_dtype: torch.dtype | None = None) -> torch.optim.AdamW:
     """AdamW over ``model``; ``offload="host"`` steps the expert weights in host memory
     (:class:`lrmoe.train.offload.HostOffloadAdamW`, its state on ``host``), same update.
-    ``router_lr_scale``: the routers' lr as a multiple of ``lr`` (:func:`param_groups`).
-    ``compute_dtype`` (offload only): the device keeps the offloaded weights in it, their
-    fp32 masters stay on the host."""
+    ``compute_dtype`` (offload only): the device keeps the offloaded weights in it."""
     require(router_lr_scale > 0, f"router lr scale {router_lr_scale!r} must be > 0")
     groups = param_groups(model, weight_decay, lr, router_lr_scale)
     if offload == "host":
         from lrmoe.train.offload import HostOffloadAdamW, offloaded_params
-        return HostOffloadAdamW(groups, offloaded_params(model),
-                                lr=lr, betas=betas, eps=eps, host=host,
-                                compute_dtype=compute_dtype)
+        return HostOffloadAdamW(groups, offloaded_params(model), lr=lr, betas=BETAS,
+                                eps=EPS, host=host, compute_dtype=compute_dtype)
     require(offload == "device", f"optimizer offload {offload!r}: use device or host")
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS)
 
 
 def lr_scale(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """Multiplier of the peak lr for update ``step`` (0-based).
-
-    Linear warmup ``(step+1)/warmup`` over the first ``warmup`` updates, then a cosine
-    from 1 down to ``min_ratio`` at update ``total``; flat at ``min_ratio`` beyond it
-    (a resumed run given more steps than planned keeps the floor).
-    """
+    """Multiplier of the peak lr for update ``step`` (0-based): linear warmup, cosine to
+    ``min_ratio`` at ``total``, flat beyond (a resumed run given more steps keeps the floor)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     span = max(1, total - warmup)

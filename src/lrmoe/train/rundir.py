@@ -54,8 +54,7 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
 
 
 def _names(d: Path) -> list[str]:
-    """The names in ``--out`` ``d`` ([] if it does not exist); a file or a dangling
-    symlink is refused."""
+    """The names in ``--out`` ``d``; a file or a dangling symlink is refused."""
     if d.is_symlink() and not d.exists():
         raise LrmoeError(f"--out {d} is a symlink to {os.readlink(d)}, which does not exist; "
                          "create that directory or give another --out")
@@ -82,7 +81,13 @@ def check_out(run_dir: Path, resume: bool, has_checkpoint: bool) -> None:
     check_lock(run_dir)
     if resume or has_checkpoint:
         return  # --resume continues it; a new run over checkpoints is refused by the caller
-    rows = _metrics_rows(run_dir / "metrics.jsonl")
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            rows = sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        rows = 0
+    except OSError as e:
+        raise LrmoeError(os_error_line(e, "cannot read")) from None
     if rows:
         raise LrmoeError(f"--out {run_dir} holds the metrics of a run that wrote no checkpoint "
                          f"({rows} rows in metrics.jsonl). Continue that run with --resume "
@@ -98,9 +103,7 @@ def _foreign(d: Path, names: list[str]) -> LrmoeError:
 
 
 def check_bench_out(out: Path, reuse: bool) -> None:
-    """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only): a file,
-    someone else's files, a training run, a live run's directory, or an earlier run's
-    results without ``--reuse``."""
+    """Refuse an ``lrmoe bench ttl --out`` it may not write into (reads only)."""
     names = _names(out)
     if not names:
         return
@@ -138,16 +141,6 @@ def give_up(d: Path, created: bool, subdirs: tuple[Path, ...] = ()) -> None:
         for sub in (*subdirs, d):
             with contextlib.suppress(OSError):
                 os.rmdir(sub)
-
-
-def _metrics_rows(p: Path) -> int:
-    try:
-        with open(p, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except FileNotFoundError:
-        return 0
-    except OSError as e:
-        raise LrmoeError(os_error_line(e, "cannot read")) from None
 
 
 # ----------------------------------------------------------------------------- lock
@@ -275,7 +268,6 @@ def probe_writable(d: Path, need_bytes: int = 0, leftovers: list[Path] = ()) -> 
     if need_bytes:
         free = shutil.disk_usage(d).free
         if free < need_bytes:
-            raise LrmoeError(os_error_line(
-                OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, one checkpoint needs "
-                        f"about {need_bytes / 2**20:.1f} MiB", str(d)), "not enough space in")
-                + _held_by(list(leftovers)))
+            raise LrmoeError(f"not enough space in {d}: {free / 2**20:.1f} MiB free, one "
+                             f"checkpoint needs about {need_bytes / 2**20:.1f} MiB"
+                             + _held_by(list(leftovers)))

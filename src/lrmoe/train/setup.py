@@ -13,34 +13,46 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.ledger import DTYPE_BYTES
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
-from lrmoe.train.config import RUN_CONFIG, TrainConfig
+from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
 from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
 
 
 # ----------------------------------------------------------------------------- agreement
-def all_gather(obj: Any, ctx) -> list:
-    return _gather(obj, ctx.world)
+def all_gather(obj: Any, world: int) -> list:
+    """One ``obj`` per rank (``[obj]`` on one process)."""
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def agree(fn: Callable[[], Any], ctx) -> Any:
-    """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all, with the lowest
-    failing rank's message (prefixed with its rank when others did not fail), printed by
-    rank 0 alone."""
-    out, err = None, None
-    try:
-        out = fn()
-    except LrmoeError as e:
-        err = str(e)
-    errs = all_gather(err, ctx) if ctx.distributed else [err]
+def _raise_first(errs: list[str | None], rank: int) -> None:
+    """Raise the lowest failing rank's error on every rank (prefixed with its rank when
+    others did not fail), printed by rank 0 alone."""
     failed = [r for r, e in enumerate(errs) if e]
     if failed:
         msg = errs[failed[0]]
         if len(failed) < len(errs):
             msg = f"rank {failed[0]}: {msg}"
-        raise quiet_unless(LrmoeError(msg), ctx.rank == 0)
+        raise quiet_unless(LrmoeError(msg), rank == 0)
+
+
+def agree(fn: Callable[[], Any], ctx) -> Any:
+    """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all."""
+    out, err = None, None
+    try:
+        out = fn()
+    except LrmoeError as e:
+        err = str(e)
+    _raise_first(all_gather(err, ctx.world), ctx.rank)
     return out
 
 
@@ -53,8 +65,6 @@ PER_RANK_FLAGS = ("out", "data", "preset", "config", "init_from", "tokenizer", "
 def flags_fingerprint(cfg: TrainConfig) -> dict:
     """``{"--lr": 0.003, ..., "model config's hidden_size": 64, ...}``: what every rank
     must agree on (model keys absent on a resume that takes the model from the run)."""
-    from lrmoe.train.config import resolve_model_config
-
     fp = {f"--{k.replace('_', '-')}": v for k, v in cfg.flat().items()
           if k not in PER_RANK_FLAGS}
     mcfg = resolve_model_config(cfg, vocab_size=None)
@@ -63,19 +73,10 @@ def flags_fingerprint(cfg: TrainConfig) -> dict:
     return fp
 
 
-def _gather(obj: Any, world: int) -> list:
-    import torch.distributed as dist
-
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def check_same_flags(cfg: TrainConfig, rank: int, world: int,
                      early: LrmoeError | None = None) -> None:
-    """Collective: raise on every rank (printed by rank 0) if any rank's flags or model
-    config differ from rank 0's, naming the first differing one and both values, or if
-    a rank's flags were refused before it joined (``early``)."""
+    """Collective: raise on every rank if any rank's flags or model config differ from rank
+    0's, or a rank's flags were refused before it joined (``early``)."""
     err, fp = None if early is None else str(early), {}
     try:
         if err is None:
@@ -83,15 +84,11 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int,
     except LrmoeError as e:
         err = str(e)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
-    got = _gather((err, digest), world)
-    failed = [r for r, (e, _) in enumerate(got) if e]
-    if failed:
-        msg = got[failed[0]][0]
-        raise quiet_unless(LrmoeError(msg if len(failed) == world else
-                                      f"rank {failed[0]}: {msg}"), rank == 0)
+    got = all_gather((err, digest), world)
+    _raise_first([e for e, _ in got], rank)
     if all(d == got[0][1] for _, d in got):
         return
-    fps = _gather(fp, world)  # every rank saw the mismatch: all take this second step
+    fps = all_gather(fp, world)  # every rank saw the mismatch: all take this second step
     r = next(i for i, (_, d) in enumerate(got) if d != got[0][1])
     keys = list(fps[0]) + [k for k in fps[r] if k not in fps[0]]
     k = next(k for k in keys if fps[r].get(k, "(none)") != fps[0].get(k, "(none)"))
@@ -105,8 +102,6 @@ def leave_process_group(agreed: bool) -> None:
     """Leave the job's process group, if joined: after an error every rank raised alike
     (``agreed``) a barrier first, so no rank tears down a connection a peer still uses (a
     process exiting with the group alive can abort in C++ at exit)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     if agreed:
@@ -119,11 +114,8 @@ def leave_process_group(agreed: bool) -> None:
 # ----------------------------------------------------------------------------- memory
 def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
-    """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a parameter
-    (experts 1/``ep_size``), or with ``offload`` the experts' compute-dtype weight and
-    gradient on the device and what the step ledger prices on the host
-    (:func:`lrmoe.step_ledger.host_state`)."""
-    from lrmoe.ledger import DTYPE_BYTES
+    """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a
+    parameter (experts 1/``ep_size``); with ``offload`` the experts' state on the host."""
     from lrmoe.presets import param_breakdown, param_counts
     from lrmoe.step_ledger import host_state, offloaded_numels
 
@@ -139,11 +131,7 @@ def state_bytes(mcfg, ep_size: int, offload: bool = False,
 
 def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
     """Refuse, before anything is allocated, a model whose parameters, gradients and
-    optimizer state alone exceed the GPU's memory (CUDA) or the host's available memory
-    (shared by this host's ranks). Activations come on top, so a run that passes may
-    still run out of memory; one that fails could never run."""
-    import torch
-
+    optimizer state alone exceed the GPU's memory or the host's (activations come on top)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     on_host = "the host has available (MemAvailable)" + (
         f", for its {local} ranks" if local > 1 else "")
@@ -167,12 +155,6 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
 
 
 # ----------------------------------------------------------------------------- run dir
-def _checkpoint_bytes(model) -> int:
-    """About one shard: weights plus AdamW's two moments, with 10% slack."""
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return int(n * 3 * 1.1)
-
-
 def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     """``config.json``'s ``train``: the flags, a resume keeping the model's origin
     (``--preset`` / ``--config`` / ``--init-from`` are not re-given on resume)."""
@@ -185,8 +167,7 @@ def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
 
 def _write_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
                    need_bytes: int) -> None:
-    """Rank 0, holding the lock: re-check (another run may have written meanwhile), mark,
-    probe, write."""
+    """Rank 0, holding the lock: re-check (another run may have written meanwhile), write."""
     try:
         has_ck = bool(ckpt.checkpoint_dirs(run_dir))
         rundir.check_out(run_dir, cfg.resume, has_ck)
@@ -215,15 +196,15 @@ def _write_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok,
 
 def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
                  ctx) -> None:
-    """Rank 0 takes the run directory's lock; every rank checks its ``--out`` holds that lock;
-    rank 0 writes the directory (``ck``: the checkpoint resumed, or None); every rank probes
-    that it can write its shards. A refusal leaves the directory as it was."""
-    need = _checkpoint_bytes(model)
+    """Take and write the run directory (rank 0), check every rank sees it and can write
+    its shards (``ck``: the checkpoint resumed, or None); a refusal leaves it as it was."""
+    # about one shard: weights plus AdamW's two moments, with 10% slack
+    need = int(sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 * 1.1)
     created = agree(lambda: rundir.take(run_dir) if ctx.is_main else None, ctx)
     try:
         if ctx.distributed:
             lock = run_dir / rundir.LOCK
-            holder = all_gather(rundir.read_lock(lock) if ctx.is_main else None, ctx)[0]
+            holder = all_gather(rundir.read_lock(lock) if ctx.is_main else None, ctx.world)[0]
             agree(lambda: None if ctx.is_main else rundir.check_shared(run_dir, holder), ctx)
         agree(lambda: _write_run_dir(cfg, run_dir, ck, run_cfg, tok, need)
               if ctx.is_main else None, ctx)

@@ -1,10 +1,5 @@
-"""Out of memory inside a training step, as one line that says how to go on.
-
-The ledger's verdict (:class:`lrmoe.errors.OutOfMemory`) names the step, the one need,
-the intact checkpoint and the ``--resume --mem-budget NEED`` that continues; the
-allocator's (CUDA's, or the CPU allocator's ``RuntimeError``) names the micro-batch and
-what would fit, as this rank's own error (docs/design.md §7). :func:`step_memory` wraps a
-step's micro-batches; its ``batch_of(get)`` wraps the batch getter to name the micro-batch.
+"""Out of memory inside a training step (the ledger's verdict or the allocator's), as one
+line that says how to go on (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -52,19 +47,15 @@ def _allocator_words(e: BaseException) -> tuple[str, str] | None:
 
 @dataclass
 class StepMemory:
-    """What the out-of-memory lines of one step name (built by :func:`step_memory`).
-
-    ``continue_with``: the ``lrmoe train`` arguments that continue this run (its
-    ``--out`` and ``--resume``); ``plan_args``: ``lrmoe plan``'s model and layout flags
-    for this run; ``intact``: where the last complete checkpoint is."""
+    """What the out-of-memory lines of one step name."""
 
     step: int  # 1-based
     micro_batches: int
     sequences: int  # a micro-batch's sequences on this rank
     seq_len: int
-    continue_with: list[str]
-    plan_args: list[str]
-    intact: str
+    continue_with: list[str]  # the lrmoe train arguments that continue this run
+    plan_args: list[str]  # lrmoe plan's model and layout flags for this run
+    intact: str  # where the last complete checkpoint is
     full_checkpoint: bool  # --activation-checkpoint full already
     exact: bool  # static / symi: --recompute is a fallback
     recompute: bool
@@ -108,8 +99,8 @@ class StepMemory:
 
 @contextlib.contextmanager
 def step_memory(mem: StepMemory, claim: Callable[[], None]) -> Iterator[StepMemory]:
-    """Turn an out-of-memory stop inside the block into one line (module docstring);
-    ``claim()`` is called before an error only this rank hit (its peers stay quiet)."""
+    """Turn an out-of-memory stop inside the block into one line; ``claim()`` is called
+    before an error only this rank hit (its peers stay quiet)."""
     try:
         yield mem
     except OutOfMemory as e:  # every rank plans alike: every rank raises it

@@ -1,13 +1,8 @@
 """``--log tensorboard``: the metrics rows mirrored as TensorBoard events in
-``RUN/tensorboard/`` (needs the optional ``tensorboard`` package: ``lrmoe[tensorboard]``).
-
-Every number of a ``metrics.jsonl`` row becomes a scalar at the row's ``step``: a
-train row's top-level numbers as ``train/KEY``, its per-MoE-layer lists and stats as
-``moeK/KEY`` (``K`` the MoE layer's index, as in the row's lists; ``rank_load`` as
-``moeK/rank_load/rR``), a validation row's as ``val/KEY``. Each MoE layer's expert load
-is a histogram ``moeK/expert_load`` over the expert ids, each expert's bucket holding the
-pairs routed to it that step. A resumed run purges the events after its checkpoint's
-step, as ``metrics.jsonl`` drops those rows.
+``RUN/tensorboard/``: each number a scalar at the row's ``step`` (``train/KEY``,
+``val/KEY``, ``moeK/KEY`` for MoE layer ``K``), each MoE layer's counts a histogram over
+the expert ids. A resumed run purges the events after its checkpoint's step, as
+``metrics.jsonl`` drops those rows.
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ class TensorBoardSink:
         for key, v in row.items():
             if _number(v) and key != "step":
                 self.w.add_scalar(f"{kind}/{key}", v, step)
-        if kind == "train":
-            self._moe(row, step)
-
-    def _moe(self, row: dict, step: int) -> None:
+        if kind != "train":
+            return
         for k, v in enumerate(row.get("expert_load_max_over_mean", [])):
             if _number(v):
                 self.w.add_scalar(f"moe{k}/expert_load_max_over_mean", v, step)

@@ -1,15 +1,10 @@
-"""Emulated step time from the virtual EP emulator's per-rank stats.
-
-Each stage costs its slowest virtual rank: expert stages their measured kernel time,
-exchanges :func:`lrmoe.sim.links.exchange_time` of their exact ``[src, dst]`` bytes, the
-control plane its measured or modelled time; stages run one after another. What each
-stage charges (recompute and whole-layer checkpoints included): docs/design.md §9.
-Everything here is **emulated** cluster time, never measured.
-"""
+"""Emulated step time from the virtual EP emulator's per-rank stats: each stage costs its
+slowest virtual rank, stages run one after another (what each charges: docs/design.md
+§9). Everything here is **emulated** cluster time, never measured."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +22,7 @@ STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd
 @dataclass
 class StepTimes:
     """Emulated seconds per stage (the slowest virtual rank each), summed over layers;
-    ``non_moe`` is the caller's measured rest of the step, ``per_rank`` each stage's
-    per-rank seconds."""
+    ``non_moe`` is the caller's measured rest of the step."""
 
     plan: float = 0.0
     count_exchange: float = 0.0
@@ -50,7 +44,6 @@ class StepTimes:
     non_moe: float = 0.0
     link: str = ""
     label: str = "emulated"
-    per_rank: dict[str, list[float]] = field(default_factory=dict)
 
     def stages(self) -> dict[str, float]:
         return {s: getattr(self, s) for s in STAGES}
@@ -158,28 +151,22 @@ def _record(terms: dict | None, t: dict) -> None:
             terms.setdefault(k, []).append([m, max(b)])
 
 
-def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
-               non_moe_s: float = 0.0, offload=None) -> StepTimes:
-    """One or several layers' emulator stats as a :class:`StepTimes` (layers add up);
-    ``offload`` adds the modelled ``opt_*`` stages and SYMI's sharded exchanges."""
-    layers = stats if isinstance(stats, list) else [stats]
+def step_times(stats: VirtualStats, link: Link, non_moe_s: float = 0.0, offload=None
+               ) -> StepTimes:
+    """One layer's emulator stats as a :class:`StepTimes`; ``offload`` adds the modelled
+    ``opt_*`` stages and SYMI's sharded exchanges."""
     st = StepTimes(non_moe=non_moe_s, link=link.name)
-    for s in layers:
-        per = rank_stage_seconds(s, link)
-        if offload is not None:
-            per.update(offload.rank_seconds(s.plan.inst_expert_GS, link))
-        _charge(st, per, s.plan.G)
+    per = rank_stage_seconds(stats, link)
+    if offload is not None:
+        per.update(offload.rank_seconds(stats.plan.inst_expert_GS, link))
+    _charge(st, per)
     return st
 
 
-def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
+def _charge(st: StepTimes, per: dict[str, list[float]]) -> None:
     """Add one layer's per-rank stage seconds to ``st`` (each stage: its slowest rank)."""
-    for k in STAGES:  # stages a layer does not have cost nothing
-        per.setdefault(k, [0.0] * G)
     for k, v in per.items():
         setattr(st, k, getattr(st, k) + max(v))
-        acc = st.per_rank.setdefault(k, [0.0] * len(v))
-        st.per_rank[k] = [a + b for a, b in zip(acc, v)]
 
 
 # a layer's replica stages, once per optimizer step while its placement stays the same
@@ -202,14 +189,10 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
                       offload=None, terms: dict | None = None
                       ) -> tuple[list[StepTimes], StepTimes]:
-    """One optimizer step of N micro-batches: ``(StepTimes per micro-batch, StepTimes of what
-    is charged once per optimizer step)``; the step costs their sum (docs/design.md §9,
-    "Gradient accumulation in the emulator"). A layer's ``weight_scatter`` and
-    ``grad_reduce`` are charged once per run of consecutive micro-batches sharing its
-    placement (:func:`~lrmoe.parallel.instances.placement_key`), as the runtime moves it
-    (:mod:`lrmoe.parallel.instances`). ``micro[m]`` holds micro-batch m's stats per MoE layer;
-    ``terms``, when given, is filled with each charge's link-free terms
-    (:func:`rank_link_terms`) for re-pricing on another link."""
+    """One optimizer step of N micro-batches (``micro[m]``: micro-batch m's stats per MoE
+    layer): ``(StepTimes per micro-batch, StepTimes of what is charged once per optimizer
+    step)`` (docs/design.md §9, "Gradient accumulation in the emulator"); ``terms``, when
+    given, is filled with each charge's link-free terms for re-pricing on another link."""
     N = len(micro)
     require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
             "accumulated_times: every micro-batch needs one stats entry per MoE layer")
@@ -240,7 +223,7 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                         once[k], once_t[k] = per.get(k, [0.0] * G), t.get(k)
                     per[k] = [0.0] * G
                     t.pop(k, None)
-            _charge(outs[m], per, G)
+            _charge(outs[m], per)
             _record(terms, t)
         if offload is not None:
             off = offload.rank_seconds(stats[-1].plan.inst_expert_GS, link)
@@ -249,6 +232,6 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             once.update(off)
             if terms is not None and fixed:
                 once_t.update(offload.link_terms(stats[-1].plan.inst_expert_GS))
-        _charge(step, once, G)
+        _charge(step, once)
         _record(terms, once_t)
     return outs, step

@@ -61,8 +61,7 @@ from lrmoe.sim.links import get_link, link_cost
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at
-from lrmoe.sim.ttl_checks import check_ttl_config
-from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
+from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, policy_variant, recorded_settings
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.sim.vstats import EXCHANGES

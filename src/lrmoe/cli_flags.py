@@ -21,7 +21,6 @@ from lrmoe.units import parse_bytes
 INT64_MAX = 2**63 - 1
 
 
-# ----------------------------------------------------------------------------- checks
 def check_int(name: str, v: Any, low: int, allow_none: bool = False,
               high: int = INT64_MAX) -> None:
     """Raise naming ``--name`` unless ``v`` is an integer in ``[low, high]``."""
@@ -83,11 +82,9 @@ def on_off(v: str) -> bool:
     return v == "on"
 
 
-# ----------------------------------------------------------------------------- knobs
 @dataclass(frozen=True)
 class Knob:
-    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``,
-    ``backward.estimator``), whose
+    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``), whose
     default is the flag's; ``None`` for a memory knob (``default`` given here)."""
 
     dest: str
@@ -238,11 +235,11 @@ def check_policy_flags(values: Mapping[str, Any]) -> None:
             KNOBS[name].check(name, v)
 
 
-def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -> PolicyConfig:
-    """``base`` (default: the defaults) with the policy knobs in ``values`` (flat names)
-    set; checked first, so a bad value names its flag."""
+def policy_config(values: Mapping[str, Any]) -> PolicyConfig:
+    """The defaults with the policy knobs in ``values`` (flat names) set; checked first, so
+    a bad value names its flag."""
     check_policy_flags(values)
-    pc = base if base is not None else PolicyConfig()
+    pc = PolicyConfig()
     for name, v in values.items():
         if name in KNOBS and KNOBS[name].field is not None:
             pc = replace_at(pc, KNOBS[name].field, v)

@@ -163,11 +163,9 @@ def _val_eval(model, batches, dev, autocast) -> dict:
 
 def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
               host_s=0.0) -> dict:
-    """One optimizer step's record: emulated stage times, loads, ratios, ledger peak (see
-    module doc). ``micro``: per micro-batch ``(its layers' stats, wall s, MoE wall s)``;
-    ``opt_wall``: the measured seconds after the last micro-batch (clipping, optimizer,
-    ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
-    stages and its measured host part (``host_s``) is left out of the non-MoE time."""
+    """One optimizer step's record (module doc). ``micro``: per micro-batch ``(its layers'
+    stats, wall s, MoE wall s)``; ``opt_wall``: the measured seconds after the last one;
+    with ``offload`` the measured host optimizer (``host_s``) is left out (modelled)."""
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
     non_moe_opt = max(opt_wall - host_s, 0.0)

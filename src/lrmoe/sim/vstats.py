@@ -24,7 +24,6 @@ RECOMPUTE_EXCHANGES = ("recompute_dispatch", "recompute_combine")
 MEASURED_STAGES = ("plan", "select", "gather", "local")
 
 
-# --------------------------------------------------------------------------- timing
 class Timers:
     """Per-virtual-rank accumulated kernel time (ms), one named bucket at a time."""
 
@@ -53,7 +52,6 @@ class Timers:
             self.events = []
 
 
-# ---------------------------------------------------------------------------- stats
 @dataclass
 class VirtualStats:
     """What one emulated step of one layer did, per virtual rank (all lists have G entries).

@@ -4,7 +4,7 @@ slowest virtual rank, stages run one after another (what each charges: docs/desi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,8 @@ STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd
 @dataclass
 class StepTimes:
     """Emulated seconds per stage (the slowest virtual rank each), summed over layers;
-    ``non_moe`` is the caller's measured rest of the step."""
+    ``non_moe`` is the caller's measured rest of the step, ``per_rank`` each stage's
+    per-rank seconds."""
 
     plan: float = 0.0
     count_exchange: float = 0.0
@@ -44,6 +45,7 @@ class StepTimes:
     non_moe: float = 0.0
     link: str = ""
     label: str = "emulated"
+    per_rank: dict[str, list[float]] = field(default_factory=dict)
 
     def stages(self) -> dict[str, float]:
         return {s: getattr(self, s) for s in STAGES}
@@ -159,14 +161,18 @@ def step_times(stats: VirtualStats, link: Link, non_moe_s: float = 0.0, offload=
     per = rank_stage_seconds(stats, link)
     if offload is not None:
         per.update(offload.rank_seconds(stats.plan.inst_expert_GS, link))
-    _charge(st, per)
+    _charge(st, per, stats.plan.G)
     return st
 
 
-def _charge(st: StepTimes, per: dict[str, list[float]]) -> None:
+def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
     """Add one layer's per-rank stage seconds to ``st`` (each stage: its slowest rank)."""
+    for k in STAGES:  # stages a layer does not have cost nothing
+        per.setdefault(k, [0.0] * G)
     for k, v in per.items():
         setattr(st, k, getattr(st, k) + max(v))
+        acc = st.per_rank.setdefault(k, [0.0] * len(v))
+        st.per_rank[k] = [a + b for a, b in zip(acc, v)]
 
 
 # a layer's replica stages, once per optimizer step while its placement stays the same
@@ -223,7 +229,7 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                         once[k], once_t[k] = per.get(k, [0.0] * G), t.get(k)
                     per[k] = [0.0] * G
                     t.pop(k, None)
-            _charge(outs[m], per)
+            _charge(outs[m], per, G)
             _record(terms, t)
         if offload is not None:
             off = offload.rank_seconds(stats[-1].plan.inst_expert_GS, link)
@@ -232,6 +238,6 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             once.update(off)
             if terms is not None and fixed:
                 once_t.update(offload.link_terms(stats[-1].plan.inst_expert_GS))
-        _charge(step, once)
+        _charge(step, once, G)
         _record(terms, once_t)
     return outs, step

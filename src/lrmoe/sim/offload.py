@@ -15,7 +15,6 @@ import torch
 from lrmoe.errors import require
 from lrmoe.sim.links import Link, exchange_time
 
-OFFLOAD_STAGES = ("opt_d2h", "opt_host_update", "opt_h2d")
 LAYOUTS = ("owner", "sharded")
 
 PCIE5_X16 = Link("pcie5-x16", 64e9, 5e-6,

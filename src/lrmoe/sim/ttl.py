@@ -210,21 +210,18 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
-                                            for s in stats) / len(stats)}
-    row["exchange_critical_bytes"] = _critical_bytes(stats)
-    # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
-    # what benchmarks/reprice_links.py re-prices exactly for another link
-    row["link_terms"] = {"G": G, "stages": terms}
+                                            for s in stats) / len(stats),
+           # per exchange: the sum over layers of the critical rank's max(sent, received)
+           # bytes and the layers with traffic, so the link model can be re-applied offline
+           "exchange_critical_bytes": {
+               ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
+                    sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES},
+           # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
+           # what benchmarks/reprice_links.py re-prices exactly for another link
+           "link_terms": {"G": G, "stages": terms}}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
         row.update(_ledger_fields(stats, micro[-1][0], ledger, assigned))
     return row
-
-
-def _critical_bytes(stats: list) -> dict[str, list[int]]:
-    """Per exchange: the sum over layers of the critical rank's max(sent, received) bytes
-    and the number of layers with traffic, so the link model can be re-applied offline."""
-    return {ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
-                 sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES}
 
 
 def _ledger_fields(stats: list, last: list, ledger: Ledger, assigned: int) -> dict:

@@ -4,10 +4,7 @@ Loads come from ``--loads FILE`` or a synthetic Zipf skew (``--skew``); the plan
 one a training step would make for those counts (SYMI's popularity = the same loads,
 i.e. a steady state). The command exits 0 when every rank fits ``--mem-budget`` (or no
 budget is given) and 1 when the plan shown exceeds it; bad input is exit code 2.
-
-``--compare`` (:mod:`lrmoe.commands.plan_compare`) projects static, symi and lrmoe to
-several EP sizes and per-rank budgets with **modelled** step times; there ``--loads``
-may also be a routing trace written by ``lrmoe bench ttl`` (:mod:`lrmoe.routing_loads`).
+``--compare``: :mod:`lrmoe.commands.plan_compare`.
 
 Legend: G ranks (EP size), E experts, k experts per token, T tokens per home rank.
 """

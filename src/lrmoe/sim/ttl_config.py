@@ -159,11 +159,8 @@ VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_kee
 
 
 def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
-    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``.
-
-    Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
-    A bad value is refused naming the spec, before any run.
-    """
+    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``;
+    only lrmoe takes options, and a bad one is refused naming the spec, before any run."""
     base, _, opts = spec.partition(":")
     require(base in ("static", "symi", "lrmoe"),
             f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "

@@ -5,6 +5,7 @@ options are built from them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -67,6 +68,27 @@ def test_lrmoe_knobs_nest_in_the_planner_and_backward_configs_and_round_trip():
     # a setting bench ttl does not record cannot be set (a --reuse would not see it)
     with pytest.raises(LrmoeError, match="records lrmoe's knobs"):
         TTLConfig(lrmoe=LrmoeKnobs(backward=BackwardOptions(metric="gate")))
+
+
+def test_policy_variant_sets_lrmoe_knobs_and_refuses_bad_values_naming_the_spec():
+    """A ``--policies`` spec sets lrmoe's knobs (``link_cost`` by on|off, as the flags read
+    on|off); a bad spec is one line naming it."""
+    from lrmoe.sim.ttl_config import TTLConfig, policy_variant
+
+    base = TTLConfig.from_flat(ep=2)
+    name, cfg = policy_variant("lrmoe:link_cost=off+min_keep=0.5+recompute", base)
+    assert name == "lrmoe" and cfg.lrmoe.link_cost is False
+    assert (cfg.lrmoe.planner.min_keep, cfg.lrmoe.planner.recompute) == (0.5, True)
+    assert policy_variant("lrmoe:link_cost=on", base)[1].lrmoe.link_cost is True
+    assert policy_variant("symi", base) == ("symi", base)
+    for spec, words in (("lrmoe:link_cost=maybe", "link_cost: 'maybe' is not on or off"),
+                        ("lrmoe:min_keep=x", "min_keep='x' is not a valid float"),
+                        ("lrmoe:min_keep=2", "lrmoe.min_keep=2.0 must be in [0, 1]"),
+                        ("lrmoe:link_cost", "'link_cost' needs a value"),
+                        ("symi:recompute", "only lrmoe takes options")):
+        with pytest.raises(LrmoeError, match=re.escape(f"--policies: {spec!r}")) as e:
+            policy_variant(spec, base)
+        assert words in str(e.value) and "\n" not in str(e.value), (spec, str(e.value))
 
 
 def _reuse(tmp_path, recorded: dict, cfg):

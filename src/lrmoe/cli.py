@@ -24,15 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lrmoe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"lrmoe.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"lrmoe.commands.{name}":
-                continue  # not built yet
-            raise
-        mod.register(sub)
+        importlib.import_module(f"lrmoe.commands.{name}").register(sub)
     return p
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,7 @@
-"""The policy and memory flags, declared once for every command.
-
-A knob's flag, type, default (read from :class:`~lrmoe.policy.registry.PolicyConfig`),
-help and value check live only in :data:`KNOBS`; ``train``, ``plan`` and ``bench ttl``
-add the knobs they read (:func:`add_policy_flags`). A knob only lrmoe reads is
-``--lrmoe-NAME``; one several policies or the memory model read has no prefix. The flat
-names are the argparse destinations and a run's ``config.json`` keys
-(:func:`policy_config` nests them, :func:`flat_policy` flattens); old spellings are
-refused naming the current one (:data:`RENAMED`).
-"""
+"""The policy and memory flags, declared once for every command: a knob's flag, type,
+default (read from :class:`~lrmoe.policy.registry.PolicyConfig`), help and value check
+live only in :data:`KNOBS`; its flat name is the argparse destination and a run's
+``config.json`` key."""
 
 from __future__ import annotations
 
@@ -22,11 +16,11 @@ from lrmoe.errors import LrmoeError
 from lrmoe.parallel.options import ESTIMATORS, METRICS
 from lrmoe.policy.lrmoe import PLACEMENTS
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
+from lrmoe.units import parse_bytes
 
 INT64_MAX = 2**63 - 1
 
 
-# ----------------------------------------------------------------------------- checks
 def check_int(name: str, v: Any, low: int, allow_none: bool = False,
               high: int = INT64_MAX) -> None:
     """Raise naming ``--name`` unless ``v`` is an integer in ``[low, high]``."""
@@ -70,13 +64,11 @@ def check_choice(name: str, v: Any, choices: tuple) -> None:
 
 def _bytes(name: str, v: Any) -> None:
     if v is not None:
-        from lrmoe.units import parse_bytes
         parse_bytes(v)
 
 
 def byte_size(v: str) -> int:
     """argparse type of a byte size (``40GiB``, ``500MiB``)."""
-    from lrmoe.units import parse_bytes
     try:
         return parse_bytes(v)
     except LrmoeError as e:
@@ -90,11 +82,9 @@ def on_off(v: str) -> bool:
     return v == "on"
 
 
-# ----------------------------------------------------------------------------- knobs
 @dataclass(frozen=True)
 class Knob:
-    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``,
-    ``backward.estimator``), whose
+    """One flag. ``field``: its path in :class:`PolicyConfig` (``lrmoe.min_keep``), whose
     default is the flag's; ``None`` for a memory knob (``default`` given here)."""
 
     dest: str
@@ -119,6 +109,14 @@ def attr_at(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def replace_at(obj: Any, path: str, value: Any) -> Any:
+    """``obj`` with the field at the dotted ``path`` set (each record on the way checks
+    itself)."""
+    head, _, rest = path.partition(".")
+    return dataclasses.replace(obj, **{head: replace_at(getattr(obj, head), rest, value)
+                                       if rest else value})
 
 
 KNOBS: dict[str, Knob] = {k.dest: k for k in (
@@ -237,22 +235,15 @@ def check_policy_flags(values: Mapping[str, Any]) -> None:
             KNOBS[name].check(name, v)
 
 
-def policy_config(values: Mapping[str, Any], base: PolicyConfig | None = None) -> PolicyConfig:
-    """``base`` (default: the defaults) with the policy knobs in ``values`` (flat names)
-    set; checked first, so a bad value names its flag."""
+def policy_config(values: Mapping[str, Any]) -> PolicyConfig:
+    """The defaults with the policy knobs in ``values`` (flat names) set; checked first, so
+    a bad value names its flag."""
     check_policy_flags(values)
-    top: dict[str, Any] = {}
-    inner: dict[str, dict[str, Any]] = {}  # part -> its fields (``lrmoe.min_keep``)
+    pc = PolicyConfig()
     for name, v in values.items():
-        f = KNOBS[name].field if name in KNOBS else None
-        if f is None:
-            continue
-        part, _, sub = f.rpartition(".")
-        (inner.setdefault(part, {}) if part else top)[sub] = v
-    base = base if base is not None else PolicyConfig()
-    top.update({part: dataclasses.replace(getattr(base, part), **kw)
-                for part, kw in inner.items()})
-    return dataclasses.replace(base, **top)
+        if name in KNOBS and KNOBS[name].field is not None:
+            pc = replace_at(pc, KNOBS[name].field, v)
+    return pc
 
 
 def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:

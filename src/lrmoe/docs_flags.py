@@ -1,11 +1,8 @@
 """docs/flags.md, rendered from the ``lrmoe`` parser: ``python -m lrmoe.docs_flags > docs/flags.md``.
 
-Every command's flags come from the parsers themselves (``lrmoe.commands.*`` and the
-policy and memory knobs of :mod:`lrmoe.cli_flags`), so the reference cannot drift from
-what ``--help`` says; ``tests/test_docs_flags.py`` fails when the file is stale. One table
-per argument group: the flag, its default and its help, a help's trailing
-``(default X)`` moved to the default column.
-"""
+One table per argument group: the flag, its default and its help, a help's trailing
+``(default X)`` moved to the default column; ``tests/test_docs_flags.py`` fails when the
+file is stale."""
 
 from __future__ import annotations
 

@@ -48,12 +48,8 @@ def _water_fill(w_E: Tensor, pairs: int, cap: int) -> Tensor:
 
 def synthetic_counts(G: int, E: int, tokens_per_rank: int, top_k: int, skew: float,
                      seed: int = 0) -> Tensor:
-    """``[G, E]`` Zipf loads: expert ``perm[j]`` gets weight ``1/(j+1)^skew``.
-
-    Every home rank spreads its ``tokens·top_k`` pairs by the same weights (largest
-    remainder); no expert gets more pairs than the home has tokens (one pair per token),
-    the excess going to the others in proportion to their weights.
-    """
+    """``[G, E]`` Zipf loads: expert ``perm[j]`` gets weight ``1/(j+1)^skew``, every home
+    rank spreading its ``tokens·top_k`` pairs alike, at most one per token and expert."""
     require(tokens_per_rank >= 1, f"--tokens-per-rank={tokens_per_rank} must be >= 1")
     require(skew >= 0, f"--skew={skew} must be >= 0")
     gen = torch.Generator().manual_seed(seed)

@@ -291,8 +291,7 @@ RECORDED_AS = {"lrmoe_min_keep": "min_keep", "lrmoe_balance": "balance",
 
 def run(args: argparse.Namespace) -> int:
     from lrmoe.sim.ttl import bench_ttl
-    from lrmoe.sim.ttl_checks import check_ttl_config
-    from lrmoe.sim.ttl_config import TTLConfig, recorded_settings
+    from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, recorded_settings
 
     check_policy_flags({k: getattr(args, k) for k in BENCH})
     known = TTLConfig().flat()

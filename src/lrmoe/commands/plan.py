@@ -4,10 +4,7 @@ Loads come from ``--loads FILE`` or a synthetic Zipf skew (``--skew``); the plan
 one a training step would make for those counts (SYMI's popularity = the same loads,
 i.e. a steady state). The command exits 0 when every rank fits ``--mem-budget`` (or no
 budget is given) and 1 when the plan shown exceeds it; bad input is exit code 2.
-
-``--compare`` (:mod:`lrmoe.commands.plan_compare`) projects static, symi and lrmoe to
-several EP sizes and per-rank budgets with **modelled** step times; there ``--loads``
-may also be a routing trace written by ``lrmoe bench ttl`` (:mod:`lrmoe.routing_loads`).
+``--compare``: :mod:`lrmoe.commands.plan_compare`.
 
 Legend: G ranks (EP size), E experts, k experts per token, T tokens per home rank.
 """
@@ -83,7 +80,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-# ---------------------------------------------------------------------- output
 def format_table(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
     """A plain aligned table: one row per rank, loads and ledger terms in GiB."""
     fwd, bwd = plan.rank_load(), plan.rank_backward_load()
@@ -120,7 +116,6 @@ def summary(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------- run
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return get_preset(args.preset) if args.preset else ModelConfig.from_file(args.config)
 
@@ -137,17 +132,12 @@ def plan_policy(args: argparse.Namespace, slots: int | None = None) -> PolicyCon
 TOKENS_PER_RANK_MAX = 2**31 - 1
 
 
-def check_ints(args: argparse.Namespace) -> None:
-    """Every integer flag in range (one line naming it): no count beyond int64 reaches
-    the planners' int64 arrays."""
+def run(args: argparse.Namespace) -> int:
+    # every integer flag in range: no count beyond int64 reaches the planners' int64 arrays
     check_int("ep", args.ep, 1, allow_none=True)
     check_int("tokens_per_rank", args.tokens_per_rank, 1, high=TOKENS_PER_RANK_MAX)
     check_int("seed", args.seed, 0, high=2**64 - 1)
     check_int("trace_steps", args.trace_steps, 1, high=INT64_MAX)
-
-
-def run(args: argparse.Namespace) -> int:
-    check_ints(args)
     check_policy_flags({k: getattr(args, k) for k in PLAN})
     if args.compare:
         return run_compare(args, model_config(args), plan_policy(args))

@@ -1,13 +1,9 @@
-"""Modelled per-rank stats of one MoE layer's step, from a plan alone (no kernel runs).
+"""Modelled per-rank stats of one MoE layer's step, from a plan alone (no kernel runs):
+the emulator's :class:`VirtualStats` with the expert kernels at a fixed GEMM rate, and
+``lrmoe plan --compare``'s scale projection (docs/design.md §9, "Scale projection").
 
 Legend: G ranks, S slots per rank, E experts, H hidden, F expert (moe) intermediate
 size; ``_GG`` is ``[src rank, dst rank]``, ``_GGS`` ``[home rank, rank, slot]``.
-
-:func:`modelled_stats` builds the :class:`lrmoe.sim.virtual.VirtualStats` the emulator
-would record for the plan (rows and bytes as its counters count them; tested against
-:class:`lrmoe.sim.virtual.VirtualEPLayer`), the expert kernel time modelled at a fixed
-GEMM rate. :func:`project_policy` is the scale projection of ``lrmoe plan --compare``
-(docs/design.md §9, "Scale projection").
 """
 
 from __future__ import annotations

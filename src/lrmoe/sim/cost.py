@@ -1,11 +1,6 @@
-"""Emulated step time from the virtual EP emulator's per-rank stats.
-
-Each stage costs its slowest virtual rank: expert stages their measured kernel time,
-exchanges :func:`lrmoe.sim.links.exchange_time` of their exact ``[src, dst]`` bytes, the
-control plane its measured or modelled time; stages run one after another. What each
-stage charges (recompute and whole-layer checkpoints included): docs/design.md §9.
-Everything here is **emulated** cluster time, never measured.
-"""
+"""Emulated step time from the virtual EP emulator's per-rank stats: each stage costs its
+slowest virtual rank, stages run one after another (what each charges: docs/design.md
+§9). Everything here is **emulated** cluster time, never measured."""
 
 from __future__ import annotations
 
@@ -158,17 +153,15 @@ def _record(terms: dict | None, t: dict) -> None:
             terms.setdefault(k, []).append([m, max(b)])
 
 
-def step_times(stats: VirtualStats | list[VirtualStats], link: Link,
-               non_moe_s: float = 0.0, offload=None) -> StepTimes:
-    """One or several layers' emulator stats as a :class:`StepTimes` (layers add up);
-    ``offload`` adds the modelled ``opt_*`` stages and SYMI's sharded exchanges."""
-    layers = stats if isinstance(stats, list) else [stats]
+def step_times(stats: VirtualStats, link: Link, non_moe_s: float = 0.0, offload=None
+               ) -> StepTimes:
+    """One layer's emulator stats as a :class:`StepTimes`; ``offload`` adds the modelled
+    ``opt_*`` stages and SYMI's sharded exchanges."""
     st = StepTimes(non_moe=non_moe_s, link=link.name)
-    for s in layers:
-        per = rank_stage_seconds(s, link)
-        if offload is not None:
-            per.update(offload.rank_seconds(s.plan.inst_expert_GS, link))
-        _charge(st, per, s.plan.G)
+    per = rank_stage_seconds(stats, link)
+    if offload is not None:
+        per.update(offload.rank_seconds(stats.plan.inst_expert_GS, link))
+    _charge(st, per, stats.plan.G)
     return st
 
 
@@ -202,14 +195,10 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
                       offload=None, terms: dict | None = None
                       ) -> tuple[list[StepTimes], StepTimes]:
-    """One optimizer step of N micro-batches: ``(StepTimes per micro-batch, StepTimes of what
-    is charged once per optimizer step)``; the step costs their sum (docs/design.md §9,
-    "Gradient accumulation in the emulator"). A layer's ``weight_scatter`` and
-    ``grad_reduce`` are charged once per run of consecutive micro-batches sharing its
-    placement (:func:`~lrmoe.parallel.instances.placement_key`), as the runtime moves it
-    (:mod:`lrmoe.parallel.instances`). ``micro[m]`` holds micro-batch m's stats per MoE layer;
-    ``terms``, when given, is filled with each charge's link-free terms
-    (:func:`rank_link_terms`) for re-pricing on another link."""
+    """One optimizer step of N micro-batches (``micro[m]``: micro-batch m's stats per MoE
+    layer): ``(StepTimes per micro-batch, StepTimes of what is charged once per optimizer
+    step)`` (docs/design.md §9, "Gradient accumulation in the emulator"); ``terms``, when
+    given, is filled with each charge's link-free terms for re-pricing on another link."""
     N = len(micro)
     require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
             "accumulated_times: every micro-batch needs one stats entry per MoE layer")

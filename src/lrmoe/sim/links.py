@@ -1,17 +1,6 @@
-"""Link presets and the all-to-all time model of the virtual EP emulator (emulated).
-
-Each preset is a datasheet peak (per GPU, per direction) times an all-to-all
-``efficiency``: the bus bandwidth NCCL achieves on large messages as a fraction of that
-peak. The efficiencies are **published figures, not measured by us**; each preset's
-``efficiency_source`` says which figure and where it was published. Latencies are
-order-of-magnitude per-message figures.
-
-``nvlink+ib`` is two-level: EP ranks ``0..7`` form node 0, ``8..15`` node 1, ...; the
-bytes a rank exchanges with peers of its own node go over NVLink, the others over its
-own 400 Gb/s InfiniBand NIC, each priced from the exchange's ``[src, dst]`` byte matrix
-(:func:`exchange_time`). The two fabrics carry their shares at the same time, so a rank
-takes the longer of the two.
-"""
+"""Link presets and the all-to-all time model of the virtual EP emulator (emulated):
+datasheet peaks at published all-to-all efficiencies, each preset citing its figures
+(docs/design.md §9, "Links as published")."""
 
 from __future__ import annotations
 
@@ -42,9 +31,7 @@ class Link:
         return self.bandwidth_Bps * self.efficiency
 
 
-# NVIDIA H100 / H200 SXM datasheets: "NVLink: 900 GB/s" (4th-generation NVLink,
-# bidirectional total per GPU), i.e. 450 GB/s per direction; ~3 us is the usual
-# small-message NVLink/NVSwitch latency (vendor figure order, not measured here).
+# ~3 us: the usual small-message NVLink/NVSwitch latency (vendor figure order, not measured)
 NVLINK = Link(
     "nvlink", 450e9, 3e-6, efficiency=370 / 450,
     source="NVIDIA H100/H200 SXM datasheet: NVLink 4, 900 GB/s bidirectional",
@@ -53,8 +40,7 @@ NVLINK = Link(
                       "all-reduce, alltoall_perf included (450 GB/s line rate less ~20% "
                       "protocol overhead), NCCL maintainer's answer in NVIDIA/nccl-tests "
                       "issue 212 (2024-05-06); H200 has the same NVLink 4")
-# NVIDIA ConnectX-7 / Quantum-2 datasheets: NDR InfiniBand, 400 Gb/s per port, one
-# port per GPU in a DGX/HGX H100 node = 50 GB/s per direction; ~5 us end to end.
+# one 400 Gb/s port per GPU in a DGX/HGX H100 node = 50 GB/s per direction; ~5 us end to end
 IB = Link(
     "ib", 50e9, 5e-6, efficiency=48 / 50,
     source="NVIDIA ConnectX-7 datasheet: NDR InfiniBand 400 Gb/s per port",
@@ -62,8 +48,7 @@ IB = Link(
                       "GB/s per NIC that NVIDIA states ConnectX-7 NICs at NDR rate reach "
                       "in alltoall_perf (an all-to-all does not aggregate several NICs), "
                       "NVIDIA/nccl-tests issue 267 (2025-01-23)")
-# PCI-SIG PCIe 5.0: 32 GT/s per lane, x16 = 64 GB/s per direction before encoding; GPUs
-# without NVLink exchange through PCIe switches and the CPUs' root complexes; ~5 us.
+# GPUs without NVLink exchange through PCIe switches and the CPUs' root complexes; ~5 us
 PCIE = Link(
     "pcie", 64e9, 5e-6, efficiency=28 / 64,
     source="PCI-SIG PCIe 5.0 x16: 32 GT/s per lane, 64 GB/s per direction",

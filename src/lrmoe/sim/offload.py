@@ -15,7 +15,6 @@ import torch
 from lrmoe.errors import require
 from lrmoe.sim.links import Link, exchange_time
 
-OFFLOAD_STAGES = ("opt_d2h", "opt_host_update", "opt_h2d")
 LAYOUTS = ("owner", "sharded")
 
 PCIE5_X16 = Link("pcie5-x16", 64e9, 5e-6,
@@ -45,11 +44,6 @@ class MeasuredOverlap:
 MEASURED_OVERLAP: MeasuredOverlap | None = None
 
 
-def policy_layout(policy: str) -> str:
-    """SYMI shards every expert's state over all ranks; static and lrmoe keep it with its owner."""
-    return "sharded" if policy == "symi" else "owner"
-
-
 @dataclass(frozen=True)
 class OffloadModel:
     """Per-rank offload bytes and modelled seconds of one MoE layer's step; ``overlap``
@@ -76,12 +70,10 @@ class OffloadModel:
 
     def rank_bytes(self) -> dict[str, list[int]]:
         """Per offload stage, each rank's bytes for one layer (the same whatever its slots)."""
-        G = self.G
-        pcie = [self.host_params * self.bytes_w] * G
-        out = {"opt_d2h": pcie, "opt_h2d": list(pcie),
-               "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
-                                                       + 2 * self.bytes_w)] * G}
-        return out
+        pcie = [self.host_params * self.bytes_w] * self.G
+        return {"opt_d2h": pcie, "opt_h2d": list(pcie),
+                "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
+                                                        + 2 * self.bytes_w)] * self.G}
 
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
         """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
@@ -89,9 +81,9 @@ class OffloadModel:
         b = self.rank_bytes()
         hl = self.host_link
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
-        out = {"opt_d2h": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_d2h"]],
-               "opt_h2d": [f * (x / hl.effective_Bps + hl.latency_s) for x in b["opt_h2d"]],
-               "opt_host_update": [f * x / self.host_mem_Bps for x in b["opt_host_update"]]}
+        out = {k: [f * (x / hl.effective_Bps + hl.latency_s) for x in b[k]]
+               for k in ("opt_d2h", "opt_h2d")}
+        out["opt_host_update"] = [f * x / self.host_mem_Bps for x in b["opt_host_update"]]
         for ex, m in self._sharded_GG(inst_expert_GS).items():
             out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out
@@ -130,5 +122,6 @@ def offload_for(ledger, policy: str) -> OffloadModel | None:
     """The offload model of ``policy`` under ``ledger`` (``None`` without host offload)."""
     if ledger is None or ledger.optimizer_offload != "host":
         return None
+    # SYMI shards every expert's state over all ranks; static and lrmoe keep it with its owner
     return OffloadModel(ledger.E, ledger.G, ledger.P_params, ledger.bytes_w,
-                        policy_layout(policy))
+                        "sharded" if policy == "symi" else "owner")

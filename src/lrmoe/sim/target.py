@@ -1,13 +1,7 @@
 """Targets and crossing times read from smoothed validation curves (docs/design.md §9).
 
 A curve is a list of evaluations ``{"step", "val_loss", "cum_emulated_s"}`` (plus
-``"val_batch_losses"`` when recorded). :func:`smooth` is a centred moving average that
-keeps the curve's length; :func:`target_at` the baseline's smoothed loss at a step;
-:func:`crossing` the first point a smoothed curve reaches it (step and time linear
-between evaluations); :func:`eval_noise` one evaluation's standard error against the
-smoothed change near the target (SE < 1/4 of it), with the paired standard error of
-neighbouring evaluations beside it (they share their batches, so most of the SE moves no
-crossing); :func:`ci95` the 95% interval of a mean over seeds (Student t).
+``"val_batch_losses"`` when recorded).
 """
 
 from __future__ import annotations
@@ -67,7 +61,8 @@ def crossing(evals: list[dict], target: float, window: int = 3
 
 def eval_noise(evals: list[dict], step: float, window: int = 3) -> dict:
     """One evaluation's standard error against the smoothed change between
-    neighbouring evaluations around ``step``; ``ok`` when SE < change / 4."""
+    neighbouring evaluations around ``step``; ``ok`` when SE < change / 4. Beside it the
+    paired SE of the change (neighbours share their batches, so most SE moves no crossing)."""
     ev = _evals(evals)
     i = min(range(len(ev)), key=lambda j: abs(ev[j]["step"] - step))
     b = ev[i].get("val_batch_losses") or []

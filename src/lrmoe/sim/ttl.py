@@ -61,8 +61,7 @@ from lrmoe.sim.links import get_link, link_cost
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at
-from lrmoe.sim.ttl_checks import check_ttl_config
-from lrmoe.sim.ttl_config import TTLConfig, policy_variant, recorded_settings
+from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, policy_variant, recorded_settings
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.sim.vstats import EXCHANGES
@@ -164,11 +163,9 @@ def _val_eval(model, batches, dev, autocast) -> dict:
 
 def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
               host_s=0.0) -> dict:
-    """One optimizer step's record: emulated stage times, loads, ratios, ledger peak (see
-    module doc). ``micro``: per micro-batch ``(its layers' stats, wall s, MoE wall s)``;
-    ``opt_wall``: the measured seconds after the last micro-batch (clipping, optimizer,
-    ``end_step``). With ``offload`` the experts' optimizer is charged as modelled offload
-    stages and its measured host part (``host_s``) is left out of the non-MoE time."""
+    """One optimizer step's record (module doc). ``micro``: per micro-batch ``(its layers'
+    stats, wall s, MoE wall s)``; ``opt_wall``: the measured seconds after the last one;
+    with ``offload`` the measured host optimizer (``host_s``) is left out (modelled)."""
     stats = [s for m in micro for s in m[0]]  # every micro-batch's layers
     non_moe_micro = [max(w - mw, 0.0) for _, w, mw in micro]
     non_moe_opt = max(opt_wall - host_s, 0.0)
@@ -213,21 +210,18 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            # the policies' placement from the previous step's counts (not charged)
            "prepare_ms": sum(s.prepare_ms for s in stats),
            "expert_load_max_over_mean": sum(_max_over_mean([s.counts_GE.sum(0).double()])
-                                            for s in stats) / len(stats)}
-    row["exchange_critical_bytes"] = _critical_bytes(stats)
-    # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
-    # what benchmarks/reprice_links.py re-prices exactly for another link
-    row["link_terms"] = {"G": G, "stages": terms}
+                                            for s in stats) / len(stats),
+           # per exchange: the sum over layers of the critical rank's max(sent, received)
+           # bytes and the layers with traffic, so the link model can be re-applied offline
+           "exchange_critical_bytes": {
+               ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
+                    sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES},
+           # each link-priced stage's charges as link-free terms (lrmoe.sim.cost.price_terms):
+           # what benchmarks/reprice_links.py re-prices exactly for another link
+           "link_terms": {"G": G, "stages": terms}}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
         row.update(_ledger_fields(stats, micro[-1][0], ledger, assigned))
     return row
-
-
-def _critical_bytes(stats: list) -> dict[str, list[int]]:
-    """Per exchange: the sum over layers of the critical rank's max(sent, received) bytes
-    and the number of layers with traffic, so the link model can be re-applied offline."""
-    return {ex: [sum(int(max(rank_bytes(s.bytes_GG[ex]))) for s in stats if ex in s.bytes_GG),
-                 sum(1 for s in stats if live(s, ex))] for ex in EXCHANGES}
 
 
 def _ledger_fields(stats: list, last: list, ledger: Ledger, assigned: int) -> dict:

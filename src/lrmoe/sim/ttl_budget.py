@@ -51,23 +51,19 @@ def counts_matrix(counts_E: list[int], G: int, home: int) -> torch.Tensor:
     return ((torch.minimum(hi[None], g_lo + home) - torch.maximum(lo[None], g_lo)).clamp(min=0))
 
 
-def layer_floor(ledger, counts_E: list, G: int, home: int) -> int:
-    """The largest rank total of static's whole-layer-checkpointed native plan for the
-    per-expert counts ``counts_E`` of one micro-batch's MoE layer (``home`` pairs a rank),
-    priced by ``ledger``."""
+def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
+    """``F``: the largest rank total of static's whole-layer-checkpointed native plan over
+    a run's per-micro-batch, per-layer counts (``counts_E[step]``: its micro-batches'
+    layers in order), priced by ``led``, the ledger the emulator prices static with
+    (:func:`lrmoe.sim.ttl.static_floor_ledger`)."""
     from lrmoe.policy.plan import layer_checkpoint_plan, native_plan
 
-    plan = layer_checkpoint_plan(native_plan(counts_matrix(counts_E, G, home)), None)
-    return max(t["total"] for t in ledger.rank_terms(plan))
-
-
-def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
-    """``F`` over a run's per-micro-batch, per-layer counts (``counts_E[step]``: its
-    micro-batches' layers in order), priced by ``led``, the ledger the emulator prices
-    static with (:func:`lrmoe.sim.ttl.static_floor_ledger`)."""
-    home = cfg.train.batch_size // cfg.train.ep * cfg.train.seq_len * mcfg.num_experts_per_tok
-    return max(layer_floor(led, [int(x) for x in c.tolist()], cfg.train.ep, home)
-               for step in counts_E for c in step)
+    G = cfg.train.ep
+    home = cfg.train.batch_size // G * cfg.train.seq_len * mcfg.num_experts_per_tok
+    plans = (native_plan(counts_matrix([int(x) for x in c.tolist()], G, home))
+             for step in counts_E for c in step)
+    return max(t["total"] for plan in plans
+               for t in led.rank_terms(layer_checkpoint_plan(plan, None)))
 
 
 def calibrate(cfg, mcfg, batches, val_b, link, log, run, led) -> FloorBudget:

@@ -1,20 +1,25 @@
-"""``bench ttl``'s settings, one tree: :class:`TTLConfig` holds the training run every
-policy makes (:attr:`TTLConfig.train`, a :class:`~lrmoe.train.config.TrainConfig`), lrmoe's
-knobs (:attr:`TTLConfig.lrmoe`, the planner's :class:`~lrmoe.policy.lrmoe.LrmoeConfig` and
-the backward's :class:`~lrmoe.parallel.options.BackwardOptions`) and the bench's own.
-``ttl.json`` records them by flat names (:meth:`TTLConfig.flat`, what ``--reuse``
-compares; :meth:`TTLConfig.from_flat` reads them back), and a ``--policies`` spec changes
-lrmoe's knobs by those names (:func:`policy_variant`)."""
+"""``bench ttl``'s settings as one tree (:class:`TTLConfig`), recorded in ``ttl.json`` by
+flat names, and the ``--policies`` variants that change lrmoe's knobs by those names."""
 
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from lrmoe.cli_flags import attr_at
+from lrmoe.cli_flags import (
+    attr_at,
+    check_choice,
+    check_int,
+    check_policy_flags,
+    check_tokens_read,
+    on_off,
+    replace_at,
+)
 from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig
+from lrmoe.sim.ttl_budget import check_fraction
 from lrmoe.train.config import TrainConfig
 
 # the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
@@ -35,11 +40,9 @@ def bench_train_config(**kw) -> TrainConfig:
 
 @dataclass
 class LrmoeKnobs:
-    """lrmoe's knobs in a bench run (a ``--policies`` variant changes them): its planner's
-    config, its backward's options (the estimator; the run sets the router gradient), and
-    whether its replicas are weighed against their link cost (the planner's ``link`` is
-    then priced by the run, from the static run's GEMM rate). Only what
-    :data:`LRMOE_FLAT` records may differ from the defaults."""
+    """lrmoe's knobs in a bench run: its planner's config, its backward's options (the run
+    sets the router gradient), and whether its replicas are weighed against their link
+    cost (priced by the run from the static run's GEMM rate)."""
 
     planner: LrmoeConfig = field(default_factory=LrmoeConfig)
     backward: BackwardOptions = field(default_factory=BackwardOptions)
@@ -53,16 +56,10 @@ LRMOE_FLAT = {"min_keep": "planner.min_keep", "balance": "planner.balance",
               "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost"}
 
 
-def _with(obj: Any, path: str, value: Any) -> Any:
-    """``obj`` with the field at ``path`` set (each record on the way checks itself)."""
-    head, _, rest = path.partition(".")
-    return replace(obj, **{head: _with(getattr(obj, head), rest, value) if rest else value})
-
-
 def with_knobs(knobs: LrmoeKnobs, flat: dict[str, Any]) -> LrmoeKnobs:
     """``knobs`` with the knobs ``flat`` names (:data:`LRMOE_FLAT`) set."""
     for name, value in flat.items():
-        knobs = _with(knobs, LRMOE_FLAT[name], value)
+        knobs = replace_at(knobs, LRMOE_FLAT[name], value)
     return knobs
 
 
@@ -124,13 +121,32 @@ def recorded_settings(cfg: TTLConfig) -> dict:
     return cfg.flat() | RETIRED_SETTINGS
 
 
-def _on_off(v: str) -> bool:
-    if v not in ("on", "off"):
-        raise ValueError(v)
-    return v == "on"
-
-
-_on_off.__name__ = "value (use on or off)"
+def check_ttl_config(cfg: TTLConfig) -> None:
+    """The argument checks that need no file, one line naming the flag, before anything is
+    read or trained: integers within int64 (``--seed`` any unsigned 64-bit value, as
+    torch's generators take), the run's tokens within int64, and the other ranges."""
+    t = cfg.train
+    require(t.preset or t.config, "give a model: --preset NAME or --config FILE")
+    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
+        check_int(k, getattr(t, k), 1)
+    for k in ("eval_every", "warmup"):
+        check_int(k, getattr(t, k), 0)
+    check_int("seed", t.seed, 0, high=2**64 - 1)
+    check_int("max_data_bytes", t.max_data_bytes, 1, allow_none=True)
+    check_tokens_read(t.steps, t.grad_accum, t.batch_size, t.seq_len)
+    require(0 < cfg.target_fraction <= 1, "--target-fraction must be in (0, 1]")
+    require(t.mem_budget is None or cfg.budget_floor_fraction is None,
+            "give --mem-budget or --budget-floor-fraction, not both")
+    check_fraction(cfg.budget_floor_fraction)
+    require(t.batch_size % t.ep == 0, f"--batch-size {t.batch_size} must be divisible by "
+                                      f"--ep {t.ep} (one home rank per share of the batch)")
+    check_choice("device", t.device, ("cpu", "cuda"))
+    check_policy_flags({"optimizer_offload": t.optimizer_offload, "router_grad": t.router_grad})
+    from lrmoe.model.checkpoint import check_mode
+    check_mode(t.activation_checkpoint)
+    require(isinstance(cfg.smooth_window, int) and 1 <= cfg.smooth_window <= 2**31
+            and cfg.smooth_window % 2 == 1,
+            f"--smooth-window {cfg.smooth_window!r} must be an odd integer >= 1")
 
 
 # lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> (flat name
@@ -139,15 +155,12 @@ VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_kee
                    "balance": ("balance", float), "estimator": ("estimator", str),
                    "max_slots": ("lrmoe_max_slots", int),
                    "placement": ("lrmoe_placement", str),
-                   "link_cost": ("lrmoe_link_cost", _on_off)}
+                   "link_cost": ("lrmoe_link_cost", on_off)}
 
 
 def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
-    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``.
-
-    Only lrmoe takes options; ``static``, ``symi`` and plain ``lrmoe`` return ``cfg``.
-    A bad value is refused naming the spec, before any run.
-    """
+    """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``;
+    only lrmoe takes options, and a bad one is refused naming the spec, before any run."""
     base, _, opts = spec.partition(":")
     require(base in ("static", "symi", "lrmoe"),
             f"--policies: {spec!r} is not supported; use static, symi, lrmoe or "
@@ -168,6 +181,8 @@ def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
         except ValueError:
             raise LrmoeError(f"--policies: {spec!r}: {key}={val!r} is not a valid "
                              f"{conv.__name__}") from None
+        except ArgumentTypeError as e:  # on_off's own words
+            raise LrmoeError(f"--policies: {spec!r}: {key}: {e}") from None
     try:
         return base, replace(cfg, lrmoe=with_knobs(cfg.lrmoe, changes))
     except LrmoeError as e:

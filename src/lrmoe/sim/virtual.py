@@ -35,7 +35,6 @@ from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 from lrmoe.traffic import plan_rows_GG
 
 
-# ------------------------------------------------------------------------ all-to-all
 def virtual_all_to_all(send_G: list[Tensor], splits_G: list[list[int]]) -> list[Tensor]:
     """In-memory ``all_to_all_single`` over G virtual ranks: ``send_G[g]`` is rank g's
     send buffer, ``splits_G[g][r]`` its rows for rank r; each rank receives the rows from
@@ -108,7 +107,6 @@ def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Te
     return homes, recvs
 
 
-# ------------------------------------------------------------------------- exchange
 class VirtualExchange(torch.autograd.Function):
     """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``,
     each rank's slice of the weights its slots' instance weights, forward and backward
@@ -198,7 +196,6 @@ def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2
     return torch.cat(outs), _Kept(rows_G, keep_G, comb_G)
 
 
-# --------------------------------------------------------------------- instance weights
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     """All ranks' slot weights ``[G*S, ...]`` from the full experts ``[E, ...]`` (empty
     slots zero); the gather's backward sums every instance's gradient into its expert."""
@@ -209,7 +206,6 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
     return w
 
 
-# ---------------------------------------------------------------------------- layer
 class VirtualEPLayer:
     """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks: its
     global tokens ``[G*T, H]`` (or ``[B, L, H]``) in, the global output out,

@@ -19,17 +19,11 @@ EXCHANGES = ("fwd_dispatch", "fwd_combine", "bwd_dispatch", "bwd_combine",
 # a whole-layer checkpoint's re-run in backward re-sends these (Plan.layer_checkpoint):
 # charged in ``bwd_recompute`` (:mod:`lrmoe.sim.cost`)
 RECOMPUTE_EXCHANGES = ("recompute_dispatch", "recompute_combine")
-# Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``):
-# ``plan`` (the policy's plan from this step's counts, and an exact policy's recompute
-# decision; every rank computes it, so every rank is charged; a policy's ``prepare``,
-# the plan's check and the ledger pricing of the stats are not charged), ``select``
-# (metric, selection sorts, compaction), ``gather`` (gathers of saved rows: retention in
-# forward, selected rows in backward) and ``local`` (counting, layouts, permutes,
-# combine kernels and their backward).
+# Measured per-rank work besides the expert GEMMs (ms in ``VirtualStats.stage_ms``; what
+# each holds: docs/design.md §9, "The control plane is charged")
 MEASURED_STAGES = ("plan", "select", "gather", "local")
 
 
-# --------------------------------------------------------------------------- timing
 class Timers:
     """Per-virtual-rank accumulated kernel time (ms), one named bucket at a time."""
 
@@ -58,7 +52,6 @@ class Timers:
             self.events = []
 
 
-# ---------------------------------------------------------------------------- stats
 @dataclass
 class VirtualStats:
     """What one emulated step of one layer did, per virtual rank (all lists have G entries).

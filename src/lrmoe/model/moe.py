@@ -2,18 +2,10 @@
 instance weights -> exchange (dispatch, experts, combine). Each forward returns its
 :class:`MoEStep` (counts, aux loss, path, stats), which the layer takes as its last.
 
-Read with it, the layer's whole path: :mod:`lrmoe.parallel.instances` (instance
-weights), :mod:`lrmoe.parallel.exchange` (the exchange's stage sequence and its autograd
-Function) and :mod:`lrmoe.parallel.stages` (each stage on one rank); the kernels they
-call are :mod:`lrmoe.ops`'.
-
-On one process with a policy that plans every expert's pairs on its own instance
-exactly (static), and a budget that fits that plan, the plan is the identity: the local
-path (:func:`runs_locally`, :func:`lrmoe.parallel.exchange.run_local`) runs the same
-kernels from device tensors alone, without a plan or a host wait. Otherwise (or with
-``MoERuntime(fast_local=False)``) the code path is the one the expert-parallel runtime
-runs. Under a whole-layer checkpoint the exchange runs without a graph in forward and
-again in backward (:class:`LayerCheckpoint`, docs/design.md §3).
+Read with it :mod:`lrmoe.parallel.instances`, :mod:`lrmoe.parallel.exchange` and
+:mod:`lrmoe.parallel.stages` (docs/design.md §2). On one process with static's plan
+within the budget the local path runs instead (:func:`runs_locally`); under a whole-layer
+checkpoint the exchange runs again in backward (:class:`LayerCheckpoint`, §3).
 
 Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 """
@@ -147,10 +139,7 @@ class MoELayer(nn.Module):
         Under ``torch.compile`` this is one graph break: the plan is host data computed
         from the counts every step (a trace would break at each host sync and recompile
         on each new plan). The expert kernels inside fuse on their own (:mod:`lrmoe.ops.fused`).
-        The one-process local path has no host sync but stays eager too: Dynamo stops at
-        its expert timing and at the grouped GEMM's operand check (``data_ptr``), and its
-        autograd Function frees the kept rows at their last use in backward (what the
-        ledger prices), which a traced joint graph would not do.
+        The one-process local path stays eager too (why: docs/design.md §2).
         """
         out_TH, step = self.stages(x_TH, idx_TK, gate_TK, probs_TE)
         if not self.recomputing:
@@ -295,13 +284,11 @@ def expert_counts(idx_P: Tensor, E: int) -> Tensor:
 
 
 def runs_locally(rt: MoERuntime, E: int, P: int) -> bool:
-    """The rule of the one-process path (``E`` experts, ``P`` pairs): one rank, at
-    least one pair, a policy that plans every expert's pairs on its own instance exactly
-    (``plans_natives_exactly()``: plain static), the selection knobs at their defaults
-    (inert on an exact plan; ``router_grad`` is honoured), and no budget or one the
-    ledger says that plan fits. Then the plan is the identity, whatever the counts: the
-    same experts, every pair retained and selected, nothing recomputed. Over the budget
-    the exchange runs, where the policy recomputes or raises, as on any rank count."""
+    """The rule of the one-process path (``E`` experts, ``P`` pairs; docs/design.md §2):
+    one rank, at least one pair, plain static (``plans_natives_exactly()``), the selection
+    knobs at their defaults (``router_grad`` is honoured), and no budget or one the ledger
+    says the identity plan fits. Over the budget the exchange runs, where the policy
+    recomputes or raises, as on any rank count."""
     if not rt.fast_local or rt.comm.size != 1 or P == 0 or not rt.policy.plans_natives_exactly():
         return False
     if replace(rt.backward, router_grad="home") != BackwardOptions():
@@ -347,11 +334,9 @@ _STAGE_MS = ("local_ms", "select_ms", "gather_ms")  # the exchange's control-pla
 
 class LayerCheckpoint(torch.autograd.Function):
     """The whole-MoE-layer checkpoint (docs/design.md §3, §5): ``(x_TH, gate_TK, idx_TK,
-    w13_S, w2_S) -> out_TH``, ``run`` (:class:`ExchangeRun`: the layouts from the plan,
-    then the exchange, its counters into ``stats``) without a graph in forward; in
-    backward ``run`` again with one (the dispatch re-sent), then its backward. ``stats``
-    keeps the first forward's counters and gets the re-run's forward ones with a
-    ``recompute_`` prefix (:func:`_merge`)."""
+    w13_S, w2_S) -> out_TH``, ``run`` without a graph in forward; in backward ``run``
+    again with one (the dispatch re-sent), then its backward. ``stats`` keeps the first
+    forward's counters and gets the re-run's forward ones with a ``recompute_`` prefix."""
 
     @staticmethod
     def forward(ctx, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,

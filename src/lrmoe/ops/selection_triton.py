@@ -3,11 +3,8 @@
 A selection kernel runs one program per block and writes, per row, whether it is kept
 and its rank among its block's kept rows (``slot``), and per block how many; the
 compaction kernel writes each kept row at its block's offset plus its slot. No kernel
-sorts: a block's order statistics come from a binary search over the 31 bits of its
-fp32 metrics. ``topk`` finds the ``q``-th largest and then applies the reference's
-float64 key; ``sampled`` finds the capped set ``{m >= x*}``, ``x*`` where ``F(x) = (q -
-#{m >= x})·x - sum{m < x}`` turns positive (a row's cap test ``(q - r)·m_r > R_r`` is
-``F(m_r) > 0``). docs/design.md §2, "Row kernels".
+sorts: how ``topk`` and ``sampled`` find their kept sets by a binary search over the
+fp32 metrics' bits is docs/design.md §2, "Row kernels".
 
 Legend: N candidate rows, B blocks, T tokens, H width, S selected rows.
 """

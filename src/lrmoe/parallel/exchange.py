@@ -1,13 +1,6 @@
 """Dispatch -> experts -> combine over the EP group as one autograd Function, with an
-explicit backward: the stages of :mod:`lrmoe.parallel.stages`, with the exchanges
-between them.
-
-Forward: every pair is computed (the output is exact); activations are saved only for
-retained pairs. Backward (LRMoE stages): combine^-1 happens in autograd outside (the
-pair output gradient arrives here as ``dy_P``); then **select** (recalibration metric
-and per-block backward quota), **compact** (only selected rows and their positions
-travel), **experts^-1** over the compacted segments, and the reverse exchange of the
-input gradients. Exact plans (select = retain = assign) skip the metric entirely.
+explicit backward (select, compact, experts^-1: docs/design.md §2): the stages of
+:mod:`lrmoe.parallel.stages`, with the exchanges between them.
 
 The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ranks`:
 each stage runs for every rank a process plays, and a :class:`Transport` carries the
@@ -16,18 +9,9 @@ collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process play
 one rank with no collectives and no host wait (:func:`run_local`); the emulator plays
 all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
 
-**The one-process path** (:func:`run_local`). On one process with the static policy's
-plan within the budget (:func:`lrmoe.model.moe.runs_locally`: instance = expert, every
-pair retained and selected, nothing recomputed) the plan, its layouts and the
-collectives are identities, yet the general path builds all of them on the host from the
-counts. :func:`run_local` runs the same :class:`ExpertExchange` from device tensors
-alone: the rank's pairs are one block of ``P`` rows (:class:`OneBlock`: host numbers
-known from the shapes), sorted by expert on the device (the stable sort ``home_layout``
-does), cut per expert by int32 offsets from the device counts (``ExchangeState.offs``),
-over a transport with no collectives (:class:`LocalTransport`). Same kernels in the same
-order, so its results are bitwise the general path's. On CUDA with grouped GEMMs nothing
-in its forward or backward waits for the host (``tests/test_local_path.py`` runs it on
-the meta device, where any host read fails).
+The one-process path (:func:`run_local`, docs/design.md §2 "One process, no host
+wait") runs the same :class:`ExpertExchange` for the identity plan, its layouts built
+on the device, so its results are bitwise the general path's.
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).

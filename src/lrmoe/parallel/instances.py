@@ -10,28 +10,9 @@ The owned weights are cast to the compute dtype once per optimizer step
 (:func:`compute_copy`): the micro-batches of one step reuse the cast, and their
 gradients still accumulate in the master dtype.
 
-**Held over an optimizer step** (:class:`HeldInstances`). Inside the trainer's step of
-N > 1 micro-batches (:meth:`MoEForCausalLM.step_weights`) each MoE layer keeps one. At
-the first micro-batch of a placement its occupied slots' weights are gathered from their
-owners (:func:`gather_slots`) and kept while the next micro-batches' placement is the
-same (the same occupied experts on every rank, in slot order: :func:`placement_key`).
-Each micro-batch's backward adds the slots' weight gradient to the layer's accumulator,
-in the slots' compute dtype: the gradient buffer the ledger prices per occupied slot
-(``instance_grads``), resident with the weights for the step. The backward of the
-step's last micro-batch sends the sum home (:func:`reduce_slots`) through autograd, into
-the owned parameters' gradients, before the gradient sync and clipping. A placement that
-changes at a later micro-batch first sends home what its predecessor accumulated
-(:meth:`HeldInstances.flush`, into ``.grad`` directly) and gathers its own; a
-natives-only plan uses the owned tensors, nothing held.
-
-Exactness of holding: the weights are the same values in every micro-batch. The owner's
-gradient is ``sum over instances (sum over micro-batches)`` where moving every
-micro-batch gives ``sum over micro-batches (sum over instances)``: bit for bit the same
-for an expert with one instance (the additions are the same, in the same order), the
-same to floating-point tolerance where an expert has several (its instances' partial
-sums are associated differently). Under a bf16 compute dtype the accumulator adds in
-bf16 (the per-micro-batch path adds each micro-batch's reduced gradient to the fp32
-``.grad``).
+Inside an optimizer step of several micro-batches a placement's instance weights are
+held and their gradients summed on the slots (:class:`HeldInstances`; how, and why that
+is exact: docs/design.md §7).
 
 Legend: S occupied slots, E experts, G ranks.
 """

@@ -7,18 +7,15 @@ Backward: home ``home_backward`` (combine^-1, **select**, **compact**) -> all-to
 receiver ``experts_backward`` -> all-to-all -> home ``home_finish``.
 
 Every function works on one rank's plain tensors and layouts; the exchanges between
-them belong to the caller: the stage sequence of :mod:`lrmoe.parallel.exchange`, over
-a real rank's collectives, one process's identity or the emulator's G virtual ranks in
-memory. Timing wraps regions from outside through ``tm(key)``, a context-manager
-factory for the buckets ``local``, ``select``, ``gather`` and the expert kernels; it
-never changes what a stage computes.
+them belong to the caller (:mod:`lrmoe.parallel.exchange`: a real rank's collectives,
+one process's identity or the emulator's G virtual ranks). Timing wraps regions from
+outside through ``tm(key)``, a context-manager factory for the buckets ``local``,
+``select``, ``gather`` and the expert kernels; it never changes what a stage computes.
 
-Layouts turn a plan into index arithmetic for one rank (no communication). Send buffer
-(home side, :class:`HomeLayout`): ordered by destination instance i = r*S + s; inside
-block (me -> i) the retained pairs come first, in descending gate order. Arrival buffer
-(receiver side, :class:`RecvLayout`): ordered by (source g, slot s); the *instance
-order* used by the grouped GEMMs is (s, g). Saved activations are kept for retained rows
-only, in (s, g, j) order.
+Send buffer (:class:`HomeLayout`): ordered by destination instance i = r*S + s; inside
+block (me -> i) the retained pairs first, in descending gate order. Arrival buffer
+(:class:`RecvLayout`): ordered by (source g, slot s); the grouped GEMMs' *instance
+order* is (s, g). Saved activations are kept for retained rows only, in (s, g, j) order.
 
 Row tensors are handed over and dropped at their last use (the ledger prices what is
 alive at each point, ``tests/test_ledger_truth.py``): a rank's rows travel in a dict,

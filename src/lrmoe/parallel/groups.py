@@ -148,9 +148,10 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def sync_grads(model: nn.Module, ctx: ParallelContext, finished: Collection[int] = ()) -> None:
-    """Average non-expert gradients over the world; reduce expert gradients (see module
-    doc). ``finished``: ``id``s of expert parameters whose gradient
-    :func:`expert_grad_finish` already synced as it became final (left alone here)."""
+    """Average non-expert gradients over the world; sum expert gradients over the
+    expert-DP group, then divide them by the world too. ``finished``: ``id``s of expert
+    parameters whose gradient :func:`expert_grad_finish` already synced as it became
+    final (left alone here)."""
     if not ctx.distributed:
         return
     dense, expert, done = [], [], []

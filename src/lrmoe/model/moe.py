@@ -88,9 +88,8 @@ class MoEStep:
         aux_loss: the router's balancing loss from those counts; ``None`` outside
             training or without one (GLM balances by bias).
         stats: the layer's counters: the plan's, then the exchange's forward and backward
-            add theirs (:class:`lrmoe.sim.vstats.VirtualStats` when emulated). On the
-            local path ``counts_E`` stays a device tensor: readers resolve it
-            (:func:`host_stats`).
+            add theirs (:class:`lrmoe.sim.vstats.VirtualStats` when emulated); readers
+            resolve the local path's device ``counts_E`` (:func:`host_stats`).
     """
 
     path: str

@@ -56,7 +56,7 @@ def plan_capacity(counts_GE: Tensor, capacity_factor: float) -> Plan:
     c = host_counts(counts_GE)  # native_plan refuses an EP size that does not divide E
     cap = capacity_per_expert(counts_GE, capacity_factor)
     kept_GE = apportion_rows_np(np.minimum(c.sum(0), cap), c.T).T
-    return dataclasses.replace(native_plan(torch.from_numpy(kept_GE)),
+    return dataclasses.replace(native_plan(kept_GE),
                                dropped_GE=torch.from_numpy(c - kept_GE))
 
 

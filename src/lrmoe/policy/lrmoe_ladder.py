@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from lrmoe.errors import OutOfMemory
 from lrmoe.policy.ledger_view import plan_exact_fit
@@ -111,7 +110,7 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
     if ledger is None or ledger.budget_bytes is None:
         raise trimmed.over
     c = host_counts(counts_GE)
-    natives = native_plan(torch.from_numpy(c))
+    natives = native_plan(c)
     if trimmed.placed is not None:
         plan = _fit(trimmed.placed, ledger, "")
         if plan is not None:

@@ -139,13 +139,15 @@ def fitted(plan: Plan, mode: str, rec: np.ndarray, **extra) -> Plan:
     return dataclasses.replace(plan, layer_checkpoint=mode == "layer", **extra)
 
 
-def native_plan(counts_GE: Tensor) -> Plan:
+def native_plan(counts_GE: Tensor | np.ndarray) -> Plan:
     """Static EP's plan without a budget: natives only, every pair retained and selected."""
-    G, E = counts_GE.shape
+    c = counts_GE.detach().cpu().numpy() if isinstance(counts_GE, Tensor) else counts_GE
+    G, E = c.shape
     if E % G:
         raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
-    a = counts_GE.detach().cpu().long().reshape(G, G, E // G).clone()
-    return Plan(torch.arange(E, dtype=torch.long).reshape(G, E // G), a, a.clone(), a.clone())
+    a = np.asarray(c, dtype=np.int64).reshape(G, G, E // G)
+    return Plan(*(torch.from_numpy(x) for x in (np.arange(E, dtype=np.int64).reshape(G, E // G),
+                                                a.copy(), a.copy(), a.copy())))
 
 
 def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:

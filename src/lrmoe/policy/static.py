@@ -34,10 +34,11 @@ class StaticPolicy(Policy):
         return type(self) is StaticPolicy
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
-        plan = native_plan(counts_GE)
+        c = host_counts(counts_GE)
+        plan = native_plan(c)
         if self.recompute:
             return fit_exact(plan, inputs.ledger, "static")
-        raise_if_over(plan, host_counts(counts_GE).sum(1), inputs.ledger)
+        raise_if_over(plan, c.sum(1), inputs.ledger)
         return plan
 
 

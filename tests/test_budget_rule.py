@@ -65,3 +65,29 @@ def test_static_out_of_memory_names_the_flag_given_and_one_need(tmp_path, capsys
     assert "--budget-" not in line
     need = line.split("(needs ")[1].split(",")[0]
     assert f"needs {need} >" in line and need == fmt_bytes(floor_run["budget_bytes"]), line
+
+
+
+def test_each_run_starts_after_the_previous_models_are_released(tmp_path, monkeypatch):
+    """The emulator's layers and their model refer to each other; on CUDA a run's model is
+    freed for the next run only by a collection (``ttl._release``). The GLM-4.5-Air twin's
+    static run peaks at ~120 GB of an H200's 140, so a calibration run left uncollected
+    put the next run out of device memory."""
+    import lrmoe.sim.ttl as ttl
+
+    events, run, release = [], ttl.run_policy, ttl._release
+
+    def logged_run(*args, **kw):
+        events.append("run")
+        return run(*args, **kw)
+
+    def logged_release(cfg):
+        events.append("release")
+        release(cfg)
+
+    monkeypatch.setattr(ttl, "run_policy", logged_run)
+    monkeypatch.setattr(ttl, "_release", logged_release)
+    assert main(ARGS + ["--policies", "static,symi", FLAG, "1.2",
+                        "--out", str(tmp_path / "o")]) == 0
+    # the probe, then the calibration, static and symi, each released before the next
+    assert events == ["release", "run"] * 3 + ["release"]

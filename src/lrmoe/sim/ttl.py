@@ -573,6 +573,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
                 ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
                                      run_policy, static_floor_ledger(cfg, data.mcfg)))
+        _release(cfg)  # the calibration run's model, before static's own is built
         ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
         log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
             f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
@@ -635,11 +636,17 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
         reused = load_reused(cfg, list(variants), v0)
     warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
             _warm_variants(data, [v for p, v in variants.items() if p not in reused], G))
-    # the probe's emulator refers back to its layers: only a collection frees the probe's
-    # experts and their gradients
     del probe
-    gc.collect()
+    _release(cfg)
     return reused
+
+
+def _release(cfg: TTLConfig) -> None:
+    """Free the last run's model: the emulator's layers and the model refer to each other,
+    so only a collection frees them (and their device memory, for the next run's)."""
+    gc.collect()
+    if cfg.train.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _warm_variants(data: _Data, variants: list, G: int) -> list:
@@ -663,9 +670,7 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
     counts_GE = res.pop("_counts_GE")
     if rule is not None:  # with each result: --reuse takes it with the policy
         res["budget_rule"] = rule.record()
-    gc.collect()
-    if cfg.train.device == "cuda":
-        torch.cuda.empty_cache()
+    _release(cfg)
     return res, counts_GE
 
 

@@ -644,3 +644,28 @@ def test_ttl_warm_up_runs_each_lrmoe_variants_selection(monkeypatch, policies, w
     torch.set_num_threads(1)
     ttl._probe(cfg, ttl._load_data(cfg), {p: ttl.policy_variant(p, cfg) for p in policies})
     assert seen == want, f"the warm-up selected with {sorted(seen)}, want {sorted(want)}"
+
+
+def test_ttl_reuse_of_static_keeps_lrmoes_link_cost(tmp_path, capsys):
+    """lrmoe weighs replicas against their link cost at static's measured GEMM rate: a
+    static taken from --reuse brings its rate, so lrmoe runs as it would beside it (the
+    same config, the same plans); a file whose static records no rate is refused."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(ARGS + ["--policies", "static,lrmoe", "--deterministic", "--out", str(a)]) == 0
+    full = json.loads((a / "ttl.json").read_text())
+    assert full["policies"]["static"]["gemm_rate_flops"] > 0
+    only_static = dict(full, policies={"static": full["policies"]["static"]})
+    (tmp_path / "static.json").write_text(json.dumps(only_static))
+    assert main(ARGS + ["--policies", "static,lrmoe", "--deterministic", "--reuse",
+                        str(tmp_path / "static.json"), "--out", str(b)]) == 0
+    want, got = full["policies"]["lrmoe"], json.loads((b / "ttl.json").read_text())["policies"]["lrmoe"]
+    assert "weighed against their" in got["config"] and got["config"] == want["config"]
+    assert got["replicas_placed"] == want["replicas_placed"]
+    assert [e["val_loss"] for e in got["evals"]] == [e["val_loss"] for e in want["evals"]]
+    del only_static["policies"]["static"]["gemm_rate_flops"]
+    (tmp_path / "norate.json").write_text(json.dumps(only_static))
+    capsys.readouterr()
+    assert main(ARGS + ["--policies", "static,lrmoe", "--deterministic", "--reuse",
+                        str(tmp_path / "norate.json"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "records no GEMM rate" in err and "\n" not in err and not (tmp_path / "c").exists()

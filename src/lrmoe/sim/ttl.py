@@ -577,7 +577,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
         ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
         log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
             f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
-    results, profile = {}, None
+    results, profile = {}, _reused_profile(cfg, reused, variants)
     for p in policies:
         if p in reused:
             log(f"[{p}] reused from {cfg.reuse}")
@@ -589,6 +589,7 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
                 rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
                                             data.mcfg.hidden_size,
                                             data.mcfg.moe_intermediate_size)
+                results[p]["gemm_rate_flops"] = rate  # lrmoe's link cost, also under --reuse
                 profile = (*_profile(counts_GE), rate)
         if on_policy is not None:
             on_policy(p, results[p])
@@ -604,6 +605,19 @@ def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
             "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
             "ratios_over_symi_time_to_target_emulated": ratios,
             "measured_vs_modelled": __doc__, "policies": results}
+
+
+def _reused_profile(cfg: TTLConfig, reused: dict, variants: dict) -> tuple | None:
+    """A reused static run's profile: its GEMM rate alone (symi, which also needs its
+    counts, is then reused with it), or None when static runs here."""
+    if "static" not in reused:
+        return None
+    rate = reused["static"].get("gemm_rate_flops")
+    require(rate is not None or not any(b == "lrmoe" and v.lrmoe.link_cost
+                                        for b, v in variants.values()),
+            f"--reuse {cfg.reuse}: its static run records no GEMM rate, which lrmoe's link "
+            "cost is priced at; run static again")
+    return None, None, rate
 
 
 def _load_data(cfg: TTLConfig) -> _Data:

@@ -324,13 +324,6 @@ def load_corpus(
     return Corpus(train, val, source, notes, train_prompts=train_p, val_prompts=val_p)
 
 
-def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize both splits: ``(train_ids [N_train], val_ids [N_val])``, int64, each document
-    followed by ``tokenizer.eos_id``."""
-    s = build_streams(corpus, tokenizer)
-    return s.train_ids, s.val_ids
-
-
 def _check_int(name: str, value: object, low: int = 1) -> int:
     try:  # operator.index also admits numpy/torch integer scalars, but not floats/bools
         v = -1 if isinstance(value, bool) else operator.index(value)
@@ -339,6 +332,14 @@ def _check_int(name: str, value: object, low: int = 1) -> int:
     if v < low:
         raise LrmoeError(f"{name} must be an integer >= {low}, got {value!r}")
     return v
+
+
+def _check_rank(rank: object, world: object) -> int:
+    """``world``, checked, once ``rank`` is checked to be one of its ranks."""
+    world = _check_int("world", world)
+    if not 0 <= _check_int("rank", rank, low=0) < world:
+        raise LrmoeError(f"rank {rank} is out of range for world size {world}")
+    return world
 
 
 def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
@@ -390,12 +391,10 @@ class PackedBatches:
     def window_indices(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """Window ids of rank's rows of global batch ``step``: int64 ``[B // world]``."""
         step = _check_int("step", step, low=0)
-        world = _check_int("world", world)
+        world = _check_rank(rank, world)
         if self.batch_size % world:
             raise LrmoeError(f"global batch size {self.batch_size} is not divisible by the "
                              f"data-parallel world size {world}")
-        if not 0 <= _check_int("rank", rank, low=0) < world:
-            raise LrmoeError(f"rank {rank} is out of range for world size {world}")
         local = self.batch_size // world
         first = step * self.batch_size + rank * local
         out = torch.empty(local, dtype=torch.long)
@@ -438,9 +437,7 @@ def validation_batches(
     sums, not means), maybe none; with ``target_mask``, :class:`MaskedBatch` es."""
     seq_len = _check_int("seq_len", seq_len)
     batch_size = _check_int("batch_size", batch_size)
-    world = _check_int("world", world)
-    if not 0 <= _check_int("rank", rank, low=0) < world:
-        raise LrmoeError(f"rank {rank} is out of range for world size {world}")
+    world = _check_rank(rank, world)
     k = _windows(ids, seq_len, "validation")
     if num_windows is not None:
         k = min(k, _check_int("num_windows", num_windows))

@@ -1,15 +1,7 @@
-"""Plots of a run's ``metrics.jsonl`` (matplotlib, Agg backend: no display needed).
-
-Writes into the run directory:
-
-- ``loss.png``: training loss per step (and its moving average) with validation loss.
-- ``expert_load.png``: per MoE layer, a heatmap experts x steps of each expert's pairs
-  divided by the step's mean (1 = balanced), from the per-step global counts.
-- ``load_balance.png``: per MoE layer, max/mean expert load over steps; under EP also
-  the max/mean rank load in forward and backward (what the straggler waits on).
-- ``rank_load.png`` (EP runs only): per MoE layer, a heatmap ranks x steps of pairs
-  processed per rank divided by the mean.
-"""
+"""Plots of a run's ``metrics.jsonl`` written into the run directory (matplotlib, Agg
+backend: no display needed): the loss, and per MoE layer each expert's (and under EP
+each rank's) load over the steps, divided by the step's mean (1 = balanced), and its
+max/mean (what the straggler waits on)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Both reserve id 0 as the end-of-document id (``Tokenizer.eos_id``): the NUL byte
 the data loader never accepts in text, or BPE's ``<|endoftext|>`` (ids 1..256 the byte
 alphabet, the rest merges). ``bpe:N`` is trained with HF ``tokenizers`` on the training
 split and cached as ``tokenizer.json`` in the run directory; a small corpus can run out
-of merges (``vocab_size`` below N). A model's own tokenizer: :mod:`lrmoe.hf_tokenizer`.
+of merges (``vocab_size`` below N). A model's own tokenizer: :mod:`lrmoe.tokenizer_load`.
 """
 
 from __future__ import annotations

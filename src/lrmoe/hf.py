@@ -360,15 +360,6 @@ def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
     return [target / n for n in ours]
 
 
-def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Path:
-    """Write ``final``'s new contents into the staging directory, fsynced, with its mode."""
-    tmp = stage / final.name
-    write(tmp)
-    _fsync(tmp)
-    os.chmod(tmp, mode_for(final))
-    return tmp
-
-
 def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             dtype: torch.dtype | str | None = None) -> Path:
@@ -428,32 +419,31 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
         target.mkdir(parents=True, exist_ok=True)
         remove_dead_leftovers(target)  # of an earlier save that was killed
         stage = staging_dir(target)
-        plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}
         for fname, idx in zip(names, shards):
             if before_shard is not None:
                 before_shard([entries[i][0] for i in idx])
-            tensors = {entries[i][0]: entries[i][3]() for i in idx}
-            plan.append((_write_atomic(target / fname, lambda t, ts=tensors: safetensors.torch
-                                       .save_file(ts, str(t), metadata={"format": "pt"}),
-                                       stage), target / fname))
+            safetensors.torch.save_file({entries[i][0]: entries[i][3]() for i in idx},
+                                        str(stage / fname), metadata={"format": "pt"})
             weight_map.update({entries[i][0]: fname for i in idx})
-        texts = []
+        texts: dict[str, str | bytes] = {}
         if n > 1:
-            texts.append((INDEX_NAME, json.dumps(
-                {"metadata": {"total_size": sum(nbytes)},
-                 "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"))
-        texts += list((extra_files or {}).items())
-        texts.append((CONFIG_NAME, json.dumps(hf_config_dict(cfg, cdtype), indent=2,
-                                              sort_keys=True) + "\n"))
-        for fname, text in texts:
-            plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_bytes(
-                x if isinstance(x, bytes) else x.encode()), stage), target / fname))
-        for tmp, final in plan:  # weights first, config.json last
-            os.replace(tmp, final)
-        new = {final for _, final in plan}
+            texts[INDEX_NAME] = json.dumps({"metadata": {"total_size": sum(nbytes)},
+                                            "weight_map": dict(sorted(weight_map.items()))},
+                                           indent=2) + "\n"
+        texts |= extra_files or {}
+        texts[CONFIG_NAME] = json.dumps(hf_config_dict(cfg, cdtype), indent=2,
+                                        sort_keys=True) + "\n"
+        for fname, text in texts.items():
+            (stage / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+        written = names + list(texts)  # weights first, config.json last
+        for fname in written:
+            _fsync(stage / fname)
+            os.chmod(stage / fname, mode_for(target / fname))
+        for fname in written:
+            os.replace(stage / fname, target / fname)
         for p in old:  # the old checkpoint's shards and index this save does not write
-            if p not in new:
+            if p.name not in written:
                 p.unlink(missing_ok=True)
         stage.rmdir()
         _fsync(target)

@@ -38,20 +38,28 @@ def _finish(plt, fig, ax, path: Path, ylabel: str, title: str, legend: dict | No
     return path
 
 
-def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float]]],
-              ylabel: str, title: str) -> Path:
-    """One subplot per layer of ``[steps][rows]`` values normalised by each step's mean."""
+def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, ylabel: str,
+                  title: str) -> list[Path]:
+    """One heatmap per MoE layer of the rows' ``key`` (``[steps][rows]``), each step's values
+    divided by their mean; ``[]`` when no row has it in full."""
     import numpy as np
 
-    n = len(per_layer)
+    with_key = [r for r in train if r.get(key)]
+    if not with_key:
+        return []
+    n = len(with_key[0][key])
+    ok = [r for r in with_key if len(r[key]) == n and all(c is not None for c in r[key])]
+    if not ok:
+        return []
+    steps = [r["step"] for r in ok]
     cols = min(4, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
                              squeeze=False, layout="constrained")
     vmax = 1.0
     mats = []
-    for layer in per_layer:
-        m = np.asarray(layer, dtype=float).T  # [rows, steps]
+    for k in range(n):
+        m = np.asarray([r[key][k] for r in ok], dtype=float).T  # [rows, steps]
         mean = m.mean(axis=0, keepdims=True)
         m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
         mats.append(m)
@@ -72,23 +80,9 @@ def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float
     if im is not None:
         fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="load / mean")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    fig.savefig(run_dir / name, dpi=110)
     plt.close(fig)
-    return path
-
-
-def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, ylabel: str,
-                  title: str) -> list[Path]:
-    """The heatmap of the rows' per-layer ``key`` (``[]`` when no row has it in full)."""
-    with_key = [r for r in train if r.get(key)]
-    if not with_key:
-        return []
-    n_layers = len(with_key[0][key])
-    ok = [r for r in with_key if len(r[key]) == n_layers and all(c is not None for c in r[key])]
-    if not ok:
-        return []
-    per_layer = [[r[key][k] for r in ok] for k in range(n_layers)]
-    return [_heatmaps(plt, run_dir / name, [r["step"] for r in ok], per_layer, ylabel, title)]
+    return [run_dir / name]
 
 
 def _loss_plot(plt, run_dir: Path, train: list[dict], val: list[dict]) -> Path:

@@ -163,23 +163,22 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
 
 def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
     """A line's ``(prompt, completion)`` (prompt "" for a ``text`` line), or None."""
-    text = obj.get("text")
     pc = [k for k in ("prompt", "completion") if k in obj]
     if pc and "text" in obj:
         raise LrmoeError(f"data path {str(path)!r}: line {lineno} has both 'text' and "
                          f"'{pc[0]}'; a line is either text or a prompt/completion row")
-    if pc and len(pc) == 1:
+    if len(pc) == 1:
         other = "completion" if pc[0] == "prompt" else "prompt"
         raise LrmoeError(f"data path {str(path)!r}: line {lineno} has '{pc[0]}' without "
                          f"'{other}'")
-    fields = ("prompt", "completion") if pc else ("text",) if "text" in obj else ()
+    fields = pc or [k for k in ("text",) if k in obj]
     for k in fields:
         if not isinstance(obj[k], str):
             raise LrmoeError(f"data path {str(path)!r}: line {lineno}: field '{k}' must be "
                              f"a string, got {type(obj[k]).__name__}")
     if not fields:
         return None
-    return (obj["prompt"], obj["completion"]) if pc else ("", text)
+    return (obj["prompt"], obj["completion"]) if pc else ("", obj["text"])
 
 
 def _load_jsonl(path: Path, col: _Collector) -> list[str]:

@@ -184,19 +184,6 @@ def _legacy_pieces(target: str, hf: str, shape: tuple[int, ...]) -> list[_Piece]
             for e in range(E)]
 
 
-def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str]) -> list[_Piece]:
-    """Pieces for ``experts.gate_up_proj`` / ``experts.down_proj`` in either form."""
-    legacy = _legacy_pieces(target, hf, shape)
-    prefix = hf.rsplit(".", 1)[0]
-    has_legacy = any(p.key in ckpt for p in legacy)
-    if hf in ckpt and has_legacy:
-        raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert tensors "
-                         f"{prefix}.M.*; keep one form")
-    if hf in ckpt or not has_legacy:
-        return [_Piece(target, (), hf, shape)]
-    return legacy
-
-
 def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
           ckpt: set[str] | None) -> list[_Piece]:
     """The model's tensors as checkpoint tensors: experts in the form ``ckpt`` (the
@@ -209,10 +196,14 @@ def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
         hf = _hf_name(name)
         if not name.endswith(FUSED_EXPERTS):
             pieces.append(_Piece(name, (), hf, shape))
-        elif ckpt is None:
-            pieces += _legacy_pieces(name, hf, shape)
-        else:
-            pieces += _expert_pieces(name, hf, shape, ckpt)
+            continue
+        per_expert = _legacy_pieces(name, hf, shape)
+        has_per_expert = ckpt is not None and any(p.key in ckpt for p in per_expert)
+        if has_per_expert and hf in ckpt:
+            raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert "
+                             f"tensors {hf.rsplit('.', 1)[0]}.M.*; keep one form")
+        fused = ckpt is not None and not has_per_expert  # (a missing tensor: named fused)
+        pieces += [_Piece(name, (), hf, shape)] if fused else per_expert
     return pieces
 
 
@@ -239,7 +230,7 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                     for s in [f.get_slice(k)]}
     except OSError as e:
         raise LrmoeError(f"cannot read checkpoint file {file}: {e.strerror or e}") from None
-    except Exception as e:  # SafetensorError, OSError, ...
+    except Exception as e:  # SafetensorError, ...
         raise _corrupt(file, str(e)) from None
 
 
@@ -298,7 +289,7 @@ def _fp32_names(model: MoEForCausalLM) -> set[str]:
     """Tensors HF keeps in fp32 whatever the model dtype: GLM's router (bias and weight)."""
     if model.config.model_type != "glm4_moe":
         return set()
-    return {n for n, _ in model.state_dict().items() if ".mlp.router." in n}
+    return {n for n in model.state_dict() if ".mlp.router." in n}
 
 
 def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None) -> Entries:

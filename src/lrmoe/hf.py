@@ -142,7 +142,6 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
     """``config.json`` contents for ``cfg`` in the layout this transformers version writes
     (RoPE settings nested in ``rope_parameters``; lrmoe extras HF ignores)."""
     d = cfg.to_hf_dict()
-    d["model_type"] = cfg.model_type
     rp: dict[str, Any] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
     prf = d.pop("partial_rotary_factor", None)
     if cfg.model_type == "glm4_moe":

@@ -107,13 +107,13 @@ def _balance_plot(plt, run_dir: Path, train: list[dict]) -> Path:
         pts = [(r["step"], s[k]) for r, s in zip(train, series) if len(s) > k and s[k] is not None]
         if pts:
             ax.plot(*zip(*pts), lw=0.9, color=f"C{k % 10}", label=f"layer {k}: experts")
-    for key, style in (("rank_load_max_over_mean", "--"), ("rank_bwd_load_max_over_mean", ":")):
-        if any(len(r.get("rank_load") or []) and r.get("moe") for r in train):
+    if any(len(r.get("rank_load") or []) and r.get("moe") for r in train):  # EP: ranks too
+        for key, style, what in (("rank_load_max_over_mean", "--", "ranks fwd"),
+                                 ("rank_bwd_load_max_over_mean", ":", "ranks bwd")):
             for k in range(n_layers):
                 pts = [(r["step"], r["moe"][k][key]) for r in train
                        if len(r.get("moe") or []) > k and key in r["moe"][k]]
                 if pts:
-                    what = "ranks fwd" if key.startswith("rank_load") else "ranks bwd"
                     ax.plot(*zip(*pts), style, lw=0.9, color=f"C{k % 10}",
                             label=f"layer {k}: {what}")
     ax.axhline(1.0, color="gray", lw=0.6)

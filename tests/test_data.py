@@ -12,7 +12,7 @@ import torch
 from lrmoe.data import (
     Corpus,
     PackedBatches,
-    build_token_streams,
+    build_streams,
     load_corpus,
     validation_batches,
 )
@@ -153,7 +153,8 @@ def test_byte_tokenizer_round_trip_and_stream():
     ids = tok.encode(SAMPLE)
     assert ids == list(SAMPLE.encode()) and tok.decode(ids) == SAMPLE
     assert tok.decode([104, 105, 300]) == "hi\ufffd"
-    train, val = build_token_streams(Corpus(["ab", "c"], ["d"], "t"), tok)
+    s = build_streams(Corpus(["ab", "c"], ["d"], "t"), tok)
+    train, val = s.train_ids, s.val_ids
     assert train.dtype == torch.long and train.tolist() == [97, 98, 0, 99, 0]
     assert val.tolist() == [100, 0]
     assert tok.save("/nonexistent") is None
@@ -183,7 +184,7 @@ def test_bpe_trains_caches_and_reloads(tmp_path):
     assert tok.decode(ids) == SAMPLE and len(ids) < len(SAMPLE.encode())
     again = load_tokenizer("bpe:300", tmp_path)  # no texts: must come from the cache
     assert again.encode(SAMPLE) == ids and again.vocab_size == 300
-    train, _ = build_token_streams(Corpus(texts[:3], ["x"], "t"), again)
+    train = build_streams(Corpus(texts[:3], ["x"], "t"), again).train_ids
     expect = [i for t in texts[:3] for i in tok.encode(t) + [tok.eos_id]]
     assert train.tolist() == expect
     with pytest.raises(LrmoeError, match="bpe:260"):
@@ -300,7 +301,8 @@ def test_end_to_end_small_txt(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text(_text(400))
     tok = load_tokenizer("byte")
-    train, val = build_token_streams(load_corpus(p, SMALL), tok)
+    s = build_streams(load_corpus(p, SMALL), tok)
+    train, val = s.train_ids, s.val_ids
     pb = PackedBatches(train, 32, 4, seed=0)
     x = pb.batch(3)
     assert tok.decode(x[0].tolist()) in _text(400)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -351,20 +352,45 @@ def test_garbage_header(tmp_path):
 
 
 def test_truncated_shard_detected_before_loading(tmp_path, monkeypatch):
+    import lrmoe.hf_load as hf_load
+
     d = _saved(tmp_path, max_shard_bytes=20_000)
     last = sorted(d.glob("model-*.safetensors"))[-1]
     os.truncate(last, last.stat().st_size - 10)
     built = []
-    orig = MoEForCausalLM.__init__
-
-    def spy(self, cfg):
-        built.append(torch.device("meta") != torch.empty(0).device)
-        orig(self, cfg)
-
-    monkeypatch.setattr(MoEForCausalLM, "__init__", spy)
+    monkeypatch.setattr(hf_load, "empty_model", lambda *a, **kw: built.append(a))
     with pytest.raises(LrmoeError, match=f"{last.name} is corrupt or truncated"):
         load_hf(d)
-    assert not any(built)  # no real model was built, let alone filled
+    assert not built  # refused by the header checks: no model was built, let alone filled
+
+
+def test_config_json_renamed_in_last(tmp_path, monkeypatch):
+    moved, real = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (moved.append(Path(b).name), real(a, b)))
+    _saved(tmp_path, max_shard_bytes=20_000)
+    # a reader that finds config.json finds the weights it describes
+    assert moved[-2:] == ["model.safetensors.index.json", "config.json"]
+    assert len(moved) > 3 and all(n.startswith("model-") for n in moved[:-2])
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("hidden_size", "64", "an integer"), ("tie_word_embeddings", 1, "true or false"),
+    ("rms_norm_eps", "1e-6", "a number"), ("mlp_only_layers", [0.5], "a list of integers")])
+def test_config_field_types(field, value, want):
+    with pytest.raises(LrmoeError, match=re.escape(f"config field {field}={value!r} must be {want}")):
+        ModelConfig.from_hf_dict({**QWEN, field: value})
+
+
+def test_both_expert_forms_refused(tmp_path):
+    d = _saved(tmp_path)
+    f = d / "model.safetensors"
+    sd = safetensors.torch.load_file(str(f))
+    sd["model.layers.0.mlp.experts.down_proj"] = torch.stack(
+        [sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(QWEN["num_experts"])])
+    safetensors.torch.save_file(sd, str(f), {"format": "pt"})
+    with pytest.raises(LrmoeError, match="both the fused tensor model.layers.0.mlp.experts"
+                                         ".down_proj and per-expert tensors"):
+        load_hf(d)
 
 
 def test_missing_config_and_weights(tmp_path):

@@ -348,3 +348,15 @@ def test_export_refuses_to_replace_a_users_tokenizer(runs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "tokenizer.json that is not this run's" in err
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+
+
+def test_export_refuses_a_checkpoint_of_another_shape(runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs["qwen3"], run)
+    saved = json.loads((run / "config.json").read_text())
+    saved["model"]["moe_intermediate_size"] += 8  # the run's model no longer matches
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the run's model" in err and "gate_up_proj" in err
+    assert not (tmp_path / "out").exists()

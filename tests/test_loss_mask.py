@@ -53,6 +53,15 @@ def test_plain_text_has_no_mask(tmp_path):
     assert build_streams(corpus, load_tokenizer("byte")).train_mask is None
 
 
+def test_rows_count_their_prompts_against_the_byte_cap(tmp_path):
+    p = tmp_path / "rows.jsonl"  # rows of 200,010 bytes, nearly all of them prompt
+    p.write_text("".join(json.dumps({"prompt": "p" * 200_000, "completion": f"c{i:09d}"}) + "\n"
+                         for i in range(40)))
+    corpus = load_corpus(p, max_bytes=2**20)
+    assert len(corpus.train_texts) == 6  # the sixth passes the cap, the seventh is left
+    assert "6 train documents (1.14 MiB)" in corpus.source
+
+
 @pytest.mark.parametrize("line,msg", [
     ({"prompt": "a"}, "'prompt' without 'completion'"),
     ({"completion": "a"}, "'completion' without 'prompt'"),

@@ -335,3 +335,15 @@ def test_compare_lrmoe_recompute_keeps_more(tmp_path, capsys):
         assert r["recompute_ratio"] is not None and base[key]["recompute_ratio"] is None
         assert r["modelled_stages_ms"]["bwd_recompute"] == 0  # a layer checkpoint's only
     assert rec[("13MiB", "lrmoe")]["recompute_ratio"] > 0
+
+
+def test_loads_must_be_counts():
+    from lrmoe.errors import LrmoeError
+    from lrmoe.routing_loads import load_counts
+
+    with pytest.raises(LrmoeError, match="--loads x.json must hold non-negative integers"):
+        load_counts("x.json", 2, 4, data=[1, -1, 2, 3])
+    with pytest.raises(LrmoeError, match="--loads x.json must be a list of numbers"):
+        load_counts("x.json", 2, 4, data=["a", 1])
+    with pytest.raises(LrmoeError, match='routing trace "steps" must hold non-negative'):
+        read_trace("t.json", {"steps": [[[1, 2.5, 0, 1]]]}, 4, 2, 1)

@@ -102,9 +102,6 @@ class ModelConfig:
                 "pick a divisor",
             )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self.validate()
-
-    def validate(self) -> None:
         require(self.model_type in MODEL_TYPES,
                 f"model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -130,9 +127,8 @@ class ModelConfig:
                     f"num_experts_per_tok={self.num_experts_per_tok} experts")
         require(0.0 < self.partial_rotary_factor <= 1.0,
                 f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
-        rot = int(self.head_dim * self.partial_rotary_factor)
-        require(rot % 2 == 0 and rot > 0,
-                f"head_dim*partial_rotary_factor={rot} must be a positive even number")
+        require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+                f"head_dim*partial_rotary_factor={self.rotary_dim} must be a positive even number")
         require(self.decoder_sparse_step >= 1,
                 f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
         for i in self.mlp_only_layers:
@@ -195,9 +191,10 @@ class ModelConfig:
         else:
             d.setdefault("use_qk_norm", True)
         kw: dict[str, Any] = {}
-        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         for k, v in d.items():
-            if k in names:
+            if k in fields:
+                _check_type(fields[k], v)
                 kw[k] = v
             elif k in _UNSUPPORTED_AT_DEFAULT:
                 if v != _UNSUPPORTED_AT_DEFAULT[k] and not (k == "use_sliding_window" and not v):
@@ -212,9 +209,6 @@ class ModelConfig:
                 raise LrmoeError(f"config field {k!r}={v!r} is not supported by lrmoe")
         if mt == "qwen3_moe" and not kw.get("use_qk_norm", True):
             raise LrmoeError("use_qk_norm=False is not a Qwen3-MoE option")
-        for f in dataclasses.fields(cls):
-            if f.name in kw:
-                _check_type(f, kw[f.name])
         return cls(**kw)  # every value's type checked above
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -73,8 +73,8 @@ class _Collector:
     """Routes documents into the two splits under byte budgets (None = unlimited)."""
 
     def __init__(self, max_bytes: int | None, val_max_bytes: int | None):
-        self.texts: dict[bool, list[str]] = {False: [], True: []}
-        self.prompts: dict[bool, list[str]] = {False: [], True: []}  # "" for a text
+        # each split's documents as (prompt, text), the prompt "" for a plain text
+        self.rows: dict[bool, list[tuple[str, str]]] = {False: [], True: []}
         self.left: dict[bool, int | None] = {False: max_bytes, True: val_max_bytes}
 
     def has_room(self, val: bool) -> bool:
@@ -86,52 +86,39 @@ class _Collector:
 
     def add_raw(self, val: bool, raw: bytes, truncated: bool, strict: bool = True) -> None:
         text = _decode(raw, truncated, strict)
-        if text is None:
-            return
-        self.texts[val].append(text)
-        self.prompts[val].append("")
-        if self.left[val] is not None:
-            self.left[val] -= len(raw)
+        if text is not None:
+            self.add_row(val, "", text, len(raw))
 
     def add_text(self, val: bool, text: str) -> None:
         raw, room = text.encode("utf-8"), self.left[val]
-        cut = room is not None and len(raw) > room
-        self.add_raw(val, raw[:room] if cut else raw, truncated=cut, strict=False)
+        self.add_raw(val, raw[:room], truncated=room is not None and len(raw) > room,
+                     strict=False)
 
-    def add_row(self, val: bool, prompt: str, completion: str) -> None:
-        """A prompt/completion row, whole (a row is never cut by the byte budget)."""
-        self.texts[val].append(completion)
-        self.prompts[val].append(prompt)
+    def add_row(self, val: bool, prompt: str, text: str, nbytes: int | None = None) -> None:
+        """A document of ``nbytes`` read (default: its UTF-8 size); a prompt/completion row
+        comes whole (the byte budget never cuts a row)."""
+        self.rows[val].append((prompt, text))
         if self.left[val] is not None:
-            self.left[val] -= len(prompt.encode("utf-8")) + len(completion.encode("utf-8"))
+            self.left[val] -= len((prompt + text).encode("utf-8")) if nbytes is None else nbytes
 
-    def splits(self, what: str, why: str = "") -> tuple[list[str], list[str]]:
-        train, val = self.texts[False], self.texts[True]
+    def splits(self, what: str, why: str = "") -> tuple[list[tuple[str, str]], ...]:
+        train, val = self.rows[False], self.rows[True]
         if not train and not val:
             raise LrmoeError(f"{what} holds no text{why}")
         if not train or not val:
             pool = train or val
-            prompts = self.prompts[False] or self.prompts[True]
             if len(pool) >= 2:
-                moved = pool.pop()
-                (val if train else train).append(moved)
-                (self.prompts[True] if train else self.prompts[False]).append(prompts.pop())
-            elif prompts[0]:
+                (val if train else train).append(pool.pop())
+            elif pool[0][0]:
                 raise LrmoeError(f"{what} holds one prompt/completion row: too few to split "
                                  "into training and validation; give at least two")
             else:
-                train, val = _split_text(pool[0], what)
-                self.prompts = {False: [""], True: [""]}
+                head, tail = _split_text(pool[0][1], what)
+                train, val = [("", head)], [("", tail)]
         return train, val
 
-    def split_prompts(self) -> tuple[list[str] | None, list[str] | None]:
-        """The prompts of both splits, or (None, None) when every document is text."""
-        if not any(p for v in self.prompts.values() for p in v):
-            return None, None
-        return self.prompts[False], self.prompts[True]
 
-
-def _split_text(text: str, what: str) -> tuple[list[str], list[str]]:
+def _split_text(text: str, what: str) -> tuple[str, str]:
     """Last ``VAL_FRACTION`` of one text as validation, cut at a line start if possible."""
     if len(text) < 2:
         raise LrmoeError(f"{what} holds too little text to split ({len(text)} character)")
@@ -139,18 +126,7 @@ def _split_text(text: str, what: str) -> tuple[list[str], list[str]]:
     nl = text.find("\n", cut)
     if 0 <= nl < len(text) - 1:
         cut = nl + 1
-    return [text[:cut]], [text[cut:]]
-
-
-def _read_file(path: Path, room: int | None) -> tuple[bytes, bool] | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read() if room is None else f.read(room + 1)
-    except OSError:
-        return None
-    if room is not None and len(raw) > room:
-        return raw[:room], True
-    return raw, False
+    return text[:cut], text[cut:]
 
 
 def _tree_files(root: Path, suffix: str | None, excluded: set[str]) -> list[tuple[str, Path]]:
@@ -174,32 +150,35 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
         if col.full():
             break
         val = _is_val(rel)
+        room = col.left[val]
         if not col.has_room(val):
             continue
-        got = _read_file(path, col.left[val])
-        if got is not None:
-            col.add_raw(val, *got)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read() if room is None else f.read(room + 1)
+        except OSError:
+            continue  # unreadable: skipped, as a binary file is
+        col.add_raw(val, raw[:room], truncated=room is not None and len(raw) > room)
 
 
 def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
     """A line's ``(prompt, completion)`` (prompt "" for a ``text`` line), or None."""
-    text = obj.get("text")
     pc = [k for k in ("prompt", "completion") if k in obj]
     if pc and "text" in obj:
         raise LrmoeError(f"data path {str(path)!r}: line {lineno} has both 'text' and "
                          f"'{pc[0]}'; a line is either text or a prompt/completion row")
-    if pc and len(pc) == 1:
+    if len(pc) == 1:
         other = "completion" if pc[0] == "prompt" else "prompt"
         raise LrmoeError(f"data path {str(path)!r}: line {lineno} has '{pc[0]}' without "
                          f"'{other}'")
-    fields = ("prompt", "completion") if pc else ("text",) if "text" in obj else ()
+    fields = pc or [k for k in ("text",) if k in obj]
     for k in fields:
         if not isinstance(obj[k], str):
             raise LrmoeError(f"data path {str(path)!r}: line {lineno}: field '{k}' must be "
                              f"a string, got {type(obj[k]).__name__}")
     if not fields:
         return None
-    return (obj["prompt"], obj["completion"]) if pc else ("", text)
+    return (obj["prompt"], obj["completion"]) if pc else ("", obj["text"])
 
 
 def _load_jsonl(path: Path, col: _Collector) -> list[str]:
@@ -269,8 +248,8 @@ def _load_text_file(path: Path, col: _Collector) -> None:
             col.add_raw(val, f.read(stop - start), truncated=stop < size, strict=False)
 
 
-def _mib(texts: list[str]) -> str:
-    return f"{sum(len(t.encode('utf-8')) for t in texts) / 2**20:.2f} MiB"
+def _mib(rows: list[tuple[str, str]]) -> str:
+    return f"{sum(len((p + t).encode('utf-8')) for p, t in rows) / 2**20:.2f} MiB"
 
 
 def load_corpus(
@@ -316,19 +295,14 @@ def load_corpus(
             raise LrmoeError(f"cannot read data path {str(where)!r}: {e.strerror or e}; "
                              "give --data a file or directory this user can read") from None
     train, val = col.splits(what, why)
-    train_p, val_p = col.split_prompts()
-    if train_p is not None:
+    prompted = any(p for p, _ in train + val)
+    if prompted:
         desc = f"prompt/completion rows of {data} (trained on the completions)"
-    source = (f"{desc}: {len(train)} train documents ({_mib(train + (train_p or []))}), "
-              f"{len(val)} validation documents ({_mib(val + (val_p or []))})")
-    return Corpus(train, val, source, notes, train_prompts=train_p, val_prompts=val_p)
-
-
-def build_token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize both splits: ``(train_ids [N_train], val_ids [N_val])``, int64, each document
-    followed by ``tokenizer.eos_id``."""
-    s = build_streams(corpus, tokenizer)
-    return s.train_ids, s.val_ids
+    source = (f"{desc}: {len(train)} train documents ({_mib(train)}), "
+              f"{len(val)} validation documents ({_mib(val)})")
+    return Corpus([t for _, t in train], [t for _, t in val], source, notes,
+                  train_prompts=[p for p, _ in train] if prompted else None,
+                  val_prompts=[p for p, _ in val] if prompted else None)
 
 
 def _check_int(name: str, value: object, low: int = 1) -> int:
@@ -339,6 +313,14 @@ def _check_int(name: str, value: object, low: int = 1) -> int:
     if v < low:
         raise LrmoeError(f"{name} must be an integer >= {low}, got {value!r}")
     return v
+
+
+def _check_rank(rank: object, world: object) -> int:
+    """``world``, checked, once ``rank`` is checked to be one of its ranks."""
+    world = _check_int("world", world)
+    if not 0 <= _check_int("rank", rank, low=0) < world:
+        raise LrmoeError(f"rank {rank} is out of range for world size {world}")
+    return world
 
 
 def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
@@ -390,12 +372,10 @@ class PackedBatches:
     def window_indices(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """Window ids of rank's rows of global batch ``step``: int64 ``[B // world]``."""
         step = _check_int("step", step, low=0)
-        world = _check_int("world", world)
+        world = _check_rank(rank, world)
         if self.batch_size % world:
             raise LrmoeError(f"global batch size {self.batch_size} is not divisible by the "
                              f"data-parallel world size {world}")
-        if not 0 <= _check_int("rank", rank, low=0) < world:
-            raise LrmoeError(f"rank {rank} is out of range for world size {world}")
         local = self.batch_size // world
         first = step * self.batch_size + rank * local
         out = torch.empty(local, dtype=torch.long)
@@ -438,9 +418,7 @@ def validation_batches(
     sums, not means), maybe none; with ``target_mask``, :class:`MaskedBatch` es."""
     seq_len = _check_int("seq_len", seq_len)
     batch_size = _check_int("batch_size", batch_size)
-    world = _check_int("world", world)
-    if not 0 <= _check_int("rank", rank, low=0) < world:
-        raise LrmoeError(f"rank {rank} is out of range for world size {world}")
+    world = _check_rank(rank, world)
     k = _windows(ids, seq_len, "validation")
     if num_windows is not None:
         k = min(k, _check_int("num_windows", num_windows))

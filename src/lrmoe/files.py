@@ -1,15 +1,6 @@
-"""Files lrmoe writes: the mode a new file gets, and the staging directory of a save.
-
-A temporary file (``mkstemp``'s, safetensors') is created ``0600``, which a rename would
-keep: a new file here gets ``0666 & ~umask``, as from ``open``, and a replaced file keeps
-its mode (:func:`mode_for`).
-
-A save of several files stages them in a directory of its own inside the target,
-``.lrmoe-save-HOST-PID-TAG``, and renames each into place once all are written. The next
-save removes one a killed save left (:func:`remove_dead_leftovers`) when its host is this
-host and its process no longer runs; anything else (a running save, another host's,
-files that only look alike) it leaves alone.
-"""
+"""Files lrmoe writes: the mode a new file gets, and the staging directory of a save
+(``.lrmoe-save-HOST-PID-TAG`` in the target, its files renamed into place once all are
+written; the rules: docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +31,9 @@ def umask() -> int:
 
 
 def mode_for(final: Path) -> int:
-    """The mode a file written over ``final`` takes: ``final``'s own where it exists,
-    else the one ``open`` gives a new file."""
+    """The mode a file written over ``final`` takes: ``final``'s own where it exists, else
+    the one ``open`` gives a new file (``0666 & ~umask``; a temporary file's ``0600``
+    would survive its rename)."""
     try:
         return final.stat().st_mode & 0o7777
     except OSError:
@@ -68,7 +60,8 @@ def staging_dir(target: Path) -> Path:
 
 def remove_dead_leftovers(target: Path) -> None:
     """Remove the staging directories in ``target`` that a killed save on this host
-    left (its pid no longer runs)."""
+    left (its pid no longer runs); a running save's, another host's, or files that only
+    look alike stay."""
     host = socket.gethostname()
     try:
         names = os.listdir(target)

@@ -43,8 +43,6 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
                 "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float64": torch.float64}
@@ -68,6 +66,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=1),
 }
 _ROPE_THETA_DEFAULT = 10000.0
+FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # our names' endings
 # what a save writes, per HF tensor: (name, shape, dtype, materialise)
 Entries = list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], Tensor]]]
 
@@ -143,7 +142,6 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
     """``config.json`` contents for ``cfg`` in the layout this transformers version writes
     (RoPE settings nested in ``rope_parameters``; lrmoe extras HF ignores)."""
     d = cfg.to_hf_dict()
-    d["model_type"] = cfg.model_type
     rp: dict[str, Any] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
     prf = d.pop("partial_rotary_factor", None)
     if cfg.model_type == "glm4_moe":
@@ -185,19 +183,6 @@ def _legacy_pieces(target: str, hf: str, shape: tuple[int, ...]) -> list[_Piece]
             for e in range(E)]
 
 
-def _expert_pieces(target: str, hf: str, shape: tuple[int, ...], ckpt: set[str]) -> list[_Piece]:
-    """Pieces for ``experts.gate_up_proj`` / ``experts.down_proj`` in either form."""
-    legacy = _legacy_pieces(target, hf, shape)
-    prefix = hf.rsplit(".", 1)[0]
-    has_legacy = any(p.key in ckpt for p in legacy)
-    if hf in ckpt and has_legacy:
-        raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert tensors "
-                         f"{prefix}.M.*; keep one form")
-    if hf in ckpt or not has_legacy:
-        return [_Piece(target, (), hf, shape)]
-    return legacy
-
-
 def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
           ckpt: set[str] | None) -> list[_Piece]:
     """The model's tensors as checkpoint tensors: experts in the form ``ckpt`` (the
@@ -208,12 +193,16 @@ def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         hf = _hf_name(name)
-        if not re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+        if not name.endswith(FUSED_EXPERTS):
             pieces.append(_Piece(name, (), hf, shape))
-        elif ckpt is None:
-            pieces += _legacy_pieces(name, hf, shape)
-        else:
-            pieces += _expert_pieces(name, hf, shape, ckpt)
+            continue
+        per_expert = _legacy_pieces(name, hf, shape)
+        has_per_expert = ckpt is not None and any(p.key in ckpt for p in per_expert)
+        if has_per_expert and hf in ckpt:
+            raise LrmoeError(f"checkpoint holds both the fused tensor {hf} and per-expert "
+                             f"tensors {hf.rsplit('.', 1)[0]}.M.*; keep one form")
+        fused = ckpt is not None and not has_per_expert  # (a missing tensor: named fused)
+        pieces += [_Piece(name, (), hf, shape)] if fused else per_expert
     return pieces
 
 
@@ -232,49 +221,16 @@ def _corrupt(file: Path, why: str) -> LrmoeError:
 
 
 def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Parse and check a safetensors header against the file size: name -> (dtype, shape)."""
+    """A safetensors file's tensors, name -> (dtype, shape), once safetensors has checked
+    its header against the file (length, offsets, each tensor's byte span)."""
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise _corrupt(file, f"{size} bytes, shorter than the 8-byte header length")
-            n = int.from_bytes(head, "little")
-            if n > size - 8 or n > 100 * 2**20:
-                raise _corrupt(file, f"header length {n} does not fit in the file ({size} bytes)")
-            text = fh.read(n)
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            return {k: (s.get_dtype(), tuple(s.get_shape())) for k in f.keys()
+                    for s in [f.get_slice(k)]}
     except OSError as e:
         raise LrmoeError(f"cannot read checkpoint file {file}: {e.strerror or e}") from None
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(file, f"header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(file, "header is not a JSON object")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt, shape, (a, b) = info["dtype"], tuple(int(s) for s in info["shape"]), \
-                info["data_offsets"]
-            a, b = int(a), int(b)
-        except (KeyError, TypeError, ValueError):
-            raise _corrupt(file, f"header entry for {name!r} is malformed") from None
-        if dt in _ITEMSIZE and b - a != math.prod(shape) * _ITEMSIZE[dt]:
-            raise _corrupt(file, f"tensor {name} spans {b - a} bytes, its shape {list(shape)} "
-                                 f"needs {math.prod(shape) * _ITEMSIZE[dt]}")
-        end = max(end, b)
-        out[name] = (dt, shape)
-    if 8 + n + end != size:
-        raise _corrupt(file, f"header describes {8 + n + end} bytes, the file has {size}")
-    try:  # let safetensors run its own checks too
-        with safetensors.safe_open(str(file), framework="pt") as f:
-            f.keys()
-    except Exception as e:  # SafetensorError, OSError, ...
+    except Exception as e:  # SafetensorError, ...
         raise _corrupt(file, str(e)) from None
-    return out
 
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
@@ -332,7 +288,7 @@ def _fp32_names(model: MoEForCausalLM) -> set[str]:
     """Tensors HF keeps in fp32 whatever the model dtype: GLM's router (bias and weight)."""
     if model.config.model_type != "glm4_moe":
         return set()
-    return {n for n, _ in model.state_dict().items() if ".mlp.router." in n}
+    return {n for n in model.state_dict() if ".mlp.router." in n}
 
 
 def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None) -> Entries:
@@ -394,15 +350,6 @@ def _check_target_files(target: Path, cfg: ModelConfig) -> list[Path]:
     return [target / n for n in ours]
 
 
-def _write_atomic(final: Path, write: Callable[[Path], None], stage: Path) -> Path:
-    """Write ``final``'s new contents into the staging directory, fsynced, with its mode."""
-    tmp = stage / final.name
-    write(tmp)
-    _fsync(tmp)
-    os.chmod(tmp, mode_for(final))
-    return tmp
-
-
 def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             dtype: torch.dtype | str | None = None) -> Path:
@@ -411,9 +358,6 @@ def save_hf(model: MoEForCausalLM, path: str | os.PathLike, *,
     own) casts the saved tensors, GLM's router stays fp32 (docs/design.md §7)."""
     if not isinstance(model, MoEForCausalLM):
         raise LrmoeError(f"save_hf needs an MoEForCausalLM, got {type(model).__name__}")
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
-            or max_shard_bytes <= 0:
-        raise LrmoeError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer")
     dt = None if dtype is None else _as_dtype(dtype)
     for layer in model.layers:
         m = layer.mlp
@@ -449,6 +393,9 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
     ``before_shard(names)`` first), ``extra_files`` and config.json, all renamed in at the end."""
     from lrmoe.train.ckpt_write import files_of
 
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
+            or max_shard_bytes <= 0:
+        raise LrmoeError(f"max_shard_bytes={max_shard_bytes!r} must be a positive integer")
     old = _check_target_files(target, cfg) if target.exists() else []
     nbytes = [math.prod(s) * d.itemsize for _, s, d, _ in entries]
     shards = files_of(list(range(len(entries))), max_shard_bytes, lambda i: nbytes[i])
@@ -462,32 +409,31 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
         target.mkdir(parents=True, exist_ok=True)
         remove_dead_leftovers(target)  # of an earlier save that was killed
         stage = staging_dir(target)
-        plan: list[tuple[Path, Path]] = []
         weight_map: dict[str, str] = {}
         for fname, idx in zip(names, shards):
             if before_shard is not None:
                 before_shard([entries[i][0] for i in idx])
-            tensors = {entries[i][0]: entries[i][3]() for i in idx}
-            plan.append((_write_atomic(target / fname, lambda t, ts=tensors: safetensors.torch
-                                       .save_file(ts, str(t), metadata={"format": "pt"}),
-                                       stage), target / fname))
+            safetensors.torch.save_file({entries[i][0]: entries[i][3]() for i in idx},
+                                        str(stage / fname), metadata={"format": "pt"})
             weight_map.update({entries[i][0]: fname for i in idx})
-        texts = []
+        texts: dict[str, str | bytes] = {}
         if n > 1:
-            texts.append((INDEX_NAME, json.dumps(
-                {"metadata": {"total_size": sum(nbytes)},
-                 "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"))
-        texts += list((extra_files or {}).items())
-        texts.append((CONFIG_NAME, json.dumps(hf_config_dict(cfg, cdtype), indent=2,
-                                              sort_keys=True) + "\n"))
-        for fname, text in texts:
-            plan.append((_write_atomic(target / fname, lambda t, x=text: t.write_bytes(
-                x if isinstance(x, bytes) else x.encode()), stage), target / fname))
-        for tmp, final in plan:  # weights first, config.json last
-            os.replace(tmp, final)
-        new = {final for _, final in plan}
+            texts[INDEX_NAME] = json.dumps({"metadata": {"total_size": sum(nbytes)},
+                                            "weight_map": dict(sorted(weight_map.items()))},
+                                           indent=2) + "\n"
+        texts |= extra_files or {}
+        texts[CONFIG_NAME] = json.dumps(hf_config_dict(cfg, cdtype), indent=2,
+                                        sort_keys=True) + "\n"
+        for fname, text in texts.items():
+            (stage / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+        written = names + list(texts)  # weights first, config.json last
+        for fname in written:
+            _fsync(stage / fname)
+            os.chmod(stage / fname, mode_for(target / fname))
+        for fname in written:
+            os.replace(stage / fname, target / fname)
         for p in old:  # the old checkpoint's shards and index this save does not write
-            if p not in new:
+            if p.name not in written:
                 p.unlink(missing_ok=True)
         stage.rmdir()
         _fsync(target)

@@ -14,6 +14,15 @@ from pathlib import Path
 import torch
 
 from lrmoe.errors import LrmoeError
+from lrmoe.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    FUSED_EXPERTS,
+    _as_dtype,
+    _fp32_names,
+    _plan,
+    check_target,
+    write_checkpoint,
+)
 
 
 @dataclass
@@ -46,8 +55,8 @@ def _checkpoint(run_dir: Path, step: int | None):
 
 
 def _tokenizer_files(run_dir: Path, saved: dict) -> dict[str, bytes]:
-    from lrmoe.hf_tokenizer import FILES, RUN_SUBDIR
     from lrmoe.tokenizer import EOS_TOKEN, TOKENIZER_FILE
+    from lrmoe.tokenizer_load import FILES, RUN_SUBDIR
 
     spec = saved.get("tokenizer", {}).get("spec", "byte")
     if spec.startswith("hf:"):
@@ -71,7 +80,7 @@ class _ShardReader:
 
     def _key(self, pc) -> tuple[str, tuple]:
         src = self.sources[pc.target]
-        if pc.target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        if pc.target.endswith(FUSED_EXPERTS):
             return f"{src}/e{pc.index[0]}", pc.index[1:]
         return src, pc.index
 
@@ -98,14 +107,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a HF model
     directory ``out``."""
     from lrmoe.config import ModelConfig
-    from lrmoe.hf import (
-        DEFAULT_MAX_SHARD_BYTES,
-        _as_dtype,
-        _fp32_names,
-        _plan,
-        check_target,
-        write_checkpoint,
-    )
     from lrmoe.model.transformer import MoEForCausalLM
     from lrmoe.train import checkpoint as ckpt
     from lrmoe.train.config import read_run_config
@@ -116,9 +117,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     saved = read_run_config(run_dir)
     if saved is None:
         raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
-    max_shard_bytes = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
-    if max_shard_bytes < 1:
-        raise LrmoeError(f"--max-shard-size {max_shard_bytes} must be at least 1 byte")
     out_dt = None if dtype is None else _as_dtype(dtype)
     ck = _checkpoint(run_dir, step)
     check_target(out)
@@ -136,16 +134,15 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     keep32 = _fp32_names(model) if out_dt is not None else set()
     sources, out_dtypes = {}, {}
     for name, shape in shapes.items():
-        experts = shape[0] if name.endswith((".experts.gate_up_proj",
-                                             ".experts.down_proj")) else None
+        experts = shape[0] if name.endswith(FUSED_EXPERTS) else None
         master = f"optim/{name}/master"  # the fp32 master where the optimizer kept one apart
         has_master = (master if experts is None else f"{master}/e0") in md
         src = sources[name] = master if has_master else f"model/{name}"
         keys = [src] if experts is None else [f"{src}/e{e}" for e in range(experts)]
         want = shape if experts is None else shape[1:]
         for k in keys:
-            if k not in md or not hasattr(md[k], "size") or tuple(md[k].size) != want:
-                got = tuple(md[k].size) if k in md and hasattr(md[k], "size") else "none"
+            got = tuple(md[k].size) if hasattr(md.get(k), "size") else "none"
+            if got != want:
                 raise LrmoeError(f"checkpoint {ck.path} does not match the run's model: "
                                  f"{k} has shape {got}, the model {want}")
         src_dt = md[keys[0]].properties.dtype
@@ -155,7 +152,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     reader = _ShardReader(ck, md, sources, by_key, out_dtypes)
     entries = [(pc.key, pc.shape, out_dtypes[pc.target], lambda k=pc.key: reader.get(k))
                for pc in pieces]
-    write_checkpoint(out, cfg, entries, max_shard_bytes, out_dtypes["embed_tokens.weight"],
+    shard = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+    write_checkpoint(out, cfg, entries, shard, out_dtypes["embed_tokens.weight"],
                      extra_files=extra, before_shard=reader.load)
     reader.cache = {}
     files = sorted(p.name for p in out.iterdir() if p.name.startswith("model")

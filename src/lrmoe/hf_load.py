@@ -18,7 +18,7 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.hf import (
     _DTYPES,
-    _ITEMSIZE,
+    FUSED_EXPERTS,
     _as_dir,
     _as_dtype,
     _corrupt,
@@ -115,7 +115,7 @@ def empty_model(cfg: ModelConfig, ctx=None, device: torch.device | str = "cpu"
 def _owned(model: MoEForCausalLM, pc: _Piece) -> tuple[tuple, slice | None] | None:
     """Where piece ``pc`` goes in this rank's tensor: ``(index, rows of a fused expert
     tensor or None)``; None when the piece is another rank's expert."""
-    if not pc.target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+    if not pc.target.endswith(FUSED_EXPERTS):
         return pc.index, None
     ex = model.get_submodule(pc.target.rsplit(".", 1)[0])
     first, count = ex.first, ex.count
@@ -160,7 +160,7 @@ def load_owned(model: MoEForCausalLM, ck: HfCheckpoint) -> LoadReport:
             index, rows = where
             dst = sd[pc.target][index]
             _read_into(dst, ck.where[pc.key], pc.key, rows)
-            nbytes = dst.numel() * _ITEMSIZE[ck.meta[pc.key][0]]
+            nbytes = dst.numel() * _DTYPES[ck.meta[pc.key][0]].itemsize
             report.tensors += 1
             report.bytes_read += nbytes
             report.largest_bytes = max(report.largest_bytes, nbytes)

@@ -91,7 +91,7 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active-per-token) parameter counts from the shapes alone, GLM's router
     correction bias (a buffer) counted with the routers."""
     p = param_breakdown(cfg)
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    n_moe = len(cfg.moe_layers)
     bias = n_moe * cfg.num_experts if cfg.model_type == "glm4_moe" else 0
     total = sum(p.values()) + bias
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size

@@ -1,15 +1,7 @@
-"""Plots of a run's ``metrics.jsonl`` (matplotlib, Agg backend: no display needed).
-
-Writes into the run directory:
-
-- ``loss.png``: training loss per step (and its moving average) with validation loss.
-- ``expert_load.png``: per MoE layer, a heatmap experts x steps of each expert's pairs
-  divided by the step's mean (1 = balanced), from the per-step global counts.
-- ``load_balance.png``: per MoE layer, max/mean expert load over steps; under EP also
-  the max/mean rank load in forward and backward (what the straggler waits on).
-- ``rank_load.png`` (EP runs only): per MoE layer, a heatmap ranks x steps of pairs
-  processed per rank divided by the mean.
-"""
+"""Plots of a run's ``metrics.jsonl`` written into the run directory (matplotlib, Agg
+backend: no display needed): the loss, and per MoE layer each expert's (and under EP
+each rank's) load over the steps, divided by the step's mean (1 = balanced), and its
+max/mean (what the straggler waits on)."""
 
 from __future__ import annotations
 
@@ -46,20 +38,28 @@ def _finish(plt, fig, ax, path: Path, ylabel: str, title: str, legend: dict | No
     return path
 
 
-def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float]]],
-              ylabel: str, title: str) -> Path:
-    """One subplot per layer of ``[steps][rows]`` values normalised by each step's mean."""
+def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, ylabel: str,
+                  title: str) -> list[Path]:
+    """One heatmap per MoE layer of the rows' ``key`` (``[steps][rows]``), each step's values
+    divided by their mean; ``[]`` when no row has it in full."""
     import numpy as np
 
-    n = len(per_layer)
+    with_key = [r for r in train if r.get(key)]
+    if not with_key:
+        return []
+    n = len(with_key[0][key])
+    ok = [r for r in with_key if len(r[key]) == n and all(c is not None for c in r[key])]
+    if not ok:
+        return []
+    steps = [r["step"] for r in ok]
     cols = min(4, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
                              squeeze=False, layout="constrained")
     vmax = 1.0
     mats = []
-    for layer in per_layer:
-        m = np.asarray(layer, dtype=float).T  # [rows, steps]
+    for k in range(n):
+        m = np.asarray([r[key][k] for r in ok], dtype=float).T  # [rows, steps]
         mean = m.mean(axis=0, keepdims=True)
         m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
         mats.append(m)
@@ -80,23 +80,9 @@ def _heatmaps(plt, path: Path, steps: list[int], per_layer: list[list[list[float
     if im is not None:
         fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="load / mean")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    fig.savefig(run_dir / name, dpi=110)
     plt.close(fig)
-    return path
-
-
-def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, ylabel: str,
-                  title: str) -> list[Path]:
-    """The heatmap of the rows' per-layer ``key`` (``[]`` when no row has it in full)."""
-    with_key = [r for r in train if r.get(key)]
-    if not with_key:
-        return []
-    n_layers = len(with_key[0][key])
-    ok = [r for r in with_key if len(r[key]) == n_layers and all(c is not None for c in r[key])]
-    if not ok:
-        return []
-    per_layer = [[r[key][k] for r in ok] for k in range(n_layers)]
-    return [_heatmaps(plt, run_dir / name, [r["step"] for r in ok], per_layer, ylabel, title)]
+    return [run_dir / name]
 
 
 def _loss_plot(plt, run_dir: Path, train: list[dict], val: list[dict]) -> Path:
@@ -121,13 +107,13 @@ def _balance_plot(plt, run_dir: Path, train: list[dict]) -> Path:
         pts = [(r["step"], s[k]) for r, s in zip(train, series) if len(s) > k and s[k] is not None]
         if pts:
             ax.plot(*zip(*pts), lw=0.9, color=f"C{k % 10}", label=f"layer {k}: experts")
-    for key, style in (("rank_load_max_over_mean", "--"), ("rank_bwd_load_max_over_mean", ":")):
-        if any(len(r.get("rank_load") or []) and r.get("moe") for r in train):
+    if any(len(r.get("rank_load") or []) and r.get("moe") for r in train):  # EP: ranks too
+        for key, style, what in (("rank_load_max_over_mean", "--", "ranks fwd"),
+                                 ("rank_bwd_load_max_over_mean", ":", "ranks bwd")):
             for k in range(n_layers):
                 pts = [(r["step"], r["moe"][k][key]) for r in train
                        if len(r.get("moe") or []) > k and key in r["moe"][k]]
                 if pts:
-                    what = "ranks fwd" if key.startswith("rank_load") else "ranks bwd"
                     ax.plot(*zip(*pts), style, lw=0.9, color=f"C{k % 10}",
                             label=f"layer {k}: {what}")
     ax.axhline(1.0, color="gray", lw=0.6)

@@ -80,6 +80,18 @@ def read_json(path: str):
         raise LrmoeError(f"--loads {path} is not valid JSON{where}") from None
 
 
+def _counts(data, what: str, layout: str) -> Tensor:
+    """``data`` as an int64 tensor, or one line naming ``what`` unless it holds
+    non-negative integers laid out as ``layout`` says."""
+    try:
+        t = torch.tensor(data, dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise LrmoeError(f"{what} must be {layout}") from None
+    require(bool((t >= 0).all()) and bool((t == t.round()).all()),
+            f"{what} must hold non-negative integers")
+    return t.long()
+
+
 def is_trace(data) -> bool:
     return isinstance(data, dict) and "steps" in data
 
@@ -92,14 +104,7 @@ def load_counts(path: str, G: int, E: int, data=None) -> Tensor:
     if isinstance(data, dict):
         require("counts" in data, f"--loads {path} is an object without a \"counts\" field")
         data = data["counts"]
-    try:
-        t = torch.tensor(data, dtype=torch.float64)
-    except (TypeError, ValueError):
-        raise LrmoeError(f"--loads {path} must hold a list of numbers or a list of "
-                         "equal-length lists") from None
-    require(bool((t >= 0).all()) and bool((t == t.round()).all()),
-            f"--loads {path} must hold non-negative integers")
-    t = t.long()
+    t = _counts(data, f"--loads {path}", "a list of numbers or a list of equal-length lists")
     if t.dim() == 1:
         require(t.numel() == E, f"--loads {path} has {t.numel()} counts; the model has {E} "
                                 "experts")
@@ -112,21 +117,13 @@ def load_counts(path: str, G: int, E: int, data=None) -> Tensor:
 
 @dataclass
 class RoutingTrace:
-    """Sampled ``(step, layer)`` global expert loads of a ``lrmoe bench ttl`` trace.
-
-    Attributes:
-        path: the file.
-        n_steps: steps in the trace.
-        steps: the sampled steps (0-based), evenly spaced, the last one included.
-        loads_E: global pairs per expert, one per sampled (step, layer).
-        skew: mean over the samples of max/mean expert load (as observed).
-    """
+    """Sampled ``(step, layer)`` global expert loads of a ``lrmoe bench ttl`` trace."""
 
     path: str
-    n_steps: int
-    steps: list[int]
-    loads_E: list[Tensor]
-    skew: float
+    n_steps: int  # steps in the trace
+    steps: list[int]  # the sampled steps (0-based), evenly spaced, the last one included
+    loads_E: list[Tensor]  # global pairs per expert, one per sampled (step, layer)
+    skew: float  # mean over the samples of max/mean expert load (as observed)
 
     def counts(self, G: int, tokens_per_rank: int, top_k: int) -> list[Tensor]:
         """Per sample, ``[G, E]`` loads rescaled to ``G·T·k`` pairs (at most ``G·T`` per
@@ -139,19 +136,13 @@ def read_trace(path: str, data: dict, E: int, top_k: int, n_samples: int) -> Rou
     """Validate a routing trace (``steps[step][moe_layer][expert]`` = global pairs) and
     sample ``n_samples`` of its steps."""
     require(n_samples >= 1, f"--trace-steps={n_samples} must be >= 1")
-    try:
-        t = torch.tensor(data["steps"], dtype=torch.float64)
-    except (TypeError, ValueError):
-        raise LrmoeError(f"--loads {path}: routing trace \"steps\" must be a list (steps) of "
-                         "lists (MoE layers) of equal-length lists of numbers (experts)") from None
+    t = _counts(data["steps"], f"--loads {path}: routing trace \"steps\"", "a list (steps) "
+                "of lists (MoE layers) of equal-length lists of numbers (experts)")
     require(t.dim() == 3 and t.shape[0] >= 1 and t.shape[1] >= 1,
             f"--loads {path}: routing trace \"steps\" has shape {tuple(t.shape)}; want "
             "(steps, MoE layers, experts) with at least one step and layer")
     require(t.shape[2] == E, f"--loads {path}: routing trace has {t.shape[2]} experts per layer; "
                              f"the model has {E}")
-    require(bool((t >= 0).all()) and bool((t == t.round()).all()),
-            f"--loads {path}: routing trace must hold non-negative integers")
-    t = t.long()
     n = t.shape[0]
     m = min(n_samples, n)
     steps = sorted({(i + 1) * n // m - 1 for i in range(m)})

@@ -4,7 +4,7 @@ Both reserve id 0 as the end-of-document id (``Tokenizer.eos_id``): the NUL byte
 the data loader never accepts in text, or BPE's ``<|endoftext|>`` (ids 1..256 the byte
 alphabet, the rest merges). ``bpe:N`` is trained with HF ``tokenizers`` on the training
 split and cached as ``tokenizer.json`` in the run directory; a small corpus can run out
-of merges (``vocab_size`` below N). A model's own tokenizer: :mod:`lrmoe.hf_tokenizer`.
+of merges (``vocab_size`` below N). A model's own tokenizer: :mod:`lrmoe.tokenizer_load`.
 """
 
 from __future__ import annotations
@@ -218,14 +218,13 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> BpeTokenizer:
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_from: str | None = None) -> None:
     """Raise if a model with ``vocab_size`` embeddings cannot hold every tokenizer id
     (``model_from``: the HF directory the model comes from, named in the message)."""
-    if vocab_size < tokenizer.vocab_size and model_from is not None:
+    if vocab_size >= tokenizer.vocab_size:
+        return
+    if model_from is not None:
         raise LrmoeError(
             f"tokenizer {tokenizer.source} has ids up to {tokenizer.vocab_size - 1}, beyond "
             f"the embedding of {model_from} ({vocab_size} rows, its config.json's vocab_size); "
             "give the model's own tokenizer (--tokenizer DIR)")
-    if vocab_size < tokenizer.vocab_size:
-        raise LrmoeError(
-            f"model vocab_size {vocab_size} is smaller than the vocabulary of tokenizer "
-            f"{tokenizer.spec!r} ({tokenizer.vocab_size} tokens); set vocab_size >= "
-            f"{tokenizer.vocab_size}"
-        )
+    raise LrmoeError(f"model vocab_size {vocab_size} is smaller than the vocabulary of tokenizer "
+                     f"{tokenizer.spec!r} ({tokenizer.vocab_size} tokens); set vocab_size >= "
+                     f"{tokenizer.vocab_size}")

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from lrmoe.data import PackedBatches, build_token_streams, load_corpus, validation_batches
+from lrmoe.data import PackedBatches, build_streams, load_corpus, validation_batches
 from lrmoe.errors import LrmoeError, OutOfMemory, require
 from lrmoe.ledger import Ledger
 from lrmoe.model import MoEForCausalLM
@@ -626,7 +626,8 @@ def _load_data(cfg: TTLConfig) -> _Data:
     t = cfg.train
     corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
-    train_ids, val_ids = build_token_streams(corpus, tok)
+    streams = build_streams(corpus, tok)
+    train_ids, val_ids = streams.train_ids, streams.val_ids
     mcfg = resolve_model_config(t, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
     batches = PackedBatches(train_ids, t.seq_len, t.batch_size, t.seed)

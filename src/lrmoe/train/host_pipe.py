@@ -67,8 +67,6 @@ class HostPipeline:
                  grad_buf: dict[int, Tensor], chunk: int = HOST_CHUNK):
         require(chunk > 0 and chunk % CHUNK_ALIGN == 0,
                 f"host update chunk {chunk}: use a positive multiple of {CHUNK_ALIGN}")
-        require(all(p.is_contiguous() for p in params),
-                "optimizer offload: the offloaded parameters must be contiguous")
         self.chunk, self._alloc, self._grad_buf = chunk, alloc, grad_buf
         self._device = params[0].device
         self._cuda = self._device.type == "cuda"
@@ -146,7 +144,6 @@ class HostPipeline:
     # ------------------------------------------------------------------ stages 2 and 3
     def start(self, jobs: list[HostJob]) -> None:
         """Send the gradients not sent yet, then update ``jobs`` on the worker in the order sent."""
-        require(self._running is None, "host optimizer: a step is already running")
         self._finish = None
         for j in jobs:
             if id(j.param) not in self._landed:

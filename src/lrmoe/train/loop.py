@@ -29,7 +29,7 @@ from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.loss_mask import IGNORE, loss_args
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import host_stats
-from lrmoe.parallel.groups import all_reduce_sum, count_reducer, init_parallel, shard_experts
+from lrmoe.parallel.groups import all_reduce_sum, init_parallel, shard_experts
 from lrmoe.policy.registry import make_policy
 from lrmoe.tokenizer import check_vocab
 from lrmoe.train import checkpoint as ckpt
@@ -82,12 +82,6 @@ def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
     return all_reduce_sum(t.to(ctx.device)).cpu()
-
-
-def _count_reducer(ctx):
-    """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
-    reduce = count_reducer(ctx)
-    return None if reduce is None else (lambda c: reduce(c).to(c.device))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -493,11 +487,11 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
-    sinks = []
+    sink = None
     if cfg.log == "tensorboard" and ctx.is_main:
         from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
-        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
-    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
+        sink = TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1)
+    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sink=sink)
     if inp.hf is not None:  # what each rank read, gathered on every rank alike
         ranks = _all_gather(state.loaded, ctx.world)
         writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
@@ -512,10 +506,8 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model
         compile_model(state.model)
-    m = inp.mcfg
-    saved_train = (inp.saved or {}).get("train", {})
-    name = (cfg.preset or cfg.config or cfg.init_from or saved_train.get("preset")
-            or saved_train.get("init_from") or "model")
+    m, origin = inp.mcfg, run_cfg["train"]
+    name = next((origin[k] for k in ("preset", "config", "init_from") if origin[k]), "model")
     _log(f"lrmoe train: {name} ({m.model_type}, {m.num_hidden_layers} layers, "
          f"{m.num_experts} experts top-{m.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {inp.corpus.source} | tokenizer "
@@ -538,7 +530,6 @@ class _Run:
         self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.autocast = make_autocast(ctx.device)
         self.gather = (lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None
-        self.reduce = _count_reducer(ctx)
         self.base_bwd = state.rt.backward
         self.bar = None
         self.step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -548,9 +539,8 @@ class _Run:
 
     def memory(self, step: int) -> StepMemory:
         """What an out-of-memory line of ``step`` (0-based) names (:mod:`.step_oom`)."""
-        cfg, ctx, saved = self.cfg, self.ctx, self.inp.saved
-        model = {k: v for k, v in train_fields(cfg, saved).items() if k in ("preset", "config")}
-        name = next(([f"--{k}", str(v)] for k, v in model.items() if v), [])
+        cfg, ctx, fields = self.cfg, self.ctx, train_fields(self.cfg, self.inp.saved)
+        name = next(([f"--{k}", str(fields[k])] for k in ("preset", "config") if fields[k]), [])
         plan = name and [*name, "--ep", str(ctx.ep_size), "--tokens-per-rank",
                          str(cfg.batch_size // ctx.world * cfg.seq_len), "--policy",
                          cfg.policy.name, "--dtype",
@@ -663,7 +653,7 @@ class _Run:
                 raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
                                  f"({intact}). Lower --lr or raise --warmup")
         lr = s.opt.param_groups[0]["lr"]
-        gnorm, counts = update(s.model, s.opt, s.sched, cfg.clip, ctx, check_norm, self.reduce)
+        gnorm, counts = update(s.model, s.opt, s.sched, cfg.clip, ctx, check_norm)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         dt = time.perf_counter() - t0

@@ -32,8 +32,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         ids = {id(p) for p in host_params}
         mine = [p for g in self.param_groups for p in g["params"]]
-        require(ids <= {id(p) for p in mine},
-                "optimizer offload: some offloaded parameters are not in the optimizer")
         self._host = {id(p) for p in mine if id(p) in ids}
         self._host_dev = torch.device(host)
         if self._host_dev.type == "cuda" and self._host_dev.index is None:
@@ -162,19 +160,15 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return loss
 
     def _device_step(self) -> None:
-        held = {}
-        for g in self.param_groups:  # the device step must not see the offloaded grads
-            for p in g["params"]:
-                if id(p) in self._host:
-                    held[id(p)] = p.grad
-                    p.grad = None
+        # the device step must not see the offloaded grads
+        held = [(p, p.grad) for g in self.param_groups for p in g["params"] if id(p) in self._host]
+        for p, _ in held:
+            p.grad = None
         try:
             super().step()
         finally:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if id(p) in held:
-                        p.grad = held[id(p)]
+            for p, grad in held:
+                p.grad = grad
 
     def _jobs(self) -> list[HostJob]:
         jobs = []

@@ -326,9 +326,7 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints; drop older and unfinished ones."""
     dirs = checkpoint_dirs(run_dir)
-    complete = [s for s, d in dirs if (d / MANIFEST).exists()]
-    if not complete:
-        return
+    complete = [s for s, d in dirs if (d / MANIFEST).exists()]  # the one just saved among them
     kept = set(complete[-keep:])
     newest = complete[-1]
     for s, d in dirs:

@@ -279,7 +279,7 @@ def _run(cfg: TrainConfig | Any) -> dict:
             raise _stopped(f"{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
                            f"step {watch.step + 1})", True, ctx, watch) from None
     except LrmoeError as e:
-        agreed = getattr(e, "agreed", False)
+        agreed = e.agreed
         raise
     finally:
         if ctx is not None and ctx.is_main:

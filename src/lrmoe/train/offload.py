@@ -40,7 +40,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         cuda = any(p.is_cuda for p in mine if id(p) in ids)
         self._pin = self._host_dev.type == "cpu" and cuda and torch.cuda.is_available()
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
-        self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}  # the pipeline's host gradient buffers
         self._grad_scale: dict[int, float] = {}  # clip coefficients due on the host
         self.host_s = 0.0  # wall seconds of the last step's host part beyond the device's
@@ -87,7 +86,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
                         st["master"] = m
                     elif "master" not in st:
                         st["master"] = self._host_alloc("master", p).copy_(p.detach())
-                    self._master[id(p)] = st["master"]
 
     def _host_state(self, p: Tensor) -> dict:
         st = self.state[p]
@@ -177,7 +175,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
             for p in g["params"]:
                 if id(p) in self._piped and p.grad is not None:
                     st = self._host_state(p)
-                    jobs.append(HostJob(p, self._master[id(p)], st["exp_avg"], st["exp_avg_sq"],
+                    jobs.append(HostJob(p, st["master"], st["exp_avg"], st["exp_avg_sq"],
                                         st["step"], self._grad_scale.pop(id(p), None),
                                         g["lr"], beta1, beta2, g["weight_decay"], g["eps"]))
         return jobs
@@ -208,15 +206,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
         without ``master`` takes the device parameter's)."""
         mine = [p for g in self.param_groups for p in g["params"]]
         order = [i for g in state_dict["param_groups"] for i in g["params"]]
-        rest, host = dict(state_dict["state"]), {}
-        for i, p in zip(order, mine):
-            if id(p) in self._host and i in rest:
-                host[id(p)] = rest.pop(i)
+        rest = dict(state_dict["state"])
+        host = [(p, rest.pop(i, {})) for i, p in zip(order, mine) if id(p) in self._host]
         super().load_state_dict({**state_dict, "state": rest})
-        for p in mine:
-            if id(p) in self._host:
-                self.state[p] = {k: self._host_alloc(k, v).copy_(v.detach())
-                                 for k, v in host.get(id(p), {}).items()}
+        for p, st in host:
+            self.state[p] = {k: self._host_alloc(k, v).copy_(v.detach()) for k, v in st.items()}
         self._refresh_masters()
 
 

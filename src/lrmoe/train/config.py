@@ -138,15 +138,12 @@ def config_from_cli(given: dict) -> TrainConfig:
     if unknown:
         raise LrmoeError(f"unknown training option(s) {', '.join(unknown)}")
     kw: dict[str, Any] = {}
-    if given.get("resume"):
-        out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
-            "preset", "config", "init_from") if k in given}))
-        if out is None:
-            raise LrmoeError("--resume needs --out DIR (the run to continue)")
-        saved = read_run_config(Path(out))
-        if saved is not None:
-            kw.update({k: v for k, v in saved.get("train", {}).items()
-                       if k in names and k not in _NOT_INHERITED})
+    out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
+        "preset", "config", "init_from") if k in given}))
+    saved = read_run_config(Path(out)) if given.get("resume") and out else None
+    if saved is not None:  # without --out, check_args refuses the resume
+        kw.update({k: v for k, v in saved.get("train", {}).items()
+                   if k in names and k not in _NOT_INHERITED})
     kw.update(given)
     return TrainConfig.from_flat(kw)
 

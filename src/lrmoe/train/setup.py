@@ -204,6 +204,5 @@ def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
         if ctx.is_main:
             rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
         raise
-    if ctx.distributed:
-        agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir),
-                                                                     need), ctx)
+    agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir), need),
+          ctx)

@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw
 
 from lrmoe.errors import require
 from lrmoe.parallel.groups import expert_grad_finish, is_expert_param
-from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
+from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes, host_adamw
 
 HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
 
@@ -171,13 +170,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
     def _jobs(self) -> list[HostJob]:
         jobs = []
         for g in self.param_groups:
-            beta1, beta2 = g["betas"]
             for p in g["params"]:
                 if id(p) in self._piped and p.grad is not None:
                     st = self._host_state(p)
                     jobs.append(HostJob(p, st["master"], st["exp_avg"], st["exp_avg_sq"],
-                                        st["step"], self._grad_scale.pop(id(p), None),
-                                        g["lr"], beta1, beta2, g["weight_decay"], g["eps"]))
+                                        st["step"], self._grad_scale.pop(id(p), None), g))
         return jobs
 
     def _own_rows(self) -> list[tuple[dict, list[Tensor]]]:
@@ -192,12 +189,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
         """The fused AdamW on the parameters that are their own masters, gradients read in place."""
         for g, rows in todo:
             states = [self._host_state(p) for p in rows]
-            beta1, beta2 = g["betas"]
-            adamw([p.detach() for p in rows], [p.grad.detach() for p in rows],
-                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                  [s["step"] for s in states], foreach=False, fused=True, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
-                  eps=g["eps"], maximize=False)
+            host_adamw([p.detach() for p in rows], [p.grad.detach() for p in rows],
+                       [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                       [s["step"] for s in states], g)
         self._sync()
 
     # ------------------------------------------------------------------ checkpoints

@@ -67,8 +67,9 @@ def update(model: nn.Module, opt, sched, clip: float, ctx,
     with _range("optimizer"):
         opt.step()
         sched.step()
-        reduce = count_reducer(ctx)
-        return gnorm, model.end_step(None if reduce is None else (lambda c: reduce(c).to(c.device)))
+        reduce = count_reducer(ctx)  # None without expert DP; its sum lands on ctx.device
+        counts = model.end_step(None if reduce is None else lambda c: reduce(c).to(c.device))
+        return gnorm, counts
 
 
 def _range(phase: str):

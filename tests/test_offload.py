@@ -56,7 +56,7 @@ def test_host_adamw_equals_device_adamw():
     for p in offloaded_params(off):  # their state lives on the host, keyed by the parameter
         st = opt.state[p]
         assert st["exp_avg"].device.type == "cpu" and float(st["step"]) == 4
-        torch.testing.assert_close(opt._master[id(p)], p.detach())
+        torch.testing.assert_close(st["master"], p.detach())
 
 
 def test_host_adamw_resume_from_state_dict():

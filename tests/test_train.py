@@ -106,7 +106,7 @@ def test_metrics_rows(qwen_run):
     assert all(b["elapsed_s"] >= a["elapsed_s"] for a, b in zip(tr, tr[1:]))
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/statm")
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status")
 def test_host_memory_is_in_bytes():
     """A 64 MiB tensor, written, raises the resident set by about 64 MiB, and the peak
     keeps it after the tensor is freed."""

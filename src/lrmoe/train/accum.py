@@ -51,11 +51,12 @@ def accumulate(model: nn.Module, micro_batch: Callable[[int], Tensor], n: int,
 
 
 def update(model: nn.Module, opt, sched, clip: float, ctx,
-           check_norm: Callable[[float], None] | None = None, reduce=None) -> tuple[float, list]:
+           check_norm: Callable[[float], None] | None = None) -> tuple[float, list]:
     """The step's update after :func:`accumulate`: gradient sync, clipping, optimizer,
-    schedule, router counts closed. ``check_norm(norm)`` may refuse the update (raise)
-    before the weights change. Returns ``(norm before clipping, per-layer counts)``."""
-    from lrmoe.parallel.groups import clip_grad_norm, sync_grads
+    schedule, router counts closed (summed over the expert-DP group). ``check_norm(norm)``
+    may refuse the update (raise) before the weights change. Returns ``(norm before
+    clipping, per-layer counts)``."""
+    from lrmoe.parallel.groups import clip_grad_norm, count_reducer, sync_grads
     from lrmoe.train.offload import presynced
 
     with _range("clip"):
@@ -66,7 +67,9 @@ def update(model: nn.Module, opt, sched, clip: float, ctx,
     with _range("optimizer"):
         opt.step()
         sched.step()
-        return gnorm, model.end_step(reduce=reduce)
+        reduce = count_reducer(ctx)  # None without expert DP; its sum lands on ctx.device
+        counts = model.end_step(None if reduce is None else lambda c: reduce(c).to(c.device))
+        return gnorm, counts
 
 
 def _range(phase: str):

@@ -15,9 +15,10 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -32,8 +33,6 @@ CKPT_DIR = "checkpoints"
 PREFIX = "ckpt-"
 PARTIAL = ".tmp"
 MANIFEST = "manifest.json"
-
-Gather = Callable[[Any], list]  # all_gather(obj) -> one obj per rank; also the barrier
 
 
 # ----------------------------------------------------------------------------- atomic I/O
@@ -78,14 +77,18 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _alone(obj: Any) -> list:
-    """The all-gather of one process."""
-    return [obj]
+def all_gather(obj: Any, world: int) -> list:
+    """One ``obj`` per rank (``[obj]`` on one process); also the ranks' barrier."""
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def _agree(err: str | None, gather: Gather, kind: type = LrmoeError) -> None:
-    """Raise the first rank's error on every rank (collective when distributed)."""
-    for e in gather(err):
+def _agree(errs: list[str | None], kind: type = LrmoeError) -> None:
+    """Raise the first rank's error (``errs``: one per rank) on every rank."""
+    for e in errs:
         if e:
             raise kind(e)
 
@@ -258,20 +261,18 @@ def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
 
 # ----------------------------------------------------------------------------- save
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, trainer: dict,
-                    rng: dict, rank: int, world: int, ep_size: int,
-                    all_gather: Gather | None = None, keep: int = 0) -> Path:
+                    rng: dict, rank: int, world: int, ep_size: int, keep: int = 0) -> Path:
     """Write a checkpoint collectively; returns its directory. ``trainer`` is the global
-    state (rank 0's is kept), ``rng`` this rank's RNG states; ``all_gather`` is ``None``
-    on one process; ``keep`` > 0 keeps only the newest ``keep`` checkpoints."""
-    tmp, final = partial_dir(run_dir, step), ckpt_dir(run_dir, step)
-    gather, err = all_gather or _alone, None
+    state (rank 0's is kept), ``rng`` this rank's RNG states; ``keep`` > 0 keeps only the
+    newest ``keep`` checkpoints."""
+    tmp, final, err = partial_dir(run_dir, step), ckpt_dir(run_dir, step), None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save
         try:
             tmp.mkdir(parents=True)
         except OSError as e:  # a failure every rank sees: each raises it at the barrier
             err = str(_write_failed(e, tmp, rank, local=False))
-    _agree(err, gather, CheckpointWriteError)
+    _agree(all_gather(err, world), CheckpointWriteError)
     # one copy of the global state: rank 0's (ranks differ only in timings)
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
     try:
@@ -279,20 +280,20 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
             dcp.save(state, storage_writer=BoundedFileWriter(str(tmp)),
                      planner=dcp.DefaultSavePlanner(flatten_state_dict=False,
                                                     flatten_sharded_tensors=False),
-                     no_dist=all_gather is None)
+                     no_dist=world == 1)
     except (CheckpointException, OSError) as e:  # DCP raises it on every rank alike
         raise _write_failed(e, tmp, rank, local=False) from None
     try:
-        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, gather, keep)
+        _finish_save(run_dir, step, tmp, final, trainer, rank, world, ep_size, keep)
     except OSError as e:  # this rank's own write or read (a manifest, a hash, a rename)
         raise _write_failed(e, tmp, rank, local=True) from None
     return final
 
 
 def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank: int,
-                 world: int, ep_size: int, gather: Gather, keep: int) -> None:
+                 world: int, ep_size: int, keep: int) -> None:
     """Hash the files (each rank a share), write the manifest, rename into place."""
-    names = gather(sorted(p.name for p in tmp.iterdir() if p.is_file()))[0]
+    names = all_gather(sorted(p.name for p in tmp.iterdir() if p.is_file()), world)[0]
     mine, err = {}, None
     for i, name in enumerate(names):
         if i % world == rank:
@@ -302,8 +303,8 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
                        f"rank {rank}: --out must be on a filesystem every rank shares")
                 break
             mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    entries = gather((mine, err))
-    _agree(next((e for _, e in entries if e), None), _alone)
+    entries = all_gather((mine, err), world)
+    _agree([e for _, e in entries])
     if rank == 0:
         files = {k: v for m, _ in entries for k, v in m.items()}
         manifest = {"format": FORMAT, "step": step, "world": world, "ep_size": ep_size,
@@ -319,15 +320,13 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
             shutil.rmtree(p, ignore_errors=True)
         if keep > 0:
             prune(run_dir, keep)
-    gather(None)  # the barrier: no rank goes on before the rename
+    all_gather(None, world)  # the barrier: no rank goes on before the rename
 
 
 def prune(run_dir: str | os.PathLike, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints; drop older and unfinished ones."""
     dirs = checkpoint_dirs(run_dir)
-    complete = [s for s, d in dirs if (d / MANIFEST).exists()]
-    if not complete:
-        return
+    complete = [s for s, d in dirs if (d / MANIFEST).exists()]  # the one just saved among them
     kept = set(complete[-keep:])
     newest = complete[-1]
     for s, d in dirs:
@@ -361,10 +360,9 @@ def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str = "cannot 
 
 
 def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, rank: int,
-                    world: int, ep_size: int, device: torch.device, seed: int,
-                    all_gather: Gather | None = None) -> dict:
+                    world: int, ep_size: int, device: torch.device, seed: int) -> dict:
     """Load a (verified) checkpoint into freshly built objects at any world / EP size;
-    returns the trainer state. Collective when ``all_gather`` is given."""
+    returns the trainer state. Collective on more than one process."""
     same = (ck.world, ck.ep_size) == (world, ep_size)
     err, tpl = None, None
     try:
@@ -372,8 +370,8 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                                   str(ck.path))
     except LrmoeError as e:
         err = str(e)
-    _agree(err, all_gather or _alone)  # every rank enters the collective load, or none
-    _read(ck, tpl.dict, distributed=all_gather is not None)
+    _agree(all_gather(err, world))  # every rank enters the collective load, or none
+    _read(ck, tpl.dict, distributed=world > 1)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:
         opt.load_state_dict(tpl.optimizer_state())

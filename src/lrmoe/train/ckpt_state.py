@@ -49,10 +49,7 @@ def state_to_save(model: nn.Module, opt: torch.optim.Optimizer, trainer: dict | 
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "names": pnames})
         for p, name in zip(g["params"], pnames):
             for k, v in opt.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor):
-                    raise LrmoeError(f"optimizer state {name}.{k} is not a tensor; cannot "
-                                     "checkpoint it")
-                _put(out, f"optim/{name}/{k}", v, experts.get(name) if v.ndim else None)
+                _put(out, f"optim/{name}/{k}", v, experts.get(name))
     if trainer is not None:
         out[TRAINER] = {**trainer, "optim_groups": groups}
     out[rng_key(rank)] = rng

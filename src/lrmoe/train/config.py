@@ -138,15 +138,12 @@ def config_from_cli(given: dict) -> TrainConfig:
     if unknown:
         raise LrmoeError(f"unknown training option(s) {', '.join(unknown)}")
     kw: dict[str, Any] = {}
-    if given.get("resume"):
-        out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
-            "preset", "config", "init_from") if k in given}))
-        if out is None:
-            raise LrmoeError("--resume needs --out DIR (the run to continue)")
-        saved = read_run_config(Path(out))
-        if saved is not None:
-            kw.update({k: v for k, v in saved.get("train", {}).items()
-                       if k in names and k not in _NOT_INHERITED})
+    out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
+        "preset", "config", "init_from") if k in given}))
+    saved = read_run_config(Path(out)) if given.get("resume") and out else None
+    if saved is not None:  # without --out, check_args refuses the resume
+        kw.update({k: v for k, v in saved.get("train", {}).items()
+                   if k in names and k not in _NOT_INHERITED})
     kw.update(given)
     return TrainConfig.from_flat(kw)
 
@@ -216,27 +213,18 @@ def check_args(cfg: TrainConfig) -> None:
             raise LrmoeError("--resume needs --out DIR (the run to continue)")
 
 
-# Flags that only one policy reads: given to another, they would be silently ignored.
-_LRMOE_ONLY = tuple(n for n in POLICY_FLAT if n.startswith("lrmoe_")
-                    and n not in ("lrmoe_placement", "lrmoe_fidelity_every"))
+# Flags that only some policies read: given to another, they would be silently ignored.
+_POLICY_ONLY = (*((n, ("lrmoe",)) for n in POLICY_FLAT if n.startswith("lrmoe_")
+                  and n not in ("lrmoe_placement", "lrmoe_fidelity_every")),
+                ("capacity_factor", ("capacity",)), ("slots_per_rank", ("symi", "lrmoe")))
 
 
 def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
     """One warning per flag set away from its default that this run does not read."""
-    d, now, out = TrainConfig().flat(), cfg.flat(), []
-    name = cfg.policy.name
-
-    def flag(n: str) -> str:
-        return f"--{n.replace('_', '-')} {now[n]!r}"
-    if name != "lrmoe":
-        out += [f"{flag(n)} has no effect with --policy {name} (it applies to --policy "
-                "lrmoe)" for n in _LRMOE_ONLY if now[n] != d[n]]
-    if name != "capacity" and now["capacity_factor"] != d["capacity_factor"]:
-        out.append(f"{flag('capacity_factor')} has no effect with --policy {name} "
-                   "(it applies to --policy capacity)")
-    if name not in ("symi", "lrmoe") and now["slots_per_rank"] is not None:
-        out.append(f"{flag('slots_per_rank')} has no effect with --policy {name} "
-                   "(it applies to --policy symi and lrmoe)")
+    d, now, name = TrainConfig().flat(), cfg.flat(), cfg.policy.name
+    out = [f"--{n.replace('_', '-')} {now[n]!r} has no effect with --policy {name} (it "
+           f"applies to --policy {' and '.join(users)})"
+           for n, users in _POLICY_ONLY if name not in users and now[n] != d[n]]
     if cfg.policy.recompute and cfg.mem_budget is None and name in ("static", "symi"):
         out.append("--recompute has no effect without --mem-budget (it recomputes only on a "
                    "rank over the budget)")

@@ -34,11 +34,16 @@ class HostJob:
     exp_avg_sq: Tensor
     step: Tensor  # AdamW's step counter (0-dim fp32, host)
     coef: float | None  # the clip coefficient due, or None
-    lr: float
-    beta1: float
-    beta2: float
-    weight_decay: float
-    eps: float
+    group: dict  # its optimizer group: lr, betas, weight decay, eps (the step changes none)
+
+
+def host_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+               exp_avg_sqs: list[Tensor], steps: list[Tensor], group: dict) -> None:
+    """torch's fused AdamW with ``group``'s lr, betas, weight decay and eps."""
+    beta1, beta2 = group["betas"]
+    adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, fused=True,
+          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+          weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
 @dataclass
@@ -67,8 +72,6 @@ class HostPipeline:
                  grad_buf: dict[int, Tensor], chunk: int = HOST_CHUNK):
         require(chunk > 0 and chunk % CHUNK_ALIGN == 0,
                 f"host update chunk {chunk}: use a positive multiple of {CHUNK_ALIGN}")
-        require(all(p.is_contiguous() for p in params),
-                "optimizer offload: the offloaded parameters must be contiguous")
         self.chunk, self._alloc, self._grad_buf = chunk, alloc, grad_buf
         self._device = params[0].device
         self._cuda = self._device.type == "cuda"
@@ -146,7 +149,6 @@ class HostPipeline:
     # ------------------------------------------------------------------ stages 2 and 3
     def start(self, jobs: list[HostJob]) -> None:
         """Send the gradients not sent yet, then update ``jobs`` on the worker in the order sent."""
-        require(self._running is None, "host optimizer: a step is already running")
         self._finish = None
         for j in jobs:
             if id(j.param) not in self._landed:
@@ -199,9 +201,7 @@ class HostPipeline:
             if j.coef is not None:
                 g.mul_(j.coef)
             # AdamW adds one to the step it is given: each chunk gets its own copy
-            adamw([master[a:b]], [g], [m1[a:b]], [m2[a:b]], [], [j.step.clone()],
-                  foreach=False, fused=True, amsgrad=False, beta1=j.beta1, beta2=j.beta2,
-                  lr=j.lr, weight_decay=j.weight_decay, eps=j.eps, maximize=False)
+            host_adamw([master[a:b]], [g], [m1[a:b]], [m2[a:b]], [j.step.clone()], j.group)
             self._put(weight, master, a, b)
         j.step.add_(1)
 

@@ -29,7 +29,7 @@ from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.loss_mask import IGNORE, loss_args
 from lrmoe.model import MoEForCausalLM
 from lrmoe.model.moe import host_stats
-from lrmoe.parallel.groups import all_reduce_sum, count_reducer, init_parallel, shard_experts
+from lrmoe.parallel.groups import all_reduce_sum, init_parallel, shard_experts
 from lrmoe.policy.registry import make_policy
 from lrmoe.tokenizer import check_vocab
 from lrmoe.train import checkpoint as ckpt
@@ -71,7 +71,6 @@ from lrmoe.train.setup import (
     open_run_dir,
     train_fields,
 )
-from lrmoe.train.setup import all_gather as _all_gather
 from lrmoe.train.step_oom import StepMemory, step_memory
 
 __all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
@@ -82,12 +81,6 @@ def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:
     if not ctx.distributed:
         return t
     return all_reduce_sum(t.to(ctx.device)).cpu()
-
-
-def _count_reducer(ctx):
-    """``end_step``'s reduce: sum counts over the expert-DP group (None without DP)."""
-    reduce = count_reducer(ctx)
-    return None if reduce is None else (lambda c: reduce(c).to(c.device))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -134,16 +127,15 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     """The checkpoint ``--resume`` continues, verified, or ``None``; every rank reads its
     own ``--out``: they must find the same."""
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
-    if ctx.distributed:
-        mine = None if ck is None else (ck.step, ck.manifest["files"][".metadata"])
-        seen = _all_gather(mine, ctx.world)
-        other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
-        if other is not None:
-            raise quiet_unless(LrmoeError(
-                f"rank {other}'s --out holds another run than rank 0's (latest checkpoint "
-                f"step {'none' if seen[other] is None else seen[other][0]} against "
-                f"{'none' if seen[0] is None else seen[0][0]}): every rank must name the "
-                "same run directory, on a file system all ranks share"), ctx.rank == 0)
+    seen = ckpt.all_gather(None if ck is None else (ck.step, ck.manifest["files"][".metadata"]),
+                           ctx.world)
+    other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
+    if other is not None:
+        raise quiet_unless(LrmoeError(
+            f"rank {other}'s --out holds another run than rank 0's (latest checkpoint "
+            f"step {'none' if seen[other] is None else seen[other][0]} against "
+            f"{'none' if seen[0] is None else seen[0][0]}): every rank must name the "
+            "same run directory, on a file system all ranks share"), ctx.rank == 0)
     if ck is None:
         return None
     # any rank may read any file (resharding): each checks a share of them all
@@ -287,7 +279,7 @@ def _run(cfg: TrainConfig | Any) -> dict:
             raise _stopped(f"{rundir.os_error_line(e, 'cannot write')} (during {watch.phase}, "
                            f"step {watch.step + 1})", True, ctx, watch) from None
     except LrmoeError as e:
-        agreed = getattr(e, "agreed", False)
+        agreed = e.agreed
         raise
     finally:
         if ctx is not None and ctx.is_main:
@@ -394,7 +386,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                "val_sha256": _sha256(val_ids)}
     if streams.train_mask is not None:  # prompt/completion rows: which targets train
         data_fp["mask_sha256"] = _sha256(torch.cat([streams.train_mask, streams.val_mask]))
-    if ctx.distributed and any(f != data_fp for f in _all_gather(data_fp, ctx.world)):
+    if ctx.distributed and any(f != data_fp for f in ckpt.all_gather(data_fp, ctx.world)):
         raise LrmoeError("the ranks loaded different training data or tokenizers (token "
                          "stream hashes differ); give every rank the same --data")
     if ledger is not None:
@@ -463,8 +455,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     if ck is not None:
         st = ckpt.load_checkpoint(  # verified above; any world and EP size
             ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
-            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed,
-            all_gather=(lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None)
+            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed)
         if st.get("data") != inp.data_fp:
             raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                              f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")
@@ -493,13 +484,13 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
                "parallel": {"world": ctx.world, "ep_size": ctx.ep_size},
                "params": {"total": total, "active": active}}
     open_run_dir(cfg, inp.run_dir, inp.ck, run_cfg, inp.tok, state.model, ctx)  # lock: _run
-    sinks = []
+    sink = None
     if cfg.log == "tensorboard" and ctx.is_main:
         from lrmoe.train.tensorboard import TB_DIR, TensorBoardSink
-        sinks.append(TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1))
-    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sinks=sinks)
+        sink = TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1)
+    writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sink=sink)
     if inp.hf is not None:  # what each rank read, gathered on every rank alike
-        ranks = _all_gather(state.loaded, ctx.world)
+        ranks = ckpt.all_gather(state.loaded, ctx.world)
         writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
     run = _Run(cfg, ctx, inp, state, watch, stops, writer)
     changes = {} if inp.saved is None else resume_changes(cfg, inp.saved.get("train", {}))
@@ -512,10 +503,8 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     if cfg.compile:  # in place: checkpoints keep their parameter names
         from lrmoe.model.compile import compile_model
         compile_model(state.model)
-    m = inp.mcfg
-    saved_train = (inp.saved or {}).get("train", {})
-    name = (cfg.preset or cfg.config or cfg.init_from or saved_train.get("preset")
-            or saved_train.get("init_from") or "model")
+    m, origin = inp.mcfg, run_cfg["train"]
+    name = next((origin[k] for k in ("preset", "config", "init_from") if origin[k]), "model")
     _log(f"lrmoe train: {name} ({m.model_type}, {m.num_hidden_layers} layers, "
          f"{m.num_experts} experts top-{m.num_experts_per_tok}, {total / 1e6:.2f}M "
          f"params, {active / 1e6:.2f}M active) | {inp.corpus.source} | tokenizer "
@@ -537,8 +526,6 @@ class _Run:
         self.watch, self.stops, self.writer = watch, stops, writer
         self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.autocast = make_autocast(ctx.device)
-        self.gather = (lambda o: _all_gather(o, ctx.world)) if ctx.distributed else None
-        self.reduce = _count_reducer(ctx)
         self.base_bwd = state.rt.backward
         self.bar = None
         self.step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -548,20 +535,14 @@ class _Run:
 
     def memory(self, step: int) -> StepMemory:
         """What an out-of-memory line of ``step`` (0-based) names (:mod:`.step_oom`)."""
-        cfg, ctx, saved = self.cfg, self.ctx, self.inp.saved
-        model = {k: v for k, v in train_fields(cfg, saved).items() if k in ("preset", "config")}
-        name = next(([f"--{k}", str(v)] for k, v in model.items() if v), [])
+        cfg, ctx, fields = self.cfg, self.ctx, train_fields(self.cfg, self.inp.saved)
+        name = next(([f"--{k}", str(fields[k])] for k in ("preset", "config") if fields[k]), [])
         plan = name and [*name, "--ep", str(ctx.ep_size), "--tokens-per-rank",
                          str(cfg.batch_size // ctx.world * cfg.seq_len), "--policy",
                          cfg.policy.name, "--dtype",
                          "bf16" if ctx.device.type == "cuda" else "fp32"]
-        return StepMemory(
-            step=step + 1, micro_batches=cfg.grad_accum,
-            sequences=cfg.batch_size // ctx.world, seq_len=cfg.seq_len,
-            continue_with=["--out", str(self.inp.run_dir), "--resume"], plan_args=plan,
-            intact=_intact(self.watch), full_checkpoint=cfg.activation_checkpoint == "full",
-            exact=cfg.policy.name in ("static", "symi"), recompute=cfg.policy.recompute,
-            batch_size=cfg.batch_size, world=ctx.world)
+        return StepMemory(cfg, ctx.world, step + 1, ["--out", str(self.inp.run_dir), "--resume"],
+                          plan, _intact(self.watch))
 
     def save(self, step: int) -> None:
         s, ctx = self.s, self.ctx
@@ -575,8 +556,7 @@ class _Run:
                 rng=ckpt.ckpt_state.rng_state(s.gen, ctx.device),
                 trainer=ckpt.trainer_state(s.model, s.sched, self.inp.policy, progress,
                                            self.inp.data_fp),
-                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, all_gather=self.gather,
-                keep=self.cfg.keep_ckpts)
+                rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
             raise _stopped(str(e), getattr(e, "local", False), ctx, self.watch) from None
         self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
@@ -663,7 +643,7 @@ class _Run:
                 raise LrmoeError(f"gradient norm is {gnorm} at step {step + 1}; stopped "
                                  f"({intact}). Lower --lr or raise --warmup")
         lr = s.opt.param_groups[0]["lr"]
-        gnorm, counts = update(s.model, s.opt, s.sched, cfg.clip, ctx, check_norm, self.reduce)
+        gnorm, counts = update(s.model, s.opt, s.sched, cfg.clip, ctx, check_norm)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         dt = time.perf_counter() - t0
@@ -683,7 +663,7 @@ class _Run:
         host = host_memory()
         if done == s.start + 1:  # this process's first row
             host["host_rss_before_build_bytes"] = s.rss_before_build
-        got = _all_gather((mine, mem, host), ctx.world)
+        got = ckpt.all_gather((mine, mem, host), ctx.world)
         per_rank = [g[0] for g in got]
         _observe_fidelity(self.inp.policy, stats, per_rank)
         mem = None if mem is None else max(g[1] for g in got)

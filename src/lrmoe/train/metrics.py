@@ -29,15 +29,6 @@ _MEAN_KEYS = {k: k for k in ("fidelity_cosine", "fidelity_rel_err")}
 _COMBINE = ((_SUM_KEYS, lambda v: int(sum(v))), (_MAX_KEYS, lambda v: _r(max(v))),
             (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
 
-def host_rss_bytes() -> int | None:
-    """This process's resident set size now, in bytes (None without ``/proc/self/statm``)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
 def proc_kib(path: str, key: str) -> int | None:
     """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes (or None)."""
     with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
@@ -45,6 +36,11 @@ def proc_kib(path: str, key: str) -> int | None:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident set size now, in bytes (None without ``/proc``)."""
+    return proc_kib("/proc/self/status", "VmRSS")
 
 
 def host_peak_rss_bytes() -> int | None:
@@ -124,14 +120,14 @@ def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) 
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl`` (rank 0 only) and hands them to ``sinks``; a row is
-    written whole or not at all, the error naming the file."""
+    """Appends rows to ``metrics.jsonl`` (rank 0 only) and hands them to ``sink`` (TensorBoard's,
+    or None); a row is written whole or not at all, the error naming the file."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool = True, sinks: list | None = None):
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, sink=None):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) \
             if enabled else None
-        self.sinks = list(sinks or []) if enabled else []
+        self.sink = sink if enabled else None
 
     def write(self, row: dict) -> None:
         if self._fd is None:
@@ -146,16 +142,16 @@ class MetricsWriter:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end)
             raise OSError(e.errno, e.strerror, str(self.path)) from None
-        for sink in self.sinks:
-            sink.write(row)
+        if self.sink is not None:
+            self.sink.write(row)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
 
 def read_metrics(path: str | os.PathLike, torn: list[int] | None = None) -> list[dict]:

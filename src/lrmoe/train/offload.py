@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw
 
 from lrmoe.errors import require
 from lrmoe.parallel.groups import expert_grad_finish, is_expert_param
-from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes
+from lrmoe.train.host_pipe import HOST_CHUNK, HostJob, HostPipeline, PipeTimes, host_adamw
 
 HOST_STEP_RANGE = "offload:host_step"  # the profiler range of a step's host part
 
@@ -32,8 +31,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         ids = {id(p) for p in host_params}
         mine = [p for g in self.param_groups for p in g["params"]]
-        require(ids <= {id(p) for p in mine},
-                "optimizer offload: some offloaded parameters are not in the optimizer")
         self._host = {id(p) for p in mine if id(p) in ids}
         self._host_dev = torch.device(host)
         if self._host_dev.type == "cuda" and self._host_dev.index is None:
@@ -42,7 +39,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         cuda = any(p.is_cuda for p in mine if id(p) in ids)
         self._pin = self._host_dev.type == "cpu" and cuda and torch.cuda.is_available()
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
-        self._master: dict[int, Tensor] = {}
         self._grad_buf: dict[int, Tensor] = {}  # the pipeline's host gradient buffers
         self._grad_scale: dict[int, float] = {}  # clip coefficients due on the host
         self.host_s = 0.0  # wall seconds of the last step's host part beyond the device's
@@ -89,7 +85,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
                         st["master"] = m
                     elif "master" not in st:
                         st["master"] = self._host_alloc("master", p).copy_(p.detach())
-                    self._master[id(p)] = st["master"]
 
     def _host_state(self, p: Tensor) -> dict:
         st = self.state[p]
@@ -162,30 +157,24 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return loss
 
     def _device_step(self) -> None:
-        held = {}
-        for g in self.param_groups:  # the device step must not see the offloaded grads
-            for p in g["params"]:
-                if id(p) in self._host:
-                    held[id(p)] = p.grad
-                    p.grad = None
+        # the device step must not see the offloaded grads
+        held = [(p, p.grad) for g in self.param_groups for p in g["params"] if id(p) in self._host]
+        for p, _ in held:
+            p.grad = None
         try:
             super().step()
         finally:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if id(p) in held:
-                        p.grad = held[id(p)]
+            for p, grad in held:
+                p.grad = grad
 
     def _jobs(self) -> list[HostJob]:
         jobs = []
         for g in self.param_groups:
-            beta1, beta2 = g["betas"]
             for p in g["params"]:
                 if id(p) in self._piped and p.grad is not None:
                     st = self._host_state(p)
-                    jobs.append(HostJob(p, self._master[id(p)], st["exp_avg"], st["exp_avg_sq"],
-                                        st["step"], self._grad_scale.pop(id(p), None),
-                                        g["lr"], beta1, beta2, g["weight_decay"], g["eps"]))
+                    jobs.append(HostJob(p, st["master"], st["exp_avg"], st["exp_avg_sq"],
+                                        st["step"], self._grad_scale.pop(id(p), None), g))
         return jobs
 
     def _own_rows(self) -> list[tuple[dict, list[Tensor]]]:
@@ -200,12 +189,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
         """The fused AdamW on the parameters that are their own masters, gradients read in place."""
         for g, rows in todo:
             states = [self._host_state(p) for p in rows]
-            beta1, beta2 = g["betas"]
-            adamw([p.detach() for p in rows], [p.grad.detach() for p in rows],
-                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                  [s["step"] for s in states], foreach=False, fused=True, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
-                  eps=g["eps"], maximize=False)
+            host_adamw([p.detach() for p in rows], [p.grad.detach() for p in rows],
+                       [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                       [s["step"] for s in states], g)
         self._sync()
 
     # ------------------------------------------------------------------ checkpoints
@@ -214,15 +200,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
         without ``master`` takes the device parameter's)."""
         mine = [p for g in self.param_groups for p in g["params"]]
         order = [i for g in state_dict["param_groups"] for i in g["params"]]
-        rest, host = dict(state_dict["state"]), {}
-        for i, p in zip(order, mine):
-            if id(p) in self._host and i in rest:
-                host[id(p)] = rest.pop(i)
+        rest = dict(state_dict["state"])
+        host = [(p, rest.pop(i, {})) for i, p in zip(order, mine) if id(p) in self._host]
         super().load_state_dict({**state_dict, "state": rest})
-        for p in mine:
-            if id(p) in self._host:
-                self.state[p] = {k: self._host_alloc(k, v).copy_(v.detach())
-                                 for k, v in host.get(id(p), {}).items()}
+        for p, st in host:
+            self.state[p] = {k: self._host_alloc(k, v).copy_(v.detach()) for k, v in st.items()}
         self._refresh_masters()
 
 

@@ -18,11 +18,6 @@ def no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or "norm" in name or name.endswith("bias")
 
 
-def is_router(name: str) -> bool:
-    """The MoE routers' parameters (``...mlp.router.weight``)."""
-    return ".router." in f".{name}"
-
-
 def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
                  router_lr_scale: float = 1.0) -> list[dict]:
     """Decayed and not-decayed groups. With ``router_lr_scale != 1`` the routers'
@@ -34,7 +29,7 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        key = (split and is_router(name), no_decay(name, p))
+        key = (split and ".router." in f".{name}", no_decay(name, p))  # ...mlp.router.weight
         buckets.setdefault(key, []).append(p)
     groups = []  # decay, no_decay, router_decay, router_no_decay: the keys' sorted order
     for (router, plain), ps in sorted(buckets.items()):

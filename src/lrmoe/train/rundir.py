@@ -224,9 +224,8 @@ def release_lock(run_dir: Path) -> None:
 
 
 def mark(run_dir: Path, marker: str = MARKER, by: str = "lrmoe train") -> None:
-    """Create the run directory (if needed) and its marker."""
+    """Write the marker into the run directory :func:`take` created."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / marker).exists():
             (run_dir / marker).write_text(f"written by {by}; do not delete\n")
     except OSError as e:

@@ -20,20 +20,12 @@ from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.ledger import DTYPE_BYTES
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
+from lrmoe.train.checkpoint import all_gather
 from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
 from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
 
 
 # ----------------------------------------------------------------------------- agreement
-def all_gather(obj: Any, world: int) -> list:
-    """One ``obj`` per rank (``[obj]`` on one process)."""
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _raise_first(errs: list[str | None], rank: int) -> None:
     """Raise the lowest failing rank's error on every rank (prefixed with its rank when
     others did not fail), printed by rank 0 alone."""
@@ -212,6 +204,5 @@ def open_run_dir(cfg: TrainConfig, run_dir: Path, ck, run_cfg: dict, tok, model,
         if ctx.is_main:
             rundir.give_up(run_dir, created, (ckpt.ckpt_root(run_dir),))
         raise
-    if ctx.distributed:
-        agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir),
-                                                                     need), ctx)
+    agree(lambda: None if ctx.is_main else rundir.probe_writable(ckpt.ckpt_root(run_dir), need),
+          ctx)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.errors import LrmoeError, OutOfMemory
+from lrmoe.train.config import TrainConfig
 from lrmoe.units import fmt_bytes
 
 _HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
@@ -47,20 +48,14 @@ def _allocator_words(e: BaseException) -> tuple[str, str] | None:
 
 @dataclass
 class StepMemory:
-    """What the out-of-memory lines of one step name."""
+    """What the out-of-memory lines of one step of run ``cfg`` on ``world`` ranks name."""
 
+    cfg: TrainConfig
+    world: int
     step: int  # 1-based
-    micro_batches: int
-    sequences: int  # a micro-batch's sequences on this rank
-    seq_len: int
     continue_with: list[str]  # the lrmoe train arguments that continue this run
     plan_args: list[str]  # lrmoe plan's model and layout flags for this run
     intact: str  # where the last complete checkpoint is
-    full_checkpoint: bool  # --activation-checkpoint full already
-    exact: bool  # static / symi: --recompute is a fallback
-    recompute: bool
-    batch_size: int  # the global --batch-size
-    world: int
     micro: int = 0  # 0-based: the micro-batch running
 
     def batch_of(self, get: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -73,25 +68,26 @@ class StepMemory:
     def ledger_line(self, e: OutOfMemory) -> str:
         cmd = shlex.join(["lrmoe", "train", *self.continue_with, "--mem-budget",
                           budget_arg(e.needs_bytes)])
+        policy = self.cfg.policy  # static and symi: --recompute is a fallback
         more = "; --recompute instead, if recomputing fits" \
-            if self.exact and not self.recompute else ""
+            if policy.name in ("static", "symi") and not policy.recompute else ""
         return (f"{verdict(e, self.step)}: {e.detail}; stopped ({self.intact}); continue "
                 f"with `{cmd}` (this step's need{more})")
 
     def allocator_line(self, where: str, words: str) -> str:
-        fixes = []
-        if not self.full_checkpoint:
+        cfg, fixes = self.cfg, []
+        if cfg.activation_checkpoint != "full":
             fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
                                            "--activation-checkpoint", "full"]) + "`")
-        half = self.batch_size // 2
-        if self.batch_size % 2 == 0 and half % self.world == 0:
+        half = cfg.batch_size // 2
+        if cfg.batch_size % 2 == 0 and half % self.world == 0:
             fixes.append(f"a new run with --batch-size {half} and --grad-accum "
-                         f"{2 * self.micro_batches} (the same sequences a step)")
+                         f"{2 * cfg.grad_accum} (the same sequences a step)")
         else:
             fixes.append("a new run with a smaller --batch-size (a multiple of the world "
                          "size) and a larger --grad-accum")
         return (f"{where} out of memory at step {self.step} in micro-batch {self.micro + 1} "
-                f"of {self.micro_batches} ({self.sequences} sequences x {self.seq_len} tokens "
+                f"of {cfg.grad_accum} ({cfg.batch_size // self.world} sequences x {cfg.seq_len} tokens "
                 f"on this rank): {words}; stopped ({self.intact}). A micro-batch must fit: "
                 f"{' or '.join(fixes)}; `{shlex.join(['lrmoe', 'plan', *self.plan_args])}` "
                 "prices the experts' share")

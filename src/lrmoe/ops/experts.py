@@ -164,24 +164,13 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
     return y, gu
 
 
-def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
-                    w2_IHF: Tensor, counts: list[int] | None, offs: Tensor | None = None,
-                    need_dx: bool = True, scale: Tensor | None = None, rowdot: bool = False,
-                    ) -> tuple:
+def swiglu_backward(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
+                    counts: list[int] | None, offs: Tensor | None = None,
+                    scale: Tensor | None = None, rowdot: bool = False) -> tuple:
     """``(dx_RH, dw13_IFH, dw2_IHF)`` for rows ``x`` with saved ``gu`` and output gradient
     ``scale[r] * dy[r]`` (``scale`` None: 1); with ``rowdot`` also ``dot_R = <dy[r], y[r]>``
-    (fp32). Only the given rows contribute. :func:`swiglu_backward_owned` takes the row
-    tensors over instead."""
-    return swiglu_backward_owned({"x": x_RH, "gu": gu_R2F, "dy": dy_RH}, w13_IFH, w2_IHF,
-                                 counts, offs, need_dx, scale, rowdot)
-
-
-def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
-                          counts: list[int] | None, offs: Tensor | None = None,
-                          need_dx: bool = True,
-                          scale: Tensor | None = None, rowdot: bool = False) -> tuple:
-    """:func:`swiglu_backward` on ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``,
-    handed over: the dict is emptied and each row tensor is dropped at its last use
+    (fp32). Only the given rows contribute. ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``
+    is handed over: the dict is emptied and each row tensor is dropped at its last use
     (``act`` after dw2, ``dy`` after ``dact``, ``gu`` and ``dact`` after ``dgu``, ``x``
     after dw13), so a caller that holds no other reference gets that memory back there:
     at the dx GEMM only ``dgu`` and ``dx`` are alive. Same kernels, same order."""
@@ -207,5 +196,5 @@ def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tens
     del dact, gu_R2F
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
     del x_RH
-    dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
+    dx = _gmm(dgu, w13_IFH, offs, counts)                  # [R, H]
     return (dx, dw13, dw2, dot) if rowdot else (dx, dw13, dw2)

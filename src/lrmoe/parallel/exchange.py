@@ -126,12 +126,10 @@ class ExchangeState:
         on an exact plan), so the combined rows are not kept."""
         return self.opts.router_grad == "experts" and self.plan.exact
 
-    def weight_counts(self, counts_S: list[int], g: int, n_weights: int) -> list[int] | None:
-        """Rows per weighted instance of rank ``g`` for the grouped GEMMs (host), or
-        ``None`` where :attr:`offs` holds them on the device."""
-        if self.offs is not None:
-            return None
-        return stages.occupied_counts(counts_S, self.plan, g, n_weights)
+    def weight_counts(self, counts_S: list[int], keep: stages.Retention, n_weights: int) -> list[int] | None:
+        """Rows per weighted instance for the grouped GEMMs (host), or ``None`` where
+        :attr:`offs` holds them on the device."""
+        return None if self.offs is not None else keep.weighted(counts_S, n_weights)
 
 
 def forward_ranks(st: ExchangeState, recvs: list[stages.RecvLayout], x_G: Sequence[Tensor],
@@ -154,8 +152,8 @@ def forward_ranks(st: ExchangeState, recvs: list[stages.RecvLayout], x_G: Sequen
     rows_G = [{"x": x} for x in tp.all_to_all(x_send_G, home_splits, recv_splits)]
     del x_send_G
     y_recv_G = [stages.experts_forward(
-        rows_G[i], recvs[i], w13_G[i], w2_G[i], st.weight_counts(recvs[i].counts, g, w13_G[i].shape[0]),
-        keep_G[i], tp.timer(i), expert, st.offs) for i, g in enumerate(tp.ranks)]
+        rows_G[i], recvs[i], w13_G[i], w2_G[i], st.weight_counts(recvs[i].counts, keep, w13_G[i].shape[0]),
+        keep, tp.timer(i), expert, st.offs) for i, keep in enumerate(keep_G)]
     y_send_G = tp.all_to_all(y_recv_G, recv_splits, home_splits)
     del y_recv_G
     comb_G = []
@@ -219,10 +217,10 @@ def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list
     tm_G = [stages.untimed if monitor else tp.timer(i) for i in range(len(rows_G))]
     send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
     rls, counts_G, offs_G = [], [], []
-    for i, g in enumerate(tp.ranks):
+    for i, keep in enumerate(keep_G):
         with tm_G[i]("local"):
             rls.append(stages.recv_layout(recv_GS_G[i], dev))
-            counts_G.append(st.weight_counts(rls[i].counts, g, w13_G[i].shape[0]))
+            counts_G.append(st.weight_counts(rls[i].counts, keep, w13_G[i].shape[0]))
             offs_G.append(offsets(counts_G[i], dev) if st.offs is None else st.offs)
     splits_G = [rl.splits for rl in rls]
     if not monitor:

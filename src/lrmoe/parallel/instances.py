@@ -114,7 +114,7 @@ def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int)
     """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from each
     owned tensor ``[E/G, ...]`` of ``ws_own`` (one route for all); empty slots get no
     weights (the exchange runs its grouped GEMMs over the occupied slots,
-    :func:`lrmoe.parallel.stages.occupied_counts`). When every rank's occupied slots are
+    :meth:`lrmoe.parallel.stages.Retention.weighted`). When every rank's occupied slots are
     exactly its owned experts in order (the static plan), the owned tensors are returned
     as they are: no copy, no communication."""
     if natives_only(plan.inst_expert_GS.numpy(), E):

@@ -38,13 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward, swiglu_forward
 from lrmoe.ops.fused import fused
 from lrmoe.ops.rowops import (
     Runs,
     combine_grad_gate,
-    gather_pairs,
-    gather_pairs_scaled,
     home_positions,
     invert_permutation,
     runs,
@@ -187,8 +185,9 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
 
 # ------------------------------------------------------------------------- forward
 def dispatch_rows(x_TH: Tensor, home: HomeLayout, K: int) -> Tensor:
-    """The send buffer: each pair's token row, in send order (one kernel)."""
-    return gather_pairs(x_TH, home.src_pair, K)
+    """The send buffer: each pair's token row, in send order (one kernel: a plain torch
+    gather, which on the H200 beat a Triton kernel, launch included)."""
+    return x_TH[home.src_pair // K]
 
 
 @dataclass
@@ -212,6 +211,14 @@ class Retention:
     @property
     def saved_SG(self) -> np.ndarray:
         return self.assign_SG if self.retain_SG is None else self.retain_SG
+
+    def weighted(self, counts_S: list[int], n_weights: int) -> list[int]:
+        """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
+        slots, or only the occupied ones when the instance weights leave out the empty
+        slots (:func:`lrmoe.parallel.instances.instance_weight_list`; they hold no rows)."""
+        if n_weights == len(counts_S):
+            return counts_S
+        return [c for c, o in zip(counts_S, self.occupied_S) if o]
 
 
 def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
@@ -259,16 +266,6 @@ def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
     if save_all or np.array_equal(retain, assign):
         return Retention(assign, None, n_rec, occupied)
     return Retention(assign, retain, n_rec, occupied)
-
-
-def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
-    """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
-    slots, or only the occupied ones when the instance weights leave out the empty
-    slots (:func:`lrmoe.parallel.instances.instance_weight_list`; empty slots hold no rows)."""
-    if n_weights == len(counts_S):
-        return counts_S
-    occ = (plan.inst_expert_GS[me] >= 0).tolist()
-    return [c for c, o in zip(counts_S, occ) if o]
 
 
 @dataclass
@@ -343,7 +340,7 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
         j = home.j_in_block if ret is None else ret.apply(home.j_in_block)
         sent_GS = home.retain_I.reshape(home.splits_shape)
         if exact:
-            rows["dy"], scale = gather_pairs_scaled(dout_TH, pairs, K, w_P)
+            rows["dy"], scale = dout_TH[pairs // K], w_P[pairs].float()
             return dgate, Shipped(None if ret is None else pairs, j, scale, sent_GS, retain_GS_me)
     with tm("select"):
         pick = select_and_compact(dout_TH, pairs // K, w_P[pairs].float(), gate_P[pairs], home,
@@ -437,8 +434,8 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
             rows["x"] = rows["x"][at]
             rows["gu"] = rows["gu"][at]
     with tm(expert):
-        dx_inst, dw13, dw2, *dot = swiglu_backward_owned(rows, w13, w2, counts, offs,
-                                                         scale=scale_inst, rowdot=rowdot)
+        dx_inst, dw13, dw2, *dot = swiglu_backward(rows, w13, w2, counts, offs,
+                                                   scale=scale_inst, rowdot=rowdot)
     with tm("local"):
         dx_recv = permute_rows(dx_inst, recv.to_arrival)
         del dx_inst
@@ -454,9 +451,9 @@ def _rebuild_gate_up(rows: dict[str, Tensor], keep: Retention, counts: Sequence[
     ``max(2k - n, k + n)`` rows of ``2F`` are alive at once (a ``cat`` after the GEMM
     would hold ``2k``). ``counts``: rows per weighted instance (its length says whether
     the empty slots have weights)."""
-    n, occ = keep.n_rec, keep.occupied_S
-    kept_S = keep.saved_SG.reshape(len(occ), -1).sum(1).tolist()
-    kept_I = kept_S if len(counts) == len(kept_S) else [c for c, o in zip(kept_S, occ) if o]
+    n = keep.n_rec
+    kept_S = keep.saved_SG.reshape(len(keep.occupied_S), -1).sum(1).tolist()
+    kept_I = keep.weighted(kept_S, len(counts))
     full = rows["gu"].new_empty(rows["gu"].shape[0] + n, rows["gu"].shape[1])
     full[n:] = rows["gu"]
     rows["gu"] = full  # drops the kept part

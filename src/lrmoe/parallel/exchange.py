@@ -6,12 +6,9 @@ The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ra
 each stage runs for every rank a process plays, and a :class:`Transport` carries the
 rows between stages and counts them. A real rank plays itself over the group's
 collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process plays its
-one rank with no collectives and no host wait (:func:`run_local`); the emulator plays
-all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
-
-The one-process path (:func:`run_local`, docs/design.md §2 "One process, no host
-wait") runs the same :class:`ExpertExchange` for the identity plan, its layouts built
-on the device, so its results are bitwise the general path's.
+one rank for the identity plan, its layouts built on the device, with no collectives and
+no host wait (:func:`run_local`, docs/design.md §2: bitwise the general path); the
+emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).
@@ -394,18 +391,6 @@ class OneBlock:
     retain_GGS = select_GGS = assign_GGS
 
 
-class LocalTransport(GroupTransport):
-    """One process, no collectives: every buffer stays where it is. Counters into
-    ``stats``; only the expert kernels are timed."""
-
-    def __init__(self, stats: dict, device: torch.device):
-        self.stats, self.device, self.timing = stats, device, False
-        self.ranks, self.exchange_counts = [0], None
-
-    def all_to_all(self, send_G, send_splits_G, recv_splits_G) -> list[Tensor]:
-        return send_G
-
-
 def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK: Tensor,
               counts_E: Tensor, opts: BackwardOptions, stats: dict) -> Tensor:
     """``out_TH``: :class:`ExpertExchange` on one process for the identity plan, its
@@ -418,9 +403,10 @@ def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK
     pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
     one = np.array([P])
     home = stages.HomeLayout(invert_permutation(pair_R, P), False, pair_R, None, one, one, one, [P])
-    # the rows per expert stay on the device: the grouped GEMMs read them there; the
-    # per-expert loop fallback reads them from the offsets where it runs
-    st = ExchangeState(LocalTransport(stats, x_TH.device), OneBlock(P), [home], K, opts, [None],
-                       [None], offs=counts_E.cumsum(0).to(torch.int32))
+    # the one-process group: no collectives, every buffer stays where it is. The rows
+    # per expert stay on the device: the grouped GEMMs read them there; the per-expert
+    # loop fallback reads them from the offsets where it runs
+    st = ExchangeState(GroupTransport(EPComm(), stats, x_TH.device), OneBlock(P), [home], K, opts,
+                       [None], [None], offs=counts_E.cumsum(0).to(torch.int32))
     return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, stages.RecvLayout([P], [P], None),
                                 stages.Retention(one))

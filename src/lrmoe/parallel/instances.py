@@ -53,7 +53,6 @@ class InstanceRoute:
         self.arrival_slot = np.argsort(my_owner, kind="stable")  # arrival -> occupied slot
         self.recv_order = np.argsort(self.arrival_slot)  # occupied slot -> arrival
         self.recv_splits = np.bincount(my_owner, minlength=G).tolist()
-        self.S = int(my_owner.size)
         self._index: dict = {}
 
     def index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:

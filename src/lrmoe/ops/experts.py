@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lrmoe.ops.fused import fused as _fused
+from lrmoe.ops.rowops import to_device
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_BROKEN: set[tuple] = set()
@@ -123,13 +124,9 @@ def _act_grad_rowdot_eager(dact: Tensor, gu: Tensor, scale: Tensor) -> tuple[Ten
 
 
 def offsets(counts: list[int], device: torch.device) -> Tensor:
-    """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum)."""
-    offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
-    if torch.device(device).type != "cuda":
-        return offs
-    if torch.compiler.is_compiling():  # Dynamo cannot trace pin_memory
-        return offs.to(device)
-    return offs.pin_memory().to(device, non_blocking=True)  # pinned: no stream sync for the copy
+    """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum, one pinned
+    copy: no stream sync)."""
+    return to_device(torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32), device)
 
 
 def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int] | None,

@@ -42,9 +42,10 @@ def on_kernels(t: Tensor) -> bool:
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A small host tensor on ``device`` without a stream sync (staged in pinned memory,
-    the copy queues behind the running kernels)."""
+    the copy queues behind the running kernels; a plain copy under a trace: Dynamo cannot
+    trace ``pin_memory``)."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
+    if device.type != "cuda" or t.device == device or torch.compiler.is_compiling():
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

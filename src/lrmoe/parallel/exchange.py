@@ -260,12 +260,11 @@ class ExchangeRun:
                  w2_S: Tensor, stats: dict) -> Tensor:
         me, dev = self.comm.rank, x_TH.device
         gate_P = gate_TK.reshape(-1).detach()
-        # the layouts' time, as ``local_ms``, when the control plane is timed
-        with _timed(stats, "local_ms", dev) if self.timing else contextlib.nullcontext():
+        tp = GroupTransport(self.comm, stats, dev, self.timing)
+        with tp.timer(0)("local"):  # the layouts' time, when the control plane is timed
             home = stages.home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
             recv = stages.recv_layout(self.plan.assign_GGS[:, me, :], dev)
-        st = ExchangeState(GroupTransport(self.comm, stats, dev, self.timing), self.plan, [home],
-                           self.top_k, self.opts, [gate_P], [self.generator])
+        st = ExchangeState(tp, self.plan, [home], self.top_k, self.opts, [gate_P], [self.generator])
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.

@@ -138,15 +138,6 @@ def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int] | None,
     return _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
 
 
-def prefix_counts(counts: list[int], n: int) -> list[int]:
-    """Per instance, how many of the first ``n`` rows (instance order) it holds."""
-    out = []
-    for c in counts:
-        out.append(min(c, n))
-        n -= out[-1]
-    return out
-
-
 def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int] | None,
                    offs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Returns ``(y_RH, gu_R2F)``; ``gu`` is the gate/up pre-activation saved for backward."""

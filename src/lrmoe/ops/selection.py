@@ -197,11 +197,11 @@ def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tenso
     check_metric(metric, norm_T)
     if not on_kernels(tok_N):  # the torch reference
         m = metric_reference(metric, norm_T, tok_N, gate_N)
-        blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=m.device),
-                                      to_device(size_B, m.device), output_size=m.numel())
+        lengths = to_device(size_B, m.device)
+        blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=m.device), lengths,
+                                      output_size=m.numel())
         pi = inclusion_probs(m, blk, quota_B, size_B)
         keep = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
-        lengths = to_device(size_B, keep.device)
         sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
         sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
         sel = torch.nonzero_static(keep, size=int(sent.sum())).view(-1)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward, swiglu_forward
+from lrmoe.ops.experts import gate_up, swiglu_backward, swiglu_forward
 from lrmoe.ops.fused import fused
 from lrmoe.ops.rowops import (
     Runs,
@@ -241,8 +241,9 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
             rows["x"], rows["gu"] = x_inst, (gu_inst[n:].clone() if n else gu_inst)
         else:  # each block's first retain rows; the first n of them keep x alone
             first = np.cumsum(keep.assign_SG) - keep.assign_SG
+            cut = prefix_counts(keep.retain_SG, n)
             keep_x, keep_gu = runs_many([(first, keep.retain_SG),
-                                         _skip(first, keep.retain_SG, n)], dev)
+                                         (first + cut, keep.retain_SG - cut)], dev)
             rows["x"], rows["gu"] = keep_x.apply(x_inst), keep_gu.apply(gu_inst)
         del gu_inst, x_inst
     with tm("local"):
@@ -250,10 +251,10 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
     return y_recv
 
 
-def _skip(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The chunks ``(starts, lengths)`` without their first ``n`` rows overall."""
-    cut = np.minimum(lengths, np.maximum(n - (np.cumsum(lengths) - lengths), 0))
-    return starts + cut, lengths - cut
+def prefix_counts(counts, n: int) -> np.ndarray:
+    """Per segment of sizes ``counts`` (in order), how many of the first ``n`` rows it holds."""
+    c = np.asarray(counts, dtype=np.int64)
+    return np.minimum(c, np.maximum(n - (np.cumsum(c) - c), 0))
 
 
 def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
@@ -458,7 +459,7 @@ def _rebuild_gate_up(rows: dict[str, Tensor], keep: Retention, counts: Sequence[
     full[n:] = rows["gu"]
     rows["gu"] = full  # drops the kept part
     with tm(expert):
-        head = gate_up(rows["x"][:n], w13, prefix_counts(kept_I, n))
+        head = gate_up(rows["x"][:n], w13, prefix_counts(kept_I, n).tolist())
     full[:n] = head
 
 

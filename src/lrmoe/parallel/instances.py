@@ -225,11 +225,6 @@ class HeldInstances:
                     p.grad += g
         self._clear()
 
-    def _sent(self, j: int) -> None:
-        self.weights[j] = self.grads[j] = None
-        if all(w is None for w in self.weights):
-            self._clear()
-
 
 class _Held(torch.autograd.Function):
     """Slot weights ``held.weights[j]``, kept for the step: the forward hands out a view
@@ -253,5 +248,7 @@ class _Held(torch.autograd.Function):
             held.grads[j] = acc
             return None, None, None, None
         g_own = reduce_slots(acc, held.route, held.comm, ctx.n_own)
-        held._sent(j)
+        held.weights[j] = held.grads[j] = None  # sent home
+        if all(w is None for w in held.weights):
+            held._clear()
         return g_own, None, None, None

@@ -362,9 +362,8 @@ def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, w_TK: Tensor,
     E = int(ie.max()) + 1
 
     def per_expert(g13: Tensor, g2: Tensor) -> Tensor:
-        z13 = g13.new_zeros((E,) + g13.shape[1:]).index_add_(0, idx, g13)
-        z2 = g2.new_zeros((E,) + g2.shape[1:]).index_add_(0, idx, g2)
-        return torch.cat([z13.flatten(), z2.flatten()]).float()
+        sums = [g.new_zeros((E,) + g.shape[1:]).index_add_(0, idx, g) for g in (g13, g2)]
+        return torch.cat([z.flatten() for z in sums]).float()
     a, b = per_expert(dw13, dw2), per_expert(e13, e2)
     st.tp.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     st.tp.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))

@@ -413,7 +413,7 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
     each row's router gradient ``<dy, y>``. ``rows`` holds the kept ``x`` and ``gu``
     (saved order) and the arrived ``dy`` rows (arrival order), and is emptied.
     ``recv_GS``: the rows each (source, slot) block sent, which locate their kept
-    activations with ``j_recv``; ``None``: every kept row arrived, in saved order."""
+    activations with ``j_recv``."""
     dev = rows["dy"].device
     saved_SG = keep.saved_SG
     if keep.n_rec:  # rebuild the kept rows' gate_up outputs (instance order) first
@@ -422,8 +422,8 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
         scale_inst = permute_rows(scale_recv, recv.to_inst)
         rows["dy"] = permute_rows(rows["dy"], recv.to_inst)
     del scale_recv
-    S_G = None if recv_GS is None else np.asarray(recv_GS).T.ravel()
-    if S_G is not None and not np.array_equal(saved_SG, S_G):
+    S_G = np.asarray(recv_GS).T.ravel()
+    if not np.array_equal(saved_SG, S_G):
         # gather the kept rows of the arriving ones (else every kept row arrives, in
         # saved order, and they are used as they are)
         with tm("gather"):

@@ -333,7 +333,7 @@ def gemm_rates(layer: MoELayer, counts: list[int], P: int, H: int, Fd: int, dens
     offs = offsets(counts, xs.device)
     _, gu0 = swiglu_forward(xs, w13, w2, counts, offs)
     gf = bench(lambda: swiglu_forward(xs, w13, w2, counts, offs))
-    gb = bench(lambda: swiglu_backward(xs, gu0, dys, w13, w2, counts, offs))
+    gb = bench(lambda: swiglu_backward({"x": xs, "gu": gu0, "dy": dys}, w13, w2, counts, offs))
     return dict(gemm_fwd_tflops=6 * P * H * Fd / (gf * 1e-3) / 1e12,
                 gemm_bwd_tflops=12 * P * H * Fd / (gb * 1e-3) / 1e12,
                 gemm_fwdbwd_frac_of_dense=18 * P * H * Fd / ((gf + gb) * 1e-3) / 1e12 / dense)

@@ -86,7 +86,8 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
     size = block_sizes(P, B, g)
     starts = (torch.cumsum(size, 0) - size).reshape(G, S).t().reshape(-1)  # arrival (g, s) -> (s, g)
     lengths = size.reshape(G, S).t().reshape(-1)
-    dst, src, n = rowops.run_table(starts.numpy(), lengths.numpy(), dev)
+    table = rowops.runs(starts.numpy(), lengths.numpy(), dev)
+    dst, src, n = table.dst_first, table.src_first, table.n
     es, row = torch.tensor([], dtype=dt).element_size(), H * torch.tensor([], dtype=dt).element_size()
     combine_today = fused("combine", weighted_gather_sum, y)
     dot_today = fused("combine_bwd", gathered_dot, y)
@@ -102,9 +103,8 @@ def cases(T: int, K: int, H: int, G: int, S: int, dev: str, dt: torch.dtype, hbm
            "full + index_put", 3 * 8 * P)
     yield ("combine (forward)", lambda: rowops.combine(y, row_TK, gate),
            lambda: combine_today(y, row_TK, gate), "compiled weighted_gather_sum", (P + T) * row + 10 * P)
-    yield ("combine grad gate + norm", lambda: rowops.combine_grad_gate_and_norm(y, row_TK, d),
-           lambda: (dot_today(y, row_TK, d), rowops.token_norm(d)), "compiled gathered_dot + vector_norm",
-           (P + T) * row + 12 * P)
+    yield ("combine grad gate", lambda: rowops.combine_grad_gate(y, row_TK, d),
+           lambda: dot_today(y, row_TK, d), "compiled gathered_dot", (P + T) * row + 12 * P)
     # selection: every pair a candidate, grouped by block, half of each block kept
     tok = (torch.randperm(P, generator=g) // K).to(dev)
     g_N = torch.rand(P, generator=g).to(dev)

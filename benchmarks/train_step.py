@@ -30,13 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # compile_counts
 
 import gpu_common as gc  # noqa: E402
 from gpu_common import bench, fmt, gib, peak_of  # noqa: E402
 
+from compile_counts import compile_counts  # noqa: E402
 from lrmoe.hf import _hf_name, hf_config_dict  # noqa: E402
 from lrmoe.model import MoEForCausalLM  # noqa: E402
-from lrmoe.model.compile import compile_counts, compile_model  # noqa: E402
+from lrmoe.model.compile import compile_model  # noqa: E402
 from lrmoe.model.moe import MoERuntime  # noqa: E402
 from lrmoe.parallel.exchange import BackwardOptions  # noqa: E402
 from lrmoe.presets import get_preset, param_counts  # noqa: E402

@@ -143,5 +143,5 @@ def exchange_code() -> tuple[list[Callable], list[Callable]]:
                ops.swiglu_forward]
     backward = [exchange.ExpertExchange.backward, exchange.backward_ranks, stages.home_backward,
                 exchange._experts_backward_exchange, stages.experts_backward,
-                stages._rebuild_gate_up, ops.swiglu_backward_owned, stages.home_finish]
+                stages._rebuild_gate_up, ops.swiglu_backward, stages.home_finish]
     return forward, backward

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from compile_counts import compile_counts, reset_compile_counts
 from dist_util import hot_replica_plan, load_benchmark, run_world
 from lrmoe.config import ModelConfig
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.compile import compile_counts, compile_model, reset_compile_counts
+from lrmoe.model.compile import compile_model
 from lrmoe.model.moe import MoELayer, MoERuntime, host_stats
 from lrmoe.parallel.comm import EPComm
 from lrmoe.parallel.exchange import BackwardOptions

@@ -25,7 +25,7 @@ def test_grouped_matches_loop(dtype, tol, counts):
     ref.backward(dy)
     with torch.no_grad():
         y, gu = ex.swiglu_forward(x, w13, w2, counts)
-        dx, d13, d2 = ex.swiglu_backward(x, gu, dy, w13, w2, counts)
+        dx, d13, d2 = ex.swiglu_backward({"x": x, "gu": gu, "dy": dy}, w13, w2, counts)
     assert y.dtype == dtype and not torch.isnan(y).any()
     assert rel(y, ref) < tol
     assert rel(dx, x.grad) < tol

@@ -176,8 +176,8 @@ def test_one_process_path_runs_the_exchange_stage_sequence_not_its_own():
     calls the row stages itself."""
     tree = _parsed(SRC / "parallel" / "exchange.py")
     local = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
-             and n.name in ("run_local", "OneBlock", "LocalTransport")]
-    assert len(local) == 3
+             and n.name in ("run_local", "OneBlock")]
+    assert len(local) == 2
     assert not set().union(*map(_stage_uses, local))
 
 

@@ -41,10 +41,12 @@ def test_rowdot_is_dy_dot_y(dtype, tol):
     scale = torch.rand(R, generator=g)
     y = swiglu_loop_reference(x.float(), w13.float(), w2.float(), counts)
     _, gu = ex.swiglu_forward(x, w13, w2, counts)
-    *grads, dot = ex.swiglu_backward(x, gu, dy, w13, w2, counts, scale=scale, rowdot=True)
+    *grads, dot = ex.swiglu_backward({"x": x, "gu": gu, "dy": dy}, w13, w2, counts, scale=scale,
+                                     rowdot=True)
     want = (dy.float() * y).sum(1)
     assert float((dot - want).norm() / want.norm()) < tol
-    for a, b in zip(grads, ex.swiglu_backward(x, gu, dy, w13, w2, counts, scale=scale)):
+    again = ex.swiglu_backward({"x": x, "gu": gu, "dy": dy}, w13, w2, counts, scale=scale)
+    for a, b in zip(grads, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernels otherwise
 
 

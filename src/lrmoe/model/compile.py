@@ -1,4 +1,4 @@
-"""``torch.compile`` for the model (``lrmoe train --compile``), and how much it compiled.
+"""``torch.compile`` for the model (``lrmoe train --compile``).
 
 Everything but the MoE layers' host-driven stages (:meth:`lrmoe.model.moe.MoELayer.routed`,
 one graph break per MoE layer) is compiled, so a new plan never recompiles
@@ -19,20 +19,3 @@ def compile_model(model: nn.Module, backend: str = "inductor", **kw) -> nn.Modul
     if hasattr(model, "loss"):
         model.loss = torch.compile(model.loss, backend=backend, **kw)
     return model
-
-
-def compile_counts() -> dict[str, int]:
-    """What Dynamo did in this process so far: ``graphs`` compiled (frames with ops),
-    ``graph_breaks`` and ``recompiles`` (from :mod:`torch._dynamo.utils` counters)."""
-    from torch._dynamo.utils import counters
-
-    return {"graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values())),
-            "recompiles": int(sum(v for k, v in counters["recompiles"].items()))}
-
-
-def reset_compile_counts() -> None:
-    """Forget what Dynamo compiled in this process and zero the counters that
-    :func:`compile_counts` reads (so a later count covers only what follows)."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lrmoe.ops.fused import fused as _fused
+from lrmoe.ops.rowops import to_device
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_BROKEN: set[tuple] = set()
@@ -123,13 +124,9 @@ def _act_grad_rowdot_eager(dact: Tensor, gu: Tensor, scale: Tensor) -> tuple[Ten
 
 
 def offsets(counts: list[int], device: torch.device) -> Tensor:
-    """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum)."""
-    offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
-    if torch.device(device).type != "cuda":
-        return offs
-    if torch.compiler.is_compiling():  # Dynamo cannot trace pin_memory
-        return offs.to(device)
-    return offs.pin_memory().to(device, non_blocking=True)  # pinned: no stream sync for the copy
+    """``offs_I`` on ``device`` from host ``counts`` (int32 inclusive cumsum, one pinned
+    copy: no stream sync)."""
+    return to_device(torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32), device)
 
 
 def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int] | None,
@@ -139,15 +136,6 @@ def gate_up(x_RH: Tensor, w13_IFH: Tensor, counts: list[int] | None,
     if offs is None:
         offs = offsets(counts, x_RH.device)
     return _gmm(x_RH, w13_IFH.transpose(1, 2), offs, counts)
-
-
-def prefix_counts(counts: list[int], n: int) -> list[int]:
-    """Per instance, how many of the first ``n`` rows (instance order) it holds."""
-    out = []
-    for c in counts:
-        out.append(min(c, n))
-        n -= out[-1]
-    return out
 
 
 def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[int] | None,
@@ -164,24 +152,13 @@ def swiglu_forward(x_RH: Tensor, w13_IFH: Tensor, w2_IHF: Tensor, counts: list[i
     return y, gu
 
 
-def swiglu_backward(x_RH: Tensor, gu_R2F: Tensor, dy_RH: Tensor, w13_IFH: Tensor,
-                    w2_IHF: Tensor, counts: list[int] | None, offs: Tensor | None = None,
-                    need_dx: bool = True, scale: Tensor | None = None, rowdot: bool = False,
-                    ) -> tuple:
+def swiglu_backward(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
+                    counts: list[int] | None, offs: Tensor | None = None,
+                    scale: Tensor | None = None, rowdot: bool = False) -> tuple:
     """``(dx_RH, dw13_IFH, dw2_IHF)`` for rows ``x`` with saved ``gu`` and output gradient
     ``scale[r] * dy[r]`` (``scale`` None: 1); with ``rowdot`` also ``dot_R = <dy[r], y[r]>``
-    (fp32). Only the given rows contribute. :func:`swiglu_backward_owned` takes the row
-    tensors over instead."""
-    return swiglu_backward_owned({"x": x_RH, "gu": gu_R2F, "dy": dy_RH}, w13_IFH, w2_IHF,
-                                 counts, offs, need_dx, scale, rowdot)
-
-
-def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tensor,
-                          counts: list[int] | None, offs: Tensor | None = None,
-                          need_dx: bool = True,
-                          scale: Tensor | None = None, rowdot: bool = False) -> tuple:
-    """:func:`swiglu_backward` on ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``,
-    handed over: the dict is emptied and each row tensor is dropped at its last use
+    (fp32). Only the given rows contribute. ``rows = {"x": x_RH, "gu": gu_R2F, "dy": dy_RH}``
+    is handed over: the dict is emptied and each row tensor is dropped at its last use
     (``act`` after dw2, ``dy`` after ``dact``, ``gu`` and ``dact`` after ``dgu``, ``x``
     after dw13), so a caller that holds no other reference gets that memory back there:
     at the dx GEMM only ``dgu`` and ``dx`` are alive. Same kernels, same order."""
@@ -207,5 +184,5 @@ def swiglu_backward_owned(rows: dict[str, Tensor], w13_IFH: Tensor, w2_IHF: Tens
     del dact, gu_R2F
     dw13 = _gmm(dgu.t(), x_RH, offs, counts)               # [I, 2F, H]
     del x_RH
-    dx = _gmm(dgu, w13_IFH, offs, counts) if need_dx else None  # [R, H]
+    dx = _gmm(dgu, w13_IFH, offs, counts)                  # [R, H]
     return (dx, dw13, dw2, dot) if rowdot else (dx, dw13, dw2)

@@ -42,19 +42,12 @@ def on_kernels(t: Tensor) -> bool:
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A small host tensor on ``device`` without a stream sync (staged in pinned memory,
-    the copy queues behind the running kernels)."""
+    the copy queues behind the running kernels; a plain copy under a trace: Dynamo cannot
+    trace ``pin_memory``)."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
+    if device.type != "cuda" or t.device == device or torch.compiler.is_compiling():
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def run_table(starts_R, lengths_R, device: torch.device | str) -> tuple[Tensor, Tensor, int]:
-    """``(dst_first_R, src_first_R, n_out)`` for :func:`gather_runs` from host run starts
-    and lengths (runs concatenated in the given order): one copy to ``device``."""
-    st, ln = np.asarray(starts_R, dtype=np.int64), np.asarray(lengths_R, dtype=np.int64)
-    tab = to_device(torch.from_numpy(np.stack((np.cumsum(ln) - ln, st))), device)
-    return tab[0], tab[1], int(ln.sum())
 
 
 # ------------------------------------------------------------------------ gather_runs
@@ -111,20 +104,6 @@ def runs_many(chunks: list[tuple], device: torch.device | str) -> list[Runs]:
     sizes = [r.size for r in rows]
     flat = to_device(torch.from_numpy(np.concatenate(rows)), device).split(sizes)
     return [Runs(flat[2 * i], flat[2 * i + 1], n[i]) for i in range(len(chunks))]
-
-
-# ----------------------------------------------------------------------- gather_pairs
-# Plain torch gathers on every device: on the H200 a Triton kernel for these was slower
-# than torch's index kernels, launch included (benchmarks/RESULTS.md, row kernels).
-def gather_pairs(x_TH: Tensor, pair_N: Tensor, K: int) -> Tensor:
-    """``x[pair // K]``: each pair's token row (the dispatch rows)."""
-    return x_TH[pair_N // K]
-
-
-def gather_pairs_scaled(x_TH: Tensor, pair_N: Tensor, K: int, w_P: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x[pair // K], w[pair].float())``: the backward's output-gradient rows of the
-    pairs and their gate scales."""
-    return x_TH[pair_N // K], w_P[pair_N].float()
 
 
 # ---------------------------------------------------------------- invert_permutation
@@ -184,14 +163,6 @@ def combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
     if on_kernels(src_NH):
         return torch.ops.lrmoe.combine_grad_gate(src_NH, row_TK, d_TH)
     return combine_grad_gate_reference(src_NH, row_TK, d_TH)
-
-
-def combine_grad_gate_and_norm(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> tuple[Tensor, Tensor]:
-    """``(dot_TK, norm_T)``: :func:`combine_grad_gate` and each token's ``||d[t]||`` from
-    the same pass over ``d`` (on CUDA the norms round apart from :func:`token_norm`)."""
-    if on_kernels(src_NH):
-        return torch.ops.lrmoe.combine_grad_gate_and_norm(src_NH, row_TK, d_TH)
-    return combine_grad_gate_reference(src_NH, row_TK, d_TH), token_norm(d_TH)
 
 
 # ------------------------------------------------------------- send positions
@@ -255,11 +226,7 @@ if _k is not None:
 
     @triton_op("lrmoe::combine_grad_gate", mutates_args=())
     def _combine_grad_gate_op(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> Tensor:
-        return _k.launch_combine_grad_gate(src_NH, row_TK, d_TH, False, wrap_triton)[0]
-
-    @triton_op("lrmoe::combine_grad_gate_and_norm", mutates_args=())
-    def _combine_grad_gate_and_norm_op(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor) -> tuple[Tensor, Tensor]:
-        return _k.launch_combine_grad_gate(src_NH, row_TK, d_TH, True, wrap_triton)
+        return _k.launch_combine_grad_gate(src_NH, row_TK, d_TH, wrap_triton)
 
     # a CPU tensor handed to an operator takes the reference (the interpreted kernel
     # under Triton's interpreter)
@@ -269,8 +236,4 @@ if _k is not None:
     _cpu(_gather_runs_op, gather_runs_reference, _k.launch_gather_runs)
     _cpu(_invert_op, invert_permutation_reference, _k.launch_invert_permutation)
     _cpu(_combine_op, combine_reference, _k.launch_combine)
-    _cpu(_combine_grad_gate_op, combine_grad_gate_reference,
-         lambda s, r, d: _k.launch_combine_grad_gate(s, r, d, False)[0])
-    _cpu(_combine_grad_gate_and_norm_op,
-         lambda s, r, d: (combine_grad_gate_reference(s, r, d), token_norm(d)),
-         lambda s, r, d: _k.launch_combine_grad_gate(s, r, d, True))
+    _cpu(_combine_grad_gate_op, combine_grad_gate_reference, _k.launch_combine_grad_gate)

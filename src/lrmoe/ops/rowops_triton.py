@@ -192,21 +192,17 @@ def launch_combine(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor, wrap=direct) ->
 
 
 @triton.jit
-def _combine_dot_kernel(src_ptr, row_ptr, d_ptr, dot_ptr, norm_ptr, T, N, H, src_stride, d_stride,
+def _combine_dot_kernel(src_ptr, row_ptr, d_ptr, dot_ptr, T, N, H, src_stride, d_stride,
                         K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_H: tl.constexpr, SRC_BF16: tl.constexpr, D_BF16: tl.constexpr,
-                        NORM: tl.constexpr):
+                        BLOCK_H: tl.constexpr, SRC_BF16: tl.constexpr, D_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     kk = tl.arange(0, KP)
     acc = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         m = tm[:, None] & (h[None, :] < H)
         d = load_f32(d_ptr, t[:, None] * d_stride + h[None, :], m, D_BF16)
-        if NORM:
-            sq += tl.sum(d * d, axis=1)
         for k in tl.static_range(K):
             r = tl.load(row_ptr + t * K + k, mask=tm, other=0).to(tl.int64)
             ok = r < N
@@ -215,26 +211,20 @@ def _combine_dot_kernel(src_ptr, row_ptr, d_ptr, dot_ptr, norm_ptr, T, N, H, src
             part = tl.sum(d * tl.where(ok[:, None], x, 0.0), axis=1)
             acc += tl.where(kk[None, :] == k, part[:, None], 0.0)
     tl.store(dot_ptr + t[:, None] * K + kk[None, :], acc, mask=tm[:, None] & (kk[None, :] < K))
-    if NORM:
-        tl.store(norm_ptr + t, tl.sqrt_rn(sq), mask=tm)
 
 
-def launch_combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor, norm: bool,
-                             wrap=direct) -> tuple[Tensor, Tensor | None]:
+def launch_combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor, wrap=direct) -> Tensor:
     T, K = row_TK.shape
     H = d_TH.shape[1]
-    dev = d_TH.device
-    dot = torch.empty(T, K, dtype=torch.float32, device=dev)
-    nrm = torch.empty(T, dtype=torch.float32, device=dev) if norm else None
+    dot = torch.empty(T, K, dtype=torch.float32, device=d_TH.device)
     if T == 0:
-        return dot, nrm
+        return dot
     sb, db = src_NH.dtype == torch.bfloat16, d_TH.dtype == torch.bfloat16
     s = src_NH.view(torch.int16) if sb else src_NH
     d = d_TH.view(torch.int16) if db else d_TH
     K, bh, bt = int(K), min(triton.next_power_of_2(max(int(H), 1)), 256), 16
-    # with no source rows (N = 0) every row is past the end: each dot is 0, the norms stand
+    # with no source rows (N = 0) every row is past the end: each dot is 0
     wrap(_combine_dot_kernel)[(triton.cdiv(T, bt),)](
-        s, row_TK.contiguous(), d, dot, nrm if norm else dot, T, src_NH.shape[0], H,
-        s.stride(0), d.stride(0), K=K, KP=triton.next_power_of_2(K), BLOCK_T=bt, BLOCK_H=bh,
-        SRC_BF16=sb, D_BF16=db, NORM=norm)
-    return dot, nrm
+        s, row_TK.contiguous(), d, dot, T, src_NH.shape[0], H, s.stride(0), d.stride(0), K=K,
+        KP=triton.next_power_of_2(K), BLOCK_T=bt, BLOCK_H=bh, SRC_BF16=sb, D_BF16=db)
+    return dot

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.ops.rowops import on_kernels, run_positions, run_table, to_device
+from lrmoe.ops.rowops import on_kernels, run_positions, runs, to_device
 
 try:
     from torch.library import triton_op, wrap_triton
@@ -77,8 +77,8 @@ def topk_indices(metric_N: Tensor, size_B: Tensor, quota_B: Tensor) -> Tensor:
     key = blk.double() + 0.5 * (1 - m / (m.max() + 1e-300))
     order = torch.argsort(key, stable=True)
     first = (size_B.cumsum(0) - size_B).numpy()
-    dst, src, n_out = run_table(first, torch.minimum(quota_B, size_B).numpy(), dev)
-    return torch.sort(order[run_positions(dst, src, n_out)]).values
+    kept = runs(first, torch.minimum(quota_B, size_B).numpy(), dev)
+    return torch.sort(order[run_positions(kept.dst_first, kept.src_first, kept.n)]).values
 
 
 def inclusion_probs(metric_N: Tensor, block_N: Tensor, quota_B: Tensor,
@@ -159,31 +159,6 @@ def _read_counts(sent_B: Tensor, exchange_counts: Callable[[Tensor], Tensor] | N
     return both[:B], both[B:].reshape(shape_GS) if exchange_counts else None
 
 
-def _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, dout_TH) -> Selection:
-    m = metric_reference(metric, norm_T, tok_N, gate_N)
-    sel = topk_indices(m, size_B, quota_B)
-    keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device).index_fill_(0, sel, True)
-    tok = tok_N[sel]
-    return Selection(sel, tok, g_N[sel], keep, quota_B, None,
-                     None if dout_TH is None else dout_TH[tok])
-
-
-def _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, generator,
-                              exchange_counts, shape_GS, dout_TH) -> Selection:
-    m = metric_reference(metric, norm_T, tok_N, gate_N)
-    blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=m.device),
-                                  to_device(size_B, m.device), output_size=m.numel())
-    pi = inclusion_probs(m, blk, quota_B, size_B)
-    keep = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
-    lengths = to_device(size_B, keep.device)
-    sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
-    sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
-    sel = torch.nonzero_static(keep, size=int(sent.sum())).view(-1)
-    tok = tok_N[sel]
-    return Selection(sel, tok, g_N[sel] * ht_weight(pi[sel]).float(), keep, sent, recv,
-                     None if dout_TH is None else dout_TH[tok], pi)
-
-
 # ------------------------------------------------------------------------ public
 def _table(size_B: Tensor, quota_B: Tensor, device) -> Tensor:
     """``[3, B]`` int64 on ``device`` (one copy): each block's first row, size, quota."""
@@ -196,8 +171,13 @@ def select_topk(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tensor, 
     """Keep each block's ``quota`` highest-metric candidates (see module doc). No host
     wait: the kept counts are the quotas (capped at the block sizes)."""
     check_metric(metric, norm_T)
-    if not on_kernels(tok_N):
-        return _select_topk_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B, dout_TH)
+    if not on_kernels(tok_N):  # the torch reference
+        m = metric_reference(metric, norm_T, tok_N, gate_N)
+        sel = topk_indices(m, size_B, quota_B)
+        keep = torch.zeros(m.numel(), dtype=torch.bool, device=m.device).index_fill_(0, sel, True)
+        tok = tok_N[sel]
+        return Selection(sel, tok, g_N[sel], keep, quota_B, None,
+                         None if dout_TH is None else dout_TH[tok])
     tab = _table(size_B, quota_B, tok_N.device)
     keep, slot, sent = torch.ops.lrmoe.topk_select(metric, tok_N, gate_N, norm_T, tab)
     n_sel = int(np.minimum(quota_B.numpy(), size_B.numpy()).sum())  # host arithmetic
@@ -215,9 +195,19 @@ def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tenso
     generator)``). One host wait: the kept counts, after ``exchange_counts`` (``[G, S]`` sent
     -> received) has run on the device."""
     check_metric(metric, norm_T)
-    if not on_kernels(tok_N):
-        return _select_sampled_reference(metric, norm_T, tok_N, g_N, gate_N, size_B, quota_B,
-                                         generator, exchange_counts, shape_GS, dout_TH)
+    if not on_kernels(tok_N):  # the torch reference
+        m = metric_reference(metric, norm_T, tok_N, gate_N)
+        lengths = to_device(size_B, m.device)
+        blk = torch.repeat_interleave(torch.arange(size_B.numel(), device=m.device), lengths,
+                                      output_size=m.numel())
+        pi = inclusion_probs(m, blk, quota_B, size_B)
+        keep = torch.rand(pi.shape, dtype=pi.dtype, device=pi.device, generator=generator) < pi
+        sent_dev = torch.segment_reduce(keep.double(), "sum", lengths=lengths, unsafe=True).long()
+        sent, recv = _read_counts(sent_dev, exchange_counts, shape_GS)
+        sel = torch.nonzero_static(keep, size=int(sent.sum())).view(-1)
+        tok = tok_N[sel]
+        return Selection(sel, tok, g_N[sel] * ht_weight(pi[sel]).float(), keep, sent, recv,
+                         None if dout_TH is None else dout_TH[tok], pi)
     dev = tok_N.device
     tab = _table(size_B, quota_B, dev)
     u = torch.rand(tok_N.shape, dtype=torch.float64, device=dev, generator=generator)

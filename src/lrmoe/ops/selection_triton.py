@@ -183,11 +183,6 @@ def _compact_kernel(slot_ptr, tab_ptr, B, steps, sent_ptr, tok_ptr, g_ptr, pi_pt
             tl.store(dy_ptr + pos[:, None] * dy_stride + h[None, :], v, mask=m)
 
 
-def _metric_args(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tensor | None):
-    grad_norm = metric == "grad_norm"
-    return tok_N, gate_N, norm_T if grad_norm else gate_N, grad_norm
-
-
 def launch_topk_select(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tensor | None,
                        tab_3B: Tensor, wrap=direct) -> tuple[Tensor, Tensor, Tensor]:
     """``(keep_N, slot_N, sent_B)`` of the top-k estimator (two kernels)."""
@@ -197,13 +192,14 @@ def launch_topk_select(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tenso
     sent = torch.empty(B, dtype=torch.long, device=dev)
     if B == 0:
         return keep, slot, sent
-    tok, gate, norm, grad_norm = _metric_args(metric, tok_N, gate_N, norm_T)
+    grad_norm = metric == "grad_norm"
+    norm = norm_T if grad_norm else gate_N  # unread for the gate metric
     n_pmax = max(triton.cdiv(N, CHUNK), 1)
     bits = torch.empty(N, dtype=torch.int32, device=dev)
     pmax = torch.zeros(n_pmax, dtype=torch.int32, device=dev) if N == 0 else \
         torch.empty(n_pmax, dtype=torch.int32, device=dev)
     if N:
-        wrap(_topk_metric_kernel)[(n_pmax,)](tok, gate, norm, bits, pmax, N, BLOCK=CHUNK,
+        wrap(_topk_metric_kernel)[(n_pmax,)](tok_N, gate_N, norm, bits, pmax, N, BLOCK=CHUNK,
                                              GRAD_NORM=grad_norm)
     wrap(_topk_select_kernel)[(B,)](bits, pmax, n_pmax, tab_3B, B, keep.view(torch.int8), slot, sent,
                                     CH=CHUNK)
@@ -220,9 +216,11 @@ def launch_sampled_select(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Te
     slot = torch.empty(N, dtype=torch.int32, device=dev)
     sent = torch.empty(B, dtype=torch.long, device=dev)
     if B:
-        tok, gate, norm, grad_norm = _metric_args(metric, tok_N, gate_N, norm_T)
-        wrap(_sampled_select_kernel)[(B,)](tok, gate, norm, u_N, tab_3B, B, pi, keep.view(torch.int8),
-                                           slot, sent, CH=CHUNK, GRAD_NORM=grad_norm)
+        grad_norm = metric == "grad_norm"
+        norm = norm_T if grad_norm else gate_N  # unread for the gate metric
+        wrap(_sampled_select_kernel)[(B,)](tok_N, gate_N, norm, u_N, tab_3B, B, pi,
+                                           keep.view(torch.int8), slot, sent, CH=CHUNK,
+                                           GRAD_NORM=grad_norm)
     return pi, keep, slot, sent
 
 

@@ -6,12 +6,9 @@ The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ra
 each stage runs for every rank a process plays, and a :class:`Transport` carries the
 rows between stages and counts them. A real rank plays itself over the group's
 collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process plays its
-one rank with no collectives and no host wait (:func:`run_local`); the emulator plays
-all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
-
-The one-process path (:func:`run_local`, docs/design.md §2 "One process, no host
-wait") runs the same :class:`ExpertExchange` for the identity plan, its layouts built
-on the device, so its results are bitwise the general path's.
+one rank for the identity plan, its layouts built on the device, with no collectives and
+no host wait (:func:`run_local`, docs/design.md §2: bitwise the general path); the
+emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).
@@ -126,12 +123,10 @@ class ExchangeState:
         on an exact plan), so the combined rows are not kept."""
         return self.opts.router_grad == "experts" and self.plan.exact
 
-    def weight_counts(self, counts_S: list[int], g: int, n_weights: int) -> list[int] | None:
-        """Rows per weighted instance of rank ``g`` for the grouped GEMMs (host), or
-        ``None`` where :attr:`offs` holds them on the device."""
-        if self.offs is not None:
-            return None
-        return stages.occupied_counts(counts_S, self.plan, g, n_weights)
+    def weight_counts(self, counts_S: list[int], keep: stages.Retention, n_weights: int) -> list[int] | None:
+        """Rows per weighted instance for the grouped GEMMs (host), or ``None`` where
+        :attr:`offs` holds them on the device."""
+        return None if self.offs is not None else keep.weighted(counts_S, n_weights)
 
 
 def forward_ranks(st: ExchangeState, recvs: list[stages.RecvLayout], x_G: Sequence[Tensor],
@@ -154,8 +149,8 @@ def forward_ranks(st: ExchangeState, recvs: list[stages.RecvLayout], x_G: Sequen
     rows_G = [{"x": x} for x in tp.all_to_all(x_send_G, home_splits, recv_splits)]
     del x_send_G
     y_recv_G = [stages.experts_forward(
-        rows_G[i], recvs[i], w13_G[i], w2_G[i], st.weight_counts(recvs[i].counts, g, w13_G[i].shape[0]),
-        keep_G[i], tp.timer(i), expert, st.offs) for i, g in enumerate(tp.ranks)]
+        rows_G[i], recvs[i], w13_G[i], w2_G[i], st.weight_counts(recvs[i].counts, keep, w13_G[i].shape[0]),
+        keep, tp.timer(i), expert, st.offs) for i, keep in enumerate(keep_G)]
     y_send_G = tp.all_to_all(y_recv_G, recv_splits, home_splits)
     del y_recv_G
     comb_G = []
@@ -219,10 +214,10 @@ def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list
     tm_G = [stages.untimed if monitor else tp.timer(i) for i in range(len(rows_G))]
     send_G = [sh.sent_GS.sum(1).tolist() for sh in sh_G]
     rls, counts_G, offs_G = [], [], []
-    for i, g in enumerate(tp.ranks):
+    for i, keep in enumerate(keep_G):
         with tm_G[i]("local"):
             rls.append(stages.recv_layout(recv_GS_G[i], dev))
-            counts_G.append(st.weight_counts(rls[i].counts, g, w13_G[i].shape[0]))
+            counts_G.append(st.weight_counts(rls[i].counts, keep, w13_G[i].shape[0]))
             offs_G.append(offsets(counts_G[i], dev) if st.offs is None else st.offs)
     splits_G = [rl.splits for rl in rls]
     if not monitor:
@@ -265,12 +260,11 @@ class ExchangeRun:
                  w2_S: Tensor, stats: dict) -> Tensor:
         me, dev = self.comm.rank, x_TH.device
         gate_P = gate_TK.reshape(-1).detach()
-        # the layouts' time, as ``local_ms``, when the control plane is timed
-        with _timed(stats, "local_ms", dev) if self.timing else contextlib.nullcontext():
+        tp = GroupTransport(self.comm, stats, dev, self.timing)
+        with tp.timer(0)("local"):  # the layouts' time, when the control plane is timed
             home = stages.home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
             recv = stages.recv_layout(self.plan.assign_GGS[:, me, :], dev)
-        st = ExchangeState(GroupTransport(self.comm, stats, dev, self.timing), self.plan, [home],
-                           self.top_k, self.opts, [gate_P], [self.generator])
+        st = ExchangeState(tp, self.plan, [home], self.top_k, self.opts, [gate_P], [self.generator])
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.
@@ -368,9 +362,8 @@ def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, w_TK: Tensor,
     E = int(ie.max()) + 1
 
     def per_expert(g13: Tensor, g2: Tensor) -> Tensor:
-        z13 = g13.new_zeros((E,) + g13.shape[1:]).index_add_(0, idx, g13)
-        z2 = g2.new_zeros((E,) + g2.shape[1:]).index_add_(0, idx, g2)
-        return torch.cat([z13.flatten(), z2.flatten()]).float()
+        sums = [g.new_zeros((E,) + g.shape[1:]).index_add_(0, idx, g) for g in (g13, g2)]
+        return torch.cat([z.flatten() for z in sums]).float()
     a, b = per_expert(dw13, dw2), per_expert(e13, e2)
     st.tp.stats["fidelity_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     st.tp.stats["fidelity_rel_err"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -396,18 +389,6 @@ class OneBlock:
     retain_GGS = select_GGS = assign_GGS
 
 
-class LocalTransport(GroupTransport):
-    """One process, no collectives: every buffer stays where it is. Counters into
-    ``stats``; only the expert kernels are timed."""
-
-    def __init__(self, stats: dict, device: torch.device):
-        self.stats, self.device, self.timing = stats, device, False
-        self.ranks, self.exchange_counts = [0], None
-
-    def all_to_all(self, send_G, send_splits_G, recv_splits_G) -> list[Tensor]:
-        return send_G
-
-
 def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK: Tensor,
               counts_E: Tensor, opts: BackwardOptions, stats: dict) -> Tensor:
     """``out_TH``: :class:`ExpertExchange` on one process for the identity plan, its
@@ -420,9 +401,10 @@ def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK
     pair_R = torch.argsort(idx_TK.reshape(-1), stable=True)
     one = np.array([P])
     home = stages.HomeLayout(invert_permutation(pair_R, P), False, pair_R, None, one, one, one, [P])
-    # the rows per expert stay on the device: the grouped GEMMs read them there; the
-    # per-expert loop fallback reads them from the offsets where it runs
-    st = ExchangeState(LocalTransport(stats, x_TH.device), OneBlock(P), [home], K, opts, [None],
-                       [None], offs=counts_E.cumsum(0).to(torch.int32))
+    # the one-process group: no collectives, every buffer stays where it is. The rows
+    # per expert stay on the device: the grouped GEMMs read them there; the per-expert
+    # loop fallback reads them from the offsets where it runs
+    st = ExchangeState(GroupTransport(EPComm(), stats, x_TH.device), OneBlock(P), [home], K, opts,
+                       [None], [None], offs=counts_E.cumsum(0).to(torch.int32))
     return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, stages.RecvLayout([P], [P], None),
                                 stages.Retention(one))

@@ -53,7 +53,6 @@ class InstanceRoute:
         self.arrival_slot = np.argsort(my_owner, kind="stable")  # arrival -> occupied slot
         self.recv_order = np.argsort(self.arrival_slot)  # occupied slot -> arrival
         self.recv_splits = np.bincount(my_owner, minlength=G).tolist()
-        self.S = int(my_owner.size)
         self._index: dict = {}
 
     def index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,7 +113,7 @@ def instance_weight_list(ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int)
     """Weights ``[S_occupied, ...]`` for this rank's occupied slots (slot order) from each
     owned tensor ``[E/G, ...]`` of ``ws_own`` (one route for all); empty slots get no
     weights (the exchange runs its grouped GEMMs over the occupied slots,
-    :func:`lrmoe.parallel.stages.occupied_counts`). When every rank's occupied slots are
+    :meth:`lrmoe.parallel.stages.Retention.weighted`). When every rank's occupied slots are
     exactly its owned experts in order (the static plan), the owned tensors are returned
     as they are: no copy, no communication."""
     if natives_only(plan.inst_expert_GS.numpy(), E):
@@ -226,11 +225,6 @@ class HeldInstances:
                     p.grad += g
         self._clear()
 
-    def _sent(self, j: int) -> None:
-        self.weights[j] = self.grads[j] = None
-        if all(w is None for w in self.weights):
-            self._clear()
-
 
 class _Held(torch.autograd.Function):
     """Slot weights ``held.weights[j]``, kept for the step: the forward hands out a view
@@ -254,5 +248,7 @@ class _Held(torch.autograd.Function):
             held.grads[j] = acc
             return None, None, None, None
         g_own = reduce_slots(acc, held.route, held.comm, ctx.n_own)
-        held._sent(j)
+        held.weights[j] = held.grads[j] = None  # sent home
+        if all(w is None for w in held.weights):
+            held._clear()
         return g_own, None, None, None

@@ -38,13 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.ops.experts import gate_up, prefix_counts, swiglu_backward_owned, swiglu_forward
+from lrmoe.ops.experts import gate_up, swiglu_backward, swiglu_forward
 from lrmoe.ops.fused import fused
 from lrmoe.ops.rowops import (
     Runs,
     combine_grad_gate,
-    gather_pairs,
-    gather_pairs_scaled,
     home_positions,
     invert_permutation,
     runs,
@@ -187,8 +185,9 @@ def home_layout(plan: Plan, me: int, idx_P: Tensor, gate_P: Tensor, E: int) -> H
 
 # ------------------------------------------------------------------------- forward
 def dispatch_rows(x_TH: Tensor, home: HomeLayout, K: int) -> Tensor:
-    """The send buffer: each pair's token row, in send order (one kernel)."""
-    return gather_pairs(x_TH, home.src_pair, K)
+    """The send buffer: each pair's token row, in send order (one kernel: a plain torch
+    gather, which on the H200 beat a Triton kernel, launch included)."""
+    return x_TH[home.src_pair // K]
 
 
 @dataclass
@@ -213,6 +212,14 @@ class Retention:
     def saved_SG(self) -> np.ndarray:
         return self.assign_SG if self.retain_SG is None else self.retain_SG
 
+    def weighted(self, counts_S: list[int], n_weights: int) -> list[int]:
+        """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
+        slots, or only the occupied ones when the instance weights leave out the empty
+        slots (:func:`lrmoe.parallel.instances.instance_weight_list`; they hold no rows)."""
+        if n_weights == len(counts_S):
+            return counts_S
+        return [c for c, o in zip(counts_S, self.occupied_S) if o]
+
 
 def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
                     counts: Sequence[int] | None, keep: Retention, tm: Timer = untimed,
@@ -234,8 +241,9 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
             rows["x"], rows["gu"] = x_inst, (gu_inst[n:].clone() if n else gu_inst)
         else:  # each block's first retain rows; the first n of them keep x alone
             first = np.cumsum(keep.assign_SG) - keep.assign_SG
+            cut = prefix_counts(keep.retain_SG, n)
             keep_x, keep_gu = runs_many([(first, keep.retain_SG),
-                                         _skip(first, keep.retain_SG, n)], dev)
+                                         (first + cut, keep.retain_SG - cut)], dev)
             rows["x"], rows["gu"] = keep_x.apply(x_inst), keep_gu.apply(gu_inst)
         del gu_inst, x_inst
     with tm("local"):
@@ -243,10 +251,10 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
     return y_recv
 
 
-def _skip(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The chunks ``(starts, lengths)`` without their first ``n`` rows overall."""
-    cut = np.minimum(lengths, np.maximum(n - (np.cumsum(lengths) - lengths), 0))
-    return starts + cut, lengths - cut
+def prefix_counts(counts, n: int) -> np.ndarray:
+    """Per segment of sizes ``counts`` (in order), how many of the first ``n`` rows it holds."""
+    c = np.asarray(counts, dtype=np.int64)
+    return np.minimum(c, np.maximum(n - (np.cumsum(c) - c), 0))
 
 
 def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
@@ -259,16 +267,6 @@ def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
     if save_all or np.array_equal(retain, assign):
         return Retention(assign, None, n_rec, occupied)
     return Retention(assign, retain, n_rec, occupied)
-
-
-def occupied_counts(counts_S: list[int], plan: Plan, me: int, n_weights: int) -> list[int]:
-    """Rows per slot for the grouped GEMMs, over the slots that have weights: all ``S``
-    slots, or only the occupied ones when the instance weights leave out the empty
-    slots (:func:`lrmoe.parallel.instances.instance_weight_list`; empty slots hold no rows)."""
-    if n_weights == len(counts_S):
-        return counts_S
-    occ = (plan.inst_expert_GS[me] >= 0).tolist()
-    return [c for c, o in zip(counts_S, occ) if o]
 
 
 @dataclass
@@ -343,7 +341,7 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
         j = home.j_in_block if ret is None else ret.apply(home.j_in_block)
         sent_GS = home.retain_I.reshape(home.splits_shape)
         if exact:
-            rows["dy"], scale = gather_pairs_scaled(dout_TH, pairs, K, w_P)
+            rows["dy"], scale = dout_TH[pairs // K], w_P[pairs].float()
             return dgate, Shipped(None if ret is None else pairs, j, scale, sent_GS, retain_GS_me)
     with tm("select"):
         pick = select_and_compact(dout_TH, pairs // K, w_P[pairs].float(), gate_P[pairs], home,
@@ -415,7 +413,7 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
     each row's router gradient ``<dy, y>``. ``rows`` holds the kept ``x`` and ``gu``
     (saved order) and the arrived ``dy`` rows (arrival order), and is emptied.
     ``recv_GS``: the rows each (source, slot) block sent, which locate their kept
-    activations with ``j_recv``; ``None``: every kept row arrived, in saved order."""
+    activations with ``j_recv``."""
     dev = rows["dy"].device
     saved_SG = keep.saved_SG
     if keep.n_rec:  # rebuild the kept rows' gate_up outputs (instance order) first
@@ -424,8 +422,8 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
         scale_inst = permute_rows(scale_recv, recv.to_inst)
         rows["dy"] = permute_rows(rows["dy"], recv.to_inst)
     del scale_recv
-    S_G = None if recv_GS is None else np.asarray(recv_GS).T.ravel()
-    if S_G is not None and not np.array_equal(saved_SG, S_G):
+    S_G = np.asarray(recv_GS).T.ravel()
+    if not np.array_equal(saved_SG, S_G):
         # gather the kept rows of the arriving ones (else every kept row arrives, in
         # saved order, and they are used as they are)
         with tm("gather"):
@@ -437,8 +435,8 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
             rows["x"] = rows["x"][at]
             rows["gu"] = rows["gu"][at]
     with tm(expert):
-        dx_inst, dw13, dw2, *dot = swiglu_backward_owned(rows, w13, w2, counts, offs,
-                                                         scale=scale_inst, rowdot=rowdot)
+        dx_inst, dw13, dw2, *dot = swiglu_backward(rows, w13, w2, counts, offs,
+                                                   scale=scale_inst, rowdot=rowdot)
     with tm("local"):
         dx_recv = permute_rows(dx_inst, recv.to_arrival)
         del dx_inst
@@ -454,14 +452,14 @@ def _rebuild_gate_up(rows: dict[str, Tensor], keep: Retention, counts: Sequence[
     ``max(2k - n, k + n)`` rows of ``2F`` are alive at once (a ``cat`` after the GEMM
     would hold ``2k``). ``counts``: rows per weighted instance (its length says whether
     the empty slots have weights)."""
-    n, occ = keep.n_rec, keep.occupied_S
-    kept_S = keep.saved_SG.reshape(len(occ), -1).sum(1).tolist()
-    kept_I = kept_S if len(counts) == len(kept_S) else [c for c, o in zip(kept_S, occ) if o]
+    n = keep.n_rec
+    kept_S = keep.saved_SG.reshape(len(keep.occupied_S), -1).sum(1).tolist()
+    kept_I = keep.weighted(kept_S, len(counts))
     full = rows["gu"].new_empty(rows["gu"].shape[0] + n, rows["gu"].shape[1])
     full[n:] = rows["gu"]
     rows["gu"] = full  # drops the kept part
     with tm(expert):
-        head = gate_up(rows["x"][:n], w13, prefix_counts(kept_I, n))
+        head = gate_up(rows["x"][:n], w13, prefix_counts(kept_I, n).tolist())
     full[:n] = head
 
 

@@ -29,8 +29,9 @@ from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.plan import layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import full_plan
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
+from references.plans import native_placement
 
 T, H, E, K, F = 12, 16, 8, 2, 8
 

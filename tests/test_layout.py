@@ -15,10 +15,11 @@ from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan_numpy import full_plan
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
 from references.layout import home_layout_reference
 from references.layout import ranges as ranges_reference
+from references.plans import native_placement
 
 
 def _cfg(E: int) -> ModelConfig:

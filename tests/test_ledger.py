@@ -10,8 +10,8 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger, recompute_bounds
 from lrmoe.policy.plan_numpy import full_plan
-from lrmoe.policy.static import native_placement
 from lrmoe.units import fmt_bytes, parse_bytes
+from references.plans import native_placement
 
 GiB = 2**30
 

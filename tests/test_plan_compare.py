@@ -20,7 +20,7 @@ from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import plan_symi
 from lrmoe.presets import get_preset
 from lrmoe.routing_loads import RoutingTrace, read_trace, synthetic_counts
@@ -30,6 +30,7 @@ from lrmoe.sim.links import LINKS
 from lrmoe.sim.virtual import VirtualEPLayer
 from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.units import parse_bytes
+from references.plans import native_placement
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 RATE = 1e12

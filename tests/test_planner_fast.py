@@ -17,18 +17,19 @@ from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoePolicy, PlanInputs, StaticPolicy, SymiPolicy
 from lrmoe.policy import lrmoe as lrmoe_mod
 from lrmoe.policy.base import prepare
-from lrmoe.policy.capacity import CapacityPolicy, apportion, plan_capacity
+from lrmoe.policy.capacity import CapacityPolicy, plan_capacity
 from lrmoe.policy.ledger_view import LedgerView, plan_exact_fit, plan_totals
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe, previous_totals
 from lrmoe.policy.plan_numpy import Slots, apportion_rows_np, blocks_to_GGS, full_plan
-from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import plan_symi, replica_counts_heap
 from lrmoe.presets import get_preset
 from references import lrmoe_planner
 from references.plans import (
+    apportion,
     contiguous_placement,
     even_split,
     interval_overlap,
+    native_placement,
     plan_capacity_reference,
     replica_counts,
     symi_fewer_placement,

@@ -16,14 +16,20 @@ from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
-from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
+from lrmoe.policy.capacity import capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import largest_feasible_slots, plan_symi
-from references.plans import contiguous_placement, even_split, replica_counts
+from references.plans import (
+    apportion,
+    contiguous_placement,
+    even_split,
+    native_placement,
+    replica_counts,
+)
 
 FAST = settings(max_examples=40, deadline=None)
 

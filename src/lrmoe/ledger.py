@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError, OutOfMemory, require
+from lrmoe.errors import OutOfMemory, require
 from lrmoe.units import fmt_bytes
 
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
@@ -100,9 +100,8 @@ class Ledger:
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
                   dtype: str = "bf16", **fields) -> Ledger:
         """A ledger whose weights and activations are both in ``dtype`` (``fields``: the rest)."""
-        if dtype not in DTYPE_BYTES:
-            raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
-                             f"{', '.join(DTYPE_BYTES)}")
+        require(dtype in DTYPE_BYTES,
+                f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
         return cls(model_cfg, G, budget_bytes, b, b, **fields)
 
@@ -356,7 +355,7 @@ class Ledger:
         k0 = self.retain_capacity(n, R, h, exact)
         if k0 < 0:
             return -1, 0
-        if k0 >= R or self.budget_bytes is None:
+        if k0 >= R:  # without a budget too
             return R, 0
         lo, hi, rec = k0, R, 0  # lo fits (with rec; none recomputed at k0), hi unknown
         while hi > lo:
@@ -401,7 +400,7 @@ class Ledger:
         """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
         home buffers, ``plan_buffers`` prices the buffers on the plan's selected rows."""
         counts = self._rank_counts(plan, tokens_per_rank_home)
-        if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
+        if plan.layer_checkpoint:
             return [self.layer_terms(n, R, h) for n, R, h, _ in counts]
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
@@ -450,7 +449,7 @@ class Ledger:
         return mode, [R for _, R, _, _ in counts], terms
 
     def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
-        """Raise :class:`LrmoeError` if a rank exceeds the budget; return the terms."""
+        """Raise :class:`OutOfMemory` if a rank exceeds the budget; return the terms."""
         terms = self.rank_terms(plan, tokens_per_rank_home)
         self.raise_if_over(terms, "the plan")
         return terms
@@ -485,11 +484,8 @@ class Ledger:
                           self.budget_bytes, detail)
 
     def describe(self, r: int, t: dict[str, int]) -> str:
-        """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...``."""
-        parts = ", ".join(f"{k} {fmt_bytes(t[k])}"
-                          for k in sorted(TERMS, key=lambda k: -t[k]))
-        budget = "unbounded" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
-        msg = f"rank {r} needs {fmt_bytes(t['total'])} > budget {budget}: {parts}"
-        if self.budget_bytes is not None:
-            msg += f"; short by {fmt_bytes(t['total'] - self.budget_bytes)}"
-        return msg
+        """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...; short by
+        1.2 GiB`` (a budget is set: only a rank over it is described)."""
+        parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in sorted(TERMS, key=lambda k: -t[k]))
+        return (f"rank {r} needs {fmt_bytes(t['total'])} > budget {fmt_bytes(self.budget_bytes)}: "
+                f"{parts}; short by {fmt_bytes(t['total'] - self.budget_bytes)}")

@@ -251,6 +251,13 @@ def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
     return view.exact_fit(n, R, k)
 
 
+def plan_raise_if_over(ledger, plan) -> None:
+    """The ledger's own error where the exact ``plan`` (static's, capacity's) exceeds the budget."""
+    if ledger is not None and ledger.budget_bytes is not None:
+        view, n, R, k = _plan_view(ledger, plan)
+        view.raise_if_over(n, R, k, None, "the plan")
+
+
 def plan_totals(ledger, plan) -> np.ndarray:
     """Each rank's total of :meth:`Ledger.rank_terms` for ``plan``, vectorised."""
     if plan.layer_checkpoint:  # the whole-layer checkpoint's own terms (Ledger.layer_terms)

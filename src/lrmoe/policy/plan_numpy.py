@@ -18,9 +18,9 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.capacity.apportion` along rows: ``total_K[k]`` units over row
-    ``k``'s entries; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give
-    the stable largest-remainder order."""
+    """Largest remainder along rows: ``total_K[k]`` units over row ``k``'s entries in proportion
+    to them, ties to the lower entry; the unique key ``remainder·N + (N-1-n)`` makes one
+    sort per row give the stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)

@@ -247,20 +247,18 @@ def test_exact_policies_fall_back_to_the_layer_checkpoint(name):
 
 def test_layer_checkpoint_plan_for_planners():
     """The planners' last resort: any plan (here a trimmed one with drops of nothing)
-    made exact and checkpointed on its own placement when it fits, else ``None``."""
+    made exact and checkpointed on its own placement."""
     G = 2
     counts = torch.tensor([[30, 9, 1, 1, 9, 1, 1, 1], [25, 2, 0, 1, 3, 1, 1, 1]])
     full = full_plan(counts, native_placement(G, E))
     trimmed = dataclasses.replace(full, retain_GGS=full.assign_GGS // 2,
-                                  select_GGS=full.assign_GGS // 3)
-    _, layer = _budgets(full)
-    led = Ledger(_cfg(), G, max(layer), num_moe_layers=8)
-    lc = layer_checkpoint_plan(trimmed, led)
+                                  select_GGS=full.assign_GGS // 3,
+                                  recompute_G=torch.ones(G, dtype=torch.long))
+    lc = layer_checkpoint_plan(trimmed)
     lc.check(counts)
-    assert lc.layer_checkpoint and lc.exact and torch.equal(lc.assign_GGS, full.assign_GGS)
-    assert layer_checkpoint_plan(trimmed, None).layer_checkpoint
-    assert layer_checkpoint_plan(trimmed, Ledger(_cfg(), G, max(layer) - 1,
-                                                 num_moe_layers=8)) is None
+    assert lc.layer_checkpoint and lc.exact and lc.recompute_G is None
+    assert torch.equal(lc.inst_expert_GS, full.inst_expert_GS)
+    assert torch.equal(lc.assign_GGS, full.assign_GGS)
     with pytest.raises(LrmoeError, match="exact"):
         dataclasses.replace(trimmed, layer_checkpoint=True).check(counts)
 

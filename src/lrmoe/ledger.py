@@ -55,6 +55,17 @@ def recompute_bounds(B: int, a: np.ndarray, d: np.ndarray, k: np.ndarray
     return ok, lo
 
 
+def plan_counts(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank of ``plan``, int64 ``[G]``: occupied slots, received pairs, home pairs
+    (what it routed, dropped pairs included) and retained pairs."""
+    a = plan.assign_GGS.numpy()
+    home = a.sum((1, 2))
+    if plan.dropped_GE is not None:
+        home = home + plan.dropped_GE.numpy().sum(1)
+    n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
+    return n, a.sum((0, 2)), home, plan.retain_GGS.numpy().sum((0, 2))
+
+
 @dataclass(frozen=True)
 class BackwardRows:
     """One rank's backward rows for a known plan (:meth:`Ledger.backward_rows`)."""
@@ -382,18 +393,11 @@ class Ledger:
 
     def _rank_counts(self, plan, tokens_per_rank_home: int | None
                      ) -> list[tuple[int, int, int, int]]:
-        """Per rank ``(instances, received, home, retained)`` of ``plan``."""
+        """Per rank ``(instances, received, home, retained)`` of ``plan`` (:func:`plan_counts`)."""
+        n, R, home, k = (x.tolist() for x in plan_counts(plan))
         if tokens_per_rank_home is not None:
-            home = torch.full((plan.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
-        else:
-            home = plan.assign_GGS.sum(dim=(1, 2))
-            if plan.dropped_GE is not None:
-                home = home + plan.dropped_GE.long().sum(1)
-        n_inst = (plan.inst_expert_GS >= 0).sum(1)
-        recv = plan.assign_GGS.sum(dim=(0, 2))
-        kept = plan.retain_GGS.sum(dim=(0, 2))
-        return [(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
-                for r in range(plan.G)]
+            home = [int(tokens_per_rank_home * self.top_k)] * plan.G
+        return list(zip(n, R, home, k))
 
     def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
                    plan_buffers: bool = False) -> list[dict[str, int]]:
@@ -435,11 +439,10 @@ class Ledger:
         t["total"] = sum(t[k] for k in TERMS)
         return t
 
-    def exact_fit(self, plan, tokens_per_rank_home: int | None = None
-                  ) -> tuple[str, list[int], list[dict[str, int]]]:
+    def exact_fit(self, plan) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact plan meets the budget, cheapest first: ``(mode, recomputed rows per rank,
         terms per rank)``, mode ``fits``, ``pairs``, ``layer`` or ``over``."""
-        counts = self._rank_counts(plan, tokens_per_rank_home)
+        counts = self._rank_counts(plan, None)
         rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:
             terms = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
@@ -448,9 +451,9 @@ class Ledger:
         mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
         return mode, [R for _, R, _, _ in counts], terms
 
-    def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+    def check(self, plan) -> list[dict[str, int]]:
         """Raise :class:`OutOfMemory` if a rank exceeds the budget; return the terms."""
-        terms = self.rank_terms(plan, tokens_per_rank_home)
+        terms = self.rank_terms(plan)
         self.raise_if_over(terms, "the plan")
         return terms
 

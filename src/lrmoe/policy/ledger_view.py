@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.ledger import recompute_bounds
+from lrmoe.ledger import plan_counts, recompute_bounds
 
 _NEVER = -(1 << 60)  # a padding piece's constant: it never binds
 _BIG = 1 << 62       # "no limit" for a capacity
@@ -236,13 +236,8 @@ class LedgerView:
 
 def _plan_view(ledger, plan, priced=False) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
     """The view for ``plan``'s home pairs and its per-rank ``(instances, received, retained)``."""
-    a = plan.assign_GGS.numpy()
-    home = a.sum((1, 2))
-    if plan.dropped_GE is not None:
-        home = home + plan.dropped_GE.numpy().sum(1)
-    view = LedgerView(ledger, home, exact=plan.exact, priced=priced)
-    n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
-    return view, n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2))
+    n, R, home, k = plan_counts(plan)
+    return LedgerView(ledger, home, exact=plan.exact, priced=priced), n, R, k
 
 
 def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:

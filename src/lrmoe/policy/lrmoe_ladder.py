@@ -107,8 +107,6 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
     ``whole_layer=False``: no whole-layer rung."""
     if trimmed.plan is not None:
         return dataclasses.replace(trimmed.plan, rung="plan")
-    if ledger is None or ledger.budget_bytes is None:
-        raise trimmed.over
     c = host_counts(counts_GE)
     natives = native_plan(c)
     if trimmed.placed is not None:
@@ -120,7 +118,7 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
-        return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst), None), rung="layer")
+        return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst)), rung="layer")
     if whole_layer:  # what the last rung needed: the natives' whole-layer totals
         last = dataclasses.replace(natives, layer_checkpoint=True)
         rungs = RUNGS

@@ -67,23 +67,21 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
         n_of = np.bincount(inst[inst >= 0], minlength=E)
         cands = sorted({int(e) for e in inst[hot].ravel() if e >= 0 and total[e] > n_of[e]},
                        key=lambda e: (-total[e] / n_of[e], e))
-        moved = False
         for e in cands:
-            held = set(np.flatnonzero((inst == e).any(1)).tolist())
-            for d in sorted(range(G), key=lambda r: (rank[r], r)):
-                free = np.flatnonzero(inst[d] < 0)
-                if d in held or free.size == 0:
-                    continue
-                trial = inst.copy()
-                trial[d, free[0]] = e
-                tl = loads(trial)
-                tr = tl.sum(1)
-                if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
-                    inst, load, moved = trial, tl, True
-                break  # only the least-loaded destination, as pass 1
-            if moved:
+            held = (inst == e).any(1)
+            # only the least-loaded destination with a free slot, as pass 1
+            d = next((r for r in sorted(range(G), key=lambda r: (rank[r], r))
+                      if not held[r] and (inst[r] < 0).any()), None)
+            if d is None:
+                continue
+            trial = inst.copy()
+            trial[d, np.flatnonzero(inst[d] < 0)[0]] = e
+            tl = loads(trial)
+            tr = tl.sum(1)
+            if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
+                inst, load = trial, tl
                 break
-        if not moved:
+        else:  # no candidate lowers the maximum
             break
         added += 1
     return inst
@@ -107,6 +105,8 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
     ``whole_layer=False``: no whole-layer rung."""
     if trimmed.plan is not None:
         return dataclasses.replace(trimmed.plan, rung="plan")
+    if ledger is None or ledger.budget_bytes is None:
+        raise trimmed.over
     c = host_counts(counts_GE)
     natives = native_plan(c)
     if trimmed.placed is not None:

@@ -320,17 +320,11 @@ class Ledger:
         """``(per_slot, pieces)``: a rank's total at ``(n, R, k, rec)`` is ``per_slot·n +
         max(pieces @ (1, R, k, rec))`` (``rec_branch``: for ``rec >= 1``)."""
         h = int(home_pairs)
-        key = self._memo_key("total", h, bool(exact), bool(rec_branch))
-        hit = self._pieces_memo.get(key)
-        if hit is not None:
-            return hit
         per_slot = 2 * self.L * self.P_params * self.bytes_w
         lin = np.array([self.owner_bytes() + self.L * sum(self.kept_bytes(h, exact).values()),
                         0, self.L * self.A, -self.L * (self.A - self.A_recompute)],
                        dtype=np.int64)
-        out = per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
-        self._pieces_memo[key] = out
-        return out
+        return per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
 
     def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int,
                         exact: bool = False) -> int:

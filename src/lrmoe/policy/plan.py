@@ -47,12 +47,8 @@ class Plan:
     @functools.cached_property
     def exact(self) -> bool:
         """True when every pair is retained and selected (the backward is exact)."""
-        return self.all_retained and self.all_selected
-
-    @functools.cached_property
-    def all_retained(self) -> bool:
-        """Every assigned pair keeps its activations (retain = assign)."""
-        return bool(np.array_equal(self.assign_GGS.numpy(), self.retain_GGS.numpy()))
+        return (bool(np.array_equal(self.assign_GGS.numpy(), self.retain_GGS.numpy()))
+                and self.all_selected)
 
     @functools.cached_property
     def all_selected(self) -> bool:

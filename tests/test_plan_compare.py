@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from budgets import natives_floor
 from dist_util import FixedRouter
 from lrmoe.cli import main
 from lrmoe.config import ModelConfig
@@ -124,7 +125,7 @@ def _emulated_stats(policy, ledger=None):
 def _budget_ledger(cfg, counts):
     """A one-layer fp32 ledger halfway between the smallest plan and the static plan."""
     lo = Ledger(cfg, G, None, 4, 4, 1)
-    floor = max(t["total"] for t in lo.feasible_minimum(counts))
+    floor = natives_floor(lo, counts)
     full = max(t["total"] for t in lo.rank_terms(full_plan(counts, native_placement(G, E))))
     return Ledger(cfg, G, (floor + full) // 2, 4, 4, 1)
 

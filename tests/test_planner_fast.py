@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from budgets import natives_floor
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoePolicy, PlanInputs, StaticPolicy, SymiPolicy
@@ -381,8 +382,7 @@ def test_a_prepared_placement_that_no_longer_fits_is_made_again():
     mcfg, G = get_preset("qwen3-30b-a3b"), 64
     counts = _counts(np.random.default_rng(G), G, 128, 4096, 2.0)
     ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, 0.05))
-    natives = Ledger.for_dtype(mcfg, G, None).feasible_minimum(counts)
-    assert max(t["total"] for t in natives) > ledger.budget_bytes
+    assert natives_floor(Ledger.for_dtype(mcfg, G, None), counts) > ledger.budget_bytes
     pol = LrmoePolicy(LrmoeConfig(placement="previous"))
     inputs = prepare(pol, torch.full((128,), 4096 * G // 128), G, PlanInputs(ledger=ledger), 4096)
     assert (inputs.prepared.inst_expert_GS >= 0).sum() == 128  # natives, no replica

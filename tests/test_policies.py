@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budgets import natives_floor
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
@@ -235,7 +236,7 @@ def test_lrmoe_properties(GE, seed, balance, min_keep, slack, extra, selection):
     cfg = LrmoeConfig(balance=balance, min_keep=min_keep, selection=selection,
                       max_slots_per_rank=E // G + extra)
     base = Ledger(mcfg, G)
-    floor = max(t["total"] for t in base.feasible_minimum(counts))
+    floor = natives_floor(base, counts)
     full = max(t["total"] for t in base.rank_terms(full_plan(counts, native_placement(G, E))))
     budget = int(floor + slack * (full - floor))
     ledger = Ledger(mcfg, G, budget)
@@ -258,7 +259,7 @@ def test_lrmoe_infeasible_budget():
     mcfg = _cfg()
     counts = _skewed(4, 16, 5)
     ledger = Ledger(mcfg, 4)
-    floor = max(t["total"] for t in ledger.feasible_minimum(counts))
+    floor = natives_floor(ledger, counts)
     plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor), ladder=False)  # the natives' floor fits
     # Just below it, replicas take pairs (and buffer bytes) off the hot rank: it still fits.
     tight = Ledger(mcfg, 4, floor - 1)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import OutOfMemory, require
@@ -451,22 +450,11 @@ class Ledger:
         self.raise_if_over(terms, "the plan")
         return terms
 
-    def feasible_minimum(self, counts_GE: Tensor | None = None,
-                         tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
-        """Terms per rank of the smallest memory-aware plan: the natives, one retained pair each."""
-        n = self.E // self.G
-        if counts_GE is None:
-            recv = home = torch.zeros(self.G, dtype=torch.long)
-        else:
-            c = counts_GE.long()
-            require(tuple(c.shape) == (self.G, self.E),
-                    f"counts have shape {tuple(c.shape)}, the ledger wants {(self.G, self.E)}")
-            recv = c.sum(0).reshape(self.G, n).sum(1)
-            home = c.sum(1)
-        if tokens_per_rank_home is not None:
-            home = torch.full((self.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
-        return [self.terms(n, int(recv[r]), int(home[r]), min(n, int(recv[r])))
-                for r in range(self.G)]
+    def feasible_minimum(self, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+        """Terms per rank of the smallest memory-aware plan before any pair is routed: the
+        natives, each home routing ``tokens_per_rank_home`` tokens (None: none)."""
+        h = 0 if tokens_per_rank_home is None else int(tokens_per_rank_home * self.top_k)
+        return [self.terms(self.E // self.G, 0, h, 0) for _ in range(self.G)]
 
     def raise_if_over(self, terms: list[dict[str, int]], what: str) -> None:
         """Raise :class:`OutOfMemory` naming the worst rank, its largest terms and the shortfall."""

@@ -178,7 +178,7 @@ def test_ledger_equals_what_autograd_keeps(case):
         assert {lt._storage(t)[0] for t in hooked} <= set(mine) | set(other)
         params = {lt._storage(p)[0]: p.untyped_storage().nbytes() for p in lay.parameters()}
         t = one.rank_terms(plan)[me]
-        assert t == one.layer_terms(*one._rank_counts(plan, None)[me][:3])
+        assert t == one.layer_terms(*one._rank_counts(plan)[me][:3])
         assert t["retained_acts"] == t["combine_rows"] == 0
         shared = {p for p in mine if p in other}  # the router's: the input, the expert ids
         assert lt._storage(xin)[0] in shared and sum(mine[p] for p in shared) == (
@@ -202,7 +202,7 @@ def _budgets(plan, L: int = 8):
     """For ``plan`` with L MoE layers: the least each rank needs with per-row recompute
     (any count) and with the layer checkpoint."""
     free = Ledger(_cfg(), plan.G, num_moe_layers=L)
-    rows = free._rank_counts(plan, None)
+    rows = free._rank_counts(plan)
     rec = [min(free.terms(n, R, h, k, m, exact=True)["total"] for m in range(k + 1))
            for n, R, h, k in rows]
     layer = [free.layer_terms(n, R, h)["total"] for n, R, h, _ in rows]
@@ -338,7 +338,7 @@ def test_buffers_equal_the_rows_alive():
         with live:
             out = lay(xin.view(1, lt.T, Hd))
         plan = policy.plan(counts, PlanInputs())
-        n, R, h, _ = one._rank_counts(plan, None)[me]
+        n, R, h, _ = one._rank_counts(plan)[me]
         Tt = -(-h // lt.K)
         kept = R * Hd + R * 2 * Fd + h * Hd  # the rows an exact forward keeps
         fpts = one.forward_points(Tt, R, h, R, 0, h)

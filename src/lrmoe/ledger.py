@@ -384,19 +384,14 @@ class Ledger:
         a = (per_slot * n + P[:, 0] + P[:, 1] * R)[None, :] + ks[:, None] * P[:, 2][None, :]
         return recompute_bounds(self.budget_bytes, a, np.broadcast_to(P[:, 3], a.shape), ks)
 
-    def _rank_counts(self, plan, tokens_per_rank_home: int | None
-                     ) -> list[tuple[int, int, int, int]]:
+    def _rank_counts(self, plan) -> list[tuple[int, int, int, int]]:
         """Per rank ``(instances, received, home, retained)`` of ``plan`` (:func:`plan_counts`)."""
-        n, R, home, k = (x.tolist() for x in plan_counts(plan))
-        if tokens_per_rank_home is not None:
-            home = [int(tokens_per_rank_home * self.top_k)] * plan.G
-        return list(zip(n, R, home, k))
+        return list(zip(*(x.tolist() for x in plan_counts(plan))))
 
-    def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
-                   plan_buffers: bool = False) -> list[dict[str, int]]:
-        """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
-        home buffers, ``plan_buffers`` prices the buffers on the plan's selected rows."""
-        counts = self._rank_counts(plan, tokens_per_rank_home)
+    def rank_terms(self, plan, plan_buffers: bool = False) -> list[dict[str, int]]:
+        """Ledger terms of every rank for one layer's ``plan``; ``plan_buffers`` prices the
+        buffers on the plan's selected rows."""
+        counts = self._rank_counts(plan)
         if plan.layer_checkpoint:
             return [self.layer_terms(n, R, h) for n, R, h, _ in counts]
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
@@ -435,7 +430,7 @@ class Ledger:
     def exact_fit(self, plan) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact plan meets the budget, cheapest first: ``(mode, recomputed rows per rank,
         terms per rank)``, mode ``fits``, ``pairs``, ``layer`` or ``over``."""
-        counts = self._rank_counts(plan, None)
+        counts = self._rank_counts(plan)
         rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:
             terms = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]

@@ -94,10 +94,8 @@ class LedgerView:
         return hit
 
     def capacity(self, n_G, R_G) -> np.ndarray:
-        """:meth:`Ledger.retain_capacity` of every rank, int64 ``[G]``."""
+        """:meth:`Ledger.retain_capacity` of every rank, int64 ``[G]`` (under a budget)."""
         R_G = np.asarray(R_G, dtype=np.int64)
-        if self.budget is None:
-            return R_G.copy()
         n_G = np.asarray(n_G, dtype=np.int64)
         room = (self.budget - self.cn * n_G)[:, None] - self._c0 - self._cR * R_G[:, None]
         q = (room // self._ckdiv + self._ckbig).min(1)
@@ -113,9 +111,8 @@ class LedgerView:
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
         """An upper bound, int64 ``[G]``, on the pairs each rank can receive with ``n_G`` instances
-        while it retains at least ``fn/fd`` of them (``None``: the arithmetic could overflow)."""
-        if self.budget is None:
-            return np.full(len(self.home), _BIG, dtype=np.int64)
+        while it retains at least ``fn/fd`` of them (``None``: the arithmetic could overflow);
+        under a budget."""
         c0 = self._extra.get("c0")
         if c0 is None:  # padding pieces: a constant that keeps L small and positive
             self._extra["c0"] = c0 = np.where(self._c0 == _NEVER, -(1 << 40), self._c0)
@@ -144,10 +141,8 @@ class LedgerView:
         return bool((self.totals(n_G, R_G, k_G, rec_G) > self.budget).any())
 
     def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
-        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once."""
+        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once (under a budget)."""
         n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
-        if self.budget is None:
-            return "fits", np.zeros_like(k_G), self.totals(n_G, R_G, k_G)
         rec = np.zeros_like(k_G)
         short = self.totals(n_G, R_G, k_G) > self.budget
         if short.any():

@@ -95,7 +95,7 @@ def floors(trace: dict, cfg: TTLConfig, mcfg: ModelConfig) -> dict:
     plans = [native_plan(counts_matrix(cE, G, home)) for step in trace["steps"] for cE in step]
     require(plans, "the trace has no steps")
     peak = [max(t["total"] for t in led.rank_terms(p)) for p in plans]
-    lay = [max(t["total"] for t in led.rank_terms(layer_checkpoint_plan(p, None))) for p in plans]
+    lay = [max(t["total"] for t in led.rank_terms(layer_checkpoint_plan(p))) for p in plans]
     row = fit = 0  # a plan's floor is at most its peak as is (and, any fallback, its checkpoint)
     for p, pk, _ in sorted(zip(plans, peak, lay), key=lambda x: -x[1]):
         if pk > row and not rows_fit(led, p, row):

@@ -1,5 +1,5 @@
-"""A memory budget that binds without a run's routing, for the tests of the fallbacks
-(tests only)."""
+"""Memory budgets for the tests: one that binds without a run's routing (the tests of the
+fallbacks) and the floor of any memory-aware plan on given counts."""
 
 from __future__ import annotations
 
@@ -15,3 +15,13 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
     pairs = tokens_per_rank * mcfg.num_experts_per_tok
     t = led.terms(mcfg.num_experts // G, pairs, pairs, pairs, exact=True)
     return int(t["total"] - (1 - fraction) * t["retained_acts"])
+
+
+def natives_floor(led: Ledger, counts_GE) -> int:
+    """The busiest rank's total of the smallest memory-aware plan on ``counts_GE``: the
+    natives, one retained pair each."""
+    G, E = counts_GE.shape
+    n = E // G
+    c = counts_GE.long()
+    recv, home = c.sum(0).reshape(G, n).sum(1).tolist(), c.sum(1).tolist()
+    return max(led.terms(n, R, h, min(n, R))["total"] for R, h in zip(recv, home))

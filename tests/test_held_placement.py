@@ -90,7 +90,7 @@ class Scripted(Policy):
         for k, (e, r) in enumerate(extra):
             ie[r, per + k] = e
         plan = full_plan(counts_GE, ie)
-        return layer_checkpoint_plan(plan, None) if inputs.micro in self.whole else plan
+        return layer_checkpoint_plan(plan) if inputs.micro in self.whole else plan
 
 
 def make_policy(case: str, cfg: ModelConfig, G: int):

@@ -29,8 +29,9 @@ from lrmoe.policy.base import PlanInputs, Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.plan import layer_checkpoint_plan
 from lrmoe.policy.plan_numpy import full_plan
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
+from references.plans import native_placement
 
 T, H, E, K, F = 12, 16, 8, 2, 8
 
@@ -177,7 +178,7 @@ def test_ledger_equals_what_autograd_keeps(case):
         assert {lt._storage(t)[0] for t in hooked} <= set(mine) | set(other)
         params = {lt._storage(p)[0]: p.untyped_storage().nbytes() for p in lay.parameters()}
         t = one.rank_terms(plan)[me]
-        assert t == one.layer_terms(*one._rank_counts(plan, None)[me][:3])
+        assert t == one.layer_terms(*one._rank_counts(plan)[me][:3])
         assert t["retained_acts"] == t["combine_rows"] == 0
         shared = {p for p in mine if p in other}  # the router's: the input, the expert ids
         assert lt._storage(xin)[0] in shared and sum(mine[p] for p in shared) == (
@@ -201,7 +202,7 @@ def _budgets(plan, L: int = 8):
     """For ``plan`` with L MoE layers: the least each rank needs with per-row recompute
     (any count) and with the layer checkpoint."""
     free = Ledger(_cfg(), plan.G, num_moe_layers=L)
-    rows = free._rank_counts(plan, None)
+    rows = free._rank_counts(plan)
     rec = [min(free.terms(n, R, h, k, m, exact=True)["total"] for m in range(k + 1))
            for n, R, h, k in rows]
     layer = [free.layer_terms(n, R, h)["total"] for n, R, h, _ in rows]
@@ -246,20 +247,18 @@ def test_exact_policies_fall_back_to_the_layer_checkpoint(name):
 
 def test_layer_checkpoint_plan_for_planners():
     """The planners' last resort: any plan (here a trimmed one with drops of nothing)
-    made exact and checkpointed on its own placement when it fits, else ``None``."""
+    made exact and checkpointed on its own placement."""
     G = 2
     counts = torch.tensor([[30, 9, 1, 1, 9, 1, 1, 1], [25, 2, 0, 1, 3, 1, 1, 1]])
     full = full_plan(counts, native_placement(G, E))
     trimmed = dataclasses.replace(full, retain_GGS=full.assign_GGS // 2,
-                                  select_GGS=full.assign_GGS // 3)
-    _, layer = _budgets(full)
-    led = Ledger(_cfg(), G, max(layer), num_moe_layers=8)
-    lc = layer_checkpoint_plan(trimmed, led)
+                                  select_GGS=full.assign_GGS // 3,
+                                  recompute_G=torch.ones(G, dtype=torch.long))
+    lc = layer_checkpoint_plan(trimmed)
     lc.check(counts)
-    assert lc.layer_checkpoint and lc.exact and torch.equal(lc.assign_GGS, full.assign_GGS)
-    assert layer_checkpoint_plan(trimmed, None).layer_checkpoint
-    assert layer_checkpoint_plan(trimmed, Ledger(_cfg(), G, max(layer) - 1,
-                                                 num_moe_layers=8)) is None
+    assert lc.layer_checkpoint and lc.exact and lc.recompute_G is None
+    assert torch.equal(lc.inst_expert_GS, full.inst_expert_GS)
+    assert torch.equal(lc.assign_GGS, full.assign_GGS)
     with pytest.raises(LrmoeError, match="exact"):
         dataclasses.replace(trimmed, layer_checkpoint=True).check(counts)
 
@@ -339,7 +338,7 @@ def test_buffers_equal_the_rows_alive():
         with live:
             out = lay(xin.view(1, lt.T, Hd))
         plan = policy.plan(counts, PlanInputs())
-        n, R, h, _ = one._rank_counts(plan, None)[me]
+        n, R, h, _ = one._rank_counts(plan)[me]
         Tt = -(-h // lt.K)
         kept = R * Hd + R * 2 * Fd + h * Hd  # the rows an exact forward keeps
         fpts = one.forward_points(Tt, R, h, R, 0, h)

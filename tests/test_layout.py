@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from budgets import natives_floor
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
 from lrmoe.ops.rowops import runs
@@ -15,10 +16,11 @@ from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan_numpy import full_plan
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy
 from references.layout import home_layout_reference
 from references.layout import ranges as ranges_reference
+from references.plans import native_placement
 
 
 def _cfg(E: int) -> ModelConfig:
@@ -44,7 +46,7 @@ def _plans(G: int, E: int, counts: torch.Tensor, seed: int):
     yield "capacity", plan_capacity(counts, 0.8)
     mcfg = _cfg(E)
     base = Ledger(mcfg, G)
-    floor = max(t["total"] for t in base.feasible_minimum(counts))
+    floor = natives_floor(base, counts)
     full = max(t["total"] for t in base.rank_terms(full_plan(counts, native_placement(G, E))))
     for slack in (0.1, 0.5):
         ledger = Ledger(mcfg, G, int(floor + slack * (full - floor)))

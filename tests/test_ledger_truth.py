@@ -189,7 +189,7 @@ def test_ledger_equals_what_autograd_keeps(case):
     for me in range(G):
         got = measure(layer, x, me, policy, ledger)
         plan: Plan = got["plan"]
-        n_inst, recv, home, kept = one._rank_counts(plan, None)[me]
+        n_inst, recv, home, kept = one._rank_counts(plan)[me]
         rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
         t = one.terms(n_inst, recv, home, kept, rec)
         expected = {k: t[k] for k in ("instance_weights", "retained_acts", "combine_rows",
@@ -289,7 +289,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         with live:
             out.backward(dout)
         measured = {sum(p.values()) - sum(kept.values()) for _, p in live.points}
-        n_inst, R, h, k = one._rank_counts(plan, None)[me]
+        n_inst, R, h, k = one._rank_counts(plan)[me]
         rec = 0 if plan.recompute_G is None else int(plan.recompute_G[me])
         bw = one.backward_rows(plan, me)
         n, ps, gth = bw.rows_in, bw.rows_out, bw.gathered

@@ -19,7 +19,7 @@ from lrmoe.policy import LrmoePolicy, PlanInputs
 from lrmoe.policy import lrmoe as lrmoe_mod
 from lrmoe.policy.base import prepare
 from lrmoe.policy.ledger_view import LedgerView
-from lrmoe.policy.lrmoe import LrmoeConfig, _slots
+from lrmoe.policy.lrmoe import LrmoeConfig, slots_per_rank
 from lrmoe.policy.lrmoe_place import place_replicas
 from lrmoe.policy.plan import Plan
 from lrmoe.presets import get_preset
@@ -73,7 +73,7 @@ def _placements(counts: torch.Tensor, cfg: LrmoeConfig, ledger):
     c = counts.numpy()
     G = c.shape[0]
     view = LedgerView(ledger, c.sum(1))
-    S = _slots(cfg, G, E)
+    S = slots_per_rank(cfg, G, E)
     return (place_replicas(c.sum(0), G, S, cfg, view),
             lrmoe_place_numpy.place_replicas(c.sum(0), G, S, cfg, view))
 

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from budgets import natives_floor
 from dist_util import FixedRouter
 from lrmoe.cli import main
 from lrmoe.config import ModelConfig
@@ -20,7 +21,7 @@ from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import plan_symi
 from lrmoe.presets import get_preset
 from lrmoe.routing_loads import RoutingTrace, read_trace, synthetic_counts
@@ -30,6 +31,7 @@ from lrmoe.sim.links import LINKS
 from lrmoe.sim.virtual import VirtualEPLayer
 from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.units import parse_bytes
+from references.plans import native_placement
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 RATE = 1e12
@@ -123,7 +125,7 @@ def _emulated_stats(policy, ledger=None):
 def _budget_ledger(cfg, counts):
     """A one-layer fp32 ledger halfway between the smallest plan and the static plan."""
     lo = Ledger(cfg, G, None, 4, 4, 1)
-    floor = max(t["total"] for t in lo.feasible_minimum(counts))
+    floor = natives_floor(lo, counts)
     full = max(t["total"] for t in lo.rank_terms(full_plan(counts, native_placement(G, E))))
     return Ledger(cfg, G, (floor + full) // 2, 4, 4, 1)
 

@@ -11,19 +11,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budgets import natives_floor
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
-from lrmoe.policy.capacity import apportion, capacity_per_expert, plan_capacity
+from lrmoe.policy.capacity import capacity_per_expert, plan_capacity
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import largest_feasible_slots, plan_symi
-from references.plans import contiguous_placement, even_split, replica_counts
+from references.plans import (
+    apportion,
+    contiguous_placement,
+    even_split,
+    native_placement,
+    replica_counts,
+)
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -229,7 +236,7 @@ def test_lrmoe_properties(GE, seed, balance, min_keep, slack, extra, selection):
     cfg = LrmoeConfig(balance=balance, min_keep=min_keep, selection=selection,
                       max_slots_per_rank=E // G + extra)
     base = Ledger(mcfg, G)
-    floor = max(t["total"] for t in base.feasible_minimum(counts))
+    floor = natives_floor(base, counts)
     full = max(t["total"] for t in base.rank_terms(full_plan(counts, native_placement(G, E))))
     budget = int(floor + slack * (full - floor))
     ledger = Ledger(mcfg, G, budget)
@@ -252,7 +259,7 @@ def test_lrmoe_infeasible_budget():
     mcfg = _cfg()
     counts = _skewed(4, 16, 5)
     ledger = Ledger(mcfg, 4)
-    floor = max(t["total"] for t in ledger.feasible_minimum(counts))
+    floor = natives_floor(ledger, counts)
     plan_lrmoe(counts, LrmoeConfig(), Ledger(mcfg, 4, floor), ladder=False)  # the natives' floor fits
     # Just below it, replicas take pairs (and buffer bytes) off the hot rank: it still fits.
     tight = Ledger(mcfg, 4, floor - 1)

@@ -514,7 +514,7 @@ def test_recompute_ledger_charges_time_not_math():
     # rebuild points cost (Ledger.recompute_needed), so "pairs" would never be the mode
     free = Ledger(layer.cfg, G, num_moe_layers=4)
     plain = max(t["total"] for t in free.rank_terms(plan))
-    cnt = free._rank_counts(plan, None)
+    cnt = free._rank_counts(plan)
     all_rec = max(min(free.terms(*c, m, exact=True)["total"] for m in range(c[3] + 1))
                   for c in cnt)
     none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint

@@ -36,7 +36,7 @@ def _counts(seed: int, pairs: int = 128) -> torch.Tensor:
 def _layer_need(plan) -> int:
     """The largest rank total of ``plan`` under a whole-layer checkpoint (its floor)."""
     free = Ledger.for_dtype(CFG, G, None, "fp32")
-    return max(t["total"] for t in free.rank_terms(layer_checkpoint_plan(plan, None)))
+    return max(t["total"] for t in free.rank_terms(layer_checkpoint_plan(plan)))
 
 
 def _fits(led, plan) -> bool:
@@ -155,7 +155,7 @@ def test_fewer_replicas_equals_the_loop_reference_on_full_presets():
         free = Ledger.for_dtype(mcfg, G, None)
 
         def need(plan, free=free):
-            return max(t["total"] for t in free.rank_terms(layer_checkpoint_plan(plan, None)))
+            return max(t["total"] for t in free.rank_terms(layer_checkpoint_plan(plan)))
         lo = need(StaticPolicy().plan(counts, PlanInputs()))
         hi = need(plan_symi(counts, s, pop))
         led = Ledger.for_dtype(mcfg, G, int(lo + rng.uniform(-0.02, 1.0) * (hi - lo)))

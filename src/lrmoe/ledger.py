@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError, OutOfMemory, require
+from lrmoe.errors import OutOfMemory, require
 from lrmoe.units import fmt_bytes
 
 TERMS = ("owned_state", "instance_weights", "instance_grads", "buffers", "retained_acts",
@@ -53,6 +52,17 @@ def recompute_bounds(B: int, a: np.ndarray, d: np.ndarray, k: np.ndarray
     hi = np.minimum(k, np.where(pos, (B - a) // np.where(pos, d, 1), np.int64(1 << 62)).min(-1))
     ok = (lo <= hi) & np.where(zero, a <= B, True).all(-1)
     return ok, lo
+
+
+def plan_counts(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank of ``plan``, int64 ``[G]``: occupied slots, received pairs, home pairs
+    (what it routed, dropped pairs included) and retained pairs."""
+    a = plan.assign_GGS.numpy()
+    home = a.sum((1, 2))
+    if plan.dropped_GE is not None:
+        home = home + plan.dropped_GE.numpy().sum(1)
+    n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
+    return n, a.sum((0, 2)), home, plan.retain_GGS.numpy().sum((0, 2))
 
 
 @dataclass(frozen=True)
@@ -100,9 +110,8 @@ class Ledger:
     def for_dtype(cls, model_cfg: ModelConfig, G: int, budget_bytes: int | None = None,
                   dtype: str = "bf16", **fields) -> Ledger:
         """A ledger whose weights and activations are both in ``dtype`` (``fields``: the rest)."""
-        if dtype not in DTYPE_BYTES:
-            raise LrmoeError(f"dtype={dtype!r} is not supported; use one of "
-                             f"{', '.join(DTYPE_BYTES)}")
+        require(dtype in DTYPE_BYTES,
+                f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
         b = DTYPE_BYTES[dtype]
         return cls(model_cfg, G, budget_bytes, b, b, **fields)
 
@@ -310,17 +319,11 @@ class Ledger:
         """``(per_slot, pieces)``: a rank's total at ``(n, R, k, rec)`` is ``per_slot·n +
         max(pieces @ (1, R, k, rec))`` (``rec_branch``: for ``rec >= 1``)."""
         h = int(home_pairs)
-        key = self._memo_key("total", h, bool(exact), bool(rec_branch))
-        hit = self._pieces_memo.get(key)
-        if hit is not None:
-            return hit
         per_slot = 2 * self.L * self.P_params * self.bytes_w
         lin = np.array([self.owner_bytes() + self.L * sum(self.kept_bytes(h, exact).values()),
                         0, self.L * self.A, -self.L * (self.A - self.A_recompute)],
                        dtype=np.int64)
-        out = per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
-        self._pieces_memo[key] = out
-        return out
+        return per_slot, self.buffer_pieces(h, exact, rec_branch) + lin
 
     def retain_capacity(self, n_instances: int, received_pairs: int, home_pairs: int,
                         exact: bool = False) -> int:
@@ -356,7 +359,7 @@ class Ledger:
         k0 = self.retain_capacity(n, R, h, exact)
         if k0 < 0:
             return -1, 0
-        if k0 >= R or self.budget_bytes is None:
+        if k0 >= R:  # without a budget too
             return R, 0
         lo, hi, rec = k0, R, 0  # lo fits (with rec; none recomputed at k0), hi unknown
         while hi > lo:
@@ -381,27 +384,15 @@ class Ledger:
         a = (per_slot * n + P[:, 0] + P[:, 1] * R)[None, :] + ks[:, None] * P[:, 2][None, :]
         return recompute_bounds(self.budget_bytes, a, np.broadcast_to(P[:, 3], a.shape), ks)
 
-    def _rank_counts(self, plan, tokens_per_rank_home: int | None
-                     ) -> list[tuple[int, int, int, int]]:
-        """Per rank ``(instances, received, home, retained)`` of ``plan``."""
-        if tokens_per_rank_home is not None:
-            home = torch.full((plan.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
-        else:
-            home = plan.assign_GGS.sum(dim=(1, 2))
-            if plan.dropped_GE is not None:
-                home = home + plan.dropped_GE.long().sum(1)
-        n_inst = (plan.inst_expert_GS >= 0).sum(1)
-        recv = plan.assign_GGS.sum(dim=(0, 2))
-        kept = plan.retain_GGS.sum(dim=(0, 2))
-        return [(int(n_inst[r]), int(recv[r]), int(home[r]), int(kept[r]))
-                for r in range(plan.G)]
+    def _rank_counts(self, plan) -> list[tuple[int, int, int, int]]:
+        """Per rank ``(instances, received, home, retained)`` of ``plan`` (:func:`plan_counts`)."""
+        return list(zip(*(x.tolist() for x in plan_counts(plan))))
 
-    def rank_terms(self, plan, tokens_per_rank_home: int | None = None,
-                   plan_buffers: bool = False) -> list[dict[str, int]]:
-        """Ledger terms of every rank for one layer's ``plan``; ``tokens_per_rank_home`` sizes the
-        home buffers, ``plan_buffers`` prices the buffers on the plan's selected rows."""
-        counts = self._rank_counts(plan, tokens_per_rank_home)
-        if getattr(plan, "layer_checkpoint", False):  # whole-layer checkpoint
+    def rank_terms(self, plan, plan_buffers: bool = False) -> list[dict[str, int]]:
+        """Ledger terms of every rank for one layer's ``plan``; ``plan_buffers`` prices the
+        buffers on the plan's selected rows."""
+        counts = self._rank_counts(plan)
+        if plan.layer_checkpoint:
             return [self.layer_terms(n, R, h) for n, R, h, _ in counts]
         rec = [0] * plan.G if plan.recompute_G is None else plan.recompute_G.tolist()
         out = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
@@ -436,11 +427,10 @@ class Ledger:
         t["total"] = sum(t[k] for k in TERMS)
         return t
 
-    def exact_fit(self, plan, tokens_per_rank_home: int | None = None
-                  ) -> tuple[str, list[int], list[dict[str, int]]]:
+    def exact_fit(self, plan) -> tuple[str, list[int], list[dict[str, int]]]:
         """How an exact plan meets the budget, cheapest first: ``(mode, recomputed rows per rank,
         terms per rank)``, mode ``fits``, ``pairs``, ``layer`` or ``over``."""
-        counts = self._rank_counts(plan, tokens_per_rank_home)
+        counts = self._rank_counts(plan)
         rec = [self.recompute_needed(*c, exact=plan.exact) for c in counts]
         if min(rec) >= 0:
             terms = [self.terms(*c, n, exact=plan.exact) for c, n in zip(counts, rec)]
@@ -449,28 +439,17 @@ class Ledger:
         mode = "layer" if max(t["total"] for t in terms) <= self.budget_bytes else "over"
         return mode, [R for _, R, _, _ in counts], terms
 
-    def check(self, plan, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
-        """Raise :class:`LrmoeError` if a rank exceeds the budget; return the terms."""
-        terms = self.rank_terms(plan, tokens_per_rank_home)
+    def check(self, plan) -> list[dict[str, int]]:
+        """Raise :class:`OutOfMemory` if a rank exceeds the budget; return the terms."""
+        terms = self.rank_terms(plan)
         self.raise_if_over(terms, "the plan")
         return terms
 
-    def feasible_minimum(self, counts_GE: Tensor | None = None,
-                         tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
-        """Terms per rank of the smallest memory-aware plan: the natives, one retained pair each."""
-        n = self.E // self.G
-        if counts_GE is None:
-            recv = home = torch.zeros(self.G, dtype=torch.long)
-        else:
-            c = counts_GE.long()
-            require(tuple(c.shape) == (self.G, self.E),
-                    f"counts have shape {tuple(c.shape)}, the ledger wants {(self.G, self.E)}")
-            recv = c.sum(0).reshape(self.G, n).sum(1)
-            home = c.sum(1)
-        if tokens_per_rank_home is not None:
-            home = torch.full((self.G,), tokens_per_rank_home * self.top_k, dtype=torch.long)
-        return [self.terms(n, int(recv[r]), int(home[r]), min(n, int(recv[r])))
-                for r in range(self.G)]
+    def feasible_minimum(self, tokens_per_rank_home: int | None = None) -> list[dict[str, int]]:
+        """Terms per rank of the smallest memory-aware plan before any pair is routed: the
+        natives, each home routing ``tokens_per_rank_home`` tokens (None: none)."""
+        h = 0 if tokens_per_rank_home is None else int(tokens_per_rank_home * self.top_k)
+        return [self.terms(self.E // self.G, 0, h, 0) for _ in range(self.G)]
 
     def raise_if_over(self, terms: list[dict[str, int]], what: str) -> None:
         """Raise :class:`OutOfMemory` naming the worst rank, its largest terms and the shortfall."""
@@ -485,11 +464,8 @@ class Ledger:
                           self.budget_bytes, detail)
 
     def describe(self, r: int, t: dict[str, int]) -> str:
-        """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...``."""
-        parts = ", ".join(f"{k} {fmt_bytes(t[k])}"
-                          for k in sorted(TERMS, key=lambda k: -t[k]))
-        budget = "unbounded" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
-        msg = f"rank {r} needs {fmt_bytes(t['total'])} > budget {budget}: {parts}"
-        if self.budget_bytes is not None:
-            msg += f"; short by {fmt_bytes(t['total'] - self.budget_bytes)}"
-        return msg
+        """``rank 3 needs 41.2 GiB > budget 40.0 GiB: retained_acts 12.1 GiB, ...; short by
+        1.2 GiB`` (a budget is set: only a rank over it is described)."""
+        parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in sorted(TERMS, key=lambda k: -t[k]))
+        return (f"rank {r} needs {fmt_bytes(t['total'])} > budget {fmt_bytes(self.budget_bytes)}: "
+                f"{parts}; short by {fmt_bytes(t['total'] - self.budget_bytes)}")

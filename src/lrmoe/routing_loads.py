@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
-from lrmoe.policy.capacity import apportion
 
 
 def _water_fill(w_E: Tensor, pairs: int, cap: int) -> Tensor:
@@ -61,8 +60,9 @@ def synthetic_counts(G: int, E: int, tokens_per_rank: int, top_k: int, skew: flo
 
 
 def spread_over_homes(total_E: Tensor, G: int) -> Tensor:
-    """``[G, E]``: each expert's pairs split evenly over the G home ranks."""
-    return apportion(total_E, torch.ones(G, total_E.numel(), dtype=torch.long) * (total_E.max() + 1))
+    """``[G, E]``: each expert's pairs split evenly over the G home ranks (the first ones +1)."""
+    total_E = total_E.long()
+    return total_E // G + (torch.arange(G)[:, None] < total_E % G).long()
 
 
 def read_json(path: str):

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import LrmoeError, require
-from lrmoe.policy.capacity import apportion
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import Plan
-from references.plans import even_split, interval_overlap
+from references.plans import apportion, even_split, interval_overlap
 
 
 def _even(total: int, n: int) -> list[int]:

@@ -1,7 +1,9 @@
-"""The planners' torch and loop readings: the interval split (the runtime's is numpy,
-:class:`lrmoe.policy.plan_numpy.Slots`), capacity's plan in torch (the runtime's is
-numpy, :func:`lrmoe.policy.capacity.plan_capacity`) and SYMI's replica counts as a scan
-(the runtime's use heaps, :func:`lrmoe.policy.symi.replica_counts_heap`).
+"""The planners' torch and loop readings: static's placement, the largest-remainder split
+(the runtime's is numpy, :func:`lrmoe.policy.plan_numpy.apportion_rows_np`), the interval
+split (the runtime's is numpy, :class:`lrmoe.policy.plan_numpy.Slots`), capacity's plan
+in torch (the runtime's is numpy, :func:`lrmoe.policy.capacity.plan_capacity`) and
+SYMI's replica counts as a scan (the runtime's use heaps,
+:func:`lrmoe.policy.symi.replica_counts_heap`).
 
 Legend: G ranks, S = s slots per rank, E experts. All tensors int64 on the CPU.
 """
@@ -12,10 +14,36 @@ import torch
 from torch import Tensor
 
 from lrmoe.errors import require
-from lrmoe.policy.capacity import apportion, capacity_per_expert
+from lrmoe.policy.capacity import capacity_per_expert
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.static import native_placement
 from lrmoe.policy.symi import _floor_counts
+
+
+def native_placement(G: int, E: int) -> Tensor:
+    """``[G, E/G]``: rank r holds experts ``r*E/G .. (r+1)*E/G - 1``."""
+    require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
+    return torch.arange(E, dtype=torch.long).reshape(G, E // G)
+
+
+def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
+    """Split each column's ``total_K`` over its rows in proportion to ``weight_NK``, int64
+    ``[N, K]``: largest remainder, ties to the lower row; exact column sums, no row above
+    its weight (``0 <= total <= W``; a zero-weight column takes total 0)."""
+    w = weight_NK.long()
+    total = total_K.long()
+    W = w.sum(0)
+    require(bool((total <= W).all()) and bool((total >= 0).all()),
+            "apportion: totals must lie between 0 and the column weight")
+    Wsafe = W.clamp(min=1)
+    num = total[None, :] * w
+    base = num // Wsafe
+    rem = num - base * Wsafe
+    left = total - base.sum(0)
+    N = w.shape[0]
+    order = torch.argsort(-rem, dim=0, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(N).unsqueeze(1).expand_as(order).contiguous())
+    return base + (rank < left[None, :]).long()
 
 
 def interval_overlap(counts_GE: Tensor, inst_expert_GS: Tensor, inst_load_GS: Tensor) -> Tensor:

@@ -6,9 +6,9 @@ from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig, make_policy
-from lrmoe.policy.static import StaticPolicy, native_placement
+from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import SymiPolicy, largest_feasible_slots
 
 __all__ = ["POLICY_NAMES", "CapacityPolicy", "LrmoeConfig", "LrmoePolicy", "Plan",
            "PlanInputs", "Policy", "PolicyConfig", "StaticPolicy", "SymiPolicy", "full_plan",
-           "largest_feasible_slots", "make_policy", "native_placement"]
+           "largest_feasible_slots", "make_policy"]

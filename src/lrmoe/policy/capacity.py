@@ -16,30 +16,9 @@ from torch import Tensor
 
 from lrmoe.errors import require
 from lrmoe.policy.base import PlanInputs, Policy
+from lrmoe.policy.ledger_view import plan_raise_if_over
 from lrmoe.policy.plan import Plan, native_plan
 from lrmoe.policy.plan_numpy import apportion_rows_np, host_counts
-from lrmoe.policy.static import raise_if_over
-
-
-def apportion(total_K: Tensor, weight_NK: Tensor) -> Tensor:
-    """Split each column's ``total_K`` over its rows in proportion to ``weight_NK``, int64
-    ``[N, K]``: largest remainder, ties to the lower row; exact column sums, no row above
-    its weight (``0 <= total <= W``; a zero-weight column takes total 0)."""
-    w = weight_NK.long()
-    total = total_K.long()
-    W = w.sum(0)
-    require(bool((total <= W).all()) and bool((total >= 0).all()),
-            "apportion: totals must lie between 0 and the column weight")
-    Wsafe = W.clamp(min=1)
-    num = total[None, :] * w
-    base = num // Wsafe
-    rem = num - base * Wsafe
-    left = total - base.sum(0)
-    N = w.shape[0]
-    order = torch.argsort(-rem, dim=0, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(0, order, torch.arange(N).unsqueeze(1).expand_as(order).contiguous())
-    return base + (rank < left[None, :]).long()
 
 
 def capacity_per_expert(counts_GE: Tensor, capacity_factor: float) -> int:
@@ -71,5 +50,5 @@ class CapacityPolicy(Policy):
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         plan = plan_capacity(counts_GE, self.capacity_factor)
-        raise_if_over(plan, host_counts(counts_GE).sum(1), inputs.ledger)
+        plan_raise_if_over(inputs.ledger, plan)
         return plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.ledger import recompute_bounds
+from lrmoe.ledger import plan_counts, recompute_bounds
 
 _NEVER = -(1 << 60)  # a padding piece's constant: it never binds
 _BIG = 1 << 62       # "no limit" for a capacity
@@ -94,10 +94,8 @@ class LedgerView:
         return hit
 
     def capacity(self, n_G, R_G) -> np.ndarray:
-        """:meth:`Ledger.retain_capacity` of every rank, int64 ``[G]``."""
+        """:meth:`Ledger.retain_capacity` of every rank, int64 ``[G]`` (under a budget)."""
         R_G = np.asarray(R_G, dtype=np.int64)
-        if self.budget is None:
-            return R_G.copy()
         n_G = np.asarray(n_G, dtype=np.int64)
         room = (self.budget - self.cn * n_G)[:, None] - self._c0 - self._cR * R_G[:, None]
         q = (room // self._ckdiv + self._ckbig).min(1)
@@ -113,9 +111,8 @@ class LedgerView:
 
     def received_bound(self, n_G, fn: int, fd: int) -> np.ndarray | None:
         """An upper bound, int64 ``[G]``, on the pairs each rank can receive with ``n_G`` instances
-        while it retains at least ``fn/fd`` of them (``None``: the arithmetic could overflow)."""
-        if self.budget is None:
-            return np.full(len(self.home), _BIG, dtype=np.int64)
+        while it retains at least ``fn/fd`` of them (``None``: the arithmetic could overflow);
+        under a budget."""
         c0 = self._extra.get("c0")
         if c0 is None:  # padding pieces: a constant that keeps L small and positive
             self._extra["c0"] = c0 = np.where(self._c0 == _NEVER, -(1 << 40), self._c0)
@@ -144,10 +141,8 @@ class LedgerView:
         return bool((self.totals(n_G, R_G, k_G, rec_G) > self.budget).any())
 
     def exact_fit(self, n_G, R_G, k_G) -> tuple[str, np.ndarray, np.ndarray]:
-        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once."""
+        """:meth:`Ledger.exact_fit` of an exact plan, every rank at once (under a budget)."""
         n_G, R_G, k_G = (np.asarray(x, dtype=np.int64) for x in (n_G, R_G, k_G))
-        if self.budget is None:
-            return "fits", np.zeros_like(k_G), self.totals(n_G, R_G, k_G)
         rec = np.zeros_like(k_G)
         short = self.totals(n_G, R_G, k_G) > self.budget
         if short.any():
@@ -236,19 +231,21 @@ class LedgerView:
 
 def _plan_view(ledger, plan, priced=False) -> tuple[LedgerView, np.ndarray, np.ndarray, np.ndarray]:
     """The view for ``plan``'s home pairs and its per-rank ``(instances, received, retained)``."""
-    a = plan.assign_GGS.numpy()
-    home = a.sum((1, 2))
-    if plan.dropped_GE is not None:
-        home = home + plan.dropped_GE.numpy().sum(1)
-    view = LedgerView(ledger, home, exact=plan.exact, priced=priced)
-    n = (plan.inst_expert_GS.numpy() >= 0).sum(1)
-    return view, n, a.sum((0, 2)), plan.retain_GGS.numpy().sum((0, 2))
+    n, R, home, k = plan_counts(plan)
+    return LedgerView(ledger, home, exact=plan.exact, priced=priced), n, R, k
 
 
 def plan_exact_fit(ledger, plan) -> tuple[str, np.ndarray, np.ndarray]:
     """:meth:`Ledger.exact_fit` of ``plan``, vectorised."""
     view, n, R, k = _plan_view(ledger, plan)
     return view.exact_fit(n, R, k)
+
+
+def plan_raise_if_over(ledger, plan) -> None:
+    """The ledger's own error where the exact ``plan`` (static's, capacity's) exceeds the budget."""
+    if ledger is not None and ledger.budget_bytes is not None:
+        view, n, R, k = _plan_view(ledger, plan)
+        view.raise_if_over(n, R, k, None, "the plan")
 
 
 def plan_totals(ledger, plan) -> np.ndarray:

@@ -69,7 +69,7 @@ class LrmoeConfig:
                                     "or 'auto'")
 
 
-def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
+def slots_per_rank(cfg: LrmoeConfig, G: int, E: int) -> int:
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     n_nat = E // G
     S = cfg.max_slots_per_rank if cfg.max_slots_per_rank is not None else n_nat + 2
@@ -78,13 +78,12 @@ def _slots(cfg: LrmoeConfig, G: int, E: int) -> int:
     return S
 
 
-def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, config: LrmoeConfig | None = None,
+def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, cfg: LrmoeConfig,
                 ledger=None) -> np.ndarray:
     """Pass 1 alone: the placement ``[G, S]`` for experts' total pairs ``total_E`` and
     home ranks' pairs ``home_G`` (``placement="previous"``'s prepared part)."""
-    cfg = config or LrmoeConfig()
     G, E = len(home_G), len(total_E)
-    return _place(np.asarray(total_E, dtype=np.int64), _slots(cfg, G, E), cfg,
+    return _place(np.asarray(total_E, dtype=np.int64), slots_per_rank(cfg, G, E), cfg,
                   LedgerView(ledger, home_G))[0]
 
 
@@ -128,7 +127,7 @@ def plan_lrmoe(counts_GE: Tensor, config: LrmoeConfig | None = None, ledger=None
         return Planned(trimmed.plan, trimmed.kept)
     G, E = counts_GE.shape
     cap = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
-    plan = climb(counts_GE, trimmed, ledger, _slots(cfg, G, E), cap, cfg.whole_layer)
+    plan = climb(counts_GE, trimmed, ledger, slots_per_rank(cfg, G, E), cap, cfg.whole_layer)
     if cfg.link is not None and decide and plan.rung == "plan":
         plan = no_slower_than_static(counts_GE, cfg, ledger, plan, lambda inst: (
             _trimmed(counts_GE, cfg, ledger, inst, None, True).plan))
@@ -139,7 +138,7 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
              slots: Slots | None, hold: bool) -> Trimmed:
     """The trimmed plan (passes 1 to 3), or the :class:`Trimmed` record of its misfit."""
     G, E = counts_GE.shape
-    S = _slots(cfg, G, E)
+    S = slots_per_rank(cfg, G, E)
     c = host_counts(counts_GE)
     require(bool((c >= 0).all()), "counts must be >= 0")
     view = LedgerView(ledger, c.sum(1))
@@ -305,7 +304,7 @@ class LrmoePolicy(Policy):
             self.replaced_placements += 1
         if cfg.placement in HELD:  # micro-batch 0: hold what it placed for the step
             G, E = counts_GE.shape
-            inst = natives_GS(G, _slots(cfg, G, E), E)
+            inst = natives_GS(G, slots_per_rank(cfg, G, E), E)
             inst[:, :plan.S] = plan.inst_expert_GS.numpy()
             self.held[inputs.layer] = Held(inputs.step, inst, Slots(inst, E))
         self.rungs[plan.rung] = self.rungs.get(plan.rung, 0) + 1

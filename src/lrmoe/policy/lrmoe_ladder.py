@@ -67,23 +67,21 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
         n_of = np.bincount(inst[inst >= 0], minlength=E)
         cands = sorted({int(e) for e in inst[hot].ravel() if e >= 0 and total[e] > n_of[e]},
                        key=lambda e: (-total[e] / n_of[e], e))
-        moved = False
         for e in cands:
-            held = set(np.flatnonzero((inst == e).any(1)).tolist())
-            for d in sorted(range(G), key=lambda r: (rank[r], r)):
-                free = np.flatnonzero(inst[d] < 0)
-                if d in held or free.size == 0:
-                    continue
-                trial = inst.copy()
-                trial[d, free[0]] = e
-                tl = loads(trial)
-                tr = tl.sum(1)
-                if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
-                    inst, load, moved = trial, tl, True
-                break  # only the least-loaded destination, as pass 1
-            if moved:
+            held = (inst == e).any(1)
+            # only the least-loaded destination with a free slot, as pass 1
+            d = next((r for r in sorted(range(G), key=lambda r: (rank[r], r))
+                      if not held[r] and (inst[r] < 0).any()), None)
+            if d is None:
+                continue
+            trial = inst.copy()
+            trial[d, np.flatnonzero(inst[d] < 0)[0]] = e
+            tl = loads(trial)
+            tr = tl.sum(1)
+            if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
+                inst, load = trial, tl
                 break
-        if not moved:
+        else:  # no candidate lowers the maximum
             break
         added += 1
     return inst
@@ -120,7 +118,7 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
-        return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst), None), rung="layer")
+        return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst)), rung="layer")
     if whole_layer:  # what the last rung needed: the natives' whole-layer totals
         last = dataclasses.replace(natives, layer_checkpoint=True)
         rungs = RUNGS

@@ -15,7 +15,7 @@ from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.link_cost import plan_seconds, prefix_seconds, replica_rows_GG
 from lrmoe.policy.lrmoe_place import MoveLog, natives_GS
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.plan_numpy import Slots
+from lrmoe.policy.plan_numpy import Slots, host_counts
 
 
 def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S: int
@@ -77,7 +77,7 @@ CLEAR_GAIN = 0.10
 def _clearly_faster(counts_GE, cfg, ledger, plan: Plan) -> bool:
     """Whether :func:`prefix_seconds`, from per-rank sums, puts ``plan`` more than
     :data:`CLEAR_GAIN` ahead of static's placement."""
-    c = np.asarray(counts_GE.numpy() if hasattr(counts_GE, "numpy") else counts_GE)
+    c = host_counts(counts_GE)
     G, E = c.shape
     view = LedgerView(ledger, c.sum(1))
     load0 = c.sum(0).reshape(G, E // G).sum(1)

@@ -189,8 +189,11 @@ class _Greedy:
         found = self._try_dest(e, d, m)
         if found is not None or not self.budget:
             return found
-        if m.room is None:
-            m.room = _room(self.view, self.load, self.n_inst, m.fn, m.fd, self.monotone)
+        if m.room is None:  # per rank, a bound on the pairs a replica may bring it and pass
+            bound = (self.view.received_bound(np.array(self.n_inst, dtype=np.int64) + 1, m.fn, m.fd)
+                     if self.monotone else None)
+            m.room = ([math.inf] * G if bound is None
+                      else (bound - np.array(self.load, dtype=np.int64)).tolist())
         m.dests = m.dests or sorted(self.key)
         q = self.total[e] // (len(was) + 1)  # the least the replica brings
         for k in m.dests:
@@ -249,12 +252,3 @@ class _Greedy:
         self.kept[r] = k
         self.ratio[r] = k / R if R else math.inf
 
-
-def _room(view: LedgerView, load: list[int], n_inst: list[int], fn: int, fd: int,
-          monotone: bool) -> list[float]:
-    """Per rank, an upper bound on the pairs a replica may bring it and still pass
-    ``_try_dest``'s test (:meth:`LedgerView.received_bound`; inf where there is none)."""
-    R = view.received_bound(np.array(n_inst, dtype=np.int64) + 1, fn, fd) if monotone else None
-    if R is None:
-        return [math.inf] * len(load)
-    return (R - np.array(load, dtype=np.int64)).tolist()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.errors import LrmoeError
 from lrmoe.policy.ledger_view import LedgerView
 from lrmoe.policy.plan_numpy import apportion_rows_np
 
@@ -39,11 +38,8 @@ def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
         return assign_IG, rec, keep  # all retained: the same array (the caller copies)
     # a rank that retains everything keeps every block whole; the others split
     base_GS = (load_GS[short] > 0).astype(np.int64)
+    # rest_G >= 0: the placement pass leaves every rank room for one pair per instance
     rest_G = keep[short] - base_GS.sum(1)
-    if (rest_G < 0).any():  # the placement pass guarantees this never happens
-        r = int(short[np.flatnonzero(rest_G < 0)[0]])
-        raise LrmoeError(f"lrmoe planner: rank {r} cannot retain one pair per instance "
-                         "(internal error: please report)")
     quota_GS = base_GS + apportion_rows_np(rest_G, load_GS[short] - base_GS)
     rows = (short[:, None] * S + np.arange(S)).ravel()
     retain = assign_IG.copy()

@@ -47,12 +47,8 @@ class Plan:
     @functools.cached_property
     def exact(self) -> bool:
         """True when every pair is retained and selected (the backward is exact)."""
-        return self.all_retained and self.all_selected
-
-    @functools.cached_property
-    def all_retained(self) -> bool:
-        """Every assigned pair keeps its activations (retain = assign)."""
-        return bool(np.array_equal(self.assign_GGS.numpy(), self.retain_GGS.numpy()))
+        return (bool(np.array_equal(self.assign_GGS.numpy(), self.retain_GGS.numpy()))
+                and self.all_selected)
 
     @functools.cached_property
     def all_selected(self) -> bool:
@@ -150,14 +146,9 @@ def native_plan(counts_GE: Tensor | np.ndarray) -> Plan:
                                                 a.copy(), a.copy(), a.copy())))
 
 
-def layer_checkpoint_plan(plan: Plan, ledger) -> Plan | None:
-    """``plan``'s placement as an exact whole-layer-checkpointed plan; None when over budget."""
+def layer_checkpoint_plan(plan: Plan) -> Plan:
+    """``plan``'s placement and assignment as an exact whole-layer-checkpointed plan."""
     a = plan.assign_GGS
-    out = dataclasses.replace(plan, retain_GGS=a.clone(), select_GGS=a.clone(),
-                              recompute_G=None, layer_checkpoint=True)
-    if ledger is None or ledger.budget_bytes is None:
-        return out
-    if max(t["total"] for t in ledger.rank_terms(out)) > ledger.budget_bytes:
-        return None
-    return out
+    return dataclasses.replace(plan, retain_GGS=a.clone(), select_GGS=a.clone(),
+                               recompute_G=None, layer_checkpoint=True)
 

@@ -18,9 +18,9 @@ _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay o
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
-    """:func:`lrmoe.policy.capacity.apportion` along rows: ``total_K[k]`` units over row
-    ``k``'s entries; the unique key ``remainder·N + (N-1-n)`` makes one sort per row give
-    the stable largest-remainder order."""
+    """Largest remainder along rows: ``total_K[k]`` units over row ``k``'s entries in proportion
+    to them, ties to the lower entry; the unique key ``remainder·N + (N-1-n)`` makes one
+    sort per row give the stable largest-remainder order."""
     w = np.asarray(weight_KN, dtype=np.int64)
     total = np.asarray(total_K, dtype=np.int64)
     W = w.sum(1)
@@ -116,13 +116,11 @@ def blocks_to_GGS(x_IG: np.ndarray, G: int, S: int) -> np.ndarray:
 
 
 def to_plan(inst_GS: np.ndarray, assign_GGS: np.ndarray, retain_GGS: np.ndarray,
-            select_GGS: np.ndarray, **extra) -> Plan:
+            select_GGS: np.ndarray, recompute_G: np.ndarray | None = None) -> Plan:
     """A :class:`Plan` of torch int64 tensors sharing the arrays' memory."""
-    t = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-         for a in (inst_GS, assign_GGS, retain_GGS, select_GGS)]
-    extra = {k: None if v is None else torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
-             for k, v in extra.items()}
-    return Plan(*t, **extra)
+    t = [None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+         for a in (inst_GS, assign_GGS, retain_GGS, select_GGS, recompute_G)]
+    return Plan(*t[:4], recompute_G=t[4])
 
 
 def host_counts(counts_GE) -> np.ndarray:

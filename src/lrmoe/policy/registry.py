@@ -10,7 +10,7 @@ from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.base import Policy
 from lrmoe.policy.capacity import CapacityPolicy
-from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, slots_per_rank
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.policy.symi import DEFAULT_EXTRA_SLOTS, SymiPolicy
 
@@ -67,10 +67,7 @@ def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
         require(lc.keep != "auto" or cfg.fidelity.every > 0,
                 "--lrmoe-keep auto needs the fidelity monitor: give "
                 "--lrmoe-fidelity-every N with N > 0")
-        if lc.max_slots_per_rank is not None:
-            require(lc.max_slots_per_rank >= n_nat,
-                    f"lrmoe.max_slots_per_rank={lc.max_slots_per_rank} must be >= E/G = "
-                    f"{n_nat}")
+        slots_per_rank(lc, G, E)  # refuses max_slots_per_rank below E/G
         return LrmoePolicy(lc)
     raise LrmoeError(f"policy name={cfg.name!r} is not known; use one of "
                      f"{', '.join(POLICY_NAMES)}")

@@ -62,9 +62,10 @@ def _give_up(cnt: list[int], diff: list[float], n: int) -> list[int]:
     return order
 
 
-def _rounded(pop_E: Tensor | None, E: int, total_slots: int
-             ) -> tuple[list[int], list[float]]:
-    """SYMI's rounding, with heaps: ``(cnt, diff)`` after it."""
+def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int
+                        ) -> tuple[list[int], list[float]]:
+    """SYMI's rounding, with heaps: ``(cnt, diff)`` after it, ``cnt`` integers >= 1 summing
+    to ``total_slots``."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
     if n > total_slots:
@@ -81,15 +82,10 @@ def _rounded(pop_E: Tensor | None, E: int, total_slots: int
     return cnt, diff
 
 
-def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int) -> list[int]:
-    """SYMI's rounding to integers >= 1 summing to ``total_slots``, with heaps."""
-    return _rounded(pop_E, E, total_slots)[0]
-
-
 def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list[int], list[int]]:
     """``(cnt, order)``: SYMI's replica counts and the experts whose replicas its
     decrement loop, run on, gives up first."""
-    cnt, diff = _rounded(pop_E, E, total_slots)
+    cnt, diff = replica_counts_heap(pop_E, E, total_slots)
     return cnt, _give_up(list(cnt), diff, sum(cnt) - E)
 
 
@@ -114,7 +110,7 @@ def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
     require(isinstance(s, int) and s >= E // G,
             f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
             "its native experts)")
-    return contiguous(replica_counts_heap(prev_counts_E, E, G * s), G, s)
+    return contiguous(replica_counts_heap(prev_counts_E, E, G * s)[0], G, s)
 
 
 def plan_symi(counts_GE: Tensor, slots_per_rank: int, prev_counts_E: Tensor | None = None,

@@ -63,7 +63,7 @@ def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
     plans = (native_plan(counts_matrix([int(x) for x in c.tolist()], G, home))
              for step in counts_E for c in step)
     return max(t["total"] for plan in plans
-               for t in led.rank_terms(layer_checkpoint_plan(plan, None)))
+               for t in led.rank_terms(layer_checkpoint_plan(plan)))
 
 
 def calibrate(cfg, mcfg, batches, val_b, link, log, run, led) -> FloorBudget:

@@ -354,7 +354,7 @@ _EXACT_RUNG = {"fits": "plan", "pairs": "recompute", "layer": "layer"}
 def _out_of_memory(ledger, plan: Plan, totals) -> OutOfMemory:
     """The verdict for an exact plan over budget even with a whole-layer checkpoint: the
     ledger's own line for the worst rank's layer-checkpoint terms."""
-    counts = ledger._rank_counts(plan, None)
+    counts = ledger._rank_counts(plan)
     r = int(totals.argmax())
     n, R, h, _ = counts[r]
     detail = ledger.describe(r, ledger.layer_terms(n, R, h))  # the terms its need counts

@@ -379,7 +379,7 @@ class OneBlock:
     reads, in numpy rather than torch, so no op touches them."""
 
     P: int
-    exact = all_retained = all_selected = True
+    exact = all_selected = True
     recompute_G = None
 
     @property

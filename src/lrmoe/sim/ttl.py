@@ -56,8 +56,8 @@ from lrmoe.parallel.groups import ParallelContext
 from lrmoe.policy.lrmoe import HELD
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.sim import ttl_budget
-from lrmoe.sim.cost import STAGES, accumulated_times, live, rank_bytes
-from lrmoe.sim.links import get_link, link_cost
+from lrmoe.sim.cost import STAGES, accumulated_times, live
+from lrmoe.sim.links import get_link, link_cost, rank_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at

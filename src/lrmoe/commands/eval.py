@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lrmoe.cli_flags import check_int
 from lrmoe.errors import LrmoeError
 
 
@@ -55,8 +56,6 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     cfg = TrainConfig.from_flat({k: v for k, v in saved.get("train", {}).items()
                                  if k in FLAT_NAMES})
     if eval_batches is not None:
-        if eval_batches < 1:
-            raise LrmoeError(f"--eval-batches {eval_batches} must be >= 1")
         cfg.eval_batches = eval_batches
     mcfg = ModelConfig.from_hf_dict(saved["model"])
     if device == "cuda" and not torch.cuda.is_available():
@@ -84,9 +83,9 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int("threads", args.threads, 1, allow_none=True)
+    check_int("eval_batches", args.eval_batches, 1, allow_none=True)
     if args.threads is not None:
-        if args.threads < 1:
-            raise LrmoeError(f"--threads {args.threads} must be >= 1")
         import torch
         torch.set_num_threads(args.threads)
     r = evaluate_run(args.run_dir, args.eval_batches, args.device)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lrmoe.cli_flags import check_num
 from lrmoe.commands.columns import aligned, fmt
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
@@ -144,8 +144,7 @@ def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], lis
     bad = [G for G in eps if E % G]
     require(not bad, f"--ep-list={args.ep_list!r}: {bad} do not divide the number of experts {E}")
     budgets = _budget_list(args.budgets)
-    require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
-            f"--gemm-tflops={args.gemm_tflops} must be a positive number")
+    check_num("gemm_tflops", args.gemm_tflops, 0.0, open_low=True)
     if args.json:  # fail before the work, not after
         parent = Path(args.json).resolve().parent
         require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")

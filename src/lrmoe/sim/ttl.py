@@ -348,7 +348,7 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, opts, planner_ledger, sync, rec_ledger)
+    em = Emulator(model, G, policy, opts, planner_ledger, rec_ledger)
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)

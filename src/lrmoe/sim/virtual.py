@@ -151,7 +151,7 @@ class VirtualExchange(torch.autograd.Function):
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
         # bench ttl does not charge it as non-MoE time)
         grads = (*(torch.cat(t) for t in grads_G), None)
-        stats.bwd_end_s = _now(dout_NH.device)
+        stats.bwd_end_s = now(dout_NH.device)
         return grads
 
 
@@ -355,7 +355,7 @@ def _out_of_memory(ledger, plan: Plan, totals) -> OutOfMemory:
                        f"checkpoint: {detail}", int(totals.max()), ledger.budget_bytes, detail)
 
 
-def _now(dev: torch.device) -> float:
+def now(dev: torch.device) -> float:
     """``perf_counter`` after the device's queued work (a wall time of device work)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

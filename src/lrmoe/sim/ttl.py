@@ -145,8 +145,7 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
                       recompute=name == "symi" and ledger is not None)
-    exact = name != "lrmoe"
-    return pc, (None if name == "static" else ledger), (ledger if exact else None), note
+    return pc, (None if name == "static" else ledger), (None if name == "lrmoe" else ledger), note
 
 
 def _eval_steps(t: TrainConfig) -> list[int]:

@@ -17,7 +17,7 @@ from lrmoe.cli_flags import BENCH, add_policy_flags, check_int, check_policy_fla
 from lrmoe.commands.columns import fmt
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError, require
+from lrmoe.errors import require
 from lrmoe.train import rundir
 from lrmoe.train.checkpoint import atomic_write_text
 from lrmoe.units import fmt_bytes
@@ -297,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = TTLConfig.from_flat(**flat)
     check_ttl_config(cfg)  # before --out is touched
     check_int("threads", args.threads, 1, allow_none=True)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise LrmoeError("--device cuda: no CUDA device is available")
+    require(args.device != "cuda" or torch.cuda.is_available(),
+            "--device cuda: no CUDA device is available")
     out = Path(args.out)
     rundir.check_bench_out(out, args.reuse is not None)  # reads only: before any work
     was_empty = not out.exists() or not any(out.iterdir())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ LINKS: dict[str, Link] = {
 
 
 def get_link(name: str) -> Link:
-    if name not in LINKS:
-        raise LrmoeError(f"--link {name!r} is not known; use one of {', '.join(LINKS)}")
+    require(name in LINKS, f"--link {name!r} is not known; use one of {', '.join(LINKS)}")
     return LINKS[name]
 
 

@@ -41,7 +41,6 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at
 from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, policy_variant, recorded_settings
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
+from lrmoe.sim.virtual import now
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.tokenizer import check_vocab
@@ -272,7 +272,6 @@ class _PolicyRun:
     autocast: object
     ctx: object
     dev: torch.device
-    sync: Callable[[], None]  # waits for the device's queued work
     ledger: Ledger | None
     offload: object  # lrmoe.sim.offload.OffloadModel with host offload, else None
     note: str
@@ -343,7 +342,6 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     model.set_activation_checkpoint(t.activation_checkpoint)
     if t.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
@@ -355,7 +353,7 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if offload is not None:
         note += f", optimizer offload to host ({offload.layout} layout)"
     return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
-                      ParallelContext(device=dev), dev, sync, ledger, offload, note)
+                      ParallelContext(device=dev), dev, ledger, offload, note)
 
 
 def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
@@ -368,11 +366,11 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
     micro, clock, N = [], {}, t.grad_accum
 
     def on_micro(m: int, pair) -> None:
-        run.sync()
+        t = now(run.dev)
         if pair is None:
-            run.em.wall, clock["t0"] = 0.0, time.perf_counter()
+            run.em.wall, clock["t0"] = 0.0, t
             return
-        micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
+        micro.append((run.em.stats(), t - clock["t0"], run.em.wall))
         release_graph(run.model)  # the aux losses hold the step's graph
     # a profiler range (free without a profiler), which benchmarks/non_moe_profile.py reads
     with torch.profiler.record_function("ttl:step"):
@@ -381,8 +379,8 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
                           run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
         t0 = time.perf_counter()
         update(run.model, run.opt, run.sched, t.clip, run.ctx)
-        run.sync()
-    opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
+        opt_wall = now(run.dev) - t0
+    loss = float(sums[0]) / N
     if not math.isfinite(loss):
         raise LrmoeError(f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
     return micro, opt_wall, loss

@@ -120,12 +120,10 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     measured planning time and, when it fits, the modelled ms per MoE layer by stage and × L."""
     G = ledger.G
     row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
-           "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
-           "recompute_ratio": None, "layer_checkpoint_share": None, "replicas": None,
-           "planning_ms": None,
-           "slots_per_rank": None,
-           "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
-           "lrmoe_over_symi": None}
+           **dict.fromkeys(("reason", "peak_bytes", "keep_ratio", "retain_ratio", "recompute_ratio",
+                            "layer_checkpoint_share", "replicas", "planning_ms", "slots_per_rank",
+                            "modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms",
+                            "lrmoe_over_symi"))}
     floor = max(t["total"] for t in ledger.feasible_minimum())
     if floor > ledger.budget_bytes:
         row["reason"] = (f"owned state and native instances alone need {fmt_bytes(floor)} "

@@ -530,14 +530,6 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     return out
 
 
-def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
-    """Run every policy and return the report dict, calling ``on_policy(name, result)``
-    after each (to save partial results); a policy that fails is reported with
-    ``failed`` and the steps it made."""
-    with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
-        return _bench_ttl(cfg, log, on_policy)
-
-
 @dataclass
 class _Data:
     """What every policy's run reads: the model config (vocabulary from the tokenizer),
@@ -549,57 +541,61 @@ class _Data:
     val_b: list
 
 
-def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    check_ttl_config(cfg)
-    G = cfg.train.ep
-    policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
-    variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
-    link = get_link(cfg.link)
-    mcfg = resolve_model_config(cfg.train, vocab_size=None)
-    require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
-                                       f"{mcfg.num_experts}")
-    ledger, rule = None, None
-    if cfg.train.mem_budget is not None:
-        home = cfg.train.batch_size // G * cfg.train.seq_len
-        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
-        ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
-                             "even the native experts with one retained pair per instance")
-    data = _load_data(cfg)
-    reused = _probe(cfg, data, variants)
-    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
-                                     run_policy, static_floor_ledger(cfg, data.mcfg)))
-        ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
-        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
-            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
-    results, profile = {}, None
-    for p in policies:
-        if p in reused:
-            log(f"[{p}] reused from {cfg.reuse}")
-            results[p] = reused[p]
-        else:
-            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
-                                             profile, rule)
-            if p == "static":  # symi's profile: static's routing and GEMM rate
-                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
-                                            data.mcfg.hidden_size,
-                                            data.mcfg.moe_intermediate_size)
-                profile = (*_profile(counts_GE), rate)
-        if on_policy is not None:
-            on_policy(p, results[p])
-    target = _reach_target(cfg, results)
-    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
-              if variants[p][0] == "lrmoe"}
-    offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
-    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
-            "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
-            "budget_bytes": None if ledger is None else ledger.budget_bytes,
-            "budget_rule": None if rule is None else rule.record(),
-            "offload_model": offload_model, "target": target,
-            "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
-            "ratios_over_symi_time_to_target_emulated": ratios,
-            "measured_vs_modelled": __doc__, "policies": results}
+def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
+    """Run every policy and return the report dict, calling ``on_policy(name, result)``
+    after each (to save partial results); a policy that fails is reported with
+    ``failed`` and the steps it made."""
+    with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
+        check_ttl_config(cfg)
+        G = cfg.train.ep
+        policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
+        variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
+        link = get_link(cfg.link)
+        mcfg = resolve_model_config(cfg.train, vocab_size=None)
+        require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
+                                           f"{mcfg.num_experts}")
+        ledger, rule = None, None
+        if cfg.train.mem_budget is not None:
+            home = cfg.train.batch_size // G * cfg.train.seq_len
+            ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
+            ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
+                                 "even the native experts with one retained pair per instance")
+        data = _load_data(cfg)
+        reused = _probe(cfg, data, variants)
+        if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+            rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                    ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
+                                         run_policy, static_floor_ledger(cfg, data.mcfg)))
+            ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
+            log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+                f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
+        results, profile = {}, None
+        for p in policies:
+            if p in reused:
+                log(f"[{p}] reused from {cfg.reuse}")
+                results[p] = reused[p]
+            else:
+                results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
+                                                 profile, rule)
+                if p == "static":  # symi's profile: static's routing and GEMM rate
+                    rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
+                                                data.mcfg.hidden_size,
+                                                data.mcfg.moe_intermediate_size)
+                    profile = (*_profile(counts_GE), rate)
+            if on_policy is not None:
+                on_policy(p, results[p])
+        target = _reach_target(cfg, results)
+        ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
+                  if variants[p][0] == "lrmoe"}
+        offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
+        return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
+                "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
+                "budget_bytes": None if ledger is None else ledger.budget_bytes,
+                "budget_rule": None if rule is None else rule.record(),
+                "offload_model": offload_model, "target": target,
+                "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
+                "ratios_over_symi_time_to_target_emulated": ratios,
+                "measured_vs_modelled": __doc__, "policies": results}
 
 
 def _load_data(cfg: TTLConfig) -> _Data:

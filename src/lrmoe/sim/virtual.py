@@ -232,9 +232,6 @@ class VirtualEPLayer:
         self.stats: VirtualStats | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.forward(x)
-
-    def forward(self, x: Tensor) -> Tensor:
         """The whole layer on the global tokens: the router, the routed experts over the G
         virtual ranks (:meth:`routed`), the shared experts."""
         layer, H = self.layer, x.shape[-1]

@@ -54,16 +54,27 @@ class OffloadModel:
     layout: str  # "owner" or "sharded" (:func:`offload_for`)
     overlap: MeasuredOverlap | None = field(default_factory=lambda: MEASURED_OVERLAP)
 
+    @property
+    def host_params(self) -> int:
+        """Parameters whose optimizer state one rank's host holds, per layer."""
+        return self.E // self.G * self.P_params
+
+    def rank_bytes(self) -> dict[str, list[int]]:
+        """Per offload stage, each rank's bytes for one layer (the same whatever its slots)."""
+        pcie = [self.host_params * self.bytes_w] * self.G
+        return {"opt_d2h": pcie, "opt_h2d": list(pcie),
+                "opt_host_update": [self.host_params * (HOST_UPDATE_FP32_BYTES
+                                                        + 2 * self.bytes_w)] * self.G}
+
     def rank_seconds(self, inst_expert_GS, link: Link) -> dict[str, list[float]]:
-        """MODELLED seconds per rank of the offload stages (each rank's host holds the
-        optimizer state of its E/G experts, whatever its slots) and, sharded, of
-        ``weight_scatter`` and ``grad_reduce`` on the EP ``link``."""
-        host = self.E // self.G * self.P_params  # parameters per layer
+        """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
+        ``grad_reduce`` on the EP ``link``."""
+        b = self.rank_bytes()
+        hl = PCIE5_X16
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
-        pcie = f * (host * self.bytes_w / PCIE5_X16.effective_Bps + PCIE5_X16.latency_s)
-        update = f * (host * (HOST_UPDATE_FP32_BYTES + 2 * self.bytes_w)) / HOST_MEM_BPS
-        out = {"opt_d2h": [pcie] * self.G, "opt_h2d": [pcie] * self.G,
-               "opt_host_update": [update] * self.G}
+        out = {k: [f * (x / hl.effective_Bps + hl.latency_s) for x in b[k]]
+               for k in ("opt_d2h", "opt_h2d")}
+        out["opt_host_update"] = [f * x / HOST_MEM_BPS for x in b["opt_host_update"]]
         for ex, m in self._sharded_GG(inst_expert_GS).items():
             out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out

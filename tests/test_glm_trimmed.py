@@ -61,7 +61,7 @@ def make_model(seed: int) -> tuple[MoEForCausalLM, torch.Tensor]:
 def emulated(model, ids, policy, opts, ledger=None):
     """Gradients of ``model`` trained through the emulator, the plan of each MoE layer
     and, per MoE layer, the mask ``[N, K]`` of the pairs its backward sent to an expert."""
-    vm = Emulator(model, G, policy, opts, ledger, lambda: None)
+    vm = Emulator(model, G, policy, opts, ledger)
     calls: list = []  # shipped pairs, per call: G home ranks in turn, layer by layer
     real = stages.home_backward
 

@@ -254,7 +254,7 @@ def test_emulator_charges_the_optimizer_and_symi_exchanges_once_per_step():
     from lrmoe.presets import get_preset
     from lrmoe.sim.cost import accumulated_times, step_times
     from lrmoe.sim.links import LINKS
-    from lrmoe.sim.offload import OffloadModel
+    from lrmoe.sim.offload import HOST_MEM_BPS, PCIE5_X16, OffloadModel
     cfg = get_preset("tiny-qwen3")
     G, E = 4, cfg.num_experts
     _, micro = _symi_micro(_pop(cfg, 5), 3, G)
@@ -262,10 +262,10 @@ def test_emulator_charges_the_optimizer_and_symi_exchanges_once_per_step():
     P = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     off = OffloadModel(E, G, P, 4, "sharded")
     outs, step = accumulated_times([[s] for s in micro], link, [0.1, 0.2, 0.3], 0.5, off)
-    hl = off.host_link
+    hl = PCIE5_X16
     pcie = E // G * P * 4 / hl.effective_Bps + hl.latency_s
     assert step.opt_d2h == pytest.approx(pcie) and step.opt_h2d == pytest.approx(pcie)
-    assert step.opt_host_update == pytest.approx(E // G * P * 32 / off.host_mem_Bps)
+    assert step.opt_host_update == pytest.approx(E // G * P * 32 / HOST_MEM_BPS)
     # each rank gathers (G-1)/G of its E/G + 2 slots' weights, once
     want = (E // G + 2) * P * 4 * (G - 1) / G / link.effective_Bps + link.latency_s * (G - 1)
     assert step.weight_scatter == pytest.approx(want)

@@ -52,6 +52,12 @@ def test_bench_refuses_integers_beyond_range_before_writing(tmp_path, capsys, fl
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--eval-batches", "--threads"])
+def test_eval_refuses_a_count_below_one_before_reading_the_run(tmp_path, capsys, flag):
+    assert main(["eval", str(tmp_path), flag, "0"]) == 2
+    one_error_line(capsys.readouterr().err, flag, ">= 1")
+
+
 def test_train_refuses_a_run_whose_token_count_leaves_int64(tmp_path, text, capsys):
     out = tmp_path / "out"
     assert train(out, text, "--steps", "1", "--grad-accum", str(2**63 - 1)) == 2

@@ -134,7 +134,7 @@ def test_step_times_charge_the_offload_stages():
     from lrmoe.sim.analytic import modelled_stats
     from lrmoe.sim.cost import step_times
     from lrmoe.sim.links import LINKS
-    from lrmoe.sim.offload import OffloadModel
+    from lrmoe.sim.offload import HOST_MEM_BPS, PCIE5_X16, OffloadModel
 
     cfg = get_preset("tiny-qwen3")
     G, E = 4, cfg.num_experts
@@ -147,9 +147,9 @@ def test_step_times_charge_the_offload_stages():
     m = OffloadModel(E, G, P, 4, "sharded")
     base, off = step_times(st, link), step_times(st, link, offload=m)
     assert base.opt_d2h == base.opt_host_update == base.opt_h2d == 0.0
-    pcie = E // G * P * 4 / m.host_link.bandwidth_Bps + m.host_link.latency_s
+    pcie = E // G * P * 4 / PCIE5_X16.bandwidth_Bps + PCIE5_X16.latency_s
     assert off.opt_d2h == pytest.approx(pcie) and off.opt_h2d == pytest.approx(pcie)
-    assert off.opt_host_update == pytest.approx(E // G * P * 32 / m.host_mem_Bps)
+    assert off.opt_host_update == pytest.approx(E // G * P * 32 / HOST_MEM_BPS)
     # the sharded scatter: each rank gathers (G-1)/G of its E/G + 2 slots' weights
     want = (E // G + 2) * P * 4 * (G - 1) / G / link.effective_Bps + link.latency_s * (G - 1)
     assert off.weight_scatter == pytest.approx(want)

@@ -269,7 +269,7 @@ def test_emulator_charges_the_measured_overlap(monkeypatch):
     b = serial.rank_bytes()
     assert b["opt_d2h"] == b["opt_h2d"] == [E // G * P * 2] * G  # bf16 down and up
     full = serial.rank_seconds(None, None)
-    link = serial.host_link
+    link = so.PCIE5_X16
     assert full["opt_d2h"][0] == pytest.approx(E // G * P * 2 / link.effective_Bps
                                                + link.latency_s)
     monkeypatch.setattr(so, "MEASURED_OVERLAP", so.MeasuredOverlap(0.4, "offload_step.py, test"))

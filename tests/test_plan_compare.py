@@ -105,6 +105,23 @@ def test_modelled_times_go_through_step_times():
     assert times.weight_scatter == 0.0  # static: every instance is on its owner
 
 
+@pytest.mark.parametrize("name", ["static", "symi", "lrmoe"])
+def test_a_projection_plans_every_sample(name):
+    """Each sample is planned on its own: two samples give the larger of their peaks and
+    the mean of their replicas, as each projects alone."""
+    from lrmoe.sim.analytic import project_policy
+
+    cfg, a = small_cfg(), small_counts()
+    b = a.flip(1) * 3  # another hot expert, three times the pairs: a higher peak
+    ledger = Ledger(cfg, G, 2**40)
+
+    def row(samples):
+        return project_policy(name, cfg, ledger, samples, LINKS["nvlink"], RATE)
+    both, one, other = row([a, b]), row([a]), row([b])
+    assert one["peak_bytes"] < other["peak_bytes"] == both["peak_bytes"]
+    assert both["replicas"] == (one["replicas"] + other["replicas"]) / 2
+
+
 def _emulated_stats(policy, ledger=None):
     """Run the layer over G virtual ranks on CPU (fp32) and return its stats."""
     gen = torch.Generator().manual_seed(1)
@@ -288,6 +305,30 @@ def test_compare_with_trace(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["loads"]["steps_sampled"] == [2, 5] and rep["loads"]["samples"] == 8
     assert all(r["fits"] for r in rep["rows"])
+    trace = read_trace(str(p), json.loads(p.read_text()), 16, 2, 2)
+    _rows_project(rep["rows"], trace.counts(4, 256, 2))  # TINY: 256 tokens per rank
+
+
+def _rows_project(rows: list[dict], samples: list[torch.Tensor]) -> None:
+    """``--compare``'s rows (tiny-qwen3, EP 4, 64MiB, bf16) are the projection of
+    ``samples``, every one of them."""
+    from lrmoe.sim.analytic import project_policy
+
+    cfg = get_preset("tiny-qwen3")
+    ledger = Ledger.for_dtype(cfg, 4, parse_bytes("64MiB"), "bf16")
+    for r in rows:
+        want = project_policy(r["policy"], cfg, ledger, samples, LINKS["nvlink"], 440e12)
+        assert _unmeasured(r) == _unmeasured({"budget": "64MiB", **want}), r["policy"]
+
+
+def test_compare_with_a_loads_file(tmp_path, capsys):
+    p = tmp_path / "loads.json"
+    counts = torch.arange(1, 17).repeat(4, 1) * 50  # [G, E]: expert 15 the hottest
+    p.write_text(json.dumps(counts.tolist()))
+    rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "4", "--budgets", "64MiB",
+                            "--loads", str(p))
+    assert rc == 0, cap.err
+    _rows_project(json.loads(out.read_text())["rows"], [counts])
 
 
 def test_trace_errors_are_one_line_exit_2(tmp_path, capsys):

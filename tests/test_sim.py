@@ -395,14 +395,15 @@ def test_step_times_from_stats():
     link = LINKS["nvlink"]
     st = step_times(stats, link, non_moe_s=1e-3)
     assert isinstance(st, StepTimes) and st.label == "emulated"
-    want = max(alltoall_time(rank_bytes(stats.bytes_GG["fwd_dispatch"]), [0] * G, link, G))
+    want = max(alltoall_time(rank_bytes(stats.bytes_GG["fwd_dispatch"]), link, G))
     assert st.fwd_dispatch == pytest.approx(want)
     assert st.fwd_experts == pytest.approx(max(stats.expert_ms["fwd"]) / 1e3)
     assert st.total == pytest.approx(sum(st.stages().values()) + 1e-3)
     assert st.weight_scatter > 0
     # bandwidth model: 450 GB/s at its all-to-all efficiency, 3 us per peer message
-    t = alltoall_time([450e9, 0], [0, 225e9], link, 2)
-    assert t == pytest.approx([1.0 / link.efficiency + 3e-6, 0.5 / link.efficiency + 3e-6])
+    t = alltoall_time(rank_bytes([[0, 450e9, 0], [0, 0, 225e9], [0, 0, 0]]), link, 3)
+    one = 1.0 / link.efficiency
+    assert t == pytest.approx([one + 6e-6, one + 6e-6, one / 2 + 6e-6])
 
 
 def test_an_exchange_without_traffic_costs_nothing():

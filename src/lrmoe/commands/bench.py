@@ -17,7 +17,7 @@ from lrmoe.cli_flags import BENCH, add_policy_flags, check_int, check_policy_fla
 from lrmoe.commands.columns import fmt
 from lrmoe.commands.train import bytes_or_all
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 from lrmoe.train import rundir
 from lrmoe.train.checkpoint import atomic_write_text
 from lrmoe.units import fmt_bytes
@@ -58,8 +58,7 @@ def _policies_and_budget(t) -> None:
                         "off a calibration run of static without a budget first), so static "
                         "fits every step by construction; 1.1 is the tight regime of "
                         "RESULTS.md")
-    t.add_argument("--budget-retain-fraction", nargs="?", action=_Replaced,
-                   help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+    t.add_argument("--budget-retain-fraction", nargs="?", const="", help=argparse.SUPPRESS)
 
 
 def _training(t) -> None:
@@ -120,16 +119,6 @@ def _execution(t) -> None:
                    help="an earlier run's ttl.json or ttl_partial.json with the same settings: "
                         "the policies it finished are taken from it, not run again")
     t.add_argument("--out", required=True, help="output directory")
-
-
-class _Replaced(argparse.Action):
-    """``--budget-retain-fraction``: its budget (a fraction of a balanced static rank)
-    left static out of memory at skewed steps; refused, naming the rule that replaced it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was replaced by --budget-floor-fraction X: the budget "
-                     "is X (>= 1) times static's whole-layer floor over the run's routing, "
-                     "which static fits at every step (e.g. --budget-floor-fraction 1.1)")
 
 
 # why a policy's own rule chose replicas it did not place (Plan.given_up_for)
@@ -293,6 +282,11 @@ def run(args: argparse.Namespace) -> int:
     from lrmoe.sim.ttl import bench_ttl
     from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, recorded_settings
 
+    # its budget (a fraction of a balanced static rank) left static out of memory at skewed steps
+    require(args.budget_retain_fraction is None,
+            "--budget-retain-fraction was replaced by --budget-floor-fraction X: the budget is "
+            "X (>= 1) times static's whole-layer floor over the run's routing, which static "
+            "fits at every step (e.g. --budget-floor-fraction 1.1)")
     check_policy_flags({k: getattr(args, k) for k in BENCH})
     known = TTLConfig().flat()
     flat = {RECORDED_AS.get(k, k): v for k, v in vars(args).items()
@@ -303,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = TTLConfig.from_flat(**flat)
     check_ttl_config(cfg)  # before --out is touched
     check_int("threads", args.threads, 1, allow_none=True)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise LrmoeError("--device cuda: no CUDA device is available")
+    require(args.device != "cuda" or torch.cuda.is_available(),
+            "--device cuda: no CUDA device is available")
     out = Path(args.out)
     rundir.check_bench_out(out, args.reuse is not None)  # reads only: before any work
     was_empty = not out.exists() or not any(out.iterdir())

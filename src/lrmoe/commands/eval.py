@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lrmoe.errors import LrmoeError
+from lrmoe.cli_flags import check_int
+from lrmoe.errors import LrmoeError, require
 
 
 def register(sub) -> None:
@@ -41,26 +42,20 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     from lrmoe.train.loop import evaluate, make_autocast, val_windows
 
     run_dir = Path(run_dir)
-    if not run_dir.exists():
-        raise LrmoeError(f"run directory {run_dir} does not exist")
-    if not run_dir.is_dir():
-        raise LrmoeError(f"{run_dir} is a file; eval takes a run directory (the --out of "
-                         "lrmoe train)")
+    require(run_dir.exists(), f"run directory {run_dir} does not exist")
+    require(run_dir.is_dir(), f"{run_dir} is a file; eval takes a run directory (the --out of "
+                              "lrmoe train)")
     saved = read_run_config(run_dir)
-    if saved is None:
-        raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
+    require(saved is not None, f"{run_dir} is not an lrmoe run directory (no config.json)")
     ck = ckpt.latest_checkpoint(run_dir)
-    if ck is None:
-        raise LrmoeError(f"{run_dir} has no checkpoint to evaluate")
+    require(ck is not None, f"{run_dir} has no checkpoint to evaluate")
     cfg = TrainConfig.from_flat({k: v for k, v in saved.get("train", {}).items()
                                  if k in FLAT_NAMES})
     if eval_batches is not None:
-        if eval_batches < 1:
-            raise LrmoeError(f"--eval-batches {eval_batches} must be >= 1")
         cfg.eval_batches = eval_batches
     mcfg = ModelConfig.from_hf_dict(saved["model"])
-    if device == "cuda" and not torch.cuda.is_available():
-        raise LrmoeError("--device cuda was asked for but no CUDA device is available")
+    require(device != "cuda" or torch.cuda.is_available(),
+            "--device cuda was asked for but no CUDA device is available")
     dev = torch.device(device)
     state, _ = ckpt.merged_model_state(ck, "cpu")
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
@@ -84,9 +79,9 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int("threads", args.threads, 1, allow_none=True)
+    check_int("eval_batches", args.eval_batches, 1, allow_none=True)
     if args.threads is not None:
-        if args.threads < 1:
-            raise LrmoeError(f"--threads {args.threads} must be >= 1")
         import torch
         torch.set_num_threads(args.threads)
     r = evaluate_run(args.run_dir, args.eval_batches, args.device)

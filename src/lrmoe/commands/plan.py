@@ -128,14 +128,11 @@ def plan_policy(args: argparse.Namespace, slots: int | None = None) -> PolicyCon
     return policy_config(given)
 
 
-# tokens a home rank routes: beyond this, pairs times bytes per pair leave int64
-TOKENS_PER_RANK_MAX = 2**31 - 1
-
-
 def run(args: argparse.Namespace) -> int:
     # every integer flag in range: no count beyond int64 reaches the planners' int64 arrays
     check_int("ep", args.ep, 1, allow_none=True)
-    check_int("tokens_per_rank", args.tokens_per_rank, 1, high=TOKENS_PER_RANK_MAX)
+    # beyond 2**31 - 1 tokens a home rank routes, pairs times bytes per pair leave int64
+    check_int("tokens_per_rank", args.tokens_per_rank, 1, high=2**31 - 1)
     check_int("seed", args.seed, 0, high=2**64 - 1)
     check_int("trace_steps", args.trace_steps, 1, high=INT64_MAX)
     check_policy_flags({k: getattr(args, k) for k in PLAN})

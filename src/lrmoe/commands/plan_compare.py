@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
+from lrmoe.cli_flags import check_num
 from lrmoe.commands.columns import aligned, fmt
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
@@ -95,43 +95,33 @@ def compare_tables(rows: list[dict]) -> str:
 @dataclass
 class Loads:
     """Where the compared loads come from: a routing trace, a loads file or a synthetic
-    skew. ``record``: as the JSON output names them; ``what``: one line for the header."""
+    skew. ``samples(G)``: the ``[G, E]`` counts at EP size ``G`` (one per sampled (step,
+    layer) of a trace); ``record``: as the JSON output names them; ``what``: one line for
+    the header."""
 
-    args: argparse.Namespace
-    E: int
-    k: int
-    trace: Any = None
-    data: Any = None
-    record: dict = field(default_factory=dict)
-    what: str = ""
-
-    def samples(self, G: int) -> list:
-        """``[G, E]`` counts at EP size ``G``: one per sampled (step, layer) of a trace."""
-        a = self.args
-        if self.trace is not None:
-            return self.trace.counts(G, a.tokens_per_rank, self.k)
-        if self.data is not None:
-            return [load_counts(a.loads, G, self.E, self.data)]
-        return [synthetic_counts(G, self.E, a.tokens_per_rank, self.k, a.skew, a.seed)]
+    samples: Callable[[int], list]
+    record: dict
+    what: str
 
 
 def read_loads(args: argparse.Namespace, E: int, k: int) -> Loads:
     T = args.tokens_per_rank
     if not args.loads:
-        return Loads(args, E, k, record={"source": "synthetic", "skew": args.skew, "seed": args.seed},
-                     what=f"synthetic Zipf skew {args.skew:g} (seed {args.seed}), {T} tokens/rank")
+        return Loads(lambda G: [synthetic_counts(G, E, T, k, args.skew, args.seed)],
+                     {"source": "synthetic", "skew": args.skew, "seed": args.seed},
+                     f"synthetic Zipf skew {args.skew:g} (seed {args.seed}), {T} tokens/rank")
     data = read_json(args.loads)
     if not is_trace(data):
-        return Loads(args, E, k, data=data, record={"source": "file", "file": args.loads},
-                     what=f"loads {args.loads}")
+        return Loads(lambda G: [load_counts(args.loads, G, E, data)],
+                     {"source": "file", "file": args.loads}, f"loads {args.loads}")
     trace = read_trace(args.loads, data, E, k, args.trace_steps)
-    return Loads(args, E, k, trace=trace,
-                 record={"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
-                         "steps_sampled": trace.steps, "samples": len(trace.loads_E),
-                         "observed_skew_max_over_mean": trace.skew},
-                 what=(f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} "
-                       f"(0-based), {len(trace.loads_E)} (step, layer) samples, rescaled to {T} "
-                       f"tokens/rank; observed skew (mean max/mean expert load) {trace.skew:.2f}"))
+    return Loads(lambda G: trace.counts(G, T, k),
+                 {"source": "trace", "file": args.loads, "steps_in_trace": trace.n_steps,
+                  "steps_sampled": trace.steps, "samples": len(trace.loads_E),
+                  "observed_skew_max_over_mean": trace.skew},
+                 f"routing trace {args.loads}: steps {trace.steps} of {trace.n_steps} "
+                 f"(0-based), {len(trace.loads_E)} (step, layer) samples, rescaled to {T} "
+                 f"tokens/rank; observed skew (mean max/mean expert load) {trace.skew:.2f}")
 
 
 def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], list[tuple[str, int]]]:
@@ -144,8 +134,7 @@ def check_compare_args(args: argparse.Namespace, E: int) -> tuple[list[int], lis
     bad = [G for G in eps if E % G]
     require(not bad, f"--ep-list={args.ep_list!r}: {bad} do not divide the number of experts {E}")
     budgets = _budget_list(args.budgets)
-    require(math.isfinite(args.gemm_tflops) and args.gemm_tflops > 0,
-            f"--gemm-tflops={args.gemm_tflops} must be a positive number")
+    check_num("gemm_tflops", args.gemm_tflops, 0.0, open_low=True)
     if args.json:  # fail before the work, not after
         parent = Path(args.json).resolve().parent
         require(parent.is_dir(), f"--json {args.json}: folder {parent} does not exist")

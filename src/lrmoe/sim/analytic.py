@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError, require
+from lrmoe.errors import LrmoeError
 from lrmoe.ledger import Ledger
 from lrmoe.policy.base import PlanInputs
 from lrmoe.policy.link_cost import BWD_FLOPS_PER_HF, FWD_FLOPS_PER_HF, RECOMPUTE_FLOPS_PER_HF
@@ -43,12 +43,8 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     backward (``recompute_mode`` as :meth:`lrmoe.ledger.Ledger.exact_fit`'s: ``pairs`` charge
     their gate_up in the expert backward, a ``layer`` checkpoint :mod:`lrmoe.sim.cost`
     charges); ``plan_ms`` is charged to every rank as the emulator does."""
-    require(rate_flops > 0, f"GEMM rate {rate_flops} flop/s must be > 0")
     H, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     G = plan.G
-    if recompute_rows is not None:
-        require(len(recompute_rows) == G,
-                f"recompute_rows has {len(recompute_rows)} entries, the plan has {G} ranks")
     stats = VirtualStats(plan, recompute_rows=None if recompute_rows is None
                          else [int(n) for n in recompute_rows], recompute_mode=recompute_mode)
 
@@ -81,18 +77,9 @@ def modelled_stats(plan: Plan, cfg: ModelConfig, rate_flops: float, bytes_act: i
     return stats
 
 
-def _timed(ms: list[float], fn, *args):
-    """``fn(*args)``, appending its wall time in ms to ``ms`` (measured, this machine)."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    ms.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def mean_step_times(stats: list[VirtualStats], link: Link, offload=None) -> StepTimes:
     """Stage by stage, the mean over ``stats`` (one layer's step each) of
     :func:`lrmoe.sim.cost.step_times`, labelled ``modelled``."""
-    require(len(stats) > 0, "no layer stats to average")
     runs = [step_times(s, link, offload=offload) for s in stats]
     out = StepTimes(link=link.name, label="modelled")
     for k in STAGES:
@@ -131,15 +118,12 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     count matrices, each its own popularity): a JSON-ready row with whether it fits (and
     why not), the ledger peak, keep/retain/recompute ratios, mean replicas, symi's ``s``, the
     measured planning time and, when it fits, the modelled ms per MoE layer by stage and × L."""
-    require(name in PROJECTED, f"policy {name!r} is not projected; use one of {PROJECTED}")
     G = ledger.G
     row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
-           "reason": None, "peak_bytes": None, "keep_ratio": None, "retain_ratio": None,
-           "recompute_ratio": None, "layer_checkpoint_share": None, "replicas": None,
-           "planning_ms": None,
-           "slots_per_rank": None,
-           "modelled_layer_ms": None, "modelled_all_layers_ms": None, "modelled_stages_ms": None,
-           "lrmoe_over_symi": None}
+           **dict.fromkeys(("reason", "peak_bytes", "keep_ratio", "retain_ratio", "recompute_ratio",
+                            "layer_checkpoint_share", "replicas", "planning_ms", "slots_per_rank",
+                            "modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms",
+                            "lrmoe_over_symi"))}
     floor = max(t["total"] for t in ledger.feasible_minimum())
     if floor > ledger.budget_bytes:
         row["reason"] = (f"owned state and native instances alone need {fmt_bytes(floor)} "
@@ -180,23 +164,25 @@ def _plan_samples(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Ten
                   ) -> tuple[list[Plan], list[float]]:
     """Policy ``name``'s plan of every sample and its planning time (ms per layer), one
     untimed call first (lazy inits), as a run's steady state; symi's ``s`` into ``row``."""
-    ms: list[float] = []
-    warm: list[float] = []
     if name == "static":
-        _timed(warm, StaticPolicy().plan, samples[0], PlanInputs())
-        return [_timed(ms, StaticPolicy().plan, c, PlanInputs()) for c in samples], ms
-    if name == "symi":
+        plan, args = StaticPolicy().plan, [(c, PlanInputs()) for c in samples]
+    elif name == "symi":
         s = slots_per_rank
         if s is None:
             s = symi_slot_choice(cfg, ledger, samples, pops, link, rate_flops)[0]
         row["slots_per_rank"] = s
-        _timed(warm, plan_symi, samples[0], s, pops[0])
-        return [_timed(ms, plan_symi, c, s, p) for c, p in zip(samples, pops)], ms
-    policy = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
-                                      lrmoe=lrmoe or LrmoeConfig()), cfg, ledger.G)
-    _timed(warm, policy.plan, samples[0], PlanInputs(prev_counts_E=pops[0], ledger=ledger))
-    return [_timed(ms, policy.plan, c, PlanInputs(prev_counts_E=p, ledger=ledger))
-            for c, p in zip(samples, pops)], ms
+        plan, args = plan_symi, [(c, s, p) for c, p in zip(samples, pops)]
+    else:
+        plan = make_policy(PolicyConfig("lrmoe", slots_per_rank=slots_per_rank,
+                                        lrmoe=lrmoe or LrmoeConfig()), cfg, ledger.G).plan
+        args = [(c, PlanInputs(prev_counts_E=p, ledger=ledger)) for c, p in zip(samples, pops)]
+    plan(*args[0])
+    plans, ms = [], []
+    for a in args:  # measured on this machine
+        t0 = time.perf_counter()
+        plans.append(plan(*a))
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return plans, ms
 
 
 def _fit_samples(name: str, ledger: Ledger, plans: list[Plan], ms: list[float], row: dict

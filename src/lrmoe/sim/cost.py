@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from lrmoe.errors import require
 from lrmoe.parallel.instances import placement_key
-from lrmoe.sim.links import Link, exchange_time
+from lrmoe.sim.links import Link, exchange_time, rank_bytes
 from lrmoe.sim.vstats import EXCHANGES, MEASURED_STAGES, RECOMPUTE_EXCHANGES, VirtualStats
 
 STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd_combine",
@@ -105,13 +103,6 @@ LINK_STAGES = ("count_exchange", "fwd_dispatch", "fwd_combine", "bwd_dispatch",
                "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
 
 
-def rank_bytes(bytes_GG) -> list[float]:
-    """Each rank's ``max(sent, received)`` bytes of one exchange ``[src, dst]``, self-copy aside."""
-    b = torch.as_tensor(bytes_GG, dtype=torch.float64)
-    b = b - torch.diag(torch.diagonal(b))
-    return [max(x, y) for x, y in zip(b.sum(1).tolist(), b.sum(0).tolist())]
-
-
 def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], list[float]]]:
     """Per :data:`LINK_STAGES` stage, :func:`rank_stage_seconds` as link-free terms
     ``(messages, bytes per rank, fixed seconds per rank)`` that :func:`price_terms` prices."""
@@ -200,8 +191,6 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
     step)`` (docs/design.md §9, "Gradient accumulation in the emulator"); ``terms``, when
     given, is filled with each charge's link-free terms for re-pricing on another link."""
     N = len(micro)
-    require(N >= 1 and all(len(m) == len(micro[0]) for m in micro),
-            "accumulated_times: every micro-batch needs one stats entry per MoE layer")
     non_moe_micro_s = non_moe_micro_s or [0.0] * N
     outs = [StepTimes(non_moe=non_moe_micro_s[m], link=link.name) for m in range(N)]
     step = StepTimes(non_moe=non_moe_step_s, link=link.name)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 
 
 @dataclass(frozen=True)
@@ -69,18 +69,22 @@ LINKS: dict[str, Link] = {
 
 
 def get_link(name: str) -> Link:
-    if name not in LINKS:
-        raise LrmoeError(f"--link {name!r} is not known; use one of {', '.join(LINKS)}")
+    require(name in LINKS, f"--link {name!r} is not known; use one of {', '.join(LINKS)}")
     return LINKS[name]
 
 
-def alltoall_time(bytes_sent_G: list[float], bytes_recv_G: list[float], link: Link,
-                  G: int) -> list[float]:
-    """Emulated seconds each rank spends in one all-to-all of ``G`` ranks: ``max(sent,
-    received) / bandwidth + latency · (G - 1)`` (bytes without a rank's copy to itself)."""
-    bw = link.effective_Bps
+def rank_bytes(bytes_GG) -> list[float]:
+    """Each rank's ``max(sent, received)`` bytes of one exchange ``[src, dst]``, self-copy aside."""
+    b = torch.as_tensor(bytes_GG, dtype=torch.float64)
+    b = b - torch.diag(torch.diagonal(b))
+    return [max(x, y) for x, y in zip(b.sum(1).tolist(), b.sum(0).tolist())]
+
+
+def alltoall_time(bytes_G: list[float], link: Link, G: int) -> list[float]:
+    """Emulated seconds each rank spends in one all-to-all of ``G`` ranks: its ``max(sent,
+    received)`` bytes (:func:`rank_bytes`) / bandwidth + latency · (G - 1)."""
     lat = link.latency_s * max(G - 1, 0)
-    return [max(s, r) / bw + lat for s, r in zip(bytes_sent_G, bytes_recv_G)]
+    return [x / link.effective_Bps + lat for x in bytes_G]
 
 
 def exchange_time(bytes_GG, link: Link) -> list[float]:
@@ -89,18 +93,14 @@ def exchange_time(bytes_GG, link: Link) -> list[float]:
     at their link, the rank taking the longer."""
     b = torch.as_tensor(bytes_GG, dtype=torch.float64)
     G = b.shape[0]
-    b = b - torch.diag(torch.diagonal(b))
     if not link.node_size:
-        return alltoall_time(b.sum(1).tolist(), b.sum(0).tolist(), link, G)
+        return alltoall_time(rank_bytes(b), link, G)
     node = torch.arange(G) // link.node_size
     same = node[:, None] == node[None, :]
-    intra, inter = b * same, b * ~same
-    t_in = alltoall_time(intra.sum(1).tolist(), intra.sum(0).tolist(), link,
-                         min(G, link.node_size))
+    t_in = alltoall_time(rank_bytes(b * same), link, min(G, link.node_size))
     if G <= link.node_size:
         return t_in
-    t_out = alltoall_time(inter.sum(1).tolist(), inter.sum(0).tolist(), link.inter,
-                          G - link.node_size + 1)
+    t_out = alltoall_time(rank_bytes(b * ~same), link.inter, G - link.node_size + 1)
     return [max(a, c) for a, c in zip(t_in, t_out)]
 
 

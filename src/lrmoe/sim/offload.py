@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lrmoe.errors import require
-from lrmoe.sim.links import Link, exchange_time
-
-LAYOUTS = ("owner", "sharded")
+from lrmoe.sim.links import Link, exchange_time, rank_bytes
 
 PCIE5_X16 = Link("pcie5-x16", 64e9, 5e-6,
                  source="PCI-SIG PCIe 5.0 x16: 32 GT/s per lane, 64 GB/s per direction "
@@ -53,15 +51,8 @@ class OffloadModel:
     G: int
     P_params: int
     bytes_w: int
-    layout: str = "sharded"
-    host_link: Link = PCIE5_X16
-    host_mem_Bps: float = HOST_MEM_BPS
+    layout: str  # "owner" or "sharded" (:func:`offload_for`)
     overlap: MeasuredOverlap | None = field(default_factory=lambda: MEASURED_OVERLAP)
-
-    def __post_init__(self) -> None:
-        require(self.layout in LAYOUTS, f"offload layout {self.layout!r}: use one of {LAYOUTS}")
-        require(self.E % self.G == 0, f"E={self.E} is not divisible by G={self.G}")
-        require(self.host_mem_Bps > 0, f"host memory bandwidth {self.host_mem_Bps} must be > 0")
 
     @property
     def host_params(self) -> int:
@@ -79,11 +70,11 @@ class OffloadModel:
         """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
         ``grad_reduce`` on the EP ``link``."""
         b = self.rank_bytes()
-        hl = self.host_link
+        hl = PCIE5_X16
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
         out = {k: [f * (x / hl.effective_Bps + hl.latency_s) for x in b[k]]
                for k in ("opt_d2h", "opt_h2d")}
-        out["opt_host_update"] = [f * x / self.host_mem_Bps for x in b["opt_host_update"]]
+        out["opt_host_update"] = [f * x / HOST_MEM_BPS for x in b["opt_host_update"]]
         for ex, m in self._sharded_GG(inst_expert_GS).items():
             out[ex] = exchange_time(m, link) if self.G > 1 else [0.0] * self.G
         return out
@@ -100,7 +91,6 @@ class OffloadModel:
     def link_terms(self, inst_expert_GS) -> dict:
         """The sharded exchanges of :meth:`rank_seconds` as link-free terms
         (:func:`lrmoe.sim.cost.rank_link_terms`)."""
-        from lrmoe.sim.cost import rank_bytes
         return {ex: (int(self.G > 1), rank_bytes(m), [0.0] * self.G)
                 for ex, m in self._sharded_GG(inst_expert_GS).items()}
 

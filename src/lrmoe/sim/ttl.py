@@ -41,7 +41,6 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -56,13 +55,14 @@ from lrmoe.parallel.groups import ParallelContext
 from lrmoe.policy.lrmoe import HELD
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.sim import ttl_budget
-from lrmoe.sim.cost import STAGES, accumulated_times, live, rank_bytes
-from lrmoe.sim.links import get_link, link_cost
+from lrmoe.sim.cost import STAGES, accumulated_times, live
+from lrmoe.sim.links import get_link, link_cost, rank_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at
 from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, policy_variant, recorded_settings
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
+from lrmoe.sim.virtual import now
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
 from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.tokenizer import check_vocab
@@ -145,8 +145,7 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
                       recompute=name == "symi" and ledger is not None)
-    exact = name != "lrmoe"
-    return pc, (None if name == "static" else ledger), (ledger if exact else None), note
+    return pc, (None if name == "static" else ledger), (None if name == "lrmoe" else ledger), note
 
 
 def _eval_steps(t: TrainConfig) -> list[int]:
@@ -273,7 +272,6 @@ class _PolicyRun:
     autocast: object
     ctx: object
     dev: torch.device
-    sync: Callable[[], None]  # waits for the device's queued work
     ledger: Ledger | None
     offload: object  # lrmoe.sim.offload.OffloadModel with host offload, else None
     note: str
@@ -344,11 +342,10 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     model.set_activation_checkpoint(t.activation_checkpoint)
     if t.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
     # lrmoe plans against the budget (its ladder); a step where no policy's fallback
     # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, opts, planner_ledger, sync, rec_ledger)
+    em = Emulator(model, G, policy, opts, planner_ledger, rec_ledger)
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)
@@ -356,7 +353,7 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if offload is not None:
         note += f", optimizer offload to host ({offload.layout} layout)"
     return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
-                      ParallelContext(device=dev), dev, sync, ledger, offload, note)
+                      ParallelContext(device=dev), dev, ledger, offload, note)
 
 
 def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
@@ -369,11 +366,11 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
     micro, clock, N = [], {}, t.grad_accum
 
     def on_micro(m: int, pair) -> None:
-        run.sync()
+        t = now(run.dev)
         if pair is None:
-            run.em.wall, clock["t0"] = 0.0, time.perf_counter()
+            run.em.wall, clock["t0"] = 0.0, t
             return
-        micro.append((run.em.stats(), time.perf_counter() - clock["t0"], run.em.wall))
+        micro.append((run.em.stats(), t - clock["t0"], run.em.wall))
         release_graph(run.model)  # the aux losses hold the step's graph
     # a profiler range (free without a profiler), which benchmarks/non_moe_profile.py reads
     with torch.profiler.record_function("ttl:step"):
@@ -382,8 +379,8 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
                           run.autocast, on_micro, last_backward_hook(run.opt, run.ctx))
         t0 = time.perf_counter()
         update(run.model, run.opt, run.sched, t.clip, run.ctx)
-        run.sync()
-    opt_wall, loss = time.perf_counter() - t0, float(sums[0]) / N
+        opt_wall = now(run.dev) - t0
+    loss = float(sums[0]) / N
     if not math.isfinite(loss):
         raise LrmoeError(f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
     return micro, opt_wall, loss
@@ -533,14 +530,6 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
     return out
 
 
-def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
-    """Run every policy and return the report dict, calling ``on_policy(name, result)``
-    after each (to save partial results); a policy that fails is reported with
-    ``failed`` and the steps it made."""
-    with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
-        return _bench_ttl(cfg, log, on_policy)
-
-
 @dataclass
 class _Data:
     """What every policy's run reads: the model config (vocabulary from the tokenizer),
@@ -552,59 +541,63 @@ class _Data:
     val_b: list
 
 
-def _bench_ttl(cfg: TTLConfig, log, on_policy) -> dict:
-    check_ttl_config(cfg)
-    G = cfg.train.ep
-    policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
-    variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
-    link = get_link(cfg.link)
-    mcfg = resolve_model_config(cfg.train, vocab_size=None)
-    require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
-                                       f"{mcfg.num_experts}")
-    ledger, rule = None, None
-    if cfg.train.mem_budget is not None:
-        home = cfg.train.batch_size // G * cfg.train.seq_len
-        ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
-        ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
-                             "even the native experts with one retained pair per instance")
-    data = _load_data(cfg)
-    reused = _probe(cfg, data, variants)
-    if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-        rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
-                                     run_policy, static_floor_ledger(cfg, data.mcfg)))
-        _release(cfg)  # the calibration run's model, before static's own is built
-        ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
-        log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
-            f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
-    results, profile = {}, _reused_profile(cfg, reused, variants)
-    for p in policies:
-        if p in reused:
-            log(f"[{p}] reused from {cfg.reuse}")
-            results[p] = reused[p]
-        else:
-            results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
-                                             profile, rule)
-            if p == "static":  # symi's profile: static's routing and GEMM rate
-                rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
-                                            data.mcfg.hidden_size,
-                                            data.mcfg.moe_intermediate_size)
-                results[p]["gemm_rate_flops"] = rate  # lrmoe's link cost, also under --reuse
-                profile = (*_profile(counts_GE), rate)
-        if on_policy is not None:
-            on_policy(p, results[p])
-    target = _reach_target(cfg, results)
-    ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
-              if variants[p][0] == "lrmoe"}
-    offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
-    return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
-            "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
-            "budget_bytes": None if ledger is None else ledger.budget_bytes,
-            "budget_rule": None if rule is None else rule.record(),
-            "offload_model": offload_model, "target": target,
-            "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
-            "ratios_over_symi_time_to_target_emulated": ratios,
-            "measured_vs_modelled": __doc__, "policies": results}
+def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
+    """Run every policy and return the report dict, calling ``on_policy(name, result)``
+    after each (to save partial results); a policy that fails is reported with
+    ``failed`` and the steps it made."""
+    with deterministic_mode(cfg.deterministic, cfg.deterministic_fill):
+        check_ttl_config(cfg)
+        G = cfg.train.ep
+        policies = list(dict.fromkeys(("static",) + tuple(cfg.policies)))  # static: the target
+        variants = {p: policy_variant(p, cfg) for p in policies}  # bad specs fail before any run
+        link = get_link(cfg.link)
+        mcfg = resolve_model_config(cfg.train, vocab_size=None)
+        require(mcfg.num_experts % G == 0, f"--ep {G} must divide the number of experts "
+                                           f"{mcfg.num_experts}")
+        ledger, rule = None, None
+        if cfg.train.mem_budget is not None:
+            home = cfg.train.batch_size // G * cfg.train.seq_len
+            ledger = budget_ledger(cfg, mcfg, parse_bytes(cfg.train.mem_budget))
+            ledger.raise_if_over(ledger.feasible_minimum(tokens_per_rank_home=home),
+                                 "even the native experts with one retained pair per instance")
+        data = _load_data(cfg)
+        reused = _probe(cfg, data, variants)
+        if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
+            rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                    ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
+                                         run_policy, static_floor_ledger(cfg, data.mcfg)))
+            _release(cfg)  # the calibration run's model, before static's own is built
+            ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
+            log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
+                f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
+        results, profile = {}, _reused_profile(cfg, reused, variants)
+        for p in policies:
+            if p in reused:
+                log(f"[{p}] reused from {cfg.reuse}")
+                results[p] = reused[p]
+            else:
+                results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
+                                                 profile, rule)
+                if p == "static":  # symi's profile: static's routing and GEMM rate
+                    rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
+                                                data.mcfg.hidden_size,
+                                                data.mcfg.moe_intermediate_size)
+                    results[p]["gemm_rate_flops"] = rate  # lrmoe's link cost, also under --reuse
+                    profile = (*_profile(counts_GE), rate)
+            if on_policy is not None:
+                on_policy(p, results[p])
+        target = _reach_target(cfg, results)
+        ratios = {p: ratio_over(r, results.get("symi")) for p, r in results.items()
+                  if variants[p][0] == "lrmoe"}
+        offload_model = offload_assumptions() if cfg.train.optimizer_offload == "host" else None
+        return {"label": "emulated", "link": asdict(link), "config": recorded_settings(cfg),
+                "model": data.mcfg.to_hf_dict(), "data": data.corpus.source,
+                "budget_bytes": None if ledger is None else ledger.budget_bytes,
+                "budget_rule": None if rule is None else rule.record(),
+                "offload_model": offload_model, "target": target,
+                "ratio_lrmoe_over_symi_time_to_target_emulated": ratios.get("lrmoe"),
+                "ratios_over_symi_time_to_target_emulated": ratios,
+                "measured_vs_modelled": __doc__, "policies": results}
 
 
 def _reused_profile(cfg: TTLConfig, reused: dict, variants: dict) -> tuple | None:

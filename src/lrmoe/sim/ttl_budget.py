@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.errors import require
+from lrmoe.policy.plan import layer_checkpoint_plan, native_plan
 
 FLAG = "--budget-floor-fraction"
 
@@ -56,8 +57,6 @@ def floor_of_run(led, cfg, mcfg, counts_E: list[list]) -> int:
     a run's per-micro-batch, per-layer counts (``counts_E[step]``: its micro-batches'
     layers in order), priced by ``led``, the ledger the emulator prices static with
     (:func:`lrmoe.sim.ttl.static_floor_ledger`)."""
-    from lrmoe.policy.plan import layer_checkpoint_plan, native_plan
-
     G = cfg.train.ep
     home = cfg.train.batch_size // G * cfg.train.seq_len * mcfg.num_experts_per_tok
     plans = (native_plan(counts_matrix([int(x) for x in c.tolist()], G, home))

@@ -8,6 +8,9 @@ import statistics
 
 import torch
 
+from lrmoe.policy.symi import best_slots
+from lrmoe.sim.analytic import symi_slot_choice
+
 
 def calibrated_gemm_rate(rows: list[dict], counts_GE_steps: list[list[list[torch.Tensor]]],
                          H: int, F: int) -> float | None:
@@ -33,9 +36,6 @@ def symi_slots(mcfg, ledger, counts: list[torch.Tensor], pops: list[torch.Tensor
     """``(s, note)``: :func:`lrmoe.sim.analytic.symi_slot_choice` over the profiled
     count matrices at the calibrated ``rate``; :func:`lrmoe.policy.symi.best_slots`
     (least busiest-rank GEMM work) when no rate could be calibrated."""
-    from lrmoe.policy.symi import best_slots
-    from lrmoe.sim.analytic import symi_slot_choice
-
     G, E = counts[0].shape
     if rate is None:
         s, n_fit = best_slots(ledger, counts, pops, max_slots=2 * E // G)

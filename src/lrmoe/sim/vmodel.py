@@ -4,9 +4,13 @@ runs every layer's routed experts over G virtual ranks and times them."""
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from lrmoe.model.compile import compile_model
+from lrmoe.model.moe import MoERuntime
+from lrmoe.parallel.options import BackwardOptions
+from lrmoe.policy.static import StaticPolicy
+from lrmoe.sim.virtual import VirtualEPLayer, now
 
 
 class Emulator:
@@ -17,19 +21,12 @@ class Emulator:
         wall: seconds of routed-expert work (forward and backward) since last reset.
     """
 
-    def __init__(self, model, G: int, policy, opts, planner_ledger, sync, recompute_ledger=None):
-        from lrmoe.model.moe import MoERuntime
-        from lrmoe.sim.virtual import VirtualEPLayer
-
-        self.sync, self.wall = sync, 0.0
+    def __init__(self, model, G: int, policy, opts, planner_ledger, recompute_ledger=None):
+        self.wall = 0.0
         self.layers = [VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
                                       recompute_ledger=recompute_ledger)
                        for m in model.moe_layers]
         model.set_runtime(MoERuntime(emulator=self))
-
-    def _now(self) -> float:
-        self.sync()
-        return time.perf_counter()
 
     def routed(self, m, x_TH, idx_TK, gate_TK, probs_TE):
         """:meth:`MoELayer.stages` of layer ``m`` over the virtual ranks, timed."""
@@ -43,22 +40,23 @@ class Emulator:
             if v.stats.recompute_mode in ("fits", "pairs"):
                 v.stats.recompute_mode = "layer"
             return out, step
-        t0 = self._now()
+        dev = x_TH.device
+        t0 = now(dev)
         with torch.profiler.record_function("ttl:moe_forward"):  # the timed span
             out, step = v.routed(x_TH, idx_TK, gate_TK, probs_TE)
-        self.wall += self._now() - t0
+        self.wall += now(dev) - t0
         v.stats = step.stats
         if out.requires_grad and x_TH.requires_grad:
             marks: dict[str, float] = {}
-            out.register_hook(lambda g: marks.__setitem__("b", self._now()))
-            x_TH.register_hook(lambda g: self._backward_done(v, marks))
+            out.register_hook(lambda g: marks.__setitem__("b", now(dev)))
+            x_TH.register_hook(lambda g: self._backward_done(v, marks, dev))
         return out, step
 
-    def _backward_done(self, v, marks: dict) -> None:
+    def _backward_done(self, v, marks: dict, dev: torch.device) -> None:
         """Up to the end of the exchange's backward: what follows (the router's and the
         shared experts' backward) is the layer's dense work."""
         b = marks.pop("b", None)
-        end = v.stats.bwd_end_s if v.stats is not None and v.stats.bwd_end_s else self._now()
+        end = v.stats.bwd_end_s if v.stats is not None and v.stats.bwd_end_s else now(dev)
         if b is not None:
             self.wall += max(end - b, 0.0)
 
@@ -78,15 +76,11 @@ def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> N
     keeps its whole score matrix). Then one untimed step for each ``(policy, options)``
     of ``also``: the kernels only a policy's own stages launch (lrmoe's selection and
     gathers) compile here, not inside its first timed steps."""
-    from lrmoe.model.compile import compile_model
-    from lrmoe.parallel.exchange import BackwardOptions
-    from lrmoe.policy.static import StaticPolicy
-
     if compile:
         compile_model(model)
     model.train()
     for policy, opts in [(StaticPolicy(), BackwardOptions()), *also]:
-        Emulator(model, G, policy, opts, None, lambda: None)
+        Emulator(model, G, policy, opts, None)
         with autocast():
             loss = model.loss(batch[:, :-1], batch[:, 1:])[1]
         loss.backward()

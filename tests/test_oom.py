@@ -206,12 +206,16 @@ def _budget() -> int:
     return (full + every) // 2
 
 
-def test_train_out_of_memory_is_one_line_and_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("policy", ["static", "symi"])
+def test_train_out_of_memory_is_one_line_and_exit_2(tmp_path, capsys, policy):
+    """Either exact policy over the budget stops with one verdict; without --recompute
+    the verdict offers it (both recompute rows to fit)."""
     common = ["train", "--preset", "tiny-qwen3", "--steps", "4", "--eval-every", "0", *SMALL,
-              "--mem-budget", str(_budget())]
+              "--policy", policy, "--mem-budget", str(_budget())]
     assert main(common + ["--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # the run's header, then the verdict
     assert "out of memory at step 1 (needs " in err[-1] and "no checkpoint was written" in err[-1]
+    assert "; --recompute instead, if recomputing fits" in err[-1], err[-1]
     assert sum("out of memory" in line for line in err) == 1
 
 

@@ -321,6 +321,40 @@ def _rows_project(rows: list[dict], samples: list[torch.Tensor]) -> None:
         assert _unmeasured(r) == _unmeasured({"budget": "64MiB", **want}), r["policy"]
 
 
+def test_compare_plans_symi_for_each_samples_own_popularity(tmp_path, capsys):
+    """Two sampled layers whose hot experts sit on different ranks: symi's row is that of
+    each sample planned with its own popularity (its replicas where its load is), the
+    peak the larger of theirs and the modelled stages their mean."""
+    from lrmoe.sim.analytic import project_policy
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(20, 40, (2, 16), generator=gen)
+    base[0, 3] *= 12  # rank 0's native
+    base[1, 12] *= 12  # rank 3's native
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps({"steps": [base.tolist()]}))
+    s = 16 // 4 + 2  # two replicas a rank (tiny experts: the least modelled time has none)
+    rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "4", "--budgets", "64MiB",
+                            "--loads", str(p), "--slots-per-rank", str(s))
+    assert rc == 0, cap.err
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["policy"] == "symi")
+    assert row["fits"] and row["slots_per_rank"] == s, row
+    a, b = read_trace(str(p), {"steps": [base.tolist()]}, 16, 2, 1).counts(4, 256, 2)
+    # the samples differ enough that whose popularity places b's replicas shows
+    own, other = (int(plan_symi(b, s, pop).rank_load().max()) for pop in (b.sum(0), a.sum(0)))
+    assert own < other, (own, other)
+    cfg = get_preset("tiny-qwen3")
+    ledger = Ledger.for_dtype(cfg, 4, parse_bytes("64MiB"), "bf16")
+    each = [project_policy("symi", cfg, ledger, [c], LINKS["nvlink"], 440e12, slots_per_rank=s)
+            for c in (a, b)]
+    assert row["peak_bytes"] == max(e["peak_bytes"] for e in each)
+    assert row["replicas"] == pytest.approx(sum(e["replicas"] for e in each) / 2)
+    for k in STAGES:
+        if k != "plan":  # measured
+            want = sum(e["modelled_stages_ms"][k] for e in each) / 2
+            assert row["modelled_stages_ms"][k] == pytest.approx(want, rel=1e-9, abs=1e-12), k
+
+
 def test_compare_with_a_loads_file(tmp_path, capsys):
     p = tmp_path / "loads.json"
     counts = torch.arange(1, 17).repeat(4, 1) * 50  # [G, E]: expert 15 the hottest

@@ -120,3 +120,22 @@ def test_ledger_out_of_memory_names_one_need():
         need = fmt_bytes(e.value.needs_bytes)
         assert f"needs {need} > budget" in e.value.detail, (need, e.value.detail)
         assert f"(needs {need}, budget" in verdict(e.value, 1)
+
+
+@pytest.mark.parametrize("policy, recompute, offered", [
+    ("static", False, True), ("symi", False, True), ("static", True, False),
+    ("symi", True, False), ("lrmoe", False, False), ("capacity", False, False)])
+def test_the_ledger_verdict_offers_recompute_to_the_exact_policies_only(policy, recompute,
+                                                                      offered):
+    """--recompute is the exact policies' fallback: offered while it is off, never to a
+    policy it does not apply to."""
+    from lrmoe.train.config import TrainConfig
+    from lrmoe.train.step_oom import StepMemory
+
+    cfg = TrainConfig.from_flat(policy=policy, recompute=recompute)
+    mem = StepMemory(cfg, 2, 3, ["--out", "r", "--resume"], [], "the checkpoint is intact")
+    e = OutOfMemory("over", 3 << 30, 2 << 30, "rank 0 needs 3.0 GiB > budget 2.0 GiB")
+    line = mem.ledger_line(e)
+    assert "out of memory at step 3 (needs 3.0 GiB, budget 2.0 GiB)" in line
+    assert "--mem-budget 3GiB" in line
+    assert ("--recompute instead, if recomputing fits" in line) == offered, line

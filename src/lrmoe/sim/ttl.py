@@ -322,6 +322,8 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
     res["routing_trace"] = [[sum(c.sum(0) for c in layer).tolist() for layer in zip(*step)]
                             for step in trace_GE]
     res["_counts_GE"] = trace_GE
+    del run
+    _release(cfg)  # before the next run builds its model
     return res
 
 
@@ -366,11 +368,11 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
     micro, clock, N = [], {}, t.grad_accum
 
     def on_micro(m: int, pair) -> None:
-        t = now(run.dev)
+        at_s = now(run.dev)
         if pair is None:
-            run.em.wall, clock["t0"] = 0.0, t
+            run.em.wall, clock["t0"] = 0.0, at_s
             return
-        micro.append((run.em.stats(), t - clock["t0"], run.em.wall))
+        micro.append((run.em.stats(), at_s - clock["t0"], run.em.wall))
         release_graph(run.model)  # the aux losses hold the step's graph
     # a profiler range (free without a profiler), which benchmarks/non_moe_profile.py reads
     with torch.profiler.record_function("ttl:step"):
@@ -566,7 +568,6 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
             rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
                     ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
                                          run_policy, static_floor_ledger(cfg, data.mcfg)))
-            _release(cfg)  # the calibration run's model, before static's own is built
             ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
             log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
                 f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
@@ -678,7 +679,6 @@ def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _D
     counts_GE = res.pop("_counts_GE")
     if rule is not None:  # with each result: --reuse takes it with the policy
         res["budget_rule"] = rule.record()
-    _release(cfg)
     return res, counts_GE
 
 

@@ -175,21 +175,16 @@ class ModelConfig:
             rtype = rp.get("rope_type", "default")
             if rtype != "default":
                 raise LrmoeError(f"rope_parameters.rope_type={rtype!r} is not supported; only 'default'")
-            if "rope_theta" in rp:
-                d.setdefault("rope_theta", rp["rope_theta"])
-            if "partial_rotary_factor" in rp:
-                d.setdefault("partial_rotary_factor", rp["partial_rotary_factor"])
-        if mt == "glm4_moe":
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rp:
+                    d.setdefault(key, rp[key])
+        if mt == "glm4_moe":  # HF's GLM-4.5 defaults where they differ from ModelConfig's
             if "n_routed_experts" in d:
                 d["num_experts"] = d.pop("n_routed_experts")
             d.setdefault("use_qk_norm", False)
-            d.setdefault("attention_bias", False)
             d.setdefault("partial_rotary_factor", 0.5)
             d.setdefault("n_shared_experts", 1)
             d.setdefault("first_k_dense_replace", 1)
-            d.setdefault("routed_scaling_factor", 1.0)
-        else:
-            d.setdefault("use_qk_norm", True)
         kw: dict[str, Any] = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for k, v in d.items():

@@ -14,14 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lrmoe.cli_flags import (
-    INT64_MAX,
-    PLAN,
-    add_policy_flags,
-    check_int,
-    check_policy_flags,
-    policy_config,
-)
+from lrmoe.cli_flags import PLAN, add_policy_flags, check_int, check_policy_flags, policy_config
 from lrmoe.commands.columns import aligned
 from lrmoe.commands.plan_compare import GEMM_SOURCE, GEMM_TFLOPS, run_compare
 from lrmoe.config import ModelConfig
@@ -97,14 +90,11 @@ def format_table(plan: Plan, terms: list[dict[str, int]], budget: int | None) ->
 def summary(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
     fwd, bwd = plan.rank_load().double(), plan.rank_backward_load().double()
     assigned = int(plan.assign_GGS.sum())
-    lines = [
-        f"forward load  max {int(fwd.max())}  mean {fwd.mean():.1f}  "
-        f"max/mean {fwd.max() / fwd.mean().clamp(min=1e-9):.3f}",
-        f"backward load max {int(bwd.max())}  mean {bwd.mean():.1f}  "
-        f"max/mean {bwd.max() / bwd.mean().clamp(min=1e-9):.3f}",
-        f"replicas {plan.num_replicas()}  retained {int(plan.retain_GGS.sum())}/{assigned}  "
-        f"selected {int(plan.select_GGS.sum())}/{assigned}",
-    ]
+    lines = [f"{name} max {int(x.max())}  mean {x.mean():.1f}  "
+             f"max/mean {x.max() / x.mean().clamp(min=1e-9):.3f}"
+             for name, x in (("forward load ", fwd), ("backward load", bwd))]
+    lines.append(f"replicas {plan.num_replicas()}  retained {int(plan.retain_GGS.sum())}/"
+                 f"{assigned}  selected {int(plan.select_GGS.sum())}/{assigned}")
     if plan.dropped_GE is not None:
         lines.append(f"dropped {int(plan.dropped_GE.sum())} pairs (capacity)")
     peak = max(t["total"] for t in terms)
@@ -114,10 +104,6 @@ def summary(plan: Plan, terms: list[dict[str, int]], budget: int | None) -> str:
         lines.append(f"peak rank {fmt_bytes(peak)} of budget {fmt_bytes(budget)}: "
                      + ("fits" if peak <= budget else "DOES NOT FIT"))
     return "\n".join(lines)
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return get_preset(args.preset) if args.preset else ModelConfig.from_file(args.config)
 
 
 def plan_policy(args: argparse.Namespace, slots: int | None = None) -> PolicyConfig:
@@ -134,14 +120,14 @@ def run(args: argparse.Namespace) -> int:
     # beyond 2**31 - 1 tokens a home rank routes, pairs times bytes per pair leave int64
     check_int("tokens_per_rank", args.tokens_per_rank, 1, high=2**31 - 1)
     check_int("seed", args.seed, 0, high=2**64 - 1)
-    check_int("trace_steps", args.trace_steps, 1, high=INT64_MAX)
+    check_int("trace_steps", args.trace_steps, 1)
     check_policy_flags({k: getattr(args, k) for k in PLAN})
+    require(args.compare or args.ep is not None, "--ep is required without --compare")
+    cfg = get_preset(args.preset) if args.preset else ModelConfig.from_file(args.config)
     if args.compare:
-        return run_compare(args, model_config(args), plan_policy(args))
-    require(args.ep is not None, "--ep is required without --compare")
-    cfg = model_config(args)
+        return run_compare(args, cfg, plan_policy(args))
     G, E, k = args.ep, cfg.num_experts, cfg.num_experts_per_tok
-    require(G >= 1 and E % G == 0, f"--ep={G} must divide the number of experts {E}")
+    require(E % G == 0, f"--ep={G} must divide the number of experts {E}")
     budget = None if args.mem_budget is None else parse_bytes(args.mem_budget)
     ledger = Ledger.for_dtype(cfg, G, budget, args.dtype,
                               optimizer_offload=args.optimizer_offload,

@@ -48,9 +48,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 def _budget_list(text: str) -> list[tuple[str, int]]:
     out = []
-    for part in (x.strip() for x in text.split(",")):
-        if not part:
-            continue
+    for part in [x.strip() for x in text.split(",") if x.strip()]:
         try:
             out.append((part, parse_bytes(part)))
         except LrmoeError as e:
@@ -80,10 +78,10 @@ def compare_tables(rows: list[dict]) -> str:
     main = aligned(heads, body, {1, 2, 3})
     short = {"plan": "plan", "count_exchange": "counts", "local": "local", "select": "select",
              "gather": "gather", "fwd_dispatch": "f_disp", "fwd_experts": "f_exp",
-             "fwd_combine": "f_comb",
-             "bwd_dispatch": "b_disp", "bwd_experts": "b_exp", "bwd_recompute": "b_recomp",
-             "bwd_combine": "b_comb", "weight_scatter": "w_scatter", "grad_reduce": "g_reduce",
-             "opt_d2h": "o_d2h", "opt_host_update": "o_host", "opt_h2d": "o_h2d"}
+             "fwd_combine": "f_comb", "bwd_dispatch": "b_disp", "bwd_experts": "b_exp",
+             "bwd_recompute": "b_recomp", "bwd_combine": "b_comb", "weight_scatter": "w_scatter",
+             "grad_reduce": "g_reduce", "opt_d2h": "o_d2h", "opt_host_update": "o_host",
+             "opt_h2d": "o_h2d"}
     heads = [["", "", ""] + [m] * len(STAGES), ["ep", "budget", "policy"] + [short[s] for s in STAGES]]
     body = [[str(r["ep"]), r["budget"], r["policy"]]
             + [f"{r['modelled_stages_ms'][s]:.3f}" for s in STAGES]

@@ -32,11 +32,6 @@ def table() -> list[list[str]]:
     return rows
 
 
-def format_table(rows: list[list[str]]) -> str:
-    rule = ["-" * max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return aligned(rows[:1], [rule] + rows[1:], {0, 1})
-
-
 def register(sub) -> None:
     p = sub.add_parser("presets", help="list the model presets",
                        description="List the named model shapes with parameter counts.")
@@ -44,5 +39,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(format_table(table()))
+    rows = table()
+    rule = ["-" * max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(aligned(rows[:1], [rule] + rows[1:], {0, 1}))
     return 0

@@ -84,15 +84,14 @@ class _Collector:
     def full(self) -> bool:
         return not self.has_room(False) and not self.has_room(True)
 
-    def add_raw(self, val: bool, raw: bytes, truncated: bool, strict: bool = True) -> None:
+    def add_raw(self, val: bool, raw: bytes, strict: bool = True, more: bool = False) -> None:
+        """``raw`` cut to the split's budget (``more``: its source goes on after it)."""
+        room = self.left[val]
+        truncated = more or (room is not None and len(raw) > room)
+        raw = raw[:room]
         text = _decode(raw, truncated, strict)
         if text is not None:
             self.add_row(val, "", text, len(raw))
-
-    def add_text(self, val: bool, text: str) -> None:
-        raw, room = text.encode("utf-8"), self.left[val]
-        self.add_raw(val, raw[:room], truncated=room is not None and len(raw) > room,
-                     strict=False)
 
     def add_row(self, val: bool, prompt: str, text: str, nbytes: int | None = None) -> None:
         """A document of ``nbytes`` read (default: its UTF-8 size); a prompt/completion row
@@ -158,7 +157,7 @@ def _load_tree(root: Path, col: _Collector, suffix: str | None, excluded: set[st
                 raw = f.read() if room is None else f.read(room + 1)
         except OSError:
             continue  # unreadable: skipped, as a binary file is
-        col.add_raw(val, raw[:room], truncated=room is not None and len(raw) > room)
+        col.add_raw(val, raw)
 
 
 def _jsonl_row(path: Path, lineno: int, obj: dict) -> tuple[str, str] | None:
@@ -207,10 +206,8 @@ def _load_jsonl(path: Path, col: _Collector) -> list[str]:
                 if prompt:
                     col.add_row(val, prompt, text)
                 else:
-                    col.add_text(val, text)
-    if no_text:
-        return [f"{path}: skipped {no_text} line(s) without a 'text' field"]
-    return []
+                    col.add_raw(val, text.encode("utf-8"), strict=False)
+    return [f"{path}: skipped {no_text} line(s) without a 'text' field"] if no_text else []
 
 
 def _check_text_head(path: Path) -> None:
@@ -245,7 +242,7 @@ def _load_text_file(path: Path, col: _Collector) -> None:
             room = col.left[val]
             stop = end if room is None else min(end, start + room)
             f.seek(start)
-            col.add_raw(val, f.read(stop - start), truncated=stop < size, strict=False)
+            col.add_raw(val, f.read(stop - start), strict=False, more=stop < size)
 
 
 def _mib(rows: list[tuple[str, str]]) -> str:

@@ -120,8 +120,7 @@ def _owned(model: MoEForCausalLM, pc: _Piece) -> tuple[tuple, slice | None] | No
     ex = model.get_submodule(pc.target.rsplit(".", 1)[0])
     first, count = ex.first, ex.count
     if pc.index == ():  # fused: the rank's rows of [E, ...]
-        whole = count == ex.num_experts
-        return (), None if whole else slice(first, first + count)
+        return (), None if count == ex.num_experts else slice(first, first + count)
     e = pc.index[0]
     if not first <= e < first + count:
         return None

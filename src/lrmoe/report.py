@@ -64,7 +64,6 @@ def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, yl
         m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
         mats.append(m)
         vmax = max(vmax, float(np.nanmax(m)) if m.size else 1.0)
-    im = None
     for k, ax in enumerate(axes.flat):
         if k >= n:
             ax.axis("off")
@@ -77,8 +76,7 @@ def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, yl
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-    if im is not None:
-        fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="load / mean")
+    fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="load / mean")  # n >= 1: im set
     fig.suptitle(title)
     fig.savefig(run_dir / name, dpi=110)
     plt.close(fig)

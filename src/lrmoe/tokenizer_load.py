@@ -42,7 +42,14 @@ def load_tokenizer(
     assert n is not None
     path = Path(directory) / TOKENIZER_FILE if directory is not None else None
     if path is not None and path.exists():
-        return _load_cached(path, spec, n)
+        hf = _read_json_tokenizer(path, "cached tokenizer", "; delete it")
+        tok = BpeTokenizer(hf, spec)
+        if hf.token_to_id(EOS_TOKEN) != 0 or tok.vocab_size > n:
+            raise LrmoeError(
+                f"cached tokenizer {path} (vocab {tok.vocab_size}) was not built for {spec!r}; "
+                f"delete it or use another run directory"
+            )
+        return tok
     if train_texts is None:
         raise LrmoeError(
             f"tokenizer {spec!r}: no cached {TOKENIZER_FILE} in {directory!s} and no training "
@@ -64,17 +71,6 @@ def _read_json_tokenizer(path: Path, what: str, remedy: str = ""):
         return HFTokenizer.from_file(str(path))
     except Exception as e:  # HF raises a bare Exception on bad JSON
         raise LrmoeError(f"{what} {path} cannot be read ({e}){remedy}") from None
-
-
-def _load_cached(path: Path, spec: str, n: int) -> BpeTokenizer:
-    hf = _read_json_tokenizer(path, "cached tokenizer", "; delete it")
-    tok = BpeTokenizer(hf, spec)
-    if hf.token_to_id(EOS_TOKEN) != 0 or tok.vocab_size > n:
-        raise LrmoeError(
-            f"cached tokenizer {path} (vocab {tok.vocab_size}) was not built for {spec!r}; "
-            f"delete it or use another run directory"
-        )
-    return tok
 
 
 class HfTokenizer(BpeTokenizer):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -26,6 +25,7 @@ from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for
 from lrmoe.train import ckpt_state
 from lrmoe.train.ckpt_write import BoundedFileWriter
+from lrmoe.train.ranks import all_gather, raise_first
 
 FORMAT = "lrmoe-checkpoint-v2"
 OLD_FORMATS = {"lrmoe-checkpoint-v1": "one torch.save shard per rank"}
@@ -75,22 +75,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def all_gather(obj: Any, world: int) -> list:
-    """One ``obj`` per rank (``[obj]`` on one process); also the ranks' barrier."""
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree(errs: list[str | None], kind: type = LrmoeError) -> None:
-    """Raise the first rank's error (``errs``: one per rank) on every rank."""
-    for e in errs:
-        if e:
-            raise kind(e)
 
 
 class CheckpointWriteError(LrmoeError):
@@ -272,7 +256,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, opt, *, traine
             tmp.mkdir(parents=True)
         except OSError as e:  # a failure every rank sees: each raises it at the barrier
             err = str(_write_failed(e, tmp, rank, local=False))
-    _agree(all_gather(err, world), CheckpointWriteError)
+    raise_first(all_gather(err, world), CheckpointWriteError)
     # one copy of the global state: rank 0's (ranks differ only in timings)
     state = ckpt_state.state_to_save(model, opt, trainer if rank == 0 else None, rng, rank)
     try:
@@ -304,7 +288,7 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
                 break
             mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     entries = all_gather((mine, err), world)
-    _agree([e for _, e in entries])
+    raise_first([e for _, e in entries])
     if rank == 0:
         files = {k: v for m, _ in entries for k, v in m.items()}
         manifest = {"format": FORMAT, "step": step, "world": world, "ep_size": ep_size,
@@ -370,7 +354,7 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
                                   str(ck.path))
     except LrmoeError as e:
         err = str(e)
-    _agree(all_gather(err, world))  # every rank enters the collective load, or none
+    raise_first(all_gather(err, world))  # every rank enters the collective load, or none
     _read(ck, tpl.dict, distributed=world > 1)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:

@@ -63,6 +63,7 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
+from lrmoe.train.ranks import all_gather
 from lrmoe.train.setup import (
     agree,
     check_model_fits,
@@ -127,8 +128,8 @@ def _checkpoint_to_resume(cfg: TrainConfig, run_dir: Path, ctx):
     """The checkpoint ``--resume`` continues, verified, or ``None``; every rank reads its
     own ``--out``: they must find the same."""
     ck = agree(lambda: _find_checkpoint(cfg, run_dir, ctx.is_main), ctx)
-    seen = ckpt.all_gather(None if ck is None else (ck.step, ck.manifest["files"][".metadata"]),
-                           ctx.world)
+    seen = all_gather(None if ck is None else (ck.step, ck.manifest["files"][".metadata"]),
+                      ctx.world)
     other = next((r for r, x in enumerate(seen) if x != seen[0]), None)
     if other is not None:
         raise quiet_unless(LrmoeError(
@@ -177,7 +178,7 @@ def _load_data(cfg: TrainConfig, run_dir: Path, ctx):
     # one reloads the tokenizer cached (a model's tokenizer: copied) in the run dir.
     tok = load_tokenizer(cfg.tokenizer, run_dir if cfg.resume else None, corpus.train_texts)
     streams = build_streams(corpus, tok)
-    if ctx.world > 1 and cfg.batch_size % ctx.world:
+    if cfg.batch_size % ctx.world:
         raise LrmoeError(f"--batch-size {cfg.batch_size} is not divisible by the world size "
                          f"{ctx.world}")
     batches = PackedBatches(streams.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed,
@@ -386,7 +387,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
                "val_sha256": _sha256(val_ids)}
     if streams.train_mask is not None:  # prompt/completion rows: which targets train
         data_fp["mask_sha256"] = _sha256(torch.cat([streams.train_mask, streams.val_mask]))
-    if ctx.distributed and any(f != data_fp for f in ckpt.all_gather(data_fp, ctx.world)):
+    if ctx.distributed and any(f != data_fp for f in all_gather(data_fp, ctx.world)):
         raise LrmoeError("the ranks loaded different training data or tokenizers (token "
                          "stream hashes differ); give every rank the same --data")
     if ledger is not None:
@@ -490,7 +491,7 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
         sink = TensorBoardSink(inp.run_dir / TB_DIR, first_step=state.start + 1)
     writer = MetricsWriter(inp.run_dir / METRICS_FILE, enabled=ctx.is_main, sink=sink)
     if inp.hf is not None:  # what each rank read, gathered on every rank alike
-        ranks = ckpt.all_gather(state.loaded, ctx.world)
+        ranks = all_gather(state.loaded, ctx.world)
         writer.write({"kind": "init", "step": 0, "source": str(inp.hf.path), "ranks": ranks})
     run = _Run(cfg, ctx, inp, state, watch, stops, writer)
     changes = {} if inp.saved is None else resume_changes(cfg, inp.saved.get("train", {}))
@@ -663,7 +664,7 @@ class _Run:
         host = host_memory()
         if done == s.start + 1:  # this process's first row
             host["host_rss_before_build_bytes"] = s.rss_before_build
-        got = ckpt.all_gather((mine, mem, host), ctx.world)
+        got = all_gather((mine, mem, host), ctx.world)
         per_rank = [g[0] for g in got]
         _observe_fidelity(self.inp.policy, stats, per_rank)
         mem = None if mem is None else max(g[1] for g in got)
@@ -681,9 +682,8 @@ class _Run:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.step_tokens / dt:,.0f}")
             self.bar.update(1)
         elif done % self.log_every == 0 or done == self.end:
-            start, end = s.start, self.end
-            eta = (time.perf_counter() - self.t_run) / (done - start) * (end - done)
-            _log(f"step {done}/{end} | loss {loss:.4f} | lr {row['lr']:.2e} | "
+            eta = (time.perf_counter() - self.t_run) / (done - s.start) * (self.end - done)
+            _log(f"step {done}/{self.end} | loss {loss:.4f} | lr {row['lr']:.2e} | "
                  f"{self.step_tokens / dt:,.0f} tok/s | {s.elapsed:.0f}s | eta {eta:.0f}s",
                  ctx)
 

@@ -206,8 +206,7 @@ def check_shared(run_dir: Path, holder: dict | None, tries: int = 10) -> None:
     this rank's ``--out`` is rank 0's run directory, on a file system both see. A
     network file system may show a new file a moment late: a few looks, 0.2 s apart."""
     for i in range(tries):
-        mine = read_lock(run_dir / LOCK)
-        if mine == holder:
+        if read_lock(run_dir / LOCK) == holder:
             return
         time.sleep(0.2 if i + 1 < tries else 0)
     raise LrmoeError(f"--out {run_dir} is not the run directory rank 0 opened (it does not "

@@ -20,23 +20,12 @@ from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.ledger import DTYPE_BYTES
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
-from lrmoe.train.checkpoint import all_gather
 from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
 from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
+from lrmoe.train.ranks import all_gather, raise_first
 
 
 # ----------------------------------------------------------------------------- agreement
-def _raise_first(errs: list[str | None], rank: int) -> None:
-    """Raise the lowest failing rank's error on every rank (prefixed with its rank when
-    others did not fail), printed by rank 0 alone."""
-    failed = [r for r, e in enumerate(errs) if e]
-    if failed:
-        msg = errs[failed[0]]
-        if len(failed) < len(errs):
-            msg = f"rank {failed[0]}: {msg}"
-        raise quiet_unless(LrmoeError(msg), rank == 0)
-
-
 def agree(fn: Callable[[], Any], ctx) -> Any:
     """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all."""
     out, err = None, None
@@ -44,7 +33,7 @@ def agree(fn: Callable[[], Any], ctx) -> Any:
         out = fn()
     except LrmoeError as e:
         err = str(e)
-    _raise_first(all_gather(err, ctx.world), ctx.rank)
+    raise_first(all_gather(err, ctx.world), rank=ctx.rank)
     return out
 
 
@@ -77,7 +66,7 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int,
         err = str(e)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
     got = all_gather((err, digest), world)
-    _raise_first([e for e, _ in got], rank)
+    raise_first([e for e, _ in got], rank=rank)
     if all(d == got[0][1] for _, d in got):
         return
     fps = all_gather(fp, world)  # every rank saw the mismatch: all take this second step

@@ -70,9 +70,8 @@ class OffloadModel:
         """MODELLED seconds per rank of the offload stages and, sharded, of ``weight_scatter`` and
         ``grad_reduce`` on the EP ``link``."""
         b = self.rank_bytes()
-        hl = PCIE5_X16
         f = 1.0 if self.overlap is None else self.overlap.exposed_fraction
-        out = {k: [f * (x / hl.effective_Bps + hl.latency_s) for x in b[k]]
+        out = {k: [f * (x / PCIE5_X16.effective_Bps + PCIE5_X16.latency_s) for x in b[k]]
                for k in ("opt_d2h", "opt_h2d")}
         out["opt_host_update"] = [f * x / HOST_MEM_BPS for x in b["opt_host_update"]]
         for ex, m in self._sharded_GG(inst_expert_GS).items():

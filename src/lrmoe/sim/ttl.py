@@ -219,20 +219,15 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
            # what benchmarks/reprice_links.py re-prices exactly for another link
            "link_terms": {"G": G, "stages": terms}}
     if ledger is not None:  # each layer's emulator priced its plan (with recompute if any)
-        row.update(_ledger_fields(stats, micro[-1][0], ledger, assigned))
-    return row
-
-
-def _ledger_fields(stats: list, last: list, ledger: Ledger, assigned: int) -> dict:
-    """A budgeted step's ledger peak, recompute, fit and rungs (``last``: the last
-    micro-batch's layers)."""
-    peak = max(max(s.ledger_total_bytes) for s in stats)
-    return {"recompute_modes": [s.recompute_mode for s in last],
+        peak = max(max(s.ledger_total_bytes) for s in stats)
+        row.update({
+            "recompute_modes": [s.recompute_mode for s in micro[-1][0]],
             "ledger_peak_bytes": peak,
             "recompute_ratio": sum(sum(s.recompute_rows or []) for s in stats) / max(assigned, 1),
             "fits": peak <= ledger.budget_bytes,  # else out of memory
             # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
-            "rungs": dict(sorted(Counter(s.rung for s in stats).items()))}
+            "rungs": dict(sorted(Counter(s.rung for s in stats).items()))})
+    return row
 
 
 def budget_ledger(cfg: TTLConfig, mcfg, budget: int | None) -> Ledger:
@@ -391,14 +386,13 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
 def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed: str | None,
                    oom: dict | None) -> dict:
     """A policy's result: its rows and evaluations, their totals and its verdict."""
-    dev = run.dev
     res = {"policy": run.name, "config": run.note, "steps": rows, "evals": evals,
            "final_val_loss": evals[-1]["val_loss"], "budget_status": "no budget",
            "failed": failed, "out_of_memory": oom,
            # every virtual rank at once on one device: whether the emulation fits the
            # device, not a rank's memory (that is the ledger's)
-           "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(dev)
-                                          if dev.type == "cuda" else None)}
+           "emulator_device_peak_bytes": (torch.cuda.max_memory_allocated(run.dev)
+                                          if run.dev.type == "cuda" else None)}
     if rows:
         # per reason: layer-micro-batches that gave replicas up, the replicas, most in one
         tot = _given_up(kv for r in rows for kv in r["replicas_given_up"].items())
@@ -413,7 +407,11 @@ def _policy_result(run: _PolicyRun, rows: list[dict], evals: list[dict], failed:
     if failed:
         res["budget_status"] = failed
     elif run.ledger is not None:
-        res["budget_status"] = "fits" + _rung_note(res["rungs"])
+        res["budget_status"] = "fits"
+        more = {k: v for k, v in res["rungs"].items() if k != "plan"}
+        if more:  # " (recompute 3, layer 1 of 240 layer-steps)"
+            res["budget_status"] += (" (" + ", ".join(f"{k} {v}" for k, v in more.items())
+                                     + f" of {sum(res['rungs'].values())} layer-steps)")
     return res
 
 
@@ -425,16 +423,6 @@ def _given_up(parts) -> dict[str, list[int]]:
         a = tot.setdefault(why, [0, 0, 0])
         a[0], a[1], a[2] = a[0] + n, a[1] + k, max(a[2], most)
     return dict(sorted(tot.items()))
-
-
-def _rung_note(rungs: dict[str, int]) -> str:
-    """`` (rungs: recompute 3, layer 1 of 240 layer-steps)`` when any layer-step needed
-    more than its plan, else nothing."""
-    n = sum(rungs.values())
-    more = {k: v for k, v in rungs.items() if k != "plan"}
-    if not more:
-        return ""
-    return " (" + ", ".join(f"{k} {v}" for k, v in more.items()) + f" of {n} layer-steps)"
 
 
 def ratio_over(r: dict, symi: dict | None) -> float | str | None:
@@ -577,8 +565,13 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
                 log(f"[{p}] reused from {cfg.reuse}")
                 results[p] = reused[p]
             else:
-                results[p], counts_GE = _run_one(p, variants[p], cfg, data, ledger, link, log,
-                                                 profile, rule)
+                base, vcfg = variants[p]
+                results[p] = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger,
+                                        link, log, profile)
+                results[p]["policy"] = p
+                counts_GE = results[p].pop("_counts_GE")
+                if rule is not None:  # with each result: --reuse takes it with the policy
+                    results[p]["budget_rule"] = rule.record()
                 if p == "static":  # symi's profile: static's routing and GEMM rate
                     rate = calibrated_gemm_rate(results[p]["steps"], counts_GE,
                                                 data.mcfg.hidden_size,
@@ -643,8 +636,11 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
     if cfg.reuse:
         v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, list(variants), v0)
-    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile,
-            _warm_variants(data, [v for p, v in variants.items() if p not in reused], G))
+    # each lrmoe variant that runs, unbudgeted: its balance quotas trim the first batch,
+    # so its selection and gather kernels run
+    also = [(make_policy(_choose(b, v, data.mcfg, None)[0], data.mcfg, G), v.lrmoe.backward)
+            for p, (b, v) in variants.items() if p not in reused and b == "lrmoe"]
+    warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile, also)
     del probe
     _release(cfg)
     return reused
@@ -656,30 +652,6 @@ def _release(cfg: TTLConfig) -> None:
     gc.collect()
     if cfg.train.device == "cuda":
         torch.cuda.empty_cache()
-
-
-def _warm_variants(data: _Data, variants: list, G: int) -> list:
-    """``(policy, options)`` of each lrmoe variant, unbudgeted, for the warm-up: its
-    balance quotas trim the first batch, so its selection and gather kernels run."""
-    out = []
-    for base, vcfg in variants:
-        if base == "lrmoe":
-            pc = _choose(base, vcfg, data.mcfg, None)[0]
-            out.append((make_policy(pc, data.mcfg, G), vcfg.lrmoe.backward))
-    return out
-
-
-def _run_one(spec: str, variant: tuple[str, TTLConfig], cfg: TTLConfig, data: _Data, ledger,
-             link, log, profile, rule) -> tuple[dict, list]:
-    """Policy ``spec``'s result (its counts taken out) and its per-home counts."""
-    base, vcfg = variant
-    res = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger, link, log,
-                     profile)
-    res["policy"] = spec
-    counts_GE = res.pop("_counts_GE")
-    if rule is not None:  # with each result: --reuse takes it with the policy
-        res["budget_rule"] = rule.record()
-    return res, counts_GE
 
 
 def _reach_target(cfg: TTLConfig, results: dict) -> dict:

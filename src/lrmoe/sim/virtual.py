@@ -147,23 +147,18 @@ class VirtualExchange(torch.autograd.Function):
             ex.tp.traffic("bwd_count_exchange", ones_GG, ones_GG, S * 8)
         grads_G = backward_ranks(ex, dout_G, kept.comb_G, kept.rows_G, kept.keep_G,
                                  w13_IS.split(S), w2_IS.split(S))
-        _backward_times(ex.tp.timers, stats, plan)
+        timers = ex.tp.timers
+        timers.resolve()
+        stats.expert_ms["bwd"] = timers.ms.get("expert_bwd", [0.0] * plan.G)
+        if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
+            stats.expert_ms["recompute"] = timers.ms.get("expert_recompute", [0.0] * plan.G)
+        for k in MEASURED_STAGES[1:]:  # forward and backward together
+            stats.stage_ms[k] = timers.ms.get(k, [0.0] * plan.G)
         # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
         # bench ttl does not charge it as non-MoE time)
         grads = (*(torch.cat(t) for t in grads_G), None)
         stats.bwd_end_s = now(dout_NH.device)
         return grads
-
-
-def _backward_times(timers: Timers, stats: VirtualStats, plan: Plan) -> None:
-    """The backward's measured expert and stage times into the stats."""
-    G = plan.G
-    timers.resolve()
-    stats.expert_ms["bwd"] = timers.ms.get("expert_bwd", [0.0] * G)
-    if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
-        stats.expert_ms["recompute"] = timers.ms.get("expert_recompute", [0.0] * G)
-    for k in MEASURED_STAGES[1:]:  # forward and backward together
-        stats.stage_ms[k] = timers.ms.get(k, [0.0] * G)
 
 
 @dataclass

@@ -9,7 +9,6 @@ identical: docs/design.md §7, "Activation checkpointing".
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -27,24 +26,11 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-@contextlib.contextmanager
-def recomputing(moe_layers: Iterable) -> Iterable:
-    """Run a re-run forward of ``moe_layers``: each leaves its step as the first forward
-    left it (:meth:`lrmoe.model.moe.MoELayer.forward`)."""
-    moe_layers = list(moe_layers)
-    for m in moe_layers:
-        m.recomputing = True
-    try:
-        yield
-    finally:
-        for m in moe_layers:
-            m.recomputing = False
-
-
 def checkpoint(fn: Callable, *args, moe_layers: Iterable = ()):
-    """``fn(*args)`` under a non-reentrant checkpoint; the re-run in backward runs under
-    :func:`recomputing` for ``moe_layers``. Early stop is off: the re-run runs to its
-    end on every rank, so the collectives inside an MoE forward match across ranks."""
+    """``fn(*args)`` under a non-reentrant checkpoint; the re-run in backward runs with
+    ``recomputing`` set on ``moe_layers``, so each leaves its step as the first forward
+    left it (:meth:`lrmoe.model.moe.MoELayer.forward`). Early stop is off: the re-run runs
+    to its end on every rank, so the collectives inside an MoE forward match across ranks."""
     moe_layers = list(moe_layers)
     calls = 0
 
@@ -53,7 +39,12 @@ def checkpoint(fn: Callable, *args, moe_layers: Iterable = ()):
         calls += 1
         if calls == 1 or not moe_layers:
             return fn(*a)
-        with recomputing(moe_layers):
+        for m in moe_layers:
+            m.recomputing = True
+        try:
             return fn(*a)
+        finally:
+            for m in moe_layers:
+                m.recomputing = False
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, early_stop=False)

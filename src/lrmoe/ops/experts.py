@@ -114,13 +114,8 @@ def _act_grad_rowdot_eager(dact: Tensor, gu: Tensor, scale: Tensor) -> tuple[Ten
     row's pair, so the combined expert output need not be kept for it."""
     Fd = gu.shape[1] // 2
     g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
-    sg = torch.sigmoid(g)
-    d = dact.float()
-    rowdot = (d * (g * sg * u)).sum(1)
-    d = d * scale[:, None]
-    dg = d * u * (sg * (1 + g * (1 - sg)))
-    du = d * g * sg
-    return torch.cat((dg, du), dim=1).to(gu.dtype), rowdot
+    rowdot = (dact.float() * (g * torch.sigmoid(g) * u)).sum(1)
+    return _act_grad_eager(dact, gu, scale), rowdot
 
 
 def offsets(counts: list[int], device: torch.device) -> Tensor:

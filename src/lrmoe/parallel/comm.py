@@ -21,9 +21,9 @@ class EPComm:
 
     def all_gather_counts(self, counts_E: Tensor) -> Tensor:
         """Per-rank expert counts ``[E]`` -> ``[G, E]`` int64 on the CPU (identical on all ranks)."""
-        if self.group is None:
-            return counts_E.detach().long().cpu().unsqueeze(0)
         c = counts_E.detach().long()
+        if self.group is None:
+            return c.cpu().unsqueeze(0)
         out = [torch.empty_like(c) for _ in range(self.size)]
         dist.all_gather(out, c, group=self.group)
         return torch.stack(out).cpu()
@@ -41,5 +41,4 @@ class EPComm:
         if self.group is None:
             return counts_GS
         G, S = counts_GS.shape
-        out = self.all_to_all(counts_GS.reshape(-1), [S] * G, [S] * G)
-        return out.reshape(G, S)
+        return self.all_to_all(counts_GS.reshape(-1), [S] * G, [S] * G).reshape(G, S)

@@ -141,10 +141,9 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> None:
     for ex in model.modules():
         if isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter) and hasattr(ex, "num_experts"):
             own = owned_experts(ex.num_experts, G, r)
-            per = len(own)
-            ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[r * per:(r + 1) * per].clone())
-            ex.down_proj = nn.Parameter(ex.down_proj.data[r * per:(r + 1) * per].clone())
-            ex.first, ex.count = r * per, per
+            ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[own.start:own.stop].clone())
+            ex.down_proj = nn.Parameter(ex.down_proj.data[own.start:own.stop].clone())
+            ex.first, ex.count = own.start, len(own)
 
 
 def sync_grads(model: nn.Module, ctx: ParallelContext, finished: Collection[int] = ()) -> None:

@@ -191,10 +191,9 @@ class HeldInstances:
 
     def weight_list(self, ws_own: list[Tensor], plan: Plan, comm: EPComm, E: int,
                     micro: int) -> list[Tensor]:
-        """The weights of this rank's occupied slots for ``plan`` at micro-batch
-        ``micro`` of the step: :func:`instance_weight_list`'s
-        values, gathered only where the placement differs from the previous
-        micro-batch's."""
+        """The weights of this rank's occupied slots for ``plan`` at micro-batch ``micro``
+        of the step: :func:`instance_weight_list`'s values, gathered only where the
+        placement differs from the previous micro-batch's."""
         ie = plan.inst_expert_GS.numpy()
         key = None if natives_only(ie, E) else placement_key(ie)
         if self.key is not None and self.key != key:

@@ -247,8 +247,7 @@ def experts_forward(rows: dict, recv: RecvLayout, w13: Tensor, w2: Tensor,
             rows["x"], rows["gu"] = keep_x.apply(x_inst), keep_gu.apply(gu_inst)
         del gu_inst, x_inst
     with tm("local"):
-        y_recv = permute_rows(y_inst, recv.to_arrival)
-    return y_recv
+        return permute_rows(y_inst, recv.to_arrival)
 
 
 def prefix_counts(counts, n: int) -> np.ndarray:
@@ -264,9 +263,8 @@ def retention(plan: Plan, me: int, save_all: bool = False) -> Retention:
     n_rec = 0 if plan.recompute_G is None or save_all else int(plan.recompute_G[me])
     occupied = (plan.inst_expert_GS.numpy()[me] >= 0).tolist()
     retain = plan.retain_GGS.numpy()[:, me, :].T.ravel()
-    if save_all or np.array_equal(retain, assign):
-        return Retention(assign, None, n_rec, occupied)
-    return Retention(assign, retain, n_rec, occupied)
+    every = save_all or np.array_equal(retain, assign)
+    return Retention(assign, None if every else retain, n_rec, occupied)
 
 
 @dataclass
@@ -406,8 +404,7 @@ def select_and_compact(dout_TH: Tensor, tok_c: Tensor, g_c: Tensor, gate_c: Tens
 def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvLayout,
                      recv_GS: Tensor, keep: Retention, w13: Tensor, w2: Tensor,
                      counts: Sequence[int] | None, offs: Tensor, rowdot: bool = False,
-                     tm: Timer = untimed, expert: str = "expert_bwd"
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+                     tm: Timer = untimed) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Receiver: experts^-1 over the arrived (compacted) rows. Returns ``(dx_recv, dw13,
     dw2, dot_recv)`` with the rows in arrival order; ``dot_recv`` (with ``rowdot``) is
     each row's router gradient ``<dy, y>``. ``rows`` holds the kept ``x`` and ``gu``
@@ -417,7 +414,7 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
     dev = rows["dy"].device
     saved_SG = keep.saved_SG
     if keep.n_rec:  # rebuild the kept rows' gate_up outputs (instance order) first
-        _rebuild_gate_up(rows, keep, counts, w13, tm, expert)
+        _rebuild_gate_up(rows, keep, counts, w13, tm)
     with tm("local"):
         scale_inst = permute_rows(scale_recv, recv.to_inst)
         rows["dy"] = permute_rows(rows["dy"], recv.to_inst)
@@ -434,7 +431,7 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
             at = to_device(first, dev)[blk] + permute_rows(j_recv, recv.to_inst)
             rows["x"] = rows["x"][at]
             rows["gu"] = rows["gu"][at]
-    with tm(expert):
+    with tm("expert_bwd"):
         dx_inst, dw13, dw2, *dot = swiglu_backward(rows, w13, w2, counts, offs,
                                                    scale=scale_inst, rowdot=rowdot)
     with tm("local"):
@@ -445,7 +442,7 @@ def experts_backward(rows: dict, j_recv: Tensor, scale_recv: Tensor, recv: RecvL
 
 
 def _rebuild_gate_up(rows: dict[str, Tensor], keep: Retention, counts: Sequence[int],
-                     w13: Tensor, tm: Timer, expert: str) -> None:
+                     w13: Tensor, tm: Timer) -> None:
     """Put the gate_up outputs of the first ``n`` kept rows, recomputed from their kept
     inputs, in front of the kept ones in ``rows["gu"]``: one buffer of all ``k`` rows.
     The kept part is copied in and dropped before the recompute GEMM, so at most
@@ -458,7 +455,7 @@ def _rebuild_gate_up(rows: dict[str, Tensor], keep: Retention, counts: Sequence[
     full = rows["gu"].new_empty(rows["gu"].shape[0] + n, rows["gu"].shape[1])
     full[n:] = rows["gu"]
     rows["gu"] = full  # drops the kept part
-    with tm(expert):
+    with tm("expert_bwd"):
         head = gate_up(rows["x"][:n], w13, prefix_counts(kept_I, n).tolist())
     full[:n] = head
 

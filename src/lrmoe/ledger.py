@@ -183,13 +183,19 @@ class Ledger:
         fwd = max(self.forward_points(T, R, h, k, rec, y).values())
         return max(back * self.bytes_act + self._index_bytes(n, gth), fwd * self.bytes_act)
 
-    def _planned_points(self, h: int, exact: bool, rec_branch: bool):
-        """``(R, k, rec) -> {point: bytes}`` of :meth:`counts_buffer_bytes`, affine in each."""
-        T = -(-int(h) // self.top_k)
-        y = 0 if exact and self.router_grad_at_experts else int(h)
+    def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
+        """:meth:`counts_buffer_bytes` for ``h`` home pairs as undominated affine pieces, int64
+        ``[P, 4]`` rows ``(const, per R, per k, per rec)`` whose largest value is the term."""
+        h = int(home_pairs)
+        key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
+        hit = self._pieces_memo.get(key)
+        if hit is not None:
+            return hit
+        T = -(-h // self.top_k)
+        y = 0 if exact and self.router_grad_at_experts else h
         b = self.bytes_act
 
-        def at(R: int, k: int, rec: int) -> dict[str, int]:
+        def at(R: int, k: int, rec: int) -> dict[str, int]:  # {point: bytes}, affine in each
             if exact:  # every received row in backward, none gathered, no input copy
                 n, gth, cx = R, False, False
             else:  # a trimmed plan: at most every retained row selected (n <= k), every
@@ -201,17 +207,6 @@ class Ledger:
             out.update({"fwd_" + name: v * b for name, v in self.forward_points(
                 T, R, h, k, rec, y, copy_x=cx, copy_gu=cx or rec_branch).items()})
             return out
-        return at
-
-    def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
-        """:meth:`counts_buffer_bytes` for ``h`` home pairs as undominated affine pieces, int64
-        ``[P, 4]`` rows ``(const, per R, per k, per rec)`` whose largest value is the term."""
-        h = int(home_pairs)
-        key = self._memo_key("buffer", h, bool(exact), bool(rec_branch))
-        hit = self._pieces_memo.get(key)
-        if hit is not None:
-            return hit
-        at = self._planned_points(h, exact, rec_branch)
         p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
         out = np.array([[v0] + [p[name] - v0 for p in rest] for name, v0 in p0.items()],
                        dtype=np.int64)

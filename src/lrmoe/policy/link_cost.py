@@ -66,14 +66,13 @@ class LinkCost:
         return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
 
     def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
-        """The busiest rank's seconds in one exchange of ``bytes_GG`` (its copy to itself free)."""
+        """The busiest rank's seconds in one exchange of ``bytes_GG`` over more ranks than a
+        node holds (its copy to itself free)."""
         b = np.asarray(bytes_GG, dtype=np.float64).copy()
         G = b.shape[0]
         np.fill_diagonal(b, 0.0)
         if not b.any():
             return 0.0
-        if not self.node_size or G <= self.node_size:
-            return float(_alltoall_G(b, self.bandwidth_Bps, self.latency_s, G).max())
         node = np.arange(G) // self.node_size
         same = node[:, None] == node[None, :]
         return float(np.maximum(
@@ -121,8 +120,12 @@ def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
     else:
         sel = k
     row = cost.hidden * cost.bytes_act
-    bw = cost.bandwidth_Bps if not cost.node_size or G <= cost.node_size else \
-        _two_level_Bps(cost, G)
+    if not cost.node_size or G <= cost.node_size:
+        bw = rep_bw = cost.bandwidth_Bps
+    else:  # rows spread evenly over G - 1 peers, in-node and between nodes: the slower
+        inside = (cost.node_size - 1) / (G - 1)
+        bw = 1.0 / max(inside / cost.bandwidth_Bps, (1 - inside) / cost.inter_bandwidth_Bps)
+        rep_bw = cost.inter_bandwidth_Bps
     lmax, smax = L.max(1), sel.max(1)
     home = float(np.max(home_G)) * off
     kappa = sel.sum(1) / np.maximum(L.sum(1), 1.0)
@@ -130,12 +133,6 @@ def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
     t += 2 * np.maximum(home, lmax * off) * row / bw
     t += np.maximum(home * kappa, smax * off) * (2 * row + BWD_ROW_EXTRA_BYTES) / bw
     reps = np.maximum(sent_KG, recv_KG).max(1).astype(np.float64)
-    rep_bw = bw if not cost.node_size or G <= cost.node_size else cost.inter_bandwidth_Bps
     lat = cost.latency_s * (G - 1)
     return t + 2 * (reps * cost.instance_bytes / rep_bw + (reps > 0) * lat) / cost.share
 
-
-def _two_level_Bps(cost: LinkCost, G: int) -> float:
-    """The rate of rows spread evenly over G - 1 peers, in-node and between nodes: the slower."""
-    inside = (cost.node_size - 1) / (G - 1)
-    return 1.0 / max(inside / cost.bandwidth_Bps, (1 - inside) / cost.inter_bandwidth_Bps)

@@ -253,10 +253,9 @@ class LrmoePolicy(Policy):
 
     def _layer_config(self, layer: int) -> LrmoeConfig:
         cfg = self.config
-        if cfg.keep == "auto":
-            mk = self.min_keep_by_layer.get(layer, cfg.min_keep)
-            cfg = dataclasses.replace(cfg, min_keep=mk)
-        return cfg
+        if cfg.keep != "auto":
+            return cfg
+        return dataclasses.replace(cfg, min_keep=self.min_keep_by_layer.get(layer, cfg.min_keep))
 
     def prepare(self, prev_counts, G: int, inputs: PlanInputs,
                 home_pairs: int | None = None) -> Prepared | None:

@@ -46,19 +46,21 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     return cnt, [c - g for c, g in zip(cnt, goal)]
 
 
-def _give_up(cnt: list[int], diff: list[float], n: int) -> list[int]:
+def _round(cnt: list[int], diff: list[float], n: int, up: bool = False) -> list[int]:
     """Take ``n`` instances off ``cnt`` in place, the largest ``diff`` among ``cnt > 1``
-    first (ties: lowest id); returns the experts in that order."""
-    heap = [(-diff[e], e) for e in range(len(cnt)) if cnt[e] > 1]
+    first, or (``up``) add ``n``, the smallest ``diff`` first (ties: lowest id); returns
+    the experts in that order."""
+    s = 1 if up else -1
+    heap = [(s * diff[e], e) for e in range(len(cnt)) if up or cnt[e] > 1]
     heapq.heapify(heap)
     order = []
     while len(order) < n:
         _, e = heapq.heappop(heap)
-        cnt[e] -= 1
-        diff[e] -= 1.0
+        cnt[e] += s
+        diff[e] += s
         order.append(e)
-        if cnt[e] > 1:
-            heapq.heappush(heap, (-diff[e], e))
+        if up or cnt[e] > 1:
+            heapq.heappush(heap, (s * diff[e], e))
     return order
 
 
@@ -68,17 +70,7 @@ def replica_counts_heap(pop_E: Tensor | None, E: int, total_slots: int
     to ``total_slots``."""
     cnt, diff = _floor_counts(pop_E, E, total_slots)
     n = sum(cnt)
-    if n > total_slots:
-        _give_up(cnt, diff, n - total_slots)
-    elif n < total_slots:
-        heap = [(diff[e], e) for e in range(E)]
-        heapq.heapify(heap)
-        while n < total_slots:
-            _, e = heapq.heappop(heap)
-            cnt[e] += 1
-            diff[e] += 1.0
-            n += 1
-            heapq.heappush(heap, (diff[e], e))
+    _round(cnt, diff, abs(n - total_slots), up=n < total_slots)
     return cnt, diff
 
 
@@ -86,7 +78,7 @@ def given_up_order(pop_E: Tensor | None, E: int, total_slots: int) -> tuple[list
     """``(cnt, order)``: SYMI's replica counts and the experts whose replicas its
     decrement loop, run on, gives up first."""
     cnt, diff = replica_counts_heap(pop_E, E, total_slots)
-    return cnt, _give_up(list(cnt), diff, sum(cnt) - E)
+    return cnt, _round(list(cnt), diff, sum(cnt) - E)
 
 
 def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
@@ -187,8 +179,7 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
     home_max = int(counts_GE.long().sum(1).max())
     best, first_err = None, None
     for s in range(lo, hi + 1):
-        floor_bytes = ledger.terms(s, 0, home_max, 0, exact=True)["total"]
-        if floor_bytes > ledger.budget_bytes:
+        if ledger.terms(s, 0, home_max, 0, exact=True)["total"] > ledger.budget_bytes:
             break
         try:
             plan_symi(counts_GE, s, prev_counts_E, ledger)
@@ -270,8 +261,7 @@ class SymiPolicy(Policy):
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
         prep = inputs.prepared
-        if prep is not None and prep.policy != self.name:
-            prep = None
+        mine = prep is not None and prep.policy == self.name
         return plan_symi(counts_GE, self._slots(G, E), inputs.prev_counts_E, inputs.ledger,
-                         self.recompute, None if prep is None else prep.inst_expert_GS,
-                         None if prep is None else prep.slots)
+                         self.recompute, prep.inst_expert_GS if mine else None,
+                         prep.slots if mine else None)

@@ -19,9 +19,9 @@ from lrmoe.policy.plan_numpy import Slots, host_counts
 
 
 def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S: int
-                     ) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """Rule 1: ``(inst_expert_GS, inst_load_GS, replicas given up)`` for the best
-    prefix of the logged moves, or ``None`` when that is all of them."""
+                     ) -> tuple[np.ndarray, np.ndarray, int, Slots] | None:
+    """Rule 1: ``(inst_expert_GS, inst_load_GS, replicas given up, its split index)`` for
+    the best prefix of the logged moves, or ``None`` when that is all of them."""
     K = len(log.expert_K)
     if K == 0:
         return None
@@ -48,7 +48,8 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
         return None
     inst = natives_GS(G, S, E)
     inst[dst[:k], np.asarray(log.slot_K[:k], dtype=np.int64)] = log.expert_K[:k]
-    return inst, Slots(inst, E).even_split(total_E), K - k
+    idx = Slots(inst, E)
+    return inst, idx.even_split(total_E), K - k, idx
 
 
 def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Plan:

@@ -98,6 +98,7 @@ class _Greedy:
         # experts that have replicas; the others have their native alone (instances)
         self.inst_of: dict[int, list[tuple[int, int]]] = {}
         self.inst_load: dict[int, list[int]] = {}
+        self.n_of = [1] * E  # each expert's instances
         self.load = np.asarray(total_E, dtype=np.int64).reshape(G, self.n_nat).sum(1).tolist()
         self.n_inst = [self.n_nat] * G
         self.n_free = [S - self.n_nat] * G
@@ -129,8 +130,14 @@ class _Greedy:
         top = max(load)
         n_top = load.count(top)
         hot = [load.index(top)] if n_top == 1 else [r for r in range(self.G) if load[r] == top]
-        m = _Move(top, n_top, *self._floor(top, hot), first=min(self.key))
+        first = min(self.key)
+        if first == FULL:  # no free slot: no destination for any candidate
+            return None
+        m = _Move(top, n_top, *self._floor(top, hot), first=first)
+        least = first // self.G  # the least load of a rank with a free slot
         for e in self._candidates(hot):
+            if least + self.total[e] // (self.n_of[e] + 1) > top:
+                continue  # any destination would end above the top: no need to find one
             found = self._destination(e, m)
             if found is None:
                 continue
@@ -148,10 +155,10 @@ class _Greedy:
 
     def _candidates(self, hot: list[int]) -> list[int]:
         """The hot ranks' experts that can take one more instance, busiest per instance first."""
-        n_of = self.inst_of
-        cands = {e for r in hot for e in self.slots[r]
-                 if e >= 0 and self.total[e] > len(n_of.get(e, ()) or (1,))}
-        return sorted(cands, key=lambda e: (-self.total[e] / len(n_of.get(e, ()) or (1,)), e))
+        total, n = self.total, self.n_of
+        cands = {e for r in hot for e in self.slots[r] if e >= 0 and total[e] > n[e]}
+        # (key, e) pairs sort as the key alone would: each e once
+        return [e for _, e in sorted([(-total[e] / n[e], e) for e in cands])]
 
     def _floor(self, top: int, hot: list[int]) -> tuple[int, int, int]:
         """``(level, fn, fd)``: the ``min_keep`` level and the smallest kept fraction
@@ -179,8 +186,6 @@ class _Greedy:
         was = self.instances(e)
         held = {r for r, _ in was}
         d = m.first % G
-        if m.first == FULL:
-            return None
         if d in held:
             m.dests = m.dests or sorted(self.key)
             d = next((k % G for k in m.dests if k != FULL and k % G not in held), None)
@@ -230,6 +235,7 @@ class _Greedy:
         self.n_inst[d] += 1
         self.n_free[d] -= 1
         self.inst_of[e], self.inst_load[e] = inst, new_load
+        self.n_of[e] = len(inst)
         for r, _ in inst:
             R, before = loads[r], self.load[r]
             self.load[r] = R

@@ -88,11 +88,10 @@ def place_lrmoe(total_E: np.ndarray, home_G: np.ndarray, cfg: LrmoeConfig,
 
 
 def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
-           c: np.ndarray | None = None
-           ) -> tuple[np.ndarray, np.ndarray, int, Slots | None] | Trimmed:
+           c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, Slots] | Trimmed:
     """Pass 1 and the link-cost rule: ``(inst_expert_GS, inst_load_GS, replicas given up,
-    its split index if built)``, or (given the counts ``c``) the :class:`Trimmed` record
-    where its minimum does not fit."""
+    its split index)``, or (given the counts ``c``) the :class:`Trimmed` record where its
+    minimum does not fit."""
     G, log = len(view.home), MoveLog() if cfg.link is not None else None
     # no log argument unless logging: tests/references/lrmoe_place_numpy.py stands in here
     inst, load = (place_replicas(total_E, G, S, cfg, view) if log is None
@@ -102,7 +101,7 @@ def _place(total_E: np.ndarray, S: int, cfg: LrmoeConfig, view: LedgerView,
         if over is not None:
             return over
     fewer = None if log is None else worth_their_link(log, cfg, view, total_E, S)
-    return (inst, load, 0, None) if fewer is None else fewer
+    return (inst, load, 0, Slots(inst, len(total_E))) if fewer is None else fewer
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,6 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
     if isinstance(placed, Trimmed):
         return placed
     inst, load, given_up, idx = placed
-    idx = idx if idx is not None else Slots(inst, E)
     return _quotas(c, inst, load, idx.overlap_ig(c, load), S, cfg, view, ledger, given_up,
                    kept=False)
 

@@ -257,4 +257,3 @@ class _Greedy:
         self.sum_kept += k - self.kept[r]
         self.kept[r] = k
         self.ratio[r] = k / R if R else math.inf
-

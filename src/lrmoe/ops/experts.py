@@ -97,25 +97,33 @@ def _act_scaled_eager(gu: Tensor, scale: Tensor) -> Tensor:
     return (F.silu(gu[:, :Fd].float()) * gu[:, Fd:].float() * scale[:, None]).to(gu.dtype)
 
 
+def _dgu(d: Tensor, g: Tensor, u: Tensor, sg: Tensor, dtype: torch.dtype) -> Tensor:
+    """``d(silu(g) * u) / d[g, u]`` in fp32 given the activation gradient ``d`` and
+    ``sg = sigmoid(g)``, cast to ``dtype``."""
+    dg = d * u * (sg * (1 + g * (1 - sg)))
+    du = d * g * sg
+    return torch.cat((dg, du), dim=1).to(dtype)
+
+
 def _act_grad_eager(dact: Tensor, gu: Tensor, scale: Tensor | None = None) -> Tensor:
     """``d(silu(g) * u) / d[g, u]`` given the activation gradient (times ``scale[r]``)."""
     Fd = gu.shape[1] // 2
     g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
-    sg = torch.sigmoid(g)
     d = dact.float() if scale is None else dact.float() * scale[:, None]
-    dg = d * u * (sg * (1 + g * (1 - sg)))
-    du = d * g * sg
-    return torch.cat((dg, du), dim=1).to(gu.dtype)
+    return _dgu(d, g, u, torch.sigmoid(g), gu.dtype)
 
 
 def _act_grad_rowdot_eager(dact: Tensor, gu: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`_act_grad_eager` with the scale, plus ``<dact[r], silu(g) * u>`` per row
     (fp32): with ``dact = dy @ w2`` that is ``<dy[r], y[r]>``, the router gradient of the
-    row's pair, so the combined expert output need not be kept for it."""
+    row's pair, so the combined expert output need not be kept for it. One sigmoid and
+    one widening of ``g``, ``u`` and ``dact`` serve both."""
     Fd = gu.shape[1] // 2
     g, u = gu[:, :Fd].float(), gu[:, Fd:].float()
-    rowdot = (dact.float() * (g * torch.sigmoid(g) * u)).sum(1)
-    return _act_grad_eager(dact, gu, scale), rowdot
+    sg = torch.sigmoid(g)
+    d = dact.float()
+    rowdot = (d * (g * sg * u)).sum(1)
+    return _dgu(d * scale[:, None], g, u, sg, gu.dtype), rowdot
 
 
 def offsets(counts: list[int], device: torch.device) -> Tensor:

@@ -21,7 +21,8 @@ VALUES = {"policy": ["lrmoe"], "capacity_factor": ["2.0"], "slots_per_rank": ["5
           "router_grad": ["experts"], "lrmoe_recompute": [], "lrmoe_placement": ["previous"],
           "lrmoe_metric": ["gate"], "lrmoe_estimator": ["sampled"], "lrmoe_min_keep": ["0.25"],
           "lrmoe_balance": ["0.5"], "lrmoe_compaction": ["off"], "lrmoe_selection": ["off"],
-          "lrmoe_fidelity_every": ["3"], "lrmoe_keep": ["auto"], "lrmoe_target_cosine": ["0.9"],
+          "lrmoe_select_from": ["4"], "lrmoe_fidelity_every": ["3"], "lrmoe_keep": ["auto"],
+          "lrmoe_target_cosine": ["0.9"],
           "lrmoe_max_slots": ["6"]}
 
 

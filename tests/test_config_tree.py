@@ -80,6 +80,7 @@ def test_policy_variant_sets_lrmoe_knobs_and_refuses_bad_values_naming_the_spec(
     assert name == "lrmoe" and cfg.lrmoe.link_cost is False
     assert (cfg.lrmoe.planner.min_keep, cfg.lrmoe.planner.recompute) == (0.5, True)
     assert policy_variant("lrmoe:link_cost=on", base)[1].lrmoe.link_cost is True
+    assert policy_variant("lrmoe:select_from=16", base)[1].lrmoe.planner.select_from == 16
     assert policy_variant("symi", base) == ("symi", base)
     for spec, words in (("lrmoe:link_cost=maybe", "link_cost: 'maybe' is not on or off"),
                         ("lrmoe:min_keep=x", "min_keep='x' is not a valid float"),

@@ -18,7 +18,7 @@ from lrmoe.ledger import Ledger
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy import PlanInputs
 from lrmoe.policy.capacity import capacity_per_expert, plan_capacity
-from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
+from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, plan_lrmoe
 from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
@@ -201,6 +201,24 @@ def test_lrmoe_balance_zero_selects_all_retained():
     counts = _skewed(4, 16, 2)
     plan = plan_lrmoe(counts, LrmoeConfig(balance=0.0), ladder=False).plan
     assert torch.equal(plan.select_GGS, plan.retain_GGS)
+
+
+def test_lrmoe_select_from_turns_selection_off_before_step_n_only():
+    """Before step ``select_from`` every retained pair is selected; from it on, the plans
+    are the default config's, bit for bit."""
+    counts = _skewed(4, 16, 2)
+    warm, plain = LrmoePolicy(LrmoeConfig(select_from=3)), LrmoePolicy(LrmoeConfig())
+    for step in range(5):
+        got = warm.plan(counts, PlanInputs(layer=0, step=step))
+        ref = plain.plan(counts, PlanInputs(layer=0, step=step))
+        if step < 3:
+            assert torch.equal(got.select_GGS, got.retain_GGS), step
+            assert not torch.equal(ref.select_GGS, ref.retain_GGS)  # it did trim
+        else:
+            assert torch.equal(got.select_GGS, ref.select_GGS), step
+        assert torch.equal(got.retain_GGS, ref.retain_GGS)  # selection only
+    with pytest.raises(LrmoeError, match="select_from=-1"):
+        LrmoeConfig(select_from=-1)
 
 
 def test_lrmoe_max_replicas_and_slots():

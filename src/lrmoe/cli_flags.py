@@ -172,6 +172,9 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
     Knob("lrmoe_selection", "lrmoe: backward selection; off = every retained pair "
          "(memory-aware placement only)", lambda n, v: None, "lrmoe.selection", type=on_off,
          metavar="on|off"),
+    Knob("lrmoe_select_from", "lrmoe: backward selection from this optimizer step on; "
+         "before it, every retained pair (a keep warm-up through the fast descent)",
+         lambda n, v: check_int(n, v, 0), "lrmoe.select_from", type=int, metavar="N"),
     Knob("lrmoe_fidelity_every", "lrmoe: compare the selected to the exact expert gradient "
          "every N steps, 0 = never", lambda n, v: check_int(n, v, 0), "fidelity.every",
          type=int, metavar="N"),
@@ -192,7 +195,7 @@ PLAN = ("policy", "capacity_factor", "slots_per_rank", "mem_budget", "optimizer_
         "lrmoe_balance", "lrmoe_selection")
 BENCH = ("slots_per_rank", "mem_budget", "optimizer_offload", "router_grad",
          "lrmoe_recompute", "lrmoe_placement", "lrmoe_estimator", "lrmoe_min_keep",
-         "lrmoe_balance", "lrmoe_max_slots")
+         "lrmoe_balance", "lrmoe_select_from", "lrmoe_max_slots")
 
 # Spellings used before: refused with the current one.
 RENAMED = {"--min-keep": "--lrmoe-min-keep", "--balance": "--lrmoe-balance",

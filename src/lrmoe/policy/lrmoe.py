@@ -47,6 +47,7 @@ class LrmoeConfig:
     max_replicas_per_step: int | None = None
     max_slots_per_rank: int | None = None
     selection: bool = True
+    select_from: int = 0
     keep: str = "fixed"
     target_cosine: float = 0.99
     recompute: bool = False
@@ -63,6 +64,8 @@ class LrmoeConfig:
                 "or None")
         require(self.max_slots_per_rank is None or self.max_slots_per_rank >= 1,
                 f"lrmoe.max_slots_per_rank={self.max_slots_per_rank} must be >= 1 or None")
+        require(self.select_from >= 0,
+                f"lrmoe.select_from={self.select_from} must be >= 0")
         require(self.placement in PLACEMENTS,
                 f"lrmoe.placement={self.placement!r} is not one of {PLACEMENTS}")
         require(self.keep in KEEPS, f"lrmoe keep={self.keep!r} is not valid; use 'fixed' "
@@ -252,8 +255,13 @@ class LrmoePolicy(Policy):
     # per MoE layer, the placement held for its current optimizer step
     held: dict[int, Held] = field(default_factory=dict)
 
-    def _layer_config(self, layer: int) -> LrmoeConfig:
+    def _layer_config(self, layer: int, step: int = 0) -> LrmoeConfig:
+        """The knobs for ``layer`` at optimizer step ``step``: the auto keep's floor, and
+        selection off through the first ``select_from`` steps (the fast descent, where a
+        dropped pair's gradient is worth most)."""
         cfg = self.config
+        if step < cfg.select_from:
+            cfg = dataclasses.replace(cfg, selection=False)
         if cfg.keep != "auto":
             return cfg
         return dataclasses.replace(cfg, min_keep=self.min_keep_by_layer.get(layer, cfg.min_keep))
@@ -279,7 +287,7 @@ class LrmoePolicy(Policy):
         return h if ok else None
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
-        cfg = self._layer_config(inputs.layer)
+        cfg = self._layer_config(inputs.layer, inputs.step)
         held = self._holding(inputs)
         if held is not None:  # the step's placement; the decision to hold it was made
             plan = plan_lrmoe(counts_GE, cfg, inputs.ledger, held.inst_expert_GS,

@@ -53,7 +53,8 @@ class LrmoeKnobs:
 LRMOE_FLAT = {"min_keep": "planner.min_keep", "balance": "planner.balance",
               "lrmoe_max_slots": "planner.max_slots_per_rank",
               "estimator": "backward.estimator", "lrmoe_recompute": "planner.recompute",
-              "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost"}
+              "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost",
+              "lrmoe_select_from": "planner.select_from"}
 
 
 def with_knobs(knobs: LrmoeKnobs, flat: dict[str, Any]) -> LrmoeKnobs:
@@ -155,7 +156,8 @@ VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_kee
                    "balance": ("balance", float), "estimator": ("estimator", str),
                    "max_slots": ("lrmoe_max_slots", int),
                    "placement": ("lrmoe_placement", str),
-                   "link_cost": ("lrmoe_link_cost", on_off)}
+                   "link_cost": ("lrmoe_link_cost", on_off),
+                   "select_from": ("lrmoe_select_from", int)}
 
 
 def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:

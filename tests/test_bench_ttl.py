@@ -626,6 +626,7 @@ def test_deterministic_mode_fill_setting_and_restore():
     (["static", "symi"], set()),
     (["static", "lrmoe:estimator=sampled"], {"sampled"}),
     (["static", "lrmoe", "lrmoe:estimator=sampled"], {"topk", "sampled"}),
+    (["static", "lrmoe:select_from=5"], {"topk"}),  # a keep warm-up selects from step 5
 ])
 def test_ttl_warm_up_runs_each_lrmoe_variants_selection(monkeypatch, policies, want):
     """The untimed warm-up launches every lrmoe variant's selection (its kernels compile

@@ -60,7 +60,13 @@ from lrmoe.sim.links import get_link, link_cost, rank_bytes
 from lrmoe.sim.offload import assumptions as offload_assumptions
 from lrmoe.sim.offload import offload_for
 from lrmoe.sim.target import crossing, eval_noise, target_at
-from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config, policy_variant, recorded_settings
+from lrmoe.sim.ttl_config import (
+    TTLConfig,
+    check_ttl_config,
+    policy_variant,
+    recorded_settings,
+    with_knobs,
+)
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.virtual import now
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
@@ -636,10 +642,15 @@ def _probe(cfg: TTLConfig, data: _Data, variants: dict) -> dict:
     if cfg.reuse:
         v0 = _val_eval(probe, data.val_b, dev, autocast)["val_loss"]
         reused = load_reused(cfg, list(variants), v0)
-    # each lrmoe variant that runs, unbudgeted: its balance quotas trim the first batch,
-    # so its selection and gather kernels run
-    also = [(make_policy(_choose(b, v, data.mcfg, None)[0], data.mcfg, G), v.lrmoe.backward)
-            for p, (b, v) in variants.items() if p not in reused and b == "lrmoe"]
+    # each lrmoe variant that runs, unbudgeted and selecting from step 0 (a keep warm-up's
+    # first selecting step must not pay for compiling): its balance quotas trim the first
+    # batch, so its selection and gather kernels run
+    also = []
+    for p, (b, v) in variants.items():
+        if p not in reused and b == "lrmoe":
+            v = replace(v, lrmoe=with_knobs(v.lrmoe, {"lrmoe_select_from": 0}))
+            also.append((make_policy(_choose(b, v, data.mcfg, None)[0], data.mcfg, G),
+                         v.lrmoe.backward))
     warm_up(probe, G, data.batches.batch(0).to(t.device), autocast, t.compile, also)
     del probe
     _release(cfg)

@@ -97,16 +97,16 @@ def rows_for(cfg, sizes: list[tuple[int, int]], modes: list[str], gpu: int, host
 
 def link_bytes(led: StepLedger, mode: str, accum: int) -> int:
     """Host-link bytes a step moves (both directions): the offloaded gradients down and
-    the updated masters up once a step, as the trainer does (both fp32, converted on the
-    GPU: :attr:`StepLedger.grad_link_bytes`); streamed expert gradients go down every
-    micro-batch, streamed bf16 expert weights come up for every other pass of every
+    the bf16 weights up once a step, as the trainer does (each gradient in its own
+    dtype, bf16: :attr:`StepLedger.grad_link_bytes`); streamed expert gradients go down
+    every micro-batch, streamed expert weights come up for every pass of every
     micro-batch (three with full checkpointing: forward, re-run, backward)."""
     off, ex = led.offloaded_params, led.params["experts"]
     down = led.grad_link_bytes
     grads = down * (off + (accum - 1) * ex if led.expert_grad_resident_layers else off)
     passes = 3 if mode == "full" else 2
-    streamed = (accum * passes - 1) * ex if led.expert_resident_layers else 0
-    return grads + led.master_bytes * off + 2 * streamed
+    weights = 2 * (off + (accum * passes - 1) * ex if led.expert_resident_layers else off)
+    return grads + weights
 
 
 GPU_SIDE = [

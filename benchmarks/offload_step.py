@@ -7,9 +7,8 @@ wall time (``step_s`` of ``metrics.jsonl``: the trainer synchronises the device 
 of every step):
 
 * ``pipeline``: :class:`lrmoe.train.offload.HostOffloadAdamW` as the trainer builds it
-  (gradients to the host as they become final, widened to fp32 on the GPU, the
-  chunked host AdamW on a worker thread, the fp32 masters back into the weights on a
-  side stream, rounded on the GPU);
+  (bf16 gradients to the host as they become final, the chunked host AdamW on a
+  worker thread, the weights back on a side stream);
 * ``serial``: the update as it ran before the pipeline (``tests/references/
   offload_adamw.py``: after backward, fp32 gradients to the host, the host AdamW, the
   weights back, device-wide waits between);
@@ -161,7 +160,7 @@ def run_mode(name: str, mode: str, a, work: Path) -> dict:
            "losses": [r["loss"] for r in rows]}
     if times:
         t = times[later]
-        for k in ("host_s", "worker_s", "busy_s", "grad_wait_s", "exposed_s"):
+        for k in ("host_s", "worker_s", "busy_s", "grad_wait_s", "ring_wait_s", "exposed_s"):
             if got := [x[k] for x in t if k in x]:
                 res[f"median_{k[:-2]}_ms"] = statistics.median(got) * 1e3
         for k in ("d2h", "h2d"):  # resolved at the next step's start: not the last step

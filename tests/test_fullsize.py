@@ -16,7 +16,8 @@ import test_ledger_truth as truth
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
 from lrmoe.step_ledger import StepLedger, pinned_bytes
-from lrmoe.train.host_pipe import HOST_CHUNK, HostPipeline
+from lrmoe.train.host_pipe import HOST_CHUNK, RING, HostPipeline
+from references.offload_adamw import staging_bytes
 
 
 def _category(name: str) -> str:
@@ -96,12 +97,12 @@ def test_offload_split_is_what_the_trainer_allocates():
     got_gpu = {"weights_fp32": _tensor_bytes(dev), "grads_fp32": _tensor_bytes(p.grad for p in dev),
                "adam_moments": _tensor_bytes(state(dev, ("exp_avg", "exp_avg_sq"))),
                "offloaded_weights": _tensor_bytes(host),
-               "offloaded_grads": _tensor_bytes(p.grad for p in host),
-               "offload_staging": 0}  # no device conversions on the CPU
+               "offloaded_grads": _tensor_bytes(p.grad for p in host)}
     got_host = {"masters": _tensor_bytes(state(host, ("master",))),
                 "moments": _tensor_bytes(state(host, ("exp_avg", "exp_avg_sq"))),
-                "grad_buffer": _tensor_bytes(opt._grad_buf.values())}
-    assert all(b.dtype == torch.float32 for b in opt._grad_buf.values())  # widened
+                "grad_buffer": _tensor_bytes(opt._grad_buf.values()),
+                "pipeline_staging": staging_bytes(opt)}
+    assert all(b.dtype == torch.bfloat16 for b in opt._grad_buf.values())  # as computed
     # on the CPU nothing is pinned: every host tensor at its exact size
     led = StepLedger(cfg, optimizer_offload="host", compute_dtype="bf16",
                      device="cpu").state()
@@ -109,8 +110,8 @@ def test_offload_split_is_what_the_trainer_allocates():
     assert led["host"] == got_host
     # nothing else: every state tensor but AdamW's step counters is in one of the terms
     every = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
-    assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) == \
-        sum(led["host"].values()) + got_gpu["adam_moments"]
+    assert _tensor_bytes(every) + _tensor_bytes(opt._grad_buf.values()) + \
+        staging_bytes(opt) == sum(led["host"].values()) + got_gpu["adam_moments"]
     # device offload: everything fp32 on the GPU, 16 bytes a parameter, nothing on the host
     d = StepLedger(cfg, optimizer_offload="device", compute_dtype="bf16").state()
     assert sum(d["gpu"].values()) == 16 * sum(p.numel() for p in params)
@@ -268,13 +269,12 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     res = json.loads((tmp_path / "fullsize.json").read_text())
     row = res["results"][0]
     assert row["mode"] == "full" and row["tokens"] == 4096
-    # per layer: gate_up_proj 1.5 GiB and down_proj 0.75 GiB in fp32, the masters and the
-    # fp32 gradient buffers each pinned at 2 GiB and 1 GiB; the moments 8 B a parameter,
-    # pageable; no staging on the host
-    per_layer = 2 * (2**31 + 2**30) + 8 * 128 * 3 * 2048 * 768
-    assert row["host_total"] == 48 * per_layer and not row["fits_host"]
-    # on the GPU, two chunks' fp32 conversion temporaries of 8 MiB
-    assert row["gpu_state"]["offload_staging"] == 2 * 8 * 2**20
+    # per layer: gate_up_proj 1.5 GiB and down_proj 0.75 GiB in fp32, the masters pinned
+    # at 2 GiB and 1 GiB, the bf16 gradient buffers at 1 GiB and 0.5 GiB; the moments 8 B
+    # a parameter, pageable; once, the pipeline's fp32 chunk and ring of 4 bf16 chunks
+    per_layer = (2**31 + 2**30) + (2**30 + 2**29) + 8 * 128 * 3 * 2048 * 768
+    staging = 4 * HOST_CHUNK + RING * 2 * HOST_CHUNK
+    assert row["host_total"] == 48 * per_layer + staging and not row["fits_host"]
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
     for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
         assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
@@ -308,27 +308,24 @@ def test_host_state_prices_each_pinned_tensor_at_its_rounded_size(name):
     shapes = [tuple(p.shape) for p in offloaded_params(model)]
     assert len(shapes) == 2 * len(cfg.moe_layers)
     numels = [math.prod(s) for s in shapes]
-    pinned = sum(_next_pow2(4 * n) for n in numels)  # masters, and gradients: both fp32
+    pinned = sum(_next_pow2(4 * n) for n in numels)
+    pinned_bf16 = sum(_next_pow2(2 * n) for n in numels)  # the gradients cross as bf16
     assert pinned > 4 * sum(numels)  # the rounding is seen
-    assert max(numels) < HOST_CHUNK  # each tensor is copied as one chunk
+    span = min(HOST_CHUNK, max(numels))  # the pipeline's chunk: fp32 scratch, a pinned ring
+
+    def staging(cuda, span=span):
+        return 4 * span + (RING * _next_pow2(2 * span) if cuda else 0)
     led = StepLedger(cfg)  # the trainer on CUDA
     assert led.state()["host"] == {"masters": pinned, "moments": 8 * sum(numels),
-                                   "grad_buffer": pinned}
-    # on the GPU one fp32 temporary of the largest tensor per copy stream
-    assert led.state()["gpu"]["offload_staging"] == 2 * 4 * max(numels)
+                                   "grad_buffer": pinned_bf16, "pipeline_staging": staging(True)}
     staged = StepLedger(cfg, host_grad_staging=True).state()["host"]["grad_buffer"]
-    assert staged == _next_pow2(4 * max(numels))
-    exact = StepLedger(cfg, device="cpu").state()
-    assert exact["host"] == {"masters": 4 * sum(numels), "moments": 8 * sum(numels),
-                             "grad_buffer": 4 * sum(numels)}
-    assert exact["gpu"]["offload_staging"] == 0
-    # the trainer's pre-check asks the same bytes, per EP rank's shard of each tensor
-    dev_full = state_bytes(cfg, 1, offload=True)[0]
+    assert staged == _next_pow2(2 * max(numels))
+    exact = StepLedger(cfg, device="cpu").state()["host"]
+    assert exact == {"masters": 4 * sum(numels), "moments": 8 * sum(numels),
+                     "grad_buffer": 2 * sum(numels), "pipeline_staging": staging(False)}
+    # the trainer's pre-check asks the same host bytes, per EP rank's shard of each tensor
     for ep in (1, 2, 4):
         mine = [s[0] // ep * math.prod(s[1:]) for s in shapes]
-        want = sum(2 * _next_pow2(4 * n) for n in mine) + 8 * sum(mine)
-        dev, host = state_bytes(cfg, ep, offload=True)
-        assert host == want
-        # the device's experts shrink by 1/ep (bf16 weight and gradient), its staging too
-        experts = sum(numels)
-        assert dev == dev_full - 4 * (experts - sum(mine)) - 8 * (max(numels) - max(mine))
+        want = (sum(_next_pow2(4 * n) + _next_pow2(2 * n) for n in mine) + 8 * sum(mine)
+                + staging(True, min(HOST_CHUNK, max(mine))))
+        assert state_bytes(cfg, ep, offload=True)[1] == want

@@ -43,37 +43,26 @@ def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) ->
 
 
 def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
-               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int = 4,
+               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
                staging: bool = False) -> dict[str, int]:
     """Host bytes by term of the offloaded tensors of ``numels`` elements, as ``HostOffloadAdamW``
-    allocates them on ``device`` (the gradient buffers fp32 whatever the compute dtype);
-    ``staging``: one gradient buffer of the largest tensor."""
+    allocates them on ``device``; ``staging``: one gradient buffer of the largest tensor."""
+    from lrmoe.train.host_pipe import HOST_CHUNK, RING
+
     require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
     moments = moment_bytes * sum(numels)
     if device == "cpu" and compute_dtype == "fp32":  # HostOffloadAdamW._own_master
-        return {"masters": 0, "moments": moments, "grad_buffer": 0}
+        return {"masters": 0, "moments": moments, "grad_buffer": 0, "pipeline_staging": 0}
     size = pinned_bytes if device == "cuda" else int
-    grads = [max(numels, default=0) * grad_bytes] if staging else [grad_bytes * n for n in numels]
+    bw = DTYPE_BYTES[compute_dtype]
+    gb = bw if grad_bytes is None else grad_bytes
+    grads = [max(numels, default=0) * gb] if staging else [gb * n for n in numels]
+    span = min(HOST_CHUNK, max(numels, default=0))
+    pipe = 4 * span + (RING * pinned_bytes(bw * span) if device == "cuda" else 0)
     return {"masters": sum(size(master_bytes * n) for n in numels),
             "moments": moments,
-            "grad_buffer": sum(size(b) for b in grads if b)}
-
-
-def offload_staging(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16") -> int:
-    """GPU bytes the host offload's copies hold beyond the weights and gradients: on CUDA in
-    bf16, the fp32 temporary torch converts each non-blocking copy's chunk through.
-
-    Each chunk's copy takes its temporary from its side stream's pool and frees it on
-    return; the next chunk on that stream reuses it in stream order, so a stream holds one
-    at a time, of at most ``min(HOST_CHUNK, largest tensor)`` elements. The gradients'
-    stream (the backward; at the step, those not sent yet) and the weights' stream (the
-    step) can overlap: two. Live bytes; the allocator reserves a segment around each (20
-    MiB for a request of 1 to 10 MiB) that stays in that stream's pool."""
-    from lrmoe.train.host_pipe import HOST_CHUNK
-
-    if device != "cuda" or compute_dtype == "fp32" or not numels:  # no conversions
-        return 0
-    return 2 * 4 * min(HOST_CHUNK, max(numels))
+            "grad_buffer": sum(size(b) for b in grads if b),
+            "pipeline_staging": pipe}
 
 
 @dataclass(frozen=True)
@@ -94,7 +83,7 @@ class StepLedger:
     loss_chunk_tokens: int | None = None
     master_bytes: int = 4
     moment_bytes: int = 8
-    host_grad_bytes: int = 4
+    host_grad_bytes: int | None = None
     host_grad_staging: bool = False
 
     def __post_init__(self) -> None:
@@ -142,15 +131,14 @@ class StepLedger:
         bw = DTYPE_BYTES[self.compute_dtype]
         dev, off = self.device_stepped_params, self.offloaded_params
         dense_off = off - (self.params["experts"] if off else 0)
-        numels = self._offloaded_numels if off else []
         gpu = {"weights_fp32": 4 * dev, "grads_fp32": 4 * dev, "adam_moments": 8 * dev,
-               "offloaded_weights": 0, "offloaded_grads": 0,
-               "offload_staging": offload_staging(numels, self.device, self.compute_dtype)}
+               "offloaded_weights": 0, "offloaded_grads": 0}
         if off:
             gpu["offloaded_weights"] = bw * (dense_off + self._resident(self.expert_resident_layers))
             gpu["offloaded_grads"] = bw * (dense_off
                                            + self._resident(self.expert_grad_resident_layers))
-        host = host_state(numels, self.device, self.compute_dtype, self.master_bytes, self.moment_bytes,
+        host = host_state(self._offloaded_numels if off else [], self.device,
+                          self.compute_dtype, self.master_bytes, self.moment_bytes,
                           self.host_grad_bytes, self.host_grad_staging)
         return {"gpu": gpu, "host": host}
 
@@ -268,9 +256,9 @@ class StepLedger:
 
     @property
     def grad_link_bytes(self) -> int:
-        """Bytes an offloaded gradient element takes over the host link and in its host buffer
-        (fp32: the GPU widens it before the copy)."""
-        return self.host_grad_bytes
+        """Bytes an offloaded gradient element takes over the host link and in its host buffer."""
+        bw = DTYPE_BYTES[self.compute_dtype]
+        return bw if self.host_grad_bytes is None else self.host_grad_bytes
 
     def report(self, tokens: int, mode: str) -> dict:
         """Everything the whole-model table shows for one micro-batch size and mode."""

@@ -7,6 +7,7 @@ each fp32 master copied back into its bf16 device weight, a device-wide wait.
 steps and device weights, bit for bit (tests/test_offload_pipeline.py);
 ``benchmarks/offload_step.py`` times it as the "serial" mode. A copy, not shared with
 the runtime, so that a change there cannot move both sides of the comparison.
+:func:`staging_bytes` reads what the pipelined one holds in host staging.
 """
 
 from __future__ import annotations
@@ -210,3 +211,12 @@ class SerialHostOffloadAdamW(torch.optim.AdamW):
                                  for k, v in host.get(id(p), {}).items()}
         self._refresh_masters()
 
+
+def staging_bytes(opt) -> int:
+    """Host bytes of a pipelined offload's scratch and ring (before the pinned allocator's
+    rounding): what the step ledger prices as the pipeline's staging."""
+    pipe = opt._pipe
+    if pipe is None:
+        return 0
+    held = ([pipe._scratch] if pipe._scratch is not None else []) + pipe._ring
+    return sum(t.numel() * t.element_size() for t in held)

@@ -1,8 +1,7 @@
-"""The host optimizer's pipeline: per offloaded parameter, its gradient to the host in fp32
-(sent as soon as it is final, on a side stream; the GPU widens it), the fused CPU AdamW
-on its fp32 master chunk by chunk on a worker thread, the updated master back on a
-second side stream (the GPU rounds it into the weight). When each stage runs and why the
-result is bit for bit the serial update's: docs/design.md §5.
+"""The host optimizer's pipeline: per offloaded parameter, its gradient to the host (sent as
+soon as it is final, on a side stream), the fused CPU AdamW on its fp32 master chunk by
+chunk on a worker thread, the updated weight back on a second side stream. When each
+stage runs and why the result is bit for bit the serial update's: docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ from torch.optim.adamw import adamw
 
 from lrmoe.errors import require
 
-# elements a chunk: of the host update, and of each copy, whose fp32 temporary on the GPU
-# (torch converts a non-blocking copy's dtype there) is then at most 8 MiB
-HOST_CHUNK = 1 << 21
+HOST_CHUNK = 1 << 21  # elements a host-update chunk: 8 MiB of fp32 gradient
 CHUNK_ALIGN = 64  # chunk starts at multiples of this: no vector of AdamW's kernel is split
+RING = 4  # pinned staging buffers for the weights going back
 
 
 @dataclass
@@ -55,20 +53,20 @@ class PipeTimes:
 
     worker_s: float = 0.0  # the worker's run
     grad_wait_s: float = 0.0  # its waits for gradients
+    ring_wait_s: float = 0.0  # and for ring slots
     exposed_s: float = 0.0  # the step's wait for the worker
     d2h_ms: float | None = None
     h2d_ms: float | None = None
 
     @property
     def busy_s(self) -> float:
-        """The worker's own work: clipping, AdamW, issuing the copies back."""
-        return self.worker_s - self.grad_wait_s
+        """The worker's own work: widening, clipping, AdamW, rounding, issuing copies."""
+        return self.worker_s - self.grad_wait_s - self.ring_wait_s
 
 
 class HostPipeline:
     """The three stages for ``params``; ``alloc(param, dtype)`` gives host memory shaped as
-    ``param`` (pinned on CUDA, the masters' too: the copies back read them), and
-    ``grad_buf`` (``id(param) -> fp32 host gradient buffer``) is filled here."""
+    ``param``, and ``grad_buf`` (``id(param) -> host gradient buffer``) is filled here."""
 
     def __init__(self, params: list[Tensor], alloc: Callable[[Tensor, torch.dtype], Tensor],
                  grad_buf: dict[int, Tensor], chunk: int = HOST_CHUNK):
@@ -82,11 +80,16 @@ class HostPipeline:
         self._landed: dict[int, torch.cuda.Event | None] = {}  # sent this step, in order
         self._early: set[int] = set()  # sent by the hook, ``finish`` applied
         self._finish: Callable[[Tensor], None] | None = None  # armed for this backward
+        self._scratch: Tensor | None = None  # one chunk of widened gradient
+        self._ring: list[Tensor] = []
+        self._ring_ev: list[torch.cuda.Event | None] = [None] * RING
+        self._slot = 0
         self._pool: ThreadPoolExecutor | None = None
         self._running: Future | None = None
         self.times = PipeTimes()
         self.timing = False  # time each copy with CUDA events (benchmarks)
         self._copies: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._span = max(1, min(chunk, max(p.numel() for p in params)))  # a chunk's elements
         me = weakref.WeakMethod(self._on_final)  # the hooks must not keep the pipeline alive
 
         def hook(p: Tensor) -> None:
@@ -118,23 +121,19 @@ class HostPipeline:
         self.send(p)
 
     def send(self, p: Tensor) -> None:
-        """Copy ``p.grad`` into its fp32 host buffer, behind the compute stream's queued work;
-        on CUDA the widening is the side stream's, chunk by chunk (each chunk's fp32
-        temporary is freed to that stream's pool before the next is taken)."""
+        """Copy ``p.grad`` into its host buffer, behind the compute stream's queued work."""
         g = p.grad.detach()
         buf = self._grad_buf.get(id(p))
-        if buf is None:
-            buf = self._grad_buf[id(p)] = self._alloc(p, torch.float32)
+        if buf is None or buf.dtype != g.dtype:
+            buf = self._grad_buf[id(p)] = self._alloc(p, g.dtype)
         if not self._cuda:
             buf.copy_(g)
             self._landed[id(p)] = None
             return
         self._d2h.wait_stream(torch.cuda.current_stream(self._device))
-        src, dst = g.view(-1), buf.view(-1)
         with self._timed("d2h", self._d2h) as ev:
-            for a in range(0, src.numel(), self.chunk):
-                dst[a:a + self.chunk].copy_(src[a:a + self.chunk], non_blocking=True)
-        g.record_stream(self._d2h)  # its memory is not reused before the copies have read it
+            buf.copy_(g, non_blocking=True)
+        g.record_stream(self._d2h)  # its memory is not reused before the copy has read it
         self._landed[id(p)] = ev
 
     def reset(self) -> None:
@@ -179,27 +178,26 @@ class HostPipeline:
 
     def _work(self, jobs: list[HostJob]) -> None:
         t0, waited = time.perf_counter(), 0.0
+        self.times.ring_wait_s = 0.0
         for j in jobs:
             ev = self._landed[id(j.param)]
             if ev is not None:
                 t = time.perf_counter()
-                # this gradient has landed in host memory; and so have the last step's copies
-                # of this master to the device read it: the d2h stream waited the compute
-                # stream, which waited the h2d stream (``wait``), so the update may rewrite it
-                ev.synchronize()
+                ev.synchronize()  # this gradient has landed in host memory
                 waited += time.perf_counter() - t
             self._update(j)
         self.times.worker_s, self.times.grad_wait_s = time.perf_counter() - t0, waited
 
     def _update(self, j: HostJob) -> None:
-        """Clip (in place: the fp32 buffer is refilled every step), AdamW and copy the master
-        back, chunk by chunk."""
+        """Widen, clip, AdamW and round back, chunk by chunk."""
         grad = self._grad_buf[id(j.param)].view(-1)
         master, m1, m2 = (t.view(-1) for t in (j.master, j.exp_avg, j.exp_avg_sq))
         weight = j.param.detach().view(-1)
         for a in range(0, grad.numel(), self.chunk):
             b = min(grad.numel(), a + self.chunk)
-            g = grad[a:b]
+            if self._scratch is None:
+                self._scratch = torch.empty(self._span, dtype=torch.float32)
+            g = self._scratch[:b - a].copy_(grad[a:b])
             if j.coef is not None:
                 g.mul_(j.coef)
             # AdamW adds one to the step it is given: each chunk gets its own copy
@@ -208,13 +206,23 @@ class HostPipeline:
         j.step.add_(1)
 
     def _put(self, weight: Tensor, master: Tensor, a: int, b: int) -> None:
-        """The master's chunk ``[a, b)`` rounded into the weight: on CUDA a non-blocking copy
-        from the pinned master, rounded on the GPU."""
+        """The master's chunk ``[a, b)`` rounded into the weight (on CUDA via a pinned ring slot)."""
         if not self._cuda:
             weight[a:b].copy_(master[a:b])
             return
-        with self._timed("h2d", self._h2d):
-            weight[a:b].copy_(master[a:b], non_blocking=True)
+        k, self._slot = self._slot, (self._slot + 1) % RING
+        if not self._ring or self._ring[0].dtype != weight.dtype:
+            self._ring = [torch.empty(self._span, dtype=weight.dtype, pin_memory=True)
+                          for _ in range(RING)]
+            self._ring_ev = [None] * RING
+        if self._ring_ev[k] is not None:
+            t = time.perf_counter()
+            self._ring_ev[k].synchronize()  # the slot's last copy has left it
+            self.times.ring_wait_s += time.perf_counter() - t
+        out = self._ring[k][:b - a].copy_(master[a:b])
+        with self._timed("h2d", self._h2d) as ev:
+            weight[a:b].copy_(out, non_blocking=True)
+        self._ring_ev[k] = ev
 
     @contextlib.contextmanager
     def _timed(self, kind: str, stream: torch.cuda.Stream):

@@ -1,6 +1,5 @@
 """``--optimizer-offload host``: the experts' AdamW state and fp32 master weights live in
-host memory and are updated there, pipelined with the backward (:mod:`.host_pipe`); the
-gradients come down and the masters go back in fp32, converted on the GPU.
+host memory and are updated there, pipelined with the backward (:mod:`.host_pipe`).
 
 The design (where each tensor lives, clipping on the host, the own-master case, what is
 bit for bit the device path's): docs/design.md §5, "Optimizer offload".
@@ -63,8 +62,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Host memory for a master or a gradient buffer, the tensors the side streams copy
-        asynchronously: pinned when the parameters are on CUDA."""
+        """Host memory for a master or a gradient buffer: pinned when the parameters are on CUDA."""
         return torch.empty(like.shape, dtype=dtype, device=self._host_dev, pin_memory=self._pin)
 
     def _host_alloc(self, key: str, like: Tensor) -> Tensor:
@@ -115,7 +113,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def scale_grads(self, params: Iterable[Tensor], coef: float) -> None:
         """Multiply the gradients of ``params`` by ``coef`` (clipping): in place, except a pipelined
-        gradient, whose coefficient the host applies to its fp32 copy."""
+        gradient, whose coefficient the host applies to its fp32 widening."""
         for p in params:
             if id(p) in self._piped:
                 self._grad_scale[id(p)] = self._grad_scale.get(id(p), 1.0) * coef

@@ -96,21 +96,17 @@ def leave_process_group(agreed: bool) -> None:
 def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a
-    parameter (experts 1/``ep_size``); with ``offload`` the experts' state on the host (and
-    on the device the copies' staging)."""
+    parameter (experts 1/``ep_size``); with ``offload`` the experts' state on the host."""
     from lrmoe.presets import param_breakdown, param_counts
-    from lrmoe.step_ledger import host_state, offload_staging, offloaded_numels
+    from lrmoe.step_ledger import host_state, offloaded_numels
 
     total, _ = param_counts(mcfg)
     experts = param_breakdown(mcfg)["experts"]
     mine = experts // ep_size
     if offload:
         dtype = "bf16" if device == "cuda" else "fp32"  # the trainer's compute dtype
-        numels = offloaded_numels(mcfg, ep_size)
-        host = host_state(numels, device, dtype)
-        dev = (16 * (total - experts) + 2 * DTYPE_BYTES[dtype] * mine
-               + offload_staging(numels, device, dtype))
-        return dev, sum(host.values())
+        host = host_state(offloaded_numels(mcfg, ep_size), device, dtype)
+        return 16 * (total - experts) + 2 * DTYPE_BYTES[dtype] * mine, sum(host.values())
     return 16 * (total - experts) + 16 * mine, 0
 
 

@@ -109,6 +109,51 @@ def test_a_device_every_rank_refuses_is_said_once_when_rank_0_is_late(tmp_path):
     assert not out.exists()
 
 
+# rank 1 has no CUDA device, rank 0 has one (stood in for: its device is cuda:0, and its
+# process group is built on gloo whatever backend it asks for, which is printed)
+ONE_RANK_WITHOUT_CUDA = (
+    "import os, sys, torch\n"
+    "import torch.distributed as dist\n"
+    "from lrmoe.errors import LrmoeError\n"
+    "from lrmoe.parallel import groups\n"
+    "rank, real = os.environ['RANK'], dist.init_process_group\n"
+    "def init(backend, **kw):\n"
+    "    print(f'rank {rank} joins on {backend}', flush=True)\n"
+    "    kw.pop('device_id', None)\n"
+    "    return real('gloo', **kw)\n"
+    "def device(name, local):\n"
+    "    if rank == '1':\n"
+    "        raise LrmoeError('--device cuda was asked for but no CUDA device is available')\n"
+    "    return torch.device('cuda', 0)\n"
+    "dist.init_process_group, groups._device = init, device\n"
+    "from lrmoe.cli import exit_process, main\n"
+    "exit_process(main(sys.argv[1:]))")
+
+
+def test_a_rank_without_the_device_stops_the_job_before_any_backend_waits(tmp_path):
+    """A rank without CUDA beside a rank with it: the ranks learn it over the rendezvous
+    store and every rank joins on gloo (an NCCL rank would wait for the gloo rank until
+    --timeout-s); rank 0 names the rank and its refusal in one line. Nothing is written."""
+    out, log = tmp_path / "run", tmp_path / "mixed.log"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--no-python",
+           sys.executable, "-c", ONE_RANK_WITHOUT_CUDA, "train", "--out", str(out), *ARGS[:10],
+           "--device", "cuda", "--ep", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    try:
+        rc = agent.wait(timeout=240)
+    finally:
+        _stop(agent, _workers(agent.pid) if agent.poll() is None else {})
+    text = log.read_text(errors="replace")
+    assert sorted(re.findall(r"rank \d joins on \w+", text)) == [
+        "rank 0 joins on gloo", "rank 1 joins on gloo"], text[-3000:]
+    lines = _error_lines(text)
+    assert rc == 1 and lines == ["lrmoe: error: rank 1: --device cuda was asked for but no "
+                                 "CUDA device is available"], text[-3000:]
+    assert not out.exists()
+
+
 def test_hung_rank_is_named_once_with_the_last_checkpoint(tmp_path):
     """3 data-parallel ranks; rank 2 stops (SIGSTOP). Ranks 0 and 1 both time out; one
     line names rank 2, the collective and the last complete checkpoint."""

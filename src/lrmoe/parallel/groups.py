@@ -56,7 +56,9 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
     alike): a collective that raises on every rank when the ranks' settings differ or a
     rank refused its device (``refused``, that rank's error). A rank whose device is
     refused still joins (gloo, on the CPU): had it left before joining, torchrun would
-    stop its peers, rank 0 included, and rank 0 could be stopped before it says why.
+    stop its peers, rank 0 included, and rank 0 could be stopped before it says why. Its
+    peers join on the CPU too, told over the rendezvous store before any backend starts
+    (:func:`_any_refused`): NCCL ranks beside a gloo rank would wait for it to time out.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ep < 1:
@@ -71,20 +73,27 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         dev, refused = _device(device, local), None
     except LrmoeError as e:  # said once every rank has joined (see above)
         dev, refused, backend = torch.device("cpu"), e, "gloo"
-    if backend is None:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+    to, others = datetime.timedelta(seconds=timeout_s), False
     if not dist.is_initialized():
+        store, rank, _ = next(dist.rendezvous("env://", timeout=to))
+        store.set_timeout(to)
+        others = _any_refused(store, rank, world, refused is not None) and refused is None
+        if others:  # the check says which rank, on every rank
+            dev, backend = torch.device("cpu"), "gloo"
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         kw = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=to, **kw)
     rank = dist.get_rank()
     if check is not None:  # first: a rank's other --ep is named as a flag that differs
         check(rank, world, refused)
     if refused is not None:  # a check that does not gather it: every rank says it
         raise refused
+    if others:
+        raise LrmoeError("another rank refused its device (see its error)")
     if world % ep != 0:  # alike on every rank once the flags agree
         raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
-    to = datetime.timedelta(seconds=timeout_s)  # every group, not just the default one
-    ep_group = dp_group = None
+    ep_group = dp_group = None  # every group with the timeout, not just the default one
     for k in range(world // ep):  # every rank must create every group, in the same order
         g = dist.new_group(list(range(k * ep, (k + 1) * ep)), timeout=to)
         if rank // ep == k:
@@ -94,6 +103,17 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         if rank % ep == j:
             dp_group = g
     return ParallelContext(world, rank, ep, ep_group, dp_group, dev)
+
+
+def _any_refused(store: dist.Store, rank: int, world: int, refused: bool) -> bool:
+    """Whether any rank refused its device: each rank's word on the rendezvous store (under
+    the job's restart count, so an earlier attempt's words are not read)."""
+    votes = dist.PrefixStore(f"lrmoe/device/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
+                             store)
+    votes.set(str(rank), "1" if refused else "0")
+    keys = [str(r) for r in range(world)]
+    votes.wait(keys)
+    return any(votes.get(k) == b"1" for k in keys)
 
 
 def _device(device: str, local_rank: int) -> torch.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -203,20 +204,28 @@ def test_lrmoe_balance_zero_selects_all_retained():
     assert torch.equal(plan.select_GGS, plan.retain_GGS)
 
 
-def test_lrmoe_select_from_turns_selection_off_before_step_n_only():
+@pytest.mark.parametrize("placement", ["current", "previous"])
+def test_lrmoe_select_from_turns_selection_off_before_step_n_only(placement):
     """Before step ``select_from`` every retained pair is selected; from it on, the plans
-    are the default config's, bit for bit."""
-    counts = _skewed(4, 16, 2)
-    warm, plain = LrmoePolicy(LrmoeConfig(select_from=3)), LrmoePolicy(LrmoeConfig())
+    (their placements too, weighed on IB with selection) are the default config's, bit
+    for bit."""
+    from lrmoe.sim.links import get_link, link_cost
+
+    counts, prev = _skewed(4, 16, 1), _skewed(4, 16, 1)
+    link = link_cost(get_link("ib"), 1e11, 64, 32, 2, 2, 1)  # it places otherwise unselected
+    cfg = LrmoeConfig(placement=placement, link=link)
+    warm = LrmoePolicy(dataclasses.replace(cfg, select_from=3))
+    plain = LrmoePolicy(cfg)
     for step in range(5):
-        got = warm.plan(counts, PlanInputs(layer=0, step=step))
-        ref = plain.plan(counts, PlanInputs(layer=0, step=step))
+        got = warm.plan(counts, PlanInputs(layer=0, step=step, prev_counts_E=prev))
+        ref = plain.plan(counts, PlanInputs(layer=0, step=step, prev_counts_E=prev))
         if step < 3:
             assert torch.equal(got.select_GGS, got.retain_GGS), step
             assert not torch.equal(ref.select_GGS, ref.retain_GGS)  # it did trim
-        else:
-            assert torch.equal(got.select_GGS, ref.select_GGS), step
-        assert torch.equal(got.retain_GGS, ref.retain_GGS)  # selection only
+        else:  # every field: the replicas given up for their link cost too
+            for f in dataclasses.fields(ref):
+                x, y = getattr(got, f.name), getattr(ref, f.name)
+                assert torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y, (step, f)
     with pytest.raises(LrmoeError, match="select_from=-1"):
         LrmoeConfig(select_from=-1)
 

@@ -255,7 +255,7 @@ class LrmoePolicy(Policy):
     # per MoE layer, the placement held for its current optimizer step
     held: dict[int, Held] = field(default_factory=dict)
 
-    def _layer_config(self, layer: int, step: int = 0) -> LrmoeConfig:
+    def _layer_config(self, layer: int, step: int) -> LrmoeConfig:
         """The knobs for ``layer`` at optimizer step ``step``: the auto keep's floor, and
         selection off through the first ``select_from`` steps (the fast descent, where a
         dropped pair's gradient is worth most)."""
@@ -275,7 +275,7 @@ class LrmoePolicy(Policy):
         prev = previous_totals(prev_counts, G, home_pairs)
         if prev is None:
             return None
-        cfg = self._layer_config(inputs.layer)
+        cfg = self._layer_config(inputs.layer, inputs.step)  # the link rule weighs selection
         inst = place_lrmoe(prev[0], prev[1], cfg, inputs.ledger)
         return Prepared(self.name, inst, Slots(inst, len(prev[0])))
 

@@ -82,8 +82,8 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
             dev, backend = torch.device("cpu"), "gloo"
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         kw = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=to, **kw)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                rank=rank, world_size=world, timeout=to, **kw)  # as env:// does
     rank = dist.get_rank()
     if check is not None:  # first: a rank's other --ep is named as a flag that differs
         check(rank, world, refused)

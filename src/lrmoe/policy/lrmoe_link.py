@@ -34,10 +34,10 @@ def worth_their_link(log: MoveLog, cfg, view: LedgerView, total_E: np.ndarray, S
     sent[step, owner] = 1
     recv[step, dst] = 1
     sent, recv = sent.cumsum(0), recv.cumsum(0)
-    load, kept = log.prefix_KG(G)
+    load = np.asarray(log.load_KG, dtype=np.int64)
     n = E // G + recv
-    t = prefix_seconds(cfg.link, load, kept, sent, recv, view.home, cfg.balance, cfg.min_keep,
-                       cfg.selection)
+    t = prefix_seconds(cfg.link, load, np.asarray(log.kept_KG, dtype=np.int64), sent, recv,
+                       view.home, cfg.balance, cfg.min_keep, cfg.selection)
     # the shortest prefix that fits the budget (the greedy may pass through placements
     # over it while its hot rank does not fit; its last one the caller checked); ties to
     # fewer replicas (a stable sort)

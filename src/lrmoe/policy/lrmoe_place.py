@@ -27,44 +27,13 @@ _FLOAT_EXACT = 2 ** 26  # pair counts below this keep k/R float comparisons exac
 @dataclass
 class MoveLog:
     """The greedy's moves (each replica's expert, rank and slot) and each rank's load
-    and retainable pairs before the first and after each, for :func:`worth_their_link`;
-    the loads as changes (``at_D``: the flat index ``k·G + rank`` of each, move ``k`` >= 1;
-    row 0 every rank's value): a move touches only its expert's hosts."""
+    and retainable pairs before the first and after each, for :func:`worth_their_link`."""
 
+    load_KG: list[list[int]] = field(default_factory=list)
+    kept_KG: list[list[int]] = field(default_factory=list)
     expert_K: list[int] = field(default_factory=list)
     rank_K: list[int] = field(default_factory=list)
     slot_K: list[int] = field(default_factory=list)
-    at_D: list[int] = field(default_factory=list)
-    load_D: list[int] = field(default_factory=list)
-    kept_D: list[int] = field(default_factory=list)
-    last: tuple[list[int], list[int]] | None = None  # the values last noted, per rank
-
-    def note(self, load: list[int], kept: list[int], ranks) -> None:
-        """The values after the moves logged so far, of ``ranks`` (the first call: every rank's)."""
-        if self.last is None:
-            self.last = (list(load), list(kept))
-            self.at_D.extend(range(len(load)))
-            self.load_D.extend(load)
-            self.kept_D.extend(kept)
-            return
-        at = len(self.expert_K) * len(load)
-        was_load, was_kept = self.last
-        for r in ranks:
-            self.at_D.append(at + r)
-            self.load_D.append(load[r] - was_load[r])
-            self.kept_D.append(kept[r] - was_kept[r])
-            was_load[r], was_kept[r] = load[r], kept[r]
-
-    def prefix_KG(self, G: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each rank's load and retainable pairs before the first move and after each, ``[K + 1,
-        G]`` (the changes summed: exact integers)."""
-        at = np.asarray(self.at_D, dtype=np.int64)
-        out = []
-        for d in (self.load_D, self.kept_D):
-            x = np.zeros((len(self.expert_K) + 1) * G, dtype=np.int64)
-            np.add.at(x, at, np.asarray(d, dtype=np.int64))
-            out.append(x.reshape(-1, G).cumsum(0))
-        return out[0], out[1]
 
 
 def natives_GS(G: int, S: int, E: int) -> np.ndarray:
@@ -84,7 +53,7 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
     greedy = _Greedy(total_E, G, S, cfg.min_keep, view)
     limit = math.inf if cfg.max_replicas_per_step is None else cfg.max_replicas_per_step
     if log is not None:
-        greedy.record(log, range(G))
+        greedy.record(log)
     added = 0
     while added < limit:
         move = greedy.move()
@@ -92,10 +61,10 @@ def place_replicas(total_E: np.ndarray, G: int, S: int, cfg, view: LedgerView,
             break
         added += 1
         if log is not None:
+            greedy.record(log)
             log.expert_K.append(move[0])
             log.rank_K.append(move[1])
             log.slot_K.append(move[2])
-            greedy.record(log, [r for r, _ in greedy.instances(move[0])])
     inst_GS = np.array(greedy.slots, dtype=np.int64)
     # the loads kept move by move are the even split in global slot order: its closed form
     return inst_GS, Slots(inst_GS, len(total_E)).even_split(np.asarray(total_E, dtype=np.int64))
@@ -150,9 +119,9 @@ class _Greedy:
     def instances(self, e: int) -> list[tuple[int, int]]:
         return self.inst_of.get(e) or [(e // self.n_nat, e % self.n_nat)]
 
-    def record(self, log: MoveLog, ranks) -> None:
-        """Note ``ranks``' load and retainable pairs (the ranks the last move touched)."""
-        log.note(self.load, self.kept if self.budget else self.load, ranks)
+    def record(self, log: MoveLog) -> None:
+        log.load_KG.append(self.load.copy())
+        log.kept_KG.append(self.kept.copy() if self.budget else self.load.copy())
 
     def move(self) -> tuple[int, int, int] | None:
         """Add the first candidate replica that lowers ``(max rank load, ranks at the

@@ -185,13 +185,14 @@ class LedgerView:
         self._extra["bounds"] = hit = (M, b, den)
         return hit
 
-    def capacity_recompute(self, n_G, R_G, ranks, window: int = 4
+    def capacity_recompute(self, n_G, R_G, ranks, window: int = 4, cap=None
                            ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`Ledger.retain_capacity_recompute` of ``ranks``: the ``window`` counts below
-        the tightest of :meth:`_bounds` tested exactly, the ledger asked below them."""
+        the tightest of :meth:`_bounds` tested exactly, the ledger asked below them; ``cap``:
+        ``ranks``' :meth:`capacity`, where the caller has it."""
         ranks = np.asarray(ranks, dtype=np.int64)
         n, R = (np.asarray(x, dtype=np.int64)[ranks] for x in (n_G, R_G))
-        k0 = self.capacity(n_G, R_G)[ranks]
+        k0 = self.capacity(n_G, R_G)[ranks] if cap is None else cap
         out_k, out_rec = np.where(k0 < 0, -1, np.minimum(k0, R)), np.zeros_like(R)
         todo = (k0 >= 0) & (k0 < R)
         if not todo.any():

@@ -26,14 +26,15 @@ def retention(assign_IG: np.ndarray, inst_GS: np.ndarray, view: LedgerView,
     rec = np.zeros(G, dtype=np.int64) if recompute else None
     if view.budget is not None:
         keep = np.minimum(recv_G, view.capacity(n_occ, recv_G))
-        short = np.flatnonzero(keep < recv_G)
+        short = (keep < recv_G).nonzero()[0]
         if recompute and short.size:
-            # the ranks short of room: the ledger's recompute arithmetic, all at once
-            more, need = view.capacity_recompute(n_occ, recv_G, short)
+            # the ranks short of room: the ledger's recompute arithmetic, all at once (their
+            # capacity is their keep: it is below what they received)
+            more, need = view.capacity_recompute(n_occ, recv_G, short, cap=keep[short])
             up = more > keep[short]
             keep[short[up]] = more[up]
             rec[short[up]] = need[up]
-    short = np.flatnonzero(keep < recv_G)
+    short = (keep < recv_G).nonzero()[0]
     if short.size == 0:
         return assign_IG, rec, keep  # all retained: the same array (the caller copies)
     # a rank that retains everything keeps every block whole; the others split
@@ -60,7 +61,7 @@ def backward_quotas(assign_IG: np.ndarray, retain_IG: np.ndarray, G: int, balanc
         return retain_IG  # nothing to trim: the same array (the caller copies)
     target = np.where(above, np.ceil(mean + (1.0 - balance) * (ret_G - mean) - 1e-9), ret_G)
     want_G = np.maximum(ret_G - target.astype(np.int64), 0)
-    ranks = np.flatnonzero(want_G)
+    ranks = want_G.nonzero()[0]
     if ranks.size == 0:
         return retain_IG
     # only the ranks above the mean are trimmed: the rest keep every retained pair

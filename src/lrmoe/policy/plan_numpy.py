@@ -15,6 +15,8 @@ from lrmoe.policy.plan import Plan
 
 _FLOAT_EXACT = 1 << 53  # integers below this are exact in a double
 _BIG_SPLIT = 2048  # entries from which the float division and narrow sort pay off
+# the largest sort key of each width (np.iinfo per call costs more than the sort it serves)
+_KEY_MAX = {4: int(np.iinfo(np.int32).max), 8: int(np.iinfo(np.int64).max)}
 
 
 def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
@@ -27,20 +29,22 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     if (total > W).any() or (total < 0).any():
         raise LrmoeError("apportion: totals must lie between 0 and the column weight")
     part = (total > 0) & (total < W)
-    if part.all() or (w.size >= _BIG_SPLIT and 2 * np.count_nonzero(part) >= len(part)):
+    n_part = np.count_nonzero(part)
+    if n_part == len(part) or (w.size >= _BIG_SPLIT and 2 * n_part >= len(part)):
         # every row at once (a row taking all or nothing splits to exactly that, and an
         # empty one to zeros): no gather and scatter of the rows that split
         out, rows, wc, tc, Wc = None, None, w, total[:, None], np.maximum(W, 1)[:, None]
     else:
         out = w * (total == W)[:, None]
-        rows = np.flatnonzero(part)
-        if rows.size == 0:
+        if n_part == 0:
             return out
+        rows = part.nonzero()[0]
         wc, tc, Wc = w[rows], total[rows, None], W[rows, None]
     N = w.shape[1]
     key = tc * wc
-    top = int(Wc.max())
-    if wc.size >= _BIG_SPLIT and top * int(tc.max()) < _FLOAT_EXACT:
+    big = wc.size >= _BIG_SPLIT
+    top = int(Wc.max()) if big else 0  # read on large arrays only
+    if big and top * int(tc.max()) < _FLOAT_EXACT:
         # floor(t·w / W) through one float division, exact: t·w < 2^53 is exact in a
         # double, and a quotient that is not an integer lies >= 1/W from the next one,
         # farther than the division's rounding (< t·w·2^-53 / W < 1/W)
@@ -49,12 +53,12 @@ def apportion_rows_np(total_K: np.ndarray, weight_KN: np.ndarray) -> np.ndarray:
     else:
         base, key = np.divmod(key, Wc)
     left = tc[:, 0] - base.sum(1)
-    if wc.size >= _BIG_SPLIT and top * N < 1 << 31:
+    if big and top * N < 1 << 31:
         key = key.astype(np.int32)  # every key < W·N fits: a narrower sort
     key *= N
     key += np.arange(N - 1, -1, -1, dtype=key.dtype)  # remainder, then the lower entry first
     kth = np.sort(key, axis=1)[np.arange(len(key)), N - np.maximum(left, 1)]
-    kth[left <= 0] = np.iinfo(kth.dtype).max  # above every key: no entry gets +1
+    kth[left <= 0] = _KEY_MAX[kth.dtype.itemsize]  # above every key: no entry gets +1
     base += key >= kth[:, None]
     if out is None:
         return base
@@ -79,7 +83,7 @@ class Slots:
         self.n = np.maximum(np.bincount(e_idx[valid], minlength=n_experts)[e_idx], 1)
         # the slots whose expert has several instances (the only ones whose blocks need
         # the interval arithmetic: a lone instance takes every home's pairs)
-        self.shared = np.flatnonzero(valid & (self.n > 1))
+        self.shared = (valid & (self.n > 1)).nonzero()[0]
 
     def even_split(self, total_E: np.ndarray) -> np.ndarray:
         """Each expert's ``total_E`` split evenly over its instances, the first ones in global

@@ -75,6 +75,24 @@ def test_locked_out_is_refused_once_under_torchrun(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [rundir.LOCK, rundir.MARKER]
 
 
+def _run_without_cuda(nproc: int, script: str, out: Path, log: Path, extra=(),
+                      **env: str) -> tuple[int, str]:
+    """``lrmoe train --device cuda`` under torchrun on ``nproc`` ranks that see no CUDA
+    device, ``script`` run in place of ``-m lrmoe``: torchrun's exit code and its log."""
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--no-python",
+           sys.executable, "-c", script, "train", "--out", str(out), *ARGS[:10],
+           "--device", "cuda", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               **env)
+    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    try:
+        rc = agent.wait(timeout=240)
+    finally:
+        _stop(agent, _workers(agent.pid) if agent.poll() is None else {})
+    return rc, log.read_text(errors="replace")
+
+
 # rank 0 of a job starts late: what runs under torchrun in place of ``-m lrmoe``
 LATE_RANK_0 = ("import os, sys, time\n"
                "if os.environ['RANK'] == '0':\n"
@@ -87,19 +105,8 @@ def test_a_device_every_rank_refuses_is_said_once_when_rank_0_is_late(tmp_path):
     """--device cuda without a CUDA device: every rank refuses it, yet joins first, so
     rank 0 says it (one line) however late it starts; a rank that left before joining
     had torchrun stop rank 0 before it said anything. Nothing is written."""
-    out, log = tmp_path / "run", tmp_path / "device.log"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "3", "--no-python",
-           sys.executable, "-c", LATE_RANK_0, "train", "--out", str(out), *ARGS[:10],
-           "--device", "cuda"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               LATE_S="4")
-    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
-    try:
-        rc = agent.wait(timeout=240)
-    finally:
-        _stop(agent, _workers(agent.pid) if agent.poll() is None else {})
-    text = log.read_text(errors="replace")
+    out = tmp_path / "run"
+    rc, text = _run_without_cuda(3, LATE_RANK_0, out, tmp_path / "device.log", LATE_S="4")
     lines = _error_lines(text)
     assert rc == 1 and len(lines) == 1, text[-3000:]
     assert lines[0] == "lrmoe: error: --device cuda was asked for but no CUDA device is available"
@@ -134,18 +141,9 @@ def test_a_rank_without_the_device_stops_the_job_before_any_backend_waits(tmp_pa
     """A rank without CUDA beside a rank with it: the ranks learn it over the rendezvous
     store and every rank joins on gloo (an NCCL rank would wait for the gloo rank until
     --timeout-s); rank 0 names the rank and its refusal in one line. Nothing is written."""
-    out, log = tmp_path / "run", tmp_path / "mixed.log"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--no-python",
-           sys.executable, "-c", ONE_RANK_WITHOUT_CUDA, "train", "--out", str(out), *ARGS[:10],
-           "--device", "cuda", "--ep", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
-    try:
-        rc = agent.wait(timeout=240)
-    finally:
-        _stop(agent, _workers(agent.pid) if agent.poll() is None else {})
-    text = log.read_text(errors="replace")
+    out = tmp_path / "run"
+    rc, text = _run_without_cuda(2, ONE_RANK_WITHOUT_CUDA, out, tmp_path / "mixed.log",
+                                 extra=["--ep", "2"])
     assert sorted(re.findall(r"rank \d joins on (?:gloo|nccl)", text)) == [
         "rank 0 joins on gloo", "rank 1 joins on gloo"], text[-3000:]
     lines = _error_lines(text)

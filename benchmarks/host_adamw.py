@@ -1,11 +1,11 @@
 """The host AdamW of ``--optimizer-offload host`` alone, without the device: how the same
 update runs as one fused call over every tensor (the serial update), one call a tensor, or
-chunk by chunk (the pipeline's worker), on the main thread or on a worker thread set up as
-the pipeline's. Host arithmetic only: no copies to or from a device.
+chunk by chunk (the pipeline), on the main thread or on a second thread with the same
+thread count. Host arithmetic only: no copies to or from a device.
 
 The tensors are one EP rank's offloaded experts of ``offload_step.py``'s workloads (the
 model built on the meta device for its shapes), fp32 masters and moments, fp32 gradients
-(``widen``: bf16 gradients widened chunk by chunk into a scratch, as the worker does).
+(or bf16 gradients widened chunk by chunk into a scratch and scaled, as the pipeline does).
 
     python3 benchmarks/host_adamw.py --out DIR            # the GPU machine's host, ~1 min
     python3 benchmarks/host_adamw.py --out DIR --workloads tiny --reps 2   # logic
@@ -29,7 +29,7 @@ import gpu_common as gc  # noqa: E402
 from offload_step import model_config  # noqa: E402
 
 from lrmoe.model.transformer import MoEForCausalLM  # noqa: E402
-from lrmoe.train.host_pipe import HOST_CHUNK, _worker_init, host_adamw  # noqa: E402
+from lrmoe.train.host_pipe import HOST_CHUNK, host_adamw  # noqa: E402
 from lrmoe.train.offload import offloaded_params  # noqa: E402
 
 GROUP = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     d = gc.out_dir(a.out)
     threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(1, "host-adamw", _worker_init, (None, threads))
+    pool = ThreadPoolExecutor(1, "host-adamw", torch.set_num_threads, (threads,))
     worker_threads = pool.submit(torch.get_num_threads).result()
     rows = []
     for name in gc.csv(a.workloads):

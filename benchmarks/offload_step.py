@@ -7,8 +7,8 @@ wall time (``step_s`` of ``metrics.jsonl``: the trainer synchronises the device 
 of every step):
 
 * ``pipeline``: :class:`lrmoe.train.offload.HostOffloadAdamW` as the trainer builds it
-  (bf16 gradients to the host as they become final, the chunked host AdamW on a
-  worker thread, the weights back on a side stream);
+  (bf16 gradients to the host as they become final, the chunked host AdamW, the
+  weights back on a side stream);
 * ``serial``: the update as it ran before the pipeline (``tests/references/
   offload_adamw.py``: after backward, fp32 gradients to the host, the host AdamW, the
   weights back, device-wide waits between);
@@ -17,7 +17,7 @@ of every step):
 
 Exposed host-optimizer time = median step time of a mode − that of ``none`` (steps
 after ``--warmup``). The pipeline's own stage times (CUDA events on its copies, the
-worker's busy time) give what its stages take back to back, and ``exposed /
+update's busy time) give what its stages take back to back, and ``exposed /
 back-to-back`` is the fraction of the host optimizer the overlap leaves on the critical
 path: the number ``lrmoe bench ttl`` charges its modelled host-optimizer stages by
 (:data:`lrmoe.sim.offload.MEASURED_OVERLAP`; the line to paste is printed).
@@ -57,6 +57,7 @@ import gpu_common as gc  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
+from lrmoe.train.host_pipe import HOST_CHUNK  # noqa: E402
 
 WORKLOADS = {  # name -> (config file or preset, experts kept)
     "qwen3": ("benchmarks/configs/qwen3-30b-a3b-layer-2L.json", 16),
@@ -76,7 +77,7 @@ def model_config(name: str) -> ModelConfig:
     return cfg if experts is None else dataclasses.replace(cfg, num_experts=experts)
 
 
-def optimizer_for(mode: str, times: list):
+def optimizer_for(mode: str, times: list, chunk: int = HOST_CHUNK):
     """``build_optimizer``'s stand-in for ``mode``: the experts' optimizer the run uses
     (bf16 device experts, as the trainer on CUDA; on the CPU too, so the pipeline runs);
     each step's pipeline or serial timings appended to ``times``."""
@@ -111,13 +112,14 @@ def optimizer_for(mode: str, times: list):
         def _jobs(self):  # and no host update: the experts stay as they are
             return []
 
-    cls = {"pipeline": Pipeline, "serial": Serial, "none": NoHostWork}[mode]
+    cls = {"pipeline": Pipeline, "serial": Serial, "none": NoHostWork}[mode.split("@")[0]]
+    more = {} if cls is Serial else {"chunk": chunk}
 
     def build(model, lr, weight_decay, offload="device", host="cpu", router_lr_scale=1.0,
               compute_dtype=None):
         opt = cls(param_groups(model, weight_decay, lr, router_lr_scale),
-                  offloaded_params(model), lr=lr, host=host, compute_dtype=torch.bfloat16)
-        if mode == "pipeline":
+                  offloaded_params(model), lr=lr, host=host, compute_dtype=torch.bfloat16, **more)
+        if cls is Pipeline:
             opt._pipe.timing = True
         return opt
     return build
@@ -132,7 +134,8 @@ def run_mode(name: str, mode: str, a, work: Path) -> dict:
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg.to_hf_dict()))
     times: list[dict] = []
-    patched = {"build_optimizer": optimizer_for(mode, times)}
+    chunk = int(mode.split("@")[1]) if "@" in mode else HOST_CHUNK
+    patched = {"build_optimizer": optimizer_for(mode, times, chunk)}
     saved = {k: getattr(loop, k) for k in patched}
     save = loop._Run.save
     try:
@@ -160,7 +163,7 @@ def run_mode(name: str, mode: str, a, work: Path) -> dict:
            "losses": [r["loss"] for r in rows]}
     if times:
         t = times[later]
-        for k in ("host_s", "worker_s", "busy_s", "grad_wait_s", "ring_wait_s", "exposed_s"):
+        for k in ("host_s", "update_s", "busy_s", "grad_wait_s", "ring_wait_s"):
             if got := [x[k] for x in t if k in x]:
                 res[f"median_{k[:-2]}_ms"] = statistics.median(got) * 1e3
         for k in ("d2h", "h2d"):  # resolved at the next step's start: not the last step
@@ -198,15 +201,15 @@ def markdown(meta: dict, rows: list[dict], sums: list[dict]) -> str:
              f"`{meta['command']}` — torch {meta['torch']}, {meta['date']}. Measured: each "
              "step's wall time (`step_s`, the trainer synchronises at its end), median over the "
              "steps after the warm-up.", "",
-             *gc.md_head("workload", "mode", "step ms", "host_s ms", "worker ms",
-                         "worker busy ms", "waiting for gradients ms", "step waits for worker ms",
+             *gc.md_head("workload", "mode", "step ms", "host_s ms", "host update ms",
+                         "update busy ms", "waiting for gradients ms", "waiting for ring slots ms",
                          "D2H ms (device)", "H2D ms (device)")]
     for r in rows:
         def f(k, r=r):
             return gc.fmt(r.get(k), ".1f")
         lines.append(f"| {r['workload']} | {r['mode']} | {r['median_step_ms']:.1f} | "
-                     f"{f('median_host_ms')} | {f('median_worker_ms')} | {f('median_busy_ms')} | "
-                     f"{f('median_grad_wait_ms')} | {f('median_exposed_ms')} | "
+                     f"{f('median_host_ms')} | {f('median_update_ms')} | {f('median_busy_ms')} | "
+                     f"{f('median_grad_wait_ms')} | {f('median_ring_wait_ms')} | "
                      f"{f('median_d2h_ms')} | {f('median_h2d_ms')} |")
     lines += ["", *gc.md_head("workload", "offloaded params", "exposed serial ms",
                               "exposed pipeline ms", "pipeline / serial",
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-data-bytes", type=int, default=16 * 2**20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--chunks", default="", help="more pipeline runs, each with this many "
+                    "elements a host-update chunk (the trainer's: %d)" % HOST_CHUNK)
     a = ap.parse_args(argv)
     gc.check_device(a.device)
     names = gc.csv(a.workloads)
@@ -247,8 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, sums = [], []
     with tempfile.TemporaryDirectory() as td:
         for name in names:
-            got = {m: run_mode(name, m, a, Path(td)) for m in MODES}
-            for m in MODES:
+            modes = MODES + tuple(f"pipeline@{c}" for c in gc.csv(a.chunks, int, "--chunks"))
+            got = {m: run_mode(name, m, a, Path(td)) for m in modes}
+            for m in modes:
                 print(f"[{name}] {m}: median step {got[m]['median_step_ms']:.1f} ms", flush=True)
             rows += list(got.values())
             sums.append(summarize(name, got, model_config(name)))

@@ -148,4 +148,4 @@ def test_pipeline_on_cuda_steps_as_the_serial_update(monkeypatch):
     assert oa._pipe._ring and all(t.is_pinned() for t in oa._pipe._ring)
     ms = oa._pipe.copy_ms()
     assert ms["d2h"] > 0 and ms["h2d"] > 0
-    assert oa.pipe_times.worker_s > 0
+    assert oa.pipe_times.update_s > 0

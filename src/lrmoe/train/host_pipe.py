@@ -1,6 +1,6 @@
 """The host optimizer's pipeline: per offloaded parameter, its gradient to the host (sent as
 soon as it is final, on a side stream), the fused CPU AdamW on its fp32 master chunk by
-chunk on a worker thread, the updated weight back on a second side stream. When each
+chunk on the step's own thread, the updated weight back on a second side stream. When each
 stage runs and why the result is bit for bit the serial update's: docs/design.md §5.
 """
 
@@ -10,7 +10,6 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +50,16 @@ class PipeTimes:
     """The last step's pipeline, host clock; with :attr:`HostPipeline.timing`, the device's
     copy times (:meth:`HostPipeline.copy_ms`)."""
 
-    worker_s: float = 0.0  # the worker's run
+    update_s: float = 0.0  # the host update's run
     grad_wait_s: float = 0.0  # its waits for gradients
     ring_wait_s: float = 0.0  # and for ring slots
-    exposed_s: float = 0.0  # the step's wait for the worker
     d2h_ms: float | None = None
     h2d_ms: float | None = None
 
     @property
     def busy_s(self) -> float:
-        """The worker's own work: widening, clipping, AdamW, rounding, issuing copies."""
-        return self.worker_s - self.grad_wait_s - self.ring_wait_s
+        """The update's own work: widening, clipping, AdamW, rounding, issuing copies."""
+        return self.update_s - self.grad_wait_s - self.ring_wait_s
 
 
 class HostPipeline:
@@ -84,8 +82,6 @@ class HostPipeline:
         self._ring: list[Tensor] = []
         self._ring_ev: list[torch.cuda.Event | None] = [None] * RING
         self._slot = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._running: Future | None = None
         self.times = PipeTimes()
         self.timing = False  # time each copy with CUDA events (benchmarks)
         self._copies: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -147,8 +143,8 @@ class HostPipeline:
         self._early.clear()
 
     # ------------------------------------------------------------------ stages 2 and 3
-    def start(self, jobs: list[HostJob]) -> None:
-        """Send the gradients not sent yet, then update ``jobs`` on the worker in the order sent."""
+    def send_rest(self, jobs: list[HostJob]) -> list[HostJob]:
+        """Send the gradients of ``jobs`` not sent yet; ``jobs`` in the order sent."""
         self._finish = None
         for j in jobs:
             if id(j.param) not in self._landed:
@@ -156,37 +152,28 @@ class HostPipeline:
         if self._cuda:  # the weights are written once the compute stream is done with them
             self._h2d.wait_stream(torch.cuda.current_stream(self._device))
         order = {k: i for i, k in enumerate(self._landed)}
-        jobs = sorted(jobs, key=lambda j: order[id(j.param)])
-        if self._pool is None:
-            dev, threads = self._device, torch.get_num_threads()
-            self._pool = ThreadPoolExecutor(1, "lrmoe-host-adamw", _worker_init,
-                                             (dev if self._cuda else None, threads))
-        self._running = self._pool.submit(self._work, jobs)
+        return sorted(jobs, key=lambda j: order[id(j.param)])
 
-    def wait(self) -> None:
-        """Wait for the worker; the compute stream then waits for the weights' copies."""
-        t0 = time.perf_counter()
+    def update(self, jobs: list[HostJob]) -> None:
+        """Update ``jobs`` (as :meth:`send_rest` ordered them) on this thread, each gradient
+        once it has landed; the compute stream then waits for the weights' copies. On this
+        thread, not a worker: a second thread's OpenMP team contends with the step's own for
+        the cores (`benchmarks/host_adamw.py`)."""
+        t0, waited = time.perf_counter(), 0.0
+        self.times.ring_wait_s = 0.0
         try:
-            if self._running is not None:
-                self._running.result()
+            for j in jobs:
+                ev = self._landed[id(j.param)]
+                if ev is not None:
+                    t = time.perf_counter()
+                    ev.synchronize()  # this gradient has landed in host memory
+                    waited += time.perf_counter() - t
+                self._update(j)
         finally:
-            self._running = None
-            self.times.exposed_s = time.perf_counter() - t0
+            self.times.update_s, self.times.grad_wait_s = time.perf_counter() - t0, waited
             if self._cuda:
                 torch.cuda.current_stream(self._device).wait_stream(self._h2d)
             self._disarm()
-
-    def _work(self, jobs: list[HostJob]) -> None:
-        t0, waited = time.perf_counter(), 0.0
-        self.times.ring_wait_s = 0.0
-        for j in jobs:
-            ev = self._landed[id(j.param)]
-            if ev is not None:
-                t = time.perf_counter()
-                ev.synchronize()  # this gradient has landed in host memory
-                waited += time.perf_counter() - t
-            self._update(j)
-        self.times.worker_s, self.times.grad_wait_s = time.perf_counter() - t0, waited
 
     def _update(self, j: HostJob) -> None:
         """Widen, clip, AdamW and round back, chunk by chunk."""
@@ -247,9 +234,3 @@ class HostPipeline:
         self.times.d2h_ms, self.times.h2d_ms = ms["d2h"], ms["h2d"]
         return ms
 
-
-def _worker_init(device: torch.device | None, threads: int) -> None:
-    """The worker's CUDA device and intra-op threads: the step's own."""
-    torch.set_num_threads(threads)
-    if device is not None:
-        torch.cuda.set_device(device)

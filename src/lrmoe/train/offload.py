@@ -128,32 +128,26 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """The host update (started first, on the pipeline's worker), the device AdamW, then
-        the own-master update; returns once the host is done."""
+        """The device AdamW (queued first, so it runs while the host works), the host
+        update, then the own-master update; returns once the host is done."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         jobs = self._jobs()
         if jobs:
-            self._pipe.start(jobs)
-        waited = False
-        try:
-            self._device_step()
-            own = self._own_rows()
+            jobs = self._pipe.send_rest(jobs)
+        self._device_step()
+        own = self._own_rows()
+        if own:
+            self._sync()  # the device step's work is not the host part's
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(HOST_STEP_RANGE):
+            if jobs:
+                self._pipe.update(jobs)
             if own:
-                self._sync()  # the device step's work is not the host part's
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(HOST_STEP_RANGE):
-                if own:
-                    self._own_step(own)
-                waited = True
-                if jobs:
-                    self._pipe.wait()
-            self.host_s = time.perf_counter() - t0
-        finally:
-            if jobs and not waited:
-                self._pipe.wait()
+                self._own_step(own)
+        self.host_s = time.perf_counter() - t0
         return loss
 
     def _device_step(self) -> None:

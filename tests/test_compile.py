@@ -62,14 +62,16 @@ def test_compiled_layer_matches_reference():
     assert n["graphs"] == 2 and n["recompiles"] == 0, n
 
 
-def test_compiled_model_matches_eager():
+@pytest.mark.parametrize("loss_chunk", [0, 7])
+def test_compiled_model_matches_eager(loss_chunk):
     """``compile_model`` (what ``lrmoe train --compile`` calls) on a 3-layer GLM (a dense
-    layer, two MoE layers with the sigmoid group router and a shared expert): the training
-    loss and every parameter agree with the eager model over two optimizer steps;
-    parameter names (checkpoints) are unchanged; the graph breaks are the MoE layers'
-    host-driven stages and nothing else."""
+    layer, two MoE layers with the sigmoid group router and a shared expert), with and
+    without ``--loss-chunk``: the training loss and every parameter agree with the eager
+    model over two optimizer steps; parameter names (checkpoints) are unchanged; the graph
+    breaks are the MoE layers' host-driven stages and nothing else."""
     torch.manual_seed(0)
     model = MoEForCausalLM(dataclasses.replace(get_preset("tiny-glm"), num_hidden_layers=3))
+    model.set_loss_chunk(loss_chunk)
     eager = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
     reset_compile_counts()

@@ -47,12 +47,13 @@ def test_resume_may_change_the_memory_knobs_and_records_each(tmp_path, text):
     out = tmp_path / "run"
     assert train(out, text, "--steps", "2") == 0
     assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--mem-budget", "1GiB",
-                 "--recompute", "--activation-checkpoint", "full", "--grad-accum", "2"]) == 0
+                 "--recompute", "--activation-checkpoint", "full", "--grad-accum", "2",
+                 "--loss-chunk", "64"]) == 0
     changes = _rows(out, "change")
     assert len(changes) == 1 and changes[0]["step"] == 2, changes
     assert changes[0]["changes"] == {
         "mem_budget": [None, "1GiB"], "recompute": [False, True],
-        "activation_checkpoint": ["none", "full"], "grad_accum": [1, 2]}
+        "activation_checkpoint": ["none", "full"], "grad_accum": [1, 2], "loss_chunk": [0, 64]}
     saved = _saved_train(out)
     assert (saved["mem_budget"], saved["recompute"], saved["grad_accum"]) == ("1GiB", True, 2)
     assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3]

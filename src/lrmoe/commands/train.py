@@ -40,6 +40,10 @@ def register(sub) -> None:
                    help="re-run in backward instead of keeping activations: selective = each "
                         "block's attention, full = each whole block, MoE forward and its "
                         "dispatch included (same gradients; default none)")
+    g.add_argument("--loss-chunk", type=int, metavar="TOKENS",
+                   help="run the output layer and the loss TOKENS tokens of a micro-batch at "
+                        "a time, each chunk re-run in backward: one chunk's logits in memory "
+                        "instead of the micro-batch's (same loss; 0 = off, the default)")
     p.set_defaults(func=run)
 
 

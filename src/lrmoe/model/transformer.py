@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lrmoe.config import ModelConfig
@@ -77,6 +78,7 @@ class MoEForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.loss_chunk = 0  # tokens a chunk of the head and loss in :meth:`loss` (0: all)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -137,12 +139,22 @@ class MoEForCausalLM(nn.Module):
         for m in self.moe_layers:
             m.checkpointed = mode == "full"
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | CausalLMOutput:
+    def set_loss_chunk(self, tokens: int) -> None:
+        """``--loss-chunk``: :meth:`loss` and :meth:`loss_sum` run the final norm, the head
+        and the cross entropy ``tokens`` tokens at a time, each chunk re-run in backward, so
+        only one chunk's logits exist at once (0: the whole micro-batch)."""
+        self.loss_chunk = int(tokens)
+
+    def hidden(self, input_ids: Tensor) -> Tensor:
+        """The last decoder layer's output ``[B, T, H]`` (before the final norm)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(input_ids.shape[1], x.device, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        return x
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | CausalLMOutput:
+        logits = self.lm_head(self.norm(self.hidden(input_ids)))
         if labels is None:
             return logits
         lm, obj = self._objective(logits[:, :-1], labels[:, 1:])
@@ -171,7 +183,36 @@ class MoEForCausalLM(nn.Module):
              ) -> tuple[Tensor, Tensor]:
         """``(lm_loss, lm_loss + aux)`` for ``targets`` already shifted (``targets[:, t]``
         follows ``input_ids[:, t]``): the trainer's form of ``model(ids, labels=ids)``."""
-        return self._objective(self(input_ids), targets, num_targets)
+        if not self._chunked(input_ids):
+            return self._objective(self(input_ids), targets, num_targets)
+        total = self._chunked_sum(self.hidden(input_ids), targets)
+        lm = total / (num_targets if num_targets is not None else (targets != -100).sum())
+        return lm, lm + self.aux_loss().to(lm.device)
+
+    def loss_sum(self, input_ids: Tensor, targets: Tensor) -> Tensor:
+        """The summed cross entropy over ``targets`` (``-100`` ignored), fp32: evaluation's."""
+        if self._chunked(input_ids):
+            return self._chunked_sum(self.hidden(input_ids), targets)
+        logits = self(input_ids)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                               targets.reshape(-1), reduction="sum", ignore_index=-100)
+
+    def _chunked(self, input_ids: Tensor) -> bool:
+        return 0 < self.loss_chunk < input_ids.numel()
+
+    def _chunked_sum(self, x_BTH: Tensor, targets: Tensor) -> Tensor:
+        x_NH, t_N = x_BTH.reshape(-1, x_BTH.shape[-1]), targets.reshape(-1)
+        total = None
+        for a in range(0, len(t_N), self.loss_chunk):
+            part = (x_NH[a:a + self.loss_chunk], t_N[a:a + self.loss_chunk])
+            ce = (torch.utils.checkpoint.checkpoint(self._ce_sum, *part, use_reentrant=False)
+                  if torch.is_grad_enabled() else self._ce_sum(*part))
+            total = ce if total is None else total + ce
+        return total
+
+    def _ce_sum(self, x_NH: Tensor, t_N: Tensor) -> Tensor:
+        logits = self.lm_head(self.norm(x_NH))
+        return F.cross_entropy(logits.float(), t_N, reduction="sum", ignore_index=-100)
 
     @torch.no_grad()
     def end_step(self, reduce=None) -> list[Tensor | None]:

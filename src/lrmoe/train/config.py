@@ -54,6 +54,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     activation_checkpoint: str = "none"
+    loss_chunk: int = 0  # tokens a chunk of the head and loss; 0: the whole micro-batch
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -114,7 +115,7 @@ FREE_ON_RESUME = {"preset", "config", "out", "resume", "steps", "eval_every", "e
                   "init_from", "log"}
 # Fields --resume may change (what a run stopped out of memory needs), each recorded in
 # metrics.jsonl; they leave the model and the data order alone (docs/design.md §7)
-RESUME_CHANGES = ("mem_budget", "recompute", "activation_checkpoint", "grad_accum")
+RESUME_CHANGES = ("mem_budget", "recompute", "activation_checkpoint", "grad_accum", "loss_chunk")
 # init_from: a resume takes the weights from the checkpoint, the model from config.json
 _NOT_INHERITED = {"preset", "config", "out", "resume", "progress", "stop_after", "init_from"}
 
@@ -165,7 +166,7 @@ def check_args(cfg: TrainConfig) -> None:
     check_join_flags(cfg)
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         check_int(name, getattr(cfg, name), 1)
-    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every"):
+    for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "loss_chunk"):
         check_int(name, getattr(cfg, name), 0)
     check_tokens_read(cfg.steps, cfg.grad_accum, cfg.batch_size, cfg.seq_len)
     check_int("seed", cfg.seed, 0, high=SEED_MAX)

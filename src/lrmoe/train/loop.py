@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, quiet_unless
@@ -107,9 +106,7 @@ def evaluate(model, batches: list[torch.Tensor], ctx, autocast) -> tuple[float, 
     for b in batches:
         inputs, targets, _ = loss_args(b.to(ctx.device))  # masked targets: not counted
         with autocast():
-            logits = model(inputs)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                             targets.reshape(-1), reduction="sum", ignore_index=IGNORE)
+            ce = model.loss_sum(inputs, targets)
         tot[0] += float(ce)
         tot[1] += int((targets != IGNORE).sum())
     model.train(was)
@@ -448,6 +445,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     rt = build_runtime(cfg, ctx, inp.policy, inp.ledger, gen)
     model.set_runtime(rt)
     model.set_activation_checkpoint(cfg.activation_checkpoint)
+    model.set_loss_chunk(cfg.loss_chunk)
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, offload=cfg.optimizer_offload,
                           router_lr_scale=cfg.router_lr_scale,
                           compute_dtype=torch.bfloat16 if ctx.device.type == "cuda" else None)

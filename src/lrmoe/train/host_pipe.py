@@ -158,7 +158,7 @@ class HostPipeline:
         """Update ``jobs`` (as :meth:`send_rest` ordered them) on this thread, each gradient
         once it has landed; the compute stream then waits for the weights' copies. On this
         thread, not a worker: a second thread's OpenMP team contends with the step's own for
-        the cores (`benchmarks/host_adamw.py`)."""
+        the cores (`benchmarks/offload_step.py`)."""
         t0, waited = time.perf_counter(), 0.0
         self.times.ring_wait_s = 0.0
         try:

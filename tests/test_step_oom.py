@@ -139,3 +139,19 @@ def test_the_ledger_verdict_offers_recompute_to_the_exact_policies_only(policy, 
     assert "out of memory at step 3 (needs 3.0 GiB, budget 2.0 GiB)" in line
     assert "--mem-budget 3GiB" in line
     assert ("--recompute instead, if recomputing fits" in line) == offered, line
+
+
+@pytest.mark.parametrize("vocab, chunk, offered", [(151_936, 0, True), (151_936, 512, False),
+                                                   (256, 0, False)])
+def test_a_large_vocabulary_is_offered_the_chunked_loss(vocab, chunk, offered):
+    """The allocator's line offers ``--loss-chunk`` where the logits are worth chunking: a
+    large vocabulary, not chunked yet; the command it names continues the run."""
+    from lrmoe.train.config import TrainConfig
+    from lrmoe.train.step_oom import StepMemory
+
+    cfg = TrainConfig(preset="tiny-qwen3", batch_size=4, loss_chunk=chunk)
+    mem = StepMemory(cfg, 1, 3, ["--out", "runs/x", "--resume"], [], "runs/x/checkpoints",
+                     vocab=vocab)
+    line = mem.allocator_line("GPU", "CUDA out of memory")
+    assert ("`lrmoe train --out runs/x --resume --loss-chunk 1024`" in line) == offered, line
+    assert "--activation-checkpoint full" in line

@@ -541,7 +541,7 @@ class _Run:
                          cfg.policy.name, "--dtype",
                          "bf16" if ctx.device.type == "cuda" else "fp32"]
         return StepMemory(cfg, ctx.world, step + 1, ["--out", str(self.inp.run_dir), "--resume"],
-                          plan, _intact(self.watch))
+                          plan, _intact(self.watch), vocab=self.s.model.config.vocab_size)
 
     def save(self, step: int) -> None:
         s, ctx = self.s, self.ctx

@@ -17,6 +17,7 @@ from lrmoe.train.config import TrainConfig
 from lrmoe.units import fmt_bytes
 
 _HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+LARGE_VOCAB = 32768  # from here a micro-batch's logits are worth computing in chunks
 
 
 def verdict(e: OutOfMemory, step: int) -> str:
@@ -57,6 +58,7 @@ class StepMemory:
     plan_args: list[str]  # lrmoe plan's model and layout flags for this run
     intact: str  # where the last complete checkpoint is
     micro: int = 0  # 0-based: the micro-batch running
+    vocab: int = 0  # the model's vocabulary: a large one's logits are worth chunking
 
     def batch_of(self, get: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
         """``get``, noting which micro-batch is running."""
@@ -79,6 +81,9 @@ class StepMemory:
         if cfg.activation_checkpoint != "full":
             fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
                                            "--activation-checkpoint", "full"]) + "`")
+        if cfg.loss_chunk == 0 and self.vocab >= LARGE_VOCAB:
+            fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
+                                           "--loss-chunk", "1024"]) + "`")
         half = cfg.batch_size // 2
         if cfg.batch_size % 2 == 0 and half % self.world == 0:
             fixes.append(f"a new run with --batch-size {half} and --grad-accum "

@@ -119,7 +119,7 @@ def test_autograd_keeps_no_micro_batch_logits():
     assert not chunked, chunked  # the head's weight is [V, H]: its last width is H
 
 
-def test_train_with_loss_chunk_trains_as_without(tmp_path, capsys):
+def test_train_with_loss_chunk_trains_as_without(tmp_path, capsys, monkeypatch):
     """``lrmoe train``: the same losses, gradient norms and validation losses."""
     args = ["train", "--preset", "tiny-qwen3", "--steps", "3", "--batch-size", "2",
             "--seq-len", "32", "--grad-accum", "2", "--max-data-bytes", "100000",
@@ -133,6 +133,15 @@ def test_train_with_loss_chunk_trains_as_without(tmp_path, capsys):
             got, want = ([r[key] for r in rows[c] if r["kind"] == kind] for c in ("24", "0"))
             assert got and len(got) == len(want)
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    from lrmoe.commands.eval import evaluate_run
+
+    last = [r["val_loss"] for r in rows["24"] if r["kind"] == "val"][-1]
+    chunks = []
+    real = MoEForCausalLM._chunked_sum
+    monkeypatch.setattr(MoEForCausalLM, "_chunked_sum",
+                        lambda self, *a: chunks.append(self.loss_chunk) or real(self, *a))
+    assert evaluate_run(tmp_path / "24")["val_loss"] == last
+    assert chunks and set(chunks) == {24}  # `lrmoe eval` chunks as the run did
     capsys.readouterr()
     assert main(args + ["--out", str(tmp_path / "bad"), "--loss-chunk", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -71,6 +71,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     except RuntimeError as e:
         raise LrmoeError(f"checkpoint {ck.path} does not match the run's model: {e}") from None
     model.to(dev)
+    model.set_loss_chunk(cfg.loss_chunk)  # the run's: its logits a chunk at a time
     ctx = ParallelContext(device=dev)
     with torch.no_grad():
         loss, n = evaluate(model, batches, ctx, make_autocast(dev))

@@ -194,8 +194,9 @@ class MoEForCausalLM(nn.Module):
         if self._chunked(input_ids):
             return self._chunked_sum(self.hidden(input_ids), targets)
         logits = self(input_ids)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                               targets.reshape(-1), reduction="sum", ignore_index=-100)
+        with torch.autocast(logits.device.type, enabled=False):  # fp32, as outside autocast
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                   targets.reshape(-1), reduction="sum", ignore_index=-100)
 
     def _chunked(self, input_ids: Tensor) -> bool:
         return 0 < self.loss_chunk < input_ids.numel()

@@ -111,7 +111,7 @@ def link_bytes(led: StepLedger, mode: str, accum: int) -> int:
 
 GPU_SIDE = [
     ("as the trainer runs", {}),
-    ("loss over 1,024-token chunks", dict(loss_chunk_tokens=1024)),
+    ("loss over 1,024-token chunks (--loss-chunk 1024)", dict(loss_chunk_tokens=1024)),
     ("dense params bf16 on GPU, their fp32 master + moments on host", dict(offload_dense=True)),
     ("expert grads to host layer by layer in backward (2 layers resident)",
      dict(expert_grad_resident_layers=2, host_grad_bytes=2)),

@@ -6,13 +6,14 @@ gradient agree with the whole path to bf16 tolerance."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_util import needs_cuda  # noqa: E402
+from gpu_util import needs_cuda, report_dir  # noqa: E402
 
 from lrmoe.model import MoEForCausalLM  # noqa: E402
 from lrmoe.presets import get_preset  # noqa: E402
@@ -43,8 +44,14 @@ def test_chunked_loss_peaks_lower_by_the_logits():
     whole, lm0, g0 = _peak_and_grads(model, ids, 0)
     chunked, lm1, g1 = _peak_and_grads(model, ids, CHUNK)
     N = B * T
-    print(f"peak above the model: whole {whole / 2**30:.2f} GiB, chunks of {CHUNK} "
-          f"{chunked / 2**30:.2f} GiB; the whole logits in fp32 {N * V * 4 / 2**30:.2f} GiB")
+    line = (f"peak above the model: whole {whole / 2**30:.2f} GiB, chunks of {CHUNK} "
+            f"{chunked / 2**30:.2f} GiB; the whole logits in fp32 {N * V * 4 / 2**30:.2f} GiB")
+    print(line)
+    d = report_dir("loss_chunk")
+    if d is not None:
+        (d / "loss_chunk.json").write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=N, vocab=V,
+            chunk=CHUNK, peak_whole_bytes=whole, peak_chunked_bytes=chunked, line=line)))
     assert whole - chunked >= 6 * (N - CHUNK) * V  # at least the fp32 logits and half more
     torch.testing.assert_close(lm1, lm0, rtol=1e-3, atol=0)
     assert (g1 - g0).abs().max() <= 2e-2 * g0.abs().max()

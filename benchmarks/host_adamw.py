@@ -1,7 +1,7 @@
 """The host AdamW of ``--optimizer-offload host`` alone, without the device: how the same
 update runs as one fused call over every tensor (the serial update), one call a tensor, or
-chunk by chunk (the pipeline), on the main thread or on a second thread with the same
-thread count. Host arithmetic only: no copies to or from a device.
+chunk by chunk (the pipeline; ``--chunks``: the sizes), on the main thread or on a second
+thread with the same thread count. Host arithmetic only: no copies to or from a device.
 
 The tensors are one EP rank's offloaded experts of ``offload_step.py``'s workloads (the
 model built on the meta device for its shapes), fp32 masters and moments, fp32 gradients
@@ -56,25 +56,23 @@ def per_tensor(st: dict) -> None:
                    [st["step"][i].clone()], GROUP)
 
 
-def chunked(st: dict, widen: bool = False) -> None:
-    scratch = torch.empty(HOST_CHUNK)
+def chunked(st: dict, chunk: int, widen: bool = False) -> None:
+    scratch = torch.empty(chunk)
     for i in range(len(st["master"])):
         src = (st["bf16"] if widen else st["grad"])[i].view(-1)
         w, a1, a2 = (st[k][i].view(-1) for k in ("master", "m1", "m2"))
-        for a in range(0, src.numel(), HOST_CHUNK):
-            b = min(src.numel(), a + HOST_CHUNK)
+        for a in range(0, src.numel(), chunk):
+            b = min(src.numel(), a + chunk)
             g = scratch[:b - a].copy_(src[a:b]).mul_(0.5) if widen else src[a:b]
             host_adamw([w[a:b]], [g], [a1[a:b]], [a2[a:b]], [st["step"][i].clone()], GROUP)
 
 
-def widened_whole(st: dict) -> None:
-    grads = [b.float().mul_(0.5) for b in st["bf16"]]
-    host_adamw(st["master"], grads, st["m1"], st["m2"], [s.clone() for s in st["step"]], GROUP)
-
-
-VARIANTS = {"one call, all tensors": list_call, "one call a tensor": per_tensor,
-            "one call, bf16 widened whole first": widened_whole,
-            "chunked": chunked, "chunked, bf16 widened": lambda st: chunked(st, True)}
+def variants(chunks: list[int]) -> dict:
+    out = {"one call, all tensors": list_call, "one call a tensor": per_tensor}
+    for c in chunks:
+        out[f"chunks of {c}"] = lambda st, c=c: chunked(st, c)
+        out[f"chunks of {c}, bf16 widened"] = lambda st, c=c: chunked(st, c, True)
+    return out
 
 
 def timed(fn, st: dict, reps: int, pool: ThreadPoolExecutor | None) -> float:
@@ -94,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workloads", default="qwen3,glm")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunks", default=str(HOST_CHUNK),
+                    help=f"elements a chunk, a comma list (the trainer's: {HOST_CHUNK})")
     a = ap.parse_args(argv)
+    todo = variants(gc.csv(a.chunks, int, "--chunks"))
     d = gc.out_dir(a.out)
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(1, "host-adamw", torch.set_num_threads, (threads,))
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in gc.csv(a.workloads):
         st = state_for(name)
         n = sum(t.numel() for t in st["master"])
-        for label, fn in VARIANTS.items():
+        for label, fn in todo.items():
             for where, p in (("main", None), ("worker", pool)):
                 ms = timed(fn, st, a.reps, p)
                 rows.append(dict(workload=name, params=n, tensors=len(st["master"]),

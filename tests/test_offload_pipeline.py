@@ -297,14 +297,36 @@ def test_offload_step_benchmark_logic(tmp_path):
     out = tmp_path / "os"
     assert mod.main(["--out", str(out), "--device", "cpu", "--workloads", "tiny", "--steps", "3",
                      "--warmup", "1", "--batch-size", "2", "--seq-len", "32",
-                     "--max-data-bytes", "100000", "--threads", "1"]) == 0
+                     "--max-data-bytes", "100000", "--threads", "1", "--chunks", "448"]) == 0
     res = json.loads((out / "offload_step.json").read_text())["results"]
     modes = {r["mode"]: r for r in res if "mode" in r}
-    assert set(modes) == {"pipeline", "serial", "none"}
+    assert set(modes) == {"pipeline", "serial", "none", "pipeline@448"}
+    assert modes["pipeline@448"]["losses"] == modes["pipeline"]["losses"]  # chunks: same math
     assert modes["pipeline"]["median_busy_ms"] > 0 and "median_host_ms" in modes["serial"]
     summary = [r for r in res if "exposed_fraction" in r]
     assert summary and summary[0]["same_losses_pipeline_serial"]
     assert modes["none"]["losses"] != modes["pipeline"]["losses"]  # its experts stood still
     assert "exposed fraction" in (out / "offload_step.md").read_text()
     assert mod.main(["--out", str(tmp_path / "x"), "--workloads", "nope", "--device", "cpu"]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_host_adamw_benchmark_logic(tmp_path):
+    """benchmarks/host_adamw.py at the tiny shapes (its times are not results): every variant
+    on both threads, each chunk size named; bad input is one line, exit 2."""
+    import json
+
+    from dist_util import load_benchmark
+
+    mod = load_benchmark("host_adamw", "benchmarks")
+    out = tmp_path / "ha"
+    assert mod.main(["--out", str(out), "--workloads", "tiny", "--reps", "1",
+                     "--chunks", "4096,65536"]) == 0
+    rows = json.loads((out / "host_adamw.json").read_text())["results"]
+    assert {(r["variant"], r["thread"]) for r in rows} == {
+        (v, t) for v in ("one call, all tensors", "one call a tensor", "chunks of 4096",
+                         "chunks of 4096, bf16 widened", "chunks of 65536",
+                         "chunks of 65536, bf16 widened") for t in ("main", "worker")}
+    assert all(r["median_ms"] > 0 for r in rows)
+    assert mod.main(["--out", str(tmp_path / "x"), "--chunks", "many"]) == 2
     assert not (tmp_path / "x").exists()

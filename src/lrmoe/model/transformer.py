@@ -172,6 +172,10 @@ class MoEForCausalLM(nn.Module):
         else:
             lm = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100,
                                  reduction="sum") / num_targets
+        return self._with_aux(lm)
+
+    def _with_aux(self, lm: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lm_loss, lm_loss + aux)``: the training objective beside the cross entropy."""
         return lm, lm + self.aux_loss().to(lm.device)
 
     def aux_loss(self) -> Tensor:
@@ -187,7 +191,7 @@ class MoEForCausalLM(nn.Module):
             return self._objective(self(input_ids), targets, num_targets)
         total = self._chunked_sum(self.hidden(input_ids), targets)
         lm = total / (num_targets if num_targets is not None else (targets != -100).sum())
-        return lm, lm + self.aux_loss().to(lm.device)
+        return self._with_aux(lm)
 
     def loss_sum(self, input_ids: Tensor, targets: Tensor) -> Tensor:
         """The summed cross entropy over ``targets`` (``-100`` ignored), fp32: evaluation's."""

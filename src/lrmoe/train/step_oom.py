@@ -67,9 +67,12 @@ class StepMemory:
             return get(m)
         return fetch
 
+    def _continued(self, *flags: str) -> str:
+        """The ``lrmoe train`` command that continues this run with ``flags`` added."""
+        return shlex.join(["lrmoe", "train", *self.continue_with, *flags])
+
     def ledger_line(self, e: OutOfMemory) -> str:
-        cmd = shlex.join(["lrmoe", "train", *self.continue_with, "--mem-budget",
-                          budget_arg(e.needs_bytes)])
+        cmd = self._continued("--mem-budget", budget_arg(e.needs_bytes))
         policy = self.cfg.policy  # static and symi: --recompute is a fallback
         more = "; --recompute instead, if recomputing fits" \
             if policy.name in ("static", "symi") and not policy.recompute else ""
@@ -79,11 +82,9 @@ class StepMemory:
     def allocator_line(self, where: str, words: str) -> str:
         cfg, fixes = self.cfg, []
         if cfg.activation_checkpoint != "full":
-            fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
-                                           "--activation-checkpoint", "full"]) + "`")
+            fixes.append(f"`{self._continued('--activation-checkpoint', 'full')}`")
         if cfg.loss_chunk == 0 and self.vocab >= LARGE_VOCAB:
-            fixes.append("`" + shlex.join(["lrmoe", "train", *self.continue_with,
-                                           "--loss-chunk", "1024"]) + "`")
+            fixes.append(f"`{self._continued('--loss-chunk', '1024')}`")
         half = cfg.batch_size // 2
         if cfg.batch_size % 2 == 0 and half % self.world == 0:
             fixes.append(f"a new run with --batch-size {half} and --grad-accum "

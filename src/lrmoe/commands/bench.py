@@ -45,12 +45,13 @@ def register(sub) -> None:
 
 
 def _policies_and_budget(t) -> None:
+    from lrmoe.sim.ttl_config import VARIANT_OPTIONS
+
+    options = ", ".join(VARIANT_OPTIONS).replace("link_cost", "link_cost=on|off")
     t.add_argument("--policies", default="static,symi,lrmoe",
                    help="comma list of static, symi, lrmoe and lrmoe variants such as "
                         "lrmoe:recompute or lrmoe:min_keep=0.8+estimator=sampled (options: "
-                        "recompute, min_keep, balance, estimator, max_slots, placement, "
-                        "link_cost=on|off); static always "
-                        "runs: it sets the target")
+                        f"{options}); static always runs: it sets the target")
     t.add_argument("--budget-floor-fraction", type=float, default=None, metavar="X",
                    help="instead of --mem-budget: X (>= 1) times static's whole-layer floor F "
                         "over this run's routing (the largest rank total of static's native "

@@ -163,6 +163,15 @@ def test_ledger_view_is_exact_for_the_presets(preset, G):
             assert view.capacity_fn()(r, *args) == ledger.retain_capacity(*args, home[r])
     assert view.capacity(n, R).tolist() == [ledger.retain_capacity(int(a), int(b), h)
                                             for a, b, h in zip(n, R, home)]
+    for r in range(0, G, max(G // 4, 1)):  # a budget met to the byte, and one byte short
+        at = ledger.terms(int(n[r]), int(R[r]), home[r], 0)["total"]
+        for budget, fits in ((at, True), (at - 1, False)):
+            tight = Ledger.for_dtype(mcfg, G, budget)
+            view = LedgerView(tight, counts.sum(1).numpy())
+            want = [tight.retain_capacity(int(a), int(b), h) for a, b, h in zip(n, R, home)]
+            assert (want[r] >= 0) == fits
+            assert view.capacity(n, R).tolist() == want
+            assert [view.capacity_fn()(i, int(n[i]), int(R[i])) for i in range(G)] == want
     exact = LedgerView(ledger, counts.sum(1).numpy(), exact=True)
     assert exact.totals(n, R, R).tolist() == [
         ledger.terms(int(a), int(b), h, int(b), exact=True)["total"]

@@ -45,7 +45,9 @@ def test_step_placement_is_micro_batch_zeros_and_held(G):
     cfg = LrmoeConfig(placement="step")
     micro = _micro(G, G, 4)
     ledger = Ledger.for_dtype(MCFG, G, _budget(MCFG, G, micro[0], 0.5), "bf16")
-    plans = _step(LrmoePolicy(cfg), micro, step=3, ledger=ledger)
+    pol = LrmoePolicy(cfg)
+    plans = _step(pol, micro, step=3, ledger=ledger)
+    assert pol.rungs == {"plan": 4}  # each micro-batch's plan counted once, held or not
     first = plan_lrmoe(micro[0], dataclasses.replace(cfg, placement="current"),
                               ledger, ladder=False).plan
     assert torch.equal(plans[0].inst_expert_GS, first.inst_expert_GS)

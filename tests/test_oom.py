@@ -137,6 +137,31 @@ def test_whole_layer_rung_places_replicas_only_where_every_rank_fits():
     assert layer_placement(c, S, tight, max_replicas=0).tolist() == natives.tolist()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_whole_layer_rung_with_room_places_as_pass_one(seed):
+    """With room for every replica the whole-layer rung's rule is pass 1's without a
+    budget, move for move: the same placement on random layers (EP 4-16, skews 0-2, one
+    to three free slots), with and without a replica cap."""
+    from lrmoe.policy.ledger_view import LedgerView
+    from lrmoe.policy.lrmoe_ladder import layer_placement
+    from lrmoe.policy.lrmoe_place import place_replicas
+
+    rng = np.random.default_rng(seed)
+    cfg = get_preset("tiny-qwen3")
+    for _ in range(10):
+        G, E = int(rng.choice([4, 8, 16])), int(rng.choice([16, 32, 64]))
+        S = E // G + int(rng.integers(1, 4))
+        w = 1.0 / np.arange(1, E + 1) ** rng.uniform(0, 2)
+        c = rng.multinomial(int(rng.choice([64, 512, 4096])), w[rng.permutation(E)] / w.sum(),
+                            size=G)
+        roomy = Ledger.for_dtype(dataclasses.replace(cfg, num_experts=E), G, 1 << 60)
+        for cap in (None, 2):
+            got = layer_placement(c, S, roomy, np.inf if cap is None else cap)
+            want, _ = place_replicas(c.sum(0), G, S, LrmoeConfig(max_replicas_per_step=cap),
+                                     LedgerView(None, c.sum(1)))
+            assert np.array_equal(got, want), (G, E, S, cap)
+
+
 def whole(inst, c):
     """The exact plan on placement ``inst`` for counts ``c``."""
     from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, to_plan

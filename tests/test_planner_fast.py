@@ -335,21 +335,25 @@ def _drift(rng, counts: torch.Tensor, how: str) -> torch.Tensor:
 
 def test_previous_placement_equals_current_when_the_counts_repeat():
     """Prepared from the same counts (as ``[G, E]``, or as the runtime's global ``[E]``
-    with the pairs per home: the homes are equal), placement="previous" makes exactly
-    the current plan, or fails with the same error."""
+    with the pairs per home: the homes are equal), or not prepared (the policy prepares
+    from ``prev_counts_E`` itself), placement="previous" makes exactly the current plan,
+    or fails with the same error; ``rungs`` counts each plan made once, by its rung."""
     seen = 0
     for i, preset, G, skew, pairs, frac, cfg, rng in _cases(40, seed=29):
         counts, ledger = _layer(rng, preset, G, pairs, skew, frac)
         cur, err = _outcome(_fit, counts, cfg, ledger)  # the policy climbs its ladder
         pol = LrmoePolicy(dataclasses.replace(cfg, placement="previous"))
-        for prev in (counts, counts.sum(0)):
-            inputs = prepare(pol, prev, G, PlanInputs(ledger=ledger), pairs)
-            assert inputs.prepared is not None
+        unprepared = PlanInputs(prev_counts_E=counts.sum(0), ledger=ledger)
+        for prev in (counts, counts.sum(0), None):
+            inputs = (unprepared if prev is None
+                      else prepare(pol, prev, G, PlanInputs(ledger=ledger), pairs))
+            assert (inputs.prepared is None) == (prev is None)
             got, got_err = _outcome(pol.plan, counts, inputs)
             assert got_err == err, i
             assert cur is None or _same(got, cur), i
             seen += cur is not None
-    assert pol.replaced_placements == 0 and seen >= 60
+        assert pol.rungs == ({} if cur is None else {cur.rung: 3}), i
+    assert pol.replaced_placements == 0 and seen >= 90
 
 
 def test_previous_placement_fits_the_budget_on_the_new_counts():

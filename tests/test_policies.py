@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,7 +25,7 @@ from lrmoe.policy.plan import Plan
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.policy.registry import PolicyConfig, make_policy
 from lrmoe.policy.static import StaticPolicy
-from lrmoe.policy.symi import largest_feasible_slots, plan_symi
+from lrmoe.policy.symi import SymiPolicy, largest_feasible_slots, plan_symi
 from references.plans import (
     apportion,
     contiguous_placement,
@@ -148,8 +149,21 @@ def test_symi_budget_and_largest_feasible_slots():
     assert need[s - 4] <= budget and all(need[x - 4] > budget for x in range(s + 1, E + 1))
     with pytest.raises(LrmoeError, match="short by"):
         plan_symi(counts, 9, counts.sum(0), Ledger(cfg, G, min(need) - 1))
-    with pytest.raises(LrmoeError, match="no slots_per_rank"):
+    with pytest.raises(LrmoeError, match="no slots_per_rank >= 4 fits: .*short by"):
         largest_feasible_slots(Ledger(cfg, G, min(need) - 1), counts, counts.sum(0))
+    with pytest.raises(LrmoeError, match="fits: the native experts alone exceed the budget"):
+        largest_feasible_slots(Ledger(cfg, G, 1), counts, counts.sum(0))
+
+
+def test_symi_prepares_from_per_rank_or_global_counts():
+    """The previous step's ``[G, E]`` counts place as their ``[E]`` sum does."""
+    G, E = 4, 16
+    prev = _skewed(G, E, 5)
+    pol = SymiPolicy(6)
+    per_rank = pol.prepare(prev, G, PlanInputs())
+    glob = pol.prepare(prev.sum(0), G, PlanInputs())
+    assert np.array_equal(per_rank.inst_expert_GS, glob.inst_expert_GS)
+    assert (glob.inst_expert_GS >= 0).sum() > E  # replicas: the placement follows the counts
 
 
 # ---------------------------------------------------------------------- capacity

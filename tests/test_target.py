@@ -62,6 +62,8 @@ def test_paired_noise_removes_what_every_evaluation_shares():
     # the first evaluation has no previous one: not defined, never ok
     n0 = eval_noise(ev, 10, window=1)
     assert math.isnan(n0["paired_std_error"]) and not n0["paired_ok"]
+    assert n0["neighbour_change"] == pytest.approx(1.0)  # to the one neighbour it has
+    assert eval_noise(ev, 40, window=1)["neighbour_change"] == pytest.approx(1.0)
 
 
 def test_eval_noise_compares_standard_error_with_neighbour_change():

@@ -161,24 +161,22 @@ def _planned(counts, prev_E, ledger, cost, placement: str):
     return pol.plan(counts, inputs)
 
 
-def test_the_estimate_that_skips_the_exact_pricing():
-    """Random layers (EP 8-64, skew 0-2, budgets loose to binding): on a one-level link the
-    per-rank estimate's ratio of a plan's step to static's stays within 0.08 of the exact
-    one, so a plan it puts 10% ahead is ahead exactly; a two-level link's plans with
-    replicas are all priced exactly."""
+def _estimate_errors(seed: int, links, Gs, n: int = 48) -> np.ndarray:
+    """The per-rank estimate's ratio of a plan's step to static's (both trimmed), less the
+    exact ratio, on random layers with replicas (skew 0-2, budgets loose to binding)."""
     from lrmoe.errors import OutOfMemory
-    from lrmoe.policy import lrmoe_link
+    from lrmoe.policy.lrmoe_link import estimated_seconds
 
-    rng = np.random.default_rng(11)
-    checked = 0
-    for i in range(48):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
         mcfg = get_preset(("qwen3-30b-a3b", "glm-4.5-air")[i % 2])
-        G = int(rng.choice([8, 16, 32, 64]))
+        G = int(rng.choice(Gs))
         counts = _counts(rng, G, E, 4096 * 8, float(rng.uniform(0, 2)))
         frac = float(rng.choice([np.nan, 0.3, 0.7, 1.5]))
         led = Ledger.for_dtype(mcfg, G, None if np.isnan(frac) else
                                _budget(mcfg, G, counts, frac), "bf16")
-        cfg = LrmoeConfig(link=_cost(mcfg, str(rng.choice(["nvlink", "ib", "pcie"]))))
+        cfg = LrmoeConfig(link=_cost(mcfg, str(rng.choice(links))))
         try:
             plan = plan_lrmoe(counts, cfg, led, decide=False).plan
             static = _static_trimmed(counts, led, plan.S)
@@ -186,17 +184,61 @@ def test_the_estimate_that_skips_the_exact_pricing():
             continue
         if plan.rung != "plan" or plan.num_replicas() == 0:
             continue
-        t_static, t_plan = lrmoe_link.estimated_seconds(counts, cfg, led, plan)
+        t_static, t_plan = estimated_seconds(counts, cfg, led, plan)
         exact = plan_seconds(cfg.link, plan, E) / plan_seconds(cfg.link, static, E)
-        assert abs(t_plan / t_static - exact) <= 0.08, (i, t_plan / t_static, exact)
-        checked += 1
-    assert checked >= 25, checked
-    # two levels: the estimate is never asked, every plan with replicas is priced
+        out.append(t_plan / t_static - exact)
+    return np.array(out)
+
+
+def test_the_estimate_that_skips_the_exact_pricing():
+    """On a one-level link (EP 8-64) the estimate's ratio stays within 0.08 of the exact
+    one, so a plan it puts 10% ahead is ahead exactly. Across the nodes of a two-level
+    link (rows spread evenly over both levels) it strays further, within 0.25 and
+    unbiased (mean within 0.05; rule 1 chooses its prefix by it), and every plan with
+    replicas is priced exactly there."""
+    from lrmoe.policy import lrmoe_link
+
+    one = _estimate_errors(11, ["nvlink", "ib", "pcie"], [8, 16, 32, 64])
+    assert len(one) >= 25 and np.abs(one).max() <= 0.08, np.abs(one).max()
+    two = _estimate_errors(12, ["nvlink+ib"], [16, 32, 64])
+    assert len(two) >= 25 and np.abs(two).max() <= 0.25 and abs(two.mean()) <= 0.05, (
+        np.abs(two).max(), two.mean())
     mcfg = get_preset("qwen3-30b-a3b")
-    two = LrmoeConfig(link=_cost(mcfg, "nvlink+ib"))
+    cfg = LrmoeConfig(link=_cost(mcfg, "nvlink+ib"))
     counts = _skewed(3, 16, 1.5)
-    plan = plan_lrmoe(counts, two, None, decide=False).plan
+    plan = plan_lrmoe(counts, cfg, None, decide=False).plan
     assert plan.num_replicas() > 0
     priced = []
-    lrmoe_link.no_slower_than_static(counts, two, None, plan, lambda inst: priced.append(inst))
+    lrmoe_link.no_slower_than_static(counts, cfg, None, plan, lambda inst: priced.append(inst))
     assert len(priced) == 1
+
+
+def test_the_gemm_flops_the_model_charges_are_the_experts():
+    """The model's flops a pair (forward 6·H·F, backward 12·H·F, a recomputed gate_up
+    4·H·F) are what torch's flop counter sees the expert kernels run (float64 takes the
+    per-instance GEMMs, which it counts; an empty instance included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lrmoe.ops.experts import gate_up, swiglu_backward, swiglu_forward
+    from lrmoe.policy.link_cost import (
+        BWD_FLOPS_PER_HF,
+        FWD_FLOPS_PER_HF,
+        RECOMPUTE_FLOPS_PER_HF,
+    )
+
+    R, H, F, counts = 24, 16, 8, [10, 0, 14]
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(R, H, dtype=torch.float64, generator=g) for _ in range(2))
+    w13 = torch.randn(len(counts), 2 * F, H, dtype=torch.float64, generator=g)
+    w2 = torch.randn(len(counts), H, F, dtype=torch.float64, generator=g)
+
+    def flops(fn, *args):
+        with FlopCounterMode(display=False) as fc:
+            out = fn(*args)
+        return fc.get_total_flops(), out
+
+    fwd, (_, gu) = flops(swiglu_forward, x, w13, w2, counts)
+    assert fwd == FWD_FLOPS_PER_HF * R * H * F
+    bwd, _ = flops(swiglu_backward, {"x": x, "gu": gu, "dy": dy}, w13, w2, counts)
+    assert bwd == BWD_FLOPS_PER_HF * R * H * F
+    assert flops(gate_up, x, w13, counts)[0] == RECOMPUTE_FLOPS_PER_HF * R * H * F

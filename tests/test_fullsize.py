@@ -257,6 +257,38 @@ def test_layer_saved_is_what_autograd_keeps(preset, mode):
         assert g == want, (i, g, want)
 
 
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_head_saved_is_what_autograd_keeps(chunk):
+    """The head's kept bytes: what autograd saves between the last layer and the loss
+    (bf16 autocast), the logits (priced apart), the head's weight cast (a weight cast)
+    and the integer targets (the batch's own) aside: the final residual, and without a
+    chunked loss its norm's rows and row scale and the head's input."""
+    cfg = dataclasses.replace(get_preset("tiny-qwen3"), num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    model.train()
+    model.set_loss_chunk(chunk)
+    B, S, V = 2, 48, cfg.vocab_size
+    ids, targets = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = model.hidden(ids)
+    model.hidden = lambda _: x
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if (st.data_ptr() not in params and t.is_floating_point() and t.dim()
+                and t.shape[-1] != V):
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(ids, targets)
+    led = StepLedger(cfg, loss_chunk_tokens=chunk or None)
+    assert sum(seen.values()) == led.activations(B * S, "none")["head_saved"]
+
+
 def test_fullsize_tool_reports_the_whole_model(tmp_path):
     import importlib.util
     from pathlib import Path

@@ -220,7 +220,11 @@ class StepLedger:
         H, V = c.hidden_size, c.vocab_size
         L = c.num_hidden_layers
         saved = sum(self.layer_saved(i, N, mode) for i in range(L))
-        NV = min(N, self.loss_chunk_tokens or N) * V  # a chunked loss: one chunk's logits
+        chunk = min(N, self.loss_chunk_tokens or N)
+        NV = chunk * V  # a chunked loss: one chunk's logits
+        # the final residual; the whole head also keeps its norm (normed rows, row scale)
+        # and the head's input, a chunked one re-runs them in backward
+        head = 4 * H + (4 * H + 4 + 2 * H if chunk == N else 0)
         worst = max(range(L), key=lambda i: self.layer_saved(i, N, "none") + self.layer_casts(i))
         moe = self._moe_ledger()
         P = N * c.num_experts_per_tok
@@ -229,7 +233,7 @@ class StepLedger:
                                    else "fp32"] * layer_params(c, worst)["experts"])
         return {
             "saved_layers": saved,
-            "head_saved": N * (4 * H + 4 * H + 2 * H),  # final residual, its norm, head input
+            "head_saved": N * head,
             "weight_casts": self.weight_casts(),
             "weight_casts_kept": self.weight_casts(mode == "full") - (
                 sum(self.layer_casts(i, True) for i in range(L)) if mode == "selective" else 0),

@@ -59,10 +59,10 @@ def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Pla
     G, E = counts_GE.shape
     if plan.num_replicas() == 0:
         return plan
-    if not (cfg.link.node_size and G > cfg.link.node_size):  # one level: the estimate holds
-        static, placed = estimated_seconds(counts_GE, cfg, ledger, plan)
-        if placed < (1.0 - CLEAR_GAIN) * static:
-            return plan
+    gain = CLEAR_GAIN_NODES if cfg.link.node_size and G > cfg.link.node_size else CLEAR_GAIN
+    static, placed = estimated_seconds(counts_GE, cfg, ledger, plan)
+    if placed < (1.0 - gain) * static:
+        return plan
     alt = trimmed_on(natives_GS(G, plan.S, E))
     if alt is None:  # the replicas are what makes it fit
         return plan
@@ -76,15 +76,15 @@ def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Pla
 # the estimate's ratio of a plan's step to static's stays within 0.08 of the exact ratio
 # (random layers, EP 8-64, skew 0-2, NVLink/IB/PCIe, budgets loose to binding: tested), so
 # a plan estimated this far ahead is ahead exactly; across the nodes of a two-level link,
-# whose estimate spreads the rows evenly over both levels, it strays up to ~0.2 (tested
-# within 0.25): every plan with replicas is priced exactly there
+# whose estimate spreads the rows evenly over both levels, within 0.25 (tested)
 CLEAR_GAIN = 0.10
+CLEAR_GAIN_NODES = 0.25
 
 
 def estimated_seconds(counts_GE, cfg, ledger, plan: Plan) -> tuple[float, float]:
     """:func:`prefix_seconds`' estimate, from per-rank sums, of the modelled step on static's
     placement and on ``plan``'s: the plan is kept unpriced when more than
-    :data:`CLEAR_GAIN` ahead."""
+    :data:`CLEAR_GAIN` (across nodes :data:`CLEAR_GAIN_NODES`) ahead."""
     c = host_counts(counts_GE)
     G, E = c.shape
     view = LedgerView(ledger, c.sum(1))

@@ -46,6 +46,10 @@ class LinkCost:
         require(isinstance(self.share, int) and self.share >= 1,
                 f"link cost: share {self.share!r} must be an integer >= 1")
 
+    def spans_nodes(self, G: int) -> bool:
+        """Whether ``G`` ranks span more than one node of a two-level link."""
+        return bool(self.node_size) and G > self.node_size
+
     @property
     def hf(self) -> float:
         return float(self.hidden) * self.intermediate
@@ -58,7 +62,7 @@ class LinkCost:
     def rows_seconds(self, rows_GG: np.ndarray):
         """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows, its row sums taken once."""
         G = rows_GG.shape[0]
-        if self.node_size and G > self.node_size:
+        if self.spans_nodes(G):
             return lambda nbytes: self.exchange_seconds(rows_GG * nbytes)
         d = np.diagonal(rows_GG)
         top = max(int((rows_GG.sum(1) - d).max()), int((rows_GG.sum(0) - d).max()))
@@ -120,7 +124,7 @@ def prefix_seconds(cost: LinkCost, load_KG: np.ndarray, kept_KG: np.ndarray,
     else:
         sel = k
     row = cost.hidden * cost.bytes_act
-    if not cost.node_size or G <= cost.node_size:
+    if not cost.spans_nodes(G):
         bw = rep_bw = cost.bandwidth_Bps
     else:  # rows spread evenly over G - 1 peers, in-node and between nodes: the slower
         inside = (cost.node_size - 1) / (G - 1)

@@ -59,7 +59,7 @@ def no_slower_than_static(counts_GE, cfg, ledger, plan: Plan, trimmed_on) -> Pla
     G, E = counts_GE.shape
     if plan.num_replicas() == 0:
         return plan
-    gain = CLEAR_GAIN_NODES if cfg.link.node_size and G > cfg.link.node_size else CLEAR_GAIN
+    gain = CLEAR_GAIN_NODES if cfg.link.spans_nodes(G) else CLEAR_GAIN
     static, placed = estimated_seconds(counts_GE, cfg, ledger, plan)
     if placed < (1.0 - gain) * static:
         return plan

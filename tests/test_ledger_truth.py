@@ -141,7 +141,17 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
     return {"plan": plan, "by": by, "params": params, "x": _storage(x)[0]}
 
 
-CASES = ["static", "symi_replicas", "lrmoe_trimmed", "lrmoe_recompute", "static_recompute"]
+CASES = ["static", "symi_replicas", "lrmoe_trimmed", "lrmoe_recompute", "static_recompute",
+         "one_row_recompute"]
+
+
+class _OneRowRecompute(StaticPolicy):
+    """Static's plan with one retained row recomputed on every other rank: the backward's
+    rebuild of the recomputed rows at its smallest."""
+
+    def plan(self, counts_GE, inputs):
+        plan = super().plan(counts_GE, inputs)
+        return dataclasses.replace(plan, recompute_G=torch.arange(plan.G) % 2)
 
 
 def _policy_and_ledger(case: str, counts: torch.Tensor):
@@ -156,6 +166,8 @@ def _policy_and_ledger(case: str, counts: torch.Tensor):
         return StaticPolicy(), None
     if case == "symi_replicas":
         return SymiPolicy(slots_per_rank=E // G + 1), None
+    if case == "one_row_recompute":
+        return _OneRowRecompute(), None
     if case == "static_recompute":
         terms = free.rank_terms(StaticPolicy().plan(counts, PlanInputs()))
         need, ret = max(t["total"] for t in terms), max(t["retained_acts"] for t in terms)
@@ -214,7 +226,7 @@ def test_ledger_equals_what_autograd_keeps(case):
     # each case exercises what it names
     if case in ("lrmoe_trimmed", "lrmoe_recompute"):
         assert seen_trim
-    if case in ("lrmoe_recompute", "static_recompute"):
+    if case in ("lrmoe_recompute", "static_recompute", "one_row_recompute"):
         assert seen_rec
     if case == "symi_replicas":
         assert seen_copy and plan.num_replicas() > 0
@@ -273,7 +285,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     b = one.bytes_act
     fwd_code, traced = exchange_code()
     seams = row_seams()
-    seen = {"gathered": False, "rec": False, "copy": False}
+    seen = {"gathered": False, "rec": False, "copy": False, "one": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)
         xin = x[me * T:(me + 1) * T].clone().requires_grad_()
@@ -308,8 +320,11 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         assert buf == max(max(forward), max(measured) + n * (20 + 16 * gth)), (case, me)
         seen["gathered"] |= bool(gth)
         seen["rec"] |= rec > 0
+        seen["one"] |= rec == 1
         seen["copy"] |= buf == b * fpoints.get("keep_copy", -1)  # the kept rows' copy is the peak
     if case == "lrmoe_trimmed":
         assert seen["gathered"] and seen["copy"]
     if case.endswith("recompute"):
         assert seen["rec"]
+    if case == "one_row_recompute":
+        assert seen["one"]

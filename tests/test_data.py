@@ -96,6 +96,35 @@ def test_txt_file_last_lines_are_validation(tmp_path):
     assert text.startswith(capped.train_texts[0])
 
 
+@pytest.mark.parametrize("source", ["txt", "jsonl"])
+def test_tiny_texts_split_at_the_first_line_start_past_the_cut(tmp_path, source):
+    """Texts of 2 to 60 characters, one file or one jsonl document: the split keeps every
+    character, and validation starts after the first newline at or
+    past ``max(1, int(n·(1 − VAL_FRACTION)))`` that is not the last character (else there)."""
+    import random
+
+    from lrmoe.data import VAL_FRACTION
+
+    rng = random.Random(3)
+    for n in range(2, 61):
+        for i in range(4):
+            # a letter first and a letter last, or "b\n" last where validation holds at least
+            # two characters: neither side is blank (a blank side is dropped)
+            end = "b\n" if n >= 40 and i % 2 else "b"
+            text = "a" + "".join(rng.choice("ab\n") for _ in range(n - 1 - len(end))) + end
+            if source == "txt":
+                (p := tmp_path / f"t{n}.txt").write_text(text)
+            else:
+                (p := tmp_path / f"t{n}.jsonl").write_text(json.dumps({"text": text}) + "\n")
+            c = load_corpus(p, None)
+            train, val = c.train_texts[0], c.val_texts[0]
+            assert train + val == text and train and val, (text, train, val)
+            cut = max(1, int(n * (1 - VAL_FRACTION)))
+            nl = text.find("\n", cut)
+            want = nl + 1 if 0 <= nl < n - 1 else cut
+            assert len(train) == want, (text, train, val)
+
+
 def test_jsonl_file(tmp_path):
     p = tmp_path / "c.jsonl"
     lines = [json.dumps({"text": f"document {i} " + _text(2, str(i)), "id": i}) for i in range(80)]

@@ -174,10 +174,61 @@ def test_export_streams_one_shard_at_a_time(runs, tmp_path):
     row = 2 * 32 * 64 * 4  # one expert's gate_up row: read whole for gate and up
     embedding = VOCAB * 64 * 4  # a tensor above the limit is a shard of its own
     assert len(r.files) > 10
-    assert r.most_read_at_once <= max(limit + row, embedding)
+    assert embedding <= r.most_read_at_once <= max(limit + row, embedding)
     assert r.most_read_at_once < r.bytes_written / 8
     r2 = export_run(runs["glm"], tmp_path / "x", max_shard_bytes=limit, step=STEPS)
     assert r2.step == STEPS  # the same model again into its own export: replaced
+
+
+def test_export_casts_to_its_dtype_but_glms_router(runs, tmp_path):
+    """``--dtype bfloat16``: every tensor in the files is the checkpoint's cast to bf16,
+    except GLM's router, which HF keeps in fp32 and the export leaves exact."""
+    import safetensors
+
+    from lrmoe.hf_load import load_hf
+    from lrmoe.train import checkpoint as ckpt
+
+    out = tmp_path / "bf16"
+    assert main(["export", str(runs["glm"]), str(out), "--dtype", "bfloat16"]) == 0
+    dtypes = {}
+    for f in out.glob("model*.safetensors"):
+        with safetensors.safe_open(str(f), "pt") as st:
+            dtypes |= {k: st.get_slice(k).get_dtype() for k in st.keys()}
+    router = {k for k in dtypes if ".mlp.gate." in k}
+    assert router and all(dtypes[k] == "F32" for k in router)
+    assert {dtypes[k] for k in dtypes.keys() - router} == {"BF16"}
+    state, _ = ckpt.merged_model_state(ckpt.latest_checkpoint(runs["glm"]))
+    back = load_hf(out).state_dict()
+    for k, v in state.items():
+        want = v if ".mlp.router." in k else v.to(torch.bfloat16).to(v.dtype)
+        assert torch.equal(back[k], want), k
+
+
+def test_export_of_a_bpe_run_carries_its_tokenizer(models, tmp_path):
+    """A ``bpe:N`` run's export: the run's ``tokenizer.json`` and a ``tokenizer_config.json``
+    that transformers reads as the same tokenizer, with the run's end-of-document token."""
+    from lrmoe.tokenizer import EOS_TOKEN
+    from lrmoe.tokenizer_load import load_tokenizer
+
+    run, out = tmp_path / "bpe", tmp_path / "x"
+    assert main(["train", "--preset", "tiny-qwen3", "--tokenizer", "bpe:300", "--data",
+                 str(models["rows"]), "--out", str(run), *COMMON]) == 0
+    assert main(["export", str(run), str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
+    tok = tf.AutoTokenizer.from_pretrained(out)
+    ours = load_tokenizer("bpe:300", run)
+    text = "the quick brown fox, 42 times" + EOS_TOKEN + "again"
+    assert tok.eos_token == EOS_TOKEN
+    assert tok.encode(text, add_special_tokens=False) == ours.encode(text)
+
+
+def test_export_of_a_step_without_a_checkpoint_names_the_steps_there(runs, tmp_path, capsys):
+    assert main(["export", str(runs["qwen3"]), str(tmp_path / "x"), "--step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"no complete checkpoint of step 2; it has {STEPS}" in err
+    assert not (tmp_path / "x").exists()
 
 
 # ----------------------------------------------------------------------------- local loading

@@ -353,7 +353,7 @@ def test_tokenizer_larger_than_the_embedding(models, tmp_path, capsys):
     new = tmp_path / "new"
     err = _run_bad(_train_argv(models, models["qwen3"], new, "--tokenizer", str(tok)),
                    capsys, new)
-    assert f"beyond the embedding of {models['qwen3']} ({VOCAB} rows" in err
+    assert f"has ids up to {VOCAB}, beyond the embedding of {models['qwen3']} ({VOCAB} rows" in err
 
 
 def test_unknown_model_type(models, tmp_path, capsys):

@@ -156,9 +156,10 @@ def test_chunk_must_keep_the_kernel_vectors_whole():
 
     torch.manual_seed(0)
     m = MoEForCausalLM(get_preset("tiny-qwen3"))
-    with pytest.raises(LrmoeError, match="multiple of 64"):
-        HostOffloadAdamW(param_groups(m, 0.1), offloaded_params(m), compute_dtype=BF16,
-                         chunk=100)
+    for chunk in (100, 0, -64):
+        with pytest.raises(LrmoeError, match=f"chunk {chunk}: use a positive multiple of 64"):
+            HostOffloadAdamW(param_groups(m, 0.1), offloaded_params(m), compute_dtype=BF16,
+                             chunk=chunk)
 
 
 # ----------------------------------------------------------------------------- the trainer

@@ -178,12 +178,20 @@ def _gloo_worker(rank, world, seed, outdir):
         ctx = ParallelContext(world=world, rank=rank, ep_size=world, ep_group=dist.group.WORLD)
         shard_experts(layer, ctx)
         policy = make_policy(name)
-        layer.runtime = MoERuntime(comm=EPComm(dist.group.WORLD), policy=policy,
+        comm, sent = EPComm(dist.group.WORLD), []
+        real_exchange = comm.exchange_counts
+
+        def counted(counts_GS, real_exchange=real_exchange, sent=sent):
+            sent.append(counts_GS.numel() * counts_GS.element_size())  # bytes, to all peers
+            return real_exchange(counts_GS)
+        comm.exchange_counts = counted
+        layer.runtime = MoERuntime(comm=comm, policy=policy,
                                    backward=make_opts(name), generator=make_gen(name, seed, rank))
         with recorded_selections() as log:
             out = run(lambda t, m=layer: m(t.unsqueeze(0)).squeeze(0), layer, x[sl], coeff[sl])
         dist.all_reduce(out["gr"])
         out["stats"] = {k: v for k, v in layer.runtime.stats[0].items() if not k.startswith("_")}
+        out["count_exchange_bytes"] = sum(sent)
         if name == "sampled":
             out["selections"], out["inst_expert_GS"] = log, policy.last.inst_expert_GS
         torch.save(out, f"{outdir}/{name}_{rank}.pt")
@@ -256,6 +264,10 @@ def test_emulator_matches_one_process_and_gloo(gloo_run):
             for k, v in mine.items():
                 assert theirs[k] == v, f"{msg} rank {r} {k}: emulated {v}, real {theirs[k]}"
         assert stats.rows["fwd"] == [real[r]["stats"]["fwd_rows"] for r in range(G)]
+        # the backward's count exchange (the sampled estimator's): what each rank sent
+        cx = stats.bytes_GG.get("bwd_count_exchange", torch.zeros(G, G, dtype=torch.long))
+        assert cx.sum(1).tolist() == [real[r]["count_exchange_bytes"] for r in range(G)], msg
+        assert (name == "sampled") == (cx.sum() > 0), msg
         if name in ("partial", "sampled"):
             assert sum(stats.rows["bwd"]) < sum(stats.rows["fwd"])
         b = stats.bytes_GG["weight_scatter"]

@@ -176,6 +176,31 @@ def test_resume_at_end_only_validates(qwen_run, tmp_path, capsys):
     assert out.strip() == f"final val_loss={last['val_loss']:.6f}"
 
 
+def test_resume_at_a_checkpoint_without_validation_evaluates_it(tmp_path, capsys):
+    """A checkpoint saved between validations (val_loss None), resumed with ``--stop-after``
+    at its step: nothing to train, so the run evaluates the checkpoint, as ``lrmoe eval``."""
+    run = tmp_path / "r"
+    args = ["train", "--preset", "tiny-qwen3", "--out", run, "--steps", "6", "--eval-every",
+            "0", "--ckpt-every", "2", *SMALL]
+    assert cli([*args, "--stop-after", "3"], capsys)[0] == 0
+    shutil.rmtree(run / "checkpoints" / "ckpt-00000003")  # the latest is now step 2's
+    rc, out, err = cli([*args, "--stop-after", "2", "--resume"], capsys)
+    assert rc == 0, err
+    rc, want, err = cli(["eval", run, "--threads", "1"], capsys)
+    assert rc == 0, err
+    assert out.strip() == "final " + want.strip()
+
+
+def test_peak_rss_without_proc_is_ru_maxrss_in_bytes(monkeypatch):
+    """Without ``/proc``'s ``VmHWM`` the peak comes from ``ru_maxrss``: in bytes, never below
+    the resident set ``/proc`` reports now (less a few pages: the counters lag)."""
+    from lrmoe.train import metrics
+
+    now = metrics.host_rss_bytes()
+    monkeypatch.setattr(metrics, "proc_kib", lambda path, key: None)
+    assert now - 2**21 <= metrics.host_peak_rss_bytes() < 4 * now
+
+
 def test_eval_matches_final_val_loss(qwen_run, capsys):
     last = [r for r in read_metrics(qwen_run / "metrics.jsonl") if r["kind"] == "val"][-1]
     rc, out, err = cli(["eval", qwen_run, "--threads", "1"], capsys)

@@ -605,6 +605,24 @@ def test_symi_note_names_the_rule_that_chose_s():
     assert seen == {"all", "some"}
 
 
+def test_symi_takes_its_natives_where_no_s_fits_any_step():
+    """A budget no s fits at any profiled step, not even with a whole-layer checkpoint:
+    symi runs on its natives (s = E/G) and the note says why."""
+    from lrmoe.ledger import Ledger
+    from lrmoe.presets import get_preset
+    from lrmoe.sim.ttl import _choose
+    from lrmoe.sim.ttl_config import TTLConfig, policy_variant
+
+    mcfg, G = get_preset("tiny-qwen3"), 2
+    counts = torch.full((G, mcfg.num_experts), 200, dtype=torch.long)
+    counts[:, 3] += 30000
+    base, cfg = policy_variant("symi", TTLConfig.from_flat(ep=G))
+    ledger = Ledger.for_dtype(mcfg, G, 1000, "fp32")  # 1000 bytes: nothing fits
+    pc, *_, note = _choose(base, cfg, mcfg, ledger, ([counts], [counts.sum(0)], 1e9))
+    assert pc.slots_per_rank == mcfg.num_experts // G
+    assert note.startswith(f"s={mcfg.num_experts // G} (E/G): no s fits the profiled steps")
+
+
 def test_deterministic_mode_fill_setting_and_restore():
     import torch.utils.deterministic as tud
 

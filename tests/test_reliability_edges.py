@@ -96,7 +96,7 @@ def _cli(args: list[str]) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
 
 
-def test_ctrl_c_while_torch_imports_prints_no_traceback():
+def _ctrl_c_during_torch_import() -> tuple[subprocess.Popen, str, str]:
     p = _cli(["presets"])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and p.poll() is None:  # torch is being imported
@@ -109,6 +109,16 @@ def test_ctrl_c_while_torch_imports_prints_no_traceback():
     assert p.poll() is None
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
+    return p, out, err
+
+
+def test_ctrl_c_while_torch_imports_prints_no_traceback():
+    # on a loaded machine the signal can land after the command has finished (its table
+    # printed, exit 0): that attempt says nothing, and another is made
+    for _ in range(3):
+        p, out, err = _ctrl_c_during_torch_import()
+        if not (p.returncode == 0 and out and not err):
+            break
     assert p.returncode == 130, err
     assert err.strip() == "lrmoe: interrupted", err
 

@@ -571,3 +571,28 @@ def test_trainer_clips_bf16_offloaded_gradients_on_the_host(tmp_path, monkeypatc
                       if r["kind"] == "train"]
     assert all(r["grad_norm"] > 1.0 for r in rows["fp32"])  # every step clipped
     assert [r["loss"] for r in rows["bf16"]] == [r["loss"] for r in rows["fp32"]]
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_clip_is_torchs_global_norm_clip(max_norm):
+    """One process: the trainer's clip against ``torch.nn.utils.clip_grad_norm_`` (the
+    returned norm and every clipped gradient), a parameter without a gradient left out."""
+    from lrmoe.parallel.groups import ParallelContext, clip_grad_norm
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_preset("tiny-qwen3"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 17))
+    model.loss(ids[:, :-1], ids[:, 1:])[1].backward()
+    model.embed_tokens.weight.grad = None
+    ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()
+           if p.grad is not None}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            ref[n].grad = p.grad.clone()
+    norm = clip_grad_norm(model, max_norm, ParallelContext())
+    want = torch.nn.utils.clip_grad_norm_(list(ref.values()), max_norm)
+    assert norm == pytest.approx(float(want), rel=1e-6) and norm > 0.05
+    assert model.embed_tokens.weight.grad is None
+    for n, p in model.named_parameters():
+        if n in ref:
+            torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-5, atol=1e-8)

@@ -437,3 +437,24 @@ def test_layer_row_combines_every_rank_counter():
     assert row["bwd_exact_bytes"] == total("bwd_exact_bytes")
     assert (row["fwd_rows"], row["selected"]) == (total("fwd_rows"), total("selected_rows"))
     assert row["expert_fwd_ms"] == pytest.approx(max(s["expert_fwd_ms"] for s in stats), rel=1e-3)
+
+
+def test_a_step_reading_more_than_the_data_is_warned(tmp_path, capsys):
+    """One step of 16 x 4 sequences over a text of ~30 windows: one warning line naming the
+    flags; a step of 1 x 4: none. The boundary (a step reading the data exactly once) is
+    not warned."""
+    from lrmoe.train.config import TrainConfig, data_reuse_warning
+
+    data = tmp_path / "small.txt"
+    data.write_text("".join(f"line {i} of a small text\n" for i in range(60)))
+    base = ["train", "--preset", "tiny-qwen3", "--data", data, "--steps", "1", "--batch-size",
+            "4", "--seq-len", "32", "--eval-batches", "1", "--threads", "1"]
+    rc, _, err = cli([*base, "--out", tmp_path / "a", "--grad-accum", "16"], capsys)
+    assert rc == 0, err
+    warned = [ln for ln in err.splitlines() if ln.startswith("lrmoe: warning:")]
+    assert len(warned) == 1 and "--grad-accum 16 x --batch-size 4 = 64 sequences a step" \
+        in warned[0] and "more than once" in warned[0], err
+    rc, _, err = cli([*base, "--out", tmp_path / "b"], capsys)
+    assert rc == 0 and "lrmoe: warning:" not in err, err
+    cfg = TrainConfig(grad_accum=4, batch_size=8, seq_len=32)
+    assert data_reuse_warning(cfg, 32) is None and data_reuse_warning(cfg, 31) is not None

@@ -46,3 +46,15 @@ def test_loop_fallback_matches_grouped(monkeypatch):
     assert not ex._grouped_ok(x, w13.transpose(1, 2))
     y, gu = ex.swiglu_forward(x, w13, w2, counts)
     torch.testing.assert_close(y, swiglu_loop_reference(x, w13, w2, counts))
+
+
+def test_counts_from_offsets_are_the_segment_sizes():
+    """The per-expert loop's counts read back from the inclusive offsets, empty segments
+    included (first, inner, last)."""
+    from lrmoe.ops.experts import counts_from_offsets, offsets
+
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, 9):
+        counts = torch.randint(0, 4, (n,), generator=g).tolist()
+        counts[0] = 0
+        assert counts_from_offsets(offsets(counts, torch.device("cpu"))) == counts

@@ -424,3 +424,19 @@ def test_loads_must_be_counts():
         load_counts("x.json", 2, 4, data=["a", 1])
     with pytest.raises(LrmoeError, match='routing trace "steps" must hold non-negative'):
         read_trace("t.json", {"steps": [[[1, 2.5, 0, 1]]]}, 4, 2, 1)
+
+
+def test_compare_charges_the_optimizer_offload_only_when_asked(tmp_path, capsys):
+    """``--optimizer-offload host``: the modelled host link and memory are printed and every
+    row charges the three offload stages; without it no row charges them."""
+    stages = ("opt_d2h", "opt_host_update", "opt_h2d")
+    for off in ("host", "device"):
+        rc, cap, out = _compare(tmp_path, capsys, "--ep-list", "2", "--budgets", "64MiB",
+                                "--optimizer-offload", off)
+        assert rc == 0, cap.err
+        rep = json.loads(out.read_text())
+        assert rep["optimizer_offload"] == off
+        assert ("optimizer offload to host, modelled: host link" in cap.out) == (off == "host")
+        for row in rep["rows"]:
+            charged = [row["modelled_stages_ms"][s] for s in stages]
+            assert all(v > 0 for v in charged) if off == "host" else not any(charged), row

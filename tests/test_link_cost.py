@@ -12,6 +12,7 @@ static's placement with lrmoe's trimming takes static's placement.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -204,11 +205,11 @@ def test_the_estimate_that_skips_the_exact_pricing():
     err = np.array([a - b for a, b, _ in two])
     assert len(err) >= 25 and np.abs(err).max() <= 0.25 and abs(err.mean()) <= 0.05, (
         np.abs(err).max(), err.mean())
-    priced = {}
+    priced = defaultdict(set)  # estimated 25% ahead -> whether the exact pricing was asked
     for est, _, (counts, cfg, led, plan) in two:
         asked = []
         no_slower_than_static(counts, cfg, led, plan, asked.append)  # its return: None
-        priced[est < 0.75] = priced.get(est < 0.75, set()) | {bool(asked)}
+        priced[est < 0.75].add(bool(asked))
     assert priced == {True: {False}, False: {True}}, priced  # both kinds seen
 
 

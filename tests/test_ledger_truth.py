@@ -142,16 +142,18 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
 
 
 CASES = ["static", "symi_replicas", "lrmoe_trimmed", "lrmoe_recompute", "static_recompute",
-         "one_row_recompute"]
+         "one_row_recompute", "one_row_recompute_trimmed"]
 
 
-class _OneRowRecompute(StaticPolicy):
-    """Static's plan with one retained row recomputed on every other rank: the backward's
+def _one_row_recompute(cls):
+    """``cls``'s plan with one retained row recomputed on every other rank: the backward's
     rebuild of the recomputed rows at its smallest."""
 
-    def plan(self, counts_GE, inputs):
-        plan = super().plan(counts_GE, inputs)
-        return dataclasses.replace(plan, recompute_G=torch.arange(plan.G) % 2)
+    class OneRow(cls):
+        def plan(self, counts_GE, inputs):
+            plan = super().plan(counts_GE, inputs)
+            return dataclasses.replace(plan, recompute_G=torch.arange(plan.G) % 2)
+    return OneRow
 
 
 def _policy_and_ledger(case: str, counts: torch.Tensor):
@@ -167,13 +169,13 @@ def _policy_and_ledger(case: str, counts: torch.Tensor):
     if case == "symi_replicas":
         return SymiPolicy(slots_per_rank=E // G + 1), None
     if case == "one_row_recompute":
-        return _OneRowRecompute(), None
+        return _one_row_recompute(StaticPolicy)(), None
     if case == "static_recompute":
         terms = free.rank_terms(StaticPolicy().plan(counts, PlanInputs()))
         need, ret = max(t["total"] for t in terms), max(t["retained_acts"] for t in terms)
         return StaticPolicy(recompute=True), Ledger(cfg, G, need - ret // 3, num_moe_layers=L)
-    pol = LrmoePolicy(LrmoeConfig(max_slots_per_rank=E // G + 2,
-                                  recompute=case == "lrmoe_recompute"))
+    cls = _one_row_recompute(LrmoePolicy) if case.startswith("one_row") else LrmoePolicy
+    pol = cls(LrmoeConfig(max_slots_per_rank=E // G + 2, recompute=case == "lrmoe_recompute"))
     terms = free.rank_terms(pol.plan(counts, PlanInputs(ledger=free)))
     need, ret = max(t["total"] for t in terms), max(t["retained_acts"] for t in terms)
     # recompute makes room for every pair down to a cut of about ret here: cut more, so
@@ -224,9 +226,9 @@ def test_ledger_equals_what_autograd_keeps(case):
         seen_trim |= kept < recv
         seen_rec |= rec > 0
     # each case exercises what it names
-    if case in ("lrmoe_trimmed", "lrmoe_recompute"):
+    if case in ("lrmoe_trimmed", "lrmoe_recompute", "one_row_recompute_trimmed"):
         assert seen_trim
-    if case in ("lrmoe_recompute", "static_recompute", "one_row_recompute"):
+    if "recompute" in case:
         assert seen_rec
     if case == "symi_replicas":
         assert seen_copy and plan.num_replicas() > 0
@@ -285,7 +287,7 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
     b = one.bytes_act
     fwd_code, traced = exchange_code()
     seams = row_seams()
-    seen = {"gathered": False, "rec": False, "copy": False, "one": False}
+    seen = {"gathered": False, "rec": False, "copy": False, "one": False, "rebuild_peak": False}
     for me in range(G):
         lay = one_rank_layer(layer, me, counts, policy, ledger)
         xin = x[me * T:(me + 1) * T].clone().requires_grad_()
@@ -321,10 +323,13 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         seen["gathered"] |= bool(gth)
         seen["rec"] |= rec > 0
         seen["one"] |= rec == 1
+        seen["rebuild_peak"] |= max(points, key=points.get).startswith("rebuild")
         seen["copy"] |= buf == b * fpoints.get("keep_copy", -1)  # the kept rows' copy is the peak
     if case == "lrmoe_trimmed":
         assert seen["gathered"] and seen["copy"]
-    if case.endswith("recompute"):
+    if case == "one_row_recompute_trimmed":  # with rows trimmed, the rebuild is the peak
+        assert seen["rebuild_peak"]
+    if "recompute" in case:
         assert seen["rec"]
-    if case == "one_row_recompute":
+    if case.startswith("one_row"):
         assert seen["one"]

@@ -247,6 +247,9 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
         assert all(s["ledger_peak_bytes"] <= budget and s["fits"] for s in r["steps"])
         assert all(sum(s["rungs"].values()) == 4 for s in r["steps"])  # tiny-qwen3: 4 MoE layers
         assert r["rungs"] == dict(sum((Counter(s["rungs"]) for s in r["steps"]), Counter()))
+        # the run's ledger peak is its largest step's, and the steps' peaks differ
+        peaks = [s["ledger_peak_bytes"] for s in r["steps"]]
+        assert r["ledger_peak_bytes"] == max(peaks) > min(peaks)
     assert st["rungs"].get("recompute", 0) > 0  # a skewed static rank recomputes
     for p in ("static", "symi", "lrmoe"):
         trace = json.loads((out / f"routing_trace_{p}.json").read_text())

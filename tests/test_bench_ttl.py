@@ -56,6 +56,31 @@ def test_ttl_report_is_labelled_emulated_and_lists_every_policy(report):
         assert f"| {name} |" in md, f"ttl.md has no table row for {name}"
 
 
+def test_ttl_md_tables_are_well_formed(report):
+    """Every table in ``ttl.md``: a header, a separator of as many columns, and rows of as
+    many cells; the stage table has a column per stage, then non_moe and total, and its
+    total is each policy's mean emulated step."""
+    rep, md = report
+    tables, cur = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            cur.append(line)
+        elif cur:
+            tables, cur = tables + [cur], []
+    assert len(tables) >= 2, f"ttl.md holds {len(tables)} tables"
+    for t in tables:
+        cols = t[0].count("|") - 1
+        assert t[1] == "|" + "---|" * cols, f"separator {t[1]!r} under {t[0]!r}"
+        assert all(r.count("|") - 1 == cols for r in t[2:]), f"ragged table under {t[0]!r}"
+    stages = list(rep["policies"]["static"]["steps"][0]["stages_emulated_s"])
+    head = "| policy | " + " | ".join(stages + ["non_moe", "total"]) + " |"
+    stage_table = next(t for t in tables if t[0] == head)
+    for row, (name, r) in zip(stage_table[2:], rep["policies"].items(), strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == name
+        assert float(cells[-1]) == pytest.approx(r["mean_step_emulated_s"] * 1e3, abs=6e-4)
+
+
 def test_ttl_records_every_step_and_eval(report):
     for name, r in report[0]["policies"].items():
         assert len(r["steps"]) == 6, f"{name}: {len(r['steps'])} steps recorded, ran 6"

@@ -236,6 +236,51 @@ def test_ep_equals_one_process(runs, model, ep):
         assert all(len(loads) == ep for loads in r["rank_load"])
 
 
+def test_report_of_an_ep_run_plots_what_its_metrics_hold(runs, tmp_path, monkeypatch):
+    """``lrmoe report`` on an EP run: per MoE layer, the rank-load heatmap is each step's
+    rank loads over their mean, one column a step; the balance plot's lines are the
+    metrics' max/mean of the experts and of the ranks, forward and backward."""
+    import shutil
+
+    import matplotlib.axes
+    import numpy as np
+
+    from lrmoe import report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(runs["qwen-ep2"] / "metrics.jsonl", run)
+    lines, images = {}, []
+    finish, imshow = report._finish, matplotlib.axes.Axes.imshow
+
+    def spy_finish(plt, fig, ax, path, *a):
+        lines[path.name] = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()))
+                            for ln in ax.get_lines()}
+        return finish(plt, fig, ax, path, *a)
+
+    def spy_imshow(ax, m, **kw):
+        images.append((np.array(m), kw["extent"]))
+        return imshow(ax, m, **kw)
+    monkeypatch.setattr(report, "_finish", spy_finish)
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", spy_imshow)
+    names = [p.name for p in report.write_report(run)]
+    assert names == ["loss.png", "expert_load.png", "load_balance.png", "rank_load.png"]
+    train = rows(run)
+    steps, n = [r["step"] for r in train], len(train[0]["moe"])
+    assert n >= 2 and len(images) == 2 * n  # the expert heatmaps, then the ranks'
+    for k, (m, extent) in enumerate(images[n:]):
+        loads = np.array([r["rank_load"][k] for r in train], dtype=float).T  # [ranks, steps]
+        np.testing.assert_allclose(m, loads / loads.mean(0))
+        assert extent == (steps[0] - 0.5, steps[-1] + 0.5, -0.5, 1.5)
+    got = lines["load_balance.png"]
+    for k in range(n):
+        want = {"experts": [r["expert_load_max_over_mean"][k] for r in train],
+                "ranks fwd": [r["moe"][k]["rank_load_max_over_mean"] for r in train],
+                "ranks bwd": [r["moe"][k]["rank_bwd_load_max_over_mean"] for r in train]}
+        for what, ys in want.items():
+            assert got[f"layer {k}: {what}"] == (steps, ys), (k, what)
+
+
 def test_ep_checkpoint_evaluates_on_one_process(runs):
     """``lrmoe eval`` rebuilds the whole model from the EP shards."""
     from lrmoe.commands.eval import evaluate_run

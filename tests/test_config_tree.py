@@ -114,3 +114,18 @@ def test_reuse_sees_each_lrmoe_knob(tmp_path, knob):
     with pytest.raises(LrmoeError, match=f"it ran with {knob}="):
         _reuse(tmp_path, older, base)
     assert _reuse(tmp_path, older, TTLConfig.from_flat(ep=2, **{knob: KNOBS[knob]})) == {}
+
+
+@pytest.mark.parametrize("field,ok,bad", [
+    ("target_fraction", 1.0, 1.0001), ("target_fraction", 1e-9, 0.0),
+    ("smooth_window", 2**31 - 1, 2**31 + 1), ("smooth_window", 1, 2),
+    ("max_data_bytes", 1, 0), ("seed", 2**64 - 1, 2**64)])
+def test_bench_ttl_ranges_hold_at_their_bounds(field, ok, bad):
+    """``bench ttl``'s range checks at each bound: the last value in is taken, the first
+    value out is one line naming the flag."""
+    from lrmoe.sim.ttl_config import TTLConfig, check_ttl_config
+
+    check_ttl_config(TTLConfig.from_flat(preset="tiny-qwen3", **{field: ok}))
+    with pytest.raises(LrmoeError, match="--" + field.replace("_", "-")) as e:
+        check_ttl_config(TTLConfig.from_flat(preset="tiny-qwen3", **{field: bad}))
+    assert "\n" not in str(e.value)

@@ -381,6 +381,41 @@ def test_config_field_types(field, value, want):
         ModelConfig.from_hf_dict({**QWEN, field: value})
 
 
+@pytest.mark.parametrize("base, ok, bad, want", [
+    ("QWEN", {"hidden_size": 64}, {"hidden_size": 0}, "hidden_size=0 must be a positive integer"),
+    ("QWEN", {"num_key_value_heads": 4}, {"num_key_value_heads": 3},
+     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("QWEN", {"num_experts_per_tok": 8}, {"num_experts_per_tok": 9},
+     "num_experts_per_tok=9 exceeds the number of experts (8)"),
+    ("GLM", {"n_group": 4}, {"n_group": 3}, "n_group=3 must divide the number of experts (8)"),
+    ("GLM", {"topk_group": 2}, {"topk_group": 3}, "topk_group=3 must be between 1 and n_group=2"),
+    ("GLM", {"topk_group": 1}, {"topk_group": 0}, "topk_group=0 must be between 1 and n_group=2"),
+    ("GLM", {"n_group": 4, "topk_group": 4}, {"n_group": 8, "topk_group": 4},
+     "n_group=8 leaves fewer than 2 experts per group"),
+    ("GLM", {"n_group": 4, "topk_group": 1}, {"n_group": 4, "topk_group": 1,
+                                              "num_experts_per_tok": 3},
+     "topk_group=1 groups of 2 experts cannot hold num_experts_per_tok=3 experts"),
+    ("GLM", {"partial_rotary_factor": 1.0}, {"partial_rotary_factor": 1.01},
+     "partial_rotary_factor=1.01 must be in (0, 1]"),
+    ("GLM", {"partial_rotary_factor": 0.125}, {"partial_rotary_factor": 0.0625},
+     "head_dim*partial_rotary_factor=1 must be a positive even number"),
+    ("QWEN", {"decoder_sparse_step": 1}, {"decoder_sparse_step": 0},
+     "decoder_sparse_step=0 must be >= 1"),
+    ("QWEN", {"mlp_only_layers": [1]}, {"mlp_only_layers": [2]},
+     "mlp_only_layers holds 2, outside 0..1"),
+    ("GLM", {"first_k_dense_replace": 3}, {"first_k_dense_replace": 4},
+     "first_k_dense_replace=4 must be in 0..3"),
+    ("GLM", {"n_shared_experts": 0}, {"n_shared_experts": -1}, "n_shared_experts=-1 < 0"),
+    ("QWEN", {"rms_norm_eps": 1e-12}, {"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0")])
+def test_config_ranges_hold_at_their_bounds(base, ok, bad, want):
+    """Each range check on a HF config at its bound: the last value in loads, the first
+    value out is refused with a message naming the field and the range."""
+    d = {"QWEN": QWEN, "GLM": GLM}[base]
+    ModelConfig.from_hf_dict({**d, **ok})
+    with pytest.raises(LrmoeError, match=re.escape(want)):
+        ModelConfig.from_hf_dict({**d, **bad})
+
+
 def test_both_expert_forms_refused(tmp_path):
     d = _saved(tmp_path)
     f = d / "model.safetensors"

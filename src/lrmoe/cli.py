@@ -61,8 +61,10 @@ def exit_process(code: int) -> None:
     (streams flushed, its process group already left by the command): torchrun stops
     the workers still running with SIGTERM as soon as one has exited non-zero, and an
     interpreter's teardown can take long enough for a peer's clean exit 2 to become a
-    SIGTERM death."""
-    if code and os.environ.get("WORLD_SIZE", "1") != "1":
+    SIGTERM death. So does an interrupted command: a Ctrl-C that lands while torch's
+    import runs code of its own makes the interpreter end by SIGINT at its exit, whatever
+    status was asked for."""
+    if code == 130 or (code and os.environ.get("WORLD_SIZE", "1") != "1"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is ending with this code anyway
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

@@ -483,6 +483,12 @@ def test_plan_recompute_field_checked_and_counted():
     partial.check(counts)  # up to every retained row
     with pytest.raises(LrmoeError, match="0..retained"):
         dataclasses.replace(partial, recompute_G=half.sum(dim=(0, 2)) + 1).check(counts)
+    # a whole-layer checkpoint re-runs every pair: an exact plan with no rows recomputed
+    dataclasses.replace(plan, layer_checkpoint=True).check(counts)
+    for bad in (dataclasses.replace(partial, recompute_G=None, layer_checkpoint=True),
+                dataclasses.replace(ok, layer_checkpoint=True)):
+        with pytest.raises(LrmoeError, match="must be exact, with no rows recomputed"):
+            bad.check(counts)
     free = Ledger(cfg, G)
     a, b = free.rank_terms(plan), free.rank_terms(ok)
     for r in range(G):

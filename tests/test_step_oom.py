@@ -142,7 +142,8 @@ def test_the_ledger_verdict_offers_recompute_to_the_exact_policies_only(policy, 
 
 
 @pytest.mark.parametrize("vocab, chunk, offered", [(151_936, 0, True), (151_936, 512, False),
-                                                   (256, 0, False)])
+                                                   (256, 0, False), (32_768, 0, True),
+                                                   (32_767, 0, False)])
 def test_a_large_vocabulary_is_offered_the_chunked_loss(vocab, chunk, offered):
     """The allocator's line offers ``--loss-chunk`` where the logits are worth chunking: a
     large vocabulary, not chunked yet; the command it names continues the run."""
@@ -155,3 +156,24 @@ def test_a_large_vocabulary_is_offered_the_chunked_loss(vocab, chunk, offered):
     line = mem.allocator_line("GPU", "CUDA out of memory")
     assert ("`lrmoe train --out runs/x --resume --loss-chunk 1024`" in line) == offered, line
     assert "--activation-checkpoint full" in line
+
+
+@pytest.mark.parametrize("batch, world, accum, offered", [
+    (8, 2, 3, "a new run with --batch-size 4 and --grad-accum 6"),
+    (4, 1, 1, "a new run with --batch-size 2 and --grad-accum 2"),
+    (6, 2, 1, None), (5, 1, 2, None)])
+def test_the_allocator_line_halves_the_batch_only_where_the_ranks_share_it(batch, world, accum,
+                                                                         offered):
+    """Half the batch and twice the accumulation keeps a step's sequences; it is named only
+    where the half is whole and splits evenly over the ranks, else the line says how to
+    choose."""
+    from lrmoe.train.config import TrainConfig
+    from lrmoe.train.step_oom import StepMemory
+
+    cfg = TrainConfig(preset="tiny-qwen3", batch_size=batch, grad_accum=accum)
+    mem = StepMemory(cfg, world, 3, ["--out", "r", "--resume"], [], "r/checkpoints")
+    line = mem.allocator_line("GPU", "CUDA out of memory")
+    generic = "a new run with a smaller --batch-size (a multiple of the world size)"
+    assert (offered or generic) in line, line
+    assert (generic in line) == (offered is None) and line.count("a new run") == 1, line
+    assert f"({batch // world} sequences x " in line

@@ -20,13 +20,16 @@ GiB = 2**30
     ("40GiB", 40 * GiB), ("123456", 123456), ("1.5GB", 1_500_000_000),
     ("512 MiB", 512 * 2**20), ("2k", 2048), ("3kb", 3000), ("1TiB", 2**40),
     ("7B", 7), ("1e3", 1000), ("0.5gib", GiB // 2), (1024, 1024),
+    # every unit of the table, and the largest size below 2^63 bytes
+    ("3m", 3 * 2**20), ("2g", 2 * GiB), ("1t", 2**40), ("4mb", 4 * 10**6), ("2tb", 2 * 10**12),
+    ("1kib", 1024), ("2mib", 2 * 2**20), ("8388607TiB", 8388607 * 2**40),
 ])
 def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
 
 
 @pytest.mark.parametrize("bad", ["", "abc", "-5GiB", "0", "5XB", "nan", "GiB", "1.5.2GB",
-                                 "0.1", 0, -3, True])
+                                 "0.1", 0, -3, True, "8388608TiB", "1e19", "inf"])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(LrmoeError, match="memory size"):
         parse_bytes(bad)
@@ -36,6 +39,8 @@ def test_fmt_bytes():
     assert fmt_bytes(41.25 * GiB) == "41.2 GiB"
     assert fmt_bytes(512) == "512 B"
     assert fmt_bytes(-1.5 * 2**20) == "-1.5 MiB"
+    assert fmt_bytes(3 * 2**40) == "3.0 TiB" and fmt_bytes(2**40 - 2**30) == "1023.0 GiB"
+    assert fmt_bytes(1023) == "1023 B" and fmt_bytes(1024) == "1.0 KiB"
 
 
 def actual_param_bytes(tensors) -> int:

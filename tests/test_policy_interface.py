@@ -3,10 +3,13 @@ writes only ``plan`` gets hooks that do nothing (the runtime calls them directly
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.policy.plan import native_plan
@@ -61,3 +64,23 @@ def test_symi_and_lrmoe_prepare_from_the_previous_counts():
         assert got is not None and got.policy == pol.name
     assert prepare(make_policy(PolicyConfig(), cfg, 2), prev, 2, inputs, 24).prepared is None
 
+
+
+@pytest.mark.parametrize("name, field, ok, bad, want", [
+    ("symi", "slots_per_rank", 4, 3, "slots_per_rank=3 must be an integer >= E/G = 4"),
+    ("lrmoe", "slots_per_rank", 4, 3, "slots_per_rank=3 must be an integer >= E/G = 4"),
+    ("capacity", "capacity_factor", 1e-3, 0.0, "capacity_factor=0.0 must be > 0")])
+def test_policy_settings_hold_at_their_bounds(name, field, ok, bad, want):
+    """A rank holds at least its native experts; a capacity factor is positive."""
+    cfg = ModelConfig(num_experts=8)
+    make_policy(PolicyConfig(name=name, **{field: ok}), cfg, 2)
+    with pytest.raises(LrmoeError, match=re.escape(want)):
+        make_policy(PolicyConfig(name=name, **{field: bad}), cfg, 2)
+
+
+@pytest.mark.parametrize("G, want", [(0, "EP size 0 must be a positive integer"),
+                                     (2.0, "EP size 2.0 must be a positive integer"),
+                                     (3, "EP size 3 does not divide the number of experts 8")])
+def test_an_ep_size_must_divide_the_experts(G, want):
+    with pytest.raises(LrmoeError, match=re.escape(want)):
+        make_policy(PolicyConfig(name="static"), ModelConfig(num_experts=8), G)

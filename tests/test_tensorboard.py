@@ -65,8 +65,14 @@ def test_events_mirror_the_metrics(tmp_path):
         assert [h.step for h in hist] == [r["step"] for r in train]
         for h, r in zip(hist, train):
             v = h.histogram_value
-            assert list(v.bucket) == r["counts"][k]  # pairs per expert id
-            assert v.num == sum(r["counts"][k])
+            c = r["counts"][k]
+            assert list(v.bucket) == c  # pairs per expert id
+            assert v.num == sum(c)
+            # bucket e spans (e - 0.5, e + 0.5]; the moments are the routed pairs' ids'
+            assert list(v.bucket_limit) == [e + 0.5 for e in range(len(c))]
+            assert (v.min, v.max) == (0, len(c) - 1)
+            assert v.sum == sum(e * n for e, n in enumerate(c))
+            assert v.sum_squares == sum(e * e * n for e, n in enumerate(c))
 
 
 def test_refused_without_the_package(tmp_path, capsys, monkeypatch):

@@ -89,3 +89,7 @@ def test_files_of_cuts_in_order():
     cut = ckpt_write.files_of(items, 80)
     assert [[4 * i.tensor_data.size.numel() for i in f] for f in cut] == [
         [40, 40], [120], [20], [160], [4]]
+    # a pickled object (no tensor bytes) comes first: it opens the first file
+    sizes = [0, 1, 0, 80, 0]
+    assert ckpt_write.files_of(list(range(5)), 80, nbytes=sizes.__getitem__) == [
+        [0, 1, 2], [3, 4]]

@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -116,20 +117,30 @@ def test_save_hf_removes_the_leftovers_of_its_own_killed_save_only(tmp_path):
     assert p.returncode == -signal.SIGKILL
     left = sorted(n for n in os.listdir(hf) if n != "tokenizer.json")
     assert left, "the killed save left nothing: the test did not kill it mid-save"
-    # a leftover of a save still running (a live pid), and files that only look alike
+    # a save still running (a live pid), another host's, a killed save's left as a file,
+    # and files that only look alike
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    kept = [f".lrmoe-save-{host}-{alive.pid}-0123abcd",
+            f".lrmoe-save-elsewhere-{dead.pid}-0123abcd",
+            f".lrmoe-save-{host}-{dead.pid}-notatag", ".model.safetensors.tmp-notapid",
+            ".tmpUSER01"]
     try:
-        (hf / f".model.safetensors.tmp-{alive.pid}-0123abcd").write_bytes(b"live")
-        (hf / ".model.safetensors.tmp-notapid").write_bytes(b"user")
-        (hf / ".tmpUSER01").write_bytes(b"user")
+        (hf / kept[0]).mkdir()
+        (hf / kept[0] / "model.safetensors").write_bytes(b"live")
+        (hf / kept[1]).mkdir()
+        for name in kept[2:]:
+            (hf / name).write_bytes(b"user")
+        (hf / f".lrmoe-save-{host}-{dead.pid}-89abcdef").write_bytes(b"killed")
         save_hf(MoEForCausalLM(get_preset("tiny-qwen3")), hf)
         names = sorted(os.listdir(hf))
     finally:
         alive.kill()
         alive.wait()
-    assert names == sorted([".model.safetensors.tmp-notapid", ".tmpUSER01", "config.json",
-                            "model.safetensors", "tokenizer.json",
-                            f".model.safetensors.tmp-{alive.pid}-0123abcd"]), names
+    assert names == sorted(kept + ["config.json", "model.safetensors", "tokenizer.json"]), names
+    assert (hf / kept[0] / "model.safetensors").read_bytes() == b"live"
 
 
 # ----------------------------------------------------------------------------- ulimit -f

@@ -91,3 +91,23 @@ def test_each_run_starts_after_the_previous_models_are_released(tmp_path, monkey
                         "--out", str(tmp_path / "o")]) == 0
     # the probe, then the calibration, static and symi, each released before the next
     assert events == ["release", "run"] * 3 + ["release"]
+
+
+def test_a_reused_static_brings_its_budget_or_is_refused():
+    """``--reuse``: the static run taken brings the floor and the budget it ran under; one
+    without either is refused, naming the file and what to do."""
+    from types import SimpleNamespace
+
+    from lrmoe.errors import LrmoeError
+    from lrmoe.sim.ttl_budget import reused
+
+    cfg = SimpleNamespace(reuse="old/ttl.json", budget_floor_fraction=1.1)
+    rule = {"fraction": 1.1, "floor_bytes": 1000, "budget_bytes": 1100}
+    got = reused(cfg, {"budget_rule": rule})
+    assert (got.floor_bytes, got.budget_bytes, got.source) == (1000, 1100, "--reuse old/ttl.json")
+    for static in ({"budget_rule": {**rule, "floor_bytes": None}},
+                   {"budget_rule": {"fraction": 1.1, "floor_bytes": 1000}}, {"budget_rule": None},
+                   {}):
+        with pytest.raises(LrmoeError, match=f"--reuse old/ttl.json: its static run records no "
+                                             f"{FLAG} budget; run static again"):
+            reused(cfg, static)

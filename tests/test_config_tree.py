@@ -119,7 +119,7 @@ def test_reuse_sees_each_lrmoe_knob(tmp_path, knob):
 @pytest.mark.parametrize("field,ok,bad", [
     ("target_fraction", 1.0, 1.0001), ("target_fraction", 1e-9, 0.0),
     ("smooth_window", 2**31 - 1, 2**31 + 1), ("smooth_window", 1, 2),
-    ("max_data_bytes", 1, 0), ("seed", 2**64 - 1, 2**64)])
+    ("max_data_bytes", 1, 0), ("seed", 2**64 - 1, 2**64), ("eval_every", 2**63 - 1, 2**63)])
 def test_bench_ttl_ranges_hold_at_their_bounds(field, ok, bad):
     """``bench ttl``'s range checks at each bound: the last value in is taken, the first
     value out is one line naming the flag."""

@@ -10,11 +10,12 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from dist_util import load_benchmark
 from lrmoe.cli import main as lrmoe_main
-from lrmoe.errors import OutOfMemory
+from lrmoe.errors import LrmoeError, OutOfMemory
 from lrmoe.policy.plan import fit_exact, native_plan
 from lrmoe.presets import get_preset
 from lrmoe.sim.ttl import TTLConfig, static_floor_ledger
@@ -94,6 +95,10 @@ def test_counts_matrix_keeps_expert_and_home_sums():
     c = [5, 0, 9, 2, 0, 8]
     m = fb.counts_matrix(c, 2, 12)
     assert m.sum(0).tolist() == c and m.sum(1).tolist() == [12, 12]
+    # counts that are not a routing of G·home pairs (a wrong sum, or a negative count)
+    for bad in ([5, 0, 9, 2, 0, 7], [5, -1, 10, 2, 0, 8]):
+        with pytest.raises(LrmoeError, match="a layer's counts sum to"):
+            fb.counts_matrix(bad, 2, 12)
 
 
 def test_run_settings_and_outputs(tmp_path, capsys):

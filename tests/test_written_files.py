@@ -71,6 +71,10 @@ def test_save_hf_follows_the_umask(tmp_path):
                 max_shard_bytes=4 << 20)
     assert len([n for n in modes(tmp_path / "hf") if n.endswith(".safetensors")]) > 1
     assert_umask(tmp_path / "hf")
+    # a file written over one that exists keeps that file's mode, not the umask's
+    os.chmod(tmp_path / "hf" / "config.json", 0o604)
+    save_hf(MoEForCausalLM(get_preset("tiny-qwen3")), tmp_path / "hf", max_shard_bytes=4 << 20)
+    assert stat.S_IMODE((tmp_path / "hf" / "config.json").stat().st_mode) == 0o604
 
 
 def test_bench_ttl_outputs_follow_the_umask(tmp_path):

@@ -1,3 +1,3 @@
-from lrmoe.cli import exit_process, main
+from lrmoe.cli import run
 
-exit_process(main())
+run()

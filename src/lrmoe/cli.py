@@ -73,5 +73,11 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``lrmoe`` command and ``python -m lrmoe``: :func:`main`, its status given to
+    :func:`exit_process`."""
     exit_process(main())
+
+
+if __name__ == "__main__":
+    run()

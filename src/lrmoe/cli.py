@@ -18,6 +18,7 @@ import sys
 from lrmoe.errors import LrmoeError
 
 COMMANDS = ("train", "eval", "export", "report", "presets", "plan", "bench")
+INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C's exit status, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets it: one line
             print("lrmoe: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 def _main(argv: list[str] | None) -> int:
@@ -64,7 +65,7 @@ def exit_process(code: int) -> None:
     SIGTERM death. So does an interrupted command: a Ctrl-C that lands while torch's
     import runs code of its own makes the interpreter end by SIGINT at its exit, whatever
     status was asked for."""
-    if code == 130 or (code and os.environ.get("WORLD_SIZE", "1") != "1"):
+    if code == INTERRUPTED or (code and os.environ.get("WORLD_SIZE", "1") != "1"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is ending with this code anyway
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

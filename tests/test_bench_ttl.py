@@ -244,9 +244,19 @@ def test_ttl_bad_batch(tmp_path, capsys):
     assert "--batch-size 6" in capsys.readouterr().err
 
 
-def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
+def test_ttl_budget_recompute_and_trace(tmp_path, capsys, monkeypatch):
     """Under a binding budget: exact policies are charged recompute (and stay exact),
     lrmoe stays within the budget, and the routing trace feeds `plan --compare`."""
+    import lrmoe.sim.ttl as ttl
+    seen = []  # per step: the largest total any rank's layer priced, and rank 0's
+
+    def step_row(step, loss, micro, *a, **k):
+        totals = [s.ledger_total_bytes for m in micro for s in m[0]]
+        seen.append((max(max(t) for t in totals), max(t[0] for t in totals)))
+        return step_row.orig(step, loss, micro, *a, **k)
+
+    step_row.orig = ttl._step_row
+    monkeypatch.setattr(ttl, "_step_row", step_row)
     out = tmp_path / "b"
     rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--mem-budget", BUDGET,
                       "--out", str(out)])
@@ -275,6 +285,10 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys):
         # the run's ledger peak is its largest step's, and the steps' peaks differ
         peaks = [s["ledger_peak_bytes"] for s in r["steps"]]
         assert r["ledger_peak_bytes"] == max(peaks) > min(peaks)
+    # a step's peak is over every rank, and some step's is not on rank 0
+    steps = [s for p in ("static", "symi", "lrmoe") for s in rep["policies"][p]["steps"]]
+    assert [s["ledger_peak_bytes"] for s in steps] == [hi for hi, _ in seen]
+    assert any(r0 < hi for hi, r0 in seen)
     assert st["rungs"].get("recompute", 0) > 0  # a skewed static rank recomputes
     for p in ("static", "symi", "lrmoe"):
         trace = json.loads((out / f"routing_trace_{p}.json").read_text())

@@ -58,3 +58,16 @@ def test_moe_wall_is_each_layers_forward_plus_its_backward(monkeypatch):
     assert sum(backs) <= backward_s, (backs, backward_s)
     # the total is the forward part plus the backward parts, nothing else
     assert em.wall == pytest.approx(fwd + sum(backs), rel=1e-12, abs=0)
+
+
+def test_timed_gives_the_blocks_milliseconds_on_the_cpu():
+    """Off CUDA, :func:`lrmoe.timing.timed` hands the block's wall milliseconds to
+    ``on_ms`` once, and records no events."""
+    from lrmoe.timing import timed
+
+    got, events = [], []
+    t0 = time.perf_counter()
+    with timed(torch.device("cpu"), got.append, lambda a, b: events.append((a, b))):
+        time.sleep(0.03)
+    wall = (time.perf_counter() - t0) * 1e3
+    assert len(got) == 1 and 30 <= got[0] <= wall and not events

@@ -143,8 +143,14 @@ def test_export_loads_in_transformers_with_lrmoes_logits(runs, fam, tmp_path, ca
 
     run, out = runs[fam], tmp_path / "export"
     assert main(["export", str(run), str(out), "--max-shard-size", "40KB"]) == 0
-    assert capsys.readouterr().out.strip() == str(out)
+    said = capsys.readouterr()
+    assert said.out.strip() == str(out)
     names = sorted(p.name for p in out.iterdir())
+    # the summary line: the index's tensors and bytes (in MiB), every file written
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    mib = index["metadata"]["total_size"] / 2**20
+    assert (f"step {STEPS}, {len(index['weight_map'])} tensors ({mib:,.1f} MiB) in "
+            f"{len(names)} files") in said.err
     shards = [n for n in names if n.startswith("model-")]
     assert len(shards) > 3 and "model.safetensors.index.json" in names
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(names)

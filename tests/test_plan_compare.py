@@ -440,3 +440,14 @@ def test_compare_charges_the_optimizer_offload_only_when_asked(tmp_path, capsys)
         for row in rep["rows"]:
             charged = [row["modelled_stages_ms"][s] for s in stages]
             assert all(v > 0 for v in charged) if off == "host" else not any(charged), row
+
+
+def test_aligned_columns_pad_to_the_widest_cell():
+    """The commands' tables: each column as wide as its widest cell, two spaces apart, the
+    ``left`` columns left-justified, the others right; no trailing blanks."""
+    from lrmoe.commands.columns import aligned, fmt
+
+    got = aligned([["name", "n"]], [["a", "10"], ["bbb", "2"]], {0})
+    assert got == "name   n\na     10\nbbb    2"
+    assert aligned([["x", "name"]], [["10", "a"]], {1}) == " x  name\n10  a"
+    assert (fmt(None), fmt(1 / 3), fmt(2.5, ".1f", "-")) == ("never", "0.3333", "2.5")

@@ -284,6 +284,15 @@ def test_divergence_guard_fires_on_a_finite_blow_up():
     assert [a.check(x) for x in [3.0, 31.0, 60.0]] == [b.check(x) for x in [3.0, 31.0, 60.0]]
 
 
+def test_divergence_guard_checks_losses_below_one_from_its_second_step():
+    """A fine-tuning loss starts below 1: it is guarded all the same, from the step after
+    the first, which only sets the running minimum."""
+    g = DivergenceGuard(2.0)
+    assert g.check(0.5) is None
+    msg = g.check(10.0)  # ema 0.8 * 0.5 + 0.2 * 10 = 2.4 > 2 * 0.5
+    assert msg is not None and "2.4 is 4.8x its running minimum 0.5" in msg
+
+
 def test_run_that_blows_up_stops_with_its_checkpoint_intact(tmp_path, text, capsys):
     out = tmp_path / "blowup"
     assert train(out, text, "--steps", "20", "--lr", "30", "--ckpt-every", "1") == 2

@@ -136,3 +136,16 @@ def test_eval_and_report_errors(files, tmp_path, capsys):
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2 and word in err, err
+
+
+def test_an_os_error_without_its_strerror_is_one_line_of_its_message(capsys, monkeypatch):
+    """An ``OSError`` a library raised with a message alone (no errno, no file name) is
+    still one readable line, exit 2."""
+    import lrmoe.commands.presets as presets
+
+    def fails(args):
+        raise OSError("the device went away")
+
+    monkeypatch.setattr(presets, "run", fails)
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err == "lrmoe: error: the device went away\n"

@@ -55,3 +55,38 @@ def test_rows_dynamic_combine_helpers_match_eager():
         torch.testing.assert_close(dot(src, row, d), (src[row] * d[:, None]).sum(-1))
     assert len(graphs) == 2, graphs  # one graph each, rows symbolic
     assert all(_symbolic(s)[0] and not any(_symbolic(s)[1:]) for g in graphs for s in g), graphs
+
+
+def test_fused_is_eager_off_cuda_when_asked_and_after_a_compiler_failure(monkeypatch):
+    """``fused`` hands back the eager function on the CPU, with ``LRMOE_NO_COMPILE=1``, and
+    once a compiled call failed; that failed call is answered by the eager function, with
+    a warning, and the failure is remembered."""
+    import types
+    import warnings
+
+    from lrmoe.ops import fused as fz
+
+    monkeypatch.setattr(fz, "_COMPILED", {})
+    monkeypatch.delenv("LRMOE_NO_COMPILE", raising=False)
+
+    def fn(x):
+        return x + 1
+
+    def broken(_fn):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(fz, "rows_dynamic", broken)
+    cuda = types.SimpleNamespace(is_cuda=True)  # fused reads only the device
+    assert fz.fused("f", fn, torch.zeros(2)) is fn and fz._COMPILED == {}
+    monkeypatch.setenv("LRMOE_NO_COMPILE", "1")
+    assert fz.fused("f", fn, cuda) is fn and fz._COMPILED == {}
+    monkeypatch.delenv("LRMOE_NO_COMPILE")
+    safe = fz.fused("f", fn, cuda)
+    assert safe is not fn
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert torch.equal(safe(torch.zeros(2)), torch.ones(2))
+    assert "compiled f failed (RuntimeError); using eager" in str(seen[0].message)
+    assert fz._COMPILED["f"] is False and fz.fused("f", fn, cuda) is fn

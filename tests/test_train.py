@@ -223,6 +223,13 @@ def test_presets_lists_every_preset(capsys):
     for name in PRESETS:
         assert name in out
     assert "30.5B" in out and "3.35B" in out  # qwen3-30b-a3b total / active
+    # a rule of dashes under each column, as wide as its widest cell
+    from lrmoe.commands.presets import human, table
+    rows = table()
+    rule = out.splitlines()[1]
+    assert rule == "  ".join("-" * max(len(r[i]) for r in rows) for i in range(len(rows[0])))
+    assert [human(n) for n in (999, 1_000, 99_940_000, 150e9, 2.5e12)] == [
+        "999", "1K", "99.9M", "150B", "2.5T"]
 
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, capsys, monkeypatch):

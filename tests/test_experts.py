@@ -38,14 +38,23 @@ def test_grouped_matches_loop(dtype, tol, counts):
 
 
 def test_loop_fallback_matches_grouped(monkeypatch):
-    """The fallback path (unaligned widths) computes the same function."""
+    """The fallback path (unaligned widths) computes the same function, forward and
+    backward (its weight gradients' per-instance products included)."""
     g = torch.Generator().manual_seed(3)
     counts = [4, 0, 6]
-    x = torch.randn(10, 6, generator=g)  # 6*4 bytes: not 16-byte aligned -> loop
-    w13, w2 = torch.randn(3, 10, 6, generator=g), torch.randn(3, 6, 5, generator=g)
+    x = torch.randn(10, 6, generator=g).requires_grad_()  # 6*4 bytes: unaligned -> loop
+    w13 = torch.randn(3, 10, 6, generator=g).requires_grad_()
+    w2 = torch.randn(3, 6, 5, generator=g).requires_grad_()
     assert not ex._grouped_ok(x, w13.transpose(1, 2))
-    y, gu = ex.swiglu_forward(x, w13, w2, counts)
-    torch.testing.assert_close(y, swiglu_loop_reference(x, w13, w2, counts))
+    ref = swiglu_loop_reference(x, w13, w2, counts)
+    dy = torch.randn(ref.shape, generator=g)
+    ref.backward(dy)
+    with torch.no_grad():
+        y, gu = ex.swiglu_forward(x, w13, w2, counts)
+        dx, d13, d2 = ex.swiglu_backward({"x": x, "gu": gu, "dy": dy}, w13, w2, counts)
+    torch.testing.assert_close(y, ref)
+    for got, want in ((dx, x.grad), (d13, w13.grad), (d2, w2.grad)):
+        torch.testing.assert_close(got, want)
 
 
 def test_counts_from_offsets_are_the_segment_sizes():

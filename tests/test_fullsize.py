@@ -307,6 +307,10 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     per_layer = (2**31 + 2**30) + (2**30 + 2**29) + 8 * 128 * 3 * 2048 * 768
     staging = 4 * HOST_CHUNK + RING * 2 * HOST_CHUNK
     assert row["host_total"] == 48 * per_layer + staging and not row["fits_host"]
+    # the peak is the largest phase, and names it
+    top = max(row["phases"].values())
+    assert row["gpu_peak"] == top == row["phases"][row["gpu_peak_phase"]]
+    assert len(set(row["phases"].values())) == 4  # a wrong pick cannot tie
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
     for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
         assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2

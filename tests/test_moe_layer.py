@@ -27,10 +27,11 @@ class ReplicaPolicy(Policy):
 
 class PartialPolicy(Policy):
     name = "partial"
+    extra = [0, 1]  # the slots after the natives: replicas of experts 0 and 1
 
     def plan(self, counts, inputs):
         E = counts.shape[1]
-        p = full_plan(counts, torch.cat([torch.arange(E), torch.tensor([0, 1])]).reshape(1, -1))
+        p = full_plan(counts, torch.cat([torch.arange(E), torch.tensor(self.extra)]).reshape(1, -1))
         r = (p.assign_GGS * 4) // 5
         return Plan(p.inst_expert_GS, p.assign_GGS, r, (r * 3) // 5)
 
@@ -104,11 +105,15 @@ def test_whole_model_gradients_match_reference_path():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_fidelity_monitor_compares_with_the_exact_gradient(layer):
-    """The monitor's 'exact' gradient is the static one (all pairs, even unretained)."""
+@pytest.mark.parametrize("extra", [[0, 1], [0, -1]])
+def test_fidelity_monitor_compares_with_the_exact_gradient(layer, extra):
+    """The monitor's 'exact' gradient is the static one (all pairs, even unretained), an
+    expert's replicas summed, with every slot held or one left empty."""
     x = torch.randn(2, 24, layer.cfg.hidden_size)
     ref = run(layer, x, ref=True)
-    layer.runtime = MoERuntime(policy=PartialPolicy(), backward=BackwardOptions(fidelity=True))
+    policy = PartialPolicy()
+    policy.extra = extra
+    layer.runtime = MoERuntime(policy=policy, backward=BackwardOptions(fidelity=True))
     got = run(layer, x)
     a = torch.cat([got[2].flatten(), got[3].flatten()])
     b = torch.cat([ref[2].flatten(), ref[3].flatten()])

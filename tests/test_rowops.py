@@ -102,3 +102,15 @@ def test_public_functions_compile_whole():
                 torch.randperm(N, generator=g)[:T], torch.tensor([0, 2, 2]), torch.tensor([4, 0, 1]))
         for a, b in zip(compiled(*args), step(*args)):
             assert same_bits(a, b)
+
+
+def test_sort_key_orders_by_expert_then_descending_gate_over_every_float():
+    """The send order's key: a stable ascending sort of it is a stable sort by expert, then
+    by descending gate, for any float32 gate (negatives, both zeros, infinities, ties)."""
+    g = torch.Generator().manual_seed(8)
+    gate = torch.randn(400, generator=g) * torch.logspace(-30, 30, 400)[torch.randperm(400, generator=g)]
+    gate[:40] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1.0, -1.0] * 6 + [2.0] * 4)
+    idx = torch.randint(0, 5, (400,), generator=g)
+    got = torch.argsort(rowops.sort_key_by_expert_then_gate(idx, gate), stable=True)
+    want = sorted(range(400), key=lambda p: (int(idx[p]), -float(gate[p])))  # stable
+    assert got.tolist() == want

@@ -14,7 +14,10 @@ def rel(a, b):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("counts", [[5, 0, 7, 3], [0, 0, 9, 0], [1, 1, 1, 1], [0, 12, 0, 4]])
-def test_grouped_matches_loop(dtype, tol, counts):
+def test_grouped_matches_loop(dtype, tol, counts, monkeypatch):
+    calls = []  # the grouped GEMM runs, forward and backward (the loop is the reference)
+    grouped = ex._grouped_mm
+    monkeypatch.setattr(ex, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
     g = torch.Generator().manual_seed(sum(counts) * 7 + len(counts))
     R, H, F, I = sum(counts), 16, 8, len(counts)
     x = torch.randn(R, H, generator=g).to(dtype).requires_grad_()
@@ -25,7 +28,9 @@ def test_grouped_matches_loop(dtype, tol, counts):
     ref.backward(dy)
     with torch.no_grad():
         y, gu = ex.swiglu_forward(x, w13, w2, counts)
+        forward = len(calls)
         dx, d13, d2 = ex.swiglu_backward({"x": x, "gu": gu, "dy": dy}, w13, w2, counts)
+    assert forward == 2 and len(calls) > forward
     assert y.dtype == dtype and not torch.isnan(y).any()
     assert rel(y, ref) < tol
     assert rel(dx, x.grad) < tol

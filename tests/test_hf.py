@@ -500,6 +500,17 @@ def test_hf_config_defaults_apply(tmp_path):
     assert load_hf_config(d).norm_topk_prob is False
 
 
+def test_hf_config_defaults_are_transformers_own():
+    """Every key a config.json may leave out takes the value transformers' own config class
+    gives it (``Qwen3MoeConfig``, ``Glm4MoeConfig``)."""
+    from lrmoe.hf import _HF_DEFAULTS
+
+    tf = pytest.importorskip("transformers")
+    for mt, cls in (("qwen3_moe", tf.Qwen3MoeConfig), ("glm4_moe", tf.Glm4MoeConfig)):
+        theirs = cls()
+        assert {k: getattr(theirs, k) for k in _HF_DEFAULTS[mt]} == _HF_DEFAULTS[mt], mt
+
+
 # ---------------------------------------------------------------- atomic / safe saves
 def test_failed_save_leaves_old_checkpoint(tmp_path, monkeypatch):
     d = _saved(tmp_path, max_shard_bytes=20_000)

@@ -337,6 +337,30 @@ def test_api_accepts_a_namespace_and_validates(tmp_path):
     torch.set_num_threads(torch.get_num_threads())  # unchanged by a failed call
 
 
+def test_accumulated_loss_and_the_fidelity_steps(tmp_path, capsys):
+    """With --grad-accum 2 the logged loss is the mean over the step's micro-batches: step 1
+    logs the loss of one micro-batch of twice the sequences (the same data). lrmoe with
+    --lrmoe-fidelity-every 2, trimming under a budget, measures the fidelity at steps 2
+    and 4 only."""
+    from lrmoe.ledger import Ledger
+
+    cfg = get_preset("tiny-qwen3")
+    led = Ledger.for_dtype(cfg, 1, None, "fp32")
+    E, P = cfg.num_experts, 2 * 64 * cfg.num_experts_per_tok  # a micro-batch's pairs
+    budget = sum(led.terms(E, P, P, P, n)["total"] for n in (0, P)) // 2
+    common = ["train", "--preset", "tiny-qwen3", "--steps", "4", "--eval-every", "0", *SMALL]
+    assert cli(common + ["--out", tmp_path / "one", "--steps", "1"], capsys)[0] == 0
+    assert cli(common + ["--out", tmp_path / "acc", "--batch-size", "2", "--grad-accum", "2",
+                         "--policy", "lrmoe", "--mem-budget", budget,
+                         "--lrmoe-fidelity-every", "2"], capsys)[0] == 0
+    one, acc = train_losses(tmp_path / "one"), train_losses(tmp_path / "acc")
+    assert acc[0] == pytest.approx(one[0], rel=1e-6)
+    rows = [r for r in read_metrics(tmp_path / "acc" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["fidelity_step"] for r in rows] == [False, True, False, True]
+    measured = [all("fidelity_cosine" in layer for layer in r["moe"]) for r in rows]
+    assert measured == [False, True, False, True]
+
+
 def test_recompute_fits_a_budget_without_changing_the_math(tmp_path, capsys):
     """static over --mem-budget stops; with --recompute it recomputes just enough rows'
     gate_up outputs to fit, and trains like the unbudgeted run (fp32 tolerance)."""

@@ -485,6 +485,29 @@ def test_vectorised_exact_fit_and_recompute_capacity_equal_the_ledger():
     assert modes >= {"fits", "pairs", "over"}, modes
 
 
+def test_recompute_capacity_equals_the_ledger_where_recompute_buys_nothing():
+    """Ranks from far below to far above their home pairs, small layers included: the
+    vectorised recompute retention is the ledger's, the ranks where recomputing buys no
+    pair (``(k0, 0)``: nothing recomputed) among them."""
+    rng = np.random.default_rng(5)
+    no_gain = 0
+    for i in range(200):
+        mcfg = get_preset(PRESETS[i % 2])
+        G = int(rng.choice([8, 16, 64]))
+        counts = _counts(rng, G, 128, int(rng.choice([64, 512, 65536])), float(rng.uniform(0, 2)))
+        ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, float(rng.uniform(-0.5, 1.5))))
+        home = counts.sum(1).numpy()
+        n = rng.integers(128 // G, 128 // G + 3, G)
+        R = (home * rng.uniform(0.05, 4, G)).astype(np.int64)
+        want = [ledger.retain_capacity_recompute(int(a), int(b), int(h))
+                for a, b, h in zip(n, R, home)]
+        k, rec = LedgerView(ledger, home).capacity_recompute(n, R, np.arange(G))
+        assert list(zip(k.tolist(), rec.tolist())) == want, i
+        k0 = [ledger.retain_capacity(int(a), int(b), int(h)) for a, b, h in zip(n, R, home)]
+        no_gain += sum(0 <= a == b < r for a, b, r in zip(k.tolist(), k0, R.tolist()))
+    assert no_gain > 0
+
+
 def test_recompute_retention_equals_the_reference_rank_by_rank():
     """Pass 2 with recompute on the natives, at budgets around where ranks run short:
     every rank's retained pairs and rows recomputed are the reference's (which asks the

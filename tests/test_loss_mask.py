@@ -166,3 +166,18 @@ def test_validation_counts_only_trained_targets(tmp_path):
     with torch.no_grad():
         want = float(m.loss(x, y)[0])
     assert loss == pytest.approx(want, rel=1e-6)
+
+
+def test_validation_batches_divide_by_their_own_trained_targets():
+    """A masked validation batch's loss is a mean over its own trained targets: its
+    ``num_targets`` counts the windows' masked-in targets, batch by batch."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 50, (1000,), generator=g)
+    keep = torch.rand(1000, generator=g) < 0.3
+    out = validation_batches(ids, 16, 4, target_mask=keep)
+    assert len(out) > 3
+    for i, b in enumerate(out):
+        rows = torch.arange(i * 4, i * 4 + len(b.ids))  # the windows of this batch
+        trained = keep[rows[:, None] * 16 + torch.arange(1, 17)]
+        assert torch.equal(b.targets != IGNORE, trained)
+        assert b.num_targets == float(trained.sum()) > 0

@@ -242,3 +242,49 @@ def test_the_gemm_flops_the_model_charges_are_the_experts():
     bwd, _ = flops(swiglu_backward, {"x": x, "gu": gu, "dy": dy}, w13, w2, counts)
     assert bwd == BWD_FLOPS_PER_HF * R * H * F
     assert flops(gate_up, x, w13, counts)[0] == RECOMPUTE_FLOPS_PER_HF * R * H * F
+
+
+def test_the_link_rule_keeps_the_fastest_prefix_that_fits_the_budget():
+    """Rule 1 under a budget: of the greedy's prefixes, the one kept fits (each rank's
+    instances with one retained pair each, by the ledger's own terms) and every prefix
+    modelled faster does not; the sample includes layers where the fastest prefix does
+    not fit and a slower one is kept."""
+    from lrmoe.policy.ledger_view import LedgerView
+    from lrmoe.policy.link_cost import prefix_seconds
+    from lrmoe.policy.lrmoe_link import worth_their_link
+    from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
+
+    rng = np.random.default_rng(21)
+    passed_over = 0
+    for i in range(60):
+        mcfg = get_preset(("qwen3-30b-a3b", "glm-4.5-air")[i % 2])
+        G = int(rng.choice([8, 16, 32]))
+        counts = _counts(rng, G, E, int(rng.choice([4096, 32768])), float(rng.uniform(1, 2.5)))
+        ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, float(rng.uniform(-0.3, 1.0))),
+                                  "bf16")
+        cfg = LrmoeConfig(link=_cost(mcfg, "ib"))
+        home, total, S = counts.sum(1).numpy(), counts.sum(0).numpy(), E // G + 2
+        view, log = LedgerView(ledger, home), MoveLog()
+        place_replicas(total, G, S, cfg, view, log)
+        K = len(log.expert_K)
+        if K == 0:
+            continue
+        got = worth_their_link(log, cfg, view, total, S)
+        k = K if got is None else K - got[2]
+        moved = np.zeros((K + 1, G), dtype=np.int64)  # replicas each rank received, by prefix
+        given = np.zeros((K + 1, G), dtype=np.int64)  # and sent (its experts' owner)
+        for j, (e, r) in enumerate(zip(log.expert_K, log.rank_K), 1):
+            moved[j:, r] += 1
+            given[j:, e // (E // G)] += 1
+        load = np.asarray(log.load_KG)
+        t = prefix_seconds(cfg.link, load, np.asarray(log.kept_KG), given, moved, home,
+                           cfg.balance, cfg.min_keep, cfg.selection)
+        n = E // G + moved
+        fits = [all(ledger.terms(int(n[j, r]), int(load[j, r]), int(home[r]),
+                                 int(min(n[j, r], load[j, r])))["total"] <= ledger.budget_bytes
+                    for r in range(G)) for j in range(K)]
+        assert k == K or fits[k], i
+        faster = [j for j in range(K + 1) if t[j] < t[k] or (t[j] == t[k] and j < k)]
+        assert not any(fits[j] for j in faster if j < K), i
+        passed_over += int(any(j < K for j in faster))
+    assert passed_over > 0

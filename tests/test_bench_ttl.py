@@ -248,14 +248,13 @@ def test_ttl_budget_recompute_and_trace(tmp_path, capsys, monkeypatch):
     """Under a binding budget: exact policies are charged recompute (and stay exact),
     lrmoe stays within the budget, and the routing trace feeds `plan --compare`."""
     import lrmoe.sim.ttl as ttl
-    seen = []  # per step: the largest total any rank's layer priced, and rank 0's
+    real, seen = ttl._step_row, []  # per step: the largest total of any rank's layer, rank 0's
 
     def step_row(step, loss, micro, *a, **k):
         totals = [s.ledger_total_bytes for m in micro for s in m[0]]
         seen.append((max(max(t) for t in totals), max(t[0] for t in totals)))
-        return step_row.orig(step, loss, micro, *a, **k)
+        return real(step, loss, micro, *a, **k)
 
-    step_row.orig = ttl._step_row
     monkeypatch.setattr(ttl, "_step_row", step_row)
     out = tmp_path / "b"
     rc = main(ARGS + ["--policies", "static,symi,lrmoe", "--mem-budget", BUDGET,

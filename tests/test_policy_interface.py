@@ -65,7 +65,6 @@ def test_symi_and_lrmoe_prepare_from_the_previous_counts():
     assert prepare(make_policy(PolicyConfig(), cfg, 2), prev, 2, inputs, 24).prepared is None
 
 
-
 @pytest.mark.parametrize("name, field, ok, bad, want", [
     ("symi", "slots_per_rank", 4, 3, "slots_per_rank=3 must be an integer >= E/G = 4"),
     ("lrmoe", "slots_per_rank", 4, 3, "slots_per_rank=3 must be an integer >= E/G = 4"),

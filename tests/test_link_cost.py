@@ -244,13 +244,35 @@ def test_the_gemm_flops_the_model_charges_are_the_experts():
     assert flops(gate_up, x, w13, counts)[0] == RECOMPUTE_FLOPS_PER_HF * R * H * F
 
 
+def _prefixes(log, cfg, G: int, home):
+    """Each prefix of the greedy's moves, by our own arithmetic: the instances each rank
+    holds, its load and the modelled step time (``[K + 1, G]``, ``[K + 1, G]``, ``[K + 1]``)."""
+    from lrmoe.policy.link_cost import prefix_seconds
+
+    K = len(log.expert_K)
+    moved = np.zeros((K + 1, G), dtype=np.int64)  # replicas each rank received, by prefix
+    given = np.zeros((K + 1, G), dtype=np.int64)  # and sent (its experts' owner)
+    for j, (e, r) in enumerate(zip(log.expert_K, log.rank_K), 1):
+        moved[j:, r] += 1
+        given[j:, e // (E // G)] += 1
+    load = np.asarray(log.load_KG)
+    t = prefix_seconds(cfg.link, load, np.asarray(log.kept_KG), given, moved, home,
+                       cfg.balance, cfg.min_keep, cfg.selection)
+    return E // G + moved, load, t
+
+
+def _needs(ledger, n, load, home) -> np.ndarray:
+    """Each rank's bytes with ``n`` instances and one retained pair each, by the ledger's terms."""
+    return np.array([ledger.terms(int(n[r]), int(load[r]), int(home[r]),
+                                  int(min(n[r], load[r])))["total"] for r in range(len(n))])
+
+
 def test_the_link_rule_keeps_the_fastest_prefix_that_fits_the_budget():
     """Rule 1 under a budget: of the greedy's prefixes, the one kept fits (each rank's
     instances with one retained pair each, by the ledger's own terms) and every prefix
     modelled faster does not; the sample includes layers where the fastest prefix does
     not fit and a slower one is kept."""
     from lrmoe.policy.ledger_view import LedgerView
-    from lrmoe.policy.link_cost import prefix_seconds
     from lrmoe.policy.lrmoe_link import worth_their_link
     from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
 
@@ -271,20 +293,47 @@ def test_the_link_rule_keeps_the_fastest_prefix_that_fits_the_budget():
             continue
         got = worth_their_link(log, cfg, view, total, S)
         k = K if got is None else K - got[2]
-        moved = np.zeros((K + 1, G), dtype=np.int64)  # replicas each rank received, by prefix
-        given = np.zeros((K + 1, G), dtype=np.int64)  # and sent (its experts' owner)
-        for j, (e, r) in enumerate(zip(log.expert_K, log.rank_K), 1):
-            moved[j:, r] += 1
-            given[j:, e // (E // G)] += 1
-        load = np.asarray(log.load_KG)
-        t = prefix_seconds(cfg.link, load, np.asarray(log.kept_KG), given, moved, home,
-                           cfg.balance, cfg.min_keep, cfg.selection)
-        n = E // G + moved
-        fits = [all(ledger.terms(int(n[j, r]), int(load[j, r]), int(home[r]),
-                                 int(min(n[j, r], load[j, r])))["total"] <= ledger.budget_bytes
-                    for r in range(G)) for j in range(K)]
+        n, load, t = _prefixes(log, cfg, G, home)
+        fits = [(_needs(ledger, n[j], load[j], home) <= ledger.budget_bytes).all() for j in range(K)]
         assert k == K or fits[k], i
         faster = [j for j in range(K + 1) if t[j] < t[k] or (t[j] == t[k] and j < k)]
         assert not any(fits[j] for j in faster if j < K), i
         passed_over += int(any(j < K for j in faster))
     assert passed_over > 0
+
+
+def test_a_prefix_whose_receiving_rank_does_not_fit_is_not_kept():
+    """A rank's received replicas count against its budget: with the budget one byte under
+    a receiving rank's need at the fastest prefix (every rank that received nothing fits
+    there), the link rule keeps another prefix, and that one fits."""
+    from lrmoe.policy.ledger_view import LedgerView
+    from lrmoe.policy.lrmoe_link import worth_their_link
+    from lrmoe.policy.lrmoe_place import MoveLog, place_replicas
+
+    rng = np.random.default_rng(5)
+    tried = 0
+    for i in range(12):
+        mcfg = get_preset(("qwen3-30b-a3b", "glm-4.5-air")[i % 2])
+        G = int(rng.choice([8, 16]))
+        counts = _counts(rng, G, E, int(rng.choice([4096, 32768])), float(rng.uniform(1, 2.5)))
+        free = Ledger.for_dtype(mcfg, G, None, "bf16")
+        cfg = LrmoeConfig(link=_cost(mcfg, "ib"))
+        home, total, S = counts.sum(1).numpy(), counts.sum(0).numpy(), E // G + 2
+        log = MoveLog()
+        place_replicas(total, G, S, cfg, LedgerView(free, home), log)
+        K = len(log.expert_K)
+        n, load, t = _prefixes(log, cfg, G, home)
+        j = int(np.argmin(t))
+        received = n[j] > E // G
+        if j == K or not received.any():
+            continue
+        need = _needs(free, n[j], load[j], home)
+        ledger = dataclasses.replace(free, budget_bytes=int(need[received].max()) - 1)
+        if (need[~received] > ledger.budget_bytes).any():
+            continue
+        tried += 1
+        got = worth_their_link(log, cfg, LedgerView(ledger, home), total, S)
+        k = K if got is None else K - got[2]
+        assert k != j, i
+        assert k == K or (_needs(ledger, n[k], load[k], home) <= ledger.budget_bytes).all(), i
+    assert tried >= 6

@@ -173,3 +173,33 @@ def test_received_bound_is_an_upper_bound(preset):
         k = np.minimum(bound, (min(fn, fd) * bound) // fd)
         close += int(view.fits(n, np.maximum(bound, 0), np.maximum(k, 0)).sum())
     assert close > 200 * G // 2
+
+
+def test_the_keep_floor_follows_the_ranks_retained_pairs_move_by_move():
+    """The greedy's ``min_keep`` level, kept as a running sum, is ``ceil(min_keep ·
+    mean retained pairs)`` over the ranks as they stand before every move, and a rank
+    retains ``min(load, capacity)`` pairs."""
+    import math
+
+    from lrmoe.policy.lrmoe_place import _Greedy
+
+    rng = np.random.default_rng(8)
+    levels = set()
+    for where, counts, ledger in _layers(seed=4, Gs=(8, 16)):
+        if ledger.budget_bytes is None:
+            continue
+        c = counts.numpy()
+        G = c.shape[0]
+        cfg = LrmoeConfig(min_keep=float(rng.uniform(0.3, 1)))
+        g = _Greedy(c.sum(0), G, slots_per_rank(cfg, G, E), cfg.min_keep, LedgerView(ledger, c.sum(1)))
+        for _ in range(40):
+            assert g.kept == [min(R, max(k, 0)) for R, k in zip(g.load, g.cap)], where
+            top = max(g.load)
+            hot = [r for r in range(G) if g.load[r] == top]
+            level = g._floor(top, hot)[0]
+            if all(g.cap[r] >= min(g.n_inst[r], g.load[r]) for r in hot):
+                assert level == math.ceil(cfg.min_keep * sum(g.kept) / G), where
+                levels.add(level)
+            if g.move() is None:
+                break
+    assert len(levels) > 20

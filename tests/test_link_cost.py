@@ -337,3 +337,35 @@ def test_a_prefix_whose_receiving_rank_does_not_fit_is_not_kept():
         assert k != j, i
         assert k == K or (_needs(ledger, n[k], load[k], home) <= ledger.budget_bytes).all(), i
     assert tried >= 6
+
+
+@pytest.mark.parametrize("link", ["nvlink", "ib", "pcie"])
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_the_estimate_is_exact_where_every_home_routes_evenly(link, G):
+    """Where every home routes the same pairs to every expert, each rank sends and receives
+    ``(G - 1)/G`` of its rows, so the per-rank estimate of static's step is the exact
+    pricing less the latencies every prefix pays alike (the four exchanges'); and one
+    replica adds its weights' scatter and its gradient's reduce, each one instance and one
+    round of latencies, over the micro-batches that share it."""
+    from lrmoe.policy.link_cost import prefix_seconds
+    from lrmoe.policy.lrmoe_link import estimated_seconds
+    from lrmoe.policy.plan_numpy import full_plan
+
+    mcfg = get_preset("qwen3-30b-a3b")
+    counts = torch.full((G, E), 24, dtype=torch.long)
+    cfg = LrmoeConfig(link=_cost(mcfg, link))
+    plan = full_plan(counts, natives_GS(G, E // G, E))
+    lat = cfg.link.latency_s * (G - 1)
+    exact = plan_seconds(cfg.link, plan, E) - 4 * lat
+    for t in estimated_seconds(counts, cfg, Ledger.for_dtype(mcfg, G, None, "bf16"), plan):
+        assert t == pytest.approx(exact, rel=1e-12)
+    load = np.full((2, G), 24 * E // G)
+    moved = np.zeros((2, G), dtype=np.int64)
+    sent, recv = moved.copy(), moved.copy()
+    sent[1, 0] = recv[1, 1] = 1
+    weights = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * 2
+    for share in (1, 4):
+        cost = _cost(mcfg, link, share)
+        t = prefix_seconds(cost, load, load, sent, recv, counts.sum(1).numpy(), 0.0, 0.0, True)
+        assert t[1] - t[0] == pytest.approx(2 * (weights / cost.bandwidth_Bps + lat) / share,
+                                            rel=1e-9)

@@ -24,6 +24,7 @@ from lrmoe.policy.base import prepare
 from lrmoe.policy.link_cost import plan_seconds
 from lrmoe.policy.lrmoe import plan_lrmoe
 from lrmoe.policy.lrmoe_place import natives_GS
+from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.presets import get_preset
 from lrmoe.sim.analytic import modelled_stats
 from lrmoe.sim.cost import step_times
@@ -349,8 +350,6 @@ def test_the_estimate_is_exact_where_every_home_routes_evenly(link, G):
     round of latencies, over the micro-batches that share it."""
     from lrmoe.policy.link_cost import prefix_seconds
     from lrmoe.policy.lrmoe_link import estimated_seconds
-    from lrmoe.policy.plan_numpy import full_plan
-
     mcfg = get_preset("qwen3-30b-a3b")
     counts = torch.full((G, E), 24, dtype=torch.long)
     cfg = LrmoeConfig(link=_cost(mcfg, link))
@@ -369,3 +368,48 @@ def test_the_estimate_is_exact_where_every_home_routes_evenly(link, G):
         t = prefix_seconds(cost, load, load, sent, recv, counts.sum(1).numpy(), 0.0, 0.0, True)
         assert t[1] - t[0] == pytest.approx(2 * (weights / cost.bandwidth_Bps + lat) / share,
                                             rel=1e-9)
+
+
+@pytest.mark.parametrize("G", [16, 32])
+def test_the_estimate_across_nodes_is_exact_where_every_home_routes_evenly(G):
+    """Across the nodes of a two-level link (latencies left out), rows routed evenly go
+    ``(node size - 1)/(G - 1)`` of them in-node and the rest between nodes, as the
+    estimate spreads them: static's estimated step is its exact pricing."""
+    from lrmoe.policy.lrmoe_link import estimated_seconds
+
+    mcfg = get_preset("qwen3-30b-a3b")
+    counts = torch.full((G, E), 24, dtype=torch.long)
+    link = dataclasses.replace(_cost(mcfg, "nvlink+ib"), latency_s=0.0, inter_latency_s=0.0)
+    assert link.spans_nodes(G)
+    cfg = LrmoeConfig(link=link)
+    plan = full_plan(counts, natives_GS(G, E // G, E))
+    for t in estimated_seconds(counts, cfg, Ledger.for_dtype(mcfg, G, None, "bf16"), plan):
+        assert t == pytest.approx(plan_seconds(link, plan, E), rel=1e-12)
+
+
+@pytest.mark.parametrize("min_keep", [0.0, 1.0])
+def test_the_estimates_backward_rows_are_the_quota_rules(min_keep):
+    """Over a link too fast to cost anything, the estimate's step is the busiest rank's
+    expert GEMMs: its backward rows are what pass 3 (:func:`backward_quotas`) selects on
+    the busiest rank, on skewed layers at any ``balance`` (``min_keep`` 0 and 1, where the
+    per-rank floor is the per-instance floors' sum)."""
+    from lrmoe.policy.link_cost import BWD_FLOPS_PER_HF, FWD_FLOPS_PER_HF, LinkCost, prefix_seconds
+    from lrmoe.policy.lrmoe_quotas import backward_quotas
+
+    rng = np.random.default_rng(2)
+    cost = LinkCost(bandwidth_Bps=1e30, latency_s=0.0, gemm_flops=1e12, hidden=64, intermediate=32)
+    trimmed = 0
+    for _ in range(30):
+        G = int(rng.choice([4, 8, 16]))
+        counts = _counts(rng, G, E, 4096, float(rng.uniform(0.5, 2)))
+        balance = float(rng.choice([0.0, 1.0, rng.uniform(0, 1)]))
+        a = full_plan(counts, natives_GS(G, E // G, E)).assign_GGS.numpy()
+        a_IG = a.transpose(1, 2, 0).reshape(-1, G)  # [rank·slot, home]
+        sel = backward_quotas(a_IG, a_IG, G, balance, min_keep).sum(1).reshape(G, -1).sum(1)
+        load = a_IG.sum(1).reshape(G, -1).sum(1)[None]
+        t = prefix_seconds(cost, load, load, np.zeros_like(load), np.zeros_like(load),
+                           counts.sum(1).numpy(), balance, min_keep, True)
+        rows = (t[0] * cost.gemm_flops / cost.hf - load.max() * FWD_FLOPS_PER_HF) / BWD_FLOPS_PER_HF
+        assert rows == pytest.approx(sel.max(), rel=1e-9)
+        trimmed += int(sel.max() < load.max())
+    assert trimmed >= 12 if min_keep == 0 else trimmed == 0, trimmed

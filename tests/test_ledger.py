@@ -192,6 +192,9 @@ def test_ledger_rejects_bad_fields():
     cfg = _cfg()
     with pytest.raises(LrmoeError, match="not divisible"):
         Ledger(cfg, 3)
+    for G in (0, -2, 2.0):
+        with pytest.raises(LrmoeError, match=f"EP size G={G!r} must be >= 1"):
+            Ledger(cfg, G)
     with pytest.raises(LrmoeError, match="bytes_w"):
         Ledger(cfg, 2, bytes_w=3)
     with pytest.raises(LrmoeError, match="dtype"):

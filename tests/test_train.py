@@ -441,12 +441,15 @@ def test_layer_row_sums_counters_takes_the_slowest_rank_and_averages_fidelity():
     from lrmoe.train.metrics import layer_row
 
     ranks = [{"load": 6.0, "retained_rows": 3.0, "fwd_bytes": 100.0, "expert_fwd_ms": 1.5,
+              "expert_bwd_ms": 12345.678, "weight_scatter_bytes": 123456789.0,
               "fidelity_cosine": 0.5},
-             {"load": 2.0, "retained_rows": 5.0, "fwd_bytes": 40.0, "expert_fwd_ms": 2.5,
-              "fidelity_cosine": 1.0}]
+             {"load": 2.0, "retained_rows": 5.0, "fwd_bytes": 40.0, "expert_fwd_ms": 2.54321,
+              "weight_scatter_bytes": 5.0, "fidelity_cosine": 1.0}]
     row = layer_row({"plan_replicas": 1}, ranks, pairs=8)
+    # maxima to 4 significant digits, but never into the integer digits
     assert row == {"rank_load_max_over_mean": 1.5, "replicas": 1, "pairs": 8, "retained": 8,
-                   "fwd_bytes": 140, "expert_fwd_ms": 2.5, "fidelity_cosine": 0.75}
+                   "fwd_bytes": 140, "expert_fwd_ms": 2.543, "expert_bwd_ms": 12346.0,
+                   "weight_scatter_bytes": 123456789.0, "fidelity_cosine": 0.75}
 
 
 def test_layer_row_combines_every_rank_counter():

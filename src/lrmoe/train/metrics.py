@@ -67,7 +67,7 @@ def host_memory() -> dict[str, int | None]:
 
 
 def _r(x: float, nd: int = 4) -> float:
-    """Round to ``nd`` significant digits (rows stay short)."""
+    """Round to ``nd`` significant digits, never into the integer digits (rows stay short)."""
     if not math.isfinite(x) or x == 0:
         return x
     return round(x, max(0, nd - 1 - int(math.floor(math.log10(abs(x))))))

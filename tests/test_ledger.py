@@ -281,3 +281,22 @@ def test_exact_fit_modes():
     assert all(t["retained_acts"] == t["combine_rows"] == 0 for t in terms)
     assert max(t["total"] for t in terms) <= led.budget_bytes
     assert Ledger(cfg, G, max(none_kept) - 1).exact_fit(plan)[0] == "over"
+
+
+def test_a_ranks_home_pairs_include_those_its_plan_dropped():
+    """A capacity plan drops pairs over each expert's capacity; the home's buffers still
+    hold every pair its router chose, so the ledger's home pairs are the rank's routed
+    pairs, and its received pairs are the kept ones that reach it."""
+    from lrmoe.ledger import plan_counts
+    from lrmoe.policy.capacity import plan_capacity
+
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 40, (4, 8), generator=g)
+    counts[:, 0] += 200  # one hot expert, over its capacity
+    plan = plan_capacity(counts, 0.8)
+    assert int(plan.dropped_GE.sum()) > 0
+    n, received, home, _ = plan_counts(plan)
+    assert home.tolist() == counts.sum(1).tolist()
+    kept_E = counts.sum(0) - plan.dropped_GE.sum(0)
+    assert received.tolist() == kept_E.view(4, 2).sum(1).tolist()
+    assert n.tolist() == [2] * 4

@@ -408,8 +408,9 @@ class Ledger:
         fwd = max(self.forward_points(T, R, h, R, 0, y).values()) + kept
         back = max(self.backward_points(T, R, h, R, 0, y, False).values()) + kept + T * H
         idx = h * (PAIR_INDEX_BYTES - 4)
-        return max(fwd * self.bytes_act,
-                   (T * H + fwd) * self.bytes_act + idx,
+        # the re-run in backward, then the backward; the forward without a graph is the
+        # re-run less dout's T·H and the index, so never the peak
+        return max((T * H + fwd) * self.bytes_act + idx,
                    back * self.bytes_act + self._index_bytes(R, False) + idx)
 
     def layer_terms(self, n_instances: int, received_pairs: int, home_pairs: int

@@ -8,11 +8,13 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,11 +46,12 @@ class FullDiskWriter(BoundedFileWriter):
 def test_full_disk_during_a_checkpoint_keeps_the_last_one(tmp_path, text, capsys,
                                                           monkeypatch):
     monkeypatch.setattr(ckpt, "BoundedFileWriter", FullDiskWriter)
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: SimpleNamespace(free=5 * 2**30 + 2**19))
     out = tmp_path / "run"
     assert train(out, text, "--steps", "6", "--ckpt-every", "2") == 2
     line = one_error_line(capsys.readouterr().err, "cannot write checkpoint ckpt-00000004",
-                          str(ckpt.ckpt_root(out)), "No space left on device", "MiB free",
-                          "ckpt-00000002, is intact")
+                          str(ckpt.ckpt_root(out)), "No space left on device",
+                          "5120.5 MiB free there", "ckpt-00000002, is intact")
     assert "removed the partial save .ckpt-00000004.tmp" in line
     assert ckpt.latest_checkpoint(out).step == 2
     assert not ckpt.partial_dirs(out) and not (out / rundir.LOCK).exists()

@@ -408,3 +408,18 @@ def test_local_stats_follow_the_token_count():
         assert layer.last.path == "local"
         assert stats["rank_load"] == [T * K] and stats["rank_backward_load"] == [T * K]
         assert stats["fwd_rows"] == T * K
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_expert_kernels_are_timed_always_and_the_control_plane_on_request(fast):
+    """The expert kernels' times are in every layer's stats (bench ttl and the metrics read
+    them); the exchange's ``local`` and ``gather`` only with ``stage_timing`` (the local
+    path, one block of device ops, times its expert kernels alone)."""
+    layer = _layer("tiny-glm")
+    x, coeff = _inputs(layer, 40, 9)
+    for timing in (False, True):
+        layer.runtime = MoERuntime(fast_local=fast, stage_timing=timing)
+        _grads(layer, x, coeff)
+        ms = {k for k in layer.runtime.stats[0] if k.endswith("_ms")}
+        assert {"expert_fwd_ms", "expert_bwd_ms"} <= ms, ms
+        assert ({"local_ms", "gather_ms"} <= ms) == (timing and not fast), ms

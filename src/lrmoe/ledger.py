@@ -408,8 +408,7 @@ class Ledger:
         fwd = max(self.forward_points(T, R, h, R, 0, y).values()) + kept
         back = max(self.backward_points(T, R, h, R, 0, y, False).values()) + kept + T * H
         idx = h * (PAIR_INDEX_BYTES - 4)
-        # the re-run in backward, then the backward; the forward without a graph is the
-        # re-run less dout's T·H and the index, so never the peak
+        # the re-run in backward, the backward (forward without a graph: below the re-run)
         return max((T * H + fwd) * self.bytes_act + idx,
                    back * self.bytes_act + self._index_bytes(R, False) + idx)
 

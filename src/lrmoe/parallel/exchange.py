@@ -324,7 +324,6 @@ class ExpertExchange(torch.autograd.Function):
         b = RowBytes(H * dout_TH.element_size(), dot=st.at_experts)
         # what the exact backward would send: every assigned row out and back
         stats["bwd_exact_bytes"] = int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch)
-        stats["bwd_flops"] = 6 * stats["bwd_rows"] * H * w2_S.shape[-1] * 2
         return dx_TH, dgate, dw13, dw2, None, None, None
 
 

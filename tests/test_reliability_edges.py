@@ -377,3 +377,15 @@ def test_the_lrmoe_script_ends_through_exit_process():
     text = (ROOT / "pyproject.toml").read_text()
     assert '[project.scripts]\nlrmoe = "lrmoe.cli:run"\n\n' in text
     assert (ROOT / "src/lrmoe/__main__.py").read_text().endswith("run()\n")
+
+
+def test_a_probe_error_without_an_errno_keeps_its_message(tmp_path, monkeypatch):
+    """An OSError raised with a message alone (no errno, no strerror) still names it."""
+    from lrmoe.errors import LrmoeError
+
+    def gone(fd, b):
+        raise OSError("the device went away")
+    monkeypatch.setattr(rundir.os, "write", gone)
+    with pytest.raises(LrmoeError, match="not writable: cannot write .*: the device went away$"):
+        rundir.probe_writable(tmp_path / "run")
+    assert list((tmp_path / "run").iterdir()) == []  # the probe file removed

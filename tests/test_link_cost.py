@@ -350,6 +350,7 @@ def test_the_estimate_is_exact_where_every_home_routes_evenly(link, G):
     round of latencies, over the micro-batches that share it."""
     from lrmoe.policy.link_cost import prefix_seconds
     from lrmoe.policy.lrmoe_link import estimated_seconds
+
     mcfg = get_preset("qwen3-30b-a3b")
     counts = torch.full((G, E), 24, dtype=torch.long)
     cfg = LrmoeConfig(link=_cost(mcfg, link))
@@ -359,8 +360,8 @@ def test_the_estimate_is_exact_where_every_home_routes_evenly(link, G):
     for t in estimated_seconds(counts, cfg, Ledger.for_dtype(mcfg, G, None, "bf16"), plan):
         assert t == pytest.approx(exact, rel=1e-12)
     load = np.full((2, G), 24 * E // G)
-    moved = np.zeros((2, G), dtype=np.int64)
-    sent, recv = moved.copy(), moved.copy()
+    sent = np.zeros((2, G), dtype=np.int64)
+    recv = sent.copy()
     sent[1, 0] = recv[1, 1] = 1
     weights = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * 2
     for share in (1, 4):

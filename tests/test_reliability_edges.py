@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from lrmoe.cli import main
+from lrmoe.errors import LrmoeError
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.ckpt_write import BoundedFileWriter
@@ -86,7 +87,7 @@ def test_manifest_without_files_and_a_truncated_shard(tmp_path, text, capsys):
     # a manifest that lists its files but a shard that DCP cannot read: one line too
     (d / ckpt.MANIFEST).write_text(json.dumps(man))
     ck = ckpt.latest_checkpoint(out)
-    with pytest.raises(ckpt.LrmoeError, match="cannot be loaded"):
+    with pytest.raises(LrmoeError, match="cannot be loaded"):
         ckpt.merged_model_state(ck.__class__(ck.path, ck.step,
                                              {**man, "files": {".metadata": man["files"][
                                                  ".metadata"]}}))
@@ -201,7 +202,6 @@ def test_cpu_offload_precheck_asks_the_whole_state(monkeypatch):
     import torch
 
     import lrmoe.train.setup as setup
-    from lrmoe.errors import LrmoeError
     from lrmoe.presets import get_preset
 
     cfg = get_preset("tiny-qwen3")
@@ -306,7 +306,6 @@ def test_unreadable_data_says_read(tmp_path, text, capsys, monkeypatch):
 
 
 def test_load_hf_of_a_run_directory_says_so(run):
-    from lrmoe.errors import LrmoeError
     from lrmoe.hf_load import load_hf
 
     with pytest.raises(LrmoeError, match="lrmoe train run directory, not a HF checkpoint"):
@@ -316,8 +315,6 @@ def test_load_hf_of_a_run_directory_says_so(run):
 @pytest.mark.parametrize("how", ["no room for a checkpoint", "write fails"])
 def test_resume_on_a_full_disk_names_the_path_and_the_leftover(tmp_path, run, capsys,
                                                                monkeypatch, how):
-    import shutil
-
     again = tmp_path / "again"
     shutil.copytree(run, again)
     left = ckpt.partial_dir(again, 3)
@@ -358,8 +355,6 @@ def test_ignored_flags_warn_once_each(tmp_path, text, capsys):
 
 
 def test_a_cut_off_metrics_row_is_reported_on_resume(tmp_path, run, capsys):
-    import shutil
-
     again = tmp_path / "again"
     shutil.copytree(run, again)
     m = again / "metrics.jsonl"
@@ -381,8 +376,6 @@ def test_the_lrmoe_script_ends_through_exit_process():
 
 def test_a_probe_error_without_an_errno_keeps_its_message(tmp_path, monkeypatch):
     """An OSError raised with a message alone (no errno, no strerror) still names it."""
-    from lrmoe.errors import LrmoeError
-
     def gone(fd, b):
         raise OSError("the device went away")
     monkeypatch.setattr(rundir.os, "write", gone)

@@ -3,6 +3,8 @@ fallbacks) and the floor of any memory-aware plan on given counts."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from lrmoe.ledger import Ledger
 
 
@@ -17,6 +19,13 @@ def balanced_budget(mcfg, G: int, tokens_per_rank: int, fraction: float, dtype: 
     return int(t["total"] - (1 - fraction) * t["retained_acts"])
 
 
+def one_pair_each(led: Ledger, n_G, recv_G, home_G) -> np.ndarray:
+    """Each rank's total, by the ledger's terms, with ``n`` instances retaining one pair
+    each (all its received pairs when fewer)."""
+    return np.array([led.terms(int(n), int(R), int(h), int(min(n, R)))["total"]
+                     for n, R, h in zip(n_G, recv_G, home_G)])
+
+
 def natives_floor(led: Ledger, counts_GE) -> int:
     """The busiest rank's total of the smallest memory-aware plan on ``counts_GE``: the
     natives, one retained pair each."""
@@ -24,4 +33,4 @@ def natives_floor(led: Ledger, counts_GE) -> int:
     n = E // G
     c = counts_GE.long()
     recv, home = c.sum(0).reshape(G, n).sum(1).tolist(), c.sum(1).tolist()
-    return max(led.terms(n, R, h, min(n, R))["total"] for R, h in zip(recv, home))
+    return int(one_pair_each(led, [n] * G, recv, home).max())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from budgets import one_pair_each
 from lrmoe.ledger import Ledger
 from lrmoe.policy import LrmoeConfig, LrmoePolicy, PlanInputs, SymiPolicy
 from lrmoe.policy.base import prepare
@@ -262,12 +263,6 @@ def _prefixes(log, cfg, G: int, home):
     return E // G + moved, load, t
 
 
-def _needs(ledger, n, load, home) -> np.ndarray:
-    """Each rank's bytes with ``n`` instances and one retained pair each, by the ledger's terms."""
-    return np.array([ledger.terms(int(n[r]), int(load[r]), int(home[r]),
-                                  int(min(n[r], load[r])))["total"] for r in range(len(n))])
-
-
 def test_the_link_rule_keeps_the_fastest_prefix_that_fits_the_budget():
     """Rule 1 under a budget: of the greedy's prefixes, the one kept fits (each rank's
     instances with one retained pair each, by the ledger's own terms) and every prefix
@@ -295,7 +290,8 @@ def test_the_link_rule_keeps_the_fastest_prefix_that_fits_the_budget():
         got = worth_their_link(log, cfg, view, total, S)
         k = K if got is None else K - got[2]
         n, load, t = _prefixes(log, cfg, G, home)
-        fits = [(_needs(ledger, n[j], load[j], home) <= ledger.budget_bytes).all() for j in range(K)]
+        fits = [(one_pair_each(ledger, n[j], load[j], home) <= ledger.budget_bytes).all()
+                for j in range(K)]
         assert k == K or fits[k], i
         faster = [j for j in range(K + 1) if t[j] < t[k] or (t[j] == t[k] and j < k)]
         assert not any(fits[j] for j in faster if j < K), i
@@ -328,7 +324,7 @@ def test_a_prefix_whose_receiving_rank_does_not_fit_is_not_kept():
         received = n[j] > E // G
         if j == K or not received.any():
             continue
-        need = _needs(free, n[j], load[j], home)
+        need = one_pair_each(free, n[j], load[j], home)
         ledger = dataclasses.replace(free, budget_bytes=int(need[received].max()) - 1)
         if (need[~received] > ledger.budget_bytes).any():
             continue
@@ -336,7 +332,7 @@ def test_a_prefix_whose_receiving_rank_does_not_fit_is_not_kept():
         got = worth_their_link(log, cfg, LedgerView(ledger, home), total, S)
         k = K if got is None else K - got[2]
         assert k != j, i
-        assert k == K or (_needs(ledger, n[k], load[k], home) <= ledger.budget_bytes).all(), i
+        assert k == K or (one_pair_each(ledger, n[k], load[k], home) <= ledger.budget_bytes).all(), i
     assert tried >= 6
 
 

@@ -147,6 +147,10 @@ def run_shape_regime(shape: str, regime: str, a, dev: str, dense: float, rows: l
     def mine(name: str) -> dict:
         return guarded(name, lambda: run_variant(name, ours, ours_loss, batch, dtype, a, dev))
     add(mine("ours eager"))
+    if a.loss_chunk:  # the head and loss N tokens at a time (``lrmoe train --loss-chunk N``)
+        ours.set_loss_chunk(a.loss_chunk)
+        add(mine(f"ours eager, --loss-chunk {a.loss_chunk}"))
+        ours.set_loss_chunk(0)
     if a.router_grad_experts:  # the lever: no combined expert outputs kept (exact plans)
         ours.set_runtime(MoERuntime(backward=BackwardOptions(router_grad="experts")))
         add(mine("ours eager, router grad at experts"))
@@ -155,6 +159,10 @@ def run_shape_regime(shape: str, regime: str, a, dev: str, dense: float, rows: l
         torch._dynamo.reset()
         compile_model(ours, backend=a.compile_backend)
         add({**mine("ours compiled"), "compile_counts": compile_counts()})
+        if a.loss_chunk:
+            ours.set_loss_chunk(a.loss_chunk)
+            add(mine(f"ours compiled, --loss-chunk {a.loss_chunk}"))
+            ours.set_loss_chunk(0)
     ours = None  # HF starts from the weights ours started from (``state``)
     free(dev)
     impls = a.hf_impls.split(",") if a.hf_impls else []
@@ -242,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the variants that would start after this many seconds (recorded "
                          "as skipped); order: shapes, then regimes, as given")
+    ap.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+                    help="also time ours with the head and loss TOKENS tokens at a time")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=6)
     a = ap.parse_args(argv)

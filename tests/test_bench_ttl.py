@@ -729,3 +729,51 @@ def test_ttl_reuse_of_static_keeps_lrmoes_link_cost(tmp_path, capsys):
                         str(tmp_path / "norate.json"), "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err.strip()
     assert "records no GEMM rate" in err and "\n" not in err and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("where", ["GPU", "host"])
+def test_ttl_emulation_out_of_memory_is_one_line_and_keeps_finished_policies(
+        tmp_path, capsys, monkeypatch, where):
+    """The emulation itself out of memory (its G ranks share one device) is no verdict on the
+    policy: one line naming the memory and what to shrink, exit 2, the finished policies kept
+    in ttl_partial.json and no report written."""
+    import lrmoe.sim.ttl as ttl
+    real = ttl._train_step
+    text = {"GPU": "CUDA out of memory. Tried to allocate 240.00 MiB. GPU 0 has a total "
+                   "capacity of 79.18 GiB of which 60.19 MiB is free. Of the allocated memory "
+                   "76.70 GiB is allocated by PyTorch",
+            "host": "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                    "allocate memory: you tried to allocate 251658240 bytes. Error code 12"}[where]
+    err = torch.OutOfMemoryError(text) if where == "GPU" else RuntimeError(text)
+
+    def step(run, *a, **k):
+        if run.name != "static":
+            raise err
+        return real(run, *a, **k)
+
+    monkeypatch.setattr(ttl, "_train_step", step)
+    out = tmp_path / "o"
+    assert main(ARGS[:-6] + ["--steps", "2", "--policies", "static,lrmoe", "--out", str(out)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("lrmoe: error: emulating lrmoe: out of ") and where in line
+    assert "the 2 virtual ranks share this one device" in line and "--ep" in line
+    assert not (out / "ttl.json").exists()
+    assert list(json.loads((out / "ttl_partial.json").read_text())["policies"]) == ["static"]
+    # any other RuntimeError is not an allocation failure: it is not rewritten
+    monkeypatch.setattr(ttl, "_train_step", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(ARGS[:-6] + ["--steps", "1", "--out", str(tmp_path / "p")])
+
+
+def test_ttl_calibration_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    import lrmoe.sim.ttl as ttl
+    monkeypatch.setattr(ttl, "_train_step", lambda *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")))
+    out = tmp_path / "c"
+    assert main(ARGS[:-6] + ["--steps", "1", "--budget-floor-fraction", "1.1",
+                             "--out", str(out)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("lrmoe: error: emulating static's calibration: out of GPU memory "
+                           "(CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert not out.exists()  # nothing finished: a new --out goes

@@ -78,7 +78,7 @@ from lrmoe.train.config import TrainConfig, resolve_model_config
 from lrmoe.train.loop import evaluate, make_autocast, val_windows
 from lrmoe.train.offload import last_backward_hook
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.step_oom import verdict
+from lrmoe.train.step_oom import allocator_words, verdict
 from lrmoe.units import parse_bytes
 
 OOM = "OOM"  # a ratio involving a policy that ran out of memory
@@ -537,6 +537,22 @@ class _Data:
     val_b: list
 
 
+@contextlib.contextmanager
+def _emulator_memory(name: str, G: int):
+    """The emulation itself out of the device's (or the host's) memory: its G ranks share
+    one device, so this is no verdict on the policy; one line, and the run stops."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        found = allocator_words(e)
+        if found is None:
+            raise
+        where, words = found
+        raise LrmoeError(f"emulating {name}: out of {where} memory ({words}); the {G} virtual "
+                         f"ranks share this one device: use a smaller --batch-size or "
+                         f"--seq-len, fewer --ep ranks or a device with more memory") from None
+
+
 def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
     """Run every policy and return the report dict, calling ``on_policy(name, result)``
     after each (to save partial results); a policy that fails is reported with
@@ -559,9 +575,10 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
         data = _load_data(cfg)
         reused = _probe(cfg, data, variants)
         if cfg.budget_floor_fraction is not None:  # static's floor over this run's routing
-            rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
-                    ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
-                                         run_policy, static_floor_ledger(cfg, data.mcfg)))
+            with _emulator_memory("static's calibration", G):
+                rule = (ttl_budget.reused(cfg, reused["static"]) if "static" in reused else
+                        ttl_budget.calibrate(cfg, data.mcfg, data.batches, data.val_b, link, log,
+                                             run_policy, static_floor_ledger(cfg, data.mcfg)))
             ledger = budget_ledger(cfg, data.mcfg, rule.budget_bytes)
             log(f"budget {ledger.budget_bytes} bytes = {rule.fraction:g} x static's "
                 f"whole-layer floor {rule.floor_bytes} bytes ({rule.source})")
@@ -572,8 +589,9 @@ def bench_ttl(cfg: TTLConfig, log=print, on_policy=None) -> dict:
                 results[p] = reused[p]
             else:
                 base, vcfg = variants[p]
-                results[p] = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b, ledger,
-                                        link, log, profile)
+                with _emulator_memory(p, G):
+                    results[p] = run_policy(base, vcfg, data.mcfg, data.batches, data.val_b,
+                                            ledger, link, log, profile)
                 results[p]["policy"] = p
                 counts_GE = results[p].pop("_counts_GE")
                 if rule is not None:  # with each result: --reuse takes it with the policy

@@ -35,7 +35,7 @@ def budget_arg(n: int) -> str:
     return str(int(n))
 
 
-def _allocator_words(e: BaseException) -> tuple[str, str] | None:
+def allocator_words(e: BaseException) -> tuple[str, str] | None:
     """``(where, the allocator's own first sentences)``: ``where`` is ``GPU`` or
     ``host``; None when ``e`` is no allocation failure."""
     text = str(e).strip()
@@ -108,7 +108,7 @@ def step_memory(mem: StepMemory, claim: Callable[[], None]) -> Iterator[StepMemo
     except OutOfMemory as e:  # every rank plans alike: every rank raises it
         raise LrmoeError(mem.ledger_line(e)) from None
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        found = _allocator_words(e)
+        found = allocator_words(e)
         if found is None:
             raise
         err = LrmoeError(mem.allocator_line(*found))

@@ -731,6 +731,13 @@ def test_ttl_reuse_of_static_keeps_lrmoes_link_cost(tmp_path, capsys):
     assert "records no GEMM rate" in err and "\n" not in err and not (tmp_path / "c").exists()
 
 
+def _raising(e: BaseException):
+    """A stand-in for a step that fails with ``e``."""
+    def step(*a, **k):
+        raise e
+    return step
+
+
 @pytest.mark.parametrize("where", ["GPU", "host"])
 def test_ttl_emulation_out_of_memory_is_one_line_and_keeps_finished_policies(
         tmp_path, capsys, monkeypatch, where):
@@ -760,15 +767,14 @@ def test_ttl_emulation_out_of_memory_is_one_line_and_keeps_finished_policies(
     assert not (out / "ttl.json").exists()
     assert list(json.loads((out / "ttl_partial.json").read_text())["policies"]) == ["static"]
     # any other RuntimeError is not an allocation failure: it is not rewritten
-    monkeypatch.setattr(ttl, "_train_step", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("shape mismatch")))
+    monkeypatch.setattr(ttl, "_train_step", _raising(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(ARGS[:-6] + ["--steps", "1", "--out", str(tmp_path / "p")])
 
 
 def test_ttl_calibration_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
     import lrmoe.sim.ttl as ttl
-    monkeypatch.setattr(ttl, "_train_step", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(ttl, "_train_step", _raising(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")))
     out = tmp_path / "c"
     assert main(ARGS[:-6] + ["--steps", "1", "--budget-floor-fraction", "1.1",

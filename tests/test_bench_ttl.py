@@ -13,6 +13,7 @@ from budgets import balanced_budget
 from lrmoe.cli import main
 from lrmoe.presets import get_preset
 from shared_run import run_once
+from test_step_oom import HOST_OOM
 
 ARGS = ["bench", "ttl", "--preset", "tiny-qwen3", "--ep", "2", "--steps", "6",
         "--batch-size", "4", "--seq-len", "32", "--eval-every", "3",
@@ -749,8 +750,7 @@ def test_ttl_emulation_out_of_memory_is_one_line_and_keeps_finished_policies(
     text = {"GPU": "CUDA out of memory. Tried to allocate 240.00 MiB. GPU 0 has a total "
                    "capacity of 79.18 GiB of which 60.19 MiB is free. Of the allocated memory "
                    "76.70 GiB is allocated by PyTorch",
-            "host": "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
-                    "allocate memory: you tried to allocate 251658240 bytes. Error code 12"}[where]
+            "host": HOST_OOM}[where]
     err = torch.OutOfMemoryError(text) if where == "GPU" else RuntimeError(text)
 
     def step(run, *a, **k):

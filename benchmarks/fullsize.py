@@ -1,6 +1,6 @@
 """Can the whole Qwen3-30B-A3B train on one GPU with host optimizer offload? MODELLED.
 
-The whole-model step ledger (:class:`lrmoe.step_ledger.StepLedger`, from the config
+The whole-model step ledger (:class:`step_ledger.StepLedger`, from the config
 alone) prices, for every micro-batch size and checkpoint mode asked, the GPU bytes by
 term (weights, gradients, AdamW state where they live, the activations and transients
 of a step's largest phase) and the host bytes (fp32 masters, moments and gradient buffer
@@ -47,12 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_common as gc  # noqa: E402
+from step_ledger import MODES, StepLedger  # noqa: E402
 
 from lrmoe.config import ModelConfig  # noqa: E402
 from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.presets import PRESETS, get_preset  # noqa: E402
 from lrmoe.sim.offload import PCIE5_X16  # noqa: E402
-from lrmoe.step_ledger import MODES, StepLedger  # noqa: E402
 from lrmoe.units import fmt_bytes, parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

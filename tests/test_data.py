@@ -348,7 +348,7 @@ def test_missing_stdlib_and_cut_utf8(tmp_path, monkeypatch):
     # A byte cap that lands inside a multi-byte character drops it instead of garbling it.
     (tmp_path / "lib" / "a.py").write_text("é" * 100)
     (tmp_path / "lib" / "b.py").write_text("ü" * 100)
-    c = load_corpus(None, 51, 51)
+    c = load_corpus(None, 51)
     texts = c.train_texts + c.val_texts
     assert all(set(t) <= {"é", "ü"} for t in texts) and "\ufffd" not in "".join(texts)
     assert all(len(t.encode()) <= 51 for t in texts)

@@ -1,4 +1,4 @@
-"""The whole-model step ledger (``lrmoe.step_ledger``) against the model and the trainer:
+"""The whole-model step ledger (``benchmarks/step_ledger.py``) against the model and the trainer:
 its parameter count is the model's, its GPU/host split under host offload is what the
 trainer's optimizer allocates, and what it says a layer keeps for backward is what
 autograd keeps (CPU, bf16 autocast: the CUDA trainer's precision)."""
@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +17,14 @@ import torch
 import test_ledger_truth as truth
 from lrmoe.model import MoEForCausalLM
 from lrmoe.presets import CATEGORIES, get_preset, param_breakdown, param_counts
-from lrmoe.step_ledger import StepLedger, pinned_bytes
 from lrmoe.train.host_pipe import HOST_CHUNK, RING, HostPipeline
+from lrmoe.train.setup import pinned_bytes
 from references.offload_adamw import staging_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import fullsize  # noqa: E402
+from step_ledger import StepLedger  # noqa: E402
 
 
 def _category(name: str) -> str:
@@ -290,14 +297,7 @@ def test_head_saved_is_what_autograd_keeps(chunk):
 
 
 def test_fullsize_tool_reports_the_whole_model(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fullsize.py"
-    spec = importlib.util.spec_from_file_location("fullsize", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--out", str(tmp_path), "--sizes", "1x4096", "--modes", "full"]) == 0
+    assert fullsize.main(["--out", str(tmp_path), "--sizes", "1x4096", "--modes", "full"]) == 0
     res = json.loads((tmp_path / "fullsize.json").read_text())
     row = res["results"][0]
     assert row["mode"] == "full" and row["tokens"] == 4096
@@ -313,7 +313,7 @@ def test_fullsize_tool_reports_the_whole_model(tmp_path):
     assert len(set(row["phases"].values())) == 4  # a wrong pick cannot tie
     assert "MODELLED" in (tmp_path / "fullsize.md").read_text()
     for bad in (["--sizes", "4096"], ["--measure", "--layers", "49", "--device", "cpu"]):
-        assert mod.main(["--out", str(tmp_path / "x"), *bad]) == 2
+        assert fullsize.main(["--out", str(tmp_path / "x"), *bad]) == 2
         assert not (tmp_path / "x").exists()
 
 

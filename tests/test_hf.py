@@ -20,7 +20,6 @@ from lrmoe.errors import LrmoeError
 from lrmoe.hf import load_hf_config, save_hf
 from lrmoe.hf_load import load_hf
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.experts import Experts
 
 QWEN = dict(model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -621,7 +620,7 @@ def test_save_refuses_a_directory_of_another_model(tmp_path, what):
 
 def test_save_refuses_sharded_experts_and_bad_args(tmp_path):
     m = _ours(QWEN)
-    m.layers[1].mlp.experts = Experts(m.config, first=0, count=4)
+    m.layers[1].mlp.experts.count = 4  # an expert-parallel shard's (shard_experts)
     with pytest.raises(LrmoeError, match="gather the experts first"):
         save_hf(m, tmp_path / "x")
     assert not (tmp_path / "x").exists()

@@ -57,12 +57,14 @@ def test_selection_is_the_select_stage_bit_for_bit(shape):
                     assert_bitwise(got.dy_SH, case["dout"][tok_s])
 
 
-def test_a_metric_the_selection_does_not_know_is_refused():
+def test_grad_norm_without_the_token_norms_is_refused():
+    """(A metric name the selection does not know is refused by ``BackwardOptions``:
+    tests/test_policies.py.)"""
     case = home_case(8, 2, 16, 8, 2, 4, 0.65, 0.5, torch.device("cpu"))
     home = case["home"]
     with pytest.raises(ValueError, match="'grad_norm' needs the token norms"):
         selection.select_topk("grad_norm", None, case["tok"], case["g"], case["gate"], home.retain_I,
                               home.select_I)
-    with pytest.raises(ValueError, match="selection metric 'norm'"):
-        selection.select_sampled("norm", None, case["tok"], case["g"], case["gate"], home.retain_I,
+    with pytest.raises(ValueError, match="'grad_norm' needs the token norms"):
+        selection.select_sampled("grad_norm", None, case["tok"], case["g"], case["gate"], home.retain_I,
                                  home.select_I, None)

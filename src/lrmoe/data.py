@@ -252,15 +252,12 @@ def _mib(rows: list[tuple[str, str]]) -> str:
 def load_corpus(
     data: str | os.PathLike | None = None,
     max_bytes: int | None = DEFAULT_MAX_BYTES,
-    val_max_bytes: int | None = None,
 ) -> Corpus:
-    """Load and split a corpus (see module docstring). ``max_bytes=None``: no cap."""
-    for name, value in (("max_bytes", max_bytes), ("val_max_bytes", val_max_bytes)):
-        if value is not None and (not isinstance(value, int) or value <= 0):
-            raise LrmoeError(f"{name} must be a positive integer or None, got {value!r}")
-    if val_max_bytes is None and max_bytes is not None:
-        val_max_bytes = max(max_bytes // 16, 1)
-    col = _Collector(max_bytes, val_max_bytes)
+    """Load and split a corpus (see module docstring). ``max_bytes=None``: no cap; the
+    validation split's cap is a sixteenth of it."""
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise LrmoeError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    col = _Collector(max_bytes, None if max_bytes is None else max(max_bytes // 16, 1))
     why, notes = "", []
     if data is None:
         root = Path(sysconfig.get_paths()["stdlib"])

@@ -177,11 +177,19 @@ class Ledger:
         rec = int(recomputed_pairs)
         T = -(-h // self.top_k)
         bwd = BackwardRows(R, h, False) if bwd is None else bwd
-        n, ps, gth = bwd.rows_in, bwd.rows_out, bwd.gathered
         y = 0 if exact and self.router_grad_at_experts else h
-        back = max(self.backward_points(T, n, ps, k, rec, y, gth).values())
-        fwd = max(self.forward_points(T, R, h, k, rec, y).values())
-        return max(back * self.bytes_act + self._index_bytes(n, gth), fwd * self.bytes_act)
+        return max(self._point_bytes(T, R, h, k, rec, y, bwd.rows_in, bwd.rows_out,
+                                     bwd.gathered).values())
+
+    def _point_bytes(self, T: int, R: int, h: int, k: int, rec: int, y: int, n: int, ps: int,
+                     gathered: bool, rebuild=None, copy_x=None, copy_gu=None) -> dict[str, int]:
+        """Bytes alive at each candidate peak, the backward's (``bwd_*``) and the forward's (``fwd_*``)."""
+        b, idx = self.bytes_act, self._index_bytes(n, gathered)
+        out = {"bwd_" + name: v * b + idx for name, v in
+               self.backward_points(T, n, ps, k, rec, y, gathered, rebuild).items()}
+        out.update({"fwd_" + name: v * b for name, v in
+                    self.forward_points(T, R, h, k, rec, y, copy_x, copy_gu).items()})
+        return out
 
     def buffer_pieces(self, home_pairs: int, exact: bool, rec_branch: bool) -> np.ndarray:
         """:meth:`counts_buffer_bytes` for ``h`` home pairs as undominated affine pieces, int64
@@ -193,7 +201,6 @@ class Ledger:
             return hit
         T = -(-h // self.top_k)
         y = 0 if exact and self.router_grad_at_experts else h
-        b = self.bytes_act
 
         def at(R: int, k: int, rec: int) -> dict[str, int]:  # {point: bytes}, affine in each
             if exact:  # every received row in backward, none gathered, no input copy
@@ -201,12 +208,8 @@ class Ledger:
             else:  # a trimmed plan: at most every retained row selected (n <= k), every
                 # home row sent, the saved rows gathered, the retained rows copied
                 n, gth, cx = k, True, True
-            idx = self._index_bytes(n, gth)
-            out = {"bwd_" + name: v * b + idx for name, v in
-                   self.backward_points(T, n, h, k, rec, y, gth, rebuild=rec_branch).items()}
-            out.update({"fwd_" + name: v * b for name, v in self.forward_points(
-                T, R, h, k, rec, y, copy_x=cx, copy_gu=cx or rec_branch).items()})
-            return out
+            return self._point_bytes(T, R, h, k, rec, y, n, h, gth, rebuild=rec_branch,
+                                     copy_x=cx, copy_gu=cx or rec_branch)
         p0, *rest = (at(*v) for v in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)))
         out = np.array([[v0] + [p[name] - v0 for p in rest] for name, v0 in p0.items()],
                        dtype=np.int64)

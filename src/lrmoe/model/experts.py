@@ -17,13 +17,12 @@ class Experts(nn.Module):
     ``r*E/G .. (r+1)*E/G - 1`` (their master weights, gradients and optimizer state).
     """
 
-    def __init__(self, cfg: ModelConfig, first: int = 0, count: int | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        count = cfg.num_experts if count is None else count
-        H, Fd = cfg.hidden_size, cfg.moe_intermediate_size
-        self.first, self.count, self.num_experts = first, count, cfg.num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * Fd, H))
-        self.down_proj = nn.Parameter(torch.empty(count, H, Fd))
+        E, H, Fd = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.first, self.count, self.num_experts = 0, E, E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Fd, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, Fd))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
         # the weights in the compute dtype, while the micro-batches of one optimizer step

@@ -28,10 +28,11 @@ try:
 except ImportError:  # no Triton on this install: the references serve every device
     _k = None
 
-USE_TRITON = _k is not None and os.environ.get("LRMOE_NO_TRITON") != "1"
+HAS_TRITON = _k is not None  # the custom operators exist (selection's too)
+USE_TRITON = HAS_TRITON and os.environ.get("LRMOE_NO_TRITON") != "1"
 # under Triton's interpreter (TRITON_INTERPRET=1) the kernels also serve CPU tensors: how
 # they are checked on a machine without a GPU
-INTERPRET = _k is not None and _k.INTERPRET
+INTERPRET = HAS_TRITON and _k.INTERPRET
 
 
 def on_kernels(t: Tensor) -> bool:
@@ -211,7 +212,7 @@ def home_positions(idx_P: Tensor, gate_P: Tensor, first_N: Tensor, row0_N: Tenso
 
 
 # ------------------------------------------------------------------- custom operators
-if _k is not None:
+if HAS_TRITON:
     @triton_op("lrmoe::gather_runs", mutates_args=())
     def _gather_runs_op(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_out: int) -> Tensor:
         return _k.launch_gather_runs(src, dst_first_R, src_first_R, n_out, wrap_triton)

@@ -20,14 +20,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.ops.rowops import on_kernels, run_positions, runs, to_device
+from lrmoe.ops.rowops import HAS_TRITON, on_kernels, run_positions, runs, to_device
 
-try:
+if HAS_TRITON:
     from torch.library import triton_op, wrap_triton
 
     from lrmoe.ops import selection_triton as _k
-except ImportError:
-    _k = None
 
 
 @dataclass
@@ -52,8 +50,7 @@ METRICS = ("grad_norm", "gate")
 
 
 def check_metric(metric: str, norm_T: Tensor | None) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"selection metric {metric!r}: expected one of {METRICS}")
+    """The metric's inputs are there (its name is checked by ``BackwardOptions``)."""
     if metric == "grad_norm" and norm_T is None:
         raise ValueError("selection metric 'grad_norm' needs the token norms (norm_T)")
 
@@ -218,7 +215,7 @@ def select_sampled(metric: str, norm_T: Tensor | None, tok_N: Tensor, g_N: Tenso
     return Selection(sel, tok, scale, keep, sent, recv, None if dout_TH is None else dy, pi)
 
 
-if _k is not None:
+if HAS_TRITON:
     @triton_op("lrmoe::topk_select", mutates_args=())
     def _topk_op(metric: str, tok_N: Tensor, gate_N: Tensor, norm_T: Tensor | None,
                  tab_3B: Tensor) -> tuple[Tensor, Tensor, Tensor]:

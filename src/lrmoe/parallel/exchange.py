@@ -293,9 +293,8 @@ class ExpertExchange(torch.autograd.Function):
         # row's block are rebuilt from the plan there.
         ctx.st, ctx.keep = st, keep
         # The kept rows are the Function's own intermediates (never its inputs or output,
-        # so no reference cycle): held in a plain dict rather than save_for_backward,
-        # whose tensors live until backward returns, so backward can drop each one at its
-        # last use (Ledger.rows_buffer_bytes, docs/design.md §5).
+        # so no reference cycle): a plain dict rather than save_for_backward, whose tensors
+        # live until backward returns (kept_rows; Ledger.rows_buffer_bytes, docs/design.md §5).
         if st.opts.checkpointed:
             ctx.save_for_backward(w13_S, w2_S, comb.w_TK, comb.row_TK, rows["x"], rows["gu"],
                                   rows["y_send"])

@@ -1,18 +1,10 @@
 """Instance weights: each local slot's expert weights, from their owners, in the compute dtype.
 
-Expert e's master weights live on its owner rank ``e // (E/G)`` (the native rank).
-Every step the runtime gathers, for each local slot, a copy of its expert's weights
-(``GatherInstances``); autograd's backward of that gather sums every instance's weight
-gradient into its expert's gradient on the owner (inside a rank by ``index_add``,
-across ranks by the reverse all-to-all): the replica-gradient reduce of docs/design.md §2.
-
-The owned weights are cast to the compute dtype once per optimizer step
-(:func:`compute_copy`): the micro-batches of one step reuse the cast, and their
-gradients still accumulate in the master dtype.
-
-Inside an optimizer step of several micro-batches a placement's instance weights are
-held and their gradients summed on the slots (:class:`HeldInstances`; how, and why that
-is exact: docs/design.md §7).
+Expert e's master weights live on its owner rank ``e // (E/G)`` (the native rank), cast
+to the compute dtype once per optimizer step (:func:`compute_copy`). Every step the
+runtime gathers, for each local slot, a copy of its expert's weights (``GatherInstances``,
+whose backward is the replica-gradient reduce of docs/design.md §2: :func:`reduce_slots`);
+over an optimizer step of several micro-batches it holds them (:class:`HeldInstances`).
 
 Legend: S occupied slots, E experts, G ranks.
 """
@@ -170,7 +162,8 @@ def placement_key(ie_GS: np.ndarray) -> bytes:
 
 class HeldInstances:
     """One MoE layer's instance weights and their gradient accumulators over the
-    ``micros`` micro-batches of an optimizer step (module doc).
+    ``micros`` micro-batches of an optimizer step (how, and why that is exact:
+    docs/design.md §7).
 
     Args:
         params: the layer's owned expert parameters, in the order of the weight lists

@@ -7,8 +7,7 @@ Backward: home ``home_backward`` (combine^-1, **select**, **compact**) -> all-to
 receiver ``experts_backward`` -> all-to-all -> home ``home_finish``.
 
 Every function works on one rank's plain tensors and layouts; the exchanges between
-them belong to the caller (:mod:`lrmoe.parallel.exchange`: a real rank's collectives,
-one process's identity or the emulator's G virtual ranks). Timing wraps regions from
+them belong to the caller (:mod:`lrmoe.parallel.exchange`). Timing wraps regions from
 outside through ``tm(key)``, a context-manager factory for the buckets ``local``,
 ``select``, ``gather`` and the expert kernels; it never changes what a stage computes.
 

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lrmoe.errors import LrmoeError, quiet_unless
+from lrmoe.config import ModelConfig
+from lrmoe.errors import LrmoeError, quiet_unless, require
 from lrmoe.ledger import DTYPE_BYTES
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
@@ -93,12 +94,53 @@ def leave_process_group(agreed: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- memory
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator rounds
+    every request up to the next power of two (unless ``pinned_max_round_threshold`` is set)."""
+    n = int(nbytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
+    """Elements of each tensor one EP rank's host offload keeps (``dense``: every parameter)."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.train.offload import offloaded_params
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    if dense:
+        return [p.numel() for p in model.parameters()]
+    return [p.numel() // ep_size for p in offloaded_params(model)]
+
+
+def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
+               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
+               staging: bool = False) -> dict[str, int]:
+    """Host bytes by term of the offloaded tensors of ``numels`` elements, as ``HostOffloadAdamW``
+    allocates them on ``device``; ``staging``: one gradient buffer of the largest tensor."""
+    from lrmoe.train.host_pipe import HOST_CHUNK, RING
+
+    require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
+    moments = moment_bytes * sum(numels)
+    if device == "cpu" and compute_dtype == "fp32":  # HostOffloadAdamW._own_master
+        return {"masters": 0, "moments": moments, "grad_buffer": 0, "pipeline_staging": 0}
+    size = pinned_bytes if device == "cuda" else int
+    bw = DTYPE_BYTES[compute_dtype]
+    gb = bw if grad_bytes is None else grad_bytes
+    grads = [max(numels, default=0) * gb] if staging else [gb * n for n in numels]
+    span = min(HOST_CHUNK, max(numels, default=0))
+    pipe = 4 * span + (RING * pinned_bytes(bw * span) if device == "cuda" else 0)
+    return {"masters": sum(size(master_bytes * n) for n in numels),
+            "moments": moments,
+            "grad_buffer": sum(size(b) for b in grads if b),
+            "pipeline_staging": pipe}
+
+
 def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a
     parameter (experts 1/``ep_size``); with ``offload`` the experts' state on the host."""
     from lrmoe.presets import param_breakdown, param_counts
-    from lrmoe.step_ledger import host_state, offloaded_numels
 
     total, _ = param_counts(mcfg)
     experts = param_breakdown(mcfg)["experts"]

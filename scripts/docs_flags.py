@@ -1,4 +1,4 @@
-"""docs/flags.md, rendered from the ``lrmoe`` parser: ``python -m lrmoe.docs_flags > docs/flags.md``.
+"""docs/flags.md, rendered from the ``lrmoe`` parser: ``python scripts/docs_flags.py > docs/flags.md``.
 
 One table per argument group: the flag, its default and its help, a help's trailing
 ``(default X)`` moved to the default column; ``tests/test_docs_flags.py`` fails when the
@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
-from lrmoe.cli import build_parser
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lrmoe.cli import build_parser  # noqa: E402
 
 HEADER = """\
 # Command-line flags
@@ -20,7 +23,7 @@ them. This file is generated from the parsers (`src/lrmoe/commands/`, and
 `src/lrmoe/cli_flags.py` for the policy and memory flags that `train`, `plan` and
 `bench ttl` share); regenerate it after changing a flag:
 
-    python -m lrmoe.docs_flags > docs/flags.md
+    python scripts/docs_flags.py > docs/flags.md
 
 Spelling: a knob only the lrmoe policy reads is `--lrmoe-NAME`; one that several policies
 or the memory ledger read has no prefix. `lrmoe train` flags not given take their

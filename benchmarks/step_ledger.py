@@ -1,5 +1,6 @@
-"""The whole-model step ledger: what one process's training step holds on the GPU and on
-the host, MODELLED from the code's allocations (docs/design.md §5, "Whole-model step").
+"""The whole-model step ledger of ``fullsize.py``: what one process's training step holds on
+the GPU and on the host, MODELLED from the code's allocations (docs/design.md §5,
+"Whole-model step"). Imported with ``src/`` on the path.
 
 Legend: N tokens of a micro-batch, H hidden, F expert width, E experts, K top-k,
 V vocabulary, D head dim, L decoder layers.
@@ -14,55 +15,12 @@ from lrmoe.config import ModelConfig
 from lrmoe.errors import require
 from lrmoe.ledger import DTYPE_BYTES, Ledger
 from lrmoe.presets import layer_params, param_breakdown
+from lrmoe.train.setup import host_state, offloaded_numels
 
 MODES = ("none", "selective", "full")
 # what the one-process path (parallel/exchange.py) keeps per pair besides its gate: its row
 # and the pair of each row (int64); the exchange keeps one more index (ledger.py)
 LOCAL_INDEX_BYTES = 2 * 8
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator rounds
-    every request up to the next power of two (unless ``pinned_max_round_threshold`` is set)."""
-    n = int(nbytes)
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-def offloaded_numels(cfg: ModelConfig, ep_size: int = 1, dense: bool = False) -> list[int]:
-    """Elements of each tensor one EP rank's host offload keeps (``dense``: every parameter)."""
-    import torch
-
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.train.offload import offloaded_params
-
-    with torch.device("meta"):
-        model = MoEForCausalLM(cfg)
-    if dense:
-        return [p.numel() for p in model.parameters()]
-    return [p.numel() // ep_size for p in offloaded_params(model)]
-
-
-def host_state(numels: list[int], device: str = "cuda", compute_dtype: str = "bf16",
-               master_bytes: int = 4, moment_bytes: int = 8, grad_bytes: int | None = None,
-               staging: bool = False) -> dict[str, int]:
-    """Host bytes by term of the offloaded tensors of ``numels`` elements, as ``HostOffloadAdamW``
-    allocates them on ``device``; ``staging``: one gradient buffer of the largest tensor."""
-    from lrmoe.train.host_pipe import HOST_CHUNK, RING
-
-    require(device in ("cuda", "cpu"), f"device {device!r}: use cuda or cpu")
-    moments = moment_bytes * sum(numels)
-    if device == "cpu" and compute_dtype == "fp32":  # HostOffloadAdamW._own_master
-        return {"masters": 0, "moments": moments, "grad_buffer": 0, "pipeline_staging": 0}
-    size = pinned_bytes if device == "cuda" else int
-    bw = DTYPE_BYTES[compute_dtype]
-    gb = bw if grad_bytes is None else grad_bytes
-    grads = [max(numels, default=0) * gb] if staging else [gb * n for n in numels]
-    span = min(HOST_CHUNK, max(numels, default=0))
-    pipe = 4 * span + (RING * pinned_bytes(bw * span) if device == "cuda" else 0)
-    return {"masters": sum(size(master_bytes * n) for n in numels),
-            "moments": moments,
-            "grad_buffer": sum(size(b) for b in grads if b),
-            "pipeline_staging": pipe}
 
 
 @dataclass(frozen=True)

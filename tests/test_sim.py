@@ -35,12 +35,11 @@ from lrmoe.sim.cost import (
     STAGES,
     StepTimes,
     price_terms,
-    rank_bytes,
     rank_link_terms,
     rank_stage_seconds,
     step_times,
 )
-from lrmoe.sim.links import LINKS, alltoall_time
+from lrmoe.sim.links import LINKS, exchange_time
 from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
 from onerank import TableRouter, zipf_routing
@@ -407,13 +406,13 @@ def test_step_times_from_stats():
     link = LINKS["nvlink"]
     st = step_times(stats, link, non_moe_s=1e-3)
     assert isinstance(st, StepTimes) and st.label == "emulated"
-    want = max(alltoall_time(rank_bytes(stats.bytes_GG["fwd_dispatch"]), link, G))
+    want = max(exchange_time(stats.bytes_GG["fwd_dispatch"], link))
     assert st.fwd_dispatch == pytest.approx(want)
     assert st.fwd_experts == pytest.approx(max(stats.expert_ms["fwd"]) / 1e3)
     assert st.total == pytest.approx(sum(st.stages().values()) + 1e-3)
     assert st.weight_scatter > 0
     # bandwidth model: 450 GB/s at its all-to-all efficiency, 3 us per peer message
-    t = alltoall_time(rank_bytes([[0, 450e9, 0], [0, 0, 225e9], [0, 0, 0]]), link, 3)
+    t = exchange_time([[0, 450e9, 0], [0, 0, 225e9], [0, 0, 0]], link)
     one = 1.0 / link.efficiency
     assert t == pytest.approx([one + 6e-6, one + 6e-6, one / 2 + 6e-6])
 

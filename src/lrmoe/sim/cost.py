@@ -72,17 +72,12 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
 
     def exchange(ex: str) -> list[float]:
         return exchange_time(stats.bytes_GG[ex], link) if live(stats, ex) else [0.0] * G
-    out = {ex: exchange(ex) for ex in EXCHANGES}
-    counts = (out.pop("count_allgather"), out.pop("bwd_count_exchange"))
-    out["count_exchange"] = [a + b for a, b in zip(*counts)]
+    out = {k: [f + sum(v) for f, *v in zip(fixed, *map(exchange, names))]
+           for k, (names, fixed) in _groups(stats).items()}
     for k in MEASURED_STAGES:
         out[k] = _seconds(stats.stage_ms, k, G)
     out["fwd_experts"] = _seconds(stats.expert_ms, "fwd", G)
     out["bwd_experts"] = _seconds(stats.expert_ms, "bwd", G)
-    names, kernels = _recompute(stats)
-    redo = [exchange(ex) for ex in names]
-    out["bwd_recompute"] = [s + sum(v) for s, *v in
-                            zip(_seconds(stats.expert_ms, kernels, G), *redo)]
     return out
 
 
@@ -103,21 +98,25 @@ LINK_STAGES = ("count_exchange", "fwd_dispatch", "fwd_combine", "bwd_dispatch",
                "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
 
 
+def _groups(stats: VirtualStats) -> dict[str, tuple[tuple[str, ...], list[float]]]:
+    """Per :data:`LINK_STAGES` stage of one layer's step, the exchanges it sends and each
+    rank's seconds besides them (a re-run's expert kernels)."""
+    G = stats.plan.G
+    out = {ex: ((ex,), [0.0] * G) for ex in LINK_STAGES if ex in EXCHANGES}
+    out["count_exchange"] = (("count_allgather", "bwd_count_exchange"), [0.0] * G)
+    names, kernels = _recompute(stats)
+    out["bwd_recompute"] = (names, _seconds(stats.expert_ms, kernels, G))
+    return out
+
+
 def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], list[float]]]:
     """Per :data:`LINK_STAGES` stage, :func:`rank_stage_seconds` as link-free terms
     ``(messages, bytes per rank, fixed seconds per rank)`` that :func:`price_terms` prices."""
-    G = stats.plan.G
-
-    def ex_terms(names, fixed=None):
+    out = {}
+    for k, (names, fixed) in _groups(stats).items():
         sent = [ex for ex in names if live(stats, ex)]
         per = [rank_bytes(stats.bytes_GG[ex]) for ex in sent]
-        bytes_G = [sum(v) for v in zip(*per)] if per else [0.0] * G
-        return len(sent), bytes_G, fixed or [0.0] * G
-
-    out = {ex: ex_terms([ex]) for ex in LINK_STAGES if ex in EXCHANGES}
-    out["count_exchange"] = ex_terms(["count_allgather", "bwd_count_exchange"])
-    names, kernels = _recompute(stats)
-    out["bwd_recompute"] = ex_terms(names, _seconds(stats.expert_ms, kernels, G))
+        out[k] = len(sent), [sum(v) for v in zip(*per)] if per else [0.0] * stats.plan.G, fixed
     return out
 
 

@@ -177,7 +177,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     terms: dict = {}
     outs, once = accumulated_times([m[0] for m in micro], link,
                                    [x / G for x in non_moe_micro], non_moe_opt / G, offload,
-                                   terms)
+                                   terms=terms)
     total = sum(o.total for o in outs) + once.total
     moe = sum(o.moe for o in outs) + once.moe
     fwd = [s.plan.rank_load().double() for s in stats]

@@ -260,12 +260,11 @@ class SymiPolicy(Policy):
         pop = prev_counts if prev_counts.dim() == 1 else prev_counts.sum(0)
         E = pop.numel()
         inst = place_symi(pop, G, E, self._slots(G, E))
-        return Prepared(self.name, inst, Slots(inst, E))
+        return Prepared(inst, Slots(inst, E))
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
         prep = inputs.prepared
-        mine = prep is not None and prep.policy == self.name
         return plan_symi(counts_GE, self._slots(G, E), inputs.prev_counts_E, inputs.ledger,
-                         self.recompute, prep.inst_expert_GS if mine else None,
-                         prep.slots if mine else None)
+                         self.recompute, prep.inst_expert_GS if prep is not None else None,
+                         prep.slots if prep is not None else None)

@@ -70,7 +70,7 @@ from lrmoe.sim.ttl_config import (
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.virtual import now
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
-from lrmoe.sim.vstats import EXCHANGES
+from lrmoe.sim.vstats import EXCHANGES, pair_ratios
 from lrmoe.tokenizer import check_vocab
 from lrmoe.tokenizer_load import load_tokenizer
 from lrmoe.train.accum import accumulate, update
@@ -182,7 +182,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     moe = sum(o.moe for o in outs) + once.moe
     fwd = [s.plan.rank_load().double() for s in stats]
     bwd = [s.plan.rank_backward_load().double() for s in stats]
-    assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
+    ratios = pair_ratios([s.plan for s in stats], [s.recompute_rows for s in stats])
     moe_wall = sum(mw for _, _, mw in micro)
     row = {"step": step + 1, "train_loss": loss, "wall_s": sum(w for _, w, _ in micro) + opt_wall,
            "moe_wall_s": moe_wall, "non_moe_measured_s": sum(non_moe_micro) + non_moe_opt,
@@ -201,8 +201,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
                "stages_emulated_s": {k: v for k, v in once.stages().items() if v}},
            "fwd_load_max_over_mean": _max_over_mean(fwd),
            "bwd_load_max_over_mean": _max_over_mean(bwd),
-           "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
-           "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
+           "keep_ratio": ratios["keep_ratio"], "retain_ratio": ratios["retain_ratio"],
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
            # every micro-batch's layers: replicas placed, and those a policy's own rule
            # chose but gave up, per reason (Plan.given_up_for): [layer-micro-batches,
@@ -229,7 +228,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
         row.update({
             "recompute_modes": [s.recompute_mode for s in micro[-1][0]],
             "ledger_peak_bytes": peak,
-            "recompute_ratio": sum(sum(s.recompute_rows or []) for s in stats) / max(assigned, 1),
+            "recompute_ratio": ratios["recompute_ratio"],
             "fits": peak <= ledger.budget_bytes,  # else out of memory
             # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
             "rungs": dict(sorted(Counter(s.rung for s in stats).items()))})

@@ -98,3 +98,12 @@ class VirtualStats:
     rung: str = "plan"
     prepare_ms: float = 0.0
     counts_GE: Tensor | None = None
+
+
+def pair_ratios(plans: list[Plan], recompute_rows=()) -> dict[str, float]:
+    """Over the pairs ``plans`` assign: those selected (``keep_ratio``), retained
+    (``retain_ratio``) and recomputed (``recompute_ratio``: per plan, rows per rank or None)."""
+    n = max(sum(int(p.assign_GGS.sum()) for p in plans), 1)
+    return {"keep_ratio": sum(int(p.select_GGS.sum()) for p in plans) / n,
+            "retain_ratio": sum(int(p.retain_GGS.sum()) for p in plans) / n,
+            "recompute_ratio": sum(sum(r or []) for r in recompute_rows) / n}

@@ -277,8 +277,8 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
     ``bwd_recompute`` on every rank, beside the re-sent dispatch and combine; the step
     costs that much more than without the checkpoint, and the gradients are the same."""
     import test_stage_charges as sc
+    from emulated import EmulatedLayer
     from lrmoe.parallel import stages
-    from lrmoe.sim import virtual
     from lrmoe.sim.cost import rank_stage_seconds, step_times
     from lrmoe.sim.links import LINKS
 
@@ -292,7 +292,7 @@ def test_emulator_charges_the_rerun_as_measured(monkeypatch):
     runs = []
     for on in (False, True):
         layer, x = sc._layer()
-        v = virtual.VirtualEPLayer(layer, sc.G, Checkpointed(Replicas(), on))
+        v = EmulatedLayer(layer, sc.G, Checkpointed(Replicas(), on))
         x = x.clone().requires_grad_()
         v(x).sum().backward()
         runs.append((step_times(v.stats, LINKS["nvlink"]), v.stats, x.grad,

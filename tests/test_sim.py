@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as Fn
 
 from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
+from emulated import EmulatedLayer
 from lrmoe.config import ModelConfig
 from lrmoe.errors import OutOfMemory
 from lrmoe.ledger import Ledger
@@ -40,7 +41,7 @@ from lrmoe.sim.cost import (
     step_times,
 )
 from lrmoe.sim.links import LINKS, exchange_time
-from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
+from lrmoe.sim.virtual import virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
 from onerank import TableRouter, zipf_routing
 from shared_run import run_once
@@ -134,8 +135,8 @@ def emulate(policy_name, seed, opts=None, kept=None):
     """The emulated layer's tensors and stats; ``kept`` (a dict) gets the number of
     combined-row elements the exchange keeps for backward."""
     layer, idx, x, coeff = make_case(seed)
-    v = VirtualEPLayer(layer, G, make_policy(policy_name), opts or make_opts(policy_name),
-                       generators=[make_gen(policy_name, seed, r) for r in range(G)])
+    v = EmulatedLayer(layer, G, make_policy(policy_name), opts or make_opts(policy_name),
+                      generators=[make_gen(policy_name, seed, r) for r in range(G)])
     fn = v
     if kept is not None:
         def fn(t):
@@ -477,7 +478,7 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
     layer.router = TableRouter(layer.router.weight, idx)
     # steady state: SYMI's popularity is the previous step's counts, taken to equal these
     layer.prev_counts_E = torch.bincount(idx.flatten(), minlength=E)
-    v = VirtualEPLayer(layer, G, policy, None, ledger=ledger)
+    v = EmulatedLayer(layer, G, policy, None, ledger=ledger)
     x = torch.randn(N, model_cfg.hidden_size, generator=gen)
     dy = torch.randn(N, model_cfg.hidden_size, generator=gen)
     runs = []
@@ -532,13 +533,13 @@ def test_recompute_ledger_charges_time_not_math():
     none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint
     assert none_kept < all_rec < plain
     led = Ledger(layer.cfg, G, none_kept - 1, num_moe_layers=4)
-    v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+    v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
     with pytest.raises(OutOfMemory) as e:  # over even with the whole layer: stops the step
         run(v, layer, x, coeff)
     assert (e.value.needs_bytes, e.value.budget_bytes) == (none_kept, none_kept - 1)
     for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer")):
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4)
-        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
         got = run(v, layer, x, coeff)
         for k in got:
             close(got[k], base[k], k)
@@ -585,8 +586,8 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     for rg in ("home", "experts"):  # 4 layers: recompute pays (see the test above)
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4,
                      router_grad_at_experts=rg == "experts")
-        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
-                           recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
+                          recompute_ledger=led)
         run(v, layer, x, coeff)
         got[rg] = v.stats
         assert max(v.stats.ledger_total_bytes) <= budget
@@ -618,7 +619,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
         lo, hi = (lo, mid) if fits(mid) is not None else (mid + 1, hi)
     led = Ledger(layer.cfg, G, lo, num_moe_layers=4)
     policy = LrmoePolicy(LrmoeConfig())
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led)
+    v = EmulatedLayer(layer, G, policy, BackwardOptions(), ledger=led)
     got = run(v, layer, x, coeff)
     for k in got:
         close(got[k], base[k], k)
@@ -634,9 +635,9 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
          + per["fwd_combine"][r] for r in range(G)])
     assert min(v.stats.expert_ms["recompute"]) > 0
     with pytest.raises(OutOfMemory, match="no plan fits mem_budget at any rung"):
-        run(VirtualEPLayer(layer, G, policy, BackwardOptions(),
-                           ledger=Ledger(layer.cfg, G, lo - 1, num_moe_layers=4)), layer, x, coeff)
+        run(EmulatedLayer(layer, G, policy, BackwardOptions(),
+                          ledger=Ledger(layer.cfg, G, lo - 1, num_moe_layers=4)), layer, x, coeff)
     # a roomy budget: the trimmed plan, rung "plan"
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
+    v = EmulatedLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
     run(v, layer, x, coeff)
     assert v.stats.rung == "plan"

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from dist_util import FixedRouter, hot_replica_plan, trimmed
+from emulated import EmulatedLayer
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer
 from lrmoe.parallel import stages
 from lrmoe.policy.base import Policy
 from lrmoe.sim.cost import rank_stage_seconds, step_times
 from lrmoe.sim.links import LINKS
-from lrmoe.sim.virtual import VirtualEPLayer
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 SLEEP = 0.05
@@ -75,7 +75,7 @@ class FakeClock:
 def _step(policy):
     """The step's times and each stage's per-rank seconds."""
     layer, x = _layer()
-    v = VirtualEPLayer(layer, G, policy)
+    v = EmulatedLayer(layer, G, policy)
     x = x.clone().requires_grad_()
     v(x).sum().backward()
     return step_times(v.stats, LINKS["nvlink"]), rank_stage_seconds(v.stats, LINKS["nvlink"])
@@ -131,7 +131,7 @@ def test_prepare_check_and_pricing_are_reported_not_charged(monkeypatch):
     FakeClock(monkeypatch)
     base, base_per = _step(PartialPolicy())
     layer, x = _layer()
-    v = VirtualEPLayer(layer, G, SlowPrepare(PartialPolicy(), SLEEP))
+    v = EmulatedLayer(layer, G, SlowPrepare(PartialPolicy(), SLEEP))
     v(x.clone().requires_grad_()).sum().backward()
     assert v.stats.prepare_ms == pytest.approx(SLEEP * 1e3, rel=1e-9)
     slow = step_times(v.stats, LINKS["nvlink"]), rank_stage_seconds(v.stats, LINKS["nvlink"])

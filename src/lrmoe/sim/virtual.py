@@ -202,43 +202,27 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
 
 
 class VirtualEPLayer:
-    """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks: its
-    global tokens ``[G*T, H]`` (or ``[B, L, H]``) in, the global output out,
-    differentiable w.r.t. ``x``, the router and the experts; :attr:`stats` holds the
-    step's :class:`VirtualStats`.
+    """The routed experts of ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual
+    EP ranks (:meth:`routed`, what :class:`lrmoe.sim.vmodel.Emulator` runs for the layer);
+    :attr:`stats` holds the step's :class:`VirtualStats`.
 
     ``ledger`` is the planner's (``None``: no budget); ``recompute_ledger`` fits an exact
     policy's plans (recompute, else a whole-layer checkpoint, else
-    :class:`lrmoe.errors.OutOfMemory`); ``generators``: per rank, the ``sampled``
+    :class:`lrmoe.errors.OutOfMemory`); :attr:`generators`: per rank, the ``sampled``
     estimator's generator (``None``: the global RNG). Plans are checked as the runtime
     checks them (:func:`lrmoe.policy.plan.checks_on`); ``fidelity`` is not emulated.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
-                 backward_opts: BackwardOptions | None = None, ledger=None,
-                 generators: list[torch.Generator | None] | None = None, recompute_ledger=None):
+                 backward_opts: BackwardOptions | None = None, ledger=None, recompute_ledger=None):
         self.layer, self.G, self.policy = layer, G, policy
         self.opts = backward_opts or BackwardOptions()
         self.ledger = ledger
         self.check_plans = checks_on()
         self.recompute_ledger = recompute_ledger
-        self.generators = generators or [None] * G
+        self.generators: list[torch.Generator | None] = [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """The whole layer on the global tokens: the router, the routed experts over the G
-        virtual ranks (:meth:`routed`), the shared experts."""
-        layer, H = self.layer, x.shape[-1]
-        x_NH = x.reshape(-1, H)
-        r = layer.router(x_NH)
-        out, step = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE)
-        self.stats = step.stats
-        layer.take(step)
-        out = out.view(x.shape).to(x.dtype)
-        if layer.shared_experts is not None:
-            out = out + layer.shared_experts(x)
-        return out
 
     def routed(self, x_NH: Tensor, idx_NK: Tensor, gate_NK: Tensor, probs_NE: Tensor | None
                ) -> tuple[Tensor, MoEStep]:

@@ -533,13 +533,14 @@ def test_recompute_ledger_charges_time_not_math():
     none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint
     assert none_kept < all_rec < plain
     led = Ledger(layer.cfg, G, none_kept - 1, num_moe_layers=4)
-    v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
-    with pytest.raises(OutOfMemory) as e:  # over even with the whole layer: stops the step
+    v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(), ledger=led)
+    with pytest.raises(OutOfMemory, match="static, even with a whole-layer checkpoint, does not "
+                                          "fit mem_budget: rank") as e:  # stops the step
         run(v, layer, x, coeff)
     assert (e.value.needs_bytes, e.value.budget_bytes) == (none_kept, none_kept - 1)
     for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer")):
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4)
-        v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(), ledger=led)
         got = run(v, layer, x, coeff)
         for k in got:
             close(got[k], base[k], k)
@@ -586,13 +587,13 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     for rg in ("home", "experts"):  # 4 layers: recompute pays (see the test above)
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4,
                      router_grad_at_experts=rg == "experts")
-        v = EmulatedLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
-                          recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(router_grad=rg),
+                          ledger=led)
         run(v, layer, x, coeff)
         got[rg] = v.stats
         assert max(v.stats.ledger_total_bytes) <= budget
     assert got["home"].recompute_mode == "pairs" and sum(got["home"].recompute_rows) > 0
-    assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows == [0] * G
+    assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows is None
 
 
 def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():

@@ -111,9 +111,9 @@ PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous ste
 
 
 def _choose(name, cfg, mcfg, ledger, profile=None):
-    """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
-    ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
-    ``profile``, the static run's counts and GEMM rate."""
+    """``(PolicyConfig, config note)`` of policy ``name`` under the budget rules
+    (docs/design.md §9: the exact policies recompute to fit ``ledger``); symi's ``s`` is
+    chosen on ``profile``, the static run's counts and GEMM rate."""
     G, E = cfg.train.ep, mcfg.num_experts
     lc = cfg.lrmoe.planner
     slots, note = cfg.slots_per_rank, ""
@@ -150,8 +150,8 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
     if name != "lrmoe" and cfg.train.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
-                      recompute=name == "symi" and ledger is not None)
-    return pc, (None if name == "static" else ledger), (None if name == "lrmoe" else ledger), note
+                      recompute=name in ("static", "symi") and ledger is not None)
+    return pc, note
 
 
 def _eval_steps(t: TrainConfig) -> list[int]:
@@ -337,7 +337,7 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if dev.type == "cuda":  # this policy's own peak of the emulating process
         torch.cuda.reset_peak_memory_stats(dev)
     ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, profile)
+    pc, note = _choose(name, cfg, mcfg, ledger, profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(t.seed)
     model = MoEForCausalLM(mcfg).to(dev)
@@ -345,9 +345,9 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if t.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
     opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
-    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
-    # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, opts, planner_ledger, rec_ledger)
+    # every policy plans against the budget (lrmoe's ladder, the exact policies' recompute);
+    # a step where no fallback fits is out of memory: the run stops there (OutOfMemory)
+    em = Emulator(model, G, policy, opts, ledger)
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)

@@ -70,8 +70,8 @@ class VirtualStats:
         bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
             sync); the router's and shared experts' backward follow (non-MoE work).
         saved_act_bytes: activation bytes each rank kept for backward.
-        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
-            a recompute ledger, the terms after that recompute).
+        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given), for
+            the plan as it runs (its recomputed rows or whole-layer checkpoint included).
         recompute_rows: the rows each rank re-runs forward in backward to fit, and
             ``recompute_mode`` how (:meth:`lrmoe.ledger.Ledger.exact_fit`'s ``fits``,
             ``pairs`` or ``layer``; per-row recompute is modelled by

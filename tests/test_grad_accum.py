@@ -261,7 +261,7 @@ def test_emulator_charges_the_optimizer_and_symi_exchanges_once_per_step():
     link = LINKS["ib"]
     P = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     off = OffloadModel(E, G, P, 4, "sharded")
-    outs, step = accumulated_times([[s] for s in micro], link, [0.1, 0.2, 0.3], 0.5, off)
+    outs, step = accumulated_times([[s] for s in micro], link, [0.1, 0.2, 0.3], 0.5, off, terms={})
     hl = PCIE5_X16
     pcie = E // G * P * 4 / hl.effective_Bps + hl.latency_s
     assert step.opt_d2h == pytest.approx(pcie) and step.opt_h2d == pytest.approx(pcie)
@@ -277,7 +277,7 @@ def test_emulator_charges_the_optimizer_and_symi_exchanges_once_per_step():
             assert getattr(o, k) == getattr(one, k) > 0, k
     assert [o.non_moe for o in outs] == [0.1, 0.2, 0.3] and step.non_moe == 0.5
     # one micro-batch: the step costs what step_times charges it
-    outs1, step1 = accumulated_times([[micro[0]]], link, offload=off)
+    outs1, step1 = accumulated_times([[micro[0]]], link, offload=off, terms={})
     whole = step_times(micro[0], link, offload=off)
     assert outs1[0].total + step1.total == pytest.approx(whole.total)
 
@@ -292,12 +292,12 @@ def test_emulator_placement_stages_once_only_when_the_placement_holds():
     cfg = get_preset("tiny-qwen3")
     link = LINKS["nvlink"]
     _, fixed = _symi_micro(_pop(cfg, 5), 3)
-    outs, step = accumulated_times([[s] for s in fixed], link)
+    outs, step = accumulated_times([[s] for s in fixed], link, terms={})
     assert step.weight_scatter == step_times(fixed[0], link).weight_scatter > 0
     assert step.grad_reduce == step_times(fixed[-1], link).grad_reduce > 0
     assert all(o.weight_scatter == o.grad_reduce == 0 for o in outs)
     moving = [_symi_micro(_pop(cfg, h), 1, seed=h)[1][0] for h in (1, 6, 12)]
-    outs, step = accumulated_times([[s] for s in moving], link)
+    outs, step = accumulated_times([[s] for s in moving], link, terms={})
     assert step.weight_scatter == step.grad_reduce == 0
     for o, s in zip(outs, moving):
         assert o.weight_scatter == step_times(s, link).weight_scatter > 0
@@ -316,7 +316,7 @@ def test_emulator_charges_a_placement_changing_within_the_step_per_run():
     _, held = _symi_micro(_pop(cfg, 5), 2)
     other = _symi_micro(_pop(cfg, 12), 1, seed=3)[1][0]
     micro = held + [other]
-    outs, step = accumulated_times([[s] for s in micro], link)
+    outs, step = accumulated_times([[s] for s in micro], link, terms={})
     assert step.weight_scatter == step.grad_reduce == 0
     one = [step_times(s, link) for s in micro]
     assert [o.weight_scatter for o in outs] == [one[0].weight_scatter, 0, one[2].weight_scatter]

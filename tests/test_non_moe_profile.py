@@ -189,15 +189,15 @@ def test_the_emulators_gradient_assembly_is_inside_the_moe_wall(monkeypatch):
     """The exchange's backward ends (``bwd_end_s``, where bench ttl stops the MoE clock)
     after it has concatenated the G virtual ranks' gradients: that is emulator work no
     real rank does, and must not be charged as non-MoE time."""
+    from emulated import EmulatedLayer
     from lrmoe.model.moe import MoELayer
     from lrmoe.policy.static import StaticPolicy
     from lrmoe.presets import get_preset
     from lrmoe.sim import virtual
-    from lrmoe.sim.virtual import VirtualEPLayer
 
     cfg = get_preset("tiny-qwen3")
     torch.manual_seed(0)
-    v = VirtualEPLayer(MoELayer(cfg, 0), 4, StaticPolicy())
+    v = EmulatedLayer(MoELayer(cfg, 0), 4, StaticPolicy())
     x = torch.randn(4 * 8, cfg.hidden_size, requires_grad=True)
     out = v(x)
     cats: list[float] = []

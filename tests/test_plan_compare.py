@@ -13,6 +13,7 @@ import torch
 
 from budgets import natives_floor
 from dist_util import FixedRouter
+from emulated import EmulatedLayer
 from lrmoe.cli import main
 from lrmoe.config import ModelConfig
 from lrmoe.ledger import Ledger
@@ -28,7 +29,6 @@ from lrmoe.routing_loads import RoutingTrace, read_trace, synthetic_counts
 from lrmoe.sim.analytic import mean_step_times, modelled_stats
 from lrmoe.sim.cost import STAGES, step_times
 from lrmoe.sim.links import LINKS
-from lrmoe.sim.virtual import VirtualEPLayer
 from lrmoe.sim.vstats import EXCHANGES
 from lrmoe.units import parse_bytes
 from references.plans import native_placement
@@ -133,7 +133,7 @@ def _emulated_stats(policy, ledger=None):
     idx[:, 1] = torch.where(idx[:, 1] == idx[:, 0], (idx[:, 0] + 1) % E, idx[:, 1])
     layer.router = FixedRouter(idx, E, H)
     layer.prev_counts_E = torch.bincount(idx.flatten(), minlength=E)
-    v = VirtualEPLayer(layer, G, policy, ledger=ledger)
+    v = EmulatedLayer(layer, G, policy, ledger=ledger)
     x = torch.randn(G * T, H, generator=gen, requires_grad=True)
     v(x).sum().backward()
     return cfg, v.stats

@@ -138,13 +138,13 @@ def test_link_terms_price_each_stage_as_the_emulator(mode):
     ``bwd_recompute`` as run (a whole-layer checkpoint) and as a modelled whole layer
     (forward exchanges and experts again); rows recomputed as pairs are run inside the
     expert backward, so they add nothing here."""
+    from emulated import EmulatedLayer
     from lrmoe.sim.cost import LINK_STAGES, _record, price_terms, rank_link_terms, rank_stage_seconds
     from lrmoe.sim.links import LINKS
-    from lrmoe.sim.virtual import VirtualEPLayer
     from test_sim import G, make_case, make_opts, make_policy, run
 
     layer, _, x, coeff = make_case(3)
-    v = VirtualEPLayer(layer, G, make_policy("sampled"), make_opts("sampled"))
+    v = EmulatedLayer(layer, G, make_policy("sampled"), make_opts("sampled"))
     run(v, layer, x, coeff)
     s = v.stats
     n = s.rows["fwd"]

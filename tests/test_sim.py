@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as Fn
 
 from dist_util import FixedRouter, hot_replica_plan, run_world, trimmed
+from emulated import EmulatedLayer
 from lrmoe.config import ModelConfig
 from lrmoe.errors import OutOfMemory
 from lrmoe.ledger import Ledger
@@ -35,13 +36,12 @@ from lrmoe.sim.cost import (
     STAGES,
     StepTimes,
     price_terms,
-    rank_bytes,
     rank_link_terms,
     rank_stage_seconds,
     step_times,
 )
-from lrmoe.sim.links import LINKS, alltoall_time
-from lrmoe.sim.virtual import VirtualEPLayer, virtual_all_to_all
+from lrmoe.sim.links import LINKS, exchange_time
+from lrmoe.sim.virtual import virtual_all_to_all
 from lrmoe.sim.vstats import EXCHANGES, VirtualStats
 from onerank import TableRouter, zipf_routing
 from shared_run import run_once
@@ -135,8 +135,8 @@ def emulate(policy_name, seed, opts=None, kept=None):
     """The emulated layer's tensors and stats; ``kept`` (a dict) gets the number of
     combined-row elements the exchange keeps for backward."""
     layer, idx, x, coeff = make_case(seed)
-    v = VirtualEPLayer(layer, G, make_policy(policy_name), opts or make_opts(policy_name),
-                       generators=[make_gen(policy_name, seed, r) for r in range(G)])
+    v = EmulatedLayer(layer, G, make_policy(policy_name), opts or make_opts(policy_name),
+                      generators=[make_gen(policy_name, seed, r) for r in range(G)])
     fn = v
     if kept is not None:
         def fn(t):
@@ -407,13 +407,13 @@ def test_step_times_from_stats():
     link = LINKS["nvlink"]
     st = step_times(stats, link, non_moe_s=1e-3)
     assert isinstance(st, StepTimes) and st.label == "emulated"
-    want = max(alltoall_time(rank_bytes(stats.bytes_GG["fwd_dispatch"]), link, G))
+    want = max(exchange_time(stats.bytes_GG["fwd_dispatch"], link))
     assert st.fwd_dispatch == pytest.approx(want)
     assert st.fwd_experts == pytest.approx(max(stats.expert_ms["fwd"]) / 1e3)
     assert st.total == pytest.approx(sum(st.stages().values()) + 1e-3)
     assert st.weight_scatter > 0
     # bandwidth model: 450 GB/s at its all-to-all efficiency, 3 us per peer message
-    t = alltoall_time(rank_bytes([[0, 450e9, 0], [0, 0, 225e9], [0, 0, 0]]), link, 3)
+    t = exchange_time([[0, 450e9, 0], [0, 0, 225e9], [0, 0, 0]], link)
     one = 1.0 / link.efficiency
     assert t == pytest.approx([one + 6e-6, one + 6e-6, one / 2 + 6e-6])
 
@@ -478,7 +478,7 @@ def emulate_step(model_cfg, policy, G: int, tokens_per_rank: int, *, skew: float
     layer.router = TableRouter(layer.router.weight, idx)
     # steady state: SYMI's popularity is the previous step's counts, taken to equal these
     layer.prev_counts_E = torch.bincount(idx.flatten(), minlength=E)
-    v = VirtualEPLayer(layer, G, policy, None, ledger=ledger)
+    v = EmulatedLayer(layer, G, policy, None, ledger=ledger)
     x = torch.randn(N, model_cfg.hidden_size, generator=gen)
     dy = torch.randn(N, model_cfg.hidden_size, generator=gen)
     runs = []
@@ -533,13 +533,14 @@ def test_recompute_ledger_charges_time_not_math():
     none_kept = max(free.layer_terms(*c[:3])["total"] for c in cnt)  # the checkpoint
     assert none_kept < all_rec < plain
     led = Ledger(layer.cfg, G, none_kept - 1, num_moe_layers=4)
-    v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
-    with pytest.raises(OutOfMemory) as e:  # over even with the whole layer: stops the step
+    v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(), ledger=led)
+    with pytest.raises(OutOfMemory, match="static, even with a whole-layer checkpoint, does not "
+                                          "fit mem_budget: rank") as e:  # stops the step
         run(v, layer, x, coeff)
     assert (e.value.needs_bytes, e.value.budget_bytes) == (none_kept, none_kept - 1)
     for budget, want in (((all_rec + plain) // 2, "pairs"), ((none_kept + all_rec) // 2, "layer")):
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4)
-        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(), recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(), ledger=led)
         got = run(v, layer, x, coeff)
         for k in got:
             close(got[k], base[k], k)
@@ -586,13 +587,13 @@ def test_router_grad_experts_frees_the_combined_rows_in_the_recompute_ledger():
     for rg in ("home", "experts"):  # 4 layers: recompute pays (see the test above)
         led = Ledger(layer.cfg, G, budget, num_moe_layers=4,
                      router_grad_at_experts=rg == "experts")
-        v = VirtualEPLayer(layer, G, StaticPolicy(), BackwardOptions(router_grad=rg),
-                           recompute_ledger=led)
+        v = EmulatedLayer(layer, G, StaticPolicy(recompute=True), BackwardOptions(router_grad=rg),
+                          ledger=led)
         run(v, layer, x, coeff)
         got[rg] = v.stats
         assert max(v.stats.ledger_total_bytes) <= budget
     assert got["home"].recompute_mode == "pairs" and sum(got["home"].recompute_rows) > 0
-    assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows == [0] * G
+    assert got["experts"].recompute_mode == "fits" and got["experts"].recompute_rows is None
 
 
 def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
@@ -619,7 +620,7 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
         lo, hi = (lo, mid) if fits(mid) is not None else (mid + 1, hi)
     led = Ledger(layer.cfg, G, lo, num_moe_layers=4)
     policy = LrmoePolicy(LrmoeConfig())
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=led)
+    v = EmulatedLayer(layer, G, policy, BackwardOptions(), ledger=led)
     got = run(v, layer, x, coeff)
     for k in got:
         close(got[k], base[k], k)
@@ -635,9 +636,9 @@ def test_lrmoe_whole_layer_rung_runs_exact_and_below_it_is_out_of_memory():
          + per["fwd_combine"][r] for r in range(G)])
     assert min(v.stats.expert_ms["recompute"]) > 0
     with pytest.raises(OutOfMemory, match="no plan fits mem_budget at any rung"):
-        run(VirtualEPLayer(layer, G, policy, BackwardOptions(),
-                           ledger=Ledger(layer.cfg, G, lo - 1, num_moe_layers=4)), layer, x, coeff)
+        run(EmulatedLayer(layer, G, policy, BackwardOptions(),
+                          ledger=Ledger(layer.cfg, G, lo - 1, num_moe_layers=4)), layer, x, coeff)
     # a roomy budget: the trimmed plan, rung "plan"
-    v = VirtualEPLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
+    v = EmulatedLayer(layer, G, policy, BackwardOptions(), ledger=Ledger(layer.cfg, G, 2 * lo))
     run(v, layer, x, coeff)
     assert v.stats.rung == "plan"

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from dist_util import FixedRouter, hot_replica_plan, trimmed
+from emulated import EmulatedLayer
 from lrmoe.config import ModelConfig
 from lrmoe.model.moe import MoELayer
 from lrmoe.parallel import stages
 from lrmoe.policy.base import Policy
-from lrmoe.sim.cost import step_times
+from lrmoe.sim.cost import rank_stage_seconds, step_times
 from lrmoe.sim.links import LINKS
-from lrmoe.sim.virtual import VirtualEPLayer
 
 T, H, E, K, F, G = 16, 16, 8, 2, 8, 4
 SLEEP = 0.05
@@ -73,41 +73,42 @@ class FakeClock:
 
 
 def _step(policy):
+    """The step's times and each stage's per-rank seconds."""
     layer, x = _layer()
-    v = VirtualEPLayer(layer, G, policy)
+    v = EmulatedLayer(layer, G, policy)
     x = x.clone().requires_grad_()
     v(x).sum().backward()
-    return step_times(v.stats, LINKS["nvlink"])
+    return step_times(v.stats, LINKS["nvlink"]), rank_stage_seconds(v.stats, LINKS["nvlink"])
 
 
 def test_slow_planner_raises_the_step_time_by_at_least_the_delay(monkeypatch):
     FakeClock(monkeypatch)
-    base, slow = _step(PartialPolicy()), _step(Slow(PartialPolicy(), SLEEP))
+    (base, _), (slow, per) = _step(PartialPolicy()), _step(Slow(PartialPolicy(), SLEEP))
     assert base.plan == 0.0 and base.total > 0  # links are modelled from bytes
     # every rank is charged the planning time (each computes the plan)
-    assert slow.per_rank["plan"] == pytest.approx([SLEEP] * G, rel=1e-9)
+    assert per["plan"] == pytest.approx([SLEEP] * G, rel=1e-9)
     assert slow.total - base.total == pytest.approx(SLEEP, rel=1e-9)
     assert slow.total == pytest.approx(sum(slow.stages().values()) + slow.non_moe)
 
 
 def test_slow_selection_raises_the_step_time_by_at_least_the_delay(monkeypatch):
     FakeClock(monkeypatch)
-    base = _step(PartialPolicy())
+    base = _step(PartialPolicy())[0]
     inner = stages.select_and_compact
 
     def slow_select(*a, **kw):
         time.sleep(SLEEP)
         return inner(*a, **kw)
     monkeypatch.setattr(stages, "select_and_compact", slow_select)
-    slow = _step(PartialPolicy())
-    assert slow.per_rank["select"] == pytest.approx([SLEEP] * G, rel=1e-9)  # every home rank
+    slow, per = _step(PartialPolicy())
+    assert per["select"] == pytest.approx([SLEEP] * G, rel=1e-9)  # every home rank
     assert slow.total - base.total == pytest.approx(SLEEP, rel=1e-9)
 
 
 def test_real_clock_charges_the_planner_on_every_rank():
     """Without the fake clock: the measured planning time lands on every rank."""
-    slow = _step(Slow(PartialPolicy(), SLEEP))
-    assert min(slow.per_rank["plan"]) >= SLEEP
+    slow, per = _step(Slow(PartialPolicy(), SLEEP))
+    assert min(per["plan"]) >= SLEEP
     assert slow.total >= SLEEP
 
 
@@ -128,15 +129,15 @@ def test_prepare_check_and_pricing_are_reported_not_charged(monkeypatch):
     is not charged."""
     from lrmoe.policy.plan import Plan
     FakeClock(monkeypatch)
-    base = _step(PartialPolicy())
+    base, base_per = _step(PartialPolicy())
     layer, x = _layer()
-    v = VirtualEPLayer(layer, G, SlowPrepare(PartialPolicy(), SLEEP))
+    v = EmulatedLayer(layer, G, SlowPrepare(PartialPolicy(), SLEEP))
     v(x.clone().requires_grad_()).sum().backward()
     assert v.stats.prepare_ms == pytest.approx(SLEEP * 1e3, rel=1e-9)
-    slow = step_times(v.stats, LINKS["nvlink"])
+    slow = step_times(v.stats, LINKS["nvlink"]), rank_stage_seconds(v.stats, LINKS["nvlink"])
     check = Plan.check
     monkeypatch.setattr(Plan, "check", lambda p, c: (time.sleep(SLEEP), check(p, c)))
     checked = _step(PartialPolicy())
-    for st in (slow, checked):
-        assert st.per_rank["plan"] == base.per_rank["plan"]
+    for st, per in (slow, checked):
+        assert per["plan"] == base_per["plan"]
         assert st.total == pytest.approx(base.total, rel=1e-9)

@@ -107,7 +107,8 @@ def summarize(modes: dict, losses: dict) -> dict:
 def paired(modes: dict) -> dict:
     """host − device final validation loss per seed (each mode's mean over its repeats),
     their mean and, from 2 seeds, the mean's 95% interval (Student t)."""
-    from lrmoe.sim.target import ci95
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from summarize_ttl import ci95
 
     by: dict[int, dict[str, list[float]]] = {}
     for m in modes.values():

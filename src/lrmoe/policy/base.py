@@ -18,10 +18,9 @@ from lrmoe.policy.plan_numpy import Slots
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a policy computed before this step's counts: its placement ``[G, S]`` (-1 empty)
-    and split index, tagged with the policy's name (another policy ignores it)."""
+    """What a policy computed before this step's counts (:func:`prepare`, for the policy
+    that plans the step): its placement ``[G, S]`` (-1 empty) and split index."""
 
-    policy: str
     inst_expert_GS: np.ndarray
     slots: Slots | None = None
 
@@ -41,7 +40,7 @@ class PlanInputs:
 
 class Policy(ABC):
     """What the runtime asks of a planner: only :meth:`plan` must be written, every other
-    hook defaults to nothing; ``name`` tags its :class:`Prepared` results."""
+    hook defaults to nothing; ``name`` names it in messages."""
 
     name: str = "policy"
 

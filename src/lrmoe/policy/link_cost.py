@@ -70,19 +70,30 @@ class LinkCost:
         return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
 
     def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
-        """The busiest rank's seconds in one exchange of ``bytes_GG`` over more ranks than a
-        node holds (its copy to itself free)."""
-        b = np.asarray(bytes_GG, dtype=np.float64).copy()
-        G = b.shape[0]
-        np.fill_diagonal(b, 0.0)
-        if not b.any():
-            return 0.0
-        node = np.arange(G) // self.node_size
-        same = node[:, None] == node[None, :]
-        return float(np.maximum(
-            _alltoall_G(b * same, self.bandwidth_Bps, self.latency_s, self.node_size),
-            _alltoall_G(b * ~same, self.inter_bandwidth_Bps, self.inter_latency_s,
-                        G - self.node_size + 1)).max())
+        """The busiest rank's seconds in one exchange of ``bytes_GG`` (none without bytes)."""
+        t_G = exchange_seconds_G(bytes_GG, self.bandwidth_Bps, self.latency_s, self.node_size,
+                                 self.inter_bandwidth_Bps, self.inter_latency_s)
+        return float(t_G.max()) if t_G.any() else 0.0
+
+
+def exchange_seconds_G(bytes_GG, bw: float, lat: float, node_size: int = 0,
+                       inter_bw: float = 0.0, inter_lat: float = 0.0) -> np.ndarray:
+    """Each rank's seconds in one all-to-all of ``bytes_GG`` ``[src, dst]`` (the diagonal,
+    a rank's copy to itself, crosses no link): its ``max(sent, received)`` bytes /
+    bandwidth + latency · (peers - 1); on a two-level link (``node_size`` ranks a node) the
+    in-node and between-node bytes each at their link, the rank taking the longer. All
+    zeros when no byte crosses a link."""
+    b = np.array(bytes_GG, dtype=np.float64)
+    np.fill_diagonal(b, 0.0)
+    G = b.shape[0]
+    if not b.any():
+        return np.zeros(G)
+    if not node_size or G <= node_size:
+        return _alltoall_G(b, bw, lat, G)
+    node = np.arange(G) // node_size
+    same = node[:, None] == node[None, :]
+    return np.maximum(_alltoall_G(b * same, bw, lat, node_size),
+                      _alltoall_G(b * ~same, inter_bw, inter_lat, G - node_size + 1))
 
 
 def _alltoall_G(b: np.ndarray, bw: float, lat: float, peers: int) -> np.ndarray:

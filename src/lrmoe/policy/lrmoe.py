@@ -277,7 +277,7 @@ class LrmoePolicy(Policy):
             return None
         cfg = self._layer_config(inputs.layer, inputs.step)  # the link rule weighs selection
         inst = place_lrmoe(prev[0], prev[1], cfg, inputs.ledger)
-        return Prepared(self.name, inst, Slots(inst, len(prev[0])))
+        return Prepared(inst, Slots(inst, len(prev[0])))
 
     def _holding(self, inputs: PlanInputs) -> Held | None:
         """The placement held for this step, at a later micro-batch of a held step."""
@@ -300,7 +300,7 @@ class LrmoePolicy(Policy):
         prep = None
         if cfg.placement in ("previous", "step-previous"):
             prep = inputs.prepared
-            if prep is None or prep.policy != self.name:  # not prepared: do it here
+            if prep is None:  # not prepared: do it here
                 G = counts_GE.shape[0]
                 prep = self.prepare(inputs.prev_counts_E, G, inputs,
                                     int(counts_GE.sum()) // G)

@@ -166,6 +166,18 @@ def fewer_replicas(c_GE: np.ndarray, s: int, prev_counts_E: Tensor | None, ledge
     raise LrmoeError("symi: no replica to give up (internal error: please report)")
 
 
+def _slot_range(ledger, counts_GE: Tensor, max_slots: int | None):
+    """The ``s`` from E/G to ``max_slots`` (None: E) until one's instances alone exceed the budget."""
+    G, E = counts_GE.shape
+    hi = E if max_slots is None else max_slots
+    home_max = int(counts_GE.long().sum(1).max())
+    for s in range(E // G, hi + 1):  # symi's plans are exact (Ledger.terms)
+        if (ledger is not None and ledger.budget_bytes is not None
+                and ledger.terms(s, 0, home_max, 0, exact=True)["total"] > ledger.budget_bytes):
+            return
+        yield s
+
+
 def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                            max_slots: int | None = None) -> int:
     """The largest ``s`` in ``[E/G, max_slots]`` whose SYMI plan fits (memory is not
@@ -176,11 +188,8 @@ def largest_feasible_slots(ledger, counts_GE: Tensor, prev_counts_E: Tensor | No
     require(hi >= lo, f"max_slots={hi} must be >= E/G = {lo}")
     if ledger is None or ledger.budget_bytes is None:
         return hi
-    home_max = int(counts_GE.long().sum(1).max())
     best, first_err = None, None
-    for s in range(lo, hi + 1):
-        if ledger.terms(s, 0, home_max, 0, exact=True)["total"] > ledger.budget_bytes:
-            break
+    for s in _slot_range(ledger, counts_GE, hi):
         try:
             plan_symi(counts_GE, s, prev_counts_E, ledger)
             best = s
@@ -200,14 +209,9 @@ _FWD, _BWD, _RECOMPUTE = 3, 6, {"fits": 0, "pairs": 2, "layer": 3}
 def slot_costs(ledger, counts_GE: Tensor, prev_counts_E: Tensor | None = None,
                max_slots: int | None = None) -> dict[int, int]:
     """``{s: busiest rank's GEMM work in H·F units}`` for every ``s`` that fits with recompute."""
-    G, E = counts_GE.shape
-    hi = E if max_slots is None else max_slots
+    G = counts_GE.shape[0]
     out = {}
-    home_max = int(counts_GE.long().sum(1).max())
-    for s in range(E // G, hi + 1):  # symi's plans are exact (Ledger.terms)
-        if (ledger is not None and ledger.budget_bytes is not None
-                and ledger.terms(s, 0, home_max, 0, exact=True)["total"] > ledger.budget_bytes):
-            break
+    for s in _slot_range(ledger, counts_GE, max_slots):
         plan = plan_symi(counts_GE, s, prev_counts_E)
         mode, rec = ("fits", [0] * G) if ledger is None else ledger.exact_fit(plan)[:2]
         if mode == "over":
@@ -256,12 +260,11 @@ class SymiPolicy(Policy):
         pop = prev_counts if prev_counts.dim() == 1 else prev_counts.sum(0)
         E = pop.numel()
         inst = place_symi(pop, G, E, self._slots(G, E))
-        return Prepared(self.name, inst, Slots(inst, E))
+        return Prepared(inst, Slots(inst, E))
 
     def plan(self, counts_GE: Tensor, inputs: PlanInputs) -> Plan:
         G, E = counts_GE.shape
         prep = inputs.prepared
-        mine = prep is not None and prep.policy == self.name
         return plan_symi(counts_GE, self._slots(G, E), inputs.prev_counts_E, inputs.ledger,
-                         self.recompute, prep.inst_expert_GS if mine else None,
-                         prep.slots if mine else None)
+                         self.recompute, prep.inst_expert_GS if prep is not None else None,
+                         prep.slots if prep is not None else None)

@@ -26,7 +26,7 @@ from lrmoe.policy.symi import best_slots, plan_symi, slot_costs
 from lrmoe.sim.cost import STAGES, StepTimes, step_times
 from lrmoe.sim.links import Link
 from lrmoe.sim.offload import offload_for
-from lrmoe.sim.virtual import VirtualStats
+from lrmoe.sim.vstats import VirtualStats, pair_ratios
 from lrmoe.traffic import RowBytes, plan_rows_GG
 from lrmoe.units import fmt_bytes
 
@@ -144,8 +144,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
         return row
     row["layer_checkpoint_share"] = modes.count("layer") / len(modes)
     if all(rec is not None for rec in recs):
-        assigned = sum(int(p.assign_GGS.sum()) for p in plans)
-        row["recompute_ratio"] = sum(sum(rec) for rec in recs) / max(assigned, 1)
+        row["recompute_ratio"] = pair_ratios(plans, recs)["recompute_ratio"]
     row["planning_ms"] = sum(ms) / len(ms)
     stats = [modelled_stats(p, cfg, rate_flops, ledger.bytes_act, ledger.bytes_w, rec, mode,
                             plan_ms=t, router_grad_at_experts=ledger.router_grad_at_experts)
@@ -206,10 +205,9 @@ def _fit_samples(name: str, ledger: Ledger, plans: list[Plan], ms: list[float], 
         peak = max(peak, max(t["total"] for t in terms))
         recs.append(rec)
         modes.append(mode)
-    assigned = sum(int(p.assign_GGS.sum()) for p in plans)
     row["peak_bytes"] = peak
     row["replicas"] = sum(p.num_replicas() for p in plans) / len(plans)
     if name == "lrmoe":
-        row["keep_ratio"] = sum(int(p.select_GGS.sum()) for p in plans) / max(assigned, 1)
-        row["retain_ratio"] = sum(int(p.retain_GGS.sum()) for p in plans) / max(assigned, 1)
+        ratios = pair_ratios(plans)
+        row["keep_ratio"], row["retain_ratio"] = ratios["keep_ratio"], ratios["retain_ratio"]
     return recs, modes

@@ -4,7 +4,7 @@ slowest virtual rank, stages run one after another (what each charges: docs/desi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lrmoe.errors import require
 from lrmoe.parallel.instances import placement_key
@@ -20,8 +20,7 @@ STAGES = ("plan", "count_exchange", "local", "fwd_dispatch", "fwd_experts", "fwd
 @dataclass
 class StepTimes:
     """Emulated seconds per stage (the slowest virtual rank each), summed over layers;
-    ``non_moe`` is the caller's measured rest of the step, ``per_rank`` each stage's
-    per-rank seconds."""
+    ``non_moe`` is the caller's measured rest of the step."""
 
     plan: float = 0.0
     count_exchange: float = 0.0
@@ -43,7 +42,6 @@ class StepTimes:
     non_moe: float = 0.0
     link: str = ""
     label: str = "emulated"
-    per_rank: dict[str, list[float]] = field(default_factory=dict)
 
     def stages(self) -> dict[str, float]:
         return {s: getattr(self, s) for s in STAGES}
@@ -72,17 +70,12 @@ def rank_stage_seconds(stats: VirtualStats, link: Link) -> dict[str, list[float]
 
     def exchange(ex: str) -> list[float]:
         return exchange_time(stats.bytes_GG[ex], link) if live(stats, ex) else [0.0] * G
-    out = {ex: exchange(ex) for ex in EXCHANGES}
-    counts = (out.pop("count_allgather"), out.pop("bwd_count_exchange"))
-    out["count_exchange"] = [a + b for a, b in zip(*counts)]
+    out = {k: [f + sum(v) for f, *v in zip(fixed, *map(exchange, names))]
+           for k, (names, fixed) in _groups(stats).items()}
     for k in MEASURED_STAGES:
         out[k] = _seconds(stats.stage_ms, k, G)
     out["fwd_experts"] = _seconds(stats.expert_ms, "fwd", G)
     out["bwd_experts"] = _seconds(stats.expert_ms, "bwd", G)
-    names, kernels = _recompute(stats)
-    redo = [exchange(ex) for ex in names]
-    out["bwd_recompute"] = [s + sum(v) for s, *v in
-                            zip(_seconds(stats.expert_ms, kernels, G), *redo)]
     return out
 
 
@@ -103,21 +96,25 @@ LINK_STAGES = ("count_exchange", "fwd_dispatch", "fwd_combine", "bwd_dispatch",
                "bwd_recompute", "bwd_combine", "weight_scatter", "grad_reduce")
 
 
+def _groups(stats: VirtualStats) -> dict[str, tuple[tuple[str, ...], list[float]]]:
+    """Per :data:`LINK_STAGES` stage of one layer's step, the exchanges it sends and each
+    rank's seconds besides them (a re-run's expert kernels)."""
+    G = stats.plan.G
+    out = {ex: ((ex,), [0.0] * G) for ex in LINK_STAGES if ex in EXCHANGES}
+    out["count_exchange"] = (("count_allgather", "bwd_count_exchange"), [0.0] * G)
+    names, kernels = _recompute(stats)
+    out["bwd_recompute"] = (names, _seconds(stats.expert_ms, kernels, G))
+    return out
+
+
 def rank_link_terms(stats: VirtualStats) -> dict[str, tuple[int, list[float], list[float]]]:
     """Per :data:`LINK_STAGES` stage, :func:`rank_stage_seconds` as link-free terms
     ``(messages, bytes per rank, fixed seconds per rank)`` that :func:`price_terms` prices."""
-    G = stats.plan.G
-
-    def ex_terms(names, fixed=None):
+    out = {}
+    for k, (names, fixed) in _groups(stats).items():
         sent = [ex for ex in names if live(stats, ex)]
         per = [rank_bytes(stats.bytes_GG[ex]) for ex in sent]
-        bytes_G = [sum(v) for v in zip(*per)] if per else [0.0] * G
-        return len(sent), bytes_G, fixed or [0.0] * G
-
-    out = {ex: ex_terms([ex]) for ex in LINK_STAGES if ex in EXCHANGES}
-    out["count_exchange"] = ex_terms(["count_allgather", "bwd_count_exchange"])
-    names, kernels = _recompute(stats)
-    out["bwd_recompute"] = ex_terms(names, _seconds(stats.expert_ms, kernels, G))
+        out[k] = len(sent), [sum(v) for v in zip(*per)] if per else [0.0] * stats.plan.G, fixed
     return out
 
 
@@ -133,10 +130,8 @@ def price_terms(charge: list, link: Link, G: int) -> float:
     return max(f + b / link.effective_Bps + lat for b, f in zip(charge[1], charge[2]))
 
 
-def _record(terms: dict | None, t: dict) -> None:
+def _record(terms: dict, t: dict) -> None:
     """Append one layer's link terms (:func:`rank_link_terms`) to ``terms``, compactly."""
-    if terms is None:
-        return
     for k, (m, b, f) in ((k, v) for k, v in t.items() if v is not None):
         if any(f):
             terms.setdefault(k, []).append([m, b, f])
@@ -162,8 +157,6 @@ def _charge(st: StepTimes, per: dict[str, list[float]], G: int) -> None:
         per.setdefault(k, [0.0] * G)
     for k, v in per.items():
         setattr(st, k, getattr(st, k) + max(v))
-        acc = st.per_rank.setdefault(k, [0.0] * len(v))
-        st.per_rank[k] = [a + b for a, b in zip(acc, v)]
 
 
 # a layer's replica stages, once per optimizer step while its placement stays the same
@@ -184,12 +177,11 @@ def _once_per_run(per: dict, t: dict, keys: list[bytes], m: int, G: int) -> None
 
 def accumulated_times(micro: list[list[VirtualStats]], link: Link,
                       non_moe_micro_s: list[float] | None = None, non_moe_step_s: float = 0.0,
-                      offload=None, terms: dict | None = None
-                      ) -> tuple[list[StepTimes], StepTimes]:
+                      offload=None, *, terms: dict) -> tuple[list[StepTimes], StepTimes]:
     """One optimizer step of N micro-batches (``micro[m]``: micro-batch m's stats per MoE
     layer): ``(StepTimes per micro-batch, StepTimes of what is charged once per optimizer
-    step)`` (docs/design.md §9, "Gradient accumulation in the emulator"); ``terms``, when
-    given, is filled with each charge's link-free terms for re-pricing on another link."""
+    step)`` (docs/design.md §9, "Gradient accumulation in the emulator"); ``terms`` is
+    filled with each charge's link-free terms for re-pricing on another link."""
     N = len(micro)
     non_moe_micro_s = non_moe_micro_s or [0.0] * N
     outs = [StepTimes(non_moe=non_moe_micro_s[m], link=link.name) for m in range(N)]
@@ -204,12 +196,11 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
         once_t: dict = {}
         for m, s in enumerate(stats):
             per = rank_stage_seconds(s, link)
-            t = rank_link_terms(s) if terms is not None else {}
+            t = rank_link_terms(s)
             if sharded and not fixed:  # its own slots' sharded exchanges
                 off = offload.rank_seconds(s.plan.inst_expert_GS, link)
                 per.update({k: off[k] for k in _PLACEMENT_STAGES if k in off})
-                if terms is not None:
-                    t.update(offload.link_terms(s.plan.inst_expert_GS))
+                t.update(offload.link_terms(s.plan.inst_expert_GS))
             else:
                 _once_per_run(per, t, keys, m, G)
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
@@ -225,7 +216,7 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             if not fixed:  # charged with each micro-batch above
                 off = {k: v for k, v in off.items() if k not in _PLACEMENT_STAGES}
             once.update(off)
-            if terms is not None and fixed:
+            if fixed:
                 once_t.update(offload.link_terms(stats[-1].plan.inst_expert_GS))
         _charge(step, once, G)
         _record(terms, once_t)

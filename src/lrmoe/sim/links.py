@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lrmoe.errors import require
+from lrmoe.policy.link_cost import LinkCost, exchange_seconds_G
 
 
 @dataclass(frozen=True)
@@ -80,28 +81,13 @@ def rank_bytes(bytes_GG) -> list[float]:
     return [max(x, y) for x, y in zip(b.sum(1).tolist(), b.sum(0).tolist())]
 
 
-def alltoall_time(bytes_G: list[float], link: Link, G: int) -> list[float]:
-    """Emulated seconds each rank spends in one all-to-all of ``G`` ranks: its ``max(sent,
-    received)`` bytes (:func:`rank_bytes`) / bandwidth + latency · (G - 1)."""
-    lat = link.latency_s * max(G - 1, 0)
-    return [x / link.effective_Bps + lat for x in bytes_G]
-
-
 def exchange_time(bytes_GG, link: Link) -> list[float]:
-    """Emulated seconds each rank spends in one exchange of ``bytes_GG`` ``[src, dst]`` (the
-    diagonal crosses no link); on a two-level link the in-node and between-node bytes each
-    at their link, the rank taking the longer."""
-    b = torch.as_tensor(bytes_GG, dtype=torch.float64)
-    G = b.shape[0]
-    if not link.node_size:
-        return alltoall_time(rank_bytes(b), link, G)
-    node = torch.arange(G) // link.node_size
-    same = node[:, None] == node[None, :]
-    t_in = alltoall_time(rank_bytes(b * same), link, min(G, link.node_size))
-    if G <= link.node_size:
-        return t_in
-    t_out = alltoall_time(rank_bytes(b * ~same), link.inter, G - link.node_size + 1)
-    return [max(a, c) for a, c in zip(t_in, t_out)]
+    """Emulated seconds each rank spends in one exchange of ``bytes_GG`` ``[src, dst]`` on
+    ``link`` (the model: :func:`lrmoe.policy.link_cost.exchange_seconds_G`)."""
+    b, inter = torch.as_tensor(bytes_GG, dtype=torch.float64).numpy(), link.inter
+    return exchange_seconds_G(b, link.effective_Bps, link.latency_s, link.node_size,
+                              0.0 if inter is None else inter.effective_Bps,
+                              0.0 if inter is None else inter.latency_s).tolist()
 
 
 def link_cost(link: Link, gemm_flops: float, hidden: int, intermediate: int,
@@ -109,8 +95,6 @@ def link_cost(link: Link, gemm_flops: float, hidden: int, intermediate: int,
     """``link`` and an expert GEMM rate as the plain numbers the lrmoe planner prices
     replicas with (:class:`lrmoe.policy.link_cost.LinkCost`); ``share``: micro-batches a
     held placement serves."""
-    from lrmoe.policy.link_cost import LinkCost
-
     inter = link.inter
     return LinkCost(link.effective_Bps, link.latency_s, gemm_flops, hidden, intermediate,
                     bytes_act, bytes_w, link.node_size,

@@ -80,17 +80,3 @@ def eval_noise(evals: list[dict], step: float, window: int = 3) -> dict:
             "neighbour_change": change, "ok": bool(se < change / 4),
             "paired_std_error": paired, "paired_ok": bool(paired < change / 4)}
 
-
-# Student t's 0.975 quantile by degrees of freedom (the two-sided 95% interval)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228}
-
-
-def ci95(xs: list[float]) -> tuple[float, float] | None:
-    """The mean's two-sided 95% interval, Student t with ``n − 1`` degrees of freedom
-    (``None`` below 2 values or above the table)."""
-    n = len(xs)
-    if n < 2 or n - 1 not in T975:
-        return None
-    m, h = statistics.mean(xs), T975[n - 1] * statistics.stdev(xs) / math.sqrt(n)
-    return m - h, m + h

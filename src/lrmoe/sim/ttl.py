@@ -70,7 +70,7 @@ from lrmoe.sim.ttl_config import (
 from lrmoe.sim.ttl_symi import calibrated_gemm_rate, symi_slots
 from lrmoe.sim.virtual import now
 from lrmoe.sim.vmodel import Emulator, release_graph, warm_up
-from lrmoe.sim.vstats import EXCHANGES
+from lrmoe.sim.vstats import EXCHANGES, pair_ratios
 from lrmoe.tokenizer import check_vocab
 from lrmoe.tokenizer_load import load_tokenizer
 from lrmoe.train.accum import accumulate, update
@@ -111,9 +111,9 @@ PLACEMENT_NOTES = {"current": "", "previous": ", placement from the previous ste
 
 
 def _choose(name, cfg, mcfg, ledger, profile=None):
-    """``(PolicyConfig, planner ledger, recompute ledger, config note)`` of policy
-    ``name`` under the budget rules (docs/design.md §9); symi's ``s`` is chosen on
-    ``profile``, the static run's counts and GEMM rate."""
+    """``(PolicyConfig, config note)`` of policy ``name`` under the budget rules
+    (docs/design.md §9: the exact policies recompute to fit ``ledger``); symi's ``s`` is
+    chosen on ``profile``, the static run's counts and GEMM rate."""
     G, E = cfg.train.ep, mcfg.num_experts
     lc = cfg.lrmoe.planner
     slots, note = cfg.slots_per_rank, ""
@@ -150,8 +150,8 @@ def _choose(name, cfg, mcfg, ledger, profile=None):
     if name != "lrmoe" and cfg.train.router_grad == "experts":
         note += ", router gradient at the experts (no combined rows kept)"
     pc = PolicyConfig(name=name, slots_per_rank=slots, lrmoe=lc,
-                      recompute=name == "symi" and ledger is not None)
-    return pc, (None if name == "static" else ledger), (None if name == "lrmoe" else ledger), note
+                      recompute=name in ("static", "symi") and ledger is not None)
+    return pc, note
 
 
 def _eval_steps(t: TrainConfig) -> list[int]:
@@ -177,12 +177,12 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
     terms: dict = {}
     outs, once = accumulated_times([m[0] for m in micro], link,
                                    [x / G for x in non_moe_micro], non_moe_opt / G, offload,
-                                   terms)
+                                   terms=terms)
     total = sum(o.total for o in outs) + once.total
     moe = sum(o.moe for o in outs) + once.moe
     fwd = [s.plan.rank_load().double() for s in stats]
     bwd = [s.plan.rank_backward_load().double() for s in stats]
-    assigned = sum(int(s.plan.assign_GGS.sum()) for s in stats)
+    ratios = pair_ratios([s.plan for s in stats], [s.recompute_rows for s in stats])
     moe_wall = sum(mw for _, _, mw in micro)
     row = {"step": step + 1, "train_loss": loss, "wall_s": sum(w for _, w, _ in micro) + opt_wall,
            "moe_wall_s": moe_wall, "non_moe_measured_s": sum(non_moe_micro) + non_moe_opt,
@@ -201,8 +201,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
                "stages_emulated_s": {k: v for k, v in once.stages().items() if v}},
            "fwd_load_max_over_mean": _max_over_mean(fwd),
            "bwd_load_max_over_mean": _max_over_mean(bwd),
-           "keep_ratio": sum(int(s.plan.select_GGS.sum()) for s in stats) / max(assigned, 1),
-           "retain_ratio": sum(int(s.plan.retain_GGS.sum()) for s in stats) / max(assigned, 1),
+           "keep_ratio": ratios["keep_ratio"], "retain_ratio": ratios["retain_ratio"],
            "replicas": sum(s.plan.num_replicas() for s in micro[-1][0]),
            # every micro-batch's layers: replicas placed, and those a policy's own rule
            # chose but gave up, per reason (Plan.given_up_for): [layer-micro-batches,
@@ -229,7 +228,7 @@ def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
         row.update({
             "recompute_modes": [s.recompute_mode for s in micro[-1][0]],
             "ledger_peak_bytes": peak,
-            "recompute_ratio": sum(sum(s.recompute_rows or []) for s in stats) / max(assigned, 1),
+            "recompute_ratio": ratios["recompute_ratio"],
             "fits": peak <= ledger.budget_bytes,  # else out of memory
             # how each layer met the budget, every micro-batch (lrmoe_ladder.RUNGS)
             "rungs": dict(sorted(Counter(s.rung for s in stats).items()))})
@@ -338,7 +337,7 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if dev.type == "cuda":  # this policy's own peak of the emulating process
         torch.cuda.reset_peak_memory_stats(dev)
     ledger = policy_ledger(ledger, name, cfg)
-    pc, planner_ledger, rec_ledger, note = _choose(name, cfg, mcfg, ledger, profile)
+    pc, note = _choose(name, cfg, mcfg, ledger, profile)
     policy = make_policy(pc, mcfg, G)
     torch.manual_seed(t.seed)
     model = MoEForCausalLM(mcfg).to(dev)
@@ -346,9 +345,9 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
     if t.compile:  # as lrmoe train --compile: all but the routed experts
         compile_model(model)
     opts = replace(cfg.lrmoe.backward, router_grad=policy_router_grad(name, cfg))
-    # lrmoe plans against the budget (its ladder); a step where no policy's fallback
-    # fits is out of memory: the run stops there (OutOfMemory)
-    em = Emulator(model, G, policy, opts, planner_ledger, rec_ledger)
+    # every policy plans against the budget (lrmoe's ladder, the exact policies' recompute);
+    # a step where no fallback fits is out of memory: the run stops there (OutOfMemory)
+    em = Emulator(model, G, policy, opts, ledger)
     opt = build_optimizer(model, t.lr, t.weight_decay, offload=t.optimizer_offload,
                           host=dev, router_lr_scale=t.router_lr_scale)
     sched = build_scheduler(opt, t.warmup, t.steps, t.min_lr_ratio)

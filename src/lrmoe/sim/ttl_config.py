@@ -9,7 +9,6 @@ from typing import Any
 
 from lrmoe.cli_flags import (
     attr_at,
-    check_choice,
     check_int,
     check_policy_flags,
     check_tokens_read,
@@ -20,7 +19,7 @@ from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.policy.lrmoe import LrmoeConfig
 from lrmoe.sim.ttl_budget import check_fraction
-from lrmoe.train.config import TrainConfig
+from lrmoe.train.config import SEED_MAX, TrainConfig, check_join_flags
 
 # the fields bench ttl shares with lrmoe train: held in TTLConfig.train, a TrainConfig, so
 # the two read them alike; recorded (ttl.json) and given (--flags) by the same flat names
@@ -128,11 +127,12 @@ def check_ttl_config(cfg: TTLConfig) -> None:
     torch's generators take), the run's tokens within int64, and the other ranges."""
     t = cfg.train
     require(t.preset or t.config, "give a model: --preset NAME or --config FILE")
-    for k in ("ep", "steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
+    check_join_flags(t)  # --ep and --device, as lrmoe train checks them
+    for k in ("steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
         check_int(k, getattr(t, k), 1)
     for k in ("eval_every", "warmup"):
         check_int(k, getattr(t, k), 0)
-    check_int("seed", t.seed, 0, high=2**64 - 1)
+    check_int("seed", t.seed, 0, high=SEED_MAX)
     check_int("max_data_bytes", t.max_data_bytes, 1, allow_none=True)
     check_tokens_read(t.steps, t.grad_accum, t.batch_size, t.seq_len)
     require(0 < cfg.target_fraction <= 1, "--target-fraction must be in (0, 1]")
@@ -141,7 +141,6 @@ def check_ttl_config(cfg: TTLConfig) -> None:
     check_fraction(cfg.budget_floor_fraction)
     require(t.batch_size % t.ep == 0, f"--batch-size {t.batch_size} must be divisible by "
                                       f"--ep {t.ep} (one home rank per share of the batch)")
-    check_choice("device", t.device, ("cpu", "cuda"))
     check_policy_flags({"optimizer_offload": t.optimizer_offload, "router_grad": t.router_grad})
     from lrmoe.model.checkpoint import check_mode
     check_mode(t.activation_checkpoint)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lrmoe.errors import OutOfMemory
 from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype, expert_counts
 from lrmoe.parallel import stages
 from lrmoe.parallel.exchange import (
@@ -29,7 +28,7 @@ from lrmoe.parallel.exchange import (
 from lrmoe.parallel.options import BackwardOptions
 from lrmoe.parallel.stages import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.policy.base import PlanInputs, Policy, prepare
-from lrmoe.policy.ledger_view import plan_exact_fit, plan_totals
+from lrmoe.policy.ledger_view import plan_totals
 from lrmoe.policy.plan import Plan, checks_on
 from lrmoe.sim.vstats import MEASURED_STAGES, Timers, VirtualStats
 from lrmoe.traffic import plan_rows_GG
@@ -202,43 +201,26 @@ def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
 
 
 class VirtualEPLayer:
-    """Run ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual EP ranks: its
-    global tokens ``[G*T, H]`` (or ``[B, L, H]``) in, the global output out,
-    differentiable w.r.t. ``x``, the router and the experts; :attr:`stats` holds the
-    step's :class:`VirtualStats`.
+    """The routed experts of ``layer`` (a full, unsharded :class:`MoELayer`) as G virtual
+    EP ranks (:meth:`routed`, what :class:`lrmoe.sim.vmodel.Emulator` runs for the layer);
+    :attr:`stats` holds the step's :class:`VirtualStats`.
 
-    ``ledger`` is the planner's (``None``: no budget); ``recompute_ledger`` fits an exact
-    policy's plans (recompute, else a whole-layer checkpoint, else
-    :class:`lrmoe.errors.OutOfMemory`); ``generators``: per rank, the ``sampled``
-    estimator's generator (``None``: the global RNG). Plans are checked as the runtime
-    checks them (:func:`lrmoe.policy.plan.checks_on`); ``fidelity`` is not emulated.
+    ``ledger`` is the planner's (``None``: no budget; an exact policy fits it with
+    ``recompute=True``, :func:`lrmoe.policy.plan.fit_exact`); :attr:`generators`: per
+    rank, the ``sampled`` estimator's generator (``None``: the global RNG). Plans are
+    checked as the runtime checks them (:func:`lrmoe.policy.plan.checks_on`); ``fidelity``
+    is not emulated.
     """
 
     def __init__(self, layer: MoELayer, G: int, policy: Policy,
-                 backward_opts: BackwardOptions | None = None, ledger=None,
-                 generators: list[torch.Generator | None] | None = None, recompute_ledger=None):
+                 backward_opts: BackwardOptions | None = None, ledger=None):
         self.layer, self.G, self.policy = layer, G, policy
         self.opts = backward_opts or BackwardOptions()
         self.ledger = ledger
         self.check_plans = checks_on()
-        self.recompute_ledger = recompute_ledger
-        self.generators = generators or [None] * G
+        self.generators: list[torch.Generator | None] = [None] * G
         self.step = 0
         self.stats: VirtualStats | None = None
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """The whole layer on the global tokens: the router, the routed experts over the G
-        virtual ranks (:meth:`routed`), the shared experts."""
-        layer, H = self.layer, x.shape[-1]
-        x_NH = x.reshape(-1, H)
-        r = layer.router(x_NH)
-        out, step = self.routed(x_NH, r.idx_TK, r.gate_TK, r.probs_TE)
-        self.stats = step.stats
-        layer.take(step)
-        out = out.view(x.shape).to(x.dtype)
-        if layer.shared_experts is not None:
-            out = out + layer.shared_experts(x)
-        return out
 
     def routed(self, x_NH: Tensor, idx_NK: Tensor, gate_NK: Tensor, probs_NE: Tensor | None
                ) -> tuple[Tensor, MoEStep]:
@@ -298,53 +280,27 @@ class VirtualEPLayer:
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs
               ) -> tuple[Plan, VirtualStats, float]:
-        """The policy's plan and, for an exact policy under a budget, its fallback (both
-        charged: the third value, ms), then, uncharged, its check and ledger pricing. An
-        exact plan over budget even with a whole-layer checkpoint raises
-        :class:`OutOfMemory`, as a GPU would."""
-        fit_ledger = self.recompute_ledger
+        """The policy's plan, its fallbacks to fit a budget included (charged: the third
+        value, ms; a plan over budget even so raises :class:`lrmoe.errors.OutOfMemory` in
+        the policy, as a GPU would), then, uncharged, its check and ledger pricing."""
         t0 = time.perf_counter()
         plan = self.policy.plan(counts_GE, inputs)
-        fit = None  # a planner's own fallback (recompute_G, layer_checkpoint) is kept
-        if plan.recompute_G is None and not plan.layer_checkpoint and fit_ledger is not None:
-            fit = plan_exact_fit(fit_ledger, plan)  # Ledger.exact_fit, vectorised
-            if fit[0] == "layer":  # run the whole-layer checkpoint
-                plan = dataclasses.replace(plan, layer_checkpoint=True)
-            elif fit[0] == "pairs":  # run the recompute, as the runtime's --recompute does
-                plan = dataclasses.replace(plan, recompute_G=torch.from_numpy(fit[1]))
         plan_ms = (time.perf_counter() - t0) * 1e3
-        if fit is not None and fit[0] == "over":
-            raise _out_of_memory(fit_ledger, plan, fit[2])
         if self.check_plans:
             plan.check(counts_GE)
         stats = VirtualStats(plan)
-        if fit is not None:  # the fallback decided here
-            mode, rows, totals = fit
-            stats.recompute_mode, stats.recompute_rows = mode, rows.tolist()
-            stats.ledger_total_bytes = totals.tolist()
-        elif plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
+        if plan.recompute_G is not None:  # the planner recomputes (real-runtime semantics)
             stats.recompute_mode, stats.recompute_rows = "pairs", plan.recompute_G.tolist()
         elif plan.layer_checkpoint:  # the planner checkpoints the layer
             stats.recompute_mode, stats.recompute_rows = "layer", plan.rank_load().tolist()
         stats.rung = plan.rung or _EXACT_RUNG[stats.recompute_mode]
-        if self.ledger is not None and stats.ledger_total_bytes is None:
+        if self.ledger is not None:
             stats.ledger_total_bytes = plan_totals(self.ledger, plan).tolist()
         return plan, stats, plan_ms
 
 
 # an exact policy's fallback (Ledger.exact_fit's mode) as a rung of the ladder
 _EXACT_RUNG = {"fits": "plan", "pairs": "recompute", "layer": "layer"}
-
-
-def _out_of_memory(ledger, plan: Plan, totals) -> OutOfMemory:
-    """The verdict for an exact plan over budget even with a whole-layer checkpoint: the
-    ledger's own line for the worst rank's layer-checkpoint terms."""
-    counts = ledger._rank_counts(plan)
-    r = int(totals.argmax())
-    n, R, h, _ = counts[r]
-    detail = ledger.describe(r, ledger.layer_terms(n, R, h))  # the terms its need counts
-    return OutOfMemory(f"the plan does not fit mem_budget even with a whole-layer "
-                       f"checkpoint: {detail}", int(totals.max()), ledger.budget_bytes, detail)
 
 
 def now(dev: torch.device) -> float:

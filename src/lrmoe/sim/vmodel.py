@@ -21,10 +21,9 @@ class Emulator:
         wall: seconds of routed-expert work (forward and backward) since last reset.
     """
 
-    def __init__(self, model, G: int, policy, opts, planner_ledger, recompute_ledger=None):
+    def __init__(self, model, G: int, policy, opts, planner_ledger):
         self.wall = 0.0
-        self.layers = [VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger,
-                                      recompute_ledger=recompute_ledger)
+        self.layers = [VirtualEPLayer(m, G, policy, opts, ledger=planner_ledger)
                        for m in model.moe_layers]
         model.set_runtime(MoERuntime(emulator=self))
 

@@ -70,8 +70,8 @@ class VirtualStats:
         bwd_end_s: ``perf_counter`` when the exchange's backward ended (after a device
             sync); the router's and shared experts' backward follow (non-MoE work).
         saved_act_bytes: activation bytes each rank kept for backward.
-        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given; with
-            a recompute ledger, the terms after that recompute).
+        ledger_total_bytes: the ledger's prediction per rank (when a ledger is given), for
+            the plan as it runs (its recomputed rows or whole-layer checkpoint included).
         recompute_rows: the rows each rank re-runs forward in backward to fit, and
             ``recompute_mode`` how (:meth:`lrmoe.ledger.Ledger.exact_fit`'s ``fits``,
             ``pairs`` or ``layer``; per-row recompute is modelled by
@@ -98,3 +98,12 @@ class VirtualStats:
     rung: str = "plan"
     prepare_ms: float = 0.0
     counts_GE: Tensor | None = None
+
+
+def pair_ratios(plans: list[Plan], recompute_rows=()) -> dict[str, float]:
+    """Over the pairs ``plans`` assign: those selected (``keep_ratio``), retained
+    (``retain_ratio``) and recomputed (``recompute_ratio``: per plan, rows per rank or None)."""
+    n = max(sum(int(p.assign_GGS.sum()) for p in plans), 1)
+    return {"keep_ratio": sum(int(p.select_GGS.sum()) for p in plans) / n,
+            "retain_ratio": sum(int(p.retain_GGS.sum()) for p in plans) / n,
+            "recompute_ratio": sum(sum(r or []) for r in recompute_rows) / n}

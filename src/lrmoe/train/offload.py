@@ -99,12 +99,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
     def pipelined(self) -> bool:
         return self._pipe is not None
 
-    def arm(self, finish: Callable[[Tensor], None]) -> None:
-        """Send each offloaded gradient to the host as the next backward finalises it, ``finish``
-        (what the gradient sync would do) applied first."""
-        if self._pipe is not None:
-            self._pipe.arm(finish)
-
     @property
     def pipe_times(self) -> PipeTimes:
         return PipeTimes() if self._pipe is None else self._pipe.times
@@ -208,7 +202,7 @@ def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | 
     if not isinstance(opt, HostOffloadAdamW) or not opt.pipelined:
         return None
     finish = expert_grad_finish(ctx)
-    return None if finish is None else (lambda: opt.arm(finish))
+    return None if finish is None else (lambda: opt._pipe.arm(finish))
 
 
 def presynced(opt: torch.optim.Optimizer) -> frozenset[int]:

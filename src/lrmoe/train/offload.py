@@ -123,11 +123,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """The device AdamW (queued first, so it runs while the host works), the host
-        update, then the own-master update; returns once the host is done."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        update, then the own-master update; returns once the host is done. No ``closure``."""
+        require(closure is None, "HostOffloadAdamW.step takes no closure: run the backward first")
         jobs = self._jobs()
         if jobs:
             jobs = self._pipe.send_rest(jobs)
@@ -142,7 +139,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
             if own:
                 self._own_step(own)
         self.host_s = time.perf_counter() - t0
-        return loss
 
     def _device_step(self) -> None:
         # the device step must not see the offloaded grads

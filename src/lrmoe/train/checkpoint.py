@@ -25,7 +25,7 @@ from lrmoe.errors import LrmoeError
 from lrmoe.files import mode_for
 from lrmoe.train import ckpt_state
 from lrmoe.train.ckpt_write import BoundedFileWriter
-from lrmoe.train.ranks import all_gather, raise_first
+from lrmoe.train.ranks import agree, all_gather, raise_first
 
 FORMAT = "lrmoe-checkpoint-v2"
 OLD_FORMATS = {"lrmoe-checkpoint-v1": "one torch.save shard per rank"}
@@ -343,19 +343,15 @@ def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str = "cannot 
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
 
-def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, rank: int,
-                    world: int, ep_size: int, device: torch.device, seed: int) -> dict:
-    """Load a (verified) checkpoint into freshly built objects at any world / EP size;
-    returns the trainer state. Collective on more than one process."""
-    same = (ck.world, ck.ep_size) == (world, ep_size)
-    err, tpl = None, None
-    try:
-        tpl = ckpt_state.Template(model, opt, checkpoint_metadata(ck), rank if same else None,
-                                  str(ck.path))
-    except LrmoeError as e:
-        err = str(e)
-    raise_first(all_gather(err, world))  # every rank enters the collective load, or none
-    _read(ck, tpl.dict, distributed=world > 1)
+def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ctx,
+                    seed: int) -> dict:
+    """Load a (verified) checkpoint into freshly built objects at any world / EP size
+    (``ctx``'s); returns the trainer state. Collective on more than one process."""
+    same = (ck.world, ck.ep_size) == (ctx.world, ctx.ep_size)
+    # every rank enters the collective load, or none
+    tpl = agree(lambda: ckpt_state.Template(model, opt, checkpoint_metadata(ck),
+                                            ctx.rank if same else None, str(ck.path)), ctx)
+    _read(ck, tpl.dict, distributed=ctx.distributed)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:
         opt.load_state_dict(tpl.optimizer_state())
@@ -366,8 +362,8 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
         m.prev_counts_E = None if c is None else c.cpu()
     if trainer.get("policy") is not None:  # None: saved by a policy without state
         policy.load_state_dict(trainer["policy"])
-    rng = tpl.dict.get(ckpt_state.rng_key(rank)) if same else None
-    ckpt_state.apply_rng(rng, generator, device, (seed, ck.step, rank))
+    rng = tpl.dict.get(ckpt_state.rng_key(ctx.rank)) if same else None
+    ckpt_state.apply_rng(rng, generator, ctx.device, (seed, ck.step, ctx.rank))
     return trainer
 
 

@@ -62,9 +62,8 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.ranks import all_gather
+from lrmoe.train.ranks import agree, all_gather
 from lrmoe.train.setup import (
-    agree,
     check_model_fits,
     check_same_flags,
     leave_process_group,
@@ -453,8 +452,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     ck, prog, batches = inp.ck, {"tokens": 0, "elapsed_s": 0.0}, 0
     if ck is not None:
         st = ckpt.load_checkpoint(  # verified above; any world and EP size
-            ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
-            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed)
+            ck, model, opt, sched, inp.policy, gen, ctx=ctx, seed=cfg.seed)
         if st.get("data") != inp.data_fp:
             raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                              f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")

@@ -1,6 +1,6 @@
 """The trainer's setup steps that must end with every rank agreeing: the same flags
-(:func:`check_same_flags`), an error on any rank raised on all (:func:`agree`), and the run
-directory taken once every input is valid (:func:`open_run_dir`, :mod:`.rundir`).
+(:func:`check_same_flags`), an error on any rank raised on all (:func:`.ranks.agree`), and
+the run directory taken once every input is valid (:func:`open_run_dir`, :mod:`.rundir`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,20 +21,7 @@ from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
 from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
-from lrmoe.train.ranks import all_gather, raise_first
-
-
-# ----------------------------------------------------------------------------- agreement
-def agree(fn: Callable[[], Any], ctx) -> Any:
-    """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all."""
-    out, err = None, None
-    try:
-        out = fn()
-    except LrmoeError as e:
-        err = str(e)
-    raise_first(all_gather(err, ctx.world), rank=ctx.rank)
-    return out
-
+from lrmoe.train.ranks import agree, all_gather, raise_first
 
 # Flags that may differ between ranks: where files are on this node (the data, tokenizer
 # and model are compared by content instead) and how this process runs

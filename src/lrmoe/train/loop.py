@@ -152,11 +152,11 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
                              "that run or another --out")
         return None
     ck = ckpt.latest_checkpoint(run_dir)
+    if read_run_config(run_dir) is None:
+        raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing" if ck is not None else
+                         f"--resume: {run_dir} holds no lrmoe run to continue (no {RUN_CONFIG}, "
+                         "no checkpoint); drop --resume to start a new run there")
     if ck is None:
-        if read_run_config(run_dir) is None:
-            raise LrmoeError(f"--resume: {run_dir} holds no lrmoe run to continue (no "
-                             f"{RUN_CONFIG}, no checkpoint); drop --resume to start a new run "
-                             "there")
         return None  # a run that completed no checkpoint: it starts again
     for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
         if value is not None and value < ck.step:
@@ -344,9 +344,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
         hf = agree(lambda: open_checkpoint(cfg.init_from), ctx)
     saved = None
     if cfg.resume:
-        saved = read_run_config(run_dir)
-        if saved is None:
-            raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing")
+        saved = read_run_config(run_dir)  # there: checked with the checkpoint
         if ck is None:
             gone = "".join(f" ({p.name}: an interrupted save)" for p in ckpt.partial_dirs(run_dir))
             _log(f"lrmoe train: note: {run_dir} holds no complete checkpoint{gone}: --resume "

@@ -181,10 +181,6 @@ class Checkpoint:
     def ep_size(self) -> int:
         return int(self.manifest["ep_size"])
 
-    @property
-    def files(self) -> list[Path]:
-        return [self.path / n for n in sorted(self.manifest["files"])]
-
     def describe(self) -> str:
         """One line: which checkpoint is used, written by which layout, what was skipped."""
         s = (f"resuming from {self.path} (step {self.step}, written by world size "
@@ -228,10 +224,10 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
 def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
     """Check presence, size and SHA-256 of this rank's share of the files (``i % world``)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
-    for i, p in enumerate(ck.files):
+    for i, (name, entry) in enumerate(sorted(ck.manifest["files"].items())):
         if i % world != rank:
             continue
-        entry = ck.manifest["files"][p.name]
+        p = ck.path / name
         if not p.is_file():
             raise LrmoeError(f"checkpoint file {p} is missing; {hint}")
         size = p.stat().st_size

@@ -291,8 +291,7 @@ def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
     """Check every flag and warn of those the run ignores. On one process an error is raised;
     under torchrun it is returned, to be said once every rank has joined (a rank leaving
     before joining would leave the others waiting); what joining needs is checked first."""
-    if world > 1:
-        check_join_flags(cfg)  # alike on every rank, or joining itself would fail
+    check_join_flags(cfg)  # alike on every rank, or joining itself would fail
     try:
         check_args(cfg)
     except LrmoeError as e:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lrmoe.errors import LrmoeError
-from lrmoe.files import mode_for
+from lrmoe.files import fsync, mode_for
 from lrmoe.train import ckpt_state
 from lrmoe.train.ckpt_write import BoundedFileWriter
 from lrmoe.train.ranks import agree, all_gather, raise_first
@@ -36,15 +36,6 @@ MANIFEST = "manifest.json"
 
 
 # ----------------------------------------------------------------------------- atomic I/O
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):  # best effort: some file systems refuse
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one
     (mode: the old file's, else the umask's)."""
@@ -62,7 +53,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # best effort: some file systems refuse a directory's
+        fsync(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -295,7 +287,8 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        with contextlib.suppress(OSError):  # best effort, as above
+            fsync(final.parent)
         for p in partial_dirs(run_dir):
             shutil.rmtree(p, ignore_errors=True)
         if keep > 0:

@@ -364,9 +364,9 @@ def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
             "progress": progress, "data": data}
 
 
-def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
+def merged_model_state(ck: Checkpoint) -> tuple[dict, dict]:
     """The whole model state of a checkpoint (expert rows stacked by global id) and its
-    trainer state, read on one process."""
+    trainer state, read on one process into CPU tensors."""
     verify_files(ck)
     md = checkpoint_metadata(ck)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
@@ -384,7 +384,7 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
             out[k[len("model/"):]] = v
     for name, by_id in rows.items():
         out[name] = torch.stack([by_id[e] for e in sorted(by_id)])
-    return {k: v.to(map_location) for k, v in out.items()}, trainer
+    return out, trainer
 
 
 def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None

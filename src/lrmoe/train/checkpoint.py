@@ -387,10 +387,9 @@ def merged_model_state(ck: Checkpoint) -> tuple[dict, dict]:
     return out, trainer
 
 
-def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes."""
-    md = checkpoint_metadata(ck) if metadata is None else metadata
+def read_tensors(ck: Checkpoint, keys: list[str], md: dict) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes
+    (``md``: its :func:`checkpoint_metadata`)."""
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
     _read(ck, state, False, "cannot be read", "")
     return state

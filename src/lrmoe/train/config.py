@@ -38,7 +38,6 @@ RUN_FORMAT = "lrmoe-run-v1"
 DIVERGENCE_WARMUP = 1  # steps that set the running minimum before it is checked
 
 
-# ----------------------------------------------------------------------------- config
 @dataclass
 class TrainConfig:
     """Everything ``lrmoe train`` takes: one field per flag, the policy's nested in

@@ -60,7 +60,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         self._pipe = (HostPipeline(piped, self._host_empty, self._grad_buf, chunk)
                       if piped else None)
 
-    # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Host memory for a master or a gradient buffer: pinned when the parameters are on CUDA."""
         return torch.empty(like.shape, dtype=dtype, device=self._host_dev, pin_memory=self._pin)
@@ -94,7 +93,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
             st["exp_avg_sq"] = self._host_alloc("exp_avg_sq", p)
         return st
 
-    # ------------------------------------------------------------------ early sends
     @property
     def pipelined(self) -> bool:
         return self._pipe is not None
@@ -103,7 +101,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
     def pipe_times(self) -> PipeTimes:
         return PipeTimes() if self._pipe is None else self._pipe.times
 
-    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def scale_grads(self, params: Iterable[Tensor], coef: float) -> None:
         """Multiply the gradients of ``params`` by ``coef`` (clipping): in place, except a pipelined
@@ -178,7 +175,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
                        [s["step"] for s in states], g)
         self._sync()
 
-    # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
         """AdamW's load; the offloaded parameters' state goes to host memory in fp32 (a state
         without ``master`` takes the device parameter's)."""

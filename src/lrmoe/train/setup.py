@@ -78,7 +78,6 @@ def leave_process_group(agreed: bool) -> None:
         dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- memory
 def state_bytes(mcfg, ep_size: int, offload: bool = False,
                 device: str = "cuda") -> tuple[int, int]:
     """``(device, host)`` bytes of one rank's model state where it trains: 16 bytes a
@@ -121,7 +120,6 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
                 "smaller model or a larger --ep")
 
 
-# ----------------------------------------------------------------------------- run dir
 def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     """``config.json``'s ``train``: the flags, a resume keeping the model's origin
     (``--preset`` / ``--config`` / ``--init-from`` are not re-given on resume)."""

@@ -8,6 +8,7 @@ import weakref
 import torch
 
 from lrmoe.model import MoEForCausalLM
+from lrmoe.parallel.groups import ParallelContext
 from lrmoe.presets import get_preset
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import ckpt_state, ckpt_write
@@ -70,8 +71,8 @@ def test_a_save_in_many_files_loads_back_exactly(tmp_path, monkeypatch):
     for k, v in model.state_dict().items():
         assert torch.equal(merged[k], v), k
     fresh, fresh_opt, fresh_sched = _stepped(1)
-    ckpt.load_checkpoint(ck, fresh, fresh_opt, fresh_sched, None, None, rank=0, world=1,
-                         ep_size=1, device=torch.device("cpu"), seed=0)
+    ckpt.load_checkpoint(ck, fresh, fresh_opt, fresh_sched, None, None, ctx=ParallelContext(),
+                         seed=0)
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
         for k, v in opt.state[p].items():

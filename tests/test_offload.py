@@ -83,6 +83,13 @@ def test_build_optimizer_rejects_unknown_offload():
         build_optimizer(_model(), 1e-3, 0.0, offload="gpu")
 
 
+def test_host_adamw_step_refuses_a_closure():
+    from lrmoe.errors import LrmoeError
+    opt = build_optimizer(_model(), 1e-3, 0.0, offload="host")
+    with pytest.raises(LrmoeError, match="takes no closure"):
+        opt.step(lambda: torch.tensor(0.0))
+
+
 # ----------------------------------------------------------------------------- ledger
 def test_ledger_with_offload_counts_only_the_gpu():
     from lrmoe.ledger import Ledger

@@ -122,7 +122,7 @@ def test_gradients_go_to_the_host_during_the_last_backward_only():
 
     def arm():
         seen.append(len(pipe._landed))  # sent by the first two backwards: none
-        opt.arm(lambda g: None)
+        pipe.arm(lambda g: None)
     opt.zero_grad(set_to_none=True)
     accumulate(model, lambda m: mbs[m], 3, lambda: torch.autocast("cpu", dtype=BF16),
                before_last_backward=arm)

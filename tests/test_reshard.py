@@ -61,7 +61,7 @@ def _dumping(path_of_rank):
 
     def load_hook(ck, model, opt, sched, *a, **kw):
         out = load(ck, model, opt, sched, *a, **kw)
-        torch.save(_snapshot(model, opt, sched.state_dict()), path_of_rank("loaded", kw["rank"]))
+        torch.save(_snapshot(model, opt, sched.state_dict()), path_of_rank("loaded", kw["ctx"].rank))
         return out
 
     ckpt.save_checkpoint, ckpt.load_checkpoint = save_hook, load_hook

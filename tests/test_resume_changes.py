@@ -154,3 +154,6 @@ def test_resume_of_a_directory_that_holds_no_run_says_what_works(tmp_path, text,
                  "--data", str(text), *TINY]) == 2
     one_error_line(capsys.readouterr().err, str(out), "drop --resume")
     assert train(out, text, "--steps", "1") == 0  # the advice works
+    (out / "config.json").unlink()  # checkpoints without their run config: refused too
+    assert main(["train", "--out", str(out), "--resume"]) == 2
+    one_error_line(capsys.readouterr().err, str(out / "config.json"), "is missing")

@@ -270,7 +270,8 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, capsys, monkeypatch)
 def test_corrupt_checkpoint_is_detected(qwen_run, tmp_path, capsys, damage):
     run = tmp_path / "bad"
     shutil.copytree(qwen_run, run)
-    shard = max(ckpt.latest_checkpoint(run).files, key=lambda p: p.stat().st_size)
+    ck = ckpt.latest_checkpoint(run)
+    shard = max((ck.path / n for n in ck.manifest["files"]), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]

@@ -1,4 +1,4 @@
-"""Files lrmoe writes: the mode a new file gets, and the staging directory of a save
+"""Files lrmoe writes: the mode a new file gets, its flush to disk, and the staging directory of a save
 (``.lrmoe-save-HOST-PID-TAG`` in the target, its files renamed into place once all are
 written; the rules: docs/reliability.md)."""
 
@@ -38,6 +38,15 @@ def mode_for(final: Path) -> int:
         return final.stat().st_mode & 0o7777
     except OSError:
         return 0o666 & ~umask()
+
+
+def fsync(path: Path) -> None:
+    """Flush file or directory ``path`` (a directory: the names renamed into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
-from lrmoe.files import mode_for, remove_dead_leftovers, staging_dir
+from lrmoe.files import fsync, mode_for, remove_dead_leftovers, staging_dir
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.transformer import MoEForCausalLM
 
@@ -307,14 +307,6 @@ def _hf_entries(model: MoEForCausalLM, dtype: torch.dtype | None) -> Entries:
     return out
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_checkpoint_file(name: str) -> bool:
     return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or bool(_SHARD_RE.match(name))
 
@@ -428,7 +420,7 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
             (stage / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
         written = names + list(texts)  # weights first, config.json last
         for fname in written:
-            _fsync(stage / fname)
+            fsync(stage / fname)
             os.chmod(stage / fname, mode_for(target / fname))
         for fname in written:
             os.replace(stage / fname, target / fname)
@@ -436,7 +428,7 @@ def write_checkpoint(target: Path, cfg: ModelConfig, entries: Entries, max_shard
             if p.name not in written:
                 p.unlink(missing_ok=True)
         stage.rmdir()
-        _fsync(target)
+        fsync(target)
     except BaseException as e:
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)

@@ -57,7 +57,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     require(device != "cuda" or torch.cuda.is_available(),
             "--device cuda was asked for but no CUDA device is available")
     dev = torch.device(device)
-    state, _ = ckpt.merged_model_state(ck, "cpu")
+    state, _ = ckpt.merged_model_state(ck)
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
     tok = load_tokenizer(cfg.tokenizer, run_dir, corpus.train_texts)
     streams = build_streams(corpus, tok)
@@ -73,8 +73,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
     model.to(dev)
     model.set_loss_chunk(cfg.loss_chunk)  # the run's: its logits a chunk at a time
     ctx = ParallelContext(device=dev)
-    with torch.no_grad():
-        loss, n = evaluate(model, batches, ctx, make_autocast(dev))
+    loss, n = evaluate(model, batches, ctx, make_autocast(dev))
     return {"val_loss": loss, "val_tokens": n, "step": ck.step, "checkpoint": str(ck.path),
             "skipped": list(ck.notes)}
 

@@ -16,7 +16,7 @@ import dataclasses
 
 from lrmoe.cli_flags import PLAN, add_policy_flags, check_int, check_policy_flags, policy_config
 from lrmoe.commands.columns import aligned
-from lrmoe.commands.plan_compare import GEMM_SOURCE, GEMM_TFLOPS, run_compare
+from lrmoe.commands.plan_compare import GEMM_SOURCE, GEMM_TFLOPS, model_line, run_compare
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, require
 from lrmoe.ledger import TERMS, Ledger
@@ -158,9 +158,8 @@ def run(args: argparse.Namespace) -> int:
         plan = policy.plan(counts, PlanInputs(prev_counts_E=pop, ledger=unbounded))
     terms = ledger.rank_terms(plan)  # a layer-checkpointed plan in the ledger's layer mode
 
-    print(f"{args.preset or args.config}: E={E} top_k={k} H={cfg.hidden_size} "
-          f"F={cfg.moe_intermediate_size} MoE layers={ledger.L}  EP={G}  policy={args.policy}"
-          f"  dtype={args.dtype}  pairs/rank={int(counts.sum(1).max())}")
+    print(f"{model_line(args, cfg)}  EP={G}  policy={args.policy}  dtype={args.dtype}  "
+          f"pairs/rank={int(counts.sum(1).max())}")
     print(f"per slot (all layers) {fmt_bytes(ledger.L * ledger.P)}, per retained pair "
           f"(all layers) {fmt_bytes(ledger.L * ledger.A)}")
     if note:

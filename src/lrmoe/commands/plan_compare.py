@@ -163,11 +163,15 @@ def project_rows(args: argparse.Namespace, cfg: ModelConfig, policy: PolicyConfi
     return rows
 
 
+def model_line(args: argparse.Namespace, cfg: ModelConfig) -> str:
+    """The model a plan is for: ``{preset}: E= top_k= H= F= MoE layers=``."""
+    return (f"{args.preset or args.config}: E={cfg.num_experts} top_k={cfg.num_experts_per_tok} "
+            f"H={cfg.hidden_size} F={cfg.moe_intermediate_size} MoE layers={len(cfg.moe_layers)}")
+
+
 def print_header(args: argparse.Namespace, cfg: ModelConfig, loads: Loads, link) -> None:
     """What was compared and what the times model."""
-    print(f"{args.preset or args.config}: E={cfg.num_experts} top_k={cfg.num_experts_per_tok} "
-          f"H={cfg.hidden_size} F={cfg.moe_intermediate_size} MoE layers={len(cfg.moe_layers)}"
-          f"  dtype={args.dtype}  tokens/rank={args.tokens_per_rank}")
+    print(f"{model_line(args, cfg)}  dtype={args.dtype}  tokens/rank={args.tokens_per_rank}")
     print(f"loads: {loads.what}")
     print(f"times are MODELLED, not measured: expert GEMMs at {args.gemm_tflops:g} TFLOP/s per "
           f"rank{' (' + GEMM_SOURCE + ')' if args.gemm_tflops == GEMM_TFLOPS else ''};")

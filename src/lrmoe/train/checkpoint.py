@@ -22,10 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lrmoe.errors import LrmoeError
-from lrmoe.files import mode_for
+from lrmoe.files import fsync, mode_for
 from lrmoe.train import ckpt_state
 from lrmoe.train.ckpt_write import BoundedFileWriter
-from lrmoe.train.ranks import all_gather, raise_first
+from lrmoe.train.ranks import agree, all_gather, raise_first
 
 FORMAT = "lrmoe-checkpoint-v2"
 OLD_FORMATS = {"lrmoe-checkpoint-v1": "one torch.save shard per rank"}
@@ -36,15 +36,6 @@ MANIFEST = "manifest.json"
 
 
 # ----------------------------------------------------------------------------- atomic I/O
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):  # best effort: some file systems refuse
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one
     (mode: the old file's, else the umask's)."""
@@ -62,7 +53,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # best effort: some file systems refuse a directory's
+        fsync(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -181,10 +173,6 @@ class Checkpoint:
     def ep_size(self) -> int:
         return int(self.manifest["ep_size"])
 
-    @property
-    def files(self) -> list[Path]:
-        return [self.path / n for n in sorted(self.manifest["files"])]
-
     def describe(self) -> str:
         """One line: which checkpoint is used, written by which layout, what was skipped."""
         s = (f"resuming from {self.path} (step {self.step}, written by world size "
@@ -228,10 +216,10 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
 def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
     """Check presence, size and SHA-256 of this rank's share of the files (``i % world``)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
-    for i, p in enumerate(ck.files):
+    for i, (name, entry) in enumerate(sorted(ck.manifest["files"].items())):
         if i % world != rank:
             continue
-        entry = ck.manifest["files"][p.name]
+        p = ck.path / name
         if not p.is_file():
             raise LrmoeError(f"checkpoint file {p} is missing; {hint}")
         size = p.stat().st_size
@@ -299,7 +287,8 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        with contextlib.suppress(OSError):  # best effort, as above
+            fsync(final.parent)
         for p in partial_dirs(run_dir):
             shutil.rmtree(p, ignore_errors=True)
         if keep > 0:
@@ -343,19 +332,15 @@ def _read(ck: Checkpoint, state: dict, distributed: bool, failed: str = "cannot 
         raise LrmoeError(f"checkpoint {ck.path} has no trainer state")
 
 
-def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, rank: int,
-                    world: int, ep_size: int, device: torch.device, seed: int) -> dict:
-    """Load a (verified) checkpoint into freshly built objects at any world / EP size;
-    returns the trainer state. Collective on more than one process."""
-    same = (ck.world, ck.ep_size) == (world, ep_size)
-    err, tpl = None, None
-    try:
-        tpl = ckpt_state.Template(model, opt, checkpoint_metadata(ck), rank if same else None,
-                                  str(ck.path))
-    except LrmoeError as e:
-        err = str(e)
-    raise_first(all_gather(err, world))  # every rank enters the collective load, or none
-    _read(ck, tpl.dict, distributed=world > 1)
+def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ctx,
+                    seed: int) -> dict:
+    """Load a (verified) checkpoint into freshly built objects at any world / EP size
+    (``ctx``'s); returns the trainer state. Collective on more than one process."""
+    same = (ck.world, ck.ep_size) == (ctx.world, ctx.ep_size)
+    # every rank enters the collective load, or none
+    tpl = agree(lambda: ckpt_state.Template(model, opt, checkpoint_metadata(ck),
+                                            ctx.rank if same else None, str(ck.path)), ctx)
+    _read(ck, tpl.dict, distributed=ctx.distributed)
     trainer = tpl.dict[ckpt_state.TRAINER]
     try:
         opt.load_state_dict(tpl.optimizer_state())
@@ -366,8 +351,8 @@ def load_checkpoint(ck: Checkpoint, model, opt, sched, policy, generator, *, ran
         m.prev_counts_E = None if c is None else c.cpu()
     if trainer.get("policy") is not None:  # None: saved by a policy without state
         policy.load_state_dict(trainer["policy"])
-    rng = tpl.dict.get(ckpt_state.rng_key(rank)) if same else None
-    ckpt_state.apply_rng(rng, generator, device, (seed, ck.step, rank))
+    rng = tpl.dict.get(ckpt_state.rng_key(ctx.rank)) if same else None
+    ckpt_state.apply_rng(rng, generator, ctx.device, (seed, ck.step, ctx.rank))
     return trainer
 
 
@@ -379,9 +364,9 @@ def trainer_state(model, sched, policy, progress: dict, data: dict) -> dict:
             "progress": progress, "data": data}
 
 
-def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict, dict]:
+def merged_model_state(ck: Checkpoint) -> tuple[dict, dict]:
     """The whole model state of a checkpoint (expert rows stacked by global id) and its
-    trainer state, read on one process."""
+    trainer state, read on one process into CPU tensors."""
     verify_files(ck)
     md = checkpoint_metadata(ck)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
@@ -399,13 +384,12 @@ def merged_model_state(ck: Checkpoint, map_location: Any = "cpu") -> tuple[dict,
             out[k[len("model/"):]] = v
     for name, by_id in rows.items():
         out[name] = torch.stack([by_id[e] for e in sorted(by_id)])
-    return {k: v.to(map_location) for k, v in out.items()}, trainer
+    return out, trainer
 
 
-def read_tensors(ck: Checkpoint, keys: list[str], metadata: dict | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes."""
-    md = checkpoint_metadata(ck) if metadata is None else metadata
+def read_tensors(ck: Checkpoint, keys: list[str], md: dict) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of a (verified) checkpoint, read on one process: only their bytes
+    (``md``: its :func:`checkpoint_metadata`)."""
     state = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in keys}
     _read(ck, state, False, "cannot be read", "")
     return state

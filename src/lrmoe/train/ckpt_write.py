@@ -37,16 +37,15 @@ def files_of(items: list, limit: int, nbytes=item_bytes) -> list[list]:
 
 class BoundedFileWriter(FileSystemWriter):
     """A ``FileSystemWriter`` whose rank ``r`` writes ``__r_K_0.distcp`` for K = 0, 1, ...,
-    one after another, each of at most ``file_bytes`` of tensors."""
+    one after another, each of at most :data:`FILE_BYTES` of tensors."""
 
-    def __init__(self, path: str, file_bytes: int | None = None):
+    def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, thread_count=1)
-        self.file_bytes = FILE_BYTES if file_bytes is None else file_bytes
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         prefix = plan.storage_data.prefix  # "__r_", set by prepare_global_plan
         results = []
-        for k, items in enumerate(files_of(plan.items, self.file_bytes)):
+        for k, items in enumerate(files_of(plan.items, FILE_BYTES)):
             part = dataclasses.replace(plan, items=items, storage_data=dataclasses.replace(
                 plan.storage_data, prefix=f"{prefix}{k}_"))
             results += super().write_data(part, planner).wait()

@@ -38,7 +38,6 @@ RUN_FORMAT = "lrmoe-run-v1"
 DIVERGENCE_WARMUP = 1  # steps that set the running minimum before it is checked
 
 
-# ----------------------------------------------------------------------------- config
 @dataclass
 class TrainConfig:
     """Everything ``lrmoe train`` takes: one field per flag, the policy's nested in
@@ -162,8 +161,7 @@ def check_join_flags(cfg: TrainConfig) -> None:
 
 
 def check_args(cfg: TrainConfig) -> None:
-    """Every check that needs no file: raise :class:`LrmoeError` naming the flag."""
-    check_join_flags(cfg)
+    """Every other check that needs no file: raise :class:`LrmoeError` naming the flag."""
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         check_int(name, getattr(cfg, name), 1)
     for name in ("warmup", "eval_every", "ckpt_every", "keep_ckpts", "log_every", "loss_chunk"):

@@ -122,7 +122,6 @@ class Watch:
         return err
 
 
-# ----------------------------------------------------------------------------- signals
 class SignalStop(LrmoeError):
     """A requested stop (SIGTERM / SIGUSR1) after a checkpoint: exit 128 + signal."""
 

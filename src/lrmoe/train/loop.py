@@ -62,9 +62,8 @@ from lrmoe.train.metrics import (
     train_row,
 )
 from lrmoe.train.optim import build_optimizer, build_scheduler
-from lrmoe.train.ranks import all_gather
+from lrmoe.train.ranks import agree, all_gather
 from lrmoe.train.setup import (
-    agree,
     check_model_fits,
     check_same_flags,
     leave_process_group,
@@ -153,11 +152,11 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
                              "that run or another --out")
         return None
     ck = ckpt.latest_checkpoint(run_dir)
+    if read_run_config(run_dir) is None:
+        raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing" if ck is not None else
+                         f"--resume: {run_dir} holds no lrmoe run to continue (no {RUN_CONFIG}, "
+                         "no checkpoint); drop --resume to start a new run there")
     if ck is None:
-        if read_run_config(run_dir) is None:
-            raise LrmoeError(f"--resume: {run_dir} holds no lrmoe run to continue (no "
-                             f"{RUN_CONFIG}, no checkpoint); drop --resume to start a new run "
-                             "there")
         return None  # a run that completed no checkpoint: it starts again
     for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
         if value is not None and value < ck.step:
@@ -292,8 +291,7 @@ def _checked(cfg: TrainConfig, world: int) -> LrmoeError | None:
     """Check every flag and warn of those the run ignores. On one process an error is raised;
     under torchrun it is returned, to be said once every rank has joined (a rank leaving
     before joining would leave the others waiting); what joining needs is checked first."""
-    if world > 1:
-        check_join_flags(cfg)  # alike on every rank, or joining itself would fail
+    check_join_flags(cfg)  # alike on every rank, or joining itself would fail
     try:
         check_args(cfg)
     except LrmoeError as e:
@@ -345,9 +343,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
         hf = agree(lambda: open_checkpoint(cfg.init_from), ctx)
     saved = None
     if cfg.resume:
-        saved = read_run_config(run_dir)
-        if saved is None:
-            raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing")
+        saved = read_run_config(run_dir)  # there: checked with the checkpoint
         if ck is None:
             gone = "".join(f" ({p.name}: an interrupted save)" for p in ckpt.partial_dirs(run_dir))
             _log(f"lrmoe train: note: {run_dir} holds no complete checkpoint{gone}: --resume "
@@ -453,8 +449,7 @@ def _build(cfg: TrainConfig, ctx, inp: _Inputs) -> _State:
     ck, prog, batches = inp.ck, {"tokens": 0, "elapsed_s": 0.0}, 0
     if ck is not None:
         st = ckpt.load_checkpoint(  # verified above; any world and EP size
-            ck, model, opt, sched, inp.policy, gen, rank=ctx.rank, world=ctx.world,
-            ep_size=ctx.ep_size, device=ctx.device, seed=cfg.seed)
+            ck, model, opt, sched, inp.policy, gen, ctx=ctx, seed=cfg.seed)
         if st.get("data") != inp.data_fp:
             raise LrmoeError(f"--resume: the training data differ from the checkpoint's "
                              f"({st.get('data')} vs now {inp.data_fp}); resume on the same data")

@@ -60,7 +60,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
         self._pipe = (HostPipeline(piped, self._host_empty, self._grad_buf, chunk)
                       if piped else None)
 
-    # ------------------------------------------------------------------ host memory
     def _host_empty(self, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Host memory for a master or a gradient buffer: pinned when the parameters are on CUDA."""
         return torch.empty(like.shape, dtype=dtype, device=self._host_dev, pin_memory=self._pin)
@@ -94,22 +93,14 @@ class HostOffloadAdamW(torch.optim.AdamW):
             st["exp_avg_sq"] = self._host_alloc("exp_avg_sq", p)
         return st
 
-    # ------------------------------------------------------------------ early sends
     @property
     def pipelined(self) -> bool:
         return self._pipe is not None
-
-    def arm(self, finish: Callable[[Tensor], None]) -> None:
-        """Send each offloaded gradient to the host as the next backward finalises it, ``finish``
-        (what the gradient sync would do) applied first."""
-        if self._pipe is not None:
-            self._pipe.arm(finish)
 
     @property
     def pipe_times(self) -> PipeTimes:
         return PipeTimes() if self._pipe is None else self._pipe.times
 
-    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def scale_grads(self, params: Iterable[Tensor], coef: float) -> None:
         """Multiply the gradients of ``params`` by ``coef`` (clipping): in place, except a pipelined
@@ -129,11 +120,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """The device AdamW (queued first, so it runs while the host works), the host
-        update, then the own-master update; returns once the host is done."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        update, then the own-master update; returns once the host is done. No ``closure``."""
+        require(closure is None, "HostOffloadAdamW.step takes no closure: run the backward first")
         jobs = self._jobs()
         if jobs:
             jobs = self._pipe.send_rest(jobs)
@@ -148,7 +136,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
             if own:
                 self._own_step(own)
         self.host_s = time.perf_counter() - t0
-        return loss
 
     def _device_step(self) -> None:
         # the device step must not see the offloaded grads
@@ -188,7 +175,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
                        [s["step"] for s in states], g)
         self._sync()
 
-    # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
         """AdamW's load; the offloaded parameters' state goes to host memory in fp32 (a state
         without ``master`` takes the device parameter's)."""
@@ -208,7 +194,7 @@ def last_backward_hook(opt: torch.optim.Optimizer, ctx) -> Callable[[], None] | 
     if not isinstance(opt, HostOffloadAdamW) or not opt.pipelined:
         return None
     finish = expert_grad_finish(ctx)
-    return None if finish is None else (lambda: opt.arm(finish))
+    return None if finish is None else (lambda: opt._pipe.arm(finish))
 
 
 def presynced(opt: torch.optim.Optimizer) -> frozenset[int]:

@@ -1,9 +1,10 @@
-"""What the ranks exchange to agree: an object from each (:func:`all_gather`) and the
-first rank's error, raised on all (:func:`raise_first`)."""
+"""What the ranks exchange to agree: an object from each (:func:`all_gather`), the
+first rank's error, raised on all (:func:`raise_first`), and a step run on every rank
+whose error on any is raised on all (:func:`agree`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -32,3 +33,15 @@ def raise_first(errs: list[str | None], kind: type = LrmoeError, rank: int | Non
     if len(failed) < len(errs):
         msg = f"rank {failed[0]}: {msg}"
     raise quiet_unless(kind(msg), rank == 0)
+
+
+def agree(fn: Callable[[], Any], ctx) -> Any:
+    """Run ``fn`` on every rank of ``ctx`` (its ``rank`` and ``world``); an
+    :class:`LrmoeError` on any is raised on all."""
+    out, err = None, None
+    try:
+        out = fn()
+    except LrmoeError as e:
+        err = str(e)
+    raise_first(all_gather(err, ctx.world), rank=ctx.rank)
+    return out

@@ -1,6 +1,6 @@
 """The trainer's setup steps that must end with every rank agreeing: the same flags
-(:func:`check_same_flags`), an error on any rank raised on all (:func:`agree`), and the run
-directory taken once every input is valid (:func:`open_run_dir`, :mod:`.rundir`).
+(:func:`check_same_flags`), an error on any rank raised on all (:func:`.ranks.agree`), and
+the run directory taken once every input is valid (:func:`open_run_dir`, :mod:`.rundir`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,20 +22,7 @@ from lrmoe.train import checkpoint as ckpt
 from lrmoe.train import rundir
 from lrmoe.train.config import RUN_CONFIG, TrainConfig, resolve_model_config
 from lrmoe.train.metrics import METRICS_FILE, proc_kib, truncate_metrics
-from lrmoe.train.ranks import all_gather, raise_first
-
-
-# ----------------------------------------------------------------------------- agreement
-def agree(fn: Callable[[], Any], ctx) -> Any:
-    """Run ``fn`` on every rank; an :class:`LrmoeError` on any is raised on all."""
-    out, err = None, None
-    try:
-        out = fn()
-    except LrmoeError as e:
-        err = str(e)
-    raise_first(all_gather(err, ctx.world), rank=ctx.rank)
-    return out
-
+from lrmoe.train.ranks import agree, all_gather, raise_first
 
 # Flags that may differ between ranks: where files are on this node (the data, tokenizer
 # and model are compared by content instead) and how this process runs
@@ -93,7 +79,6 @@ def leave_process_group(agreed: bool) -> None:
         dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- memory
 def pinned_bytes(nbytes: int) -> int:
     """Host bytes a pinned tensor of ``nbytes`` holds: PyTorch's caching host allocator rounds
     every request up to the next power of two (unless ``pinned_max_round_threshold`` is set)."""
@@ -177,7 +162,6 @@ def check_model_fits(mcfg, cfg: TrainConfig, ctx) -> None:
                 "smaller model or a larger --ep")
 
 
-# ----------------------------------------------------------------------------- run dir
 def train_fields(cfg: TrainConfig, saved: dict | None) -> dict:
     """``config.json``'s ``train``: the flags, a resume keeping the model's origin
     (``--preset`` / ``--config`` / ``--init-from`` are not re-given on resume)."""

@@ -179,6 +179,14 @@ def test_train_compile_flag_same_losses(tmp_path, capsys, monkeypatch):
     assert compile_counts()["graphs"] > 0
     assert len(losses["eager"]) == 3
     torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=1e-5)
+    # the out-of-memory line's way on for a compiled run: the checkpoint runs eager only
+    more = ["train", "--out", str(tmp_path / "compiled"), "--resume", "--steps", "4",
+            "--activation-checkpoint", "full"]
+    assert main(more) == 2
+    assert main([*more, "--no-compile"]) == 0
+    rows = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("kind") == "train"][-1] == 4
+    assert calls == ["inductor"]
 
 
 def test_compile_check_script_catches_a_wrong_reference(monkeypatch):

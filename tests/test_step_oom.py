@@ -141,21 +141,24 @@ def test_the_ledger_verdict_offers_recompute_to_the_exact_policies_only(policy, 
     assert ("--recompute instead, if recomputing fits" in line) == offered, line
 
 
-@pytest.mark.parametrize("vocab, chunk, offered", [(151_936, 0, True), (151_936, 512, False),
-                                                   (256, 0, False), (32_768, 0, True),
-                                                   (32_767, 0, False)])
-def test_a_large_vocabulary_is_offered_the_chunked_loss(vocab, chunk, offered):
+@pytest.mark.parametrize("vocab, chunk, compiled, offered", [
+    (151_936, 0, False, True), (151_936, 512, False, False), (256, 0, False, False),
+    (32_768, 0, False, True), (32_767, 0, False, False), (151_936, 0, True, False)])
+def test_a_large_vocabulary_is_offered_the_chunked_loss(vocab, chunk, compiled, offered):
     """The allocator's line offers ``--loss-chunk`` where the logits are worth chunking: a
-    large vocabulary, not chunked yet; the command it names continues the run."""
+    large vocabulary, not chunked yet, not compiled (compiled, chunks lowered no measured
+    peak); the commands it names continue the run, a compiled one eager under the
+    activation checkpoint."""
     from lrmoe.train.config import TrainConfig
     from lrmoe.train.step_oom import StepMemory
 
-    cfg = TrainConfig(preset="tiny-qwen3", batch_size=4, loss_chunk=chunk)
+    cfg = TrainConfig(preset="tiny-qwen3", batch_size=4, loss_chunk=chunk, compile=compiled)
     mem = StepMemory(cfg, 1, 3, ["--out", "runs/x", "--resume"], [], "runs/x/checkpoints",
                      vocab=vocab)
     line = mem.allocator_line("GPU", "CUDA out of memory")
     assert ("`lrmoe train --out runs/x --resume --loss-chunk 1024`" in line) == offered, line
-    assert "--activation-checkpoint full" in line
+    eager = " --no-compile" if compiled else ""
+    assert f"`lrmoe train --out runs/x --resume{eager} --activation-checkpoint full`" in line
 
 
 @pytest.mark.parametrize("batch, world, accum, offered", [

@@ -109,9 +109,10 @@ def _run(g) -> None:
                    help="also write the metrics as TensorBoard events into OUT/tensorboard "
                         "(needs pip install 'lrmoe[tensorboard]')")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--compile", action="store_true",
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile the model (attention, norms, routers, head and loss; "
-                        "the MoE layers' plan and exchange stay eager: one graph break each)")
+                        "the MoE layers' plan and exchange stay eager: one graph break each); "
+                        "--no-compile turns it off on --resume")
     g.add_argument("--stop-after", type=int, metavar="STEP", help="end this invocation after "
                    "STEP (validate + checkpoint); continue later with --resume")
 

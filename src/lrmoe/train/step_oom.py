@@ -81,9 +81,11 @@ class StepMemory:
 
     def allocator_line(self, where: str, words: str) -> str:
         cfg, fixes = self.cfg, []
-        if cfg.activation_checkpoint != "full":
-            fixes.append(f"`{self._continued('--activation-checkpoint', 'full')}`")
-        if cfg.loss_chunk == 0 and self.vocab >= LARGE_VOCAB:
+        if cfg.activation_checkpoint != "full":  # the checkpoint runs eager only
+            eager = ("--no-compile",) if cfg.compile else ()
+            fixes.append(f"`{self._continued(*eager, '--activation-checkpoint', 'full')}`")
+        if cfg.loss_chunk == 0 and not cfg.compile and self.vocab >= LARGE_VOCAB:
+            # compiled, chunks lowered no measured peak (benchmarks/RESULTS.md)
             fixes.append(f"`{self._continued('--loss-chunk', '1024')}`")
         half = cfg.batch_size // 2
         if cfg.batch_size % 2 == 0 and half % self.world == 0:

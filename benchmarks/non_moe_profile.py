@@ -7,7 +7,7 @@ under ``torch.profiler`` and splits each step's non-MoE wall into categories.
 
 :func:`analyse` (pure, over the Chrome trace): a step is its ``ttl:step`` range; the MoE
 wall is the ``ttl:moe_forward`` ranges less their ``stage:route`` parts (router and
-shared experts, non-MoE for ``bench ttl``) plus each ``VirtualExchangeBackward`` node;
+shared experts, non-MoE for ``bench ttl``) plus each ``ExpertExchangeBackward`` node;
 the host optimizer step is its ``offload:host_step`` range (``HostOffloadAdamW`` marks
 it). Every device kernel (on the CPU: every leaf operator) is placed by the operator
 that launched it: its ranges (``ttl:*`` phase, ``mod:<class>`` from global module hooks, ``stage:*``),
@@ -250,7 +250,7 @@ def analyse(trace: dict, skip: int = 0) -> dict:
     for e in tr.named("ttl:moe_forward"):
         moe += subtract((e.ts, e.end), route)
     moe += [(e.ts, e.end) for e in tr.host
-            if e.name == "autograd::engine::evaluate_function: VirtualExchangeBackward"]
+            if e.name == "autograd::engine::evaluate_function: ExpertExchangeBackward"]
     moe = union(moe)
     host_step = union([(e.ts, e.end) for e in tr.named(HOST_STEP)])
     phases = [(e.ts, e.end, e.name) for e in tr.ranges

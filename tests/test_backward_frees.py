@@ -60,9 +60,9 @@ def test_only_dgu_and_dout_alive_at_the_dx_gemm(case, monkeypatch):
         out = layer(xin.view(1, T, H))
         node = truth.exchange_node(out)
         plan = node.st.plan
-        seen["rec"] |= bool(node.keep.n_rec)
+        seen["rec"] |= bool(node.keep_G[0].n_rec)
         seen["gathered"] |= Ledger.backward_rows(plan, me).gathered
-        rows = {k: t for k, t in node.kept.items() if t.numel()}  # y_send is empty at experts
+        rows = {k: t for k, t in node.kept[0].items() if t.numel()}  # y_send is empty at experts
         state["kept"] = {k: weakref.ref(t.untyped_storage()) for k, t in rows.items()}
         dout = torch.ones_like(out)
         state["live"] = live = LiveRows((H, F, 2 * F), [], count=[*rows.values(), dout])

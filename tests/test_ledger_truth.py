@@ -4,8 +4,8 @@ One rank of a G-rank EP group runs the real runtime (``MoELayer`` with a real ro
 ``ExpertExchange``) with synthetic peers (:class:`onerank.OneRankComm`, ``tests/onerank.py``). Its
 forward runs under ``torch.autograd.graph.saved_tensors_hooks``; the autograd graph is
 then walked node by node, custom Functions' ``ctx`` attributes included (the exchange
-keeps its layouts on ``ctx.st`` and its kept rows on ``ctx.kept``, which the hooks never
-see), and every tensor found is
+keeps its layouts on ``ctx.st`` and its kept rows on ``ctx.kept``, one dict per played
+rank, which the hooks never see), and every tensor found is
 counted once per storage. The expert path's bytes must equal the ledger's per-layer
 terms exactly; every difference is itemized below:
 
@@ -119,7 +119,7 @@ def measure(layer: MoELayer, x_TH: torch.Tensor, me: int, policy, ledger) -> dic
             plan = n.st.plan
             # plan-derived tensors: host memory on a GPU (the plan is built on the CPU)
             host: list = []
-            _tensors([n.keep, plan], host, set())
+            _tensors([n.keep_G, plan], host, set())
             for t in host:
                 by["host"].setdefault(*_storage(t))
             dest = "exchange"
@@ -297,9 +297,9 @@ def test_buffers_equal_the_rows_alive_at_the_backward_peak(case):
         node = exchange_node(out)
         plan = node.st.plan
         dout = torch.ones_like(out)
-        kept = {_storage(t)[0]: t.untyped_storage().nbytes() for t in node.kept.values()}
+        kept = {_storage(t)[0]: t.untyped_storage().nbytes() for t in node.kept[0].values()}
         forward = {sum(p.values()) - sum(kept.values()) for _, p in live_fwd.points}
-        live = LiveRows((H, F, 2 * F), traced, seams, count=[*node.kept.values(), dout])
+        live = LiveRows((H, F, 2 * F), traced, seams, count=[*node.kept[0].values(), dout])
         with live:
             out.backward(dout)
         measured = {sum(p.values()) - sum(kept.values()) for _, p in live.points}

@@ -242,7 +242,7 @@ def _kept(node) -> dict[int, int]:
     attrs = dict(vars(node))
     out, host = list(node.saved_tensors), []
     truth._tensors([attrs, node.st.tp.stats], out, set())
-    truth._tensors([node.st.plan, node.keep], host, set())  # the plan and what it derives
+    truth._tensors([node.st.plan, node.keep_G], host, set())  # the plan and what it derives
     hs = {truth._storage(t)[0] for t in host}
     return {p: nb for p, nb in map(truth._storage, out) if p not in hs}
 
@@ -298,10 +298,10 @@ def test_backward_rows_alive_are_the_exchanges():
         assert layer.last.path == ("local" if fast else "exchange")
         node = _node(out, "ExpertExchangeBackward")
         # no reference held here: backward frees the kept rows as it goes
-        nb = sum(k.untyped_storage().nbytes() for k in node.kept.values())
+        nb = sum(k.untyped_storage().nbytes() for k in node.kept[0].values())
         dout = torch.ones_like(out)
         live = LiveRows((H, F, 2 * F), exchange_code()[1], row_seams(),
-                        count=[*node.kept.values(), dout])
+                        count=[*node.kept[0].values(), dout])
         del node
         with live:
             out.backward(dout)
@@ -337,7 +337,7 @@ def test_only_dgu_and_dout_alive_at_the_dx_gemm(opts, monkeypatch):
     monkeypatch.setattr(ops, "_gmm", hook)
     layer.runtime = MoERuntime(backward=opts)
     out = layer(x[:T].view(1, T, H))
-    rows = {k: t for k, t in _node(out, "ExpertExchangeBackward").kept.items() if t.numel()}
+    rows = {k: t for k, t in _node(out, "ExpertExchangeBackward").kept[0].items() if t.numel()}
     assert set(rows) == ({"x", "gu"} if opts.router_grad == "experts" else {"x", "gu", "y_send"})
     state["kept"] = {k: weakref.ref(t.untyped_storage()) for k, t in rows.items()}
     dout = torch.ones_like(out)

@@ -69,7 +69,7 @@ def _step(t: _Trace, t0: float) -> None:
     t.op("autograd::engine::evaluate_function: ScaledDotProductFlashAttentionBackward0",
          t0 + 310, 20, tid=BWD, seq=2)
     t.kernel("flash_bwd_kernel", t0 + 312, t0 + 320, 40, tid=BWD)  # 320-360
-    t.op("autograd::engine::evaluate_function: VirtualExchangeBackward", t0 + 400, 200,
+    t.op("autograd::engine::evaluate_function: ExpertExchangeBackward", t0 + 400, 200,
          tid=BWD, seq=9)
     t.kernel("expert_bwd", t0 + 401, t0 + 400, 190, tid=BWD)
     t.op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", t0 + 610,

@@ -118,17 +118,17 @@ def run(layer_fn, layer, x, coeff):
 
 
 def exchange_node(y):
-    """The ``VirtualExchange`` node (its ctx) in ``y``'s graph."""
+    """The ``ExpertExchange`` node (its ctx) in ``y``'s graph."""
     todo, seen = [y.grad_fn], set()
     while todo:
         n = todo.pop()
         if n is None or n in seen:
             continue
         seen.add(n)
-        if type(n).__name__ == "VirtualExchangeBackward":
+        if type(n).__name__ == "ExpertExchangeBackward":
             return n
         todo += [f for f, _ in n.next_functions]
-    raise AssertionError("no VirtualExchange in the graph")
+    raise AssertionError("no ExpertExchange in the graph")
 
 
 def emulate(policy_name, seed, opts=None, kept=None):
@@ -141,7 +141,7 @@ def emulate(policy_name, seed, opts=None, kept=None):
     if kept is not None:
         def fn(t):
             y = v(t)
-            kept["y_send"] = sum(int(r["y_send"].numel()) for r in exchange_node(y).kept.rows_G)
+            kept["y_send"] = sum(int(r["y_send"].numel()) for r in exchange_node(y).kept)
             return y
     return run(fn, layer, x, coeff), v.stats
 

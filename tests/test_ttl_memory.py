@@ -58,14 +58,14 @@ def test_bench_ttl_optimizer_step_sees_no_probe_and_no_graph(monkeypatch):
     before = {id(o): weakref.ref(o) for o in gc.get_objects()
               if isinstance(o, torch.nn.Parameter)}
     # contexts other tests in this process left alive (held here, so their ids stay theirs)
-    old_ctxs = [o for o in gc.get_objects() if type(o).__name__ == "VirtualExchangeBackward"]
+    old_ctxs = [o for o in gc.get_objects() if type(o).__name__ == "ExpertExchangeBackward"]
 
     def spy(self, closure=None):
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         objs = gc.get_objects()
         stale = [o for o in objs if isinstance(o, torch.nn.Parameter) and id(o) not in mine
                  and not (id(o) in before and before[id(o)]() is o)]
-        ctxs = [o for o in objs if type(o).__name__ == "VirtualExchangeBackward"
+        ctxs = [o for o in objs if type(o).__name__ == "ExpertExchangeBackward"
                 and not any(o is c for c in old_ctxs)]
         seen.append((len(stale), len(ctxs)))
         return step(self, closure)

@@ -2,10 +2,11 @@
 explicit backward (select, compact, experts^-1: docs/design.md §2): the stages of
 :mod:`lrmoe.parallel.stages`, with the exchanges between them.
 
-The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ranks`:
-each stage runs for every rank a process plays, and a :class:`Transport` carries the
-rows between stages and counts them. A real rank plays itself over the group's
-collectives (:class:`GroupTransport`, :class:`ExpertExchange`); one process plays its
+The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ranks`,
+and so is its autograd Function, :class:`ExpertExchange`: each stage runs for every rank
+a process plays, and a :class:`Transport` carries the rows between stages and counts
+them. A real rank plays itself over the group's collectives (:class:`GroupTransport`,
+:class:`ExchangeRun`); one process plays its
 one rank for the identity plan, its layouts built on the device, with no collectives and
 no host wait (:func:`run_local`, docs/design.md §2: bitwise the general path); the
 emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
@@ -17,6 +18,7 @@ Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -62,6 +64,12 @@ class Transport(Protocol):
 
     def rows(self, name: str, n_G: list[int]) -> None: ...
 
+    def forward_done(self, kept_G: list[int]) -> None:
+        """The forward's end: the activation bytes each played rank keeps for backward."""
+
+    def backward_done(self, st: ExchangeState, dout_G: list[Tensor]) -> None:
+        """The backward's end, its gradients formed (``dout_G``: each played rank's)."""
+
 
 class GroupTransport:
     """This rank alone, over the EP group's collectives: counters into ``stats``, the
@@ -90,6 +98,16 @@ class GroupTransport:
     def rows(self, name: str, n_G: list[int]) -> None:
         self.stats[name + "_rows"] = n_G[0]
 
+    def forward_done(self, kept_G: list[int]) -> None:
+        self.stats["saved_act_bytes"] = kept_G[0]
+
+    def backward_done(self, st: ExchangeState, dout_G: list[Tensor]) -> None:
+        H, elt = dout_G[0].shape[1], dout_G[0].element_size()
+        b = RowBytes(H * elt, dot=st.at_experts)
+        # what the exact backward would send: every assigned row out and back
+        self.stats["bwd_exact_bytes"] = int(st.plan.assign_GGS[self.comm.rank].sum()) * (
+            b.row + b.bwd_dispatch)
+
 
 def _timed(stats: dict, key: str, device: torch.device):
     """Accumulate a region's time in ``stats[key]`` (CUDA: events in ``_events``)."""
@@ -106,7 +124,9 @@ class ExchangeState:
     rebuilt in backward), gates (read by selection alone) and sampling generator, and the
     transport. ``offs``: the receiver's rows per expert as device offsets, in place of
     the plan's host counts (the one-process path, whose ``plan`` is
-    :class:`OneBlock`)."""
+    :class:`OneBlock`). ``layer_checkpoint``: a whole-layer checkpoint, whose re-run in
+    backward builds the layouts again from each played rank's expert ids per pair
+    (``idx_P_G``) and ``num_experts``."""
 
     tp: Transport
     plan: Plan
@@ -116,6 +136,9 @@ class ExchangeState:
     gate_P_G: list[Tensor | None]
     generators: list[torch.Generator | None]
     offs: Tensor | None = None
+    layer_checkpoint: bool = False
+    idx_P_G: list[Tensor] | None = None
+    num_experts: int = 0
 
     @property
     def at_experts(self) -> bool:
@@ -239,7 +262,19 @@ def _experts_backward_exchange(st: ExchangeState, rows_G: list[dict], sh_G: list
     return dx_back_G, dw13_G, dw2_G, dg_back_G
 
 
-# ----------------------------------------------------------------------- one real rank
+# ------------------------------------------------------------------ the autograd Function
+def layouts(tp: Transport, plan: Plan, idx_P_G: Sequence[Tensor], gate_P_G: Sequence[Tensor],
+            num_experts: int, dev: torch.device
+            ) -> tuple[list[stages.HomeLayout], list[stages.RecvLayout]]:
+    """Each played rank's home and receive layout of ``plan``, timed as its ``local``."""
+    homes, recvs = [], []
+    for i, g in enumerate(tp.ranks):
+        with tp.timer(i)("local"):
+            homes.append(stages.home_layout(plan, g, idx_P_G[i], gate_P_G[i], num_experts))
+            recvs.append(stages.recv_layout(plan.assign_GGS[:, g, :], dev))
+    return homes, recvs
+
+
 @dataclass(frozen=True)
 class ExchangeRun:
     """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
@@ -258,23 +293,27 @@ class ExchangeRun:
 
     def __call__(self, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,
                  w2_S: Tensor, stats: dict) -> Tensor:
-        me, dev = self.comm.rank, x_TH.device
+        me = self.comm.rank
         gate_P = gate_TK.reshape(-1).detach()
-        tp = GroupTransport(self.comm, stats, dev, self.timing)
-        with tp.timer(0)("local"):  # the layouts' time, when the control plane is timed
-            home = stages.home_layout(self.plan, me, idx_TK.reshape(-1), gate_P, self.num_experts)
-            recv = stages.recv_layout(self.plan.assign_GGS[:, me, :], dev)
-        st = ExchangeState(tp, self.plan, [home], self.top_k, self.opts, [gate_P], [self.generator])
+        tp = GroupTransport(self.comm, stats, x_TH.device, self.timing)
+        # the layouts' time, when the control plane is timed
+        homes, recvs = layouts(tp, self.plan, [idx_TK.reshape(-1)], [gate_P], self.num_experts,
+                               x_TH.device)
+        st = ExchangeState(tp, self.plan, homes, self.top_k, self.opts, [gate_P], [self.generator])
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.
         keep = stages.retention(self.plan, me, save_all=self.opts.fidelity and not self.plan.exact)
-        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recv, keep)
+        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recvs, [keep])
 
 
 class ExpertExchange(torch.autograd.Function):
-    """``(x_TH, gate_TK, w13_S, w2_S) -> out_TH``: this rank's :func:`forward_ranks` and
-    :func:`backward_ranks` over its transport (``st.tp``), keeping ``keep``'s rows.
+    """``(x, gate, w13, w2) -> out``: :func:`forward_ranks` and :func:`backward_ranks`
+    over the ranks its transport (``st.tp``) plays, keeping ``keep_G``'s rows. ``x``,
+    ``gate`` and ``out`` hold the played ranks' tokens one rank after the other, ``w13``
+    and ``w2`` their slots' instance weights likewise (one rank: its own). Under a
+    whole-layer checkpoint (``st.layer_checkpoint``) it keeps nothing of the exchange:
+    backward builds the layouts and runs the forward again first.
 
     The combine (gate-weighted sum over a token's k pairs) is done here, so the pair
     outputs never leave this Function in pair order and no broadcast multiply or atomic
@@ -284,61 +323,87 @@ class ExpertExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TH: Tensor, gate_TK: Tensor, w13_S: Tensor, w2_S: Tensor,
-                st: ExchangeState, recv: stages.RecvLayout, keep: stages.Retention) -> Tensor:
-        (comb,), (rows,) = forward_ranks(st, [recv], [x_TH], [gate_TK], [w13_S], [w2_S], [keep])
-        st.tp.stats["saved_act_bytes"] = kept_bytes(rows)
+    def forward(ctx, x: Tensor, gate: Tensor, w13: Tensor, w2: Tensor, st: ExchangeState,
+                recvs: list[stages.RecvLayout], keep_G: list[stages.Retention]) -> Tensor:
+        n = len(keep_G)
+        comb_G, rows_G = forward_ranks(st, recvs, x.tensor_split(n), gate.tensor_split(n),
+                                       w13.tensor_split(n), w2.tensor_split(n), keep_G)
+        st.tp.forward_done([0] * n if st.layer_checkpoint else [kept_bytes(r) for r in rows_G])
+        out = _joined([comb.out_TH for comb in comb_G])
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
         # row's block are rebuilt from the plan there.
-        ctx.st, ctx.keep = st, keep
+        ctx.st, ctx.keep_G = st, keep_G
+        combs = [t for comb in comb_G for t in (comb.w_TK, comb.row_TK)]
+        del comb_G
         # The kept rows are the Function's own intermediates (never its inputs or output,
-        # so no reference cycle): a plain dict rather than save_for_backward, whose tensors
+        # so no reference cycle): a plain list rather than save_for_backward, whose tensors
         # live until backward returns (kept_rows; Ledger.rows_buffer_bytes, docs/design.md §5).
-        if st.opts.checkpointed:
-            ctx.save_for_backward(w13_S, w2_S, comb.w_TK, comb.row_TK, rows["x"], rows["gu"],
-                                  rows["y_send"])
+        if st.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
+            ctx.save_for_backward(w13, w2, x, gate)
+        elif st.opts.checkpointed:
+            ctx.save_for_backward(w13, w2, *combs,
+                                  *[rows[k] for rows in rows_G for k in ("x", "gu", "y_send")])
         else:
-            ctx.kept = rows
-            ctx.save_for_backward(w13_S, w2_S, comb.w_TK, comb.row_TK)
-        return comb.out_TH
+            ctx.kept = rows_G
+            ctx.save_for_backward(w13, w2, *combs)
+        return out
 
     @staticmethod
-    def backward(ctx, dout_TH: Tensor):
+    def backward(ctx, dout: Tensor):
         st: ExchangeState = ctx.st
-        w13_S, w2_S, w_TK, row_TK, *saved = ctx.saved_tensors
-        rows = kept_rows(ctx, saved)
-        del saved
-        plan, me, keep = st.plan, st.tp.ranks[0], ctx.keep
-        dout_TH = dout_TH.to(w13_S.dtype).contiguous()
-        comb = stages.Combined(None, row_TK, w_TK)
-        fidelity = st.opts.fidelity and not plan.exact
+        keep_G, n = ctx.keep_G, len(ctx.keep_G)
+        w13, w2, *saved = ctx.saved_tensors
+        w13_G, w2_G = w13.tensor_split(n), w2.tensor_split(n)
+        if st.layer_checkpoint:  # the forward again (its layouts too), measured in backward
+            x_G, gate_G = saved[0].tensor_split(n), saved[1].tensor_split(n)
+            del saved
+            homes, recvs = layouts(st.tp, st.plan, st.idx_P_G, st.gate_P_G, st.num_experts,
+                                   dout.device)
+            st = dataclasses.replace(st, homes=homes)
+            comb_G, rows_G = forward_ranks(st, recvs, x_G, gate_G, w13_G, w2_G, keep_G, rerun=True)
+            del x_G, gate_G
+            for comb in comb_G:
+                comb.out_TH = None
+        else:
+            comb_G = [stages.Combined(None, row_TK, w_TK)
+                      for w_TK, row_TK in zip(saved[0:2 * n:2], saved[1:2 * n:2])]
+            rows_G = kept_rows(ctx, saved[2 * n:])
+            del saved
+        dout_G = [d.to(w13.dtype).contiguous() for d in dout.tensor_split(n)]
+        fidelity = st.opts.fidelity and not st.plan.exact
         # a fidelity step reads the kept rows twice: the selected backward gets a copy
-        kept_all = dict(rows) if fidelity else None
-        (dx_TH,), (dgate,), (dw13,), (dw2,) = backward_ranks(st, [dout_TH], [comb], [rows], [keep],
-                                                             [w13_S], [w2_S])
+        kept_all = dict(rows_G[0]) if fidelity else None
+        grads_G = backward_ranks(st, dout_G, comb_G, rows_G, keep_G, w13_G, w2_G)
         if fidelity:
-            _fidelity(st, kept_all, dout_TH, w_TK, keep, w13_S, w2_S, dw13, dw2)
-        stats, H = st.tp.stats, dout_TH.shape[1]
-        b = RowBytes(H * dout_TH.element_size(), dot=st.at_experts)
-        # what the exact backward would send: every assigned row out and back
-        stats["bwd_exact_bytes"] = int(plan.assign_GGS[me].sum()) * (b.row + b.bwd_dispatch)
-        return dx_TH, dgate, dw13, dw2, None, None, None
+            _fidelity(st, kept_all, dout_G[0], comb_G[0].w_TK, keep_G[0], w13, w2,
+                      grads_G[2][0], grads_G[3][0])
+        # the played ranks' gradients, one after the other (emulator work: inside the MoE
+        # wall, so bench ttl does not charge it as non-MoE time)
+        dx, dgate, dw13, dw2 = (_joined(g) for g in grads_G)
+        st.tp.backward_done(st, dout_G)
+        return dx, dgate, dw13, dw2, None, None, None
 
 
-def kept_rows(ctx, saved: list[Tensor]) -> dict[str, Tensor]:
-    """The rows a forward kept, handed over to its backward: from the dict the Function
-    holds (dropped from ``ctx``, so each dies at its last use), or, under an activation
-    checkpoint, from ``save_for_backward`` (restored by the checkpoint's re-run)."""
+def _joined(t_G: list[Tensor]) -> Tensor:
+    """The played ranks' tensors one after the other (one rank: its own, not a copy)."""
+    return t_G[0] if len(t_G) == 1 else torch.cat(t_G)
+
+
+def kept_rows(ctx, saved: list[Tensor]) -> list[dict[str, Tensor]]:
+    """The rows a forward kept, per played rank, handed over to its backward: from the
+    list the Function holds (dropped from ``ctx``, so each dies at its last use), or,
+    under an activation checkpoint, from ``save_for_backward`` (restored by the
+    checkpoint's re-run)."""
     if saved:
-        return dict(zip(("x", "gu", "y_send"), saved))
+        return [dict(zip(("x", "gu", "y_send"), saved[i:i + 3])) for i in range(0, len(saved), 3)]
     if not hasattr(ctx, "kept"):
         raise RuntimeError("ExpertExchange's backward frees the rows its forward kept as it goes, "
                            "so it runs once per forward (no retain_graph=True); run the "
                            "forward again for a second backward")
-    rows = ctx.kept
+    rows_G = ctx.kept
     del ctx.kept
-    return rows
+    return rows_G
 
 
 def _fidelity(st: ExchangeState, kept: dict, dout_TH: Tensor, w_TK: Tensor,
@@ -404,5 +469,5 @@ def run_local(x_TH: Tensor, gate_TK: Tensor, w13_E: Tensor, w2_E: Tensor, idx_TK
     # loop fallback reads them from the offsets where it runs
     st = ExchangeState(GroupTransport(EPComm(), stats, x_TH.device), OneBlock(P), [home], K, opts,
                        [None], [None], offs=counts_E.cumsum(0).to(torch.int32))
-    return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, stages.RecvLayout([P], [P], None),
-                                stages.Retention(one))
+    return ExpertExchange.apply(x_TH, gate_TK, w13_E, w2_E, st, [stages.RecvLayout([P], [P], None)],
+                                [stages.Retention(one)])

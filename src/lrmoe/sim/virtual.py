@@ -1,7 +1,8 @@
 """Virtual EP: one MoE layer's expert-parallel step for G virtual ranks in one process
-(docs/design.md §9): the runtime's own stages (:func:`lrmoe.parallel.exchange.forward_ranks`,
-:func:`~lrmoe.parallel.exchange.backward_ranks`) run for every rank in turn, each all-to-all
-an in-memory regrouping (:class:`VirtualTransport`). The results are **emulated**.
+(docs/design.md §9): the runtime's own autograd Function
+(:class:`lrmoe.parallel.exchange.ExpertExchange`) runs its stages for every rank in turn,
+each all-to-all an in-memory regrouping (:class:`VirtualTransport`). The results are
+**emulated**.
 
 Legend: G virtual ranks, T tokens per rank, K top-k, H hidden, S slots per rank,
 E experts, P = T*K pairs of one rank. ``_G`` suffix: a Python list over virtual ranks.
@@ -10,7 +11,6 @@ Virtual rank g's tokens are rows ``[g*T, (g+1)*T)`` of the global token matrix.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -19,14 +19,8 @@ from torch import Tensor
 
 from lrmoe.model.moe import MoELayer, MoEStep, _compute_dtype, expert_counts
 from lrmoe.parallel import stages
-from lrmoe.parallel.exchange import (
-    ExchangeState,
-    backward_ranks,
-    forward_ranks,
-    kept_bytes,
-)
+from lrmoe.parallel.exchange import ExchangeState, ExpertExchange, layouts
 from lrmoe.parallel.options import BackwardOptions
-from lrmoe.parallel.stages import HomeLayout, RecvLayout, home_layout, recv_layout
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
 from lrmoe.policy.plan import Plan, checks_on
@@ -81,113 +75,26 @@ class VirtualTransport:
     def rows(self, name: str, n_G: list[int]) -> None:
         self.stats.rows[name] = n_G
 
+    def forward_done(self, kept_G: list[int]) -> None:
+        self.stats.saved_act_bytes = kept_G
+        self.timers.resolve()
+        self.stats.expert_ms["fwd"] = self.timers.ms.get("expert_fwd", [0.0] * self.timers.G)
 
-@dataclass
-class _State:
-    """Plain-Python state of one emulated step (shared by forward and backward): the
-    exchange's over the G ranks, their receive layouts, and the expert ids of each
-    rank's pairs and E, which the layouts are built from (again by a whole-layer
-    checkpoint's re-run, as the runtime's does)."""
-
-    ex: ExchangeState
-    recvs: list[RecvLayout]
-    idx_GP: Tensor
-    E: int
-
-
-def _layouts(tp: VirtualTransport, plan: Plan, idx_GP: Tensor, gate_P_G: list[Tensor], E: int,
-             dev: torch.device) -> tuple[list[HomeLayout], list[RecvLayout]]:
-    """Every rank's home and receive layout of the plan, timed as its ``local``."""
-    homes, recvs = [], []
-    for g in range(plan.G):
-        with tp.timer(g)("local"):
-            homes.append(home_layout(plan, g, idx_GP[g], gate_P_G[g], E))
-            recvs.append(recv_layout(plan.assign_GGS[:, g, :], dev))
-    return homes, recvs
-
-
-class VirtualExchange(torch.autograd.Function):
-    """``(x [G*T, H], gate [G*T, K], w13 [G*S, 2F, H], w2 [G*S, H, F]) -> out [G*T, H]``,
-    each rank's slice of the weights its slots' instance weights, forward and backward
-    the runtime's stage sequence over the G virtual ranks."""
-
-    @staticmethod
-    def forward(ctx, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
-                st: _State) -> Tensor:
-        plan, G, stats = st.ex.plan, st.ex.plan.G, st.ex.tp.stats
-        out, kept = _forward_ranks(st, x_NH, gate_NK, w13_IS, w2_IS, rerun=False)
-        stats.saved_act_bytes = ([0] * G if plan.layer_checkpoint
-                                 else [kept_bytes(rows) for rows in kept.rows_G])
-        st.ex.tp.timers.resolve()
-        stats.expert_ms["fwd"] = st.ex.tp.timers.ms.get("expert_fwd", [0.0] * G)
-        ctx.st = st
-        if plan.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
-            ctx.save_for_backward(w13_IS, w2_IS, x_NH, gate_NK)
-        else:
-            ctx.kept = kept
-            ctx.save_for_backward(w13_IS, w2_IS)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout_NH: Tensor):
-        st: _State = ctx.st
-        w13_IS, w2_IS, *inputs = ctx.saved_tensors
-        if inputs:  # whole-layer checkpoint: the forward again, measured in backward
-            ctx.kept = _forward_ranks(st, *inputs, w13_IS, w2_IS, rerun=True)[1]
-            del inputs
-        kept: _Kept = ctx.kept
-        del ctx.kept
-        ex, S = st.ex, st.ex.plan.S  # the re-run's layouts, after a whole-layer checkpoint
-        plan, opts, stats = ex.plan, ex.opts, ex.tp.stats
-        dout_G = [d.to(w13_IS.dtype).contiguous() for d in dout_NH.split(dout_NH.shape[0] // plan.G)]
+    def backward_done(self, st: ExchangeState, dout_G: list[Tensor]) -> None:
+        """The backward's timers resolved into the stats, the sampled estimator's count
+        exchange counted (``comm.exchange_counts``: S int64 per peer) and the time the
+        backward ended."""
+        plan, opts, G, ms = st.plan, st.opts, self.timers.G, self.timers.ms
         if not plan.all_selected and opts.compaction and opts.estimator == "sampled":
-            # the sampled estimator's count exchange (comm.exchange_counts): S int64 per peer
-            ones_GG = [[1] * plan.G] * plan.G
-            ex.tp.traffic("bwd_count_exchange", ones_GG, ones_GG, S * 8)
-        grads_G = backward_ranks(ex, dout_G, kept.comb_G, kept.rows_G, kept.keep_G,
-                                 w13_IS.split(S), w2_IS.split(S))
-        timers = ex.tp.timers
-        timers.resolve()
-        stats.expert_ms["bwd"] = timers.ms.get("expert_bwd", [0.0] * plan.G)
+            ones_GG = [[1] * G] * G
+            self.traffic("bwd_count_exchange", ones_GG, ones_GG, plan.S * 8)
+        self.timers.resolve()
+        self.stats.expert_ms["bwd"] = ms.get("expert_bwd", [0.0] * G)
         if plan.layer_checkpoint:  # the forward's expert kernels again, measured in backward
-            stats.expert_ms["recompute"] = timers.ms.get("expert_recompute", [0.0] * plan.G)
+            self.stats.expert_ms["recompute"] = ms.get("expert_recompute", [0.0] * G)
         for k in MEASURED_STAGES[1:]:  # forward and backward together
-            stats.stage_ms[k] = timers.ms.get(k, [0.0] * plan.G)
-        # the G ranks' gradients, concatenated (emulator work: inside the MoE wall, so
-        # bench ttl does not charge it as non-MoE time)
-        grads = (*(torch.cat(t) for t in grads_G), None)
-        stats.bwd_end_s = now(dout_NH.device)
-        return grads
-
-
-@dataclass
-class _Kept:
-    """What the emulated forward keeps for backward, per virtual rank: its rows (the
-    receiver's kept ``x``/``gu``, the home's combined ``y_send``), its retention and
-    its combine."""
-
-    rows_G: list[dict]
-    keep_G: list[stages.Retention]
-    comb_G: list[stages.Combined]
-
-
-def _forward_ranks(st: _State, x_NH: Tensor, gate_NK: Tensor, w13_IS: Tensor, w2_IS: Tensor,
-                   rerun: bool) -> tuple[Tensor, _Kept]:
-    """Dispatch -> experts -> combine for every virtual rank: ``(out, what backward
-    reads)``. ``rerun``: the whole-layer checkpoint's re-run in backward, which builds
-    its layouts again (what :mod:`lrmoe.sim.cost` charges as ``bwd_recompute``)."""
-    plan, G, S, T = st.ex.plan, st.ex.plan.G, st.ex.plan.S, x_NH.shape[0] // st.ex.plan.G
-    if rerun:  # the runtime's re-run builds its layouts again
-        homes, st.recvs = _layouts(st.ex.tp, plan, st.idx_GP, st.ex.gate_P_G, st.E, x_NH.device)
-        st.ex = dataclasses.replace(st.ex, homes=homes)
-    keep_G = [stages.retention(plan, r) for r in range(G)]
-    comb_G, rows_G = forward_ranks(st.ex, st.recvs, x_NH.split(T), gate_NK.split(T),
-                                   w13_IS.split(S), w2_IS.split(S), keep_G, rerun)
-    outs = []
-    for comb in comb_G:
-        outs.append(comb.out_TH)
-        comb.out_TH = None
-    return torch.cat(outs), _Kept(rows_G, keep_G, comb_G)
+            self.stats.stage_ms[k] = ms.get(k, [0.0] * G)
+        self.stats.bwd_end_s = now(dout_G[0].device)
 
 
 def virtual_instance_weights(w_E: Tensor, plan: Plan) -> Tensor:
@@ -271,11 +178,13 @@ class VirtualEPLayer:
         for name in ("weight_scatter", "grad_reduce"):
             tp.traffic(name, rows_GG[name], rows_GG[name].t(), layer.experts.instance_bytes(dtype))
         gate_P_G = [gate_GP[g].detach() for g in range(G)]
-        homes, recvs = _layouts(tp, plan, idx_GP, gate_P_G, E, dev)
-        st = _State(ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators),
-                    recvs, idx_GP, E)
+        idx_P_G = list(idx_GP)
+        homes, recvs = layouts(tp, plan, idx_P_G, gate_P_G, E, dev)
+        st = ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators,
+                           layer_checkpoint=plan.layer_checkpoint, idx_P_G=idx_P_G, num_experts=E)
         stats.stage_ms["plan"] = [plan_ms] * G
-        out = VirtualExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st)
+        keep_G = [stages.retention(plan, g) for g in range(G)]
+        out = ExpertExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st, recvs, keep_G)
         return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs

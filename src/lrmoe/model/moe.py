@@ -5,7 +5,7 @@ instance weights -> exchange (dispatch, experts, combine). Each forward returns 
 Read with it :mod:`lrmoe.parallel.instances`, :mod:`lrmoe.parallel.exchange` and
 :mod:`lrmoe.parallel.stages` (docs/design.md §2). On one process with static's plan
 within the budget the local path runs instead (:func:`runs_locally`); under a whole-layer
-checkpoint the exchange runs again in backward (:class:`LayerCheckpoint`, §3).
+checkpoint the exchange runs again in backward (``Plan.layer_checkpoint``, §3).
 
 Legend: B batch, T tokens, H hidden, E experts, K top-k, P = T*K pairs, S slots.
 """
@@ -184,7 +184,10 @@ class MoELayer(nn.Module):
         stats = self._plan_stats(plan, (t1 - t0) * 1e3, (t2 - t1) * 1e3, dtype)
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
-        out = self._run_exchange(plan, dtype, x_TH, gate_TK, idx_TK, w13, w2, stats)
+        # the exchange (re-run in backward under a whole-layer checkpoint, docs/design.md §5)
+        run = ExchangeRun(rt.comm, plan, self.cfg.num_experts, self.cfg.num_experts_per_tok,
+                          self._backward_opts(), rt.generator, rt.stage_timing, dtype)
+        out = run(x_TH, gate_TK, idx_TK, w13, w2, stats)
         return out, MoEStep("exchange", counts_E_all,
                             self.aux_loss(counts_E_all, probs_TE, x_TH.shape[0]), stats)
 
@@ -196,19 +199,6 @@ class MoELayer(nn.Module):
         if self.held is not None and torch.is_grad_enabled():
             return self.held.weight_list(ws_own, plan, rt.comm, E, rt.micro)
         return instance_weight_list(ws_own, plan, rt.comm, E)
-
-    def _run_exchange(self, plan: Plan, dtype: torch.dtype, x_TH: Tensor, gate_TK: Tensor,
-                      idx_TK: Tensor, w13: Tensor, w2: Tensor, stats: dict) -> Tensor:
-        """The exchange: dispatch, experts, combine (re-run in backward under a
-        whole-layer checkpoint, docs/design.md §5)."""
-        rt, opts = self.runtime, self._backward_opts()
-        if plan.layer_checkpoint:  # the re-run in backward keeps its rows until their last use
-            opts = replace(opts, checkpointed=False)
-        run = ExchangeRun(rt.comm, plan, self.cfg.num_experts, self.cfg.num_experts_per_tok,
-                          opts, rt.generator, rt.stage_timing, dtype)
-        if plan.layer_checkpoint:
-            return LayerCheckpoint.apply(x_TH, gate_TK, idx_TK, w13, w2, run, stats)
-        return run(x_TH, gate_TK, idx_TK, w13, w2, stats)
 
     def _plan_inputs(self, home_pairs: int) -> PlanInputs:
         """What the policy plans from besides the counts, its prepared part included:
@@ -325,57 +315,3 @@ def host_stats(stats: dict) -> dict:
     """``stats`` with its device tensors (the local path's ``counts_E``) read to Python
     numbers: the one host sync, made by whoever reads the stats."""
     return {k: v.tolist() if isinstance(v, Tensor) else v for k, v in stats.items()}
-
-
-# ------------------------------------------------------------ whole-layer checkpoint
-_STAGE_MS = ("local_ms", "select_ms", "gather_ms")  # the exchange's control-plane timing
-
-
-class LayerCheckpoint(torch.autograd.Function):
-    """The whole-MoE-layer checkpoint (docs/design.md §3, §5): ``(x_TH, gate_TK, idx_TK,
-    w13_S, w2_S) -> out_TH``, ``run`` without a graph in forward; in backward ``run``
-    again with one (the dispatch re-sent), then its backward. ``stats`` keeps the first
-    forward's counters and gets the re-run's forward ones with a ``recompute_`` prefix."""
-
-    @staticmethod
-    def forward(ctx, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,
-                w2_S: Tensor, run: ExchangeRun, stats: dict) -> Tensor:
-        out = run(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)  # autograd records nothing here
-        stats.update(saved_act_bytes=0, layer_checkpoint=True)
-        ctx.run, ctx.stats = run, stats
-        ctx.save_for_backward(x_TH, gate_TK, idx_TK, w13_S, w2_S)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout_TH: Tensor):
-        x_TH, gate_TK, idx_TK, w13_S, w2_S = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        ins = [t.detach().requires_grad_(bool(need[i]))
-               for i, t in ((0, x_TH), (1, gate_TK), (3, w13_S), (4, w2_S))]
-        del x_TH, gate_TK, w13_S, w2_S
-        rerun: dict = {}
-        with torch.enable_grad():
-            out = ctx.run(ins[0], ins[1], idx_TK, ins[2], ins[3], rerun)
-        fwd_keys = set(rerun) - {"_events"}
-        wanted = [t for t in ins if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, dout_TH) if wanted else ())
-        del out
-        _merge(ctx.stats, rerun, fwd_keys)
-        g = [next(grads) if t.requires_grad else None for t in ins]
-        return g[0], g[1], None, g[2], g[3], None, None
-
-
-def _merge(stats: dict, rerun: dict, fwd_keys: set) -> None:
-    """The re-run's counters into the step's: its forward's under a ``recompute_``
-    prefix, its backward's as they are; timing events likewise."""
-    for k, v in rerun.items():
-        if k == "_events":
-            stats.setdefault("_events", []).extend(
-                (("recompute_" + key if key == "expert_fwd_ms" else key), a, b)
-                for key, a, b in v)
-        elif k in _STAGE_MS:  # control-plane stage timing: forward and backward add up
-            stats[k] = stats.get(k, 0.0) + v
-        elif k in fwd_keys:
-            stats["recompute_" + k] = v
-        else:
-            stats[k] = v

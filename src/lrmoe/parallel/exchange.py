@@ -124,9 +124,8 @@ class ExchangeState:
     rebuilt in backward), gates (read by selection alone) and sampling generator, and the
     transport. ``offs``: the receiver's rows per expert as device offsets, in place of
     the plan's host counts (the one-process path, whose ``plan`` is
-    :class:`OneBlock`). ``layer_checkpoint``: a whole-layer checkpoint, whose re-run in
-    backward builds the layouts again from each played rank's expert ids per pair
-    (``idx_P_G``) and ``num_experts``."""
+    :class:`OneBlock`). ``num_experts``: what a whole-layer checkpoint's re-run in
+    backward builds the layouts again with (``Plan.layer_checkpoint``)."""
 
     tp: Transport
     plan: Plan
@@ -136,8 +135,6 @@ class ExchangeState:
     gate_P_G: list[Tensor | None]
     generators: list[torch.Generator | None]
     offs: Tensor | None = None
-    layer_checkpoint: bool = False
-    idx_P_G: list[Tensor] | None = None
     num_experts: int = 0
 
     @property
@@ -278,9 +275,8 @@ def layouts(tp: Transport, plan: Plan, idx_P_G: Sequence[Tensor], gate_P_G: Sequ
 @dataclass(frozen=True)
 class ExchangeRun:
     """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
-    -> out_TH``, this rank's layouts built from the plan, then :class:`ExpertExchange`.
-    Called in forward, and again in backward under a whole-layer checkpoint
-    (:class:`lrmoe.model.moe.LayerCheckpoint`)."""
+    -> out_TH``, this rank's layouts built from the plan, then :class:`ExpertExchange`
+    (which, under a whole-layer checkpoint, builds them again in backward)."""
 
     comm: EPComm
     plan: Plan
@@ -299,12 +295,14 @@ class ExchangeRun:
         # the layouts' time, when the control plane is timed
         homes, recvs = layouts(tp, self.plan, [idx_TK.reshape(-1)], [gate_P], self.num_experts,
                                x_TH.device)
-        st = ExchangeState(tp, self.plan, homes, self.top_k, self.opts, [gate_P], [self.generator])
+        st = ExchangeState(tp, self.plan, homes, self.top_k, self.opts, [gate_P], [self.generator],
+                           num_experts=self.num_experts)
         # On a fidelity step of an approximate plan every row is kept (a monitoring
         # cost), so the exact gradient over all pairs can be computed beside the
         # selected one.
         keep = stages.retention(self.plan, me, save_all=self.opts.fidelity and not self.plan.exact)
-        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recvs, [keep])
+        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recvs, [keep],
+                                    idx_TK)
 
 
 class ExpertExchange(torch.autograd.Function):
@@ -312,8 +310,10 @@ class ExpertExchange(torch.autograd.Function):
     over the ranks its transport (``st.tp``) plays, keeping ``keep_G``'s rows. ``x``,
     ``gate`` and ``out`` hold the played ranks' tokens one rank after the other, ``w13``
     and ``w2`` their slots' instance weights likewise (one rank: its own). Under a
-    whole-layer checkpoint (``st.layer_checkpoint``) it keeps nothing of the exchange:
-    backward builds the layouts and runs the forward again first.
+    whole-layer checkpoint (``Plan.layer_checkpoint``, docs/design.md §5) it keeps
+    nothing of the exchange but its inputs and the tokens' expert ids ``idx``: backward
+    builds the layouts and runs the forward again first, its output kept until the
+    backward ends (as :meth:`lrmoe.ledger.Ledger.layer_checkpoint_buffer_bytes` prices).
 
     The combine (gate-weighted sum over a token's k pairs) is done here, so the pair
     outputs never leave this Function in pair order and no broadcast multiply or atomic
@@ -324,11 +324,13 @@ class ExpertExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, gate: Tensor, w13: Tensor, w2: Tensor, st: ExchangeState,
-                recvs: list[stages.RecvLayout], keep_G: list[stages.Retention]) -> Tensor:
+                recvs: list[stages.RecvLayout], keep_G: list[stages.Retention],
+                idx: Tensor | None = None) -> Tensor:
         n = len(keep_G)
         comb_G, rows_G = forward_ranks(st, recvs, x.tensor_split(n), gate.tensor_split(n),
                                        w13.tensor_split(n), w2.tensor_split(n), keep_G)
-        st.tp.forward_done([0] * n if st.layer_checkpoint else [kept_bytes(r) for r in rows_G])
+        layer_checkpoint = st.plan.layer_checkpoint
+        st.tp.forward_done([0] * n if layer_checkpoint else [kept_bytes(r) for r in rows_G])
         out = _joined([comb.out_TH for comb in comb_G])
         # Keep for backward only what it reads (Ledger: retained_acts, combine_rows,
         # pair_index): the receive layout, the retained send positions and each send
@@ -339,8 +341,9 @@ class ExpertExchange(torch.autograd.Function):
         # The kept rows are the Function's own intermediates (never its inputs or output,
         # so no reference cycle): a plain list rather than save_for_backward, whose tensors
         # live until backward returns (kept_rows; Ledger.rows_buffer_bytes, docs/design.md §5).
-        if st.layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
-            ctx.save_for_backward(w13, w2, x, gate)
+        if layer_checkpoint:  # nothing of the exchange is kept: backward re-runs it
+            ctx.st = dataclasses.replace(st, homes=[])  # the layouts too: built again there
+            ctx.save_for_backward(w13, w2, x, gate, idx)
         elif st.opts.checkpointed:
             ctx.save_for_backward(w13, w2, *combs,
                                   *[rows[k] for rows in rows_G for k in ("x", "gu", "y_send")])
@@ -355,16 +358,15 @@ class ExpertExchange(torch.autograd.Function):
         keep_G, n = ctx.keep_G, len(ctx.keep_G)
         w13, w2, *saved = ctx.saved_tensors
         w13_G, w2_G = w13.tensor_split(n), w2.tensor_split(n)
-        if st.layer_checkpoint:  # the forward again (its layouts too), measured in backward
-            x_G, gate_G = saved[0].tensor_split(n), saved[1].tensor_split(n)
+        if st.plan.layer_checkpoint:  # the forward again (its layouts too), measured in backward
+            x, gate, idx = saved
             del saved
-            homes, recvs = layouts(st.tp, st.plan, st.idx_P_G, st.gate_P_G, st.num_experts,
+            homes, recvs = layouts(st.tp, st.plan, idx.reshape(n, -1), st.gate_P_G, st.num_experts,
                                    dout.device)
             st = dataclasses.replace(st, homes=homes)
-            comb_G, rows_G = forward_ranks(st, recvs, x_G, gate_G, w13_G, w2_G, keep_G, rerun=True)
-            del x_G, gate_G
-            for comb in comb_G:
-                comb.out_TH = None
+            comb_G, rows_G = forward_ranks(st, recvs, x.tensor_split(n), gate.tensor_split(n),
+                                           w13_G, w2_G, keep_G, rerun=True)
+            del x, gate, idx
         else:
             comb_G = [stages.Combined(None, row_TK, w_TK)
                       for w_TK, row_TK in zip(saved[0:2 * n:2], saved[1:2 * n:2])]
@@ -382,7 +384,7 @@ class ExpertExchange(torch.autograd.Function):
         # wall, so bench ttl does not charge it as non-MoE time)
         dx, dgate, dw13, dw2 = (_joined(g) for g in grads_G)
         st.tp.backward_done(st, dout_G)
-        return dx, dgate, dw13, dw2, None, None, None
+        return dx, dgate, dw13, dw2, None, None, None, None
 
 
 def _joined(t_G: list[Tensor]) -> Tensor:
@@ -443,6 +445,7 @@ class OneBlock:
 
     P: int
     exact = all_selected = True
+    layer_checkpoint = False
     recompute_G = None
 
     @property

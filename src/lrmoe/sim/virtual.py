@@ -178,13 +178,11 @@ class VirtualEPLayer:
         for name in ("weight_scatter", "grad_reduce"):
             tp.traffic(name, rows_GG[name], rows_GG[name].t(), layer.experts.instance_bytes(dtype))
         gate_P_G = [gate_GP[g].detach() for g in range(G)]
-        idx_P_G = list(idx_GP)
-        homes, recvs = layouts(tp, plan, idx_P_G, gate_P_G, E, dev)
-        st = ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators,
-                           layer_checkpoint=plan.layer_checkpoint, idx_P_G=idx_P_G, num_experts=E)
+        homes, recvs = layouts(tp, plan, idx_GP, gate_P_G, E, dev)
+        st = ExchangeState(tp, plan, homes, K, self.opts, gate_P_G, self.generators, num_experts=E)
         stats.stage_ms["plan"] = [plan_ms] * G
         keep_G = [stages.retention(plan, g) for g in range(G)]
-        out = ExpertExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st, recvs, keep_G)
+        out = ExpertExchange.apply(x_NH.to(dtype), gate_NK, w13, w2, st, recvs, keep_G, idx_NK)
         return out, MoEStep("emulated", counts_GE.sum(0), aux, stats)
 
     def _plan(self, counts_GE: Tensor, inputs: PlanInputs

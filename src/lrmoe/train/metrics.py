@@ -94,7 +94,7 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
         "fwd_dispatch_bytes_sent", "fwd_combine_bytes_sent")))
     out["bwd_bytes"] = float(sum(stats.get(k, 0) for k in (  # + a layer checkpoint's re-run
         "bwd_dispatch_bytes_sent", "bwd_combine_bytes_sent",
-        "recompute_fwd_dispatch_bytes_sent", "recompute_fwd_combine_bytes_sent")))
+        "recompute_dispatch_bytes_sent", "recompute_combine_bytes_sent")))
     return out
 
 

@@ -327,8 +327,8 @@ class ExpertExchange(torch.autograd.Function):
                 recvs: list[stages.RecvLayout], keep_G: list[stages.Retention],
                 idx: Tensor | None = None) -> Tensor:
         n = len(keep_G)
-        comb_G, rows_G = forward_ranks(st, recvs, x.tensor_split(n), gate.tensor_split(n),
-                                       w13.tensor_split(n), w2.tensor_split(n), keep_G)
+        comb_G, rows_G = forward_ranks(st, recvs, _split(x, n), _split(gate, n),
+                                       _split(w13, n), _split(w2, n), keep_G)
         layer_checkpoint = st.plan.layer_checkpoint
         st.tp.forward_done([0] * n if layer_checkpoint else [kept_bytes(r) for r in rows_G])
         out = _joined([comb.out_TH for comb in comb_G])
@@ -357,14 +357,14 @@ class ExpertExchange(torch.autograd.Function):
         st: ExchangeState = ctx.st
         keep_G, n = ctx.keep_G, len(ctx.keep_G)
         w13, w2, *saved = ctx.saved_tensors
-        w13_G, w2_G = w13.tensor_split(n), w2.tensor_split(n)
+        w13_G, w2_G = _split(w13, n), _split(w2, n)
         if st.plan.layer_checkpoint:  # the forward again (its layouts too), measured in backward
             x, gate, idx = saved
             del saved
             homes, recvs = layouts(st.tp, st.plan, idx.reshape(n, -1), st.gate_P_G, st.num_experts,
                                    dout.device)
             st = dataclasses.replace(st, homes=homes)
-            comb_G, rows_G = forward_ranks(st, recvs, x.tensor_split(n), gate.tensor_split(n),
+            comb_G, rows_G = forward_ranks(st, recvs, _split(x, n), _split(gate, n),
                                            w13_G, w2_G, keep_G, rerun=True)
             del x, gate, idx
         else:
@@ -372,7 +372,7 @@ class ExpertExchange(torch.autograd.Function):
                       for w_TK, row_TK in zip(saved[0:2 * n:2], saved[1:2 * n:2])]
             rows_G = kept_rows(ctx, saved[2 * n:])
             del saved
-        dout_G = [d.to(w13.dtype).contiguous() for d in dout.tensor_split(n)]
+        dout_G = [d.to(w13.dtype).contiguous() for d in _split(dout, n)]
         fidelity = st.opts.fidelity and not st.plan.exact
         # a fidelity step reads the kept rows twice: the selected backward gets a copy
         kept_all = dict(rows_G[0]) if fidelity else None
@@ -385,6 +385,11 @@ class ExpertExchange(torch.autograd.Function):
         dx, dgate, dw13, dw2 = (_joined(g) for g in grads_G)
         st.tp.backward_done(st, dout_G)
         return dx, dgate, dw13, dw2, None, None, None, None
+
+
+def _split(t: Tensor, n: int) -> list[Tensor]:
+    """``t``'s rows per played rank (one rank: ``t`` itself, no view op on its hot path)."""
+    return [t] if n == 1 else list(t.tensor_split(n))
 
 
 def _joined(t_G: list[Tensor]) -> Tensor:

@@ -152,7 +152,7 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
                              "that run or another --out")
         return None
     ck = ckpt.latest_checkpoint(run_dir)
-    if read_run_config(run_dir) is None:
+    if not (run_dir / RUN_CONFIG).exists():  # read and checked by config_from_cli when there
         raise LrmoeError(f"--resume: {run_dir / RUN_CONFIG} is missing" if ck is not None else
                          f"--resume: {run_dir} holds no lrmoe run to continue (no {RUN_CONFIG}, "
                          "no checkpoint); drop --resume to start a new run there")

@@ -71,9 +71,9 @@ class LinkCost:
 
     def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
         """The busiest rank's seconds in one exchange of ``bytes_GG`` (none without bytes)."""
-        t_G = exchange_seconds_G(bytes_GG, self.bandwidth_Bps, self.latency_s, self.node_size,
-                                 self.inter_bandwidth_Bps, self.inter_latency_s)
-        return float(t_G.max()) if t_G.any() else 0.0
+        return float(exchange_seconds_G(bytes_GG, self.bandwidth_Bps, self.latency_s,
+                                        self.node_size, self.inter_bandwidth_Bps,
+                                        self.inter_latency_s).max())
 
 
 def exchange_seconds_G(bytes_GG, bw: float, lat: float, node_size: int = 0,

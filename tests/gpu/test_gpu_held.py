@@ -1,5 +1,7 @@
-"""A placement held over the step on CUDA: the allocator's bytes between micro-batches
-are the held slots' bf16 weights and gradient sums the ledger prices. One rank of a
+"""A placement held over the step on CUDA: the bytes alive between micro-batches are the
+held slots' bf16 weights and gradient sums the ledger prices. Bytes are the allocator's
+requested bytes (what the tensors asked for): its block bytes round a request up by as
+much as 1 MiB depending on which cached segment serves it, more than the check's 16 KiB. One rank of a
 4-rank group with synthetic peers (``tests/onerank.py``), bf16 autocast, 3 micro-batches;
 the CPU checks are ``tests/test_held_placement.py``."""
 
@@ -49,10 +51,13 @@ def test_held_bytes_on_cuda_are_the_ledgers():
     experts = [p for m in model.moe_layers for p in (m.experts.gate_up_proj, m.experts.down_proj)]
     at, casts = [], []
 
+    def allocated() -> int:
+        return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
     def measure(m, pair):
         if pair is not None:
             torch.cuda.synchronize()
-            at.append(torch.cuda.memory_allocated())
+            at.append(allocated())
             if m == 0:  # the step's bf16 casts of the owned experts, freed with the step
                 casts.append(sum(c.untyped_storage().nbytes() for x in model.moe_layers
                                  for c in x.experts.casts.values()))
@@ -65,7 +70,7 @@ def test_held_bytes_on_cuda_are_the_ledgers():
         accumulate(model, lambda i: mbs[i], N,
                    lambda: torch.autocast("cuda", torch.bfloat16), on_micro=measure)
     torch.cuda.synchronize()
-    end = torch.cuda.memory_allocated()
+    end = allocated()
     plan = policy.plan(peers, PlanInputs())
     t = Ledger.for_dtype(cfg, G, None, "bf16", num_moe_layers=1).rank_terms(plan)[0]
     priced = LAYERS * (t["instance_weights"] + t["instance_grads"])
@@ -76,5 +81,5 @@ def test_held_bytes_on_cuda_are_the_ledgers():
         (out / "held_bytes.txt").write_text(
             f"{torch.cuda.get_device_name()}: held {held} B, ledger {priced} B, "
             f"allocated after each micro-batch {at}, after the step {end}\n")
-    assert at[1] - at[0] <= 16 * 1024, at  # held, not grown (a later micro-batch moves nothing)
+    assert abs(at[1] - at[0]) <= 16 * 1024, at  # held: a later micro-batch moves nothing
     assert abs(held - priced) <= 16 * 1024, (held, priced, at, end)

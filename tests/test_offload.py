@@ -318,6 +318,8 @@ def test_offload_check_benchmark_logic(tmp_path):
     sm = res["summary"]
     assert 0 <= sm["max_rel_train_loss_diff_device_vs_host"] < 1e-4
     assert sm["max_rel_train_loss_diff_within_mode"] == 0  # CPU fp32 is deterministic
+    assert sm["mean_rel_train_loss_diff_within_mode"] == 0
+    assert 0 <= sm["mean_rel_train_loss_diff_device_vs_host"] < 1e-4
     assert sm["device"]["final_val_min"] == sm["device"]["final_val_max"]
     assert sorted(p.name for p in out.iterdir()) == ["offload_check.json", "offload_check.md"]
     assert "host" in (out / "offload_check.md").read_text()

@@ -81,8 +81,8 @@ def summarize(modes: dict, losses: dict) -> dict:
     """Per mode: final validation losses (mean, min, max); the largest relative
     training-loss difference between two runs of the same mode, and between modes (runs
     of one seed); the paired difference by seed (:func:`paired`)."""
-    def diff(x, y):
-        return max(abs(a - b) / abs(a) for a, b in zip(losses[x], losses[y]))
+    def rel(x, y):
+        return [abs(a - b) / abs(a) for a, b in zip(losses[x], losses[y])]
     out = {}
     names = list(modes)
     same_seed = {(a, b) for a in names for b in names
@@ -91,12 +91,15 @@ def summarize(modes: dict, losses: dict) -> dict:
         v = [m["final_val_loss"] for m in modes.values() if m["mode"] == mode]
         out[mode] = {"final_val_mean": statistics.mean(v), "final_val_min": min(v),
                      "final_val_max": max(v)}
-    within = [diff(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+    within = [rel(a, b) for i, a in enumerate(names) for b in names[i + 1:]
               if modes[a]["mode"] == modes[b]["mode"] and (a, b) in same_seed]
-    across = [diff(a, b) for a, b in same_seed
+    across = [rel(a, b) for a, b in same_seed
               if modes[a]["mode"] == "device" and modes[b]["mode"] == "host"]
-    out["max_rel_train_loss_diff_within_mode"] = max(within) if within else None
-    out["max_rel_train_loss_diff_device_vs_host"] = max(across)
+    for key, pairs in (("within_mode", within), ("device_vs_host", across)):
+        # the largest step's difference (a loss spike) and the mean over steps and pairs
+        out[f"max_rel_train_loss_diff_{key}"] = max(map(max, pairs)) if pairs else None
+        out[f"mean_rel_train_loss_diff_{key}"] = (statistics.mean(x for d in pairs for x in d)
+                                                  if pairs else None)
     d, h = out["device"], out["host"]
     out["host_mean_outside_device_range"] = not (d["final_val_min"] <= h["final_val_mean"]
                                                  <= d["final_val_max"])
@@ -138,7 +141,10 @@ def markdown(res: dict) -> str:
               f"{sm[k]['final_val_max']:.5f} |" for k in ("device", "host")]
     lines += ["", "Largest relative difference of the training losses: device vs host "
                   f"{sm['max_rel_train_loss_diff_device_vs_host']:.2e}; two runs of the same "
-                  "mode " + ("—" if within is None else f"{within:.2e}") + ". Host's mean final "
+                  "mode " + ("—" if within is None else f"{within:.2e}") + "; mean over steps "
+                  f"{sm['mean_rel_train_loss_diff_device_vs_host']:.2e} against "
+                  + ("—" if within is None else f"{sm['mean_rel_train_loss_diff_within_mode']:.2e}")
+                  + ". Host's mean final "
                   "val loss is " + ("OUTSIDE" if sm["host_mean_outside_device_range"] else
                                     "inside") + " the device runs' range."]
     pr = sm["paired"]

@@ -27,8 +27,11 @@ def test_host_offload_lowers_the_peak_and_keeps_the_losses():
     res = json.loads((d / "offload_check.json").read_text())
     peak = {m["mode"]: m["peak_cuda_mem_bytes"] for m in res["modes"].values()}
     assert peak["host"] < peak["device"]
-    # bf16 autocast: two device runs differ by ~1e-2; host vs device stays within 10x that
-    assert res["summary"]["max_rel_train_loss_diff_device_vs_host"] < 0.1
+    # bf16 autocast: two runs of one mode differ by up to ~0.1 at a loss spike, so the
+    # modes are read against that measured spread, averaged over the steps
+    sm = res["summary"]
+    assert sm["mean_rel_train_loss_diff_device_vs_host"] <= 2 * sm["mean_rel_train_loss_diff_within_mode"]
+    assert not sm["host_mean_outside_device_range"]
 
 
 def test_resumed_host_state_is_pinned_as_a_fresh_runs():

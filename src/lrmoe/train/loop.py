@@ -72,8 +72,6 @@ from lrmoe.train.setup import (
 )
 from lrmoe.train.step_oom import StepMemory, step_memory
 
-__all__ = ["TrainConfig", "train", "evaluate", "val_windows", "RUN_CONFIG"]
-
 
 # ----------------------------------------------------------------------------- collectives
 def _sum_over_world(t: torch.Tensor, ctx) -> torch.Tensor:

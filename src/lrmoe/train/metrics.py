@@ -188,9 +188,8 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> list[int]:
 
 def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, elapsed: float,
               dt: float, step_tokens: int, grad_norm: float, counts: list, stats: dict,
-              per_rank: list[dict], world: int, cuda_mem: int | None = None,
-              budget: int | None = None, fidelity_step: bool = False,
-              micro_batches: int = 1, host_mem: dict | None = None) -> dict:
+              per_rank: list[dict], world: int, cuda_mem: int | None, budget: int | None,
+              fidelity_step: bool, micro_batches: int, host_mem: dict) -> dict:
     """The train row of one optimizer step; under accumulation the ``moe`` rows are the
     last micro-batch's."""
     layers = sorted(stats)
@@ -213,5 +212,5 @@ def train_row(*, step: int, loss: float, aux: float, lr: float, tokens: int, ela
         row["cuda_max_mem_bytes"] = cuda_mem
         if budget is not None:
             row["ledger_budget_bytes"] = int(budget)
-    row.update({k: int(v) for k, v in (host_mem or {}).items() if v is not None})
+    row.update({k: int(v) for k, v in host_mem.items() if v is not None})
     return row

@@ -607,8 +607,6 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         t0 = time.perf_counter()
         s.opt.zero_grad(set_to_none=True)
-        # forward and backward of each micro-batch (global batch batch0 + step * N + m);
-        # out of memory (the ledger's verdict, or the allocator's): one line
         with step_memory(self.memory(step), watch.claim) as mem:
             sums = accumulate(
                 s.model, mem.batch_of(lambda m: self.inp.batches.batch(

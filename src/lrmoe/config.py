@@ -52,8 +52,7 @@ def _check_type(f: dataclasses.Field, v: Any) -> None:
         str: ("a string", isinstance(v, str)),
         list: ("a list of integers", isinstance(v, list) and all(map(is_int, v))),
     }.get(type(default), ("an integer", is_int(v)))
-    if not ok:
-        raise LrmoeError(f"config field {f.name}={v!r} must be {want}")
+    require(ok, f"config field {f.name}={v!r} must be {want}")
 
 
 @dataclass
@@ -159,19 +158,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        if not isinstance(d, dict):
-            raise LrmoeError("config must be a JSON object of HF config.json fields")
+        require(isinstance(d, dict), "config must be a JSON object of HF config.json fields")
         d = dict(d)
         if "lrmoe_bias_update_rate" in d:
             d["bias_update_rate"] = d.pop("lrmoe_bias_update_rate")
         mt = d.get("model_type")
-        if mt not in MODEL_TYPES:
-            raise LrmoeError(f"config model_type={mt!r} is not supported; use one of {MODEL_TYPES}")
+        require(mt in MODEL_TYPES, f"config model_type={mt!r} is not supported; use one of {MODEL_TYPES}")
         # transformers >= 5 nests rope settings in rope_parameters.
         rp = d.pop("rope_parameters", None)
         if rp is not None:
-            if not isinstance(rp, dict):
-                raise LrmoeError(f"rope_parameters={rp!r} must be an object")
+            require(isinstance(rp, dict), f"rope_parameters={rp!r} must be an object")
             rtype = rp.get("rope_type", "default")
             if rtype != "default":
                 raise LrmoeError(f"rope_parameters.rope_type={rtype!r} is not supported; only 'default'")
@@ -239,6 +235,5 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise LrmoeError(f"cannot read config {p}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LrmoeError(f"config {p} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise LrmoeError(f"config {p} must be a JSON object of HF config.json fields")
+    require(isinstance(d, dict), f"config {p} must be a JSON object of HF config.json fields")
     return d

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.loss_mask import IGNORE, MaskedBatch, Streams, masked_targets, prompt_rows
 from lrmoe.tokenizer import Tokenizer
 
@@ -119,8 +119,7 @@ class _Collector:
 
 def _split_text(text: str, what: str) -> tuple[str, str]:
     """Last ``VAL_FRACTION`` of one text as validation, cut at a line start if possible."""
-    if len(text) < 2:
-        raise LrmoeError(f"{what} holds too little text to split ({len(text)} character)")
+    require(len(text) >= 2, f"{what} holds too little text to split ({len(text)} character)")
     cut = min(max(1, int(len(text) * (1 - VAL_FRACTION))), len(text) - 1)
     nl = text.find("\n", cut)
     if 0 <= nl < len(text) - 1:
@@ -229,8 +228,7 @@ def _check_text_head(path: Path) -> None:
 def _load_text_file(path: Path, col: _Collector) -> None:
     """Train = bytes before the split point, validation = bytes after it, each capped."""
     size = path.stat().st_size
-    if size == 0:
-        raise LrmoeError(f"data path {str(path)!r} holds no text (empty file)")
+    require(size > 0, f"data path {str(path)!r} holds no text (empty file)")
     _check_text_head(path)
     with open(path, "rb") as f:
         cut = max(1, int(size * (1 - VAL_FRACTION)))
@@ -268,8 +266,7 @@ def load_corpus(
     else:
         path = Path(data)
         what = f"data path {str(path)!r}"
-        if not path.exists():
-            raise LrmoeError(f"data path {str(path)!r} does not exist")
+        require(path.exists(), f"data path {str(path)!r} does not exist")
         try:
             if path.is_dir():
                 why = ": no regular file below it is UTF-8 text"
@@ -318,8 +315,7 @@ def _check_rank(rank: object, world: object) -> int:
 
 
 def _windows(ids: torch.Tensor, seq_len: int, what: str) -> int:
-    if ids.dim() != 1:
-        raise LrmoeError(f"{what} token stream must be 1-D, got shape {tuple(ids.shape)}")
+    require(ids.dim() == 1, f"{what} token stream must be 1-D, got shape {tuple(ids.shape)}")
     n = (ids.numel() - 1) // seq_len
     if n < 1:
         raise LrmoeError(

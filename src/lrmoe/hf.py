@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.config import ModelConfig, read_config_json
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.files import fsync, mode_for, remove_dead_leftovers, staging_dir
 from lrmoe.model.moe import MoELayer
 from lrmoe.model.transformer import MoEForCausalLM
@@ -96,8 +96,7 @@ def _normalize_hf_config(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
     rp = d.get("rope_parameters")
     if rp is None:
         rp = d.pop("rope_scaling", None)
-    if rp is not None and not isinstance(rp, dict):
-        raise LrmoeError(f"config rope_parameters={rp!r} must be an object")
+    require(rp is None or isinstance(rp, dict), f"config rope_parameters={rp!r} must be an object")
     rp = dict(rp or {})
     if "type" in rp:
         rp.setdefault("rope_type", rp.pop("type"))
@@ -208,11 +207,9 @@ def _plan(model_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
 
 def _as_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
-    if not p.exists():
-        raise LrmoeError(f"checkpoint directory {p} does not exist")
-    if not p.is_dir():
-        raise LrmoeError(f"{p} is not a directory; give the HF checkpoint directory "
-                         f"(holding {CONFIG_NAME} and *.safetensors)")
+    require(p.exists(), f"checkpoint directory {p} does not exist")
+    require(p.is_dir(), f"{p} is not a directory; give the HF checkpoint directory "
+                        f"(holding {CONFIG_NAME} and *.safetensors)")
     return p
 
 

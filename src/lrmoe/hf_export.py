@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.hf import (
     DEFAULT_MAX_SHARD_BYTES,
     FUSED_EXPERTS,
@@ -43,8 +43,7 @@ def _checkpoint(run_dir: Path, step: int | None):
 
     if step is None:
         ck = ckpt.latest_checkpoint(run_dir)
-        if ck is None:
-            raise LrmoeError(f"{run_dir} has no checkpoint to export")
+        require(ck is not None, f"{run_dir} has no checkpoint to export")
         return ck
     d = ckpt.ckpt_dir(run_dir, step)
     if not (d / ckpt.MANIFEST).is_file():
@@ -112,11 +111,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | N
     from lrmoe.train.config import read_run_config
 
     run_dir, out = Path(run_dir), Path(out)
-    if not run_dir.is_dir():
-        raise LrmoeError(f"run directory {run_dir} does not exist")
+    require(run_dir.is_dir(), f"run directory {run_dir} does not exist")
     saved = read_run_config(run_dir)
-    if saved is None:
-        raise LrmoeError(f"{run_dir} is not an lrmoe run directory (no config.json)")
+    require(saved is not None, f"{run_dir} is not an lrmoe run directory (no config.json)")
     out_dt = None if dtype is None else _as_dtype(dtype)
     ck = _checkpoint(run_dir, step)
     check_target(out)

@@ -637,12 +637,11 @@ def _load_data(cfg: TTLConfig) -> _Data:
     corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
     streams = build_streams(corpus, tok)
-    train_ids, val_ids = streams.train_ids, streams.val_ids
     mcfg = resolve_model_config(t, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
-    batches = PackedBatches(train_ids, t.seq_len, t.batch_size, t.seed)
-    k = val_windows(val_ids.numel(), t.seq_len, t.batch_size, t.eval_batches, 1)
-    val_b = validation_batches(val_ids, t.seq_len, t.batch_size, num_windows=k)
+    batches = PackedBatches(streams.train_ids, t.seq_len, t.batch_size, t.seed)
+    k = val_windows(streams.val_ids.numel(), t.seq_len, t.batch_size, t.eval_batches, 1)
+    val_b = validation_batches(streams.val_ids, t.seq_len, t.batch_size, num_windows=k)
     return _Data(mcfg, corpus, batches, val_b)
 
 

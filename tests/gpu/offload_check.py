@@ -6,8 +6,9 @@ CPU AdamW on fp32 masters, weights back), at each seed of ``--seeds`` (default 0
 ``--repeats`` times (default 3) in turn, and writes ``offload_check.json`` and
 ``offload_check.md`` into ``--out``: per run the mean measured step time (first 3 steps
 dropped), the measured peak CUDA memory and the final validation loss; per mode the
-final validation loss's mean and range; the largest relative difference of the training
-losses between two runs of the same mode (bf16 non-determinism) and between the modes;
+final validation loss's mean and range; the relative difference of the training losses,
+its largest step and its mean over the steps, between two runs of the same mode (bf16
+non-determinism) and between the modes;
 whether host's mean lies outside the device runs' range; and the paired difference
 host − device of the final validation loss per seed (each mode's mean over its repeats),
 with its mean and, from 2 seeds, its 95% interval (Student t). Runs that differ in one
@@ -78,9 +79,10 @@ def run(args) -> dict:
 
 
 def summarize(modes: dict, losses: dict) -> dict:
-    """Per mode: final validation losses (mean, min, max); the largest relative
-    training-loss difference between two runs of the same mode, and between modes (runs
-    of one seed); the paired difference by seed (:func:`paired`)."""
+    """Per mode: final validation losses (mean, min, max); the relative training-loss
+    difference (its largest step, its mean over the steps and pairs) between two runs of
+    the same mode, and between modes (runs of one seed); the paired difference by seed
+    (:func:`paired`)."""
     def rel(x, y):
         return [abs(a - b) / abs(a) for a, b in zip(losses[x], losses[y])]
     out = {}
@@ -96,7 +98,6 @@ def summarize(modes: dict, losses: dict) -> dict:
     across = [rel(a, b) for a, b in same_seed
               if modes[a]["mode"] == "device" and modes[b]["mode"] == "host"]
     for key, pairs in (("within_mode", within), ("device_vs_host", across)):
-        # the largest step's difference (a loss spike) and the mean over steps and pairs
         out[f"max_rel_train_loss_diff_{key}"] = max(map(max, pairs)) if pairs else None
         out[f"mean_rel_train_loss_diff_{key}"] = (statistics.mean(x for d in pairs for x in d)
                                                   if pairs else None)

@@ -1,9 +1,9 @@
 """A placement held over the step on CUDA: the bytes alive between micro-batches are the
 held slots' bf16 weights and gradient sums the ledger prices. Bytes are the allocator's
 requested bytes (what the tensors asked for): its block bytes round a request up by as
-much as 1 MiB depending on which cached segment serves it, more than the check's 16 KiB. One rank of a
-4-rank group with synthetic peers (``tests/onerank.py``), bf16 autocast, 3 micro-batches;
-the CPU checks are ``tests/test_held_placement.py``."""
+much as 1 MiB depending on which cached segment serves it, more than the check's 16 KiB.
+One rank of a 4-rank group with synthetic peers (``tests/onerank.py``), bf16 autocast,
+3 micro-batches; the CPU checks are ``tests/test_held_placement.py``."""
 
 from __future__ import annotations
 

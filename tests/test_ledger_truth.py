@@ -250,7 +250,8 @@ def test_ledger_peak_script_logic_on_cpu(tmp_path):
     assert [(r["policy"], r["rank"]) for r in rows] == [
         (p, g) for p in ("static", "symi", "lrmoe") for g in range(4)]
     for r in rows:
-        assert r["measured_peak_bytes"] is None  # CPU: nothing measured
+        assert r["measured_requested_peak_bytes"] is None  # CPU: nothing measured
+        assert r["measured_block_peak_bytes"] is None and r["measured_over_ledger"] is None
         assert r["ledger_bytes"] == sum(r["ledger_terms"].values())
         assert r["ledger_plan_bytes"] == (r["ledger_bytes"] - r["ledger_terms"]["buffers"]
                                           + r["ledger_plan_buffers"])

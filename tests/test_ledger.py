@@ -8,7 +8,7 @@ import torch
 
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError
-from lrmoe.ledger import Ledger, recompute_bounds
+from lrmoe.ledger import BackwardRows, Ledger, recompute_bounds
 from lrmoe.policy.plan_numpy import full_plan
 from lrmoe.units import fmt_bytes, parse_bytes
 from references.plans import native_placement
@@ -87,6 +87,21 @@ def test_instance_and_activation_bytes(dtype, nbytes):
     x = torch.randn(n, H, dtype=dtype)
     gate_up = x @ w[0].T
     assert actual_param_bytes([x, gate_up]) == n * led.A
+
+
+def test_backward_rows_carry_their_index_bytes():
+    """Per backward row the expert backward holds 20 bytes of indices and scales, 16 more
+    when the saved rows are gathered (docs/design.md §5): where the backward is the peak,
+    the plan's buffers are its largest point plus 20 or 36 bytes per row."""
+    cfg = _cfg()
+    led = Ledger(cfg, 1, num_moe_layers=1)
+    R, h = 64, 16
+    T = -(-h // cfg.num_experts_per_tok)
+    fwd = max(led.forward_points(T, R, h, R, 0, h).values()) * led.bytes_act
+    for n, gathered, per_row in ((R, False, 20), (R - 4, True, 36)):
+        back = max(led.backward_points(T, n, h, R, 0, h, gathered).values()) * led.bytes_act
+        assert back + per_row * n > fwd  # the backward is the peak
+        assert led.rows_buffer_bytes(R, h, R, 0, BackwardRows(n, h, gathered)) == back + per_row * n
 
 
 def test_kept_terms_are_per_home_pair_and_per_layer():
@@ -280,6 +295,7 @@ def test_exact_fit_modes():
     assert mode == "layer" and rows == recv
     assert all(t["retained_acts"] == t["combine_rows"] == 0 for t in terms)
     assert max(t["total"] for t in terms) <= led.budget_bytes
+    assert Ledger(cfg, G, max(none_kept)).exact_fit(plan)[0] == "layer"  # to the byte
     assert Ledger(cfg, G, max(none_kept) - 1).exact_fit(plan)[0] == "over"
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from lrmoe.errors import OutOfMemory
-from lrmoe.ledger import Ledger
+from lrmoe.ledger import Ledger, plan_counts
 from lrmoe.policy import lrmoe as lrmoe_mod
 from lrmoe.policy.lrmoe import LrmoeConfig, plan_lrmoe
 from lrmoe.policy.lrmoe_ladder import Trimmed, climb
+from lrmoe.policy.plan import native_plan
 from lrmoe.presets import get_preset
 from lrmoe.routing_loads import synthetic_counts
 
@@ -77,3 +78,34 @@ def test_planned_says_whether_the_given_placement_was_kept():
             assert not got.kept_placement
             return
     pytest.fail("no budget made the placement again")
+
+
+def _fewest_recomputed(led, plan):
+    """Whether every rank of ``plan`` fits ``led`` and each recomputing rank would be over
+    the budget with one row fewer recomputed (the ledger's terms rank by rank)."""
+    terms = led.rank_terms(plan)
+    rec = plan.recompute_G.tolist()
+    n, R, h, k = (x.tolist() for x in plan_counts(plan))
+    fewer = [r == 0 or led.terms(n[g], R[g], h[g], k[g], r - 1, exact=True)["total"]
+             > led.budget_bytes for g, r in enumerate(rec)]
+    return all(t["total"] <= led.budget_bytes for t in terms) and all(fewer)
+
+
+def test_the_ladder_recomputes_before_it_gives_replicas_up():
+    """Just below the exact plan's need the ladder keeps the placement and recomputes the
+    fewest rows per rank; just below the natives' exact need it gives the replicas up and
+    recomputes on static's placement."""
+    cfg, counts, free = _layer()
+    placed = plan_lrmoe(counts, LrmoeConfig(), free).plan
+    exact = dataclasses.replace(placed, retain_GGS=placed.assign_GGS.clone(),
+                                select_GGS=placed.assign_GGS.clone())
+    over = OutOfMemory("over", 1, 1, "rank 0")
+    natives = native_plan(counts.numpy())
+    for plan_need, rung, replicas in ((exact, "recompute", placed.num_replicas()),
+                                      (natives, "recompute-natives", 0)):
+        need = max(t["total"] for t in free.rank_terms(plan_need))
+        led = dataclasses.replace(free, budget_bytes=need - 10**6)
+        plan = climb(counts, Trimmed(None, placed=exact, over=over), led, placed.S)
+        assert plan.rung == rung and plan.num_replicas() == replicas
+        assert plan.exact and int(plan.recompute_G.sum()) > 0
+        assert _fewest_recomputed(led, plan)

@@ -203,3 +203,60 @@ def test_the_keep_floor_follows_the_ranks_retained_pairs_move_by_move():
             if g.move() is None:
                 break
     assert len(levels) > 20
+
+
+def test_a_hot_rank_retaining_one_pair_per_instance_keeps_the_floor():
+    """A hot rank whose capacity is exactly one pair per instance fits: a destination must
+    still retain the ``min_keep`` level and the smallest kept fraction; one byte less and it
+    does not fit, and any destination that fits itself will do (level 0, fraction 0)."""
+    import math
+    from fractions import Fraction
+
+    from lrmoe.policy.lrmoe_place import _Greedy
+
+    mcfg, G, n = get_preset("qwen3-30b-a3b"), 8, E // 8
+    counts = _routing(np.random.default_rng(3), "hot", G, 2048).numpy()
+    load, home = counts.sum(0).reshape(G, n).sum(1), counts.sum(1)
+    hot = int(load.argmax())
+    assert (load == load[hot]).sum() == 1
+
+    def cap(budget):
+        return Ledger.for_dtype(mcfg, G, budget).retain_capacity(n, int(load[hot]), int(home[hot]))
+    lo, hi = 1, 1 << 50  # the least budget at which the hot rank retains one pair per instance
+    while lo < hi:
+        lo, hi = (lo, (lo + hi) // 2) if cap((lo + hi) // 2) >= n else ((lo + hi) // 2 + 1, hi)
+    assert cap(lo) == n
+    for budget, fits in ((lo, True), (lo - 1, False)):
+        g = _Greedy(counts.sum(0), G, n + 2, 0.5, LedgerView(Ledger.for_dtype(mcfg, G, budget), home))
+        level, fn, fd = g._floor(int(load[hot]), [hot])
+        if fits:
+            assert g.kept[hot] == n and level == math.ceil(0.5 * sum(g.kept) / G) > 0
+            assert Fraction(fn, fd) == min(Fraction(k, R) for k, R in zip(g.kept, g.load) if R) > 0
+        else:
+            assert (level, fn) == (0, 0)
+
+
+def test_a_destination_must_retain_the_kept_fraction_rounded_up():
+    """A replica's destination must still retain ``ceil(fn/fd · R)`` of its ``R`` pairs: a
+    fraction just above ``capacity / R`` refuses it, the fraction ``capacity / R`` takes it."""
+    from lrmoe.policy.lrmoe_place import _Greedy, _Move
+
+    mcfg, G = get_preset("qwen3-30b-a3b"), 8
+    counts = _routing(np.random.default_rng(2), "zipf2", G, 8192)
+    c = counts.numpy()
+    for frac in (0.6, 0.4, 0.2, 0.1, 0.05):
+        ledger = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, frac))
+        g = _Greedy(c.sum(0), G, E // G + 2, 0.0, LedgerView(ledger, c.sum(1)))
+        e = max(range(E), key=lambda x: g.total[x])
+        d = min((r for r in range(G) if r != e // (E // G)), key=lambda r: g.load[r])
+        any_dest = _Move(max(g.load), 1, 0, 0, 1, first=0)
+        inst, q, extra, cap = g._try_dest(e, d, any_dest)
+        i = next(j for j, (r, _) in enumerate(inst) if r == d)
+        R = g.load[d] + q + (i < extra)
+        if g.n_inst[d] + 1 < cap < R:
+            break
+    else:
+        pytest.fail("no budget leaves the destination short of its pairs")
+    K = R + 1  # (cap·K + 1) / (R·K): above cap/R, below 1; times R it rounds up to cap + 1
+    assert g._try_dest(e, d, _Move(max(g.load), 1, 0, cap * K + 1, R * K, first=0)) is None
+    assert g._try_dest(e, d, _Move(max(g.load), 1, 0, cap, R, first=0)) is not None

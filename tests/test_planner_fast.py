@@ -171,12 +171,38 @@ def test_ledger_view_is_exact_for_the_presets(preset, G):
             view = LedgerView(tight, counts.sum(1).numpy())
             want = [tight.retain_capacity(int(a), int(b), h) for a, b, h in zip(n, R, home)]
             assert (want[r] >= 0) == fits
+            assert bool(view.fits(n, R, np.zeros_like(R))[r]) == fits
             assert view.capacity(n, R).tolist() == want
             assert [view.capacity_fn()(i, int(n[i]), int(R[i])) for i in range(G)] == want
     exact = LedgerView(ledger, counts.sum(1).numpy(), exact=True)
     assert exact.totals(n, R, R).tolist() == [
         ledger.terms(int(a), int(b), h, int(b), exact=True)["total"]
         for a, b, h in zip(n, R, home)]
+    top = max(ledger.terms(int(a), int(b), h, 0)["total"] for a, b, h in zip(n, R, home))
+    for budget, over in ((top, False), (top - 1, True)):  # to the byte, and one byte over
+        v = LedgerView(Ledger.for_dtype(mcfg, G, budget), counts.sum(1).numpy())
+        assert v.over(n, R, np.zeros_like(R)) == over
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm", *PRESETS])
+def test_ledger_view_totals_with_recompute_equal_the_ledger(preset):
+    """Every rank recomputing some rows, at random counts, trimmed and exact: the view's
+    totals are the ledger's (its recompute branch's pieces, not the plain ones)."""
+    mcfg = get_preset(preset)
+    G = 4
+    rng = np.random.default_rng(1)
+    home = rng.integers(1, 5000, G)
+    ledger = Ledger.for_dtype(mcfg, G, None)
+    for ex in (False, True):
+        view = LedgerView(ledger, home, exact=ex, priced=True)
+        for _ in range(25):
+            n = rng.integers(1, 9, G)
+            R = rng.integers(1, 20000, G)
+            k = R if ex else rng.integers(1, R + 1)
+            rec = rng.integers(1, k + 1)
+            assert view.totals(n, R, k, rec).tolist() == [
+                ledger.terms(int(a), int(b), int(h), int(c), int(d), exact=ex)["total"]
+                for a, b, h, c, d in zip(n, R, home, k, rec)]
 
 
 def test_numpy_primitives_equal_torch():
@@ -483,6 +509,19 @@ def test_vectorised_exact_fit_and_recompute_capacity_equal_the_ledger():
                 plan = plan_symi(counts, 128 // G, counts.sum(0))
         assert plan_totals(ledger, plan).tolist() == [t["total"] for t in ledger.rank_terms(plan)]
     assert modes >= {"fits", "pairs", "over"}, modes
+    # a budget the busiest rank meets to the byte with one row recomputed: "pairs", not "fits"
+    mcfg, G = get_preset(PRESETS[0]), 8
+    counts = _counts(rng, G, 128, 512, 1.0)
+    plan = full_plan(counts, native_placement(G, 128))
+    free = Ledger.for_dtype(mcfg, G, None)
+    n, R = (plan.inst_expert_GS >= 0).sum(1).tolist(), plan.rank_load().tolist()
+    budget = max(free.terms(a, b, int(h), b, 1, exact=True)["total"]
+                 for a, b, h in zip(n, R, counts.sum(1)))
+    led = Ledger.for_dtype(mcfg, G, budget)
+    want = led.exact_fit(plan)
+    assert want[0] == "pairs" and max(want[1]) == 1
+    mode, rec, totals = plan_exact_fit(led, plan)
+    assert (mode, rec.tolist(), totals.tolist()) == (want[0], want[1], [t["total"] for t in want[2]])
 
 
 def test_recompute_capacity_equals_the_ledger_where_recompute_buys_nothing():

@@ -166,6 +166,17 @@ def test_symi_prepares_from_per_rank_or_global_counts():
     assert (glob.inst_expert_GS >= 0).sum() > E  # replicas: the placement follows the counts
 
 
+def test_full_plan_splits_by_the_given_loads():
+    """Hand-worked: expert 0's 6 pairs (3 from each home) over its two instances as loads
+    5 and 1 (not the even 3 and 3): contiguous intervals, homes in rank order."""
+    counts = torch.tensor([[3, 1], [3, 1]])
+    ie = torch.tensor([[0, 1], [0, -1]])
+    plan = full_plan(counts, ie, torch.tensor([[5, 2], [1, 0]]))
+    assert plan.assign_GGS.tolist() == [[[3, 1], [0, 0]], [[2, 1], [1, 0]]]
+    assert torch.equal(plan.retain_GGS, plan.assign_GGS)
+    assert full_plan(counts, ie).assign_GGS.tolist() == [[[3, 1], [0, 0]], [[0, 1], [3, 0]]]
+
+
 # ---------------------------------------------------------------------- capacity
 def test_capacity_huge_factor_is_static():
     counts = _skewed(4, 16, 0)
@@ -448,6 +459,10 @@ def test_symi_best_slots_with_recompute():
     best, n_fit = best_slots(led, [counts, counts], [pop, pop])
     assert n_fit == 2 and costs[best] == min(costs.values())
     assert best == max(s for s, c in costs.items() if c == costs[best])
+    # hand-worked: the most matrices fitted, then the least mean work, then the larger s
+    assert best_slots(None, [], [], per=[{4: 90, 5: 90}, {4: 90, 5: 90}]) == (5, 2)
+    assert best_slots(None, [], [], per=[{4: 81, 5: 90}, {4: 81, 5: 90}]) == (4, 2)
+    assert best_slots(None, [], [], per=[{4: 90, 5: 81}, {4: 90}]) == (4, 2)
     # a second matrix only the smallest s fits: fitting more matrices wins over work
     tight = Ledger(cfg, G, budget)
     other = _skewed(G, E, 11)

@@ -83,25 +83,6 @@ def test_one_process_matches_reference(preset):
         assert st["bwd_combine_bytes_sent"] == st["bwd_rows"] * (layer.cfg.hidden_size * 4 + 4)
 
 
-def _dropping_reference(layer, x_BTH, dropped_E):
-    """The dense reference with each expert's ``dropped_E[e]`` lowest-gate pairs (ties:
-    the later pair) left out of the output, as the capacity policy drops them."""
-    B, T, H = x_BTH.shape
-    x = x_BTH.reshape(-1, H)
-    r = layer.router(x)
-    Fd = layer.cfg.moe_intermediate_size
-    out = torch.zeros_like(x)
-    for e in range(layer.cfg.num_experts):
-        tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
-        g = r.gate_TK[tok, k]
-        keep = torch.argsort(g.detach(), descending=True, stable=True)[:tok.numel() - int(dropped_E[e])]
-        tok, g = tok[keep], g[keep]
-        gu = x[tok] @ layer.experts.gate_up_proj[e].t()
-        y = (torch.nn.functional.silu(gu[:, :Fd]) * gu[:, Fd:]) @ layer.experts.down_proj[e].t()
-        out = out.index_add(0, tok, y * g[:, None])
-    return out.view(B, T, H)
-
-
 @pytest.mark.parametrize("router_grad", ["home", "experts"])
 def test_capacity_drops_match_a_reference_without_the_dropped_pairs(router_grad):
     """A capacity plan that drops pairs: output and gradients (router included: a dropped
@@ -129,10 +110,10 @@ def test_capacity_drops_match_a_reference_without_the_dropped_pairs(router_grad)
     assert int(dropped_E.sum()) > 0 and plans[-1].exact
     layer.zero_grad()
     xr = x.clone().requires_grad_()
-    (_dropping_reference(layer, xr, dropped_E) * coeff).sum().backward()
+    (moe_layer_reference(layer, xr, dropped_E=dropped_E) * coeff).sum().backward()
     want = [None, xr.grad, layer.experts.gate_up_proj.grad, layer.experts.down_proj.grad,
             layer.router.weight.grad]
-    want[0] = _dropping_reference(layer, x, dropped_E).detach()
+    want[0] = moe_layer_reference(layer, x, dropped_E=dropped_E).detach()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
 

@@ -179,6 +179,69 @@ def _ep_worker(rank: int, world: int, model: str, policies: list[str]) -> None:
             assert all(st["plan_replicas"] > 0 for st in ep.moe_layers[0].runtime.stats.values())
 
 
+def test_hooks_run_in_order_and_each_micro_batch_plans_with_its_index():
+    """``accumulate`` calls ``on_micro(m, None)`` before micro-batch ``m`` and
+    ``on_micro(m, pair)`` after its backward, ``before_last_backward`` once, just before
+    the last micro-batch's backward; every MoE layer's plan of micro-batch ``m`` is given
+    ``PlanInputs.micro == m`` (what a placement held for the step plans by)."""
+    from lrmoe.policy import StaticPolicy
+
+    events = []
+
+    class Recording(StaticPolicy):  # a subclass: the exchange runs, and asks for a plan
+        def plan(self, counts_GE, inputs):
+            events.append(("plan", inputs.layer, inputs.micro))
+            return super().plan(counts_GE, inputs)
+
+    cfg = tiny("qwen")
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    model.set_runtime(MoERuntime(policy=Recording()))
+    mbs = batches(cfg, 4)
+
+    def on_micro(m, pair):
+        events.append(("before", m) if pair is None else ("after", m, tuple(pair.shape)))
+
+    accumulate(model, lambda i: mbs[i], N, on_micro=on_micro,
+               before_last_backward=lambda: events.append(("last backward",)))
+    L = len(model.moe_layers)
+    want = []
+    for m in range(N):
+        want += [("before", m)] + [("plan", layer, m) for layer in range(L)]
+        want += [("last backward",)] * (m == N - 1) + [("after", m, (2,))]
+    assert events == want
+
+
+def test_update_refused_by_the_norm_check_leaves_the_weights():
+    """``update`` hands ``check_norm`` the gradient norm before clipping (computed here
+    from the gradients) and, when it raises, the optimizer never runs: every weight stays
+    as it was."""
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.train.accum import update
+
+    cfg = tiny("qwen")
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    mbs = batches(cfg, 5)
+    accumulate(model, lambda i: mbs[i], N)
+    grads_flat = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
+    norm = float(torch.cat(grads_flat).norm())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    seen = []
+
+    def refuse(gnorm: float) -> None:
+        seen.append(gnorm)
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        update(model, opt, sched, 1e-3, ParallelContext(), refuse)
+    assert seen == [pytest.approx(norm, rel=1e-5)]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
 @pytest.mark.parametrize("model", ["qwen", "glm"])
 def test_accumulated_gradient_under_ep_equals_the_concatenated_batch(model, tmp_path):
     """EP 2 on gloo, every policy: each rank accumulates its share of N micro-batches;

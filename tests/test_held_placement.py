@@ -399,6 +399,11 @@ def test_placement_key_reads_the_occupied_slots_only():
     c = np.array([[0, 1, -1, -1], [2, 3, 3, -1]])  # a replica on the other rank
     assert placement_key(a) == placement_key(b) == placement_key(a[:, :3])
     assert placement_key(a) != placement_key(c)
+    # expert 2's replica on rank 0 or beside its native on rank 1: the occupied experts
+    # read in rank order are the same, the slots' weights are not
+    d = np.array([[0, 1, 2, -1], [2, 3, -1, -1]])
+    e = np.array([[0, 1, -1, -1], [2, 2, 3, -1]])
+    assert placement_key(d) != placement_key(e)
 
 
 def test_held_bytes_in_the_compute_dtype():

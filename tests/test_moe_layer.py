@@ -66,12 +66,17 @@ def test_replicas_change_placement_not_math(layer):
     assert layer.runtime.stats[0]["plan_replicas"] == 3
 
 
-def test_partial_selection_compaction_on_off(layer):
+@pytest.mark.parametrize("estimator", ["topk", "sampled"])
+def test_partial_selection_compaction_on_off(layer, estimator):
+    """Compaction ships only the selected rows; without it every retained row ships, the
+    unselected ones weighing 0 (and the sampled ones their Horvitz-Thompson weight): the
+    same gradients from the same draws."""
     x = torch.randn(2, 24, layer.cfg.hidden_size)
     ref = run(layer, x, ref=True)
     out = {}
     for comp in (True, False):
-        layer.runtime = MoERuntime(policy=PartialPolicy(), backward=BackwardOptions(compaction=comp))
+        layer.runtime = MoERuntime(policy=PartialPolicy(), generator=torch.Generator().manual_seed(3),
+                                   backward=BackwardOptions(compaction=comp, estimator=estimator))
         out[comp] = run(layer, x)
         out[comp].append(dict(layer.runtime.stats[0]))
     on, off = out[True], out[False]

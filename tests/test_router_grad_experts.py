@@ -83,6 +83,41 @@ def test_one_process_matches_reference(preset):
         assert st["bwd_combine_bytes_sent"] == st["bwd_rows"] * (layer.cfg.hidden_size * 4 + 4)
 
 
+@pytest.mark.parametrize("router_grad", ["home", "experts"])
+def test_capacity_drops_match_a_reference_without_the_dropped_pairs(router_grad):
+    """A capacity plan that drops pairs: output and gradients (router included: a dropped
+    pair's gate has no effect, so its gradient is 0) are the dense reference's without
+    those pairs, wherever the router gradient is computed."""
+    from lrmoe.policy.capacity import CapacityPolicy
+
+    plans = []
+
+    class Recording(CapacityPolicy):
+        def plan(self, counts_GE, inputs):
+            plans.append(super().plan(counts_GE, inputs))
+            return plans[-1]
+
+    torch.manual_seed(0)
+    layer = copy.deepcopy(MoEForCausalLM(get_preset("tiny-qwen3")).moe_layers[0])
+    assert layer.shared_experts is None
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 24, layer.cfg.hidden_size, generator=g)
+    coeff = torch.randn(x.shape, generator=g)
+    layer.runtime = MoERuntime(policy=Recording(capacity_factor=0.5),
+                               backward=BackwardOptions(router_grad=router_grad))
+    got = _grads(layer, x, coeff)
+    dropped_E = plans[-1].dropped_GE[0]
+    assert int(dropped_E.sum()) > 0 and plans[-1].exact
+    layer.zero_grad()
+    xr = x.clone().requires_grad_()
+    (moe_layer_reference(layer, xr, dropped_E=dropped_E) * coeff).sum().backward()
+    want = [None, xr.grad, layer.experts.gate_up_proj.grad, layer.experts.down_proj.grad,
+            layer.router.weight.grad]
+    want[0] = moe_layer_reference(layer, x, dropped_E=dropped_E).detach()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 @pytest.mark.dist
 def test_ep2_matches_reference(tmp_path):
     """Replicas across ranks, eager (the worker of ``test_compile`` without compiling)."""

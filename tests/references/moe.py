@@ -9,13 +9,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def moe_layer_reference(layer, x_BTH: Tensor, keep=None) -> Tensor:
+def moe_layer_reference(layer, x_BTH: Tensor, keep=None, dropped_E=None) -> Tensor:
     """Straightforward dense-dispatch reference (one process, all experts local).
 
     ``keep(gate_N) -> bool_N``, if given, picks which of an expert's N pairs carry
     gradient into the expert (weights and input); the others' outputs are detached, so
     the forward and every pair's router gradient stay exact (the masking reference of a
-    trimmed backward)."""
+    trimmed backward). ``dropped_E``, if given, leaves each expert's ``dropped_E[e]``
+    lowest-gate pairs (ties: the later pair) out of the output, as the capacity policy
+    drops them."""
     B, T, H = x_BTH.shape
     x = x_BTH.reshape(-1, H)
     r = layer.router(x)
@@ -23,6 +25,10 @@ def moe_layer_reference(layer, x_BTH: Tensor, keep=None) -> Tensor:
     out = torch.zeros_like(x)
     for e in range(layer.cfg.num_experts):
         tok, k = torch.nonzero(r.idx_TK == e, as_tuple=True)
+        if dropped_E is not None:
+            order = torch.argsort(r.gate_TK[tok, k].detach(), descending=True, stable=True)
+            kept = order[:tok.numel() - int(dropped_E[e])]
+            tok, k = tok[kept], k[kept]
         if tok.numel() == 0:
             continue
         gu = x[tok] @ layer.experts.gate_up_proj[e].t()

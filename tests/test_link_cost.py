@@ -38,8 +38,8 @@ PLACED = ("fwd_experts", "bwd_experts", "bwd_recompute", "fwd_dispatch", "fwd_co
 RATE = 400e12
 
 
-def _cost(mcfg, link: str, share: int = 1, rate: float = RATE):
-    return link_cost(LINKS[link], rate, mcfg.hidden_size, mcfg.moe_intermediate_size, 2, 2,
+def _cost(mcfg, link: str, share: int = 1, rate: float = RATE, bytes_w: int = 2):
+    return link_cost(LINKS[link], rate, mcfg.hidden_size, mcfg.moe_intermediate_size, 2, bytes_w,
                      share)
 
 
@@ -58,11 +58,12 @@ def test_plan_seconds_is_the_emulators_model(link):
         counts = _counts(rng, G, E, 8192, float(rng.uniform(0, 2)))
         led = Ledger.for_dtype(mcfg, G, _budget(mcfg, G, counts, float(rng.uniform(0.2, 1))),
                                "bf16")
-        cost = _cost(mcfg, link, share=int(rng.integers(1, 5)))
+        # weights 4 bytes (fp32), activations 2: each width priced where it travels
+        cost = _cost(mcfg, link, share=int(rng.integers(1, 5)), bytes_w=4)
         for plan in (_plan(counts, ledger=led, recompute=bool(i % 3 == 0)),
                      SymiPolicy(E // G + 2).plan(counts, PlanInputs(prev_counts_E=counts.sum(0)))):
             rec = None if plan.recompute_G is None else plan.recompute_G.tolist()
-            st = step_times(modelled_stats(plan, mcfg, RATE, 2, 2, rec), LINKS[link])
+            st = step_times(modelled_stats(plan, mcfg, RATE, 2, 4, rec), LINKS[link])
             want = sum(getattr(st, k) for k in PLACED) \
                 - (st.weight_scatter + st.grad_reduce) * (1 - 1 / cost.share)
             assert plan_seconds(cost, plan, E) == pytest.approx(want, rel=1e-9), (i, link)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lrmoe.errors import LrmoeError
-from lrmoe.sim.links import LINKS, exchange_time, get_link
+from lrmoe.sim.links import LINKS, exchange_time, get_link, rank_bytes
 
 
 @pytest.mark.parametrize("name,peak,achieved", [("nvlink", 450e9, 370e9), ("ib", 50e9, 48e9),
@@ -72,3 +72,9 @@ def test_step_times_use_the_byte_matrices_on_the_two_level_link():
 def test_unknown_link_is_one_readable_error():
     with pytest.raises(LrmoeError, match="nvlink\\+ib"):
         get_link("infiniband")
+
+
+def test_rank_bytes_is_the_larger_of_sent_and_received_without_the_self_copy():
+    b = torch.tensor([[7e9, 3e9, 1e9], [0, 0, 0], [2e9, 0, 5e9]])
+    # sent (off the diagonal) 4, 0, 2 GB; received 2, 3, 1 GB
+    assert rank_bytes(b) == [4e9, 3e9, 2e9]

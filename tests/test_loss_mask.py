@@ -180,4 +180,31 @@ def test_validation_batches_divide_by_their_own_trained_targets():
         rows = torch.arange(i * 4, i * 4 + len(b.ids))  # the windows of this batch
         trained = keep[rows[:, None] * 16 + torch.arange(1, 17)]
         assert torch.equal(b.targets != IGNORE, trained)
+        nxt = ids[rows[:, None] * 16 + torch.arange(1, 17)]  # each input's next token
+        assert torch.equal(b.targets, nxt.masked_fill(~trained, IGNORE))
         assert b.num_targets == float(trained.sum()) > 0
+
+
+def test_loss_args_shift_targets_and_keep_the_denominator():
+    """A plain window batch: inputs all but the last token, targets all but the first, no
+    denominator; a masked batch keeps its denominator, also when moved to a device."""
+    rows = torch.arange(10).view(2, 5)
+    x, y, n = loss_args(rows)
+    assert x.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]] and y.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+    assert n is None
+    b = MaskedBatch(rows, torch.full((2, 4), IGNORE), 2.5).to("cpu")
+    assert loss_args(b)[2] == 2.5
+
+
+def test_prompt_rows_end_each_row_with_the_tokenizers_end_id():
+    """Rows ``prompt + completion + eos`` with a tokenizer whose end id is not 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from lrmoe.loss_mask import prompt_rows
+    tok = SimpleNamespace(eos_id=300, encode_each=lambda xs: [np.array([ord(c) for c in x], dtype=np.int64)
+                                                             for x in xs])
+    ids, mask = prompt_rows(tok, ["ab", ""], ["c", "de"])
+    assert ids.tolist() == [97, 98, 99, 300, 100, 101, 300]
+    assert mask.tolist() == [False, False, True, True, True, True, True]

@@ -243,3 +243,21 @@ def test_router_gradient_exact_only_in_the_last_moe_layer():
     rel = [float((b - a).norm() / a.norm()) for a, b in zip(*grads)]
     assert rel[-1] < 1e-5, rel
     assert all(r > 1e-3 for r in rel[:-1]), rel
+
+
+def test_aux_loss_counts_the_tokens_of_every_ep_and_dp_rank():
+    """The layer's aux loss divides the global counts by the tokens of all ranks, ``T`` per
+    rank times the EP size times the DP size (by hand: T = 2, EP 2, DP 3: 12 tokens)."""
+    from types import SimpleNamespace
+
+    from lrmoe.config import ModelConfig
+    from lrmoe.model.moe import MoELayer
+    cfg = ModelConfig(model_type="qwen3_moe", hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                      num_experts=4, num_experts_per_tok=1, moe_intermediate_size=4, num_hidden_layers=1,
+                      router_aux_loss_coef=0.01)
+    layer = MoELayer(cfg, 0).train()
+    layer.runtime = MoERuntime(comm=SimpleNamespace(size=2), dp_size=3)
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])  # P = .5, .25, .25, 0
+    got = layer.aux_loss(torch.tensor([6, 3, 2, 1]), probs, T=2)  # f = 1/2, 1/4, 1/6, 1/12
+    assert abs(float(got) - 0.01 * 17 / 12) < 1e-7
+    assert layer.eval().aux_loss(torch.tensor([6, 3, 2, 1]), probs, T=2) is None

@@ -82,3 +82,20 @@ def test_aux_loss_formula_and_bias_update():
     exp = [0.1 * (1 if c < mean else -1 if c > mean else 0)
            for c in (5, 1, 3, 3, 0, 0, 9, 3, 3, 3, 3, 3)]
     torch.testing.assert_close(r.e_score_correction_bias, torch.tensor(exp))
+
+
+def test_aux_loss_fractions_are_over_the_global_tokens():
+    """``f_e`` divides the global counts by the global token count, not by the T local
+    rows whose probabilities are averaged (by hand: 2 local tokens, 12 global ones)."""
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])  # P = .5, .25, .25, 0
+    counts = torch.tensor([6, 3, 2, 1])  # f = 1/2, 1/4, 1/6, 1/12
+    assert abs(float(aux_loss(probs, counts, 12, coef=0.01)) - 0.01 * 17 / 12) < 1e-7
+
+
+def test_aux_loss_averaged_over_equal_ranks_is_the_whole_batch_loss():
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(12, 8), dim=-1)
+    counts = torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=8)
+    whole = aux_loss(probs, counts, 12, coef=0.1)
+    ranks = [aux_loss(p, counts, 12, coef=0.1) for p in probs.chunk(3)]
+    torch.testing.assert_close(sum(ranks) / 3, whole)

@@ -81,3 +81,37 @@ def test_eval_noise_compares_standard_error_with_neighbour_change():
                                  for x in e["val_batch_losses"]]
     assert not eval_noise(ev, 30, window=1)["ok"]
     assert math.isnan(eval_noise(curve([1.0, 0.5]), 10)["std_error"])
+
+
+def test_the_step_zero_evaluation_is_left_out():
+    """The evaluation before training (step 0) is no point of the curve: it neither
+    enters the smoothing nor can be the crossing."""
+    ev = [{"step": 0, "val_loss": 10.0, "cum_emulated_s": 0.0}] + curve([4.0, 3.0, 2.0, 1.0])
+    assert target_at(ev, 10, window=3) == 4.0  # smoothed [4, 3, 2, 1] keeps its first point
+    assert target_at(ev, 0, window=1) == 4.0
+    assert crossing(ev, 9.0, window=1) == (10.0, 2.0)
+
+
+def test_crossing_interpolates_from_the_last_point_above_the_target():
+    """Between smoothed losses 3.0 (step 20, 4 s) and 2.0 (step 30, 6 s) the target 2.8
+    is a fifth of the way: step 22, 4.4 s."""
+    step, t = crossing(curve([4.0, 3.0, 2.0, 1.0], dt=2.0), 2.8, window=1)
+    assert step == pytest.approx(22.0) and t == pytest.approx(4.4)
+
+
+def test_eval_noise_is_ok_below_a_quarter_of_the_change():
+    """Two batches ``loss -+ d`` give a standard error of exactly ``d``; the neighbour change
+    is 1.0, so ``d = 0.3`` is too noisy (not below 0.25) and ``d = 0.2`` is not."""
+    for d, ok in ((0.3, False), (0.2, True)):
+        ev = curve([4.0, 3.0, 2.0, 1.0])
+        for e in ev:
+            e["val_batch_losses"] = [e["val_loss"] - d, e["val_loss"] + d]
+        n = eval_noise(ev, 30, window=1)
+        assert n["std_error"] == pytest.approx(d) and n["neighbour_change"] == pytest.approx(1.0)
+        assert n["ok"] is ok
+
+
+def test_a_curve_that_reaches_the_target_exactly_crosses_there():
+    """Reaching the target is crossing it: the last evaluation, equal to the target, is
+    the crossing (not ``None``)."""
+    assert crossing(curve([4.0, 3.0, 2.0, 1.0], dt=2.0), 1.0, window=1) == (40.0, 8.0)

@@ -78,3 +78,35 @@ def test_rank_bytes_is_the_larger_of_sent_and_received_without_the_self_copy():
     b = torch.tensor([[7e9, 3e9, 1e9], [0, 0, 0], [2e9, 0, 5e9]])
     # sent (off the diagonal) 4, 0, 2 GB; received 2, 3, 1 GB
     assert rank_bytes(b) == [4e9, 3e9, 2e9]
+
+
+def test_count_exchange_and_a_modelled_layer_rerun_are_charged_from_their_bytes():
+    """By hand on IB (48 GB/s, one peer): ``count_exchange`` is the count all-gather plus
+    the sampled estimator's count exchange; a modelled whole-layer checkpoint's
+    ``bwd_recompute`` is the slowest rank's forward experts, dispatch and combine again."""
+    from lrmoe.policy.plan_numpy import full_plan
+    from lrmoe.sim.cost import step_times
+    from lrmoe.sim.vstats import VirtualStats
+
+    st = VirtualStats(full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1)))
+    st.bytes_GG["count_allgather"] = torch.tensor([[0, 4.8e9], [4.8e9, 0]])  # 0.1 s each rank
+    st.bytes_GG["bwd_count_exchange"] = torch.tensor([[0, 2.4e9], [2.4e9, 0]])  # 0.05 s
+    st.recompute_mode = "layer"
+    st.expert_ms["fwd"] = [30.0, 10.0]
+    st.bytes_GG["fwd_dispatch"] = torch.tensor([[0, 4.8e9], [0, 0]])  # 0.1 s, sender and receiver
+    st.bytes_GG["fwd_combine"] = torch.tensor([[0, 0], [2.4e9, 0]])  # 0.05 s
+    ib = LINKS["ib"]
+    t = step_times(st, ib)
+    assert t.count_exchange == pytest.approx(0.15 + 2 * ib.latency_s)
+    assert t.bwd_recompute == pytest.approx(0.03 + 0.15 + 2 * ib.latency_s)
+
+
+def test_timers_add_up_a_ranks_regions_per_bucket():
+    from lrmoe.sim.vstats import Timers
+
+    t = Timers(2, torch.device("cpu"))
+    t.add("expert_fwd", 0, 1.5)
+    t.add("expert_fwd", 0, 2.0)
+    t.add("expert_fwd", 1, 1.0)
+    t.add("select", 1, 0.25)
+    assert t.ms == {"expert_fwd": [3.5, 1.0], "select": [0.0, 0.25]}

@@ -110,3 +110,23 @@ def test_timers_add_up_a_ranks_regions_per_bucket():
     t.add("expert_fwd", 1, 1.0)
     t.add("select", 1, 0.25)
     assert t.ms == {"expert_fwd": [3.5, 1.0], "select": [0.0, 0.25]}
+
+
+def test_measured_control_plane_stages_charge_their_slowest_rank():
+    from lrmoe.policy.plan_numpy import full_plan
+    from lrmoe.sim.cost import step_times
+    from lrmoe.sim.vstats import VirtualStats
+
+    st = VirtualStats(full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1)))
+    st.stage_ms = {"plan": [1.0, 1.0], "select": [2.0, 3.0], "gather": [5.0, 4.0], "local": [0.5, 7.0]}
+    t = step_times(st, LINKS["ib"])
+    assert (t.plan, t.select, t.gather, t.local) == pytest.approx((1e-3, 3e-3, 5e-3, 7e-3))
+
+
+def test_pair_ratios_count_recomputed_rows_of_every_rank():
+    from lrmoe.policy.plan_numpy import full_plan
+    from lrmoe.sim.vstats import pair_ratios
+
+    plan = full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1))  # 4 pairs
+    r = pair_ratios([plan, plan], [[1, 2], None])  # 3 of 8 pairs recomputed
+    assert r == {"keep_ratio": 1.0, "retain_ratio": 1.0, "recompute_ratio": 3 / 8}

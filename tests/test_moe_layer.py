@@ -261,3 +261,15 @@ def test_aux_loss_counts_the_tokens_of_every_ep_and_dp_rank():
     got = layer.aux_loss(torch.tensor([6, 3, 2, 1]), probs, T=2)  # f = 1/2, 1/4, 1/6, 1/12
     assert abs(float(got) - 0.01 * 17 / 12) < 1e-7
     assert layer.eval().aux_loss(torch.tensor([6, 3, 2, 1]), probs, T=2) is None
+
+
+def test_a_steps_counts_sum_its_forwards_and_become_the_next_steps_popularity():
+    from lrmoe.model.moe import MoEStep
+    cfg = get_preset("tiny-qwen3")
+    layer = MoEForCausalLM(cfg).moe_layers[0].train()
+    E = cfg.num_experts
+    a, b = torch.arange(E), torch.ones(E, dtype=torch.long)
+    layer.take(MoEStep("local", a, None, {}))
+    layer.take(MoEStep("local", b, None, {}))
+    assert layer.end_step().tolist() == (a + b).tolist()
+    assert layer.prev_counts_E.tolist() == (a + b).tolist() and layer.step_counts_E is None

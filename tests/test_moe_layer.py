@@ -273,3 +273,26 @@ def test_a_steps_counts_sum_its_forwards_and_become_the_next_steps_popularity():
     layer.take(MoEStep("local", b, None, {}))
     assert layer.end_step().tolist() == (a + b).tolist()
     assert layer.prev_counts_E.tolist() == (a + b).tolist() and layer.step_counts_E is None
+
+
+def test_end_step_keeps_the_data_parallel_sum_of_the_counts():
+    """Under DP x EP the next step's popularity is the counts summed over the replicas
+    (``reduce``; here three replicas with equal counts)."""
+    from lrmoe.model.moe import MoEStep
+    cfg = get_preset("tiny-qwen3")
+    model = MoEForCausalLM(cfg).train()
+    a = torch.arange(cfg.num_experts)
+    for m in model.moe_layers:
+        m.take(MoEStep("local", a.clone(), None, {}))
+    counts = model.end_step(reduce=lambda c: c * 3)
+    assert [c.tolist() for c in counts] == [(3 * a).tolist()] * len(model.moe_layers)
+    assert all(m.prev_counts_E.tolist() == (3 * a).tolist() for m in model.moe_layers)
+
+
+def test_experts_compute_in_the_autocast_dtype():
+    """Under autocast the routed experts run in autocast's dtype, not the fp32 input's."""
+    from lrmoe.model.moe import _compute_dtype
+    x = torch.randn(3, 4)
+    assert _compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _compute_dtype(x) == torch.bfloat16

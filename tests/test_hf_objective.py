@@ -47,3 +47,24 @@ def test_compiled_model_traces_the_loss():
     traced = [str(n.target) for g in graphs for n in g.graph.nodes]
     assert any("cross_entropy" in t for t in traced), traced
     torch.testing.assert_close(out.loss, model(ids, labels=ids).loss)
+
+
+def test_aux_loss_is_the_sum_of_each_moe_layers_switch_loss():
+    """The objective's aux loss adds up every MoE layer's ``coef * E * sum_e f_e * P_e``,
+    each computed here from that layer's router outputs (one process: T tokens)."""
+    model = _model()
+    cfg = model.config
+    seen = []
+    hooks = [m.router.register_forward_hook(lambda mod, args, out: seen.append(out))
+             for m in model.moe_layers]
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    out = model(ids, labels=ids)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(model.moe_layers) >= 2
+    want = 0.0
+    for r in seen:
+        T, E = r.probs_TE.shape
+        f = torch.bincount(r.idx_TK.reshape(-1), minlength=E).double() / T
+        want += cfg.router_aux_loss_coef * E * float((f * r.probs_TE.double().mean(0)).sum())
+    assert abs(float(out.aux_loss.detach()) - want) < 1e-6 * max(want, 1.0)

@@ -296,3 +296,23 @@ def test_experts_compute_in_the_autocast_dtype():
     assert _compute_dtype(x) == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _compute_dtype(x) == torch.bfloat16
+
+
+def test_end_step_moves_glm_biases_towards_the_less_used_experts():
+    """After a step the correction bias of each GLM router grows by ``rate`` for experts
+    below the mean count and shrinks by ``rate`` for those above it."""
+    import dataclasses
+
+    from lrmoe.model.moe import MoEStep
+    cfg = dataclasses.replace(get_preset("tiny-glm"), bias_update_rate=0.01)
+    model = MoEForCausalLM(cfg).train()
+    E = cfg.num_experts
+    a = torch.full((E,), 2, dtype=torch.long)
+    a[0], a[1] = 4, 0  # mean 2: expert 0 above, expert 1 below, the rest at it
+    for m in model.moe_layers:
+        m.take(MoEStep("local", a.clone(), None, {}))
+    model.end_step()
+    want = torch.zeros(E)
+    want[0], want[1] = -0.01, 0.01
+    for m in model.moe_layers:
+        torch.testing.assert_close(m.router.e_score_correction_bias, want)

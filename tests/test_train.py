@@ -362,6 +362,45 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
     assert policy.min_keep_by_layer == {0: 0.375, 1: 0.5}
 
 
+def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path):
+    """A parameter that never had a gradient has no AdamW state; the others' moments still
+    load onto their own parameters, and it stays without state."""
+    from types import SimpleNamespace
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.policy.registry import PolicyConfig, make_policy
+    from lrmoe.train import ckpt_state
+
+    cfg = get_preset("tiny-qwen3")
+    cpu = torch.device("cpu")
+
+    def built():
+        model = MoEForCausalLM(cfg)
+        opt = build_optimizer(model, 1e-3, 0.1)
+        return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(), cfg, 1)
+
+    model, opt, sched, policy = built()
+    params = list(model.named_parameters())
+    skipped = opt.param_groups[0]["params"][0]
+    for _, p in params:
+        p.grad = None if p is skipped else torch.randn_like(p)
+    opt.step()
+    want = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params}
+    ckpt.save_checkpoint(tmp_path, 1, model, opt,
+                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
+                         rng=ckpt_state.rng_state(None, cpu), rank=0, world=1, ep_size=1)
+    model, opt, sched, policy = built()
+    ctx = SimpleNamespace(rank=0, world=1, ep_size=1, distributed=False, device=cpu)
+    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
+                         ctx=ctx, seed=0)
+    got = {n: opt.state.get(p, {}) for n, p in model.named_parameters()}
+    assert sum(not s for s in want.values()) == 1
+    for n, st in want.items():
+        assert set(got[n]) == set(st), n
+        for k, v in st.items():
+            assert torch.equal(got[n][k], v), (n, k)
+
+
 def test_atomic_write_leaves_no_temp(tmp_path):
     p = tmp_path / "x.json"
     ckpt.atomic_write_text(p, "one")

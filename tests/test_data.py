@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sysconfig
@@ -73,8 +74,8 @@ def test_directory_split_by_file_and_independent_of_location(tmp_path):
 def test_directory_validation_never_empty(tmp_path):
     (tmp_path / "one.txt").write_text(_text(40))
     (tmp_path / "two.txt").write_text(_text(40, "two"))
-    c = load_corpus(tmp_path, SMALL)
-    assert len(c.train_texts) == 1 and len(c.val_texts) == 1
+    c = load_corpus(tmp_path, SMALL)  # both hash to training: the last one moves
+    assert c.train_texts == [_text(40)] and c.val_texts == [_text(40, "two")]
     single = tmp_path / "s"
     single.mkdir()
     (single / "only.txt").write_text(_text(40))
@@ -135,6 +136,11 @@ def test_jsonl_file(tmp_path):
     assert len(c.train_texts) + len(c.val_texts) == 80
     assert c.val_texts and c == load_corpus(p, SMALL)
     assert all(t.startswith("document ") for t in c.train_texts + c.val_texts)
+    # the split is the documented one: line n (1-based, blank and skipped lines counted)
+    # is validation when SHA-256 of "n" falls in the first 5% of the hash range
+    val = {json.loads(line)["text"] for n, line in enumerate(lines, start=1) if '"text":' in line
+           and int.from_bytes(hashlib.sha256(str(n).encode()).digest()[:8], "big") < 2**64 // 20}
+    assert val and set(c.val_texts) == val
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,13 @@ def test_roundtrip_identical(tmp_path, family, shard):
         assert len(shards) > 2
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"].values()) == set(shards)
+        n = len(shards)  # HF's names: numbered from 1
+        assert shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+        total = 0
+        for name in shards:
+            with safe_open(out / name, "pt") as f:
+                total += sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert index["metadata"]["total_size"] == total
         for n in shards:  # no shard above the limit unless it is a single tensor
             with safe_open(out / n, "pt") as f:
                 if len(list(f.keys())) > 1:
@@ -149,6 +156,36 @@ def test_roundtrip_tied_and_dense_layers(tmp_path):
     m2 = load_hf(tmp_path)
     assert m2.lm_head.weight is m2.embed_tokens.weight
     assert torch.equal(_logits(m, _ids()), _logits(m2, _ids()))
+
+
+def test_save_dtype_casts_all_but_glms_router(tmp_path):
+    """``save_hf(dtype=bfloat16)``: every tensor in the file is the model's cast to bf16,
+    GLM's router (weight and bias) stays fp32 as HF keeps it, and config.json says bf16."""
+    m = _ours(GLM)
+    save_hf(m, tmp_path, dtype="bfloat16")
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    router = {k for k in got if ".mlp.gate." in k}
+    assert {k.rsplit(".", 1)[1] for k in router} == {"weight", "e_score_correction_bias"}
+    assert all(got[k].dtype == torch.float32 for k in router)
+    assert {got[k].dtype for k in got.keys() - router} == {torch.bfloat16}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    back = load_hf(tmp_path).state_dict()
+    for k, v in m.state_dict().items():
+        want = v if ".mlp.router." in k else v.to(torch.bfloat16).to(v.dtype)
+        assert torch.equal(back[k], want), k
+
+
+def test_two_shards_get_an_index(tmp_path):
+    """A limit just under the model's size cuts it into exactly two shards, which need the
+    index as much as more do."""
+    m = _ours(QWEN)
+    total = sum(t.nbytes for t in m.state_dict().values())
+    out = save_hf(m, tmp_path / "ck", max_shard_bytes=total - 1)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"]
+    assert torch.equal(_logits(load_hf(out), _ids()), _logits(m, _ids()))
 
 
 def test_load_dtype_keeps_glm_router_fp32(tmp_path):
@@ -361,6 +398,22 @@ def test_truncated_shard_detected_before_loading(tmp_path, monkeypatch):
     with pytest.raises(LrmoeError, match=f"{last.name} is corrupt or truncated"):
         load_hf(d)
     assert not built  # refused by the header checks: no model was built, let alone filled
+
+
+def test_every_file_is_flushed_before_it_is_renamed_in(tmp_path, monkeypatch):
+    """A crash after a rename never leaves a name pointing at unflushed bytes: each weight
+    file, the index and config.json are fsynced before they are renamed into place."""
+    import lrmoe.hf as hf
+
+    events, real_fsync, real_replace = [], hf.fsync, os.replace
+    monkeypatch.setattr(hf, "fsync", lambda p: (events.append(("fsync", str(p))), real_fsync(p)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))),
+                                                     real_replace(a, b)))
+    _saved(tmp_path, max_shard_bytes=20_000)
+    renamed = [p for e, p in events if e == "replace"]
+    assert len(renamed) > 3
+    for p in renamed:
+        assert ("fsync", p) in events[:events.index(("replace", p))], p
 
 
 def test_config_json_renamed_in_last(tmp_path, monkeypatch):

@@ -186,6 +186,41 @@ def test_export_streams_one_shard_at_a_time(runs, tmp_path):
     assert r2.step == STEPS  # the same model again into its own export: replaced
 
 
+def test_export_writes_the_fp32_masters_where_the_optimizer_kept_them(runs, tmp_path):
+    """A checkpoint whose optimizer kept fp32 masters apart from bf16 weights (the host
+    offload on a GPU) exports the masters, in fp32: dense and per-expert tensors alike."""
+    import safetensors
+
+    from lrmoe.config import ModelConfig
+    from lrmoe.hf_export import export_run
+    from lrmoe.hf_load import load_hf
+    from lrmoe.model.transformer import MoEForCausalLM
+    from lrmoe.train import checkpoint as ckpt
+    from lrmoe.train import ckpt_state
+    from lrmoe.train.config import read_run_config
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["qwen3"], run)
+    model = MoEForCausalLM(ModelConfig.from_hf_dict(read_run_config(run)["model"]))
+    opt = torch.optim.AdamW(model.parameters())
+    masters = {}
+    for name, p in model.named_parameters():
+        masters[name] = p.detach().float() + 0.5  # not what the bf16 weights round to
+        opt.state[p]["master"] = masters[name]
+    model.to(torch.bfloat16)
+    ckpt.save_checkpoint(run, 100, model, opt, trainer={"progress": {}},
+                         rng=ckpt_state.rng_state(None, torch.device("cpu")), rank=0, world=1,
+                         ep_size=1)
+    export_run(run, tmp_path / "out")
+    for f in (tmp_path / "out").glob("model*.safetensors"):
+        with safetensors.safe_open(str(f), "pt") as st:
+            assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"F32"}
+    back = load_hf(tmp_path / "out").state_dict()
+    assert any(k.endswith("experts.gate_up_proj") for k in masters)
+    for k, v in masters.items():
+        assert torch.equal(back[k], v), k
+
+
 def test_export_casts_to_its_dtype_but_glms_router(runs, tmp_path):
     """``--dtype bfloat16``: every tensor in the files is the checkpoint's cast to bf16,
     except GLM's router, which HF keeps in fp32 and the export leaves exact."""

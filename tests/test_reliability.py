@@ -293,6 +293,29 @@ def test_divergence_guard_checks_losses_below_one_from_its_second_step():
     assert msg is not None and "2.4 is 4.8x its running minimum 0.5" in msg
 
 
+def test_divergence_guard_resumes_with_its_step_count_and_minimum():
+    """A guard rebuilt from its saved state checks the very next step as the saved one
+    would: past its warm-up, and against the running minimum (not the latest average)."""
+    a = DivergenceGuard(2.0)
+    a.check(0.5)
+    b = DivergenceGuard(2.0, json.loads(json.dumps(a.state())))
+    msg = b.check(10.0)  # ema 0.8 * 0.5 + 0.2 * 10 = 2.4 > 2 * 0.5
+    assert msg is not None and "2.4 is 4.8x its running minimum 0.5" in msg
+    a = DivergenceGuard(2.0)
+    assert a.check(5.0) is None and a.check(6.0) is None  # ema 5.2, minimum 5
+    b = DivergenceGuard(2.0, json.loads(json.dumps(a.state())))
+    msg = b.check(30.0)  # ema 0.8 * 5.2 + 0.2 * 30 = 10.16 > 2 * 5 (but < 2 * 5.2)
+    assert msg is not None and "10.16 is 2.03x its running minimum 5 " in msg
+
+
+def test_divergence_guard_minimum_is_of_the_smoothed_loss():
+    """One low step lowers the running minimum only through the average: losses 4, 1, 4
+    (averages 4, 3.4, 3.52) stay under twice the minimum 3.4."""
+    g = DivergenceGuard(2.0)
+    assert [g.check(x) for x in [4.0, 1.0, 4.0]] == [None, None, None]
+    assert g.state()["min"] == pytest.approx(3.4)
+
+
 def test_run_that_blows_up_stops_with_its_checkpoint_intact(tmp_path, text, capsys):
     out = tmp_path / "blowup"
     assert train(out, text, "--steps", "20", "--lr", "30", "--ckpt-every", "1") == 2

@@ -232,3 +232,19 @@ def test_reseed_is_reproducible_and_per_rank():
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1]))
     assert not torch.equal(draws[0][0], draws[2][0])
     assert not torch.equal(draws[0][1], draws[2][1])
+    # the step is part of the seed too: a resume at another step draws another stream
+    ckpt_state.apply_rng(None, g, torch.device("cpu"), (7, 101, 0))
+    assert not torch.equal(torch.rand(3), draws[0][0])
+
+
+def test_saved_rng_states_are_restored():
+    """A rank's saved states put the global and the runtime generators back where they were:
+    the draws after the save repeat exactly after the restore."""
+    g = torch.Generator().manual_seed(3)
+    torch.rand(5), torch.rand(5, generator=g)
+    saved = ckpt_state.rng_state(g, torch.device("cpu"))
+    want = (torch.rand(4), torch.rand(4, generator=g))
+    torch.rand(7), torch.rand(7, generator=g)  # the run goes on, then resumes
+    ckpt_state.apply_rng(saved, g, torch.device("cpu"), (0, 0, 0))
+    assert torch.equal(torch.rand(4), want[0])
+    assert torch.equal(torch.rand(4, generator=g), want[1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from lrmoe.presets import PRESETS, get_preset
 from lrmoe.train import TrainConfig, train
 from lrmoe.train import checkpoint as ckpt
 from lrmoe.train.metrics import read_metrics
-from lrmoe.train.optim import lr_scale, param_groups
+from lrmoe.train.optim import build_optimizer, build_scheduler, lr_scale, param_groups
 
 # Small and fast: 4 x 64 tokens per step, 200 kB of the stdlib corpus, one thread
 # (steady timings when other processes share the two cores).
@@ -304,11 +305,121 @@ def test_interrupted_save_is_ignored(qwen_run, tmp_path, capsys):
     assert rc == 0 and "ckpt-00000036: step 36" in err and "ckpt-00000040" in err
 
 
+def test_a_finished_save_removes_interrupted_saves(tmp_path):
+    """Once a checkpoint is renamed into place, the ``.tmp`` directories that killed saves
+    left behind (of any step) are removed."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.train import ckpt_state
+    from lrmoe.train.optim import build_optimizer
+
+    model = MoEForCausalLM(get_preset("tiny-qwen3"))
+    opt = build_optimizer(model, 1e-3, 0.1)
+    for step in (3, 9):
+        ckpt.partial_dir(tmp_path, step).mkdir(parents=True)
+        (ckpt.partial_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"partial")
+    rng = ckpt_state.rng_state(None, torch.device("cpu"))
+    ckpt.save_checkpoint(tmp_path, 5, model, opt, trainer={"progress": {}}, rng=rng, rank=0,
+                         world=1, ep_size=1)
+    assert ckpt.partial_dirs(tmp_path) == []
+    assert [s for s, _ in ckpt.checkpoint_dirs(tmp_path)] == [5]
+    ck = ckpt.latest_checkpoint(tmp_path)
+    assert ck.step == 5 and ck.notes == []
+
+
+def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path):
+    """Loading a checkpoint at the world and EP size that wrote it puts the global and the
+    runtime generators back where the save left them (not a reseeded stream), and the
+    policy's adaptive state (lrmoe's per-layer keep floor) back as saved."""
+    from types import SimpleNamespace
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.policy.registry import PolicyConfig, make_policy
+    from lrmoe.train import ckpt_state
+
+    cfg = get_preset("tiny-qwen3")
+    cpu = torch.device("cpu")
+
+    def built():
+        model = MoEForCausalLM(cfg)
+        opt = build_optimizer(model, 1e-3, 0.1)
+        return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(name="lrmoe"), cfg, 1)
+
+    model, opt, sched, policy = built()
+    policy.min_keep_by_layer = {0: 0.375, 1: 0.5}
+    gen = torch.Generator().manual_seed(11)
+    torch.rand(5), torch.rand(5, generator=gen)
+    ckpt.save_checkpoint(tmp_path, 4, model, opt,
+                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
+                         rng=ckpt_state.rng_state(gen, cpu), rank=0, world=1, ep_size=1)
+    want = torch.rand(4), torch.rand(4, generator=gen)
+    model, opt, sched, policy = built()
+    gen = torch.Generator().manual_seed(99)
+    ctx = SimpleNamespace(rank=0, world=1, ep_size=1, distributed=False, device=cpu)
+    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, gen,
+                         ctx=ctx, seed=0)
+    assert torch.equal(torch.rand(4), want[0])
+    assert torch.equal(torch.rand(4, generator=gen), want[1])
+    assert policy.min_keep_by_layer == {0: 0.375, 1: 0.5}
+
+
+def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path):
+    """A parameter that never had a gradient has no AdamW state; the others' moments still
+    load onto their own parameters, and it stays without state."""
+    from types import SimpleNamespace
+
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.policy.registry import PolicyConfig, make_policy
+    from lrmoe.train import ckpt_state
+
+    cfg = get_preset("tiny-qwen3")
+    cpu = torch.device("cpu")
+
+    def built():
+        model = MoEForCausalLM(cfg)
+        opt = build_optimizer(model, 1e-3, 0.1)
+        return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(), cfg, 1)
+
+    model, opt, sched, policy = built()
+    params = list(model.named_parameters())
+    skipped = opt.param_groups[0]["params"][0]
+    for _, p in params:
+        p.grad = None if p is skipped else torch.randn_like(p)
+    opt.step()
+    want = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params}
+    ckpt.save_checkpoint(tmp_path, 1, model, opt,
+                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
+                         rng=ckpt_state.rng_state(None, cpu), rank=0, world=1, ep_size=1)
+    model, opt, sched, policy = built()
+    ctx = SimpleNamespace(rank=0, world=1, ep_size=1, distributed=False, device=cpu)
+    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
+                         ctx=ctx, seed=0)
+    got = {n: opt.state.get(p, {}) for n, p in model.named_parameters()}
+    assert sum(not s for s in want.values()) == 1
+    for n, st in want.items():
+        assert set(got[n]) == set(st), n
+        for k, v in st.items():
+            assert torch.equal(got[n][k], v), (n, k)
+
+
 def test_atomic_write_leaves_no_temp(tmp_path):
     p = tmp_path / "x.json"
     ckpt.atomic_write_text(p, "one")
     ckpt.atomic_write_text(p, "two")
     assert p.read_text() == "two" and [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_atomic_write_flushes_the_file_before_renaming_it(tmp_path, monkeypatch):
+    """The new file's bytes reach the disk before its name replaces the old file's."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(
+        f"/proc/self/fd/{fd}"))), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))),
+                                                     real_replace(a, b)))
+    p = tmp_path / "x.json"
+    ckpt.atomic_write_text(p, "one")
+    tmp = next(a for e, a in events if e == "replace")
+    assert events.index(("fsync", tmp)) < events.index(("replace", tmp))
+    assert p.read_text() == "one"
 
 
 def test_optimizer_groups_and_schedule():
@@ -327,6 +438,54 @@ def test_optimizer_groups_and_schedule():
     assert lr_scale(9, 10, 100) == pytest.approx(1.0)
     assert lr_scale(100, 10, 100) == pytest.approx(0.1)
     assert lr_scale(55, 10, 100) == pytest.approx(0.55)
+
+
+def test_schedule_peaks_at_the_end_of_warmup_and_stays_at_its_floor():
+    """The first cosine step is the peak; past ``total`` the lr stays at ``min_ratio``, and
+    the scheduler passes its ``min_ratio`` on."""
+    assert lr_scale(10, 10, 100) == pytest.approx(1.0)
+    assert lr_scale(150, 10, 100) == pytest.approx(0.1)
+    assert lr_scale(1000, 0, 100, 0.25) == pytest.approx(0.25)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.SGD([p], lr=2.0)
+    sched = build_scheduler(opt, 2, 10, 0.3)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.6)
+
+
+def test_adamw_two_steps_match_hand_arithmetic():
+    """Two AdamW steps of a matrix (decayed) and a 1-D gain (not) against the update
+    written out: betas (0.9, 0.95), eps 1e-8 (gradients of 1e-7 make eps count)."""
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Parameter(torch.full((1, 1), 0.5, dtype=torch.float64))
+            self.gain = nn.Parameter(torch.full((1,), 0.5, dtype=torch.float64))
+
+    m = Tiny()
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.95, 1e-8
+    opt = build_optimizer(m, lr, wd)
+    grads = [3e-7, -1e-7]
+    for g in grads:
+        m.proj.grad = torch.full_like(m.proj, g)
+        m.gain.grad = torch.full_like(m.gain, g)
+        opt.step()
+
+    def by_hand(decay: float) -> float:
+        x, mom, var = 0.5, 0.0, 0.0
+        for t, g in enumerate(grads, start=1):
+            x *= 1 - lr * decay
+            mom = b1 * mom + (1 - b1) * g
+            var = b2 * var + (1 - b2) * g * g
+            x -= lr * (mom / (1 - b1**t)) / ((var / (1 - b2**t)) ** 0.5 + eps)
+        return x
+
+    assert m.proj.item() == pytest.approx(by_hand(wd), rel=0, abs=1e-12)
+    assert m.gain.item() == pytest.approx(by_hand(0.0), rel=0, abs=1e-12)
 
 
 def test_api_accepts_a_namespace_and_validates(tmp_path):

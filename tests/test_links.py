@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from lrmoe.errors import LrmoeError
+from lrmoe.policy.plan import native_plan
+from lrmoe.sim.cost import step_times
 from lrmoe.sim.links import LINKS, exchange_time, get_link, rank_bytes
+from lrmoe.sim.vstats import Timers, VirtualStats, pair_ratios
+
+TWO_RANKS = torch.ones(2, 2, dtype=torch.long)  # one pair per (home rank, expert): 4 pairs
 
 
 @pytest.mark.parametrize("name,peak,achieved", [("nvlink", 450e9, 370e9), ("ib", 50e9, 48e9),
@@ -52,13 +57,8 @@ def test_two_level_preset_prices_intra_and_inter_node_bytes_apart():
 def test_step_times_use_the_byte_matrices_on_the_two_level_link():
     """The emulator's stage times price each exchange's [src, dst] matrix: an exchange
     with every byte between nodes costs its IB time, not NVLink's."""
-    from lrmoe.policy.plan_numpy import full_plan
-    from lrmoe.sim.cost import step_times
-    from lrmoe.sim.vstats import VirtualStats
-
     G = 16
-    counts = torch.ones(G, G, dtype=torch.long)
-    st = VirtualStats(full_plan(counts, torch.arange(G).reshape(G, 1)))
+    st = VirtualStats(native_plan(torch.ones(G, G, dtype=torch.long)))
     b = torch.zeros(G, G)
     for g in range(G):
         b[g, (g + 8) % G] = 4.8e9  # every rank sends 0.1 s of IB traffic to the other node
@@ -84,11 +84,7 @@ def test_count_exchange_and_a_modelled_layer_rerun_are_charged_from_their_bytes(
     """By hand on IB (48 GB/s, one peer): ``count_exchange`` is the count all-gather plus
     the sampled estimator's count exchange; a modelled whole-layer checkpoint's
     ``bwd_recompute`` is the slowest rank's forward experts, dispatch and combine again."""
-    from lrmoe.policy.plan_numpy import full_plan
-    from lrmoe.sim.cost import step_times
-    from lrmoe.sim.vstats import VirtualStats
-
-    st = VirtualStats(full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1)))
+    st = VirtualStats(native_plan(TWO_RANKS))
     st.bytes_GG["count_allgather"] = torch.tensor([[0, 4.8e9], [4.8e9, 0]])  # 0.1 s each rank
     st.bytes_GG["bwd_count_exchange"] = torch.tensor([[0, 2.4e9], [2.4e9, 0]])  # 0.05 s
     st.recompute_mode = "layer"
@@ -102,8 +98,6 @@ def test_count_exchange_and_a_modelled_layer_rerun_are_charged_from_their_bytes(
 
 
 def test_timers_add_up_a_ranks_regions_per_bucket():
-    from lrmoe.sim.vstats import Timers
-
     t = Timers(2, torch.device("cpu"))
     t.add("expert_fwd", 0, 1.5)
     t.add("expert_fwd", 0, 2.0)
@@ -113,20 +107,13 @@ def test_timers_add_up_a_ranks_regions_per_bucket():
 
 
 def test_measured_control_plane_stages_charge_their_slowest_rank():
-    from lrmoe.policy.plan_numpy import full_plan
-    from lrmoe.sim.cost import step_times
-    from lrmoe.sim.vstats import VirtualStats
-
-    st = VirtualStats(full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1)))
+    st = VirtualStats(native_plan(TWO_RANKS))
     st.stage_ms = {"plan": [1.0, 1.0], "select": [2.0, 3.0], "gather": [5.0, 4.0], "local": [0.5, 7.0]}
     t = step_times(st, LINKS["ib"])
     assert (t.plan, t.select, t.gather, t.local) == pytest.approx((1e-3, 3e-3, 5e-3, 7e-3))
 
 
 def test_pair_ratios_count_recomputed_rows_of_every_rank():
-    from lrmoe.policy.plan_numpy import full_plan
-    from lrmoe.sim.vstats import pair_ratios
-
-    plan = full_plan(torch.ones(2, 2, dtype=torch.long), torch.arange(2).reshape(2, 1))  # 4 pairs
+    plan = native_plan(TWO_RANKS)
     r = pair_ratios([plan, plan], [[1, 2], None])  # 3 of 8 pairs recomputed
     assert r == {"keep_ratio": 1.0, "retain_ratio": 1.0, "recompute_ratio": 3 / 8}

@@ -305,15 +305,23 @@ def test_interrupted_save_is_ignored(qwen_run, tmp_path, capsys):
     assert rc == 0 and "ckpt-00000036: step 36" in err and "ckpt-00000040" in err
 
 
+def _built(policy: str = "static"):
+    """A one-process tiny-qwen3 run's model, optimizer, schedule and policy."""
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.policy.registry import PolicyConfig, make_policy
+
+    cfg = get_preset("tiny-qwen3")
+    model = MoEForCausalLM(cfg)
+    opt = build_optimizer(model, 1e-3, 0.1)
+    return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(name=policy), cfg, 1)
+
+
 def test_a_finished_save_removes_interrupted_saves(tmp_path):
     """Once a checkpoint is renamed into place, the ``.tmp`` directories that killed saves
     left behind (of any step) are removed."""
-    from lrmoe.model import MoEForCausalLM
     from lrmoe.train import ckpt_state
-    from lrmoe.train.optim import build_optimizer
 
-    model = MoEForCausalLM(get_preset("tiny-qwen3"))
-    opt = build_optimizer(model, 1e-3, 0.1)
+    model, opt, _, _ = _built()
     for step in (3, 9):
         ckpt.partial_dir(tmp_path, step).mkdir(parents=True)
         (ckpt.partial_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"partial")
@@ -330,21 +338,11 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
     """Loading a checkpoint at the world and EP size that wrote it puts the global and the
     runtime generators back where the save left them (not a reseeded stream), and the
     policy's adaptive state (lrmoe's per-layer keep floor) back as saved."""
-    from types import SimpleNamespace
-
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.policy.registry import PolicyConfig, make_policy
+    from lrmoe.parallel.groups import ParallelContext
     from lrmoe.train import ckpt_state
 
-    cfg = get_preset("tiny-qwen3")
     cpu = torch.device("cpu")
-
-    def built():
-        model = MoEForCausalLM(cfg)
-        opt = build_optimizer(model, 1e-3, 0.1)
-        return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(name="lrmoe"), cfg, 1)
-
-    model, opt, sched, policy = built()
+    model, opt, sched, policy = _built("lrmoe")
     policy.min_keep_by_layer = {0: 0.375, 1: 0.5}
     gen = torch.Generator().manual_seed(11)
     torch.rand(5), torch.rand(5, generator=gen)
@@ -352,11 +350,10 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
                          trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
                          rng=ckpt_state.rng_state(gen, cpu), rank=0, world=1, ep_size=1)
     want = torch.rand(4), torch.rand(4, generator=gen)
-    model, opt, sched, policy = built()
+    model, opt, sched, policy = _built("lrmoe")
     gen = torch.Generator().manual_seed(99)
-    ctx = SimpleNamespace(rank=0, world=1, ep_size=1, distributed=False, device=cpu)
     ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, gen,
-                         ctx=ctx, seed=0)
+                         ctx=ParallelContext(), seed=0)
     assert torch.equal(torch.rand(4), want[0])
     assert torch.equal(torch.rand(4, generator=gen), want[1])
     assert policy.min_keep_by_layer == {0: 0.375, 1: 0.5}
@@ -365,21 +362,10 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
 def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path):
     """A parameter that never had a gradient has no AdamW state; the others' moments still
     load onto their own parameters, and it stays without state."""
-    from types import SimpleNamespace
-
-    from lrmoe.model import MoEForCausalLM
-    from lrmoe.policy.registry import PolicyConfig, make_policy
+    from lrmoe.parallel.groups import ParallelContext
     from lrmoe.train import ckpt_state
 
-    cfg = get_preset("tiny-qwen3")
-    cpu = torch.device("cpu")
-
-    def built():
-        model = MoEForCausalLM(cfg)
-        opt = build_optimizer(model, 1e-3, 0.1)
-        return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(), cfg, 1)
-
-    model, opt, sched, policy = built()
+    model, opt, sched, policy = _built()
     params = list(model.named_parameters())
     skipped = opt.param_groups[0]["params"][0]
     for _, p in params:
@@ -388,11 +374,11 @@ def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path
     want = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params}
     ckpt.save_checkpoint(tmp_path, 1, model, opt,
                          trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
-                         rng=ckpt_state.rng_state(None, cpu), rank=0, world=1, ep_size=1)
-    model, opt, sched, policy = built()
-    ctx = SimpleNamespace(rank=0, world=1, ep_size=1, distributed=False, device=cpu)
+                         rng=ckpt_state.rng_state(None, torch.device("cpu")), rank=0, world=1,
+                         ep_size=1)
+    model, opt, sched, policy = _built()
     ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
-                         ctx=ctx, seed=0)
+                         ctx=ParallelContext(), seed=0)
     got = {n: opt.state.get(p, {}) for n, p in model.named_parameters()}
     assert sum(not s for s in want.values()) == 1
     for n, st in want.items():

@@ -51,13 +51,13 @@ def test_held_bytes_on_cuda_are_the_ledgers():
     experts = [p for m in model.moe_layers for p in (m.experts.gate_up_proj, m.experts.down_proj)]
     at, casts = [], []
 
-    def allocated() -> int:
+    def requested() -> int:
         return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
     def measure(m, pair):
         if pair is not None:
             torch.cuda.synchronize()
-            at.append(allocated())
+            at.append(requested())
             if m == 0:  # the step's bf16 casts of the owned experts, freed with the step
                 casts.append(sum(c.untyped_storage().nbytes() for x in model.moe_layers
                                  for c in x.experts.casts.values()))
@@ -70,7 +70,7 @@ def test_held_bytes_on_cuda_are_the_ledgers():
         accumulate(model, lambda i: mbs[i], N,
                    lambda: torch.autocast("cuda", torch.bfloat16), on_micro=measure)
     torch.cuda.synchronize()
-    end = allocated()
+    end = requested()
     plan = policy.plan(peers, PlanInputs())
     t = Ledger.for_dtype(cfg, G, None, "bf16", num_moe_layers=1).rank_terms(plan)[0]
     priced = LAYERS * (t["instance_weights"] + t["instance_grads"])

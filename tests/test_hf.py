@@ -307,6 +307,17 @@ def test_hub_config_layouts(tmp_path, raw, expect):
     assert load_hf_config(tmp_path) == want
 
 
+def test_glm_config_without_partial_rotary_factor_takes_hfs_half(tmp_path):
+    """GLM-4.5's config class rotates half of each head when config.json leaves
+    ``partial_rotary_factor`` out (top level or in ``rope_parameters``)."""
+    raw = {k: v for k, v in HUB_GLM.items() if k != "partial_rotary_factor"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path).partial_rotary_factor == 0.5
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta")}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path).partial_rotary_factor == 0.5
+
+
 def test_load_fused_expert_names(tmp_path):
     """Checkpoints written with HF's in-memory (fused) expert names load too."""
     hf = _hf_model("qwen3")
@@ -398,6 +409,17 @@ def test_truncated_shard_detected_before_loading(tmp_path, monkeypatch):
     with pytest.raises(LrmoeError, match=f"{last.name} is corrupt or truncated"):
         load_hf(d)
     assert not built  # refused by the header checks: no model was built, let alone filled
+
+
+def test_a_tensor_the_mapping_leaves_unread_is_never_trained_on(tmp_path):
+    """If the name mapping read no piece into a tensor (a defect of the mapping, not of the
+    checkpoint), the load refuses, naming it, rather than leave it as initialised."""
+    from lrmoe.hf_load import empty_model, load_owned, open_checkpoint
+
+    ck = open_checkpoint(_saved(tmp_path))
+    ck.pieces = [pc for pc in ck.pieces if pc.target != "norm.weight"]
+    with pytest.raises(LrmoeError, match=r"left norm.weight unfilled$"):
+        load_owned(empty_model(ck.config), ck)
 
 
 def test_every_file_is_flushed_before_it_is_renamed_in(tmp_path, monkeypatch):

@@ -231,6 +231,7 @@ def test_export_casts_to_its_dtype_but_glms_router(runs, tmp_path):
 
     out = tmp_path / "bf16"
     assert main(["export", str(runs["glm"]), str(out), "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     dtypes = {}
     for f in out.glob("model*.safetensors"):
         with safetensors.safe_open(str(f), "pt") as st:
@@ -440,6 +441,24 @@ def test_export_refuses_to_replace_a_users_tokenizer(runs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "tokenizer.json that is not this run's" in err
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+
+
+def test_export_refuses_a_corrupt_checkpoint(runs, tmp_path, capsys):
+    """One byte flipped in the checkpoint's largest file (its size unchanged): export checks
+    the manifest's SHA-256 before it reads a tensor, says which file, and writes nothing."""
+    from lrmoe.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["qwen3"], run)
+    f = max(ckpt.latest_checkpoint(run).path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert main(["export", str(run), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{f} is corrupt (SHA-256" in err
+    assert not out.exists()
 
 
 def test_export_refuses_a_checkpoint_of_another_shape(runs, tmp_path, capsys):

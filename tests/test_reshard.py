@@ -230,6 +230,7 @@ def test_reseed_is_reproducible_and_per_rank():
         ckpt_state.apply_rng(None, g, torch.device("cpu"), (7, 100, rank))
         draws.append((torch.rand(3), torch.rand(3, generator=g)))
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1]))
+    assert not torch.equal(*draws[0])  # the runtime generator's stream is not torch's
     assert not torch.equal(draws[0][0], draws[2][0])
     assert not torch.equal(draws[0][1], draws[2][1])
     # the step is part of the seed too: a resume at another step draws another stream

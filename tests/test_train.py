@@ -305,12 +305,15 @@ def test_interrupted_save_is_ignored(qwen_run, tmp_path, capsys):
     assert rc == 0 and "ckpt-00000036: step 36" in err and "ckpt-00000040" in err
 
 
-def _built(policy: str = "static"):
-    """A one-process tiny-qwen3 run's model, optimizer, schedule and policy."""
+def _built(policy: str = "static", **model):
+    """A one-process tiny-qwen3 run's model (``model``: config fields changed), optimizer,
+    schedule and policy."""
+    import dataclasses
+
     from lrmoe.model import MoEForCausalLM
     from lrmoe.policy.registry import PolicyConfig, make_policy
 
-    cfg = get_preset("tiny-qwen3")
+    cfg = dataclasses.replace(get_preset("tiny-qwen3"), **model)
     model = MoEForCausalLM(cfg)
     opt = build_optimizer(model, 1e-3, 0.1)
     return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(name=policy), cfg, 1)
@@ -357,6 +360,25 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
     assert torch.equal(torch.rand(4), want[0])
     assert torch.equal(torch.rand(4, generator=gen), want[1])
     assert policy.min_keep_by_layer == {0: 0.375, 1: 0.5}
+
+
+@pytest.mark.parametrize("experts", [8, 32])
+def test_resume_refuses_a_checkpoint_with_another_number_of_experts(tmp_path, experts):
+    """A checkpoint of 16 experts loads into no model of 8 (whose expert ids are all in it)
+    or of 32: the refusal names the first tensor that differs (the router) and both shapes."""
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.train import ckpt_state
+
+    model, opt, sched, policy = _built()
+    ckpt.save_checkpoint(tmp_path, 1, model, opt,
+                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
+                         rng=ckpt_state.rng_state(None, torch.device("cpu")), rank=0, world=1,
+                         ep_size=1)
+    model, opt, sched, policy = _built(num_experts=experts)
+    with pytest.raises(LrmoeError, match=rf"does not match this model: .*mlp.router.weight has "
+                                         rf"shape \(16, 128\), the model \({experts}, 128\)"):
+        ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
+                             ctx=ParallelContext(), seed=0)
 
 
 def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path):

@@ -333,6 +333,29 @@ def test_ttl_lrmoe_variants(tmp_path):
     assert "lrmoe:min_keep=1+balance=0 / symi" in (out / "ttl.md").read_text()
 
 
+def test_ttl_records_both_count_exchanges(tmp_path):
+    """Each step's ``exchange_critical_bytes`` holds the forward count all-gather (E int64
+    counts to the one peer at EP 2, every layer-micro-batch) and the sampled estimator's
+    backward count exchange (S int64 to the peer, where a layer-micro-batch trimmed), as
+    ``[critical bytes, live layer-micro-batches]``; static has no backward one."""
+    out = tmp_path / "c"
+    assert main(ARGS[:-6] + ["--steps", "4", "--eval-every", "2", "--policies",
+                             "static,lrmoe:estimator=sampled", "--out", str(out)]) == 0
+    pol = json.loads((out / "ttl.json").read_text())["policies"]
+    E = get_preset("tiny-qwen3").num_experts
+    S = int(re.search(r"max slots (\d+)", pol["lrmoe:estimator=sampled"]["config"])[1])
+    live = []
+    for name, p in pol.items():
+        for step in p["steps"]:
+            ex, n = step["exchange_critical_bytes"], step["layer_micro_batches"]
+            assert ex["count_allgather"] == [n * E * 8, n]
+            b, k = ex["bwd_count_exchange"]
+            assert b == k * S * 8 and k <= n
+            live.append((name, k))
+    assert all(k == 0 for name, k in live if name == "static")
+    assert sum(k for name, k in live if name != "static") > 0
+
+
 @pytest.mark.parametrize("spec", ["symi:recompute", "lrmoe:foo", "lrmoe:min_keep",
                                   "lrmoe:recompute=1", "lrmoe:min_keep=x", "dense"])
 def test_ttl_bad_policy_spec(tmp_path, capsys, spec):

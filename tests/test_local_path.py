@@ -95,6 +95,25 @@ def test_local_equals_exchange_bitwise_and_reference(preset, dtype, opts):
             torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-glm"])
+def test_zero_tokens_give_an_empty_output_and_zero_gradients(preset):
+    """A micro-batch without tokens (no pairs) takes the exchange on one process too, by
+    the rule; the local path would give the same: an empty output and input gradient and
+    zero expert and router gradients."""
+    layer = _layer(preset)
+    x, coeff = _inputs(layer, 0, 1)
+    layer.runtime = MoERuntime()
+    got = _grads(layer, x, coeff)
+    assert layer.last.path == "exchange"
+    assert got[0].shape == got[1].shape == x.shape
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in got[2:])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("lrmoe.model.moe.runs_locally", lambda *a, **k: True)
+        local = _grads(layer, x, coeff)
+        assert layer.last.path == "local"
+    assert all(torch.equal(a, b) for a, b in zip(got, local))
+
+
 def test_local_loop_fallback_reads_host_counts(monkeypatch):
     """Without grouped GEMMs the per-expert loop runs on host counts (read from the
     device offsets where the loop runs): same results as the exchange's loop."""

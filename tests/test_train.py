@@ -109,14 +109,20 @@ def test_metrics_rows(qwen_run):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status")
 def test_host_memory_is_in_bytes():
-    """A 64 MiB tensor, written, raises the resident set by about 64 MiB, and the peak
-    keeps it after the tensor is freed."""
+    """64 MiB of fresh pages, written, raise the resident set by about 64 MiB, and the peak
+    keeps it after they are unmapped. (A fresh anonymous mapping: a tensor could reuse
+    pages an earlier test freed but the allocator kept resident.)"""
+    import mmap
+
     from lrmoe.train.metrics import host_memory
 
     before = host_memory()["host_rss_bytes"]
-    x = torch.ones(2**24)  # 64 MiB, every page touched
+    m = mmap.mmap(-1, 64 * 2**20)
+    x = torch.frombuffer(m, dtype=torch.uint8)
+    x.fill_(1)  # every page touched
     during = host_memory()["host_rss_bytes"]
     del x
+    m.close()
     after = host_memory()
     assert 48 * 2**20 < during - before < 80 * 2**20
     assert after["host_peak_rss_bytes"] >= during - 2**20  # its counters lag a few pages

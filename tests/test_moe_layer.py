@@ -2,12 +2,15 @@
 LRMoE-style partial retention/selection (compaction on vs off)."""
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lrmoe.config import ModelConfig
 from lrmoe.model import MoEForCausalLM
-from lrmoe.model.moe import MoERuntime
+from lrmoe.model.moe import MoELayer, MoERuntime, MoEStep, _compute_dtype
 from lrmoe.parallel.exchange import BackwardOptions
 from lrmoe.policy.base import Policy
 from lrmoe.policy.plan import Plan
@@ -248,10 +251,6 @@ def test_router_gradient_exact_only_in_the_last_moe_layer():
 def test_aux_loss_counts_the_tokens_of_every_ep_and_dp_rank():
     """The layer's aux loss divides the global counts by the tokens of all ranks, ``T`` per
     rank times the EP size times the DP size (by hand: T = 2, EP 2, DP 3: 12 tokens)."""
-    from types import SimpleNamespace
-
-    from lrmoe.config import ModelConfig
-    from lrmoe.model.moe import MoELayer
     cfg = ModelConfig(model_type="qwen3_moe", hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
                       num_experts=4, num_experts_per_tok=1, moe_intermediate_size=4, num_hidden_layers=1,
                       router_aux_loss_coef=0.01)
@@ -264,7 +263,6 @@ def test_aux_loss_counts_the_tokens_of_every_ep_and_dp_rank():
 
 
 def test_a_steps_counts_sum_its_forwards_and_become_the_next_steps_popularity():
-    from lrmoe.model.moe import MoEStep
     cfg = get_preset("tiny-qwen3")
     layer = MoEForCausalLM(cfg).moe_layers[0].train()
     E = cfg.num_experts
@@ -278,7 +276,6 @@ def test_a_steps_counts_sum_its_forwards_and_become_the_next_steps_popularity():
 def test_end_step_keeps_the_data_parallel_sum_of_the_counts():
     """Under DP x EP the next step's popularity is the counts summed over the replicas
     (``reduce``; here three replicas with equal counts)."""
-    from lrmoe.model.moe import MoEStep
     cfg = get_preset("tiny-qwen3")
     model = MoEForCausalLM(cfg).train()
     a = torch.arange(cfg.num_experts)
@@ -291,7 +288,6 @@ def test_end_step_keeps_the_data_parallel_sum_of_the_counts():
 
 def test_experts_compute_in_the_autocast_dtype():
     """Under autocast the routed experts run in autocast's dtype, not the fp32 input's."""
-    from lrmoe.model.moe import _compute_dtype
     x = torch.randn(3, 4)
     assert _compute_dtype(x) == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -301,9 +297,6 @@ def test_experts_compute_in_the_autocast_dtype():
 def test_end_step_moves_glm_biases_towards_the_less_used_experts():
     """After a step the correction bias of each GLM router grows by ``rate`` for experts
     below the mean count and shrinks by ``rate`` for those above it."""
-    import dataclasses
-
-    from lrmoe.model.moe import MoEStep
     cfg = dataclasses.replace(get_preset("tiny-glm"), bias_update_rate=0.01)
     model = MoEForCausalLM(cfg).train()
     E = cfg.num_experts

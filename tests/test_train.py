@@ -325,18 +325,31 @@ def _built(policy: str = "static", **model):
     return model, opt, build_scheduler(opt, 2, 10), make_policy(PolicyConfig(name=policy), cfg, 1)
 
 
+def _save(run_dir: Path, step: int, built, gen: torch.Generator | None = None) -> None:
+    """One process's checkpoint of ``built`` (``_built``'s four) and ``gen``'s state."""
+    from lrmoe.train import ckpt_state
+
+    model, opt, sched, policy = built
+    ckpt.save_checkpoint(run_dir, step, model, opt,
+                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
+                         rng=ckpt_state.rng_state(gen, torch.device("cpu")), rank=0, world=1,
+                         ep_size=1)
+
+
+def _load(run_dir: Path, built, gen: torch.Generator | None = None) -> None:
+    """``run_dir``'s latest checkpoint into ``built`` on one process."""
+    from lrmoe.parallel.groups import ParallelContext
+
+    ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), *built, gen, ctx=ParallelContext(), seed=0)
+
+
 def test_a_finished_save_removes_interrupted_saves(tmp_path):
     """Once a checkpoint is renamed into place, the ``.tmp`` directories that killed saves
     left behind (of any step) are removed."""
-    from lrmoe.train import ckpt_state
-
-    model, opt, _, _ = _built()
     for step in (3, 9):
         ckpt.partial_dir(tmp_path, step).mkdir(parents=True)
         (ckpt.partial_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"partial")
-    rng = ckpt_state.rng_state(None, torch.device("cpu"))
-    ckpt.save_checkpoint(tmp_path, 5, model, opt, trainer={"progress": {}}, rng=rng, rank=0,
-                         world=1, ep_size=1)
+    _save(tmp_path, 5, _built())
     assert ckpt.partial_dirs(tmp_path) == []
     assert [s for s, _ in ckpt.checkpoint_dirs(tmp_path)] == [5]
     ck = ckpt.latest_checkpoint(tmp_path)
@@ -347,66 +360,45 @@ def test_resume_at_the_same_size_restores_rng_streams_and_policy_state(tmp_path)
     """Loading a checkpoint at the world and EP size that wrote it puts the global and the
     runtime generators back where the save left them (not a reseeded stream), and the
     policy's adaptive state (lrmoe's per-layer keep floor) back as saved."""
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.train import ckpt_state
-
-    cpu = torch.device("cpu")
-    model, opt, sched, policy = _built("lrmoe")
-    policy.min_keep_by_layer = {0: 0.375, 1: 0.5}
+    built = _built("lrmoe")
+    built[3].min_keep_by_layer = {0: 0.375, 1: 0.5}
     gen = torch.Generator().manual_seed(11)
     torch.rand(5), torch.rand(5, generator=gen)
-    ckpt.save_checkpoint(tmp_path, 4, model, opt,
-                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
-                         rng=ckpt_state.rng_state(gen, cpu), rank=0, world=1, ep_size=1)
+    _save(tmp_path, 4, built, gen)
     want = torch.rand(4), torch.rand(4, generator=gen)
-    model, opt, sched, policy = _built("lrmoe")
+    built = _built("lrmoe")
     gen = torch.Generator().manual_seed(99)
-    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, gen,
-                         ctx=ParallelContext(), seed=0)
+    _load(tmp_path, built, gen)
     assert torch.equal(torch.rand(4), want[0])
     assert torch.equal(torch.rand(4, generator=gen), want[1])
-    assert policy.min_keep_by_layer == {0: 0.375, 1: 0.5}
+    assert built[3].min_keep_by_layer == {0: 0.375, 1: 0.5}
 
 
 @pytest.mark.parametrize("experts", [8, 32])
 def test_resume_refuses_a_checkpoint_with_another_number_of_experts(tmp_path, experts):
     """A checkpoint of 16 experts loads into no model of 8 (whose expert ids are all in it)
     or of 32: the refusal names the first tensor that differs (the router) and both shapes."""
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.train import ckpt_state
-
-    model, opt, sched, policy = _built()
-    ckpt.save_checkpoint(tmp_path, 1, model, opt,
-                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
-                         rng=ckpt_state.rng_state(None, torch.device("cpu")), rank=0, world=1,
-                         ep_size=1)
-    model, opt, sched, policy = _built(num_experts=experts)
+    _save(tmp_path, 1, _built())
     with pytest.raises(LrmoeError, match=rf"does not match this model: .*mlp.router.weight has "
                                          rf"shape \(16, 128\), the model \({experts}, 128\)"):
-        ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
-                             ctx=ParallelContext(), seed=0)
+        _load(tmp_path, _built(num_experts=experts))
 
 
 def test_resume_keeps_each_parameters_optimizer_state_when_one_has_none(tmp_path):
     """A parameter that never had a gradient has no AdamW state; the others' moments still
     load onto their own parameters, and it stays without state."""
-    from lrmoe.parallel.groups import ParallelContext
-    from lrmoe.train import ckpt_state
-
-    model, opt, sched, policy = _built()
+    built = _built()
+    model, opt = built[:2]
     params = list(model.named_parameters())
     skipped = opt.param_groups[0]["params"][0]
     for _, p in params:
         p.grad = None if p is skipped else torch.randn_like(p)
     opt.step()
     want = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params}
-    ckpt.save_checkpoint(tmp_path, 1, model, opt,
-                         trainer=ckpt.trainer_state(model, sched, policy, {}, {}),
-                         rng=ckpt_state.rng_state(None, torch.device("cpu")), rank=0, world=1,
-                         ep_size=1)
-    model, opt, sched, policy = _built()
-    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), model, opt, sched, policy, None,
-                         ctx=ParallelContext(), seed=0)
+    _save(tmp_path, 1, built)
+    built = _built()
+    _load(tmp_path, built)
+    model, opt = built[:2]
     got = {n: opt.state.get(p, {}) for n, p in model.named_parameters()}
     assert sum(not s for s in want.values()) == 1
     for n, st in want.items():

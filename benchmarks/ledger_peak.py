@@ -103,10 +103,6 @@ def _ratio(x: int | None, of: int) -> float | None:
     return None if x is None else x / of
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else format(x, ".3f")
-
-
 @gc.cli
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -186,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {r['policy']} | {r['rank']} | {r['instances']} | {r['received_pairs']} "
                      f"| {r['retained_pairs']} | {fmt_bytes(r['ledger_bytes'])} | "
                      f"{'n/a (CPU)' if m is None else fmt_bytes(m)} | "
-                     f"{_fmt(r['measured_over_ledger'])} | {_fmt(r['block_peak_over_ledger'])} | "
-                     f"{fmt_bytes(r['ledger_plan_bytes'])} | {_fmt(r['measured_over_ledger_plan'])} |")
+                     f"{gc.fmt(r['measured_over_ledger'], '.3f')} | "
+                     f"{gc.fmt(r['block_peak_over_ledger'], '.3f')} | {fmt_bytes(r['ledger_plan_bytes'])} | "
+                     f"{gc.fmt(r['measured_over_ledger_plan'], '.3f')} |")
     gc.write_outputs(out, "ledger_peak", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
 

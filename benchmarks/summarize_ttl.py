@@ -205,7 +205,9 @@ def plot_seeds(runs: list[Path] | list[dict], path: Path) -> dict:
     ax.set_ylim(-0.7, len(names) - 0.3)
     ax.set_xlabel("emulated time to target / symi's (per seed, paired)")
     link = reps[0].get("link", {}).get("name", "?")
-    ax.set_title(f"{len(reps)} seeds, link {link} (EMULATED)", fontsize=10)
+    rated = sum(1 for row in rows if seed_ratios(list(row["policies"].values())))
+    some = "" if rated == len(reps) else f" ({rated} with a ratio over symi)"
+    ax.set_title(f"{len(reps)} seeds{some}, link {link} (EMULATED)", fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -14,6 +14,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 
 from lrmoe.errors import LrmoeError
 
@@ -34,13 +35,36 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets it: one line
-            print("lrmoe: interrupted", file=sys.stderr)
+        _say_interrupted()
         return INTERRUPTED
 
 
+def _say_interrupted() -> None:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets it: one line
+        print("lrmoe: interrupted", file=sys.stderr)
+
+
+def _end_at_once(*_) -> None:
+    _say_interrupted()
+    exit_process(INTERRUPTED)
+
+
+def _importing_commands() -> argparse.ArgumentParser:
+    """:func:`build_parser`, whose imports bring torch, with Ctrl-C ending the process at
+    once: a KeyboardInterrupt raised in a Python callback that torch's C++ makes while it
+    imports cannot unwind through that C++, and the process aborts (SIGABRT)."""
+    if (signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            or threading.current_thread() is not threading.main_thread()):
+        return build_parser()  # Ctrl-C ignored, or handled by the caller: left as it is
+    signal.signal(signal.SIGINT, _end_at_once)
+    try:
+        return build_parser()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    parser = _importing_commands()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed one line; usage errors exit 2

@@ -133,3 +133,46 @@ def test_seeds_plot_draws_each_runs_recorded_ratio(tmp_path, capsys):
         assert f"| {mean:.3f} | " in row and f"| {lo:.3f}–{hi:.3f} |" in row
     assert mod.main([str(runs[0]), "--plot", str(png)]) == 2
     assert "--plot draws the seeds" in capsys.readouterr().err
+
+
+def test_one_off_steps_charged_at_the_median():
+    """``--one-off R``: a policy's steps slower than R × its median step are charged at
+    that median, so its evaluations' cumulative times drop by those steps' excess from
+    the evaluation after them on; steps at or below R × the median, and other policies,
+    are untouched; the report read is not changed."""
+    st = load_benchmark("summarize_ttl")
+    times = [1.0, 1.2, 0.9, 6.0, 1.0, 1.1, 2.9, 1.0]  # median 1.05: steps 4 and 7 are one-offs
+    steps = [{"step": i + 1, "step_emulated_s": t} for i, t in enumerate(times)]
+    cum = [sum(times[:k]) for k in range(0, 9, 2)]
+    evals = [{"step": k, "val_loss": 5.0 - k / 4, "cum_emulated_s": c}
+             for k, c in zip(range(0, 9, 2), cum)]
+    flat = [{"step": i + 1, "step_emulated_s": 1.0} for i in range(8)]
+    rep = {"policies": {"symi": {"steps": steps, "evals": evals},
+                        "static": {"steps": flat, "evals": [dict(e) for e in evals]}}}
+    out = st.one_offs_at_median(rep, 2.0)
+    med = 1.05
+    want = [cum[0], cum[1], cum[2] - (6.0 - med), cum[3] - (6.0 - med),
+            cum[4] - (6.0 - med) - (2.9 - med)]
+    got = [e["cum_emulated_s"] for e in out["policies"]["symi"]["evals"]]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert out["policies"]["symi"]["one_off_steps"] == [4, 7]
+    assert out["policies"]["static"]["one_off_steps"] == []
+    assert [e["cum_emulated_s"] for e in out["policies"]["static"]["evals"]] == cum
+    assert [e["cum_emulated_s"] for e in rep["policies"]["symi"]["evals"]] == cum  # not mutated
+    # at a higher ratio only the 6.0 s step is a one-off (2.9 <= 3 × 1.05)
+    assert st.one_offs_at_median(rep, 3.0)["policies"]["symi"]["one_off_steps"] == [4]
+    with pytest.raises(Exception, match="above 1"):
+        st.one_offs_at_median(rep, 1.0)
+
+
+def test_one_off_view_over_recorded_seeds(capsys):
+    """On a recorded run the view is labelled MODELLED and names the steps it charged; a
+    run without slow steps keeps its ratio."""
+    st = load_benchmark("summarize_ttl")
+    assert st.run([str(RUN), str(RUN), "--seeds", "--one-off", "50"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("MODELLED:") and "steps none" in out
+    lr = next(n for n in st.load_report(RUN)["policies"] if n.startswith("lrmoe"))
+    assert f"| {lr} | 1.173 (" in out
+    with pytest.raises(Exception, match="give --seeds"):
+        st.run([str(RUN), "--one-off", "2"])

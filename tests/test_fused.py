@@ -40,6 +40,21 @@ def test_rows_dynamic_keeps_widths_static_and_does_not_recompile_on_rows():
     assert len(graphs) == 2 and all(not any(_symbolic(s)[1:]) for s in graphs[1]), graphs
 
 
+def test_rows_dynamic_compiles_no_graph_for_zero_or_one_row():
+    """Dynamo specializes 0 and 1 rows: such calls run eager (the same values) instead of
+    compiling a graph each at whatever step first meets them."""
+    torch._dynamo.reset()
+    graphs: list = []
+    f = rows_dynamic(_act_grad_rowdot_eager, backend=_recording_backend(graphs))
+    F = 24
+    for R in (37, 1, 0, 53, 1, 0):
+        dact, gu, scale = torch.randn(R, F), torch.randn(R, 2 * F), torch.rand(R)
+        got, ref = f(dact, gu, scale), _act_grad_rowdot_eager(dact, gu, scale)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r)
+    assert len(graphs) == 1 and all(_symbolic(s)[0] for s in graphs[0]), graphs
+
+
 def test_rows_dynamic_combine_helpers_match_eager():
     torch._dynamo.reset()
     graphs: list = []

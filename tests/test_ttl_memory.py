@@ -85,9 +85,9 @@ def test_bench_ttl_optimizer_step_sees_no_probe_and_no_graph(monkeypatch):
 
 
 def test_warm_up_runs_its_forward_under_the_steps_autocast():
-    """The untimed warm-up step runs the kernels the timed steps run: its forward inside
+    """The untimed warm-up steps run the kernels the timed steps run: each forward inside
     their autocast (in fp32, grouped-query attention falls back to a kernel that keeps
-    the whole score matrix), its backward outside, as the steps do."""
+    the whole score matrix), each backward outside, as the steps do."""
     from lrmoe.config import ModelConfig
     from lrmoe.model import MoEForCausalLM
     from lrmoe.presets import PRESETS
@@ -110,5 +110,36 @@ def test_warm_up_runs_its_forward_under_the_steps_autocast():
     model.lm_head.weight.register_hook(lambda g: seen.append(("backward", inside[0])))
     batch = torch.randint(0, cfg.vocab_size, (4, 17))
     warm_up(model, 2, batch, autocast)
-    assert seen == [("forward", True), ("backward", False)]
+    assert seen == [("forward", True), ("backward", False)] * 3  # plain, rows recomputed, layer
     assert model.lm_head.weight.grad is not None
+
+
+def test_warm_up_runs_the_budget_fallbacks(monkeypatch):
+    """The warm-up also runs static's budget fallbacks, rows recomputed in backward and a
+    whole-layer checkpoint's re-run, so their kernels compile before any timed step (the
+    first policy to take a fallback would otherwise pay for it); every MoE layer."""
+    from lrmoe.config import ModelConfig
+    from lrmoe.model import MoEForCausalLM
+    from lrmoe.parallel import exchange, stages
+    from lrmoe.presets import PRESETS
+    from lrmoe.sim.vmodel import warm_up
+
+    cfg = ModelConfig.from_hf_dict(dict(PRESETS["tiny-qwen3"], num_hidden_layers=2))
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg)
+    seen = {"rebuilt": 0, "rerun": 0}
+    rebuild, forward = stages._rebuild_gate_up, exchange.forward_ranks
+
+    def rebuilt(rows, keep, *a):
+        seen["rebuilt"] += keep.n_rec > 0
+        return rebuild(rows, keep, *a)
+
+    def ranks(*a, rerun=False, **k):
+        seen["rerun"] += rerun
+        return forward(*a, rerun=rerun, **k)
+    monkeypatch.setattr(stages, "_rebuild_gate_up", rebuilt)
+    monkeypatch.setattr(exchange, "forward_ranks", ranks)
+    warm_up(model, 2, torch.randint(0, cfg.vocab_size, (4, 17)), contextlib.nullcontext)
+    layers = len(model.moe_layers)
+    assert seen["rerun"] == layers, seen
+    assert seen["rebuilt"] >= layers, seen

@@ -3,7 +3,9 @@
 
 Only the leading (row) dimension is dynamic; widths compile as constants, one graph per
 width: with every dimension symbolic the kernels divide flat indices by a runtime width,
-and the SwiGLU kernels ran ~2.5x slower on an H200 (``benchmarks/JOURNAL.md``).
+and the SwiGLU kernels ran ~2.5x slower on an H200 (``benchmarks/JOURNAL.md``). Calls with
+0 or 1 rows run eager: Dynamo specializes those sizes, so each would compile a graph of its
+own (about a second on an H200) at whichever step first met it.
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ def rows_dynamic(fn, backend: str = "inductor"):
     compiled = torch.compile(fn, dynamic=False, backend=backend)
 
     def call(*args):
-        if torch.compiler.is_compiling():  # inside an outer trace: let it trace fn
+        if torch.compiler.is_compiling() or _few_rows(args):  # see module doc
             return fn(*args)
         for a in args:
             if isinstance(a, Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
         return compiled(*args)
     return call
+
+
+def _few_rows(args) -> bool:
+    return any(isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] < 2 for a in args)
 
 
 def weighted_gather_sum(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor) -> Tensor:

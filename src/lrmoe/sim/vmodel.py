@@ -9,6 +9,7 @@ import torch
 from lrmoe.model.compile import compile_model
 from lrmoe.model.moe import MoERuntime
 from lrmoe.parallel.options import BackwardOptions
+from lrmoe.policy.plan import fitted, layer_checkpoint_plan
 from lrmoe.policy.static import StaticPolicy
 from lrmoe.sim.virtual import VirtualEPLayer, now
 
@@ -68,17 +69,36 @@ class Emulator:
         return [v.stats for v in self.layers]
 
 
+class RecomputeWarmUp(StaticPolicy):
+    """Static's plan under a budget fallback, forced: ``mode`` ``"pairs"`` recomputes half
+    of each rank's rows, ``"layer"`` checkpoints the layer (:func:`warm_up`)."""
+
+    def __init__(self, mode: str):
+        super().__init__(name=f"static, {mode} recomputed")
+        self.mode = mode
+
+    def plan(self, counts_GE, inputs):
+        plan = super().plan(counts_GE, inputs)
+        if self.mode == "layer":
+            return layer_checkpoint_plan(plan)
+        return fitted(plan, "pairs", (plan.rank_load() // 2).numpy())
+
+
 def warm_up(model, G: int, batch, autocast, compile: bool = False, also=()) -> None:
     """One untimed static training step (fills the allocator, lazy inits, compiles what
     the timed steps compile), its forward under the timed steps' ``autocast``: the same
     kernels, the same memory (in fp32 a grouped-query attention has no fused kernel and
-    keeps its whole score matrix). Then one untimed step for each ``(policy, options)``
-    of ``also``: the kernels only a policy's own stages launch (lrmoe's selection and
-    gathers) compile here, not inside its first timed steps."""
+    keeps its whole score matrix). Then one untimed step with static's rows partly
+    recomputed and one with its layer checkpointed (the budget fallbacks' kernels), and
+    one for each ``(policy, options)`` of ``also``: the kernels only some policies or
+    fallbacks launch (lrmoe's selection and gathers) compile here, not inside the first
+    timed step that meets them, whichever policy's it is."""
     if compile:
         compile_model(model)
     model.train()
-    for policy, opts in [(StaticPolicy(), BackwardOptions()), *also]:
+    plain = BackwardOptions()
+    for policy, opts in [(StaticPolicy(), plain), (RecomputeWarmUp("pairs"), plain),
+                         (RecomputeWarmUp("layer"), plain), *also]:
         Emulator(model, G, policy, opts, None)
         with autocast():
             loss = model.loss(batch[:, :-1], batch[:, 1:])[1]

@@ -5,11 +5,11 @@
     python3 benchmarks/summarize_ttl.py --seeds OUT/ttl/qwen3/s{0,1,2} --plot ratios.png
 
 A RUN folder holds ``ttl.json``, ``ttl.json.gz`` (as kept under ``benchmarks/results``)
-or, for a run cut short, ``ttl_partial.json`` (the policies that finished). Targets and
-crossings are read as ``bench ttl`` reads them (:mod:`lrmoe.sim.target`: static's
-validation curve smoothed over the run's window, read at ``ceil(fraction · steps)``; a
-policy's own smoothed curve's first crossing, linear between evaluations), so both views
-equal the run's ``ttl.md``.
+or, for a run cut short, ``ttl_partial.json`` or its ``.gz`` (the policies that finished).
+Targets and crossings are read as ``bench ttl`` reads them (:mod:`lrmoe.sim.target`:
+static's validation curve smoothed over the run's window, read at ``ceil(fraction ·
+steps)``; a policy's own smoothed curve's first crossing, linear between evaluations),
+so both views equal the run's ``ttl.md``.
 
 Per run: each policy's steps and emulated time to the target, final validation loss,
 mean emulated step and MoE time, the non-MoE share of a micro-batch (its non-MoE time
@@ -43,7 +43,7 @@ from lrmoe.errors import LrmoeError  # noqa: E402
 from lrmoe.sim.target import crossing, eval_noise, target_at  # noqa: E402
 from lrmoe.units import fmt_bytes  # noqa: E402
 
-RUN = "a bench ttl run's record (ttl.json, ttl.json.gz or ttl_partial.json)"
+RUN = "a bench ttl run's record (ttl.json, ttl.json.gz or ttl_partial.json[.gz])"
 
 
 # Student t's 0.975 quantile by degrees of freedom (the two-sided 95% interval)
@@ -63,8 +63,9 @@ def ci95(xs: list[float]) -> tuple[float, float] | None:
 
 def load_report(run: Path) -> dict:
     """The run folder's whole ``bench ttl`` record, from the first of ``ttl.json``,
-    ``ttl.json.gz``, ``ttl_partial.json`` there; none, or unreadable: :class:`LrmoeError`."""
-    for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json"):
+    ``ttl.json.gz``, ``ttl_partial.json`` (or ``.gz``) there; none, or unreadable:
+    :class:`LrmoeError`."""
+    for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json", "ttl_partial.json.gz"):
         f = run / name
         if f.exists():
             return read_json(f)

@@ -176,3 +176,13 @@ def test_one_off_view_over_recorded_seeds(capsys):
     assert f"| {lr} | 1.173 (" in out
     with pytest.raises(Exception, match="give --seeds"):
         st.run([str(RUN), "--one-off", "2"])
+
+
+def test_a_gzipped_partial_run_is_read(tmp_path):
+    """A run cut short keeps ``ttl_partial.json``; kept gzipped, it reads the same."""
+    st = load_benchmark("summarize_ttl")
+    rep = st.load_report(RUN)
+    part = tmp_path / "s0"
+    part.mkdir()
+    (part / "ttl_partial.json.gz").write_bytes(gzip.compress(json.dumps(rep).encode()))
+    assert st.load_report(part) == rep

@@ -21,8 +21,9 @@ evaluation's noise at the target,
 and the mean emulated ms per stage and policy over the seeds; ``--plot PNG`` draws the
 per-seed ratios with their mean and interval. ``--one-off R``: a sensitivity view, each
 policy's steps slower than R × its own median step charged at that median (one-off
-costs such as a first compile of a new shape fall on whichever policy meets them first);
-MODELLED from the recorded steps, and said so in the output.
+costs such as a first compile of a new shape fall on whichever policy meets them first;
+beside them the steps that compiled, where the run recorded it); MODELLED from the
+recorded steps, and said so in the output.
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def one_offs_at_median(rep: dict, ratio: float) -> dict:
                   - sum(x for k, x in excess.items() if k <= e["step"])} for e in r["evals"]]
         out["policies"][name] = {**r, "evals": evals, "one_off_steps": sorted(excess)}
     return out
+
+
+def _compiled_steps(steps: list[dict]) -> str:
+    """The steps that compiled something (the run's per-step ``compiles``), as text."""
+    if any("compiles" not in st for st in steps):
+        return "(not recorded)"
+    return str([st["step"] for st in steps if st["compiles"]] or "none")
 
 
 def window(rep: dict) -> int:
@@ -306,7 +314,8 @@ def run(argv: list[str] | None = None) -> int:
                   "charged at that median (steps so charged, per seed and policy, below)\n")
         print(seeds(a.runs, reps))
         if a.one_off is not None:
-            print("\n" + "\n".join(f"- {r.name} {n}: steps {p['one_off_steps'] or 'none'}"
+            print("\n" + "\n".join(f"- {r.name} {n}: steps {p['one_off_steps'] or 'none'}; "
+                                    f"compiled at {_compiled_steps(p['steps'])}"
                                     for r, rep in zip(a.runs, reps)
                                     for n, p in rep["policies"].items()))
         if a.plot:

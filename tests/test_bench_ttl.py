@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import Counter
 
 import pytest
@@ -103,6 +104,43 @@ def test_ttl_step_times_are_positive_and_accumulate(report):
                 f"{at}: wall {s['wall_s']} s must exceed the MoE wall {s['moe_wall_s']} s > 0"
         cum = [s["cum_emulated_s"] for s in r["steps"]]
         assert all(b > a for a, b in zip(cum, cum[1:])), f"{name}: cumulative times {cum}"
+
+
+def test_ttl_steps_record_what_they_compiled(report):
+    """Each step records what it compiled; on the CPU without ``--compile`` nothing does."""
+    for name, r in report[0]["policies"].items():
+        assert [s["compiles"] for s in r["steps"]] == [0] * 6, name
+
+
+def test_ttl_step_compiles_are_counted_across_the_step(tmp_path, monkeypatch):
+    """A step's ``compiles`` is the count after it less the count before it."""
+    from lrmoe.sim import ttl
+
+    calls = iter(range(0, 1000, 1))
+    monkeypatch.setattr(ttl, "compiles_so_far", lambda: next(calls) ** 2)  # 0, 1, 4, 9, ...
+    args = [a if a != "6" else "2" for a in ARGS]
+    assert main(args + ["--policies", "static", "--out", str(tmp_path / "o")]) == 0
+    steps = json.loads((tmp_path / "o" / "ttl.json").read_text())["policies"]["static"]["steps"]
+    assert [s["compiles"] for s in steps] == [1 - 0, 9 - 4]
+
+
+def test_compiles_so_far_counts_dynamo_graphs_and_lrmoes_triton_variants(monkeypatch):
+    """A new Dynamo graph counts one; each compiled variant of a kernel in lrmoe's Triton
+    modules counts one (a kernel's per-device cache, first entry of its tuple)."""
+    import types
+
+    from lrmoe.sim.ttl import compiles_so_far
+
+    torch._dynamo.reset()
+    n0 = compiles_so_far()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    f(torch.ones(3))  # no new graph
+    assert compiles_so_far() == n0 + 1
+    kernel = types.SimpleNamespace(device_caches={0: ({"a": 1, "b": 2}, None), 1: ({"c": 3}, None)})
+    monkeypatch.setitem(sys.modules, "lrmoe.ops.selection_triton",
+                        types.SimpleNamespace(_kernel=kernel, BLOCK=4))
+    assert compiles_so_far() == n0 + 1 + 3
 
 
 def test_ttl_step_load_and_keep_ratio_are_in_range(report):

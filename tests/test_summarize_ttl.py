@@ -171,7 +171,9 @@ def test_one_off_view_over_recorded_seeds(capsys):
     st = load_benchmark("summarize_ttl")
     assert st.run([str(RUN), str(RUN), "--seeds", "--one-off", "50"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("MODELLED:") and "steps none" in out
+    assert out.startswith("MODELLED:") and "steps none; compiled at (not recorded)" in out
+    assert st._compiled_steps([{"step": 1, "compiles": 0}, {"step": 2, "compiles": 3}]) == "[2]"
+    assert st._compiled_steps([{"step": 1, "compiles": 0}]) == "none"
     lr = next(n for n in st.load_report(RUN)["policies"] if n.startswith("lrmoe"))
     assert f"| {lr} | 1.173 (" in out
     with pytest.raises(Exception, match="give --seeds"):

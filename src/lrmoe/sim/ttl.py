@@ -24,6 +24,8 @@ Per step this records:
 * ``non_moe_s = non_moe_measured_s / G``: the per-rank share (modelled: assumes that
   work splits evenly over the G ranks), and ``step_emulated_s = moe_emulated_s +
   non_moe_s``. All ``*_emulated_s`` are **emulated**, never measured cluster time.
+* ``compiles``: what the step compiled (:func:`compiles_so_far`), a one-off cost inside
+  its measured times;
 * ``link_terms``: each link-priced stage's charges as link-free terms (bytes per rank,
   messages, compute seconds; :func:`lrmoe.sim.cost.accumulated_times`), so the step can be
   re-priced exactly for another link (``benchmarks/reprice_links.py``).
@@ -39,6 +41,7 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -289,10 +292,12 @@ def run_policy(name, cfg, mcfg, batches, val_b, ledger, link, log=print, profile
     failed = oom = None
     try:
         for step in range(t.steps):
+            compiled = compiles_so_far()
             micro, opt_wall, loss = _train_step(run, step, batches, t)
             cum = rows[-1]["cum_emulated_s"] if rows else 0.0
             rows.append(_step_row(step, loss, micro, opt_wall, link, t.ep, run.ledger, cum,
                                   run.offload, getattr(run.opt, "host_s", 0.0)))
+            rows[-1]["compiles"] = compiles_so_far() - compiled
             # every micro-batch's counts per home rank, its layers in order (what a plan
             # sees: symi's profile, the budget floor)
             trace_GE.append([[st.counts_GE for st in m[0]] for m in micro])
@@ -356,6 +361,18 @@ def _build_run(name, cfg, mcfg, ledger, profile) -> _PolicyRun:
         note += f", optimizer offload to host ({offload.layout} layout)"
     return _PolicyRun(name, model, em, opt, sched, make_autocast(dev),
                       ParallelContext(device=dev), dev, ledger, offload, note)
+
+
+def compiles_so_far() -> int:
+    """Graphs Dynamo has compiled in this process and variants of lrmoe's own Triton
+    kernels (one per specialization Triton met), so far."""
+    from torch._dynamo.utils import counters
+
+    n = counters["stats"]["unique_graphs"]
+    for name in ("lrmoe.ops.rowops_triton", "lrmoe.ops.selection_triton"):
+        for k in vars(sys.modules.get(name) or object).values():
+            n += sum(len(c[0]) for c in getattr(k, "device_caches", {}).values())
+    return n
 
 
 def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig

@@ -107,9 +107,11 @@ def test_ttl_step_times_are_positive_and_accumulate(report):
 
 
 def test_ttl_steps_record_what_they_compiled(report):
-    """Each step records what it compiled; on the CPU without ``--compile`` nothing does."""
+    """Each step records what it compiled; on the CPU without ``--compile`` nothing does,
+    and the report then says nothing of it."""
     for name, r in report[0]["policies"].items():
         assert [s["compiles"] for s in r["steps"]] == [0] * 6, name
+    assert "Steps that compiled" not in report[1]
 
 
 def test_ttl_step_compiles_are_counted_across_the_step(tmp_path, monkeypatch):
@@ -122,6 +124,8 @@ def test_ttl_step_compiles_are_counted_across_the_step(tmp_path, monkeypatch):
     assert main(args + ["--policies", "static", "--out", str(tmp_path / "o")]) == 0
     steps = json.loads((tmp_path / "o" / "ttl.json").read_text())["policies"]["static"]["steps"]
     assert [s["compiles"] for s in steps] == [1 - 0, 9 - 4]
+    md = (tmp_path / "o" / "ttl.md").read_text()
+    assert "Steps that compiled (a one-off cost inside their measured times): static 1, 2." in md
 
 
 def test_compiles_so_far_counts_dynamo_graphs_and_lrmoes_triton_variants(monkeypatch):

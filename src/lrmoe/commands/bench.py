@@ -191,7 +191,7 @@ def _policy_row(name: str, r: dict) -> str:
 
 def _notes(rep: dict) -> list[str]:
     """What the run's settings change: symi without replicas, the router gradient at
-    the experts, host optimizer offload."""
+    the experts, steps that compiled, host optimizer offload."""
     lines = []
     sy = rep["policies"].get("symi")
     if sy is not None and sy["steps"] and not any(s["replicas"] for s in sy["steps"]):
@@ -205,6 +205,12 @@ def _notes(rep: dict) -> list[str]:
                       "so they keep no combined expert outputs (ledger combine_rows 0: less "
                       "recompute, room for more symi slots); lrmoe keeps them (router "
                       "gradient at home), as with --router-grad home."]
+    compiled = {n: [s["step"] for s in r["steps"] if s.get("compiles")]
+                for n, r in rep["policies"].items()}
+    if any(compiled.values()):
+        lines += ["", "Steps that compiled (a one-off cost inside their measured times): "
+                      + "; ".join(f"{n} {', '.join(map(str, c)) or 'none'}"
+                                  for n, c in compiled.items()) + "."]
     if rep["config"].get("optimizer_offload") == "host":
         lines += ["", "Every policy keeps the experts' optimizer state in host memory "
                       "(--optimizer-offload host); opt_d2h, opt_host_update and opt_h2d are "

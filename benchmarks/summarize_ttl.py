@@ -66,11 +66,12 @@ def load_report(run: Path) -> dict:
     """The run folder's whole ``bench ttl`` record, from the first of ``ttl.json``,
     ``ttl.json.gz``, ``ttl_partial.json`` (or ``.gz``) there; none, or unreadable:
     :class:`LrmoeError`."""
-    for name in ("ttl.json", "ttl.json.gz", "ttl_partial.json", "ttl_partial.json.gz"):
+    names = ("ttl.json", "ttl.json.gz", "ttl_partial.json", "ttl_partial.json.gz")
+    for name in names:
         f = run / name
         if f.exists():
             return read_json(f)
-    raise LrmoeError(f"{run}: holds none of ttl.json, ttl.json.gz, ttl_partial.json")
+    raise LrmoeError(f"{run}: holds none of {', '.join(names)}")
 
 
 def one_offs_at_median(rep: dict, ratio: float) -> dict:

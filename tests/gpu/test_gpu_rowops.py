@@ -144,3 +144,31 @@ def test_selection_kernel_count():
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                  and not e.name.startswith(("Memcpy", "Memset"))]
         assert len(names) <= most, names
+
+
+def _compiled_variants(kernel) -> int:
+    """How many compiled variants a Triton kernel holds, over devices (the kernel cache
+    is the first entry of each device's cache tuple)."""
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+def test_row_kernels_compile_once_across_row_counts():
+    """Row counts change every step; the kernels do not specialize on them (Triton
+    otherwise compiles a variant per count divisible by 16 or not, at whichever timed step
+    first meets it), so counts of every residue reuse one compiled kernel."""
+    from lrmoe.ops import rowops_triton as rt
+    g = torch.Generator().manual_seed(1)
+    kernels = (rt._gather_runs_kernel, rt._invert_kernel, rt._combine_kernel, rt._combine_dot_kernel)
+    before = [_compiled_variants(k) for k in kernels]
+    for n in (32, 33, 48, 17, 1, 64, 7):
+        src = torch.randn(n + 5, 256, generator=g).to(CUDA, torch.bfloat16)
+        row = torch.randint(0, n + 5, (n, 4), generator=g).to(CUDA)
+        w, d = torch.rand(n, 4, device=CUDA), torch.randn(n, 256, device=CUDA, dtype=torch.bfloat16)
+        rowops.combine(src, row, w)
+        rowops.combine_grad_gate(src, row, d)
+        rowops.invert_permutation(torch.randperm(n, generator=g).to(CUDA), n + 3, fill=-1)
+        first = torch.arange(0, n, 2, device=CUDA)
+        rowops.gather_runs(src, first, first, n)
+    torch.cuda.synchronize()
+    added = [_compiled_variants(k) - b for k, b in zip(kernels, before)]
+    assert all(a <= 1 for a in added), dict(zip((k.__name__ for k in kernels), added))

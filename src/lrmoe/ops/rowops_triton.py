@@ -89,7 +89,7 @@ def mul_rn(a, b, EXACT: tl.constexpr):
         return a * b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_out", "n_runs", "steps"])
 def _gather_runs_kernel(src_ptr, out_ptr, dst_first_ptr, src_first_ptr, n_out, n_runs, steps,
                         H, src_stride, out_stride, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
     q = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -126,7 +126,7 @@ def launch_gather_runs(src: Tensor, dst_first_R: Tensor, src_first_R: Tensor, n_
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_out"])
 def _invert_kernel(perm_ptr, inv_ptr, n, n_out, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -144,7 +144,7 @@ def launch_invert_permutation(perm_N: Tensor, n_out: int, fill: int | None, wrap
     return inv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])
 def _combine_kernel(src_ptr, row_ptr, w_ptr, out_ptr, T, N, H, src_stride, out_stride,
                     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                     IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, EXACT: tl.constexpr):
@@ -191,7 +191,7 @@ def launch_combine(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor, wrap=direct) ->
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])
 def _combine_dot_kernel(src_ptr, row_ptr, d_ptr, dot_ptr, T, N, H, src_stride, d_stride,
                         K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_H: tl.constexpr, SRC_BF16: tl.constexpr, D_BF16: tl.constexpr):

@@ -41,7 +41,7 @@ def _bits_f64(bits):
     return bits.to(tl.float32, bitcast=True).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _topk_metric_kernel(tok_ptr, gate_ptr, norm_ptr, bits_ptr, pmax_ptr, N, BLOCK: tl.constexpr,
                         GRAD_NORM: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -51,7 +51,7 @@ def _topk_metric_kernel(tok_ptr, gate_ptr, norm_ptr, bits_ptr, pmax_ptr, N, BLOC
     tl.store(pmax_ptr + tl.program_id(0), tl.max(tl.where(m, bits, 0), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pmax", "B"])
 def _topk_select_kernel(bits_ptr, pmax_ptr, n_pmax, tab_ptr, B, keep_ptr, slot_ptr, sent_ptr,
                         CH: tl.constexpr):
     b = tl.program_id(0)
@@ -101,7 +101,7 @@ def _topk_select_kernel(bits_ptr, pmax_ptr, n_pmax, tab_ptr, B, keep_ptr, slot_p
     tl.store(sent_ptr + b, n_kept.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _sampled_select_kernel(tok_ptr, gate_ptr, norm_ptr, u_ptr, tab_ptr, B, pi_ptr, keep_ptr,
                            slot_ptr, sent_ptr, CH: tl.constexpr, GRAD_NORM: tl.constexpr):
     b = tl.program_id(0)
@@ -154,7 +154,7 @@ def _sampled_select_kernel(tok_ptr, gate_ptr, norm_ptr, u_ptr, tab_ptr, B, pi_pt
     tl.store(sent_ptr + b, n_kept.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "steps", "N"])
 def _compact_kernel(slot_ptr, tab_ptr, B, steps, sent_ptr, tok_ptr, g_ptr, pi_ptr, d_ptr,
                     sel_ptr, tok_out_ptr, scale_ptr, dy_ptr, N, H, d_stride, dy_stride,
                     BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,

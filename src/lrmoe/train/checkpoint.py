@@ -216,9 +216,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
 def verify_files(ck: Checkpoint, rank: int = 0, world: int = 1) -> None:
     """Check presence, size and SHA-256 of this rank's share of the files (``i % world``)."""
     hint = f"delete {ck.path} to resume from an earlier checkpoint"
-    for i, (name, entry) in enumerate(sorted(ck.manifest["files"].items())):
-        if i % world != rank:
-            continue
+    for name, entry in sorted(ck.manifest["files"].items())[rank::world]:
         p = ck.path / name
         if not p.is_file():
             raise LrmoeError(f"checkpoint file {p} is missing; {hint}")
@@ -267,14 +265,13 @@ def _finish_save(run_dir, step: int, tmp: Path, final: Path, trainer: dict, rank
     """Hash the files (each rank a share), write the manifest, rename into place."""
     names = all_gather(sorted(p.name for p in tmp.iterdir() if p.is_file()), world)[0]
     mine, err = {}, None
-    for i, name in enumerate(names):
-        if i % world == rank:
-            p = tmp / name
-            if not p.is_file():
-                err = (f"checkpoint file {p} (written by another rank) is not visible on "
-                       f"rank {rank}: --out must be on a filesystem every rank shares")
-                break
-            mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    for name in names[rank::world]:
+        p = tmp / name
+        if not p.is_file():
+            err = (f"checkpoint file {p} (written by another rank) is not visible on "
+                   f"rank {rank}: --out must be on a filesystem every rank shares")
+            break
+        mine[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     entries = all_gather((mine, err), world)
     raise_first([e for _, e in entries])
     if rank == 0:

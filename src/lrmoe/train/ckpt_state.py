@@ -127,12 +127,9 @@ class Template:
             pnames = [names[id(p)] for p in g["params"]]
             if pnames != sg["names"]:
                 raise self._mismatch("its optimizer groups hold other parameters")
-            ids = []
-            for name in pnames:
-                if self.optim[name]:
-                    state[index] = dict(self.optim[name])
-                ids.append(index)
-                index += 1
+            ids = list(range(index, index + len(pnames)))
+            state.update({i: dict(self.optim[n]) for i, n in zip(ids, pnames) if self.optim[n]})
+            index += len(pnames)
             groups.append({**{k: v for k, v in sg.items() if k != "names"}, "params": ids})
         return {"state": state, "param_groups": groups}
 

@@ -137,15 +137,13 @@ def config_from_cli(given: dict) -> TrainConfig:
     unknown = sorted(set(given) - names)
     if unknown:
         raise LrmoeError(f"unknown training option(s) {', '.join(unknown)}")
-    kw: dict[str, Any] = {}
     out = given.get("out") or default_out(TrainConfig(**{k: given.get(k) for k in (
         "preset", "config", "init_from") if k in given}))
+    # without --out, check_args refuses the resume
     saved = read_run_config(Path(out)) if given.get("resume") and out else None
-    if saved is not None:  # without --out, check_args refuses the resume
-        kw.update({k: v for k, v in saved.get("train", {}).items()
-                   if k in names and k not in _NOT_INHERITED})
-    kw.update(given)
-    return TrainConfig.from_flat(kw)
+    inherited = {} if saved is None else {k: v for k, v in saved.get("train", {}).items()
+                                          if k in names and k not in _NOT_INHERITED}
+    return TrainConfig.from_flat(inherited, **given)
 
 
 SEED_MAX = 2**64 - 1  # torch's generators take any unsigned 64-bit seed

@@ -26,8 +26,8 @@ _SUM_KEYS = {
 _MAX_KEYS = {k: k for k in ("expert_fwd_ms", "expert_bwd_ms", "count_exchange_ms", "plan_ms",
                             "weight_scatter_bytes", "ledger_total_bytes")}
 _MEAN_KEYS = {k: k for k in ("fidelity_cosine", "fidelity_rel_err")}
-_COMBINE = ((_SUM_KEYS, lambda v: int(sum(v))), (_MAX_KEYS, lambda v: _r(max(v))),
-            (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
+_BALANCE_KEYS = {"load": "rank_load_max_over_mean", "bwd_load": "rank_bwd_load_max_over_mean"}
+
 
 def proc_kib(path: str, key: str) -> int | None:
     """``key``'s value in a ``/proc`` file of ``key: N kB`` lines, in bytes (or None)."""
@@ -81,6 +81,10 @@ def max_over_mean(xs: Iterable[float]) -> float:
     return _r(max(xs) / mean) if mean > 0 else 1.0
 
 
+_COMBINE = ((_BALANCE_KEYS, max_over_mean), (_SUM_KEYS, lambda v: int(sum(v))),
+            (_MAX_KEYS, lambda v: _r(max(v))), (_MEAN_KEYS, lambda v: _r(sum(v) / len(v), 6)))
+
+
 def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
     """One rank's stats of one layer as numbers: its pairs in forward and backward, its counters."""
     out: dict[str, float] = {}
@@ -101,10 +105,6 @@ def rank_summary(stats: dict, ep_rank: int = 0) -> dict:
 def layer_row(plan_stats: dict, per_rank: list[dict], pairs: int | None = None) -> dict:
     """One MoE layer's compact row from rank 0's plan stats and every rank's summary."""
     row: dict[str, Any] = {}
-    for src, dst in (("load", "rank_load_max_over_mean"), ("bwd_load", "rank_bwd_load_max_over_mean")):
-        vals = [r[src] for r in per_rank if src in r]
-        if vals:
-            row[dst] = max_over_mean(vals)
     if "plan_replicas" in plan_stats:
         row["replicas"] = int(plan_stats["plan_replicas"])
     if pairs is not None:

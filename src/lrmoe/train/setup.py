@@ -6,7 +6,6 @@ the run directory taken once every input is valid (:func:`open_run_dir`, :mod:`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -51,13 +50,12 @@ def check_same_flags(cfg: TrainConfig, rank: int, world: int,
             fp = flags_fingerprint(cfg)
     except LrmoeError as e:
         err = str(e)
-    digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=repr).encode()).hexdigest()
-    got = all_gather((err, digest), world)
+    got = all_gather((err, json.dumps(fp, default=repr)), world)
     raise_first([e for e, _ in got], rank=rank)
-    if all(d == got[0][1] for _, d in got):
+    if all(text == got[0][1] for _, text in got):
         return
-    fps = all_gather(fp, world)  # every rank saw the mismatch: all take this second step
-    r = next(i for i, (_, d) in enumerate(got) if d != got[0][1])
+    r = next(i for i, (_, text) in enumerate(got) if text != got[0][1])
+    fps = [json.loads(text) for _, text in got]
     keys = list(fps[0]) + [k for k in fps[r] if k not in fps[0]]
     k = next(k for k in keys if fps[r].get(k, "(none)") != fps[0].get(k, "(none)"))
     same = "--preset and --config" if k.startswith("model") else "flags"

@@ -25,7 +25,7 @@ from lrmoe.model.layers import MLP
 from lrmoe.model.router import aux_loss, make_router
 from lrmoe.ops.rowops import to_device
 from lrmoe.parallel.comm import EPComm
-from lrmoe.parallel.exchange import BackwardOptions, ExchangeRun, run_local
+from lrmoe.parallel.exchange import BackwardOptions, run_exchange, run_local
 from lrmoe.parallel.instances import HeldInstances, instance_weight_list
 from lrmoe.policy.base import PlanInputs, Policy, prepare
 from lrmoe.policy.ledger_view import plan_totals
@@ -185,9 +185,9 @@ class MoELayer(nn.Module):
         counts_E_all = counts_GE.sum(0)  # the group's counts per expert (host)
         stats["counts_E"] = counts_E_all.tolist()
         # the exchange (re-run in backward under a whole-layer checkpoint, docs/design.md §5)
-        run = ExchangeRun(rt.comm, plan, self.cfg.num_experts, self.cfg.num_experts_per_tok,
-                          self._backward_opts(), rt.generator, rt.stage_timing, dtype)
-        out = run(x_TH, gate_TK, idx_TK, w13, w2, stats)
+        out = run_exchange(rt.comm, plan, self.cfg.num_experts, self.cfg.num_experts_per_tok,
+                           self._backward_opts(), rt.generator, rt.stage_timing, x_TH.to(dtype),
+                           gate_TK, idx_TK, w13, w2, stats)
         return out, MoEStep("exchange", counts_E_all,
                             self.aux_loss(counts_E_all, probs_TE, x_TH.shape[0]), stats)
 
@@ -205,8 +205,7 @@ class MoELayer(nn.Module):
         computed from the previous step's counts before the count exchange's host wait
         (the device still runs the queued work meanwhile)."""
         rt, prev = self.runtime, self.prev_counts_E
-        if prev is not None and prev.device.type != "cpu":
-            prev = prev.cpu()  # the previous step ran the local path: planners read the host
+        prev = None if prev is None else prev.cpu()  # the local path counts on the device
         inputs = PlanInputs(self.moe_index, rt.step, prev, rt.ledger, micro=rt.micro)
         return prepare(rt.policy, prev, rt.comm.size, inputs, home_pairs)
 

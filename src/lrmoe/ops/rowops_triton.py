@@ -105,8 +105,9 @@ def _gather_runs_kernel(src_ptr, out_ptr, dst_first_ptr, src_first_ptr, n_out, n
 
 
 def _as_rows(x: Tensor) -> Tensor:
-    """``x`` as 2-D rows with unit column stride, in a dtype the copy kernels move bit for
-    bit (bf16 as int16: the interpreter has no bf16 arithmetic, and a copy needs none)."""
+    """``x`` as 2-D rows with unit column stride, bf16 as its int16 bits: the interpreter has
+    no bf16 arithmetic, a copy needs none, and the arithmetic kernels widen the bits
+    themselves (:func:`load_f32`, :func:`bf16_bits`)."""
     x2 = x.view(-1, 1) if x.dim() == 1 else x
     return x2.view(torch.int16) if x2.dtype == torch.bfloat16 else x2
 
@@ -182,7 +183,7 @@ def launch_combine(src_NH: Tensor, row_TK: Tensor, w_TK: Tensor, wrap=direct) ->
     if N == 0:
         return out.zero_()
     bf16 = src_NH.dtype == torch.bfloat16
-    s, o = (src_NH.view(torch.int16), out.view(torch.int16)) if bf16 else (src_NH, out)
+    s, o = _as_rows(src_NH), _as_rows(out)  # bf16 read and written as its int16 bits
     K, bh = int(K), min(triton.next_power_of_2(int(H)), 512)
     bt = max(1, 2048 // bh)
     wrap(_combine_kernel)[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
@@ -220,8 +221,7 @@ def launch_combine_grad_gate(src_NH: Tensor, row_TK: Tensor, d_TH: Tensor, wrap=
     if T == 0:
         return dot
     sb, db = src_NH.dtype == torch.bfloat16, d_TH.dtype == torch.bfloat16
-    s = src_NH.view(torch.int16) if sb else src_NH
-    d = d_TH.view(torch.int16) if db else d_TH
+    s, d = _as_rows(src_NH), _as_rows(d_TH)  # bf16 read as its int16 bits
     K, bh, bt = int(K), min(triton.next_power_of_2(max(int(H), 1)), 256), 16
     # with no source rows (N = 0) every row is past the end: each dot is 0
     wrap(_combine_dot_kernel)[(triton.cdiv(T, bt),)](

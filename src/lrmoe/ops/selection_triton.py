@@ -236,12 +236,10 @@ def launch_compact(slot_N: Tensor, tab_3B: Tensor, sent_B: Tensor, tok_N: Tensor
     dy = scale.new_empty(0, 0) if dout_TH is None else dout_TH.new_empty(n_sel, dout_TH.shape[1])
     if n_sel == 0:
         return sel, tok, scale, dy
-    d2 = _as_rows(dout_TH) if dout_TH is not None else None
-    H = d2.shape[1] if d2 is not None else 1
-    dy2 = _as_rows(dy) if d2 is not None else None
-    bn, bh = 32, min(triton.next_power_of_2(int(H)), 1024) if d2 is not None else 1
-    if d2 is None:
-        d2 = dy2 = g_N  # unread without DY
+    # without DY the row arguments are unread: g_N stands in for them, one column wide
+    d2, dy2 = (g_N, g_N) if dout_TH is None else (_as_rows(dout_TH), _as_rows(dy))
+    H = 1 if dout_TH is None else d2.shape[1]
+    bn, bh = 32, min(triton.next_power_of_2(int(H)), 1024)
     wrap(_compact_kernel)[(triton.cdiv(N, bn),)](
         slot_N, tab_3B, B, _search_steps(B), sent_B, tok_N, g_N, g_N if pi_N is None else pi_N, d2,
         sel, tok, scale, dy2, N, H, d2.stride(0), dy2.stride(0), BP=triton.next_power_of_2(int(B)),

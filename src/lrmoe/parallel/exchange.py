@@ -6,10 +6,10 @@ The stage sequence is written once, :func:`forward_ranks` and :func:`backward_ra
 and so is its autograd Function, :class:`ExpertExchange`: each stage runs for every rank
 a process plays, and a :class:`Transport` carries the rows between stages and counts
 them. A real rank plays itself over the group's collectives (:class:`GroupTransport`,
-:class:`ExchangeRun`); one process plays its
-one rank for the identity plan, its layouts built on the device, with no collectives and
-no host wait (:func:`run_local`, docs/design.md §2: bitwise the general path); the
-emulator plays all G ranks in memory, each timed on its own (:mod:`lrmoe.sim.virtual`).
+:func:`run_exchange`); one process plays its one rank for the identity plan, its layouts
+built on the device, with no collectives and no host wait (:func:`run_local`,
+docs/design.md §2: bitwise the general path); the emulator plays all G ranks in memory,
+each timed on its own (:mod:`lrmoe.sim.virtual`).
 
 Legend: T tokens, K top-k, P = T*K local pairs, H hidden, E experts, S local slots, N rows;
 ``_G``: a list over the ranks the process plays (one on a real rank).
@@ -272,37 +272,22 @@ def layouts(tp: Transport, plan: Plan, idx_P_G: Sequence[Tensor], gate_P_G: Sequ
     return homes, recvs
 
 
-@dataclass(frozen=True)
-class ExchangeRun:
-    """One layer's exchange on ``plan``: ``(x_TH, gate_TK, idx_TK, w13_S, w2_S, stats)
-    -> out_TH``, this rank's layouts built from the plan, then :class:`ExpertExchange`
-    (which, under a whole-layer checkpoint, builds them again in backward)."""
-
-    comm: EPComm
-    plan: Plan
-    num_experts: int
-    top_k: int
-    opts: BackwardOptions
-    generator: torch.Generator | None
-    timing: bool
-    dtype: torch.dtype
-
-    def __call__(self, x_TH: Tensor, gate_TK: Tensor, idx_TK: Tensor, w13_S: Tensor,
-                 w2_S: Tensor, stats: dict) -> Tensor:
-        me = self.comm.rank
-        gate_P = gate_TK.reshape(-1).detach()
-        tp = GroupTransport(self.comm, stats, x_TH.device, self.timing)
-        # the layouts' time, when the control plane is timed
-        homes, recvs = layouts(tp, self.plan, [idx_TK.reshape(-1)], [gate_P], self.num_experts,
-                               x_TH.device)
-        st = ExchangeState(tp, self.plan, homes, self.top_k, self.opts, [gate_P], [self.generator],
-                           num_experts=self.num_experts)
-        # On a fidelity step of an approximate plan every row is kept (a monitoring
-        # cost), so the exact gradient over all pairs can be computed beside the
-        # selected one.
-        keep = stages.retention(self.plan, me, save_all=self.opts.fidelity and not self.plan.exact)
-        return ExpertExchange.apply(x_TH.to(self.dtype), gate_TK, w13_S, w2_S, st, recvs, [keep],
-                                    idx_TK)
+def run_exchange(comm: EPComm, plan: Plan, num_experts: int, top_k: int, opts: BackwardOptions,
+                 generator: torch.Generator | None, timing: bool, x_TH: Tensor, gate_TK: Tensor,
+                 idx_TK: Tensor, w13_S: Tensor, w2_S: Tensor, stats: dict) -> Tensor:
+    """One layer's exchange on ``plan``, ``out_TH`` (``x_TH`` in the compute dtype): this
+    rank's layouts built from the plan, then :class:`ExpertExchange` (which, under a
+    whole-layer checkpoint, builds them again in backward)."""
+    gate_P = gate_TK.reshape(-1).detach()
+    tp = GroupTransport(comm, stats, x_TH.device, timing)
+    # the layouts' time, when the control plane is timed
+    homes, recvs = layouts(tp, plan, [idx_TK.reshape(-1)], [gate_P], num_experts, x_TH.device)
+    st = ExchangeState(tp, plan, homes, top_k, opts, [gate_P], [generator], num_experts=num_experts)
+    # On a fidelity step of an approximate plan every row is kept (a monitoring
+    # cost), so the exact gradient over all pairs can be computed beside the
+    # selected one.
+    keep = stages.retention(plan, comm.rank, save_all=opts.fidelity and not plan.exact)
+    return ExpertExchange.apply(x_TH, gate_TK, w13_S, w2_S, st, recvs, [keep], idx_TK)
 
 
 class ExpertExchange(torch.autograd.Function):

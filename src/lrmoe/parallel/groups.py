@@ -93,15 +93,12 @@ def init_parallel(ep: int, device: str, backend: str | None = None,
         raise LrmoeError("another rank refused its device (see its error)")
     if world % ep != 0:  # alike on every rank once the flags agree
         raise LrmoeError(f"world size {world} is not divisible by --ep {ep}")
-    ep_group = dp_group = None  # every group with the timeout, not just the default one
-    for k in range(world // ep):  # every rank must create every group, in the same order
-        g = dist.new_group(list(range(k * ep, (k + 1) * ep)), timeout=to)
-        if rank // ep == k:
-            ep_group = g
-    for j in range(ep):
-        g = dist.new_group(list(range(j, world, ep)), timeout=to)
-        if rank % ep == j:
-            dp_group = g
+    # every rank creates every group, in the same order, each with the timeout (not just
+    # the default group); each call returns the one holding this rank
+    ep_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(k * ep, (k + 1) * ep)) for k in range(world // ep)], timeout=to)
+    dp_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(j, world, ep)) for j in range(ep)], timeout=to)
     return ParallelContext(world, rank, ep, ep_group, dp_group, dev)
 
 
@@ -210,10 +207,8 @@ def _allreduce_flat(grads: list[torch.Tensor], group) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
-    off = 0
-    for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
-        off += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

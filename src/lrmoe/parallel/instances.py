@@ -52,10 +52,9 @@ class InstanceRoute:
         copied once per route, in one pinned copy (indexing with a host tensor would make
         a pageable copy, which waits for the device)."""
         if device not in self._index:
-            tab = np.concatenate((self.send_rows, self.recv_order, self.arrival_slot))
-            n, m = self.send_rows.size, self.recv_order.size
-            both = to_device(torch.from_numpy(tab), device)
-            self._index[device] = (both[:n], both[n:n + m], both[n + m:])
+            parts = (self.send_rows, self.recv_order, self.arrival_slot)
+            tab = to_device(torch.from_numpy(np.concatenate(parts)), device)
+            self._index[device] = tab.split([p.size for p in parts])
         return self._index[device]
 
 

@@ -334,8 +334,7 @@ def home_backward(dout_TH: Tensor, comb: Combined, home: HomeLayout, gate_P: Ten
         # blocks; each ships dout[t] unscaled, its scale g folded into the receiver's
         # elementwise kernels
         ret = home.retained(dev)
-        pairs = home.src_pair if ret is None else ret.apply(home.src_pair)
-        j = home.j_in_block if ret is None else ret.apply(home.j_in_block)
+        pairs, j = permute_rows(home.src_pair, ret), permute_rows(home.j_in_block, ret)
         sent_GS = home.retain_I.reshape(home.splits_shape)
         if exact:
             rows["dy"], scale = dout_TH[pairs // K], w_P[pairs].float()

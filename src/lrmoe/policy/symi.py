@@ -37,7 +37,7 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     else:
         require(pop_E.numel() == E, f"popularity has {pop_E.numel()} entries, want {E}")
         require(bool((pop_E >= 0).all()), "popularity counts must be >= 0")
-        pop = [float(x) for x in pop_E.double().tolist()]
+        pop = pop_E.double().tolist()
         if sum(pop) <= 0:
             pop = [1.0] * E
     tot = sum(pop)

@@ -89,10 +89,8 @@ class Plan:
                 raise LrmoeError("plan.recompute must hold, per rank, 0..retained rows")
         if self.layer_checkpoint and (not self.exact or self.recompute_G is not None):
             raise LrmoeError("a layer-checkpointed plan must be exact, with no rows recomputed")
-        present = torch.zeros(E, dtype=torch.bool)
-        present[ie[ie >= 0]] = True
-        if not present.all():
-            missing = torch.nonzero(~present).flatten().tolist()
+        missing = sorted(set(range(E)) - set(ie[ie >= 0].tolist()))
+        if missing:
             raise LrmoeError(f"plan places no instance of experts {missing[:8]}")
         empty = ie < 0
         if self.assign_GGS[:, empty].sum() != 0:

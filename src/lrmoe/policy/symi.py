@@ -232,8 +232,7 @@ def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
     if per is None:
         per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
     cands = set().union(*per)
-    if not cands:
-        raise LrmoeError("no slots_per_rank fits the budget even with activation recompute")
+    require(bool(cands), "no slots_per_rank fits the budget even with activation recompute")
 
     def key(s):
         fit = [d[s] for d in per if s in d]

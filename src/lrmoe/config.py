@@ -192,9 +192,7 @@ class ModelConfig:
                     raise LrmoeError(
                         f"config field {k}={v!r} is not supported; lrmoe implements only "
                         f"{k}={_UNSUPPORTED_AT_DEFAULT[k]!r}")
-            elif k in _IGNORED_FIELDS:
-                continue
-            else:
+            elif k not in _IGNORED_FIELDS:
                 # Unknown fields are an error only when they are set to something that
                 # would change the math; we cannot know that, so we refuse them.
                 raise LrmoeError(f"config field {k!r}={v!r} is not supported by lrmoe")

@@ -37,8 +37,7 @@ def parse_bytes(text: str | int) -> int:
     if not math.isfinite(value) or value >= 2**63:
         raise LrmoeError(f"memory size {text!r} is too large: it must be below 8 EiB "
                          "(2^63 bytes)")
-    if value < 1:
-        raise LrmoeError(f"memory size {text!r} must be at least 1 byte")
+    require(value >= 1, f"memory size {text!r} must be at least 1 byte")
     return int(round(value))
 
 

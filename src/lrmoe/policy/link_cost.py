@@ -63,17 +63,13 @@ class LinkCost:
         """``bytes_per_row -> seconds`` of an exchange of ``rows_GG`` rows, its row sums taken once."""
         G = rows_GG.shape[0]
         if self.spans_nodes(G):
-            return lambda nbytes: self.exchange_seconds(rows_GG * nbytes)
+            return lambda nbytes: float(exchange_seconds_G(
+                rows_GG * nbytes, self.bandwidth_Bps, self.latency_s, self.node_size,
+                self.inter_bandwidth_Bps, self.inter_latency_s).max())
         d = np.diagonal(rows_GG)
         top = max(int((rows_GG.sum(1) - d).max()), int((rows_GG.sum(0) - d).max()))
         lat = self.latency_s * (G - 1)
         return lambda nbytes: top * nbytes / self.bandwidth_Bps + lat if top else 0.0
-
-    def exchange_seconds(self, bytes_GG: np.ndarray) -> float:
-        """The busiest rank's seconds in one exchange of ``bytes_GG`` (none without bytes)."""
-        return float(exchange_seconds_G(bytes_GG, self.bandwidth_Bps, self.latency_s,
-                                        self.node_size, self.inter_bandwidth_Bps,
-                                        self.inter_latency_s).max())
 
 
 def exchange_seconds_G(bytes_GG, bw: float, lat: float, node_size: int = 0,

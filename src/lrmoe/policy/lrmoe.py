@@ -23,13 +23,7 @@ from lrmoe.policy.lrmoe_link import no_slower_than_static, worth_their_link
 from lrmoe.policy.lrmoe_place import MoveLog, natives_GS, place_replicas
 from lrmoe.policy.lrmoe_quotas import backward_quotas, retention
 from lrmoe.policy.plan import Plan
-from lrmoe.policy.plan_numpy import (
-    Slots,
-    blocks_to_GGS,
-    full_plan,
-    host_counts,
-    to_plan,
-)
+from lrmoe.policy.plan_numpy import Slots, blocks_to_GGS, full_plan, host_counts, to_plan
 
 PLACEMENTS = ("current", "previous", "step", "step-previous")
 KEEPS = ("fixed", "auto")
@@ -152,24 +146,24 @@ def _trimmed(counts_GE: Tensor, cfg: LrmoeConfig, ledger, placement: np.ndarray 
                 f"match EP {G} with {S} slots per rank")
         idx = slots if slots is not None else Slots(placement, E)
         load = idx.even_split(c.sum(0))
-        assign = idx.overlap_ig(c, load)
         over = _over(view, c, placement, load)
         if over is None:
-            return _quotas(c, placement, load, assign, S, cfg, view, ledger, 0, kept=True)
+            return _quotas(c, placement, load, idx, cfg, view, 0, kept=True)
         if hold:
             return over
     placed = _place(c.sum(0), S, cfg, view, c)
     if isinstance(placed, Trimmed):
         return placed
     inst, load, given_up, idx = placed
-    return _quotas(c, inst, load, idx.overlap_ig(c, load), S, cfg, view, ledger, given_up,
-                   kept=False)
+    return _quotas(c, inst, load, idx, cfg, view, given_up, kept=False)
 
 
-def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarray, S: int,
-            cfg: LrmoeConfig, view: LedgerView, ledger, given_up: int, kept: bool) -> Trimmed:
-    """Passes 2 and 3 on a placement whose minimum fits: the trimmed plan."""
-    G = len(inst)
+def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, idx: Slots, cfg: LrmoeConfig,
+            view: LedgerView, given_up: int, kept: bool) -> Trimmed:
+    """Passes 2 and 3 on a placement whose minimum fits (``idx``: its split index): the
+    trimmed plan."""
+    G, S = inst.shape
+    assign = idx.overlap_ig(c, load)
     retain, rec, kept_G = retention(assign, inst, view, cfg.recompute, load)
     select = (backward_quotas(assign, retain, G, cfg.balance, cfg.min_keep) if cfg.selection
               else retain)
@@ -183,7 +177,7 @@ def _quotas(c: np.ndarray, inst: np.ndarray, load: np.ndarray, assign: np.ndarra
     # the plan never exceeds the budget (the ledger's own message if it ever did)
     n_inst = (inst >= 0).sum(1)
     if view.over(n_inst, load.sum(1), kept_G, rec):
-        ledger.check(plan)
+        view.ledger.check(plan)
     return Trimmed(plan, kept)
 
 

@@ -48,14 +48,11 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
     total = counts_GE.sum(0)
     inst = natives_GS(G, S, E)
 
-    def loads(p):
-        return Slots(p, E).even_split(total)
-
     def fits(p, load):
         # the ledger's own verdict on the exact plan (Ledger.exact_fit): "over" exactly
         # when even the whole-layer checkpoint does not fit, as it decides for static
         return plan_exact_fit(ledger, full_plan(counts_GE, p, load))[0] != "over"
-    load = loads(inst)
+    load = Slots(inst, E).even_split(total)
     if not fits(inst, load):
         return None
     added = 0
@@ -76,7 +73,7 @@ def layer_placement(counts_GE: np.ndarray, S: int, ledger, max_replicas: float =
                 continue
             trial = inst.copy()
             trial[d, np.flatnonzero(inst[d] < 0)[0]] = e
-            tl = loads(trial)
+            tl = Slots(trial, E).even_split(total)
             tr = tl.sum(1)
             if (int(tr.max()), int((tr == tr.max()).sum())) < key and fits(trial, tl):
                 inst, load = trial, tl
@@ -109,13 +106,10 @@ def climb(counts_GE, trimmed: Trimmed, ledger, slots_per_rank: int,
         raise trimmed.over
     c = host_counts(counts_GE)
     natives = native_plan(c)
-    if trimmed.placed is not None:
-        plan = _fit(trimmed.placed, ledger, "")
+    for placed, tag in ((trimmed.placed, ""), (natives, "-natives")):
+        plan = _fit(placed, ledger, tag)
         if plan is not None:
             return plan
-    plan = _fit(natives, ledger, "-natives")
-    if plan is not None:
-        return plan
     inst = layer_placement(c, slots_per_rank, ledger, max_replicas) if whole_layer else None
     if inst is not None:
         return dataclasses.replace(layer_checkpoint_plan(full_plan(c, inst)), rung="layer")

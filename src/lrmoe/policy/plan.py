@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.policy.ledger_view import plan_exact_fit
 
 
@@ -72,14 +72,12 @@ class Plan:
         """Raise if the plan does not route exactly the counted pairs."""
         G, E = counts_GE.shape
         ie = self.inst_expert_GS
-        if ie.shape[0] != G:
-            raise LrmoeError(f"plan has {ie.shape[0]} ranks, counts have {G}")
+        require(ie.shape[0] == G, f"plan has {ie.shape[0]} ranks, counts have {G}")
         for name, t in (("assign", self.assign_GGS), ("retain", self.retain_GGS),
                         ("select", self.select_GGS)):
             if t.shape != (G, G, self.S):
                 raise LrmoeError(f"plan.{name} has shape {tuple(t.shape)}, want {(G, G, self.S)}")
-            if (t < 0).any():
-                raise LrmoeError(f"plan.{name} has negative entries")
+            require(bool((t >= 0).all()), f"plan.{name} has negative entries")
         if (self.retain_GGS > self.assign_GGS).any() or (self.select_GGS > self.retain_GGS).any():
             raise LrmoeError("plan violates select <= retain <= assign")
         if self.recompute_G is not None:
@@ -89,22 +87,17 @@ class Plan:
                 raise LrmoeError("plan.recompute must hold, per rank, 0..retained rows")
         if self.layer_checkpoint and (not self.exact or self.recompute_G is not None):
             raise LrmoeError("a layer-checkpointed plan must be exact, with no rows recomputed")
-        present = torch.zeros(E, dtype=torch.bool)
-        present[ie[ie >= 0]] = True
-        if not present.all():
-            missing = torch.nonzero(~present).flatten().tolist()
-            raise LrmoeError(f"plan places no instance of experts {missing[:8]}")
+        missing = sorted(set(range(E)) - set(ie[ie >= 0].tolist()))
+        require(not missing, f"plan places no instance of experts {missing[:8]}")
         empty = ie < 0
-        if self.assign_GGS[:, empty].sum() != 0:
-            raise LrmoeError("plan assigns pairs to an empty slot")
+        require(self.assign_GGS[:, empty].sum() == 0, "plan assigns pairs to an empty slot")
         # Pairs of expert e from home g, summed over e's instances, must equal counts[g, e].
         routed = torch.zeros(G, E, dtype=torch.long)
         idx = ie.clamp(min=0).flatten()
         routed.index_add_(1, idx, self.assign_GGS.reshape(G, -1) * (~empty).flatten().long())
         if self.dropped_GE is not None:
             routed = routed + self.dropped_GE.long()
-        if not torch.equal(routed, counts_GE.long()):
-            raise LrmoeError("plan does not route exactly the counted pairs")
+        require(torch.equal(routed, counts_GE.long()), "plan does not route exactly the counted pairs")
 
 
 def checks_on() -> bool:
@@ -139,8 +132,7 @@ def native_plan(counts_GE: Tensor | np.ndarray) -> Plan:
     """Static EP's plan without a budget: natives only, every pair retained and selected."""
     c = counts_GE.detach().cpu().numpy() if isinstance(counts_GE, Tensor) else counts_GE
     G, E = c.shape
-    if E % G:
-        raise LrmoeError(f"number of experts {E} is not divisible by the EP size {G}")
+    require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
     a = np.asarray(c, dtype=np.int64).reshape(G, G, E // G)
     return Plan(*(torch.from_numpy(x) for x in (np.arange(E, dtype=np.int64).reshape(G, E // G),
                                                 a.copy(), a.copy(), a.copy())))

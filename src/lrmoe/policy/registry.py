@@ -12,7 +12,7 @@ from lrmoe.policy.base import Policy
 from lrmoe.policy.capacity import CapacityPolicy
 from lrmoe.policy.lrmoe import LrmoeConfig, LrmoePolicy, slots_per_rank
 from lrmoe.policy.static import StaticPolicy
-from lrmoe.policy.symi import DEFAULT_EXTRA_SLOTS, SymiPolicy
+from lrmoe.policy.symi import DEFAULT_EXTRA_SLOTS, SymiPolicy, require_slots
 
 POLICY_NAMES = ("static", "capacity", "symi", "lrmoe")
 
@@ -48,9 +48,7 @@ def make_policy(cfg: PolicyConfig, model_cfg: ModelConfig, G: int) -> Policy:
     n_nat = E // G
     s = cfg.slots_per_rank
     if s is not None and cfg.name in ("symi", "lrmoe"):  # the others do not read it
-        require(isinstance(s, int) and s >= n_nat,
-                f"slots_per_rank={s!r} must be an integer >= E/G = {n_nat} "
-                "(each rank holds its native experts)")
+        require_slots(s, n_nat)
     require(not cfg.recompute or cfg.name in ("static", "symi"),
             f"--recompute applies to the exact policies static and symi, not {cfg.name!r} "
             "(lrmoe fits a budget by its retention quotas; --lrmoe-recompute is its own)")

@@ -37,7 +37,7 @@ def _floor_counts(pop_E: Tensor | None, E: int, total_slots: int
     else:
         require(pop_E.numel() == E, f"popularity has {pop_E.numel()} entries, want {E}")
         require(bool((pop_E >= 0).all()), "popularity counts must be >= 0")
-        pop = [float(x) for x in pop_E.double().tolist()]
+        pop = pop_E.double().tolist()
         if sum(pop) <= 0:
             pop = [1.0] * E
     tot = sum(pop)
@@ -94,14 +94,17 @@ def contiguous(cnt_E: np.ndarray, G: int, s: int) -> np.ndarray:
     return out
 
 
-def place_symi(prev_counts_E: Tensor | None, G: int, E: int, slots_per_rank: int
-               ) -> np.ndarray:
+def require_slots(s, n_nat: int) -> None:
+    """Refuse ``s`` slots per rank unless they hold the ``n_nat = E/G`` native experts."""
+    require(isinstance(s, int) and s >= n_nat,
+            f"slots_per_rank={s!r} must be an integer >= E/G = {n_nat} (each rank holds its "
+            "native experts)")
+
+
+def place_symi(prev_counts_E: Tensor | None, G: int, E: int, s: int) -> np.ndarray:
     """SYMI's placement ``[G, s]`` from the previous step's popularity (needs no current count)."""
     require(E % G == 0, f"number of experts {E} is not divisible by the EP size {G}")
-    s = slots_per_rank
-    require(isinstance(s, int) and s >= E // G,
-            f"slots_per_rank={s!r} must be an integer >= E/G = {E // G} (each rank holds "
-            "its native experts)")
+    require_slots(s, E // G)
     return contiguous(replica_counts_heap(prev_counts_E, E, G * s)[0], G, s)
 
 
@@ -228,9 +231,8 @@ def best_slots(ledger, counts: list[Tensor], prevs: list[Tensor | None],
     least mean busiest-rank work, then the larger (``per``: their :func:`slot_costs`)."""
     if per is None:
         per = [slot_costs(ledger, c, p, max_slots) for c, p in zip(counts, prevs)]
-    cands = set().union(*(set(d) for d in per)) if per else set()
-    if not cands:
-        raise LrmoeError("no slots_per_rank fits the budget even with activation recompute")
+    cands = set().union(*per)
+    require(bool(cands), "no slots_per_rank fits the budget even with activation recompute")
 
     def key(s):
         fit = [d[s] for d in per if s in d]

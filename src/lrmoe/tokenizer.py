@@ -201,6 +201,7 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> BpeTokenizer:
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     spec = f"bpe:{vocab_size}"
+    parse_tokenizer_spec(spec)  # size check with the user-facing message
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

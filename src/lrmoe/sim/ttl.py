@@ -708,15 +708,13 @@ def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     target = target_at(base, at, w)
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
-        r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
-        raw = next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
-                    <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
+        stopped = r.get("out_of_memory")  # a run that stopped gets no time to target
+        r["steps_to_target"], r["time_to_target_emulated_s"] = (
+            (None, None) if stopped else crossing(r["evals"], target, w))
+        raw = None if stopped else next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
+                                         <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
         r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = (
             (raw["step"], raw["cum_emulated_s"]) if raw else (None, None))
-        if r.get("out_of_memory"):  # a run that stopped gets no time to target
-            for k in ("steps_to_target", "time_to_target_emulated_s", "raw_steps_to_target",
-                      "raw_time_to_target_emulated_s"):
-                r[k] = None
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
     return {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,

@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 from lrmoe.train.metrics import METRICS_FILE, read_metrics
 
 
@@ -123,12 +123,10 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
     """Write the PNGs for ``run_dir``; returns their paths."""
     run_dir = Path(run_dir)
     mpath = run_dir / METRICS_FILE
-    if not mpath.is_file():
-        raise LrmoeError(f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
+    require(mpath.is_file(), f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
     rows = read_metrics(mpath)
     train = [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
-    if not train:
-        raise LrmoeError(f"{mpath} holds no training steps yet")
+    require(bool(train), f"{mpath} holds no training steps yet")
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

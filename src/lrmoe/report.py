@@ -56,19 +56,15 @@ def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, yl
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
                              squeeze=False, layout="constrained")
-    vmax = 1.0
     mats = []
     for k in range(n):
         m = np.asarray([r[key][k] for r in ok], dtype=float).T  # [rows, steps]
         mean = m.mean(axis=0, keepdims=True)
-        m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
-        mats.append(m)
-        vmax = max(vmax, float(np.nanmax(m)) if m.size else 1.0)
-    for k, ax in enumerate(axes.flat):
-        if k >= n:
-            ax.axis("off")
-            continue
-        m = mats[k]
+        mats.append(np.divide(m, mean, out=np.ones_like(m), where=mean > 0))
+    vmax = max([1.0] + [float(np.nanmax(m)) for m in mats if m.size])
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for k, (ax, m) in enumerate(zip(axes.flat, mats)):
         im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=0,
                        vmax=vmax, origin="lower",
                        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, m.shape[0] - 0.5))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import LrmoeError, require
 from lrmoe.parallel.options import ESTIMATORS, METRICS
 from lrmoe.policy.lrmoe import PLACEMENTS
 from lrmoe.policy.registry import POLICY_NAMES, PolicyConfig
@@ -37,8 +37,7 @@ def check_tokens_read(steps: int, grad_accum: int, batch_size: int, seq_len: int
     the count its metrics and checkpoints carry) stay within int64: past it a micro-batch
     count is no longer a count of anything a run could read."""
     total = steps * grad_accum * batch_size * seq_len
-    if total > INT64_MAX:
-        raise LrmoeError(
+    require(total <= INT64_MAX,
             f"--grad-accum {grad_accum} with --steps {steps}, --batch-size {batch_size} and "
             f"--seq-len {seq_len} reads {total:.3g} tokens, beyond int64 ({INT64_MAX:.3g}); "
             "lower --steps or --grad-accum")
@@ -57,9 +56,8 @@ def check_num(name: str, v: Any, low: float, high: float = math.inf,
 
 def check_choice(name: str, v: Any, choices: tuple) -> None:
     """Raise naming ``--name`` unless ``v`` is one of ``choices``."""
-    if v not in choices:
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
-                         f"{', '.join(str(c) for c in choices)}")
+    require(v in choices, f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
+                          f"{', '.join(str(c) for c in choices)}")
 
 
 def _bytes(name: str, v: Any) -> None:

@@ -8,7 +8,7 @@ full models' expert count ratios scaled down (>= 64 experts, top-8).
 from __future__ import annotations
 
 from lrmoe.config import ModelConfig
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 
 # what the tiny and the small shapes of both families share
 _TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -48,8 +48,7 @@ PRESETS: dict[str, dict] = {
 
 
 def get_preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise LrmoeError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    require(name in PRESETS, f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return ModelConfig(**PRESETS[name])
 
 

@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from lrmoe.errors import LrmoeError
+from lrmoe.errors import require
 from lrmoe.train.metrics import METRICS_FILE, read_metrics
 
 
@@ -56,19 +56,15 @@ def _load_heatmap(plt, run_dir: Path, train: list[dict], key: str, name: str, yl
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.2, 2.8 * rows + 0.6),
                              squeeze=False, layout="constrained")
-    vmax = 1.0
     mats = []
     for k in range(n):
         m = np.asarray([r[key][k] for r in ok], dtype=float).T  # [rows, steps]
         mean = m.mean(axis=0, keepdims=True)
-        m = np.divide(m, mean, out=np.ones_like(m), where=mean > 0)
-        mats.append(m)
-        vmax = max(vmax, float(np.nanmax(m)) if m.size else 1.0)
-    for k, ax in enumerate(axes.flat):
-        if k >= n:
-            ax.axis("off")
-            continue
-        m = mats[k]
+        mats.append(np.divide(m, mean, out=np.ones_like(m), where=mean > 0))
+    vmax = max([1.0] + [float(np.nanmax(m)) for m in mats if m.size])
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for k, (ax, m) in enumerate(zip(axes.flat, mats)):
         im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=0,
                        vmax=vmax, origin="lower",
                        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, m.shape[0] - 0.5))
@@ -123,12 +119,10 @@ def write_report(run_dir: str | os.PathLike) -> list[Path]:
     """Write the PNGs for ``run_dir``; returns their paths."""
     run_dir = Path(run_dir)
     mpath = run_dir / METRICS_FILE
-    if not mpath.is_file():
-        raise LrmoeError(f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
+    require(mpath.is_file(), f"{run_dir} has no {METRICS_FILE}; is it an lrmoe run directory?")
     rows = read_metrics(mpath)
     train = [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
-    if not train:
-        raise LrmoeError(f"{mpath} holds no training steps yet")
+    require(bool(train), f"{mpath} holds no training steps yet")
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -72,8 +72,7 @@ def evaluate_run(run_dir: str | Path, eval_batches: int | None = None, device: s
         raise LrmoeError(f"checkpoint {ck.path} does not match the run's model: {e}") from None
     model.to(dev)
     model.set_loss_chunk(cfg.loss_chunk)  # the run's: its logits a chunk at a time
-    ctx = ParallelContext(device=dev)
-    loss, n = evaluate(model, batches, ctx, make_autocast(dev))
+    loss, n = evaluate(model, batches, ParallelContext(device=dev), make_autocast(dev))
     return {"val_loss": loss, "val_tokens": n, "step": ck.step, "checkpoint": str(ck.path),
             "skipped": list(ck.notes)}
 

@@ -118,8 +118,7 @@ def project_policy(name: str, cfg: ModelConfig, ledger: Ledger, samples: list[Te
     count matrices, each its own popularity): a JSON-ready row with whether it fits (and
     why not), the ledger peak, keep/retain/recompute ratios, mean replicas, symi's ``s``, the
     measured planning time and, when it fits, the modelled ms per MoE layer by stage and × L."""
-    G = ledger.G
-    row = {"ep": G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
+    row = {"ep": ledger.G, "budget_bytes": ledger.budget_bytes, "policy": name, "fits": False,
            **dict.fromkeys(("reason", "peak_bytes", "keep_ratio", "retain_ratio", "recompute_ratio",
                             "layer_checkpoint_share", "replicas", "planning_ms", "slots_per_rank",
                             "modelled_layer_ms", "modelled_all_layers_ms", "modelled_stages_ms",

@@ -132,7 +132,7 @@ def price_terms(charge: list, link: Link, G: int) -> float:
 
 def _record(terms: dict, t: dict) -> None:
     """Append one layer's link terms (:func:`rank_link_terms`) to ``terms``, compactly."""
-    for k, (m, b, f) in ((k, v) for k, v in t.items() if v is not None):
+    for k, (m, b, f) in t.items():
         if any(f):
             terms.setdefault(k, []).append([m, b, f])
         elif m:
@@ -206,7 +206,7 @@ def accumulated_times(micro: list[list[VirtualStats]], link: Link,
             if fixed:  # the first micro-batch's weights arrive, the last's gradients leave
                 for k, at in (("weight_scatter", 0), ("grad_reduce", N - 1)):
                     if m == at:
-                        once[k], once_t[k] = per.get(k, [0.0] * G), t.get(k)
+                        once[k], once_t[k] = per[k], t[k]
                     per[k] = [0.0] * G
                     t.pop(k, None)
             _charge(outs[m], per, G)

@@ -401,8 +401,7 @@ def _train_step(run: _PolicyRun, step: int, batches, t: TrainConfig
         update(run.model, run.opt, run.sched, t.clip, run.ctx)
         opt_wall = now(run.dev) - t0
     loss = float(sums[0]) / N
-    if not math.isfinite(loss):
-        raise LrmoeError(f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
+    require(math.isfinite(loss), f"{run.name}: training loss is {loss} at step {step + 1}; lower --lr")
     return micro, opt_wall, loss
 
 
@@ -506,13 +505,12 @@ def load_reused(cfg: TTLConfig, policies: list[str], val_loss0: float) -> dict:
         new = recorded_settings(cfg)
         for k in sorted(set(new) | set(old)):
             was = old.get(k, before.get(k))
-            if k not in ("policies", "reuse") and was != new.get(k):
-                raise LrmoeError(f"--reuse {path}: it ran with {k}={was!r}, this run "
-                                 f"has {k}={new.get(k)!r}")
+            require(k in ("policies", "reuse") or was == new.get(k),
+                    f"--reuse {path}: it ran with {k}={was!r}, this run has {k}={new.get(k)!r}")
     was_link, link = rep.get("link"), asdict(get_link(cfg.link))
-    if was_link is not None and was_link != link:  # a preset re-priced since that run
-        raise LrmoeError(f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this "
-                         f"run as {link}; run every policy again")
+    require(was_link is None or was_link == link,  # a preset re-priced since that run
+            f"--reuse {path}: it priced --link {cfg.link} as {was_link}, this run as {link}; "
+            "run every policy again")
     # symi's s is chosen on the static run's routing profile, which only a static run
     # that happens here provides (a file keeps no per-home counts)
     require("static" not in got or "symi" in got or "symi" not in policies,
@@ -708,15 +706,13 @@ def _reach_target(cfg: TTLConfig, results: dict) -> dict:
     target = target_at(base, at, w)
     raw_eval = next(e for e in base if e["step"] >= at)
     for r in results.values():
-        r["steps_to_target"], r["time_to_target_emulated_s"] = crossing(r["evals"], target, w)
-        raw = next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
-                    <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
+        stopped = r.get("out_of_memory")  # a run that stopped gets no time to target
+        r["steps_to_target"], r["time_to_target_emulated_s"] = (
+            (None, None) if stopped else crossing(r["evals"], target, w))
+        raw = None if stopped else next((e for e in r["evals"] if e["step"] > 0 and e["val_loss"]
+                                         <= raw_eval["val_loss"] * (1 + cfg.target_rtol)), None)
         r["raw_steps_to_target"], r["raw_time_to_target_emulated_s"] = (
             (raw["step"], raw["cum_emulated_s"]) if raw else (None, None))
-        if r.get("out_of_memory"):  # a run that stopped gets no time to target
-            for k in ("steps_to_target", "time_to_target_emulated_s", "raw_steps_to_target",
-                      "raw_time_to_target_emulated_s"):
-                r[k] = None
         r["mean_step_emulated_s"] = (sum(s["step_emulated_s"] for s in r["steps"])
                                      / max(len(r["steps"]), 1))
     return {"val_loss": target, "static_step": at, "fraction": cfg.target_fraction,

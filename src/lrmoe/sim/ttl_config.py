@@ -48,24 +48,30 @@ class LrmoeKnobs:
     link_cost: bool = True
 
 
-# lrmoe's knobs by the flat names ttl.json has always recorded -> their path in LrmoeKnobs
-LRMOE_FLAT = {"min_keep": "planner.min_keep", "balance": "planner.balance",
-              "lrmoe_max_slots": "planner.max_slots_per_rank",
-              "estimator": "backward.estimator", "lrmoe_recompute": "planner.recompute",
-              "lrmoe_placement": "planner.placement", "lrmoe_link_cost": "link_cost",
-              "lrmoe_select_from": "planner.select_from"}
+# lrmoe's knobs by the flat names ttl.json has always recorded -> (their path in LrmoeKnobs,
+# their value's type as a policy spec's option, named as the flat name less "lrmoe_";
+# None: a switch)
+LRMOE_FLAT = {"min_keep": ("planner.min_keep", float), "balance": ("planner.balance", float),
+              "lrmoe_max_slots": ("planner.max_slots_per_rank", int),
+              "estimator": ("backward.estimator", str),
+              "lrmoe_recompute": ("planner.recompute", None),
+              "lrmoe_placement": ("planner.placement", str),
+              "lrmoe_link_cost": ("link_cost", on_off),
+              "lrmoe_select_from": ("planner.select_from", int)}
+# a policy spec's options ("lrmoe:recompute+min_keep=0.8") -> the flat name of the knob
+VARIANT_OPTIONS = {name.removeprefix("lrmoe_"): name for name in LRMOE_FLAT}
 
 
 def with_knobs(knobs: LrmoeKnobs, flat: dict[str, Any]) -> LrmoeKnobs:
     """``knobs`` with the knobs ``flat`` names (:data:`LRMOE_FLAT`) set."""
     for name, value in flat.items():
-        knobs = replace_at(knobs, LRMOE_FLAT[name], value)
+        knobs = replace_at(knobs, LRMOE_FLAT[name][0], value)
     return knobs
 
 
 def flat_knobs(knobs: LrmoeKnobs) -> dict[str, Any]:
     """``knobs`` by their flat names (:data:`LRMOE_FLAT`)."""
-    return {name: attr_at(knobs, path) for name, path in LRMOE_FLAT.items()}
+    return {name: attr_at(knobs, path) for name, (path, _) in LRMOE_FLAT.items()}
 
 
 @dataclass
@@ -89,8 +95,8 @@ class TTLConfig:
     def __post_init__(self) -> None:
         # what a run reads is what ttl.json records (so --reuse compares all of it)
         require(with_knobs(LrmoeKnobs(), flat_knobs(self.lrmoe)) == self.lrmoe,
-                f"bench ttl records lrmoe's knobs {', '.join(LRMOE_FLAT.values())} only; "
-                "leave its other planner and backward settings at their defaults")
+                f"bench ttl records lrmoe's knobs {', '.join(p for p, _ in LRMOE_FLAT.values())} "
+                "only; leave its other planner and backward settings at their defaults")
 
     @classmethod
     def from_flat(cls, **kw) -> TTLConfig:
@@ -149,16 +155,6 @@ def check_ttl_config(cfg: TTLConfig) -> None:
             f"--smooth-window {cfg.smooth_window!r} must be an odd integer >= 1")
 
 
-# lrmoe variant options in a policy spec ("lrmoe:recompute+min_keep=0.8") -> (flat name
-# of the knob, its value's type; None: a switch)
-VARIANT_OPTIONS = {"recompute": ("lrmoe_recompute", None), "min_keep": ("min_keep", float),
-                   "balance": ("balance", float), "estimator": ("estimator", str),
-                   "max_slots": ("lrmoe_max_slots", int),
-                   "placement": ("lrmoe_placement", str),
-                   "link_cost": ("lrmoe_link_cost", on_off),
-                   "select_from": ("lrmoe_select_from", int)}
-
-
 def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
     """``"lrmoe:recompute+min_keep=0.8"`` -> ``("lrmoe", cfg with those lrmoe knobs)``;
     only lrmoe takes options, and a bad one is refused naming the spec, before any run."""
@@ -174,7 +170,8 @@ def policy_variant(spec: str, cfg: TTLConfig) -> tuple[str, TTLConfig]:
         key, eq, val = opt.partition("=")
         require(key in VARIANT_OPTIONS, f"--policies: {spec!r}: unknown option {key!r}; use "
                                         f"{', '.join(VARIANT_OPTIONS)}")
-        name, conv = VARIANT_OPTIONS[key]
+        name = VARIANT_OPTIONS[key]
+        conv = LRMOE_FLAT[name][1]
         require((conv is None) == (not eq), f"--policies: {spec!r}: {key!r} "
                 + ("takes no value" if conv is None else "needs a value (key=value)"))
         try:

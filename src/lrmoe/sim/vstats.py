@@ -28,7 +28,7 @@ class Timers:
     """Per-virtual-rank accumulated kernel time (ms), one named bucket at a time."""
 
     def __init__(self, G: int, device: torch.device):
-        self.G, self.cuda = G, device.type == "cuda"
+        self.G, self.device = G, device
         self.ms: dict[str, list[float]] = {}
         self.events: list[tuple[str, int, object, object]] = []
 
@@ -37,7 +37,7 @@ class Timers:
         """Time rank g's region into bucket ``key``, inside a profiler range
         ``stage:<key>`` (the check that every op of a step is charged to a stage)."""
         with torch.profiler.record_function(f"stage:{key}"), timed(
-                torch.device("cuda" if self.cuda else "cpu"), lambda ms: self.add(key, g, ms),
+                self.device, lambda ms: self.add(key, g, ms),
                 lambda ev_a, ev_b: self.events.append((key, g, ev_a, ev_b))):
             yield
 

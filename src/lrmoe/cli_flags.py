@@ -21,6 +21,11 @@ from lrmoe.units import parse_bytes
 INT64_MAX = 2**63 - 1
 
 
+def flag(name: str) -> str:
+    """The flag of a flat name or argparse destination (``min_keep`` -> ``--min-keep``)."""
+    return "--" + name.replace("_", "-")
+
+
 def check_int(name: str, v: Any, low: int, allow_none: bool = False,
               high: int = INT64_MAX) -> None:
     """Raise naming ``--name`` unless ``v`` is an integer in ``[low, high]``."""
@@ -28,7 +33,7 @@ def check_int(name: str, v: Any, low: int, allow_none: bool = False,
         return
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
         big = isinstance(v, int) and not isinstance(v, bool) and v > high
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be an integer >= {low}"
+        raise LrmoeError(f"{flag(name)} {v!r} must be an integer >= {low}"
                          + (f" and <= {high}" if big else ""))
 
 
@@ -51,12 +56,12 @@ def check_num(name: str, v: Any, low: float, high: float = math.inf,
     if not ok:
         rng = f"> {low}" if open_low else f">= {low}"
         rng += f" and <= {high}" if high != math.inf else ""
-        raise LrmoeError(f"--{name.replace('_', '-')} {v!r} must be a finite number {rng}")
+        raise LrmoeError(f"{flag(name)} {v!r} must be a finite number {rng}")
 
 
 def check_choice(name: str, v: Any, choices: tuple) -> None:
     """Raise naming ``--name`` unless ``v`` is one of ``choices``."""
-    require(v in choices, f"--{name.replace('_', '-')} {v!r} is not valid; use one of "
+    require(v in choices, f"{flag(name)} {v!r} is not valid; use one of "
                           f"{', '.join(str(c) for c in choices)}")
 
 
@@ -96,7 +101,7 @@ class Knob:
 
     @property
     def flag(self) -> str:
-        return "--" + self.dest.replace("_", "-")
+        return flag(self.dest)
 
     def default_value(self) -> Any:
         return self.default if self.field is None else attr_at(PolicyConfig(), self.field)

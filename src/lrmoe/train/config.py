@@ -19,6 +19,7 @@ from lrmoe.cli_flags import (
     check_num,
     check_policy_flags,
     check_tokens_read,
+    flag,
     flat_policy,
     policy_config,
     policy_fields,
@@ -192,9 +193,9 @@ def check_args(cfg: TrainConfig) -> None:
             raise LrmoeError("--log tensorboard needs the tensorboard package: pip install "
                              "'lrmoe[tensorboard]'")
     if cfg.init_from is not None and (cfg.preset is not None or cfg.config is not None):
-        flag = "--preset" if cfg.preset is not None else "--config"
+        given = "--preset" if cfg.preset is not None else "--config"
         raise LrmoeError(f"--init-from {cfg.init_from} takes the model from its config.json; "
-                         f"{flag} would describe another: drop {flag}")
+                         f"{given} would describe another: drop {given}")
     if cfg.init_from is not None:  # absolute: a resume may run from another directory
         cfg.init_from = os.path.abspath(cfg.init_from)
     if cfg.tokenizer is None:
@@ -219,7 +220,7 @@ _POLICY_ONLY = (*((n, ("lrmoe",)) for n in POLICY_FLAT if n.startswith("lrmoe_")
 def ignored_flags(cfg: TrainConfig, world: int) -> list[str]:
     """One warning per flag set away from its default that this run does not read."""
     d, now, name = TrainConfig().flat(), cfg.flat(), cfg.policy.name
-    out = [f"--{n.replace('_', '-')} {now[n]!r} has no effect with --policy {name} (it "
+    out = [f"{flag(n)} {now[n]!r} has no effect with --policy {name} (it "
            f"applies to --policy {' and '.join(users)})"
            for n, users in _POLICY_ONLY if name not in users and now[n] != d[n]]
     if cfg.policy.recompute and cfg.mem_budget is None and name in ("static", "symi"):

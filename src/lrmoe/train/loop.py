@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lrmoe.cli_flags import flag
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, quiet_unless
 from lrmoe.loss_mask import IGNORE, loss_args
@@ -156,10 +157,10 @@ def _find_checkpoint(cfg: TrainConfig, run_dir: Path, main: bool):
                          "no checkpoint); drop --resume to start a new run there")
     if ck is None:
         return None  # a run that completed no checkpoint: it starts again
-    for flag, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
+    for opt, value in (("--steps", cfg.steps), ("--stop-after", cfg.stop_after)):
         if value is not None and value < ck.step:
-            raise LrmoeError(f"--resume {flag} {value}: the run in {run_dir} has already "
-                             f"finished step {ck.step}; give {flag} >= {ck.step}")
+            raise LrmoeError(f"--resume {opt} {value}: the run in {run_dir} has already "
+                             f"finished step {ck.step}; give {opt} >= {ck.step}")
     return ck
 
 
@@ -224,10 +225,6 @@ def train(cfg: TrainConfig | Any) -> dict:
         if os.environ.get("RANK", "0") != "0" and not getattr(e, "local", False):
             e.quiet = True
         raise
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _intact(watch: Watch) -> str:
@@ -350,7 +347,7 @@ def _check(cfg: TrainConfig, ctx) -> _Inputs:
         if bad:
             raise LrmoeError(f"--resume: {bad} differ from the run in {run_dir} "
                              f"({RUN_CONFIG}); drop those flags or use another --out (a "
-                             f"resume may change {', '.join(_flag(k) for k in RESUME_CHANGES)})")
+                             f"resume may change {', '.join(flag(k) for k in RESUME_CHANGES)})")
         if mcfg is None:
             mcfg = ModelConfig.from_hf_dict(saved["model"])
     policy = make_policy(cfg.policy, mcfg, ctx.ep_size)
@@ -489,7 +486,7 @@ def _open(cfg: TrainConfig, ctx, inp: _Inputs, state: _State, watch: Watch,
     if changes:  # what a resume changed, at the step it continues from
         run.writer.write({"kind": "change", "step": state.start, "changes": changes})
         _log("lrmoe train: resuming with " + ", ".join(
-            f"{_flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()), ctx)
+            f"{flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()), ctx)
     watch.last_ckpt = None if inp.ck is None else str(ckpt.ckpt_dir(inp.run_dir, state.start))
     watch.run_dir = inp.run_dir
     if cfg.compile:  # in place: checkpoints keep their parameter names

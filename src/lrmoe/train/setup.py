@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lrmoe.cli_flags import flag
 from lrmoe.config import ModelConfig
 from lrmoe.errors import LrmoeError, quiet_unless, require
 from lrmoe.ledger import DTYPE_BYTES
@@ -32,8 +33,7 @@ PER_RANK_FLAGS = ("out", "data", "preset", "config", "init_from", "tokenizer", "
 def flags_fingerprint(cfg: TrainConfig) -> dict:
     """``{"--lr": 0.003, ..., "model config's hidden_size": 64, ...}``: what every rank
     must agree on (model keys absent on a resume that takes the model from the run)."""
-    fp = {f"--{k.replace('_', '-')}": v for k, v in cfg.flat().items()
-          if k not in PER_RANK_FLAGS}
+    fp = {flag(k): v for k, v in cfg.flat().items() if k not in PER_RANK_FLAGS}
     mcfg = resolve_model_config(cfg, vocab_size=None)
     if mcfg is not None:
         fp.update({f"model config's {k}": v for k, v in mcfg.to_hf_dict().items()})

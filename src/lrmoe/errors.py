@@ -15,6 +15,10 @@ class LrmoeError(ValueError):
     quiet = False  # True: another rank (or the raiser) prints this message
     agreed = False  # True: every rank of the job raised it, after the same collectives
 
+    def __init__(self, msg: str = "", local: bool = False) -> None:
+        super().__init__(msg)
+        self.local = local  # True: this rank alone hit it, so this rank prints it
+
 
 class OutOfMemory(LrmoeError):
     """No plan fits the memory budget, even with every fallback: what a GPU would do at

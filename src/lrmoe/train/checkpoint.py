@@ -100,13 +100,11 @@ def _write_failed(e: BaseException, tmp: Path, rank: int, local: bool) -> Checkp
     if rank == 0 or local:
         shutil.rmtree(tmp, ignore_errors=True)
     gone = "removed" if not tmp.exists() or rank else "could not remove"
-    err = CheckpointWriteError(
+    return CheckpointWriteError(
         f"cannot write checkpoint {tmp.name[1:-len(PARTIAL)]} into {tmp.parent}: "
         f"{_cause(e)}; {_free(tmp.parent)} there ({gone} the partial save {tmp.name}). A "
         "full disk, a quota or a file-size limit (ulimit -f) does this; free space or "
-        "--keep-ckpts fewer")
-    err.local = local
-    return err
+        "--keep-ckpts fewer", local=local)
 
 
 @contextlib.contextmanager

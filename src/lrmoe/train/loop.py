@@ -222,7 +222,7 @@ def train(cfg: TrainConfig | Any) -> dict:
     try:
         return _run(cfg)
     except LrmoeError as e:
-        if os.environ.get("RANK", "0") != "0" and not getattr(e, "local", False):
+        if os.environ.get("RANK", "0") != "0" and not e.local:
             e.quiet = True
         raise
 
@@ -238,9 +238,7 @@ def _stopped(msg: str, local: bool, ctx, watch: Watch) -> LrmoeError:
     if local:
         watch.claim()
     who = f"rank {ctx.rank}: " if local and ctx.distributed else ""
-    err = LrmoeError(f"{who}{msg}; stopped ({_intact(watch)})")
-    err.local = local
-    return err
+    return LrmoeError(f"{who}{msg}; stopped ({_intact(watch)})", local=local)
 
 
 def _run(cfg: TrainConfig | Any) -> dict:
@@ -547,7 +545,7 @@ class _Run:
                                            self.inp.data_fp),
                 rank=ctx.rank, world=ctx.world, ep_size=ctx.ep_size, keep=self.cfg.keep_ckpts)
         except ckpt.CheckpointWriteError as e:
-            raise _stopped(str(e), getattr(e, "local", False), ctx, self.watch) from None
+            raise _stopped(str(e), e.local, ctx, self.watch) from None
         self.watch.last_ckpt = str(ckpt.ckpt_dir(self.inp.run_dir, step))
 
     def validate(self, step: int) -> float:

@@ -113,7 +113,5 @@ def step_memory(mem: StepMemory, claim: Callable[[], None]) -> Iterator[StepMemo
         found = allocator_words(e)
         if found is None:
             raise
-        err = LrmoeError(mem.allocator_line(*found))
-        err.local = True  # this rank's allocation
         claim()
-        raise err from None
+        raise LrmoeError(mem.allocator_line(*found), local=True) from None  # this rank's allocation

@@ -193,6 +193,7 @@ KNOBS: dict[str, Knob] = {k.dest: k for k in (
 
 # What each command reads (the others would be silently ignored there, so it lacks them).
 TRAIN = tuple(k for k in KNOBS if k != "lrmoe_max_slots")
+POLICY_FLAT = tuple(k for k in TRAIN if KNOBS[k].field is not None)  # TRAIN's PolicyConfig knobs
 PLAN = ("policy", "capacity_factor", "slots_per_rank", "mem_budget", "optimizer_offload",
         "router_grad", "lrmoe_recompute", "lrmoe_placement", "lrmoe_min_keep",
         "lrmoe_balance", "lrmoe_selection")
@@ -252,11 +253,6 @@ def policy_config(values: Mapping[str, Any]) -> PolicyConfig:
     return pc
 
 
-def flat_policy(pc: PolicyConfig, names: Iterable[str] = TRAIN) -> dict[str, Any]:
-    """The knobs ``names`` of ``pc`` by their flat names (memory knobs skipped)."""
-    return {n: attr_at(pc, KNOBS[n].field) for n in names if KNOBS[n].field is not None}
-
-
-def policy_fields(names: Iterable[str] = TRAIN) -> tuple[str, ...]:
-    """The flat names among ``names`` that live in :class:`PolicyConfig`."""
-    return tuple(n for n in names if KNOBS[n].field is not None)
+def flat_policy(pc: PolicyConfig) -> dict[str, Any]:
+    """The knobs of ``pc`` by their flat names (:data:`POLICY_FLAT`)."""
+    return {n: attr_at(pc, KNOBS[n].field) for n in POLICY_FLAT}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lrmoe.cli_flags import (
-    TRAIN,
+    POLICY_FLAT,
     check_choice,
     check_int,
     check_num,
@@ -22,7 +22,6 @@ from lrmoe.cli_flags import (
     flag,
     flat_policy,
     policy_config,
-    policy_fields,
 )
 from lrmoe.config import ModelConfig, read_config_json
 from lrmoe.errors import LrmoeError
@@ -98,10 +97,9 @@ class TrainConfig:
         (what ``config.json`` stores; runs saved before the nesting read the same)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name != "policy"}
-        return {**out, **flat_policy(self.policy, TRAIN)}
+        return {**out, **flat_policy(self.policy)}
 
 
-POLICY_FLAT = policy_fields(TRAIN)  # flat names of the policy's knobs
 FLAT_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "policy") \
     + POLICY_FLAT
 
@@ -179,9 +177,8 @@ def check_args(cfg: TrainConfig) -> None:
     if 0 < cfg.divergence_factor <= 1:
         raise LrmoeError(f"--divergence-factor {cfg.divergence_factor!r} must be > 1 (a multiple "
                          "of the loss's running minimum), or 0 to disable the check")
-    check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad":
-                        cfg.router_grad, "mem_budget": cfg.mem_budget,
-                        **flat_policy(cfg.policy, TRAIN)})
+    check_policy_flags({"optimizer_offload": cfg.optimizer_offload, "router_grad": cfg.router_grad,
+                        "mem_budget": cfg.mem_budget, **flat_policy(cfg.policy)})
     check_choice("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES)
     if cfg.compile and cfg.activation_checkpoint != "none":
         raise LrmoeError(f"--activation-checkpoint {cfg.activation_checkpoint} with --compile "

@@ -5,7 +5,8 @@ Only the leading (row) dimension is dynamic; widths compile as constants, one gr
 width: with every dimension symbolic the kernels divide flat indices by a runtime width,
 and the SwiGLU kernels ran ~2.5x slower on an H200 (``benchmarks/JOURNAL.md``). Calls with
 0 or 1 rows run eager: Dynamo specializes those sizes, so each would compile a graph of its
-own (about a second on an H200) at whichever step first met it.
+own (about a second on an H200) at whichever step first met it. Eager and compiled agree to
+rounding, not bit for bit.
 """
 
 from __future__ import annotations

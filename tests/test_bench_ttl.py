@@ -848,3 +848,34 @@ def test_ttl_calibration_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch
     assert line.startswith("lrmoe: error: emulating static's calibration: out of GPU memory "
                            "(CUDA out of memory. Tried to allocate 2.00 GiB)")
     assert not out.exists()  # nothing finished: a new --out goes
+
+
+def test_ttl_trains_and_evaluates_completions_only(tmp_path):
+    """On prompt/completion rows bench ttl reads the data as ``lrmoe train`` does: its
+    batches mask the prompts' targets, and its validation loss weights each batch by its
+    trained targets (the trainer's loss over them all), not a mean over batches."""
+    from hf_fixtures import write_rows
+    from lrmoe.model.transformer import MoEForCausalLM
+    from lrmoe.parallel.groups import ParallelContext
+    from lrmoe.sim import ttl
+    from lrmoe.sim.ttl import TTLConfig
+    from lrmoe.train.loop import evaluate, make_autocast
+
+    data = write_rows(tmp_path / "rows.jsonl", n=240)
+    cfg = TTLConfig.from_flat(preset="tiny-qwen3", ep=2, steps=1, batch_size=2, seq_len=32,
+                              grad_accum=2, data=str(data), eval_batches=3)
+    d = ttl._load_data(cfg)
+    b = d.batches.batch(0)
+    masked = int((b.targets == -100).sum())
+    assert 0 < masked < b.targets.numel(), "the prompts' targets are not masked"
+    assert len(d.val_b) > 1 and all(0 < (v.targets != -100).sum() < v.targets.numel() for v in d.val_b)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(d.mcfg)
+    dev, ac = torch.device("cpu"), make_autocast(torch.device("cpu"))
+    got = ttl._val_eval(model, d.val_b, dev, ac)
+    want, n = evaluate(model, d.val_b, ParallelContext(device=dev), ac)
+    assert n == sum(int((v.targets != -100).sum()) for v in d.val_b)
+    assert got["val_loss"] == pytest.approx(want, rel=1e-12)
+    per = got["val_batch_losses"]
+    assert len({round(x, 9) for x in per}) > 1  # unequal batches: a mean would differ
+    assert abs(sum(per) / len(per) - want) > 1e-9

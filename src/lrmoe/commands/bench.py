@@ -91,7 +91,9 @@ def _target_and_data(t) -> None:
     t.add_argument("--target-rtol", type=float, default=1e-5,
                    help="a policy reaches the target at val <= target*(1+rtol) (fp32 noise)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    t.add_argument("--data", default=None, help="text corpus (default: the Python stdlib)")
+    t.add_argument("--data", default=None, help="text, .jsonl or directory, as lrmoe train --data reads "
+                   "it: prompt/completion rows train their completions only (default: the "
+                   "Python stdlib)")
     t.add_argument("--max-data-bytes", type=bytes_or_all, default=4 * 2**20, metavar="SIZE")
     t.add_argument("--eval-every", type=int, default=10)
     t.add_argument("--eval-batches", type=int, default=4)

@@ -164,9 +164,11 @@ def _eval_steps(t: TrainConfig) -> list[int]:
 
 
 def _val_eval(model, batches, dev, autocast) -> dict:
-    """Mean validation loss and the loss of each batch (equal-sized batches)."""
-    per = [evaluate(model, [b], ParallelContext(device=dev), autocast)[0] for b in batches]
-    return {"val_loss": sum(per) / len(per), "val_batch_losses": per}
+    """The validation loss over every trained target, as the trainer's (each batch weighted
+    by its targets: prompt tokens train none), and the loss of each batch."""
+    per = [evaluate(model, [b], ParallelContext(device=dev), autocast) for b in batches]
+    loss = sum(x * n for x, n in per) / sum(n for _, n in per)
+    return {"val_loss": loss, "val_batch_losses": [x for x, _ in per]}
 
 
 def _step_row(step, loss, micro, opt_wall, link, G, ledger, cum, offload=None,
@@ -648,16 +650,19 @@ def _reused_profile(cfg: TTLConfig, reused: dict, variants: dict) -> tuple | Non
 
 def _load_data(cfg: TTLConfig) -> _Data:
     """The corpus (byte tokenizer), the model config with its vocabulary, the training
-    batches and the validation batches, as ``lrmoe train`` reads them."""
+    batches and the validation batches, as ``lrmoe train`` reads them (prompt/completion
+    rows train their completions only)."""
     t = cfg.train
     corpus = load_corpus(t.data, max_bytes=t.max_data_bytes)
     tok = load_tokenizer("byte", None, corpus.train_texts)
     streams = build_streams(corpus, tok)
     mcfg = resolve_model_config(t, vocab_size=tok.vocab_size)
     check_vocab(tok, mcfg.vocab_size)
-    batches = PackedBatches(streams.train_ids, t.seq_len, t.batch_size, t.seed)
+    batches = PackedBatches(streams.train_ids, t.seq_len, t.batch_size, t.seed,
+                            target_mask=streams.train_mask, accum=t.grad_accum)
     k = val_windows(streams.val_ids.numel(), t.seq_len, t.batch_size, t.eval_batches, 1)
-    val_b = validation_batches(streams.val_ids, t.seq_len, t.batch_size, num_windows=k)
+    val_b = validation_batches(streams.val_ids, t.seq_len, t.batch_size, num_windows=k,
+                               target_mask=streams.val_mask)
     return _Data(mcfg, corpus, batches, val_b)
 
 

@@ -41,7 +41,7 @@ def test_rows_dynamic_keeps_widths_static_and_does_not_recompile_on_rows():
 
 
 def test_rows_dynamic_compiles_no_graph_for_zero_or_one_row():
-    """Dynamo specializes 0 and 1 rows: such calls run eager (the same values) instead of
+    """Dynamo specializes 0 and 1 rows: such calls run eager (equal to rounding) instead of
     compiling a graph each at whatever step first meets them."""
     torch._dynamo.reset()
     graphs: list = []
